@@ -1,0 +1,3 @@
+from exlcli.cli.app import main
+
+main()

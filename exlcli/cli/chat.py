@@ -1,0 +1,10 @@
+"""`exlcli chat`: placeholder until its module lands."""
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("chat")
+    def _placeholder() -> None:
+        """(not built yet)"""
+        raise typer.Exit(2)

@@ -1,0 +1,10 @@
+"""`exlcli run`: placeholder until its module lands."""
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("run")
+    def _placeholder() -> None:
+        """(not built yet)"""
+        raise typer.Exit(2)

@@ -1,0 +1,122 @@
+"""The one interface every front end (chat, batch, bench, serve) talks to.
+
+`LocalClient` runs the engine in this process; `RemoteClient` (exlcli.server.remote) talks to a
+running `exlcli serve`. Both speak text and chat messages; tokenisation happens behind them.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Iterator
+
+from exlcli.engine.request import Priority, SamplingParams
+from exlcli.engine.stats import EngineStats
+
+
+@dataclass
+class GenerationParams:
+    max_tokens: int = 512
+    temperature: float = 0.7  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    priority: str = "interactive"  # or "batch"
+    logprobs: int = 0
+    client: str = "api"  # chat / batch / bench / api, for the live display
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(
+            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, seed=self.seed, logprobs=self.logprobs,
+        ).validate()
+
+    def priority_class(self) -> Priority:
+        return Priority.parse(self.priority)
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    queue_time: float = 0.0
+    ttft: float | None = None
+    total_time: float = 0.0
+    decode_tps: float = 0.0
+
+
+@dataclass
+class TextDelta:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # stop / length / cancelled / error, on the last delta
+    error: str | None = None
+    usage: Usage | None = None  # on the last delta
+    logprobs: list | None = None  # list[exlcli.engine.request.TokenLogprob] when asked for
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class GenerationStream(abc.ABC):
+    """Deltas of one generation, as a blocking or an async iterator (use one of the two)."""
+
+    request_id: str
+
+    @abc.abstractmethod
+    def __iter__(self) -> Iterator[TextDelta]: ...
+
+    @abc.abstractmethod
+    def __aiter__(self) -> AsyncIterator[TextDelta]: ...
+
+    @abc.abstractmethod
+    def cancel(self) -> None:
+        """Stop generating; the stream then ends with finish_reason 'cancelled'."""
+
+    def collect(self) -> tuple[str, TextDelta]:
+        """Run to the end; return the whole text and the last delta (finish reason, usage)."""
+        parts: list[str] = []
+        last = TextDelta()
+        for delta in self:
+            parts.append(delta.text)
+            last = delta
+        return "".join(parts), last
+
+
+class EngineClient(abc.ABC):
+    kind: str  # "local" or "remote"
+    model_name: str
+    context_length: int
+
+    @abc.abstractmethod
+    def chat(self, messages: list[dict], params: GenerationParams) -> GenerationStream:
+        """Start a chat completion. Raises exlcli.errors.RequestError for a request that can't run
+        (bad parameters, prompt longer than the context)."""
+
+    @abc.abstractmethod
+    def complete(self, prompt: str, params: GenerationParams) -> GenerationStream:
+        """Start a raw completion of `prompt` (no chat template)."""
+
+    @abc.abstractmethod
+    def count_chat_tokens(self, messages: list[dict], add_generation_prompt: bool = True) -> int:
+        """Prompt tokens that `chat(messages)` would use."""
+
+    @abc.abstractmethod
+    def stats(self) -> EngineStats: ...
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "EngineClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,126 @@
+"""A deterministic stand-in for the engine, for tests of the front ends (chat, batch, serve).
+
+It answers a chat with "echo: <last user message>" (and a completion with "echo: <prompt>"),
+one word per token, `token_delay` seconds apart. Words count as tokens everywhere, so tests can
+reason about lengths exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from typing import AsyncIterator, Iterator
+
+from exlcli.client.base import EngineClient, GenerationParams, GenerationStream, TextDelta, Usage
+from exlcli.engine.stats import EngineStats
+from exlcli.errors import RequestError
+
+TEMPLATE_TOKENS_PER_MESSAGE = 4
+
+
+def count_words(text: str) -> int:
+    return len(text.split())
+
+
+class FakeStream(GenerationStream):
+    def __init__(self, client: "FakeClient", request_id: str, words: list[str],
+                 params: GenerationParams, prompt_tokens: int) -> None:
+        self.request_id = request_id
+        self._client = client
+        self._words = words
+        self._params = params
+        self._prompt_tokens = prompt_tokens
+        self._cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    def __iter__(self) -> Iterator[TextDelta]:
+        start = time.perf_counter()
+        ttft = None
+        emitted = ""
+        count = 0
+        reason = "stop"
+        self._client._running += 1
+        try:
+            for i, word in enumerate(self._words):
+                if self._cancelled.wait(self._client.token_delay) if self._client.token_delay else self._cancelled.is_set():
+                    reason = "cancelled"
+                    break
+                if count >= self._params.max_tokens:
+                    reason = "length"
+                    break
+                piece = word if i == 0 else " " + word
+                candidate = emitted + piece
+                hit = [s for s in self._params.stop if s in candidate]
+                if hit:
+                    cut = min(candidate.index(s) for s in hit)
+                    tail = candidate[len(emitted):cut]
+                    if tail:
+                        yield TextDelta(text=tail, token_ids=[i])
+                    count += 1
+                    break
+                emitted = candidate
+                count += 1
+                if ttft is None:
+                    ttft = time.perf_counter() - start
+                yield TextDelta(text=piece, token_ids=[i])
+        finally:
+            self._client._running -= 1
+        total = time.perf_counter() - start
+        self._client.generated_tokens += count
+        yield TextDelta(finish_reason=reason, usage=Usage(
+            prompt_tokens=self._prompt_tokens, completion_tokens=count, ttft=ttft,
+            total_time=total, decode_tps=(count - 1) / (total - ttft) if ttft and count > 1 and total > ttft else 0.0))
+
+    async def __aiter__(self) -> AsyncIterator[TextDelta]:
+        iterator = iter(self)
+        done = object()
+        while True:
+            item = await asyncio.to_thread(next, iterator, done)
+            if item is done:
+                return
+            yield item
+
+
+class FakeClient(EngineClient):
+    kind = "local"
+
+    def __init__(self, context_length: int = 2048, token_delay: float = 0.0,
+                 model_name: str = "fake-echo") -> None:
+        self.model_name = model_name
+        self.context_length = context_length
+        self.token_delay = token_delay
+        self.requests: list[tuple[str, object, GenerationParams]] = []  # (kind, messages|prompt, params)
+        self.generated_tokens = 0
+        self._running = 0
+        self._ids = itertools.count()
+
+    def count_chat_tokens(self, messages: list[dict], add_generation_prompt: bool = True) -> int:
+        return sum(count_words(m.get("content", "")) + TEMPLATE_TOKENS_PER_MESSAGE for m in messages) + (
+            2 if add_generation_prompt else 0)
+
+    def _start(self, words: list[str], prompt_tokens: int, params: GenerationParams) -> FakeStream:
+        params.sampling()  # validates, raises RequestError
+        if prompt_tokens >= self.context_length:
+            raise RequestError(
+                f"prompt is {prompt_tokens} tokens, longer than the model's context of {self.context_length}")
+        return FakeStream(self, f"fake-{next(self._ids)}", words, params, prompt_tokens)
+
+    def chat(self, messages: list[dict], params: GenerationParams) -> GenerationStream:
+        self.requests.append(("chat", [dict(m) for m in messages], params))
+        last_user = next((m.get("content", "") for m in reversed(messages) if m.get("role") == "user"), "")
+        words = ["echo:"] + last_user.split()
+        if params.seed is not None:
+            words.append(f"(seed {params.seed})")
+        return self._start(words, self.count_chat_tokens(messages), params)
+
+    def complete(self, prompt: str, params: GenerationParams) -> GenerationStream:
+        self.requests.append(("complete", prompt, params))
+        return self._start(["echo:"] + prompt.split(), count_words(prompt), params)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(num_running=self._running, pages_total=64, page_size=16,
+                           total_generated_tokens=self.generated_tokens)

@@ -1,0 +1,141 @@
+"""What a client hands the engine, and what it gets back."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+from exlcli.errors import RequestError
+
+
+class Priority(enum.IntEnum):
+    """Lower value is served first."""
+
+    INTERACTIVE = 0
+    BATCH = 1
+
+    @classmethod
+    def parse(cls, value: "str | int | Priority") -> "Priority":
+        if isinstance(value, Priority):
+            return value
+        if isinstance(value, int):
+            return cls(value)
+        try:
+            return cls[str(value).upper()]
+        except KeyError:
+            raise RequestError(
+                f"unknown priority {value!r}; use 'interactive' or 'batch'") from None
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0  # 0 means off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    logprobs: int = 0  # top-n logprobs per generated token; 0 means none
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> "SamplingParams":
+        def bad(name: str, rule: str) -> RequestError:
+            return RequestError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
+                     "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise bad(name, "a finite number")
+        if self.temperature < 0:
+            raise bad("temperature", ">= 0")
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p", "in (0, 1]")
+        if not 0 <= self.min_p <= 1:
+            raise bad("min_p", "in [0, 1]")
+        if self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "> 0")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise bad("top_k", "an integer >= 0")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise bad("seed", "an integer")
+        if not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20:
+            raise bad("logprobs", "an integer in [0, 20]")
+        return self
+
+
+@dataclass
+class Request:
+    """One generation. `prompt_ids` are already tokenised (chat template applied)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_new_tokens: int = 256
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    priority: Priority = Priority.INTERACTIVE
+    ignore_eos: bool = False
+    client: str = "api"  # who asked: chat / batch / bench / api; shown on the live display
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise RequestError("the prompt is empty")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise RequestError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise RequestError("every stop string must be a non-empty string")
+        self.sampling.validate()
+
+
+@dataclass
+class RequestStats:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    generated_tokens: int = 0
+    queue_time: float = 0.0  # seconds from submit to first scheduled
+    ttft: float | None = None  # seconds from submit to first generated token
+    total_time: float = 0.0  # seconds from submit to finish
+    num_preemptions: int = 0
+
+    @property
+    def decode_tps(self) -> float:
+        """Generated tokens per second after the first one."""
+        if self.ttft is None or self.generated_tokens < 2:
+            return 0.0
+        span = self.total_time - self.ttft
+        return (self.generated_tokens - 1) / span if span > 0 else 0.0
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), best first
+
+
+@dataclass
+class RequestOutput:
+    """A delta: what is new for one request since the last output."""
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    stats: RequestStats | None = None  # set on the final output

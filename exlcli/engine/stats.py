@@ -1,0 +1,64 @@
+"""Engine-wide statistics: feed the live display, `bench` and the server's /metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Upper bounds (seconds) of the step-time histogram buckets; the last bucket is +Inf.
+STEP_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+@dataclass
+class ActiveRequestInfo:
+    request_id: str
+    client: str  # chat / batch / bench / api
+    state: str  # waiting / prefill / decode / preempted
+    prompt_tokens: int
+    generated_tokens: int
+    tokens_per_s: float
+    age_s: float
+
+
+@dataclass
+class FinishedRequestInfo:
+    request_id: str
+    client: str
+    finish_reason: str
+    prompt_tokens: int
+    generated_tokens: int
+    ttft_s: float | None
+    total_s: float
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    pages_total: int = 0
+    pages_used: int = 0  # referenced by a live sequence
+    pages_cached: int = 0  # held only by the prefix cache (reusable, evictable)
+    page_size: int = 0
+    last_batch_size: int = 0
+    last_step_tokens: int = 0
+    last_step_time_s: float = 0.0
+    tokens_per_s: float = 0.0  # generated tokens per second over the recent window
+    num_steps: int = 0
+    step_time_sum_s: float = 0.0
+    step_time_bucket_counts: list[int] = field(default_factory=lambda: [0] * (len(STEP_TIME_BUCKETS) + 1))
+    total_requests: int = 0  # finished, any reason
+    total_prompt_tokens: int = 0
+    total_generated_tokens: int = 0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens served from it
+    prefix_cache_evictions: int = 0
+    active: list[ActiveRequestInfo] = field(default_factory=list)
+    recent_finished: list[FinishedRequestInfo] = field(default_factory=list)
+
+    @property
+    def pages_free(self) -> int:
+        return self.pages_total - self.pages_used - self.pages_cached
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0

@@ -1,0 +1,159 @@
+"""One ModelConfig for every supported checkpoint, from HF config.json or GGUF metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from exlcli.errors import ModelLoadError, UnsupportedArchitectureError
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+# HF `architectures[0]` / `model_type` -> our name.
+_HF_NAMES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+}
+
+
+def _unsupported(name: str) -> UnsupportedArchitectureError:
+    return UnsupportedArchitectureError(
+        f"unsupported architecture '{name}'; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # HF style, e.g. {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+    # "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}; None for plain RoPE.
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # qwen2: bias on q/k/v projections
+    qk_norm: bool = False  # qwen3: per-head RMSNorm on q and k before RoPE
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise _unsupported(self.architecture)
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ModelLoadError(f"model config: {name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ModelLoadError(
+                f"model config: num_heads ({self.num_heads}) is not a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})")
+
+    @property
+    def context_length(self) -> int:
+        return self.max_position_embeddings
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count (embeddings counted once when tied)."""
+        h, i, kv = self.hidden_size, self.intermediate_size, self.num_kv_heads * self.head_dim
+        q = self.num_heads * self.head_dim
+        attn = h * q + 2 * h * kv + q * h
+        if self.attention_bias:
+            attn += q + 2 * kv
+        if self.qk_norm:
+            attn += 2 * self.head_dim
+        per_layer = attn + 3 * h * i + 2 * h
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + embed + h
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        raw = (cfg.get("architectures") or [None])[0] or cfg.get("model_type") or "<missing>"
+        arch = _HF_NAMES.get(raw) or _HF_NAMES.get(cfg.get("model_type", ""))
+        if arch is None:
+            raise _unsupported(raw)
+        try:
+            num_heads = int(cfg["num_attention_heads"])
+            hidden = int(cfg["hidden_size"])
+            eos = cfg.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+            scaling = cfg.get("rope_scaling")
+            if scaling is not None and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+                scaling = None
+            return cls(
+                architecture=arch,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=num_heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+                head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(cfg.get("rope_theta")
+                                 or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0),
+                rope_scaling=scaling,
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
+                qk_norm=arch == "qwen3",
+                bos_token_id=cfg.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+            )
+        except KeyError as e:
+            raise ModelLoadError(f"config.json is missing the field {e.args[0]!r}") from None
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict[str, Any], has_output_tensor: bool) -> "ModelConfig":
+        """`meta` maps GGUF keys (e.g. 'llama.block_count') to plain Python values."""
+        arch = str(meta.get("general.architecture", "<missing>"))
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise _unsupported(arch)
+
+        def get(key: str, default: Any = None) -> Any:
+            value = meta.get(f"{arch}.{key}", default)
+            if value is None:
+                raise ModelLoadError(f"GGUF metadata is missing '{arch}.{key}'")
+            return value
+
+        hidden = int(get("embedding_length"))
+        num_heads = int(get("attention.head_count"))
+        vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or [])
+        scaling = None
+        if meta.get(f"{arch}.rope.scaling.type") not in (None, "none") and arch == "llama":
+            scaling = {"rope_type": meta[f"{arch}.rope.scaling.type"],
+                       "factor": float(meta.get(f"{arch}.rope.scaling.factor", 1.0))}
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        return cls(
+            architecture=arch,
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(get("feed_forward_length")),
+            num_layers=int(get("block_count")),
+            num_heads=num_heads,
+            num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv") or num_heads),
+            head_dim=int(meta.get(f"{arch}.attention.key_length") or hidden // num_heads),
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+            rope_scaling=scaling,
+            max_position_embeddings=int(get("context_length", 4096)),
+            tie_word_embeddings=not has_output_tensor,
+            attention_bias=arch == "qwen2",
+            qk_norm=arch == "qwen3",
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=(int(eos),) if eos is not None else (),
+        )
