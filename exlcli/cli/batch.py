@@ -1,10 +1,126 @@
-"""`exlcli batch`: placeholder until its module lands."""
+"""`exlcli batch prompts.jsonl`: run a file of prompts beside any chats, durably; rerun to resume."""
+
+from __future__ import annotations
+
+import shlex
+import signal
+import sys
+from pathlib import Path
+from typing import Annotated, List, Optional
 
 import typer
+
+from exlcli.batch.lines import LineDefaults
+from exlcli.batch.progress import make_progress
+from exlcli.batch.runner import BatchOptions, BatchSummary, StopControl, run_batch
+from exlcli.cli.common import DeviceOption, DtypeOption, LocalOption, ModelOption, ServerOption, user_errors
+from exlcli.client.base import EngineClient, GenerationParams
+from exlcli.errors import ExlcliError
+
+FAKE_PREFIX = "fake:echo"  # hidden test model: the deterministic echo engine, `fake:echo[:token_delay_s]`
+EXIT_CODES = {"SIGINT": 130, "SIGTERM": 128 + signal.SIGTERM}
+
+
+def default_output(input_path: Path) -> Path:
+    return input_path.with_name(f"{input_path.stem}.results.jsonl")
+
+
+def open_batch_client(model: str | None, server: str | None, local: bool, device: str | None,
+                      dtype: str | None) -> EngineClient:
+    if model and model.startswith(FAKE_PREFIX):
+        from exlcli.client.fake import FakeClient
+
+        delay = model[len(FAKE_PREFIX):].lstrip(":")
+        try:
+            return FakeClient(token_delay=float(delay) if delay else 0.002)
+        except ValueError:
+            raise ExlcliError(f"bad fake model {model!r}; use fake:echo or fake:echo:<seconds>") from None
+    from exlcli.client.factory import open_client
+
+    return open_client(model, server=server, local=local, device=device, dtype=dtype)
+
+
+def resume_command(input_path: Path, output_path: Path) -> str:
+    """The command to run again. Reuses argv when it is ours, else the essential part."""
+    args = sys.argv[1:]
+    if args[:1] == ["batch"]:
+        if "-o" not in args and "--output" not in args and not any(a.startswith("--output=") for a in args):
+            args += ["-o", str(output_path)]
+        return "exlcli " + shlex.join(args)
+    return f"exlcli batch {shlex.quote(str(input_path))} -o {shlex.quote(str(output_path))} (same options)"
+
+
+def report(summary: BatchSummary, output_path: Path, input_path: Path) -> None:
+    print(f"batch: {summary.describe()} -> {output_path}", file=sys.stderr)
+    if summary.stopped_by:
+        left = "the rest of the input" if summary.input_left else "nothing more from the input"
+        print(f"batch: stopped by {summary.stopped_by}; {left} was started. "
+              f"To resume, run: {resume_command(input_path, output_path)}", file=sys.stderr)
 
 
 def register(app: typer.Typer) -> None:
     @app.command("batch")
-    def _placeholder() -> None:
-        """(not built yet)"""
-        raise typer.Exit(2)
+    @user_errors
+    def batch(
+        input_path: Annotated[Path, typer.Argument(
+            metavar="PROMPTS.jsonl", help="One job per line: {id, prompt|messages, ...} or an OpenAI batch line.")],
+        output: Annotated[Optional[Path], typer.Option(
+            "--output", "-o", help="Results JSONL (appended; rerun to resume). Default: PROMPTS.results.jsonl.")] = None,
+        model: ModelOption = None,
+        server: ServerOption = None,
+        local: LocalOption = False,
+        device: DeviceOption = None,
+        dtype: DtypeOption = None,
+        max_tokens: Annotated[int, typer.Option("--max-tokens", help="Default max new tokens per line.")] = 256,
+        temperature: Annotated[float, typer.Option("--temperature", "-t", help="Default temperature; 0 is greedy.")] = 0.7,
+        top_p: Annotated[float, typer.Option("--top-p", help="Default nucleus sampling.")] = 1.0,
+        top_k: Annotated[int, typer.Option("--top-k", help="Default top-k; 0 is off.")] = 0,
+        min_p: Annotated[float, typer.Option("--min-p", help="Default min-p.")] = 0.0,
+        seed: Annotated[Optional[int], typer.Option("--seed", help="Default sampling seed.")] = None,
+        stop: Annotated[Optional[List[str]], typer.Option("--stop", help="Default stop string (repeatable).")] = None,
+        system: Annotated[Optional[str], typer.Option(
+            "--system", help="System prompt for chat lines that have none.")] = None,
+        max_in_flight: Annotated[int, typer.Option(
+            "--max-in-flight", help="Requests handed to the engine at once.")] = 64,
+        ordered: Annotated[bool, typer.Option("--ordered", help="Write results in input order.")] = False,
+        retry_errors: Annotated[bool, typer.Option(
+            "--retry-errors", help="Rerun the lines that ended in an error last time.")] = False,
+        progress_every: Annotated[float, typer.Option(
+            "--progress-every", hidden=True, help="Seconds between plain progress lines.")] = 10.0,
+    ) -> None:
+        """Run a JSONL file of prompts at batch priority; every result is on disk when it finishes.
+
+        Ctrl-C stops submitting and finishes what is in flight (Ctrl-C again, or SIGTERM, cancels
+        it); rerun the same command to resume where it stopped.
+        """
+        if not input_path.is_file():
+            raise ExlcliError(f"no such input file: {input_path}")
+        output_path = output or default_output(input_path)
+        if output_path.resolve() == input_path.resolve():
+            raise ExlcliError("the output file must not be the input file")
+        params = GenerationParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                  min_p=min_p, seed=seed, stop=list(stop or []), priority="batch", client="batch")
+        params.sampling()  # bad defaults fail here, once, not on every line
+        if max_tokens < 1:
+            raise ExlcliError(f"--max-tokens must be at least 1, got {max_tokens}")
+        options = BatchOptions(max_in_flight=max_in_flight, ordered=ordered, retry_errors=retry_errors)
+
+        client = open_batch_client(model, server, local, device, dtype)
+        try:
+            print(f"batch: {input_path} -> {output_path} on {client.model_name} ({client.kind})", file=sys.stderr)
+            progress = make_progress(0, sys.stderr, interval=progress_every)
+            stop_control = StopControl()
+            try:
+                with stop_control.installed():
+                    summary = run_batch(client, input_path, output_path, LineDefaults(params, system),
+                                        options, progress=progress, stop=stop_control)
+            finally:
+                progress.close()
+        finally:
+            client.close()
+        if summary.torn_bytes:
+            print(f"batch: cut {summary.torn_bytes} bytes of a line an earlier run left unfinished",
+                  file=sys.stderr)
+        report(summary, output_path, input_path)
+        if summary.stopped_by:
+            raise typer.Exit(EXIT_CODES.get(summary.stopped_by, 1))

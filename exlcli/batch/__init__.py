@@ -1,0 +1,5 @@
+"""`exlcli batch`: run a JSONL file of prompts through the engine, durably and resumably.
+
+lines.py reads input lines into jobs (or bad-line records), output.py writes and reads back result
+lines, runner.py keeps a bounded number of requests in flight, progress.py shows how far it got.
+"""

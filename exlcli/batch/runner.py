@@ -1,0 +1,369 @@
+"""The batch loop: stream jobs in, keep at most `max_in_flight` requests in the engine, write each
+result the moment it finishes.
+
+Threads: the calling (main) thread reads input, submits, and is the only writer of the output file.
+Each submitted stream is drained by its own daemon thread, which hands the finished result back
+over a queue. So a slow request never holds up the others, and the file has one writer.
+
+Stopping (see StopControl): the first Ctrl-C stops submitting and lets the requests in flight
+finish and be written; a second Ctrl-C, or SIGTERM, cancels them (they are not written, so a rerun
+does them again). Either way the output holds only whole lines, and a rerun resumes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from exlcli.batch.lines import BadLine, Job, LineDefaults, count_lines, read_jobs
+from exlcli.batch.output import DoneState, ResultWriter, load_done
+from exlcli.batch.progress import Snapshot
+from exlcli.batch.records import Finished, bad_line_record, error_record, result_record
+from exlcli.client.base import EngineClient, GenerationStream, TextDelta
+from exlcli.errors import ExlcliError, RequestError
+
+CANCEL_GRACE_S = 30.0  # after cancelling, how long to wait for streams to end before giving up
+
+
+@dataclass
+class BatchOptions:
+    max_in_flight: int = 64
+    ordered: bool = False
+    retry_errors: bool = False
+    ordered_window: int | None = None  # --ordered: submitted-but-unwritten cap; default 4x in flight
+
+    def __post_init__(self) -> None:
+        if self.max_in_flight < 1:
+            raise ExlcliError(f"--max-in-flight must be at least 1, got {self.max_in_flight}")
+
+
+@dataclass
+class BatchSummary:
+    done: int = 0  # good result lines written this run
+    errors: int = 0  # error lines written this run
+    skipped: int = 0  # already in the output from an earlier run
+    cancelled: int = 0  # in flight when stopped; not written, a rerun does them
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    wall_s: float = 0.0
+    stopped_by: str | None = None  # "SIGINT" / "SIGTERM" when interrupted
+    input_left: bool = False  # stopped before reading the whole input
+    torn_bytes: int = 0
+    dropped_errors: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.completion_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def describe(self) -> str:
+        parts = [f"done {self.done}", f"errors {self.errors}", f"skipped {self.skipped}"]
+        if self.cancelled:
+            parts.append(f"cancelled {self.cancelled}")
+        parts.append(f"tokens {self.prompt_tokens} in / {self.completion_tokens} out")
+        parts.append(f"wall {self.wall_s:.1f}s")
+        parts.append(f"{self.tokens_per_s:.1f} tok/s")
+        return ", ".join(parts)
+
+
+class StopControl:
+    """Set by signals (or tests); read by the loop. Handlers only set flags: the loop prints."""
+
+    def __init__(self) -> None:
+        self.stopping = threading.Event()  # no new submissions
+        self.cancelling = threading.Event()  # cancel what is in flight
+        self.signal_name: str | None = None
+
+    def request(self, cancel: bool = False, signal_name: str | None = None) -> None:
+        if signal_name and not self.signal_name:
+            self.signal_name = signal_name
+        if self.stopping.is_set() or cancel:
+            self.cancelling.set()
+        self.stopping.set()
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        name = signal.Signals(signum).name
+        self.request(cancel=(name == "SIGTERM"), signal_name=name)
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator["StopControl"]:
+        """SIGINT / SIGTERM set the flags while inside (main thread only; elsewhere a no-op)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield self
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+
+class Sequencer:
+    """Releases lines to the writer: at once, or (ordered) in input order. A slot may be None
+    (nothing to write, e.g. a cancelled request) so that later lines are not held up."""
+
+    def __init__(self, ordered: bool) -> None:
+        self.ordered = ordered
+        self.next_to_write = 0
+        self._waiting: dict[int, dict | None] = {}
+
+    def push(self, seq: int, record: dict | None) -> list[dict]:
+        if not self.ordered:
+            self.next_to_write += 1
+            return [] if record is None else [record]
+        self._waiting[seq] = record
+        ready = []
+        while self.next_to_write in self._waiting:
+            item = self._waiting.pop(self.next_to_write)
+            self.next_to_write += 1
+            if item is not None:
+                ready.append(item)
+        return ready
+
+    def release_all(self) -> list[dict]:
+        """Whatever is held, in order (used when a gap will never be filled)."""
+        ready = [r for _, r in sorted(self._waiting.items()) if r is not None]
+        self._waiting.clear()
+        return ready
+
+    @property
+    def num_held(self) -> int:
+        return len(self._waiting)
+
+
+@dataclass
+class _Outcome:
+    seq: int
+    job: Job
+    text: str
+    last: TextDelta | None
+    failure: str | None  # the stream raised
+    request_id: str
+
+
+def _drain(seq: int, job: Job, stream: GenerationStream, out: "queue.Queue[_Outcome]") -> None:
+    parts: list[str] = []
+    last: TextDelta | None = None
+    failure = None
+    try:
+        for delta in stream:
+            parts.append(delta.text)
+            last = delta
+    except Exception as e:  # noqa: BLE001 - any failure of one request becomes its error line
+        failure = str(e) if isinstance(e, ExlcliError) else f"{type(e).__name__}: {e}"
+    out.put(_Outcome(seq, job, "".join(parts), last, failure, getattr(stream, "request_id", "")))
+
+
+class BatchRun:
+    def __init__(self, client: EngineClient, input_path: Path, output_path: Path,
+                 defaults: LineDefaults, options: BatchOptions, progress=None,
+                 stop: StopControl | None = None) -> None:
+        self.client = client
+        self.input_path = input_path
+        self.output_path = output_path
+        self.defaults = defaults
+        self.options = options
+        self.progress = progress
+        self.stop = stop or StopControl()
+        self.summary = BatchSummary()
+        self.sequencer = Sequencer(options.ordered)
+        self.results: queue.Queue[_Outcome] = queue.Queue()
+        self.in_flight: dict[int, GenerationStream] = {}
+        self.next_seq = 0
+        self.expected = 0
+        self.writer: ResultWriter | None = None
+        self._ready: list[dict] = []  # released by the sequencer, not yet written
+        self._start = 0.0
+        self._last_tick = 0.0
+        self._announced_stop = self._announced_cancel = False
+
+    # ---- the loop ----
+
+    def run(self) -> BatchSummary:
+        self._start = time.perf_counter()
+        total_lines = count_lines(self.input_path)
+        state = load_done(self.output_path, drop_errors=self.options.retry_errors)
+        self.summary.torn_bytes, self.summary.dropped_errors = state.torn_bytes, state.dropped_errors
+        self.expected = max(0, total_lines - state.num_written)
+        self.writer = ResultWriter(self.output_path)
+        try:
+            try:
+                self._submit_all(state)
+            except BaseException:
+                for stream in self.in_flight.values():  # the job is failing: free the engine
+                    stream.cancel()
+                raise
+            self._finish_in_flight()
+        finally:
+            self.writer.write(self._ready + self.sequencer.release_all())
+            self._ready = []
+            self.writer.close()
+            self.summary.wall_s = time.perf_counter() - self._start
+            if self.stop.stopping.is_set():
+                self.summary.stopped_by = self.stop.signal_name or "stop"
+            self._tick(force=True)
+        return self.summary
+
+    def _submit_all(self, state: DoneState) -> None:
+        for item in read_jobs(self.input_path, self.defaults):
+            if self.stop.stopping.is_set():
+                self.summary.input_left = True
+                return
+            if state.already_written(item):
+                self.summary.skipped += 1
+                continue
+            if isinstance(item, BadLine):
+                self._emit(self._take_seq(), bad_line_record(item), error=True)
+                self._write_ready()
+                continue
+            self._wait_for_room()
+            if self.stop.stopping.is_set():
+                self.summary.input_left = True
+                return
+            self._submit(item)
+            self._pump(timeout=0)
+
+    def _submit(self, job: Job) -> None:
+        seq = self._take_seq()
+        try:
+            if job.kind == "chat":
+                stream = self.client.chat(job.messages, job.params)
+            else:
+                stream = self.client.complete(job.prompt, job.params)
+        except RequestError as e:  # this line can't run (too long, bad value); the rest go on
+            self._emit(seq, error_record(job.id, job.line_no, job.shape, "invalid_request", str(e)), error=True)
+            self._write_ready()
+            return
+        self.in_flight[seq] = stream
+        threading.Thread(target=_drain, args=(seq, job, stream, self.results),
+                         name=f"batch-{job.id}", daemon=True).start()
+
+    def _take_seq(self) -> int:
+        seq = self.next_seq
+        self.next_seq += 1
+        return seq
+
+    def _room(self) -> bool:
+        if len(self.in_flight) >= self.options.max_in_flight:
+            return False
+        if self.options.ordered:  # bound what waits for an earlier, slower line
+            window = self.options.ordered_window or 4 * self.options.max_in_flight
+            return self.next_seq - self.sequencer.next_to_write < window
+        return True
+
+    def _wait_for_room(self) -> None:
+        while not self._room() and not self.stop.stopping.is_set():
+            self._pump(timeout=0.1)
+
+    def _finish_in_flight(self) -> None:
+        cancelled_at = None
+        while self.in_flight:
+            if self.stop.cancelling.is_set() and cancelled_at is None:
+                cancelled_at = time.monotonic()
+                for stream in list(self.in_flight.values()):
+                    stream.cancel()
+            if cancelled_at is not None and time.monotonic() - cancelled_at > CANCEL_GRACE_S:
+                self.summary.cancelled += len(self.in_flight)  # stuck streams: leave them to rerun
+                self.in_flight.clear()
+                return
+            self._pump(timeout=0.1)
+
+    # ---- results ----
+
+    def _pump(self, timeout: float) -> None:
+        """Take finished results (waiting up to `timeout` for the first) and write them."""
+        outcomes = []
+        try:
+            outcomes.append(self.results.get(timeout=timeout) if timeout > 0 else self.results.get_nowait())
+            while True:
+                outcomes.append(self.results.get_nowait())
+        except queue.Empty:
+            pass
+        for outcome in outcomes:
+            self.in_flight.pop(outcome.seq, None)
+            self._settle(outcome)
+        self._write_ready()
+        self._announce_stop()
+        self._tick()
+
+    def _settle(self, o: _Outcome) -> None:
+        job = o.job
+        last = o.last
+        if o.failure is not None or last is None:
+            message = o.failure or "the stream ended without a result"
+            self._emit(o.seq, error_record(job.id, job.line_no, job.shape, "engine_error", message), error=True)
+            return
+        if last.usage is not None:
+            self.summary.prompt_tokens += last.usage.prompt_tokens
+            self.summary.completion_tokens += last.usage.completion_tokens
+        if last.finish_reason == "cancelled":
+            self.summary.cancelled += 1
+            self._emit(o.seq, None)
+            return
+        if last.finish_reason not in ("stop", "length"):
+            message = last.error or f"generation ended with {last.finish_reason}"
+            self._emit(o.seq, error_record(job.id, job.line_no, job.shape, "engine_error", message), error=True)
+            return
+        finished = Finished(job, o.text, last.finish_reason, last.usage, o.request_id)
+        self._emit(o.seq, result_record(finished, self.client.model_name))
+
+    def _emit(self, seq: int, record: dict | None, error: bool = False) -> None:
+        if record is not None:
+            if error:
+                self.summary.errors += 1
+            else:
+                self.summary.done += 1
+        self._ready.extend(self.sequencer.push(seq, record))
+
+    def _write_ready(self) -> None:
+        if self._ready:
+            ready, self._ready = self._ready, []
+            self.writer.write(ready)
+
+    # ---- telling the user ----
+
+    def _message(self, text: str) -> None:
+        if self.progress is not None:
+            self.progress.message(text)
+
+    def _announce_stop(self) -> None:
+        if self.stop.cancelling.is_set() and not self._announced_cancel:
+            self._announced_cancel = self._announced_stop = True
+            self._message(f"stopping: cancelling {len(self.in_flight)} requests in flight "
+                          "(they are not written; a rerun does them)")
+        elif self.stop.stopping.is_set() and not self._announced_stop:
+            self._announced_stop = True
+            self._message(f"stopping: no new requests; finishing {len(self.in_flight)} in flight "
+                          "(Ctrl-C again to cancel them)")
+
+    def _tick(self, force: bool = False) -> None:
+        if self.progress is None:
+            return
+        now = time.perf_counter()
+        if not force and now - self._last_tick < 0.25:
+            return
+        self._last_tick = now
+        try:
+            stats = self.client.stats()
+            batch_size = stats.last_batch_size or stats.num_running
+        except Exception:  # noqa: BLE001 - the display must never stop the job
+            batch_size = 0
+        self.progress.update(Snapshot(
+            done=self.summary.done + self.summary.errors, errors=self.summary.errors, total=self.expected,
+            completion_tokens=self.summary.completion_tokens, in_flight=len(self.in_flight),
+            batch_size=batch_size, elapsed=now - self._start))
+
+
+def run_batch(client: EngineClient, input_path: Path, output_path: Path,
+              defaults: LineDefaults | None = None, options: BatchOptions | None = None,
+              progress=None, stop: StopControl | None = None) -> BatchSummary:
+    """Run every line of `input_path` not already in `output_path`; append results there."""
+    return BatchRun(client, Path(input_path), Path(output_path), defaults or LineDefaults(),
+                    options or BatchOptions(), progress, stop).run()
+
