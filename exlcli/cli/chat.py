@@ -1,10 +1,42 @@
-"""`exlcli chat`: placeholder until its module lands."""
+"""`exlcli chat`: options in, exlcli.chat.launch does the rest."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
 
 import typer
+
+from exlcli.cli.common import DeviceOption, DtypeOption, LocalOption, ModelOption, ServerOption, user_errors
 
 
 def register(app: typer.Typer) -> None:
     @app.command("chat")
-    def _placeholder() -> None:
-        """(not built yet)"""
-        raise typer.Exit(2)
+    @user_errors
+    def chat(
+        model: ModelOption = None,
+        system: Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt.")] = None,
+        system_file: Annotated[Optional[str], typer.Option(
+            "--system-file", help="Read the system prompt from this file.")] = None,
+        temperature: Annotated[Optional[float], typer.Option(help="Sampling temperature; 0 is greedy. [default: 0.7]")] = None,
+        top_p: Annotated[Optional[float], typer.Option("--top-p", help="Nucleus sampling mass. [default: 1.0]")] = None,
+        top_k: Annotated[Optional[int], typer.Option("--top-k", help="Keep the K likeliest tokens; 0 is off.")] = None,
+        min_p: Annotated[Optional[float], typer.Option("--min-p", help="Drop tokens below min_p x the top probability.")] = None,
+        repeat_penalty: Annotated[Optional[float], typer.Option(
+            "--repeat-penalty", help="Penalty for tokens already in the context; 1.0 is off.")] = None,
+        max_tokens: Annotated[Optional[int], typer.Option(
+            "--max-tokens", "-n", help="Longest answer in tokens. [default: 1024, at most half the context]")] = None,
+        seed: Annotated[Optional[int], typer.Option(help="Sampling seed, for repeatable answers.")] = None,
+        server: ServerOption = None,
+        local: LocalOption = False,
+        device: DeviceOption = None,
+        dtype: DtypeOption = None,
+    ) -> None:
+        """Chat with a model in the terminal. /help inside lists the commands; Alt-Enter or \"\"\" for
+        multi-line input; Ctrl-C stops an answer; Ctrl-D or /bye leaves. Without a terminal it reads
+        one message per line and writes the answers to stdout."""
+        from exlcli.chat.launch import start_chat
+
+        start_chat(model=model, system=system, system_file=system_file, server=server, local=local,
+                   device=device, dtype=dtype, overrides=dict(
+                       temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                       repeat_penalty=repeat_penalty, max_tokens=max_tokens, seed=seed))

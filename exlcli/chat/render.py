@@ -1,0 +1,125 @@
+"""Showing one answer as it streams, and the stats line under it.
+
+On a terminal the answer is rendered as Markdown while it streams (code blocks highlighted), in a
+live area at most a screen tall: lines that scroll above it are printed for good, so a long answer
+never duplicates or gets cropped. Off a terminal the text is written as it comes, nothing else.
+"""
+
+from __future__ import annotations
+
+import time
+
+from rich.console import Console, ConsoleOptions, RenderResult
+from rich.live import Live
+from rich.markdown import Markdown
+from rich.segment import Segment
+from rich.spinner import Spinner
+from rich.text import Text
+
+from exlcli.chat.io import ChatIO
+from exlcli.client.base import Usage
+
+REFRESH_INTERVAL = 1 / 20  # seconds between live redraws while tokens arrive
+
+
+def format_seconds(seconds: float | None) -> str:
+    if seconds is None:
+        return "n/a"
+    return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
+def stats_line(usage: Usage | None, finish_reason: str | None) -> str:
+    """'12 prompt tokens (8 cached), first token 45 ms, 34 tokens at 56.2 tok/s'"""
+    if usage is None:
+        text = "no usage reported"
+    else:
+        text = (f"{usage.prompt_tokens} prompt tokens ({usage.cached_tokens} cached), "
+                f"first token {format_seconds(usage.ttft)}, "
+                f"{usage.completion_tokens} tokens at {usage.decode_tps:.1f} tok/s")
+    if finish_reason == "length":
+        text += ", stopped at max_tokens"
+    elif finish_reason == "cancelled":
+        text += ", stopped"
+    return text
+
+
+class _Lines:
+    """Already rendered lines, as a renderable."""
+
+    def __init__(self, lines: list[list[Segment]]) -> None:
+        self.lines = lines
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        for i, line in enumerate(self.lines):
+            yield from line
+            if i + 1 < len(self.lines):
+                yield Segment.line()
+
+
+class LiveAnswer:
+    """Markdown rendered live; lines that leave the live area are committed above it."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self.text = ""
+        self._committed = 0  # rendered lines already printed for good
+        self._last_draw = 0.0
+        self._drawn = 0  # len(text) at the last draw
+        self._live = Live(Spinner("dots", text=Text("thinking", style="dim")), console=console,
+                          auto_refresh=False, transient=False, vertical_overflow="visible")
+        self._live.start()
+
+    def _window(self) -> int:
+        return max(4, self.console.height - 3)
+
+    def feed(self, text: str) -> None:
+        self.text += text
+        now = time.monotonic()
+        if now - self._last_draw >= REFRESH_INTERVAL:
+            self._draw()
+            self._last_draw = now
+
+    def tick(self) -> None:
+        """Called while waiting: animate the spinner before the first token, or draw what the
+        throttle held back."""
+        if not self.text:
+            self._live.refresh()
+        elif self._drawn < len(self.text):
+            self._draw()
+
+    def _draw(self, final: bool = False) -> None:
+        self._drawn = len(self.text)
+        lines = self.console.render_lines(Markdown(self.text), self.console.options, pad=False)
+        keep = 0 if final else self._window()
+        split = max(self._committed, len(lines) - keep)
+        if split > self._committed:
+            self._live.console.print(_Lines(lines[self._committed:split]))
+            self._committed = split
+        self._live.update(_Lines(lines[self._committed:]), refresh=True)
+
+    def finish(self) -> None:
+        """Print the whole answer for good and close the live area."""
+        try:
+            self._draw(final=True)
+        finally:
+            self._live.stop()
+
+
+class PlainAnswer:
+    def __init__(self, io: ChatIO) -> None:
+        self.io = io
+        self.text = ""
+
+    def feed(self, text: str) -> None:
+        self.text += text
+        self.io.write_answer(text)
+
+    def tick(self) -> None:
+        pass
+
+    def finish(self) -> None:
+        self.io.write_answer("\n")
+
+
+def answer_view(io: ChatIO) -> "LiveAnswer | PlainAnswer":
+    return LiveAnswer(io.out) if io.interactive else PlainAnswer(io)
