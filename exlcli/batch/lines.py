@@ -135,11 +135,11 @@ OPENAI_EXTRA_PARAM_FIELDS = {
 
 
 def _params(obj: dict, fields: dict, defaults: GenerationParams) -> GenerationParams:
-    changes = {}
+    changes: dict[str, Any] = {"stop": list(defaults.stop)}  # a job's list, not the shared default
     for key, (attr, check) in fields.items():
         if key in obj:
             changes[attr] = check(key, obj[key])
-    params = dataclasses.replace(defaults, stop=list(defaults.stop), **changes)
+    params = dataclasses.replace(defaults, **changes)
     params.client, params.priority = "batch", "batch"
     try:
         params.sampling()  # ranges (top_p in (0, 1], temperature >= 0, ...)
@@ -252,7 +252,8 @@ def parse_line(raw: bytes, line_no: int, defaults: LineDefaults, file_shape: str
     except UnicodeDecodeError:
         return BadLine(auto_id(line_no), line_no, file_shape, "invalid_utf8", "line is not valid UTF-8")
     except json.JSONDecodeError as e:
-        return BadLine(auto_id(line_no), line_no, file_shape, "invalid_json", f"line is not valid JSON ({e.msg} at column {e.colno})")
+        return BadLine(auto_id(line_no), line_no, file_shape, "invalid_json",
+                       f"line is not valid JSON ({e.msg} at column {e.colno})")
     if not isinstance(obj, dict):
         return BadLine(auto_id(line_no), line_no, file_shape, "invalid_type",
                        f"line must be a JSON object, got {type(obj).__name__}")

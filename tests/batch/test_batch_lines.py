@@ -1,0 +1,142 @@
+"""Input lines -> jobs or bad lines, both shapes."""
+
+import json
+
+import pytest
+
+from exlcli.batch.lines import (NATIVE, OPENAI, BadLine, Job, LineDefaults, count_lines, detect_shape,
+                                parse_line, read_jobs)
+from exlcli.client.base import GenerationParams
+
+DEFAULTS = LineDefaults(GenerationParams(max_tokens=32, temperature=0.5, stop=["END"]), system=None)
+
+
+def parse(obj, line_no=7, defaults=DEFAULTS, file_shape=NATIVE):
+    raw = obj if isinstance(obj, bytes) else (obj if isinstance(obj, str) else json.dumps(obj)).encode()
+    return parse_line(raw, line_no, defaults, file_shape)
+
+
+def test_native_prompt_line_takes_defaults_and_batch_priority():
+    job = parse({"id": "a", "prompt": "hello"})
+    assert isinstance(job, Job)
+    assert (job.id, job.kind, job.shape, job.prompt) == ("a", "complete", NATIVE, "hello")
+    assert (job.params.max_tokens, job.params.temperature, job.params.stop) == (32, 0.5, ["END"])
+    assert (job.params.priority, job.params.client) == ("batch", "batch")
+    job.params.stop.append("x")  # a job's params are its own, not the shared defaults
+    assert DEFAULTS.params.stop == ["END"]
+
+
+def test_native_line_fields_override_defaults():
+    job = parse({"id": "a", "prompt": "p", "max_tokens": 5, "temperature": 0, "top_p": 0.9, "top_k": 4,
+                 "min_p": 0.1, "seed": 3, "stop": "\n"})
+    p = job.params
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p, p.seed, p.stop) == (5, 0.0, 0.9, 4, 0.1, 3, ["\n"])
+
+
+def test_line_without_id_gets_line_number_and_int_id_becomes_string():
+    assert parse({"prompt": "p"}, line_no=12).id == "line-12"
+    assert parse({"id": 42, "prompt": "p"}).id == "42"
+
+
+def test_messages_line_gets_system_from_line_or_default():
+    job = parse({"id": "c", "messages": [{"role": "user", "content": "hi"}], "system": "be brief"})
+    assert job.kind == "chat"
+    assert job.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    with_default = LineDefaults(GenerationParams(), system="default sys")
+    job = parse({"messages": [{"role": "user", "content": "hi"}]}, defaults=with_default)
+    assert job.messages[0] == {"role": "system", "content": "default sys"}
+    own = [{"role": "system", "content": "mine"}, {"role": "user", "content": "hi"}]
+    assert parse({"messages": own}, defaults=with_default).messages == own  # default does not stack
+
+
+def test_content_parts_are_joined():
+    job = parse({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                           {"type": "text", "text": "b"}]}]})
+    assert job.messages == [{"role": "user", "content": "ab"}]
+
+
+@pytest.mark.parametrize("line, code, words", [
+    ('{"id": "x", "prompt": ', "invalid_json", "not valid JSON"),
+    (b'{"id": "x", "prompt": "\xff\xfe"}', "invalid_utf8", "UTF-8"),
+    ('[1, 2]', "invalid_type", "must be a JSON object"),
+    ({"id": "x"}, "missing_prompt", "neither prompt nor messages"),
+    ({"id": "x", "prompt": "a", "messages": []}, "missing_prompt", "either prompt or messages"),
+    ({"id": "x", "prompt": 5}, "invalid_type", "prompt must be a string"),
+    ({"id": "x", "prompt": ""}, "invalid_value", "prompt is empty"),
+    ({"id": "x", "messages": "hi"}, "invalid_type", "messages must be"),
+    ({"id": "x", "messages": [{"role": "robot", "content": "hi"}]}, "invalid_type", "messages[0].role"),
+    ({"id": "x", "messages": [{"role": "user"}]}, "missing_field", "no content"),
+    ({"id": "x", "messages": [{"role": "user", "content": 3}]}, "invalid_type", "messages[0].content"),
+    ({"id": "x", "prompt": "a", "max_tokens": "10"}, "invalid_type", "max_tokens must be a positive integer"),
+    ({"id": "x", "prompt": "a", "max_tokens": 0}, "invalid_type", "max_tokens"),
+    ({"id": "x", "prompt": "a", "temperature": "hot"}, "invalid_type", "temperature must be a number"),
+    ({"id": "x", "prompt": "a", "temperature": True}, "invalid_type", "temperature"),
+    ({"id": "x", "prompt": "a", "top_k": 1.5}, "invalid_type", "top_k must be an integer"),
+    ({"id": "x", "prompt": "a", "seed": "s"}, "invalid_type", "seed"),
+    ({"id": "x", "prompt": "a", "stop": [1]}, "invalid_type", "stop"),
+    ({"id": "x", "prompt": "a", "top_p": 0}, "invalid_value", "top_p"),
+    ({"id": "x", "prompt": "a", "temperature": -1}, "invalid_value", "temperature"),
+    ({"id": "x", "prompt": "a", "system": "s"}, "invalid_value", "system applies to messages"),
+    ({"id": "x", "messages": [{"role": "user", "content": "a"}], "system": 1}, "invalid_type", "system"),
+])
+def test_bad_native_lines_say_what_is_wrong(line, code, words):
+    bad = parse(line, line_no=9)
+    assert isinstance(bad, BadLine)
+    assert bad.code == code
+    assert words in bad.message
+    assert bad.line_no == 9
+    assert bad.id in ("x", "line-9")
+
+
+def test_bad_id_type_is_an_error_with_line_id():
+    bad = parse({"id": ["no"], "prompt": "a"}, line_no=3)
+    assert isinstance(bad, BadLine) and bad.id == "line-3" and "id must be" in bad.message
+
+
+def openai_line(url="/v1/chat/completions", **body):
+    body.setdefault("messages" if "chat" in url else "prompt",
+                    [{"role": "user", "content": "hi"}] if "chat" in url else "once upon")
+    return {"custom_id": "r1", "method": "POST", "url": url, "body": body}
+
+
+def test_openai_chat_and_completion_lines():
+    job = parse(openai_line(max_completion_tokens=9, temperature=0, presence_penalty=0.5, model="gpt-x"))
+    assert (job.id, job.shape, job.kind) == ("r1", OPENAI, "chat")
+    assert (job.params.max_tokens, job.params.temperature, job.params.presence_penalty) == (9, 0.0, 0.5)
+    job = parse(openai_line("/v1/completions", prompt=["one prompt"], stop=["\n"]))
+    assert (job.kind, job.prompt, job.params.stop) == ("complete", "one prompt", ["\n"])
+
+
+@pytest.mark.parametrize("line, code, words", [
+    ({"custom_id": "r1", "method": "GET", "url": "/v1/completions", "body": {"prompt": "a"}}, "invalid_value", "POST"),
+    ({"custom_id": "r1", "url": "/v1/embeddings", "body": {"input": "a"}}, "invalid_value", "url must be"),
+    ({"custom_id": "r1", "url": "/v1/completions", "body": "a"}, "invalid_type", "body must be an object"),
+    ({"custom_id": "r1", "url": "/v1/completions", "body": {}}, "missing_prompt", "no prompt"),
+    ({"custom_id": "r1", "url": "/v1/chat/completions", "body": {}}, "missing_prompt", "no messages"),
+    (openai_line(n=3), "unsupported", "n = 1"),
+    (openai_line(tools=[{"type": "function"}]), "unsupported", "body.tools"),
+    (openai_line("/v1/completions", prompt=["a", "b"]), "invalid_type", "prompt must be a string"),
+    (openai_line(max_tokens=-2), "invalid_type", "max_tokens"),
+])
+def test_bad_openai_lines(line, code, words):
+    bad = parse(line)
+    assert isinstance(bad, BadLine) and bad.shape == OPENAI
+    assert (bad.code, bad.id) == (code, "r1")
+    assert words in bad.message
+
+
+def test_read_jobs_streams_numbers_lines_skips_blanks_and_flags_duplicates(write_jsonl):
+    path = write_jsonl([{"id": "a", "prompt": "1"}, "", {"prompt": "2"}, {"id": "a", "prompt": "3"},
+                        {"id": "line-3", "prompt": "4"}, "not json"])
+    items = list(read_jobs(path, DEFAULTS))
+    assert [(i.id, i.line_no) for i in items] == [("a", 1), ("line-3", 3), ("a", 4), ("line-3", 5), ("line-6", 6)]
+    assert [getattr(i, "code", None) for i in items] == [None, None, "duplicate_id", "duplicate_id", "invalid_json"]
+    assert "already used on line 1" in items[2].message
+    assert count_lines(path) == 5
+
+
+def test_shape_of_unparsable_lines_follows_the_file(write_jsonl):
+    path = write_jsonl(["{broken", openai_line()])
+    assert detect_shape(path) == OPENAI
+    first = next(read_jobs(path, DEFAULTS))
+    assert isinstance(first, BadLine) and first.shape == OPENAI

@@ -1,0 +1,66 @@
+"""Progress: plain lines off a terminal, a Rich bar on one; the numbers they show."""
+
+import io
+
+from exlcli.batch.lines import LineDefaults
+from exlcli.batch.progress import PlainProgress, RichProgress, Snapshot, format_duration, make_progress, plain_line
+from exlcli.batch.runner import BatchOptions, run_batch
+from exlcli.client.base import GenerationParams
+from exlcli.client.fake import FakeClient
+
+
+class FakeTty(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def snap(**kw):
+    base = dict(done=10, errors=1, total=40, completion_tokens=500, in_flight=8, batch_size=6, elapsed=5.0)
+    return Snapshot(**{**base, **kw})
+
+
+def test_rates_and_eta():
+    s = snap()
+    assert s.tokens_per_s == 100.0
+    assert s.eta_s == 15.0  # 30 left at 2 lines/s
+    assert snap(done=0).eta_s is None and snap(done=40).eta_s == 0.0
+    assert [format_duration(x) for x in (None, 7, 75, 3725)] == ["?", "7s", "1m15s", "1h02m05s"]
+    assert plain_line(s) == ("batch: 10/40 done, 1 errors, 100.0 tok/s, eta 15s, 8 in flight, batch size 6")
+
+
+def test_plain_progress_waits_for_its_interval():
+    out = io.StringIO()
+    p = PlainProgress(out, interval=3600)
+    p.update(snap())
+    assert out.getvalue() == ""
+    p.interval = 0
+    p.update(snap())
+    assert out.getvalue().startswith("batch: 10/40 done")
+
+
+def test_make_progress_picks_by_terminal():
+    assert isinstance(make_progress(5, io.StringIO()), PlainProgress)
+    bar = make_progress(5, FakeTty())
+    try:
+        assert isinstance(bar, RichProgress)
+    finally:
+        bar.close()
+
+
+def test_rich_bar_shows_done_total_rate_and_batch():
+    tty = FakeTty()
+    bar = RichProgress(tty, total=40)
+    bar.update(snap())
+    bar.close()
+    text = tty.getvalue()
+    assert "10/40" in text and "100.0 tok/s" in text and "batch 6" in text and "eta 15s" in text
+
+
+def test_run_reports_progress_lines_and_stops_on_the_final_count(tmp_path):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(f'{{"id": "{i}", "prompt": "a b c"}}\n' for i in range(12)))
+    out = io.StringIO()
+    run_batch(FakeClient(token_delay=0.001), inp, tmp_path / "out.jsonl", LineDefaults(GenerationParams()),
+              BatchOptions(max_in_flight=4), progress=PlainProgress(out, interval=0))
+    lines = out.getvalue().splitlines()
+    assert lines and lines[-1].startswith("batch: 12/12 done, 0 errors")
