@@ -1,0 +1,103 @@
+"""EngineClient over an Engine running in this process."""
+
+from __future__ import annotations
+
+import re
+import sys
+from typing import AsyncIterator, Iterator
+
+from exlcli.client.base import EngineClient, GenerationParams, GenerationStream, TextDelta, Usage
+from exlcli.engine.engine import Engine, EngineConfig, RequestHandle
+from exlcli.engine.request import RequestOutput, Request
+from exlcli.engine.stats import EngineStats
+from exlcli.errors import ExlcliError
+from exlcli.model.loader import LoadedModel, load_model
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+
+
+def parse_size(text: str) -> int:
+    """'4GiB', '512MB', '2g', '1000000' -> bytes."""
+    m = _SIZE.match(text or "")
+    if not m:
+        raise ExlcliError(f"cannot read {text!r} as a memory size (e.g. 2GiB, 512MB)")
+    unit = (m.group(2) or "").lower()
+    base = 1024 if "i" in unit else 1000
+    power = "kmgt".find(unit[:1]) + 1 if unit[:1] in "kmgt" and unit[:1] else 0
+    return int(float(m.group(1)) * (base ** power))
+
+
+def delta_from_output(out: RequestOutput) -> TextDelta:
+    usage = None
+    if out.finished and out.stats is not None:
+        s = out.stats
+        usage = Usage(prompt_tokens=s.prompt_tokens, cached_tokens=s.cached_tokens,
+                      completion_tokens=s.generated_tokens, queue_time=s.queue_time, ttft=s.ttft,
+                      total_time=s.total_time, decode_tps=s.decode_tps)
+    return TextDelta(text=out.new_text, token_ids=list(out.new_token_ids),
+                     finish_reason=out.finish_reason.value if out.finish_reason else None,
+                     error=out.error, usage=usage, logprobs=out.logprobs)
+
+
+class LocalStream(GenerationStream):
+    def __init__(self, handle: RequestHandle) -> None:
+        self.request_id = handle.request_id
+        self._handle = handle
+
+    def cancel(self) -> None:
+        self._handle.cancel()
+
+    def __iter__(self) -> Iterator[TextDelta]:
+        for out in self._handle:
+            yield delta_from_output(out)
+
+    async def __aiter__(self) -> AsyncIterator[TextDelta]:
+        async for out in self._handle:
+            yield delta_from_output(out)
+
+
+class LocalClient(EngineClient):
+    kind = "local"
+
+    def __init__(self, loaded: LoadedModel, engine_config: EngineConfig | None = None) -> None:
+        self.loaded = loaded
+        self.model_name = loaded.name
+        self.tokenizer = loaded.tokenizer
+        self.template = loaded.chat_template
+        self.engine = Engine(loaded.model, loaded.tokenizer, engine_config).start()
+        self.context_length = self.engine.max_model_len
+
+    @classmethod
+    def from_model(cls, model: str | None = None, *, device: str | None = None, dtype: str | None = None,
+                   kv_memory: str | None = None, prefix_cache: bool = True, log=sys.stderr,
+                   **engine_options) -> "LocalClient":
+        loaded = load_model(model, device=device, dtype=dtype, log=log)
+        config = EngineConfig(kv_memory=parse_size(kv_memory) if kv_memory else None,
+                              enable_prefix_cache=prefix_cache, **engine_options)
+        return cls(loaded, config)
+
+    def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        return self.template.encode(self.tokenizer, messages, add_generation_prompt)
+
+    def count_chat_tokens(self, messages: list[dict], add_generation_prompt: bool = True) -> int:
+        return len(self.chat_prompt_ids(messages, add_generation_prompt))
+
+    def submit_ids(self, prompt_ids: list[int], params: GenerationParams, ignore_eos: bool = False) -> LocalStream:
+        request = Request(
+            request_id=self.engine.new_request_id(), prompt_ids=prompt_ids, sampling=params.sampling(),
+            max_new_tokens=params.max_tokens, stop=list(params.stop), priority=params.priority_class(),
+            client=params.client, ignore_eos=ignore_eos)
+        return LocalStream(self.engine.submit(request))
+
+    def chat(self, messages: list[dict], params: GenerationParams) -> GenerationStream:
+        return self.submit_ids(self.chat_prompt_ids(messages), params)
+
+    def complete(self, prompt: str, params: GenerationParams) -> GenerationStream:
+        return self.submit_ids(self.tokenizer.encode(prompt), params)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def close(self) -> None:
+        self.engine.shutdown()

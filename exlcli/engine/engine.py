@@ -1,0 +1,362 @@
+"""The engine: one thread owns the model and all scheduling state; any thread submits requests and
+reads their deltas from a per-request handle (blocking or async iteration)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Iterator
+
+import torch
+
+from exlcli.engine.detok import TextStreamer
+from exlcli.engine.kv_cache import PagePool
+from exlcli.engine.model_runner import ModelRunner
+from exlcli.engine.request import FinishReason, Request, RequestOutput, RequestStats
+from exlcli.engine.sampler import SampleRow, sample, top_logprobs
+from exlcli.engine.scheduler import ScheduledBatch, Scheduler
+from exlcli.engine.sequence import Sequence, SeqStatus
+from exlcli.engine.stats import (STEP_TIME_BUCKETS, ActiveRequestInfo, EngineStats,
+                                 FinishedRequestInfo)
+from exlcli.errors import RequestError
+from exlcli.model.llama import KVCache, LlamaModel
+
+log = logging.getLogger("exlcli.engine")
+
+
+@dataclass
+class EngineConfig:
+    page_size: int = 16
+    num_pages: int | None = None  # explicit pool size; else from kv_memory
+    kv_memory: int | None = None  # bytes for K/V pages; default: 1 GiB on CPU, half the free memory on a GPU
+    max_num_batched_tokens: int | None = None  # per-step token budget; default by device
+    max_num_seqs: int = 128
+    max_model_len: int | None = None  # default: the model's context (capped by the pool)
+    enable_prefix_cache: bool = True
+
+
+class RequestHandle:
+    """Deltas of one request; iterate it (blocking) or `async for` it, once."""
+
+    def __init__(self, engine: "Engine", request_id: str) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._items: collections.deque[RequestOutput] = collections.deque()
+        self._cv = threading.Condition()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+
+    def _put(self, out: RequestOutput) -> None:
+        with self._cv:
+            self._items.append(out)
+            self._cv.notify_all()
+            waiters = list(self._waiters)
+        for loop, event in waiters:
+            loop.call_soon_threadsafe(event.set)
+
+    def cancel(self) -> None:
+        self._engine.cancel(self.request_id)
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        while True:
+            with self._cv:
+                while not self._items:
+                    self._cv.wait()
+                out = self._items.popleft()
+            yield out
+            if out.finished:
+                return
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        event = asyncio.Event()
+        with self._cv:
+            self._waiters.append((asyncio.get_running_loop(), event))
+        while True:
+            event.clear()
+            with self._cv:
+                out = self._items.popleft() if self._items else None
+            if out is None:
+                await event.wait()
+                continue
+            yield out
+            if out.finished:
+                return
+
+
+class Engine:
+    def __init__(self, model: LlamaModel, tokenizer, config: EngineConfig | None = None) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config = config or EngineConfig()
+        device = model.device
+        kv_dtype = model.dtype
+        per_page = KVCache.bytes_per_page(model.config, config.page_size, kv_dtype)
+        num_pages = config.num_pages or max(2, self._kv_budget(device) // per_page)
+        self.kv = KVCache(model.config, num_pages, config.page_size, device, kv_dtype)
+        self.pool = PagePool(num_pages, config.page_size, config.enable_prefix_cache)
+        # One sequence alone must always fit, so preemption can always make progress.
+        self.max_model_len = min(config.max_model_len or model.config.context_length,
+                                 num_pages * config.page_size)
+        budget = config.max_num_batched_tokens or (512 if device.type == "cpu" else 4096)
+        self.scheduler = Scheduler(self.pool, budget, config.max_num_seqs)
+        self.runner = ModelRunner(model, self.kv)
+        self.eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or model.config.eos_token_ids)
+
+        self._lock = threading.Lock()  # guards the inbox and cancellations
+        self._wake = threading.Condition(self._lock)
+        self._inbox: list[tuple[Sequence, RequestHandle]] = []
+        self._cancels: set[str] = set()
+        self._seqs: dict[str, Sequence] = {}
+        self._handles: dict[str, RequestHandle] = {}
+        self._streamers: dict[str, TextStreamer] = {}
+        self._arrivals = itertools.count()
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._stats = EngineStats(pages_total=num_pages, page_size=config.page_size)
+        self._recent_tokens: collections.deque[tuple[float, int]] = collections.deque()
+        self._stats_lock = threading.Lock()
+
+    def _kv_budget(self, device: torch.device) -> int:
+        if self.config.kv_memory:
+            return self.config.kv_memory
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            return int(free * 0.5)
+        return 1 << 30
+
+    # -- client side (any thread) ---------------------------------------------------------------
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def submit(self, request: Request) -> RequestHandle:
+        prompt_len = len(request.prompt_ids)
+        if prompt_len >= self.max_model_len:
+            raise RequestError(f"prompt is {prompt_len} tokens, longer than the context of "
+                               f"{self.max_model_len} tokens (the prompt plus at least one new token must fit)")
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in request.prompt_ids):
+            raise RequestError(f"prompt has token ids outside the vocabulary (0..{vocab - 1})")
+        max_tokens = min(self.max_model_len, prompt_len + request.max_new_tokens)
+        seq = Sequence(request=request, arrival_index=next(self._arrivals), max_tokens=max_tokens)
+        handle = RequestHandle(self, request.request_id)
+        with self._lock:
+            if request.request_id in self._handles:
+                raise RequestError(f"request id {request.request_id!r} is already in use")
+            self._handles[request.request_id] = handle
+            self._inbox.append((seq, handle))
+            self._wake.notify()
+        return handle
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            self._cancels.add(request_id)
+            self._wake.notify()
+
+    def stats(self) -> EngineStats:
+        with self._stats_lock:
+            return self._stats
+
+    def start(self) -> "Engine":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="exlcli-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    # -- the loop (engine thread) ---------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not (self._inbox or self._cancels or self._stopping or self.scheduler.has_work()):
+                    self._wake.wait()
+                if self._stopping:
+                    break
+            try:
+                self.step()
+            except Exception:  # the loop must survive anything one step does
+                log.exception("engine step failed")
+        for seq in list(self._seqs.values()):
+            self._finish(seq, FinishReason.CANCELLED)
+
+    def step(self) -> bool:
+        """One iteration: take new requests and cancellations, schedule, run, sample, stream.
+        Returns False when there was nothing to do."""
+        self._take_inbox()
+        if not self.scheduler.has_work():
+            self._publish_stats(None, 0.0)
+            return False
+        batch = self.scheduler.schedule()
+        now = time.perf_counter()
+        for item in batch.items:
+            if item.seq.first_scheduled_time is None:
+                item.seq.first_scheduled_time = now
+        if not batch.items:
+            self._publish_stats(batch, 0.0)
+            return True
+        start = time.perf_counter()
+        try:
+            logits = self.runner.run(batch)
+        except Exception as e:  # e.g. out of memory: fail this step's requests, keep serving
+            log.exception("forward pass failed")
+            for item in batch.items:
+                self._finish(item.seq, FinishReason.ERROR, error=f"forward pass failed: {e}")
+            return True
+        self.scheduler.commit(batch)
+        sampling = [item.seq for item in batch.items if item.samples]
+        tokens = self._sample(sampling, logits)
+        elapsed = time.perf_counter() - start
+        for seq, (token, logprob) in zip(sampling, tokens):
+            if token is None:
+                continue  # already finished with an error
+            try:
+                self._append_token(seq, token, logprob)
+            except Exception as e:
+                log.exception("postprocess failed for %s", seq.request_id)
+                self._finish(seq, FinishReason.ERROR, error=f"{type(e).__name__}: {e}")
+        self._publish_stats(batch, elapsed, generated=len(sampling))
+        return True
+
+    def run_until_idle(self, max_steps: int = 1_000_000) -> None:
+        """Drive the loop on the calling thread (tests, offline use without start())."""
+        for _ in range(max_steps):
+            if not self.step():
+                return
+
+    def _take_inbox(self) -> None:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+            cancels, self._cancels = self._cancels, set()
+        for seq, _handle in inbox:
+            self._seqs[seq.request_id] = seq
+            self._streamers[seq.request_id] = TextStreamer(self.tokenizer, seq.request.stop,
+                                                           prompt_ids=seq.request.prompt_ids)
+            self.scheduler.add(seq)
+        for request_id in cancels:
+            seq = self._seqs.get(request_id)
+            if seq is not None:
+                self._finish(seq, FinishReason.CANCELLED)
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[int | None, object]]:
+        rows = [SampleRow(s.request.sampling, s.rng.random(), s.request.prompt_ids, s.output_ids) for s in seqs]
+        if not seqs:
+            return []
+        try:
+            ids = sample(logits, rows)
+            return list(zip(ids, top_logprobs(logits, ids, rows)))
+        except Exception:
+            pass
+        # Find the row that broke the batch; the others go on.
+        out: list[tuple[int | None, object]] = []
+        for i, (seq, row) in enumerate(zip(seqs, rows)):
+            try:
+                ids = sample(logits[i:i + 1], [row])
+                out.append((ids[0], top_logprobs(logits[i:i + 1], ids, [row])[0]))
+            except Exception as e:
+                self._finish(seq, FinishReason.ERROR, error=f"sampling failed: {type(e).__name__}: {e}")
+                out.append((None, None))
+        return out
+
+    def _append_token(self, seq: Sequence, token: int, logprob) -> None:
+        if seq.status is SeqStatus.FINISHED:
+            return
+        now = time.perf_counter()
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.token_ids.append(token)
+        request = seq.request
+        streamer = self._streamers[seq.request_id]
+        reason = None
+        if token in request.stop_token_ids or (token in self.eos_ids and not request.ignore_eos):
+            text, reason = streamer.flush(), FinishReason.STOP
+        else:
+            text, stopped = streamer.push([token])
+            if stopped:
+                reason = FinishReason.STOP
+            elif seq.num_generated >= request.max_new_tokens or seq.num_tokens >= seq.max_tokens:
+                text += streamer.flush()
+                reason = FinishReason.LENGTH
+        out = RequestOutput(seq.request_id, new_token_ids=[token], new_text=text,
+                            logprobs=[logprob] if logprob is not None else None)
+        if reason is None:
+            self._handles[seq.request_id]._put(out)
+        else:
+            self._finish(seq, reason, last=out)
+
+    def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None,
+                last: RequestOutput | None = None) -> None:
+        if seq.status is SeqStatus.FINISHED and seq.request_id not in self._seqs:
+            return
+        self.scheduler.remove(seq)
+        self._seqs.pop(seq.request_id, None)
+        self._streamers.pop(seq.request_id, None)
+        handle = self._handles.pop(seq.request_id, None)
+        now = time.perf_counter()
+        stats = RequestStats(
+            prompt_tokens=seq.num_prompt_tokens, cached_tokens=seq.num_cached_tokens,
+            generated_tokens=seq.num_generated,
+            queue_time=(seq.first_scheduled_time or now) - seq.submit_time,
+            ttft=None if seq.first_token_time is None else seq.first_token_time - seq.submit_time,
+            total_time=now - seq.submit_time, num_preemptions=seq.num_preemptions)
+        out = last or RequestOutput(seq.request_id)
+        out.finished, out.finish_reason, out.error, out.stats = True, reason, error, stats
+        with self._stats_lock:
+            s = self._stats
+            s.total_requests += 1
+            s.total_prompt_tokens += stats.prompt_tokens
+            s.total_generated_tokens += stats.generated_tokens
+            s.recent_finished = (s.recent_finished + [FinishedRequestInfo(
+                seq.request_id, seq.request.client, reason.value, stats.prompt_tokens,
+                stats.generated_tokens, stats.ttft, stats.total_time)])[-20:]
+        if handle is not None:
+            handle._put(out)
+
+    def _publish_stats(self, batch: ScheduledBatch | None, elapsed: float, generated: int = 0) -> None:
+        now = time.perf_counter()
+        if generated:
+            self._recent_tokens.append((now, generated))
+        while self._recent_tokens and now - self._recent_tokens[0][0] > 5.0:
+            self._recent_tokens.popleft()
+        window = now - self._recent_tokens[0][0] if len(self._recent_tokens) > 1 else 0.0
+        tps = sum(n for _, n in list(self._recent_tokens)[1:]) / window if window > 0 else 0.0
+        sched = self.scheduler
+        active = []
+        for seq in itertools.chain(sched.running, sched.waiting):
+            state = ("waiting" if seq.status is SeqStatus.WAITING and not seq.num_preemptions
+                     else "preempted" if seq.status is SeqStatus.WAITING
+                     else "prefill" if seq.num_computed_tokens < seq.num_prompt_tokens else "decode")
+            age = now - seq.submit_time
+            gen_time = now - seq.first_token_time if seq.first_token_time else 0.0
+            active.append(ActiveRequestInfo(seq.request_id, seq.request.client, state, seq.num_prompt_tokens,
+                                            seq.num_generated,
+                                            (seq.num_generated - 1) / gen_time if gen_time > 0 else 0.0, age))
+        with self._stats_lock:
+            old = self._stats
+            new = EngineStats(**{**old.__dict__})
+            new.step_time_bucket_counts = list(old.step_time_bucket_counts)
+            new.num_running, new.num_waiting = len(sched.running), len(sched.waiting)
+            new.pages_used, new.pages_cached = self.pool.num_used, self.pool.num_cached
+            new.tokens_per_s = tps
+            new.num_preemptions = sched.num_preemptions
+            new.prefix_cache_queries, new.prefix_cache_hits = sched.prefix_queries, sched.prefix_hits
+            new.prefix_cache_evictions = self.pool.num_evictions
+            new.active = active
+            if batch is not None and batch.items:
+                new.last_batch_size, new.last_step_tokens = len(batch.items), batch.num_tokens
+                new.last_step_time_s = elapsed
+                new.num_steps += 1
+                new.step_time_sum_s += elapsed
+                bucket = next((i for i, b in enumerate(STEP_TIME_BUCKETS) if elapsed <= b), len(STEP_TIME_BUCKETS))
+                new.step_time_bucket_counts[bucket] += 1
+            self._stats = new

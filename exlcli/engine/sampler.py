@@ -1,0 +1,107 @@
+"""Next-token sampling, vectorised over the batch with per-row parameters.
+
+Randomness comes from each request's own generator (one uniform number per step, drawn on the
+host), and the draw is an inverse-CDF lookup over the row's probabilities, so a seeded request gets
+the same tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from exlcli.engine.request import SamplingParams, TokenLogprob
+
+
+@dataclass
+class SampleRow:
+    params: SamplingParams
+    uniform: float  # this step's draw from the request's generator
+    prompt_ids: list[int]
+    output_ids: list[int]
+
+
+def _column(rows: list[SampleRow], name: str, device: torch.device) -> torch.Tensor:
+    return torch.tensor([getattr(r.params, name) for r in rows], dtype=torch.float32, device=device)
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """Repetition (over prompt and output, as HF/vLLM), presence and frequency (over output)."""
+    device = logits.device
+    batch, vocab = logits.shape
+    if any(r.params.repetition_penalty != 1.0 for r in rows):
+        seen = torch.zeros(batch, vocab, dtype=torch.bool, device=device)
+        for i, r in enumerate(rows):
+            ids = r.prompt_ids + r.output_ids
+            if ids:
+                seen[i, torch.tensor(ids, device=device)] = True
+        penalty = _column(rows, "repetition_penalty", device)[:, None].expand_as(logits)
+        scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, scaled, logits)
+    if any(r.params.presence_penalty or r.params.frequency_penalty for r in rows):
+        counts = torch.zeros(batch, vocab, dtype=torch.float32, device=device)
+        for i, r in enumerate(rows):
+            if r.output_ids:
+                ids = torch.tensor(r.output_ids, device=device)
+                counts[i].index_add_(0, ids, torch.ones(len(r.output_ids), device=device))
+        logits = (logits - _column(rows, "frequency_penalty", device)[:, None] * counts
+                  - _column(rows, "presence_penalty", device)[:, None] * (counts > 0).float())
+    return logits
+
+
+def filtered_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p, as probabilities [B, V]."""
+    device = logits.device
+    temps = _column(rows, "temperature", device).clamp_min(1e-5)[:, None]
+    logits = logits / temps
+    top_k = [r.params.top_k for r in rows]
+    top_p = [r.params.top_p for r in rows]
+    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        vocab = logits.shape[-1]
+        k = torch.tensor([k if k > 0 else vocab for k in top_k], device=device)[:, None]
+        ranks = torch.arange(vocab, device=device)[None, :]
+        sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
+        sorted_probs = sorted_logits.softmax(-1)
+        before = sorted_probs.cumsum(-1) - sorted_probs  # mass of strictly better tokens
+        p = torch.tensor(top_p, device=device)[:, None]
+        sorted_logits = sorted_logits.masked_fill(before >= p, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+    probs = logits.softmax(-1)
+    if any(r.params.min_p > 0 for r in rows):
+        min_p = _column(rows, "min_p", device)[:, None]
+        probs = probs.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
+    """logits: fp32 [B, V] -> one token id per row."""
+    logits = apply_penalties(logits, rows)
+    greedy = [r.params.greedy for r in rows]
+    if all(greedy):
+        return logits.argmax(-1).tolist()
+    probs = filtered_probs(logits, rows)
+    cdf = probs.cumsum(-1)
+    u = torch.tensor([r.uniform for r in rows], dtype=torch.float32, device=logits.device)[:, None]
+    u = u * cdf[:, -1:]  # the cdf's last entry is 1 up to rounding
+    drawn = torch.searchsorted(cdf, u).clamp_max(logits.shape[-1] - 1).squeeze(1)
+    if any(greedy):
+        drawn = torch.where(torch.tensor(greedy, device=logits.device), logits.argmax(-1), drawn)
+    return drawn.tolist()
+
+
+def top_logprobs(logits: torch.Tensor, token_ids: list[int], rows: list[SampleRow]) -> list[TokenLogprob | None]:
+    """Logprobs of the chosen tokens under the model's raw distribution, with the top-n."""
+    want = [r.params.logprobs for r in rows]
+    if not any(want):
+        return [None] * len(rows)
+    logp = logits.log_softmax(-1)
+    top_vals, top_ids = logp.topk(max(want), dim=-1)
+    chosen = logp.gather(1, torch.tensor(token_ids, device=logits.device)[:, None]).squeeze(1).tolist()
+    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    out: list[TokenLogprob | None] = []
+    for i, n in enumerate(want):
+        out.append(TokenLogprob(token_ids[i], chosen[i], list(zip(top_ids[i][:n], top_vals[i][:n]))) if n else None)
+    return out

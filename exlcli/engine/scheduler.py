@@ -1,0 +1,185 @@
+"""One rule for prefill and decode: each running sequence's computed tokens catch up to its known
+tokens under a per-step token budget. Interactive before batch, first come first served within a
+class; when pages run out, the lowest-priority most recent sequence is preempted (its pages freed,
+recomputed later, its full pages kept in the prefix cache)."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from exlcli.engine.kv_cache import PagePool
+from exlcli.engine.sequence import Sequence, SeqStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens computed this step, from seq.num_computed_tokens on
+    samples: bool = False  # the chunk reaches the last known token: the step yields a next token
+
+    def __post_init__(self) -> None:
+        if self.num_new_tokens < 1:
+            raise ValueError("a scheduled sequence must compute at least one token")
+        self.samples = self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class ScheduledBatch:
+    items: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(item.num_new_tokens for item in self.items)
+
+
+class Scheduler:
+    def __init__(self, pool: PagePool, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+        self.pool = pool
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: list[Sequence] = []  # sorted by sort_key
+        self.running: list[Sequence] = []  # sorted by sort_key
+        self.num_preemptions = 0
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    @property
+    def page_size(self) -> int:
+        return self.pool.page_size
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out (finished, cancelled or failed) and free its pages."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.pool.release_all(seq.pages)
+        seq.pages = []
+        seq.status = SeqStatus.FINISHED
+
+    # -- one step -------------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        self._make_room_for_priority(batch)
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._reserve(seq, n, batch):
+                break  # seq itself was preempted; it was the last one
+            batch.items.append(ScheduledSeq(seq, n))
+            budget -= n
+            i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            self._match_prefix(seq)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.pool.can_allocate(self._pages_needed(seq, n)):
+                self._unmatch(seq)
+                break
+            self.waiting.pop(0)
+            self._allocate(seq, n)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)  # lowest priority class / latest arrival goes last
+            batch.items.append(ScheduledSeq(seq, n))
+            budget -= n
+        self.running.sort(key=lambda s: s.sort_key)
+        return batch
+
+    def commit(self, batch: ScheduledBatch) -> None:
+        """After the forward pass: advance progress and publish newly full pages to the cache."""
+        size = self.page_size
+        for item in batch.items:
+            seq = item.seq
+            before = seq.num_computed_tokens // size
+            seq.num_computed_tokens += item.num_new_tokens
+            after = seq.num_computed_tokens // size
+            if after > before:
+                hashes = seq.page_hashes(after, size)
+                for p in range(before, after):
+                    self.pool.register(seq.pages[p], hashes[p])
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _pages_needed(self, seq: Sequence, n: int) -> int:
+        total = -(-(seq.num_computed_tokens + n) // self.page_size)
+        return max(0, total - len(seq.pages))
+
+    def _allocate(self, seq: Sequence, n: int) -> None:
+        for _ in range(self._pages_needed(seq, n)):
+            seq.pages.append(self.pool.allocate())
+
+    def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
+        """Pages for `n` more tokens of a running seq, preempting from the back of the running
+        list as needed. False if `seq` itself had to go."""
+        while not self.pool.can_allocate(self._pages_needed(seq, n)):
+            victim = self.running[-1]
+            self._preempt(victim, batch)
+            if victim is seq:
+                return False
+        self._allocate(seq, n)
+        return True
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        self.running.remove(seq)
+        self.pool.release_all(seq.pages)
+        seq.pages = []
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        batch.preempted.append(seq)
+        self.add(seq)
+
+    def _make_room_for_priority(self, batch: ScheduledBatch) -> None:
+        """A waiting request of a higher class displaces running lower-class ones when the
+        running set is full or the pool cannot take its first chunk."""
+        if not self.waiting:
+            return
+        head = self.waiting[0]
+        while self.running and self.running[-1].priority > head.priority:
+            first_chunk = min(head.num_tokens, self.max_num_batched_tokens)
+            full = len(self.running) >= self.max_num_seqs
+            if not full and self.pool.can_allocate(-(-first_chunk // self.page_size)):
+                return
+            self._preempt(self.running[-1], batch)
+
+    def _match_prefix(self, seq: Sequence) -> None:
+        """Reuse every leading full page already in the pool (never the last token: at least
+        one token must be computed to get the next-token logits)."""
+        if seq.pages or seq.num_computed_tokens:
+            return
+        size = self.page_size
+        max_pages = (seq.num_tokens - 1) // size
+        first_time = seq.first_scheduled_time is None and seq.num_preemptions == 0
+        if first_time:
+            self.prefix_queries += seq.num_tokens
+        if not self.pool.enable_prefix_cache or max_pages == 0:
+            return
+        for h in seq.page_hashes(max_pages, size):
+            page = self.pool.lookup(h)
+            if page is None:
+                break
+            self.pool.take_cached(page)
+            seq.pages.append(page)
+        seq.num_computed_tokens = len(seq.pages) * size
+        if first_time:
+            seq.num_cached_tokens = seq.num_computed_tokens
+            self.prefix_hits += seq.num_computed_tokens
+
+    def _unmatch(self, seq: Sequence) -> None:
+        if seq.first_scheduled_time is None and seq.num_preemptions == 0:
+            self.prefix_queries -= seq.num_tokens
+            self.prefix_hits -= seq.num_cached_tokens
+            seq.num_cached_tokens = 0
+        self.pool.release_all(seq.pages)
+        seq.pages = []
+        seq.num_computed_tokens = 0

@@ -1,0 +1,76 @@
+"""A request's life inside the engine: its tokens, pages, progress and timings."""
+
+from __future__ import annotations
+
+import enum
+import random
+import time
+from dataclasses import dataclass, field
+
+from exlcli.engine.kv_cache import page_hash
+from exlcli.engine.request import Request
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request: Request
+    arrival_index: int  # FCFS order within a priority class
+    max_tokens: int  # prompt + generation limit (max_new_tokens capped by the context)
+    token_ids: list[int] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_computed_tokens: int = 0
+    pages: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache on first admission
+    num_preemptions: int = 0
+    submit_time: float = field(default_factory=time.perf_counter)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    rng: random.Random = field(default_factory=random.Random)
+    cancel_requested: bool = False
+    _hashes: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.request.prompt_ids)
+            self.num_prompt_tokens = len(self.token_ids)
+        seed = self.request.sampling.seed
+        self.rng = random.Random(seed if seed is not None else random.SystemRandom().getrandbits(64))
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def priority(self) -> int:
+        return int(self.request.priority)
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        return (self.priority, self.arrival_index)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    def page_hashes(self, num_pages: int, page_size: int) -> list[int]:
+        """Hashes of the first `num_pages` pages, which must be full of known tokens."""
+        while len(self._hashes) < num_pages:
+            i = len(self._hashes)
+            parent = self._hashes[-1] if self._hashes else None
+            self._hashes.append(page_hash(parent, self.token_ids[i * page_size:(i + 1) * page_size]))
+        return self._hashes[:num_pages]

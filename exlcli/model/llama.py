@@ -1,0 +1,131 @@
+"""The decoder (llama, mistral, qwen2, qwen3) over a flat batch of tokens from many sequences."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from exlcli.model.config import ModelConfig
+from exlcli.model.quant import QuantizedWeight
+from exlcli.ops.activation import silu_and_mul
+from exlcli.ops.attention import paged_attention
+from exlcli.ops.linear import Linear, make_linear
+from exlcli.ops.norm import fused_add_rms_norm, rms_norm
+from exlcli.ops.rope import rope_and_write_kv, rope_cos_sin_cache
+
+
+@dataclass
+class BatchInputs:
+    """One step's tokens. Sequence b owns tokens query_start_loc[b]:query_start_loc[b+1]."""
+
+    input_ids: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long
+    slot_mapping: torch.Tensor  # [T] long: page * page_size + offset where each token's K/V goes
+    block_tables: torch.Tensor  # [B, max_pages] int32
+    seq_lens: list[int]  # [B] tokens in each sequence after this step
+    query_start_loc: list[int]  # [B + 1]
+    logits_indices: torch.Tensor  # [S] long: rows of T whose next-token logits are wanted
+    seq_lens_t: torch.Tensor | None = None  # [B] int32 on the device (compiled kernels)
+    query_start_loc_t: torch.Tensor | None = None  # [B + 1] int32 on the device
+
+    def __post_init__(self) -> None:
+        num_tokens = self.input_ids.shape[0]
+        if not (self.positions.shape[0] == self.slot_mapping.shape[0] == num_tokens):
+            raise ValueError("input_ids, positions and slot_mapping must have one entry per token")
+        if len(self.query_start_loc) != len(self.seq_lens) + 1 or self.query_start_loc[-1] != num_tokens:
+            raise ValueError("query_start_loc must have B + 1 entries ending at the token count")
+
+
+class KVCache:
+    """Per layer K and V pages: [num_pages, page_size, kv_heads, head_dim]."""
+
+    def __init__(self, config: ModelConfig, num_pages: int, page_size: int, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        shape = (num_pages, page_size, config.num_kv_heads, config.head_dim)
+        # zeros, not empty: pages past a sequence's length are read (and masked) by the
+        # vectorised decode; they must never hold NaN.
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
+        self.num_pages = num_pages
+        self.page_size = page_size
+
+    @staticmethod
+    def bytes_per_page(config: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
+        elem = torch.tensor([], dtype=dtype).element_size()
+        return 2 * config.num_layers * page_size * config.num_kv_heads * config.head_dim * elem
+
+
+class DecoderLayer:
+    def __init__(self, config: ModelConfig, t: dict, i: int, device: torch.device, dtype: torch.dtype):
+        p = f"model.layers.{i}."
+        get = lambda name: t.get(p + name)  # noqa: E731
+        norm = lambda name: get(name).to(device=device, dtype=dtype)  # noqa: E731
+        self.input_norm = norm("input_layernorm.weight")
+        self.post_norm = norm("post_attention_layernorm.weight")
+        self.qkv: Linear = make_linear(
+            [get("self_attn.q_proj.weight"), get("self_attn.k_proj.weight"), get("self_attn.v_proj.weight")],
+            [get("self_attn.q_proj.bias"), get("self_attn.k_proj.bias"), get("self_attn.v_proj.bias")],
+            device, dtype)
+        self.o_proj = make_linear([get("self_attn.o_proj.weight")], None, device, dtype)
+        self.gate_up = make_linear([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")], None, device, dtype)
+        self.down = make_linear([get("mlp.down_proj.weight")], None, device, dtype)
+        self.q_norm = norm("self_attn.q_norm.weight") if config.qk_norm else None
+        self.k_norm = norm("self_attn.k_norm.weight") if config.qk_norm else None
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, tensors: dict, device: torch.device, dtype: torch.dtype) -> None:
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        embed = tensors["model.embed_tokens.weight"]
+        embed = embed.dequantize(dtype) if isinstance(embed, QuantizedWeight) else embed.to(dtype)
+        self.embed = embed.to(device)  # [V, H]
+        self.layers = [DecoderLayer(config, tensors, i, device, dtype) for i in range(config.num_layers)]
+        self.norm = tensors["model.norm.weight"].to(device=device, dtype=dtype)
+        head = tensors.get("lm_head.weight")
+        self.lm_head: Linear = (make_linear([head], None, device, dtype) if head is not None and not config.tie_word_embeddings
+                                else make_linear([self.embed], None, device, dtype))
+        self.cos_sin = rope_cos_sin_cache(config, config.max_position_embeddings, device)
+        self.scale = config.head_dim ** -0.5
+        q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        self._splits = (q, kv, kv)
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights read by one decode step (the embedding row read is negligible)."""
+        total = sum(lin.nbytes() for layer in self.layers
+                    for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
+        return total + self.lm_head.nbytes()
+
+    @torch.inference_mode()
+    def forward(self, batch: BatchInputs, kv: KVCache) -> torch.Tensor:
+        """Returns fp32 logits [S, V] for the rows batch.logits_indices."""
+        cfg = self.config
+        num_tokens = batch.input_ids.shape[0]
+        h = F.embedding(batch.input_ids, self.embed)  # [T, H]
+        residual = None
+        for i, layer in enumerate(self.layers):
+            if residual is None:
+                residual = h
+                x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
+            else:
+                x, residual = fused_add_rms_norm(h, residual, layer.input_norm, cfg.rms_norm_eps)
+            q, k, v = layer.qkv(x).split(self._splits, dim=-1)
+            q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)
+            k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            if layer.q_norm is not None:
+                q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+                k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+            q = rope_and_write_kv(q, k, v, batch.positions, self.cos_sin, kv.k[i], kv.v[i], batch.slot_mapping)
+            o = paged_attention(q, kv.k[i], kv.v[i], batch.block_tables, batch.query_start_loc,
+                                batch.seq_lens, self.scale, batch.seq_lens_t, batch.query_start_loc_t)
+            h = layer.o_proj(o.reshape(num_tokens, -1))
+            x, residual = fused_add_rms_norm(h, residual, layer.post_norm, cfg.rms_norm_eps)
+            h = layer.down(silu_and_mul(layer.gate_up(x)))
+        h = h[batch.logits_indices]
+        residual = residual[batch.logits_indices]
+        x, _ = fused_add_rms_norm(h, residual, self.norm, cfg.rms_norm_eps)
+        return self.lm_head(x).float()

@@ -1,0 +1,106 @@
+"""One entry point: a model spec (GGUF file, HF folder, random:<shape>, or nothing for the
+default) -> a model ready on its device, with its tokenizer and chat template."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from exlcli.errors import ModelLoadError
+from exlcli.model.chat_template import ChatTemplate
+from exlcli.model.config import ModelConfig
+from exlcli.model.llama import LlamaModel
+from exlcli.model.quant import QuantizedWeight
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    path: str
+    config: ModelConfig
+    model: LlamaModel
+    tokenizer: object  # exlcli.model.tokenizer.Tokenizer or SyntheticTokenizer
+    chat_template: ChatTemplate
+    quantization: str  # e.g. "Q4_1", "bf16", "random bf16"
+    load_time_s: float
+
+
+def pick_device(device: str | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ModelLoadError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("--device cuda asked for, but torch sees no CUDA GPU")
+    return dev
+
+
+def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16  # CPU too: the int4/bf16 matmuls are the fast path there
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _quantization(tensors: dict) -> str:
+    kinds = {v.qtype if isinstance(v, QuantizedWeight) else str(v.dtype).removeprefix("torch.")
+             for k, v in tensors.items() if k.endswith("proj.weight")}
+    return "+".join(sorted(kinds))
+
+
+def load_model(spec: str | None = None, device: str | None = None, dtype: str | None = None,
+               log=sys.stderr) -> LoadedModel:
+    from exlcli.model.registry import resolve_model_path
+
+    start = time.perf_counter()
+    dev = pick_device(device)
+    dt = pick_dtype(dtype, dev)
+    path = resolve_model_path(spec, log=log)
+    if path.startswith("random:"):
+        from exlcli.model.random_weights import SyntheticTokenizer, random_config, random_tensors
+
+        config = random_config(path)
+        tensors = random_tensors(config, device=dev, dtype=dt)
+        tokenizer = SyntheticTokenizer(config.vocab_size)
+        template = ChatTemplate(None)
+        quant = f"random {str(dt).removeprefix('torch.')}"
+    elif os.path.isdir(path):
+        from exlcli.model.hf_loader import load_hf_tensors, read_hf_config
+        from exlcli.model.tokenizer import Tokenizer
+
+        config = ModelConfig.from_hf_dict(read_hf_config(path))
+        tokenizer = Tokenizer.from_hf_folder(path)
+        tensors = load_hf_tensors(path)
+        template = ChatTemplate.for_tokenizer(tokenizer)
+        quant = _quantization(tensors)
+    else:
+        from exlcli.model.gguf_loader import load_gguf_tensors
+        from exlcli.model.gguf_meta import metadata_from_reader, open_gguf
+        from exlcli.model.tokenizer import Tokenizer
+
+        reader = open_gguf(path)
+        meta = metadata_from_reader(reader)
+        config, tensors = load_gguf_tensors(reader, meta)
+        tokenizer = Tokenizer.from_gguf_metadata(meta)
+        template = ChatTemplate.for_tokenizer(tokenizer)
+        quant = _quantization(tensors)
+    missing = [n for n in ("model.embed_tokens.weight", "model.norm.weight") if n not in tensors]
+    if missing:
+        raise ModelLoadError(f"{path}: missing tensor {missing[0]}")
+    try:
+        model = LlamaModel(config, tensors, dev, dt)
+    except (KeyError, AttributeError) as e:
+        raise ModelLoadError(f"{path}: missing or malformed tensor ({e})") from None
+    del tensors
+    name = path if path.startswith("random:") else os.path.basename(path.rstrip("/"))
+    return LoadedModel(name, path, config, model, tokenizer, template, quant, time.perf_counter() - start)

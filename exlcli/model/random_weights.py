@@ -1,0 +1,99 @@
+"""Models of real shapes with random weights, built on the device with no file (for bench, tests)."""
+
+from __future__ import annotations
+
+import torch
+
+from exlcli.errors import ModelLoadError
+from exlcli.model.config import ModelConfig
+
+SHAPES: dict[str, ModelConfig] = {
+    "tiny": ModelConfig("llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=4096,
+                        tie_word_embeddings=True),
+    "smollm2-135m": ModelConfig("llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+                                rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192,
+                                tie_word_embeddings=True),
+    "llama3.2-1b": ModelConfig("llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                               num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
+                               rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
+                               rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                               tie_word_embeddings=True),
+    "llama3-8b": ModelConfig("llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                             num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+                             rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
+                             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    "qwen2.5-7b": ModelConfig("qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                              num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
+                              rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=32768,
+                              attention_bias=True),
+}
+SHAPES["llama3.1-8b"] = SHAPES["llama3-8b"]
+
+
+def random_config(spec: str) -> ModelConfig:
+    """`spec` is 'random:<shape>' or '<shape>'."""
+    name = spec.split(":", 1)[1] if spec.startswith("random:") else spec
+    if name not in SHAPES:
+        raise ModelLoadError(f"unknown random model shape '{name}'; known: {', '.join(sorted(SHAPES))}")
+    return SHAPES[name]
+
+
+def random_tensors(config: ModelConfig, device: torch.device | str = "cpu",
+                   dtype: torch.dtype = torch.float32, seed: int = 0) -> dict[str, torch.Tensor]:
+    """HF-named weights drawn on `device`, scaled so activations stay O(1) through the layers."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    h, i = config.hidden_size, config.intermediate_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+
+    def w(rows: int, cols: int) -> torch.Tensor:
+        return torch.randn(rows, cols, generator=gen, device=device, dtype=dtype) * cols ** -0.5
+
+    def ones(n: int) -> torch.Tensor:
+        return 1.0 + 0.1 * torch.randn(n, generator=gen, device=device, dtype=dtype)
+
+    t = {"model.embed_tokens.weight": torch.randn(config.vocab_size, h, generator=gen, device=device, dtype=dtype),
+         "model.norm.weight": ones(h)}
+    if not config.tie_word_embeddings:
+        t["lm_head.weight"] = w(config.vocab_size, h)
+    for n in range(config.num_layers):
+        p = f"model.layers.{n}."
+        t.update({p + "input_layernorm.weight": ones(h), p + "post_attention_layernorm.weight": ones(h),
+                  p + "self_attn.q_proj.weight": w(q, h), p + "self_attn.k_proj.weight": w(kv, h),
+                  p + "self_attn.v_proj.weight": w(kv, h), p + "self_attn.o_proj.weight": w(h, q),
+                  p + "mlp.gate_proj.weight": w(i, h), p + "mlp.up_proj.weight": w(i, h),
+                  p + "mlp.down_proj.weight": w(h, i)})
+        if config.attention_bias:
+            for name, n_out in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+                t[p + f"self_attn.{name}.bias"] = 0.1 * torch.randn(n_out, generator=gen, device=device, dtype=dtype)
+        if config.qk_norm:
+            t[p + "self_attn.q_norm.weight"] = ones(config.head_dim)
+            t[p + "self_attn.k_norm.weight"] = ones(config.head_dim)
+    return t
+
+
+class SyntheticTokenizer:
+    """Text I/O for random models: bytes in, ids below 256 decode to bytes, others to <id>."""
+
+    kind = "synthetic bytes (random model)"
+    bos_token_id = None
+    add_bos = False
+    chat_template = None
+    bos_token = eos_token = ""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids: list[int] = []
+        self.special_token_ids: set[int] = set()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        out = bytearray()
+        for i in ids:
+            out += bytes([i]) if i < 256 else f"<{i}>".encode()
+        return out.decode("utf-8", errors="replace")
