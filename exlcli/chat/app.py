@@ -111,7 +111,8 @@ class ChatApp:
                 stream.cancel()
             self.io.error(str(e))
             return []
-        answers = self._show(StreamSet(streams, seeds), n)
+        with self.io.quiet_keyboard():
+            answers = self._show(StreamSet(streams, seeds), n)
         self._keep(message, answers)
         return answers
 
@@ -155,7 +156,6 @@ class ChatApp:
             if shown < n and shown in views:
                 views[shown].feed(streams.answers[shown].text[len(views[shown].text):])
                 close_view(shown)
-            self.io.notice("stopped (Ctrl-C)")
         for answer in streams.answers:
             self.totals.add(answer)
         if streams.answers:
@@ -166,11 +166,11 @@ class ChatApp:
         """Keep the first answer that has text (a stopped answer keeps what it had said)."""
         usable = [a for a in answers if a.text and not a.error]
         if not usable:
-            self.io.notice("nothing was answered; the message is not kept")
+            self.io.notice("no answer; the message is not kept")
             return
         self.conversation.add(message, usable[0].text, [a.text for a in answers] if len(answers) > 1 else None)
         if len(answers) > 1:
             kept = answers.index(usable[0]) + 1
             self.io.notice(f"kept answer {kept} in the conversation; /pick N keeps another")
         elif usable[0].finish_reason == "cancelled":
-            self.io.notice("the partial answer is kept; /retry asks again, /undo forgets it")
+            self.io.notice("stopped; the partial answer is kept (/retry asks again, /undo forgets it)")

@@ -6,6 +6,7 @@ Everything is injectable, so tests drive the chat with scripted input and read t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -101,6 +102,28 @@ class ChatIO:
         self.stdout.write(text)
         self.stdout.flush()
 
+    @contextlib.contextmanager
+    def quiet_keyboard(self):
+        """While an answer streams, keys typed are not echoed (they would break the live display;
+        they stay queued for the next prompt) and Ctrl-C is not shown as ^C. Ctrl-C still works."""
+        try:
+            import termios
+
+            if not self.interactive:
+                raise OSError("not a terminal")
+            fd = self.stdin.fileno()
+            saved = termios.tcgetattr(fd)
+        except Exception:  # not a real terminal (tests, pipes) or no termios (Windows)
+            yield
+            return
+        quiet = termios.tcgetattr(fd)
+        quiet[3] &= ~(termios.ECHO | getattr(termios, "ECHOCTL", 0))  # [3] is the local-modes word
+        try:
+            termios.tcsetattr(fd, termios.TCSANOW, quiet)
+            yield
+        finally:
+            termios.tcsetattr(fd, termios.TCSANOW, saved)
+
     # ---- input --------------------------------------------------------------------------------
 
     def read_message(self) -> str | None:
@@ -128,14 +151,14 @@ class ChatIO:
 
     def _continuation_line(self) -> str | None:
         try:
-            return self._prompt(CONTINUATION)
+            return self._prompt(CONTINUATION, placeholder="")
         except EOFError:
             return None
 
-    def _prompt(self, message: str) -> str:
+    def _prompt(self, message: str, **options) -> str:
         if self._session is None:
             self._session = self._make_session()
-        return self._session.prompt(message)
+        return self._session.prompt(message, **options)
 
     def _make_session(self):
         from prompt_toolkit import PromptSession
@@ -161,6 +184,7 @@ class ChatIO:
                 self.notice(f"input history not saved: cannot write {path} ({e.strerror or e})")
         return PromptSession(
             history=history, key_bindings=bindings, multiline=False, auto_suggest=AutoSuggestFromHistory(),
-            prompt_continuation=lambda width, line_number, wrap_count: CONTINUATION.rjust(width),
+            # "... " starts each new line of a multi-line message; a soft-wrapped line gets nothing.
+            prompt_continuation=lambda width, line_number, wrap_count: "" if wrap_count else CONTINUATION.rjust(width),
             placeholder=FormattedText([("fg:ansibrightblack", "Send a message (/help for commands)")]),
             input=self._pt_input, output=self._pt_output, enable_suspend=True)

@@ -44,15 +44,17 @@ def stats_line(usage: Usage | None, finish_reason: str | None) -> str:
 
 
 class _Lines:
-    """Already rendered lines, as a renderable."""
+    """Already rendered lines, as a renderable. Printed, it must end its own last line (Rich adds
+    no newline after a custom renderable); in the live area it must not (that adds a blank line)."""
 
-    def __init__(self, lines: list[list[Segment]]) -> None:
+    def __init__(self, lines: list[list[Segment]], end_with_newline: bool) -> None:
         self.lines = lines
+        self.end_with_newline = end_with_newline
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         for i, line in enumerate(self.lines):
             yield from line
-            if i + 1 < len(self.lines):
+            if self.end_with_newline or i + 1 < len(self.lines):
                 yield Segment.line()
 
 
@@ -92,10 +94,10 @@ class LiveAnswer:
         lines = self.console.render_lines(Markdown(self.text), self.console.options, pad=False)
         keep = 0 if final else self._window()
         split = max(self._committed, len(lines) - keep)
-        if split > self._committed:
-            self._live.console.print(_Lines(lines[self._committed:split]))
+        if split > self._committed:  # printed above the live area, for good
+            self._live.console.print(_Lines(lines[self._committed:split], end_with_newline=True))
             self._committed = split
-        self._live.update(_Lines(lines[self._committed:]), refresh=True)
+        self._live.update(_Lines(lines[split:], end_with_newline=False), refresh=True)
 
     def finish(self) -> None:
         """Print the whole answer for good and close the live area."""
