@@ -1,10 +1,61 @@
-"""`exlcli run`: placeholder until its module lands."""
+"""`exlcli run [PROMPT]`: one-shot generation; only the completion goes to stdout."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Optional
 
 import typer
+
+from exlcli.cli.common import DeviceOption, DtypeOption, ModelOption, fail, user_errors
+from exlcli.client.base import GenerationParams
+
+
+def read_prompt(prompt: str | None) -> str:
+    if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
+        return sys.stdin.read()
+    if prompt is None:
+        raise fail("no prompt: pass one as an argument, or pipe it on stdin")
+    return prompt
 
 
 def register(app: typer.Typer) -> None:
     @app.command("run")
-    def _placeholder() -> None:
-        """(not built yet)"""
-        raise typer.Exit(2)
+    @user_errors
+    def run(
+        prompt: Annotated[Optional[str], typer.Argument(help="The prompt; '-' or none with piped stdin reads stdin.")] = None,
+        model: ModelOption = None,
+        system: Annotated[Optional[str], typer.Option("--system", "-s", help="System message.")] = None,
+        raw: Annotated[bool, typer.Option("--raw", help="Complete the text as is, no chat template.")] = False,
+        max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", min=1, help="Most tokens to generate.")] = 512,
+        temperature: Annotated[float, typer.Option("--temperature", "-t", min=0.0, help="0 means greedy.")] = 0.7,
+        top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
+        top_k: Annotated[int, typer.Option("--top-k", min=0)] = 0,
+        seed: Annotated[Optional[int], typer.Option("--seed")] = None,
+        device: DeviceOption = None,
+        dtype: DtypeOption = None,
+    ) -> None:
+        """Generate one answer and print only the completion."""
+        from exlcli.client.local import LocalClient
+
+        text = read_prompt(prompt)
+        params = GenerationParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                  top_k=top_k, seed=seed, client="run")
+        client = LocalClient.from_model(model, device=device, dtype=dtype)
+        try:
+            if raw:
+                stream = client.complete(text, params)
+            else:
+                messages = ([{"role": "system", "content": system}] if system else []) + [
+                    {"role": "user", "content": text}]
+                stream = client.chat(messages, params)
+            last = None
+            for delta in stream:
+                sys.stdout.write(delta.text)
+                sys.stdout.flush()
+                last = delta
+            sys.stdout.write("\n")
+            if last is not None and last.finish_reason == "error":
+                raise fail(last.error or "generation failed")
+        finally:
+            client.close()
