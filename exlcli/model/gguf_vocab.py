@@ -1,0 +1,145 @@
+"""Build a `tokenizers.Tokenizer` from the vocabulary a GGUF file embeds.
+
+Two vocabulary kinds (`tokenizer.ggml.model`):
+- "gpt2": byte-level BPE; tokens are already spelled in GPT-2's byte alphabet, merges are given.
+  How text is split before BPE depends on the model family (`tokenizer.ggml.pre`).
+- "llama": SentencePiece BPE; pieces carry scores, merges are implied by them, and bytes that no
+  piece covers fall back to the `<0xNN>` tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from exlcli.errors import ModelLoadError
+
+# llama.cpp token types (tokenizer.ggml.token_type)
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+# Pre-tokenizer split patterns: how each family cut text into words before its merges were learned.
+GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+# Llama 3 (tiktoken cl100k style): case-insensitive contractions, up to 3 digits per number piece,
+# newlines kept with the punctuation before them.
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen2: as Llama 3 but every digit is its own piece.
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+_PRE_SPLITS = {
+    "llama-bpe": LLAMA3_SPLIT, "llama3": LLAMA3_SPLIT, "llama-v3": LLAMA3_SPLIT,
+    "smaug-bpe": LLAMA3_SPLIT, "falcon3": LLAMA3_SPLIT,
+    "qwen2": QWEN2_SPLIT, "deepseek-r1-qwen": QWEN2_SPLIT,
+}
+
+
+def _pre_tokenizer(pre: str | None):
+    from tokenizers import Regex, pre_tokenizers
+
+    if pre == "smollm":
+        # SmolLM: each digit alone, then GPT-2's split
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    split = _PRE_SPLITS.get(pre or "default")
+    if split is None:  # "default", "gpt2" and families we don't know: GPT-2's split
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+def _add_marked_tokens(tok: Any, tokens: list[str], types: list[int], special_types: tuple[int, ...]) -> None:
+    """Control (and unknown) tokens become special tokens, user-defined ones plain added tokens, so
+    that their text in the input is matched whole instead of being cut into pieces."""
+    from tokenizers import AddedToken
+
+    special = [AddedToken(t, special=True, normalized=False)
+               for t, k in zip(tokens, types) if k in special_types]
+    user = [AddedToken(t, special=False, normalized=False)
+            for t, k in zip(tokens, types) if k == USER_DEFINED]
+    if special:
+        tok.add_special_tokens(special)
+    if user:
+        tok.add_tokens(user)
+
+
+def _vocab(tokens: list[str]) -> dict[str, int]:
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)  # a duplicated token keeps its first id
+    return vocab
+
+
+def build_byte_level_bpe(meta: dict[str, Any]):
+    from tokenizers import Tokenizer, decoders, models
+
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    types = list(meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
+    merges_raw = meta.get("tokenizer.ggml.merges")
+    if not merges_raw:
+        raise ModelLoadError("GGUF gpt2 vocabulary has no merges (tokenizer.ggml.merges)")
+    merges = []
+    for m in merges_raw:
+        left, sep, right = m.partition(" ")
+        if not sep:
+            raise ModelLoadError(f"GGUF merge {m!r} is not two tokens separated by a space")
+        merges.append((left, right))
+    try:
+        tok = Tokenizer(models.BPE(vocab=_vocab(tokens), merges=merges, fuse_unk=False))
+    except Exception as e:
+        raise ModelLoadError(f"GGUF vocabulary could not be built: {e}") from None
+    tok.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre"))
+    tok.decoder = decoders.ByteLevel()
+    _add_marked_tokens(tok, tokens, types, (CONTROL,))
+    return tok
+
+
+def sentencepiece_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+    """The merges a scored SentencePiece BPE vocabulary implies.
+
+    SentencePiece merges the adjacent pair whose joined piece scores highest; a ranked merge list
+    gives the same result when every way of building a piece from two pieces is ranked by the
+    joined piece's score.
+    """
+    mergeable = {t: i for i, (t, k) in enumerate(zip(tokens, types)) if k in (NORMAL, USER_DEFINED)}
+    ranked = []
+    for piece, i in mergeable.items():
+        splits = [(piece[:cut], piece[cut:]) for cut in range(1, len(piece))]
+        splits = [(a, b) for a, b in splits if a in mergeable and b in mergeable]
+        splits.sort(key=lambda ab: (mergeable[ab[0]], mergeable[ab[1]]))
+        ranked += [(-scores[i], -len(a), -len(b), n, a, b) for n, (a, b) in enumerate(splits)]
+    ranked.sort(key=lambda r: r[:3])  # stable: ties keep the id order above
+    return [(a, b) for *_, a, b in ranked]
+
+
+def build_sentencepiece_bpe(meta: dict[str, Any]):
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    n = len(tokens)
+    types = list(meta.get("tokenizer.ggml.token_type") or [NORMAL] * n)
+    scores = list(meta.get("tokenizer.ggml.scores") or [0.0] * n)
+    if len(types) != n or len(scores) != n:
+        raise ModelLoadError("GGUF vocabulary: tokens, scores and token types differ in length")
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    if unk_id is None:
+        unk_id = next((i for i, k in enumerate(types) if k == UNKNOWN), None)
+    unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < n else None
+    try:
+        model = models.BPE(vocab=_vocab(tokens), merges=sentencepiece_merges(tokens, scores, types),
+                           unk_token=unk, fuse_unk=True, byte_fallback=True)
+    except Exception as e:
+        raise ModelLoadError(f"GGUF vocabulary could not be built: {e}") from None
+    tok = Tokenizer(model)
+    space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    # SentencePiece writes spaces as U+2581 and puts one in front of the text (and, like
+    # llama.cpp, of each piece of text that follows a special token), even if it starts with one.
+    steps = [normalizers.Replace(" ", "\u2581")]
+    if space_prefix:
+        steps.insert(0, normalizers.Prepend("\u2581"))
+    tok.normalizer = normalizers.Sequence(steps)
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if space_prefix:
+        steps.append(decoders.Strip(" ", 1, 0))
+    tok.decoder = decoders.Sequence(steps)
+    _add_marked_tokens(tok, tokens, types, (CONTROL, UNKNOWN))
+    return tok
