@@ -1,10 +1,83 @@
-"""`exlcli serve`: placeholder until its module lands."""
+"""`exlcli serve`: one shared engine for many terminals and OpenAI clients, with a live display."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
 
 import typer
+
+from exlcli.cli.common import DeviceOption, DtypeOption, ModelOption, fail, user_errors
+
+DEFAULT_PORT = 8000
 
 
 def register(app: typer.Typer) -> None:
     @app.command("serve")
-    def _placeholder() -> None:
-        """(not built yet)"""
-        raise typer.Exit(2)
+    @user_errors
+    def serve_command(
+        model: ModelOption = None,
+        host: Annotated[str, typer.Option(
+            "--host", envvar="EXLCLI_HOST",
+            help="Address to listen on. Anything but loopback needs --api-key.")] = "127.0.0.1",
+        port: Annotated[int, typer.Option("--port", "-p", envvar="EXLCLI_PORT", help="TCP port.")] = DEFAULT_PORT,
+        api_key: Annotated[Optional[str], typer.Option(
+            "--api-key", envvar="EXLCLI_API_KEY",
+            help="Require 'Authorization: Bearer KEY' on every API call.")] = None,
+        max_queue: Annotated[int, typer.Option(
+            "--max-queue", help="Requests allowed to wait for the engine; beyond that, 503 + Retry-After.")] = 256,
+        max_body_mb: Annotated[float, typer.Option(
+            "--max-body-mb", help="Largest request body accepted, in MiB.")] = 4.0,
+        default_max_tokens: Annotated[int, typer.Option(
+            "--default-max-tokens", help="max_tokens for requests that name none.")] = 2048,
+        display: Annotated[Optional[bool], typer.Option(
+            "--display/--no-display",
+            help="Live display of requests and engine. Default: on when stderr is a terminal.")] = None,
+        device: DeviceOption = None,
+        dtype: DtypeOption = None,
+        kv_memory: Annotated[Optional[str], typer.Option(
+            "--kv-memory", help="Memory for the KV cache, e.g. 2GiB or 0.5 (fraction of free).")] = None,
+        prefix_cache: Annotated[bool, typer.Option(
+            "--prefix-cache/--no-prefix-cache", help="Share the KV pages of common prompt prefixes.")] = True,
+        fake_engine: Annotated[Optional[float], typer.Option(
+            "--fake-engine", hidden=True,
+            help="Serve the deterministic echo engine, one word per DELAY seconds (tests, demos).")] = None,
+    ) -> None:
+        """Serve one model to many clients: OpenAI API at /v1, /metrics, a live display.
+
+        `exlcli chat`, `batch` and `bench` attach to it automatically.
+        """
+        from exlcli.server.app import ServerConfig
+        from exlcli.server.runner import bind_socket, serve
+        from exlcli.server.security import check_bind_allowed
+
+        if not 0 <= port <= 65535:
+            raise fail(f"--port must be in 0..65535, got {port}")
+        if max_queue < 1:
+            raise fail(f"--max-queue must be at least 1, got {max_queue}")
+        if max_body_mb <= 0:
+            raise fail(f"--max-body-mb must be positive, got {max_body_mb}")
+        if default_max_tokens < 1:
+            raise fail(f"--default-max-tokens must be at least 1, got {default_max_tokens}")
+        check_bind_allowed(host, api_key)
+        sock = bind_socket(host, port)  # before the model loads, so a busy port fails fast
+        port = sock.getsockname()[1]
+        try:
+            client = _open_engine(model, fake_engine, device, dtype, kv_memory, prefix_cache)
+        except BaseException:
+            sock.close()
+            raise
+        config = ServerConfig(api_key=api_key or None, max_queue=max_queue,
+                              max_body_bytes=int(max_body_mb * 1024 * 1024), default_max_tokens=default_max_tokens)
+        with client:
+            serve(client, sock, host, port, config, live_display=display)
+
+
+def _open_engine(model, fake_delay, device, dtype, kv_memory, prefix_cache):
+    if fake_delay is not None:
+        from exlcli.client.fake import FakeClient
+
+        return FakeClient(token_delay=max(0.0, fake_delay))
+    from exlcli.client.factory import open_client
+
+    return open_client(model, local=True, device=device, dtype=dtype, kv_memory=kv_memory,
+                       prefix_cache=prefix_cache)

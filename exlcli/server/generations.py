@@ -1,0 +1,129 @@
+"""The engine streams behind one HTTP request (`n` choices, or several prompts): start them,
+merge their deltas into one sequence, and cancel them together when the client leaves."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
+
+from exlcli.client.base import GenerationStream, TextDelta
+from exlcli.engine.request import TokenLogprob
+from exlcli.server.openai_format import ChoiceResult
+from exlcli.server.tracker import Generation, RequestTracker
+
+
+@dataclass
+class Choice:
+    index: int  # the choice's index in the response
+    prompt_index: int
+    stream: GenerationStream
+    gen: Generation
+    finished: bool = False
+
+
+@dataclass
+class Starter:
+    """How to start one choice: a blocking call returning a GenerationStream."""
+
+    index: int
+    prompt_index: int
+    start: Callable[[], GenerationStream]
+
+
+@dataclass
+class ChoiceDelta:
+    choice: Choice
+    delta: TextDelta
+
+
+@dataclass
+class GenerationGroup:
+    response_id: str
+    endpoint: str
+    client_label: str
+    priority: str
+    tracker: RequestTracker
+    choices: list[Choice] = field(default_factory=list)
+
+    async def start(self, starters: list[Starter]) -> None:
+        """Start every choice; if one is refused (RequestError) cancel those already started."""
+        try:
+            for s in starters:
+                # Off the event loop: starting tokenises the prompt, which can take a while.
+                stream = await asyncio.to_thread(s.start)
+                gen = self.tracker.start(stream.request_id, self.client_label, self.priority, self.endpoint)
+                self.choices.append(Choice(s.index, s.prompt_index, stream, gen))
+        except BaseException:
+            self.cancel()
+            raise
+
+    def cancel(self) -> None:
+        for c in self.choices:
+            if not c.finished:
+                c.stream.cancel()
+                c.finished = True
+                self.tracker.finish(c.gen, None, "cancelled")
+
+    async def deltas(self) -> AsyncIterator[ChoiceDelta]:
+        """Deltas of all choices, interleaved as they come; closing this cancels what is left."""
+        queue: asyncio.Queue[ChoiceDelta | Choice] = asyncio.Queue()
+
+        async def pump(choice: Choice) -> None:
+            try:
+                async for delta in choice.stream:
+                    await queue.put(ChoiceDelta(choice, delta))
+                    if delta.finished:
+                        return
+                # The stream ended without a final delta: treat as an engine error.
+                await queue.put(ChoiceDelta(choice, TextDelta(finish_reason="error",
+                                                              error="the engine ended the stream early")))
+            except Exception as e:  # an engine failure ends this choice, not the server
+                await queue.put(ChoiceDelta(choice, TextDelta(finish_reason="error", error=f"engine error: {e}")))
+            finally:
+                await queue.put(choice)
+
+        tasks = [asyncio.create_task(pump(c)) for c in self.choices]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                item = await queue.get()
+                if isinstance(item, Choice):
+                    remaining -= 1
+                    continue
+                if item.choice.finished:
+                    continue
+                self.tracker.on_delta(item.choice.gen, item.delta)
+                if item.delta.finished:
+                    item.choice.finished = True
+                yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+            self.cancel()
+
+    async def collect(self) -> list[ChoiceResult]:
+        """Run every choice to its end (non-streaming answers)."""
+        results = {c.index: ChoiceResult(index=c.index, prompt_index=c.prompt_index) for c in self.choices}
+        texts: dict[int, list[str]] = {c.index: [] for c in self.choices}
+        async for item in self.deltas():
+            result = results[item.choice.index]
+            texts[result.index].append(item.delta.text)
+            if item.delta.logprobs:
+                result.logprobs.extend(_as_logprobs(item.delta.logprobs))
+            if item.delta.finished:
+                result.finish_reason = item.delta.finish_reason
+                result.usage = item.delta.usage
+                if item.delta.error:
+                    raise EngineFailure(item.delta.error)
+        for index, parts in texts.items():
+            results[index].text = "".join(parts)
+        return [results[i] for i in sorted(results)]
+
+
+class EngineFailure(Exception):
+    """The engine failed one of the request's choices."""
+
+
+def _as_logprobs(items: list) -> list[TokenLogprob]:
+    return [t for t in items if isinstance(t, TokenLogprob)]

@@ -1,0 +1,174 @@
+"""Response objects in the OpenAI API shape (plain dicts, ready for JSON)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable
+
+from exlcli.client.base import Usage
+from exlcli.engine.request import TokenLogprob
+
+TokenText = Callable[[int], str]  # token id -> its text, for logprobs
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+@dataclass
+class ChoiceResult:
+    """One finished choice of a non-streaming answer."""
+
+    index: int
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    usage: Usage | None = None
+    prompt_index: int = 0  # which prompt of a list `prompt` this choice answers
+
+
+def usage_dict(usages: list[tuple[int, Usage | None]]) -> dict:
+    """Sum the usage of several choices; `(prompt_index, usage)` pairs so that a prompt shared by
+    `n` choices is counted once, as OpenAI does. Timing extras come from the first choice."""
+    prompt_tokens: dict[int, int] = {}
+    cached: dict[int, int] = {}
+    completion = 0
+    first = next((u for _, u in usages if u is not None), None)
+    for prompt_index, u in usages:
+        if u is None:
+            continue
+        prompt_tokens[prompt_index] = u.prompt_tokens
+        cached[prompt_index] = u.cached_tokens
+        completion += u.completion_tokens
+    total_prompt = sum(prompt_tokens.values())
+    body = {
+        "prompt_tokens": total_prompt,
+        "completion_tokens": completion,
+        "total_tokens": total_prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(cached.values())},
+    }
+    if first is not None:  # exlcli extras, read back by RemoteClient
+        body.update(queue_time=first.queue_time, ttft=first.ttft, total_time=first.total_time,
+                    decode_tps=first.decode_tps)
+    return body
+
+
+def usage_from_dict(body: dict | None) -> Usage | None:
+    if not body:
+        return None
+    details = body.get("prompt_tokens_details") or {}
+    return Usage(prompt_tokens=int(body.get("prompt_tokens") or 0),
+                 cached_tokens=int(details.get("cached_tokens") or 0),
+                 completion_tokens=int(body.get("completion_tokens") or 0),
+                 queue_time=float(body.get("queue_time") or 0.0), ttft=body.get("ttft"),
+                 total_time=float(body.get("total_time") or 0.0),
+                 decode_tps=float(body.get("decode_tps") or 0.0))
+
+
+# ---- logprobs ---------------------------------------------------------------------------------
+
+def _token_entry(token_id: int, token: str, logprob: float) -> dict:
+    # "token_id" is an exlcli extra (OpenAI clients ignore it) so RemoteClient gets ids back.
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8", "replace")),
+            "token_id": token_id}
+
+
+def chat_logprobs(tokens: list[TokenLogprob], token_text: TokenText, num_top: int) -> dict:
+    content = []
+    for t in tokens:
+        entry = _token_entry(t.token_id, token_text(t.token_id), t.logprob)
+        entry["top_logprobs"] = [_token_entry(i, token_text(i), lp) for i, lp in t.top[:num_top]]
+        content.append(entry)
+    return {"content": content}
+
+
+def completion_logprobs(tokens: list[TokenLogprob], token_text: TokenText, num_top: int,
+                        text_offset: int) -> dict:
+    texts, offsets = [], []
+    for t in tokens:
+        text = token_text(t.token_id)
+        texts.append(text)
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {
+        "tokens": texts,
+        "token_logprobs": [t.logprob for t in tokens],
+        "top_logprobs": [{token_text(i): lp for i, lp in t.top[:num_top]} for t in tokens],
+        "text_offset": offsets,
+        "token_ids": [t.token_id for t in tokens],  # exlcli extra, for RemoteClient
+    }
+
+
+# ---- whole answers ----------------------------------------------------------------------------
+
+def chat_completion(response_id: str, created: int, model: str, choices: list[ChoiceResult],
+                    logprob_fn: Callable[[ChoiceResult], dict | None]) -> dict:
+    return {
+        "id": response_id, "object": "chat.completion", "created": created, "model": model,
+        "choices": [{
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.text},
+            "logprobs": logprob_fn(c),
+            "finish_reason": c.finish_reason,
+        } for c in choices],
+        "usage": usage_dict([(c.prompt_index, c.usage) for c in choices]),
+    }
+
+
+def text_completion(response_id: str, created: int, model: str, choices: list[ChoiceResult],
+                    logprob_fn: Callable[[ChoiceResult], dict | None]) -> dict:
+    return {
+        "id": response_id, "object": "text_completion", "created": created, "model": model,
+        "choices": [{
+            "index": c.index, "text": c.text, "logprobs": logprob_fn(c), "finish_reason": c.finish_reason,
+        } for c in choices],
+        "usage": usage_dict([(c.prompt_index, c.usage) for c in choices]),
+    }
+
+
+# ---- streaming chunks -------------------------------------------------------------------------
+
+def _with_token_ids(choice: dict, token_ids: list[int] | None) -> dict:
+    if token_ids is not None:  # exlcli extra, only when the request sets "return_token_ids"
+        choice["token_ids"] = token_ids
+    return choice
+
+
+def chat_chunk(response_id: str, created: int, model: str, index: int, delta: dict,
+               finish_reason: str | None = None, logprobs: dict | None = None,
+               token_ids: list[int] | None = None) -> dict:
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    return {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [_with_token_ids(choice, token_ids)]}
+
+
+def completion_chunk(response_id: str, created: int, model: str, index: int, text: str,
+                     finish_reason: str | None = None, logprobs: dict | None = None,
+                     token_ids: list[int] | None = None) -> dict:
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    return {"id": response_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [_with_token_ids(choice, token_ids)]}
+
+
+def usage_chunk(response_id: str, created: int, model: str, obj: str,
+                usages: list[tuple[int, Usage | None]]) -> dict:
+    return {"id": response_id, "object": obj, "created": created, "model": model, "choices": [],
+            "usage": usage_dict(usages)}
+
+
+def model_list(model: str, context_length: int, created: int) -> dict:
+    return {"object": "list", "data": [{
+        "id": model, "object": "model", "created": created, "owned_by": "exlcli",
+        "max_model_len": context_length,
+    }]}

@@ -1,0 +1,124 @@
+"""Run the app under uvicorn: bind first (so a busy port fails before the model loads), record the
+address in the runtime file, show the display, and on SIGTERM or Ctrl-C drain, then exit."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+from types import FrameType
+
+import uvicorn
+from rich.console import Console
+
+from exlcli.client.base import EngineClient
+from exlcli.errors import ExlcliError
+from exlcli.server.app import ServerConfig, ServerState, create_app
+from exlcli.server.dashboard import LiveDashboard, LogDashboard
+from exlcli.server.runtime_file import ServerRecord, find_running_server, remove_record, write_record
+from exlcli.server.security import check_bind_allowed
+from exlcli.server.tracker import RequestTracker
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host.strip("[]"), port))
+    except OSError as e:
+        sock.close()
+        running = find_running_server()
+        hint = f"; an exlcli server is already running at {running}" if running else "; pick another with --port"
+        raise ExlcliError(f"cannot listen on {host}:{port} ({e.strerror or e}){hint}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def url_for(host: str, port: int) -> str:
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"  # the address local clients use to reach an any-address bind
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, plus: the display runs for the server's whole life (drain included), and a
+    signal first puts the app in draining mode (new requests get 503) while uvicorn waits for the
+    running ones; a second Ctrl-C forces the exit."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, display) -> None:
+        super().__init__(config)
+        self.state = state
+        self.display = display
+        self._display_task: asyncio.Task | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        self._display_task = asyncio.create_task(self.display.run(self.state))
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().shutdown(sockets)
+        if self._display_task is not None:
+            self._display_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._display_task
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Unlike uvicorn's own handler, the signal is not re-raised after shutdown: a drained
+        # server exits 0.
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+            return
+        self.should_exit = True
+        if not self.state.draining:
+            self.state.draining = True
+            running = len(self.state.tracker.live)
+            self.display.note(f"{signal.Signals(sig).name}: draining {running} running request(s), then exiting"
+                              + (" (Ctrl-C again to stop now)" if sig == signal.SIGINT else ""))
+
+
+def _configure_logging(console: Console | None) -> None:
+    if console is not None:
+        from rich.logging import RichHandler
+
+        handler: logging.Handler = RichHandler(console=console, show_path=False)
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for name, level in (("exlcli", logging.INFO), ("uvicorn.error", logging.WARNING)):
+        logger = logging.getLogger(name)
+        logger.handlers[:] = [handler]
+        logger.setLevel(level)
+        logger.propagate = False
+
+
+def serve(client: EngineClient, sock: socket.socket, host: str, port: int, config: ServerConfig,
+          live_display: bool | None = None) -> None:
+    """Serve until a signal; the caller owns `client` and closes it afterwards."""
+    check_bind_allowed(host, config.api_key)
+    url = url_for(host, port)
+    console = Console(stderr=True)
+    if live_display is None:
+        live_display = console.is_terminal and not console.is_dumb_terminal
+    display = LiveDashboard(url, console) if live_display else LogDashboard(url)
+    _configure_logging(console if live_display else None)
+    tracker = RequestTracker(on_finish=display.on_finish)
+    app = create_app(client, config, tracker)
+    uv_config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on", ws="none",
+                               server_header=False, timeout_graceful_shutdown=None)
+    server = DrainingServer(uv_config, app.state.exlcli, display)
+    write_record(ServerRecord(url=url, pid=os.getpid(), model=client.model_name, api_key=config.api_key))
+    display.note(f"serving {client.model_name} at {url} (OpenAI API under {url}/v1; Ctrl-C or SIGTERM drains and stops)")
+    try:
+        server.run(sockets=[sock])
+    finally:
+        remove_record()
+        sock.close()
+    display.note("stopped")

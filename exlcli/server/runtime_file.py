@@ -1,0 +1,120 @@
+"""The per-user runtime file where a running `exlcli serve` records its address, so that `chat`,
+`batch` and `bench` can find it and attach instead of loading a second copy of the model.
+
+The file lives in $EXLCLI_RUNTIME_DIR, else $XDG_RUNTIME_DIR/exlcli, else ~/.cache/exlcli; the
+folder is 0700 and the file 0600, because it holds the server's API key when there is one (the
+same trust a user's own files get, as Jupyter does with its runtime files).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+
+from exlcli.server.security import is_loopback_host
+
+FILE_NAME = "server.json"
+HEALTH_TIMEOUT_S = 0.5
+
+
+@dataclass
+class ServerRecord:
+    url: str
+    pid: int
+    model: str
+    api_key: str | None = None
+    started: float = field(default_factory=time.time)
+
+
+def runtime_dir() -> Path:
+    if os.environ.get("EXLCLI_RUNTIME_DIR"):
+        return Path(os.environ["EXLCLI_RUNTIME_DIR"])
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        return Path(os.environ["XDG_RUNTIME_DIR"]) / "exlcli"
+    return Path.home() / ".cache" / "exlcli"
+
+
+def runtime_path() -> Path:
+    return runtime_dir() / FILE_NAME
+
+
+def write_record(record: ServerRecord) -> Path:
+    path = runtime_path()
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = path.with_name(f".{FILE_NAME}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(asdict(record), f)
+    os.replace(tmp, path)  # atomic: a reader sees the old file or the new one, never half
+    return path
+
+
+def read_record() -> ServerRecord | None:
+    try:
+        data = json.loads(runtime_path().read_text())
+        return ServerRecord(url=str(data["url"]), pid=int(data["pid"]), model=str(data.get("model", "")),
+                            api_key=data.get("api_key") or None, started=float(data.get("started", 0.0)))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def remove_record(pid: int | None = None) -> None:
+    """Remove the file if it is ours (names `pid`, default this process): a newer server that
+    replaced it keeps its record."""
+    record = read_record()
+    if record is not None and record.pid != (pid or os.getpid()):
+        return
+    try:
+        runtime_path().unlink()
+    except FileNotFoundError:
+        pass
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def http_client_options(url: str) -> dict:
+    # A proxy from the environment must never sit between us and a server on this machine.
+    host = urlsplit(url).hostname or ""
+    return {"trust_env": not is_loopback_host(host)}
+
+
+def server_answers(url: str, timeout: float = HEALTH_TIMEOUT_S) -> bool:
+    try:
+        response = httpx.get(url.rstrip("/") + "/health", timeout=timeout, **http_client_options(url))
+    except httpx.HTTPError:
+        return False
+    return response.status_code == 200
+
+
+def find_running_server(timeout: float = HEALTH_TIMEOUT_S) -> str | None:
+    """The URL of a running `exlcli serve` that answers /health within `timeout`, else None.
+    A record left by a server that died is removed."""
+    record = read_record()
+    if record is None:
+        return None
+    if not _process_alive(record.pid):
+        remove_record(record.pid)
+        return None
+    return record.url if server_answers(record.url, timeout) else None
+
+
+def api_key_for(url: str) -> str | None:
+    """The key a server recorded for itself, when `url` is that server."""
+    record = read_record()
+    if record is None or record.url.rstrip("/") != url.rstrip("/"):
+        return None
+    return record.api_key

@@ -1,0 +1,223 @@
+"""Request bodies of the HTTP API, validated strictly so a bad field becomes a 400 naming it.
+
+Strict mode on purpose: "temperature": "0.5" or "stream": 1 is an error, as with OpenAI, not a
+silent coercion. Fields OpenAI defines but we cannot honour are refused; unknown extras are ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from exlcli.client.base import GenerationParams
+
+MAX_CHOICES = 16  # `n`
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_MESSAGES = 4096
+MAX_PROMPTS = 64  # a list `prompt` in /v1/completions
+MAX_TOP_LOGPROBS = 20
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
+def _valid_unicode(text: str) -> str:
+    # JSON may carry lone surrogates ("\ud800"); they cannot be tokenised or sent back as UTF-8.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("is not valid Unicode text (it holds a lone surrogate)") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+ClientLabel = Annotated[str, Field(min_length=1, max_length=24, pattern=r"^[A-Za-z0-9_.:-]+$")]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Text | list[Any] | None = None
+    name: Text | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, value: str | list | None) -> str | None:
+        if not isinstance(value, list):
+            return value
+        texts = []
+        for part in value:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError("only text content parts ({\"type\": \"text\", \"text\": ...}) are supported")
+            texts.append(_valid_unicode(part["text"]))
+        return "".join(texts)
+
+    def as_dict(self) -> dict:
+        # Chat templates know system / user / assistant; OpenAI's newer "developer" is a system turn.
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": self.content or ""}
+
+
+class _SamplingBody(_Body):
+    """Fields shared by chat and text completions. None means "the default"."""
+
+    model: Text | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0, le=10)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    stop: Text | list[Text] | None = None
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES)
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: Text | None = None
+    # exlcli extensions: scheduling class, and who asked (shown on the server's live display).
+    priority: Literal["interactive", "batch"] | None = None
+    client: ClientLabel | None = None
+    return_token_ids: bool | None = None  # stream chunks carry "token_ids" (RemoteClient uses it)
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, value: str | list[str] | None) -> list[str]:
+        stops = [value] if isinstance(value, str) else list(value or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
+        for s in stops:
+            if not s or len(s) > MAX_STOP_CHARS:
+                raise ValueError(f"each stop string must have 1 to {MAX_STOP_CHARS} characters")
+        return stops
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
+    @property
+    def streaming(self) -> bool:
+        return bool(self.stream)
+
+    @property
+    def include_usage_chunk(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def _max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def _num_logprobs(self) -> int:
+        return 0
+
+    def generation_params(self, index: int, default_max_tokens: int) -> GenerationParams:
+        """Parameters for choice `index`; each choice of a seeded request gets its own seed."""
+        seed = self.seed
+        if seed is not None and index:
+            seed = (seed + index - SEED_MIN) % 2**64 + SEED_MIN  # wrap within int64
+        max_tokens = self._max_tokens()
+        return GenerationParams(
+            max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            seed=seed,
+            stop=list(self.stop or []),
+            priority=self.priority or "interactive",
+            logprobs=self._num_logprobs(),
+            client=self.client or "api",
+        )
+
+
+class ChatCompletionRequest(_SamplingBody):
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, value: list | None) -> None:
+        if value:
+            raise ValueError("tool calling is not supported by this server")
+        return None
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format_only(cls, value: dict | None) -> dict | None:
+        if value is not None and value.get("type") != "text":
+            raise ValueError("only {\"type\": \"text\"} is supported")
+        return value
+
+    def _max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def _num_logprobs(self) -> int:
+        # The engine reports the sampled token's logprob only alongside a top-n list, so ask for
+        # at least one; the response trims `top_logprobs` back to what was asked.
+        return max(self.top_logprobs or 0, 1) if self.logprobs else 0
+
+    def message_dicts(self) -> list[dict]:
+        return [m.as_dict() for m in self.messages]
+
+
+class CompletionRequest(_SamplingBody):
+    prompt: Text | list[Any]
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool | None = None
+    suffix: Text | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)
+
+    @field_validator("prompt")
+    @classmethod
+    def _text_prompts(cls, value: str | list) -> str | list[str]:
+        if isinstance(value, str):
+            return value
+        if not value or len(value) > MAX_PROMPTS:
+            raise ValueError(f"a prompt list must hold 1 to {MAX_PROMPTS} strings")
+        for item in value:
+            if not isinstance(item, str):
+                raise ValueError("prompts must be text; token-id prompts are not supported")
+            _valid_unicode(item)
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> None:
+        if value:
+            raise ValueError("suffix (fill-in-the-middle) is not supported")
+        return None
+
+    def prompts(self) -> list[str]:
+        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+
+    def _num_logprobs(self) -> int:
+        return self.logprobs or 0
+
+    @model_validator(mode="after")
+    def _best_of_is_n(self) -> "CompletionRequest":
+        if self.best_of is not None and self.best_of != self.num_choices:
+            raise ValueError("best_of must equal n (this server does not rerank)")
+        return self
+
+
+class TokenizeRequest(_Body):
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    add_generation_prompt: bool = True
+
+    def message_dicts(self) -> list[dict]:
+        return [m.as_dict() for m in self.messages]
