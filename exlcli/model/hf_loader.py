@@ -1,0 +1,126 @@
+"""Hugging Face checkpoint folders: config.json and safetensors weights (one file or shards).
+
+Tensors are read one at a time through safetensors' memory map, so the process never holds the
+checkpoint twice: each tensor is copied out of the mapped file once, in its stored dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING, Any
+
+from exlcli.errors import ModelLoadError, UnsupportedTensorTypeError
+
+if TYPE_CHECKING:
+    import torch
+
+    from exlcli.model.config import ModelConfig
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def _folder(folder: str | os.PathLike) -> str:
+    path = os.fspath(folder)
+    if not os.path.exists(path):
+        raise ModelLoadError(f"model folder not found: {path}")
+    if not os.path.isdir(path):
+        raise ModelLoadError(f"{path} is not a folder (a Hugging Face checkpoint is a folder with "
+                             f"config.json and {SINGLE_FILE})")
+    return path
+
+
+def read_hf_config(folder: str | os.PathLike) -> dict[str, Any]:
+    path = os.path.join(_folder(folder), "config.json")
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"{os.fspath(folder)}: no config.json (not a Hugging Face checkpoint folder?)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ModelLoadError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
+    return cfg
+
+
+def _weight_files(folder: str) -> dict[str, list[str] | None]:
+    """Each safetensors file -> the tensor names the index promises in it (None: whatever it has)."""
+    single = os.path.join(folder, SINGLE_FILE)
+    index = os.path.join(folder, INDEX_FILE)
+    if os.path.isfile(index):
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not an object")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ModelLoadError(f"{index}: not a valid safetensors index ({e})") from None
+        files: dict[str, list[str]] = {}
+        for name, shard in weight_map.items():
+            files.setdefault(os.path.join(folder, shard), []).append(name)
+        return dict(files)
+    if os.path.isfile(single):
+        return {single: None}
+    if any(n.endswith(".bin") for n in os.listdir(folder)):
+        raise ModelLoadError(f"{folder}: only PyTorch .bin weights found; exlcli reads safetensors "
+                             f"({SINGLE_FILE} or {INDEX_FILE})")
+    raise ModelLoadError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE}")
+
+
+def load_hf_tensors(folder: str | os.PathLike,
+                    config: "ModelConfig | None" = None) -> "dict[str, torch.Tensor]":
+    """All tensors of the checkpoint under their HF names (model.layers.0.self_attn.q_proj.weight,
+    ...), in their stored dtype (bf16, fp16 or fp32). With `config`, also checks that every
+    tensor the model needs is there."""
+    import torch
+    from safetensors import SafetensorError, safe_open
+
+    allowed = (torch.bfloat16, torch.float16, torch.float32)
+    path = _folder(folder)
+    tensors: dict[str, torch.Tensor] = {}
+    files = _weight_files(path)
+    for file in files:  # all shards present before reading any
+        if not os.path.isfile(file):
+            raise ModelLoadError(f"{path}: shard {os.path.basename(file)} named in {INDEX_FILE} is missing")
+    for file, promised in files.items():
+        try:
+            with safe_open(file, framework="pt") as f:
+                names = list(f.keys())
+                have = set(names)
+                for name in promised or []:
+                    if name not in have:
+                        raise ModelLoadError(f"{file}: missing tensor {name} (listed in {INDEX_FILE})")
+                for name in names:
+                    t = f.get_tensor(name)
+                    if t.dtype not in allowed:
+                        raise UnsupportedTensorTypeError(
+                            f"{file}: tensor {name} has dtype {str(t.dtype).removeprefix('torch.')}; "
+                            f"supported: bfloat16, float16, float32")
+                    tensors[name] = t
+        except (SafetensorError, OSError) as e:
+            raise ModelLoadError(f"{file}: corrupt or unreadable safetensors file ({e})") from None
+    if config is not None:
+        missing = [n for n in expected_tensor_names(config) if n not in tensors]
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise ModelLoadError(f"{path}: missing tensor {missing[0]}{more}")
+    return tensors
+
+
+def expected_tensor_names(config: "ModelConfig") -> list[str]:
+    """The HF tensor names a llama-family decoder with this config needs."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not config.tie_word_embeddings:
+        names.append("lm_head.weight")
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        names += [f"{p}self_attn.{x}_proj.weight" for x in "qkvo"]
+        names += [f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+        if config.attention_bias:
+            names += [f"{p}self_attn.{x}_proj.bias" for x in "qkv"]
+        if config.qk_norm:
+            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+    return names
