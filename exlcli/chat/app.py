@@ -83,7 +83,7 @@ class ChatApp:
 
     def context_used(self) -> int:
         messages = self.conversation.messages()
-        return self.client.count_chat_tokens(messages) if messages else 0
+        return self.client.count_chat_tokens(messages, add_generation_prompt=False) if messages else 0
 
     def send(self, message: str, n: int = 1) -> list[Answer]:
         """Answer `message` (n answers in one batch for /n); add the kept one to the conversation."""
