@@ -43,6 +43,19 @@ def stats_line(usage: Usage | None, finish_reason: str | None) -> str:
     return text
 
 
+def _trim_padding(line: list[Segment]) -> list[Segment]:
+    """Drop the spaces Rich pads a line with (unless they are painted, as in a code block), so
+    text copied from the terminal has no trailing blanks."""
+    line = list(line)
+    while line and not line[-1].control and not line[-1].text.strip() and not (
+            line[-1].style and line[-1].style.bgcolor):
+        line.pop()
+    if line and not line[-1].control and not (line[-1].style and line[-1].style.bgcolor):
+        last = line[-1]
+        line[-1] = Segment(last.text.rstrip(" "), last.style)
+    return line
+
+
 class _Lines:
     """Already rendered lines, as a renderable. Printed, it must end its own last line (Rich adds
     no newline after a custom renderable); in the live area it must not (that adds a blank line)."""
@@ -91,7 +104,8 @@ class LiveAnswer:
 
     def _draw(self, final: bool = False) -> None:
         self._drawn = len(self.text)
-        lines = self.console.render_lines(Markdown(self.text), self.console.options, pad=False)
+        lines = [_trim_padding(line) for line in
+                 self.console.render_lines(Markdown(self.text), self.console.options, pad=False)]
         keep = 0 if final else self._window()
         split = max(self._committed, len(lines) - keep)
         if split > self._committed:  # printed above the live area, for good
