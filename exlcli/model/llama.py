@@ -10,10 +10,11 @@ import torch.nn.functional as F
 from exlcli.model.config import ModelConfig
 from exlcli.model.quant import QuantizedWeight
 from exlcli.ops.activation import silu_and_mul
-from exlcli.ops.attention import paged_attention
+from exlcli.ops._ext import use_kernels
+from exlcli.ops.attention import DecodeLayout, paged_attention
 from exlcli.ops.linear import Linear, make_linear
 from exlcli.ops.norm import fused_add_rms_norm, rms_norm
-from exlcli.ops.rope import rope_and_write_kv, rope_cos_sin_cache
+from exlcli.ops.rope import gather_cos_sin, rope_and_write_kv, rope_cos_sin_cache
 
 
 @dataclass
@@ -106,6 +107,12 @@ class LlamaModel:
         num_tokens = batch.input_ids.shape[0]
         h = F.embedding(batch.input_ids, self.embed)  # [T, H]
         residual = None
+        # Reference path: per-step index work done once here instead of in every layer.
+        cos_sin_rows = layout = None
+        if not use_kernels(h):
+            cos_sin_rows = gather_cos_sin(self.cos_sin, batch.positions)
+            if len(batch.seq_lens) == num_tokens:
+                layout = DecodeLayout.build(batch.block_tables, batch.seq_lens_t, kv.page_size)
         for i, layer in enumerate(self.layers):
             if residual is None:
                 residual = h
@@ -119,9 +126,10 @@ class LlamaModel:
             if layer.q_norm is not None:
                 q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
                 k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-            q = rope_and_write_kv(q, k, v, batch.positions, self.cos_sin, kv.k[i], kv.v[i], batch.slot_mapping)
+            q = rope_and_write_kv(q, k, v, batch.positions, self.cos_sin, kv.k[i], kv.v[i], batch.slot_mapping,
+                                  cos_sin_rows)
             o = paged_attention(q, kv.k[i], kv.v[i], batch.block_tables, batch.query_start_loc,
-                                batch.seq_lens, self.scale, batch.seq_lens_t, batch.query_start_loc_t)
+                                batch.seq_lens, self.scale, batch.seq_lens_t, batch.query_start_loc_t, layout)
             h = layer.o_proj(o.reshape(num_tokens, -1))
             x, residual = fused_add_rms_norm(h, residual, layer.post_norm, cfg.rms_norm_eps)
             h = layer.down(silu_and_mul(layer.gate_up(x)))

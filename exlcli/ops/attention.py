@@ -7,6 +7,8 @@ Attention is causal: a query at position p sees keys 0..p.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -18,22 +20,35 @@ def _gather_pages(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torc
     return cache[pages].flatten(0, 1)[:length]
 
 
+@dataclass
+class DecodeLayout:
+    """Where each decode row's keys live, computed once per step and reused by every layer."""
+
+    slots: torch.Tensor  # [B, L] long: flat cache slot of each key position (L = longest sequence)
+    mask: torch.Tensor  # [B, 1, 1, L] bool: position < seq_len
+
+    @staticmethod
+    def build(block_tables: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> "DecodeLayout":
+        max_len = int(seq_lens.max())
+        pos = torch.arange(max_len, device=block_tables.device)
+        pages = block_tables[:, pos // page_size].long()  # [B, L]
+        slots = pages * page_size + pos % page_size
+        mask = (pos[None, :] < seq_lens[:, None].to(pos.device))[:, None, None, :]
+        return DecodeLayout(slots, mask)
+
+
 def paged_attention_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                               scale: float) -> torch.Tensor:
+                               scale: float, layout: DecodeLayout | None = None) -> torch.Tensor:
     """One query per sequence, vectorised over the batch. q: [B, heads, D] -> [B, heads, D]."""
-    batch, heads, dim = q.shape
-    page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    max_len = int(seq_lens.max())
-    num_pages = (max_len + page_size - 1) // page_size
-    tables = block_tables[:, :num_pages].long()
-    keys = k_cache[tables].flatten(1, 2)[:, :max_len]  # [B, L, kv_heads, D]
-    values = v_cache[tables].flatten(1, 2)[:, :max_len]
-    valid = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None].to(q.device)
-    mask = valid[:, None, None, :]  # [B, 1, 1, L]
+    heads = q.shape[1]
+    page_size, kv_heads, dim = k_cache.shape[1:]
+    layout = layout or DecodeLayout.build(block_tables, seq_lens, page_size)
+    keys = k_cache.view(-1, kv_heads, dim)[layout.slots]  # [B, L, kv_heads, D]
+    values = v_cache.view(-1, kv_heads, dim)[layout.slots]
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2), keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
-        attn_mask=mask, scale=scale, enable_gqa=heads != kv_heads)
+        attn_mask=layout.mask, scale=scale, enable_gqa=heads != kv_heads)
     return out.squeeze(2)
 
 
@@ -63,7 +78,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: list[int], seq_lens: list[int],
                     scale: float, seq_lens_t: torch.Tensor | None = None,
-                    query_start_loc_t: torch.Tensor | None = None) -> torch.Tensor:
+                    query_start_loc_t: torch.Tensor | None = None,
+                    layout: DecodeLayout | None = None) -> torch.Tensor:
     """Dispatch. On the reference path every single-query row (a decode token) goes through the
     vectorised decode op, alone or in any batch, so a sequence's numbers never depend on what else
     is batched with it; prefill chunks go sequence by sequence."""
@@ -76,7 +92,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if len(seq_lens) == q.shape[0]:
         if seq_lens_t is None:
             seq_lens_t = torch.tensor(seq_lens, device=q.device)
-        return paged_attention_decode_ref(q, k_cache, v_cache, block_tables, seq_lens_t, scale)
+        return paged_attention_decode_ref(q, k_cache, v_cache, block_tables, seq_lens_t, scale, layout)
     decode_rows = [b for b in range(len(seq_lens)) if query_start_loc[b + 1] - query_start_loc[b] == 1]
     if not decode_rows:
         return paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)

@@ -40,34 +40,41 @@ def rope_cos_sin_cache(config: ModelConfig, max_positions: int, device: torch.de
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
 
 
-def apply_rope_ref(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, heads, D]; positions: [T]
-    half = x.shape[-1] // 2
-    cs = cos_sin[positions]  # [T, D]
-    cos = cs[:, None, :half]
-    sin = cs[:, None, half:]
+def gather_cos_sin(cos_sin: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin for each token, [T, 1, D/2] fp32; computed once per step, used by every layer."""
+    half = cos_sin.shape[-1] // 2
+    cs = cos_sin[positions][:, None, :]
+    return cs[..., :half], cs[..., half:]
+
+
+def apply_rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, heads, D]; cos, sin: [T, 1, D/2]
     xf = x.float()
-    x1, x2 = xf[..., :half], xf[..., half:]
+    x1, x2 = xf.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
 def rope_and_write_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                           cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          slot_mapping: torch.Tensor) -> torch.Tensor:
+                          slot_mapping: torch.Tensor,
+                          cos_sin_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Rotates q and k; writes k and v at `slot_mapping` (page * page_size + offset) of the caches
-    ([num_pages, page_size, kv_heads, D]); returns the rotated q ([T, heads, D])."""
-    q = apply_rope_ref(q, positions, cos_sin)
-    k = apply_rope_ref(k, positions, cos_sin)
+    ([num_pages, page_size, kv_heads, D]); returns the rotated q ([T, heads, D]).
+    `cos_sin_rows` is gather_cos_sin(cos_sin, positions) when the caller has it already."""
+    cos, sin = cos_sin_rows if cos_sin_rows is not None else gather_cos_sin(cos_sin, positions)
+    heads = q.shape[1]
+    qk = apply_rope_ref(torch.cat([q, k], dim=1), cos, sin)  # one rotation for both
     kv_heads, dim = k_cache.shape[-2:]
-    k_cache.view(-1, kv_heads, dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    k_cache.view(-1, kv_heads, dim).index_copy_(0, slot_mapping, qk[:, heads:].to(k_cache.dtype))
     v_cache.view(-1, kv_heads, dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
-    return q
+    return qk[:, :heads]
 
 
 def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                       cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> torch.Tensor:
+                      slot_mapping: torch.Tensor,
+                      cos_sin_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     if use_kernels(q):
         return torch.ops.exlcli.rope_and_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache,
                                                   slot_mapping)
-    return rope_and_write_kv_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+    return rope_and_write_kv_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, cos_sin_rows)
