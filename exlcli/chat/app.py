@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from exlcli.chat.generate import Answer, StreamSet
 from exlcli.chat.io import NEWLINE_KEY, ChatIO
-from exlcli.chat.render import answer_view, stats_line
+from exlcli.chat.render import LiveAnswer, PlainAnswer, answer_view, stats_line
 from exlcli.chat.session import Conversation
 from exlcli.chat.settings import ChatSettings
 from exlcli.client.base import EngineClient
@@ -50,7 +50,6 @@ class ChatApp:
         self.conversation = conversation or Conversation()
         self.model_label = model_label or client.model_name
         self.totals = SessionTotals()
-        self.last_answer: Answer | None = None
         self.running = True
 
     # ---- the loop -----------------------------------------------------------------------------
@@ -124,7 +123,7 @@ class ChatApp:
 
     def _show(self, streams: StreamSet, n: int) -> list[Answer]:
         """Show answer 0 live while the others stream in the background, then each in turn."""
-        views: dict[int, object] = {}
+        views: dict[int, LiveAnswer | PlainAnswer] = {}
         shown = 0
 
         def open_view(index: int) -> None:
@@ -139,7 +138,8 @@ class ChatApp:
             views[index].finish()
             if answer.error:
                 self.io.error(f"the engine failed: {answer.error}")
-            self.io.notice(stats_line(answer.usage, answer.finish_reason))
+            else:
+                self.io.notice(stats_line(answer.usage, answer.finish_reason))
 
         try:
             open_view(0)
@@ -158,8 +158,6 @@ class ChatApp:
                 close_view(shown)
         for answer in streams.answers:
             self.totals.add(answer)
-        if streams.answers:
-            self.last_answer = streams.answers[0]
         return streams.answers
 
     def _keep(self, message: str, answers: list[Answer]) -> None:

@@ -87,3 +87,16 @@ def test_load_of_a_folder_or_binary_file(tmp_path):
 def test_save_into_a_missing_folder_is_a_clear_line(tmp_path):
     with pytest.raises(ConversationFileError, match="cannot save to .*nope/c.json: No such file"):
         save_conversation(tmp_path / "nope" / "c.json", Conversation(), "m", {})
+
+
+def test_history_file_follows_exlcli_cache_then_xdg(monkeypatch, tmp_path):
+    from exlcli.chat.paths import history_path
+
+    monkeypatch.setenv("EXLCLI_CACHE", str(tmp_path / "c"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "x"))
+    assert history_path() == tmp_path / "c" / "chat_history"
+    monkeypatch.delenv("EXLCLI_CACHE")
+    assert history_path() == tmp_path / "x" / "exlcli" / "chat_history"
+    monkeypatch.delenv("XDG_DATA_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "h"))
+    assert history_path() == tmp_path / "h" / ".local" / "share" / "exlcli" / "chat_history"

@@ -76,3 +76,11 @@ def test_a_long_answer_streams_through_a_short_screen_each_line_once(num_lines):
     _, _, out, _ = tty_chat("long\r/bye\r", client=ScriptedClient(pieces, delay=0.01), height=10)
     shown = [line for line in screen_lines(out) if line]
     assert shown == [f"line {i:02d}" for i in range(num_lines)]
+
+
+def test_unwritable_history_is_a_notice_and_the_chat_goes_on(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    _, client, _, err = tty_chat("hi\r/bye\r", client=FakeClient(), history_file=blocker / "history")
+    assert "input history not saved: cannot write" in err
+    assert len(chat_requests(client)) == 1
