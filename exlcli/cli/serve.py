@@ -7,8 +7,11 @@ from typing import Annotated, Optional
 import typer
 
 from exlcli.cli.common import DeviceOption, DtypeOption, ModelOption, fail, user_errors
+from exlcli.client.base import EngineClient
+from exlcli.errors import ExlcliError
 
 DEFAULT_PORT = 8000
+FAKE_PREFIX = "fake:echo"
 
 
 def register(app: typer.Typer) -> None:
@@ -38,9 +41,6 @@ def register(app: typer.Typer) -> None:
             "--kv-memory", help="Memory for the KV cache, e.g. 2GiB or 0.5 (fraction of free).")] = None,
         prefix_cache: Annotated[bool, typer.Option(
             "--prefix-cache/--no-prefix-cache", help="Share the KV pages of common prompt prefixes.")] = True,
-        fake_engine: Annotated[Optional[float], typer.Option(
-            "--fake-engine", hidden=True,
-            help="Serve the deterministic echo engine, one word per DELAY seconds (tests, demos).")] = None,
     ) -> None:
         """Serve one model to many clients: OpenAI API at /v1, /metrics, a live display.
 
@@ -62,7 +62,7 @@ def register(app: typer.Typer) -> None:
         sock = bind_socket(host, port)  # before the model loads, so a busy port fails fast
         port = sock.getsockname()[1]
         try:
-            client = _open_engine(model, fake_engine, device, dtype, kv_memory, prefix_cache)
+            client = _open_engine(model, device, dtype, kv_memory, prefix_cache)
         except BaseException:
             sock.close()
             raise
@@ -72,11 +72,16 @@ def register(app: typer.Typer) -> None:
             serve(client, sock, host, port, config, live_display=display)
 
 
-def _open_engine(model, fake_delay, device, dtype, kv_memory, prefix_cache):
-    if fake_delay is not None:
+def _open_engine(model, device, dtype, kv_memory, prefix_cache) -> EngineClient:
+    if model and model.startswith(FAKE_PREFIX):
+        # Hidden test model, as in `exlcli batch`: the echo engine, one word per DELAY seconds.
         from exlcli.client.fake import FakeClient
 
-        return FakeClient(token_delay=max(0.0, fake_delay))
+        delay = model[len(FAKE_PREFIX):].lstrip(":")
+        try:
+            return FakeClient(token_delay=float(delay) if delay else 0.0)
+        except ValueError:
+            raise ExlcliError(f"bad fake model {model!r}; use fake:echo or fake:echo:<seconds>") from None
     from exlcli.client.factory import open_client
 
     return open_client(model, local=True, device=device, dtype=dtype, kv_memory=kv_memory,

@@ -89,9 +89,15 @@ class ServerState:
                            headers={"Retry-After": str(self.config.retry_after_s)})
 
     def token_text(self, token_id: int) -> str:
-        # An engine may offer the text of single tokens; without it, name the id as vLLM does.
+        # EngineClient has no detokeniser; an in-process client exposes its tokenizer, a fake has
+        # none, in which case the id is named as vLLM does.
         fn = getattr(self.client, "token_text", None)
-        return fn(token_id) if callable(fn) else f"token_id:{token_id}"
+        if callable(fn):
+            return fn(token_id)
+        tokenizer = getattr(self.client, "tokenizer", None)
+        if tokenizer is not None and hasattr(tokenizer, "decode"):
+            return tokenizer.decode([token_id], skip_special_tokens=False)
+        return f"token_id:{token_id}"
 
 
 def create_app(client: EngineClient, config: ServerConfig | None = None,
@@ -190,7 +196,8 @@ def create_app(client: EngineClient, config: ServerConfig | None = None,
             group.response_id, fmt.now(), client.model_name, results,
             lambda c: fmt.completion_logprobs(
                 c.logprobs, state.token_text, num_top,
-                len(prompts[c.prompt_index]) if body.echo else 0) if body.logprobs is not None else None))
+                [o + (len(prompts[c.prompt_index]) if body.echo else 0) for o in c.logprob_offsets])
+            if body.logprobs is not None else None))
 
     return app
 
@@ -215,7 +222,7 @@ def _event_stream(state: ServerState, group: GenerationGroup, events: AsyncItera
             async for chunk in events:
                 yield chunk
         finally:
-            group.cancel()
+            group.abandon()
             state.groups.pop(group.response_id, None)
 
     return EventStreamResponse(guarded(), on_disconnect=group.cancel,
@@ -244,6 +251,7 @@ async def _collect_unless_gone(state: ServerState, group: GenerationGroup,
     finally:
         for task in (collector, watcher):
             task.cancel()
+        group.abandon()
         state.groups.pop(group.response_id, None)
 
 
@@ -286,7 +294,8 @@ async def _completion_events(state: ServerState, group: GenerationGroup, body: C
             return
         logprobs = None
         if body.logprobs is not None and d.logprobs:
-            logprobs = fmt.completion_logprobs(d.logprobs, state.token_text, num_top, offsets[index])
+            logprobs = fmt.completion_logprobs(d.logprobs, state.token_text, num_top,
+                                               [offsets[index]] * len(d.logprobs))
         offsets[index] += len(d.text)
         if d.finished:
             usages.append((item.choice.prompt_index, d.usage))

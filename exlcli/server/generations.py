@@ -55,10 +55,18 @@ class GenerationGroup:
                 gen = self.tracker.start(stream.request_id, self.client_label, self.priority, self.endpoint)
                 self.choices.append(Choice(s.index, s.prompt_index, stream, gen))
         except BaseException:
-            self.cancel()
+            self.abandon()
             raise
 
     def cancel(self) -> None:
+        """Ask the engine to stop every unfinished choice; each stream then ends with a final
+        'cancelled' delta, which a client still listening receives."""
+        for c in self.choices:
+            if not c.finished:
+                c.stream.cancel()
+
+    def abandon(self) -> None:
+        """Nobody will read the rest: cancel what is unfinished and record it as cancelled now."""
         for c in self.choices:
             if not c.finished:
                 c.stream.cancel()
@@ -100,17 +108,21 @@ class GenerationGroup:
         finally:
             for t in tasks:
                 t.cancel()
-            self.cancel()
+            self.abandon()
 
     async def collect(self) -> list[ChoiceResult]:
         """Run every choice to its end (non-streaming answers)."""
         results = {c.index: ChoiceResult(index=c.index, prompt_index=c.prompt_index) for c in self.choices}
         texts: dict[int, list[str]] = {c.index: [] for c in self.choices}
+        lengths: dict[int, int] = {c.index: 0 for c in self.choices}
         async for item in self.deltas():
             result = results[item.choice.index]
-            texts[result.index].append(item.delta.text)
             if item.delta.logprobs:
-                result.logprobs.extend(_as_logprobs(item.delta.logprobs))
+                new = _as_logprobs(item.delta.logprobs)
+                result.logprobs.extend(new)
+                result.logprob_offsets.extend([lengths[result.index]] * len(new))
+            texts[result.index].append(item.delta.text)
+            lengths[result.index] += len(item.delta.text)
             if item.delta.finished:
                 result.finish_reason = item.delta.finish_reason
                 result.usage = item.delta.usage

@@ -34,6 +34,7 @@ class ChoiceResult:
     text: str = ""
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    logprob_offsets: list[int] = field(default_factory=list)  # text offset of each logprob's token
     usage: Usage | None = None
     prompt_index: int = 0  # which prompt of a list `prompt` this choice answers
 
@@ -94,18 +95,14 @@ def chat_logprobs(tokens: list[TokenLogprob], token_text: TokenText, num_top: in
 
 
 def completion_logprobs(tokens: list[TokenLogprob], token_text: TokenText, num_top: int,
-                        text_offset: int) -> dict:
-    texts, offsets = [], []
-    for t in tokens:
-        text = token_text(t.token_id)
-        texts.append(text)
-        offsets.append(text_offset)
-        text_offset += len(text)
+                        offsets: list[int]) -> dict:
+    """`offsets`: where each token's text starts in the choice's text (the start of the delta
+    that carried it; exact when a delta holds one token, as it does while decoding)."""
     return {
-        "tokens": texts,
+        "tokens": [token_text(t.token_id) for t in tokens],
         "token_logprobs": [t.logprob for t in tokens],
         "top_logprobs": [{token_text(i): lp for i, lp in t.top[:num_top]} for t in tokens],
-        "text_offset": offsets,
+        "text_offset": list(offsets),
         "token_ids": [t.token_id for t in tokens],  # exlcli extra, for RemoteClient
     }
 

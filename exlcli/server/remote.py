@@ -191,7 +191,8 @@ class RemoteStream(GenerationStream):
                     yield TextDelta(finish_reason="error", error=str(chunk["error"].get("message")))
                     return
                 if chunk.get("usage") is not None and not chunk.get("choices"):
-                    yield TextDelta(finish_reason=finish_reason or "stop", usage=usage_from_dict(chunk["usage"]))
+                    reason = finish_reason or ("cancelled" if self._cancelled.is_set() else "stop")
+                    yield TextDelta(finish_reason=reason, usage=usage_from_dict(chunk["usage"]))
                     return
                 for choice in chunk.get("choices", []):
                     delta = self._choice_delta(choice)
