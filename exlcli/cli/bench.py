@@ -1,10 +1,224 @@
-"""`exlcli bench`: placeholder until its module lands."""
+"""`exlcli bench` (pp/tg throughput), `exlcli bench serve` (a serving workload) and
+`exlcli bench mixed` (chat beside a batch job). Progress on stderr, results on stdout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
 
 import typer
 
+from exlcli.cli.common import DeviceOption, DtypeOption, ModelOption, ServerOption, user_errors
+from exlcli.errors import ExlcliError
+
+FormatOption = Annotated[str, typer.Option(
+    "--format", help="table, json, csv or md (a Markdown table).")]
+SaveOption = Annotated[Optional[Path], typer.Option(
+    "--save", help="Append the results to this file as JSON lines.")]
+SeedOption = Annotated[int, typer.Option("--seed", help="Seed of the random prompts.")]
+
+
+def parse_int_list(text: str, option: str) -> tuple[int, ...]:
+    """'1,8,32' -> (1, 8, 32)."""
+    try:
+        values = tuple(int(part) for part in text.replace(" ", "").split(",") if part)
+    except ValueError:
+        raise ExlcliError(f"{option} takes integers separated by commas (e.g. 1,8,32), got {text!r}") from None
+    if not values:
+        raise ExlcliError(f"{option} needs at least one value")
+    return values
+
+
+def check_format(fmt: str) -> str:
+    from exlcli.bench.report import FORMATS
+
+    if fmt not in FORMATS:
+        raise ExlcliError(f"unknown --format {fmt!r}; use one of {', '.join(FORMATS)}")
+    return fmt
+
+
+def emit(rows: list[dict], columns, fmt: str, save: Path | None) -> None:
+    """Results to stdout (with a machine line under human tables), and appended to --save."""
+    from exlcli.bench.report import render, save_jsonl
+
+    if save is not None:
+        save_jsonl(save, rows)
+    print(render(rows, columns, fmt))
+    if fmt in ("table", "md") and rows:
+        m = rows[0].get("machine", {})
+        facts = [f"{m.get('device_name') or m.get('device')}", f"{m.get('cpu_count')} CPUs",
+                 f"torch {m.get('torch')}", f"commit {m.get('commit') or '?'}",
+                 f"load {m.get('load_avg_1m')}"]
+        print(("\n" if fmt == "md" else "") + "machine: " + ", ".join(facts))
+
+
+KvMemoryOption = Annotated[Optional[str], typer.Option(
+    "--kv-memory", help="Memory for the KV cache in process, e.g. 2GiB. Default: the engine's.")]
+
+
+def open_bench_client(model, server, device, dtype, kv_memory):
+    from exlcli.client.factory import open_client
+
+    return open_client(model, server=server, local=not server, device=device, dtype=dtype, kv_memory=kv_memory)
+
+
+def client_facts(client) -> dict:
+    """Model and machine facts for serve / mixed rows."""
+    from exlcli.bench.machine import machine_facts
+
+    loaded = getattr(client, "loaded", None)
+    device = loaded.model.device if loaded is not None else None
+    return {"model": client.model_name, "engine": client.kind,
+            "dtype": str(loaded.model.dtype).removeprefix("torch.") if loaded is not None else None,
+            "machine": machine_facts(device)}
+
 
 def register(app: typer.Typer) -> None:
-    @app.command("bench")
-    def _placeholder() -> None:
-        """(not built yet)"""
-        raise typer.Exit(2)
+    bench_app = typer.Typer(
+        help="Benchmarks: prefill/decode throughput; `serve` and `mixed` below.",
+        context_settings={"help_option_names": ["-h", "--help"]}, no_args_is_help=False)
+
+    @bench_app.callback(invoke_without_command=True)
+    @user_errors
+    def bench(
+        ctx: typer.Context,
+        model: ModelOption = None,
+        device: DeviceOption = None,
+        dtype: DtypeOption = None,
+        n_prompt: Annotated[str, typer.Option(
+            "--n-prompt", "-p", help="Prompt lengths for pp tests, comma-separated; 0 skips.")] = "512",
+        n_gen: Annotated[str, typer.Option(
+            "--n-gen", "-n", help="Generated lengths for tg tests, comma-separated; 0 skips.")] = "128",
+        batch: Annotated[str, typer.Option(
+            "--batch", "-b", help="Concurrent sequences per test, comma-separated.")] = "1",
+        reps: Annotated[int, typer.Option("--reps", "-r", help="Timed repetitions per test.")] = 3,
+        warmup: Annotated[int, typer.Option("--warmup", help="Untimed warm-up runs per test.")] = 1,
+        depth: Annotated[int, typer.Option(
+            "--depth", "-d", help="Tokens already in each sequence's cache before a tg test.")] = 0,
+        ubatch: Annotated[Optional[int], typer.Option(
+            "--ubatch", help="Most tokens per engine step (prefill chunk). Default: the engine's.")] = None,
+        fmt: FormatOption = "table",
+        save: SaveOption = None,
+        seed: SeedOption = 0,
+    ) -> None:
+        """Prefill (pp) and decode (tg) tokens/s, llama-bench style; `serve` and `mixed` below.
+
+        Every pp and tg test runs at every batch (-b, concurrent sequences); t/s is mean ± std
+        over --reps after --warmup runs. Decode shows its achieved bandwidth (weights + KV bytes
+        read per step / step time) and its share of the device's copy bandwidth.
+        Example: exlcli bench -p 512 -n 128 -b 1,8,32 --format md"""
+        if ctx.invoked_subcommand is not None:
+            return
+        from exlcli.bench.suite import SuiteOptions, run_suite
+        from exlcli.bench.throughput import COLUMNS
+
+        options = SuiteOptions(model=model, device=device, dtype=dtype,
+                               prompt_lens=parse_int_list(n_prompt, "-p"), gen_lens=parse_int_list(n_gen, "-n"),
+                               batches=parse_int_list(batch, "-b"), reps=reps, warmup=warmup, depth=depth,
+                               ubatch=ubatch, seed=seed)
+        options.validate()
+        check_format(fmt)
+        emit(run_suite(options), COLUMNS, fmt, save)
+
+    @bench_app.command("serve")
+    @user_errors
+    def serve(
+        model: ModelOption = None,
+        server: ServerOption = None,
+        device: DeviceOption = None,
+        dtype: DtypeOption = None,
+        kv_memory: KvMemoryOption = None,
+        num_prompts: Annotated[int, typer.Option(
+            "--num-prompts", "-N", help="Requests at each concurrency level.")] = 64,
+        input_len: Annotated[int, typer.Option("--input-len", help="Mean prompt tokens.")] = 256,
+        output_len: Annotated[int, typer.Option("--output-len", help="Mean output tokens.")] = 64,
+        range_ratio: Annotated[float, typer.Option(
+            "--range-ratio", help="Lengths uniform in mean x [1 - r, 1 + r].")] = 0.0,
+        concurrency: Annotated[str, typer.Option(
+            "--concurrency", "-c", help="Requests in flight, comma-separated levels.")] = "1,4,16,64",
+        warmup: Annotated[int, typer.Option("--warmup", help="Untimed warm-up requests.")] = 1,
+        fmt: FormatOption = "table",
+        save: SaveOption = None,
+        seed: SeedOption = 0,
+    ) -> None:
+        """A serving workload at several concurrency levels, like `vllm bench serve`.
+
+        Reports requests/s, output tok/s, TTFT, TPOT and ITL percentiles at each level; runs the
+        engine in process, or against a running server with --server URL."""
+        from exlcli.bench.machine import log
+        from exlcli.bench.serve_load import COLUMNS, run_serve
+        from exlcli.bench.workload import make_requests, vocab_size_of
+
+        levels = parse_int_list(concurrency, "-c")
+        if any(c < 1 for c in levels):
+            raise ExlcliError(f"-c levels must be at least 1, got {list(levels)}")
+        if num_prompts < 1 or input_len < 1 or output_len < 1 or warmup < 0:
+            raise ExlcliError("--num-prompts, --input-len and --output-len must be at least 1")
+        check_format(fmt)
+        client = open_bench_client(model, server, device, dtype, kv_memory)
+        try:
+            vocab = vocab_size_of(client)
+            longest = round(input_len * (1 + range_ratio)) + round(output_len * (1 + range_ratio))
+            if client.context_length and longest >= client.context_length:
+                raise ExlcliError(f"prompt + output of up to {longest} tokens do not fit the context "
+                                  f"of {client.context_length} tokens")
+
+            def specs_for(level: int):
+                return make_requests(num_prompts, input_len, output_len, vocab, range_ratio=range_ratio,
+                                     seed=seed * 1000 + level + 1)
+            log(f"serve: {client.model_name} ({client.kind}), {num_prompts} requests per level, "
+                f"~{input_len} in / ~{output_len} out")
+            rows = run_serve(client, specs_for, list(levels), warmup=warmup, progress=log)
+            facts = client_facts(client)
+        finally:
+            client.close()
+        emit([{**row, **facts} for row in rows], COLUMNS, fmt, save)
+
+    @bench_app.command("mixed")
+    @user_errors
+    def mixed(
+        model: ModelOption = None,
+        server: ServerOption = None,
+        device: DeviceOption = None,
+        dtype: DtypeOption = None,
+        kv_memory: KvMemoryOption = None,
+        duration: Annotated[float, typer.Option("--duration", help="Seconds of each of the three phases.")] = 30.0,
+        chat_every: Annotated[float, typer.Option("--chat-every", help="Seconds between chat requests.")] = 1.0,
+        chat_input_len: Annotated[int, typer.Option("--chat-input-len", help="Chat prompt tokens.")] = 128,
+        chat_output_len: Annotated[int, typer.Option("--chat-output-len", help="Chat answer tokens.")] = 64,
+        batch_concurrency: Annotated[int, typer.Option(
+            "--batch-concurrency", help="Batch requests kept in flight.")] = 16,
+        batch_input_len: Annotated[int, typer.Option("--batch-input-len", help="Batch prompt tokens.")] = 256,
+        batch_output_len: Annotated[int, typer.Option("--batch-output-len", help="Batch output tokens.")] = 256,
+        fmt: FormatOption = "table",
+        save: SaveOption = None,
+        seed: SeedOption = 0,
+    ) -> None:
+        """Chat latency while a batch job saturates the engine, against each alone.
+
+        A saturating batch-priority job plus a chat request every --chat-every seconds: the chats'
+        TTFT and ITL percentiles and the batch throughput, in three phases (chat alone, batch
+        alone, both)."""
+        from exlcli.bench.machine import log
+        from exlcli.bench.mixed import COLUMNS, MixedOptions, MixedRunner
+        from exlcli.bench.workload import vocab_size_of
+
+        options = MixedOptions(duration, chat_every, chat_input_len, chat_output_len, batch_concurrency,
+                               batch_input_len, batch_output_len, seed)
+        options.validate()
+        check_format(fmt)
+        client = open_bench_client(model, server, device, dtype, kv_memory)
+        try:
+            longest = max(chat_input_len + chat_output_len, batch_input_len + batch_output_len)
+            if client.context_length and longest >= client.context_length:
+                raise ExlcliError(f"requests of {longest} tokens do not fit the context of "
+                                  f"{client.context_length} tokens")
+            log(f"mixed: {client.model_name} ({client.kind}), {batch_concurrency} batch requests in flight, "
+                f"a chat every {chat_every:g} s, {duration:g} s per phase")
+            rows = MixedRunner(client, options, vocab_size_of(client), progress=log).run()
+            facts = client_facts(client)
+        finally:
+            client.close()
+        emit([{**row, **facts} for row in rows], COLUMNS, fmt, save)
+
+    app.add_typer(bench_app, name="bench")

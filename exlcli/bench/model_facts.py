@@ -1,0 +1,40 @@
+"""What the arithmetic needs to know about a model: bytes a decode step reads, FLOPs of a prefill."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    name: str
+    weights: str  # how the weights are stored: "Q4_1", "random bfloat16", ...
+    dtype: str  # activation and KV dtype
+    device: str
+    weight_bytes: int  # weights one decode step reads
+    num_params: int
+    linear_params: int  # weights every token goes through (all decoder layers' projections)
+    head_params: int  # the output head, run once per sampled row
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    kv_bytes_per_token: int  # K and V of one token, all layers
+    vocab_size: int
+    context_length: int
+
+    @classmethod
+    def of(cls, loaded) -> "ModelFacts":
+        """From an exlcli.model.loader.LoadedModel."""
+        from exlcli.model.llama import KVCache
+
+        cfg, model = loaded.config, loaded.model
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        per_layer = h * (q + 2 * kv) + q * h + 2 * h * i + i * h
+        return cls(
+            name=loaded.name, weights=loaded.quantization, dtype=str(model.dtype).removeprefix("torch."),
+            device=str(model.device), weight_bytes=model.weight_bytes(), num_params=cfg.num_params,
+            linear_params=per_layer * cfg.num_layers, head_params=cfg.vocab_size * h,
+            num_layers=cfg.num_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim,
+            kv_bytes_per_token=KVCache.bytes_per_page(cfg, 1, model.dtype), vocab_size=cfg.vocab_size,
+            context_length=cfg.context_length)
