@@ -43,14 +43,15 @@ def random_config(spec: str) -> ModelConfig:
 
 
 def random_tensors(config: ModelConfig, device: torch.device | str = "cpu",
-                   dtype: torch.dtype = torch.float32, seed: int = 0) -> dict[str, torch.Tensor]:
-    """HF-named weights drawn on `device`, scaled so activations stay O(1) through the layers."""
+                   dtype: torch.dtype = torch.float32, seed: int = 0, gain: float = 3.0) -> dict[str, torch.Tensor]:
+    """HF-named weights drawn on `device`. `gain` > 1 lets each layer move the residual stream
+    enough that greedy decoding does not just repeat the last token (tied embeddings)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     h, i = config.hidden_size, config.intermediate_size
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
 
     def w(rows: int, cols: int) -> torch.Tensor:
-        return torch.randn(rows, cols, generator=gen, device=device, dtype=dtype) * cols ** -0.5
+        return torch.randn(rows, cols, generator=gen, device=device, dtype=dtype) * (gain * cols ** -0.5)
 
     def ones(n: int) -> torch.Tensor:
         return 1.0 + 0.1 * torch.randn(n, generator=gen, device=device, dtype=dtype)

@@ -1,0 +1,53 @@
+"""A tiny random model and a tokenizer whose ids are letters, for fast engine tests on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from exlcli.engine.engine import Engine, EngineConfig
+from exlcli.engine.request import Request, SamplingParams
+from exlcli.model.llama import LlamaModel
+from exlcli.model.random_weights import random_config, random_tensors
+
+
+class LetterTokenizer:
+    """Token i decodes to one character; 300..302 are the 3 bytes of one UTF-8 character."""
+
+    eos_token_ids: list[int] = []
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        out = bytearray()
+        for i in ids:
+            if 300 <= i <= 302:
+                out += "€".encode()[i - 300:i - 299]
+            else:
+                out += chr(ord("a") + i % 26).encode()
+        return out.decode("utf-8", errors="replace")
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> LlamaModel:
+    cfg = random_config("tiny")
+    return LlamaModel(cfg, random_tensors(cfg), torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture
+def make_engine(tiny_model):
+    def make(**options) -> Engine:
+        return Engine(tiny_model, LetterTokenizer(), EngineConfig(**options))
+    return make
+
+
+def greedy(request_id: str, prompt: list[int], n: int = 16, **kw) -> Request:
+    return Request(request_id, prompt, SamplingParams(temperature=0.0), max_new_tokens=n, **kw)
+
+
+def tokens_of(handle) -> list[int]:
+    return [t for out in handle for t in out.new_token_ids]
+
+
+def random_prompts(count: int, seed: int = 0, low: int = 1, high: int = 80) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high, (count,), generator=g).tolist()
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
