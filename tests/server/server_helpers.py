@@ -9,7 +9,6 @@ import heapq
 import itertools
 import math
 import re
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from exlcli.client.fake import FakeClient, FakeStream
 from exlcli.engine.request import Priority, TokenLogprob
 from exlcli.engine.stats import ActiveRequestInfo, EngineStats
 from exlcli.server.app import ServerConfig, ServerState, create_app
+from exlcli.server.runner import bind_socket
 from exlcli.server.tracker import RequestTracker
 
 
@@ -39,9 +39,7 @@ class LiveServer:
 @contextlib.contextmanager
 def running_server(client: EngineClient, config: ServerConfig | None = None) -> Iterator[LiveServer]:
     app = create_app(client, config)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(256)
+    sock = bind_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="on", ws="none"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
