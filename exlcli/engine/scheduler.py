@@ -80,15 +80,24 @@ class Scheduler:
             batch.items.append(ScheduledSeq(seq, n))
             budget -= n
             i += 1
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        in_flight = self._pages_in_flight(batch) if self.pool.enable_prefix_cache else set()
+        w = 0
+        while w < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[w]
             self._match_prefix(seq)
+            if self._next_page_in_flight(seq, in_flight):
+                # Another sequence is computing this very page now: wait one step and share it
+                # instead of computing a second copy.
+                self._unmatch(seq)
+                w += 1
+                continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.pool.can_allocate(self._pages_needed(seq, n)):
                 self._unmatch(seq)
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(w)
             self._allocate(seq, n)
+            in_flight |= self._future_full_pages(seq, n)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)  # lowest priority class / latest arrival goes last
             batch.items.append(ScheduledSeq(seq, n))
@@ -110,6 +119,25 @@ class Scheduler:
                     self.pool.register(seq.pages[p], hashes[p])
 
     # -- helpers --------------------------------------------------------------------------------
+    def _future_full_pages(self, seq: Sequence, n: int) -> set[int]:
+        """Hashes of the full pages that computing `n` more tokens of `seq` completes."""
+        size = self.page_size
+        first, last = seq.num_computed_tokens // size, (seq.num_computed_tokens + n) // size
+        return set(seq.page_hashes(last, size)[first:]) if last > first else set()
+
+    def _pages_in_flight(self, batch: ScheduledBatch) -> set[int]:
+        hashes: set[int] = set()
+        for item in batch.items:
+            hashes |= self._future_full_pages(item.seq, item.num_new_tokens)
+        return hashes
+
+    def _next_page_in_flight(self, seq: Sequence, in_flight: set[int]) -> bool:
+        if not in_flight:
+            return False
+        max_pages = (seq.num_tokens - 1) // self.page_size
+        matched = len(seq.pages)
+        return matched < max_pages and seq.page_hashes(max_pages, self.page_size)[matched] in in_flight
+
     def _pages_needed(self, seq: Sequence, n: int) -> int:
         total = -(-(seq.num_computed_tokens + n) // self.page_size)
         return max(0, total - len(seq.pages))
