@@ -33,7 +33,7 @@ class StepEngine(Protocol):
 
 
 @dataclass(frozen=True)
-class TestSpec:
+class BenchSpec:
     kind: str  # "pp" or "tg"
     n: int  # prompt tokens (pp) or generated tokens (tg)
     batch: int
@@ -54,8 +54,8 @@ class RepTiming:
 
 
 @dataclass
-class TestResult:
-    spec: TestSpec
+class BenchResult:
+    spec: BenchSpec
     depth: int
     reps: list[RepTiming]
     facts: ModelFacts
@@ -118,12 +118,12 @@ class ThroughputRunner:
         self.progress = progress
         self._ids = 0
 
-    def run(self, spec: TestSpec, reps: int, warmup: int = 1, depth: int = 0) -> TestResult:
+    def run(self, spec: BenchSpec, reps: int, warmup: int = 1, depth: int = 0) -> BenchResult:
         if reps < 1:
             raise ExlcliError(f"--reps must be at least 1, got {reps}")
         for i in range(warmup):
             self.progress(f"{spec.name} b{spec.batch}: warm-up {i + 1}/{warmup}")
-            short = spec if spec.kind == "pp" else TestSpec("tg", min(spec.n, 16), spec.batch)
+            short = spec if spec.kind == "pp" else BenchSpec("tg", min(spec.n, 16), spec.batch)
             self._rep(short, depth)
         timings = []
         for i in range(reps):
@@ -131,9 +131,9 @@ class ThroughputRunner:
             timings.append(timing)
             self.progress(f"{spec.name} b{spec.batch}: rep {i + 1}/{reps}: "
                           f"{spec.batch * spec.n / timing.seconds:.2f} t/s")
-        return TestResult(spec, depth, timings, self.facts)
+        return BenchResult(spec, depth, timings, self.facts)
 
-    def _rep(self, spec: TestSpec, depth: int) -> RepTiming:
+    def _rep(self, spec: BenchSpec, depth: int) -> RepTiming:
         prompt_len = spec.n if spec.kind == "pp" else max(1, depth)
         new_tokens = 1 if spec.kind == "pp" else spec.n + 1
         handles = [self.engine.submit(self._request(prompt_len, new_tokens)) for _ in range(spec.batch)]
@@ -166,7 +166,7 @@ class ThroughputRunner:
             times.append(end - start)
 
     @staticmethod
-    def _check(handles: list, expected_tokens: int, spec: TestSpec) -> None:
+    def _check(handles: list, expected_tokens: int, spec: BenchSpec) -> None:
         """Every request finished without error and made its tokens (all outputs are queued by now)."""
         made = 0
         for handle in handles:
@@ -188,7 +188,9 @@ def make_engine(loaded, max_batch: int, max_len: int, depth: int = 0, ubatch: in
     pages_per_seq = -(-(max_len + 1) // page_size) + 1
     config = EngineConfig(page_size=page_size, num_pages=max_batch * pages_per_seq + 1,
                           max_num_batched_tokens=ubatch, max_num_seqs=max(max_batch, 1),
-                          max_model_len=max_len + 1, enable_prefix_cache=False)
+                          # never past the model's own context (the engine takes this value as is)
+                          max_model_len=min(max_len + 1, loaded.config.context_length),
+                          enable_prefix_cache=False)
     engine = Engine(loaded.model, loaded.tokenizer, config)
     need = max_batch * max(1, depth)
     if engine.scheduler.max_num_batched_tokens < need:
@@ -196,14 +198,14 @@ def make_engine(loaded, max_batch: int, max_len: int, depth: int = 0, ubatch: in
     return engine
 
 
-def plan_tests(prompt_lens: list[int], gen_lens: list[int], batches: list[int]) -> list[TestSpec]:
+def plan_tests(prompt_lens: list[int], gen_lens: list[int], batches: list[int]) -> list[BenchSpec]:
     """llama-bench's order: every pp at every batch, then every tg; 0 in a list skips it."""
-    tests = [TestSpec("pp", n, b) for n in prompt_lens if n > 0 for b in batches]
-    tests += [TestSpec("tg", n, b) for n in gen_lens if n > 0 for b in batches]
+    tests = [BenchSpec("pp", n, b) for n in prompt_lens if n > 0 for b in batches]
+    tests += [BenchSpec("tg", n, b) for n in gen_lens if n > 0 for b in batches]
     return tests
 
 
-def result_row(result: TestResult, copy_bandwidth: float | None, machine: dict) -> dict:
+def result_row(result: BenchResult, copy_bandwidth: float | None, machine: dict) -> dict:
     """One flat result (plus the machine facts) for every output format."""
     f, spec, tps = result.facts, result.spec, result.tps
     row = {

@@ -1,0 +1,111 @@
+"""`exlcli bench`, `bench serve` and `bench mixed` end to end on the random tiny model: results on
+stdout in each format, progress on stderr, bad input as one line."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from exlcli.cli.app import app
+
+TINY = ["-m", "random:tiny"]
+
+
+@pytest.fixture
+def runner(monkeypatch, tmp_path):
+    monkeypatch.setenv("EXLCLI_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("EXLCLI_MODEL", raising=False)
+    monkeypatch.delenv("EXLCLI_SERVER", raising=False)
+    return CliRunner()
+
+
+def test_throughput_json_and_save(runner, tmp_path):
+    saved = tmp_path / "runs.jsonl"
+    args = ["bench", *TINY, "-p", "8", "-n", "3", "-b", "1,2", "-r", "2", "--format", "json", "--save", str(saved)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert [(r["test"], r["batch"]) for r in rows] == [("pp8", 1), ("pp8", 2), ("tg3", 1), ("tg3", 2)]
+    for r in rows:
+        assert r["tps_mean"] > 0 and len(r["tps_samples"]) == 2 and r["reps"] == 2
+        assert r["model"] == "random:tiny" and r["dtype"] == "bfloat16" and r["device"] == "cpu"
+        assert r["machine"]["cpu_count"] >= 1 and r["machine"]["torch"]
+    assert rows[2]["bandwidth_gbs"] > 0 and rows[2]["copy_bandwidth_gbs"] > 0 and rows[0]["gflops"] > 0
+    assert "rep 2/2" in result.stderr and "warm-up" in result.stderr and "bench:" not in result.stdout
+    assert runner.invoke(app, args).exit_code == 0
+    assert len(saved.read_text().splitlines()) == 8  # appended, not overwritten
+
+
+@pytest.mark.parametrize("fmt", ["csv", "md", "table"])
+def test_throughput_other_formats(runner, fmt):
+    result = runner.invoke(app, ["bench", *TINY, "-p", "8", "-n", "0", "-r", "1", "--warmup", "0", "--format", fmt])
+    assert result.exit_code == 0, result.stderr
+    if fmt == "csv":
+        rows = list(csv.DictReader(io.StringIO(result.stdout)))
+        assert len(rows) == 1 and rows[0]["test"] == "pp8" and float(rows[0]["tps_mean"]) > 0
+    else:
+        lines = result.stdout.splitlines()
+        assert "t/s" in lines[0] and "pp8" in lines[2] and " ± " in lines[2]
+        assert lines[-1].startswith("machine: ") and "commit" in lines[-1]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["-b", "0"], "-b values must be at least 1"),
+    (["-p", "abc"], "-p takes integers"),
+    (["-p", "0", "-n", "0"], "nothing to run"),
+    (["--reps", "0"], "--reps must be at least 1"),
+    (["--format", "xml"], "unknown --format 'xml'"),
+    (["-m", "random:nope"], "unknown random model shape 'nope'"),
+    (["-p", "9000"], "longer than the context"),
+])
+def test_bad_input_is_one_line(runner, args, message):
+    base = [] if "-m" in args else TINY
+    result = runner.invoke(app, ["bench", *base, *args])
+    assert result.exit_code == 1
+    assert result.stderr.strip().splitlines()[-1].startswith("error: ")
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert result.stdout == ""
+
+
+def test_serve_workload_makes_exact_lengths_in_process(runner):
+    result = runner.invoke(app, ["bench", "serve", *TINY, "--kv-memory", "4MiB", "-N", "4", "--input-len", "16",
+                                 "--output-len", "5", "-c", "1,2", "--format", "json"])
+    assert result.exit_code == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert [r["concurrency"] for r in rows] == [1, 2]
+    for r in rows:
+        assert (r["completed"], r["failed"]) == (4, 0)
+        assert (r["input_tokens"], r["output_tokens"]) == (64, 20)  # ignore_eos: exactly as asked
+        assert r["ttft_ms_p50"] > 0 and r["tpot_ms_p50"] > 0 and r["itl_ms_p99"] >= r["itl_ms_p50"]
+        assert r["model"] == "random:tiny" and r["engine"] == "local"
+    assert "concurrency 2: 4 done" in result.stderr
+
+
+def test_serve_rejects_requests_longer_than_the_context(runner):
+    result = runner.invoke(app, ["bench", "serve", *TINY, "--kv-memory", "4MiB", "--input-len", "5000"])
+    assert result.exit_code == 1 and "do not fit the context" in result.stderr
+
+
+def test_mixed_reports_three_phases(runner):
+    result = runner.invoke(app, ["bench", "mixed", *TINY, "--kv-memory", "4MiB", "--duration", "1",
+                                 "--chat-every", "0.5", "--chat-input-len", "8", "--chat-output-len", "4",
+                                 "--batch-concurrency", "2", "--batch-input-len", "8", "--batch-output-len", "8",
+                                 "--format", "csv"])
+    assert result.exit_code == 0, result.stderr
+    rows = list(csv.DictReader(io.StringIO(result.stdout)))
+    assert [r["phase"] for r in rows] == ["chat alone", "batch alone", "chat + batch"]
+    assert [int(r["chat_requests"]) for r in rows] == [2, 0, 2]
+    assert float(rows[1]["batch_tps"]) > 0 and float(rows[2]["batch_tps_vs_alone"]) > 0
+
+
+@pytest.mark.slow
+def test_default_model_decode_bandwidth(runner, default_model_path):
+    result = runner.invoke(app, ["bench", "-p", "16", "-n", "4", "-r", "1", "--warmup", "0", "--format", "json"])
+    assert result.exit_code == 0, result.stderr
+    pp, tg = json.loads(result.stdout)
+    assert pp["weights"] == "Q4_1" and pp["params"] > 100e6
+    assert tg["bandwidth_gbs"] > 0 and tg["bytes_per_step"] > 100e6  # the Q4_1 weights are ~117 MiB
