@@ -126,7 +126,7 @@ class RequestTracker:
             gen.gen_id, gen.client, reason,
             prompt_tokens=usage.prompt_tokens if usage is not None else (gen.prompt_tokens or 0),
             generated_tokens=usage.completion_tokens if usage is not None else gen.generated_tokens,
-            ttft_s=ttft, total_s=now - gen.started)
+            ttft_s=ttft, total_s=usage.total_time if usage is not None and usage.total_time > 0 else now - gen.started)
         self.recent.appendleft(done)
         if self.on_finish is not None:
             self.on_finish(done)
