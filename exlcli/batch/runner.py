@@ -8,6 +8,11 @@ over a queue. So a slow request never holds up the others, and the file has one 
 Stopping (see StopControl): the first Ctrl-C stops submitting and lets the requests in flight
 finish and be written; a second Ctrl-C, or SIGTERM, cancels them (they are not written, so a rerun
 does them again). Either way the output holds only whole lines, and a rerun resumes.
+
+What is an error line and what is not: a line the engine refuses (RequestError: too long, bad
+value) or ends with finish_reason "error" gets an error line, kept on resume unless
+--retry-errors. A stream that breaks (connection lost) is not written at all, so a plain rerun
+retries it; an engine that can't be reached at all stops the job the same way.
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ class BatchSummary:
     errors: int = 0  # error lines written this run
     skipped: int = 0  # already in the output from an earlier run
     cancelled: int = 0  # in flight when stopped; not written, a rerun does them
+    lost: int = 0  # streams that broke (not the request's fault); not written, a rerun does them
+    failure: str | None = None  # why the job stopped early on its own (engine unreachable)
     prompt_tokens: int = 0
     completion_tokens: int = 0
     wall_s: float = 0.0
@@ -65,6 +72,8 @@ class BatchSummary:
         parts = [f"done {self.done}", f"errors {self.errors}", f"skipped {self.skipped}"]
         if self.cancelled:
             parts.append(f"cancelled {self.cancelled}")
+        if self.lost:
+            parts.append(f"lost {self.lost}")
         parts.append(f"tokens {self.prompt_tokens} in / {self.completion_tokens} out")
         parts.append(f"wall {self.wall_s:.1f}s")
         parts.append(f"{self.tokens_per_s:.1f} tok/s")
@@ -210,9 +219,12 @@ class BatchRun:
             self._tick(force=True)
         return self.summary
 
+    def _halted(self) -> bool:
+        return self.stop.stopping.is_set() or self.summary.failure is not None
+
     def _submit_all(self, state: DoneState) -> None:
         for item in read_jobs(self.input_path, self.defaults):
-            if self.stop.stopping.is_set():
+            if self._halted():
                 self.summary.input_left = True
                 return
             if state.already_written(item):
@@ -223,7 +235,7 @@ class BatchRun:
                 self._write_ready()
                 continue
             self._wait_for_room()
-            if self.stop.stopping.is_set():
+            if self._halted():
                 self.summary.input_left = True
                 return
             self._submit(item)
@@ -239,6 +251,11 @@ class BatchRun:
         except RequestError as e:  # this line can't run (too long, bad value); the rest go on
             self._emit(seq, error_record(job.id, job.line_no, job.shape, "invalid_request", str(e)), error=True)
             self._write_ready()
+            return
+        except ExlcliError as e:  # the engine is unreachable or refuses everything: stop, keep the line
+            self.summary.failure = str(e)
+            self.summary.input_left = True
+            self._emit(seq, None)
             return
         self.in_flight[seq] = stream
         threading.Thread(target=_drain, args=(seq, job, stream, self.results),
@@ -258,7 +275,7 @@ class BatchRun:
         return True
 
     def _wait_for_room(self) -> None:
-        while not self._room() and not self.stop.stopping.is_set():
+        while not self._room() and not self._halted():
             self._pump(timeout=0.1)
 
     def _finish_in_flight(self) -> None:
@@ -296,8 +313,10 @@ class BatchRun:
         job = o.job
         last = o.last
         if o.failure is not None or last is None:
-            message = o.failure or "the stream ended without a result"
-            self._emit(o.seq, error_record(job.id, job.line_no, job.shape, "engine_error", message), error=True)
+            self.summary.lost += 1
+            self._message(f"line {job.line_no} ({job.id}): {o.failure or 'the stream ended early'}; "
+                          "not written, a rerun retries it")
+            self._emit(o.seq, None)
             return
         if last.usage is not None:
             self.summary.prompt_tokens += last.usage.prompt_tokens

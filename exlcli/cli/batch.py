@@ -37,6 +37,7 @@ def open_batch_client(model: str | None, server: str | None, local: bool, device
             raise ExlcliError(f"bad fake model {model!r}; use fake:echo or fake:echo:<seconds>") from None
     from exlcli.client.factory import open_client
 
+    server = find_server(server, local, model)
     return open_client(model, server=server, local=local, device=device, dtype=dtype)
 
 
@@ -50,12 +51,33 @@ def resume_command(input_path: Path, output_path: Path) -> str:
     return f"exlcli batch {shlex.quote(str(input_path))} -o {shlex.quote(str(output_path))} (same options)"
 
 
-def report(summary: BatchSummary, output_path: Path, input_path: Path) -> None:
+def report(summary: BatchSummary, output_path: Path, input_path: Path) -> int:
+    """Print the summary (and how to resume when something is left); return the exit code."""
     print(f"batch: {summary.describe()} -> {output_path}", file=sys.stderr)
+    if summary.failure:
+        print(f"error: {summary.failure}", file=sys.stderr)
     if summary.stopped_by:
-        left = "the rest of the input" if summary.input_left else "nothing more from the input"
-        print(f"batch: stopped by {summary.stopped_by}; {left} was started. "
-              f"To resume, run: {resume_command(input_path, output_path)}", file=sys.stderr)
+        left = "the rest of the input was not started" if summary.input_left else "all input was started"
+        print(f"batch: stopped by {summary.stopped_by}; {left}.", file=sys.stderr)
+    if summary.stopped_by or summary.failure or summary.lost or summary.cancelled:
+        print(f"batch: to resume, run: {resume_command(input_path, output_path)}", file=sys.stderr)
+    if summary.stopped_by:
+        return EXIT_CODES.get(summary.stopped_by, 1)
+    return 1 if summary.failure or summary.lost else 0
+
+
+def find_server(server: str | None, local: bool, model: str | None) -> str | None:
+    """The server to send the job to: the one named, else a running `exlcli serve`, unless --local."""
+    if server or local:
+        return server
+    from exlcli.server.runtime_file import find_running_server
+
+    running = find_running_server()
+    if running:
+        note = " (--model is ignored: the server runs its own model)" if model else ""
+        print(f"batch: sending the job to the running exlcli server at {running}{note}; "
+              "--local runs it in this process instead", file=sys.stderr)
+    return running
 
 
 def register(app: typer.Typer) -> None:
@@ -121,6 +143,6 @@ def register(app: typer.Typer) -> None:
         if summary.torn_bytes:
             print(f"batch: cut {summary.torn_bytes} bytes of a line an earlier run left unfinished",
                   file=sys.stderr)
-        report(summary, output_path, input_path)
-        if summary.stopped_by:
-            raise typer.Exit(EXIT_CODES.get(summary.stopped_by, 1))
+        code = report(summary, output_path, input_path)
+        if code:
+            raise typer.Exit(code)

@@ -130,14 +130,35 @@ def test_rejected_and_failing_requests_become_error_lines_and_the_rest_run(tmp_p
     rows = prompts(6) + [{"id": "long", "prompt": " ".join(["w"] * 80)}, {"id": "f", "prompt": "please FAIL"},
                          {"id": "r", "messages": [{"role": "user", "content": "RAISE"}]}]
     out = tmp_path / "out.jsonl"
-    summary = run(ScriptedClient(context_length=50), write_jsonl(rows), out, max_in_flight=3)
-    assert (summary.done, summary.errors) == (6, 3)
+    inp = write_jsonl(rows)
+    summary = run(ScriptedClient(context_length=50), inp, out, max_in_flight=3)
+    assert (summary.done, summary.errors, summary.lost) == (6, 2, 1)
     by_id = {r["id"]: r for r in read_jsonl(out)}
     assert by_id["long"]["error"]["code"] == "invalid_request" and "context" in by_id["long"]["error"]["message"]
     assert by_id["long"]["line"] == 7
     assert by_id["f"]["error"] == {"code": "engine_error", "message": "engine fell over"}
-    assert "connection dropped" in by_id["r"]["error"]["message"]
+    assert "r" not in by_id  # a broken stream is not the line's fault: not written, so a rerun retries it
     assert all("text" in by_id[r["id"]] for r in rows[:6])
+    again = run(FakeClient(context_length=50), inp, out)
+    assert (again.done, again.skipped) == (1, 8)
+    assert {r["id"]: r for r in read_jsonl(out)}["r"]["text"] == "echo: RAISE"
+
+
+def test_an_unreachable_engine_stops_the_job_and_a_rerun_finishes_it(tmp_path, write_jsonl, read_jsonl):
+    from exlcli.errors import ExlcliError
+
+    def fail_fifth(n):
+        if n == 5:
+            raise ExlcliError("cannot reach the exlcli server at http://127.0.0.1:1")
+
+    rows = prompts(12)
+    inp, out = write_jsonl(rows), tmp_path / "out.jsonl"
+    summary = run(ScriptedClient(on_submit=fail_fifth), inp, out, max_in_flight=2)
+    assert summary.failure.startswith("cannot reach") and summary.input_left
+    assert (summary.done, summary.errors) == (4, 0)  # what was in flight still finished and was written
+    assert len(read_jsonl(out)) == 4
+    rest = run(ScriptedClient(), inp, out)
+    assert (rest.done, rest.skipped) == (8, 4)
 
 
 def test_resume_skips_done_and_errors_and_retry_errors_reruns_them(tmp_path, write_jsonl, read_jsonl):
