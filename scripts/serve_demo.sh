@@ -29,6 +29,7 @@ trap cleanup EXIT
 
 if [ "$MODE" = fake ]; then
     MODEL="fake:echo:0.1"  # 100 ms per token: answers stream for a while
+    CHAT_OPTS=""
     LOAD_TIMEOUT=30; RUN_TIMEOUT=60
     CHAT_A="$(printf 'a%d ' $(seq 1 120))"
     CHAT_B="$(printf 'b%d ' $(seq 1 120))"
@@ -37,6 +38,7 @@ if [ "$MODE" = fake ]; then
     done > "$WORK/batch.jsonl"
 else
     MODEL=""
+    CHAT_OPTS="--max-tokens 200"
     LOAD_TIMEOUT=300; RUN_TIMEOUT=600
     CHAT_A="Write a long story about a dragon who learns to bake bread."
     CHAT_B="Explain, step by step and in detail, how a bicycle gear works."
@@ -81,9 +83,9 @@ tmux new-session -d -s "$SESSION" -x 180 -y 56 \
 check "server starts and answers /health" wait_until "$LOAD_TIMEOUT" server_up
 
 tmux split-window -v -l 16 -t "$SESSION:0.0" \
-    "cd $(pwd) && env $ENV $PYTHON -m exlcli chat --server $URL; sleep 600"
+    "cd $(pwd) && env $ENV $PYTHON -m exlcli chat --server $URL $CHAT_OPTS; sleep 600"
 tmux split-window -h -t "$SESSION:0.1" \
-    "cd $(pwd) && env $ENV $PYTHON -m exlcli chat --server $URL; sleep 600"
+    "cd $(pwd) && env $ENV $PYTHON -m exlcli chat --server $URL $CHAT_OPTS; sleep 600"
 chat_ready() { tmux capture-pane -p -t "$SESSION:0.$1" | grep -q '^>>> '; }
 both_ready() { chat_ready 1 && chat_ready 2; }
 check "both chats attach and show their prompt" wait_until 60 both_ready
