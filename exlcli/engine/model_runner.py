@@ -13,6 +13,11 @@ class ModelRunner:
         self.model = model
         self.kv = kv
         self.device = model.device
+        self.graphs = None  # CUDA graphs of decode steps (exlcli/model/cuda_graphs.py); None on CPU
+        if self.device.type == "cuda":
+            from exlcli.model.cuda_graphs import make_decode_graphs
+
+            self.graphs = make_decode_graphs(model, kv)
 
     def build_inputs(self, batch: ScheduledBatch) -> BatchInputs:
         page_size = self.kv.page_size
@@ -51,4 +56,8 @@ class ModelRunner:
 
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         """fp32 logits [S, V], one row per item that samples, in batch order."""
+        if self.graphs is not None:
+            logits = self.graphs.run(batch)  # None unless a pure decode step fits a graph
+            if logits is not None:
+                return logits
         return self.model.forward(self.build_inputs(batch), self.kv)

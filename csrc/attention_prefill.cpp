@@ -1,0 +1,97 @@
+// Paged attention over a flat batch of prefill chunks and decode tokens.
+//
+// Decode tokens (sequences with one query) go through the decode kernel, exactly as in a pure
+// decode step, so a sequence's numbers do not change when a prefill shares its step. Chunks go
+// through scaled_dot_product_attention (flash attention where it applies) over their gathered
+// pages, one call per group of chunks of equal (queries, length): a whole batch of equal prompts
+// is one call. This path reads the chunk layout on the host: one device sync per prefill step.
+#include <map>
+#include <utility>
+#include <vector>
+
+#include <ATen/ops/arange.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/scaled_dot_product_attention.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "ops.h"
+
+namespace exlcli {
+namespace {
+
+at::Tensor index_tensor(const std::vector<int64_t>& values, const at::Device& device) {
+  at::Tensor host = at::empty({static_cast<int64_t>(values.size())}, at::TensorOptions().dtype(at::kLong));
+  std::copy(values.begin(), values.end(), host.data_ptr<int64_t>());
+  return host.to(device);
+}
+
+}  // namespace
+
+at::Tensor paged_attention_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                   const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                                   const at::Tensor& seq_lens, double scale) {
+  check_paged_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens);
+  TORCH_CHECK(query_start_loc.is_cuda() && query_start_loc.device() == q.device(),
+              "paged_attention_prefill: query_start_loc must be on q's device");
+  TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && query_start_loc.dim() == 1 &&
+                  query_start_loc.is_contiguous() && query_start_loc.size(0) == seq_lens.size(0) + 1,
+              "paged_attention_prefill: query_start_loc must be a contiguous int32 [", seq_lens.size(0) + 1, "]");
+  const c10::cuda::CUDAGuard guard(q.device());
+  at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  const int64_t num_seqs = seq_lens.size(0);
+  if (num_seqs == 0) return out;
+  launch_paged_decode(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc.data_ptr<int>(), scale);
+
+  const at::Tensor starts_h = query_start_loc.cpu(), lens_h = seq_lens.cpu();
+  const int* starts = starts_h.data_ptr<int>();
+  const int* lens = lens_h.data_ptr<int>();
+  TORCH_CHECK(starts[0] == 0 && starts[num_seqs] == q.size(0),
+              "paged_attention_prefill: query_start_loc must run from 0 to the number of query rows");
+  std::map<std::pair<int, int>, std::vector<int64_t>> groups;  // (queries, length) -> sequences
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int num_q = starts[b + 1] - starts[b];
+    TORCH_CHECK(num_q >= 0 && num_q <= lens[b], "paged_attention_prefill: sequence ", b, " has ", num_q,
+                " queries but length ", lens[b]);
+    if (num_q >= 2) groups[{num_q, lens[b]}].push_back(b);
+  }
+  if (groups.empty()) return out;
+
+  const int64_t heads = q.size(1), head_dim = q.size(2);
+  const int64_t kv_heads = k_cache.size(2), page_size = k_cache.size(1), group = heads / kv_heads;
+  const at::Device device = q.device();
+  for (const auto& [shape, seqs] : groups) {
+    const int64_t num_q = shape.first, length = shape.second, count = static_cast<int64_t>(seqs.size());
+    const int64_t pages = (length + page_size - 1) / page_size;
+    TORCH_CHECK(pages <= block_tables.size(1), "paged_attention_prefill: block_tables too narrow for length ", length);
+    std::vector<int64_t> rows;
+    rows.reserve(count * num_q);
+    for (const int64_t b : seqs)
+      for (int64_t i = 0; i < num_q; ++i) rows.push_back(starts[b] + i);
+    const at::Tensor seq_idx = index_tensor(seqs, device);
+    const at::Tensor row_idx = index_tensor(rows, device);
+    const at::Tensor tables = block_tables.index_select(0, seq_idx).narrow(1, 0, pages).to(at::kLong).reshape({-1});
+    auto gather = [&](const at::Tensor& cache) {
+      at::Tensor kv = cache.index_select(0, tables).view({count, pages * page_size, kv_heads, head_dim})
+                          .narrow(1, 0, length);  // [count, length, kv_heads, D]
+      if (group > 1) {
+        kv = kv.unsqueeze(3).expand({count, length, kv_heads, group, head_dim}).reshape({count, length, heads, head_dim});
+      }
+      return kv.transpose(1, 2);  // [count, heads, length, D]
+    };
+    const at::Tensor keys = gather(k_cache), values = gather(v_cache);
+    const at::Tensor queries = q.index_select(0, row_idx).view({count, num_q, heads, head_dim}).transpose(1, 2);
+    std::optional<at::Tensor> mask;
+    const bool causal = num_q == length;  // else: the chunk's queries are the last num_q positions
+    if (!causal) {
+      const auto long_opts = at::TensorOptions().dtype(at::kLong).device(device);
+      const at::Tensor q_pos = at::arange(length - num_q, length, long_opts).unsqueeze(1);
+      const at::Tensor k_pos = at::arange(length, long_opts).unsqueeze(0);
+      mask = k_pos.le(q_pos);  // [num_q, length]
+    }
+    const at::Tensor o = at::scaled_dot_product_attention(queries, keys, values, mask, 0.0, causal, scale);
+    out.index_copy_(0, row_idx, o.transpose(1, 2).reshape({count * num_q, heads, head_dim}));
+  }
+  return out;
+}
+
+}  // namespace exlcli

@@ -1,0 +1,26 @@
+// Registers every exlcli op: schemas in TORCH_LIBRARY, CUDA implementations in TORCH_LIBRARY_IMPL.
+// Python reaches them as torch.ops.exlcli.<name> once the library is loaded (exlcli/ops/_ext.py).
+#include <torch/library.h>
+
+#include "ops.h"
+
+TORCH_LIBRARY(exlcli, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("rope_and_write_kv(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor cos_sin, "
+        "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> Tensor");
+  m.def("paged_attention_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, float scale) -> Tensor");
+  m.def("paged_attention_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor query_start_loc, Tensor seq_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(exlcli, CUDA, m) {
+  m.impl("rms_norm", &exlcli::rms_norm);
+  m.impl("fused_add_rms_norm", &exlcli::fused_add_rms_norm);
+  m.impl("silu_and_mul", &exlcli::silu_and_mul);
+  m.impl("rope_and_write_kv", &exlcli::rope_and_write_kv);
+  m.impl("paged_attention_decode", &exlcli::paged_attention_decode);
+  m.impl("paged_attention_prefill", &exlcli::paged_attention_prefill);
+}

@@ -1,0 +1,96 @@
+// Shared helpers for the exlcli kernels: dtype dispatch, 16-byte vector access, reductions, checks.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+namespace exlcli {
+
+// ---- scalar conversions ------------------------------------------------------------------------
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// Rounds through T and back: the value a torch op in dtype T would have stored.
+template <typename T> __device__ __forceinline__ float round_to(float x) { return to_float(from_float<T>(x)); }
+
+// ---- 16-byte vectors ---------------------------------------------------------------------------
+// A Vec<T> is 16 bytes of T (8 for bf16/fp16, 4 for fp32), loaded and stored with one instruction.
+template <typename T>
+struct alignas(16) Vec {
+  static constexpr int N = 16 / sizeof(T);
+  T v[N];
+};
+
+template <typename T>
+__device__ __forceinline__ Vec<T> load_vec(const T* p) {
+  return *reinterpret_cast<const Vec<T>*>(p);
+}
+
+template <typename T>
+__device__ __forceinline__ void store_vec(T* p, const Vec<T>& x) {
+  *reinterpret_cast<Vec<T>*>(p) = x;
+}
+
+// ---- reductions --------------------------------------------------------------------------------
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+
+// Sum over the block in a fixed order (so the result does not depend on anything but the row).
+// `scratch` holds 32 floats; every thread gets the total.
+__device__ __forceinline__ float block_sum(float x, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = (blockDim.x + 31) >> 5;
+  x = warp_sum(x);
+  __syncthreads();  // scratch may still be read by a previous call
+  if (lane == 0) scratch[warp] = x;
+  __syncthreads();
+  float total = 0.f;
+  for (int w = 0; w < num_warps; ++w) total += scratch[w];
+  return total;
+}
+
+__host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// ---- host-side checks --------------------------------------------------------------------------
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+#define EXL_CHECK_CUDA_TENSOR(t, name) \
+  TORCH_CHECK((t).is_cuda(), name " must be a CUDA tensor, got ", (t).device())
+
+#define EXL_CHECK_DTYPE(t, dt, name) \
+  TORCH_CHECK((t).scalar_type() == (dt), name " must be ", dt, ", got ", (t).scalar_type())
+
+// Runs the lambda with `scalar_t` bound to float, __half or __nv_bfloat16.
+#define EXL_DISPATCH_FLOAT(st, name, ...)                                              \
+  switch (st) {                                                                         \
+    case at::ScalarType::Float: { using scalar_t = float; __VA_ARGS__(); break; }       \
+    case at::ScalarType::Half: { using scalar_t = __half; __VA_ARGS__(); break; }       \
+    case at::ScalarType::BFloat16: { using scalar_t = __nv_bfloat16; __VA_ARGS__(); break; } \
+    default: TORCH_CHECK(false, name ": unsupported dtype ", st, " (float32, float16, bfloat16)"); \
+  }
+
+inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+
+}  // namespace exlcli

@@ -1,0 +1,166 @@
+// RMSNorm, alone and fused with the residual add. One block per row; the row stays in registers.
+//
+// Rounding follows the torch reference (exlcli/ops/norm.py): the residual sum is rounded to the
+// dtype, the normalised row is rounded to the dtype before the weight multiply.
+#include <ATen/ops/empty.h>
+
+#include "common.cuh"
+#include "ops.h"
+
+namespace exlcli {
+namespace {
+
+constexpr int kMaxChunksPerThread = 4;
+
+template <typename T, int VW>
+__device__ __forceinline__ void load_chunk(const T* p, float (&dst)[VW]) {
+  if constexpr (VW == Vec<T>::N) {
+    const Vec<T> x = load_vec(p);
+#pragma unroll
+    for (int e = 0; e < VW; ++e) dst[e] = to_float(x.v[e]);
+  } else {
+#pragma unroll
+    for (int e = 0; e < VW; ++e) dst[e] = to_float(p[e]);
+  }
+}
+
+template <typename T, int VW>
+__device__ __forceinline__ void store_chunk(T* p, const float (&src)[VW]) {
+  if constexpr (VW == Vec<T>::N) {
+    Vec<T> x;
+#pragma unroll
+    for (int e = 0; e < VW; ++e) x.v[e] = from_float<T>(src[e]);
+    store_vec(p, x);
+  } else {
+#pragma unroll
+    for (int e = 0; e < VW; ++e) p[e] = from_float<T>(src[e]);
+  }
+}
+
+// out[row] = weight * round(r * rsqrt(mean(r^2) + eps)), r = x[row] (+ residual[row], rounded and
+// written to residual_out[row] when ADD). Chunks of VW elements; chunk c of a row goes to thread
+// c % blockDim.x, so the reduction order depends only on the row length.
+template <typename T, int VW, bool ADD>
+__global__ void rms_norm_kernel(T* __restrict__ out, T* __restrict__ residual_out,
+                                const T* __restrict__ x, int64_t x_stride,
+                                const T* __restrict__ residual, int64_t res_stride,
+                                const T* __restrict__ weight, int hidden, float eps) {
+  __shared__ float scratch[32];
+  const int64_t row = blockIdx.x;
+  const int num_chunks = hidden / VW;
+  float vals[kMaxChunksPerThread][VW];
+  float sumsq = 0.f;
+#pragma unroll
+  for (int i = 0; i < kMaxChunksPerThread; ++i) {
+    const int c = threadIdx.x + i * blockDim.x;
+    if (c < num_chunks) {
+      load_chunk<T, VW>(x + row * x_stride + c * VW, vals[i]);
+      if constexpr (ADD) {
+        float r[VW];
+        load_chunk<T, VW>(residual + row * res_stride + c * VW, r);
+#pragma unroll
+        for (int e = 0; e < VW; ++e) vals[i][e] = round_to<T>(vals[i][e] + r[e]);
+        store_chunk<T, VW>(residual_out + row * hidden + c * VW, vals[i]);
+      }
+#pragma unroll
+      for (int e = 0; e < VW; ++e) sumsq = fmaf(vals[i][e], vals[i][e], sumsq);
+    }
+  }
+  const float total = block_sum(sumsq, scratch);
+  const float inv = rsqrtf(total * (1.f / hidden) + eps);
+#pragma unroll
+  for (int i = 0; i < kMaxChunksPerThread; ++i) {
+    const int c = threadIdx.x + i * blockDim.x;
+    if (c < num_chunks) {
+      float w[VW];
+      load_chunk<T, VW>(weight + c * VW, w);
+      float y[VW];
+#pragma unroll
+      for (int e = 0; e < VW; ++e) y[e] = w[e] * round_to<T>(vals[i][e] * inv);
+      store_chunk<T, VW>(out + row * hidden + c * VW, y);
+    }
+  }
+}
+
+// [rows, hidden] with a contiguous last dim (a copy only when the leading dims do not flatten).
+at::Tensor as_rows(const at::Tensor& x) {
+  if (x.dim() == 2 && x.stride(1) == 1) return x;
+  return x.contiguous().view({-1, x.size(-1)});
+}
+
+template <typename T, bool ADD>
+void launch_rms_norm(const at::Tensor& out, const at::Tensor& residual_out, const at::Tensor& x2,
+                     const at::Tensor& r2, const at::Tensor& weight, double eps) {
+  const int64_t rows = x2.size(0);
+  const int hidden = static_cast<int>(x2.size(1));
+  if (rows == 0) return;
+  constexpr int VW = Vec<T>::N;
+  const T* x = static_cast<const T*>(x2.data_ptr());
+  const T* r = ADD ? static_cast<const T*>(r2.data_ptr()) : nullptr;
+  bool vec_ok = hidden % VW == 0 && aligned16(x) && x2.stride(0) % VW == 0 && aligned16(weight.data_ptr());
+  if (ADD) vec_ok = vec_ok && aligned16(r) && r2.stride(0) % VW == 0;
+  const int chunk = vec_ok ? VW : 1;
+  const int num_chunks = hidden / chunk;
+  const int threads = std::min(1024, std::max(32, ceil_div(num_chunks, 32) * 32));
+  TORCH_CHECK(num_chunks <= threads * kMaxChunksPerThread, "rms_norm: rows of ", hidden,
+              " elements are longer than this kernel supports");
+  const dim3 grid(static_cast<unsigned>(rows));
+  T* o = static_cast<T*>(out.data_ptr());
+  T* ro = ADD ? static_cast<T*>(residual_out.data_ptr()) : nullptr;
+  const T* w = static_cast<const T*>(weight.data_ptr());
+  const int64_t rs = ADD ? r2.stride(0) : 0;
+  if (vec_ok) {
+    rms_norm_kernel<T, VW, ADD><<<grid, threads, 0, current_stream()>>>(o, ro, x, x2.stride(0), r, rs, w,
+                                                                        hidden, static_cast<float>(eps));
+  } else {
+    rms_norm_kernel<T, 1, ADD><<<grid, threads, 0, current_stream()>>>(o, ro, x, x2.stride(0), r, rs, w,
+                                                                       hidden, static_cast<float>(eps));
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void check_norm_inputs(const at::Tensor& x, const at::Tensor& weight) {
+  EXL_CHECK_CUDA_TENSOR(x, "rms_norm: x");
+  EXL_CHECK_CUDA_TENSOR(weight, "rms_norm: weight");
+  TORCH_CHECK(x.device() == weight.device(), "rms_norm: x and weight are on different devices");
+  TORCH_CHECK(x.dim() >= 1, "rms_norm: x must have at least one dimension");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1), "rms_norm: weight must be [",
+              x.size(-1), "], got ", weight.sizes());
+  TORCH_CHECK(weight.is_contiguous(), "rms_norm: weight must be contiguous");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "rms_norm: weight dtype ", weight.scalar_type(),
+              " differs from x dtype ", x.scalar_type());
+}
+
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_norm_inputs(x, weight);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor x2 = as_rows(x);
+  at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  EXL_DISPATCH_FLOAT(x.scalar_type(), "rms_norm", [&] {
+    launch_rms_norm<scalar_t, false>(out, out, x2, x2, weight, eps);
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                      const at::Tensor& weight, double eps) {
+  check_norm_inputs(x, weight);
+  EXL_CHECK_CUDA_TENSOR(residual, "fused_add_rms_norm: residual");
+  TORCH_CHECK(residual.sizes() == x.sizes(), "fused_add_rms_norm: residual shape ", residual.sizes(),
+              " differs from x shape ", x.sizes());
+  TORCH_CHECK(residual.scalar_type() == x.scalar_type(), "fused_add_rms_norm: residual dtype differs from x");
+  TORCH_CHECK(residual.device() == x.device(), "fused_add_rms_norm: residual is on another device");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor x2 = as_rows(x), r2 = as_rows(residual);
+  const auto opts = x.options().memory_format(at::MemoryFormat::Contiguous);
+  at::Tensor out = at::empty(x.sizes(), opts);
+  at::Tensor residual_out = at::empty(x.sizes(), opts);
+  EXL_DISPATCH_FLOAT(x.scalar_type(), "fused_add_rms_norm", [&] {
+    launch_rms_norm<scalar_t, true>(out, residual_out, x2, r2, weight, eps);
+  });
+  return {out, residual_out};
+}
+
+}  // namespace exlcli

@@ -1,0 +1,109 @@
+// Rotary embedding (rotate-half form) of q and k, fused with writing k and v into their KV pages.
+// The rotation uses the same rounded fp32 products as exlcli/ops/rope.py (no fused multiply-add),
+// so the rotated values match the torch reference bit for bit.
+#include <ATen/ops/empty.h>
+
+#include "common.cuh"
+#include "ops.h"
+
+namespace exlcli {
+namespace {
+
+template <typename T>
+__device__ __forceinline__ void rotate(const T* src, T* dst, int j, int half, float c, float s) {
+  const float x1 = to_float(src[j]), x2 = to_float(src[j + half]);
+  dst[j] = from_float<T>(__fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)));
+  dst[j + half] = from_float<T>(__fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s)));
+}
+
+// One block per token. A negative slot (a padded row of a captured decode graph) skips the write.
+template <typename T>
+__global__ void rope_and_write_kv_kernel(T* __restrict__ q_out, const T* __restrict__ q, int64_t q_stride,
+                                         const T* __restrict__ k, int64_t k_stride,
+                                         const T* __restrict__ v, int64_t v_stride,
+                                         const int64_t* __restrict__ positions,
+                                         const float* __restrict__ cos_sin, int64_t cs_stride,
+                                         T* __restrict__ k_cache, T* __restrict__ v_cache,
+                                         const int64_t* __restrict__ slots, int num_heads, int num_kv_heads,
+                                         int head_dim) {
+  const int64_t t = blockIdx.x;
+  const int half = head_dim / 2;
+  const float* cs = cos_sin + positions[t] * cs_stride;  // cos in [0, half), sin in [half, D)
+  for (int i = threadIdx.x; i < num_heads * half; i += blockDim.x) {
+    const int h = i / half, j = i % half;
+    rotate(q + t * q_stride + h * head_dim, q_out + (t * num_heads + h) * head_dim, j, half, cs[j], cs[half + j]);
+  }
+  const int64_t slot = slots[t];
+  if (slot < 0) return;
+  T* kc = k_cache + slot * num_kv_heads * head_dim;
+  T* vc = v_cache + slot * num_kv_heads * head_dim;
+  for (int i = threadIdx.x; i < num_kv_heads * half; i += blockDim.x) {
+    const int h = i / half, j = i % half;
+    rotate(k + t * k_stride + h * head_dim, kc + h * head_dim, j, half, cs[j], cs[half + j]);
+  }
+  for (int i = threadIdx.x; i < num_kv_heads * head_dim; i += blockDim.x) vc[i] = v[t * v_stride + i];
+}
+
+// [T, heads, D] whose heads and elements are packed (rows may be strided: views of a fused qkv).
+void check_token_heads(const at::Tensor& x, const char* name, int64_t tokens, int64_t head_dim) {
+  TORCH_CHECK(x.dim() == 3, "rope_and_write_kv: ", name, " must be [tokens, heads, head_dim], got ", x.sizes());
+  TORCH_CHECK(x.size(0) == tokens && x.size(2) == head_dim, "rope_and_write_kv: ", name, " has shape ",
+              x.sizes(), ", expected [", tokens, ", heads, ", head_dim, "]");
+  TORCH_CHECK(x.stride(2) == 1 && x.stride(1) == head_dim, "rope_and_write_kv: ", name,
+              " must have contiguous heads and elements");
+}
+
+}  // namespace
+
+at::Tensor rope_and_write_kv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const at::Tensor& positions, const at::Tensor& cos_sin,
+                             const at::Tensor& k_cache, const at::Tensor& v_cache,
+                             const at::Tensor& slot_mapping) {
+  for (const at::Tensor* t : {&q, &k, &v, &positions, &cos_sin, &k_cache, &v_cache, &slot_mapping}) {
+    EXL_CHECK_CUDA_TENSOR(*t, "rope_and_write_kv: every input");
+    TORCH_CHECK(t->device() == q.device(), "rope_and_write_kv: inputs are on different devices");
+  }
+  const int64_t tokens = q.size(0), head_dim = q.size(-1);
+  TORCH_CHECK(head_dim % 2 == 0, "rope_and_write_kv: head_dim must be even, got ", head_dim);
+  check_token_heads(q, "q", tokens, head_dim);
+  check_token_heads(k, "k", tokens, head_dim);
+  check_token_heads(v, "v", tokens, head_dim);
+  TORCH_CHECK(k.size(1) == v.size(1), "rope_and_write_kv: k and v have different head counts");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "rope_and_write_kv: q, k and v must share a dtype");
+  for (const at::Tensor* c : {&k_cache, &v_cache}) {
+    TORCH_CHECK(c->dim() == 4 && c->size(2) == k.size(1) && c->size(3) == head_dim,
+                "rope_and_write_kv: caches must be [pages, page_size, ", k.size(1), ", ", head_dim, "], got ",
+                c->sizes());
+    TORCH_CHECK(c->is_contiguous(), "rope_and_write_kv: caches must be contiguous");
+    TORCH_CHECK(c->scalar_type() == q.scalar_type(), "rope_and_write_kv: cache dtype ", c->scalar_type(),
+                " differs from q dtype ", q.scalar_type());
+  }
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "rope_and_write_kv: k_cache and v_cache differ in shape");
+  EXL_CHECK_DTYPE(positions, at::kLong, "rope_and_write_kv: positions");
+  EXL_CHECK_DTYPE(slot_mapping, at::kLong, "rope_and_write_kv: slot_mapping");
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == tokens && positions.is_contiguous(),
+              "rope_and_write_kv: positions must be a contiguous [", tokens, "]");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == tokens && slot_mapping.is_contiguous(),
+              "rope_and_write_kv: slot_mapping must be a contiguous [", tokens, "]");
+  EXL_CHECK_DTYPE(cos_sin, at::kFloat, "rope_and_write_kv: cos_sin");
+  TORCH_CHECK(cos_sin.dim() == 2 && cos_sin.size(1) == head_dim && cos_sin.stride(1) == 1,
+              "rope_and_write_kv: cos_sin must be [positions, ", head_dim, "] with contiguous rows");
+
+  const c10::cuda::CUDAGuard guard(q.device());
+  at::Tensor q_out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  if (tokens == 0) return q_out;
+  EXL_DISPATCH_FLOAT(q.scalar_type(), "rope_and_write_kv", [&] {
+    using T = scalar_t;
+    rope_and_write_kv_kernel<T><<<static_cast<unsigned>(tokens), 128, 0, current_stream()>>>(
+        static_cast<T*>(q_out.data_ptr()), static_cast<const T*>(q.data_ptr()), q.stride(0),
+        static_cast<const T*>(k.data_ptr()), k.stride(0), static_cast<const T*>(v.data_ptr()), v.stride(0),
+        positions.data_ptr<int64_t>(), cos_sin.data_ptr<float>(), cos_sin.stride(0),
+        static_cast<T*>(k_cache.data_ptr()), static_cast<T*>(v_cache.data_ptr()), slot_mapping.data_ptr<int64_t>(),
+        static_cast<int>(q.size(1)), static_cast<int>(k.size(1)), static_cast<int>(head_dim));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return q_out;
+}
+
+}  // namespace exlcli

@@ -1,0 +1,199 @@
+"""Decode steps replayed as CUDA graphs, one graph per (batch-size bucket, block-table width bucket).
+
+A pure decode step (every scheduled sequence computes its one next token and samples) of n
+sequences runs the graph of the smallest bucket >= n; the rows past n are padding: token 0 at
+position 0, KV slot -1 (the rope kernel writes nothing) and length 0 (attention writes zeros).
+Inputs reach the graph's static buffers through three host-to-device copies from pinned memory;
+the only wait on the device in a step is the sampler reading the token ids.
+
+Graphs are captured lazily, the first time a bucket is needed (or ahead with `capture`), all in one
+memory pool. They need the compiled kernels: the reference ops read lengths on the host, which a
+graph cannot do. Set EXLCLI_NO_CUDA_GRAPHS=1 to run every step eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from exlcli.engine.scheduler import ScheduledBatch, ScheduledSeq
+from exlcli.model.llama import BatchInputs, KVCache, LlamaModel
+from exlcli.ops import _ext
+
+log = logging.getLogger("exlcli.cuda_graphs")
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384,
+                 448, 512, 640, 768, 896, 1024)
+MIN_WIDTH_PAGES = 16
+
+
+def batch_bucket(n: int) -> int | None:
+    """The smallest captured batch size that holds n sequences (None past the largest)."""
+    for b in BATCH_BUCKETS:
+        if b >= n:
+            return b
+    return None
+
+
+def width_bucket(pages: int) -> int:
+    """Block-table width for a step whose longest sequence has `pages` pages: a power of two, so a
+    growing context changes graphs rarely and attention skips at most half of the partitions."""
+    width = MIN_WIDTH_PAGES
+    while width < pages:
+        width *= 2
+    return width
+
+
+def is_pure_decode(batch: ScheduledBatch) -> bool:
+    return bool(batch.items) and all(item.num_new_tokens == 1 and item.samples for item in batch.items)
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor  # [bucket, vocab] fp32, rewritten by every replay
+
+
+class DecodeGraphs:
+    def __init__(self, model: LlamaModel, kv: KVCache) -> None:
+        self.model = model
+        self.kv = kv
+        self.device = model.device
+        self.max_batch = BATCH_BUCKETS[-1]
+        self.disabled_reason: str | None = None
+        self.num_replays = 0
+        dev, n = self.device, self.max_batch
+        # Static inputs: token ids, positions, slots in one int64 buffer; lengths; tables by width.
+        self._longs = torch.zeros(3, n, dtype=torch.long, device=dev)
+        self._lens = torch.zeros(n, dtype=torch.int32, device=dev)
+        self._qsl = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self._rows = torch.arange(n, dtype=torch.long, device=dev)
+        self._tables: dict[int, torch.Tensor] = {}
+        self._host_longs = torch.zeros(3, n, dtype=torch.long, pin_memory=True)
+        self._host_lens = torch.zeros(n, dtype=torch.int32, pin_memory=True)
+        self._host_tables: dict[int, torch.Tensor] = {}
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._pool = torch.cuda.graph_pool_handle()
+
+    # -- public -----------------------------------------------------------------------------------
+    def run(self, batch: ScheduledBatch) -> torch.Tensor | None:
+        """fp32 logits [n, V] of a pure decode step, or None when this step runs eagerly. The
+        tensor is the graph's output: read it before the next step."""
+        if self.disabled_reason is not None or not is_pure_decode(batch):
+            return None
+        n = len(batch.items)
+        bucket = batch_bucket(n)
+        if bucket is None or not _ext.kernels_available():
+            return None
+        width = width_bucket(max(len(item.seq.pages) for item in batch.items))
+        graph = self._graphs.get((bucket, width))
+        if graph is None:
+            graph = self._capture_or_disable(bucket, width)
+            if graph is None:
+                return None
+        self._stage(batch.items, bucket, width)
+        graph.graph.replay()
+        self.num_replays += 1
+        return graph.logits[:n]
+
+    def capture(self, batch_sizes: list[int], max_pages: int) -> int:
+        """Captures ahead the graphs that steps of these sizes and up to `max_pages` pages per
+        sequence will use (benchmarks; servers at start). Returns how many exist afterwards."""
+        if _ext.kernels_available():
+            width = width_bucket(max_pages)
+            for n in sorted({batch_bucket(n) for n in batch_sizes if batch_bucket(n)}, reverse=True):
+                if (n, width) not in self._graphs and self._capture_or_disable(n, width) is None:
+                    break
+        return len(self._graphs)
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    # -- internals --------------------------------------------------------------------------------
+    def _table(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if width not in self._tables:
+            self._tables[width] = torch.zeros(self.max_batch, width, dtype=torch.int32, device=self.device)
+            self._host_tables[width] = torch.zeros(self.max_batch, width, dtype=torch.int32, pin_memory=True)
+        return self._tables[width], self._host_tables[width]
+
+    def _inputs(self, bucket: int, width: int) -> BatchInputs:
+        tables, _ = self._table(width)
+        return BatchInputs(
+            input_ids=self._longs[0, :bucket], positions=self._longs[1, :bucket],
+            slot_mapping=self._longs[2, :bucket], block_tables=tables[:bucket],
+            seq_lens=[1] * bucket, query_start_loc=list(range(bucket + 1)),
+            logits_indices=self._rows[:bucket], seq_lens_t=self._lens[:bucket],
+            query_start_loc_t=self._qsl[:bucket + 1])
+
+    def _capture_or_disable(self, bucket: int, width: int) -> _Graph | None:
+        try:
+            graph = self._capture(bucket, width)
+        except Exception as e:  # never fatal: the step runs eagerly from now on
+            self.disabled_reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            log.warning("CUDA graph capture failed; decode runs eagerly: %s", self.disabled_reason)
+            print(f"exlcli: CUDA graph capture failed ({self.disabled_reason}); decode steps run "
+                  f"eagerly", file=sys.stderr, flush=True)
+            return None
+        self._graphs[(bucket, width)] = graph
+        return graph
+
+    def _capture(self, bucket: int, width: int) -> _Graph:
+        inputs = self._inputs(bucket, width)
+        self._copied.synchronize()
+        # Padding everywhere: the warm-up and the capture write no KV page of a live sequence.
+        self._longs[:, :bucket].zero_()
+        self._longs[2, :bucket].fill_(-1)
+        self._lens[:bucket].zero_()
+        inputs.block_tables.zero_()
+        with torch.cuda.device(self.device):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self.model.forward(inputs, self.kv)  # warm-up: cuBLAS and the allocator settle
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                logits = self.model.forward(inputs, self.kv)
+        log.debug("captured decode graph: batch %d, width %d pages", bucket, width)
+        return _Graph(graph, logits)
+
+    def _stage(self, items: list[ScheduledSeq], bucket: int, width: int) -> None:
+        tables, host_tables = self._table(width)
+        self._copied.synchronize()  # the previous step's copies have left the pinned buffers
+        longs = self._host_longs.numpy()
+        lens = self._host_lens.numpy()
+        table = host_tables.numpy()
+        page_size = self.kv.page_size
+        for i, item in enumerate(items):
+            seq = item.seq
+            pos = seq.num_computed_tokens
+            pages = seq.pages
+            longs[0, i] = seq.token_ids[pos]
+            longs[1, i] = pos
+            longs[2, i] = pages[pos // page_size] * page_size + pos % page_size
+            lens[i] = pos + 1
+            table[i, :len(pages)] = pages
+        n = len(items)
+        longs[:, n:bucket] = 0
+        longs[2, n:bucket] = -1
+        lens[n:bucket] = 0
+        self._longs.copy_(self._host_longs, non_blocking=True)
+        self._lens.copy_(self._host_lens, non_blocking=True)
+        tables[:bucket].copy_(host_tables[:bucket], non_blocking=True)
+        self._copied.record()
+
+
+def make_decode_graphs(model: LlamaModel, kv: KVCache) -> DecodeGraphs | None:
+    """Graphs for a model on a CUDA device, unless EXLCLI_NO_CUDA_GRAPHS=1."""
+    import os
+
+    if model.device.type != "cuda" or os.environ.get("EXLCLI_NO_CUDA_GRAPHS") == "1":
+        return None
+    return DecodeGraphs(model, kv)

@@ -1,0 +1,440 @@
+#!/usr/bin/env python3
+"""GPU benchmarks of exlcli with random weights (no files, no downloads), for scripts/gpu_check.sh.
+
+Figures (medians; each labelled with what it includes):
+  ceilings     device-to-device copy bandwidth and a bf16 8192^3 matmul, measured here
+  llama-8B     bf16, Llama-3.1-8B shape: batch 1 and batch 64 decode through the real Engine
+               (a step = schedule + graph replay + sampling + streaming), the decode graph's GPU
+               time alone, prefill of 2,048-token prompts (model forward), offline 1,024 requests
+               of 128 prompt + 128 output tokens through the Engine
+  smollm2      bf16, SmolLM2-135M shape: batch 1 decode through the Engine
+  hf           Hugging Face transformers on the same shapes (--hf): generate at batch 1, and
+               generate_batch when this transformers has it
+
+  python3 scripts/gpu_bench.py --json results.json [--hf] [--tests "12 passed, 0 failed"]
+  python3 scripts/gpu_bench.py --table results.json       # print the table of a saved run
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+TARGETS = {  # issue 8's floors
+    "llama8b_b1_ms_per_step": ("<=", 4.7),
+    "llama8b_b64_tok_s": (">=", 10_000),
+    "llama8b_offline_out_tok_s": (">=", 15_000),
+    "llama8b_prefill2048_tok_s": (">=", 35_000),
+    "smollm2_b1_tok_s": (">=", 800),
+}
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def cuda_time_ms(fn, reps: int, warmup: int = 2) -> float:
+    """Median milliseconds of fn() timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def free_gpu() -> None:
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+# -- ceilings -------------------------------------------------------------------------------------
+def measure_ceilings(res: dict) -> None:
+    n = 1 << 30  # 2 GiB of bf16
+    src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = cuda_time_ms(lambda: dst.copy_(src), reps=10)
+    res["copy_tb_s"] = 2 * src.numel() * 2 / (ms * 1e-3) / 1e12
+    del src, dst
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = cuda_time_ms(lambda: a @ b, reps=10)
+    res["matmul_tflops"] = 2 * 8192 ** 3 / (ms * 1e-3) / 1e12
+    del a, b
+    free_gpu()
+    log(f"copy {res['copy_tb_s']:.2f} TB/s, bf16 matmul {res['matmul_tflops']:.0f} TFLOP/s")
+    # torch's (cuBLAS) matrix-vector products on Llama-8B weight shapes: the batch-1 decode floor
+    gemv = {}
+    for out_f, in_f in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)):
+        ws = [torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+        x = torch.randn(1, in_f, device="cuda", dtype=torch.bfloat16)
+        i = iter(range(1 << 30))
+        ms = cuda_time_ms(lambda: torch.nn.functional.linear(x, ws[next(i) % 4]), reps=20)
+        gemv[f"{out_f}x{in_f}"] = round(out_f * in_f * 2 / (ms * 1e-3) / 1e12, 2)
+        del ws
+    res["gemv_b1_tb_s"] = gemv
+    log(f"batch-1 linear TB/s by weight shape: {gemv}")
+    free_gpu()
+
+
+def measure_attention(res: dict) -> None:
+    """The decode kernel alone: KV bytes read per call over its time."""
+    from exlcli.ops import _ext
+
+    if not _ext.load():
+        return
+    out = {}
+    for batch, length in ((1, 4096), (64, 1024), (256, 512), (1, 32768)):
+        pages = -(-length // 16)
+        k = torch.randn(batch * pages, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        tables = torch.arange(batch * pages, dtype=torch.int32, device="cuda").view(batch, pages)
+        lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
+        q = torch.randn(batch, 32, 128, device="cuda", dtype=torch.bfloat16)
+        ms = cuda_time_ms(lambda: torch.ops.exlcli.paged_attention_decode(q, k, v, tables, lens, 0.088), reps=20)
+        out[f"b{batch}x{length}"] = {"us": round(ms * 1e3, 1),
+                                     "tb_s": round(2 * k.numel() * 2 / (ms * 1e-3) / 1e12, 2)}
+        del k, v
+    res["decode_attention"] = out
+    log(f"decode attention kernel (llama-8B heads): {out}")
+    free_gpu()
+
+
+# -- exlcli ---------------------------------------------------------------------------------------
+def build_model(shape: str, dtype: torch.dtype):
+    from exlcli.model.llama import LlamaModel
+    from exlcli.model.random_weights import SyntheticTokenizer, random_config, random_tensors
+
+    config = random_config(shape)
+    tensors = random_tensors(config, device="cuda", dtype=dtype, seed=0)
+    model = LlamaModel(config, tensors, torch.device("cuda"), dtype)
+    del tensors
+    free_gpu()
+    return model, SyntheticTokenizer(config.vocab_size)
+
+
+def make_engine(model, tokenizer, max_num_seqs: int, max_num_batched_tokens: int | None = None):
+    from exlcli.engine.engine import Engine, EngineConfig
+
+    return Engine(model, tokenizer, EngineConfig(max_num_seqs=max_num_seqs,
+                                                 max_num_batched_tokens=max_num_batched_tokens))
+
+
+def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (count, length), generator=gen).tolist()
+
+
+def submit_all(engine, prompts: list[list[int]], max_new_tokens: int, tag: str) -> list:
+    from exlcli.engine.request import Request, SamplingParams
+
+    return [engine.submit(Request(f"{tag}-{i}", p, SamplingParams(temperature=0.0),
+                                  max_new_tokens=max_new_tokens, ignore_eos=True, client="bench"))
+            for i, p in enumerate(prompts)]
+
+
+def decode_steps(engine, batch: int, prompt_len: int, new_tokens: int, tag: str) -> dict:
+    """Per-step wall times of the steps where all `batch` sequences decode together."""
+    vocab = engine.model.config.vocab_size
+    submit_all(engine, random_prompts(batch, prompt_len, vocab, seed=batch), new_tokens, tag)
+    steps: list[tuple[float, int, int]] = []  # (seconds, sequences, tokens)
+    while True:
+        start = time.perf_counter()
+        if not engine.step():
+            break
+        stats = engine.stats()
+        steps.append((time.perf_counter() - start, stats.last_batch_size, stats.last_step_tokens))
+    # steady state: full batch, one token each, after the first few (graph capture, warm-up)
+    pure = [s for s, b, t in steps if b == batch and t == batch]
+    steady = pure[5:] if len(pure) > 10 else pure
+    median = statistics.median(steady)
+    return {"median_s": median, "mean_s": statistics.fmean(steady), "steps": len(steady),
+            "p90_s": sorted(steady)[int(0.9 * (len(steady) - 1))]}
+
+
+def graph_replay_ms(engine, batch: int) -> float | None:
+    graphs = engine.runner.graphs
+    if graphs is None:
+        return None
+    from exlcli.model.cuda_graphs import batch_bucket
+
+    keys = [k for k in graphs._graphs if k[0] == batch_bucket(batch)]
+    if not keys:
+        return None
+    graph = graphs._graphs[min(keys, key=lambda k: k[1])].graph
+    return cuda_time_ms(graph.replay, reps=30, warmup=3)
+
+
+def prefill_tok_s(model, num_seqs: int, length: int) -> tuple[float, float]:
+    """Model forward over num_seqs fresh prompts of `length` tokens: (tok/s, ms)."""
+    from exlcli.model.llama import BatchInputs, KVCache
+
+    page_size = 16
+    pages = -(-length // page_size)
+    kv = KVCache(model.config, num_seqs * pages, page_size, model.device, model.dtype)
+    dev = model.device
+    total = num_seqs * length
+    starts = [i * length for i in range(num_seqs + 1)]
+    inputs = BatchInputs(
+        input_ids=torch.randint(0, model.config.vocab_size, (total,), device=dev),
+        positions=torch.arange(length, device=dev).repeat(num_seqs),
+        slot_mapping=torch.cat([torch.arange(length, device=dev) + b * pages * page_size for b in range(num_seqs)]),
+        block_tables=torch.arange(num_seqs * pages, dtype=torch.int32, device=dev).view(num_seqs, pages),
+        seq_lens=[length] * num_seqs, query_start_loc=starts,
+        logits_indices=torch.tensor(starts[1:], device=dev) - 1,
+        seq_lens_t=torch.full((num_seqs,), length, dtype=torch.int32, device=dev),
+        query_start_loc_t=torch.tensor(starts, dtype=torch.int32, device=dev))
+    ms = cuda_time_ms(lambda: model.forward(inputs, kv), reps=8)
+    del kv
+    free_gpu()
+    return total / (ms * 1e-3), ms
+
+
+def offline(engine, count: int, prompt_len: int, new_tokens: int) -> dict:
+    vocab = engine.model.config.vocab_size
+    prompts = random_prompts(count, prompt_len, vocab, seed=12345)
+    if engine.runner.graphs is not None:
+        start = time.perf_counter()
+        n = engine.runner.graphs.capture(list(range(1, engine.scheduler.max_num_seqs + 1)),
+                                         max_pages=-(-(prompt_len + new_tokens) // engine.kv.page_size))
+        log(f"offline: {n} decode graphs ready in {time.perf_counter() - start:.1f} s")
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    handles = submit_all(engine, prompts, new_tokens, "offline")
+    engine.run_until_idle()
+    elapsed = time.perf_counter() - start
+    generated = 0
+    for h in handles:
+        for out in h:
+            generated += len(out.new_token_ids)
+    return {"seconds": elapsed, "out_tokens": generated, "out_tok_s": generated / elapsed,
+            "total_tok_s": (generated + count * prompt_len) / elapsed}
+
+
+def bench_llama(res: dict, offline_seqs: int) -> None:
+    log("llama3.1-8b: building random bf16 weights")
+    model, tok = build_model("llama3.1-8b", torch.bfloat16)
+    res["llama8b_weight_gb"] = model.weight_bytes() / 1e9
+    engine = make_engine(model, tok, max_num_seqs=offline_seqs)
+    res["llama8b_kv_pages"] = engine.kv.num_pages
+
+    b1 = decode_steps(engine, 1, 128, 160, "b1")
+    res["llama8b_b1_ms_per_step"] = b1["median_s"] * 1e3
+    res["llama8b_b1_p90_ms"] = b1["p90_s"] * 1e3
+    replay = graph_replay_ms(engine, 1)
+    if replay:
+        res["llama8b_b1_graph_ms"] = replay
+        res["llama8b_b1_graph_tb_s"] = model.weight_bytes() / (replay * 1e-3) / 1e12
+    log(f"llama b1: {res['llama8b_b1_ms_per_step']:.2f} ms/step (graph {replay})")
+
+    b64 = decode_steps(engine, 64, 128, 160, "b64")
+    res["llama8b_b64_tok_s"] = 64 / b64["median_s"]
+    res["llama8b_b64_ms_per_step"] = b64["median_s"] * 1e3
+    replay = graph_replay_ms(engine, 64)
+    if replay:
+        res["llama8b_b64_graph_ms"] = replay
+    log(f"llama b64: {res['llama8b_b64_tok_s']:.0f} tok/s (graph {replay})")
+
+    for n in (1, 2):
+        tps, ms = prefill_tok_s(model, n, 2048)
+        res[f"llama8b_prefill2048x{n}_tok_s"] = tps
+        res[f"llama8b_prefill2048x{n}_ms"] = ms
+        log(f"llama prefill {n}x2048: {tps:.0f} tok/s ({ms:.1f} ms)")
+    res["llama8b_prefill2048_tok_s"] = max(res["llama8b_prefill2048x1_tok_s"], res["llama8b_prefill2048x2_tok_s"])
+
+    off = offline(engine, 1024, 128, 128)
+    res["llama8b_offline_out_tok_s"] = off["out_tok_s"]
+    res["llama8b_offline_total_tok_s"] = off["total_tok_s"]
+    res["llama8b_offline_s"] = off["seconds"]
+    res["llama8b_offline_out_tokens"] = off["out_tokens"]
+    res["llama8b_offline_max_num_seqs"] = offline_seqs
+    log(f"llama offline: {off}")
+    if engine.runner.graphs is not None:
+        res["graphs_disabled_reason"] = engine.runner.graphs.disabled_reason
+    del engine, model
+    free_gpu()
+
+
+def bench_smollm2(res: dict) -> None:
+    model, tok = build_model("smollm2-135m", torch.bfloat16)
+    engine = make_engine(model, tok, max_num_seqs=8)
+    b1 = decode_steps(engine, 1, 128, 300, "smol")
+    res["smollm2_b1_tok_s"] = 1 / b1["median_s"]
+    res["smollm2_b1_ms_per_step"] = b1["median_s"] * 1e3
+    replay = graph_replay_ms(engine, 1)
+    if replay:
+        res["smollm2_b1_graph_ms"] = replay
+    log(f"smollm2 b1: {res['smollm2_b1_tok_s']:.0f} tok/s (graph {replay})")
+    del engine, model
+    free_gpu()
+
+
+# -- Hugging Face transformers ----------------------------------------------------------------------
+def hf_model(shape: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from exlcli.model.random_weights import random_config
+
+    c = random_config(shape)
+    cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                      num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+                      num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
+                      rope_theta=c.rope_theta, rope_scaling=c.rope_scaling,
+                      max_position_embeddings=c.max_position_embeddings,
+                      tie_word_embeddings=c.tie_word_embeddings)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    free_gpu()
+    return model.eval(), c.vocab_size
+
+
+def hf_bench(res: dict, shape: str, key: str, batch_requests: int) -> None:
+    model, vocab = hf_model(shape)
+    ids = torch.randint(0, vocab, (1, 128), device="cuda")
+
+    def gen(n: int) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    gen(4)
+    short, long = gen(8), gen(40)
+    res[f"hf_{key}_b1_ms_per_step"] = (long - short) / 32 * 1e3
+    log(f"hf {shape} b1: {res[f'hf_{key}_b1_ms_per_step']:.1f} ms/step")
+    if batch_requests and hasattr(model, "generate_batch"):
+        try:
+            from transformers import GenerationConfig
+
+            prompts = torch.randint(0, vocab, (batch_requests, 128)).tolist()
+            config = GenerationConfig(max_new_tokens=64, min_new_tokens=64, do_sample=False,
+                                      eos_token_id=-1, pad_token_id=0)
+            start = time.perf_counter()
+            out = model.generate_batch(inputs=prompts, generation_config=config)
+            elapsed = time.perf_counter() - start
+            res[f"hf_{key}_generate_batch_tok_s"] = batch_requests * 64 / elapsed
+            res[f"hf_{key}_generate_batch_requests"] = batch_requests
+            log(f"hf {shape} generate_batch: {res[f'hf_{key}_generate_batch_tok_s']:.0f} tok/s ({len(out)} results)")
+        except Exception as e:  # an API that moved between versions: report, don't fail the run
+            res[f"hf_{key}_generate_batch_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            log(f"hf generate_batch failed: {res[f'hf_{key}_generate_batch_error']}")
+    del model
+    free_gpu()
+
+
+# -- the table --------------------------------------------------------------------------------------
+def fmt(v, digits: int = 0) -> str:
+    if v is None:
+        return "-"
+    return f"{v:,.{digits}f}"
+
+
+def table(res: dict) -> str:
+    def verdict(key: str) -> str:
+        op, bound = TARGETS[key]
+        v = res.get(key)
+        if v is None:
+            return "not run"
+        ok = v <= bound if op == "<=" else v >= bound
+        return f"{'PASS' if ok else 'MISS'} ({op} {bound:,})"
+
+    rows = [
+        ("llama8b b1 decode ms/step", fmt(res.get("llama8b_b1_ms_per_step"), 2), verdict("llama8b_b1_ms_per_step"),
+         fmt(res.get("hf_llama8b_b1_ms_per_step"), 1)),
+        ("  graph replay ms (GPU only)", fmt(res.get("llama8b_b1_graph_ms"), 2),
+         f"{fmt(res.get('llama8b_b1_graph_tb_s'), 2)} TB/s of weights", ""),
+        ("llama8b b64 decode tok/s", fmt(res.get("llama8b_b64_tok_s")), verdict("llama8b_b64_tok_s"), ""),
+        ("llama8b offline 1024x(128+128) out tok/s", fmt(res.get("llama8b_offline_out_tok_s")),
+         verdict("llama8b_offline_out_tok_s"), fmt(res.get("hf_llama8b_generate_batch_tok_s"))),
+        ("llama8b prefill 2048 tok/s (best of 1, 2 prompts)", fmt(res.get("llama8b_prefill2048_tok_s")),
+         verdict("llama8b_prefill2048_tok_s"), ""),
+        ("smollm2 b1 decode tok/s", fmt(res.get("smollm2_b1_tok_s")), verdict("smollm2_b1_tok_s"),
+         fmt(1e3 / res["hf_smollm2_b1_ms_per_step"]) if res.get("hf_smollm2_b1_ms_per_step") else "-"),
+    ]
+    head = ("figure", "exlcli", "target", "HF transformers")
+    widths = [max(len(r[i]) for r in rows + [head]) for i in range(4)]
+    line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths))  # noqa: E731
+    out = [f"== exlcli GPU results {res.get('date', '')} on {res.get('device', '?')} ==",
+           f"tests: {res.get('tests', 'not run')}",
+           f"ceilings: copy {fmt(res.get('copy_tb_s'), 2)} TB/s, bf16 matmul {fmt(res.get('matmul_tflops'))} TFLOP/s",
+           line(head), line(tuple("-" * w for w in widths))] + [line(r) for r in rows]
+    if res.get("gemv_b1_tb_s"):
+        out.append("batch-1 torch linear TB/s by weight: " + ", ".join(f"{k} {v}" for k, v in res["gemv_b1_tb_s"].items()))
+    if res.get("decode_attention"):
+        out.append("decode attention kernel: " + ", ".join(f"{k} {v['us']}us {v['tb_s']}TB/s"
+                                                          for k, v in res["decode_attention"].items()))
+    extra = {k: v for k, v in res.items() if k.endswith("_error") or k in ("llama8b_offline_s", "llama8b_b64_graph_ms",
+                                                                          "smollm2_b1_graph_ms", "graphs_disabled_reason")}
+    if extra:
+        out.append("more: " + json.dumps(extra, default=str)[:600])
+    return "\n".join(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--table", help="print the table of a saved results file and exit")
+    ap.add_argument("--tests", help="the GPU test summary to show in the table")
+    ap.add_argument("--hf", action="store_true", help="also run Hugging Face transformers")
+    ap.add_argument("--hf-batch-requests", type=int, default=64)
+    ap.add_argument("--offline-seqs", type=int, default=256, help="max_num_seqs for the offline run")
+    ap.add_argument("--only", default="ceilings,llama,smollm2", help="comma list of parts to run")
+    args = ap.parse_args()
+    if args.table:
+        res = json.loads(Path(args.table).read_text())
+        if args.tests:
+            res["tests"] = args.tests
+        print(table(res))
+        return 0
+    from exlcli.ops import _ext
+
+    res: dict = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+                 "torch": torch.__version__, "kernels": _ext.load(), "kernels_reason": _ext.reason()}
+    if args.tests:
+        res["tests"] = args.tests
+    parts = args.only.split(",")
+
+    def save() -> None:
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=1))
+
+    for name, fn in (("ceilings", lambda: (measure_ceilings(res), measure_attention(res))),
+                     ("llama", lambda: bench_llama(res, args.offline_seqs)),
+                     ("smollm2", lambda: bench_smollm2(res)),
+                     ("hf", lambda: (hf_bench(res, "smollm2-135m", "smollm2", 0),
+                                     hf_bench(res, "llama3.1-8b", "llama8b", args.hf_batch_requests)))):
+        if name not in parts and not (name == "hf" and args.hf):
+            continue
+        try:
+            fn()
+        except Exception as e:  # one broken part must not hide the others' figures
+            import traceback
+
+            traceback.print_exc()
+            res[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
+            free_gpu()
+        save()
+    print(table(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

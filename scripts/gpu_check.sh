@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# On a CUDA machine: build the kernels, run the GPU tests, run the benchmarks, print one table last.
+#
+#   bash scripts/gpu_check.sh            # everything (about 5 minutes on an H200)
+#   GPU_CHECK_HF=0 bash scripts/gpu_check.sh   # without the Hugging Face comparison
+#
+# Logs and results go to $OUT (default ./results-tmp): build.log, tests.log, bench.log,
+# bench.json, and the built library (so a later run on a fresh machine can skip the build).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-results-tmp}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+export EXLCLI_KERNEL_CACHE=${EXLCLI_KERNEL_CACHE:-$PWD/build/kernels}
+HF=${GPU_CHECK_HF:-1}
+DEADLINE=$(( $(date +%s) + ${GPU_CHECK_SECONDS:-570} ))  # the whole script ends by then
+
+echo "== device"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv,noheader || true
+python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
+
+echo "== build (cache: $EXLCLI_KERNEL_CACHE)"
+start=$(date +%s)
+EXLCLI_VERBOSE_BUILD=1 timeout 420 python3 - >"$OUT/build.log" 2>&1 <<'PY'
+from exlcli.ops import _ext
+ok = _ext.load()
+print("kernels loaded:", ok, _ext.reason())
+if ok:
+    from exlcli.ops._ext import cache_root, build_key, arch_list, library_name
+    key = build_key(arch_list())
+    print("library:", cache_root() / key / (library_name(key) + ".so"))
+raise SystemExit(0 if ok else 1)
+PY
+build_rc=$?
+echo "build rc=$build_rc in $(( $(date +%s) - start )) s"
+tail -n 3 "$OUT/build.log"
+if [ $build_rc -ne 0 ]; then grep -m 20 -B 2 -A 6 "error" "$OUT/build.log"; fi
+cp "$EXLCLI_KERNEL_CACHE"/*/exlcli_kernels_*.so "$OUT"/ 2>/dev/null || true
+
+echo "== GPU tests"
+start=$(date +%s)
+timeout 240 python3 -m pytest tests/gpu -p no:cacheprovider --timeout 120 -rf >"$OUT/tests.log" 2>&1
+tests_rc=$?
+summary=$(grep -E "passed|failed|error" "$OUT/tests.log" | tail -n 1)
+echo "tests rc=$tests_rc in $(( $(date +%s) - start )) s: $summary"
+grep -E "^(FAILED|ERROR)|Error|assert" "$OUT/tests.log" | head -n 30
+
+echo "== benchmarks"
+hf_flag=""
+[ "$HF" = "1" ] && hf_flag="--hf"
+left=$(( DEADLINE - $(date +%s) ))
+echo "(bench gets $left s)"
+timeout $left python3 scripts/gpu_bench.py --json "$OUT/bench.json" --tests "$summary" $hf_flag >"$OUT/bench.log" 2>&1
+echo "bench rc=$?"
+grep -E "Error|error|Traceback" "$OUT/bench.log" | head -n 10
+echo
+if [ -f "$OUT/bench.json" ]; then
+  python3 scripts/gpu_bench.py --table "$OUT/bench.json" --tests "$summary"
+else
+  tail -n 20 "$OUT/bench.log"
+fi

@@ -1,0 +1,260 @@
+"""Each compiled kernel against its torch reference (float64 where it matters) on random inputs:
+one token, page and partition boundaries, odd lengths, mixed lengths in a batch, GQA ratios 1..8
+(and 16), head dims 64 and 128, bf16 and fp16 (fp32 on a few). Outputs are poisoned with NaN
+before each run; KV slots no sequence owns hold NaN, so a read past a sequence shows up."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gpu_helpers import TOLERANCE, assert_matches, poison_next_alloc, rel_err, requires_cuda
+from exlcli.model.config import ModelConfig
+from exlcli.ops.activation import silu_and_mul_ref
+from exlcli.ops.attention import paged_attention_decode_ref, paged_attention_ref
+from exlcli.ops.norm import fused_add_rms_norm_ref, rms_norm_ref
+from exlcli.ops.rope import apply_rope_ref, gather_cos_sin, rope_and_write_kv_ref, rope_cos_sin_cache
+
+pytestmark = [pytest.mark.gpu, requires_cuda, pytest.mark.usefixtures("kernels")]
+
+DTYPES = [torch.bfloat16, torch.float16]
+ALL_DTYPES = DTYPES + [torch.float32]
+ops = torch.ops.exlcli
+
+
+def randn(*shape, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, device="cuda", dtype=torch.float32).to(dtype)
+
+
+# -- norms ----------------------------------------------------------------------------------------
+NORM_SHAPES = [(1, 4096), (7, 576), (64, 128), (300, 64), (5, 100), (3, 8192), (2, 24)]
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("rows,hidden", NORM_SHAPES)
+def test_rms_norm(rows, hidden, dtype):
+    x, w = randn(rows, hidden, dtype=dtype) * 3, 1 + 0.1 * randn(hidden, dtype=dtype)
+    poison_next_alloc((rows, hidden), dtype)
+    out = ops.rms_norm(x, w, 1e-5)
+    assert_matches(out, rms_norm_ref(x.double(), w.double(), 1e-5), dtype, "rms_norm vs fp64")
+    assert_matches(out, rms_norm_ref(x, w, 1e-5), dtype, "rms_norm vs same-dtype reference")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_of_strided_heads(dtype):
+    """q of a fused qkv projection: [T, heads, D] rows that do not flatten (qwen3's q norm)."""
+    qkv = randn(5, (8 + 2 * 2) * 128, dtype=dtype)
+    q = qkv[:, :8 * 128].reshape(5, 8, 128)
+    w = 1 + 0.1 * randn(128, dtype=dtype)
+    out = ops.rms_norm(q, w, 1e-6)
+    assert out.shape == q.shape
+    assert_matches(out, rms_norm_ref(q.double(), w.double(), 1e-6), dtype, "strided rms_norm")
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("rows,hidden", NORM_SHAPES)
+def test_fused_add_rms_norm(rows, hidden, dtype):
+    x, r = randn(rows, hidden, dtype=dtype), randn(rows, hidden, dtype=dtype) * 4
+    w = 1 + 0.1 * randn(hidden, dtype=dtype)
+    poison_next_alloc((rows, hidden), dtype)
+    out, res = ops.fused_add_rms_norm(x, r, w, 1e-5)
+    ref_out, ref_res = fused_add_rms_norm_ref(x, r, w, 1e-5)
+    assert torch.equal(res, ref_res), "the residual sum must be x + residual rounded once"
+    assert_matches(out, rms_norm_ref(ref_res.double(), w.double(), 1e-5), dtype, "fused norm vs fp64")
+    assert_matches(out, ref_out, dtype, "fused norm vs same-dtype reference")
+
+
+def test_norm_rejects_bad_input():
+    x = randn(4, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        ops.rms_norm(x, randn(32, dtype=torch.bfloat16), 1e-5)
+    with pytest.raises(RuntimeError, match="dtype"):
+        ops.rms_norm(x, randn(64, dtype=torch.float16), 1e-5)
+    with pytest.raises(RuntimeError, match="CUDA"):
+        ops.rms_norm(x.cpu(), randn(64, dtype=torch.bfloat16), 1e-5)
+
+
+# -- activation -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("rows,inter", [(1, 14336), (5, 1536), (33, 100), (64, 128), (513, 8)])
+def test_silu_and_mul(rows, inter, dtype):
+    x = randn(rows, 2 * inter, dtype=dtype) * 2
+    poison_next_alloc((rows, inter), dtype)
+    out = ops.silu_and_mul(x)
+    assert_matches(out, silu_and_mul_ref(x.double()), dtype, "silu_and_mul vs fp64")
+    assert_matches(out, silu_and_mul_ref(x), dtype, "silu_and_mul vs same-dtype reference")
+
+
+# -- rope + KV write ------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("tokens,heads,kv_heads,dim", [(1, 8, 8, 128), (7, 32, 8, 128), (130, 9, 3, 64),
+                                                       (17, 14, 2, 64)])
+def test_rope_and_write_kv(tokens, heads, kv_heads, dim, dtype):
+    config = ModelConfig("llama", vocab_size=16, hidden_size=heads * dim, intermediate_size=16, num_layers=1,
+                         num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, rope_theta=500000.0,
+                         max_position_embeddings=8192)
+    cos_sin = rope_cos_sin_cache(config, 8192, torch.device("cuda"))
+    page_size, num_pages = 16, tokens // 16 + 3
+    qkv = randn(tokens, (heads + 2 * kv_heads) * dim, dtype=dtype)  # q, k, v as views, as in the model
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k, v = (t.reshape(tokens, -1, dim) for t in (q, k, v))
+    positions = torch.randint(0, 8192, (tokens,), device="cuda")
+    slots = torch.randperm(num_pages * page_size, device="cuda")[:tokens]
+    if tokens > 1:
+        slots[tokens // 2] = -1  # a padded row of a decode graph: no write
+    caches = [torch.full((num_pages, page_size, kv_heads, dim), float("nan"), dtype=dtype, device="cuda")
+              for _ in range(2)]
+    ref_caches = [c.clone() for c in caches]
+    poison_next_alloc((tokens, heads, dim), dtype)
+    q_out = ops.rope_and_write_kv(q, k, v, positions, cos_sin, caches[0], caches[1], slots)
+
+    live = slots >= 0
+    cos, sin = gather_cos_sin(cos_sin, positions)
+    assert_matches(q_out, apply_rope_ref(q, cos, sin), dtype, "rotated q vs same-dtype reference")
+    cos64, sin64 = gather_cos_sin(cos_sin.double(), positions)
+    assert_matches(q_out, apply_rope_ref(q.double(), cos64, sin64), dtype, "rotated q vs fp64")
+    rope_and_write_kv_ref(q[live], k[live], v[live], positions[live], cos_sin, ref_caches[0], ref_caches[1],
+                          slots[live])
+    for got, want, name in zip(caches, ref_caches, ("k", "v")):
+        flat_got, flat_want = got.view(-1, kv_heads, dim), want.view(-1, kv_heads, dim)
+        written = torch.zeros(flat_got.shape[0], dtype=torch.bool, device="cuda")
+        written[slots[live]] = True
+        assert torch.isnan(flat_got[~written]).all(), f"{name} cache: a slot no token owns was written"
+        assert_matches(flat_got[written], flat_want[written], dtype, f"{name} cache vs reference")
+
+
+# -- paged attention ------------------------------------------------------------------------------
+def make_paged(seq_lens: list[int], kv_heads: int, dim: int, page_size: int, dtype: torch.dtype,
+               extra_width: int = 0):
+    """Caches with each sequence on random pages; every slot no sequence owns is NaN. Returns
+    (k_cache, v_cache, block_tables, clean copies of the caches for the reference)."""
+    need = [math.ceil(n / page_size) for n in seq_lens]
+    num_pages = sum(need) + 3
+    order = torch.randperm(num_pages).tolist()
+    width = max(max(need), 1) + extra_width
+    spare = order[-1]  # never owned: all NaN; unused table entries point at it
+    tables = torch.full((len(seq_lens), width), spare, dtype=torch.int32)
+    owned = torch.zeros(num_pages * page_size, dtype=torch.bool)
+    cursor = 0
+    for b, (n, p) in enumerate(zip(seq_lens, need)):
+        pages = order[cursor:cursor + p]
+        cursor += p
+        tables[b, :p] = torch.tensor(pages, dtype=torch.int32)
+        for t in range(n):
+            owned[pages[t // page_size] * page_size + t % page_size] = True
+    k = randn(num_pages, page_size, kv_heads, dim, dtype=dtype)
+    v = randn(num_pages, page_size, kv_heads, dim, dtype=dtype)
+    owned = owned.cuda()
+    for c in (k, v):
+        c.view(-1, kv_heads, dim)[~owned] = float("nan")
+    return k, v, tables.cuda(), torch.nan_to_num(k, nan=0.0), torch.nan_to_num(v, nan=0.0)
+
+
+DECODE_CASES = [
+    # seq_lens, heads, kv_heads, head_dim, page_size, extra table width
+    ([1], 8, 8, 128, 16, 0),  # one token
+    ([16, 17, 31, 32, 33], 32, 8, 128, 16, 0),  # page boundaries
+    ([37, 1001, 5], 9, 3, 64, 16, 0),  # odd lengths (SmolLM2 heads)
+    ([255, 256, 257, 511, 512, 513], 32, 8, 128, 16, 0),  # partition boundaries of the split
+    ([1, 17, 300, 1500, 4097, 64], 28, 4, 128, 32, 0),  # mixed lengths, GQA 7, 32-token pages
+    ([3000], 32, 2, 128, 16, 0),  # GQA 16: two head chunks
+    ([20, 7], 16, 8, 64, 16, 40),  # a table much wider than needed: empty partitions
+] + [([70, 300, 1], 2 * g, 2, dim, 16, 0) for g in range(1, 9) for dim in (64, 128)]  # GQA 1..8
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seq_lens,heads,kv_heads,dim,page_size,extra", DECODE_CASES)
+def test_paged_attention_decode(seq_lens, heads, kv_heads, dim, page_size, extra, dtype):
+    k, v, tables, k_ref, v_ref = make_paged(seq_lens, kv_heads, dim, page_size, dtype, extra)
+    q = randn(len(seq_lens), heads, dim, dtype=dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    scale = dim ** -0.5
+    poison_next_alloc(q.shape, dtype)
+    out = ops.paged_attention_decode(q, k, v, tables, lens, scale)
+    ref = paged_attention_decode_ref(q.double(), k_ref.double(), v_ref.double(), tables, lens, scale)
+    assert_matches(out, ref, dtype, "decode attention vs fp64")
+    # a sequence's result does not depend on its batch: alone it is the same, bit for bit
+    for b in range(len(seq_lens)):
+        alone = ops.paged_attention_decode(q[b:b + 1], k, v, tables[b:b + 1], lens[b:b + 1], scale)
+        assert torch.equal(alone, out[b:b + 1]), f"sequence {b} differs alone and in its batch"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32])
+@pytest.mark.parametrize("seq_lens,heads,kv_heads,dim", [([5, 700], 32, 8, 128), ([300, 1], 9, 3, 64)])
+def test_paged_attention_decode_fp32(seq_lens, heads, kv_heads, dim, dtype):
+    k, v, tables, k_ref, v_ref = make_paged(seq_lens, kv_heads, dim, 16, dtype)
+    q = randn(len(seq_lens), heads, dim, dtype=dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    out = ops.paged_attention_decode(q, k, v, tables, lens, 0.1)
+    ref = paged_attention_decode_ref(q.double(), k_ref.double(), v_ref.double(), tables, lens, 0.1)
+    assert_matches(out, ref, dtype, "fp32 decode attention vs fp64")
+
+
+@pytest.mark.parametrize("width", [1, 40])
+def test_decode_of_an_empty_padding_row_is_zeros(width):
+    k, v, tables, _, _ = make_paged([10, 10], 2, 64, 16, torch.bfloat16, extra=width - 1)
+    lens = torch.tensor([10, 0], dtype=torch.int32, device="cuda")
+    q = randn(2, 4, 64, dtype=torch.bfloat16)
+    poison_next_alloc(q.shape, torch.bfloat16)
+    out = ops.paged_attention_decode(q, k, v, tables, lens, 0.125)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert not torch.isnan(out[0]).any()
+
+
+def test_decode_rejects_bad_input():
+    k, v, tables, _, _ = make_paged([10], 2, 64, 16, torch.bfloat16)
+    lens = torch.tensor([10], dtype=torch.int32, device="cuda")
+    q = randn(1, 4, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="head_dim"):
+        ops.paged_attention_decode(randn(1, 4, 96, dtype=torch.bfloat16), k, v, tables, lens, 0.1)
+    with pytest.raises(RuntimeError, match="block_tables must be"):
+        ops.paged_attention_decode(q, k, v, tables.long(), lens, 0.1)
+    with pytest.raises(RuntimeError, match="multiple"):
+        ops.paged_attention_decode(randn(1, 3, 64, dtype=torch.bfloat16), k, v, tables, lens, 0.1)
+    with pytest.raises(RuntimeError, match="dtype"):
+        ops.paged_attention_decode(q.half(), k, v, tables, lens, 0.1)
+
+
+PREFILL_CASES = [
+    [(5, 5)],  # one whole prompt
+    [(1, 40), (17, 17), (5, 300), (64, 64), (1, 1), (33, 600)],  # chunks mixed with decode rows
+    [(16, 16), (16, 16), (16, 48)],  # equal shapes share one call
+    [(128, 128)] * 4,
+    [(2, 2), (100, 1030)],  # a chunk after cached pages, past a partition boundary
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,dim", [(32, 8, 128), (9, 3, 64), (8, 8, 64)])
+@pytest.mark.parametrize("case", PREFILL_CASES)
+def test_paged_attention_prefill(case, heads, kv_heads, dim, dtype):
+    seq_lens = [n for _, n in case]
+    starts = [0]
+    for num_q, _ in case:
+        starts.append(starts[-1] + num_q)
+    k, v, tables, k_ref, v_ref = make_paged(seq_lens, kv_heads, dim, 16, dtype)
+    q = randn(starts[-1], heads, dim, dtype=dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    qsl = torch.tensor(starts, dtype=torch.int32, device="cuda")
+    scale = dim ** -0.5
+    poison_next_alloc(q.shape, dtype)
+    out = ops.paged_attention_prefill(q, k, v, tables, qsl, lens, scale)
+    ref = paged_attention_ref(q.double(), k_ref.double(), v_ref.double(), tables, starts, seq_lens, scale)
+    assert_matches(out, ref, dtype, "prefill attention vs fp64")
+    # decode rows of a mixed step get exactly what the decode op gives them alone
+    for b, (num_q, n) in enumerate(case):
+        if num_q == 1:
+            alone = ops.paged_attention_decode(q[starts[b]:starts[b] + 1], k, v, tables[b:b + 1], lens[b:b + 1], scale)
+            assert torch.equal(alone, out[starts[b]:starts[b] + 1]), f"decode row {b} differs in a mixed step"
+
+
+def test_reference_tolerances_are_tight_enough_to_catch_a_wrong_scale():
+    """Guards the tests themselves: a plausible bug (wrong softmax scale) fails the bf16 bound."""
+    k, v, tables, k_ref, v_ref = make_paged([200], 2, 128, 16, torch.bfloat16)
+    q = randn(1, 8, 128, dtype=torch.bfloat16) * 4
+    lens = torch.tensor([200], dtype=torch.int32, device="cuda")
+    out = ops.paged_attention_decode(q, k, v, tables, lens, 128 ** -0.5)
+    wrong = paged_attention_decode_ref(q.double(), k_ref.double(), v_ref.double(), tables, lens, 0.9 * 128 ** -0.5)
+    assert rel_err(out, wrong) > TOLERANCE[torch.bfloat16]
