@@ -31,6 +31,7 @@ class MixedOptions:
     batch_input_len: int = 256
     batch_output_len: int = 256
     seed: int = 0
+    warmup: bool = True
 
     def validate(self) -> None:
         if self.duration <= 0 or self.chat_every <= 0:
@@ -129,8 +130,25 @@ class MixedRunner:
                 executor.shutdown(wait=False)
         return PhaseResult(name, chats, batch_records, (start, end))
 
+    async def warm_up(self) -> None:
+        """One untimed round of every batch size the phases reach (the batch's requests plus a
+        chat, at once, draining to one): an engine that sets itself up per batch size (CUDA
+        graphs captured on first use) would otherwise pay for it inside the first phases."""
+        o = self.options
+        specs = (self._specs(o.batch_concurrency, o.batch_input_len, o.batch_output_len, "batch")
+                 + self._specs(1, o.chat_input_len, o.chat_output_len, "interactive"))
+        executor = None if self.client.kind == "local" else ThreadPoolExecutor(max_workers=len(specs))
+        try:
+            await asyncio.gather(*(send(self.client, spec, self.clock, executor) for spec in specs))
+        finally:
+            if executor is not None:
+                executor.shutdown(wait=False)
+
     def run(self) -> list[dict]:
         rows = []
+        if self.options.warmup:
+            self.progress(f"warm-up: {self.options.batch_concurrency + 1} requests at once ...")
+            asyncio.run(self.warm_up())
         for name, chat, batch in (("chat alone", True, False), ("batch alone", False, True),
                                   ("chat + batch", True, True)):
             self.progress(f"{name}: {self.options.duration:g} s ...")

@@ -58,14 +58,17 @@ async def run_level(client: EngineClient, specs: list[RequestSpec], concurrency:
 def run_serve(client: EngineClient, specs_for: Callable[[int], list[RequestSpec]], levels: list[int],
               warmup: int = 1, clock: Clock = time.perf_counter,
               progress: Callable[[str], None] = lambda _m: None) -> list[dict]:
-    """`specs_for(i)` gives level i its own prompts (and -1 the warm-up's), so no level is
-    served from the prefix cache another one filled."""
+    """`specs_for(i)` gives level i its own prompts (and -1 - i its warm-up's), so no level is
+    served from the prefix cache another one filled. Each level first runs `warmup` untimed
+    rounds of `concurrency` requests of the same shapes: an engine that sets itself up per batch
+    size (CUDA graphs captured on first use) would otherwise pay that inside the timed run."""
     rows = []
-    if warmup:
-        progress(f"warm-up: {warmup} request(s)")
-        asyncio.run(run_level(client, specs_for(-1)[:warmup], warmup, clock))
     for i, concurrency in enumerate(levels):
         specs = specs_for(i)
+        if warmup:
+            warm = specs_for(-1 - i)[:min(len(specs), concurrency) * warmup]
+            progress(f"concurrency {concurrency}: warm-up, {len(warm)} requests ...")
+            asyncio.run(run_level(client, warm, concurrency, clock))
         progress(f"concurrency {concurrency}: {len(specs)} requests ...")
         records, duration = asyncio.run(run_level(client, specs, concurrency, clock))
         row = {"bench": "serve", "concurrency": concurrency, "num_prompts": len(specs),

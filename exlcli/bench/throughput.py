@@ -123,8 +123,9 @@ class ThroughputRunner:
             raise ExlcliError(f"--reps must be at least 1, got {reps}")
         for i in range(warmup):
             self.progress(f"{spec.name} b{spec.batch}: warm-up {i + 1}/{warmup}")
-            short = spec if spec.kind == "pp" else BenchSpec("tg", min(spec.n, 16), spec.batch)
-            self._rep(short, depth)
+            # the full shape: the engine's first pass over each new context length is slower
+            # (kernel selection per shape), which a shorter warm-up would leave in rep 1
+            self._rep(spec, depth)
         timings = []
         for i in range(reps):
             timing = self._rep(spec, depth)

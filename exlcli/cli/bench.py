@@ -136,7 +136,8 @@ def register(app: typer.Typer) -> None:
             "--range-ratio", help="Lengths uniform in mean x [1 - r, 1 + r].")] = 0.0,
         concurrency: Annotated[str, typer.Option(
             "--concurrency", "-c", help="Requests in flight, comma-separated levels.")] = "1,4,16,64",
-        warmup: Annotated[int, typer.Option("--warmup", help="Untimed warm-up requests.")] = 1,
+        warmup: Annotated[int, typer.Option(
+            "--warmup", help="Untimed rounds of `concurrency` requests before each level.")] = 1,
         fmt: FormatOption = "table",
         save: SaveOption = None,
         seed: SeedOption = 0,
@@ -165,7 +166,7 @@ def register(app: typer.Typer) -> None:
 
             def specs_for(level: int):
                 return make_requests(num_prompts, input_len, output_len, vocab, range_ratio=range_ratio,
-                                     seed=seed * 1000 + level + 1)
+                                     seed=seed * 1000 + level + 100)
             log(f"serve: {client.model_name} ({client.kind}), {num_prompts} requests per level, "
                 f"~{input_len} in / ~{output_len} out")
             rows = run_serve(client, specs_for, list(levels), warmup=warmup, progress=log)
@@ -190,6 +191,8 @@ def register(app: typer.Typer) -> None:
             "--batch-concurrency", help="Batch requests kept in flight.")] = 16,
         batch_input_len: Annotated[int, typer.Option("--batch-input-len", help="Batch prompt tokens.")] = 256,
         batch_output_len: Annotated[int, typer.Option("--batch-output-len", help="Batch output tokens.")] = 256,
+        warmup: Annotated[bool, typer.Option(
+            "--warmup/--no-warmup", help="First an untimed round of the batch's requests and a chat.")] = True,
         fmt: FormatOption = "table",
         save: SaveOption = None,
         seed: SeedOption = 0,
@@ -204,7 +207,7 @@ def register(app: typer.Typer) -> None:
         from exlcli.bench.workload import vocab_size_of
 
         options = MixedOptions(duration, chat_every, chat_input_len, chat_output_len, batch_concurrency,
-                               batch_input_len, batch_output_len, seed)
+                               batch_input_len, batch_output_len, seed, warmup)
         options.validate()
         check_format(fmt)
         client = open_bench_client(model, server, device, dtype, kv_memory)

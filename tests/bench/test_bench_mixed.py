@@ -66,6 +66,8 @@ def test_three_phases_over_the_echo_engine():
     assert priorities == {"interactive"}
     assert {p.priority for kind, _, p in client.requests if p.max_tokens == 5} == {"batch"}
     assert client._running == 0  # every batch stream was ended when its phase did
+    warm = client.requests[:3]  # the untimed warm-up: the batch's requests and a chat, at once
+    assert sorted(p.priority for _, _, p in warm) == ["batch", "batch", "interactive"]
 
 
 def test_bad_options_are_one_clear_error():

@@ -113,8 +113,10 @@ def test_run_serve_gives_each_level_its_own_prompts():
         return make_requests(4, 3, 2, 50, seed=level + 10)
 
     rows = run_serve(client, specs_for, [1, 2], warmup=1)
-    assert asked == [-1, 0, 1]
+    assert asked == [0, -1, 1, -2]
     assert [r["concurrency"] for r in rows] == [1, 2]
     assert all(r["completed"] == 4 and r["output_tokens"] == 8 for r in rows)
     texts = [p for kind, p, _ in client.requests]
-    assert len(texts) == 9 and len(set(texts[1:5]) & set(texts[5:])) == 0
+    # level 1: one warm-up request then 4; level 2: a warm-up round of 2 then 4; no prompt reused
+    assert len(texts) == 1 + 4 + 2 + 4
+    assert len(set(texts[1:5]) & set(texts[7:])) == 0 and not set(texts[:1]) & set(texts[1:5])

@@ -8,11 +8,12 @@ import io
 import json
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from exlcli.cli.app import app
 
-TINY = ["-m", "random:tiny"]
+TINY = ["-m", "random:tiny", "--device", "cpu"]  # the CPU path everywhere; the GPU test is below
 
 
 @pytest.fixture
@@ -63,7 +64,7 @@ def test_throughput_other_formats(runner, fmt):
     (["-p", "9000"], "longer than the context"),
 ])
 def test_bad_input_is_one_line(runner, args, message):
-    base = [] if "-m" in args else TINY
+    base = ["--device", "cpu"] if "-m" in args else TINY
     result = runner.invoke(app, ["bench", *base, *args])
     assert result.exit_code == 1
     assert result.stderr.strip().splitlines()[-1].startswith("error: ")
@@ -109,3 +110,17 @@ def test_default_model_decode_bandwidth(runner, default_model_path):
     pp, tg = json.loads(result.stdout)
     assert pp["weights"] == "Q4_1" and pp["params"] > 100e6
     assert tg["bandwidth_gbs"] > 0 and tg["bytes_per_step"] > 100e6  # the Q4_1 weights are ~117 MiB
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_decode_bandwidth_is_a_share_of_the_measured_copy_bandwidth(runner):
+    result = runner.invoke(app, ["bench", "-m", "random:smollm2-135m", "--device", "cuda", "-p", "64", "-n", "16",
+                                 "-b", "1,4", "-r", "2", "--format", "json"])
+    assert result.exit_code == 0, result.stderr
+    rows = json.loads(result.stdout)
+    for tg in rows[2:]:
+        assert tg["machine"]["cuda"] and "copy bandwidth of cuda" in result.stderr
+        assert tg["copy_bandwidth_gbs"] > 100  # any recent GPU copies faster than 100 GB/s
+        assert 0 < tg["bandwidth_frac"] < 1.5
+        assert tg["bandwidth_frac"] == pytest.approx(tg["bandwidth_gbs"] / tg["copy_bandwidth_gbs"])
