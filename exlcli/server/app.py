@@ -10,36 +10,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from typing import AsyncIterator
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from exlcli.client.base import EngineClient
-from exlcli.errors import ExlcliError
 from exlcli.server import openai_format as fmt
+from exlcli.server.events import chat_events, completion_events
 from exlcli.server.generations import ChoiceResult, EngineFailure, GenerationGroup, Starter
+from exlcli.server.http_errors import APIError, install_error_handlers
 from exlcli.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from exlcli.server.metrics import render_metrics
+from exlcli.server.metrics import ResponseCounter, render_metrics
 from exlcli.server.schemas import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from exlcli.server.security import DEFAULT_MAX_BODY_BYTES, BodySizeLimit, bearer_token, key_matches
-from exlcli.server.sse import DONE, EventStreamResponse, sse_data
+from exlcli.server.sse import EventStreamResponse
 from exlcli.server.tracker import RequestTracker
-
-log = logging.getLogger("exlcli.server")
 
 # Engine streams are iterated in worker threads by some clients; the default pool (cpu + 4 threads)
 # would cap concurrency far below what the engine batches.
 MAX_WORKER_THREADS = 512
-KNOWN_ENDPOINTS = {"/v1/models", "/v1/chat/completions", "/v1/completions", "/health", "/metrics",
-                   "/tokenize", "/stats"}
 
 
 @dataclass
@@ -49,19 +42,6 @@ class ServerConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     default_max_tokens: int = 2048  # when a request names no max_tokens
     retry_after_s: int = 2
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
-        self.headers = headers or {}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(fmt.error_body(self.message, self.kind, self.param, self.code),
-                            status_code=self.status, headers=self.headers)
 
 
 @dataclass
@@ -117,7 +97,7 @@ def create_app(client: EngineClient, config: ServerConfig | None = None,
     app.state.exlcli = state
     app.add_middleware(ResponseCounter, tracker=state.tracker)
     app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
-    _install_error_handlers(app)
+    install_error_handlers(app)
 
     def require_key(request: Request) -> None:
         if config.api_key is None:
@@ -162,12 +142,12 @@ def create_app(client: EngineClient, config: ServerConfig | None = None,
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        messages = body.message_dicts()
-        starters = [Starter(i, 0, partial(client.chat, messages, body.generation_params(i, config.default_max_tokens)))
+        messages, max_tokens = body.message_dicts(), config.default_max_tokens
+        starters = [Starter(i, 0, partial(client.chat, messages, body.generation_params(i, max_tokens)))
                     for i in range(body.num_choices)]
         group = await _start(state, "chat", body.client or "api", body.priority or "interactive", starters)
         if body.streaming:
-            return _event_stream(state, group, _chat_events(state, group, body))
+            return _event_stream(state, group, chat_events(group, body, client.model_name, state.token_text))
         results = await _collect_unless_gone(state, group, request)
         if results is None:
             return Response(status_code=499)
@@ -178,12 +158,12 @@ def create_app(client: EngineClient, config: ServerConfig | None = None,
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        n = body.num_choices
-        starters = [Starter(p * n + j, p, partial(client.complete, prompt, body.generation_params(j, config.default_max_tokens)))
+        n, max_tokens = body.num_choices, config.default_max_tokens
+        starters = [Starter(p * n + j, p, partial(client.complete, prompt, body.generation_params(j, max_tokens)))
                     for p, prompt in enumerate(body.prompts()) for j in range(n)]
         group = await _start(state, "completions", body.client or "api", body.priority or "interactive", starters)
         if body.streaming:
-            return _event_stream(state, group, _completion_events(state, group, body))
+            return _event_stream(state, group, completion_events(group, body, client.model_name, state.token_text))
         results = await _collect_unless_gone(state, group, request)
         if results is None:
             return Response(status_code=499)
@@ -216,7 +196,8 @@ async def _start(state: ServerState, endpoint: str, label: str, priority: str,
     return group
 
 
-def _event_stream(state: ServerState, group: GenerationGroup, events: AsyncIterator[bytes]) -> EventStreamResponse:
+def _event_stream(state: ServerState, group: GenerationGroup,
+                  events: AsyncIterator[bytes]) -> EventStreamResponse:
     async def guarded() -> AsyncIterator[bytes]:
         try:
             async for chunk in events:
@@ -255,108 +236,3 @@ async def _collect_unless_gone(state: ServerState, group: GenerationGroup,
         state.groups.pop(group.response_id, None)
 
 
-async def _chat_events(state: ServerState, group: GenerationGroup, body: ChatCompletionRequest) -> AsyncIterator[bytes]:
-    rid, created, model = group.response_id, fmt.now(), state.client.model_name
-    num_top = body.top_logprobs or 0
-    usages = []
-    for c in group.choices:
-        yield sse_data(fmt.chat_chunk(rid, created, model, c.index, {"role": "assistant", "content": ""}))
-    async for item in group.deltas():
-        d, index = item.delta, item.choice.index
-        if d.error:
-            yield sse_data(fmt.error_body(d.error, "server_error"))
-            return
-        if d.text or d.logprobs or (body.return_token_ids and d.token_ids):
-            logprobs = fmt.chat_logprobs(d.logprobs or [], state.token_text, num_top) if body.logprobs else None
-            yield sse_data(fmt.chat_chunk(rid, created, model, index, {"content": d.text}, logprobs=logprobs,
-                                          token_ids=d.token_ids if body.return_token_ids else None))
-        if d.finished:
-            usages.append((item.choice.prompt_index, d.usage))
-            yield sse_data(fmt.chat_chunk(rid, created, model, index, {}, finish_reason=d.finish_reason))
-    if body.include_usage_chunk:
-        yield sse_data(fmt.usage_chunk(rid, created, model, "chat.completion.chunk", usages))
-    yield DONE
-
-
-async def _completion_events(state: ServerState, group: GenerationGroup, body: CompletionRequest) -> AsyncIterator[bytes]:
-    rid, created, model = group.response_id, fmt.now(), state.client.model_name
-    prompts = body.prompts()
-    num_top = body.logprobs or 0
-    offsets = {c.index: len(prompts[c.prompt_index]) if body.echo else 0 for c in group.choices}
-    usages = []
-    if body.echo:
-        for c in group.choices:
-            yield sse_data(fmt.completion_chunk(rid, created, model, c.index, prompts[c.prompt_index]))
-    async for item in group.deltas():
-        d, index = item.delta, item.choice.index
-        if d.error:
-            yield sse_data(fmt.error_body(d.error, "server_error"))
-            return
-        logprobs = None
-        if body.logprobs is not None and d.logprobs:
-            logprobs = fmt.completion_logprobs(d.logprobs, state.token_text, num_top,
-                                               [offsets[index]] * len(d.logprobs))
-        offsets[index] += len(d.text)
-        if d.finished:
-            usages.append((item.choice.prompt_index, d.usage))
-        if d.text or d.finished or logprobs or (body.return_token_ids and d.token_ids):
-            yield sse_data(fmt.completion_chunk(rid, created, model, index, d.text,
-                                                finish_reason=d.finish_reason, logprobs=logprobs,
-                                                token_ids=d.token_ids if body.return_token_ids else None))
-    if body.include_usage_chunk:
-        yield sse_data(fmt.usage_chunk(rid, created, model, "text_completion", usages))
-    yield DONE
-
-
-def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        # OpenAI answers a bad body with 400 and one message, not FastAPI's 422 with a list.
-        errors = exc.errors()
-        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-        if first.get("type") == "json_invalid":
-            return APIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": ")).response()
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
-        message = first.get("msg", "invalid value").removeprefix("Value error, ")
-        return APIError(400, f"{param}: {message}" if param else message, param=param).response()
-
-    @app.exception_handler(ExlcliError)
-    async def refused(request: Request, exc: ExlcliError) -> JSONResponse:
-        return APIError(400, str(exc)).response()  # RequestError: prompt too long, bad parameters
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(exc.status_code, str(exc.detail), kind, headers=dict(exc.headers or {})).response()
-
-    @app.exception_handler(Exception)
-    async def crashed(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unexpected error in %s", request.url.path)
-        return APIError(500, f"internal error: {type(exc).__name__}", "server_error").response()
-
-
-class ResponseCounter:
-    """ASGI middleware counting responses by endpoint and status, for /metrics."""
-
-    def __init__(self, app: ASGIApp, tracker: RequestTracker) -> None:
-        self.app = app
-        self.tracker = tracker
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        path = scope.get("path", "")
-        endpoint = path if path in KNOWN_ENDPOINTS else ("/cancel" if path.startswith("/cancel/") else "other")
-
-        async def counting_send(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                self.tracker.count_response(endpoint, message["status"])
-            await send(message)
-
-        await self.app(scope, receive, counting_send)

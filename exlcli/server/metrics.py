@@ -3,11 +3,16 @@ EngineStats and the server's RequestTracker. Written by hand: a few dozen lines,
 
 from __future__ import annotations
 
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
 from exlcli.engine.stats import STEP_TIME_BUCKETS, EngineStats
 from exlcli.server.tracker import Histogram, RequestTracker
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "exlcli_"
+# Paths counted by name in exlcli_http_responses_total; any other path counts as "other".
+KNOWN_ENDPOINTS = {"/v1/models", "/v1/chat/completions", "/v1/completions", "/health", "/metrics",
+                   "/tokenize", "/stats"}
 
 
 def _number(value: float) -> str:
@@ -100,3 +105,25 @@ def render_metrics(stats: EngineStats, tracker: RequestTracker, num_waiting: int
 
 def _tracker_histogram(w: _Writer, name: str, help_text: str, h: Histogram) -> None:
     w.histogram(name, help_text, h.bounds, h.counts, h.total)
+
+
+class ResponseCounter:
+    """ASGI middleware counting responses by endpoint and status, for /metrics."""
+
+    def __init__(self, app: ASGIApp, tracker: RequestTracker) -> None:
+        self.app = app
+        self.tracker = tracker
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        endpoint = path if path in KNOWN_ENDPOINTS else ("/cancel" if path.startswith("/cancel/") else "other")
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.tracker.count_response(endpoint, message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counting_send)

@@ -1,0 +1,67 @@
+"""The server-sent event streams of chat and text completions, chunk by chunk as OpenAI sends
+them: a role chunk first (chat), content deltas, one finish chunk per choice, an optional usage
+chunk, then [DONE]. An engine error ends the stream with an error event."""
+
+from __future__ import annotations
+
+from typing import AsyncIterator, Callable
+
+from exlcli.server import openai_format as fmt
+from exlcli.server.generations import GenerationGroup
+from exlcli.server.schemas import ChatCompletionRequest, CompletionRequest
+from exlcli.server.sse import DONE, sse_data
+
+
+async def chat_events(group: GenerationGroup, body: ChatCompletionRequest, model: str,
+                      token_text: Callable[[int], str]) -> AsyncIterator[bytes]:
+    rid, created = group.response_id, fmt.now()
+    num_top = body.top_logprobs or 0
+    usages = []
+    for c in group.choices:
+        yield sse_data(fmt.chat_chunk(rid, created, model, c.index, {"role": "assistant", "content": ""}))
+    async for item in group.deltas():
+        d, index = item.delta, item.choice.index
+        if d.error:
+            yield sse_data(fmt.error_body(d.error, "server_error"))
+            return
+        if d.text or d.logprobs or (body.return_token_ids and d.token_ids):
+            logprobs = fmt.chat_logprobs(d.logprobs or [], token_text, num_top) if body.logprobs else None
+            yield sse_data(fmt.chat_chunk(rid, created, model, index, {"content": d.text}, logprobs=logprobs,
+                                          token_ids=d.token_ids if body.return_token_ids else None))
+        if d.finished:
+            usages.append((item.choice.prompt_index, d.usage))
+            yield sse_data(fmt.chat_chunk(rid, created, model, index, {}, finish_reason=d.finish_reason))
+    if body.include_usage_chunk:
+        yield sse_data(fmt.usage_chunk(rid, created, model, "chat.completion.chunk", usages))
+    yield DONE
+
+
+async def completion_events(group: GenerationGroup, body: CompletionRequest, model: str,
+                            token_text: Callable[[int], str]) -> AsyncIterator[bytes]:
+    rid, created = group.response_id, fmt.now()
+    prompts = body.prompts()
+    num_top = body.logprobs or 0
+    offsets = {c.index: len(prompts[c.prompt_index]) if body.echo else 0 for c in group.choices}
+    usages = []
+    if body.echo:
+        for c in group.choices:
+            yield sse_data(fmt.completion_chunk(rid, created, model, c.index, prompts[c.prompt_index]))
+    async for item in group.deltas():
+        d, index = item.delta, item.choice.index
+        if d.error:
+            yield sse_data(fmt.error_body(d.error, "server_error"))
+            return
+        logprobs = None
+        if body.logprobs is not None and d.logprobs:
+            logprobs = fmt.completion_logprobs(d.logprobs, token_text, num_top,
+                                               [offsets[index]] * len(d.logprobs))
+        offsets[index] += len(d.text)
+        if d.finished:
+            usages.append((item.choice.prompt_index, d.usage))
+        if d.text or d.finished or logprobs or (body.return_token_ids and d.token_ids):
+            yield sse_data(fmt.completion_chunk(rid, created, model, index, d.text,
+                                                finish_reason=d.finish_reason, logprobs=logprobs,
+                                                token_ids=d.token_ids if body.return_token_ids else None))
+    if body.include_usage_chunk:
+        yield sse_data(fmt.usage_chunk(rid, created, model, "text_completion", usages))
+    yield DONE

@@ -1,0 +1,62 @@
+"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}, with the status
+OpenAI uses (400 for a bad body where FastAPI would say 422)."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from exlcli.errors import ExlcliError
+from exlcli.server import openai_format as fmt
+
+log = logging.getLogger("exlcli.server")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+        self.headers = headers or {}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(fmt.error_body(self.message, self.kind, self.param, self.code),
+                            status_code=self.status, headers=self.headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # OpenAI answers a bad body with 400 and one message, not FastAPI's 422 with a list.
+        errors = exc.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        if first.get("type") == "json_invalid":
+            detail = first.get("ctx", {}).get("error", "")
+            return APIError(400, f"the body is not valid JSON: {detail}".rstrip(": ")).response()
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        message = first.get("msg", "invalid value").removeprefix("Value error, ")
+        return APIError(400, f"{param}: {message}" if param else message, param=param).response()
+
+    @app.exception_handler(ExlcliError)
+    async def refused(request: Request, exc: ExlcliError) -> JSONResponse:
+        return APIError(400, str(exc)).response()  # RequestError: prompt too long, bad parameters
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(exc.status_code, str(exc.detail), kind, headers=dict(exc.headers or {})).response()
+
+    @app.exception_handler(Exception)
+    async def crashed(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error in %s", request.url.path)
+        return APIError(500, f"internal error: {type(exc).__name__}", "server_error").response()
