@@ -58,6 +58,15 @@ def _quantization(tensors: dict) -> str:
     return "+".join(sorted(kinds))
 
 
+def _with_rope_scaling(cfg: dict) -> dict:
+    """transformers >= 5 writes RoPE settings as `rope_parameters` (theta and scaling in one
+    dict); ModelConfig reads scaling from the older `rope_scaling` key."""
+    params = cfg.get("rope_parameters")
+    if cfg.get("rope_scaling") is None and isinstance(params, dict):
+        return {**cfg, "rope_scaling": params}
+    return cfg
+
+
 def load_model(spec: str | None = None, device: str | None = None, dtype: str | None = None,
                log=sys.stderr) -> LoadedModel:
     from exlcli.model.registry import resolve_model_path
@@ -78,7 +87,7 @@ def load_model(spec: str | None = None, device: str | None = None, dtype: str | 
         from exlcli.model.hf_loader import load_hf_tensors, read_hf_config
         from exlcli.model.tokenizer import Tokenizer
 
-        config = ModelConfig.from_hf_dict(read_hf_config(path))
+        config = ModelConfig.from_hf_dict(_with_rope_scaling(read_hf_config(path)))
         tokenizer = Tokenizer.from_hf_folder(path)
         tensors = load_hf_tensors(path)
         template = ChatTemplate.for_tokenizer(tokenizer)
@@ -101,6 +110,8 @@ def load_model(spec: str | None = None, device: str | None = None, dtype: str | 
         model = LlamaModel(config, tensors, dev, dt)
     except (KeyError, AttributeError) as e:
         raise ModelLoadError(f"{path}: missing or malformed tensor ({e})") from None
+    except ValueError as e:  # e.g. an unsupported rope_scaling type, a tensor of the wrong shape
+        raise ModelLoadError(f"{path}: {e}") from None
     del tensors
     name = path if path.startswith("random:") else os.path.basename(path.rstrip("/"))
     return LoadedModel(name, path, config, model, tokenizer, template, quant, time.perf_counter() - start)
