@@ -43,9 +43,15 @@ def batch_command(inp: Path, out: Path, model: str, extra: list[str]) -> list[st
             "--temperature", "0", *extra]
 
 
+def repo_env() -> dict:
+    """Run this checkout's exlcli, whatever an editable install elsewhere points at."""
+    root = str(Path(__file__).resolve().parents[1])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+
+
 def run_to_end(cmd: list[str]) -> float:
     start = time.perf_counter()
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=repo_env())
     return time.perf_counter() - start
 
 
@@ -64,15 +70,18 @@ class Report:
     problems: list[str] = field(default_factory=list)
 
 
-def kill_once(cmd: list[str], out: Path, work_s: float, rng: random.Random) -> Kill | None:
-    """Start the job, wait until it has written something new, SIGKILL it a random moment later.
-    None when it finished before the kill landed."""
+def kill_once(cmd: list[str], out: Path, target_lines: int, rng: random.Random) -> Kill | None:
+    """Start the job; once it has written something new and reached `target_lines`, SIGKILL it a
+    random few milliseconds later (so the kill can land mid-write). None when it finished first."""
     before = count_lines(out)
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=repo_env())
     start = time.perf_counter()
-    while count_lines(out) == before and proc.poll() is None and time.perf_counter() - start < 300:
-        time.sleep(0.005)
-    time.sleep(rng.uniform(0.0, 0.7) * work_s)
+    while proc.poll() is None and time.perf_counter() - start < 300:
+        lines = count_lines(out)
+        if lines > before and lines >= target_lines:
+            break
+        time.sleep(0.001)
+    time.sleep(rng.uniform(0.0, 0.005))
     if proc.poll() is not None:
         return None
     proc.send_signal(signal.SIGKILL)
@@ -109,11 +118,10 @@ def kill_and_resume(workdir: Path, model: str = "fake:echo:0.002", num_lines: in
     report = Report(reference_s=run_to_end(batch_command(inp, ref_out, model, extra)))
     reference = {r["id"]: r["text"] for r in map(json.loads, ref_out.read_text().splitlines())}
     cmd = batch_command(inp, out, model, extra)
-    for _ in range(kills * 4):  # a kill that lands after the job ended does not count; try again
-        if len(report.kills) == kills or count_lines(out) >= num_lines:
-            break
-        left = 1 - count_lines(out) / num_lines
-        kill = kill_once(cmd, out, report.reference_s * left, rng)
+    for _ in range(kills):
+        # a random moment of this run, as a point in its progress: up to half of what is left
+        done = count_lines(out)
+        kill = kill_once(cmd, out, done + rng.randint(1, max(1, (num_lines - done) // 2)), rng)
         if kill is not None:
             report.kills.append(kill)
     if len(report.kills) < kills:

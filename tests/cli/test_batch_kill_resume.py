@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONPATH": str(REPO), "NO_COLOR": "1"}  # this checkout, not an install elsewhere
 
 
 def load_script():
@@ -37,8 +38,7 @@ def start_batch(tmp_path, num_lines=40):
     out = tmp_path / "out.jsonl"
     cmd = [sys.executable, "-m", "exlcli", "batch", str(inp), "-o", str(out), "--model", "fake:echo:0.01",
            "--max-in-flight", "4", "--temperature", "0"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "NO_COLOR": "1"})
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     deadline = time.monotonic() + 30
     while (not out.exists() or not out.read_bytes()) and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -47,7 +47,7 @@ def start_batch(tmp_path, num_lines=40):
 
 def finish_and_check(cmd, out, num_lines=40):
     rerun = subprocess.run(cmd[:-4] + ["--model", "fake:echo:0", "--temperature", "0"],
-                           capture_output=True, text=True, timeout=60)
+                           capture_output=True, text=True, timeout=60, env=ENV)
     assert rerun.returncode == 0, rerun.stderr
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(r["id"] for r in records) == sorted(f"s{i}" for i in range(num_lines))
@@ -60,7 +60,7 @@ def test_ctrl_c_finishes_in_flight_prints_how_to_resume_and_resumes(tmp_path):
     stdout, stderr = proc.communicate(timeout=30)
     assert proc.returncode == 130, stderr
     assert stdout == ""
-    assert "finishing" in stderr and "To resume, run: exlcli batch" in stderr and str(out) in stderr
+    assert "finishing" in stderr and "to resume, run: exlcli batch" in stderr and str(out) in stderr
     assert "cancelled" not in stderr.split("batch: done")[-1]  # in-flight ones finished, none cancelled
     written = out.read_text()
     assert written.endswith("\n") and 0 < len(written.splitlines()) < 40
@@ -72,7 +72,7 @@ def test_sigterm_cancels_in_flight_and_writes_only_whole_finished_lines(tmp_path
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=30)
     assert proc.returncode == 143, stderr
-    assert "cancelling" in stderr and "To resume" in stderr
+    assert "cancelling" in stderr and "to resume, run:" in stderr
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert all(r["text"] == "echo:" + " w" * 60 for r in records)  # nothing cut short was written
     finish_and_check(cmd, out)
