@@ -78,7 +78,7 @@ class MixedRunner:
         options.validate()
         self.client = client
         self.options = options
-        self.vocab_size = max(vocab_size, 1)
+        self.vocab_size = vocab_size
         self.clock = clock
         self.progress = progress
         self._seed = options.seed

@@ -22,6 +22,8 @@ def test_lengths_follow_the_range_ratio_and_prompts_have_those_lengths():
     assert all(s.priority == "batch" for s in specs)
     assert make_requests(3, 8, 4, 50, seed=1) == make_requests(3, 8, 4, 50, seed=1)
     assert make_requests(3, 8, 4, 50, seed=1) != make_requests(3, 8, 4, 50, seed=2)
+    text_only = make_requests(2, 8, 4, vocab_size=0)  # for a server: text, no ids
+    assert all(s.prompt_ids == () and len(s.text.split()) == 8 for s in text_only)
     fixed = make_requests(5, 8, 4, 50)
     assert {(s.input_len, s.output_len) for s in fixed} == {(8, 4)}
     with pytest.raises(ExlcliError, match="range-ratio"):

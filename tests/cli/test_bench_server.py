@@ -1,0 +1,78 @@
+"""`bench serve` and `bench mixed` against a running server (a real uvicorn on 127.0.0.1, free
+port, serving the echo engine), through the RemoteClient."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+
+import pytest
+import uvicorn
+from typer.testing import CliRunner
+
+from exlcli.cli.app import app
+from exlcli.client.fake import FakeClient
+from exlcli.server.app import create_app
+from exlcli.server.runner import bind_socket
+
+
+@contextlib.contextmanager
+def echo_server():
+    sock = bind_socket("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(create_app(FakeClient(token_delay=0.001)), log_config=None,
+                                           access_log=False, lifespan="on", ws="none"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(5)
+        sock.close()
+
+
+@pytest.fixture
+def runner(monkeypatch, tmp_path):
+    monkeypatch.setenv("EXLCLI_RUNTIME_DIR", str(tmp_path / "runtime"))
+    monkeypatch.delenv("EXLCLI_API_KEY", raising=False)
+    monkeypatch.delenv("EXLCLI_SERVER", raising=False)
+    return CliRunner()
+
+
+def test_serve_workload_through_a_server(runner):
+    with echo_server() as url:
+        result = runner.invoke(app, ["bench", "serve", "--server", url, "-N", "4", "--input-len", "6",
+                                     "--output-len", "3", "-c", "1,2", "--format", "json"])
+    assert result.exit_code == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert [r["concurrency"] for r in rows] == [1, 2]
+    for r in rows:
+        assert (r["completed"], r["failed"]) == (4, 0)
+        assert r["output_tokens"] == 12  # the echo of 6 words, cut at 3 tokens each, as the usage says
+        assert r["ttft_ms_p50"] > 0 and r["engine"] == "remote" and r["machine"]["device"] == "remote"
+
+
+def test_mixed_through_a_server(runner):
+    with echo_server() as url:
+        result = runner.invoke(app, ["bench", "mixed", "--server", url, "--duration", "0.6", "--chat-every", "0.3",
+                                     "--chat-input-len", "4", "--chat-output-len", "3", "--batch-concurrency", "2",
+                                     "--batch-input-len", "6", "--batch-output-len", "4", "--format", "json"])
+    assert result.exit_code == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert [r["chat_requests"] for r in rows] == [2, 0, 2]
+    assert rows[1]["batch_tps"] > 0 and rows[2]["chat_ttft_ms_p50"] > 0
+
+
+def test_an_unreachable_server_is_one_line(runner):
+    sock = bind_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    sock.close()  # nothing listens there now
+    result = runner.invoke(app, ["bench", "serve", "--server", f"http://127.0.0.1:{port}", "-N", "1"])
+    assert result.exit_code == 1
+    assert result.stderr.strip().startswith("error: cannot reach the exlcli server")
