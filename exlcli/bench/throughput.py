@@ -123,8 +123,9 @@ class ThroughputRunner:
             raise ExlcliError(f"--reps must be at least 1, got {reps}")
         for i in range(warmup):
             self.progress(f"{spec.name} b{spec.batch}: warm-up {i + 1}/{warmup}")
-            # the full shape: the engine's first pass over each new context length is slower
-            # (kernel selection per shape), which a shorter warm-up would leave in rep 1
+            # the full shape: an engine may set itself up lazily per shape (CUDA graphs per
+            # batch and context bucket, kernel choice per length); a shorter warm-up leaves
+            # that in rep 1 (seen on an H200: rep 1 of tg128 at 1/5 the speed of rep 2)
             self._rep(spec, depth)
         timings = []
         for i in range(reps):
