@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from exlcli.batch.fields import (OPENAI_EXTRA_PARAM_FIELDS, PARAM_FIELDS, LineError, is_int, wrong_type)
 from exlcli.client.base import GenerationParams
 from exlcli.errors import RequestError
 
@@ -59,79 +59,12 @@ class BadLine:
     message: str
 
 
-class LineError(Exception):
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
 def auto_id(line_no: int) -> str:
     return f"line-{line_no}"
 
 
 def shape_of(obj: dict) -> str:
     return OPENAI if ("custom_id" in obj or "body" in obj or "url" in obj) else NATIVE
-
-
-# ---- field checks: each returns the clean value or raises LineError("invalid_type", ...) ----
-
-def _wrong_type(name: str, want: str, value: Any) -> LineError:
-    return LineError("invalid_type", f"{name} must be {want}, got {json.dumps(value)[:60]}")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _number(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise _wrong_type(name, "a number", value)
-    return float(value)
-
-
-def _integer(name: str, value: Any) -> int:
-    if not _is_int(value):
-        raise _wrong_type(name, "an integer", value)
-    return value
-
-
-def _max_tokens(name: str, value: Any) -> int:
-    if not _is_int(value) or value < 1:
-        raise _wrong_type(name, "a positive integer", value)
-    return value
-
-
-def _seed(name: str, value: Any) -> int | None:
-    return None if value is None else _integer(name, value)
-
-
-def _stop(name: str, value: Any) -> list[str]:
-    if value is None:
-        return []
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
-        raise _wrong_type(name, "a non-empty string or a list of them", value)
-    return list(value)
-
-
-# line key -> (GenerationParams field, check)
-PARAM_FIELDS = {
-    "max_tokens": ("max_tokens", _max_tokens),
-    "temperature": ("temperature", _number),
-    "top_p": ("top_p", _number),
-    "top_k": ("top_k", _integer),
-    "min_p": ("min_p", _number),
-    "seed": ("seed", _seed),
-    "stop": ("stop", _stop),
-}
-OPENAI_EXTRA_PARAM_FIELDS = {
-    "max_completion_tokens": ("max_tokens", _max_tokens),
-    "presence_penalty": ("presence_penalty", _number),
-    "frequency_penalty": ("frequency_penalty", _number),
-    "repetition_penalty": ("repetition_penalty", _number),
-}
 
 
 def _params(obj: dict, fields: dict, defaults: GenerationParams) -> GenerationParams:
@@ -155,19 +88,19 @@ def _content(value: Any, where: str) -> str:
     if isinstance(value, list) and all(
             isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in value):
         return "".join(p["text"] for p in value)
-    raise _wrong_type(f"{where}.content", "a string or a list of text parts", value)
+    raise wrong_type(f"{where}.content", "a string or a list of text parts", value)
 
 
 def _messages(value: Any, system: str | None, line_system: bool) -> list[dict]:
     if not isinstance(value, list) or not value:
-        raise _wrong_type("messages", "a non-empty list of {role, content} objects", value)
+        raise wrong_type("messages", "a non-empty list of {role, content} objects", value)
     messages = []
     for i, m in enumerate(value):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise _wrong_type(where, "an object with role and content", m)
+            raise wrong_type(where, "an object with role and content", m)
         if m.get("role") not in ROLES:
-            raise _wrong_type(f"{where}.role", "one of " + ", ".join(ROLES), m.get("role"))
+            raise wrong_type(f"{where}.role", "one of " + ", ".join(ROLES), m.get("role"))
         if "content" not in m:
             raise LineError("missing_field", f"{where} has no content")
         messages.append({"role": m["role"], "content": _content(m["content"], where)})
@@ -184,7 +117,7 @@ def _prompt(value: Any) -> str:
     if isinstance(value, list) and len(value) == 1:  # OpenAI allows a list of prompts; one is fine
         value = value[0]
     if not isinstance(value, str):
-        raise _wrong_type("prompt", "a string", value)
+        raise wrong_type("prompt", "a string", value)
     if not value:
         raise LineError("invalid_value", "prompt is empty")
     return value
@@ -202,7 +135,7 @@ def _native_job(obj: dict, job_id: str, line_no: int, defaults: LineDefaults) ->
         return Job(job_id, line_no, NATIVE, "complete", params, prompt=_prompt(obj["prompt"]))
     system = obj.get("system", defaults.system)
     if system is not None and not isinstance(system, str):
-        raise _wrong_type("system", "a string", system)
+        raise wrong_type("system", "a string", system)
     messages = _messages(obj["messages"], system, "system" in obj)
     return Job(job_id, line_no, NATIVE, "chat", params, messages=messages)
 
@@ -216,7 +149,7 @@ def _openai_job(obj: dict, job_id: str, line_no: int, defaults: LineDefaults) ->
         raise LineError("invalid_value", f"url must be {CHAT_URL} or {COMPLETIONS_URL}, got {json.dumps(url)[:60]}")
     body = obj.get("body")
     if not isinstance(body, dict):
-        raise _wrong_type("body", "an object", body)
+        raise wrong_type("body", "an object", body)
     unsupported = [k for k in UNSUPPORTED_BODY_KEYS if body.get(k) not in (None, False, [], {})]
     if unsupported:
         raise LineError("unsupported", f"body.{unsupported[0]} is not supported by exlcli batch")
@@ -238,11 +171,11 @@ def _line_id(obj: dict, shape: str, line_no: int) -> str:
     value = obj.get(key)
     if value is None:
         return auto_id(line_no)
-    if _is_int(value):
+    if is_int(value):
         return str(value)
     if isinstance(value, str) and value:
         return value
-    raise _wrong_type(key, "a non-empty string", value)
+    raise wrong_type(key, "a non-empty string", value)
 
 
 def parse_line(raw: bytes, line_no: int, defaults: LineDefaults, file_shape: str) -> Job | BadLine:

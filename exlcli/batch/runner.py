@@ -17,19 +17,19 @@ retries it; an engine that can't be reached at all stops the job the same way.
 
 from __future__ import annotations
 
-import contextlib
 import queue
-import signal
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from exlcli.batch.lines import BadLine, Job, LineDefaults, count_lines, read_jobs
 from exlcli.batch.output import DoneState, ResultWriter, load_done
 from exlcli.batch.progress import Snapshot
 from exlcli.batch.records import Finished, bad_line_record, error_record, result_record
+from exlcli.batch.sequencer import Sequencer
+from exlcli.batch.summary import BatchSummary
+from exlcli.batch.stopping import StopControl
 from exlcli.client.base import EngineClient, GenerationStream, TextDelta
 from exlcli.errors import ExlcliError, RequestError
 
@@ -46,104 +46,6 @@ class BatchOptions:
     def __post_init__(self) -> None:
         if self.max_in_flight < 1:
             raise ExlcliError(f"--max-in-flight must be at least 1, got {self.max_in_flight}")
-
-
-@dataclass
-class BatchSummary:
-    done: int = 0  # good result lines written this run
-    errors: int = 0  # error lines written this run
-    skipped: int = 0  # already in the output from an earlier run
-    cancelled: int = 0  # in flight when stopped; not written, a rerun does them
-    lost: int = 0  # streams that broke (not the request's fault); not written, a rerun does them
-    failure: str | None = None  # why the job stopped early on its own (engine unreachable)
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    wall_s: float = 0.0
-    stopped_by: str | None = None  # "SIGINT" / "SIGTERM" when interrupted
-    input_left: bool = False  # stopped before reading the whole input
-    torn_bytes: int = 0
-    dropped_errors: int = 0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.completion_tokens / self.wall_s if self.wall_s > 0 else 0.0
-
-    def describe(self) -> str:
-        parts = [f"done {self.done}", f"errors {self.errors}", f"skipped {self.skipped}"]
-        if self.cancelled:
-            parts.append(f"cancelled {self.cancelled}")
-        if self.lost:
-            parts.append(f"lost {self.lost}")
-        parts.append(f"tokens {self.prompt_tokens} in / {self.completion_tokens} out")
-        parts.append(f"wall {self.wall_s:.1f}s")
-        parts.append(f"{self.tokens_per_s:.1f} tok/s")
-        return ", ".join(parts)
-
-
-class StopControl:
-    """Set by signals (or tests); read by the loop. Handlers only set flags: the loop prints."""
-
-    def __init__(self) -> None:
-        self.stopping = threading.Event()  # no new submissions
-        self.cancelling = threading.Event()  # cancel what is in flight
-        self.signal_name: str | None = None
-
-    def request(self, cancel: bool = False, signal_name: str | None = None) -> None:
-        if signal_name and not self.signal_name:
-            self.signal_name = signal_name
-        if self.stopping.is_set() or cancel:
-            self.cancelling.set()
-        self.stopping.set()
-
-    def _on_signal(self, signum: int, _frame: object) -> None:
-        name = signal.Signals(signum).name
-        self.request(cancel=(name == "SIGTERM"), signal_name=name)
-
-    @contextlib.contextmanager
-    def installed(self) -> Iterator["StopControl"]:
-        """SIGINT / SIGTERM set the flags while inside (main thread only; elsewhere a no-op)."""
-        if threading.current_thread() is not threading.main_thread():
-            yield self
-            return
-        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield self
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
-
-
-class Sequencer:
-    """Releases lines to the writer: at once, or (ordered) in input order. A slot may be None
-    (nothing to write, e.g. a cancelled request) so that later lines are not held up."""
-
-    def __init__(self, ordered: bool) -> None:
-        self.ordered = ordered
-        self.next_to_write = 0
-        self._waiting: dict[int, dict | None] = {}
-
-    def push(self, seq: int, record: dict | None) -> list[dict]:
-        if not self.ordered:
-            self.next_to_write += 1
-            return [] if record is None else [record]
-        self._waiting[seq] = record
-        ready = []
-        while self.next_to_write in self._waiting:
-            item = self._waiting.pop(self.next_to_write)
-            self.next_to_write += 1
-            if item is not None:
-                ready.append(item)
-        return ready
-
-    def release_all(self) -> list[dict]:
-        """Whatever is held, in order (used when a gap will never be filled)."""
-        ready = [r for _, r in sorted(self._waiting.items()) if r is not None]
-        self._waiting.clear()
-        return ready
-
-    @property
-    def num_held(self) -> int:
-        return len(self._waiting)
 
 
 @dataclass

@@ -12,7 +12,9 @@ import typer
 
 from exlcli.batch.lines import LineDefaults
 from exlcli.batch.progress import make_progress
-from exlcli.batch.runner import BatchOptions, BatchSummary, StopControl, run_batch
+from exlcli.batch.runner import BatchOptions, run_batch
+from exlcli.batch.summary import BatchSummary
+from exlcli.batch.stopping import StopControl
 from exlcli.cli.common import DeviceOption, DtypeOption, LocalOption, ModelOption, ServerOption, user_errors
 from exlcli.client.base import EngineClient, GenerationParams
 from exlcli.errors import ExlcliError

@@ -218,3 +218,14 @@ def test_bad_option_is_a_clear_error():
 
     with pytest.raises(ExlcliError, match="--max-in-flight"):
         BatchOptions(max_in_flight=0)
+
+
+def test_sequencer_releases_in_order_skips_empty_slots_and_can_flush_a_gap():
+    from exlcli.batch.sequencer import Sequencer
+
+    seq = Sequencer(ordered=True)
+    assert seq.push(2, {"n": 2}) == [] and seq.push(1, None) == []
+    assert seq.push(0, {"n": 0}) == [{"n": 0}, {"n": 2}]  # slot 1 had nothing to write
+    assert seq.push(4, {"n": 4}) == [] and seq.num_held == 1
+    assert seq.release_all() == [{"n": 4}] and seq.num_held == 0
+    assert Sequencer(ordered=False).push(7, {"n": 7}) == [{"n": 7}]
