@@ -4,6 +4,8 @@
 // sit at fixed token offsets and are combined in order, so a sequence's result does not depend on
 // the batch it runs in. When the block table allows only one partition the block writes the
 // output itself; otherwise a second kernel merges the partitions' (max, sum, accumulator).
+#include <cstdlib>
+
 #include <ATen/ops/empty.h>
 
 #include "common.cuh"
@@ -207,6 +209,178 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodePara
   }
 }
 
+// Version 2 (the default): no block-wide phases. Each group of TPT lanes walks its own tokens of
+// the partition with an online softmax, loading K and V of kUnroll tokens together (2 * kUnroll
+// 16-byte loads in flight per lane); the lane groups of a warp, then the warps, merge their
+// (max, sum, accumulator) in a fixed order at the end. Same partitions and outputs as version 1.
+template <typename T, int D, int GMAX>
+__global__ void __launch_bounds__(kThreads) paged_decode_v2_kernel(const DecodeParams p) {
+  constexpr int VW = Vec<T>::N;
+  constexpr int TPT = D / VW;
+  constexpr int TPW = 32 / TPT;
+  constexpr int PASS = kWarps * TPW;
+  static_assert(TPT <= 32 && 32 % TPT == 0, "head_dim must split evenly over a warp");
+
+  __shared__ float s_red[kWarps][GMAX][D];
+  __shared__ float s_wm[kWarps][GMAX], s_wl[kWarps][GMAX];
+
+  const int chunk = blockIdx.x % p.head_chunks;
+  const int kvh = blockIdx.x / p.head_chunks;
+  const int b = blockIdx.y;
+  const int part = blockIdx.z;
+  const int64_t row = query_row(p, b);
+  if (row < 0) return;
+  const int seq_len = p.seq_lens[b];
+  const int num_parts = ceil_div(seq_len, kPartitionTokens);
+  const int g0 = chunk * GMAX;
+  const int ng = min(GMAX, p.group - g0);
+  const int head0 = kvh * p.group + g0;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  T* out = static_cast<T*>(p.out) + row * (static_cast<int64_t>(p.num_heads) * D) + static_cast<int64_t>(head0) * D;
+
+  if (part >= num_parts) {
+    if (part == 0 && p.max_parts == 1) {
+      for (int i = tid; i < ng * D; i += kThreads) out[i] = from_float<T>(0.f);
+    }
+    return;
+  }
+  const int start = part * kPartitionTokens;
+  const int n = min(kPartitionTokens, seq_len - start);
+  const int sub = lane % TPT;
+  const int tok = lane / TPT;
+
+  float qv[GMAX][VW];
+  {
+    const T* qp = static_cast<const T*>(p.q) + row * p.q_row_stride + static_cast<int64_t>(head0) * D + sub * VW;
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g) {
+      if (g < ng) {
+        const Vec<T> x = load_vec(qp + g * D);
+#pragma unroll
+        for (int e = 0; e < VW; ++e) qv[g][e] = to_float(x.v[e]) * p.scale;
+      } else {
+#pragma unroll
+        for (int e = 0; e < VW; ++e) qv[g][e] = 0.f;
+      }
+    }
+  }
+  const int* table = p.block_tables + b * p.bt_stride;
+  const int64_t slot_stride = static_cast<int64_t>(p.num_kv_heads) * D;
+  const int64_t head_offset = static_cast<int64_t>(kvh) * D + sub * VW;
+
+  float m[GMAX], l[GMAX], acc[GMAX][VW];
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.f;
+#pragma unroll
+    for (int e = 0; e < VW; ++e) acc[g][e] = 0.f;
+  }
+
+  for (int t0 = warp * TPW; t0 < n; t0 += PASS * kUnroll) {  // warp-uniform bound
+    Vec<T> kk[kUnroll], vv[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int t = t0 + u * PASS + tok;
+      if (t < n) {
+        const int pos = start + t;
+        const int64_t slot = static_cast<int64_t>(table[pos / p.page_size]) * p.page_size + pos % p.page_size;
+        const int64_t off = slot * slot_stride + head_offset;
+        kk[u] = load_vec(static_cast<const T*>(p.k_cache) + off);
+        vv[u] = load_vec(static_cast<const T*>(p.v_cache) + off);
+      }
+    }
+    float s[kUnroll][GMAX];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const bool valid = t0 + u * PASS + tok < n;
+#pragma unroll
+      for (int g = 0; g < GMAX; ++g) {
+        float d = 0.f;
+#pragma unroll
+        for (int e = 0; e < VW; ++e) d = fmaf(qv[g][e], valid ? to_float(kk[u].v[e]) : 0.f, d);
+#pragma unroll
+        for (int o = TPT / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+        s[u][g] = valid ? d : -INFINITY;
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g) {
+      float m_new = m[g];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) m_new = fmaxf(m_new, s[u][g]);
+      if (m_new == -INFINITY) continue;  // this lane group has no token yet
+      const float alpha = expf(m[g] - m_new);  // 0 on the first token
+      l[g] *= alpha;
+#pragma unroll
+      for (int e = 0; e < VW; ++e) acc[g][e] *= alpha;
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (s[u][g] == -INFINITY) continue;
+        const float w = expf(s[u][g] - m_new);
+        l[g] += w;
+#pragma unroll
+        for (int e = 0; e < VW; ++e) acc[g][e] = fmaf(w, to_float(vv[u].v[e]), acc[g][e]);
+      }
+      m[g] = m_new;
+    }
+  }
+
+  // Merge the lane groups of the warp (lanes with the same `sub`), in a fixed xor order.
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g) {
+    float mw = m[g];
+#pragma unroll
+    for (int o = TPT; o < 32; o <<= 1) mw = fmaxf(mw, __shfl_xor_sync(0xffffffffu, mw, o));
+    const float scale = (mw == -INFINITY || m[g] == -INFINITY) ? 0.f : expf(m[g] - mw);
+    float lw = l[g] * scale;
+#pragma unroll
+    for (int o = TPT; o < 32; o <<= 1) lw += __shfl_xor_sync(0xffffffffu, lw, o);
+#pragma unroll
+    for (int e = 0; e < VW; ++e) {
+      float a = acc[g][e] * scale;
+#pragma unroll
+      for (int o = TPT; o < 32; o <<= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
+      acc[g][e] = a;
+    }
+    if (lane < TPT && g < ng) {
+#pragma unroll
+      for (int e = 0; e < VW; ++e) s_red[warp][g][sub * VW + e] = acc[g][e];
+      if (lane == 0) {
+        s_wm[warp][g] = mw;
+        s_wl[warp][g] = lw;
+      }
+    }
+  }
+  __syncthreads();
+
+  // Merge the warps, in order.
+  for (int i = tid; i < ng * D; i += kThreads) {
+    const int g = i / D, d = i % D;
+    float mb = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) mb = fmaxf(mb, s_wm[w][g]);
+    float o = 0.f, lb = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      if (s_wm[w][g] == -INFINITY) continue;
+      const float scale = expf(s_wm[w][g] - mb);
+      o = fmaf(s_red[w][g][d], scale, o);
+      lb = fmaf(s_wl[w][g], scale, lb);
+    }
+    if (p.max_parts == 1) {
+      out[i] = from_float<T>(o * (1.f / lb));  // the combine kernel computes the same for one part
+    } else {
+      const int64_t idx = (static_cast<int64_t>(b) * p.num_heads + head0 + g) * p.max_parts + part;
+      p.part_acc[idx * D + d] = o;
+      if (d == 0) {
+        p.part_ml[idx * 2] = mb;
+        p.part_ml[idx * 2 + 1] = lb;
+      }
+    }
+  }
+}
+
 // One block per (head, sequence), one thread per element of the head.
 template <typename T, int D>
 __global__ void __launch_bounds__(D) paged_decode_combine_kernel(const DecodeParams p) {
@@ -231,10 +405,21 @@ __global__ void __launch_bounds__(D) paged_decode_combine_kernel(const DecodePar
   out[d] = from_float<T>(o * (1.f / l));
 }
 
+// EXLCLI_DECODE_KERNEL=1 selects version 1 (the fallback exlcli/ops/_ext.py switches to when
+// version 2 fails its check at load).
+bool use_decode_v1() {
+  const char* v = std::getenv("EXLCLI_DECODE_KERNEL");
+  return v != nullptr && v[0] == '1';
+}
+
 template <typename T, int D, int GMAX>
 void launch(const DecodeParams& p, int num_seqs, cudaStream_t stream) {
   const dim3 grid(p.num_kv_heads * p.head_chunks, num_seqs, p.max_parts);
-  paged_decode_kernel<T, D, GMAX><<<grid, kThreads, 0, stream>>>(p);
+  if (use_decode_v1()) {
+    paged_decode_kernel<T, D, GMAX><<<grid, kThreads, 0, stream>>>(p);
+  } else {
+    paged_decode_v2_kernel<T, D, GMAX><<<grid, kThreads, 0, stream>>>(p);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (p.max_parts > 1) {
     paged_decode_combine_kernel<T, D><<<dim3(p.num_heads, num_seqs), D, 0, stream>>>(p);

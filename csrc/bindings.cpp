@@ -8,6 +8,7 @@ TORCH_LIBRARY(exlcli, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("rope_and_write_kv(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor cos_sin, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> Tensor");
   m.def("paged_attention_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
@@ -20,6 +21,7 @@ TORCH_LIBRARY_IMPL(exlcli, CUDA, m) {
   m.impl("rms_norm", &exlcli::rms_norm);
   m.impl("fused_add_rms_norm", &exlcli::fused_add_rms_norm);
   m.impl("silu_and_mul", &exlcli::silu_and_mul);
+  m.impl("skinny_linear", &exlcli::skinny_linear);
   m.impl("rope_and_write_kv", &exlcli::rope_and_write_kv);
   m.impl("paged_attention_decode", &exlcli::paged_attention_decode);
   m.impl("paged_attention_prefill", &exlcli::paged_attention_prefill);

@@ -1,6 +1,7 @@
 // The torch-facing functions registered in bindings.cpp, one group per .cu file.
 #pragma once
 
+#include <optional>
 #include <tuple>
 
 #include <ATen/core/Tensor.h>
@@ -14,6 +15,9 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const
 
 // activation.cu
 at::Tensor silu_and_mul(const at::Tensor& x);
+
+// linear.cu: y = x @ weight^T (+ bias) for 1 to 4 rows (decode), bf16 / fp16
+at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
 
 // rope.cu
 at::Tensor rope_and_write_kv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -95,24 +95,36 @@ def measure_ceilings(res: dict) -> None:
 
 
 def measure_attention(res: dict) -> None:
-    """The decode kernel alone: KV bytes read per call over its time."""
+    """The decode kernel alone (version 2, and version 1 for comparison): KV bytes read per call
+    over its time."""
     from exlcli.ops import _ext
 
     if not _ext.load():
         return
+    saved = os.environ.get("EXLCLI_DECODE_KERNEL")
     out = {}
-    for batch, length in ((1, 4096), (64, 1024), (256, 512), (1, 32768)):
-        pages = -(-length // 16)
-        k = torch.randn(batch * pages, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn_like(k)
-        tables = torch.arange(batch * pages, dtype=torch.int32, device="cuda").view(batch, pages)
-        lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
-        q = torch.randn(batch, 32, 128, device="cuda", dtype=torch.bfloat16)
-        ms = cuda_time_ms(lambda: torch.ops.exlcli.paged_attention_decode(q, k, v, tables, lens, 0.088), reps=20)
-        out[f"b{batch}x{length}"] = {"us": round(ms * 1e3, 1),
-                                     "tb_s": round(2 * k.numel() * 2 / (ms * 1e-3) / 1e12, 2)}
-        del k, v
+    try:
+        for batch, length in ((1, 4096), (64, 1024), (256, 512), (1, 32768)):
+            pages = -(-length // 16)
+            k = torch.randn(batch * pages, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn_like(k)
+            tables = torch.arange(batch * pages, dtype=torch.int32, device="cuda").view(batch, pages)
+            lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
+            q = torch.randn(batch, 32, 128, device="cuda", dtype=torch.bfloat16)
+            for version in ("2", "1"):
+                os.environ["EXLCLI_DECODE_KERNEL"] = version
+                ms = cuda_time_ms(lambda: torch.ops.exlcli.paged_attention_decode(q, k, v, tables, lens, 0.088),
+                                  reps=20)
+                out[f"v{version} b{batch}x{length}"] = {"us": round(ms * 1e3, 1),
+                                                        "tb_s": round(2 * k.numel() * 2 / (ms * 1e-3) / 1e12, 2)}
+            del k, v
+    finally:
+        if saved is None:
+            os.environ.pop("EXLCLI_DECODE_KERNEL", None)
+        else:
+            os.environ["EXLCLI_DECODE_KERNEL"] = saved
     res["decode_attention"] = out
+    res["decode_kernel_in_use"] = "v1 (v2 failed its check)" if saved == "1" else "v2"
     log(f"decode attention kernel (llama-8B heads): {out}")
     free_gpu()
 
@@ -228,11 +240,11 @@ def offline(engine, count: int, prompt_len: int, new_tokens: int) -> dict:
             "total_tok_s": (generated + count * prompt_len) / elapsed}
 
 
-def bench_llama(res: dict, offline_seqs: int) -> None:
+def bench_llama(res: dict, offline_seqs: list[int]) -> None:
     log("llama3.1-8b: building random bf16 weights")
     model, tok = build_model("llama3.1-8b", torch.bfloat16)
     res["llama8b_weight_gb"] = model.weight_bytes() / 1e9
-    engine = make_engine(model, tok, max_num_seqs=offline_seqs)
+    engine = make_engine(model, tok, max_num_seqs=max(offline_seqs))
     res["llama8b_kv_pages"] = engine.kv.num_pages
 
     b1 = decode_steps(engine, 1, 128, 160, "b1")
@@ -259,13 +271,19 @@ def bench_llama(res: dict, offline_seqs: int) -> None:
         log(f"llama prefill {n}x2048: {tps:.0f} tok/s ({ms:.1f} ms)")
     res["llama8b_prefill2048_tok_s"] = max(res["llama8b_prefill2048x1_tok_s"], res["llama8b_prefill2048x2_tok_s"])
 
-    off = offline(engine, 1024, 128, 128)
-    res["llama8b_offline_out_tok_s"] = off["out_tok_s"]
-    res["llama8b_offline_total_tok_s"] = off["total_tok_s"]
-    res["llama8b_offline_s"] = off["seconds"]
-    res["llama8b_offline_out_tokens"] = off["out_tokens"]
-    res["llama8b_offline_max_num_seqs"] = offline_seqs
-    log(f"llama offline: {off}")
+    runs = {}
+    for seqs in offline_seqs:
+        engine.scheduler.max_num_seqs = seqs
+        off = offline(engine, 1024, 128, 128)
+        runs[seqs] = off
+        log(f"llama offline, max_num_seqs {seqs}: {off}")
+    best = max(runs, key=lambda n: runs[n]["out_tok_s"])
+    res["llama8b_offline_out_tok_s"] = runs[best]["out_tok_s"]
+    res["llama8b_offline_total_tok_s"] = runs[best]["total_tok_s"]
+    res["llama8b_offline_s"] = runs[best]["seconds"]
+    res["llama8b_offline_out_tokens"] = runs[best]["out_tokens"]
+    res["llama8b_offline_max_num_seqs"] = best
+    res["llama8b_offline_runs"] = {str(n): round(r["out_tok_s"]) for n, r in runs.items()}
     if engine.runner.graphs is not None:
         res["graphs_disabled_reason"] = engine.runner.graphs.disabled_reason
     del engine, model
@@ -382,7 +400,9 @@ def table(res: dict) -> str:
         out.append("decode attention kernel: " + ", ".join(f"{k} {v['us']}us {v['tb_s']}TB/s"
                                                           for k, v in res["decode_attention"].items()))
     extra = {k: v for k, v in res.items() if k.endswith("_error") or k in ("llama8b_offline_s", "llama8b_b64_graph_ms",
-                                                                          "smollm2_b1_graph_ms", "graphs_disabled_reason")}
+                                                                          "smollm2_b1_graph_ms", "graphs_disabled_reason",
+                                                                          "llama8b_offline_runs", "decode_kernel_in_use",
+                                                                          "llama8b_offline_max_num_seqs")}
     if extra:
         out.append("more: " + json.dumps(extra, default=str)[:600])
     return "\n".join(out)
@@ -395,7 +415,7 @@ def main() -> int:
     ap.add_argument("--tests", help="the GPU test summary to show in the table")
     ap.add_argument("--hf", action="store_true", help="also run Hugging Face transformers")
     ap.add_argument("--hf-batch-requests", type=int, default=64)
-    ap.add_argument("--offline-seqs", type=int, default=256, help="max_num_seqs for the offline run")
+    ap.add_argument("--offline-seqs", default="256,512", help="max_num_seqs of the offline runs (comma list)")
     ap.add_argument("--only", default="ceilings,llama,smollm2", help="comma list of parts to run")
     args = ap.parse_args()
     if args.table:
@@ -417,7 +437,7 @@ def main() -> int:
             Path(args.json).write_text(json.dumps(res, indent=1))
 
     for name, fn in (("ceilings", lambda: (measure_ceilings(res), measure_attention(res))),
-                     ("llama", lambda: bench_llama(res, args.offline_seqs)),
+                     ("llama", lambda: bench_llama(res, [int(n) for n in args.offline_seqs.split(",")])),
                      ("smollm2", lambda: bench_smollm2(res)),
                      ("hf", lambda: (hf_bench(res, "smollm2-135m", "smollm2", 0),
                                      hf_bench(res, "llama3.1-8b", "llama8b", args.hf_batch_requests)))):

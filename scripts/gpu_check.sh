@@ -18,6 +18,7 @@ DEADLINE=$(( $(date +%s) + ${GPU_CHECK_SECONDS:-570} ))  # the whole script ends
 echo "== device"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv,noheader || true
 python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
+echo "host compiler: $(${CXX:-c++} --version 2>/dev/null | head -n 1) (CXX=${CXX:-unset})"
 
 echo "== build (cache: $EXLCLI_KERNEL_CACHE)"
 start=$(date +%s)

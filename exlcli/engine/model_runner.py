@@ -15,8 +15,9 @@ class ModelRunner:
         self.device = model.device
         self.graphs = None  # CUDA graphs of decode steps (exlcli/model/cuda_graphs.py); None on CPU
         if self.device.type == "cuda":
-            from exlcli.model.cuda_graphs import make_decode_graphs
+            from exlcli.model.cuda_graphs import make_decode_graphs, use_decode_linears
 
+            use_decode_linears(model)
             self.graphs = make_decode_graphs(model, kv)
 
     def build_inputs(self, batch: ScheduledBatch) -> BatchInputs:

@@ -17,12 +17,13 @@ import logging
 import sys
 from dataclasses import dataclass
 
-import numpy as np
 import torch
+import torch.nn.functional as F
 
 from exlcli.engine.scheduler import ScheduledBatch, ScheduledSeq
 from exlcli.model.llama import BatchInputs, KVCache, LlamaModel
 from exlcli.ops import _ext
+from exlcli.ops.linear import DenseLinear
 
 log = logging.getLogger("exlcli.cuda_graphs")
 
@@ -188,6 +189,33 @@ class DecodeGraphs:
         self._lens.copy_(self._host_lens, non_blocking=True)
         tables[:bucket].copy_(host_tables[:bucket], non_blocking=True)
         self._copied.record()
+
+
+class DecodeLinear(DenseLinear):
+    """A DenseLinear whose products of 1 to 4 rows (decode steps) run the skinny_linear kernel;
+    cuBLAS reaches only 1.1 to 3.3 TB/s on those shapes on an H200."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__(weight, bias)
+        self._skinny = (weight.dtype in (torch.bfloat16, torch.float16) and weight.is_contiguous()
+                        and self.in_features % 8 == 0 and (bias is None or bias.dtype == weight.dtype))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if (self._skinny and x.dim() == 2 and x.shape[0] <= 4 and x.dtype == self.weight.dtype
+                and _ext.use_kernels(x) and _ext.skinny_linear_ok):
+            return torch.ops.exlcli.skinny_linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+def use_decode_linears(model: LlamaModel) -> None:
+    """Swaps the model's dense projections for DecodeLinear (same weights, no copy)."""
+    def swap(lin):
+        return DecodeLinear(lin.weight, lin.bias) if type(lin) is DenseLinear else lin
+
+    for layer in model.layers:
+        for name in ("qkv", "o_proj", "gate_up", "down"):
+            setattr(layer, name, swap(getattr(layer, name)))
+    model.lm_head = swap(model.lm_head)
 
 
 def make_decode_graphs(model: LlamaModel, kv: KVCache) -> DecodeGraphs | None:

@@ -29,6 +29,7 @@ SOURCES = (
     "norm.cu",
     "activation.cu",
     "rope.cu",
+    "linear.cu",
     "attention_decode.cu",
     "attention_prefill.cpp",
 )
@@ -39,6 +40,7 @@ _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
 _reason = ""  # why the kernels are off, when they are
 _disabled_depth = 0  # kernels_disabled() nesting
+skinny_linear_ok = False  # the decode linear kernel passed its check at load
 
 
 def cache_root() -> Path:
@@ -136,6 +138,7 @@ def load() -> bool:
             return False
         try:
             _load()
+            _self_check()
             _loaded = True
         except Exception as e:  # a failed build must never stop the engine: the reference runs
             _reason = _first_line(e)
@@ -144,6 +147,56 @@ def load() -> bool:
                   f"ops. Set EXLCLI_VERBOSE_BUILD=1 to see the build, EXLCLI_NO_KERNELS=1 to skip it.",
                   file=sys.stderr, flush=True)
         return _loaded
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    ref = ref.double()
+    return float((out.double() - ref).norm() / ref.norm())
+
+
+def _self_check() -> None:
+    """Runs the newest kernels once on small random inputs against the torch reference. A decode
+    kernel that disagrees is swapped for its fallback (version 1), a skinny linear that disagrees
+    is not used; either way the user is told once."""
+    global skinny_linear_ok
+    from exlcli.ops.attention import paged_attention_decode_ref
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=dev, generator=gen).to(torch.bfloat16)
+
+    def decode_error() -> float:
+        worst = 0.0
+        for heads, kv_heads, dim in ((32, 8, 128), (9, 3, 64)):
+            lens, page = [1, 300, 700], 16
+            need = [-(-n // page) for n in lens]
+            k, v = randn(sum(need), page, kv_heads, dim), randn(sum(need), page, kv_heads, dim)
+            tables = torch.zeros(len(lens), max(need), dtype=torch.int32, device=dev)
+            first = 0
+            for b, n in enumerate(need):
+                tables[b, :n] = torch.arange(first, first + n, dtype=torch.int32, device=dev)
+                first += n
+            lens_t = torch.tensor(lens, dtype=torch.int32, device=dev)
+            q = randn(len(lens), heads, dim)
+            out = torch.ops.exlcli.paged_attention_decode(q, k, v, tables, lens_t, dim ** -0.5)
+            ref = paged_attention_decode_ref(q.double(), k.double(), v.double(), tables, lens_t, dim ** -0.5)
+            worst = max(worst, _rel_err(out, ref)) if out.isfinite().all() else float("inf")
+        return worst
+
+    err = decode_error()
+    if not err < 2e-2:
+        os.environ["EXLCLI_DECODE_KERNEL"] = "1"
+        print(f"exlcli: decode attention kernel v2 failed its check (error {err:.2e}); using v1 "
+              f"(error {decode_error():.2e})", file=sys.stderr, flush=True)
+    x, w, b = randn(3, 512), randn(200, 512), randn(200)
+    y = torch.ops.exlcli.skinny_linear(x, w, b)
+    err = _rel_err(y, torch.nn.functional.linear(x.double(), w.double(), b.double()))
+    skinny_linear_ok = err < 2e-2
+    if not skinny_linear_ok:
+        print(f"exlcli: the skinny linear kernel failed its check (error {err:.2e}); decode uses "
+              f"torch's linear", file=sys.stderr, flush=True)
 
 
 def reason() -> str:

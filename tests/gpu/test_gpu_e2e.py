@@ -78,20 +78,23 @@ def test_greedy_tokens_equal_the_reference_path_fp32(model_fp32):
     assert got == ref
 
 
-def test_greedy_tokens_bf16_agree_until_a_near_tie():
-    """In bf16 the kernels round differently from the reference in the last bit, so two paths may
-    part at a step where the reference's two best tokens are nearly tied; never elsewhere."""
-    model = smollm2(torch.bfloat16)
+@pytest.mark.parametrize("dtype,near_tie", [(torch.bfloat16, 2.0), (torch.float16, 0.25)])
+def test_greedy_tokens_half_precision_agree_until_a_near_tie(dtype, near_tie):
+    """In 16-bit the kernels (the skinny decode linear among them) round differently from the
+    reference in the last bit, so the two paths may part at a step where the reference's two best
+    logits are within a few units of the last place (random logits here reach ~100, where a bf16
+    step is 0.5 and an fp16 step 0.06); never elsewhere."""
+    model = smollm2(dtype)
     prompt = prompts(1, seed=8)[0]
     ref, lps, _ = greedy(model, prompt, reference=True, logprobs=2)
     got, _, replays = greedy(model, prompt, reference=False)
     assert replays >= NEW_TOKENS - 2
     first_diff = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), None)
-    print(f"bf16: {first_diff if first_diff is not None else len(ref)} of {len(ref)} tokens agree")
+    print(f"{dtype}: {first_diff if first_diff is not None else len(ref)} of {len(ref)} tokens agree")
     if first_diff is not None:
         top = lps[first_diff].top
         gap = top[0][1] - top[1][1]
-        assert gap < 0.5, f"token {first_diff} differs where the reference's margin was {gap:.3f}"
+        assert gap < near_tie, f"token {first_diff} differs where the reference's margin was {gap:.3f}"
 
 
 def test_batch_invariance_on_gpu(model_fp32):

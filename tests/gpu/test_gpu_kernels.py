@@ -6,6 +6,10 @@ before each run; KV slots no sequence owns hold NaN, so a read past a sequence s
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -66,14 +70,30 @@ def test_fused_add_rms_norm(rows, hidden, dtype):
     assert_matches(out, ref_out, dtype, "fused norm vs same-dtype reference")
 
 
+def run_isolated(code: str) -> str:
+    """Runs `code` in a fresh interpreter with the kernels loaded (a crash must not take the test
+    session down); returns its stdout."""
+    prelude = ("import torch\nfrom exlcli.ops import _ext\nassert _ext.load(), _ext.reason()\n"
+               "ops = torch.ops.exlcli\n"
+               "def randn(*s, dtype=torch.bfloat16): return torch.randn(*s, device='cuda').to(dtype)\n"
+               "def expect_error(fn):\n"
+               "    try:\n        fn()\n    except RuntimeError as e:\n        print('RAISED', str(e).splitlines()[0])\n"
+               "    else:\n        print('NO ERROR')\n")
+    proc = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=120, cwd=str(Path(__file__).resolve().parents[2]))
+    assert proc.returncode == 0, f"exit {proc.returncode} (negative: killed by a signal): {proc.stderr[-2000:]}"
+    return proc.stdout
+
+
 def test_norm_rejects_bad_input():
-    x = randn(4, 64, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="weight must be"):
-        ops.rms_norm(x, randn(32, dtype=torch.bfloat16), 1e-5)
-    with pytest.raises(RuntimeError, match="dtype"):
-        ops.rms_norm(x, randn(64, dtype=torch.float16), 1e-5)
-    with pytest.raises(RuntimeError, match="CUDA"):
-        ops.rms_norm(x.cpu(), randn(64, dtype=torch.bfloat16), 1e-5)
+    out = run_isolated("""
+        x = randn(4, 64)
+        expect_error(lambda: ops.rms_norm(x, randn(32), 1e-5))
+        expect_error(lambda: ops.rms_norm(x, randn(64, dtype=torch.float16), 1e-5))
+        expect_error(lambda: ops.rms_norm(x.cpu(), randn(64), 1e-5))
+    """).splitlines()
+    assert len(out) == 3 and all(line.startswith("RAISED") for line in out), out
+    assert "weight must be" in out[0] and "dtype" in out[1] and "CUDA" in out[2]
 
 
 # -- activation -----------------------------------------------------------------------------------
@@ -85,6 +105,29 @@ def test_silu_and_mul(rows, inter, dtype):
     out = ops.silu_and_mul(x)
     assert_matches(out, silu_and_mul_ref(x.double()), dtype, "silu_and_mul vs fp64")
     assert_matches(out, silu_and_mul_ref(x), dtype, "silu_and_mul vs same-dtype reference")
+
+
+# -- skinny linear (decode projections) --------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("out_f,in_f,with_bias", [(6144, 4096, False), (576, 576, True), (49152, 576, False),
+                                                  (100, 24, True), (7, 8, False), (4096, 14336, False)])
+def test_skinny_linear(rows, out_f, in_f, with_bias, dtype):
+    x = randn(rows, in_f, dtype=dtype)
+    w = randn(out_f, in_f, dtype=dtype) * in_f ** -0.5
+    b = randn(out_f, dtype=dtype) if with_bias else None
+    poison_next_alloc((rows, out_f), dtype)
+    y = ops.skinny_linear(x, w, b)
+    ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    assert_matches(y, ref, dtype, "skinny_linear vs fp64")
+
+
+def test_skinny_linear_of_a_strided_row_block():
+    qkv = randn(2, 3 * 256, dtype=torch.bfloat16)
+    x = qkv[:, 256:512]  # rows 768 apart
+    w = randn(64, 256, dtype=torch.bfloat16)
+    assert_matches(ops.skinny_linear(x, w, None), torch.nn.functional.linear(x.double(), w.double()),
+                   torch.bfloat16, "strided skinny_linear")
 
 
 # -- rope + KV write ------------------------------------------------------------------------------
@@ -203,18 +246,22 @@ def test_decode_of_an_empty_padding_row_is_zeros(width):
     assert not torch.isnan(out[0]).any()
 
 
-def test_decode_rejects_bad_input():
-    k, v, tables, _, _ = make_paged([10], 2, 64, 16, torch.bfloat16)
-    lens = torch.tensor([10], dtype=torch.int32, device="cuda")
-    q = randn(1, 4, 64, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="head_dim"):
-        ops.paged_attention_decode(randn(1, 4, 96, dtype=torch.bfloat16), k, v, tables, lens, 0.1)
-    with pytest.raises(RuntimeError, match="block_tables must be"):
-        ops.paged_attention_decode(q, k, v, tables.long(), lens, 0.1)
-    with pytest.raises(RuntimeError, match="multiple"):
-        ops.paged_attention_decode(randn(1, 3, 64, dtype=torch.bfloat16), k, v, tables, lens, 0.1)
-    with pytest.raises(RuntimeError, match="dtype"):
-        ops.paged_attention_decode(q.half(), k, v, tables, lens, 0.1)
+def test_attention_rejects_bad_input():
+    out = run_isolated("""
+        k = randn(2, 16, 2, 64); v = randn(2, 16, 2, 64)
+        tables = torch.zeros(1, 1, dtype=torch.int32, device="cuda")
+        lens = torch.tensor([10], dtype=torch.int32, device="cuda")
+        q = randn(1, 4, 64)
+        expect_error(lambda: ops.paged_attention_decode(randn(1, 4, 96), k, v, tables, lens, 0.1))
+        expect_error(lambda: ops.paged_attention_decode(q, k, v, tables.long(), lens, 0.1))
+        expect_error(lambda: ops.paged_attention_decode(randn(1, 3, 64), k, v, tables, lens, 0.1))
+        expect_error(lambda: ops.paged_attention_decode(q.half(), k, v, tables, lens, 0.1))
+        qsl = torch.tensor([0, 1], dtype=torch.int64, device="cuda")
+        expect_error(lambda: ops.paged_attention_prefill(q, k, v, tables, qsl, lens, 0.1))
+    """).splitlines()
+    assert len(out) == 5 and all(line.startswith("RAISED") for line in out), out
+    for line, words in zip(out, ("head_dim", "block_tables must be", "multiple", "dtype", "query_start_loc")):
+        assert words in line, (line, words)
 
 
 PREFILL_CASES = [
