@@ -11,7 +11,7 @@ from exlcli.model.config import ModelConfig
 from exlcli.model.quant import QuantizedWeight
 from exlcli.ops.activation import silu_and_mul
 from exlcli.ops._ext import use_kernels
-from exlcli.ops.attention import DecodeLayout, paged_attention
+from exlcli.ops.attention import PagedLayout, paged_attention
 from exlcli.ops.linear import Linear, make_linear
 from exlcli.ops.norm import fused_add_rms_norm, rms_norm
 from exlcli.ops.rope import gather_cos_sin, rope_and_write_kv, rope_cos_sin_cache
@@ -111,8 +111,7 @@ class LlamaModel:
         cos_sin_rows = layout = None
         if not use_kernels(h):
             cos_sin_rows = gather_cos_sin(self.cos_sin, batch.positions)
-            if len(batch.seq_lens) == num_tokens:
-                layout = DecodeLayout.build(batch.block_tables, batch.seq_lens_t, kv.page_size)
+            layout = PagedLayout.build(batch.block_tables, batch.seq_lens, kv.page_size)
         for i, layer in enumerate(self.layers):
             if residual is None:
                 residual = h
