@@ -48,12 +48,23 @@ def device_name(device: torch.device) -> str:
     return cpu_name()
 
 
-def machine_facts(device: torch.device | None) -> dict[str, object]:
-    """Facts of this machine; `device` None when the engine runs elsewhere (a server)."""
+def load_average() -> float | None:
     try:
-        load = round(os.getloadavg()[0], 2)
+        return round(os.getloadavg()[0], 2)
     except OSError:
-        load = None
+        return None
+
+
+def finish_facts(machine: dict) -> dict:
+    """Add the load at the end of a run (it counts the bench's own threads too)."""
+    machine["load_avg_1m_end"] = load_average()
+    return machine
+
+
+def machine_facts(device: torch.device | None) -> dict[str, object]:
+    """Facts of this machine, taken before a run; `device` None when the engine runs elsewhere
+    (a server)."""
+    load = load_average()
     return {
         "device": str(device) if device is not None else "remote",
         "device_name": device_name(device) if device is not None else None,

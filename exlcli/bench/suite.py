@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from exlcli.bench.machine import copy_bandwidth, log, machine_facts, synchronizer
+from exlcli.bench.machine import copy_bandwidth, finish_facts, log, machine_facts, synchronizer
 from exlcli.bench.model_facts import ModelFacts
 from exlcli.bench.throughput import ThroughputRunner, make_engine, plan_tests, result_row
 from exlcli.errors import ExlcliError
@@ -67,4 +67,5 @@ def run_suite(options: SuiteOptions) -> list[dict]:
         with torch.inference_mode():
             result = runner.run(spec, options.reps, options.warmup, options.depth)
         rows.append(result_row(result, copy_bw, machine))
+    finish_facts(machine)  # shared by every row
     return rows

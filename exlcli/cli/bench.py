@@ -48,7 +48,7 @@ def emit(rows: list[dict], columns, fmt: str, save: Path | None) -> None:
         m = rows[0].get("machine", {})
         facts = [f"{m.get('device_name') or m.get('device')}", f"{m.get('cpu_count')} CPUs",
                  f"torch {m.get('torch')}", f"commit {m.get('commit') or '?'}",
-                 f"load {m.get('load_avg_1m')}"]
+                 f"load {m.get('load_avg_1m')} before, {m.get('load_avg_1m_end')} after"]
         print(("\n" if fmt == "md" else "") + "machine: " + ", ".join(facts))
 
 
@@ -146,7 +146,7 @@ def register(app: typer.Typer) -> None:
 
         Reports requests/s, output tok/s, TTFT, TPOT and ITL percentiles at each level; runs the
         engine in process, or against a running server with --server URL."""
-        from exlcli.bench.machine import log
+        from exlcli.bench.machine import finish_facts, log
         from exlcli.bench.serve_load import COLUMNS, run_serve
         from exlcli.bench.workload import make_requests, vocab_size_of
 
@@ -169,8 +169,9 @@ def register(app: typer.Typer) -> None:
                                      seed=seed * 1000 + level + 100)
             log(f"serve: {client.model_name} ({client.kind}), {num_prompts} requests per level, "
                 f"~{input_len} in / ~{output_len} out")
-            rows = run_serve(client, specs_for, list(levels), warmup=warmup, progress=log)
             facts = client_facts(client)
+            rows = run_serve(client, specs_for, list(levels), warmup=warmup, progress=log)
+            finish_facts(facts["machine"])
         finally:
             client.close()
         emit([{**row, **facts} for row in rows], COLUMNS, fmt, save)
@@ -202,7 +203,7 @@ def register(app: typer.Typer) -> None:
         A saturating batch-priority job plus a chat request every --chat-every seconds: the chats'
         TTFT and ITL percentiles and the batch throughput, in three phases (chat alone, batch
         alone, both)."""
-        from exlcli.bench.machine import log
+        from exlcli.bench.machine import finish_facts, log
         from exlcli.bench.mixed import COLUMNS, MixedOptions, MixedRunner
         from exlcli.bench.workload import vocab_size_of
 
@@ -218,8 +219,9 @@ def register(app: typer.Typer) -> None:
                                   f"{client.context_length} tokens")
             log(f"mixed: {client.model_name} ({client.kind}), {batch_concurrency} batch requests in flight, "
                 f"a chat every {chat_every:g} s, {duration:g} s per phase")
-            rows = MixedRunner(client, options, vocab_size_of(client), progress=log).run()
             facts = client_facts(client)
+            rows = MixedRunner(client, options, vocab_size_of(client), progress=log).run()
+            finish_facts(facts["machine"])
         finally:
             client.close()
         emit([{**row, **facts} for row in rows], COLUMNS, fmt, save)

@@ -34,7 +34,7 @@ def test_throughput_json_and_save(runner, tmp_path):
     for r in rows:
         assert r["tps_mean"] > 0 and len(r["tps_samples"]) == 2 and r["reps"] == 2
         assert r["model"] == "random:tiny" and r["dtype"] == "bfloat16" and r["device"] == "cpu"
-        assert r["machine"]["cpu_count"] >= 1 and r["machine"]["torch"]
+        assert r["machine"]["cpu_count"] >= 1 and r["machine"]["torch"] and "load_avg_1m_end" in r["machine"]
     assert rows[2]["bandwidth_gbs"] > 0 and rows[2]["copy_bandwidth_gbs"] > 0 and rows[0]["gflops"] > 0
     assert "rep 2/2" in result.stderr and "warm-up" in result.stderr and "bench:" not in result.stdout
     assert runner.invoke(app, args).exit_code == 0
@@ -51,7 +51,7 @@ def test_throughput_other_formats(runner, fmt):
     else:
         lines = result.stdout.splitlines()
         assert "t/s" in lines[0] and "pp8" in lines[2] and " ± " in lines[2]
-        assert lines[-1].startswith("machine: ") and "commit" in lines[-1]
+        assert lines[-1].startswith("machine: ") and "commit" in lines[-1] and " after" in lines[-1]
 
 
 @pytest.mark.parametrize("args,message", [
