@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 from exlcli.chat.app import ChatApp
-from exlcli.chat.fake import is_fake, open_fake_client
 from exlcli.chat.io import ChatIO
 from exlcli.chat.session import Conversation
 from exlcli.chat.settings import DEFAULT_MAX_TOKENS, ChatSettings, SettingError
@@ -43,8 +42,6 @@ def fit_max_tokens(settings: ChatSettings, context_length: int, explicit: bool) 
 
 
 def open_chat_client(model: str | None, **engine: object) -> EngineClient:
-    if is_fake(model):
-        return open_fake_client(model)  # type: ignore[arg-type]
     from exlcli.client.factory import open_client
 
     return open_client(model, **engine)  # type: ignore[arg-type]

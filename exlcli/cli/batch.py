@@ -19,7 +19,6 @@ from exlcli.cli.common import DeviceOption, DtypeOption, LocalOption, ModelOptio
 from exlcli.client.base import EngineClient, GenerationParams
 from exlcli.errors import ExlcliError
 
-FAKE_PREFIX = "fake:echo"  # hidden test model: the deterministic echo engine, `fake:echo[:token_delay_s]`
 EXIT_CODES = {"SIGINT": 130, "SIGTERM": 128 + signal.SIGTERM}
 
 
@@ -29,18 +28,9 @@ def default_output(input_path: Path) -> Path:
 
 def open_batch_client(model: str | None, server: str | None, local: bool, device: str | None,
                       dtype: str | None) -> EngineClient:
-    if model and model.startswith(FAKE_PREFIX):
-        from exlcli.client.fake import FakeClient
-
-        delay = model[len(FAKE_PREFIX):].lstrip(":")
-        try:
-            return FakeClient(token_delay=float(delay) if delay else 0.002)
-        except ValueError:
-            raise ExlcliError(f"bad fake model {model!r}; use fake:echo or fake:echo:<seconds>") from None
     from exlcli.client.factory import open_client
 
-    server = find_server(server, local, model)
-    return open_client(model, server=server, local=local, device=device, dtype=dtype)
+    return open_client(model, server=server, local=local, device=device, dtype=dtype, fake_delay=0.002)
 
 
 def resume_command(input_path: Path, output_path: Path) -> str:
@@ -66,20 +56,6 @@ def report(summary: BatchSummary, output_path: Path, input_path: Path) -> int:
     if summary.stopped_by:
         return EXIT_CODES.get(summary.stopped_by, 1)
     return 1 if summary.failure or summary.lost else 0
-
-
-def find_server(server: str | None, local: bool, model: str | None) -> str | None:
-    """The server to send the job to: the one named, else a running `exlcli serve`, unless --local."""
-    if server or local:
-        return server
-    from exlcli.server.runtime_file import find_running_server
-
-    running = find_running_server()
-    if running:
-        note = " (--model is ignored: the server runs its own model)" if model else ""
-        print(f"batch: sending the job to the running exlcli server at {running}{note}; "
-              "--local runs it in this process instead", file=sys.stderr)
-    return running
 
 
 def register(app: typer.Typer) -> None:

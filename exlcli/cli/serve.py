@@ -8,10 +8,8 @@ import typer
 
 from exlcli.cli.common import DeviceOption, DtypeOption, ModelOption, fail, user_errors
 from exlcli.client.base import EngineClient
-from exlcli.errors import ExlcliError
 
 DEFAULT_PORT = 8000
-FAKE_PREFIX = "fake:echo"
 
 
 def register(app: typer.Typer) -> None:
@@ -73,16 +71,7 @@ def register(app: typer.Typer) -> None:
 
 
 def _open_engine(model, device, dtype, kv_memory, prefix_cache) -> EngineClient:
-    if model and model.startswith(FAKE_PREFIX):
-        # Hidden test model, as in `exlcli batch`: the echo engine, one word per DELAY seconds.
-        from exlcli.client.fake import FakeClient
-
-        delay = model[len(FAKE_PREFIX):].lstrip(":")
-        try:
-            return FakeClient(token_delay=float(delay) if delay else 0.0)
-        except ValueError:
-            raise ExlcliError(f"bad fake model {model!r}; use fake:echo or fake:echo:<seconds>") from None
     from exlcli.client.factory import open_client
 
     return open_client(model, local=True, device=device, dtype=dtype, kv_memory=kv_memory,
-                       prefix_cache=prefix_cache)
+                       prefix_cache=prefix_cache, fake_delay=0.0)

@@ -7,18 +7,39 @@ import sys
 from exlcli.client.base import EngineClient
 
 
+def find_server(server: str | None, local: bool, model: str | None, quiet: bool = False) -> str | None:
+    """The server named, else a running `exlcli serve` (announced on stderr), unless `local`."""
+    if server or local:
+        return None if local else server
+    from exlcli.server.runtime_file import find_running_server
+
+    running = find_running_server()
+    if running and not quiet:
+        note = " (--model is ignored: the server runs its own model)" if model else ""
+        print(f"exlcli: using the running exlcli server at {running}{note}; "
+              "--local runs the engine in this process instead", file=sys.stderr)
+    return running
+
+
 def open_client(model: str | None = None, *, server: str | None = None, local: bool = False,
                 device: str | None = None, dtype: str | None = None,
                 kv_memory: str | None = None, prefix_cache: bool = True,
-                api_key: str | None = None, quiet: bool = False) -> EngineClient:
-    """`server` names one; else a running `exlcli serve` is used unless `local`; else in-process."""
-    if server and not local:
+                api_key: str | None = None, quiet: bool = False,
+                fake_delay: float = 0.05) -> EngineClient:
+    """`server` names one; else a running `exlcli serve` is used unless `local`; else in-process.
+    `fake:echo[:DELAY[:CONTEXT]]` is the echo engine, for demos and tests."""
+    from exlcli.client.fake import is_fake, open_fake_client
+
+    if is_fake(model):
+        return open_fake_client(model, default_delay=fake_delay)  # type: ignore[arg-type]
+    server = find_server(server, local, model, quiet)
+    if server:
         from exlcli.server.remote import RemoteClient
 
         return RemoteClient(server, api_key=api_key)
     from exlcli.client.local import LocalClient
 
     if not quiet:
-        print("loading model ...", file=sys.stderr)
+        print("exlcli: loading the model ...", file=sys.stderr)
     return LocalClient.from_model(model, device=device, dtype=dtype, kv_memory=kv_memory,
                                   prefix_cache=prefix_cache)

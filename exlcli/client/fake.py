@@ -124,3 +124,26 @@ class FakeClient(EngineClient):
     def stats(self) -> EngineStats:
         return EngineStats(num_running=self._running, pages_total=64, page_size=16,
                            total_generated_tokens=self.generated_tokens)
+
+
+FAKE_PREFIX = "fake:"
+
+
+def is_fake(model: str | None) -> bool:
+    return bool(model) and model.startswith(FAKE_PREFIX)  # type: ignore[union-attr]
+
+
+def open_fake_client(model: str, default_delay: float = 0.05, default_context: int = 2048) -> FakeClient:
+    """`fake:echo[:DELAY[:CONTEXT]]`: the echo engine, DELAY seconds per token, CONTEXT tokens."""
+    parts = model[len(FAKE_PREFIX):].split(":")
+    usage = f"bad fake model '{model}'; use fake:echo[:DELAY[:CONTEXT]]"
+    if parts[0] != "echo" or len(parts) > 3:
+        raise RequestError(f"unknown fake model '{model}'; use fake:echo[:DELAY[:CONTEXT]]")
+    try:
+        delay = float(parts[1]) if len(parts) > 1 and parts[1] else default_delay
+        context = int(parts[2]) if len(parts) > 2 else default_context
+    except ValueError:
+        raise RequestError(usage) from None
+    if delay < 0 or context < 16:
+        raise RequestError(f"bad fake model '{model}': DELAY must be >= 0 and CONTEXT >= 16")
+    return FakeClient(context_length=context, token_delay=delay, model_name=model)

@@ -91,7 +91,8 @@ class ModelConfig:
             hidden = int(cfg["hidden_size"])
             eos = cfg.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-            scaling = cfg.get("rope_scaling")
+            # transformers >= 5 writes theta and scaling together as `rope_parameters`
+            scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
             if scaling is not None and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
                 scaling = None
             return cls(

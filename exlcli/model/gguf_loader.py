@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
@@ -32,7 +33,7 @@ _LAYER_NAMES = {
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
-_IGNORED = ("rope_freqs.weight",)
+ROPE_FACTORS = "rope_freqs.weight"  # llama.cpp's form of Llama 3.1 RoPE scaling: one divisor per frequency
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -76,7 +77,9 @@ def load_gguf_tensors(reader: Any, meta: dict[str, Any]) -> tuple[ModelConfig, d
     config = ModelConfig.from_gguf_metadata(meta, has_output_tensor="output.weight" in names)
     tensors: dict[str, Any] = {}
     for t in reader.tensors:
-        if t.name in _IGNORED:
+        if t.name == ROPE_FACTORS:
+            factors = [float(f) for f in np.asarray(t.data, dtype=np.float32).reshape(-1)]
+            config = dataclasses.replace(config, rope_scaling={"rope_type": "freq_factors", "factors": factors})
             continue
         name = hf_name(t.name)
         if name is None:

@@ -85,8 +85,10 @@ def build_byte_level_bpe(meta: dict[str, Any]):
         merges.append((left, right))
     try:
         tok = Tokenizer(models.BPE(vocab=_vocab(tokens), merges=merges, fuse_unk=False))
-    except Exception as e:
-        raise ModelLoadError(f"GGUF vocabulary could not be built: {e}") from None
+    except BaseException as e:  # tokenizers panics (e.g. a merge naming an unknown token) are BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise ModelLoadError(f"GGUF vocabulary could not be built: {type(e).__name__}: {e}") from None
     tok.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre"))
     tok.decoder = decoders.ByteLevel()
     _add_marked_tokens(tok, tokens, types, (CONTROL,))

@@ -58,15 +58,6 @@ def _quantization(tensors: dict) -> str:
     return "+".join(sorted(kinds))
 
 
-def _with_rope_scaling(cfg: dict) -> dict:
-    """transformers >= 5 writes RoPE settings as `rope_parameters` (theta and scaling in one
-    dict); ModelConfig reads scaling from the older `rope_scaling` key."""
-    params = cfg.get("rope_parameters")
-    if cfg.get("rope_scaling") is None and isinstance(params, dict):
-        return {**cfg, "rope_scaling": params}
-    return cfg
-
-
 def load_model(spec: str | None = None, device: str | None = None, dtype: str | None = None,
                log=sys.stderr) -> LoadedModel:
     from exlcli.model.registry import resolve_model_path
@@ -87,7 +78,7 @@ def load_model(spec: str | None = None, device: str | None = None, dtype: str | 
         from exlcli.model.hf_loader import load_hf_tensors, read_hf_config
         from exlcli.model.tokenizer import Tokenizer
 
-        config = ModelConfig.from_hf_dict(_with_rope_scaling(read_hf_config(path)))
+        config = ModelConfig.from_hf_dict(read_hf_config(path))
         tokenizer = Tokenizer.from_hf_folder(path)
         tensors = load_hf_tensors(path)
         template = ChatTemplate.for_tokenizer(tokenizer)

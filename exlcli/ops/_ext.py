@@ -155,9 +155,9 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _self_check() -> None:
-    """Runs the newest kernels once on small random inputs against the torch reference. A decode
-    kernel that disagrees is swapped for its fallback (version 1), a skinny linear that disagrees
-    is not used; either way the user is told once."""
+    """Runs the decode kernels once on small random inputs against the torch reference. A decode
+    attention kernel that disagrees is swapped for the other version (EXLCLI_DECODE_KERNEL), a
+    skinny linear that disagrees is not used; either way the user is told once."""
     global skinny_linear_ok
     from exlcli.ops.attention import paged_attention_decode_ref
 
@@ -187,9 +187,9 @@ def _self_check() -> None:
 
     err = decode_error()
     if not err < 2e-2:
-        os.environ["EXLCLI_DECODE_KERNEL"] = "1"
-        print(f"exlcli: decode attention kernel v2 failed its check (error {err:.2e}); using v1 "
-              f"(error {decode_error():.2e})", file=sys.stderr, flush=True)
+        os.environ["EXLCLI_DECODE_KERNEL"] = "1" if os.environ.get("EXLCLI_DECODE_KERNEL") == "2" else "2"
+        print(f"exlcli: the decode attention kernel failed its check (error {err:.2e}); switched to "
+              f"version {os.environ['EXLCLI_DECODE_KERNEL']} (error {decode_error():.2e})", file=sys.stderr, flush=True)
     x, w, b = randn(3, 512), randn(200, 512), randn(200)
     y = torch.ops.exlcli.skinny_linear(x, w, b)
     err = _rel_err(y, torch.nn.functional.linear(x.double(), w.double(), b.double()))

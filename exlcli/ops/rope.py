@@ -25,6 +25,11 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         scaled = (1 - smooth) * inv_freq / factor + smooth * inv_freq
         inv_freq = torch.where(wavelen > old_len / low, inv_freq / factor,
                                torch.where(wavelen < old_len / high, inv_freq, scaled))
+    elif kind == "freq_factors":  # GGUF rope_freqs: llama.cpp precomputed the divisors
+        factors = torch.tensor(scaling["factors"], dtype=torch.float64)
+        if factors.numel() != inv_freq.numel():
+            raise ValueError(f"rope_freqs has {factors.numel()} factors, expected {inv_freq.numel()}")
+        inv_freq = inv_freq / factors
     elif kind == "linear":
         inv_freq = inv_freq / float(scaling["factor"])
     elif kind is not None:

@@ -81,5 +81,5 @@ def test_batch_finds_a_running_server_without_being_told(tmp_path, runtime_dir):
         out = tmp_path / "out.jsonl"
         result = CliRunner().invoke(app, ["batch", str(write_input(tmp_path)), "-o", str(out)])
     assert result.exit_code == 0, result.output
-    assert f"sending the job to the running exlcli server at {url}" in result.stderr
+    assert f"using the running exlcli server at {url}" in result.stderr
     check_results(out, engine)
