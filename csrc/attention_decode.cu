@@ -17,7 +17,8 @@ namespace {
 constexpr int kPartitionTokens = 256;
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr int kUnroll = 4;  // token passes whose loads are in flight together
+constexpr int kUnroll = 8;  // version 1: token passes whose loads are in flight together
+constexpr int kUnrollV2 = 4;  // version 2: tokens per lane group whose K and V load together
 
 struct DecodeParams {
   void* out;  // [rows, num_heads, D] contiguous
@@ -42,6 +43,16 @@ __device__ __forceinline__ int64_t query_row(const DecodeParams& p, int b) {
   return q1 - q0 == 1 ? q0 : -1;
 }
 
+// The cache slot of each token of the partition, looked up once so the loops' loads do not wait
+// on the block table.
+__device__ __forceinline__ void fill_slots(int64_t* s_slot, const int* table, int start, int n, int page_size) {
+  for (int t = threadIdx.x; t < n; t += kThreads) {
+    const int pos = start + t;
+    s_slot[t] = static_cast<int64_t>(table[pos / page_size]) * page_size + pos % page_size;
+  }
+  __syncthreads();
+}
+
 template <typename T, int D, int GMAX>
 __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodeParams p) {
   constexpr int VW = Vec<T>::N;  // elements per 16-byte load
@@ -53,6 +64,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodePara
   __shared__ float s_scores[GMAX][kPartitionTokens];  // scores, then exp(score - max)
   __shared__ float s_red[kWarps][GMAX][D];
   __shared__ float s_max[GMAX], s_sum[GMAX];
+  __shared__ int64_t s_slot[kPartitionTokens];
 
   const int chunk = blockIdx.x % p.head_chunks;
   const int kvh = blockIdx.x / p.head_chunks;
@@ -95,13 +107,11 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodePara
     }
   }
 
-  const int* table = p.block_tables + b * p.bt_stride;
   const int64_t slot_stride = static_cast<int64_t>(p.num_kv_heads) * D;
   const int64_t head_offset = static_cast<int64_t>(kvh) * D + sub * VW;
+  fill_slots(s_slot, p.block_tables + b * p.bt_stride, start, n, p.page_size);  // ends with a barrier
   auto token_ptr = [&](const void* cache, int t) {
-    const int pos = start + t;
-    const int64_t slot = static_cast<int64_t>(table[pos / p.page_size]) * p.page_size + pos % p.page_size;
-    return static_cast<const T*>(cache) + slot * slot_stride + head_offset;
+    return static_cast<const T*>(cache) + s_slot[t] * slot_stride + head_offset;
   };
 
   // Phase 1: scores of every token of the partition for every head of the group.
@@ -209,7 +219,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodePara
   }
 }
 
-// Version 2 (the default): no block-wide phases. Each group of TPT lanes walks its own tokens of
+// Version 2: no block-wide phases. Each group of TPT lanes walks its own tokens of
 // the partition with an online softmax, loading K and V of kUnroll tokens together (2 * kUnroll
 // 16-byte loads in flight per lane); the lane groups of a warp, then the warps, merge their
 // (max, sum, accumulator) in a fixed order at the end. Same partitions and outputs as version 1.
@@ -223,6 +233,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_v2_kernel(const DecodeP
 
   __shared__ float s_red[kWarps][GMAX][D];
   __shared__ float s_wm[kWarps][GMAX], s_wl[kWarps][GMAX];
+  __shared__ int64_t s_slot[kPartitionTokens];
 
   const int chunk = blockIdx.x % p.head_chunks;
   const int kvh = blockIdx.x / p.head_chunks;
@@ -264,9 +275,9 @@ __global__ void __launch_bounds__(kThreads) paged_decode_v2_kernel(const DecodeP
       }
     }
   }
-  const int* table = p.block_tables + b * p.bt_stride;
   const int64_t slot_stride = static_cast<int64_t>(p.num_kv_heads) * D;
   const int64_t head_offset = static_cast<int64_t>(kvh) * D + sub * VW;
+  fill_slots(s_slot, p.block_tables + b * p.bt_stride, start, n, p.page_size);
 
   float m[GMAX], l[GMAX], acc[GMAX][VW];
 #pragma unroll
@@ -277,22 +288,20 @@ __global__ void __launch_bounds__(kThreads) paged_decode_v2_kernel(const DecodeP
     for (int e = 0; e < VW; ++e) acc[g][e] = 0.f;
   }
 
-  for (int t0 = warp * TPW; t0 < n; t0 += PASS * kUnroll) {  // warp-uniform bound
-    Vec<T> kk[kUnroll], vv[kUnroll];
+  for (int t0 = warp * TPW; t0 < n; t0 += PASS * kUnrollV2) {  // warp-uniform bound
+    Vec<T> kk[kUnrollV2], vv[kUnrollV2];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < kUnrollV2; ++u) {
       const int t = t0 + u * PASS + tok;
       if (t < n) {
-        const int pos = start + t;
-        const int64_t slot = static_cast<int64_t>(table[pos / p.page_size]) * p.page_size + pos % p.page_size;
-        const int64_t off = slot * slot_stride + head_offset;
+        const int64_t off = s_slot[t] * slot_stride + head_offset;
         kk[u] = load_vec(static_cast<const T*>(p.k_cache) + off);
         vv[u] = load_vec(static_cast<const T*>(p.v_cache) + off);
       }
     }
-    float s[kUnroll][GMAX];
+    float s[kUnrollV2][GMAX];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < kUnrollV2; ++u) {
       const bool valid = t0 + u * PASS + tok < n;
 #pragma unroll
       for (int g = 0; g < GMAX; ++g) {
@@ -308,14 +317,14 @@ __global__ void __launch_bounds__(kThreads) paged_decode_v2_kernel(const DecodeP
     for (int g = 0; g < GMAX; ++g) {
       float m_new = m[g];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) m_new = fmaxf(m_new, s[u][g]);
+      for (int u = 0; u < kUnrollV2; ++u) m_new = fmaxf(m_new, s[u][g]);
       if (m_new == -INFINITY) continue;  // this lane group has no token yet
       const float alpha = expf(m[g] - m_new);  // 0 on the first token
       l[g] *= alpha;
 #pragma unroll
       for (int e = 0; e < VW; ++e) acc[g][e] *= alpha;
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
+      for (int u = 0; u < kUnrollV2; ++u) {
         if (s[u][g] == -INFINITY) continue;
         const float w = expf(s[u][g] - m_new);
         l[g] += w;
@@ -405,11 +414,11 @@ __global__ void __launch_bounds__(D) paged_decode_combine_kernel(const DecodePar
   out[d] = from_float<T>(o * (1.f / l));
 }
 
-// EXLCLI_DECODE_KERNEL=1 selects version 1 (the fallback exlcli/ops/_ext.py switches to when
-// version 2 fails its check at load).
+// Version 1 is the default (measured faster on the H200); EXLCLI_DECODE_KERNEL=2 selects
+// version 2, and exlcli/ops/_ext.py switches to the other one when the default fails its check.
 bool use_decode_v1() {
   const char* v = std::getenv("EXLCLI_DECODE_KERNEL");
-  return v != nullptr && v[0] == '1';
+  return v == nullptr || v[0] != '2';
 }
 
 template <typename T, int D, int GMAX>

@@ -13,7 +13,7 @@ namespace {
 constexpr int kLinWarps = 8;
 constexpr int kRowsPerWarp = 2;
 constexpr int kRowsPerBlock = kLinWarps * kRowsPerWarp;
-constexpr int kLinUnroll = 4;
+constexpr int kLinUnroll = 8;
 
 __device__ __forceinline__ uint4 load_stream(const void* p) { return __ldcs(static_cast<const uint4*>(p)); }
 __device__ __forceinline__ uint4 load_cached(const void* p) { return __ldg(static_cast<const uint4*>(p)); }

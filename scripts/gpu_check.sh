@@ -19,6 +19,7 @@ echo "== device"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv,noheader || true
 python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
 echo "host compiler: $(${CXX:-c++} --version 2>/dev/null | head -n 1) (CXX=${CXX:-unset})"
+[ -n "${CXX:-}" ] && file "$CXX" 2>/dev/null | cut -c1-150 && head -c 600 "$CXX" 2>/dev/null | grep -a -v "^#" | head -n 8
 
 echo "== build (cache: $EXLCLI_KERNEL_CACHE)"
 start=$(date +%s)

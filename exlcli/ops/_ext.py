@@ -101,8 +101,10 @@ def _load() -> None:
         cpp_extension.load(
             name=library_name(key),
             sources=[str(CSRC / n) for n in SOURCES],
-            extra_cflags=["-O3"],
-            extra_cuda_cflags=["-O3", "--expt-relaxed-constexpr", "-lineinfo"],
+            # unwind tables everywhere: an error raised by a check must unwind through our frames
+            extra_cflags=["-O3", "-fexceptions", "-funwind-tables", "-fasynchronous-unwind-tables"],
+            extra_cuda_cflags=["-O3", "--expt-relaxed-constexpr", "-lineinfo",
+                               "-Xcompiler", "-fexceptions,-funwind-tables,-fasynchronous-unwind-tables"],
             build_directory=str(folder),
             is_python_module=False,
             verbose=verbose,

@@ -237,7 +237,7 @@ def test_paged_attention_decode_fp32(seq_lens, heads, kv_heads, dim, dtype):
 
 @pytest.mark.parametrize("width", [1, 40])
 def test_decode_of_an_empty_padding_row_is_zeros(width):
-    k, v, tables, _, _ = make_paged([10, 10], 2, 64, 16, torch.bfloat16, extra=width - 1)
+    k, v, tables, _, _ = make_paged([10, 10], 2, 64, 16, torch.bfloat16, extra_width=width - 1)
     lens = torch.tensor([10, 0], dtype=torch.int32, device="cuda")
     q = randn(2, 4, 64, dtype=torch.bfloat16)
     poison_next_alloc(q.shape, torch.bfloat16)
