@@ -19,25 +19,32 @@ from exlcli.ops._ext import use_kernels
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-    """One sequence. q: [n, heads, D] (its last n tokens); keys, values: [L, kv_heads, D].
+    """One sequence. q: [n, heads, D] (its last n tokens); keys, values: [kv_heads, L, D].
 
     Written out as matmul, fp32 softmax, matmul (Hugging Face's eager form) rather than SDPA:
     in bf16, each query row's result then does not depend on how many rows are computed with it,
     so a token gets the same numbers in a full prefill, a chunk after a prefix-cache hit, or a
     decode step."""
     num_q, heads, dim = q.shape
-    seq_len, kv_heads = keys.shape[:2]
+    kv_heads, seq_len = keys.shape[:2]
     group = heads // kv_heads
     # [kv_heads, n * group, D]: the query heads that share a KV head, token-major
     qg = q.view(num_q, kv_heads, group, dim).transpose(0, 1).reshape(kv_heads, num_q * group, dim)
-    scores = torch.matmul(qg, keys.to(q.dtype).permute(1, 2, 0)).float() * scale  # [kvh, n*g, L]
+    scores = torch.bmm(qg, keys.to(q.dtype).transpose(1, 2)).float() * scale  # [kvh, n*g, L]
     if num_q > 1:
         pos = torch.arange(seq_len - num_q, seq_len, device=q.device).repeat_interleave(group)
         future = torch.arange(seq_len, device=q.device)[None, :] > pos[:, None]  # [n*g, L]
         scores = scores.masked_fill(future, float("-inf"))
     probs = scores.softmax(-1).to(q.dtype)
-    out = torch.matmul(probs, values.to(q.dtype).transpose(0, 1))  # [kvh, n*g, D]
+    out = torch.bmm(probs, values.to(q.dtype))  # [kvh, n*g, D]
     return out.view(kv_heads, num_q, group, dim).transpose(0, 1).reshape(num_q, heads, dim)
+
+
+def _gather(cache_flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """[num_slots, kv_heads, D] view of a cache -> one sequence's keys or values as a contiguous
+    [kv_heads, L, D] (index_select on whole rows, then one transpose copy: several times faster
+    on CPU than advanced indexing on the strided head-first view)."""
+    return cache_flat.index_select(0, slots).transpose(0, 1).contiguous()
 
 
 def _slots(pages: torch.Tensor, seq_len: int, page_size: int) -> torch.Tensor:
@@ -66,7 +73,7 @@ def paged_attention_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     k_flat, v_flat = k_cache.view(-1, kv_heads, dim), v_cache.view(-1, kv_heads, dim)
     out = torch.empty_like(q)
     for b, slots in enumerate(layout.slots):
-        out[b:b + 1] = _attend(q[b:b + 1], k_flat[slots], v_flat[slots], scale)
+        out[b:b + 1] = _attend(q[b:b + 1], _gather(k_flat, slots), _gather(v_flat, slots), scale)
     return out
 
 
@@ -80,7 +87,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     out = torch.empty_like(q)
     for b, slots in enumerate(layout.slots):
         start, end = query_start_loc[b], query_start_loc[b + 1]
-        out[start:end] = _attend(q[start:end], k_flat[slots], v_flat[slots], scale)
+        out[start:end] = _attend(q[start:end], _gather(k_flat, slots), _gather(v_flat, slots), scale)
     return out
 
 
