@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import itertools
 import logging
 import threading
@@ -158,8 +159,12 @@ class Engine:
             self._wake.notify()
 
     def stats(self) -> EngineStats:
+        """A snapshot (a copy: the engine thread goes on updating its own)."""
         with self._stats_lock:
-            return self._stats
+            snap = dataclasses.replace(self._stats, step_time_bucket_counts=list(self._stats.step_time_bucket_counts),
+                                       recent_finished=list(self._stats.recent_finished))
+        snap.active = self._active_requests()
+        return snap
 
     def start(self) -> "Engine":
         if self._thread is None:
@@ -322,41 +327,43 @@ class Engine:
         if handle is not None:
             handle._put(out)
 
+    def _active_requests(self) -> list[ActiveRequestInfo]:
+        """Rows for the live display; built when asked for, not every step (copies of the lists
+        are safe to read from another thread)."""
+        now = time.perf_counter()
+        active = []
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            waiting = seq.status is SeqStatus.WAITING
+            state = ("preempted" if waiting and seq.num_preemptions else "waiting" if waiting
+                     else "prefill" if seq.num_computed_tokens < seq.num_prompt_tokens else "decode")
+            gen_time = now - seq.first_token_time if seq.first_token_time else 0.0
+            active.append(ActiveRequestInfo(seq.request_id, seq.request.client, state, seq.num_prompt_tokens,
+                                            seq.num_generated,
+                                            (seq.num_generated - 1) / gen_time if gen_time > 0 else 0.0,
+                                            now - seq.submit_time))
+        return active
+
     def _publish_stats(self, batch: ScheduledBatch | None, elapsed: float, generated: int = 0) -> None:
+        """Per-step counters only: cheap enough for every step."""
         now = time.perf_counter()
         if generated:
             self._recent_tokens.append((now, generated))
         while self._recent_tokens and now - self._recent_tokens[0][0] > 5.0:
             self._recent_tokens.popleft()
         window = now - self._recent_tokens[0][0] if len(self._recent_tokens) > 1 else 0.0
-        tps = sum(n for _, n in list(self._recent_tokens)[1:]) / window if window > 0 else 0.0
         sched = self.scheduler
-        active = []
-        for seq in itertools.chain(sched.running, sched.waiting):
-            state = ("waiting" if seq.status is SeqStatus.WAITING and not seq.num_preemptions
-                     else "preempted" if seq.status is SeqStatus.WAITING
-                     else "prefill" if seq.num_computed_tokens < seq.num_prompt_tokens else "decode")
-            age = now - seq.submit_time
-            gen_time = now - seq.first_token_time if seq.first_token_time else 0.0
-            active.append(ActiveRequestInfo(seq.request_id, seq.request.client, state, seq.num_prompt_tokens,
-                                            seq.num_generated,
-                                            (seq.num_generated - 1) / gen_time if gen_time > 0 else 0.0, age))
         with self._stats_lock:
-            old = self._stats
-            new = EngineStats(**{**old.__dict__})
-            new.step_time_bucket_counts = list(old.step_time_bucket_counts)
-            new.num_running, new.num_waiting = len(sched.running), len(sched.waiting)
-            new.pages_used, new.pages_cached = self.pool.num_used, self.pool.num_cached
-            new.tokens_per_s = tps
-            new.num_preemptions = sched.num_preemptions
-            new.prefix_cache_queries, new.prefix_cache_hits = sched.prefix_queries, sched.prefix_hits
-            new.prefix_cache_evictions = self.pool.num_evictions
-            new.active = active
+            s = self._stats
+            s.num_running, s.num_waiting = len(sched.running), len(sched.waiting)
+            s.pages_used, s.pages_cached = self.pool.num_used, self.pool.num_cached
+            s.tokens_per_s = (sum(n for _, n in self._recent_tokens) - self._recent_tokens[0][1]) / window if window > 0 else 0.0
+            s.num_preemptions = sched.num_preemptions
+            s.prefix_cache_queries, s.prefix_cache_hits = sched.prefix_queries, sched.prefix_hits
+            s.prefix_cache_evictions = self.pool.num_evictions
             if batch is not None and batch.items:
-                new.last_batch_size, new.last_step_tokens = len(batch.items), batch.num_tokens
-                new.last_step_time_s = elapsed
-                new.num_steps += 1
-                new.step_time_sum_s += elapsed
+                s.last_batch_size, s.last_step_tokens = len(batch.items), batch.num_tokens
+                s.last_step_time_s = elapsed
+                s.num_steps += 1
+                s.step_time_sum_s += elapsed
                 bucket = next((i for i, b in enumerate(STEP_TIME_BUCKETS) if elapsed <= b), len(STEP_TIME_BUCKETS))
-                new.step_time_bucket_counts[bucket] += 1
-            self._stats = new
+                s.step_time_bucket_counts[bucket] += 1
