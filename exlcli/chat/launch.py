@@ -49,11 +49,13 @@ def open_chat_client(model: str | None, **engine: object) -> EngineClient:
 
 def start_chat(*, model: str | None, system: str | None = None, system_file: str | None = None,
                overrides: dict | None = None, server: str | None = None, local: bool = False,
-               device: str | None = None, dtype: str | None = None, io: ChatIO | None = None) -> ChatApp:
+               device: str | None = None, dtype: str | None = None, kv_memory: str | None = None,
+               prefix_cache: bool = True, io: ChatIO | None = None) -> ChatApp:
     overrides = overrides or {}
     system_prompt = read_system_prompt(system, system_file)
     settings = make_settings(overrides)
-    client = open_chat_client(model, server=server, local=local, device=device, dtype=dtype)
+    client = open_chat_client(model, server=server, local=local, device=device, dtype=dtype,
+                              kv_memory=kv_memory, prefix_cache=prefix_cache)
     with client:
         try:
             fit_max_tokens(settings, client.context_length, explicit=overrides.get("max_tokens") is not None)

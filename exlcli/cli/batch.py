@@ -15,7 +15,8 @@ from exlcli.batch.progress import make_progress
 from exlcli.batch.runner import BatchOptions, run_batch
 from exlcli.batch.summary import BatchSummary
 from exlcli.batch.stopping import StopControl
-from exlcli.cli.common import DeviceOption, DtypeOption, LocalOption, ModelOption, ServerOption, user_errors
+from exlcli.cli.common import (DeviceOption, DtypeOption, KvMemoryOption, LocalOption, ModelOption,
+                               PrefixCacheOption, ServerOption, user_errors)
 from exlcli.client.base import EngineClient, GenerationParams
 from exlcli.errors import ExlcliError
 
@@ -27,10 +28,11 @@ def default_output(input_path: Path) -> Path:
 
 
 def open_batch_client(model: str | None, server: str | None, local: bool, device: str | None,
-                      dtype: str | None) -> EngineClient:
+                      dtype: str | None, kv_memory: str | None = None, prefix_cache: bool = True) -> EngineClient:
     from exlcli.client.factory import open_client
 
-    return open_client(model, server=server, local=local, device=device, dtype=dtype, fake_delay=0.002)
+    return open_client(model, server=server, local=local, device=device, dtype=dtype, kv_memory=kv_memory,
+                       prefix_cache=prefix_cache, fake_delay=0.002)
 
 
 def resume_command(input_path: Path, output_path: Path) -> str:
@@ -69,6 +71,8 @@ def register(app: typer.Typer) -> None:
         model: ModelOption = None,
         server: ServerOption = None,
         local: LocalOption = False,
+        kv_memory: KvMemoryOption = None,
+        prefix_cache: PrefixCacheOption = True,
         device: DeviceOption = None,
         dtype: DtypeOption = None,
         max_tokens: Annotated[int, typer.Option("--max-tokens", help="Default max new tokens per line.")] = 256,
@@ -105,7 +109,7 @@ def register(app: typer.Typer) -> None:
             raise ExlcliError(f"--max-tokens must be at least 1, got {max_tokens}")
         options = BatchOptions(max_in_flight=max_in_flight, ordered=ordered, retry_errors=retry_errors)
 
-        client = open_batch_client(model, server, local, device, dtype)
+        client = open_batch_client(model, server, local, device, dtype, kv_memory, prefix_cache)
         try:
             print(f"batch: {input_path} -> {output_path} on {client.model_name} ({client.kind})", file=sys.stderr)
             progress = make_progress(0, sys.stderr, interval=progress_every)

@@ -6,7 +6,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from exlcli.cli.common import DeviceOption, DtypeOption, LocalOption, ModelOption, ServerOption, user_errors
+from exlcli.cli.common import (DeviceOption, DtypeOption, KvMemoryOption, LocalOption, ModelOption,
+                               PrefixCacheOption, ServerOption, user_errors)
 
 
 def register(app: typer.Typer) -> None:
@@ -30,6 +31,8 @@ def register(app: typer.Typer) -> None:
         local: LocalOption = False,
         device: DeviceOption = None,
         dtype: DtypeOption = None,
+        kv_memory: KvMemoryOption = None,
+        prefix_cache: PrefixCacheOption = True,
     ) -> None:
         """Chat with a model in the terminal. /help inside lists the commands; Alt-Enter or \"\"\" for
         multi-line input; Ctrl-C stops an answer; Ctrl-D or /bye leaves. Without a terminal it reads
@@ -37,6 +40,6 @@ def register(app: typer.Typer) -> None:
         from exlcli.chat.launch import start_chat
 
         start_chat(model=model, system=system, system_file=system_file, server=server, local=local,
-                   device=device, dtype=dtype, overrides=dict(
+                   device=device, dtype=dtype, kv_memory=kv_memory, prefix_cache=prefix_cache, overrides=dict(
                        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                        repeat_penalty=repeat_penalty, max_tokens=max_tokens, seed=seed))

@@ -22,6 +22,11 @@ ServerOption = Annotated[Optional[str], typer.Option(
     "--server", envvar="EXLCLI_SERVER", help="URL of a running `exlcli serve` to use.")]
 LocalOption = Annotated[bool, typer.Option(
     "--local", help="Run the engine in this process even if a server is running.")]
+KvMemoryOption = Annotated[Optional[str], typer.Option(
+    "--kv-memory", envvar="EXLCLI_KV_MEMORY",
+    help="KV cache size for an in-process engine: bytes (2GiB, 512MB) or a fraction of free memory (0.5).")]
+PrefixCacheOption = Annotated[bool, typer.Option(
+    "--prefix-cache/--no-prefix-cache", help="Share the KV pages of common prompt prefixes.")]
 
 F = TypeVar("F", bound=Callable)
 

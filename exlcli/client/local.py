@@ -17,6 +17,20 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 
 
+def parse_kv_memory(text: str) -> dict:
+    """EngineConfig fields for --kv-memory: '0.5' is a fraction of free memory, else a size."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is not None and 0 < value < 1:
+        return {"kv_memory_fraction": value}
+    size = parse_size(text)
+    if size < 1 << 20:
+        raise ExlcliError(f"--kv-memory {text!r} is too small; give e.g. 512MB, 2GiB or a fraction like 0.5")
+    return {"kv_memory": size}
+
+
 def parse_size(text: str) -> int:
     """'4GiB', '512MB', '2g', '1000000' -> bytes."""
     m = _SIZE.match(text or "")
@@ -72,10 +86,9 @@ class LocalClient(EngineClient):
     def from_model(cls, model: str | None = None, *, device: str | None = None, dtype: str | None = None,
                    kv_memory: str | None = None, prefix_cache: bool = True, log=sys.stderr,
                    **engine_options) -> "LocalClient":
-        loaded = load_model(model, device=device, dtype=dtype, log=log)
-        config = EngineConfig(kv_memory=parse_size(kv_memory) if kv_memory else None,
+        config = EngineConfig(**(parse_kv_memory(kv_memory) if kv_memory else {}),
                               enable_prefix_cache=prefix_cache, **engine_options)
-        return cls(loaded, config)
+        return cls(load_model(model, device=device, dtype=dtype, log=log), config)
 
     def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         return self.template.encode(self.tokenizer, messages, add_generation_prompt)

@@ -8,6 +8,7 @@ import collections
 import dataclasses
 import itertools
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ class EngineConfig:
     page_size: int = 16
     num_pages: int | None = None  # explicit pool size; else from kv_memory
     kv_memory: int | None = None  # bytes for K/V pages; default: 1 GiB on CPU, half the free memory on a GPU
+    kv_memory_fraction: float | None = None  # or this share of the free (GPU) / available (CPU) memory
     max_num_batched_tokens: int | None = None  # per-step token budget; default by device
     max_num_seqs: int = 128
     max_model_len: int | None = None  # default: the model's context (capped by the pool)
@@ -125,9 +127,12 @@ class Engine:
     def _kv_budget(self, device: torch.device) -> int:
         if self.config.kv_memory:
             return self.config.kv_memory
+        fraction = self.config.kv_memory_fraction
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
-            return int(free * 0.5)
+            return int(free * (fraction or 0.5))
+        if fraction:
+            return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * fraction)
         return 1 << 30
 
     # -- client side (any thread) ---------------------------------------------------------------
