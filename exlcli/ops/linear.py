@@ -55,11 +55,11 @@ class Int4CpuLinear(Linear):
         self.bias = None if bias is None else bias.to(torch.bfloat16)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, BLOCK,
-                                                       self.scales_zeros)
+        xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, BLOCK, self.scales_zeros)
         if self.bias is not None:
             y = y + self.bias
-        return y.to(x.dtype)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def nbytes(self) -> int:
         return self.packed.numel() + self.scales_zeros.numel() * 2
