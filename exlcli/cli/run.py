@@ -41,7 +41,7 @@ def register(app: typer.Typer) -> None:
         text = read_prompt(prompt)
         params = GenerationParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                   top_k=top_k, seed=seed, client="run")
-        client = LocalClient.from_model(model, device=device, dtype=dtype)
+        client = LocalClient.from_model(model, device=device, dtype=dtype, threaded=False)
         try:
             if raw:
                 stream = client.complete(text, params)

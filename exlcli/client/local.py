@@ -74,21 +74,26 @@ class LocalStream(GenerationStream):
 class LocalClient(EngineClient):
     kind = "local"
 
-    def __init__(self, loaded: LoadedModel, engine_config: EngineConfig | None = None) -> None:
+    def __init__(self, loaded: LoadedModel, engine_config: EngineConfig | None = None,
+                 threaded: bool = True) -> None:
+        """`threaded=False` runs no engine thread: reading a stream drives the engine on the
+        reader's thread (one consumer at a time; fastest for one-shot use on CPU)."""
         self.loaded = loaded
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         self.template = loaded.chat_template
-        self.engine = Engine(loaded.model, loaded.tokenizer, engine_config).start()
+        self.engine = Engine(loaded.model, loaded.tokenizer, engine_config)
+        if threaded:
+            self.engine.start()
         self.context_length = self.engine.max_model_len
 
     @classmethod
     def from_model(cls, model: str | None = None, *, device: str | None = None, dtype: str | None = None,
                    kv_memory: str | None = None, prefix_cache: bool = True, log=sys.stderr,
-                   **engine_options) -> "LocalClient":
+                   threaded: bool = True, **engine_options) -> "LocalClient":
         config = EngineConfig(**(parse_kv_memory(kv_memory) if kv_memory else {}),
                               enable_prefix_cache=prefix_cache, **engine_options)
-        return cls(load_model(model, device=device, dtype=dtype, log=log), config)
+        return cls(load_model(model, device=device, dtype=dtype, log=log), config, threaded=threaded)
 
     def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         return self.template.encode(self.tokenizer, messages, add_generation_prompt)

@@ -18,6 +18,9 @@ import torch
 from exlcli.ops._ext import use_kernels
 
 
+KERNEL_HEAD_DIMS = (64, 128)  # what csrc/attention_decode.cu is built for; others take the reference
+
+
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
     """One sequence. q: [n, heads, D] (its last n tokens); keys, values: [kv_heads, L, D].
 
@@ -98,7 +101,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     layout: PagedLayout | None = None) -> torch.Tensor:
     """Dispatch: the compiled decode / prefill kernels on a GPU, else the reference."""
     decode_only = len(seq_lens) == q.shape[0]
-    if use_kernels(q):
+    if use_kernels(q) and q.shape[-1] in KERNEL_HEAD_DIMS:
         if decode_only:
             return torch.ops.exlcli.paged_attention_decode(q, k_cache, v_cache, block_tables,
                                                            seq_lens_t, scale)

@@ -183,3 +183,10 @@ def test_engine_thread_streams_to_blocking_and_async_readers(make_engine):
 
 def tokens_of_solo(make_engine):
     return run_alone(make_engine, [1, 2, 3], 12)
+
+
+def test_max_model_len_is_capped_at_the_models_context(make_engine, tiny_model):
+    engine = make_engine(max_model_len=10**6)
+    assert engine.max_model_len == tiny_model.config.context_length
+    with pytest.raises(RequestError, match="longer than the context"):
+        engine.submit(greedy("x", [1] * tiny_model.config.context_length))
