@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from exlcli.cli.common import DeviceOption, DtypeOption, ModelOption, ServerOption, user_errors
+from exlcli.cli.common import DeviceOption, DtypeOption, KvMemoryOption, ModelOption, ServerOption, user_errors
 from exlcli.errors import ExlcliError
 
 FormatOption = Annotated[str, typer.Option(
@@ -50,10 +50,6 @@ def emit(rows: list[dict], columns, fmt: str, save: Path | None) -> None:
                  f"torch {m.get('torch')}", f"commit {m.get('commit') or '?'}",
                  f"load {m.get('load_avg_1m')} before, {m.get('load_avg_1m_end')} after"]
         print(("\n" if fmt == "md" else "") + "machine: " + ", ".join(facts))
-
-
-KvMemoryOption = Annotated[Optional[str], typer.Option(
-    "--kv-memory", help="Memory for the KV cache in process, e.g. 2GiB. Default: the engine's.")]
 
 
 def open_bench_client(model, server, device, dtype, kv_memory):
