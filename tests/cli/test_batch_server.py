@@ -4,37 +4,20 @@ the runtime file) at batch priority."""
 import contextlib
 import json
 import os
-import threading
-import time
 
 import pytest
-import uvicorn
 from typer.testing import CliRunner
 
 from exlcli.cli.app import app
+from tests.server.server_helpers import running_server
 from exlcli.client.fake import FakeClient
-from exlcli.server.app import create_app
-from exlcli.server.runner import bind_socket
 from exlcli.server.runtime_file import ServerRecord, write_record
 
 
 @contextlib.contextmanager
 def live_server(client):
-    sock = bind_socket("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(create_app(client), log_config=None, access_log=False,
-                                           lifespan="on", ws="none"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(5)
-        sock.close()
+    with running_server(client) as live:
+        yield live.url
 
 
 @pytest.fixture

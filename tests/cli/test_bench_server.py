@@ -5,36 +5,20 @@ from __future__ import annotations
 
 import contextlib
 import json
-import threading
-import time
 
 import pytest
-import uvicorn
 from typer.testing import CliRunner
 
 from exlcli.cli.app import app
-from exlcli.client.fake import FakeClient
-from exlcli.server.app import create_app
 from exlcli.server.runner import bind_socket
+from tests.server.server_helpers import running_server
+from exlcli.client.fake import FakeClient
 
 
 @contextlib.contextmanager
 def echo_server():
-    sock = bind_socket("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(create_app(FakeClient(token_delay=0.001)), log_config=None,
-                                           access_log=False, lifespan="on", ws="none"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(5)
-        sock.close()
+    with running_server(FakeClient(token_delay=0.001)) as live:
+        yield live.url
 
 
 @pytest.fixture
