@@ -172,22 +172,12 @@ PROMPT = ("<|im_start|>user\nExplain what a CPU does, and why caches matter, in 
 
 
 def _transformers_from_gguf(path: str):
-    """The GGUF through transformers' own GGUF support: its config reader, then its conversion of
-    the file's tensors (dequantized to fp32, llama.cpp's Q/K permutation undone) into the model.
-    This is what `from_pretrained(dir, gguf_file=name)` runs; that entry point additionally needs
-    the `accelerate` package, which is not a dependency here."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.initialization import no_init_weights
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    """The GGUF as transformers loads it: `from_pretrained(dir, gguf_file=name)` (dequantized to
+    fp32, llama.cpp's Q/K permutation undone by transformers' own converter)."""
+    from transformers import AutoModelForCausalLM
 
     folder, name = os.path.split(path)
-    config = AutoConfig.from_pretrained(folder, gguf_file=name)
-    with no_init_weights():  # no random init of 135M parameters that are overwritten anyway
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}
-    model.tie_weights()
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # tied
     return model.eval()
 
