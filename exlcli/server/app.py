@@ -76,7 +76,7 @@ class ServerState:
             return fn(token_id)
         tokenizer = getattr(self.client, "tokenizer", None)
         if tokenizer is not None and hasattr(tokenizer, "decode"):
-            return tokenizer.decode([token_id], skip_special_tokens=False)
+            return tokenizer.decode([token_id])  # special tokens (the closing EOS) read as "", as in the text
         return f"token_id:{token_id}"
 
 
