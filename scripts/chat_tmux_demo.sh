@@ -98,7 +98,7 @@ tmux send-keys -t "$SESSION" -l "$LONG_MESSAGE"; tmux send-keys -t "$SESSION" En
 if [ "$MODE" = fake ]; then
     wait_for '^echo: w1 w2 w3' "$ANSWER_TIMEOUT"
 else
-    sleep 10  # let the model write a few lines
+    sleep 3  # let the model write a few lines (a 200-token answer takes ~7 s on 2 cores)
 fi
 tmux send-keys -t "$SESSION" C-c
 check "Ctrl-C stops the answer" wait_for 'tok/s, stopped$' 20
