@@ -39,6 +39,8 @@ class Scheduler:
         self.pool = pool
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.background_chunk = max(16, max_num_batched_tokens // 8)
+        self._background_left = self.background_chunk
         self.waiting: list[Sequence] = []  # sorted by sort_key
         self.running: list[Sequence] = []  # sorted by sort_key
         self.num_preemptions = 0
@@ -68,22 +70,42 @@ class Scheduler:
 
     # -- one step -------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
+        """Class by class (interactive first): the running sequences of a class get their
+        chunks, then waiting ones of that class are admitted, then the next class gets what is
+        left of the budget. So a new chat is never queued behind a batch job's prefill."""
         batch = ScheduledBatch()
         self._make_room_for_priority(batch)
         budget = self.max_num_batched_tokens
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self._reserve(seq, n, batch):
-                break  # seq itself was preempted; it was the last one
-            batch.items.append(ScheduledSeq(seq, n))
-            budget -= n
-            i += 1
-        in_flight = self._pages_in_flight(batch) if self.pool.enable_prefix_cache else set()
+        top = min((s.priority for s in self.running + self.waiting[:1]), default=0)
+        in_flight: set[int] = set()  # hashes of pages that this step completes
+        self._background_left = self.background_chunk
+        for cls in sorted({s.priority for s in self.running + self.waiting}):
+            for seq in [s for s in self.running if s.priority == cls]:
+                if budget <= 0:
+                    break
+                if seq not in self.running:
+                    continue  # preempted by a sequence scheduled before it
+                n = self._chunk(seq, budget, top)
+                if n == 0:
+                    continue
+                if not self._reserve(seq, n, batch):
+                    break  # seq itself was preempted; it was the last one
+                batch.items.append(ScheduledSeq(seq, n))
+                budget -= n
+                if self.pool.enable_prefix_cache:
+                    in_flight |= self._future_full_pages(seq, n)
+            budget = self._admit(cls, budget, top, batch, in_flight)
+        return batch
+
+    def _admit(self, cls: int, budget: int, top: int, batch: ScheduledBatch, in_flight: set[int]) -> int:
+        """Move waiting sequences of class `cls` into the running set while budget, sequence
+        slots and pages allow; returns the budget left."""
         w = 0
         while w < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[w]
+            if seq.priority != cls:
+                w += 1
+                continue
             self._match_prefix(seq)
             if self._next_page_in_flight(seq, in_flight):
                 # Another sequence is computing this very page now: wait one step and share it
@@ -91,19 +113,22 @@ class Scheduler:
                 self._unmatch(seq)
                 w += 1
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._chunk(seq, budget, top)
+            if n == 0:
+                self._unmatch(seq)
+                break
             if not self.pool.can_allocate(self._pages_needed(seq, n)):
                 self._unmatch(seq)
                 break
             self.waiting.pop(w)
             self._allocate(seq, n)
-            in_flight |= self._future_full_pages(seq, n)
+            if self.pool.enable_prefix_cache:
+                in_flight |= self._future_full_pages(seq, n)
             seq.status = SeqStatus.RUNNING
-            self.running.append(seq)  # lowest priority class / latest arrival goes last
+            bisect.insort(self.running, seq, key=lambda s: s.sort_key)  # running[-1] stays the lowest
             batch.items.append(ScheduledSeq(seq, n))
             budget -= n
-        self.running.sort(key=lambda s: s.sort_key)
-        return batch
+        return budget
 
     def commit(self, batch: ScheduledBatch) -> None:
         """After the forward pass: advance progress and publish newly full pages to the cache."""
@@ -119,17 +144,21 @@ class Scheduler:
                     self.pool.register(seq.pages[p], hashes[p])
 
     # -- helpers --------------------------------------------------------------------------------
+    def _chunk(self, seq: Sequence, budget: int, top_priority: int) -> int:
+        """Tokens `seq` computes this step (0: none). While a higher class has work, the lower
+        classes' prefills share `background_chunk` tokens a step, so the step (and the higher
+        class's inter-token gap) stays short; their decode tokens are not held back."""
+        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        if seq.priority > top_priority and n > 1:
+            n = min(n, self._background_left)
+            self._background_left -= n
+        return n
+
     def _future_full_pages(self, seq: Sequence, n: int) -> set[int]:
         """Hashes of the full pages that computing `n` more tokens of `seq` completes."""
         size = self.page_size
         first, last = seq.num_computed_tokens // size, (seq.num_computed_tokens + n) // size
         return set(seq.page_hashes(last, size)[first:]) if last > first else set()
-
-    def _pages_in_flight(self, batch: ScheduledBatch) -> set[int]:
-        hashes: set[int] = set()
-        for item in batch.items:
-            hashes |= self._future_full_pages(item.seq, item.num_new_tokens)
-        return hashes
 
     def _next_page_in_flight(self, seq: Sequence, in_flight: set[int]) -> bool:
         if not in_flight:

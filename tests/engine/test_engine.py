@@ -190,3 +190,20 @@ def test_max_model_len_is_capped_at_the_models_context(make_engine, tiny_model):
     assert engine.max_model_len == tiny_model.config.context_length
     with pytest.raises(RequestError, match="longer than the context"):
         engine.submit(greedy("x", [1] * tiny_model.config.context_length))
+
+
+def test_batch_prefill_moves_in_small_chunks_while_a_chat_runs(make_engine):
+    engine = make_engine(max_num_batched_tokens=256)
+    chat = engine.submit(greedy("chat", [1, 2, 3], n=40, priority=Priority.INTERACTIVE))
+    engine.step()
+    job = engine.submit(greedy("job", random_prompts(1, seed=9, low=600, high=601)[0], n=2, priority=Priority.BATCH))
+    engine.step()
+    seq = next(s for s in engine.scheduler.running if s.request_id == "job")
+    steps = []
+    for _ in range(5):
+        before = seq.num_computed_tokens
+        engine.step()
+        steps.append(seq.num_computed_tokens - before)
+    assert min(steps) > 0 and max(steps) <= engine.scheduler.background_chunk < 256
+    engine.run_until_idle()
+    assert len(tokens_of(chat)) == 40 and len(tokens_of(job)) == 2
