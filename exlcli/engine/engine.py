@@ -273,7 +273,7 @@ class Engine:
                 self._finish(seq, FinishReason.CANCELLED)
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[int | None, object]]:
-        rows = [SampleRow(s.request.sampling, s.rng.random(), s.request.prompt_ids, s.output_ids) for s in seqs]
+        rows = [SampleRow(s.request.sampling, s.rng.random(), s.token_ids, s.num_prompt_tokens) for s in seqs]
         if not seqs:
             return []
         try:

@@ -18,8 +18,16 @@ from exlcli.engine.request import SamplingParams, TokenLogprob
 class SampleRow:
     params: SamplingParams
     uniform: float  # this step's draw from the request's generator
-    prompt_ids: list[int]
-    output_ids: list[int]
+    token_ids: list[int]  # the sequence's tokens (prompt, then output); not copied
+    num_prompt_tokens: int
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
 
 
 def _column(rows: list[SampleRow], name: str, device: torch.device) -> torch.Tensor:
@@ -33,7 +41,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
     if any(r.params.repetition_penalty != 1.0 for r in rows):
         seen = torch.zeros(batch, vocab, dtype=torch.bool, device=device)
         for i, r in enumerate(rows):
-            ids = r.prompt_ids + r.output_ids
+            ids = r.token_ids
             if ids:
                 seen[i, torch.tensor(ids, device=device)] = True
         penalty = _column(rows, "repetition_penalty", device)[:, None].expand_as(logits)

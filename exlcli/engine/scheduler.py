@@ -83,7 +83,7 @@ class Scheduler:
             for seq in [s for s in self.running if s.priority == cls]:
                 if budget <= 0:
                     break
-                if seq not in self.running:
+                if seq.status is not SeqStatus.RUNNING:
                     continue  # preempted by a sequence scheduled before it
                 n = self._chunk(seq, budget, top)
                 if n == 0:
