@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 import sys
 from typing import Annotated, Callable, Optional, TypeVar
 
@@ -52,6 +51,3 @@ def user_errors(fn: F) -> F:
 
     return wrapper  # type: ignore[return-value]
 
-
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "").lower() not in ("", "0", "false", "no")

@@ -33,7 +33,6 @@ class Sequence:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     rng: random.Random = field(default_factory=random.Random)
-    cancel_requested: bool = False
     _hashes: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:

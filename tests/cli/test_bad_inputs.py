@@ -11,7 +11,6 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 import torch
 from safetensors.torch import save_file
 from typer.testing import CliRunner

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
 
 from exlcli.engine.request import FinishReason, Priority, Request, SamplingParams
 from exlcli.errors import RequestError
