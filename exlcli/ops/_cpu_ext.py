@@ -1,0 +1,123 @@
+"""The CPU kernels: csrc/cpu/*.c built once with the system C compiler into one shared library for
+this very CPU (-march=native), loaded with ctypes. No torch headers, so the build takes a second or
+two. If there is no compiler, or the CPU lacks the instructions a kernel needs, the torch reference
+ops run and the user is told once, on stderr, why.
+
+The kernels are used for bf16 tensors on the CPU only (the fast CPU path); fp32 runs the torch
+references, which stay the oracle in the tests. Every kernel computes each output row with the same
+sequence of operations whatever else is in the batch, so batch invariance holds with them too.
+
+Environment:
+  EXLCLI_NO_KERNELS=1   never build or load them (also turns off the CUDA kernels).
+  EXLCLI_KERNEL_CACHE   the cache folder, shared with the CUDA build (default ~/.cache/exlcli/kernels);
+                        each build sits in cpu-<hash of the sources, compiler and CPU flags>.
+  CC                    the C compiler (default cc).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from exlcli.ops import _ext
+
+CSRC_CPU = Path(__file__).resolve().parents[2] / "csrc" / "cpu"
+CFLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c11", "-fno-math-errno")
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+_reason = ""
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _sources() -> list[Path]:
+    return sorted(CSRC_CPU.glob("*.c"))
+
+
+def build_key(compiler: str) -> str:
+    digest = hashlib.sha256()
+    for path in _sources() + sorted(CSRC_CPU.glob("*.h")):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    digest.update(f"{compiler}|{' '.join(CFLAGS)}|{_cpu_flags()}|{platform.machine()}".encode())
+    return digest.hexdigest()[:16]
+
+
+def _build() -> ctypes.CDLL:
+    sources = _sources()
+    if not sources:
+        raise RuntimeError(f"kernel sources not found in {CSRC_CPU}")
+    compiler = os.environ.get("CC", "cc")
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C compiler ({compiler!r} not found)")
+    folder = _ext.cache_root() / f"cpu-{build_key(compiler)}"
+    target = folder / "libexlcli_cpu.so"
+    if not target.is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        # build beside the target, then rename: another process may be building the same key
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+        os.close(fd)
+        cmd = [compiler, *CFLAGS, "-o", tmp, *map(str, sources), "-lm"]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            os.unlink(tmp)
+            first = next((ln for ln in done.stderr.splitlines() if "error" in ln), done.stderr.strip()[:200])
+            raise RuntimeError(f"the C compiler failed: {first}")
+        os.replace(tmp, target)
+    return ctypes.CDLL(str(target))
+
+
+def lib() -> ctypes.CDLL | None:
+    """The loaded library, or None (with `reason()`) when the CPU kernels are off."""
+    global _lib, _tried, _reason
+    if _tried:
+        return _lib
+    with _lock:
+        if _tried:
+            return _lib
+        if os.environ.get("EXLCLI_NO_KERNELS") == "1":
+            _reason = "EXLCLI_NO_KERNELS=1"
+        else:
+            try:
+                _lib = _build()
+            except Exception as e:  # a failed build must never stop the engine: the reference runs
+                _reason = f"{type(e).__name__}: {e}"[:300]
+                print(f"exlcli: CPU kernels unavailable ({_reason}); running the slower torch reference "
+                      f"ops. Set EXLCLI_NO_KERNELS=1 to skip the build.", file=sys.stderr, flush=True)
+        _tried = True
+        return _lib
+
+
+def reason() -> str:
+    return _reason
+
+
+def use_cpu_kernels(t: torch.Tensor) -> bool:
+    """True for a bf16 CPU tensor when the library is loaded and kernels are not disabled
+    (`_ext.kernels_disabled()` turns these off too)."""
+    return (t.device.type == "cpu" and t.dtype == torch.bfloat16 and _ext._disabled_depth == 0
+            and lib() is not None)
+
+
+def ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
+    return ctypes.c_void_p(None if t is None else t.data_ptr())
