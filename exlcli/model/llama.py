@@ -13,6 +13,7 @@ from exlcli.ops.activation import silu_and_mul
 from exlcli.ops._ext import use_kernels
 from exlcli.ops.attention import PagedLayout, paged_attention
 from exlcli.ops.linear import Linear, make_linear
+from exlcli.ops.qlinear import QuantCpuLinear
 from exlcli.ops.norm import fused_add_rms_norm, rms_norm
 from exlcli.ops.rope import gather_cos_sin, rope_and_write_kv, rope_cos_sin_cache
 
@@ -87,8 +88,11 @@ class LlamaModel:
         self.layers = [DecoderLayer(config, tensors, i, device, dtype) for i in range(config.num_layers)]
         self.norm = tensors["model.norm.weight"].to(device=device, dtype=dtype)
         head = tensors.get("lm_head.weight")
-        self.lm_head: Linear = (make_linear([head], None, device, dtype) if head is not None and not config.tie_word_embeddings
-                                else make_linear([self.embed], None, device, dtype))
+        if head is None or config.tie_word_embeddings:
+            # a quantized embedding stays quantized in the output layer; a dense one is shared
+            stored = tensors["model.embed_tokens.weight"]
+            head = stored if isinstance(stored, QuantizedWeight) else self.embed
+        self.lm_head: Linear = make_linear([head], None, device, dtype)
         self.cos_sin = rope_cos_sin_cache(config, config.max_position_embeddings, device)
         self.scale = config.head_dim ** -0.5
         q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
@@ -135,4 +139,6 @@ class LlamaModel:
         h = h[batch.logits_indices]
         residual = residual[batch.logits_indices]
         x, _ = fused_add_rms_norm(h, residual, self.norm, cfg.rms_norm_eps)
+        if isinstance(self.lm_head, QuantCpuLinear):
+            return self.lm_head(x, out_dtype=torch.float32)  # fp32 logits straight from the kernel
         return self.lm_head(x).float()

@@ -1,6 +1,7 @@
 """Linear layers over dense or GGUF-quantized weights, with fused projections (qkv, gate|up).
 
-On CPU with bf16 activations, Q4_0 / Q4_1 weights stay 4-bit and run through torch's int4 CPU
+On CPU with bf16 activations, Q4_0 / Q4_1 / Q8_0 weights stay quantized and run through our C
+kernel (exlcli/ops/qlinear.py). Where it cannot be built, Q4_0 / Q4_1 run through torch's int4 CPU
 matmul (`_weight_int4pack_mm_for_cpu`), whose (q - 8) * scale + zero form holds Q4_1's
 q * d + m exactly with zero = m + 8d. Everything else is dequantized to a dense weight.
 """
@@ -75,9 +76,13 @@ def make_linear(weights: list, biases: list | None, device: torch.device, dtype:
     if biases and any(b is not None for b in biases):
         bias = torch.cat([b.to(dtype) if b is not None else torch.zeros(w.shape[0], dtype=dtype)
                           for w, b in zip(weights, biases)]).to(device)
-    quantized = all(isinstance(w, QuantizedWeight) and w.qtype in ("Q4_0", "Q4_1") for w in weights)
-    if (quantized and device.type == "cpu" and dtype == torch.bfloat16
-            and len({w.qtype for w in weights}) == 1):
-        return Int4CpuLinear(QuantizedWeight.concat_rows(weights), bias)
+    one_qtype = all(isinstance(w, QuantizedWeight) for w in weights) and len({w.qtype for w in weights}) == 1
+    if one_qtype and device.type == "cpu" and dtype == torch.bfloat16:
+        from exlcli.ops import qlinear  # imports this module
+
+        if weights[0].qtype in qlinear.QTYPES and qlinear.available():
+            return qlinear.QuantCpuLinear(QuantizedWeight.concat_rows(weights), bias)
+        if weights[0].qtype in ("Q4_0", "Q4_1"):
+            return Int4CpuLinear(QuantizedWeight.concat_rows(weights), bias)
     dense = torch.cat([_dense(w, dtype) for w in weights]) if len(weights) > 1 else _dense(weights[0], dtype)
     return DenseLinear(dense.to(device).contiguous(), bias)

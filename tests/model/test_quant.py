@@ -136,17 +136,21 @@ def test_int4_cpu_linear_matches_dense_matmul(qtype, num_tokens):
         assert _rel(got, F.linear(x.double(), no_offset, bias.double())) > 0.1
 
 
-def test_make_linear_picks_int4_for_bf16_cpu_and_dense_otherwise():
+def test_make_linear_keeps_quantized_weights_for_bf16_cpu_and_dense_otherwise():
+    from exlcli.ops import qlinear
+
     q, _ = _random_weight("Q4_1", 32, 64, seed=10)
     k, _ = _random_weight("Q4_1", 16, 64, seed=11)
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(12))
     fused = make_linear([q, k], None, CPU, torch.bfloat16)
-    assert isinstance(fused, Int4CpuLinear) and fused.out_features == 48
+    kernel = qlinear.QuantCpuLinear if qlinear.available() else Int4CpuLinear
+    assert isinstance(fused, kernel) and fused.out_features == 48
     dense = make_linear([q, k], None, CPU, torch.float32)
     assert isinstance(dense, DenseLinear)
     want = torch.cat([F.linear(x, q.dequantize()), F.linear(x, k.dequantize())], dim=-1)
     torch.testing.assert_close(dense(x), want, rtol=1e-5, atol=1e-5)
     assert _rel(fused(x.bfloat16()), want) < 1e-2
     q8, _ = _random_weight("Q8_0", 32, 64, seed=13)
-    assert isinstance(make_linear([q8], None, CPU, torch.bfloat16), DenseLinear)
+    q8_kind = qlinear.QuantCpuLinear if qlinear.available() else DenseLinear
+    assert isinstance(make_linear([q8], None, CPU, torch.bfloat16), q8_kind)
     assert fused.nbytes() < dense.nbytes() / 4  # int4 stays small

@@ -1,0 +1,179 @@
+// y[M, N] = x[M, K] (bf16) @ W[N, K]^T for GGUF block-quantized W (Q4_0, Q4_1, Q8_0), on the CPU.
+//
+// Weights stay quantized; exlcli/ops/qlinear.py repacks them at load into groups of CG = 16 output
+// columns, one column per SIMD lane, so that a group streams through memory in one pass and the
+// result of a group is one vector of 16 outputs (no horizontal sums). Per block of 32 weights:
+//   w = q * d + m   (Q4_1: q in 0..15; Q4_0: m = -8d; Q8_0: q signed, m = 0)
+//   sum_k x_k w_k = d * dot(q, x) + m * sum(x)
+//
+// The dot products run on AVX512-BF16 (vdpbf16ps): each instruction takes one pair of x values,
+// broadcast, against that pair of weights of all 16 columns; bf16 products are exact in fp32 and
+// accumulate in fp32. 4-bit q is expanded to bf16(128 + q), whose bit pattern is 0x4300 | q: a byte
+// interleave with a constant. The 128 * sum(x) that adds is taken back in the offset term, with
+// per-block coefficient m - 128 d (the two terms are added block by block, so they cancel as they
+// go rather than at the end).
+//
+// Batch invariance: every output is made by the same sequence of operations whatever M is and
+// wherever its row sits in a tile; tiles of MT rows only share the weight expansion.
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VL__)
+#define EXL_QMM 1
+#include <immintrin.h>
+#else
+#define EXL_QMM 0
+#endif
+
+#define CG 16      // output columns per group: one per fp32 lane
+#define MT 4       // rows sharing one weight expansion
+#define BLOCK 32
+
+int exl_qmatmul_available(void) { return EXL_QMM; }
+
+#if EXL_QMM
+
+// Sum of each 32-value block of each row: sx[m * nb + b].
+static void block_sums(const uint16_t *x, int64_t M, int64_t K, float *sx) {
+    int64_t nb = K / BLOCK;
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t b = 0; b < nb; b++) {
+            __m512i v = _mm512_loadu_si512((const void *)(x + m * K + b * BLOCK));
+            __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
+            __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
+            sx[m * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+        }
+    }
+}
+
+// The 16 weight vectors of one (group, block): w[p] holds the pair k = 2p, 2p + 1 of every column.
+// 4-bit: 256 bytes, 4 loads of 64; each gives 4 vectors through nibble masks and byte unpacks
+// (the repack put every nibble where these land it).
+static inline void expand_q4(const uint8_t *qs, __m512bh w[16]) {
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    const __m512i c43 = _mm512_set1_epi8(0x43);
+    for (int i = 0; i < 4; i++) {
+        __m512i v = _mm512_loadu_si512((const void *)(qs + 64 * i));
+        __m512i lo = _mm512_and_si512(v, low4);
+        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        w[4 * i + 0] = (__m512bh)_mm512_unpacklo_epi8(lo, c43);
+        w[4 * i + 1] = (__m512bh)_mm512_unpackhi_epi8(lo, c43);
+        w[4 * i + 2] = (__m512bh)_mm512_unpacklo_epi8(hi, c43);
+        w[4 * i + 3] = (__m512bh)_mm512_unpackhi_epi8(hi, c43);
+    }
+}
+
+// 8-bit: 512 bytes, pair-major: 32 signed bytes (column 0's pair, column 1's, ...) per vector.
+static inline void expand_q8(const uint8_t *qs, __m512bh w[16]) {
+    for (int p = 0; p < 16; p++) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * p));
+        __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
+        __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
+        w[p] = _mm512_cvtne2ps_pbh(hi, lo);  // elements 0..15 from lo, 16..31 from hi
+    }
+}
+
+static inline __m512bh pair_of(const uint16_t *xb, int p) {
+    int32_t v;
+    memcpy(&v, xb + 2 * p, 4);
+    return (__m512bh)_mm512_set1_epi32(v);
+}
+
+// One block's contribution to one row: d * dot(q, x) (+ (m - 128 d) * sum(x) for 4-bit).
+static inline __m512 row_block(const __m512bh w[16], const uint16_t *xb, __m512 dvec, int has_off,
+                               __m512 offvec, float sxb, __m512 acc) {
+    __m512 pa = _mm512_setzero_ps(), pb = _mm512_setzero_ps();
+    for (int p = 0; p < 8; p++) pa = _mm512_dpbf16_ps(pa, w[p], pair_of(xb, p));
+    for (int p = 8; p < 16; p++) pb = _mm512_dpbf16_ps(pb, w[p], pair_of(xb, p));
+    acc = _mm512_fmadd_ps(_mm512_add_ps(pa, pb), dvec, acc);
+    if (has_off) acc = _mm512_fmadd_ps(offvec, _mm512_set1_ps(sxb), acc);
+    return acc;
+}
+
+static inline __attribute__((always_inline)) void group_rows(
+        const uint16_t *x, int64_t K, int64_t nb, const float *sx, int64_t m0, int rows, int bits,
+        const uint8_t *qs, const float *d, const float *m, __m512 acc[MT]) {
+    int64_t qbytes = bits == 4 ? 256 : 512;
+    const __m512 minus128 = _mm512_set1_ps(-128.0f);
+    for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512bh w[16];
+        if (bits == 4) expand_q4(qs + b * qbytes, w);
+        else expand_q8(qs + b * qbytes, w);
+        __m512 dvec = _mm512_loadu_ps(d + b * CG);
+        __m512 offvec = bits == 4 ? _mm512_fmadd_ps(minus128, dvec, _mm512_loadu_ps(m + b * CG))
+                                  : _mm512_setzero_ps();
+        for (int i = 0; i < rows; i++) {
+            const uint16_t *xb = x + (m0 + i) * K + b * BLOCK;
+            float sxb = bits == 4 ? sx[(m0 + i) * nb + b] : 0.0f;
+            acc[i] = row_block(w, xb, dvec, bits == 4, offvec, sxb, acc[i]);
+        }
+    }
+}
+
+// 16 fp32 -> 16 bf16, round to nearest even as torch does (NaN kept NaN).
+static inline __m256i to_bf16(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+#endif  // EXL_QMM
+
+// x: bf16 [M, K]; bias: bf16 [N] or NULL; y: [M, N], fp32 when y_fp32 else bf16.
+// bits 4: qs [groups][nb][256], d and m fp32 [groups][nb][CG].
+// bits 8: qs [groups][nb][512], d fp32 [groups][nb][CG], m unused.
+// Computes the column groups group_begin .. group_end - 1 (columns CG * g ..), so callers can split
+// the work. Returns 0, or -1 when the kernel is not built or its scratch cannot be had.
+int exl_qmatmul(const uint16_t *x, int64_t M, int64_t K, int bits, const uint8_t *qs, const float *d,
+                const float *m, const uint16_t *bias, int64_t N, void *y, int y_fp32,
+                int64_t group_begin, int64_t group_end) {
+#if EXL_QMM
+    int64_t nb = K / BLOCK;
+    float *sx = NULL;
+    if (bits == 4) {
+        sx = (float *)malloc(sizeof(float) * (size_t)(M * nb + 1));
+        if (!sx) return -1;
+        block_sums(x, M, K, sx);
+    }
+    int64_t qbytes = bits == 4 ? 256 : 512;
+    for (int64_t g = group_begin; g < group_end; g++) {
+        const uint8_t *gq = qs + g * nb * qbytes;
+        const float *gd = d + g * nb * CG;
+        const float *gm = bits == 4 ? m + g * nb * CG : NULL;
+        int64_t n0 = g * CG;
+        int cols = (int)(N - n0 < CG ? N - n0 : CG);
+        __mmask16 keep = (__mmask16)((1u << cols) - 1u);
+        __m512 bvec = _mm512_setzero_ps();
+        if (bias)
+            bvec = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, bias + n0)), 16));
+        for (int64_t m0 = 0; m0 < M; m0 += MT) {
+            int rows = (int)(M - m0 < MT ? M - m0 : MT);
+            __m512 acc[MT];
+            switch (rows) {  // constant row counts let the compiler keep acc in registers
+                case 4: group_rows(x, K, nb, sx, m0, 4, bits, gq, gd, gm, acc); break;
+                case 3: group_rows(x, K, nb, sx, m0, 3, bits, gq, gd, gm, acc); break;
+                case 2: group_rows(x, K, nb, sx, m0, 2, bits, gq, gd, gm, acc); break;
+                default: group_rows(x, K, nb, sx, m0, 1, bits, gq, gd, gm, acc); break;
+            }
+            for (int i = 0; i < rows; i++) {
+                __m512 out = bias ? _mm512_add_ps(acc[i], bvec) : acc[i];
+                if (y_fp32) _mm512_mask_storeu_ps((float *)y + (m0 + i) * N + n0, keep, out);
+                else _mm256_mask_storeu_epi16((uint16_t *)y + (m0 + i) * N + n0, keep, to_bf16(out));
+            }
+        }
+    }
+    free(sx);
+    return 0;
+#else
+    (void)x; (void)M; (void)K; (void)bits; (void)qs; (void)d; (void)m; (void)bias; (void)N; (void)y;
+    (void)y_fp32; (void)group_begin; (void)group_end;
+    return -1;
+#endif
+}

@@ -1,0 +1,129 @@
+"""GGUF-quantized linear layers on the CPU through csrc/cpu/qmatmul.c (Q4_0, Q4_1, Q8_0).
+
+The weights are repacked once, at load, into groups of 16 output columns (one per SIMD lane; see the
+C file for the layout and the arithmetic); activations are bf16, results fp32 rounded to bf16 (or
+fp32 logits). `reference()` computes the same product with torch ops from the repacked groups: the
+oracle of the tests, and what runs inside `kernels_disabled()`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.nn.functional as F
+
+from exlcli.model.quant import BLOCK, QuantizedWeight
+from exlcli.ops import _cpu_ext
+from exlcli.ops.linear import Linear
+
+CG = 16  # output columns per group, as in the C file
+QTYPES = ("Q4_0", "Q4_1", "Q8_0")
+
+_fn = None
+
+
+def _kernel():
+    """The C function with its signature set, or None when the CPU kernels are unavailable."""
+    global _fn
+    if _fn is None:
+        lib = _cpu_ext.lib()
+        if lib is None or not lib.exl_qmatmul_available():
+            _fn = False
+        else:
+            fn = lib.exl_qmatmul
+            p, i64 = ctypes.c_void_p, ctypes.c_int64
+            fn.argtypes = [p, i64, i64, ctypes.c_int, p, p, p, p, i64, p, ctypes.c_int, i64, i64]
+            fn.restype = ctypes.c_int
+            _fn = fn
+    return _fn or None
+
+
+def available() -> bool:
+    return _kernel() is not None
+
+
+def _q4_byte_sources() -> tuple[torch.Tensor, torch.Tensor]:
+    """For the 256 bytes of a (group, block): which weight (column * 32 + k) each byte's low and
+    high nibble holds. The C kernel loads 4 vectors of 64 bytes; vector i's low nibbles unpacked
+    (bytes 0-7, then 8-15 of each 16-byte lane) become the weight pairs 4i and 4i+1, its high
+    nibbles 4i+2 and 4i+3; slot s of pair p's vector is column s // 2, k = 2p + s % 2."""
+    lo = torch.empty(4, 64, dtype=torch.long)
+    hi = torch.empty(4, 64, dtype=torch.long)
+    for i in range(4):
+        for u in range(4):
+            p = 4 * i + u
+            for s in range(32):
+                lane, t = divmod(s, 8)
+                byte = 16 * lane + t + (8 if u % 2 else 0)
+                (lo if u < 2 else hi)[i, byte] = (s // 2) * BLOCK + 2 * p + s % 2
+    return lo.view(-1), hi.view(-1)
+
+
+class QuantCpuLinear(Linear):
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
+        if weight.qtype not in QTYPES:
+            raise ValueError(f"no CPU kernel for {weight.qtype} weights")
+        self.qtype = weight.qtype
+        self.out_features, self.in_features = weight.shape
+        self.bits = 8 if weight.qtype == "Q8_0" else 4
+        n, k = weight.shape
+        nb = k // BLOCK
+        self.groups = groups = -(-n // CG)
+        q, scale, offset = weight.unpack()  # [N, K] int32, [N, nb], [N, nb]
+        pad = groups * CG - n
+        q = F.pad(q, (0, 0, 0, pad))
+        # per (group, block): the 16 columns' 32 weights, [G, nb, CG * 32]
+        blocks = q.view(groups, CG, nb, BLOCK).permute(0, 2, 1, 3).reshape(groups, nb, CG * BLOCK)
+        if self.bits == 8:
+            pairs = blocks.view(groups, nb, CG, BLOCK // 2, 2).permute(0, 1, 3, 2, 4)  # [G, nb, pair, col, 2]
+            self.qs = pairs.to(torch.int8).contiguous().view(torch.uint8)
+        else:
+            lo, hi = _q4_byte_sources()
+            self.qs = (blocks[..., lo] | (blocks[..., hi] << 4)).to(torch.uint8).contiguous()
+        # [G, nb, CG] fp32
+        self.d = F.pad(scale, (0, 0, 0, pad)).view(groups, CG, nb).permute(0, 2, 1).contiguous()
+        self.m = F.pad(offset, (0, 0, 0, pad)).view(groups, CG, nb).permute(0, 2, 1).contiguous()
+        self.bias = None if bias is None else bias.to(torch.bfloat16).contiguous()
+        self._dense: torch.Tensor | None = None
+
+    def nbytes(self) -> int:
+        return self.qs.numel() + self.d.numel() * 4 + (self.m.numel() * 4 if self.bits == 4 else 0)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight as fp32 [N, K], from the repacked groups."""
+        groups, nb = self.d.shape[:2]
+        if self.bits == 8:
+            pairs = self.qs.view(torch.int8).view(groups, nb, BLOCK // 2, CG, 2).permute(0, 1, 3, 2, 4)
+            blocks = pairs.reshape(groups, nb, CG * BLOCK).float()
+        else:
+            lo, hi = _q4_byte_sources()
+            blocks = torch.empty(groups, nb, CG * BLOCK)
+            blocks[..., lo] = (self.qs & 0x0F).float()
+            blocks[..., hi] = (self.qs >> 4).float()
+        w = blocks.view(groups, nb, CG, BLOCK) * self.d[..., None]
+        if self.bits == 4:
+            w = w + self.m[..., None]
+        return w.permute(0, 2, 1, 3).reshape(groups * CG, nb * BLOCK)[:self.out_features]
+
+    def reference(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        if self._dense is None:
+            self._dense = self.dequantize()
+        bias = None if self.bias is None else self.bias.float()
+        return F.linear(x.float(), self._dense, bias).to(out_dtype or x.dtype)
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x: [M, K] bf16 -> [M, N] in out_dtype (bf16 by default; fp32 for logits)."""
+        out_dtype = out_dtype or x.dtype
+        if not _cpu_ext.use_cpu_kernels(x) or x.dim() != 2 or out_dtype not in (torch.bfloat16, torch.float32):
+            return self.reference(x, out_dtype)
+        if x.shape[1] != self.in_features:
+            raise ValueError(f"input has {x.shape[1]} features, the weight {self.in_features}")
+        x = x.contiguous()
+        y = torch.empty(x.shape[0], self.out_features, dtype=out_dtype)
+        rc = _kernel()(_cpu_ext.ptr(x), x.shape[0], self.in_features, self.bits, _cpu_ext.ptr(self.qs),
+                       _cpu_ext.ptr(self.d), _cpu_ext.ptr(self.m), _cpu_ext.ptr(self.bias),
+                       self.out_features, _cpu_ext.ptr(y), int(out_dtype == torch.float32), 0, self.groups)
+        if rc != 0:
+            raise MemoryError("the CPU matmul kernel could not get its scratch memory")
+        return y
