@@ -11,10 +11,15 @@ length, so a request's tokens would depend on what else is in the batch.
 
 from __future__ import annotations
 
+import array
+import ctypes
+import threading
 from dataclasses import dataclass
 
 import torch
 
+from exlcli.errors import ExlcliError
+from exlcli.ops import _cpu_ext
 from exlcli.ops._ext import use_kernels
 
 
@@ -99,7 +104,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     scale: float, seq_lens_t: torch.Tensor | None = None,
                     query_start_loc_t: torch.Tensor | None = None,
                     layout: PagedLayout | None = None) -> torch.Tensor:
-    """Dispatch: the compiled decode / prefill kernels on a GPU, else the reference."""
+    """Dispatch: the compiled decode / prefill kernels on a GPU, the C kernel for bf16 on the CPU,
+    else the reference."""
     decode_only = len(seq_lens) == q.shape[0]
     if use_kernels(q) and q.shape[-1] in KERNEL_HEAD_DIMS:
         if decode_only:
@@ -107,6 +113,117 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                                            seq_lens_t, scale)
         return torch.ops.exlcli.paged_attention_prefill(q, k_cache, v_cache, block_tables,
                                                         query_start_loc_t, seq_lens_t, scale)
+    if use_cpu_kernels_for(q):
+        # rope hands q over as a view of its [T, heads + kv_heads, D] result
+        return paged_attention_cpu(q.contiguous(), k_cache, v_cache, block_tables, query_start_loc,
+                                   seq_lens, scale)
     if decode_only:
         return paged_attention_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, layout)
     return paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, layout)
+
+
+# --- CPU kernel (csrc/cpu/attention.c) -------------------------------------------------------------
+
+
+class AttentionInputError(ExlcliError, ValueError):
+    """Inputs the CPU attention kernel cannot take: a caller's bug, reported in one line."""
+
+
+_cpu_fn = None
+_workspace = threading.local()  # per thread: the kernel's fp32 scratch, grown as needed
+
+
+def _cpu_kernel():
+    """(attention, workspace size) C functions with their signatures set, or None."""
+    global _cpu_fn
+    if _cpu_fn is None:
+        lib = _cpu_ext.lib()
+        if lib is None or not lib.exl_paged_attention_available():
+            _cpu_fn = False
+        else:
+            p, i64 = ctypes.c_void_p, ctypes.c_int64
+            fn = lib.exl_paged_attention
+            fn.argtypes = [p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, p, p]
+            fn.restype = ctypes.c_int
+            size = lib.exl_paged_attention_workspace
+            size.argtypes = [i64, i64]
+            size.restype = i64
+            _cpu_fn = (fn, size)
+    return _cpu_fn or None
+
+
+def cpu_kernel_available() -> bool:
+    return _cpu_kernel() is not None
+
+
+def use_cpu_kernels_for(q: torch.Tensor) -> bool:
+    """True when `paged_attention` runs the C kernel for this q (bf16 on the CPU, head_dim a
+    multiple of 16, kernels on)."""
+    return q.shape[-1] % 16 == 0 and _cpu_ext.use_cpu_kernels(q) and _cpu_kernel() is not None
+
+
+def _work(floats: int) -> torch.Tensor:
+    buf = getattr(_workspace, "buf", None)
+    if buf is None or buf.numel() < floats:
+        buf = _workspace.buf = torch.empty(floats, dtype=torch.float32)
+    return buf
+
+
+def _check_cpu_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_tables: torch.Tensor, query_start_loc: list[int], seq_lens: list[int]) -> None:
+    for name, t, dims in (("q", q, 3), ("k_cache", k_cache, 4), ("v_cache", v_cache, 4)):
+        if t.dtype != torch.bfloat16 or t.device.type != "cpu":
+            raise AttentionInputError(f"CPU attention: {name} must be bf16 on the CPU, got {t.dtype} on {t.device}")
+        if t.dim() != dims or not t.is_contiguous():
+            raise AttentionInputError(f"CPU attention: {name} must be a contiguous {dims}-D tensor, "
+                                      f"got shape {tuple(t.shape)}" + ("" if t.is_contiguous() else " (strided)"))
+    num_tokens, heads, dim = q.shape
+    if k_cache.shape != v_cache.shape:
+        raise AttentionInputError(f"CPU attention: k_cache {tuple(k_cache.shape)} and v_cache "
+                                  f"{tuple(v_cache.shape)} differ")
+    page_size, kv_heads, cache_dim = k_cache.shape[1:]
+    if cache_dim != dim or dim % 16 or dim == 0:
+        raise AttentionInputError(f"CPU attention: head_dim must match the cache and be a multiple of 16, "
+                                  f"got q {dim} and cache {cache_dim}")
+    if kv_heads == 0 or heads % kv_heads:
+        raise AttentionInputError(f"CPU attention: {heads} query heads do not split over {kv_heads} kv heads")
+    num_seqs = len(seq_lens)
+    if (block_tables.dtype != torch.int32 or block_tables.device.type != "cpu" or block_tables.dim() != 2
+            or not block_tables.is_contiguous() or block_tables.shape[0] < num_seqs):
+        raise AttentionInputError(f"CPU attention: block_tables must be contiguous int32 [B >= {num_seqs}, "
+                                  f"pages], got {block_tables.dtype} {tuple(block_tables.shape)}")
+    if len(query_start_loc) != num_seqs + 1 or query_start_loc[0] != 0 or query_start_loc[-1] != num_tokens:
+        raise AttentionInputError(f"CPU attention: query_start_loc must have {num_seqs + 1} entries from 0 "
+                                  f"to {num_tokens}")
+    capacity = block_tables.shape[1] * page_size
+    for b in range(num_seqs):
+        n, length = query_start_loc[b + 1] - query_start_loc[b], seq_lens[b]
+        if n < 0 or length < n or length > capacity:
+            raise AttentionInputError(f"CPU attention: sequence {b} has {n} queries and {length} tokens "
+                                      f"(block table room: {capacity})")
+
+
+def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, query_start_loc: list[int], seq_lens: list[int],
+                        scale: float) -> torch.Tensor:
+    """The C kernel: same arguments as `paged_attention_ref`, all bf16 and contiguous. Each query
+    row's scores, softmax and weighted sum run in fp32 in an order that depends only on the row
+    (its q, its keys, its position), and the result is rounded once to bf16."""
+    kernel = _cpu_kernel()
+    if kernel is None:
+        raise AttentionInputError(f"CPU attention kernel unavailable ({_cpu_ext.reason() or 'no AVX-512'})")
+    _check_cpu_inputs(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
+    fn, work_size = kernel
+    out = torch.empty_like(q)
+    num_seqs = len(seq_lens)
+    if num_seqs == 0 or q.shape[0] == 0:
+        return out
+    num_pages, page_size, kv_heads, dim = k_cache.shape
+    work = _work(work_size(max(seq_lens), dim))
+    qsl, lens = array.array("i", query_start_loc), array.array("i", seq_lens)
+    status = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+                block_tables.shape[1], qsl.buffer_info()[0], lens.buffer_info()[0], 0, num_seqs,
+                num_pages, page_size, q.shape[1], kv_heads, dim, scale, work.data_ptr(), out.data_ptr())
+    if status:
+        raise AttentionInputError(f"CPU attention: a block table entry is outside the cache's {num_pages} pages")
+    return out
