@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
 
+from exlcli.errors import ExlcliError
+from exlcli.ops import _cpu_ext
 from exlcli.ops._ext import use_kernels
 
 
@@ -17,6 +21,8 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if use_kernels(x):
         return torch.ops.exlcli.rms_norm(x, weight, eps)
+    if weight.dtype == torch.bfloat16 and _cpu_ext.use_cpu_kernels(x) and _cpu_kernels() is not None:
+        return rms_norm_cpu(x, weight, eps)
     return rms_norm_ref(x, weight, eps)
 
 
@@ -31,4 +37,88 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     if use_kernels(x):
         return torch.ops.exlcli.fused_add_rms_norm(x, residual, weight, eps)
+    if (residual.dtype == weight.dtype == torch.bfloat16 and _cpu_ext.use_cpu_kernels(x)
+            and _cpu_kernels() is not None):
+        return fused_add_rms_norm_cpu(x, residual, weight, eps)
     return fused_add_rms_norm_ref(x, residual, weight, eps)
+
+
+# --- CPU kernels (csrc/cpu/norm.c): bitwise the same as the references above -------------------
+
+
+class NormInputError(ExlcliError, ValueError):
+    """Inputs the CPU norm kernels cannot take: a caller's bug, reported in one line."""
+
+
+_cpu_fns = None
+
+
+def _cpu_kernels():
+    """(rms_norm, fused_add_rms_norm) C functions with their signatures set, or None."""
+    global _cpu_fns
+    if _cpu_fns is None:
+        lib = _cpu_ext.lib()
+        if lib is None or not lib.exl_norm_available():
+            _cpu_fns = False
+        else:
+            p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+            norm = lib.exl_rms_norm
+            norm.argtypes = [p, i64, i64, i64, p, p, i64, f32, i64, i64]
+            norm.restype = ctypes.c_int
+            fused = lib.exl_fused_add_rms_norm
+            fused.argtypes = [p, p, p, p, p, i64, f32, i64, i64]
+            fused.restype = ctypes.c_int
+            _cpu_fns = (norm, fused)
+    return _cpu_fns or None
+
+
+def cpu_kernel_available() -> bool:
+    return _cpu_kernels() is not None
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor) -> int:
+    for name, t in (("x", x), ("weight", weight)):
+        if t.dtype != torch.bfloat16 or t.device.type != "cpu":
+            raise NormInputError(f"CPU rms_norm: {name} must be a bf16 CPU tensor, got {t.dtype} on {t.device}")
+    dim = x.shape[-1] if x.dim() else 0
+    if dim == 0 or weight.shape != (dim,):
+        raise NormInputError(f"CPU rms_norm: weight of shape {tuple(weight.shape)} does not match rows of "
+                             f"size {dim} (x is {tuple(x.shape)})")
+    return dim
+
+
+def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The C kernel: x [..., D] bf16 (rows may be a strided view, e.g. heads of a wider row),
+    weight [D] bf16 -> a new contiguous bf16 tensor shaped like x."""
+    norm, _ = _cpu_kernels()
+    dim = _check(x, weight)
+    weight, shape = weight.contiguous(), x.shape
+    if x.stride(-1) != 1 or x.dim() > 3:
+        x = x.reshape(-1, dim) if x.stride(-1) == 1 else x.contiguous()
+    if x.dim() == 3:  # [T, heads, D]
+        outer, inner, s_outer, s_inner = x.shape[0], x.shape[1], x.stride(0), x.stride(1)
+    elif x.dim() == 2:
+        outer, inner, s_outer, s_inner = x.shape[0], 1, x.stride(0), 0
+    else:
+        outer, inner, s_outer, s_inner = 1, 1, 0, 0
+    out = torch.empty(shape, dtype=torch.bfloat16)
+    if norm(x.data_ptr(), s_outer, s_inner, inner, weight.data_ptr(), out.data_ptr(), dim, eps, 0, outer * inner):
+        raise NormInputError(f"CPU rms_norm refused x of shape {tuple(shape)}")
+    return out
+
+
+def fused_add_rms_norm_cpu(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The C kernel: x and residual [..., D] bf16 of one shape -> (normed, x + residual), both new."""
+    _, fused = _cpu_kernels()
+    dim = _check(x, weight)
+    if residual.shape != x.shape or residual.dtype != torch.bfloat16 or residual.device.type != "cpu":
+        raise NormInputError(f"CPU fused_add_rms_norm: residual ({tuple(residual.shape)}, {residual.dtype}) "
+                             f"must be bf16 shaped like x ({tuple(x.shape)})")
+    x, residual, weight = x.contiguous(), residual.contiguous(), weight.contiguous()
+    out = torch.empty(x.shape, dtype=torch.bfloat16)
+    new_residual = torch.empty(x.shape, dtype=torch.bfloat16)
+    if fused(x.data_ptr(), residual.data_ptr(), new_residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+             dim, eps, 0, x.numel() // dim):
+        raise NormInputError(f"CPU fused_add_rms_norm refused x of shape {tuple(x.shape)}")
+    return out, new_residual

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
 import math
 
 import torch
 
+from exlcli.errors import ExlcliError
 from exlcli.model.config import ModelConfig
+from exlcli.ops import _cpu_ext
 from exlcli.ops._ext import use_kernels
 
 
@@ -82,4 +85,89 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
     if use_kernels(q):
         return torch.ops.exlcli.rope_and_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache,
                                                   slot_mapping)
+    if k_cache.dtype == torch.bfloat16 and _cpu_ext.use_cpu_kernels(q) and _cpu_kernel() is not None:
+        return rope_and_write_kv_cpu(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
     return rope_and_write_kv_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, cos_sin_rows)
+
+
+# --- CPU kernel (csrc/cpu/rope.c): bitwise the same as the reference above ------------------------
+
+
+class RopeInputError(ExlcliError, ValueError):
+    """Inputs the CPU rope kernel cannot take: a caller's bug, reported in one line."""
+
+
+_cpu_fn = None
+
+
+def _cpu_kernel():
+    """The C function with its signature set, or None when the CPU kernels are unavailable."""
+    global _cpu_fn
+    if _cpu_fn is None:
+        lib = _cpu_ext.lib()
+        if lib is None or not lib.exl_rope_available():
+            _cpu_fn = False
+        else:
+            p, i64 = ctypes.c_void_p, ctypes.c_int64
+            fn = lib.exl_rope_and_write_kv
+            fn.argtypes = [p, i64, i64, p, i64, i64, p, i64, i64,  # q, k, v with (token, head) strides
+                           p, p, i64,  # positions, cos_sin, max positions
+                           p, p, p, i64,  # k_cache, v_cache, slots, number of slots
+                           p, i64, i64, i64, i64, i64]  # q_out, heads, kv_heads, head_dim, begin, end
+            fn.restype = ctypes.c_int
+            _cpu_fn = fn
+    return _cpu_fn or None
+
+
+def cpu_kernel_available() -> bool:
+    return _cpu_kernel() is not None
+
+
+def _rows(t: torch.Tensor, name: str, tokens: int, heads: int, dim: int) -> torch.Tensor:
+    if t.dtype != torch.bfloat16 or t.device.type != "cpu" or t.shape != (tokens, heads, dim):
+        raise RopeInputError(f"CPU rope: {name} must be a bf16 CPU tensor of shape {(tokens, heads, dim)}, "
+                             f"got {t.dtype} {tuple(t.shape)} on {t.device}")
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def rope_and_write_kv_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                          cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          slot_mapping: torch.Tensor) -> torch.Tensor:
+    """The C kernel: same contract as the reference; q, k, v may be strided views (the split of a
+    fused qkv row). Returns the rotated q as a new contiguous [T, heads, D] tensor."""
+    fn = _cpu_kernel()
+    if q.dim() != 3:
+        raise RopeInputError(f"CPU rope: q must be [tokens, heads, head_dim], got shape {tuple(q.shape)}")
+    tokens, heads, dim = q.shape
+    if k_cache.dim() != 4 or k_cache.shape[-1] != dim or dim % 2:
+        raise RopeInputError(f"CPU rope: k_cache must be [pages, page_size, kv_heads, {dim}] with an even "
+                             f"head_dim, got shape {tuple(k_cache.shape)}")
+    kv_heads = k_cache.shape[2]
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.dtype != torch.bfloat16 or c.shape != k_cache.shape or not c.is_contiguous():
+            raise RopeInputError(f"CPU rope: {name} must be a contiguous bf16 tensor of shape "
+                                 f"{tuple(k_cache.shape)}, got {c.dtype} {tuple(c.shape)}")
+    q = _rows(q, "q", tokens, heads, dim)
+    k = _rows(k, "k", tokens, kv_heads, dim)
+    v = _rows(v, "v", tokens, kv_heads, dim)
+    if cos_sin.dim() != 2 or cos_sin.shape[1] != dim:
+        raise RopeInputError(f"CPU rope: cos_sin must be [positions, {dim}], got {tuple(cos_sin.shape)}")
+    if positions.shape != (tokens,) or slot_mapping.shape != (tokens,):
+        raise RopeInputError(f"CPU rope: positions {tuple(positions.shape)} and slot_mapping "
+                             f"{tuple(slot_mapping.shape)} must have one entry per token ({tokens})")
+    cos_sin = cos_sin.to(torch.float32).contiguous()
+    positions = positions.to(torch.int64).contiguous()
+    slot_mapping = slot_mapping.to(torch.int64).contiguous()
+    q_out = torch.empty((tokens, heads, dim), dtype=torch.bfloat16)
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    rc = fn(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
+            v.data_ptr(), v.stride(0), v.stride(1), positions.data_ptr(), cos_sin.data_ptr(), cos_sin.shape[0],
+            k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(), num_slots,
+            q_out.data_ptr(), heads, kv_heads, dim, 0, tokens)
+    if rc == -1:
+        raise RopeInputError(f"CPU rope: a position is outside the cos/sin cache [0, {cos_sin.shape[0]})")
+    if rc == -2:
+        raise RopeInputError(f"CPU rope: a slot is outside the KV cache [0, {num_slots})")
+    if rc:
+        raise RopeInputError(f"CPU rope refused head_dim {dim}")
+    return q_out

@@ -1,0 +1,172 @@
+// RMSNorm over bf16 rows, alone and fused with the residual add, on the CPU.
+//
+// Bitwise the same as the torch reference (exlcli/ops/norm.py) on an AVX-512 build of torch:
+//   residual = bf16(x + residual)                      (fp32 add, one rounding)
+//   ms = sum(r * r) / D                                (fp32; squares of bf16 values are exact)
+//   y  = bf16(r * (1 / sqrt(ms + eps)))                 (F.rms_norm, then .to(bf16))
+//   out = bf16(w * y)                                   (the weight multiply in bf16)
+// The sum runs in the order of torch's CPU sum kernel for a contiguous inner reduction
+// (aten/src/ATen/native/cpu/SumKernel.cpp). torch has no AVX512 build of that kernel and runs its
+// AVX2 one, so the partial sums are 8-lane vectors: four interleaved accumulators over groups of
+// four vectors, cascaded every 16 groups, folded 0+1+2+3 (plus the vectors left over after the last
+// group), then a float that starts at 0 takes the scalar tail (D % 8) and the 8 lanes, in order.
+// That order depends only on D, never on the row count, so each row comes out the same alone or in
+// a batch.
+//
+// Rows are addressed as x + (r / inner) * stride_outer + (r % inner) * stride_inner, which covers
+// [T, H] and the per-head [T, heads, D] of a q/k norm whose heads are a view into a wider row.
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+// No fused multiply-add contraction: the reference rounds every product.
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define EXL_NORM 1
+#include <immintrin.h>
+#else
+#define EXL_NORM 0
+#endif
+
+int exl_norm_available(void) { return EXL_NORM; }
+
+#if EXL_NORM
+
+#define LANES 16
+
+static inline __m512 load_bf16(const uint16_t *p, __mmask16 m) {
+    __m256i h = _mm256_maskz_loadu_epi16(m, p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// fp32 -> bf16 round to nearest even, NaN to 0xffff, as torch's vectorised conversion does; the
+// result is still an fp32 vector, with the low 16 bits clear.
+static inline __m512 round_bf16(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    r = _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    return _mm512_castsi512_ps(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+static inline void store_bf16(uint16_t *p, __m512 rounded, __mmask16 m) {
+    __m512i r = _mm512_srli_epi32(_mm512_castps_si512(rounded), 16);
+    _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(r));
+}
+
+static inline __mmask16 tail_mask(int64_t n) { return (__mmask16)((1u << n) - 1u); }
+
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline int64_t ceil_log2(int64_t x) {
+    if (x <= 2) return 1;
+    int64_t n = 0;
+    for (uint64_t v = (uint64_t)(x - 1); v; v >>= 1) n++;
+    return n;
+}
+
+// torch runs its AVX2 sum kernel under the AVX512 capability (the sum stub has no AVX512 build), so
+// its reduction works on 8-lane vectors; so does this one.
+#define SUM_LANES 8
+
+static inline __m256 square8(const uint16_t *row, int64_t vec) {
+    __m128i h = _mm_loadu_si128((const __m128i *)(row + vec * SUM_LANES));
+    __m256 v = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_mul_ps(v, v);
+}
+
+// Sum of squares of one bf16 row of length d, in torch's order (see the top of the file).
+static float sum_squares(const uint16_t *row, int64_t d) {
+    const int64_t nvec = d / SUM_LANES;  // whole vectors
+    const int64_t groups = nvec / 4;     // groups of 4 vectors (torch's ilp factor)
+    const int64_t power = ceil_log2(groups) / 4 > 4 ? ceil_log2(groups) / 4 : 4;
+    const int64_t step = (int64_t)1 << power, mask = step - 1;
+    __m256 acc[4][4];  // [cascade level][interleaved accumulator]
+    for (int l = 0; l < 4; l++)
+        for (int k = 0; k < 4; k++) acc[l][k] = _mm256_setzero_ps();
+    int64_t g = 0;
+    while (g + step <= groups) {
+        for (int64_t j = 0; j < step; j++, g++)
+            for (int k = 0; k < 4; k++) acc[0][k] = _mm256_add_ps(acc[0][k], square8(row, g * 4 + k));
+        for (int l = 1; l < 4; l++) {
+            for (int k = 0; k < 4; k++) {
+                acc[l][k] = _mm256_add_ps(acc[l][k], acc[l - 1][k]);
+                acc[l - 1][k] = _mm256_setzero_ps();
+            }
+            if ((g & (mask << (l * power))) != 0) break;
+        }
+    }
+    for (; g < groups; g++)
+        for (int k = 0; k < 4; k++) acc[0][k] = _mm256_add_ps(acc[0][k], square8(row, g * 4 + k));
+    for (int l = 1; l < 4; l++)
+        for (int k = 0; k < 4; k++) acc[0][k] = _mm256_add_ps(acc[0][k], acc[l][k]);
+    for (int64_t i = groups * 4; i < nvec; i++) acc[0][0] = _mm256_add_ps(acc[0][0], square8(row, i));
+    __m256 part = acc[0][0];
+    for (int k = 1; k < 4; k++) part = _mm256_add_ps(part, acc[0][k]);
+    float total = 0.0f;
+    for (int64_t i = nvec * SUM_LANES; i < d; i++) {
+        float v = bf16_to_f32(row[i]);
+        total += v * v;
+    }
+    float lanes[SUM_LANES];
+    _mm256_storeu_ps(lanes, part);
+    for (int k = 0; k < SUM_LANES; k++) total += lanes[k];
+    return total;
+}
+
+// out = bf16(w * bf16(r * inv)) over one row.
+static void scale_row(const uint16_t *r, const uint16_t *w, uint16_t *out, int64_t d, float inv) {
+    const __m512 vinv = _mm512_set1_ps(inv);
+    for (int64_t i = 0; i < d; i += LANES) {
+        __mmask16 m = d - i >= LANES ? 0xffff : tail_mask(d - i);
+        __m512 y = round_bf16(_mm512_mul_ps(load_bf16(r + i, m), vinv));
+        store_bf16(out + i, round_bf16(_mm512_mul_ps(load_bf16(w + i, m), y)), m);
+    }
+}
+
+static float inv_rms(const uint16_t *r, int64_t d, float eps) {
+    float ms = sum_squares(r, d) / (float)d;
+    return 1.0f / sqrtf(ms + eps);
+}
+
+// x rows (see the top of the file) -> out [rows, d] contiguous, rows [begin, end).
+int exl_rms_norm(const uint16_t *x, int64_t stride_outer, int64_t stride_inner, int64_t inner,
+                 const uint16_t *w, uint16_t *out, int64_t d, float eps, int64_t begin, int64_t end) {
+    if (d <= 0 || inner <= 0) return -1;
+    for (int64_t r = begin; r < end; r++) {
+        const uint16_t *row = x + (r / inner) * stride_outer + (r % inner) * stride_inner;
+        scale_row(row, w, out + r * d, d, inv_rms(row, d, eps));
+    }
+    return 0;
+}
+
+// residual_out = bf16(x + residual); out = rms_norm(residual_out); all [rows, d] contiguous.
+int exl_fused_add_rms_norm(const uint16_t *x, const uint16_t *residual, uint16_t *residual_out,
+                           const uint16_t *w, uint16_t *out, int64_t d, float eps, int64_t begin,
+                           int64_t end) {
+    if (d <= 0) return -1;
+    for (int64_t r = begin; r < end; r++) {
+        const int64_t base = r * d;
+        for (int64_t i = 0; i < d; i += LANES) {
+            __mmask16 m = d - i >= LANES ? 0xffff : tail_mask(d - i);
+            __m512 s = _mm512_add_ps(load_bf16(x + base + i, m), load_bf16(residual + base + i, m));
+            store_bf16(residual_out + base + i, round_bf16(s), m);
+        }
+        scale_row(residual_out + base, w, out + base, d, inv_rms(residual_out + base, d, eps));
+    }
+    return 0;
+}
+
+#endif

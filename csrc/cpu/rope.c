@@ -1,0 +1,105 @@
+// Rotary position embedding (rotate-half form) on bf16 q and k, fused with writing k and v into
+// their cache pages, on the CPU.
+//
+// Bitwise the same as the torch reference (exlcli/ops/rope.py), which computes elementwise in fp32
+// with one rounding per op and then rounds to bf16:
+//   out[i]       = bf16((x[i] * cos[i]) - (x[i + D/2] * sin[i]))
+//   out[i + D/2] = bf16((x[i + D/2] * cos[i]) + (x[i] * sin[i]))        for i < D/2
+// with cos and sin read from the fp32 cache row of the token's position. Products are rounded
+// before the add: separate mul and add instructions, never contracted into FMAs.
+//
+// Token t's k and v go to cache slot slots[t] (page * page_size + offset) of the caches
+// [num_slots, kv_heads, D]. Positions and slots are checked against their bounds before anything
+// is read or written, so a bad index returns an error instead of touching memory.
+
+#include <stdint.h>
+
+// No fused multiply-add contraction: the reference rounds every product (see above).
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define EXL_ROPE 1
+#include <immintrin.h>
+#else
+#define EXL_ROPE 0
+#endif
+
+int exl_rope_available(void) { return EXL_ROPE; }
+
+#if EXL_ROPE
+
+#define LANES 16
+
+static inline __m512 load_bf16(const uint16_t *p, __mmask16 m) {
+    __m256i h = _mm256_maskz_loadu_epi16(m, p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// fp32 -> bf16 round to nearest even, NaN to 0xffff, as torch's vectorised conversion does; the
+// result is still an fp32 vector, with the low 16 bits clear.
+static inline __m512 round_bf16(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    r = _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    return _mm512_castsi512_ps(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+static inline void store_bf16(uint16_t *p, __m512 rounded, __mmask16 m) {
+    __m512i r = _mm512_srli_epi32(_mm512_castps_si512(rounded), 16);
+    _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(r));
+}
+
+// One head of d values: x -> out, rotated by the cos | sin row cs.
+static inline void rotate_head(const uint16_t *x, uint16_t *out, const float *cs, int64_t d) {
+    const int64_t half = d / 2;
+    for (int64_t i = 0; i < half; i += LANES) {
+        __mmask16 m = half - i >= LANES ? 0xffff : (__mmask16)((1u << (half - i)) - 1u);
+        __m512 c = _mm512_maskz_loadu_ps(m, cs + i), s = _mm512_maskz_loadu_ps(m, cs + half + i);
+        __m512 x1 = load_bf16(x + i, m), x2 = load_bf16(x + half + i, m);
+        store_bf16(out + i, round_bf16(_mm512_sub_ps(_mm512_mul_ps(x1, c), _mm512_mul_ps(x2, s))), m);
+        store_bf16(out + half + i, round_bf16(_mm512_add_ps(_mm512_mul_ps(x2, c), _mm512_mul_ps(x1, s))), m);
+    }
+}
+
+static inline void copy_head(const uint16_t *x, uint16_t *out, int64_t d) {
+    for (int64_t i = 0; i < d; i += 32) {
+        __mmask32 m = d - i >= 32 ? 0xffffffffu : (__mmask32)((1u << (d - i)) - 1u);
+        _mm512_mask_storeu_epi16(out + i, m, _mm512_maskz_loadu_epi16(m, x + i));
+    }
+}
+
+// q [T, heads, d], k and v [T, kv_heads, d]: strides (per token, per head) in elements, last dim
+// contiguous. cos_sin [max_pos, d] fp32. q_out [T, heads, d] contiguous. Tokens [begin, end).
+// Returns 0, or -1 for a position outside [0, max_pos), -2 for a slot outside [0, num_slots).
+int exl_rope_and_write_kv(const uint16_t *q, int64_t q_st, int64_t q_sh,
+                          const uint16_t *k, int64_t k_st, int64_t k_sh,
+                          const uint16_t *v, int64_t v_st, int64_t v_sh,
+                          const int64_t *positions, const float *cos_sin, int64_t max_pos,
+                          uint16_t *k_cache, uint16_t *v_cache, const int64_t *slots, int64_t num_slots,
+                          uint16_t *q_out, int64_t heads, int64_t kv_heads, int64_t d,
+                          int64_t begin, int64_t end) {
+    if (d <= 0 || d % 2 != 0) return -3;
+    for (int64_t t = begin; t < end; t++) {
+        if (positions[t] < 0 || positions[t] >= max_pos) return -1;
+        if (slots[t] < 0 || slots[t] >= num_slots) return -2;
+    }
+    for (int64_t t = begin; t < end; t++) {
+        const float *cs = cos_sin + positions[t] * d;
+        for (int64_t h = 0; h < heads; h++)
+            rotate_head(q + t * q_st + h * q_sh, q_out + (t * heads + h) * d, cs, d);
+        uint16_t *kc = k_cache + slots[t] * kv_heads * d, *vc = v_cache + slots[t] * kv_heads * d;
+        for (int64_t h = 0; h < kv_heads; h++) {
+            rotate_head(k + t * k_st + h * k_sh, kc + h * d, cs, d);
+            copy_head(v + t * v_st + h * v_sh, vc + h * d, d);
+        }
+    }
+    return 0;
+}
+
+#endif
