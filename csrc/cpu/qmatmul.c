@@ -20,6 +20,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "pool.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VL__)
 #define EXL_QMM 1
 #include <immintrin.h>
@@ -125,14 +127,58 @@ static inline __m256i to_bf16(__m512 v) {
 
 #endif  // EXL_QMM
 
+#if EXL_QMM
+typedef struct {
+    const uint16_t *x;
+    int64_t M, K, nb, N;
+    int bits, y_fp32;
+    const uint8_t *qs;
+    const float *d, *m, *sx;
+    const uint16_t *bias;
+    void *y;
+} qmm_args;
+
+// Column groups begin .. end - 1 (columns CG * g ..) for all rows.
+static void qmm_groups(void *ctx, int64_t begin, int64_t end) {
+    const qmm_args *a = (const qmm_args *)ctx;
+    int64_t nb = a->nb, qbytes = a->bits == 4 ? 256 : 512;
+    for (int64_t g = begin; g < end; g++) {
+        const uint8_t *gq = a->qs + g * nb * qbytes;
+        const float *gd = a->d + g * nb * CG;
+        const float *gm = a->bits == 4 ? a->m + g * nb * CG : NULL;
+        int64_t n0 = g * CG;
+        int cols = (int)(a->N - n0 < CG ? a->N - n0 : CG);
+        __mmask16 keep = (__mmask16)((1u << cols) - 1u);
+        __m512 bvec = _mm512_setzero_ps();
+        if (a->bias)
+            bvec = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, a->bias + n0)), 16));
+        for (int64_t m0 = 0; m0 < a->M; m0 += MT) {
+            int rows = (int)(a->M - m0 < MT ? a->M - m0 : MT);
+            __m512 acc[MT];
+            switch (rows) {  // constant row counts let the compiler keep acc in registers
+                case 4: group_rows(a->x, a->K, nb, a->sx, m0, 4, a->bits, gq, gd, gm, acc); break;
+                case 3: group_rows(a->x, a->K, nb, a->sx, m0, 3, a->bits, gq, gd, gm, acc); break;
+                case 2: group_rows(a->x, a->K, nb, a->sx, m0, 2, a->bits, gq, gd, gm, acc); break;
+                default: group_rows(a->x, a->K, nb, a->sx, m0, 1, a->bits, gq, gd, gm, acc); break;
+            }
+            for (int i = 0; i < rows; i++) {
+                __m512 out = a->bias ? _mm512_add_ps(acc[i], bvec) : acc[i];
+                if (a->y_fp32) _mm512_mask_storeu_ps((float *)a->y + (m0 + i) * a->N + n0, keep, out);
+                else _mm256_mask_storeu_epi16((uint16_t *)a->y + (m0 + i) * a->N + n0, keep, to_bf16(out));
+            }
+        }
+    }
+}
+#endif
+
 // x: bf16 [M, K]; bias: bf16 [N] or NULL; y: [M, N], fp32 when y_fp32 else bf16.
 // bits 4: qs [groups][nb][256], d and m fp32 [groups][nb][CG].
 // bits 8: qs [groups][nb][512], d fp32 [groups][nb][CG], m unused.
-// Computes the column groups group_begin .. group_end - 1 (columns CG * g ..), so callers can split
-// the work. Returns 0, or -1 when the kernel is not built or its scratch cannot be had.
+// The column groups are shared among the pool's threads. Returns 0, or -1 when the kernel is not
+// built or its scratch cannot be had.
 int exl_qmatmul(const uint16_t *x, int64_t M, int64_t K, int bits, const uint8_t *qs, const float *d,
-                const float *m, const uint16_t *bias, int64_t N, void *y, int y_fp32,
-                int64_t group_begin, int64_t group_end) {
+                const float *m, const uint16_t *bias, int64_t N, void *y, int y_fp32) {
 #if EXL_QMM
     int64_t nb = K / BLOCK;
     float *sx = NULL;
@@ -141,39 +187,13 @@ int exl_qmatmul(const uint16_t *x, int64_t M, int64_t K, int bits, const uint8_t
         if (!sx) return -1;
         block_sums(x, M, K, sx);
     }
-    int64_t qbytes = bits == 4 ? 256 : 512;
-    for (int64_t g = group_begin; g < group_end; g++) {
-        const uint8_t *gq = qs + g * nb * qbytes;
-        const float *gd = d + g * nb * CG;
-        const float *gm = bits == 4 ? m + g * nb * CG : NULL;
-        int64_t n0 = g * CG;
-        int cols = (int)(N - n0 < CG ? N - n0 : CG);
-        __mmask16 keep = (__mmask16)((1u << cols) - 1u);
-        __m512 bvec = _mm512_setzero_ps();
-        if (bias)
-            bvec = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, bias + n0)), 16));
-        for (int64_t m0 = 0; m0 < M; m0 += MT) {
-            int rows = (int)(M - m0 < MT ? M - m0 : MT);
-            __m512 acc[MT];
-            switch (rows) {  // constant row counts let the compiler keep acc in registers
-                case 4: group_rows(x, K, nb, sx, m0, 4, bits, gq, gd, gm, acc); break;
-                case 3: group_rows(x, K, nb, sx, m0, 3, bits, gq, gd, gm, acc); break;
-                case 2: group_rows(x, K, nb, sx, m0, 2, bits, gq, gd, gm, acc); break;
-                default: group_rows(x, K, nb, sx, m0, 1, bits, gq, gd, gm, acc); break;
-            }
-            for (int i = 0; i < rows; i++) {
-                __m512 out = bias ? _mm512_add_ps(acc[i], bvec) : acc[i];
-                if (y_fp32) _mm512_mask_storeu_ps((float *)y + (m0 + i) * N + n0, keep, out);
-                else _mm256_mask_storeu_epi16((uint16_t *)y + (m0 + i) * N + n0, keep, to_bf16(out));
-            }
-        }
-    }
+    qmm_args a = {x, M, K, nb, N, bits, y_fp32, qs, d, m, sx, bias, y};
+    exl_parallel_for(qmm_groups, &a, (N + CG - 1) / CG);
     free(sx);
     return 0;
 #else
     (void)x; (void)M; (void)K; (void)bits; (void)qs; (void)d; (void)m; (void)bias; (void)N; (void)y;
-    (void)y_fp32; (void)group_begin; (void)group_end;
+    (void)y_fp32;
     return -1;
 #endif
 }

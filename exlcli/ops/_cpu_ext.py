@@ -11,6 +11,7 @@ Environment:
   EXLCLI_NO_KERNELS=1   never build or load them (also turns off the CUDA kernels).
   EXLCLI_KERNEL_CACHE   the cache folder, shared with the CUDA build (default ~/.cache/exlcli/kernels);
                         each build sits in cpu-<hash of the sources, compiler and CPU flags>.
+  EXLCLI_CPU_THREADS    threads the kernels use (default: the cores this process may run on).
   CC                    the C compiler (default cc).
 """
 
@@ -32,7 +33,7 @@ import torch
 from exlcli.ops import _ext
 
 CSRC_CPU = Path(__file__).resolve().parents[2] / "csrc" / "cpu"
-CFLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c11", "-fno-math-errno")
+CFLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c11", "-fno-math-errno", "-pthread")
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -56,7 +57,7 @@ def _sources() -> list[Path]:
 
 def build_key(compiler: str) -> str:
     digest = hashlib.sha256()
-    for path in _sources() + sorted(CSRC_CPU.glob("*.h")):
+    for path in _sources() + sorted(CSRC_CPU.glob("*.h")):  # headers too
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
     digest.update(f"{compiler}|{' '.join(CFLAGS)}|{_cpu_flags()}|{platform.machine()}".encode())
@@ -77,7 +78,7 @@ def _build() -> ctypes.CDLL:
         # build beside the target, then rename: another process may be building the same key
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
         os.close(fd)
-        cmd = [compiler, *CFLAGS, "-o", tmp, *map(str, sources), "-lm"]
+        cmd = [compiler, *CFLAGS, f"-I{CSRC_CPU}", "-o", tmp, *map(str, sources), "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             os.unlink(tmp)
@@ -100,12 +101,26 @@ def lib() -> ctypes.CDLL | None:
         else:
             try:
                 _lib = _build()
+                _lib.exl_pool_start.argtypes = [ctypes.c_int]
+                _lib.exl_pool_start(threads())
             except Exception as e:  # a failed build must never stop the engine: the reference runs
                 _reason = f"{type(e).__name__}: {e}"[:300]
                 print(f"exlcli: CPU kernels unavailable ({_reason}); running the slower torch reference "
                       f"ops. Set EXLCLI_NO_KERNELS=1 to skip the build.", file=sys.stderr, flush=True)
         _tried = True
         return _lib
+
+
+def threads() -> int:
+    """Threads the kernels share their work among: EXLCLI_CPU_THREADS, else the cores this process
+    may run on."""
+    env = os.environ.get("EXLCLI_CPU_THREADS")
+    if env and env.isdigit() and int(env) > 0:
+        return int(env)
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def reason() -> str:

@@ -33,7 +33,7 @@ def _kernel():
         else:
             fn = lib.exl_qmatmul
             p, i64 = ctypes.c_void_p, ctypes.c_int64
-            fn.argtypes = [p, i64, i64, ctypes.c_int, p, p, p, p, i64, p, ctypes.c_int, i64, i64]
+            fn.argtypes = [p, i64, i64, ctypes.c_int, p, p, p, p, i64, p, ctypes.c_int]
             fn.restype = ctypes.c_int
             _fn = fn
     return _fn or None
@@ -123,7 +123,7 @@ class QuantCpuLinear(Linear):
         y = torch.empty(x.shape[0], self.out_features, dtype=out_dtype)
         rc = _kernel()(_cpu_ext.ptr(x), x.shape[0], self.in_features, self.bits, _cpu_ext.ptr(self.qs),
                        _cpu_ext.ptr(self.d), _cpu_ext.ptr(self.m), _cpu_ext.ptr(self.bias),
-                       self.out_features, _cpu_ext.ptr(y), int(out_dtype == torch.float32), 0, self.groups)
+                       self.out_features, _cpu_ext.ptr(y), int(out_dtype == torch.float32))
         if rc != 0:
             raise MemoryError("the CPU matmul kernel could not get its scratch memory")
         return y
