@@ -17,6 +17,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -30,15 +31,9 @@
 #define RT 4   // query rows per tile (heads of one token sharing a kv head)
 #define BT 4   // key blocks per score tile
 #define DT 4   // vectors of 16 dims per output tile
+#define PREFETCH_BLOCKS 2  // key blocks ahead that convert_kv asks memory for
 
 int exl_paged_attention_available(void) { return EXL_ATTN; }
-
-// Floats of workspace one call needs: the converted keys and values of one (sequence, kv head),
-// the scores of one tile of rows and its fp32 queries.
-int64_t exl_paged_attention_workspace(int64_t max_seq_len, int64_t head_dim) {
-    int64_t padded = (max_seq_len + KB - 1) / KB * KB;
-    return 2 * padded * head_dim + RT * padded + RT * head_dim + 64;
-}
 
 #if EXL_ATTN
 
@@ -114,41 +109,52 @@ static inline __attribute__((always_inline)) void transpose16(__m512 m[16]) {
     }
 }
 
-// One (sequence, kv head): keys -> kt[block][d][16] (zero past L), values -> vf[j][d], fp32.
+// One sequence, all kv heads in one pass over its pages (the rows of a slot are contiguous):
+// keys -> kp[h][block][pair e][16 keys], each 32-bit element holding the bf16 dims 2e (low half)
+// and 2e + 1 (high half) of one key, zero past L; values -> vf[h][j][d] in fp32 (unless vf is NULL).
+// kstride, vstride: elements per head in kp and vf.
 static void convert_kv(const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *pages,
-                       int64_t page_size, int64_t kv_heads, int64_t h, int64_t dim, int64_t len,
-                       float *kt, float *vf) {
-    int64_t blocks = (len + KB - 1) / KB;
+                       int64_t page_size, int64_t kv_heads, int64_t dim, int64_t len,
+                       uint32_t *kp, int64_t kstride, float *vf, int64_t vstride) {
+    int64_t blocks = (len + KB - 1) / KB, pairs = dim / 2, row_len = kv_heads * dim;
     for (int64_t blk = 0; blk < blocks; blk++) {
-        // the next block's rows are strided over the pages: ask for them early
-        for (int64_t j = (blk + 2) * KB; j < (blk + 3) * KB && j < len; j++) {
-            int64_t slot = (int64_t)pages[j / page_size] * page_size + j % page_size;
-            int64_t off = (slot * kv_heads + h) * dim;
-            for (int64_t d = 0; d < dim; d += 32) {
-                _mm_prefetch((const char *)(k_cache + off + d), _MM_HINT_T0);
-                _mm_prefetch((const char *)(v_cache + off + d), _MM_HINT_T0);
+        // ask early for the rows PREFETCH_BLOCKS ahead: the memory latency then overlaps this work
+        for (int64_t j = (blk + PREFETCH_BLOCKS) * KB; j < (blk + PREFETCH_BLOCKS + 1) * KB && j < len; j++) {
+            int64_t off = ((int64_t)pages[j / page_size] * page_size + j % page_size) * row_len;
+            for (int64_t e = 0; e < row_len; e += 32) {
+                _mm_prefetch((const char *)(k_cache + off + e), _MM_HINT_T0);
+                if (vf) _mm_prefetch((const char *)(v_cache + off + e), _MM_HINT_T0);
             }
         }
-        const uint16_t *krow[KB];
+        int64_t base[KB];
         for (int i = 0; i < KB; i++) {
             int64_t j = blk * KB + i;
-            krow[i] = NULL;
+            base[i] = -1;
             if (j < len) {
-                int64_t slot = (int64_t)pages[j / page_size] * page_size + j % page_size;
-                int64_t off = (slot * kv_heads + h) * dim;
-                krow[i] = k_cache + off;
-                const uint16_t *vrow = v_cache + off;
-                for (int64_t d = 0; d < dim; d += 16) _mm512_storeu_ps(vf + j * dim + d, load_bf16x16(vrow + d));
+                base[i] = ((int64_t)pages[j / page_size] * page_size + j % page_size) * row_len;
+                const uint16_t *vrow = v_cache + base[i];
+                for (int64_t h = 0; vf && h < kv_heads; h++)
+                    for (int64_t d = 0; d < dim; d += 16)
+                        _mm512_storeu_ps(vf + h * vstride + j * dim + d, load_bf16x16(vrow + h * dim + d));
             }
         }
-        for (int64_t d0 = 0; d0 < dim; d0 += 16) {
-            __m512 m[16];
+        for (int64_t h = 0; h < kv_heads; h++) {
+            for (int64_t d0 = 0; d0 < dim; d0 += 32) {
+                int full = dim - d0 >= 32;  // else 16 dims (8 pairs) are left
+                __m512 m[16];
 #pragma GCC unroll 16
-            for (int i = 0; i < KB; i++) m[i] = krow[i] ? load_bf16x16(krow[i] + d0) : _mm512_setzero_ps();
-            transpose16(m);
-            float *dst = kt + (blk * dim + d0) * KB;
+                for (int i = 0; i < KB; i++) {
+                    const uint16_t *src = k_cache + base[i] + h * dim + d0;
+                    if (base[i] < 0) m[i] = _mm512_setzero_ps();
+                    else if (full) m[i] = _mm512_loadu_ps((const void *)src);
+                    else m[i] = _mm512_zextps256_ps512(_mm256_loadu_ps((const float *)src));
+                }
+                transpose16(m);
+                uint32_t *dst = kp + h * kstride + (blk * pairs + d0 / 2) * KB;
 #pragma GCC unroll 16
-            for (int i = 0; i < 16; i++) _mm512_storeu_ps(dst + i * KB, m[i]);
+                for (int i = 0; i < 16; i++)
+                    if (full || i < 8) _mm512_storeu_ps((void *)(dst + i * KB), m[i]);
+            }
         }
     }
 }
@@ -156,21 +162,27 @@ static void convert_kv(const uint16_t *k_cache, const uint16_t *v_cache, const i
 // Scores of `rows` query rows (qf: [rows][dim]) over key blocks [blk0, blk0 + nblk), into
 // s[row][padded]. Each lane is one key's dot product, summed over d in order.
 static inline __attribute__((always_inline)) void score_tile(
-        const float *qf, const float *kt, int64_t dim, int rows, int64_t blk0, int nblk,
+        const float *qf, const uint32_t *kp, int64_t dim, int rows, int64_t blk0, int nblk,
         float scale, float *s, int64_t padded) {
     __m512 acc[RT][BT];
     for (int r = 0; r < RT; r++)
         for (int x = 0; x < BT; x++) acc[r][x] = _mm512_setzero_ps();
-    const float *k0 = kt + blk0 * dim * KB;
-    for (int64_t d = 0; d < dim; d++) {
-        __m512 kv[BT];
+    int64_t pairs = dim / 2;
+    const uint32_t *k0 = kp + blk0 * pairs * KB;
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+    for (int64_t e = 0; e < pairs; e++) {
+        __m512 even[BT], odd[BT];
         for (int x = 0; x < BT; x++)
-            if (x < nblk) kv[x] = _mm512_loadu_ps(k0 + (x * dim + d) * KB);
+            if (x < nblk) {
+                __m512i v = _mm512_loadu_si512(k0 + (x * pairs + e) * KB);
+                even[x] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+                odd[x] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+            }
         for (int r = 0; r < RT; r++) {
             if (r >= rows) continue;
-            __m512 qb = _mm512_set1_ps(qf[r * dim + d]);
+            __m512 q0 = _mm512_set1_ps(qf[r * dim + 2 * e]), q1 = _mm512_set1_ps(qf[r * dim + 2 * e + 1]);
             for (int x = 0; x < BT; x++)
-                if (x < nblk) acc[r][x] = _mm512_fmadd_ps(qb, kv[x], acc[r][x]);
+                if (x < nblk) acc[r][x] = _mm512_fmadd_ps(q1, odd[x], _mm512_fmadd_ps(q0, even[x], acc[r][x]));
         }
     }
     __m512 sc = _mm512_set1_ps(scale);
@@ -186,7 +198,7 @@ static inline __attribute__((always_inline)) void score_tile(
         for (; blk < blocks; blk++) score_tile(qf, kt, dim, R, blk, 1, scale, s, padded);         \
         break;
 
-static void scores(const float *qf, const float *kt, int64_t dim, int rows, int64_t blocks,
+static void scores(const float *qf, const uint32_t *kt, int64_t dim, int rows, int64_t blocks,
                    float scale, float *s, int64_t padded) {
     int64_t blk = 0;
     switch (rows) {
@@ -217,17 +229,61 @@ static float softmax_row(float *s, int64_t limit) {
     return sum16(sum);
 }
 
+// Walks the next sequence's pages (K and V, whole slots) a few cache lines at a time, so that its
+// memory reads overlap this sequence's arithmetic. Only timing depends on it, never a result.
+typedef struct {
+    const char *k, *v;
+    const int32_t *pages;
+    int64_t num_pages, page_bytes, page, offset;
+    int lines;  // per call of prefetch_some
+} Prefetcher;
+
+static inline void prefetch_some(Prefetcher *pf) {
+    for (int i = 0; i < pf->lines && pf->page < pf->num_pages; i++) {
+        int64_t at = (int64_t)pf->pages[pf->page] * pf->page_bytes + pf->offset;
+        _mm_prefetch(pf->k + at, _MM_HINT_T1);
+        _mm_prefetch(pf->v + at, _MM_HINT_T1);
+        pf->offset += 64;
+        if (pf->offset >= pf->page_bytes) {
+            pf->offset = 0;
+            pf->page++;
+        }
+    }
+}
+
+// Where a head's values are read from: the fp32 rows convert_kv made (when many row tiles reuse
+// them), or straight from the bf16 cache (a decode row: one use each). Same numbers either way.
+typedef struct {
+    const float *vf;          // [j][dim], or NULL
+    const uint16_t *v_cache;  // this head's column of the cache
+    const int32_t *pages;
+    int64_t page_size, slot_stride;  // elements from one slot to the next: kv_heads * dim
+} Values;
+
 // out[r][d0 .. d0 + 16 * nvec) = (sum_j p[r][j] v[j]) / total[r], rounded to bf16.
 static inline __attribute__((always_inline)) void pv_tile(
-        const float *p, int64_t padded, const float *vf, int64_t dim, int64_t limit, int rows,
-        int64_t d0, int nvec, const float *total, uint16_t *const out[RT]) {
+        const float *p, int64_t padded, const Values *vals, int from_cache, int64_t dim, int64_t limit,
+        int rows, int64_t d0, int nvec, const float *total, uint16_t *const out[RT], Prefetcher *pf) {
     __m512 acc[RT][DT];
     for (int r = 0; r < RT; r++)
         for (int x = 0; x < DT; x++) acc[r][x] = _mm512_setzero_ps();
+    int64_t page = 0, in_page = 0;
     for (int64_t j = 0; j < limit; j++) {
+        prefetch_some(pf);
         __m512 v[DT];
-        for (int x = 0; x < DT; x++)
-            if (x < nvec) v[x] = _mm512_loadu_ps(vf + j * dim + d0 + 16 * x);
+        if (from_cache) {
+            const uint16_t *row = vals->v_cache + ((int64_t)vals->pages[page] * vals->page_size + in_page)
+                                  * vals->slot_stride + d0;
+            if (++in_page == vals->page_size) {
+                in_page = 0;
+                page++;
+            }
+            for (int x = 0; x < DT; x++)
+                if (x < nvec) v[x] = load_bf16x16(row + 16 * x);
+        } else {
+            for (int x = 0; x < DT; x++)
+                if (x < nvec) v[x] = _mm512_loadu_ps(vals->vf + j * dim + d0 + 16 * x);
+        }
         for (int r = 0; r < RT; r++) {
             if (r >= rows) continue;
             __m512 pb = _mm512_set1_ps(p[r * padded + j]);
@@ -244,18 +300,22 @@ static inline __attribute__((always_inline)) void pv_tile(
     }
 }
 
-#define PV_ROWS(R)                                                                                \
-    case R:                                                                                       \
-        switch (nvec) {                                                                           \
-            case 1: pv_tile(p, padded, vf, dim, limit, R, d0, 1, total, out); break;              \
-            case 2: pv_tile(p, padded, vf, dim, limit, R, d0, 2, total, out); break;              \
-            case 3: pv_tile(p, padded, vf, dim, limit, R, d0, 3, total, out); break;              \
-            default: pv_tile(p, padded, vf, dim, limit, R, d0, 4, total, out); break;             \
-        }                                                                                         \
+#define PV_CASE(R, N)                                                                            \
+    if (vals->vf) pv_tile(p, padded, vals, 0, dim, limit, R, d0, N, total, out, pf);              \
+    else pv_tile(p, padded, vals, 1, dim, limit, R, d0, N, total, out, pf);
+
+#define PV_ROWS(R)                                                                               \
+    case R:                                                                                      \
+        switch (nvec) {                                                                          \
+            case 1: PV_CASE(R, 1) break;                                                         \
+            case 2: PV_CASE(R, 2) break;                                                         \
+            case 3: PV_CASE(R, 3) break;                                                         \
+            default: PV_CASE(R, 4) break;                                                        \
+        }                                                                                        \
         break;
 
-static void weighted_values(const float *p, int64_t padded, const float *vf, int64_t dim, int64_t limit,
-                            int rows, const float *total, uint16_t *const out[RT]) {
+static void weighted_values(const float *p, int64_t padded, const Values *vals, int64_t dim, int64_t limit,
+                            int rows, const float *total, uint16_t *const out[RT], Prefetcher *pf) {
     for (int64_t d0 = 0; d0 < dim; d0 += 16 * DT) {
         int64_t left = (dim - d0) / 16;
         int nvec = left < DT ? (int)left : DT;
@@ -268,23 +328,59 @@ static void weighted_values(const float *p, int64_t padded, const float *vf, int
     }
 }
 
-// Returns 0, or 1 when a page index of a used block-table entry is outside [0, num_pages).
-int exl_paged_attention(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
-                        const int32_t *block_tables, int64_t max_pages, const int32_t *query_start_loc,
-                        const int32_t *seq_lens, int64_t seq_begin, int64_t seq_end, int64_t num_pages,
-                        int64_t page_size, int64_t heads, int64_t kv_heads, int64_t dim, float scale,
-                        float *work, uint16_t *out) {
-    int64_t group = heads / kv_heads;
-    for (int64_t b = seq_begin; b < seq_end; b++) {
-        int64_t q0 = query_start_loc[b], n = query_start_loc[b + 1] - q0, len = seq_lens[b];
+typedef struct {
+    const uint16_t *q, *k_cache, *v_cache;
+    const int32_t *block_tables, *query_start_loc, *seq_lens;
+    int64_t max_pages, page_size, heads, kv_heads, dim;
+    float scale;
+    uint16_t *out;
+} AttentionArgs;
+
+// Floats of scratch for sequences of up to max_len tokens: one sequence's converted keys and
+// values, the scores of one tile of rows and its fp32 queries.
+static int64_t workspace_floats(int64_t max_len, int64_t kv_heads, int64_t dim) {
+    int64_t padded = (max_len + KB - 1) / KB * KB;
+    return kv_heads * (padded * dim / 2 + padded * dim) + RT * padded + RT * dim;
+}
+
+// Sequences [begin, end), each with its own queries and keys: ranges can run on different threads.
+// Returns 0, or -1 when the scratch cannot be had.
+static int attend_sequences(const AttentionArgs *a, int64_t begin, int64_t end) {
+    int64_t heads = a->heads, kv_heads = a->kv_heads, dim = a->dim, page_size = a->page_size;
+    int64_t group = heads / kv_heads, tiles = (group + RT - 1) / RT, max_len = 0;
+    for (int64_t b = begin; b < end; b++)
+        if (a->seq_lens[b] > max_len) max_len = a->seq_lens[b];
+    float *work = (float *)aligned_alloc(64, (size_t)(workspace_floats(max_len, kv_heads, dim) + 16) / 16 * 64);
+    if (!work) return -1;
+    const int32_t *qsl = a->query_start_loc;
+    for (int64_t b = begin; b < end; b++) {
+        int64_t q0 = qsl[b], n = qsl[b + 1] - q0, len = a->seq_lens[b];
         if (n <= 0) continue;
-        const int32_t *pages = block_tables + b * max_pages;
-        for (int64_t i = 0; i < (len + page_size - 1) / page_size; i++)
-            if (pages[i] < 0 || pages[i] >= num_pages) return 1;
+        const int32_t *pages = a->block_tables + b * a->max_pages;
         int64_t padded = (len + KB - 1) / KB * KB;
-        float *kt = work, *vf = kt + padded * dim, *s = vf + padded * dim, *qf = s + RT * padded;
+        int64_t kstride = padded * dim / 2, vstride = padded * dim;
+        uint32_t *kp = (uint32_t *)work;
+        float *vf = work + kv_heads * kstride, *s = vf + kv_heads * vstride, *qf = s + RT * padded;
+        // values used by one or two row tiles are read from the cache as they are needed
+        int convert_values = n * tiles > 2;
+        convert_kv(a->k_cache, a->v_cache, pages, page_size, kv_heads, dim, len, kp, kstride,
+                   convert_values ? vf : NULL, vstride);
+        Prefetcher pf = {(const char *)a->k_cache, (const char *)a->v_cache, pages, 0,
+                         page_size * kv_heads * dim * 2, 0, 0, 0};
+        if (b + 1 < end && qsl[b + 2] > qsl[b + 1]) {
+            // spread the next sequence's lines over this one's weighted-sum steps
+            int64_t steps = 0;
+            for (int64_t t = 0; t < n; t++) steps += len - n + t + 1;
+            steps *= kv_heads * tiles * ((dim / 16 + DT - 1) / DT);
+            pf.pages = a->block_tables + (b + 1) * a->max_pages;
+            pf.num_pages = (a->seq_lens[b + 1] + page_size - 1) / page_size;
+            int64_t lines = pf.num_pages * pf.page_bytes / 64;
+            pf.lines = (int)((lines + steps - 1) / steps);
+        }
         for (int64_t h = 0; h < kv_heads; h++) {
-            convert_kv(k_cache, v_cache, pages, page_size, kv_heads, h, dim, len, kt, vf);
+            const uint32_t *kt = kp + h * kstride;
+            Values vals = {convert_values ? vf + h * vstride : NULL, a->v_cache + h * dim, pages, page_size,
+                           kv_heads * dim};
             for (int64_t t = 0; t < n; t++) {
                 int64_t limit = len - n + t + 1;
                 for (int64_t g0 = 0; g0 < group; g0 += RT) {
@@ -293,17 +389,38 @@ int exl_paged_attention(const uint16_t *q, const uint16_t *k_cache, const uint16
                     float total[RT];
                     for (int r = 0; r < rows; r++) {
                         int64_t off = ((q0 + t) * heads + h * group + g0 + r) * dim;
-                        for (int64_t d = 0; d < dim; d += 16) _mm512_storeu_ps(qf + r * dim + d, load_bf16x16(q + off + d));
-                        orow[r] = out + off;
+                        for (int64_t d = 0; d < dim; d += 16)
+                            _mm512_storeu_ps(qf + r * dim + d, load_bf16x16(a->q + off + d));
+                        orow[r] = a->out + off;
                     }
-                    scores(qf, kt, dim, rows, (limit + KB - 1) / KB, scale, s, padded);
+                    scores(qf, kt, dim, rows, (limit + KB - 1) / KB, a->scale, s, padded);
                     for (int r = 0; r < rows; r++) total[r] = softmax_row(s + r * padded, limit);
-                    weighted_values(s, padded, vf, dim, limit, rows, total, orow);
+                    weighted_values(s, padded, &vals, dim, limit, rows, total, orow, &pf);
                 }
             }
         }
     }
+    free(work);
     return 0;
+}
+
+// q, out: [T, heads, dim]; caches: [num_pages, page_size, kv_heads, dim]; block_tables:
+// [B, max_pages]; sequences seq_begin .. seq_end - 1 are computed. The caller has checked shapes,
+// dtypes and lengths. Returns 0; 1 when a used block-table entry is outside [0, num_pages); -1
+// when out of memory.
+int exl_paged_attention(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                        const int32_t *block_tables, int64_t max_pages, const int32_t *query_start_loc,
+                        const int32_t *seq_lens, int64_t seq_begin, int64_t seq_end, int64_t num_pages,
+                        int64_t page_size, int64_t heads, int64_t kv_heads, int64_t dim, float scale,
+                        uint16_t *out) {
+    for (int64_t b = seq_begin; b < seq_end; b++) {
+        const int32_t *pages = block_tables + b * max_pages;
+        for (int64_t i = 0; i < (seq_lens[b] + page_size - 1) / page_size; i++)
+            if (pages[i] < 0 || pages[i] >= num_pages) return 1;
+    }
+    AttentionArgs a = {q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
+                       max_pages, page_size, heads, kv_heads, dim, scale, out};
+    return attend_sequences(&a, seq_begin, seq_end);
 }
 
 #else
@@ -312,11 +429,11 @@ int exl_paged_attention(const uint16_t *q, const uint16_t *k_cache, const uint16
                         const int32_t *block_tables, int64_t max_pages, const int32_t *query_start_loc,
                         const int32_t *seq_lens, int64_t seq_begin, int64_t seq_end, int64_t num_pages,
                         int64_t page_size, int64_t heads, int64_t kv_heads, int64_t dim, float scale,
-                        float *work, uint16_t *out) {
+                        uint16_t *out) {
     (void)q; (void)k_cache; (void)v_cache; (void)block_tables; (void)max_pages; (void)query_start_loc;
     (void)seq_lens; (void)seq_begin; (void)seq_end; (void)num_pages; (void)page_size; (void)heads;
-    (void)kv_heads; (void)dim; (void)scale; (void)work; (void)out;
-    return 2;
+    (void)kv_heads; (void)dim; (void)scale; (void)out;
+    return -1;
 }
 
 #endif

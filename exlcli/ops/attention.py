@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import array
 import ctypes
-import threading
 from dataclasses import dataclass
 
 import torch
 
 from exlcli.errors import ExlcliError
 from exlcli.ops import _cpu_ext
+from exlcli.ops import _ext
 from exlcli.ops._ext import use_kernels
 
 
@@ -109,10 +109,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     decode_only = len(seq_lens) == q.shape[0]
     if use_kernels(q) and q.shape[-1] in KERNEL_HEAD_DIMS:
         if decode_only:
-            return torch.ops.exlcli.paged_attention_decode(q, k_cache, v_cache, block_tables,
-                                                           seq_lens_t, scale)
-        return torch.ops.exlcli.paged_attention_prefill(q, k_cache, v_cache, block_tables,
-                                                        query_start_loc_t, seq_lens_t, scale)
+            return _ext.paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens_t, scale)
+        return _ext.paged_attention_prefill(q, k_cache, v_cache, block_tables, query_start_loc_t, seq_lens_t,
+                                            scale, query_start_loc, seq_lens)
     if use_cpu_kernels_for(q):
         # rope hands q over as a view of its [T, heads + kv_heads, D] result
         return paged_attention_cpu(q.contiguous(), k_cache, v_cache, block_tables, query_start_loc,
@@ -130,11 +129,10 @@ class AttentionInputError(ExlcliError, ValueError):
 
 
 _cpu_fn = None
-_workspace = threading.local()  # per thread: the kernel's fp32 scratch, grown as needed
 
 
 def _cpu_kernel():
-    """(attention, workspace size) C functions with their signatures set, or None."""
+    """The C function with its signature set, or None when the CPU kernels are unavailable."""
     global _cpu_fn
     if _cpu_fn is None:
         lib = _cpu_ext.lib()
@@ -143,12 +141,9 @@ def _cpu_kernel():
         else:
             p, i64 = ctypes.c_void_p, ctypes.c_int64
             fn = lib.exl_paged_attention
-            fn.argtypes = [p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, p, p]
+            fn.argtypes = [p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, p]
             fn.restype = ctypes.c_int
-            size = lib.exl_paged_attention_workspace
-            size.argtypes = [i64, i64]
-            size.restype = i64
-            _cpu_fn = (fn, size)
+            _cpu_fn = fn
     return _cpu_fn or None
 
 
@@ -160,13 +155,6 @@ def use_cpu_kernels_for(q: torch.Tensor) -> bool:
     """True when `paged_attention` runs the C kernel for this q (bf16 on the CPU, head_dim a
     multiple of 16, kernels on)."""
     return q.shape[-1] % 16 == 0 and _cpu_ext.use_cpu_kernels(q) and _cpu_kernel() is not None
-
-
-def _work(floats: int) -> torch.Tensor:
-    buf = getattr(_workspace, "buf", None)
-    if buf is None or buf.numel() < floats:
-        buf = _workspace.buf = torch.empty(floats, dtype=torch.float32)
-    return buf
 
 
 def _check_cpu_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -209,21 +197,21 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """The C kernel: same arguments as `paged_attention_ref`, all bf16 and contiguous. Each query
     row's scores, softmax and weighted sum run in fp32 in an order that depends only on the row
     (its q, its keys, its position), and the result is rounded once to bf16."""
-    kernel = _cpu_kernel()
-    if kernel is None:
+    fn = _cpu_kernel()
+    if fn is None:
         raise AttentionInputError(f"CPU attention kernel unavailable ({_cpu_ext.reason() or 'no AVX-512'})")
     _check_cpu_inputs(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
-    fn, work_size = kernel
     out = torch.empty_like(q)
     num_seqs = len(seq_lens)
     if num_seqs == 0 or q.shape[0] == 0:
         return out
     num_pages, page_size, kv_heads, dim = k_cache.shape
-    work = _work(work_size(max(seq_lens), dim))
     qsl, lens = array.array("i", query_start_loc), array.array("i", seq_lens)
     status = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
                 block_tables.shape[1], qsl.buffer_info()[0], lens.buffer_info()[0], 0, num_seqs,
-                num_pages, page_size, q.shape[1], kv_heads, dim, scale, work.data_ptr(), out.data_ptr())
-    if status:
+                num_pages, page_size, q.shape[1], kv_heads, dim, scale, out.data_ptr())
+    if status == 1:
         raise AttentionInputError(f"CPU attention: a block table entry is outside the cache's {num_pages} pages")
+    if status:
+        raise MemoryError("CPU attention: no memory for the kernel's scratch")
     return out
