@@ -16,9 +16,12 @@
 // loads, so a token gets the same bits alone, in any batch, or in any chunking of its prefill.
 
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "pool.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define EXL_ATTN 1
@@ -31,6 +34,7 @@
 #define RT 4   // query rows per tile (heads of one token sharing a kv head)
 #define BT 4   // key blocks per score tile
 #define DT 4   // vectors of 16 dims per output tile
+#define QBLK 32  // most queries of one sequence in a unit of work
 #define PREFETCH_BLOCKS 2  // key blocks ahead that convert_kv asks memory for
 
 int exl_paged_attention_available(void) { return EXL_ATTN; }
@@ -109,19 +113,19 @@ static inline __attribute__((always_inline)) void transpose16(__m512 m[16]) {
     }
 }
 
-// One sequence, all kv heads in one pass over its pages (the rows of a slot are contiguous):
-// keys -> kp[h][block][pair e][16 keys], each 32-bit element holding the bf16 dims 2e (low half)
-// and 2e + 1 (high half) of one key, zero past L; values -> vf[h][j][d] in fp32 (unless vf is NULL).
-// kstride, vstride: elements per head in kp and vf.
+// One sequence's first len keys for kv heads h0 .. h1 - 1, in one pass over its pages (the rows
+// of a slot are contiguous): keys -> kp[h - h0][block][pair e][16 keys], each 32-bit element
+// holding the bf16 dims 2e (low half) and 2e + 1 (high half) of one key, zero past len; values ->
+// vf[h - h0][j][d] in fp32 (unless vf is NULL). kstride, vstride: elements per head.
 static void convert_kv(const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *pages,
-                       int64_t page_size, int64_t kv_heads, int64_t dim, int64_t len,
-                       uint32_t *kp, int64_t kstride, float *vf, int64_t vstride) {
+                       int64_t page_size, int64_t kv_heads, int64_t h0, int64_t h1, int64_t dim,
+                       int64_t len, uint32_t *kp, int64_t kstride, float *vf, int64_t vstride) {
     int64_t blocks = (len + KB - 1) / KB, pairs = dim / 2, row_len = kv_heads * dim;
     for (int64_t blk = 0; blk < blocks; blk++) {
         // ask early for the rows PREFETCH_BLOCKS ahead: the memory latency then overlaps this work
         for (int64_t j = (blk + PREFETCH_BLOCKS) * KB; j < (blk + PREFETCH_BLOCKS + 1) * KB && j < len; j++) {
             int64_t off = ((int64_t)pages[j / page_size] * page_size + j % page_size) * row_len;
-            for (int64_t e = 0; e < row_len; e += 32) {
+            for (int64_t e = h0 * dim; e < h1 * dim; e += 32) {
                 _mm_prefetch((const char *)(k_cache + off + e), _MM_HINT_T0);
                 if (vf) _mm_prefetch((const char *)(v_cache + off + e), _MM_HINT_T0);
             }
@@ -133,12 +137,12 @@ static void convert_kv(const uint16_t *k_cache, const uint16_t *v_cache, const i
             if (j < len) {
                 base[i] = ((int64_t)pages[j / page_size] * page_size + j % page_size) * row_len;
                 const uint16_t *vrow = v_cache + base[i];
-                for (int64_t h = 0; vf && h < kv_heads; h++)
+                for (int64_t h = h0; vf && h < h1; h++)
                     for (int64_t d = 0; d < dim; d += 16)
-                        _mm512_storeu_ps(vf + h * vstride + j * dim + d, load_bf16x16(vrow + h * dim + d));
+                        _mm512_storeu_ps(vf + (h - h0) * vstride + j * dim + d, load_bf16x16(vrow + h * dim + d));
             }
         }
-        for (int64_t h = 0; h < kv_heads; h++) {
+        for (int64_t h = h0; h < h1; h++) {
             for (int64_t d0 = 0; d0 < dim; d0 += 32) {
                 int full = dim - d0 >= 32;  // else 16 dims (8 pairs) are left
                 __m512 m[16];
@@ -150,7 +154,7 @@ static void convert_kv(const uint16_t *k_cache, const uint16_t *v_cache, const i
                     else m[i] = _mm512_zextps256_ps512(_mm256_loadu_ps((const float *)src));
                 }
                 transpose16(m);
-                uint32_t *dst = kp + h * kstride + (blk * pairs + d0 / 2) * KB;
+                uint32_t *dst = kp + (h - h0) * kstride + (blk * pairs + d0 / 2) * KB;
 #pragma GCC unroll 16
                 for (int i = 0; i < 16; i++)
                     if (full || i < 8) _mm512_storeu_ps((void *)(dst + i * KB), m[i]);
@@ -336,91 +340,133 @@ typedef struct {
     uint16_t *out;
 } AttentionArgs;
 
-// Floats of scratch for sequences of up to max_len tokens: one sequence's converted keys and
-// values, the scores of one tile of rows and its fp32 queries.
-static int64_t workspace_floats(int64_t max_len, int64_t kv_heads, int64_t dim) {
-    int64_t padded = (max_len + KB - 1) / KB * KB;
-    return kv_heads * (padded * dim / 2 + padded * dim) + RT * padded + RT * dim;
+// A unit of work: queries tok0 .. tok1 - 1 of sequence seq (counted within its chunk) for kv
+// heads h0 .. h1 - 1 and their query heads. Units only share inputs, so they can run anywhere.
+typedef struct {
+    int64_t seq, tok0, tok1, h0, h1;
+} Unit;
+
+// Keys the unit's last query sees.
+static int64_t unit_keys(const AttentionArgs *a, const Unit *u) {
+    int64_t n = a->query_start_loc[u->seq + 1] - a->query_start_loc[u->seq];
+    return a->seq_lens[u->seq] - n + u->tok1;
 }
 
-// Sequences [begin, end), each with its own queries and keys: ranges can run on different threads.
-// Returns 0, or -1 when the scratch cannot be had.
-static int attend_sequences(const AttentionArgs *a, int64_t begin, int64_t end) {
+// Floats of scratch for a unit: its heads' converted keys and values, the scores of one tile of
+// rows and its fp32 queries.
+static int64_t workspace_floats(int64_t keys, int64_t heads, int64_t dim) {
+    int64_t padded = (keys + KB - 1) / KB * KB;
+    return heads * (padded * dim / 2 + padded * dim) + RT * padded + RT * dim;
+}
+
+// `next`: the unit this thread does after u (its memory is prefetched during u), or NULL.
+static void attend_unit(const AttentionArgs *a, const Unit *u, const Unit *next, float *work) {
     int64_t heads = a->heads, kv_heads = a->kv_heads, dim = a->dim, page_size = a->page_size;
-    int64_t group = heads / kv_heads, tiles = (group + RT - 1) / RT, max_len = 0;
-    for (int64_t b = begin; b < end; b++)
-        if (a->seq_lens[b] > max_len) max_len = a->seq_lens[b];
-    float *work = (float *)aligned_alloc(64, (size_t)(workspace_floats(max_len, kv_heads, dim) + 16) / 16 * 64);
-    if (!work) return -1;
-    const int32_t *qsl = a->query_start_loc;
-    for (int64_t b = begin; b < end; b++) {
-        int64_t q0 = qsl[b], n = qsl[b + 1] - q0, len = a->seq_lens[b];
-        if (n <= 0) continue;
-        const int32_t *pages = a->block_tables + b * a->max_pages;
-        int64_t padded = (len + KB - 1) / KB * KB;
-        int64_t kstride = padded * dim / 2, vstride = padded * dim;
-        uint32_t *kp = (uint32_t *)work;
-        float *vf = work + kv_heads * kstride, *s = vf + kv_heads * vstride, *qf = s + RT * padded;
-        // values used by one or two row tiles are read from the cache as they are needed
-        int convert_values = n * tiles > 2;
-        convert_kv(a->k_cache, a->v_cache, pages, page_size, kv_heads, dim, len, kp, kstride,
-                   convert_values ? vf : NULL, vstride);
-        Prefetcher pf = {(const char *)a->k_cache, (const char *)a->v_cache, pages, 0,
-                         page_size * kv_heads * dim * 2, 0, 0, 0};
-        if (b + 1 < end && qsl[b + 2] > qsl[b + 1]) {
-            // spread the next sequence's lines over this one's weighted-sum steps
-            int64_t steps = 0;
-            for (int64_t t = 0; t < n; t++) steps += len - n + t + 1;
-            steps *= kv_heads * tiles * ((dim / 16 + DT - 1) / DT);
-            pf.pages = a->block_tables + (b + 1) * a->max_pages;
-            pf.num_pages = (a->seq_lens[b + 1] + page_size - 1) / page_size;
-            int64_t lines = pf.num_pages * pf.page_bytes / 64;
-            pf.lines = (int)((lines + steps - 1) / steps);
-        }
-        for (int64_t h = 0; h < kv_heads; h++) {
-            const uint32_t *kt = kp + h * kstride;
-            Values vals = {convert_values ? vf + h * vstride : NULL, a->v_cache + h * dim, pages, page_size,
-                           kv_heads * dim};
-            for (int64_t t = 0; t < n; t++) {
-                int64_t limit = len - n + t + 1;
-                for (int64_t g0 = 0; g0 < group; g0 += RT) {
-                    int rows = (int)(group - g0 < RT ? group - g0 : RT);
-                    uint16_t *orow[RT];
-                    float total[RT];
-                    for (int r = 0; r < rows; r++) {
-                        int64_t off = ((q0 + t) * heads + h * group + g0 + r) * dim;
-                        for (int64_t d = 0; d < dim; d += 16)
-                            _mm512_storeu_ps(qf + r * dim + d, load_bf16x16(a->q + off + d));
-                        orow[r] = a->out + off;
-                    }
-                    scores(qf, kt, dim, rows, (limit + KB - 1) / KB, a->scale, s, padded);
-                    for (int r = 0; r < rows; r++) total[r] = softmax_row(s + r * padded, limit);
-                    weighted_values(s, padded, &vals, dim, limit, rows, total, orow, &pf);
+    int64_t group = heads / kv_heads, tiles = (group + RT - 1) / RT, nh = u->h1 - u->h0;
+    int64_t b = u->seq, q0 = a->query_start_loc[b], n = a->query_start_loc[b + 1] - q0, len = a->seq_lens[b];
+    int64_t keys = unit_keys(a, u);
+    const int32_t *pages = a->block_tables + b * a->max_pages;
+    int64_t padded = (keys + KB - 1) / KB * KB;
+    int64_t kstride = padded * dim / 2, vstride = padded * dim;
+    uint32_t *kp = (uint32_t *)work;
+    float *vf = work + nh * kstride, *s = vf + nh * vstride, *qf = s + RT * padded;
+    // values used by one or two row tiles are read from the cache as they are needed
+    int convert_values = (u->tok1 - u->tok0) * tiles > 2;
+    convert_kv(a->k_cache, a->v_cache, pages, page_size, kv_heads, u->h0, u->h1, dim, keys, kp, kstride,
+               convert_values ? vf : NULL, vstride);
+    int64_t slot_bytes = kv_heads * dim * 2;
+    Prefetcher pf = {(const char *)a->k_cache, (const char *)a->v_cache, pages, 0, page_size * slot_bytes, 0, 0, 0};
+    if (next && next->seq != b) {
+        // spread the next sequence's lines over this unit's weighted-sum steps
+        int64_t steps = 0;
+        for (int64_t t = u->tok0; t < u->tok1; t++) steps += len - n + t + 1;
+        steps *= nh * tiles * ((dim / 16 + DT - 1) / DT);
+        pf.pages = a->block_tables + next->seq * a->max_pages;
+        pf.num_pages = (unit_keys(a, next) + page_size - 1) / page_size;
+        int64_t lines = pf.num_pages * pf.page_bytes / 64;
+        pf.lines = (int)((lines + steps - 1) / steps);
+    }
+    for (int64_t h = u->h0; h < u->h1; h++) {
+        const uint32_t *kt = kp + (h - u->h0) * kstride;
+        Values vals = {convert_values ? vf + (h - u->h0) * vstride : NULL, a->v_cache + h * dim, pages,
+                       page_size, kv_heads * dim};
+        for (int64_t t = u->tok0; t < u->tok1; t++) {
+            int64_t limit = len - n + t + 1;
+            for (int64_t g0 = 0; g0 < group; g0 += RT) {
+                int rows = (int)(group - g0 < RT ? group - g0 : RT);
+                uint16_t *orow[RT];
+                float total[RT];
+                for (int r = 0; r < rows; r++) {
+                    int64_t off = ((q0 + t) * heads + h * group + g0 + r) * dim;
+                    for (int64_t d = 0; d < dim; d += 16)
+                        _mm512_storeu_ps(qf + r * dim + d, load_bf16x16(a->q + off + d));
+                    orow[r] = a->out + off;
                 }
+                scores(qf, kt, dim, rows, (limit + KB - 1) / KB, a->scale, s, padded);
+                for (int r = 0; r < rows; r++) total[r] = softmax_row(s + r * padded, limit);
+                weighted_values(s, padded, &vals, dim, limit, rows, total, orow, &pf);
             }
         }
     }
+}
+
+typedef struct {
+    AttentionArgs args;
+    const Unit *units;
+    atomic_int failed;
+} AttentionJob;
+
+static void attend_units(void *ctx, int64_t begin, int64_t end) {
+    AttentionJob *job = (AttentionJob *)ctx;
+    int64_t most = 0;
+    for (int64_t i = begin; i < end; i++) {
+        const Unit *u = &job->units[i];
+        int64_t need = workspace_floats(unit_keys(&job->args, u), u->h1 - u->h0, job->args.dim);
+        if (need > most) most = need;
+    }
+    float *work = (float *)aligned_alloc(64, (size_t)(most + 16) / 16 * 64);
+    if (!work) {
+        atomic_store(&job->failed, 1);
+        return;
+    }
+    for (int64_t i = begin; i < end; i++)
+        attend_unit(&job->args, &job->units[i], i + 1 < end ? &job->units[i + 1] : NULL, work);
     free(work);
-    return 0;
 }
 
 // q, out: [T, heads, dim]; caches: [num_pages, page_size, kv_heads, dim]; block_tables:
-// [B, max_pages]; sequences seq_begin .. seq_end - 1 are computed. The caller has checked shapes,
+// [B, max_pages]; sequences seq_begin .. seq_end - 1 are computed, shared among the pool's
+// threads (`threads`: how many it has) in units of up to QBLK queries of one sequence, and also
+// split by kv head when that gives too few units to go round. The caller has checked shapes,
 // dtypes and lengths. Returns 0; 1 when a used block-table entry is outside [0, num_pages); -1
 // when out of memory.
 int exl_paged_attention(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                         const int32_t *block_tables, int64_t max_pages, const int32_t *query_start_loc,
                         const int32_t *seq_lens, int64_t seq_begin, int64_t seq_end, int64_t num_pages,
                         int64_t page_size, int64_t heads, int64_t kv_heads, int64_t dim, float scale,
-                        uint16_t *out) {
+                        uint16_t *out, int64_t threads) {
+    int64_t count = 0;
     for (int64_t b = seq_begin; b < seq_end; b++) {
         const int32_t *pages = block_tables + b * max_pages;
         for (int64_t i = 0; i < (seq_lens[b] + page_size - 1) / page_size; i++)
             if (pages[i] < 0 || pages[i] >= num_pages) return 1;
+        count += (query_start_loc[b + 1] - query_start_loc[b] + QBLK - 1) / QBLK;
     }
-    AttentionArgs a = {q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-                       max_pages, page_size, heads, kv_heads, dim, scale, out};
-    return attend_sequences(&a, seq_begin, seq_end);
+    int64_t split = count < 2 * threads ? kv_heads : 1;  // kv heads per sequence's block, apart
+    Unit *units = (Unit *)malloc(sizeof(Unit) * (size_t)(count * split + 1));
+    if (!units) return -1;
+    int64_t nu = 0;
+    for (int64_t b = seq_begin; b < seq_end; b++) {
+        int64_t n = query_start_loc[b + 1] - query_start_loc[b];
+        for (int64_t t = 0; t < n; t += QBLK)
+            for (int64_t p = 0; p < split; p++)
+                units[nu++] = (Unit){b, t, t + QBLK < n ? t + QBLK : n, kv_heads * p / split, kv_heads * (p + 1) / split};
+    }
+    AttentionJob job = {{q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_pages, page_size,
+                         heads, kv_heads, dim, scale, out}, units, 0};
+    exl_parallel_for(attend_units, &job, nu);
+    free(units);
+    return atomic_load(&job.failed) ? -1 : 0;
 }
 
 #else
@@ -429,7 +475,8 @@ int exl_paged_attention(const uint16_t *q, const uint16_t *k_cache, const uint16
                         const int32_t *block_tables, int64_t max_pages, const int32_t *query_start_loc,
                         const int32_t *seq_lens, int64_t seq_begin, int64_t seq_end, int64_t num_pages,
                         int64_t page_size, int64_t heads, int64_t kv_heads, int64_t dim, float scale,
-                        uint16_t *out) {
+                        uint16_t *out, int64_t threads) {
+    (void)threads;
     (void)q; (void)k_cache; (void)v_cache; (void)block_tables; (void)max_pages; (void)query_start_loc;
     (void)seq_lens; (void)seq_begin; (void)seq_end; (void)num_pages; (void)page_size; (void)heads;
     (void)kv_heads; (void)dim; (void)scale; (void)out;

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import array
 import ctypes
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -141,10 +142,15 @@ def _cpu_kernel():
         else:
             p, i64 = ctypes.c_void_p, ctypes.c_int64
             fn = lib.exl_paged_attention
-            fn.argtypes = [p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, p]
+            fn.argtypes = [p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, p, i64]
             fn.restype = ctypes.c_int
             _cpu_fn = fn
     return _cpu_fn or None
+
+
+@functools.cache
+def _threads() -> int:
+    return _cpu_ext.threads()
 
 
 def cpu_kernel_available() -> bool:
@@ -209,7 +215,7 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     qsl, lens = array.array("i", query_start_loc), array.array("i", seq_lens)
     status = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
                 block_tables.shape[1], qsl.buffer_info()[0], lens.buffer_info()[0], 0, num_seqs,
-                num_pages, page_size, q.shape[1], kv_heads, dim, scale, out.data_ptr())
+                num_pages, page_size, q.shape[1], kv_heads, dim, scale, out.data_ptr(), _threads())
     if status == 1:
         raise AttentionInputError(f"CPU attention: a block table entry is outside the cache's {num_pages} pages")
     if status:

@@ -163,6 +163,23 @@ def test_rows_identical_whatever_the_chunking(heads, kv_heads, dim):
 
 
 @needs_kernel
+def test_long_chunk_identical_to_smaller_chunks_and_decode_steps():
+    # 70 queries: more than one of the kernel's units of work (32 queries); split differently
+    full = Paged([100], [70], 9, 3, 64, seed=9)
+    at_once = full.kernel()
+
+    def chunk(first: int, count: int) -> torch.Tensor:
+        part = _subset(full, [0])
+        part.q = full.q[first:first + count]
+        part.query_start_loc = [0, count]
+        part.lens = [100 - 70 + first + count]
+        return part.kernel()
+
+    assert torch.equal(torch.cat([chunk(0, 5), chunk(5, 40), chunk(45, 25)]), at_once)
+    assert torch.equal(torch.cat([chunk(i, 1) for i in range(70)]), at_once)
+
+
+@needs_kernel
 def test_dispatch_runs_the_kernel_for_decode_and_prefill():
     for lens, nq in (([33, 70], [1, 1]), ([33, 70], [1, 20])):
         batch = Paged(lens, nq, 9, 3, 64, seed=len(nq) + sum(nq))
