@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from exlcli.errors import ExlcliError
 from exlcli.ops import _cpu_ext
+from exlcli.ops import _ext
 from exlcli.ops._ext import use_kernels
 
 
@@ -19,7 +20,7 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if use_kernels(x):
-        return torch.ops.exlcli.silu_and_mul(x)
+        return _ext.silu_and_mul(x)
     if _cpu_ext.use_cpu_kernels(x) and _cpu_kernel() is not None:
         return silu_and_mul_cpu(x)
     return silu_and_mul_ref(x)
@@ -58,13 +59,13 @@ def cpu_kernel_available() -> bool:
 def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
     """The C kernel: x [..., 2I] bf16 (rows may be strided) -> a new contiguous [..., I] bf16."""
     fn = _cpu_kernel()
-    if x.dtype != torch.bfloat16 or x.device.type != "cpu":
+    if x.dtype != torch.bfloat16 or not x.is_cpu:
         raise ActivationInputError(f"CPU silu_and_mul: x must be a bf16 CPU tensor, got {x.dtype} on {x.device}")
     if x.dim() == 0 or x.shape[-1] == 0 or x.shape[-1] % 2:
         raise ActivationInputError(f"CPU silu_and_mul: the last dim of x must be even (gate | up), "
                                    f"got shape {tuple(x.shape)}")
     inter = x.shape[-1] // 2
-    out = torch.empty((*x.shape[:-1], inter), dtype=torch.bfloat16)
+    out = torch.empty(*x.shape[:-1], inter, dtype=torch.bfloat16)
     rows = x.reshape(-1, 2 * inter) if x.dim() != 2 or x.stride(-1) != 1 else x
     if rows.stride(-1) != 1:
         rows = rows.contiguous()

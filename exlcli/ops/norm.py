@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from exlcli.errors import ExlcliError
 from exlcli.ops import _cpu_ext
+from exlcli.ops import _ext
 from exlcli.ops._ext import use_kernels
 
 
@@ -20,7 +21,7 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if use_kernels(x):
-        return torch.ops.exlcli.rms_norm(x, weight, eps)
+        return _ext.rms_norm(x, weight, eps)
     if weight.dtype == torch.bfloat16 and _cpu_ext.use_cpu_kernels(x) and _cpu_kernels() is not None:
         return rms_norm_cpu(x, weight, eps)
     return rms_norm_ref(x, weight, eps)
@@ -36,7 +37,7 @@ def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torc
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     if use_kernels(x):
-        return torch.ops.exlcli.fused_add_rms_norm(x, residual, weight, eps)
+        return _ext.fused_add_rms_norm(x, residual, weight, eps)
     if (residual.dtype == weight.dtype == torch.bfloat16 and _cpu_ext.use_cpu_kernels(x)
             and _cpu_kernels() is not None):
         return fused_add_rms_norm_cpu(x, residual, weight, eps)
@@ -78,7 +79,7 @@ def cpu_kernel_available() -> bool:
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> int:
     for name, t in (("x", x), ("weight", weight)):
-        if t.dtype != torch.bfloat16 or t.device.type != "cpu":
+        if t.dtype != torch.bfloat16 or not t.is_cpu:
             raise NormInputError(f"CPU rms_norm: {name} must be a bf16 CPU tensor, got {t.dtype} on {t.device}")
     dim = x.shape[-1] if x.dim() else 0
     if dim == 0 or weight.shape != (dim,):
@@ -101,7 +102,7 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
         outer, inner, s_outer, s_inner = x.shape[0], 1, x.stride(0), 0
     else:
         outer, inner, s_outer, s_inner = 1, 1, 0, 0
-    out = torch.empty(shape, dtype=torch.bfloat16)
+    out = torch.empty(*shape, dtype=torch.bfloat16)  # (unpacked sizes parse faster than a tuple)
     if norm(x.data_ptr(), s_outer, s_inner, inner, weight.data_ptr(), out.data_ptr(), dim, eps, 0, outer * inner):
         raise NormInputError(f"CPU rms_norm refused x of shape {tuple(shape)}")
     return out
@@ -112,12 +113,11 @@ def fused_add_rms_norm_cpu(x: torch.Tensor, residual: torch.Tensor, weight: torc
     """The C kernel: x and residual [..., D] bf16 of one shape -> (normed, x + residual), both new."""
     _, fused = _cpu_kernels()
     dim = _check(x, weight)
-    if residual.shape != x.shape or residual.dtype != torch.bfloat16 or residual.device.type != "cpu":
+    if residual.shape != x.shape or residual.dtype != torch.bfloat16 or not residual.is_cpu:
         raise NormInputError(f"CPU fused_add_rms_norm: residual ({tuple(residual.shape)}, {residual.dtype}) "
                              f"must be bf16 shaped like x ({tuple(x.shape)})")
     x, residual, weight = x.contiguous(), residual.contiguous(), weight.contiguous()
-    out = torch.empty(x.shape, dtype=torch.bfloat16)
-    new_residual = torch.empty(x.shape, dtype=torch.bfloat16)
+    out, new_residual = torch.empty_like(x), torch.empty_like(x)  # x is contiguous: so are these
     if fused(x.data_ptr(), residual.data_ptr(), new_residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
              dim, eps, 0, x.numel() // dim):
         raise NormInputError(f"CPU fused_add_rms_norm refused x of shape {tuple(x.shape)}")

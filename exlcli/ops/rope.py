@@ -10,6 +10,7 @@ import torch
 from exlcli.errors import ExlcliError
 from exlcli.model.config import ModelConfig
 from exlcli.ops import _cpu_ext
+from exlcli.ops import _ext
 from exlcli.ops._ext import use_kernels
 
 
@@ -83,8 +84,7 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
                       slot_mapping: torch.Tensor,
                       cos_sin_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     if use_kernels(q):
-        return torch.ops.exlcli.rope_and_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache,
-                                                  slot_mapping)
+        return _ext.rope_and_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
     if k_cache.dtype == torch.bfloat16 and _cpu_ext.use_cpu_kernels(q) and _cpu_kernel() is not None:
         return rope_and_write_kv_cpu(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
     return rope_and_write_kv_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, cos_sin_rows)
@@ -123,11 +123,9 @@ def cpu_kernel_available() -> bool:
     return _cpu_kernel() is not None
 
 
-def _rows(t: torch.Tensor, name: str, tokens: int, heads: int, dim: int) -> torch.Tensor:
-    if t.dtype != torch.bfloat16 or t.device.type != "cpu" or t.shape != (tokens, heads, dim):
-        raise RopeInputError(f"CPU rope: {name} must be a bf16 CPU tensor of shape {(tokens, heads, dim)}, "
-                             f"got {t.dtype} {tuple(t.shape)} on {t.device}")
-    return t if t.stride(-1) == 1 else t.contiguous()
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t as a contiguous `dtype` tensor (copies only when it has to)."""
+    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
 
 
 def rope_and_write_kv_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -136,36 +134,42 @@ def rope_and_write_kv_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos
     """The C kernel: same contract as the reference; q, k, v may be strided views (the split of a
     fused qkv row). Returns the rotated q as a new contiguous [T, heads, D] tensor."""
     fn = _cpu_kernel()
-    if q.dim() != 3:
-        raise RopeInputError(f"CPU rope: q must be [tokens, heads, head_dim], got shape {tuple(q.shape)}")
+    # (this runs once per layer per step: a few plain comparisons, no tensor ops unless needed)
+    if q.dim() != 3 or k_cache.dim() != 4:
+        raise RopeInputError(f"CPU rope: q must be [tokens, heads, head_dim] and k_cache [pages, page_size, "
+                             f"kv_heads, head_dim], got {tuple(q.shape)} and {tuple(k_cache.shape)}")
     tokens, heads, dim = q.shape
-    if k_cache.dim() != 4 or k_cache.shape[-1] != dim or dim % 2:
-        raise RopeInputError(f"CPU rope: k_cache must be [pages, page_size, kv_heads, {dim}] with an even "
-                             f"head_dim, got shape {tuple(k_cache.shape)}")
-    kv_heads = k_cache.shape[2]
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if c.dtype != torch.bfloat16 or c.shape != k_cache.shape or not c.is_contiguous():
-            raise RopeInputError(f"CPU rope: {name} must be a contiguous bf16 tensor of shape "
-                                 f"{tuple(k_cache.shape)}, got {c.dtype} {tuple(c.shape)}")
-    q = _rows(q, "q", tokens, heads, dim)
-    k = _rows(k, "k", tokens, kv_heads, dim)
-    v = _rows(v, "v", tokens, kv_heads, dim)
+    cache_shape = k_cache.shape
+    kv_heads = cache_shape[2]
+    if cache_shape[3] != dim or dim % 2:
+        raise RopeInputError(f"CPU rope: k_cache {tuple(cache_shape)} must end in q's head_dim {dim}, "
+                             f"an even number")
+    if (v_cache.shape != cache_shape or k_cache.dtype != torch.bfloat16 or v_cache.dtype != torch.bfloat16
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+        raise RopeInputError(f"CPU rope: k_cache and v_cache must be contiguous bf16 tensors of one shape, got "
+                             f"{k_cache.dtype} {tuple(cache_shape)} and {v_cache.dtype} {tuple(v_cache.shape)}")
+    kv_shape = (tokens, kv_heads, dim)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype != torch.bfloat16 or not t.is_cpu or (t is not q and t.shape != kv_shape):
+            raise RopeInputError(f"CPU rope: {name} must be a bf16 CPU tensor of shape "
+                                 f"{(tokens, heads if t is q else kv_heads, dim)}, got {t.dtype} "
+                                 f"{tuple(t.shape)} on {t.device}")
     if cos_sin.dim() != 2 or cos_sin.shape[1] != dim:
         raise RopeInputError(f"CPU rope: cos_sin must be [positions, {dim}], got {tuple(cos_sin.shape)}")
     if positions.shape != (tokens,) or slot_mapping.shape != (tokens,):
         raise RopeInputError(f"CPU rope: positions {tuple(positions.shape)} and slot_mapping "
                              f"{tuple(slot_mapping.shape)} must have one entry per token ({tokens})")
-    cos_sin = cos_sin.to(torch.float32).contiguous()
-    positions = positions.to(torch.int64).contiguous()
-    slot_mapping = slot_mapping.to(torch.int64).contiguous()
-    q_out = torch.empty((tokens, heads, dim), dtype=torch.bfloat16)
-    num_slots = k_cache.shape[0] * k_cache.shape[1]
-    rc = fn(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
-            v.data_ptr(), v.stride(0), v.stride(1), positions.data_ptr(), cos_sin.data_ptr(), cos_sin.shape[0],
-            k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(), num_slots,
-            q_out.data_ptr(), heads, kv_heads, dim, 0, tokens)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # views of a qkv row are fine
+    cos_sin = _as(cos_sin, torch.float32)
+    positions, slot_mapping = _as(positions, torch.int64), _as(slot_mapping, torch.int64)
+    q_out = torch.empty(tokens, heads, dim, dtype=torch.bfloat16)
+    max_pos, num_slots = cos_sin.shape[0], cache_shape[0] * cache_shape[1]
+    q_st, k_st, v_st = q.stride(), k.stride(), v.stride()
+    rc = fn(q.data_ptr(), q_st[0], q_st[1], k.data_ptr(), k_st[0], k_st[1], v.data_ptr(), v_st[0], v_st[1],
+            positions.data_ptr(), cos_sin.data_ptr(), max_pos, k_cache.data_ptr(), v_cache.data_ptr(),
+            slot_mapping.data_ptr(), num_slots, q_out.data_ptr(), heads, kv_heads, dim, 0, tokens)
     if rc == -1:
-        raise RopeInputError(f"CPU rope: a position is outside the cos/sin cache [0, {cos_sin.shape[0]})")
+        raise RopeInputError(f"CPU rope: a position is outside the cos/sin cache [0, {max_pos})")
     if rc == -2:
         raise RopeInputError(f"CPU rope: a slot is outside the KV cache [0, {num_slots})")
     if rc:
