@@ -2,18 +2,23 @@
 // one call (exlcli/ops/attention.py checks the inputs and calls it once per layer).
 //
 // Sequence b owns the queries q[qsl[b] .. qsl[b+1]) (its last n tokens, causal) and its L keys sit
-// in the pages block_tables[b]. Per (sequence, kv head) the keys are converted once to fp32 in
-// blocks of 16 keys stored dimension-major (Kt[block][d][16 keys]) and the values to fp32 rows, so
-// that every query head of the group and every query of the chunk reuses them. Per query row:
+// in the pages block_tables[b]. Work is cut into units (up to QBLK queries of one sequence, for
+// all its kv heads or, when units are too few for the threads, one kv head) that the kernel pool
+// shares out. A unit first rearranges the keys it needs into blocks of 16 keys, dimension-major
+// (two bf16 dims per 32-bit lane, so the transpose moves half as much), and, when many row tiles
+// will reuse them, the values into fp32 rows; every query head of the group and every query of
+// the unit then reads those. Per query row:
 //   s_j  = (sum_d q_d k_jd) * scale     d = 0, 1, ..., D-1 in turn: exact bf16 products, one fp32
-//                                       rounding per step (FMA); 16 keys per vector lane
+//                                       rounding per step (FMA); one key per vector lane
 //   p_j  = exp(s_j - max s)             j < limit = the row's position + 1
 //   sum  = sum_j p_j                    lane j % 16 adds its keys in order, then a fixed tree
 //   o_d  = (sum_j p_j v_jd) / sum       j = 0, 1, ... in turn, fp32; one rounding to bf16 (RNE)
 //
 // Batch invariance: a row's arithmetic depends only on its q, its keys and its limit. Rows are
 // processed in small tiles (the query heads of one token, which share the limit) that only share
-// loads, so a token gets the same bits alone, in any batch, or in any chunking of its prefill.
+// loads; how the work is cut into units, which thread runs them, and whether values come from
+// the cache or from the fp32 copy (bf16 -> fp32 is exact) change no bit. So a token gets the same
+// numbers alone, in any batch, or in any chunking of its prefill.
 
 #include <math.h>
 #include <stdatomic.h>

@@ -176,6 +176,8 @@ def _check_cpu_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         raise AttentionInputError(f"CPU attention: k_cache {tuple(k_cache.shape)} and v_cache "
                                   f"{tuple(v_cache.shape)} differ")
     page_size, kv_heads, cache_dim = k_cache.shape[1:]
+    if page_size == 0 or k_cache.shape[0] == 0:
+        raise AttentionInputError(f"CPU attention: the cache {tuple(k_cache.shape)} has no pages")
     if cache_dim != dim or dim % 16 or dim == 0:
         raise AttentionInputError(f"CPU attention: head_dim must match the cache and be a multiple of 16, "
                                   f"got q {dim} and cache {cache_dim}")

@@ -213,6 +213,7 @@ def test_bad_input_raises_one_clear_error():
     fails("k_cache must be a contiguous 4-D", k_cache=good.k_cache[:, :, :1].squeeze(2))
     fails("differ", v_cache=good.v_cache[:-1].contiguous())
     fails("head_dim", q=good.q[..., :32].contiguous())
+    fails("has no pages", k_cache=good.k_cache[:, :0].contiguous(), v_cache=good.v_cache[:, :0].contiguous())
     fails("do not split", q=torch.cat([good.q, good.q[:, :1]], dim=1))
     fails("block_tables must be contiguous int32", block_tables=good.block_tables.long())
     fails("query_start_loc must have 3 entries", query_start_loc=[0, 5])
