@@ -6,10 +6,13 @@
 // torch runs the last I % 32 elements of a row through its scalar function, whose exp is libm's
 // expf; for every one of the 65536 bf16 inputs both give the same bf16 silu (the tests check all
 // of them), so one vector path serves the whole row. Each element is computed alone: no
-// dependence on the row count or the row's place.
+// dependence on the row count, the row's place or the thread (enough rows are shared among the
+// pool's threads, csrc/cpu/pool.h).
 
 #include <math.h>
 #include <stdint.h>
+
+#include "pool.h"
 
 // No fused multiply-add contraction: the reference rounds every product.
 #if defined(__clang__)
@@ -57,7 +60,7 @@ static inline void store_bf16(uint16_t *p, __m512 rounded, __mmask16 m) {
 // d = q ln2 + s with q = rint(d / ln2) and ln2 split in two, a degree-7 polynomial in s (FMAs),
 // then the scale by 2^q in two halves so that it never overflows early.
 static inline __m512 sleef_expf(__m512 d) {
-    __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(d, _mm512_set1_ps(1.442695040888963407359924681001892137426645954152985934135449406931f)));
+    __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(d, _mm512_set1_ps(1.44269504088896340736f)));  // 1 / ln2
     __m512 qf = _mm512_cvtepi32_ps(q);
     __m512 s = _mm512_fmadd_ps(qf, _mm512_set1_ps(-0.693145751953125f), d);
     s = _mm512_fmadd_ps(qf, _mm512_set1_ps(-1.428606765330187045e-06f), s);
@@ -77,14 +80,22 @@ static inline __m512 sleef_expf(__m512 d) {
                               _mm512_set1_ps(INFINITY));
 }
 
-// x: rows of 2I (gate then up), row stride x_stride; out: rows of I, row stride out_stride.
-int exl_silu_and_mul(const uint16_t *x, int64_t x_stride, uint16_t *out, int64_t out_stride,
-                     int64_t inter, int64_t begin, int64_t end) {
-    if (inter <= 0) return -1;
+// Below this many outputs a call stays on the caller's thread: waking the pool costs more.
+#define PARALLEL_MIN_ELEMS 8192
+
+typedef struct {
+    const uint16_t *x;
+    uint16_t *out;
+    int64_t x_stride, out_stride, inter;
+} silu_args;
+
+static void silu_rows(void *ctx, int64_t begin, int64_t end) {
+    const silu_args *a = (const silu_args *)ctx;
+    const int64_t inter = a->inter;
     const __m512 one = _mm512_set1_ps(1.0f), sign = _mm512_set1_ps(-0.0f);
     for (int64_t r = begin; r < end; r++) {
-        const uint16_t *gate = x + r * x_stride, *up = gate + inter;
-        uint16_t *o = out + r * out_stride;
+        const uint16_t *gate = a->x + r * a->x_stride, *up = gate + inter;
+        uint16_t *o = a->out + r * a->out_stride;
         for (int64_t i = 0; i < inter; i += LANES) {
             __mmask16 m = inter - i >= LANES ? 0xffff : (__mmask16)((1u << (inter - i)) - 1u);
             __m512 g = load_bf16(gate + i, m);
@@ -92,6 +103,15 @@ int exl_silu_and_mul(const uint16_t *x, int64_t x_stride, uint16_t *out, int64_t
             store_bf16(o + i, round_bf16(_mm512_mul_ps(s, load_bf16(up + i, m))), m);
         }
     }
+}
+
+// x: rows of 2I (gate then up), row stride x_stride; out: rows of I, row stride out_stride.
+int exl_silu_and_mul(const uint16_t *x, int64_t x_stride, uint16_t *out, int64_t out_stride,
+                     int64_t inter, int64_t rows) {
+    if (inter <= 0 || rows < 0) return -1;
+    silu_args a = {x, out, x_stride, out_stride, inter};
+    if (rows * inter >= PARALLEL_MIN_ELEMS) exl_parallel_for(silu_rows, &a, rows);
+    else silu_rows(&a, 0, rows);
     return 0;
 }
 

@@ -1,24 +1,29 @@
 // RMSNorm over bf16 rows, alone and fused with the residual add, on the CPU.
 //
-// Bitwise the same as the torch reference (exlcli/ops/norm.py) on an AVX-512 build of torch:
+// Bitwise the same as the torch reference (exlcli/ops/norm.py), single- or multi-threaded:
 //   residual = bf16(x + residual)                      (fp32 add, one rounding)
 //   ms = sum(r * r) / D                                (fp32; squares of bf16 values are exact)
 //   y  = bf16(r * (1 / sqrt(ms + eps)))                 (F.rms_norm, then .to(bf16))
 //   out = bf16(w * y)                                   (the weight multiply in bf16)
 // The sum runs in the order of torch's CPU sum kernel for a contiguous inner reduction
-// (aten/src/ATen/native/cpu/SumKernel.cpp). torch has no AVX512 build of that kernel and runs its
-// AVX2 one, so the partial sums are 8-lane vectors: four interleaved accumulators over groups of
-// four vectors, cascaded every 16 groups, folded 0+1+2+3 (plus the vectors left over after the last
-// group), then a float that starts at 0 takes the scalar tail (D % 8) and the 8 lanes, in order.
-// That order depends only on D, never on the row count, so each row comes out the same alone or in
-// a batch.
+// (aten/src/ATen/native/cpu/SumKernel.cpp). torch runs the AVX2 build of that kernel even on an
+// AVX-512 CPU (its sums match this 8-lane order bit for bit, which the tests check through
+// exl_mean_squares), so the partial sums are 8-lane vectors: four interleaved accumulators over
+// groups of four vectors, cascaded every 16 groups, folded 0+1+2+3 (plus the vectors left over after
+// the last group), then a float that starts at 0 takes the scalar tail (D % 8) and the 8 lanes, in
+// order. That order depends only on D, never on the row count, so each row comes out the same
+// alone or in a batch.
 //
 // Rows are addressed as x + (r / inner) * stride_outer + (r % inner) * stride_inner, which covers
 // [T, H] and the per-head [T, heads, D] of a q/k norm whose heads are a view into a wider row.
+// Enough rows are shared among the pool's threads (csrc/cpu/pool.h); a row's numbers never depend
+// on which thread computes it.
 
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "pool.h"
 
 // No fused multiply-add contraction: the reference rounds every product.
 #if defined(__clang__)
@@ -141,31 +146,68 @@ static float inv_rms(const uint16_t *r, int64_t d, float eps) {
     return 1.0f / sqrtf(ms + eps);
 }
 
-// x rows (see the top of the file) -> out [rows, d] contiguous, rows [begin, end).
-int exl_rms_norm(const uint16_t *x, int64_t stride_outer, int64_t stride_inner, int64_t inner,
-                 const uint16_t *w, uint16_t *out, int64_t d, float eps, int64_t begin, int64_t end) {
-    if (d <= 0 || inner <= 0) return -1;
+// Below this many elements a call stays on the caller's thread: waking the pool costs more.
+#define PARALLEL_MIN_ELEMS 32768
+
+typedef struct {
+    const uint16_t *x, *residual, *w;
+    uint16_t *residual_out, *out;
+    int64_t stride_outer, stride_inner, inner, d;
+    float eps;
+} norm_args;
+
+static void norm_rows(void *ctx, int64_t begin, int64_t end) {
+    const norm_args *a = (const norm_args *)ctx;
     for (int64_t r = begin; r < end; r++) {
-        const uint16_t *row = x + (r / inner) * stride_outer + (r % inner) * stride_inner;
-        scale_row(row, w, out + r * d, d, inv_rms(row, d, eps));
+        const uint16_t *row = a->x + (r / a->inner) * a->stride_outer + (r % a->inner) * a->stride_inner;
+        scale_row(row, a->w, a->out + r * a->d, a->d, inv_rms(row, a->d, a->eps));
     }
+}
+
+static void fused_rows(void *ctx, int64_t begin, int64_t end) {
+    const norm_args *a = (const norm_args *)ctx;
+    const int64_t d = a->d;
+    for (int64_t r = begin; r < end; r++) {
+        const int64_t base = r * d;
+        for (int64_t i = 0; i < d; i += LANES) {
+            __mmask16 m = d - i >= LANES ? 0xffff : tail_mask(d - i);
+            __m512 s = _mm512_add_ps(load_bf16(a->x + base + i, m), load_bf16(a->residual + base + i, m));
+            store_bf16(a->residual_out + base + i, round_bf16(s), m);
+        }
+        scale_row(a->residual_out + base, a->w, a->out + base, d, inv_rms(a->residual_out + base, d, a->eps));
+    }
+}
+
+static void run(exl_task_fn task, norm_args *a, int64_t rows) {
+    if (rows * a->d >= PARALLEL_MIN_ELEMS) exl_parallel_for(task, a, rows);
+    else task(a, 0, rows);
+}
+
+// x rows (see the top of the file) -> out [rows, d] contiguous.
+int exl_rms_norm(const uint16_t *x, int64_t stride_outer, int64_t stride_inner, int64_t inner,
+                 const uint16_t *w, uint16_t *out, int64_t d, float eps, int64_t rows) {
+    if (d <= 0 || inner <= 0 || rows < 0) return -1;
+    norm_args a = {.x = x, .w = w, .out = out, .stride_outer = stride_outer, .stride_inner = stride_inner,
+                   .inner = inner, .d = d, .eps = eps};
+    run(norm_rows, &a, rows);
+    return 0;
+}
+
+// out[r] = the fp32 mean of squares the norm uses for row r of x [rows, d] contiguous: what the tests
+// compare with torch's x.float().pow(2).mean(-1), bit for bit.
+int exl_mean_squares(const uint16_t *x, int64_t d, int64_t rows, float *out) {
+    if (d <= 0 || rows < 0) return -1;
+    for (int64_t r = 0; r < rows; r++) out[r] = sum_squares(x + r * d, d) / (float)d;
     return 0;
 }
 
 // residual_out = bf16(x + residual); out = rms_norm(residual_out); all [rows, d] contiguous.
 int exl_fused_add_rms_norm(const uint16_t *x, const uint16_t *residual, uint16_t *residual_out,
-                           const uint16_t *w, uint16_t *out, int64_t d, float eps, int64_t begin,
-                           int64_t end) {
-    if (d <= 0) return -1;
-    for (int64_t r = begin; r < end; r++) {
-        const int64_t base = r * d;
-        for (int64_t i = 0; i < d; i += LANES) {
-            __mmask16 m = d - i >= LANES ? 0xffff : tail_mask(d - i);
-            __m512 s = _mm512_add_ps(load_bf16(x + base + i, m), load_bf16(residual + base + i, m));
-            store_bf16(residual_out + base + i, round_bf16(s), m);
-        }
-        scale_row(residual_out + base, w, out + base, d, inv_rms(residual_out + base, d, eps));
-    }
+                           const uint16_t *w, uint16_t *out, int64_t d, float eps, int64_t rows) {
+    if (d <= 0 || rows < 0) return -1;
+    norm_args a = {.x = x, .residual = residual, .w = w, .residual_out = residual_out, .out = out,
+                   .d = d, .eps = eps};
+    run(fused_rows, &a, rows);
     return 0;
 }
 

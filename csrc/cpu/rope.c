@@ -10,9 +10,13 @@
 //
 // Token t's k and v go to cache slot slots[t] (page * page_size + offset) of the caches
 // [num_slots, kv_heads, D]. Positions and slots are checked against their bounds before anything
-// is read or written, so a bad index returns an error instead of touching memory.
+// is read or written, so a bad index returns an error instead of touching memory. Enough tokens
+// are shared among the pool's threads (csrc/cpu/pool.h); a token's numbers never depend on which
+// thread computes it.
 
 #include <stdint.h>
+
+#include "pool.h"
 
 // No fused multiply-add contraction: the reference rounds every product (see above).
 #if defined(__clang__)
@@ -74,31 +78,52 @@ static inline void copy_head(const uint16_t *x, uint16_t *out, int64_t d) {
     }
 }
 
+// Below this many rotated values a call stays on the caller's thread: waking the pool costs more.
+#define PARALLEL_MIN_ELEMS 32768
+
+typedef struct {
+    const uint16_t *q, *k, *v;
+    int64_t q_st, q_sh, k_st, k_sh, v_st, v_sh;
+    const int64_t *positions, *slots;
+    const float *cos_sin;
+    uint16_t *k_cache, *v_cache, *q_out;
+    int64_t heads, kv_heads, d;
+} rope_args;
+
+static void rope_tokens(void *ctx, int64_t begin, int64_t end) {
+    const rope_args *a = (const rope_args *)ctx;
+    const int64_t d = a->d, heads = a->heads, kv_heads = a->kv_heads;
+    for (int64_t t = begin; t < end; t++) {
+        const float *cs = a->cos_sin + a->positions[t] * d;
+        for (int64_t h = 0; h < heads; h++)
+            rotate_head(a->q + t * a->q_st + h * a->q_sh, a->q_out + (t * heads + h) * d, cs, d);
+        uint16_t *kc = a->k_cache + a->slots[t] * kv_heads * d, *vc = a->v_cache + a->slots[t] * kv_heads * d;
+        for (int64_t h = 0; h < kv_heads; h++) {
+            rotate_head(a->k + t * a->k_st + h * a->k_sh, kc + h * d, cs, d);
+            copy_head(a->v + t * a->v_st + h * a->v_sh, vc + h * d, d);
+        }
+    }
+}
+
 // q [T, heads, d], k and v [T, kv_heads, d]: strides (per token, per head) in elements, last dim
-// contiguous. cos_sin [max_pos, d] fp32. q_out [T, heads, d] contiguous. Tokens [begin, end).
-// Returns 0, or -1 for a position outside [0, max_pos), -2 for a slot outside [0, num_slots).
+// contiguous. cos_sin [max_pos, d] fp32. q_out [T, heads, d] contiguous.
+// Returns 0, or -1 for a position outside [0, max_pos), -2 for a slot outside [0, num_slots),
+// -3 for an odd or empty head_dim; nothing is written unless it returns 0.
 int exl_rope_and_write_kv(const uint16_t *q, int64_t q_st, int64_t q_sh,
                           const uint16_t *k, int64_t k_st, int64_t k_sh,
                           const uint16_t *v, int64_t v_st, int64_t v_sh,
                           const int64_t *positions, const float *cos_sin, int64_t max_pos,
                           uint16_t *k_cache, uint16_t *v_cache, const int64_t *slots, int64_t num_slots,
-                          uint16_t *q_out, int64_t heads, int64_t kv_heads, int64_t d,
-                          int64_t begin, int64_t end) {
-    if (d <= 0 || d % 2 != 0) return -3;
-    for (int64_t t = begin; t < end; t++) {
+                          uint16_t *q_out, int64_t heads, int64_t kv_heads, int64_t d, int64_t tokens) {
+    if (d <= 0 || d % 2 != 0 || tokens < 0) return -3;
+    for (int64_t t = 0; t < tokens; t++) {
         if (positions[t] < 0 || positions[t] >= max_pos) return -1;
         if (slots[t] < 0 || slots[t] >= num_slots) return -2;
     }
-    for (int64_t t = begin; t < end; t++) {
-        const float *cs = cos_sin + positions[t] * d;
-        for (int64_t h = 0; h < heads; h++)
-            rotate_head(q + t * q_st + h * q_sh, q_out + (t * heads + h) * d, cs, d);
-        uint16_t *kc = k_cache + slots[t] * kv_heads * d, *vc = v_cache + slots[t] * kv_heads * d;
-        for (int64_t h = 0; h < kv_heads; h++) {
-            rotate_head(k + t * k_st + h * k_sh, kc + h * d, cs, d);
-            copy_head(v + t * v_st + h * v_sh, vc + h * d, d);
-        }
-    }
+    rope_args a = {q, k, v, q_st, q_sh, k_st, k_sh, v_st, v_sh, positions, slots, cos_sin,
+                   k_cache, v_cache, q_out, heads, kv_heads, d};
+    if (tokens * (heads + kv_heads) * d >= PARALLEL_MIN_ELEMS) exl_parallel_for(rope_tokens, &a, tokens);
+    else rope_tokens(&a, 0, tokens);
     return 0;
 }
 

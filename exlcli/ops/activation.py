@@ -46,7 +46,7 @@ def _cpu_kernel():
         else:
             p, i64 = ctypes.c_void_p, ctypes.c_int64
             fn = lib.exl_silu_and_mul
-            fn.argtypes = [p, i64, p, i64, i64, i64, i64]
+            fn.argtypes = [p, i64, p, i64, i64, i64]
             fn.restype = ctypes.c_int
             _cpu_fn = fn
     return _cpu_fn or None
@@ -69,6 +69,6 @@ def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(-1, 2 * inter) if x.dim() != 2 or x.stride(-1) != 1 else x
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    if fn(rows.data_ptr(), rows.stride(0), out.data_ptr(), inter, inter, 0, rows.shape[0]):
+    if fn(rows.data_ptr(), rows.stride(0), out.data_ptr(), inter, inter, rows.shape[0]):
         raise ActivationInputError(f"CPU silu_and_mul refused x of shape {tuple(x.shape)}")
     return out

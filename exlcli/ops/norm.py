@@ -55,7 +55,7 @@ _cpu_fns = None
 
 
 def _cpu_kernels():
-    """(rms_norm, fused_add_rms_norm) C functions with their signatures set, or None."""
+    """(rms_norm, fused_add_rms_norm, mean_squares) C functions with their signatures set, or None."""
     global _cpu_fns
     if _cpu_fns is None:
         lib = _cpu_ext.lib()
@@ -64,12 +64,15 @@ def _cpu_kernels():
         else:
             p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
             norm = lib.exl_rms_norm
-            norm.argtypes = [p, i64, i64, i64, p, p, i64, f32, i64, i64]
+            norm.argtypes = [p, i64, i64, i64, p, p, i64, f32, i64]
             norm.restype = ctypes.c_int
             fused = lib.exl_fused_add_rms_norm
-            fused.argtypes = [p, p, p, p, p, i64, f32, i64, i64]
+            fused.argtypes = [p, p, p, p, p, i64, f32, i64]
             fused.restype = ctypes.c_int
-            _cpu_fns = (norm, fused)
+            mean_squares = lib.exl_mean_squares
+            mean_squares.argtypes = [p, i64, i64, p]
+            mean_squares.restype = ctypes.c_int
+            _cpu_fns = (norm, fused, mean_squares)
     return _cpu_fns or None
 
 
@@ -91,7 +94,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> int:
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The C kernel: x [..., D] bf16 (rows may be a strided view, e.g. heads of a wider row),
     weight [D] bf16 -> a new contiguous bf16 tensor shaped like x."""
-    norm, _ = _cpu_kernels()
+    norm = _cpu_kernels()[0]
     dim = _check(x, weight)
     weight, shape = weight.contiguous(), x.shape
     if x.stride(-1) != 1 or x.dim() > 3:
@@ -103,7 +106,7 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     else:
         outer, inner, s_outer, s_inner = 1, 1, 0, 0
     out = torch.empty(*shape, dtype=torch.bfloat16)  # (unpacked sizes parse faster than a tuple)
-    if norm(x.data_ptr(), s_outer, s_inner, inner, weight.data_ptr(), out.data_ptr(), dim, eps, 0, outer * inner):
+    if norm(x.data_ptr(), s_outer, s_inner, inner, weight.data_ptr(), out.data_ptr(), dim, eps, outer * inner):
         raise NormInputError(f"CPU rms_norm refused x of shape {tuple(shape)}")
     return out
 
@@ -111,7 +114,7 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 def fused_add_rms_norm_cpu(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The C kernel: x and residual [..., D] bf16 of one shape -> (normed, x + residual), both new."""
-    _, fused = _cpu_kernels()
+    fused = _cpu_kernels()[1]
     dim = _check(x, weight)
     if residual.shape != x.shape or residual.dtype != torch.bfloat16 or not residual.is_cpu:
         raise NormInputError(f"CPU fused_add_rms_norm: residual ({tuple(residual.shape)}, {residual.dtype}) "
@@ -119,6 +122,17 @@ def fused_add_rms_norm_cpu(x: torch.Tensor, residual: torch.Tensor, weight: torc
     x, residual, weight = x.contiguous(), residual.contiguous(), weight.contiguous()
     out, new_residual = torch.empty_like(x), torch.empty_like(x)  # x is contiguous: so are these
     if fused(x.data_ptr(), residual.data_ptr(), new_residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
-             dim, eps, 0, x.numel() // dim):
+             dim, eps, x.numel() // dim):
         raise NormInputError(f"CPU fused_add_rms_norm refused x of shape {tuple(x.shape)}")
     return out, new_residual
+
+
+def mean_squares_cpu(x: torch.Tensor) -> torch.Tensor:
+    """The fp32 mean of squares the C norm computes for each row of a bf16 [rows, D] x; the tests
+    compare it bit for bit with torch's x.float().pow(2).mean(-1), whose summation order it copies."""
+    if x.dtype != torch.bfloat16 or not x.is_cpu or x.dim() != 2 or x.shape[1] == 0:
+        raise NormInputError(f"mean_squares: x must be a bf16 CPU [rows, D], got {x.dtype} {tuple(x.shape)}")
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.float32)
+    _cpu_kernels()[2](x.data_ptr(), x.shape[1], x.shape[0], out.data_ptr())
+    return out

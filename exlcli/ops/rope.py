@@ -113,7 +113,7 @@ def _cpu_kernel():
             fn.argtypes = [p, i64, i64, p, i64, i64, p, i64, i64,  # q, k, v with (token, head) strides
                            p, p, i64,  # positions, cos_sin, max positions
                            p, p, p, i64,  # k_cache, v_cache, slots, number of slots
-                           p, i64, i64, i64, i64, i64]  # q_out, heads, kv_heads, head_dim, begin, end
+                           p, i64, i64, i64, i64]  # q_out, heads, kv_heads, head_dim, tokens
             fn.restype = ctypes.c_int
             _cpu_fn = fn
     return _cpu_fn or None
@@ -167,7 +167,7 @@ def rope_and_write_kv_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos
     q_st, k_st, v_st = q.stride(), k.stride(), v.stride()
     rc = fn(q.data_ptr(), q_st[0], q_st[1], k.data_ptr(), k_st[0], k_st[1], v.data_ptr(), v_st[0], v_st[1],
             positions.data_ptr(), cos_sin.data_ptr(), max_pos, k_cache.data_ptr(), v_cache.data_ptr(),
-            slot_mapping.data_ptr(), num_slots, q_out.data_ptr(), heads, kv_heads, dim, 0, tokens)
+            slot_mapping.data_ptr(), num_slots, q_out.data_ptr(), heads, kv_heads, dim, tokens)
     if rc == -1:
         raise RopeInputError(f"CPU rope: a position is outside the cos/sin cache [0, {max_pos})")
     if rc == -2:

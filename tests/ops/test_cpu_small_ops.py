@@ -54,6 +54,16 @@ def test_rms_norm_is_bitwise_the_reference(tokens, dim):
         assert _same(got, norm.rms_norm_cpu(x, w, eps))  # the dispatch ran the kernel
 
 
+@pytest.mark.parametrize("dim", [8, 37, 64, 576, 4096, 5000, (1 << 16) + 43])
+def test_mean_of_squares_is_torchs_bit_for_bit(dim):
+    # the bf16 outputs hide most 1-ulp differences of the fp32 mean, so check the mean itself: a
+    # different summation order (16 lanes, a float64 sum, ...) changes it in many rows
+    g = torch.Generator().manual_seed(dim)
+    x = _rows(g, 64 if dim < 10_000 else 4, dim)
+    want = x.float().pow(2).mean(-1)
+    assert torch.equal(norm.mean_squares_cpu(x), want)
+
+
 def test_rms_norm_long_rows_follow_torchs_cascaded_sum():
     # 2^15 + 8 * 5 + 3: the sum cascades levels, leaves vectors after the last group and a tail
     g = torch.Generator().manual_seed(1)
@@ -96,6 +106,7 @@ def test_fused_add_rms_norm_is_bitwise_the_reference(tokens, dim):
 
 def _rope_case(g: torch.Generator, tokens: int, heads: int, kv_heads: int, head_dim: int,
                max_pos: int = 2048, pages: int = 40, page_size: int = 16):
+    # (pages * page_size slots must be at least tokens)
     qkv = _rows(g, tokens, (heads + 2 * kv_heads) * head_dim)
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     angles = torch.outer(torch.arange(max_pos, dtype=torch.float32),
@@ -188,11 +199,27 @@ def test_each_row_alone_equals_that_row_in_a_batch():
         assert _same(activation.silu_and_mul(gate_up[rows]), batch_silu[rows])
 
 
+def test_rows_shared_among_threads_equal_rows_alone():
+    # batches big enough for the kernels to split them among the pool's threads
+    g = torch.Generator().manual_seed(12)
+    x, residual, w = _rows(g, 256, 4096), _rows(g, 256, 4096), _weight(g, 4096)
+    gate_up = _rows(g, 64, 2 * 1536)
+    batch_norm, batch_fused = norm.rms_norm(x, w, 1e-5), norm.fused_add_rms_norm(x, residual, w, 1e-5)
+    batch_silu = activation.silu_and_mul(gate_up)
+    for i in (0, 100, 255):
+        rows = slice(i, i + 1)
+        assert _same(norm.rms_norm(x[rows], w, 1e-5), batch_norm[rows])
+        normed, res = norm.fused_add_rms_norm(x[rows], residual[rows], w, 1e-5)
+        assert _same(normed, batch_fused[0][rows]) and _same(res, batch_fused[1][rows])
+        if i < 64:
+            assert _same(activation.silu_and_mul(gate_up[rows]), batch_silu[rows])
+
+
 def test_rope_token_alone_equals_that_token_in_a_batch():
     g = torch.Generator().manual_seed(10)
-    q, k, v, positions, cos_sin, cache, slots = _rope_case(g, 33, *SMOL)
+    q, k, v, positions, cos_sin, cache, slots = _rope_case(g, 300, *SMOL)  # enough to use the threads
     batch_q, batch_k, batch_v = _run_rope(q, k, v, positions, cos_sin, cache, slots)
-    for i in (0, 16, 32):
+    for i in (0, 150, 299):
         t = slice(i, i + 1)
         one_q, one_k, one_v = _run_rope(_misaligned(q[t]), k[t], v[t], positions[t], cos_sin, cache, slots[t])
         assert _same(one_q, batch_q[t])
