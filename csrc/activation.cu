@@ -8,17 +8,12 @@
 namespace exlcli {
 namespace {
 
-template <typename T>
-__device__ __forceinline__ T silu_mul(T g, T u) {
-  const float gf = to_float(g);
-  const float s = round_to<T>(gf / (1.f + expf(-gf)));
-  return from_float<T>(s * to_float(u));
-}
-
 // Grid-stride over chunks of VW elements of the output.
 template <typename T, int VW>
 __global__ void silu_and_mul_kernel(T* __restrict__ out, const T* __restrict__ x, int64_t x_stride,
                                     int inter, int64_t num_chunks) {
+  grid_dependency_wait();  // launched with launch_pdl: the previous kernel may still run
+  grid_dependents_launch();
   const int chunks_per_row = inter / VW;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < num_chunks;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -63,9 +58,11 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
     const int threads = 256;
     const int64_t blocks = std::min<int64_t>((num_chunks + threads - 1) / threads, 1 << 16);
     if (vec_ok) {
-      silu_and_mul_kernel<T, VW><<<blocks, threads, 0, current_stream()>>>(dst, src, x2.stride(0), inter, num_chunks);
+      launch_pdl(silu_and_mul_kernel<T, VW>, dim3(blocks), dim3(threads), 0, current_stream(), dst, src, x2.stride(0),
+                 inter, num_chunks);
     } else {
-      silu_and_mul_kernel<T, 1><<<blocks, threads, 0, current_stream()>>>(dst, src, x2.stride(0), inter, num_chunks);
+      launch_pdl(silu_and_mul_kernel<T, 1>, dim3(blocks), dim3(threads), 0, current_stream(), dst, src, x2.stride(0),
+                 inter, num_chunks);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });

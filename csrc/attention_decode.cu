@@ -15,7 +15,7 @@ namespace exlcli {
 namespace {
 
 constexpr int kPartitionTokens = 256;
-constexpr int kWarps = 4;
+constexpr int kWarps = 4;  // version 2; version 1 takes its warps as a template argument
 constexpr int kThreads = kWarps * 32;
 constexpr int kUnroll = 8;  // version 1: token passes whose loads are in flight together
 constexpr int kUnrollV2 = 4;  // version 2: tokens per lane group whose K and V load together
@@ -46,23 +46,25 @@ __device__ __forceinline__ int64_t query_row(const DecodeParams& p, int b) {
 // The cache slot of each token of the partition, looked up once so the loops' loads do not wait
 // on the block table.
 __device__ __forceinline__ void fill_slots(int64_t* s_slot, const int* table, int start, int n, int page_size) {
-  for (int t = threadIdx.x; t < n; t += kThreads) {
+  for (int t = threadIdx.x; t < n; t += blockDim.x) {
     const int pos = start + t;
     s_slot[t] = static_cast<int64_t>(table[pos / page_size]) * page_size + pos % page_size;
   }
   __syncthreads();
 }
 
-template <typename T, int D, int GMAX>
-__global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodeParams p) {
+template <typename T, int D, int GMAX, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32) paged_decode_kernel(const DecodeParams p) {
+  grid_dependency_wait();  // launched with launch_pdl: the previous kernel may still run
+  grid_dependents_launch();
   constexpr int VW = Vec<T>::N;  // elements per 16-byte load
   constexpr int TPT = D / VW;  // threads per token
   constexpr int TPW = 32 / TPT;  // tokens per warp per pass
-  constexpr int PASS = kWarps * TPW;  // tokens per block per pass
+  constexpr int PASS = WARPS * TPW;  // tokens per block per pass
   static_assert(TPT <= 32 && 32 % TPT == 0, "head_dim must split evenly over a warp");
 
   __shared__ float s_scores[GMAX][kPartitionTokens];  // scores, then exp(score - max)
-  __shared__ float s_red[kWarps][GMAX][D];
+  __shared__ float s_red[WARPS][GMAX][D];
   __shared__ float s_max[GMAX], s_sum[GMAX];
   __shared__ int64_t s_slot[kPartitionTokens];
 
@@ -82,7 +84,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodePara
 
   if (part >= num_parts) {
     if (part == 0 && p.max_parts == 1) {  // an empty sequence (a padded row): zeros
-      for (int i = tid; i < ng * D; i += kThreads) out[i] = from_float<T>(0.f);
+      for (int i = tid; i < ng * D; i += (WARPS * 32)) out[i] = from_float<T>(0.f);
     }
     return;
   }
@@ -142,7 +144,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodePara
   __syncthreads();
 
   // Phase 2: max and sum of exp per head, one warp per head.
-  for (int g = warp; g < ng; g += kWarps) {
+  for (int g = warp; g < ng; g += WARPS) {
     float m = -INFINITY;
     for (int t = lane; t < n; t += 32) m = fmaxf(m, s_scores[g][t]);
     m = warp_max(m);
@@ -201,11 +203,11 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodePara
   }
   __syncthreads();
 
-  for (int i = tid; i < ng * D; i += kThreads) {
+  for (int i = tid; i < ng * D; i += (WARPS * 32)) {
     const int g = i / D, d = i % D;
     float o = 0.f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) o += s_red[w][g][d];
+    for (int w = 0; w < WARPS; ++w) o += s_red[w][g][d];
     if (p.max_parts == 1) {
       out[i] = from_float<T>(o * (1.f / s_sum[g]));  // the combine kernel computes the same for one part
     } else {
@@ -225,6 +227,8 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodePara
 // (max, sum, accumulator) in a fixed order at the end. Same partitions and outputs as version 1.
 template <typename T, int D, int GMAX>
 __global__ void __launch_bounds__(kThreads) paged_decode_v2_kernel(const DecodeParams p) {
+  grid_dependency_wait();  // launched with launch_pdl: the previous kernel may still run
+  grid_dependents_launch();
   constexpr int VW = Vec<T>::N;
   constexpr int TPT = D / VW;
   constexpr int TPW = 32 / TPT;
@@ -393,6 +397,8 @@ __global__ void __launch_bounds__(kThreads) paged_decode_v2_kernel(const DecodeP
 // One block per (head, sequence), one thread per element of the head.
 template <typename T, int D>
 __global__ void __launch_bounds__(D) paged_decode_combine_kernel(const DecodeParams p) {
+  grid_dependency_wait();  // launched with launch_pdl: the previous kernel may still run
+  grid_dependents_launch();
   const int h = blockIdx.x, b = blockIdx.y, d = threadIdx.x;
   const int64_t row = query_row(p, b);
   if (row < 0) return;
@@ -425,13 +431,17 @@ template <typename T, int D, int GMAX>
 void launch(const DecodeParams& p, int num_seqs, cudaStream_t stream) {
   const dim3 grid(p.num_kv_heads * p.head_chunks, num_seqs, p.max_parts);
   if (use_decode_v1()) {
-    paged_decode_kernel<T, D, GMAX><<<grid, kThreads, 0, stream>>>(p);
+    if (decode_attention_warps() == 4) {
+      launch_pdl(paged_decode_kernel<T, D, GMAX, 4>, grid, dim3(4 * 32), 0, stream, p);
+    } else {
+      launch_pdl(paged_decode_kernel<T, D, GMAX, 8>, grid, dim3(8 * 32), 0, stream, p);
+    }
   } else {
-    paged_decode_v2_kernel<T, D, GMAX><<<grid, kThreads, 0, stream>>>(p);
+    launch_pdl(paged_decode_v2_kernel<T, D, GMAX>, grid, dim3(kThreads), 0, stream, p);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (p.max_parts > 1) {
-    paged_decode_combine_kernel<T, D><<<dim3(p.num_heads, num_seqs), D, 0, stream>>>(p);
+    launch_pdl(paged_decode_combine_kernel<T, D>, dim3(p.num_heads, num_seqs), dim3(D), 0, stream, p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }

@@ -9,6 +9,12 @@ TORCH_LIBRARY(exlcli, m) {
   m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("decode_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? norm_weight, float eps, bool silu, "
+        "Tensor? residual, bool float_out) -> Tensor");
+  m.def("decode_qkv_rope(Tensor x, Tensor weight, Tensor? bias, Tensor? norm_weight, float eps, Tensor positions, "
+        "Tensor cos_sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, int num_heads) -> Tensor");
+  // no tensor arguments: one implementation for every dispatch key
+  m.def("decode_tuning(int pdl, int warps_per_group, int attention_warps) -> int[]", &exlcli::decode_tuning);
   m.def("rope_and_write_kv(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor cos_sin, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> Tensor");
   m.def("paged_attention_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
@@ -22,6 +28,8 @@ TORCH_LIBRARY_IMPL(exlcli, CUDA, m) {
   m.impl("fused_add_rms_norm", &exlcli::fused_add_rms_norm);
   m.impl("silu_and_mul", &exlcli::silu_and_mul);
   m.impl("skinny_linear", &exlcli::skinny_linear);
+  m.impl("decode_linear", &exlcli::decode_linear);
+  m.impl("decode_qkv_rope", &exlcli::decode_qkv_rope);
   m.impl("rope_and_write_kv", &exlcli::rope_and_write_kv);
   m.impl("paged_attention_decode", &exlcli::paged_attention_decode);
   m.impl("paged_attention_prefill", &exlcli::paged_attention_prefill);

@@ -5,6 +5,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <utility>
+
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -71,6 +73,14 @@ __device__ __forceinline__ float block_sum(float x, float* scratch) {
   return total;
 }
 
+// SiLU(gate) * up with F.silu(gate) * up's rounding: silu rounded to T, then the product rounded.
+template <typename T>
+__device__ __forceinline__ T silu_mul(T g, T u) {
+  const float gf = to_float(g);
+  const float s = round_to<T>(gf / (1.f + expf(-gf)));
+  return from_float<T>(s * to_float(u));
+}
+
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 // ---- host-side checks --------------------------------------------------------------------------
@@ -92,5 +102,47 @@ inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 
   }
 
 inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+
+// ---- programmatic dependent launch (Hopper) ----------------------------------------------------
+// A kernel launched with launch_pdl() may start while the kernel before it in the stream is still
+// finishing. Its blocks may read data that no earlier kernel writes (weights) at once, but must
+// call grid_dependency_wait() before they read anything an earlier kernel wrote and before they
+// write anything at all. grid_dependents_launch() lets the next kernel's blocks start early.
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void grid_dependents_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
+// Whether launches use programmatic dependent launch (on by default on sm_90+; set_pdl switches it).
+bool pdl_enabled();
+
+// Launches `kernel` on `stream`, as a programmatic dependent launch when pdl_enabled().
+template <typename Kernel, typename... Args>
+void launch_pdl(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Args&&... args) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = pdl_enabled() ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+
+// Multiprocessors of the current device (cached per device).
+int num_sms();
+
+// Warps per block of the decode attention kernel (version 1): 4 or 8 (decode_tuning switches it).
+int decode_attention_warps();
 
 }  // namespace exlcli

@@ -1,139 +1,247 @@
-// Skinny linear layer for decode: y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for M <= 4, bf16/fp16.
-// cuBLAS reaches 1.1 to 3.3 TB/s on these shapes at M = 1 (measured on the H200); this kernel
-// streams each weight row once with 16-byte loads, two rows per warp, several loads in flight,
-// and keeps the few activation rows in L1.
+// Decode linear layers (1 to 4 token rows, bf16 / fp16) on the kernel of decode_gemv.cuh: the plain
+// product (skinny_linear), the fused variants of decode_linear and decode_qkv_rope, and the launch
+// switches. cuBLAS reaches 1.1 to 3.3 TB/s on these shapes at one row (measured on the H200).
+//
+// The inputs are checked in Python (exlcli/ops/_ext.py) before these run; the checks here only
+// guard against a call that bypasses that layer.
+#include <atomic>
+#include <vector>
+
 #include <ATen/ops/empty.h>
+#include <cuda_runtime.h>
 
 #include "common.cuh"
+#include "decode_gemv.cuh"
 #include "ops.h"
 
 namespace exlcli {
 namespace {
 
-constexpr int kLinWarps = 8;
-constexpr int kRowsPerWarp = 2;
-constexpr int kRowsPerBlock = kLinWarps * kRowsPerWarp;
-constexpr int kLinUnroll = 8;
+std::atomic<int> g_pdl{-1};  // -1: not decided yet
+std::atomic<int> g_warps_per_group{0};
+std::atomic<int> g_attention_warps{8};
 
-__device__ __forceinline__ uint4 load_stream(const void* p) { return __ldcs(static_cast<const uint4*>(p)); }
-__device__ __forceinline__ uint4 load_cached(const void* p) { return __ldg(static_cast<const uint4*>(p)); }
-
-template <typename T>
-__device__ __forceinline__ float dot8(const uint4& a, const uint4& b, float acc) {
-  const T* x = reinterpret_cast<const T*>(&a);
-  const T* y = reinterpret_cast<const T*>(&b);
-#pragma unroll
-  for (int e = 0; e < 8; ++e) acc = fmaf(to_float(x[e]), to_float(y[e]), acc);
-  return acc;
+// x's rows as a pointer and row stride the kernel can read with 16-byte loads (a copy otherwise).
+at::Tensor loadable_rows(const at::Tensor& x) {
+  const int64_t vw = 16 / x.element_size();
+  if (x.dim() == 2 && x.stride(1) == 1 && x.stride(0) % vw == 0 && aligned16(x.data_ptr())) return x;
+  return x.contiguous();
 }
 
-template <typename T, int M>
-__global__ void __launch_bounds__(kLinWarps * 32) skinny_linear_kernel(
-    T* __restrict__ y, const T* __restrict__ x, int64_t x_stride, const T* __restrict__ w,
-    const T* __restrict__ bias, int n, int k) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int row0 = (blockIdx.x * kLinWarps + warp) * kRowsPerWarp;
-  if (row0 >= n) return;
-  const bool two = row0 + 1 < n;
-  const T* w0 = w + static_cast<int64_t>(row0) * k;
-  const T* w1 = two ? w0 + k : w0;
-  const int chunks = k / 8;
-  float acc[kRowsPerWarp][M];
-#pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r)
-#pragma unroll
-    for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
-  for (int c0 = lane; c0 < chunks; c0 += 32 * kLinUnroll) {
-    uint4 a[kLinUnroll], b[kLinUnroll];
-#pragma unroll
-    for (int u = 0; u < kLinUnroll; ++u) {
-      const int c = c0 + u * 32;
-      if (c < chunks) {
-        a[u] = load_stream(w0 + c * 8);
-        b[u] = load_stream(w1 + c * 8);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kLinUnroll; ++u) {
-      const int c = c0 + u * 32;
-      if (c < chunks) {
-#pragma unroll
-        for (int m = 0; m < M; ++m) {
-          const uint4 xv = load_cached(x + m * x_stride + c * 8);
-          acc[0][m] = dot8<T>(a[u], xv, acc[0][m]);
-          acc[1][m] = dot8<T>(b[u], xv, acc[1][m]);
-        }
-      }
-    }
-  }
-#pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r)
-#pragma unroll
-    for (int m = 0; m < M; ++m) acc[r][m] = warp_sum(acc[r][m]);
-  if (lane == 0) {
-#pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r) {
-      const int row = row0 + r;
-      if (r == 1 && !two) break;
-      const float b0 = bias != nullptr ? to_float(bias[row]) : 0.f;
-#pragma unroll
-      for (int m = 0; m < M; ++m) y[static_cast<int64_t>(m) * n + row] = from_float<T>(acc[r][m] + b0);
-    }
+void check_weight(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                  int64_t k) {
+  EXL_CHECK_CUDA_TENSOR(x, "decode linear: x");
+  EXL_CHECK_CUDA_TENSOR(weight, "decode linear: weight");
+  TORCH_CHECK(x.device() == weight.device(), "decode linear: x and weight are on different devices");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= 4, "decode linear: x must be [1 to 4, k]");
+  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == k, "decode linear: weight must be [n, ", k, "]");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type() &&
+                  (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf),
+              "decode linear: x and weight must both be bfloat16 or both float16");
+  TORCH_CHECK(k % 8 == 0 && weight.is_contiguous() && aligned16(weight.data_ptr()),
+              "decode linear: weight must be contiguous with rows a multiple of 8 elements");
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->is_cuda() && bias->dim() == 1 && bias->size(0) == weight.size(0) && bias->is_contiguous() &&
+                    bias->scalar_type() == x.scalar_type(),
+                "decode linear: bias must be a contiguous [", weight.size(0), "] of x's dtype");
   }
 }
 
-template <typename T>
-void launch_skinny(T* y, const T* x, int64_t x_stride, const T* w, const T* bias, int m, int n, int k,
-                   cudaStream_t stream) {
-  const dim3 grid((n + kRowsPerBlock - 1) / kRowsPerBlock), block(kLinWarps * 32);
-  switch (m) {
-    case 1: skinny_linear_kernel<T, 1><<<grid, block, 0, stream>>>(y, x, x_stride, w, bias, n, k); break;
-    case 2: skinny_linear_kernel<T, 2><<<grid, block, 0, stream>>>(y, x, x_stride, w, bias, n, k); break;
-    case 3: skinny_linear_kernel<T, 3><<<grid, block, 0, stream>>>(y, x, x_stride, w, bias, n, k); break;
-    default: skinny_linear_kernel<T, 4><<<grid, block, 0, stream>>>(y, x, x_stride, w, bias, n, k); break;
+gemv::Params base_params(const at::Tensor& xc, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                         int64_t k) {
+  gemv::Params p{};
+  p.w = weight.data_ptr();
+  p.bias = bias.has_value() ? bias->data_ptr() : nullptr;
+  p.n = static_cast<int>(weight.size(0));
+  p.k = static_cast<int>(k);
+  p.x = xc.data_ptr();
+  p.x_stride = xc.stride(0);
+  p.rows = static_cast<int>(xc.size(0));
+  return p;
+}
+
+void run(const gemv::Params& p, at::ScalarType dtype, gemv::In in, gemv::Out out) {
+  const cudaStream_t stream = current_stream();
+  if (!gemv::launch_plain_combos(p, dtype, in, out, stream) && !gemv::launch_fused_combos(p, dtype, in, out, stream)) {
+    TORCH_CHECK(false, "decode linear: unsupported combination of fused stages");
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace
 
+bool pdl_enabled() {
+  int v = g_pdl.load(std::memory_order_relaxed);
+  if (v < 0) {
+    int device = 0, major = 0;
+    C10_CUDA_CHECK(cudaGetDevice(&device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    const char* env = std::getenv("EXLCLI_NO_PDL");
+    v = (major >= 9 && !(env != nullptr && env[0] == '1')) ? 1 : 0;
+    g_pdl.store(v, std::memory_order_relaxed);
+  }
+  return v == 1;
+}
+
+int decode_attention_warps() { return g_attention_warps.load(std::memory_order_relaxed); }
+
+int num_sms() {
+  static std::atomic<int> cached[64] = {};
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  std::atomic<int>& slot = cached[device & 63];
+  int v = slot.load(std::memory_order_relaxed);
+  if (v == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device));
+    slot.store(v, std::memory_order_relaxed);
+  }
+  return v;
+}
+
+namespace gemv {
+
+int override_warps_per_group() { return g_warps_per_group.load(std::memory_order_relaxed); }
+
+bool launch_plain_combos(const Params& p, at::ScalarType dtype, In in, Out out, cudaStream_t stream) {
+  const int wg = override_warps_per_group();
+  auto go = [&](auto tag) {
+    using T = decltype(tag);
+    if (in == In::kPlain && out == Out::kPlain) {
+      launch_rows<T, In::kPlain, Out::kPlain>(p, stream, wg);
+    } else if (in == In::kPlain && out == Out::kResidual) {
+      launch_rows<T, In::kPlain, Out::kResidual>(p, stream, wg);
+    } else if (in == In::kSilu && out == Out::kResidual) {
+      launch_rows<T, In::kSilu, Out::kResidual>(p, stream, wg);
+    } else if (in == In::kSilu && out == Out::kPlain) {
+      launch_rows<T, In::kSilu, Out::kPlain>(p, stream, wg);
+    } else {
+      return false;
+    }
+    return true;
+  };
+  return dtype == at::kBFloat16 ? go(__nv_bfloat16{}) : go(__half{});
+}
+
+}  // namespace gemv
+
+std::vector<int64_t> decode_tuning(int64_t pdl, int64_t warps_per_group, int64_t attention_warps) {
+  const std::vector<int64_t> previous{pdl_enabled() ? 1 : 0, g_warps_per_group.load(), g_attention_warps.load()};
+  if (pdl >= 0) g_pdl.store(pdl > 0 ? 1 : 0);
+  if (warps_per_group >= 0) {
+    TORCH_CHECK(warps_per_group == 0 || warps_per_group == 1 || warps_per_group == 2 || warps_per_group == 4 ||
+                    warps_per_group == 8,
+                "decode_tuning: warps_per_group must be 0 (automatic), 1, 2, 4 or 8");
+    g_warps_per_group.store(static_cast<int>(warps_per_group));
+  }
+  if (attention_warps >= 0) {
+    TORCH_CHECK(attention_warps == 4 || attention_warps == 8, "decode_tuning: attention_warps must be 4 or 8");
+    g_attention_warps.store(static_cast<int>(attention_warps));
+  }
+  return previous;
+}
+
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  EXL_CHECK_CUDA_TENSOR(x, "skinny_linear: x");
-  EXL_CHECK_CUDA_TENSOR(weight, "skinny_linear: weight");
-  TORCH_CHECK(x.device() == weight.device(), "skinny_linear: x and weight are on different devices");
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "skinny_linear: x ", x.sizes(),
-              " and weight ", weight.sizes(), " do not multiply");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 4, "skinny_linear: 1 to 4 rows, got ", x.size(0));
-  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "skinny_linear: x and weight dtypes differ");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
-              "skinny_linear: bfloat16 or float16 only, got ", x.scalar_type());
-  const int64_t k = x.size(1), n = weight.size(0);
-  TORCH_CHECK(k % 8 == 0 && weight.is_contiguous() && aligned16(weight.data_ptr()),
-              "skinny_linear: weight must be contiguous with rows a multiple of 8 elements");
-  const at::Tensor xc = (x.stride(1) == 1 && x.stride(0) % 8 == 0 && aligned16(x.data_ptr())) ? x : x.contiguous();
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->is_cuda() && bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous() &&
-                    bias->scalar_type() == x.scalar_type(),
-                "skinny_linear: bias must be a contiguous [", n, "] of x's dtype");
-  }
+  check_weight(x, weight, bias, x.dim() == 2 ? x.size(1) : -1);
   const c10::cuda::CUDAGuard guard(x.device());
-  at::Tensor y = at::empty({x.size(0), n}, x.options().memory_format(at::MemoryFormat::Contiguous));
-  if (n == 0) return y;
-  const cudaStream_t stream = current_stream();
-  if (x.scalar_type() == at::kBFloat16) {
-    using T = __nv_bfloat16;
-    launch_skinny<T>(static_cast<T*>(y.data_ptr()), static_cast<const T*>(xc.data_ptr()), xc.stride(0),
-                     static_cast<const T*>(weight.data_ptr()),
-                     bias.has_value() ? static_cast<const T*>(bias->data_ptr()) : nullptr, static_cast<int>(x.size(0)),
-                     static_cast<int>(n), static_cast<int>(k), stream);
-  } else {
-    using T = __half;
-    launch_skinny<T>(static_cast<T*>(y.data_ptr()), static_cast<const T*>(xc.data_ptr()), xc.stride(0),
-                     static_cast<const T*>(weight.data_ptr()),
-                     bias.has_value() ? static_cast<const T*>(bias->data_ptr()) : nullptr, static_cast<int>(x.size(0)),
-                     static_cast<int>(n), static_cast<int>(k), stream);
-  }
+  at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (weight.size(0) == 0) return y;
+  const at::Tensor xc = loadable_rows(x);
+  gemv::Params p = base_params(xc, weight, bias, x.size(1));
+  p.y = y.data_ptr();
+  run(p, x.scalar_type(), gemv::In::kPlain, gemv::Out::kPlain);
   return y;
+}
+
+at::Tensor decode_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                         const std::optional<at::Tensor>& norm_weight, double eps, bool silu,
+                         const std::optional<at::Tensor>& residual, bool float_out) {
+  TORCH_CHECK(x.dim() == 2, "decode_linear: x must be [rows, features]");
+  const int64_t k = silu ? x.size(1) / 2 : x.size(1);
+  check_weight(x, weight, bias, k);
+  TORCH_CHECK(!(silu && norm_weight.has_value()), "decode_linear: silu and norm_weight are exclusive");
+  TORCH_CHECK(!(float_out && residual.has_value()), "decode_linear: float_out and residual are exclusive");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t n = weight.size(0);
+  at::Tensor y = at::empty({x.size(0), n}, x.options().dtype(float_out ? at::kFloat : x.scalar_type())
+                                               .memory_format(at::MemoryFormat::Contiguous));
+  if (n == 0) return y;
+  const at::Tensor xc = loadable_rows(x);
+  gemv::Params p = base_params(xc, weight, bias, k);
+  p.y = y.data_ptr();
+  gemv::In in = gemv::In::kPlain;
+  gemv::Out out = gemv::Out::kPlain;
+  if (norm_weight.has_value()) {
+    TORCH_CHECK(norm_weight->is_cuda() && norm_weight->dim() == 1 && norm_weight->size(0) == k &&
+                    norm_weight->is_contiguous() && norm_weight->scalar_type() == x.scalar_type(),
+                "decode_linear: norm_weight must be a contiguous [", k, "] of x's dtype");
+    TORCH_CHECK(k <= 8 * gemv::kNormMaxThreads * gemv::kNormChunksPerThread, "decode_linear: rows too long to norm");
+    p.norm_w = norm_weight->data_ptr();
+    p.eps = static_cast<float>(eps);
+    in = gemv::In::kNorm;
+  } else if (silu) {
+    in = gemv::In::kSilu;
+  }
+  at::Tensor res;
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->is_cuda() && residual->dim() == 2 && residual->size(0) == x.size(0) &&
+                    residual->size(1) == n && residual->stride(1) == 1 && residual->scalar_type() == x.scalar_type(),
+                "decode_linear: residual must be [", x.size(0), ", ", n, "] of x's dtype");
+    p.residual = residual->data_ptr();
+    p.res_stride = residual->stride(0);
+    out = gemv::Out::kResidual;
+  } else if (float_out) {
+    out = gemv::Out::kFloat;
+  }
+  run(p, x.scalar_type(), in, out);
+  return y;
+}
+
+at::Tensor decode_qkv_rope(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                           const std::optional<at::Tensor>& norm_weight, double eps, const at::Tensor& positions,
+                           const at::Tensor& cos_sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& slot_mapping, int64_t num_heads) {
+  TORCH_CHECK(x.dim() == 2, "decode_qkv_rope: x must be [rows, features]");
+  const int64_t k = x.size(1);
+  check_weight(x, weight, bias, k);
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.is_contiguous() && k_cache.scalar_type() == x.scalar_type() &&
+                  v_cache.scalar_type() == x.scalar_type(),
+              "decode_qkv_rope: caches must be contiguous [pages, page_size, kv_heads, head_dim] of x's dtype");
+  const int64_t kv_heads = k_cache.size(2), head_dim = k_cache.size(3);
+  TORCH_CHECK((head_dim == 64 || head_dim == 128) && weight.size(0) == (num_heads + 2 * kv_heads) * head_dim,
+              "decode_qkv_rope: weight rows must be (num_heads + 2 kv_heads) * head_dim");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == x.size(0) && positions.is_contiguous() &&
+                  slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == x.size(0) &&
+                  slot_mapping.is_contiguous(),
+              "decode_qkv_rope: positions and slot_mapping must be contiguous int64 [rows]");
+  TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.dim() == 2 && cos_sin.size(1) == head_dim &&
+                  cos_sin.stride(1) == 1,
+              "decode_qkv_rope: cos_sin must be fp32 [positions, head_dim]");
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor q_out = at::empty({x.size(0), num_heads, head_dim}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  const at::Tensor xc = loadable_rows(x);
+  gemv::Params p = base_params(xc, weight, bias, k);
+  gemv::In in = gemv::In::kPlain;
+  if (norm_weight.has_value()) {
+    TORCH_CHECK(norm_weight->is_cuda() && norm_weight->dim() == 1 && norm_weight->size(0) == k &&
+                    norm_weight->is_contiguous() && norm_weight->scalar_type() == x.scalar_type(),
+                "decode_qkv_rope: norm_weight must be a contiguous [", k, "] of x's dtype");
+    TORCH_CHECK(k <= 8 * gemv::kNormMaxThreads * gemv::kNormChunksPerThread, "decode_qkv_rope: rows too long to norm");
+    p.norm_w = norm_weight->data_ptr();
+    p.eps = static_cast<float>(eps);
+    in = gemv::In::kNorm;
+  }
+  p.q_out = q_out.data_ptr();
+  p.positions = positions.data_ptr<int64_t>();
+  p.cos_sin = cos_sin.data_ptr<float>();
+  p.cs_stride = cos_sin.stride(0);
+  p.k_cache = k_cache.data_ptr();
+  p.v_cache = v_cache.data_ptr();
+  p.slots = slot_mapping.data_ptr<int64_t>();
+  p.num_heads = static_cast<int>(num_heads);
+  p.num_kv_heads = static_cast<int>(kv_heads);
+  p.head_dim = static_cast<int>(head_dim);
+  run(p, x.scalar_type(), in, gemv::Out::kRopeKV);
+  return q_out;
 }
 
 }  // namespace exlcli

@@ -45,6 +45,8 @@ __global__ void rms_norm_kernel(T* __restrict__ out, T* __restrict__ residual_ou
                                 const T* __restrict__ x, int64_t x_stride,
                                 const T* __restrict__ residual, int64_t res_stride,
                                 const T* __restrict__ weight, int hidden, float eps) {
+  grid_dependency_wait();  // launched with launch_pdl: the previous kernel may still run
+  grid_dependents_launch();
   __shared__ float scratch[32];
   const int64_t row = blockIdx.x;
   const int num_chunks = hidden / VW;
@@ -110,11 +112,11 @@ void launch_rms_norm(const at::Tensor& out, const at::Tensor& residual_out, cons
   const T* w = static_cast<const T*>(weight.data_ptr());
   const int64_t rs = ADD ? r2.stride(0) : 0;
   if (vec_ok) {
-    rms_norm_kernel<T, VW, ADD><<<grid, threads, 0, current_stream()>>>(o, ro, x, x2.stride(0), r, rs, w,
-                                                                        hidden, static_cast<float>(eps));
+    launch_pdl(rms_norm_kernel<T, VW, ADD>, grid, dim3(threads), 0, current_stream(), o, ro, x, x2.stride(0), r, rs,
+               w, hidden, static_cast<float>(eps));
   } else {
-    rms_norm_kernel<T, 1, ADD><<<grid, threads, 0, current_stream()>>>(o, ro, x, x2.stride(0), r, rs, w,
-                                                                       hidden, static_cast<float>(eps));
+    launch_pdl(rms_norm_kernel<T, 1, ADD>, grid, dim3(threads), 0, current_stream(), o, ro, x, x2.stride(0), r, rs,
+               w, hidden, static_cast<float>(eps));
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

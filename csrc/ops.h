@@ -3,6 +3,7 @@
 
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 
@@ -18,6 +19,21 @@ at::Tensor silu_and_mul(const at::Tensor& x);
 
 // linear.cu: y = x @ weight^T (+ bias) for 1 to 4 rows (decode), bf16 / fp16
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
+// The same product with fused stages: x normalised first (norm_weight) or x = silu(gate) * up of a
+// [rows, 2k] x (silu); the result added to a residual (residual) or returned as fp32 (float_out).
+at::Tensor decode_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                         const std::optional<at::Tensor>& norm_weight, double eps, bool silu,
+                         const std::optional<at::Tensor>& residual, bool float_out);
+// The fused q|k|v projection of decode: (optionally normalised) x @ weight^T, q and k rotated, k and
+// v written at slot_mapping of their caches; returns the rotated q [rows, num_heads, head_dim].
+at::Tensor decode_qkv_rope(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                           const std::optional<at::Tensor>& norm_weight, double eps, const at::Tensor& positions,
+                           const at::Tensor& cos_sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& slot_mapping, int64_t num_heads);
+// Launch switches for benchmarks: programmatic dependent launch (pdl: 1 on, 0 off), the decode
+// linear's warps per row group (0 automatic) and the decode attention's warps per block (4 or 8);
+// -1 leaves one unchanged. Returns the previous three.
+std::vector<int64_t> decode_tuning(int64_t pdl, int64_t warps_per_group, int64_t attention_warps);
 
 // rope.cu
 at::Tensor rope_and_write_kv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

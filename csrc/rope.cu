@@ -26,6 +26,8 @@ __global__ void rope_and_write_kv_kernel(T* __restrict__ q_out, const T* __restr
                                          T* __restrict__ k_cache, T* __restrict__ v_cache,
                                          const int64_t* __restrict__ slots, int num_heads, int num_kv_heads,
                                          int head_dim) {
+  grid_dependency_wait();  // launched with launch_pdl: the previous kernel may still run
+  grid_dependents_launch();
   const int64_t t = blockIdx.x;
   const int half = head_dim / 2;
   const float* cs = cos_sin + positions[t] * cs_stride;  // cos in [0, half), sin in [half, D)
@@ -95,7 +97,7 @@ at::Tensor rope_and_write_kv(const at::Tensor& q, const at::Tensor& k, const at:
   if (tokens == 0) return q_out;
   EXL_DISPATCH_FLOAT(q.scalar_type(), "rope_and_write_kv", [&] {
     using T = scalar_t;
-    rope_and_write_kv_kernel<T><<<static_cast<unsigned>(tokens), 128, 0, current_stream()>>>(
+    launch_pdl(rope_and_write_kv_kernel<T>, dim3(static_cast<unsigned>(tokens)), dim3(128), 0, current_stream(),
         static_cast<T*>(q_out.data_ptr()), static_cast<const T*>(q.data_ptr()), q.stride(0),
         static_cast<const T*>(k.data_ptr()), k.stride(0), static_cast<const T*>(v.data_ptr()), v.stride(0),
         positions.data_ptr<int64_t>(), cos_sin.data_ptr<float>(), cos_sin.stride(0),

@@ -2,7 +2,9 @@
 """GPU benchmarks of exlcli with random weights (no files, no downloads), for scripts/gpu_check.sh.
 
 Figures (medians; each labelled with what it includes):
-  ceilings     device-to-device copy bandwidth and a bf16 8192^3 matmul, measured here
+  ceilings     device-to-device copy bandwidth and a bf16 8192^3 matmul, measured here; the batch-1
+               linear of each Llama-8B weight shape: cuBLAS and our decode kernel (a graph of 8
+               products over distinct weights, so the weights come from memory, not L2)
   llama-8B     bf16, Llama-3.1-8B shape: batch 1 and batch 64 decode through the real Engine
                (a step = schedule + graph replay + sampling + streaming), the decode graph's GPU
                time alone, prefill of 2,048-token prompts (model forward), offline 1,024 requests
@@ -11,7 +13,7 @@ Figures (medians; each labelled with what it includes):
   hf           Hugging Face transformers on the same shapes (--hf): generate at batch 1, and
                generate_batch when this transformers has it
 
-  python3 scripts/gpu_bench.py --json results.json [--hf] [--tests "12 passed, 0 failed"]
+  python3 scripts/gpu_bench.py --json results.json [--hf] [--tests "12 passed, 0 failed"] [--variants]
   python3 scripts/gpu_bench.py --table results.json       # print the table of a saved run
 """
 
@@ -80,28 +82,59 @@ def measure_ceilings(res: dict) -> None:
     del a, b
     free_gpu()
     log(f"copy {res['copy_tb_s']:.2f} TB/s, bf16 matmul {res['matmul_tflops']:.0f} TFLOP/s")
-    # torch's (cuBLAS) matrix-vector products on Llama-8B weight shapes: the batch-1 decode floor
     gemv = {}
     for out_f, in_f in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)):
-        ws = [torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
-        x = torch.randn(1, in_f, device="cuda", dtype=torch.bfloat16)
-        i = iter(range(1 << 30))
-        ms = cuda_time_ms(lambda: torch.nn.functional.linear(x, ws[next(i) % 4]), reps=20)
-        gemv[f"{out_f}x{in_f}"] = round(out_f * in_f * 2 / (ms * 1e-3) / 1e12, 2)
-        del ws
+        gemv[f"{out_f}x{in_f}"] = linear_chain_tb_s(out_f, in_f)
     res["gemv_b1_tb_s"] = gemv
-    log(f"batch-1 linear TB/s by weight shape: {gemv}")
+    log(f"batch-1 linear TB/s by weight shape (cuBLAS / ours / ours without PDL): {gemv}")
     free_gpu()
 
 
+def linear_chain_tb_s(out_f: int, in_f: int) -> dict:
+    """Weight bytes over time of a CUDA graph of products of one row with distinct weights (enough
+    of them to overflow the L2): torch's F.linear (cuBLAS) and our decode kernel, with and without
+    programmatic dependent launch."""
+    from exlcli.ops import _ext
+
+    count = max(2, min(8, (1 << 31) // (out_f * in_f * 2)))
+    ws = [torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16) for _ in range(count)]
+    x = torch.randn(1, in_f, device="cuda", dtype=torch.bfloat16)
+    nbytes = count * out_f * in_f * 2
+
+    def graph_of(fn) -> float:
+        for w in ws:
+            fn(x, w)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for w in ws:
+                fn(x, w)
+        ms = cuda_time_ms(graph.replay, reps=20, warmup=3)
+        return round(nbytes / (ms * 1e-3) / 1e12, 2)
+
+    out = {"cublas": graph_of(lambda a, w: torch.nn.functional.linear(a, w))}
+    if _ext.load():
+        out["ours"] = graph_of(lambda a, w: _ext.skinny_linear(a, w))
+        previous = _ext.decode_tuning(pdl=0)
+        out["ours_no_pdl"] = graph_of(lambda a, w: _ext.skinny_linear(a, w))
+        _ext.decode_tuning(pdl=previous[0])
+        for wg in (2, 4, 8):
+            _ext.decode_tuning(warps_per_group=wg)
+            out[f"ours_wg{wg}"] = graph_of(lambda a, w: _ext.skinny_linear(a, w))
+        _ext.decode_tuning(warps_per_group=0)
+    del ws
+    return out
+
+
 def measure_attention(res: dict) -> None:
-    """The decode kernel alone (version 1, the default, and version 2): KV bytes read per call over
-    its time (one call each: the host's launch cost is inside the smallest figures)."""
+    """The decode kernel alone (version 1 with 4 and 8 warps a block, version 2): KV bytes read per
+    call over its time, from a CUDA graph of 8 calls (the smallest cases partly read the L2)."""
     from exlcli.ops import _ext
 
     if not _ext.load():
         return
     saved = os.environ.get("EXLCLI_DECODE_KERNEL")
+    previous = _ext.decode_tuning()
     out = {}
     try:
         for batch, length in ((1, 4096), (64, 1024), (256, 512), (1, 32768)):
@@ -111,20 +144,29 @@ def measure_attention(res: dict) -> None:
             tables = torch.arange(batch * pages, dtype=torch.int32, device="cuda").view(batch, pages)
             lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
             q = torch.randn(batch, 32, 128, device="cuda", dtype=torch.bfloat16)
-            for version in ("1", "2"):
+            for name, version, warps in (("v1w4", "1", 4), ("v1w8", "1", 8), ("v2", "2", 4)):
                 os.environ["EXLCLI_DECODE_KERNEL"] = version
-                ms = cuda_time_ms(lambda: torch.ops.exlcli.paged_attention_decode(q, k, v, tables, lens, 0.088),
-                                  reps=20)
-                out[f"v{version} b{batch}x{length}"] = {"us": round(ms * 1e3, 1),
-                                                        "tb_s": round(2 * k.numel() * 2 / (ms * 1e-3) / 1e12, 2)}
+                _ext.decode_tuning(attention_warps=warps)
+                call = lambda: _ext.paged_attention_decode(q, k, v, tables, lens, 0.088)  # noqa: E731
+                call()
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for _ in range(8):
+                        call()
+                ms = cuda_time_ms(graph.replay, reps=10) / 8
+                out[f"{name} b{batch}x{length}"] = {"us": round(ms * 1e3, 1),
+                                                     "tb_s": round(2 * k.numel() * 2 / (ms * 1e-3) / 1e12, 2)}
+                del graph
             del k, v
     finally:
         if saved is None:
             os.environ.pop("EXLCLI_DECODE_KERNEL", None)
         else:
             os.environ["EXLCLI_DECODE_KERNEL"] = saved
+        _ext.decode_tuning(attention_warps=previous[2])
     res["decode_attention"] = out
-    res["decode_kernel_in_use"] = f"v{saved or 1}"
+    res["decode_kernel_in_use"] = f"v{saved or 1}, {previous[2]} warps"
     log(f"decode attention kernel (llama-8B heads): {out}")
     free_gpu()
 
@@ -240,7 +282,61 @@ def offline(engine, count: int, prompt_len: int, new_tokens: int) -> dict:
             "total_tok_s": (generated + count * prompt_len) / elapsed}
 
 
-def bench_llama(res: dict, offline_seqs: list[int]) -> None:
+def decode_variants(engine, res: dict, profile: bool = False) -> None:
+    """Batch-1 decode with the fused step and programmatic dependent launch switched on and off."""
+    from exlcli.ops import _ext
+
+    graphs = engine.runner.graphs
+    if graphs is None or not _ext.load():
+        return
+    out = {}
+    attention_warps = _ext.decode_tuning()[2]
+    for fused, pdl, warps in ((True, True, 4), (True, True, 8), (True, False, attention_warps),
+                              (False, True, attention_warps), (False, False, attention_warps)):
+        graphs.use_fused = fused and graphs.fused_unsupported is None
+        _ext.decode_tuning(pdl=int(pdl), attention_warps=warps)
+        graphs.reset()
+        step = decode_steps(engine, 1, 128, 160, f"var-{fused}-{pdl}-{warps}")
+        out[f"fused={int(fused)} pdl={int(pdl)} attn_warps={warps}"] = {
+            "step_ms": round(step["median_s"] * 1e3, 3), "graph_ms": round(graph_replay_ms(engine, 1) or 0, 3)}
+        if profile and fused and not pdl:  # without PDL a kernel's time is its own, not overlapped
+            res["profile_b1_no_pdl"] = profile_graph(engine, 1)
+    graphs.use_fused = graphs.fused_unsupported is None
+    _ext.decode_tuning(pdl=1, attention_warps=attention_warps)
+    graphs.reset()
+    res["llama8b_b1_variants"] = out
+    log(f"llama b1 variants: {out}")
+
+
+def profile_graph(engine, batch: int) -> list:
+    """The 12 kernels with the most GPU time over 10 replays of the decode graph of `batch`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs = engine.runner.graphs
+    from exlcli.model.cuda_graphs import batch_bucket
+
+    keys = [k for k in (graphs._graphs if graphs else {}) if k[0] == batch_bucket(batch)]
+    if not keys:
+        return []
+    graph = graphs._graphs[min(keys, key=lambda k: k[1])].graph
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            graph.replay()
+        torch.cuda.synchronize()
+    rows = []
+    for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:12]:
+        name = e.key
+        for noise in ("void ", "exlcli::", "gemv::", "(anonymous namespace)::", "at::native::", "(Params)",
+                      "(DecodeParams)"):
+            name = name.replace(noise, "")
+        rows.append([name.replace("__nv_bfloat16", "bf16")[:64], e.count // 10, round(e.device_time_total / 10, 1)])
+    log(f"profile b{batch} (kernel, calls per step, us per step): {rows}")
+    return rows
+
+
+def bench_llama(res: dict, offline_seqs: list[int], variants: bool = False, profile: bool = False) -> None:
     log("llama3.1-8b: building random bf16 weights")
     model, tok = build_model("llama3.1-8b", torch.bfloat16)
     res["llama8b_weight_gb"] = model.weight_bytes() / 1e9
@@ -256,6 +352,11 @@ def bench_llama(res: dict, offline_seqs: list[int]) -> None:
         res["llama8b_b1_graph_tb_s"] = model.weight_bytes() / (replay * 1e-3) / 1e12
     log(f"llama b1: {res['llama8b_b1_ms_per_step']:.2f} ms/step (graph {replay})")
 
+    if profile:
+        res["profile_b1"] = profile_graph(engine, 1)
+    if variants:
+        decode_variants(engine, res, profile)
+
     b64 = decode_steps(engine, 64, 128, 160, "b64")
     res["llama8b_b64_tok_s"] = 64 / b64["median_s"]
     res["llama8b_b64_ms_per_step"] = b64["median_s"] * 1e3
@@ -263,6 +364,21 @@ def bench_llama(res: dict, offline_seqs: list[int]) -> None:
     if replay:
         res["llama8b_b64_graph_ms"] = replay
     log(f"llama b64: {res['llama8b_b64_tok_s']:.0f} tok/s (graph {replay})")
+    if profile:
+        res["profile_b64"] = profile_graph(engine, 64)
+    if variants:
+        from exlcli.ops import _ext
+
+        attention_warps = _ext.decode_tuning()[2]
+        other = 4 if attention_warps == 8 else 8
+        _ext.decode_tuning(attention_warps=other)
+        engine.runner.graphs.reset()
+        key = f"llama8b_b64_attn_warps{other}"
+        res[key + "_tok_s"] = 64 / decode_steps(engine, 64, 128, 160, "b64-warps")["median_s"]
+        res[key + "_graph_ms"] = graph_replay_ms(engine, 64)
+        _ext.decode_tuning(attention_warps=attention_warps)
+        engine.runner.graphs.reset()
+        log(f"llama b64 with {other} attention warps: {res[key + '_tok_s']:.0f} tok/s")
 
     for n in (1, 2):
         tps, ms = prefill_tok_s(model, n, 2048)
@@ -395,14 +511,26 @@ def table(res: dict) -> str:
            f"ceilings: copy {fmt(res.get('copy_tb_s'), 2)} TB/s, bf16 matmul {fmt(res.get('matmul_tflops'))} TFLOP/s",
            line(head), line(tuple("-" * w for w in widths))] + [line(r) for r in rows]
     if res.get("gemv_b1_tb_s"):
-        out.append("batch-1 torch linear TB/s by weight: " + ", ".join(f"{k} {v}" for k, v in res["gemv_b1_tb_s"].items()))
+        out.append("batch-1 linear TB/s by weight: " + "; ".join(
+            f"{k} " + " ".join(f"{n}={v}" for n, v in (d.items() if isinstance(d, dict) else [("cublas", d)]))
+            for k, d in res["gemv_b1_tb_s"].items()))
+    if res.get("llama8b_b1_variants"):
+        out.append("llama8b b1 step/graph ms: " + "; ".join(f"{k}: {v['step_ms']}/{v['graph_ms']}"
+                                                            for k, v in res["llama8b_b1_variants"].items()))
+    for key in ("profile_b1", "profile_b1_no_pdl", "profile_b64"):
+        if res.get(key):
+            out.append(f"{key} (kernel, calls/step, us/step): " + "; ".join(f"{n} x{c} {t}" for n, c, t in res[key]))
     if res.get("decode_attention"):
         out.append("decode attention kernel: " + ", ".join(f"{k} {v['us']}us {v['tb_s']}TB/s"
                                                           for k, v in res["decode_attention"].items()))
     extra = {k: v for k, v in res.items() if k.endswith("_error") or k in ("llama8b_offline_s", "llama8b_b64_graph_ms",
                                                                           "smollm2_b1_graph_ms", "graphs_disabled_reason",
                                                                           "llama8b_offline_runs", "decode_kernel_in_use",
-                                                                          "llama8b_offline_max_num_seqs")}
+                                                                          "llama8b_offline_max_num_seqs",
+                                                                          "llama8b_b64_attn_warps4_tok_s",
+                                                                          "llama8b_b64_attn_warps4_graph_ms",
+                                                                          "llama8b_b64_attn_warps8_tok_s",
+                                                                          "llama8b_b64_attn_warps8_graph_ms")}
     if extra:
         out.append("more: " + json.dumps(extra, default=str)[:600])
     return "\n".join(out)
@@ -417,6 +545,10 @@ def main() -> int:
     ap.add_argument("--hf-batch-requests", type=int, default=64)
     ap.add_argument("--offline-seqs", default="512,1024", help="max_num_seqs of the offline runs (comma list)")
     ap.add_argument("--only", default="ceilings,llama,smollm2", help="comma list of parts to run")
+    ap.add_argument("--variants", action="store_true",
+                    help="also batch-1 decode with the fused step, PDL and attention warps switched, "
+                         "batch 64 with the other attention warps")
+    ap.add_argument("--profile", action="store_true", help="also the top kernels of the b1 and b64 decode graphs")
     args = ap.parse_args()
     if args.table:
         res = json.loads(Path(args.table).read_text())
@@ -437,7 +569,8 @@ def main() -> int:
             Path(args.json).write_text(json.dumps(res, indent=1))
 
     for name, fn in (("ceilings", lambda: (measure_ceilings(res), measure_attention(res))),
-                     ("llama", lambda: bench_llama(res, [int(n) for n in args.offline_seqs.split(",")])),
+                     ("llama", lambda: bench_llama(res, [int(n) for n in args.offline_seqs.split(",")],
+                                                   args.variants, args.profile)),
                      ("smollm2", lambda: bench_smollm2(res)),
                      ("hf", lambda: (hf_bench(res, "smollm2-135m", "smollm2", 0),
                                      hf_bench(res, "llama3.1-8b", "llama8b", args.hf_batch_requests)))):

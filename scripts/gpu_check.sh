@@ -3,6 +3,7 @@
 #
 #   bash scripts/gpu_check.sh            # everything (about 5 minutes on an H200)
 #   GPU_CHECK_HF=0 bash scripts/gpu_check.sh   # without the Hugging Face comparison
+#   GPU_BENCH_ARGS="--variants --profile" ...  # more bench options (see scripts/gpu_bench.py)
 #
 # Logs and results go to $OUT (default ./results-tmp): build.log, tests.log, bench.log,
 # bench.json, and the built library (so a later run on a fresh machine can skip the build).
@@ -38,6 +39,12 @@ echo "build rc=$build_rc in $(( $(date +%s) - start )) s"
 tail -n 3 "$OUT/build.log"
 if [ $build_rc -ne 0 ]; then grep -m 20 -B 2 -A 6 "error" "$OUT/build.log"; fi
 cp "$EXLCLI_KERNEL_CACHE"/*/exlcli_kernels_*.so "$OUT"/ 2>/dev/null || true
+for so in "$EXLCLI_KERNEL_CACHE"/*/exlcli_kernels_*.so; do
+  [ -f "$so" ] || continue
+  # the library must use torch's C++ runtime, not a static copy (exceptions crossing it crashed)
+  echo "$(basename "$so"): needs $(readelf -d "$so" | grep -o 'lib[a-z_+]*\.so[.0-9]*' | tr '\n' ' ')"
+  echo "  defines __cxa_throw itself: $(nm -D --defined-only "$so" 2>/dev/null | grep -c ' __cxa_throw$')"
+done
 
 echo "== GPU tests"
 start=$(date +%s)
@@ -52,7 +59,8 @@ hf_flag=""
 [ "$HF" = "1" ] && hf_flag="--hf"
 left=$(( DEADLINE - $(date +%s) ))
 echo "(bench gets $left s)"
-timeout $left python3 scripts/gpu_bench.py --json "$OUT/bench.json" --tests "$summary" $hf_flag >"$OUT/bench.log" 2>&1
+timeout $left python3 scripts/gpu_bench.py --json "$OUT/bench.json" --tests "$summary" $hf_flag ${GPU_BENCH_ARGS:-} \
+  >"$OUT/bench.log" 2>&1
 echo "bench rc=$?"
 grep -E "Error|error|Traceback" "$OUT/bench.log" | head -n 10
 echo

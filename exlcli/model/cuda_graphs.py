@@ -9,11 +9,16 @@ the only wait on the device in a step is the sampler reading the token ids.
 Graphs are captured lazily, the first time a bucket is needed (or ahead with `capture`), all in one
 memory pool. They need the compiled kernels: the reference ops read lengths on the host, which a
 graph cannot do. Set EXLCLI_NO_CUDA_GRAPHS=1 to run every step eagerly.
+
+Buckets of 1 to 4 sequences capture `fused_decode_forward`: five kernels a layer instead of nine
+(the norms, rope with the KV write, SiLU and the residual adds run inside the projections), with
+the same roundings as the layer-by-layer path. EXLCLI_NO_FUSED_DECODE=1 captures model.forward.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from dataclasses import dataclass
 
@@ -81,6 +86,8 @@ class DecodeGraphs:
         self._copied.record()
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle()
+        self.fused_unsupported = fused_decode_unsupported(model)  # None: buckets <= 4 use it
+        self.use_fused = self.fused_unsupported is None
 
     # -- public -----------------------------------------------------------------------------------
     def run(self, batch: ScheduledBatch) -> torch.Tensor | None:
@@ -117,6 +124,10 @@ class DecodeGraphs:
     def num_graphs(self) -> int:
         return len(self._graphs)
 
+    def reset(self) -> None:
+        """Drops every captured graph (benchmarks switching a kernel option recapture)."""
+        self._graphs.clear()
+
     # -- internals --------------------------------------------------------------------------------
     def _table(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         if width not in self._tables:
@@ -147,6 +158,9 @@ class DecodeGraphs:
 
     def _capture(self, bucket: int, width: int) -> _Graph:
         inputs = self._inputs(bucket, width)
+        forward = self.model.forward
+        if self.use_fused and bucket <= FUSED_MAX_ROWS:
+            forward = lambda batch, kv: fused_decode_forward(self.model, batch, kv)  # noqa: E731
         self._copied.synchronize()
         # Padding everywhere: the warm-up and the capture write no KV page of a live sequence.
         self._longs[:, :bucket].zero_()
@@ -157,11 +171,11 @@ class DecodeGraphs:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                self.model.forward(inputs, self.kv)  # warm-up: cuBLAS and the allocator settle
+                forward(inputs, self.kv)  # warm-up: cuBLAS and the allocator settle
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                logits = self.model.forward(inputs, self.kv)
+                logits = forward(inputs, self.kv)
         log.debug("captured decode graph: batch %d, width %d pages", bucket, width)
         return _Graph(graph, logits)
 
@@ -198,12 +212,13 @@ class DecodeLinear(DenseLinear):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__(weight, bias)
         self._skinny = (weight.dtype in (torch.bfloat16, torch.float16) and weight.is_contiguous()
-                        and self.in_features % 8 == 0 and (bias is None or bias.dtype == weight.dtype))
+                        and weight.data_ptr() % 16 == 0 and self.in_features % 8 == 0
+                        and (bias is None or (bias.dtype == weight.dtype and bias.is_contiguous())))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if (self._skinny and x.dim() == 2 and x.shape[0] <= 4 and x.dtype == self.weight.dtype
+        if (self._skinny and x.dim() == 2 and 1 <= x.shape[0] <= 4 and x.dtype == self.weight.dtype
                 and _ext.use_kernels(x) and _ext.skinny_linear_ok):
-            return torch.ops.exlcli.skinny_linear(x, self.weight, self.bias)
+            return _ext.skinny_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -220,8 +235,52 @@ def use_decode_linears(model: LlamaModel) -> None:
 
 def make_decode_graphs(model: LlamaModel, kv: KVCache) -> DecodeGraphs | None:
     """Graphs for a model on a CUDA device, unless EXLCLI_NO_CUDA_GRAPHS=1."""
-    import os
-
     if model.device.type != "cuda" or os.environ.get("EXLCLI_NO_CUDA_GRAPHS") == "1":
         return None
     return DecodeGraphs(model, kv)
+
+
+# -- the fused decode step ----------------------------------------------------------------------------
+FUSED_MAX_ROWS = 4  # the decode linear kernel's rows
+
+
+def fused_decode_unsupported(model: LlamaModel) -> str | None:
+    """Why fused_decode_forward cannot run this model (None when it can)."""
+    if os.environ.get("EXLCLI_NO_FUSED_DECODE") == "1":
+        return "EXLCLI_NO_FUSED_DECODE=1"
+    cfg = model.config
+    if model.dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {model.dtype} (the decode linear kernel is bf16 / fp16)"
+    if cfg.head_dim not in (64, 128):
+        return f"head_dim {cfg.head_dim}"
+    if cfg.hidden_size % 8 or cfg.hidden_size > 32768:
+        return f"hidden size {cfg.hidden_size}"
+    linears = [model.lm_head] + [getattr(layer, name) for layer in model.layers
+                                 for name in ("qkv", "o_proj", "gate_up", "down")]
+    if not all(isinstance(lin, DecodeLinear) and lin._skinny for lin in linears):
+        return "a projection the decode linear kernel cannot read (quantized or unaligned)"
+    if any(layer.q_norm is not None for layer in model.layers):
+        return "q/k norms"
+    return None
+
+
+@torch.inference_mode()
+def fused_decode_forward(model: LlamaModel, batch: BatchInputs, kv: KVCache) -> torch.Tensor:
+    """LlamaModel.forward for a pure decode step of 1 to 4 sequences (every row samples), in five
+    kernels a layer: q|k|v with the input norm, rope and the KV write; attention; o_proj with the
+    residual add; gate|up with the post-attention norm; down with SiLU and the residual add. Each
+    rounds as the layer-by-layer kernels do. Returns fp32 logits [rows, V]."""
+    cfg = model.config
+    eps = cfg.rms_norm_eps
+    rows = batch.input_ids.shape[0]
+    r = F.embedding(batch.input_ids, model.embed)  # the residual stream
+    for i, layer in enumerate(model.layers):
+        q = _ext.decode_qkv_rope(r, layer.qkv.weight, layer.qkv.bias, layer.input_norm, eps, batch.positions,
+                                 model.cos_sin, kv.k[i], kv.v[i], batch.slot_mapping, cfg.num_heads)
+        o = _ext.paged_attention_decode(q, kv.k[i], kv.v[i], batch.block_tables, batch.seq_lens_t, model.scale)
+        r = _ext.decode_linear(o.view(rows, -1), layer.o_proj.weight, layer.o_proj.bias, residual=r)
+        gate_up = _ext.decode_linear(r, layer.gate_up.weight, layer.gate_up.bias, norm_weight=layer.post_norm,
+                                     eps=eps)
+        r = _ext.decode_linear(gate_up, layer.down.weight, layer.down.bias, silu=True, residual=r)
+    return _ext.decode_linear(r, model.lm_head.weight, model.lm_head.bias, norm_weight=model.norm, eps=eps,
+                              float_out=True)

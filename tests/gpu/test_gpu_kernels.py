@@ -16,6 +16,7 @@ import torch
 
 from gpu_helpers import TOLERANCE, assert_matches, poison_next_alloc, rel_err, requires_cuda
 from exlcli.model.config import ModelConfig
+from exlcli.ops import _ext as ops  # the checked wrappers: the only way exlcli calls the compiled ops
 from exlcli.ops.activation import silu_and_mul_ref
 from exlcli.ops.attention import paged_attention_decode_ref, paged_attention_ref
 from exlcli.ops.norm import fused_add_rms_norm_ref, rms_norm_ref
@@ -25,7 +26,6 @@ pytestmark = [pytest.mark.gpu, requires_cuda, pytest.mark.usefixtures("kernels")
 
 DTYPES = [torch.bfloat16, torch.float16]
 ALL_DTYPES = DTYPES + [torch.float32]
-ops = torch.ops.exlcli
 
 
 def randn(*shape, dtype=torch.float32) -> torch.Tensor:
@@ -70,30 +70,56 @@ def test_fused_add_rms_norm(rows, hidden, dtype):
     assert_matches(out, ref_out, dtype, "fused norm vs same-dtype reference")
 
 
-def run_isolated(code: str) -> str:
-    """Runs `code` in a fresh interpreter with the kernels loaded (a crash must not take the test
-    session down); returns its stdout."""
-    prelude = ("import torch\nfrom exlcli.ops import _ext\nassert _ext.load(), _ext.reason()\n"
-               "ops = torch.ops.exlcli\n"
-               "def randn(*s, dtype=torch.bfloat16): return torch.randn(*s, device='cuda').to(dtype)\n"
-               "def expect_error(fn):\n"
-               "    try:\n        fn()\n    except RuntimeError as e:\n        print('RAISED', str(e).splitlines()[0])\n"
-               "    else:\n        print('NO ERROR')\n")
-    proc = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=120, cwd=str(Path(__file__).resolve().parents[2]))
-    assert proc.returncode == 0, f"exit {proc.returncode} (negative: killed by a signal): {proc.stderr[-2000:]}"
-    return proc.stdout
+def expect_rejected(call, *words: str) -> str:
+    """The wrapper raises KernelInputError, one line holding each of `words`."""
+    with pytest.raises(ops.KernelInputError) as err:
+        call()
+    message = str(err.value)
+    assert "\n" not in message and all(w in message for w in words), (message, words)
+    return message
 
 
 def test_norm_rejects_bad_input():
+    x = randn(4, 64, dtype=torch.bfloat16)
+    expect_rejected(lambda: ops.rms_norm(x, randn(32, dtype=torch.bfloat16), 1e-5), "weight must be [64]")
+    expect_rejected(lambda: ops.rms_norm(x, randn(64, dtype=torch.float16), 1e-5), "dtype")
+    expect_rejected(lambda: ops.rms_norm(x.cpu(), randn(64, dtype=torch.bfloat16), 1e-5), "CUDA")
+    expect_rejected(lambda: ops.fused_add_rms_norm(x, x[:2], randn(64, dtype=torch.bfloat16), 1e-5), "residual shape")
+    expect_rejected(lambda: ops.silu_and_mul(randn(2, 5)), "even")
+
+
+def run_isolated(code: str) -> list[str]:
+    """Runs `code` in a fresh interpreter with the kernels loaded (a crash must not take the test
+    session down); returns its stdout lines."""
+    prelude = ("import torch\nfrom exlcli.ops import _ext\nassert _ext.load(), _ext.reason()\n"
+               "raw = torch.ops.exlcli\n"
+               "def randn(*s, dtype=torch.bfloat16): return torch.randn(*s, device='cuda').to(dtype)\n"
+               "def expect_error(fn):\n"
+               "    try:\n        fn()\n    except RuntimeError as e:\n"
+               "        print('RAISED', str(e).splitlines()[0], flush=True)\n"
+               "    else:\n        print('NO ERROR', flush=True)\n")
+    proc = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=120, cwd=str(Path(__file__).resolve().parents[2]))
+    assert proc.returncode == 0, f"exit {proc.returncode} (negative: killed by a signal): {proc.stderr[-2000:]}"
+    return proc.stdout.splitlines()
+
+
+def test_an_error_raised_inside_the_compiled_library_is_a_python_error():
+    """Past the wrappers, the C++ checks (TORCH_CHECK) and torch's own errors inside an op raise
+    RuntimeError. Linked against a static copy of the C++ runtime, they killed the process."""
     out = run_isolated("""
         x = randn(4, 64)
-        expect_error(lambda: ops.rms_norm(x, randn(32), 1e-5))
-        expect_error(lambda: ops.rms_norm(x, randn(64, dtype=torch.float16), 1e-5))
-        expect_error(lambda: ops.rms_norm(x.cpu(), randn(64), 1e-5))
-    """).splitlines()
-    assert len(out) == 3 and all(line.startswith("RAISED") for line in out), out
-    assert "weight must be" in out[0] and "dtype" in out[1] and "CUDA" in out[2]
+        expect_error(lambda: raw.rms_norm(x, randn(32), 1e-5))
+        k = randn(2, 16, 2, 64)
+        tables = torch.zeros(1, 1, dtype=torch.int32, device="cuda")
+        lens = torch.tensor([10], dtype=torch.int32, device="cuda")
+        expect_error(lambda: raw.paged_attention_decode(randn(1, 4, 96), k, k, tables, lens, 0.1))
+        expect_error(lambda: raw.skinny_linear(randn(7, 64), randn(8, 64), None))
+        print("ALIVE")
+    """)
+    assert out[-1] == "ALIVE" and len(out) == 4, out
+    assert all(line.startswith("RAISED") for line in out[:3]), out
+    assert "weight must be" in out[0] and "head_dim" in out[1] and "1 to 4" in out[2], out
 
 
 # -- activation -----------------------------------------------------------------------------------
@@ -247,21 +273,30 @@ def test_decode_of_an_empty_padding_row_is_zeros(width):
 
 
 def test_attention_rejects_bad_input():
-    out = run_isolated("""
-        k = randn(2, 16, 2, 64); v = randn(2, 16, 2, 64)
-        tables = torch.zeros(1, 1, dtype=torch.int32, device="cuda")
-        lens = torch.tensor([10], dtype=torch.int32, device="cuda")
-        q = randn(1, 4, 64)
-        expect_error(lambda: ops.paged_attention_decode(randn(1, 4, 96), k, v, tables, lens, 0.1))
-        expect_error(lambda: ops.paged_attention_decode(q, k, v, tables.long(), lens, 0.1))
-        expect_error(lambda: ops.paged_attention_decode(randn(1, 3, 64), k, v, tables, lens, 0.1))
-        expect_error(lambda: ops.paged_attention_decode(q.half(), k, v, tables, lens, 0.1))
-        qsl = torch.tensor([0, 1], dtype=torch.int64, device="cuda")
-        expect_error(lambda: ops.paged_attention_prefill(q, k, v, tables, qsl, lens, 0.1))
-    """).splitlines()
-    assert len(out) == 5 and all(line.startswith("RAISED") for line in out), out
-    for line, words in zip(out, ("head_dim", "block_tables must be", "multiple", "dtype", "query_start_loc")):
-        assert words in line, (line, words)
+    k = randn(2, 16, 2, 64, dtype=torch.bfloat16)
+    v = randn(2, 16, 2, 64, dtype=torch.bfloat16)
+    tables = torch.zeros(1, 1, dtype=torch.int32, device="cuda")
+    lens = torch.tensor([10], dtype=torch.int32, device="cuda")
+    q = randn(1, 4, 64, dtype=torch.bfloat16)
+    decode = ops.paged_attention_decode
+    expect_rejected(lambda: decode(randn(1, 4, 96, dtype=torch.bfloat16), k, v, tables, lens, 0.1), "head_dim")
+    expect_rejected(lambda: decode(q, k, v, tables.long(), lens, 0.1), "block_tables must be")
+    expect_rejected(lambda: decode(randn(1, 3, 64, dtype=torch.bfloat16), k, v, tables, lens, 0.1), "multiple")
+    expect_rejected(lambda: decode(q.half(), k, v, tables, lens, 0.1), "dtype")
+    expect_rejected(lambda: decode(q, k, v[:1], tables, lens, 0.1), "differ in shape")
+    qsl = torch.tensor([0, 1], dtype=torch.int64, device="cuda")
+    expect_rejected(lambda: ops.paged_attention_prefill(q, k, v, tables, qsl, lens, 0.1), "query_start_loc")
+    qsl32 = qsl.int()
+    expect_rejected(lambda: ops.paged_attention_prefill(q, k, v, tables, qsl32, lens, 0.1, [0, 2], [10]),
+                    "query_start_loc must run")
+    q2 = randn(2, 4, 64, dtype=torch.bfloat16)
+    qsl2 = torch.tensor([0, 2], dtype=torch.int32, device="cuda")
+    expect_rejected(lambda: ops.paged_attention_prefill(q2, k, v, tables, qsl2, lens, 0.1, [0, 2], [40]),
+                    "too narrow")
+    cos_sin = torch.zeros(16, 64, device="cuda")
+    pos = torch.zeros(1, dtype=torch.long, device="cuda")
+    expect_rejected(lambda: ops.rope_and_write_kv(q, q[:, :2], q[:, :2], pos, cos_sin, k, v, pos.int()),
+                    "slot_mapping dtype must be int64")
 
 
 PREFILL_CASES = [

@@ -22,19 +22,35 @@ def fresh_ext(monkeypatch):
     return _ext
 
 
-def test_every_source_exists_and_every_dispatched_op_is_registered():
+def test_every_source_exists_and_every_op_is_registered_and_wrapped():
     for name in _ext.SOURCES + _ext.HEADERS:
         assert (_ext.CSRC / name).is_file(), name
     assert sorted(p.name for p in _ext.CSRC.glob("*.c*") if p.suffix in (".cu", ".cpp")) == sorted(
         n for n in _ext.SOURCES), "csrc/ holds a source the build list does not name (or the reverse)"
-    called = set()
-    for py in OPS_DIR.glob("*.py"):
-        called |= set(re.findall(r"torch\.ops\.exlcli\.(\w+)", py.read_text()))
     bindings = (_ext.CSRC / "bindings.cpp").read_text()
     defined = set(re.findall(r'm\.def\("(\w+)\(', bindings))
+    catch_all = set(re.findall(r'm\.def\("(\w+)\([^;]*?&exlcli::\w+\);', bindings))  # no tensor arguments
     implemented = set(re.findall(r'm\.impl\("(\w+)"', bindings))
-    assert called and called <= defined, f"ops called but not defined: {called - defined}"
-    assert defined == implemented
+    assert catch_all == {"decode_tuning"} and defined == implemented | catch_all
+    wrapper_source = Path(_ext.__file__).read_text()
+    for op in defined:
+        assert f"\ndef {op}(" in wrapper_source and f"torch.ops.exlcli.{op}(" in wrapper_source, op
+
+
+def test_the_compiled_ops_are_called_only_through_the_checked_wrappers():
+    package = OPS_DIR.parent
+    callers = sorted(str(py.relative_to(package)) for py in package.rglob("*.py")
+                     if "torch.ops.exlcli." in py.read_text())
+    assert callers == ["ops/_ext.py"]
+
+
+def test_the_wrappers_reject_cpu_tensors_in_one_line():
+    x, w = torch.zeros(2, 64, dtype=torch.bfloat16), torch.zeros(64, dtype=torch.bfloat16)
+    with pytest.raises(_ext.KernelInputError, match=r"^rms_norm: x must be a CUDA tensor, got one on cpu$"):
+        _ext.rms_norm(x, w, 1e-5)
+    with pytest.raises(_ext.KernelInputError, match="skinny_linear: x must be a CUDA tensor"):
+        _ext.skinny_linear(x, torch.zeros(8, 64, dtype=torch.bfloat16))
+    assert issubclass(_ext.KernelInputError, ValueError)
 
 
 def test_cpu_tensors_never_use_kernels(fresh_ext):

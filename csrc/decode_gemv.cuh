@@ -1,0 +1,383 @@
+// The decode linear kernel: y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for M <= 4 token rows, bf16 /
+// fp16, streaming W once at close to the memory bandwidth, with optional fused stages:
+//
+//   prologue (what x is):  kPlain  x as given
+//                          kNorm   rms_norm(r, norm_weight) of the given r, computed in the kernel
+//                                  with the rounding and the summation order of norm.cu
+//                          kSilu   silu(gate) * up of a fused [M, 2K] gate|up, as activation.cu
+//   epilogue (what is written):
+//                          kPlain     y, rounded to the dtype
+//                          kResidual  round(round(y) + residual): the residual stream after this layer
+//                          kFloat     round(y) as fp32 (the logits)
+//                          kRopeKV    rows are q|k|v heads: q is rotated into q_out, k rotated and v
+//                                     written into their KV pages, as rope.cu does
+//
+// Work is split in row groups of kRows weight rows; each group is read by `warps_per_group` warps
+// that split K between them (16-byte loads, kUnroll passes in flight per row), so even a 4096-row
+// matrix gives every multiprocessor several groups. The grid is persistent (two blocks per SM). The
+// kernel is launched as a programmatic dependent launch: the first weights are loaded before it
+// waits for the previous kernel (whose output is x).
+#pragma once
+
+#include "common.cuh"
+
+namespace exlcli {
+namespace gemv {
+
+enum class In { kPlain, kNorm, kSilu };
+enum class Out { kPlain, kResidual, kFloat, kRopeKV };
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kRows = 8;  // weight rows per row group (4 rotation pairs in kRopeKV)
+constexpr int kUnroll = 2;  // 16-byte chunks of each row in flight per thread
+constexpr int kNormMaxThreads = 1024;  // norm.cu's block size limit, whose summation order we follow
+constexpr int kNormChunksPerThread = 4;
+
+struct Params {
+  const void* w;  // [n, k]
+  const void* bias;  // [n] or nullptr
+  int n, k;
+  const void* x;  // kPlain, kNorm: [rows, k]; kSilu: [rows, 2k]; rows x_stride apart
+  int64_t x_stride;
+  int rows;  // 1 .. M
+  const void* norm_w;  // kNorm: [k]
+  float eps;
+  void* y;  // [rows, n] contiguous (fp32 for kFloat)
+  const void* residual;  // kResidual: [rows, n], rows res_stride apart
+  int64_t res_stride;
+  // kRopeKV: rows of w are num_heads q heads, then num_kv_heads k heads, then as many v heads
+  void* q_out;  // [rows, num_heads, head_dim] contiguous
+  const int64_t* positions;  // [rows]
+  const float* cos_sin;  // [positions, head_dim]: cos | sin
+  int64_t cs_stride;
+  void* k_cache;  // [pages, page_size, num_kv_heads, head_dim] contiguous
+  void* v_cache;
+  const int64_t* slots;  // [rows]; negative: write nothing
+  int num_heads, num_kv_heads, head_dim;
+  int warps_per_group;  // 1, 2, 4 or 8
+  int num_units;  // row groups
+};
+
+__device__ __forceinline__ uint4 load_stream(const void* p) { return __ldcs(static_cast<const uint4*>(p)); }
+__device__ __forceinline__ uint4 load_cached(const void* p) { return __ldg(static_cast<const uint4*>(p)); }
+
+template <typename T>
+__device__ __forceinline__ float dot8(const uint4& a, const uint4& b, float acc) {
+  const T* x = reinterpret_cast<const T*>(&a);
+  const T* y = reinterpret_cast<const T*>(&b);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) acc = fmaf(to_float(x[e]), to_float(y[e]), acc);
+  return acc;
+}
+
+// Weight row `r` of row group `unit`, or -1 past the matrix.
+template <Out OUT>
+__device__ __forceinline__ int unit_row(const Params& p, int unit, int r) {
+  if (unit >= p.num_units) return -1;
+  if constexpr (OUT == Out::kRopeKV) {
+    // a group is kRows/2 rotation pairs (j, j + half) of one head
+    const int half = p.head_dim / 2, per_head = half / (kRows / 2);
+    const int head = unit / per_head, j0 = (unit % per_head) * (kRows / 2);
+    return head * p.head_dim + j0 + (r < kRows / 2 ? r : r - kRows / 2 + half);
+  } else {
+    const int row = unit * kRows + r;
+    return row < p.n ? row : -1;
+  }
+}
+
+// rms_norm's 1 / rms of each x row, summed in the order of norm.cu's kernel (a block of V threads,
+// thread t summing chunks t, t + V, ...; warp sums; warps in order) so the normalised row matches it
+// bit for bit. Every thread of the block must call this.
+template <typename T, int M>
+__device__ void norm_inverse(const Params& p, float (*s_scratch)[32], float* s_inv) {
+  constexpr int kVirtual = kNormMaxThreads / kThreads;  // norm.cu threads this thread stands for
+  const int chunks = p.k / 8;
+  const int v = min(kNormMaxThreads, max(32, ceil_div(chunks, 32) * 32));
+  const int lane = threadIdx.x & 31;
+  float part[M][kVirtual];
+#pragma unroll
+  for (int m = 0; m < M; ++m) {  // every load first, so they are in flight together
+    const T* x = static_cast<const T*>(p.x) + m * p.x_stride;
+#pragma unroll
+    for (int j = 0; j < kVirtual; ++j) {
+      const int vt = threadIdx.x + j * kThreads;
+      part[m][j] = 0.f;
+      if (m < p.rows && vt < v) {
+#pragma unroll
+        for (int i = 0; i < kNormChunksPerThread; ++i) {
+          const int c = vt + i * v;
+          if (c < chunks) {
+            const Vec<T> r = load_vec(x + c * 8);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) part[m][j] = fmaf(to_float(r.v[e]), to_float(r.v[e]), part[m][j]);
+          }
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int j = 0; j < kVirtual; ++j) {
+      const float sum = warp_sum(part[m][j]);
+      const int vt = threadIdx.x + j * kThreads;
+      if (lane == 0 && vt < v && m < p.rows) s_scratch[m][vt >> 5] = sum;
+    }
+  __syncthreads();
+  if (threadIdx.x < M && threadIdx.x < p.rows) {
+    float total = 0.f;
+    for (int w = 0; w < v / 32; ++w) total += s_scratch[threadIdx.x][w];
+    s_inv[threadIdx.x] = rsqrtf(total * (1.f / p.k) + p.eps);
+  }
+  __syncthreads();
+}
+
+// Chunk c (8 elements) of x row m, as 8 packed T.
+template <typename T, In IN>
+__device__ __forceinline__ uint4 x_chunk(const Params& p, int m, int c, float inv) {
+  const T* x = static_cast<const T*>(p.x) + m * p.x_stride;
+  if constexpr (IN == In::kPlain) {
+    return load_cached(x + c * 8);
+  } else if constexpr (IN == In::kNorm) {
+    const uint4 rv = load_cached(x + c * 8), wv = load_cached(static_cast<const T*>(p.norm_w) + c * 8);
+    const T* r = reinterpret_cast<const T*>(&rv);
+    const T* w = reinterpret_cast<const T*>(&wv);
+    uint4 out;
+    T* o = reinterpret_cast<T*>(&out);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) o[e] = from_float<T>(to_float(w[e]) * round_to<T>(to_float(r[e]) * inv));
+    return out;
+  } else {
+    const uint4 gv = load_cached(x + c * 8), uv = load_cached(x + p.k + c * 8);
+    const T* g = reinterpret_cast<const T*>(&gv);
+    const T* u = reinterpret_cast<const T*>(&uv);
+    uint4 out;
+    T* o = reinterpret_cast<T*>(&out);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) o[e] = silu_mul(g[e], u[e]);
+    return out;
+  }
+}
+
+// What a thread's epilogue reads besides the sums (bias, residual, cos and sin), loaded when a row
+// group starts so the loads are done by the time the sums are.
+struct EpilogueInputs {
+  float a = 0.f, b = 0.f;  // bias of the row (pair)
+  float res = 0.f;  // kResidual: the residual element
+  float c = 1.f, s = 0.f;  // kRopeKV: cos and sin of the pair's frequency at the token's position
+};
+
+template <typename T, Out OUT>
+__device__ __forceinline__ EpilogueInputs epilogue_inputs(const Params& p, int row, int m, int64_t position) {
+  EpilogueInputs in;
+  const T* bias = static_cast<const T*>(p.bias);
+  if constexpr (OUT == Out::kRopeKV) {
+    const int d = p.head_dim, half = d / 2, head = row / d, j = row % d;
+    if (bias != nullptr) {
+      in.a = to_float(bias[row]);
+      in.b = to_float(bias[row + half]);
+    }
+    if (head < p.num_heads + p.num_kv_heads) {
+      const float* cs = p.cos_sin + position * p.cs_stride;
+      in.c = cs[j];
+      in.s = cs[half + j];
+    }
+  } else {
+    if (bias != nullptr) in.a = to_float(bias[row]);
+    if constexpr (OUT == Out::kResidual) in.res = to_float(static_cast<const T*>(p.residual)[m * p.res_stride + row]);
+  }
+  return in;
+}
+
+template <typename T, Out OUT>
+__device__ __forceinline__ void store_row(const Params& p, int row, int m, float s, const EpilogueInputs& in) {
+  const float v = s + in.a;
+  const int64_t at = static_cast<int64_t>(m) * p.n + row;
+  if constexpr (OUT == Out::kPlain) {
+    static_cast<T*>(p.y)[at] = from_float<T>(v);
+  } else if constexpr (OUT == Out::kResidual) {
+    static_cast<T*>(p.y)[at] = from_float<T>(round_to<T>(v) + in.res);
+  } else {
+    static_cast<float*>(p.y)[at] = round_to<T>(v);
+  }
+}
+
+// Rows ra = head * D + j and ra + D/2 of token m: rotate (q, k) and store, or store (v).
+template <typename T>
+__device__ __forceinline__ void store_rope_pair(const Params& p, int ra, int m, float sa, float sb, int64_t slot,
+                                                const EpilogueInputs& in) {
+  const int d = p.head_dim, half = d / 2;
+  const int head = ra / d, j = ra % d;
+  const float xa = round_to<T>(sa + in.a), xb = round_to<T>(sb + in.b);
+  const int qk_heads = p.num_heads + p.num_kv_heads;
+  float oa = xa, ob = xb;
+  if (head < qk_heads) {  // the same products and roundings as rope.cu's rotate()
+    oa = __fsub_rn(__fmul_rn(xa, in.c), __fmul_rn(xb, in.s));
+    ob = __fadd_rn(__fmul_rn(xb, in.c), __fmul_rn(xa, in.s));
+  }
+  T* dst;
+  if (head < p.num_heads) {
+    dst = static_cast<T*>(p.q_out) + (static_cast<int64_t>(m) * p.num_heads + head) * d;
+  } else {
+    if (slot < 0) return;  // a padded row of a captured graph
+    T* cache = static_cast<T*>(head < qk_heads ? p.k_cache : p.v_cache);
+    const int kv_head = head < qk_heads ? head - p.num_heads : head - qk_heads;
+    dst = cache + (slot * p.num_kv_heads + kv_head) * d;
+  }
+  dst[j] = from_float<T>(oa);
+  dst[j + half] = from_float<T>(ob);
+}
+
+template <typename T, int M, In IN, Out OUT>
+__global__ void __launch_bounds__(kThreads, 2) decode_gemv_kernel(const Params p) {
+  __shared__ float s_red[kWarps][kRows][M];
+  __shared__ float s_scratch[M][32];
+  __shared__ float s_inv[M];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int wg = p.warps_per_group, groups = kWarps / wg;
+  const int group = warp / wg;
+  const int gt = threadIdx.x - group * wg * 32;  // thread within the row group
+  const int step = wg * 32;
+  const int chunks = p.k / 8;
+  const T* w = static_cast<const T*>(p.w);
+
+  uint4 wv[kUnroll][kRows];
+  auto load_weights = [&](int unit, int c0) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int row = unit_row<OUT>(p, unit, r);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int c = c0 + u * step;
+        if (row >= 0 && c < chunks) {
+          wv[u][r] = load_stream(w + static_cast<int64_t>(row) * p.k + c * 8);
+        } else {
+          wv[u][r] = make_uint4(0, 0, 0, 0);
+        }
+      }
+    }
+  };
+
+  // Weights depend on no earlier kernel: start loading them before waiting for it.
+  const int first = blockIdx.x * groups;
+  load_weights(first + group, gt);
+  grid_dependency_wait();
+  grid_dependents_launch();
+  if constexpr (IN == In::kNorm) norm_inverse<T, M>(p, s_scratch, s_inv);
+  float inv[M];
+#pragma unroll
+  for (int m = 0; m < M; ++m) inv[m] = IN == In::kNorm && m < p.rows ? s_inv[m] : 1.f;
+
+  // The output this thread finishes in each row group: row (pair) er of token em.
+  constexpr int kOutputs = (OUT == Out::kRopeKV ? kRows / 2 : kRows) * M;
+  const bool finisher = gt < kOutputs;
+  const int er = gt / M, em = gt % M;
+  const int64_t position = OUT == Out::kRopeKV && finisher && em < p.rows ? p.positions[em] : 0;
+  const int64_t slot = OUT == Out::kRopeKV && finisher && em < p.rows ? p.slots[em] : -1;
+
+  bool loaded = true;
+  for (int base = first; base < p.num_units; base += gridDim.x * groups) {
+    const int unit = base + group;
+    const int out_row = finisher ? unit_row<OUT>(p, unit, er) : -1;
+    const bool finishes = out_row >= 0 && em < p.rows;
+    EpilogueInputs ein;
+    if (finishes) ein = epilogue_inputs<T, OUT>(p, out_row, em, position);
+    float acc[kRows][M];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+#pragma unroll
+      for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
+    for (int c0 = gt; c0 < chunks; c0 += step * kUnroll) {
+      if (!loaded) load_weights(unit, c0);
+      loaded = false;
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int c = c0 + u * step;
+        if (c < chunks) {
+#pragma unroll
+          for (int m = 0; m < M; ++m) {
+            if (m < p.rows) {
+              const uint4 xv = x_chunk<T, IN>(p, m, c, inv[m]);
+#pragma unroll
+              for (int r = 0; r < kRows; ++r) acc[r][m] = dot8<T>(wv[u][r], xv, acc[r][m]);
+            }
+          }
+        }
+      }
+    }
+    loaded = false;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        const float v = warp_sum(acc[r][m]);
+        if (lane == 0) s_red[warp][r][m] = v;
+      }
+    __syncthreads();
+    if (finishes) {
+      float sa = 0.f;
+      for (int i = 0; i < wg; ++i) sa += s_red[group * wg + i][er][em];
+      if constexpr (OUT == Out::kRopeKV) {
+        float sb = 0.f;
+        for (int i = 0; i < wg; ++i) sb += s_red[group * wg + i][er + kRows / 2][em];
+        store_rope_pair<T>(p, out_row, em, sa, sb, slot, ein);
+      } else {
+        store_row<T, OUT>(p, out_row, em, sa, ein);
+      }
+    }
+    __syncthreads();  // s_red is reused by the next unit
+  }
+}
+
+// Warps per row group for rows of k elements: enough 16-byte chunks for kUnroll passes per thread.
+inline int warps_per_group(int k, int override_wg) {
+  if (override_wg > 0) return override_wg;
+  const int chunks = k / 8;
+  for (int wg = kWarps; wg > 1; wg /= 2)
+    if (chunks >= wg * 32 * kUnroll) return wg;
+  return 1;
+}
+
+template <typename T, int M, In IN, Out OUT>
+void launch(Params p, cudaStream_t stream, int override_wg) {
+  p.warps_per_group = warps_per_group(p.k, override_wg);
+  if (OUT == Out::kRopeKV) {
+    p.num_units = (p.num_heads + 2 * p.num_kv_heads) * ((p.head_dim / 2) / (kRows / 2));
+  } else {
+    p.num_units = ceil_div(p.n, kRows);
+  }
+  const int groups = kWarps / p.warps_per_group;
+  const int grid = std::max(1, std::min(ceil_div(p.num_units, groups), 2 * num_sms()));
+  launch_pdl(decode_gemv_kernel<T, M, IN, OUT>, dim3(grid), dim3(kThreads), 0, stream, p);
+}
+
+// Runs launch<T, M, IN, OUT> with M the smallest of 1, 2, 4 that holds p.rows.
+template <typename T, In IN, Out OUT>
+void launch_rows(const Params& p, cudaStream_t stream, int override_wg) {
+  if (p.rows <= 1) {
+    launch<T, 1, IN, OUT>(p, stream, override_wg);
+  } else if (p.rows <= 2) {
+    launch<T, 2, IN, OUT>(p, stream, override_wg);
+  } else {
+    launch<T, 4, IN, OUT>(p, stream, override_wg);
+  }
+}
+
+}  // namespace gemv
+}  // namespace exlcli
+
+namespace exlcli {
+namespace gemv {
+
+// Tuning switches (linear.cu): warps per row group forced (0: chosen by k).
+int override_warps_per_group();
+
+// Launches the (in, out) combination for p.rows rows of dtype `dtype` (bf16 / fp16). Each returns
+// false for a combination its file does not hold: linear.cu holds the plain and silu prologues,
+// linear_fused.cu the norm prologue and the rope epilogue.
+bool launch_plain_combos(const Params& p, at::ScalarType dtype, In in, Out out, cudaStream_t stream);
+bool launch_fused_combos(const Params& p, at::ScalarType dtype, In in, Out out, cudaStream_t stream);
+
+}  // namespace gemv
+}  // namespace exlcli
