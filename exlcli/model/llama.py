@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from exlcli.model.config import ModelConfig
 from exlcli.model.quant import QuantizedWeight
 from exlcli.ops.activation import silu_and_mul
+from exlcli.ops._cpu_ext import use_cpu_kernels
 from exlcli.ops._ext import use_kernels
 from exlcli.ops.attention import PagedLayout, paged_attention
 from exlcli.ops.linear import Linear, make_linear
@@ -113,7 +114,7 @@ class LlamaModel:
         residual = None
         # Reference path: per-step index work done once here instead of in every layer.
         cos_sin_rows = layout = None
-        if not use_kernels(h):
+        if not use_kernels(h) and not use_cpu_kernels(h):
             cos_sin_rows = gather_cos_sin(self.cos_sin, batch.positions)
             layout = PagedLayout.build(batch.block_tables, batch.seq_lens, kv.page_size)
         for i, layer in enumerate(self.layers):
