@@ -86,6 +86,7 @@ class QuantCpuLinear(Linear):
         self.m = F.pad(offset, (0, 0, 0, pad)).view(groups, CG, nb).permute(0, 2, 1).contiguous()
         self.bias = None if bias is None else bias.to(torch.bfloat16).contiguous()
         self._dense: torch.Tensor | None = None
+        self._args: tuple | None = None
 
     def nbytes(self) -> int:
         return self.qs.numel() + self.d.numel() * 4 + (self.m.numel() * 4 if self.bits == 4 else 0)
@@ -112,6 +113,14 @@ class QuantCpuLinear(Linear):
         bias = None if self.bias is None else self.bias.float()
         return F.linear(x.float(), self._dense, bias).to(out_dtype or x.dtype)
 
+    def _weight_args(self) -> tuple:
+        """The kernel's arguments that never change, as plain ints (fewer conversions per call)."""
+        if self._args is None:
+            ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+            self._args = (self.in_features, self.bits, ptr(self.qs), ptr(self.d), ptr(self.m), ptr(self.bias),
+                          self.out_features)
+        return self._args
+
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x: [M, K] bf16 -> [M, N] in out_dtype (bf16 by default; fp32 for logits)."""
         out_dtype = out_dtype or x.dtype
@@ -121,9 +130,9 @@ class QuantCpuLinear(Linear):
             raise ValueError(f"input has {x.shape[1]} features, the weight {self.in_features}")
         x = x.contiguous()
         y = torch.empty(x.shape[0], self.out_features, dtype=out_dtype)
-        rc = _kernel()(_cpu_ext.ptr(x), x.shape[0], self.in_features, self.bits, _cpu_ext.ptr(self.qs),
-                       _cpu_ext.ptr(self.d), _cpu_ext.ptr(self.m), _cpu_ext.ptr(self.bias),
-                       self.out_features, _cpu_ext.ptr(y), int(out_dtype == torch.float32))
+        k, bits, qs, d, m, bias, n = self._weight_args()
+        rc = _kernel()(x.data_ptr(), x.shape[0], k, bits, qs, d, m, bias, n, y.data_ptr(),
+                       out_dtype is torch.float32)
         if rc != 0:
             raise MemoryError("the CPU matmul kernel could not get its scratch memory")
         return y
