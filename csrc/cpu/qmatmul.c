@@ -84,7 +84,7 @@ static inline __m512bh pair_of(const uint16_t *xb, int p) {
 }
 
 // One block's contribution to one row: d * dot(q, x) (+ (m - 128 d) * sum(x) for 4-bit).
-static inline __m512 row_block(const __m512bh w[16], const uint16_t *xb, __m512 dvec, int has_off,
+static inline __m512 row_block(const __m512bh *w, const uint16_t *xb, __m512 dvec, int has_off,
                                __m512 offvec, float sxb, __m512 acc) {
     __m512 pa = _mm512_setzero_ps(), pb = _mm512_setzero_ps();
     for (int p = 0; p < 8; p++) pa = _mm512_dpbf16_ps(pa, w[p], pair_of(xb, p));
@@ -94,16 +94,24 @@ static inline __m512 row_block(const __m512bh w[16], const uint16_t *xb, __m512 
     return acc;
 }
 
+static inline void expand(const uint8_t *qs, int bits, __m512bh w[16]) {
+    if (bits == 4) expand_q4(qs, w);
+    else expand_q8(qs, w);
+}
+
+// Rows m0 .. m0 + rows - 1 of one column group. `expanded` holds the group's weights already
+// expanded (nb * 16 vectors), or is NULL to expand them block by block here.
 static inline __attribute__((always_inline)) void group_rows(
         const uint16_t *x, int64_t K, int64_t nb, const float *sx, int64_t m0, int rows, int bits,
-        const uint8_t *qs, const float *d, const float *m, __m512 acc[MT]) {
+        const uint8_t *qs, const float *d, const float *m, const __m512bh *expanded, __m512 acc[MT]) {
     int64_t qbytes = bits == 4 ? 256 : 512;
     const __m512 minus128 = _mm512_set1_ps(-128.0f);
     for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        __m512bh w[16];
-        if (bits == 4) expand_q4(qs + b * qbytes, w);
-        else expand_q8(qs + b * qbytes, w);
+        __m512bh local[16];
+        const __m512bh *w = local;
+        if (expanded) w = expanded + b * 16;
+        else expand(qs + b * qbytes, bits, local);
         __m512 dvec = _mm512_loadu_ps(d + b * CG);
         __m512 offvec = bits == 4 ? _mm512_fmadd_ps(minus128, dvec, _mm512_loadu_ps(m + b * CG))
                                   : _mm512_setzero_ps();
@@ -142,8 +150,14 @@ typedef struct {
 static void qmm_groups(void *ctx, int64_t begin, int64_t end) {
     const qmm_args *a = (const qmm_args *)ctx;
     int64_t nb = a->nb, qbytes = a->bits == 4 ? 256 : 512;
+    // More rows than one tile: expand each group once into a buffer that every tile reads
+    // (the same values as expanding per tile, so the same results).
+    __m512bh *expanded = NULL;
+    if (a->M > MT) expanded = (__m512bh *)aligned_alloc(64, (size_t)nb * 16 * sizeof(__m512bh));
     for (int64_t g = begin; g < end; g++) {
         const uint8_t *gq = a->qs + g * nb * qbytes;
+        if (expanded)
+            for (int64_t b = 0; b < nb; b++) expand(gq + b * qbytes, a->bits, expanded + b * 16);
         const float *gd = a->d + g * nb * CG;
         const float *gm = a->bits == 4 ? a->m + g * nb * CG : NULL;
         int64_t n0 = g * CG;
@@ -157,10 +171,10 @@ static void qmm_groups(void *ctx, int64_t begin, int64_t end) {
             int rows = (int)(a->M - m0 < MT ? a->M - m0 : MT);
             __m512 acc[MT];
             switch (rows) {  // constant row counts let the compiler keep acc in registers
-                case 4: group_rows(a->x, a->K, nb, a->sx, m0, 4, a->bits, gq, gd, gm, acc); break;
-                case 3: group_rows(a->x, a->K, nb, a->sx, m0, 3, a->bits, gq, gd, gm, acc); break;
-                case 2: group_rows(a->x, a->K, nb, a->sx, m0, 2, a->bits, gq, gd, gm, acc); break;
-                default: group_rows(a->x, a->K, nb, a->sx, m0, 1, a->bits, gq, gd, gm, acc); break;
+                case 4: group_rows(a->x, a->K, nb, a->sx, m0, 4, a->bits, gq, gd, gm, expanded, acc); break;
+                case 3: group_rows(a->x, a->K, nb, a->sx, m0, 3, a->bits, gq, gd, gm, expanded, acc); break;
+                case 2: group_rows(a->x, a->K, nb, a->sx, m0, 2, a->bits, gq, gd, gm, expanded, acc); break;
+                default: group_rows(a->x, a->K, nb, a->sx, m0, 1, a->bits, gq, gd, gm, expanded, acc); break;
             }
             for (int i = 0; i < rows; i++) {
                 __m512 out = a->bias ? _mm512_add_ps(acc[i], bvec) : acc[i];
@@ -169,6 +183,7 @@ static void qmm_groups(void *ctx, int64_t begin, int64_t end) {
             }
         }
     }
+    free(expanded);
 }
 #endif
 
