@@ -12,6 +12,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "bf16.h"
 #include "pool.h"
 
 // No fused multiply-add contraction: the reference rounds every product.
@@ -33,28 +34,6 @@ int exl_activation_available(void) { return EXL_ACT; }
 #if EXL_ACT
 
 #define LANES 16
-
-static inline __m512 load_bf16(const uint16_t *p, __mmask16 m) {
-    __m256i h = _mm256_maskz_loadu_epi16(m, p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// fp32 -> bf16 round to nearest even, NaN to 0xffff, as torch's vectorised conversion does; the
-// result is still an fp32 vector, with the low 16 bits clear.
-static inline __m512 round_bf16(__m512 v) {
-    __m512i u = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    r = _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
-    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32((int)0xffff0000u));
-    return _mm512_castsi512_ps(r);
-}
-
-static inline void store_bf16(uint16_t *p, __m512 rounded, __mmask16 m) {
-    __m512i r = _mm512_srli_epi32(_mm512_castps_si512(rounded), 16);
-    _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(r));
-}
 
 // exp(d) as SLEEF's expf_u10 (the one torch's Vectorized<float>::exp calls), step for step:
 // d = q ln2 + s with q = rint(d / ln2) and ln2 split in two, a degree-7 polynomial in s (FMAs),
@@ -97,10 +76,10 @@ static void silu_rows(void *ctx, int64_t begin, int64_t end) {
         const uint16_t *gate = a->x + r * a->x_stride, *up = gate + inter;
         uint16_t *o = a->out + r * a->out_stride;
         for (int64_t i = 0; i < inter; i += LANES) {
-            __mmask16 m = inter - i >= LANES ? 0xffff : (__mmask16)((1u << (inter - i)) - 1u);
-            __m512 g = load_bf16(gate + i, m);
-            __m512 s = round_bf16(_mm512_div_ps(g, _mm512_add_ps(one, sleef_expf(_mm512_xor_ps(g, sign)))));
-            store_bf16(o + i, round_bf16(_mm512_mul_ps(s, load_bf16(up + i, m))), m);
+            __mmask16 m = lanes16(inter - i);
+            __m512 g = bf16_load16_masked(gate + i, m);
+            __m512 s = bf16_round(_mm512_div_ps(g, _mm512_add_ps(one, sleef_expf(_mm512_xor_ps(g, sign)))));
+            bf16_store16_masked(o + i, _mm512_mul_ps(s, bf16_load16_masked(up + i, m)), m);
         }
     }
 }

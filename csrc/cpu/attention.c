@@ -26,6 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "pool.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -45,20 +46,6 @@
 int exl_paged_attention_available(void) { return EXL_ATTN; }
 
 #if EXL_ATTN
-
-static inline __m512 load_bf16x16(const uint16_t *p) {
-    __m256i v = _mm256_loadu_si256((const __m256i *)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-
-static inline __m256i f32x16_to_bf16(__m512 x) {  // round to nearest even, NaN stays NaN (as torch)
-    __m512i u = _mm512_castps_si512(x);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    return _mm512_cvtepi32_epi16(r);
-}
 
 // Horizontal sum in one fixed order: halves, quarters, then pairs.
 static inline float sum16(__m512 v) {
@@ -144,7 +131,7 @@ static void convert_kv(const uint16_t *k_cache, const uint16_t *v_cache, const i
                 const uint16_t *vrow = v_cache + base[i];
                 for (int64_t h = h0; vf && h < h1; h++)
                     for (int64_t d = 0; d < dim; d += 16)
-                        _mm512_storeu_ps(vf + (h - h0) * vstride + j * dim + d, load_bf16x16(vrow + h * dim + d));
+                        _mm512_storeu_ps(vf + (h - h0) * vstride + j * dim + d, bf16_load16(vrow + h * dim + d));
             }
         }
         for (int64_t h = h0; h < h1; h++) {
@@ -288,7 +275,7 @@ static inline __attribute__((always_inline)) void pv_tile(
                 page++;
             }
             for (int x = 0; x < DT; x++)
-                if (x < nvec) v[x] = load_bf16x16(row + 16 * x);
+                if (x < nvec) v[x] = bf16_load16(row + 16 * x);
         } else {
             for (int x = 0; x < DT; x++)
                 if (x < nvec) v[x] = _mm512_loadu_ps(vals->vf + j * dim + d0 + 16 * x);
@@ -305,7 +292,7 @@ static inline __attribute__((always_inline)) void pv_tile(
         __m512 t = _mm512_set1_ps(total[r]);
         for (int x = 0; x < DT; x++)
             if (x < nvec)
-                _mm256_storeu_si256((__m256i *)(out[r] + d0 + 16 * x), f32x16_to_bf16(_mm512_div_ps(acc[r][x], t)));
+                bf16_store16(out[r] + d0 + 16 * x, _mm512_div_ps(acc[r][x], t));
     }
 }
 
@@ -404,7 +391,7 @@ static void attend_unit(const AttentionArgs *a, const Unit *u, const Unit *next,
                 for (int r = 0; r < rows; r++) {
                     int64_t off = ((q0 + t) * heads + h * group + g0 + r) * dim;
                     for (int64_t d = 0; d < dim; d += 16)
-                        _mm512_storeu_ps(qf + r * dim + d, load_bf16x16(a->q + off + d));
+                        _mm512_storeu_ps(qf + r * dim + d, bf16_load16(a->q + off + d));
                     orow[r] = a->out + off;
                 }
                 scores(qf, kt, dim, rows, (limit + KB - 1) / KB, a->scale, s, padded);

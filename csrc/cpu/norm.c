@@ -21,8 +21,8 @@
 
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
 
+#include "bf16.h"
 #include "pool.h"
 
 // No fused multiply-add contraction: the reference rounds every product.
@@ -44,36 +44,6 @@ int exl_norm_available(void) { return EXL_NORM; }
 #if EXL_NORM
 
 #define LANES 16
-
-static inline __m512 load_bf16(const uint16_t *p, __mmask16 m) {
-    __m256i h = _mm256_maskz_loadu_epi16(m, p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// fp32 -> bf16 round to nearest even, NaN to 0xffff, as torch's vectorised conversion does; the
-// result is still an fp32 vector, with the low 16 bits clear.
-static inline __m512 round_bf16(__m512 v) {
-    __m512i u = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    r = _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
-    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    return _mm512_castsi512_ps(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32((int)0xffff0000u)));
-}
-
-static inline void store_bf16(uint16_t *p, __m512 rounded, __mmask16 m) {
-    __m512i r = _mm512_srli_epi32(_mm512_castps_si512(rounded), 16);
-    _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(r));
-}
-
-static inline __mmask16 tail_mask(int64_t n) { return (__mmask16)((1u << n) - 1u); }
-
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 static inline int64_t ceil_log2(int64_t x) {
     if (x <= 2) return 1;
@@ -135,9 +105,9 @@ static float sum_squares(const uint16_t *row, int64_t d) {
 static void scale_row(const uint16_t *r, const uint16_t *w, uint16_t *out, int64_t d, float inv) {
     const __m512 vinv = _mm512_set1_ps(inv);
     for (int64_t i = 0; i < d; i += LANES) {
-        __mmask16 m = d - i >= LANES ? 0xffff : tail_mask(d - i);
-        __m512 y = round_bf16(_mm512_mul_ps(load_bf16(r + i, m), vinv));
-        store_bf16(out + i, round_bf16(_mm512_mul_ps(load_bf16(w + i, m), y)), m);
+        __mmask16 m = lanes16(d - i);
+        __m512 y = bf16_round(_mm512_mul_ps(bf16_load16_masked(r + i, m), vinv));
+        bf16_store16_masked(out + i, _mm512_mul_ps(bf16_load16_masked(w + i, m), y), m);
     }
 }
 
@@ -170,9 +140,10 @@ static void fused_rows(void *ctx, int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; r++) {
         const int64_t base = r * d;
         for (int64_t i = 0; i < d; i += LANES) {
-            __mmask16 m = d - i >= LANES ? 0xffff : tail_mask(d - i);
-            __m512 s = _mm512_add_ps(load_bf16(a->x + base + i, m), load_bf16(a->residual + base + i, m));
-            store_bf16(a->residual_out + base + i, round_bf16(s), m);
+            __mmask16 m = lanes16(d - i);
+            __m512 s = _mm512_add_ps(bf16_load16_masked(a->x + base + i, m),
+                                     bf16_load16_masked(a->residual + base + i, m));
+            bf16_store16_masked(a->residual_out + base + i, s, m);
         }
         scale_row(a->residual_out + base, a->w, a->out + base, d, inv_rms(a->residual_out + base, d, a->eps));
     }

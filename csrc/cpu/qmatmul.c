@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "pool.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VL__)
@@ -42,10 +43,8 @@ static void block_sums(const uint16_t *x, int64_t M, int64_t K, float *sx) {
     int64_t nb = K / BLOCK;
     for (int64_t m = 0; m < M; m++) {
         for (int64_t b = 0; b < nb; b++) {
-            __m512i v = _mm512_loadu_si512((const void *)(x + m * K + b * BLOCK));
-            __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
-            __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
-            sx[m * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+            const uint16_t *xb = x + m * K + b * BLOCK;
+            sx[m * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(bf16_load16(xb), bf16_load16(xb + 16)));
         }
     }
 }
@@ -123,19 +122,6 @@ static inline __attribute__((always_inline)) void group_rows(
     }
 }
 
-// 16 fp32 -> 16 bf16, round to nearest even as torch does (NaN kept NaN).
-static inline __m256i to_bf16(__m512 v) {
-    __m512i u = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
-    return _mm512_cvtepi32_epi16(r);
-}
-
-#endif  // EXL_QMM
-
-#if EXL_QMM
 typedef struct {
     const uint16_t *x;
     int64_t M, K, nb, N;
@@ -161,12 +147,9 @@ static void qmm_groups(void *ctx, int64_t begin, int64_t end) {
         const float *gd = a->d + g * nb * CG;
         const float *gm = a->bits == 4 ? a->m + g * nb * CG : NULL;
         int64_t n0 = g * CG;
-        int cols = (int)(a->N - n0 < CG ? a->N - n0 : CG);
-        __mmask16 keep = (__mmask16)((1u << cols) - 1u);
+        __mmask16 keep = lanes16(a->N - n0);  // the group's columns that exist (CG == 16)
         __m512 bvec = _mm512_setzero_ps();
-        if (a->bias)
-            bvec = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, a->bias + n0)), 16));
+        if (a->bias) bvec = bf16_load16_masked(a->bias + n0, keep);
         for (int64_t m0 = 0; m0 < a->M; m0 += MT) {
             int rows = (int)(a->M - m0 < MT ? a->M - m0 : MT);
             __m512 acc[MT];
@@ -179,7 +162,7 @@ static void qmm_groups(void *ctx, int64_t begin, int64_t end) {
             for (int i = 0; i < rows; i++) {
                 __m512 out = a->bias ? _mm512_add_ps(acc[i], bvec) : acc[i];
                 if (a->y_fp32) _mm512_mask_storeu_ps((float *)a->y + (m0 + i) * a->N + n0, keep, out);
-                else _mm256_mask_storeu_epi16((uint16_t *)a->y + (m0 + i) * a->N + n0, keep, to_bf16(out));
+                else bf16_store16_masked((uint16_t *)a->y + (m0 + i) * a->N + n0, out, keep);
             }
         }
     }

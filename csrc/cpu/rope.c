@@ -16,6 +16,7 @@
 
 #include <stdint.h>
 
+#include "bf16.h"
 #include "pool.h"
 
 // No fused multiply-add contraction: the reference rounds every product (see above).
@@ -38,36 +39,15 @@ int exl_rope_available(void) { return EXL_ROPE; }
 
 #define LANES 16
 
-static inline __m512 load_bf16(const uint16_t *p, __mmask16 m) {
-    __m256i h = _mm256_maskz_loadu_epi16(m, p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// fp32 -> bf16 round to nearest even, NaN to 0xffff, as torch's vectorised conversion does; the
-// result is still an fp32 vector, with the low 16 bits clear.
-static inline __m512 round_bf16(__m512 v) {
-    __m512i u = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    r = _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
-    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    return _mm512_castsi512_ps(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32((int)0xffff0000u)));
-}
-
-static inline void store_bf16(uint16_t *p, __m512 rounded, __mmask16 m) {
-    __m512i r = _mm512_srli_epi32(_mm512_castps_si512(rounded), 16);
-    _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(r));
-}
-
 // One head of d values: x -> out, rotated by the cos | sin row cs.
 static inline void rotate_head(const uint16_t *x, uint16_t *out, const float *cs, int64_t d) {
     const int64_t half = d / 2;
     for (int64_t i = 0; i < half; i += LANES) {
-        __mmask16 m = half - i >= LANES ? 0xffff : (__mmask16)((1u << (half - i)) - 1u);
+        __mmask16 m = lanes16(half - i);
         __m512 c = _mm512_maskz_loadu_ps(m, cs + i), s = _mm512_maskz_loadu_ps(m, cs + half + i);
-        __m512 x1 = load_bf16(x + i, m), x2 = load_bf16(x + half + i, m);
-        store_bf16(out + i, round_bf16(_mm512_sub_ps(_mm512_mul_ps(x1, c), _mm512_mul_ps(x2, s))), m);
-        store_bf16(out + half + i, round_bf16(_mm512_add_ps(_mm512_mul_ps(x2, c), _mm512_mul_ps(x1, s))), m);
+        __m512 x1 = bf16_load16_masked(x + i, m), x2 = bf16_load16_masked(x + half + i, m);
+        bf16_store16_masked(out + i, _mm512_sub_ps(_mm512_mul_ps(x1, c), _mm512_mul_ps(x2, s)), m);
+        bf16_store16_masked(out + half + i, _mm512_add_ps(_mm512_mul_ps(x2, c), _mm512_mul_ps(x1, s)), m);
     }
 }
 
