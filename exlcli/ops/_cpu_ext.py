@@ -127,6 +127,26 @@ def reason() -> str:
     return _reason
 
 
+_functions: dict[str, ctypes._CFuncPtr | None] = {}
+
+
+def kernel_function(name: str, argtypes: list, restype=ctypes.c_int, *, available: str):
+    """The library's function `name` with its signature set, or None when the library is not
+    loaded or its C file's `available` function (exl_<x>_available) returns 0 (built without the
+    instructions it needs). Looked up once per name: ctypes shares one function object per name,
+    so its signature is set in one place."""
+    if name in _functions:
+        return _functions[name]
+    library = lib()
+    fn = None
+    if library is not None and getattr(library, available)():
+        fn = getattr(library, name)
+        fn.argtypes = argtypes
+        fn.restype = restype
+    _functions[name] = fn
+    return fn
+
+
 def use_cpu_kernels(t: torch.Tensor) -> bool:
     """True for a bf16 CPU tensor when the library is loaded and kernels are not disabled
     (`_ext.kernels_disabled()` turns these off too)."""

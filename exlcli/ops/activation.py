@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -33,23 +34,12 @@ class ActivationInputError(ExlcliError, ValueError):
     """Inputs the CPU activation kernel cannot take: a caller's bug, reported in one line."""
 
 
-_cpu_fn = None
-
-
+@functools.cache
 def _cpu_kernel():
     """The C function with its signature set, or None when the CPU kernels are unavailable."""
-    global _cpu_fn
-    if _cpu_fn is None:
-        lib = _cpu_ext.lib()
-        if lib is None or not lib.exl_activation_available():
-            _cpu_fn = False
-        else:
-            p, i64 = ctypes.c_void_p, ctypes.c_int64
-            fn = lib.exl_silu_and_mul
-            fn.argtypes = [p, i64, p, i64, i64, i64]
-            fn.restype = ctypes.c_int
-            _cpu_fn = fn
-    return _cpu_fn or None
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    return _cpu_ext.kernel_function("exl_silu_and_mul", [p, i64, p, i64, i64, i64],
+                                    available="exl_activation_available")
 
 
 def cpu_kernel_available() -> bool:

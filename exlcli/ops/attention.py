@@ -129,23 +129,13 @@ class AttentionInputError(ExlcliError, ValueError):
     """Inputs the CPU attention kernel cannot take: a caller's bug, reported in one line."""
 
 
-_cpu_fn = None
-
-
+@functools.cache
 def _cpu_kernel():
     """The C function with its signature set, or None when the CPU kernels are unavailable."""
-    global _cpu_fn
-    if _cpu_fn is None:
-        lib = _cpu_ext.lib()
-        if lib is None or not lib.exl_paged_attention_available():
-            _cpu_fn = False
-        else:
-            p, i64 = ctypes.c_void_p, ctypes.c_int64
-            fn = lib.exl_paged_attention
-            fn.argtypes = [p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, p, i64]
-            fn.restype = ctypes.c_int
-            _cpu_fn = fn
-    return _cpu_fn or None
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    return _cpu_ext.kernel_function("exl_paged_attention",
+                                    [p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, p, i64],
+                                    available="exl_paged_attention_available")
 
 
 @functools.cache

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -51,29 +52,15 @@ class NormInputError(ExlcliError, ValueError):
     """Inputs the CPU norm kernels cannot take: a caller's bug, reported in one line."""
 
 
-_cpu_fns = None
-
-
+@functools.cache
 def _cpu_kernels():
     """(rms_norm, fused_add_rms_norm, mean_squares) C functions with their signatures set, or None."""
-    global _cpu_fns
-    if _cpu_fns is None:
-        lib = _cpu_ext.lib()
-        if lib is None or not lib.exl_norm_available():
-            _cpu_fns = False
-        else:
-            p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-            norm = lib.exl_rms_norm
-            norm.argtypes = [p, i64, i64, i64, p, p, i64, f32, i64]
-            norm.restype = ctypes.c_int
-            fused = lib.exl_fused_add_rms_norm
-            fused.argtypes = [p, p, p, p, p, i64, f32, i64]
-            fused.restype = ctypes.c_int
-            mean_squares = lib.exl_mean_squares
-            mean_squares.argtypes = [p, i64, i64, p]
-            mean_squares.restype = ctypes.c_int
-            _cpu_fns = (norm, fused, mean_squares)
-    return _cpu_fns or None
+    p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    fns = tuple(_cpu_ext.kernel_function(name, argtypes, available="exl_norm_available") for name, argtypes in (
+        ("exl_rms_norm", [p, i64, i64, i64, p, p, i64, f32, i64]),
+        ("exl_fused_add_rms_norm", [p, p, p, p, p, i64, f32, i64]),
+        ("exl_mean_squares", [p, i64, i64, p])))
+    return fns if all(fns) else None
 
 
 def cpu_kernel_available() -> bool:

@@ -9,6 +9,7 @@ oracle of the tests, and what runs inside `kernels_disabled()`.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -20,23 +21,12 @@ from exlcli.ops.linear import Linear
 CG = 16  # output columns per group, as in the C file
 QTYPES = ("Q4_0", "Q4_1", "Q8_0")
 
-_fn = None
-
-
+@functools.cache
 def _kernel():
     """The C function with its signature set, or None when the CPU kernels are unavailable."""
-    global _fn
-    if _fn is None:
-        lib = _cpu_ext.lib()
-        if lib is None or not lib.exl_qmatmul_available():
-            _fn = False
-        else:
-            fn = lib.exl_qmatmul
-            p, i64 = ctypes.c_void_p, ctypes.c_int64
-            fn.argtypes = [p, i64, i64, ctypes.c_int, p, p, p, p, i64, p, ctypes.c_int]
-            fn.restype = ctypes.c_int
-            _fn = fn
-    return _fn or None
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    return _cpu_ext.kernel_function("exl_qmatmul", [p, i64, i64, i32, p, p, p, p, i64, p, i32],
+                                    available="exl_qmatmul_available")
 
 
 def available() -> bool:

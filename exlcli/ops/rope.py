@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 
 import torch
@@ -97,26 +98,16 @@ class RopeInputError(ExlcliError, ValueError):
     """Inputs the CPU rope kernel cannot take: a caller's bug, reported in one line."""
 
 
-_cpu_fn = None
-
-
+@functools.cache
 def _cpu_kernel():
     """The C function with its signature set, or None when the CPU kernels are unavailable."""
-    global _cpu_fn
-    if _cpu_fn is None:
-        lib = _cpu_ext.lib()
-        if lib is None or not lib.exl_rope_available():
-            _cpu_fn = False
-        else:
-            p, i64 = ctypes.c_void_p, ctypes.c_int64
-            fn = lib.exl_rope_and_write_kv
-            fn.argtypes = [p, i64, i64, p, i64, i64, p, i64, i64,  # q, k, v with (token, head) strides
-                           p, p, i64,  # positions, cos_sin, max positions
-                           p, p, p, i64,  # k_cache, v_cache, slots, number of slots
-                           p, i64, i64, i64, i64]  # q_out, heads, kv_heads, head_dim, tokens
-            fn.restype = ctypes.c_int
-            _cpu_fn = fn
-    return _cpu_fn or None
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    return _cpu_ext.kernel_function("exl_rope_and_write_kv",
+                                    [p, i64, i64, p, i64, i64, p, i64, i64,  # q, k, v with (token, head) strides
+                                     p, p, i64,  # positions, cos_sin, max positions
+                                     p, p, p, i64,  # k_cache, v_cache, slots, number of slots
+                                     p, i64, i64, i64, i64],  # q_out, heads, kv_heads, head_dim, tokens
+                                    available="exl_rope_available")
 
 
 def cpu_kernel_available() -> bool:
