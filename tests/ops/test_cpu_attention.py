@@ -142,41 +142,30 @@ def test_rows_identical_alone_and_in_any_batch(heads, kv_heads):
 
 
 @needs_kernel
-@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 8, 128)])
-def test_rows_identical_whatever_the_chunking(heads, kv_heads, dim):
+@pytest.mark.parametrize("lens,num_queries,heads,kv_heads,dim,splits", [
     # the cache holds all 40 tokens' K/V of sequence 0; its last 7 are asked beside another
-    # sequence's prefill, alone, as 3 + 4, and one by one (decode steps), each call seeing only the
-    # keys up to its last query
-    full = Paged([40, 90], [7, 30], heads, kv_heads, dim, seed=5)
-    in_batch = full.kernel()[:7]
-
-    def chunk(first: int, count: int) -> torch.Tensor:
-        part = _subset(full, [0])
-        part.q = full.q[first:first + count]
-        part.query_start_loc = [0, count]
-        part.lens = [40 - 7 + first + count]
-        return part.kernel()
-
-    assert torch.equal(chunk(0, 7), in_batch)
-    assert torch.equal(torch.cat([chunk(0, 3), chunk(3, 4)]), in_batch)
-    assert torch.equal(torch.cat([chunk(i, 1) for i in range(7)]), in_batch)
-
-
-@needs_kernel
-def test_long_chunk_identical_to_smaller_chunks_and_decode_steps():
+    # sequence's prefill, alone, as 3 + 4, and one by one (decode steps)
+    ([40, 90], [7, 30], 9, 3, 64, [[7], [3, 4], [1] * 7]),
+    ([40, 90], [7, 30], 8, 8, 128, [[7], [3, 4], [1] * 7]),
     # 70 queries: more than one of the kernel's units of work (32 queries); split differently
-    full = Paged([100], [70], 9, 3, 64, seed=9)
-    at_once = full.kernel()
+    ([100], [70], 9, 3, 64, [[5, 40, 25], [1] * 70]),
+])
+def test_rows_identical_whatever_the_chunking(lens, num_queries, heads, kv_heads, dim, splits):
+    full = Paged(lens, num_queries, heads, kv_heads, dim, seed=sum(num_queries) + dim)
+    asked = num_queries[0]
+    in_batch = full.kernel()[:asked]
 
     def chunk(first: int, count: int) -> torch.Tensor:
+        """Sequence 0's queries first .. first + count - 1 alone, seeing only the keys up to the last."""
         part = _subset(full, [0])
         part.q = full.q[first:first + count]
         part.query_start_loc = [0, count]
-        part.lens = [100 - 70 + first + count]
+        part.lens = [lens[0] - asked + first + count]
         return part.kernel()
 
-    assert torch.equal(torch.cat([chunk(0, 5), chunk(5, 40), chunk(45, 25)]), at_once)
-    assert torch.equal(torch.cat([chunk(i, 1) for i in range(70)]), at_once)
+    for sizes in splits:
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        assert torch.equal(torch.cat([chunk(f, n) for f, n in zip(starts, sizes)]), in_batch), sizes
 
 
 @needs_kernel
