@@ -60,6 +60,17 @@ def test_each_row_is_the_same_whatever_the_batch(qtype):
 
 
 @needs_kernel
+def test_a_nan_gives_nan_bf16_in_its_row_only():
+    # csrc/cpu/bf16.h rounds every NaN to 0xffff, as torch's vectorised conversion does
+    lin = qlinear.QuantCpuLinear(random_weight("Q4_1", 20, 64))
+    x = torch.randn(3, 64).bfloat16()
+    x[1, 5] = float("nan")
+    y = lin(x)
+    assert bool((y[1].view(torch.int16) == -1).all())
+    assert torch.equal(y[[0, 2]], lin(x[[0, 2]]))
+
+
+@needs_kernel
 def test_bias_is_added():
     w = random_weight("Q4_1", 20, 64)
     bias = torch.randn(20)
