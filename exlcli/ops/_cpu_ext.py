@@ -67,7 +67,8 @@ def build_key(compiler: str) -> str:
 def _build() -> ctypes.CDLL:
     sources = _sources()
     if not sources:
-        raise RuntimeError(f"kernel sources not found in {CSRC_CPU}")
+        raise RuntimeError(f"kernel sources not found in {CSRC_CPU}; install exlcli from its source "
+                           f"tree (pip install -e .) to build them")
     compiler = os.environ.get("CC", "cc")
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C compiler ({compiler!r} not found)")
