@@ -1,0 +1,55 @@
+"""The CPU kernel loader: build once into the cache, reuse it, and fall back with a reason."""
+
+import shutil
+
+import pytest
+
+from exlcli.ops import _cpu_ext
+
+
+@pytest.fixture
+def fresh_loader(monkeypatch, tmp_path):
+    """The loader as if the process had not tried it yet, with its own cache folder."""
+    monkeypatch.setenv("EXLCLI_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(_cpu_ext, "_tried", False)
+    monkeypatch.setattr(_cpu_ext, "_lib", None)
+    monkeypatch.setattr(_cpu_ext, "_reason", "")
+    monkeypatch.setattr(_cpu_ext, "_functions", {}, raising=False)
+    return tmp_path
+
+
+def test_no_compiler_falls_back_with_a_reason(fresh_loader, monkeypatch, capsys):
+    monkeypatch.setenv("CC", "no-such-compiler-xyz")
+    assert _cpu_ext.lib() is None
+    assert "no C compiler" in _cpu_ext.reason()
+    assert "torch reference" in capsys.readouterr().err  # told once, on stderr
+    assert _cpu_ext.lib() is None and capsys.readouterr().err == ""  # and not again
+
+
+def test_disabled_by_environment(fresh_loader, monkeypatch):
+    monkeypatch.setenv("EXLCLI_NO_KERNELS", "1")
+    assert _cpu_ext.lib() is None
+    assert _cpu_ext.reason() == "EXLCLI_NO_KERNELS=1"
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
+def test_builds_into_the_cache_once_and_reuses_it(fresh_loader, monkeypatch):
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.delenv("EXLCLI_NO_KERNELS", raising=False)
+    lib = _cpu_ext.lib()
+    assert lib is not None, _cpu_ext.reason()
+    built = list(fresh_loader.glob("cpu-*/libexlcli_cpu.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    monkeypatch.setattr(_cpu_ext, "_tried", False)
+    monkeypatch.setattr(_cpu_ext, "_lib", None)
+    assert _cpu_ext.lib() is not None
+    assert built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
+    assert list(fresh_loader.glob("cpu-*/*.so")) == built  # no temporary files left behind
+
+
+def test_thread_count_follows_the_environment(monkeypatch):
+    monkeypatch.setenv("EXLCLI_CPU_THREADS", "3")
+    assert _cpu_ext.threads() == 3
+    monkeypatch.setenv("EXLCLI_CPU_THREADS", "zero")
+    assert _cpu_ext.threads() >= 1
