@@ -53,6 +53,39 @@ __device__ __forceinline__ void fill_slots(int64_t* s_slot, const int* table, in
   __syncthreads();
 }
 
+// Where one block of a decode kernel works: grid (kv head x head chunk, sequence, partition).
+template <typename T, int D>
+struct DecodeBlock {
+  int kvh, b, part, seq_len, num_parts, ng, head0;
+  int64_t row;  // -1: nothing to do for this sequence
+  T* out;       // the first of the block's ng query heads in the output row
+
+  __device__ __forceinline__ DecodeBlock(const DecodeParams& p, int gmax) {
+    const int chunk = blockIdx.x % p.head_chunks;
+    kvh = blockIdx.x / p.head_chunks;
+    b = blockIdx.y;
+    part = blockIdx.z;
+    row = query_row(p, b);
+    seq_len = row < 0 ? 0 : p.seq_lens[b];
+    num_parts = ceil_div(seq_len, kPartitionTokens);
+    const int g0 = chunk * gmax;
+    ng = min(gmax, p.group - g0);
+    head0 = kvh * p.group + g0;
+    out = static_cast<T*>(p.out) + (row < 0 ? 0 : row) * (static_cast<int64_t>(p.num_heads) * D) +
+          static_cast<int64_t>(head0) * D;
+  }
+
+  // True when this block has no partition to compute (and it wrote the zeros of an empty row).
+  __device__ __forceinline__ bool idle(const DecodeParams& p, int threads) const {
+    if (row < 0) return true;
+    if (part < num_parts) return false;
+    if (part == 0 && p.max_parts == 1) {  // an empty sequence (a padded row): zeros
+      for (int i = threadIdx.x; i < ng * D; i += threads) out[i] = from_float<T>(0.f);
+    }
+    return true;
+  }
+};
+
 template <typename T, int D, int GMAX, int WARPS>
 __global__ void __launch_bounds__(WARPS * 32) paged_decode_kernel(const DecodeParams p) {
   grid_dependency_wait();  // launched with launch_pdl: the previous kernel may still run
@@ -68,26 +101,13 @@ __global__ void __launch_bounds__(WARPS * 32) paged_decode_kernel(const DecodePa
   __shared__ float s_max[GMAX], s_sum[GMAX];
   __shared__ int64_t s_slot[kPartitionTokens];
 
-  const int chunk = blockIdx.x % p.head_chunks;
-  const int kvh = blockIdx.x / p.head_chunks;
-  const int b = blockIdx.y;
-  const int part = blockIdx.z;
-  const int64_t row = query_row(p, b);
-  if (row < 0) return;
-  const int seq_len = p.seq_lens[b];
-  const int num_parts = ceil_div(seq_len, kPartitionTokens);
-  const int g0 = chunk * GMAX;
-  const int ng = min(GMAX, p.group - g0);
-  const int head0 = kvh * p.group + g0;
+  const DecodeBlock<T, D> blk(p, GMAX);
+  if (blk.idle(p, WARPS * 32)) return;
+  const int kvh = blk.kvh, b = blk.b, part = blk.part, seq_len = blk.seq_len, num_parts = blk.num_parts;
+  const int ng = blk.ng, head0 = blk.head0;
+  const int64_t row = blk.row;
+  T* out = blk.out;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  T* out = static_cast<T*>(p.out) + row * (static_cast<int64_t>(p.num_heads) * D) + static_cast<int64_t>(head0) * D;
-
-  if (part >= num_parts) {
-    if (part == 0 && p.max_parts == 1) {  // an empty sequence (a padded row): zeros
-      for (int i = tid; i < ng * D; i += (WARPS * 32)) out[i] = from_float<T>(0.f);
-    }
-    return;
-  }
   const int start = part * kPartitionTokens;
   const int n = min(kPartitionTokens, seq_len - start);
   const int sub = lane % TPT;  // which 16-byte slice of the head this thread owns
@@ -239,26 +259,13 @@ __global__ void __launch_bounds__(kThreads) paged_decode_v2_kernel(const DecodeP
   __shared__ float s_wm[kWarps][GMAX], s_wl[kWarps][GMAX];
   __shared__ int64_t s_slot[kPartitionTokens];
 
-  const int chunk = blockIdx.x % p.head_chunks;
-  const int kvh = blockIdx.x / p.head_chunks;
-  const int b = blockIdx.y;
-  const int part = blockIdx.z;
-  const int64_t row = query_row(p, b);
-  if (row < 0) return;
-  const int seq_len = p.seq_lens[b];
-  const int num_parts = ceil_div(seq_len, kPartitionTokens);
-  const int g0 = chunk * GMAX;
-  const int ng = min(GMAX, p.group - g0);
-  const int head0 = kvh * p.group + g0;
+  const DecodeBlock<T, D> blk(p, GMAX);
+  if (blk.idle(p, kThreads)) return;
+  const int kvh = blk.kvh, b = blk.b, part = blk.part, seq_len = blk.seq_len, num_parts = blk.num_parts;
+  const int ng = blk.ng, head0 = blk.head0;
+  const int64_t row = blk.row;
+  T* out = blk.out;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  T* out = static_cast<T*>(p.out) + row * (static_cast<int64_t>(p.num_heads) * D) + static_cast<int64_t>(head0) * D;
-
-  if (part >= num_parts) {
-    if (part == 0 && p.max_parts == 1) {
-      for (int i = tid; i < ng * D; i += kThreads) out[i] = from_float<T>(0.f);
-    }
-    return;
-  }
   const int start = part * kPartitionTokens;
   const int n = min(kPartitionTokens, seq_len - start);
   const int sub = lane % TPT;
