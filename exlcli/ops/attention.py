@@ -77,13 +77,8 @@ def paged_attention_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                                block_tables: torch.Tensor, seq_lens: torch.Tensor,
                                scale: float, layout: PagedLayout | None = None) -> torch.Tensor:
     """One query per sequence. q: [B, heads, D] -> [B, heads, D]."""
-    page_size, kv_heads, dim = k_cache.shape[1:]
-    layout = layout or PagedLayout.build(block_tables, seq_lens, page_size)
-    k_flat, v_flat = k_cache.view(-1, kv_heads, dim), v_cache.view(-1, kv_heads, dim)
-    out = torch.empty_like(q)
-    for b, slots in enumerate(layout.slots):
-        out[b:b + 1] = _attend(q[b:b + 1], _gather(k_flat, slots), _gather(v_flat, slots), scale)
-    return out
+    lens = seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else list(seq_lens)
+    return paged_attention_ref(q, k_cache, v_cache, block_tables, list(range(len(lens) + 1)), lens, scale, layout)
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
