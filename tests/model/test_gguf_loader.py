@@ -13,6 +13,8 @@ from exlcli.model.gguf_meta import metadata_from_reader, open_gguf
 from exlcli.model.llama import BatchInputs, KVCache
 from exlcli.model.quant import QuantizedWeight
 
+from hf_random_init import randomize_  # tests/model/hf_random_init.py
+
 VOCAB = 64
 # hf suffix -> gguf suffix, per layer
 _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
@@ -50,12 +52,7 @@ def tiny_hf_model(arch: str, seed: int = 0):
            "qwen3": transformers.Qwen3Config}[arch](**common, **({"head_dim": 24} if arch == "qwen3" else {}))
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            else:
-                p.copy_(0.2 * torch.randn_like(p) if p.dim() == 1 else 0.1 * torch.randn_like(p))
+    randomize_(model)
     return model
 
 

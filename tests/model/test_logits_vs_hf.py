@@ -17,6 +17,8 @@ import torch
 from exlcli.model.llama import BatchInputs, KVCache
 from exlcli.model.loader import load_model
 
+from hf_random_init import randomize_  # tests/model/hf_random_init.py
+
 MAX_REL_ERR = 1e-3
 VOCAB = 96
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -47,14 +49,7 @@ def write_hf_folder(folder, case: str, seed: int = 0):
     cfg = getattr(transformers, cls)(**{**COMMON, **extra})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            elif p.dim() == 1:
-                p.copy_(0.2 * torch.randn_like(p))
-            else:
-                p.copy_(0.1 * torch.randn_like(p))
+    randomize_(model)
     model.save_pretrained(folder)
     tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
