@@ -6,6 +6,8 @@ before each run; KV slots no sequence owns hold NaN, so a read past a sequence s
 from __future__ import annotations
 
 import math
+import os
+import random
 import subprocess
 import sys
 import textwrap
@@ -233,9 +235,38 @@ DECODE_CASES = [
 ] + [([70, 300, 1], 2 * g, 2, dim, 16, 0) for g in range(1, 9) for dim in (64, 128)]  # GQA 1..8
 
 
+DECODE_KERNELS = ["1", "2", "3"]  # EXLCLI_DECODE_KERNEL: attention_decode.cu reads it at each launch
+
+
+@pytest.fixture(params=DECODE_KERNELS, ids=lambda v: f"v{v}")
+def decode_kernel(request, kernels) -> str:
+    """Runs the test with one version of the decode kernel (after the load's self-check, which may
+    set the variable itself), then restores the variable."""
+    saved = os.environ.get("EXLCLI_DECODE_KERNEL")
+    os.environ["EXLCLI_DECODE_KERNEL"] = request.param
+    try:
+        yield request.param
+    finally:
+        if saved is None:
+            os.environ.pop("EXLCLI_DECODE_KERNEL", None)
+        else:
+            os.environ["EXLCLI_DECODE_KERNEL"] = saved
+
+
+# version 3's 64-token tiles (16 tokens a warp): tile edges, partial tiles, pages that straddle them
+TILE_LENS = [1, 63, 64, 65, 255, 256, 257, 1000]
+DECODE_CASES += [
+    (TILE_LENS, 32, 8, 128, 16, 0),
+    (TILE_LENS, 8, 2, 128, 5, 0),  # pages of 5 tokens: a tile's tokens cross pages anywhere
+    (TILE_LENS, 12, 3, 64, 24, 0),  # 24-token pages: neither divides nor is divided by 64
+    ([17, 300, 15, 16], 8, 2, 64, 1, 0),  # one token a page
+    ([70, 513, 256], 16, 4, 128, 256, 0),  # one page a partition
+]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("seq_lens,heads,kv_heads,dim,page_size,extra", DECODE_CASES)
-def test_paged_attention_decode(seq_lens, heads, kv_heads, dim, page_size, extra, dtype):
+def test_paged_attention_decode(seq_lens, heads, kv_heads, dim, page_size, extra, dtype, decode_kernel):
     k, v, tables, k_ref, v_ref = make_paged(seq_lens, kv_heads, dim, page_size, dtype, extra)
     q = randn(len(seq_lens), heads, dim, dtype=dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
@@ -252,7 +283,7 @@ def test_paged_attention_decode(seq_lens, heads, kv_heads, dim, page_size, extra
 
 @pytest.mark.parametrize("dtype", [torch.float32])
 @pytest.mark.parametrize("seq_lens,heads,kv_heads,dim", [([5, 700], 32, 8, 128), ([300, 1], 9, 3, 64)])
-def test_paged_attention_decode_fp32(seq_lens, heads, kv_heads, dim, dtype):
+def test_paged_attention_decode_fp32(seq_lens, heads, kv_heads, dim, dtype, decode_kernel):
     k, v, tables, k_ref, v_ref = make_paged(seq_lens, kv_heads, dim, 16, dtype)
     q = randn(len(seq_lens), heads, dim, dtype=dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
@@ -262,7 +293,7 @@ def test_paged_attention_decode_fp32(seq_lens, heads, kv_heads, dim, dtype):
 
 
 @pytest.mark.parametrize("width", [1, 40])
-def test_decode_of_an_empty_padding_row_is_zeros(width):
+def test_decode_of_an_empty_padding_row_is_zeros(width, decode_kernel):
     k, v, tables, _, _ = make_paged([10, 10], 2, 64, 16, torch.bfloat16, extra_width=width - 1)
     lens = torch.tensor([10, 0], dtype=torch.int32, device="cuda")
     q = randn(2, 4, 64, dtype=torch.bfloat16)
@@ -270,6 +301,43 @@ def test_decode_of_an_empty_padding_row_is_zeros(width):
     out = ops.paged_attention_decode(q, k, v, tables, lens, 0.125)
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     assert not torch.isnan(out[0]).any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size", [16, 24])
+def test_decode_of_a_batch_with_empty_rows(page_size, dtype, decode_kernel):
+    """Empty rows (seq_len 0) between sequences of every tile shape: zeros there, the reference
+    elsewhere, whether the table allows one partition or several."""
+    seq_lens = [0, 65, 1, 0, 300, 64, 0, 17]
+    k, v, tables, k_ref, v_ref = make_paged(seq_lens, 4, 128, page_size, dtype)
+    q = randn(len(seq_lens), 16, 128, dtype=dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    live = [b for b, n in enumerate(seq_lens) if n > 0]
+    poison_next_alloc(q.shape, dtype)
+    out = ops.paged_attention_decode(q, k, v, tables, lens, 0.09)
+    for b, n in enumerate(seq_lens):
+        if n == 0:
+            assert torch.equal(out[b], torch.zeros_like(out[b])), f"empty row {b} is not zeros"
+    idx = torch.tensor(live, device="cuda")
+    ref = paged_attention_decode_ref(q[idx].double(), k_ref.double(), v_ref.double(), tables[idx], lens[idx], 0.09)
+    assert_matches(out[idx], ref, dtype, "decode attention around empty rows vs fp64")
+
+
+def test_decode_of_a_sequence_alone_is_bitwise_its_result_in_a_batch(decode_kernel):
+    """A sequence's output does not depend on the 37 others beside it (their lengths, the batch
+    size, the table width): alone, with a table just wide enough, it is the same bit for bit."""
+    rng = random.Random(7)
+    seq_lens = [rng.choice([1, 5, 63, 64, 65, 200, 256, 257, 700, 1500, 3000]) for _ in range(37)]
+    for target in (208, 64, 1000, 1):
+        batch = seq_lens[:11] + [target] + seq_lens[11:]
+        k, v, tables, _, _ = make_paged(batch, 8, 128, 16, torch.bfloat16)
+        q = randn(len(batch), 32, 128, dtype=torch.bfloat16)
+        lens = torch.tensor(batch, dtype=torch.int32, device="cuda")
+        out = ops.paged_attention_decode(q, k, v, tables, lens, 128 ** -0.5)
+        pages = math.ceil(target / 16)
+        alone = ops.paged_attention_decode(q[11:12], k, v, tables[11:12, :pages], lens[11:12], 128 ** -0.5)
+        assert not torch.isnan(out).any()
+        assert torch.equal(alone, out[11:12]), f"a sequence of {target} tokens differs alone and in its batch"
 
 
 def test_attention_rejects_bad_input():
