@@ -127,7 +127,7 @@ def linear_chain_tb_s(out_f: int, in_f: int) -> dict:
 
 
 def measure_attention(res: dict) -> None:
-    """The decode kernel alone (version 1 with 4 and 8 warps a block, version 2): KV bytes read per
+    """The decode kernel alone (version 1 with 4 and 8 warps a block, versions 2 and 3): KV bytes read per
     call over its time, from a CUDA graph of 8 calls (the smallest cases partly read the L2)."""
     from exlcli.ops import _ext
 
@@ -137,14 +137,14 @@ def measure_attention(res: dict) -> None:
     previous = _ext.decode_tuning()
     out = {}
     try:
-        for batch, length in ((1, 4096), (64, 1024), (256, 512), (1, 32768)):
+        for batch, length in ((1, 4096), (64, 208), (64, 1024), (256, 512), (1024, 192), (1, 32768)):
             pages = -(-length // 16)
             k = torch.randn(batch * pages, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
             v = torch.randn_like(k)
             tables = torch.arange(batch * pages, dtype=torch.int32, device="cuda").view(batch, pages)
             lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
             q = torch.randn(batch, 32, 128, device="cuda", dtype=torch.bfloat16)
-            for name, version, warps in (("v1w4", "1", 4), ("v1w8", "1", 8), ("v2", "2", 4)):
+            for name, version, warps in (("v1w4", "1", 4), ("v1w8", "1", 8), ("v2", "2", 4), ("v3", "3", 4)):
                 os.environ["EXLCLI_DECODE_KERNEL"] = version
                 _ext.decode_tuning(attention_warps=warps)
                 call = lambda: _ext.paged_attention_decode(q, k, v, tables, lens, 0.088)  # noqa: E731
@@ -366,6 +366,13 @@ def bench_llama(res: dict, offline_seqs: list[int], variants: bool = False, prof
     log(f"llama b64: {res['llama8b_b64_tok_s']:.0f} tok/s (graph {replay})")
     if profile:
         res["profile_b64"] = profile_graph(engine, 64)
+    if variants:  # the same steps read back at once instead of one step ahead
+        engine.async_scheduling = False
+        res["llama8b_b64_sync_tok_s"] = 64 / decode_steps(engine, 64, 128, 160, "b64-sync")["median_s"]
+        res["llama8b_b1_sync_ms_per_step"] = decode_steps(engine, 1, 128, 160, "b1-sync")["median_s"] * 1e3
+        engine.async_scheduling = True
+        log(f"llama sync steps: b64 {res['llama8b_b64_sync_tok_s']:.0f} tok/s, "
+            f"b1 {res['llama8b_b1_sync_ms_per_step']:.2f} ms")
     if variants:
         from exlcli.ops import _ext
 
@@ -530,7 +537,10 @@ def table(res: dict) -> str:
                                                                           "llama8b_b64_attn_warps4_tok_s",
                                                                           "llama8b_b64_attn_warps4_graph_ms",
                                                                           "llama8b_b64_attn_warps8_tok_s",
-                                                                          "llama8b_b64_attn_warps8_graph_ms")}
+                                                                          "llama8b_b64_attn_warps8_graph_ms",
+                                                                          "llama8b_b64_sync_tok_s",
+                                                                          "llama8b_b1_sync_ms_per_step",
+                                                                          "llama8b_b64_ms_per_step")}
     if extra:
         out.append("more: " + json.dumps(extra, default=str)[:600])
     return "\n".join(out)
