@@ -20,7 +20,7 @@ from exlcli.engine.detok import TextStreamer
 from exlcli.engine.kv_cache import PagePool
 from exlcli.engine.model_runner import ModelRunner
 from exlcli.engine.request import FinishReason, Request, RequestOutput, RequestStats
-from exlcli.engine.sampler import SampleRow, sample, top_logprobs
+from exlcli.engine.sampler import SampleRow, needs_history, sample_ids, top_logprobs
 from exlcli.engine.scheduler import ScheduledBatch, Scheduler
 from exlcli.engine.sequence import Sequence, SeqStatus
 from exlcli.engine.stats import (STEP_TIME_BUCKETS, ActiveRequestInfo, EngineStats,
@@ -29,6 +29,20 @@ from exlcli.errors import RequestError
 from exlcli.model.llama import KVCache, LlamaModel
 
 log = logging.getLogger("exlcli.engine")
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward pass and sampling are queued on the device; `Engine._resolve` reads
+    its tokens back and streams them."""
+    batch: ScheduledBatch
+    seqs: list[Sequence]  # the sequences that sample, in the rows of `ids`
+    ids: torch.Tensor | None  # sampled ids on the device
+    host_ids: torch.Tensor | None  # their copy in host memory (pinned on a GPU)
+    ready: torch.cuda.Event | None  # recorded after the copy (None on CPU)
+    logprobs: list | None  # computed at launch when a request asks for them
+    start: float
+    keep_in_flight: bool  # may stay unread while the next step is scheduled
 
 
 @dataclass
@@ -41,6 +55,10 @@ class EngineConfig:
     max_num_seqs: int = 128
     max_model_len: int | None = None  # default: the model's context (capped by the pool)
     enable_prefix_cache: bool = True
+    # Schedule and queue step N+1 before reading step N's tokens back, so the host's work overlaps
+    # the device's (None: on for a GPU model). Stop strings then end a request one step late (the
+    # extra token is dropped); requests with penalties or logprobs are read back at once.
+    async_scheduling: bool | None = None
 
 
 class RequestHandle:
@@ -113,6 +131,10 @@ class Engine:
         self.scheduler = Scheduler(self.pool, budget, config.max_num_seqs)
         self.runner = ModelRunner(model, self.kv)
         self.eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or model.config.eos_token_ids)
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else device.type == "cuda")
+        self._in_flight: LaunchedStep | None = None
+        self._last_resolved = 0.0
 
         self._lock = threading.Lock()  # guards the inbox and cancellations
         self._wake = threading.Condition(self._lock)
@@ -203,7 +225,8 @@ class Engine:
             torch.set_num_threads(1)
         while True:
             with self._lock:
-                while not (self._inbox or self._cancels or self._stopping or self.scheduler.has_work()):
+                while not (self._inbox or self._cancels or self._stopping or self.scheduler.has_work()
+                           or self._in_flight is not None):
                     self._wake.wait()
                 if self._stopping:
                     break
@@ -211,14 +234,20 @@ class Engine:
                 self.step()
             except Exception:  # the loop must survive anything one step does
                 log.exception("engine step failed")
+        self._in_flight = None
         for seq in list(self._seqs.values()):
             self._finish(seq, FinishReason.CANCELLED)
 
     def step(self) -> bool:
-        """One iteration: take new requests and cancellations, schedule, run, sample, stream.
-        Returns False when there was nothing to do."""
+        """One iteration: take new requests and cancellations, schedule, queue the forward pass
+        and sampling, then read back and stream the tokens of the step before (async scheduling:
+        while this one runs) or of this one. Returns False when there was nothing to do."""
         self._take_inbox()
+        prev, self._in_flight = self._in_flight, None
         if not self.scheduler.has_work():
+            if prev is not None:
+                self._resolve(prev)
+                return True
             self._publish_stats(None, 0.0)
             return False
         batch = self.scheduler.schedule()
@@ -226,31 +255,68 @@ class Engine:
         for item in batch.items:
             if item.seq.first_scheduled_time is None:
                 item.seq.first_scheduled_time = now
-        if not batch.items:
-            self._publish_stats(batch, 0.0)
+        if not batch.items:  # e.g. every running sequence waits for its last token to be read
+            if prev is not None:
+                self._resolve(prev)
+            else:
+                self._publish_stats(batch, 0.0)
             return True
+        launched = self._launch(batch, prev)
+        if prev is not None:
+            self._resolve(prev)  # overlaps the device's work on this step
+        if launched is not None:
+            if launched.keep_in_flight:
+                self._in_flight = launched
+            else:
+                self._resolve(launched)
+        return True
+
+    def _launch(self, batch: ScheduledBatch, prev: LaunchedStep | None) -> LaunchedStep | None:
+        """Queues the forward pass and the sampling of `batch`; None if the forward pass failed."""
         start = time.perf_counter()
         try:
-            logits = self.runner.run(batch)
+            logits = self.runner.run(batch, prev.ids if prev is not None else None)
         except Exception as e:  # e.g. out of memory: fail this step's requests, keep serving
             log.exception("forward pass failed")
             for item in batch.items:
                 self._finish(item.seq, FinishReason.ERROR, error=f"forward pass failed: {e}")
-            return True
+            return None
         self.scheduler.commit(batch)
-        sampling = [item.seq for item in batch.items if item.samples]
-        tokens = self._sample(sampling, logits)
-        elapsed = time.perf_counter() - start
-        for seq, (token, logprob) in zip(sampling, tokens):
-            if token is None:
-                continue  # already finished with an error
+        seqs = [item.seq for item in batch.items if item.samples]
+        ids, logprobs = self._sample(seqs, logits) if seqs else (None, None)
+        host_ids, ready = ids, None
+        if ids is not None and ids.device.type != "cpu":
+            host_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            host_ids.copy_(ids, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        for row, seq in enumerate(seqs):
+            seq.num_pending += 1
+            seq.last_sample_row = row
+        keep = (self.async_scheduling and bool(seqs) and logprobs is None
+                and not any(needs_history(seq.request.sampling) for seq in seqs))
+        return LaunchedStep(batch, seqs, ids, host_ids, ready, logprobs, start, keep)
+
+    def _resolve(self, step: LaunchedStep) -> None:
+        """Reads a launched step's tokens back (waiting for the device) and streams them."""
+        tokens = []
+        if step.host_ids is not None:
+            if step.ready is not None:
+                step.ready.synchronize()
+            tokens = step.host_ids.tolist()
+        for row, (seq, token) in enumerate(zip(step.seqs, tokens)):
+            seq.num_pending -= 1
+            if seq.status is SeqStatus.FINISHED:
+                continue  # cancelled, failed, or stopped while this token was in flight
             try:
-                self._append_token(seq, token, logprob)
+                self._append_token(seq, token, step.logprobs[row] if step.logprobs else None)
             except Exception as e:
                 log.exception("postprocess failed for %s", seq.request_id)
                 self._finish(seq, FinishReason.ERROR, error=f"{type(e).__name__}: {e}")
-        self._publish_stats(batch, elapsed, generated=len(sampling))
-        return True
+        now = time.perf_counter()
+        elapsed = now - max(step.start, self._last_resolved)  # with steps overlapping: the period
+        self._last_resolved = now
+        self._publish_stats(step.batch, elapsed, generated=len(step.seqs))
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> None:
         """Drive the loop on the calling thread (tests, offline use without start())."""
@@ -272,25 +338,28 @@ class Engine:
             if seq is not None:
                 self._finish(seq, FinishReason.CANCELLED)
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[int | None, object]]:
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, list | None]:
+        """Sampled ids on the device, and the logprobs when a request asks for them (reading
+        those waits for the device)."""
         rows = [SampleRow(s.request.sampling, s.rng.random(), s.token_ids, s.num_prompt_tokens) for s in seqs]
-        if not seqs:
-            return []
+        want_logprobs = any(r.params.logprobs for r in rows)
         try:
-            ids = sample(logits, rows)
-            return list(zip(ids, top_logprobs(logits, ids, rows)))
+            ids = sample_ids(logits, rows)
+            return ids, (top_logprobs(logits, ids.tolist(), rows) if want_logprobs else None)
         except Exception:
             pass
-        # Find the row that broke the batch; the others go on.
-        out: list[tuple[int | None, object]] = []
+        # Find the row that broke the batch; the others go on (a failed row's id is never read).
+        ids_list, logprobs = [], []
         for i, (seq, row) in enumerate(zip(seqs, rows)):
             try:
-                ids = sample(logits[i:i + 1], [row])
-                out.append((ids[0], top_logprobs(logits[i:i + 1], ids, [row])[0]))
+                one = sample_ids(logits[i:i + 1], [row])
+                logprobs.append(top_logprobs(logits[i:i + 1], one.tolist(), [row])[0])
+                ids_list.append(one)
             except Exception as e:
                 self._finish(seq, FinishReason.ERROR, error=f"sampling failed: {type(e).__name__}: {e}")
-                out.append((None, None))
-        return out
+                ids_list.append(torch.zeros(1, dtype=torch.long, device=logits.device))
+                logprobs.append(None)
+        return torch.cat(ids_list), logprobs
 
     def _append_token(self, seq: Sequence, token: int, logprob) -> None:
         if seq.status is SeqStatus.FINISHED:
@@ -299,6 +368,7 @@ class Engine:
         if seq.first_token_time is None:
             seq.first_token_time = now
         seq.token_ids.append(token)
+        self.scheduler.token_known(seq)
         request = seq.request
         streamer = self._streamers[seq.request_id]
         reason = None
@@ -308,7 +378,7 @@ class Engine:
             text, stopped = streamer.push([token])
             if stopped:
                 reason = FinishReason.STOP
-            elif seq.num_generated >= request.max_new_tokens or seq.num_tokens >= seq.max_tokens:
+            elif seq.num_generated >= request.max_new_tokens or len(seq.token_ids) >= seq.max_tokens:
                 text += streamer.flush()
                 reason = FinishReason.LENGTH
         out = RequestOutput(seq.request_id, new_token_ids=[token], new_text=text,

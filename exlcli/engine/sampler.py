@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from exlcli.engine.request import SamplingParams, TokenLogprob
+from exlcli.engine.transfer import to_device
 
 
 @dataclass
@@ -31,7 +32,7 @@ class SampleRow:
 
 
 def _column(rows: list[SampleRow], name: str, device: torch.device) -> torch.Tensor:
-    return torch.tensor([getattr(r.params, name) for r in rows], dtype=torch.float32, device=device)
+    return to_device([getattr(r.params, name) for r in rows], torch.float32, device)
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -68,12 +69,12 @@ def filtered_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         vocab = logits.shape[-1]
-        k = torch.tensor([k if k > 0 else vocab for k in top_k], device=device)[:, None]
+        k = to_device([k if k > 0 else vocab for k in top_k], torch.long, device)[:, None]
         ranks = torch.arange(vocab, device=device)[None, :]
         sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
         sorted_probs = sorted_logits.softmax(-1)
         before = sorted_probs.cumsum(-1) - sorted_probs  # mass of strictly better tokens
-        p = torch.tensor(top_p, device=device)[:, None]
+        p = to_device(top_p, torch.float32, device)[:, None]
         sorted_logits = sorted_logits.masked_fill(before >= p, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
     probs = logits.softmax(-1)
@@ -84,20 +85,32 @@ def filtered_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     return probs
 
 
-def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
-    """logits: fp32 [B, V] -> one token id per row."""
+def sample_ids(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """logits: fp32 [B, V] -> int64 [B] token ids, on the logits' device. Nothing here waits for
+    the device (penalties aside), so sampling queues behind the forward pass."""
     logits = apply_penalties(logits, rows)
     greedy = [r.params.greedy for r in rows]
     if all(greedy):
-        return logits.argmax(-1).tolist()
+        return logits.argmax(-1)
     probs = filtered_probs(logits, rows)
     cdf = probs.cumsum(-1)
-    u = torch.tensor([r.uniform for r in rows], dtype=torch.float32, device=logits.device)[:, None]
+    u = to_device([r.uniform for r in rows], torch.float32, logits.device)[:, None]
     u = u * cdf[:, -1:]  # the cdf's last entry is 1 up to rounding
     drawn = torch.searchsorted(cdf, u).clamp_max(logits.shape[-1] - 1).squeeze(1)
     if any(greedy):
-        drawn = torch.where(torch.tensor(greedy, device=logits.device), logits.argmax(-1), drawn)
-    return drawn.tolist()
+        drawn = torch.where(to_device(greedy, torch.bool, logits.device), logits.argmax(-1), drawn)
+    return drawn
+
+
+def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
+    """logits: fp32 [B, V] -> one token id per row."""
+    return sample_ids(logits, rows).tolist()
+
+
+def needs_history(params: SamplingParams) -> bool:
+    """Sampling with these parameters reads the tokens generated so far."""
+    return (params.repetition_penalty != 1.0 or bool(params.presence_penalty)
+            or bool(params.frequency_penalty))
 
 
 def top_logprobs(logits: torch.Tensor, token_ids: list[int], rows: list[SampleRow]) -> list[TokenLogprob | None]:

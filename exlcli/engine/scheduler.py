@@ -85,6 +85,8 @@ class Scheduler:
                     break
                 if seq.status is not SeqStatus.RUNNING:
                     continue  # preempted by a sequence scheduled before it
+                if seq.limit_reached:
+                    continue  # its last token is still in flight (async scheduling)
                 n = self._chunk(seq, budget, top)
                 if n == 0:
                     continue
@@ -103,8 +105,8 @@ class Scheduler:
         w = 0
         while w < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[w]
-            if seq.priority != cls:
-                w += 1
+            if seq.priority != cls or seq.num_pending:
+                w += 1  # (preempted with a token in flight: it waits until the token is read)
                 continue
             self._match_prefix(seq)
             if self._next_page_in_flight(seq, in_flight):
@@ -131,17 +133,27 @@ class Scheduler:
         return budget
 
     def commit(self, batch: ScheduledBatch) -> None:
-        """After the forward pass: advance progress and publish newly full pages to the cache."""
+        """After the forward pass is queued: advance progress and publish newly full pages to the
+        cache (a page whose last token is still in flight is published when that token is read,
+        by `token_known`)."""
         size = self.page_size
         for item in batch.items:
             seq = item.seq
             before = seq.num_computed_tokens // size
             seq.num_computed_tokens += item.num_new_tokens
-            after = seq.num_computed_tokens // size
+            after = min(seq.num_computed_tokens, len(seq.token_ids)) // size
             if after > before:
                 hashes = seq.page_hashes(after, size)
                 for p in range(before, after):
                     self.pool.register(seq.pages[p], hashes[p])
+
+    def token_known(self, seq: Sequence) -> None:
+        """A token in flight was read and appended: publish its page if that token filled a page
+        that is already computed."""
+        n = len(seq.token_ids)
+        if n % self.page_size == 0 and seq.num_computed_tokens >= n and seq.pages:
+            p = n // self.page_size - 1
+            self.pool.register(seq.pages[p], seq.page_hashes(p + 1, self.page_size)[p])
 
     # -- helpers --------------------------------------------------------------------------------
     def _chunk(self, seq: Sequence, budget: int, top_priority: int) -> int:
@@ -157,7 +169,8 @@ class Scheduler:
     def _future_full_pages(self, seq: Sequence, n: int) -> set[int]:
         """Hashes of the full pages that computing `n` more tokens of `seq` completes."""
         size = self.page_size
-        first, last = seq.num_computed_tokens // size, (seq.num_computed_tokens + n) // size
+        first = seq.num_computed_tokens // size
+        last = min(seq.num_computed_tokens + n, len(seq.token_ids)) // size
         return set(seq.page_hashes(last, size)[first:]) if last > first else set()
 
     def _next_page_in_flight(self, seq: Sequence, in_flight: set[int]) -> bool:

@@ -32,6 +32,11 @@ class Sequence:
     submit_time: float = field(default_factory=time.perf_counter)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # Async scheduling: tokens sampled by steps already launched but not yet read back. They count
+    # in num_tokens (the scheduler plans around them); the newest is row `last_sample_row` of the
+    # latest step's sampled ids on the device, where the next step's input is taken from.
+    num_pending: int = 0
+    last_sample_row: int = -1
     rng: random.Random = field(default_factory=random.Random)
     _hashes: list[int] = field(default_factory=list)
 
@@ -56,7 +61,13 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Known tokens plus those still in flight."""
+        return len(self.token_ids) + self.num_pending
+
+    @property
+    def limit_reached(self) -> bool:
+        """No token may follow the last one (which may still be in flight)."""
+        return self.num_tokens >= self.max_tokens
 
     @property
     def num_generated(self) -> int:
@@ -68,6 +79,8 @@ class Sequence:
 
     def page_hashes(self, num_pages: int, page_size: int) -> list[int]:
         """Hashes of the first `num_pages` pages, which must be full of known tokens."""
+        if num_pages * page_size > len(self.token_ids):
+            raise ValueError(f"page {num_pages - 1} holds tokens that are not known yet")
         while len(self._hashes) < num_pages:
             i = len(self._hashes)
             parent = self._hashes[-1] if self._hashes else None

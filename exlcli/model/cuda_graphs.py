@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from exlcli.engine.model_runner import take_in_flight
 from exlcli.engine.scheduler import ScheduledBatch, ScheduledSeq
 from exlcli.model.llama import BatchInputs, KVCache, LlamaModel
 from exlcli.ops import _ext
@@ -90,9 +91,10 @@ class DecodeGraphs:
         self.use_fused = self.fused_unsupported is None
 
     # -- public -----------------------------------------------------------------------------------
-    def run(self, batch: ScheduledBatch) -> torch.Tensor | None:
+    def run(self, batch: ScheduledBatch, prev_ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """fp32 logits [n, V] of a pure decode step, or None when this step runs eagerly. The
-        tensor is the graph's output: read it before the next step."""
+        tensor is the graph's output: queue its reads before the next step. `prev_ids`: the
+        previous step's sampled ids, for sequences whose last token is still in flight."""
         if self.disabled_reason is not None or not is_pure_decode(batch):
             return None
         n = len(batch.items)
@@ -105,7 +107,7 @@ class DecodeGraphs:
             graph = self._capture_or_disable(bucket, width)
             if graph is None:
                 return None
-        self._stage(batch.items, bucket, width)
+        self._stage(batch.items, bucket, width, prev_ids)
         graph.graph.replay()
         self.num_replays += 1
         return graph.logits[:n]
@@ -179,18 +181,23 @@ class DecodeGraphs:
         log.debug("captured decode graph: batch %d, width %d pages", bucket, width)
         return _Graph(graph, logits)
 
-    def _stage(self, items: list[ScheduledSeq], bucket: int, width: int) -> None:
+    def _stage(self, items: list[ScheduledSeq], bucket: int, width: int, prev_ids: torch.Tensor | None) -> None:
         tables, host_tables = self._table(width)
         self._copied.synchronize()  # the previous step's copies have left the pinned buffers
         longs = self._host_longs.numpy()
         lens = self._host_lens.numpy()
         table = host_tables.numpy()
         page_size = self.kv.page_size
+        in_flight: list[tuple[int, int]] = []
         for i, item in enumerate(items):
             seq = item.seq
             pos = seq.num_computed_tokens
             pages = seq.pages
-            longs[0, i] = seq.token_ids[pos]
+            if pos < len(seq.token_ids):
+                longs[0, i] = seq.token_ids[pos]
+            else:  # still on the device: taken from prev_ids after the copy
+                longs[0, i] = 0
+                in_flight.append((i, seq.last_sample_row))
             longs[1, i] = pos
             longs[2, i] = pages[pos // page_size] * page_size + pos % page_size
             lens[i] = pos + 1
@@ -203,6 +210,8 @@ class DecodeGraphs:
         self._lens.copy_(self._host_lens, non_blocking=True)
         tables[:bucket].copy_(host_tables[:bucket], non_blocking=True)
         self._copied.record()
+        if in_flight:
+            take_in_flight(self._longs[0], in_flight, prev_ids)
 
 
 class DecodeLinear(DenseLinear):

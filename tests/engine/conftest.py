@@ -34,9 +34,12 @@ def tiny_model() -> LlamaModel:
     return LlamaModel(cfg, random_tensors(cfg), torch.device("cpu"), torch.bfloat16)
 
 
-@pytest.fixture
-def make_engine(tiny_model):
+@pytest.fixture(params=[False, True], ids=["sync", "async"])
+def make_engine(request, tiny_model):
+    """Every engine test runs with steps read back at once and with async scheduling (the GPU
+    default: step N+1 is queued before step N's tokens are read)."""
     def make(**options) -> Engine:
+        options.setdefault("async_scheduling", request.param)
         return Engine(tiny_model, LetterTokenizer(), EngineConfig(**options))
     return make
 
