@@ -35,8 +35,9 @@ def prompts(count: int, seed: int) -> list[list[int]]:
             for n in torch.randint(3, 60, (count,), generator=gen)]
 
 
-def engine_for(model: LlamaModel) -> Engine:
-    return Engine(model, SyntheticTokenizer(model.config.vocab_size), EngineConfig(num_pages=512, max_num_seqs=32))
+def engine_for(model: LlamaModel, async_scheduling: bool | None = None) -> Engine:
+    return Engine(model, SyntheticTokenizer(model.config.vocab_size),
+                  EngineConfig(num_pages=512, max_num_seqs=32, async_scheduling=async_scheduling))
 
 
 def submit(engine: Engine, prompt: list[int], tag: str, new_tokens: int = NEW_TOKENS, logprobs: int = 0):
@@ -140,3 +141,34 @@ def test_graph_replay_equals_eager_forward(model_fp32, monkeypatch):
     eager, eager_replays = run()
     assert replays > 0 and eager_replays == 0
     assert with_graphs == eager
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_async_scheduling_equals_synchronous_steps(model_fp32, dtype):
+    """Steps queued one ahead (the GPU default: inputs taken from the previous step's sampled ids
+    on the device) give the tokens of steps read back at once, greedy and seeded, graphs and eager
+    prefill steps mixed."""
+    model = model_fp32 if dtype == torch.float32 else smollm2(dtype)
+    ps = prompts(8, seed=11)
+
+    def run(async_scheduling: bool) -> tuple[list[list[int]], int]:
+        engine = engine_for(model, async_scheduling)
+        assert engine.async_scheduling is async_scheduling
+        sampling = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9, seed=3)]
+        handles = [engine.submit(Request(f"a-{i}", p, sampling[i % 2], max_new_tokens=24, ignore_eos=True))
+                   for i, p in enumerate(ps[:5])]
+        ahead = 0
+        for _ in range(6):
+            engine.step()
+            ahead += engine._in_flight is not None
+        handles += [engine.submit(Request(f"a-{i + 5}", p, sampling[i % 2], max_new_tokens=24, ignore_eos=True))
+                    for i, p in enumerate(ps[5:])]
+        engine.run_until_idle()
+        assert engine.runner.graphs is not None and engine.runner.graphs.num_replays > 0
+        return [collect(h)[0] for h in handles], ahead
+
+    synchronous, ahead_sync = run(False)
+    overlapped, ahead = run(True)
+    assert ahead_sync == 0 and ahead >= 4, "async steps should stay one step ahead"
+    assert all(len(t) == 24 for t in overlapped)
+    assert overlapped == synchronous
