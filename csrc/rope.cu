@@ -16,7 +16,9 @@ __device__ __forceinline__ void rotate(const T* src, T* dst, int j, int half, fl
   dst[j + half] = from_float<T>(__fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s)));
 }
 
-// One block per token. A negative slot (a padded row of a captured decode graph) skips the write.
+// One block per (token, head): blockIdx.y < num_heads rotates a query head, the others rotate one
+// kv head of k and copy the same head of v into the pages (many small blocks: a decode step has
+// only a few tokens). A negative slot (a padded row of a captured decode graph) skips the write.
 template <typename T>
 __global__ void rope_and_write_kv_kernel(T* __restrict__ q_out, const T* __restrict__ q, int64_t q_stride,
                                          const T* __restrict__ k, int64_t k_stride,
@@ -29,21 +31,24 @@ __global__ void rope_and_write_kv_kernel(T* __restrict__ q_out, const T* __restr
   grid_dependency_wait();  // launched with launch_pdl: the previous kernel may still run
   grid_dependents_launch();
   const int64_t t = blockIdx.x;
+  const int head = blockIdx.y;
   const int half = head_dim / 2;
   const float* cs = cos_sin + positions[t] * cs_stride;  // cos in [0, half), sin in [half, D)
-  for (int i = threadIdx.x; i < num_heads * half; i += blockDim.x) {
-    const int h = i / half, j = i % half;
-    rotate(q + t * q_stride + h * head_dim, q_out + (t * num_heads + h) * head_dim, j, half, cs[j], cs[half + j]);
+  if (head < num_heads) {
+    const T* src = q + t * q_stride + head * head_dim;
+    T* dst = q_out + (t * num_heads + head) * head_dim;
+    for (int j = threadIdx.x; j < half; j += blockDim.x) rotate(src, dst, j, half, cs[j], cs[half + j]);
+    return;
   }
   const int64_t slot = slots[t];
   if (slot < 0) return;
-  T* kc = k_cache + slot * num_kv_heads * head_dim;
-  T* vc = v_cache + slot * num_kv_heads * head_dim;
-  for (int i = threadIdx.x; i < num_kv_heads * half; i += blockDim.x) {
-    const int h = i / half, j = i % half;
-    rotate(k + t * k_stride + h * head_dim, kc + h * head_dim, j, half, cs[j], cs[half + j]);
-  }
-  for (int i = threadIdx.x; i < num_kv_heads * head_dim; i += blockDim.x) vc[i] = v[t * v_stride + i];
+  const int h = head - num_heads;
+  T* kc = k_cache + (slot * num_kv_heads + h) * head_dim;
+  T* vc = v_cache + (slot * num_kv_heads + h) * head_dim;
+  const T* ks = k + t * k_stride + h * head_dim;
+  const T* vs = v + t * v_stride + h * head_dim;
+  for (int j = threadIdx.x; j < half; j += blockDim.x) rotate(ks, kc, j, half, cs[j], cs[half + j]);
+  for (int i = threadIdx.x; i < head_dim; i += blockDim.x) vc[i] = vs[i];
 }
 
 // [T, heads, D] whose heads and elements are packed (rows may be strided: views of a fused qkv).
@@ -97,7 +102,8 @@ at::Tensor rope_and_write_kv(const at::Tensor& q, const at::Tensor& k, const at:
   if (tokens == 0) return q_out;
   EXL_DISPATCH_FLOAT(q.scalar_type(), "rope_and_write_kv", [&] {
     using T = scalar_t;
-    launch_pdl(rope_and_write_kv_kernel<T>, dim3(static_cast<unsigned>(tokens)), dim3(128), 0, current_stream(),
+    const dim3 grid(static_cast<unsigned>(tokens), static_cast<unsigned>(q.size(1) + k.size(1)));
+    launch_pdl(rope_and_write_kv_kernel<T>, grid, dim3(64), 0, current_stream(),
         static_cast<T*>(q_out.data_ptr()), static_cast<const T*>(q.data_ptr()), q.stride(0),
         static_cast<const T*>(k.data_ptr()), k.stride(0), static_cast<const T*>(v.data_ptr()), v.stride(0),
         positions.data_ptr<int64_t>(), cos_sin.data_ptr<float>(), cos_sin.stride(0),
