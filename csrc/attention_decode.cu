@@ -406,9 +406,10 @@ __global__ void __launch_bounds__(kThreads) paged_decode_v2_kernel(const DecodeP
 
 // ---- version 3: tensor cores, K/V staged in shared memory by cp.async -------------------------
 // Each warp owns 16 tokens of every 64-token tile of the partition (tokens 16w..16w+15 of the
-// tile) and walks its share on its own: it copies its 16 K rows and 16 V rows into its own
-// shared-memory stage with cp.async (kStagesV3 stages, so the next tiles' bytes are in flight
-// while it computes, without holding registers), then computes with mma.sync m16n8k16:
+// tile) and walks its share on its own. Its shared memory is a ring of SLOTS slots of 16 rows
+// (K rows of tile i, then V rows of tile i, then K rows of tile i + 1, ...), filled with cp.async
+// ahead of use, so SLOTS - 1 of them are in flight while it computes, without holding registers.
+// It computes with mma.sync m16n8k16:
 //   scores S = Q K^T: 16 rows of query heads (GMAX <= 8 used, the rest zero) x 16 tokens;
 //   an online softmax per head in base 2 (q.k * scale * log2(e)), the weights P rounded to T as
 //   the reference rounds its probabilities;
@@ -417,13 +418,16 @@ __global__ void __launch_bounds__(kThreads) paged_decode_v2_kernel(const DecodeP
 // The warps merge their (max, sum, accumulator) in a fixed order at the end, as version 2 does.
 // Nothing depends on the batch: the tiles sit at fixed offsets of the fixed partitions.
 constexpr int kTileV3 = 64;  // tokens per tile: 16 per warp
-constexpr int kStagesV3 = 2;  // tiles in flight per warp, counting the one being computed
+// 16-row K or V slots per warp: 48 KB a block at D = 128, so 4 blocks an SM (the batch-64 grid of
+// 512 blocks is resident at once). On the H200, 4 slots (64 KB, 3 blocks an SM) took 23.7 us instead
+// of 17.7 at 64 x 208 tokens and were no faster elsewhere.
+constexpr int kSlotsV3 = 3;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-template <int D>
-constexpr int v3_smem_bytes() {  // per block: kWarps x stages x (K and V) x 16 rows x D x 2 bytes
-  return kWarps * kStagesV3 * 2 * 16 * D * 2;
+template <int D, int SLOTS>
+constexpr int v3_smem_bytes() {  // per block: kWarps x SLOTS x 16 rows x D x 2 bytes
+  return kWarps * SLOTS * 16 * D * 2;
 }
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -496,15 +500,16 @@ __device__ __forceinline__ uint32_t pack_round(float lo, float hi, float& sum) {
   return bits16(a) | (bits16(b) << 16);
 }
 
-template <typename T, int D, int GMAX>
-__global__ void __launch_bounds__(kThreads, 3) paged_decode_v3_kernel(const DecodeParams p) {
+template <typename T, int D, int GMAX, int SLOTS>
+__global__ void __launch_bounds__(kThreads, 4) paged_decode_v3_kernel(const DecodeParams p) {
   grid_dependency_wait();  // launched with launch_pdl: the previous kernel may still run
   grid_dependents_launch();
   static_assert(sizeof(T) == 2 && GMAX <= 8 && D % 16 == 0, "version 3: 16-bit types, at most 8 heads");
+  static_assert(SLOTS >= 3 && SLOTS * 16 * D * 2 >= GMAX * D * 4, "version 3: the ring also holds the warp's result");
   constexpr int CPR = D * 2 / 16;  // 16-byte chunks per K or V row
   constexpr int KSTEPS = D / 16;  // mma steps over the head dim (scores), and row blocks of O^T
   constexpr int ROWS = 16;  // tokens per warp per tile
-  constexpr int STAGE = 2 * ROWS * D;  // elements of one stage: K rows, then V rows
+  constexpr int SLOT = ROWS * D;  // elements of one slot
 
   extern __shared__ __align__(128) unsigned char v3_smem[];
   __shared__ int64_t s_slot[kPartitionTokens];
@@ -530,31 +535,33 @@ __global__ void __launch_bounds__(kThreads, 3) paged_decode_v3_kernel(const Deco
   }
   fill_slots(s_slot, p.block_tables + b * p.bt_stride, start, n, p.page_size);  // ends with a barrier
 
-  T* const stages = reinterpret_cast<T*>(v3_smem) + warp * (kStagesV3 * STAGE);
+  T* const ring = reinterpret_cast<T*>(v3_smem) + warp * (SLOTS * SLOT);
   const int64_t slot_stride = static_cast<int64_t>(p.num_kv_heads) * D;
   const T* const k_head = static_cast<const T*>(p.k_cache) + static_cast<int64_t>(blk.kvh) * D;
   const T* const v_head = static_cast<const T*>(p.v_cache) + static_cast<int64_t>(blk.kvh) * D;
   const int first = warp * ROWS;  // this warp's first token in every tile
   const int tiles = n > first ? ceil_div(n - first, kTileV3) : 0;
 
-  // Copies this warp's 16 K and V rows of tile i into stage i % kStagesV3. Chunk j of row r
-  // lands at chunk j ^ (r & 7), so ldmatrix's 8 rows of one chunk column hit 8 distinct banks.
-  auto issue = [&](int i) {
+  // Load number j of the warp: the 16 K rows (j even) or V rows (j odd) of tile j / 2, into slot
+  // j % SLOTS. Chunk x of row r lands at chunk x ^ (r & 7), so ldmatrix's 8 rows of one chunk
+  // column hit 8 distinct banks. Tokens past the sequence are zeros.
+  auto issue = [&](int j) {
+    const int i = j >> 1;
     if (i < tiles) {
-      T* const st = stages + (i % kStagesV3) * STAGE;
+      T* const dst_slot = ring + (j % SLOTS) * SLOT;
+      const T* const src = (j & 1) ? v_head : k_head;
       const int base = i * kTileV3 + first;
 #pragma unroll
-      for (int j = 0; j < ROWS * CPR / 32; ++j) {
-        const int chunk = lane + 32 * j, r = chunk / CPR, col = chunk % CPR;
+      for (int u = 0; u < ROWS * CPR / 32; ++u) {
+        const int chunk = lane + 32 * u, r = chunk / CPR, col = chunk % CPR;
         const bool valid = base + r < n;
         const int64_t off = valid ? s_slot[base + r] * slot_stride + col * 8 : 0;
-        const int dst = r * D + ((col ^ (r & 7)) * 8);
-        cp_async16(smem_addr(st + dst), k_head + off, valid ? 16 : 0);
-        cp_async16(smem_addr(st + ROWS * D + dst), v_head + off, valid ? 16 : 0);
+        cp_async16(smem_addr(dst_slot + r * D + ((col ^ (r & 7)) * 8)), src + off, valid ? 16 : 0);
       }
     }
     cp_async_commit();  // an empty group past the end keeps the wait counts uniform
   };
+  auto slot_of = [&](int j) { return ring + (j % SLOTS) * SLOT; };
 
   const float sc2 = p.scale * kLog2e;
   float m = -INFINITY, l = 0.f;  // head g's running max (base 2) and this lane's sum of weights
@@ -563,28 +570,29 @@ __global__ void __launch_bounds__(kThreads, 3) paged_decode_v3_kernel(const Deco
   for (int k = 0; k < KSTEPS; ++k)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[k][e] = 0.f;
+  const int lrow = (lane >> 4) * 8 + (lane & 7);  // ldmatrix: the row this lane points at
+  const int lhalf = (lane >> 3) & 1;  // and which 8-column half
 
 #pragma unroll
-  for (int i = 0; i < kStagesV3 - 1; ++i) issue(i);
+  for (int j = 0; j < SLOTS; ++j) issue(j);
   for (int i = 0; i < tiles; ++i) {  // warp-uniform
-    issue(i + kStagesV3 - 1);
-    cp_async_wait<kStagesV3 - 1>();
-    __syncwarp();  // the other lanes' copies of tile i are visible
-    const T* const st = stages + (i % kStagesV3) * STAGE;
     const int valid = min(ROWS, n - (i * kTileV3 + first));
+    cp_async_wait<SLOTS - 1>();  // load 2i (K of tile i) is done
+    __syncwarp();  // and visible to every lane
 
     // S = Q K^T for 16 tokens: s[0] tokens 2c, 2c+1; s[1] tokens 8+2c, 9+2c (head g, and the
     // zero rows g + 8 in s[.][2..3]).
     float s[2][4] = {};
-    const int lrow = (lane >> 4) * 8 + (lane & 7);  // ldmatrix: the row this lane points at
-    const int lhalf = (lane >> 3) & 1;  // and which 8-column half
+    const T* const ks = slot_of(2 * i);
 #pragma unroll
     for (int k = 0; k < KSTEPS; ++k) {
       uint32_t kb[4];  // tokens 0-7: d 0-7, d 8-15; tokens 8-15: d 0-7, d 8-15
-      ldmatrix_x4<false>(kb, smem_addr(st + lrow * D + (((2 * k + lhalf) ^ (lrow & 7)) * 8)));
+      ldmatrix_x4<false>(kb, smem_addr(ks + lrow * D + (((2 * k + lhalf) ^ (lrow & 7)) * 8)));
       mma_16816<T>(s[0], qa[k][0], 0u, qa[k][1], 0u, kb[0], kb[1]);
       mma_16816<T>(s[1], qa[k][0], 0u, qa[k][1], 0u, kb[2], kb[3]);
     }
+    __syncwarp();  // every lane is done with K of tile i: its slot takes the next load
+    issue(2 * i + SLOTS);
 
     // Online softmax of head g over the tile's tokens (the four lanes of g hold 4 tokens each).
     float x[4];
@@ -606,7 +614,9 @@ __global__ void __launch_bounds__(kThreads, 3) paged_decode_v3_kernel(const Deco
     // O^T = O^T * alpha + V^T P^T. The accumulator's columns are heads 2c and 2c + 1.
     const float alpha_lo = __shfl_sync(0xffffffffu, alpha, 8 * c);
     const float alpha_hi = __shfl_sync(0xffffffffu, alpha, 8 * c + 4);
-    const T* const vs = st + ROWS * D;
+    cp_async_wait<SLOTS - 1>();  // load 2i + 1 (V of tile i) is done
+    __syncwarp();
+    const T* const vs = slot_of(2 * i + 1);
 #pragma unroll
     for (int k = 0; k < KSTEPS; ++k) {
       uint32_t va[4];  // d 0-7 x tokens 0-7, d 8-15 x tokens 0-7, d 0-7 x tokens 8-15, d 8-15 x tokens 8-15
@@ -617,16 +627,17 @@ __global__ void __launch_bounds__(kThreads, 3) paged_decode_v3_kernel(const Deco
       acc[k][3] *= alpha_hi;
       mma_16816<T>(acc[k], va[0], va[1], va[2], va[3], pb0, pb1);
     }
-    __syncwarp();  // every lane is done with this stage before it is filled again
+    __syncwarp();  // every lane is done with V of tile i
+    issue(2 * i + 1 + SLOTS);
   }
   cp_async_wait<0>();
   __syncwarp();
 
   // Warp totals: the sum over the lanes of head g (m is already the warp's), then the
-  // accumulator into this warp's own (now free) stage memory as [GMAX][D] floats.
+  // accumulator into this warp's own (now free) ring as [GMAX][D] floats.
   l += __shfl_xor_sync(0xffffffffu, l, 1);
   l += __shfl_xor_sync(0xffffffffu, l, 2);
-  float* const red = reinterpret_cast<float*>(stages);
+  float* const red = reinterpret_cast<float*>(ring);
   if (c == 0 && g < GMAX) {
     s_wm[warp][g] = m;
     s_wl[warp][g] = l;
@@ -656,7 +667,7 @@ __global__ void __launch_bounds__(kThreads, 3) paged_decode_v3_kernel(const Deco
     for (int w = 0; w < kWarps; ++w) {
       if (s_wm[w][h] == -INFINITY) continue;
       const float scale = exp2f(s_wm[w][h] - mb);
-      const float* const wred = reinterpret_cast<const float*>(v3_smem) + w * (kStagesV3 * STAGE / 2);
+      const float* const wred = reinterpret_cast<const float*>(v3_smem) + w * (SLOTS * SLOT / 2);
       o = fmaf(wred[h * D + d], scale, o);
       lb = fmaf(s_wl[w][h], scale, lb);
     }
@@ -704,8 +715,8 @@ __global__ void __launch_bounds__(D) paged_decode_combine_kernel(const DecodePar
 // use fails its check.
 int decode_kernel_version() {
   const char* v = std::getenv("EXLCLI_DECODE_KERNEL");
-  if (v != nullptr && v[0] == '2' && v[1] == '\0') return 2;
-  if (v != nullptr && v[0] == '3' && v[1] == '\0') return 3;
+  if (v != nullptr && v[0] == '2') return 2;
+  if (v != nullptr && v[0] == '3') return 3;
   return 1;
 }
 
@@ -725,10 +736,10 @@ bool device_has_sm80() {
   return v == 2;
 }
 
-template <typename T, int D, int GMAX>
+template <typename T, int D, int GMAX, int SLOTS = kSlotsV3>
 void launch_v3(const DecodeParams& p, const dim3& grid, cudaStream_t stream) {
-  constexpr int smem = v3_smem_bytes<D>();
-  auto kernel = paged_decode_v3_kernel<T, D, GMAX>;
+  constexpr int smem = v3_smem_bytes<D, SLOTS>();
+  auto kernel = paged_decode_v3_kernel<T, D, GMAX, SLOTS>;
   static std::atomic<uint64_t> configured{0};  // one bit per device: the attributes are set
   int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
