@@ -166,7 +166,7 @@ def measure_attention(res: dict) -> None:
             os.environ["EXLCLI_DECODE_KERNEL"] = saved
         _ext.decode_tuning(attention_warps=previous[2])
     res["decode_attention"] = out
-    res["decode_kernel_in_use"] = f"v{saved or 1}, {previous[2]} warps"
+    res["decode_kernel_in_use"] = f"v{saved or 3}" + (f", {previous[2]} warps" if saved == "1" else "")
     log(f"decode attention kernel (llama-8B heads): {out}")
     free_gpu()
 
@@ -373,19 +373,18 @@ def bench_llama(res: dict, offline_seqs: list[int], variants: bool = False, prof
         engine.async_scheduling = True
         log(f"llama sync steps: b64 {res['llama8b_b64_sync_tok_s']:.0f} tok/s, "
             f"b1 {res['llama8b_b1_sync_ms_per_step']:.2f} ms")
-    if variants:
-        from exlcli.ops import _ext
-
-        attention_warps = _ext.decode_tuning()[2]
-        other = 4 if attention_warps == 8 else 8
-        _ext.decode_tuning(attention_warps=other)
+    if variants:  # the same steps with decode attention version 1 (the default is version 3)
+        saved = os.environ.get("EXLCLI_DECODE_KERNEL")
+        os.environ["EXLCLI_DECODE_KERNEL"] = "1"
         engine.runner.graphs.reset()
-        key = f"llama8b_b64_attn_warps{other}"
-        res[key + "_tok_s"] = 64 / decode_steps(engine, 64, 128, 160, "b64-warps")["median_s"]
-        res[key + "_graph_ms"] = graph_replay_ms(engine, 64)
-        _ext.decode_tuning(attention_warps=attention_warps)
+        res["llama8b_b64_attn_v1_tok_s"] = 64 / decode_steps(engine, 64, 128, 160, "b64-v1")["median_s"]
+        res["llama8b_b64_attn_v1_graph_ms"] = graph_replay_ms(engine, 64)
+        if saved is None:
+            os.environ.pop("EXLCLI_DECODE_KERNEL")
+        else:
+            os.environ["EXLCLI_DECODE_KERNEL"] = saved
         engine.runner.graphs.reset()
-        log(f"llama b64 with {other} attention warps: {res[key + '_tok_s']:.0f} tok/s")
+        log(f"llama b64 with attention version 1: {res['llama8b_b64_attn_v1_tok_s']:.0f} tok/s")
 
     for n in (1, 2):
         tps, ms = prefill_tok_s(model, n, 2048)
@@ -534,10 +533,8 @@ def table(res: dict) -> str:
                                                                           "smollm2_b1_graph_ms", "graphs_disabled_reason",
                                                                           "llama8b_offline_runs", "decode_kernel_in_use",
                                                                           "llama8b_offline_max_num_seqs",
-                                                                          "llama8b_b64_attn_warps4_tok_s",
-                                                                          "llama8b_b64_attn_warps4_graph_ms",
-                                                                          "llama8b_b64_attn_warps8_tok_s",
-                                                                          "llama8b_b64_attn_warps8_graph_ms",
+                                                                          "llama8b_b64_attn_v1_tok_s",
+                                                                          "llama8b_b64_attn_v1_graph_ms",
                                                                           "llama8b_b64_sync_tok_s",
                                                                           "llama8b_b1_sync_ms_per_step",
                                                                           "llama8b_b64_ms_per_step")}

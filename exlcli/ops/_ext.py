@@ -219,8 +219,8 @@ def _self_check() -> None:
 
     err = decode_error()
     if not err < 2e-2:
-        # version 2 or 3 falls back to version 1, version 1 to version 2
-        os.environ["EXLCLI_DECODE_KERNEL"] = "1" if os.environ.get("EXLCLI_DECODE_KERNEL") in ("2", "3") else "2"
+        # version 3 (the default) or 2 falls back to version 1, version 1 to version 2
+        os.environ["EXLCLI_DECODE_KERNEL"] = "2" if os.environ.get("EXLCLI_DECODE_KERNEL") == "1" else "1"
         print(f"exlcli: the decode attention kernel failed its check (error {err:.2e}); switched to "
               f"version {os.environ['EXLCLI_DECODE_KERNEL']} (error {decode_error():.2e})", file=sys.stderr, flush=True)
     x, w, b = randn(3, 512), randn(200, 512), randn(200)
