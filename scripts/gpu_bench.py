@@ -554,7 +554,7 @@ def main() -> int:
     ap.add_argument("--only", default="ceilings,llama,smollm2", help="comma list of parts to run")
     ap.add_argument("--variants", action="store_true",
                     help="also batch-1 decode with the fused step, PDL and attention warps switched, "
-                         "batch 64 with the other attention warps")
+                         "batch 1 and 64 with synchronous steps, batch 64 with decode attention version 1")
     ap.add_argument("--profile", action="store_true", help="also the top kernels of the b1 and b64 decode graphs")
     args = ap.parse_args()
     if args.table:
