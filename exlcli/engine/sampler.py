@@ -102,11 +102,6 @@ def sample_ids(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     return drawn
 
 
-def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
-    """logits: fp32 [B, V] -> one token id per row."""
-    return sample_ids(logits, rows).tolist()
-
-
 def needs_history(params: SamplingParams) -> bool:
     """Sampling with these parameters reads the tokens generated so far."""
     return (params.repetition_penalty != 1.0 or bool(params.presence_penalty)
