@@ -223,6 +223,20 @@ def decode_steps(engine, batch: int, prompt_len: int, new_tokens: int, tag: str)
             "p90_s": sorted(steady)[int(0.9 * (len(steady) - 1))]}
 
 
+def decode_figures(res: dict, key: str, engine, batch: int, new_tokens: int) -> float | None:
+    """Decode steps of `batch` sequences through the Engine: res[key + "_ms_per_step"], "_p90_ms",
+    "_tok_s" and "_graph_ms" (the graph's GPU time alone). Returns that graph time."""
+    steps = decode_steps(engine, batch, 128, new_tokens, key)
+    res[key + "_ms_per_step"] = steps["median_s"] * 1e3
+    res[key + "_p90_ms"] = steps["p90_s"] * 1e3
+    res[key + "_tok_s"] = batch / steps["median_s"]
+    replay = graph_replay_ms(engine, batch)
+    if replay:
+        res[key + "_graph_ms"] = replay
+    log(f"{key}: {res[key + '_tok_s']:.0f} tok/s, {res[key + '_ms_per_step']:.2f} ms/step (graph {replay})")
+    return replay
+
+
 def graph_replay_ms(engine, batch: int) -> float | None:
     graphs = engine.runner.graphs
     if graphs is None:
@@ -343,27 +357,16 @@ def bench_llama(res: dict, offline_seqs: list[int], variants: bool = False, prof
     engine = make_engine(model, tok, max_num_seqs=max(offline_seqs))
     res["llama8b_kv_pages"] = engine.kv.num_pages
 
-    b1 = decode_steps(engine, 1, 128, 160, "b1")
-    res["llama8b_b1_ms_per_step"] = b1["median_s"] * 1e3
-    res["llama8b_b1_p90_ms"] = b1["p90_s"] * 1e3
-    replay = graph_replay_ms(engine, 1)
+    replay = decode_figures(res, "llama8b_b1", engine, 1, 160)
     if replay:
-        res["llama8b_b1_graph_ms"] = replay
         res["llama8b_b1_graph_tb_s"] = model.weight_bytes() / (replay * 1e-3) / 1e12
-    log(f"llama b1: {res['llama8b_b1_ms_per_step']:.2f} ms/step (graph {replay})")
 
     if profile:
         res["profile_b1"] = profile_graph(engine, 1)
     if variants:
         decode_variants(engine, res, profile)
 
-    b64 = decode_steps(engine, 64, 128, 160, "b64")
-    res["llama8b_b64_tok_s"] = 64 / b64["median_s"]
-    res["llama8b_b64_ms_per_step"] = b64["median_s"] * 1e3
-    replay = graph_replay_ms(engine, 64)
-    if replay:
-        res["llama8b_b64_graph_ms"] = replay
-    log(f"llama b64: {res['llama8b_b64_tok_s']:.0f} tok/s (graph {replay})")
+    decode_figures(res, "llama8b_b64", engine, 64, 160)
     if profile:
         res["profile_b64"] = profile_graph(engine, 64)
     if variants:  # the same steps read back at once instead of one step ahead
@@ -415,13 +418,7 @@ def bench_llama(res: dict, offline_seqs: list[int], variants: bool = False, prof
 def bench_smollm2(res: dict) -> None:
     model, tok = build_model("smollm2-135m", torch.bfloat16)
     engine = make_engine(model, tok, max_num_seqs=8)
-    b1 = decode_steps(engine, 1, 128, 300, "smol")
-    res["smollm2_b1_tok_s"] = 1 / b1["median_s"]
-    res["smollm2_b1_ms_per_step"] = b1["median_s"] * 1e3
-    replay = graph_replay_ms(engine, 1)
-    if replay:
-        res["smollm2_b1_graph_ms"] = replay
-    log(f"smollm2 b1: {res['smollm2_b1_tok_s']:.0f} tok/s (graph {replay})")
+    decode_figures(res, "smollm2_b1", engine, 1, 300)
     del engine, model
     free_gpu()
 
