@@ -1,6 +1,18 @@
 """Shared fixtures."""
 
+from pathlib import Path
+
 import pytest
+
+
+@pytest.fixture
+def private_runtime_dir(tmp_path, monkeypatch) -> Path:
+    """A runtime folder of the test's own (where `exlcli serve` writes its address), and no server,
+    API key or model taken from the user's environment."""
+    monkeypatch.setenv("EXLCLI_RUNTIME_DIR", str(tmp_path / "runtime"))
+    for name in ("EXLCLI_API_KEY", "EXLCLI_SERVER", "EXLCLI_MODEL"):
+        monkeypatch.delenv(name, raising=False)
+    return tmp_path / "runtime"
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,6 @@ import contextlib
 import json
 import os
 
-import pytest
 from typer.testing import CliRunner
 
 from exlcli.cli.app import app
@@ -18,15 +17,6 @@ from exlcli.server.runtime_file import ServerRecord, write_record
 def live_server(client):
     with running_server(client) as live:
         yield live.url
-
-
-@pytest.fixture
-def runtime_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("EXLCLI_RUNTIME_DIR", str(tmp_path / "runtime"))
-    monkeypatch.delenv("EXLCLI_API_KEY", raising=False)
-    monkeypatch.delenv("EXLCLI_SERVER", raising=False)
-    monkeypatch.delenv("EXLCLI_MODEL", raising=False)
-    return tmp_path / "runtime"
 
 
 def write_input(tmp_path):
@@ -47,7 +37,7 @@ def check_results(out, engine):
     assert {(p.priority, p.client) for _, _, p in engine.requests} == {("batch", "batch")}
 
 
-def test_batch_goes_to_the_named_server(tmp_path, runtime_dir):
+def test_batch_goes_to_the_named_server(tmp_path, private_runtime_dir):
     engine = FakeClient(token_delay=0.001)
     with live_server(engine) as url:
         out = tmp_path / "out.jsonl"
@@ -57,7 +47,7 @@ def test_batch_goes_to_the_named_server(tmp_path, runtime_dir):
     check_results(out, engine)
 
 
-def test_batch_finds_a_running_server_without_being_told(tmp_path, runtime_dir):
+def test_batch_finds_a_running_server_without_being_told(tmp_path, private_runtime_dir):
     engine = FakeClient(token_delay=0.001)
     with live_server(engine) as url:
         write_record(ServerRecord(url=url, pid=os.getpid(), model="fake-echo"))

@@ -22,10 +22,7 @@ def echo_server():
 
 
 @pytest.fixture
-def runner(monkeypatch, tmp_path):
-    monkeypatch.setenv("EXLCLI_RUNTIME_DIR", str(tmp_path / "runtime"))
-    monkeypatch.delenv("EXLCLI_API_KEY", raising=False)
-    monkeypatch.delenv("EXLCLI_SERVER", raising=False)
+def runner(private_runtime_dir):
     return CliRunner()
 
 

@@ -5,11 +5,8 @@ from exlcli.client.fake import FakeClient
 
 
 @pytest.fixture(autouse=True)
-def private_runtime_dir(tmp_path, monkeypatch):
+def _no_real_runtime_file(private_runtime_dir):
     """No server test may see or touch the user's real runtime file."""
-    monkeypatch.setenv("EXLCLI_RUNTIME_DIR", str(tmp_path / "runtime"))
-    monkeypatch.delenv("EXLCLI_API_KEY", raising=False)
-    return tmp_path / "runtime"
 
 
 @pytest.fixture
