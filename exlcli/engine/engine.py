@@ -378,7 +378,7 @@ class Engine:
             text, stopped = streamer.push([token])
             if stopped:
                 reason = FinishReason.STOP
-            elif seq.num_generated >= request.max_new_tokens or len(seq.token_ids) >= seq.max_tokens:
+            elif len(seq.token_ids) >= seq.max_tokens:  # max_new_tokens or the context
                 text += streamer.flush()
                 reason = FinishReason.LENGTH
         out = RequestOutput(seq.request_id, new_token_ids=[token], new_text=text,
