@@ -22,7 +22,7 @@ def register(app: typer.Typer) -> None:
     @user_errors
     def models() -> None:
         """List the default model and the models in the cache folder."""
-        from exlcli.model.registry import default_model_file, list_cached_models
+        from exlcli.model.default_model import default_model_file, list_cached_models
 
         default = default_model_file()
         print(f"default: SmolLM2-135M-Instruct Q4_1 ({'cached at ' + str(default) if default.exists() else 'not downloaded yet; provisioned on first use'})")

@@ -1,6 +1,6 @@
 """The one interface every front end (chat, batch, bench, serve) talks to.
 
-`LocalClient` runs the engine in this process; `RemoteClient` (exlcli.server.remote) talks to a
+`LocalClient` runs the engine in this process; `RemoteClient` (exlcli.client.remote) talks to a
 running `exlcli serve`. Both speak text and chat messages; tokenisation happens behind them.
 """
 

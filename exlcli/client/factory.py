@@ -11,7 +11,7 @@ def find_server(server: str | None, local: bool, model: str | None, quiet: bool 
     """The server named, else a running `exlcli serve` (announced on stderr), unless `local`."""
     if server or local:
         return None if local else server
-    from exlcli.server.runtime_file import find_running_server
+    from exlcli.client.runtime_file import find_running_server
 
     running = find_running_server()
     if running and not quiet:
@@ -34,7 +34,7 @@ def open_client(model: str | None = None, *, server: str | None = None, local: b
         return open_fake_client(model, default_delay=fake_delay)  # type: ignore[arg-type]
     server = find_server(server, local, model, quiet)
     if server:
-        from exlcli.server.remote import RemoteClient
+        from exlcli.client.remote import RemoteClient
 
         return RemoteClient(server, api_key=api_key)
     from exlcli.client.local import LocalClient

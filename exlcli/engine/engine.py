@@ -17,7 +17,7 @@ from typing import AsyncIterator, Iterator
 import torch
 
 from exlcli.engine.detok import TextStreamer
-from exlcli.engine.kv_cache import PagePool
+from exlcli.engine.page_pool import PagePool
 from exlcli.engine.model_runner import ModelRunner
 from exlcli.engine.request import FinishReason, Request, RequestOutput, RequestStats
 from exlcli.engine.sampler import SampleRow, needs_history, sample_ids, top_logprobs

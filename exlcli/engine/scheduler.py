@@ -8,7 +8,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from exlcli.engine.kv_cache import PagePool
+from exlcli.engine.page_pool import PagePool
 from exlcli.engine.sequence import Sequence, SeqStatus
 
 

@@ -7,7 +7,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from exlcli.engine.kv_cache import page_hash
+from exlcli.engine.page_pool import page_hash
 from exlcli.engine.request import Request
 
 

@@ -18,7 +18,6 @@ the same roundings as the layer-by-layer path. EXLCLI_NO_FUSED_DECODE=1 captures
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from dataclasses import dataclass
 
@@ -30,6 +29,7 @@ from exlcli.engine.scheduler import ScheduledBatch, ScheduledSeq
 from exlcli.model.llama import BatchInputs, KVCache, LlamaModel
 from exlcli.ops import _ext
 from exlcli.ops.linear import DenseLinear
+from exlcli import environment
 
 log = logging.getLogger("exlcli.cuda_graphs")
 
@@ -244,7 +244,7 @@ def use_decode_linears(model: LlamaModel) -> None:
 
 def make_decode_graphs(model: LlamaModel, kv: KVCache) -> DecodeGraphs | None:
     """Graphs for a model on a CUDA device, unless EXLCLI_NO_CUDA_GRAPHS=1."""
-    if model.device.type != "cuda" or os.environ.get("EXLCLI_NO_CUDA_GRAPHS") == "1":
+    if model.device.type != "cuda" or environment.flag("EXLCLI_NO_CUDA_GRAPHS"):
         return None
     return DecodeGraphs(model, kv)
 
@@ -255,7 +255,7 @@ FUSED_MAX_ROWS = 4  # the decode linear kernel's rows
 
 def fused_decode_unsupported(model: LlamaModel) -> str | None:
     """Why fused_decode_forward cannot run this model (None when it can)."""
-    if os.environ.get("EXLCLI_NO_FUSED_DECODE") == "1":
+    if environment.flag("EXLCLI_NO_FUSED_DECODE"):
         return "EXLCLI_NO_FUSED_DECODE=1"
     cfg = model.config
     if model.dtype not in (torch.bfloat16, torch.float16):

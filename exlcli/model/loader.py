@@ -60,7 +60,7 @@ def _quantization(tensors: dict) -> str:
 
 def load_model(spec: str | None = None, device: str | None = None, dtype: str | None = None,
                log=sys.stderr) -> LoadedModel:
-    from exlcli.model.registry import resolve_model_path
+    from exlcli.model.default_model import resolve_model_path
 
     start = time.perf_counter()
     dev = pick_device(device)

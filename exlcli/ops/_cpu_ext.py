@@ -31,8 +31,9 @@ from pathlib import Path
 import torch
 
 from exlcli.ops import _ext
+from exlcli import environment
 
-CSRC_CPU = Path(__file__).resolve().parents[2] / "csrc" / "cpu"
+CSRC_CPU = Path(__file__).resolve().parents[1] / "csrc" / "cpu"
 CFLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c11", "-fno-math-errno", "-pthread")
 
 _lock = threading.Lock()
@@ -97,7 +98,7 @@ def lib() -> ctypes.CDLL | None:
     with _lock:
         if _tried:
             return _lib
-        if os.environ.get("EXLCLI_NO_KERNELS") == "1":
+        if environment.flag("EXLCLI_NO_KERNELS"):
             _reason = "EXLCLI_NO_KERNELS=1"
         else:
             try:
@@ -115,9 +116,12 @@ def lib() -> ctypes.CDLL | None:
 def threads() -> int:
     """Threads the kernels share their work among: EXLCLI_CPU_THREADS, else the cores this process
     may run on."""
-    env = os.environ.get("EXLCLI_CPU_THREADS")
-    if env and env.isdigit() and int(env) > 0:
-        return int(env)
+    try:
+        wanted = environment.number("EXLCLI_CPU_THREADS")
+    except ValueError:
+        wanted = None
+    if wanted is not None and wanted > 0:
+        return wanted
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):

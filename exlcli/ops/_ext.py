@@ -28,6 +28,7 @@ from typing import Iterator
 import torch
 
 from exlcli.errors import ExlcliError
+from exlcli import environment
 
 # The one list of the extension's sources, relative to csrc/.
 SOURCES = (
@@ -41,7 +42,7 @@ SOURCES = (
     "attention_prefill.cpp",
 )
 HEADERS = ("common.cuh", "decode_gemv.cuh", "ops.h")
-CSRC = Path(__file__).resolve().parents[2] / "csrc"
+CSRC = Path(__file__).resolve().parents[1] / "csrc"
 
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
@@ -51,7 +52,7 @@ skinny_linear_ok = False  # the decode linear kernel passed its check at load
 
 
 def cache_root() -> Path:
-    env = os.environ.get("EXLCLI_KERNEL_CACHE")
+    env = environment.text("EXLCLI_KERNEL_CACHE")
     if env:
         return Path(env).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -122,7 +123,7 @@ def _load() -> None:
     from torch.utils import cpp_extension
 
     folder.mkdir(parents=True, exist_ok=True)
-    verbose = os.environ.get("EXLCLI_VERBOSE_BUILD") == "1"
+    verbose = environment.flag("EXLCLI_VERBOSE_BUILD")
     if not verbose:
         print(f"exlcli: compiling the CUDA kernels for sm {archs} into {folder} (once, about a minute)",
               file=sys.stderr, flush=True)
@@ -160,7 +161,7 @@ def load() -> bool:
     with _lock:
         if _loaded is not None:
             return _loaded
-        if os.environ.get("EXLCLI_NO_KERNELS") == "1":
+        if environment.flag("EXLCLI_NO_KERNELS"):
             _reason = "EXLCLI_NO_KERNELS=1"
             _loaded = False
             return False

@@ -65,18 +65,6 @@ def usage_dict(usages: list[tuple[int, Usage | None]]) -> dict:
     return body
 
 
-def usage_from_dict(body: dict | None) -> Usage | None:
-    if not body:
-        return None
-    details = body.get("prompt_tokens_details") or {}
-    return Usage(prompt_tokens=int(body.get("prompt_tokens") or 0),
-                 cached_tokens=int(details.get("cached_tokens") or 0),
-                 completion_tokens=int(body.get("completion_tokens") or 0),
-                 queue_time=float(body.get("queue_time") or 0.0), ttft=body.get("ttft"),
-                 total_time=float(body.get("total_time") or 0.0),
-                 decode_tps=float(body.get("decode_tps") or 0.0))
-
-
 # ---- logprobs ---------------------------------------------------------------------------------
 
 def _token_entry(token_id: int, token: str, logprob: float) -> dict:

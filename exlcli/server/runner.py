@@ -19,7 +19,7 @@ from exlcli.client.base import EngineClient
 from exlcli.errors import ExlcliError
 from exlcli.server.app import ServerConfig, ServerState, create_app
 from exlcli.server.dashboard import LiveDashboard, LogDashboard
-from exlcli.server.runtime_file import ServerRecord, find_running_server, remove_record, write_record
+from exlcli.client.runtime_file import ServerRecord, find_running_server, remove_record, write_record
 from exlcli.server.security import check_bind_allowed
 from exlcli.server.tracker import RequestTracker
 

@@ -4,24 +4,15 @@ constant time, and a cap on request body size enforced before the body is read i
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import json
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from exlcli.client.runtime_file import is_loopback_host
 from exlcli.errors import ExlcliError
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
-
-
-def is_loopback_host(host: str) -> bool:
-    if host.strip("[]").lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a host name other than localhost may resolve anywhere
 
 
 def check_bind_allowed(host: str, api_key: str | None) -> None:

@@ -15,7 +15,7 @@ from exlcli.chat.io import ChatIO
 from exlcli.chat.settings import ChatSettings
 from exlcli.client.fake import FakeClient
 from exlcli.server.app import create_app
-from exlcli.server.remote import RemoteClient
+from exlcli.client.remote import RemoteClient
 
 
 def test_chat_through_remote_client_matches_local_behaviour():

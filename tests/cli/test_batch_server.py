@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from exlcli.cli.app import app
 from tests.server.server_helpers import running_server
 from exlcli.client.fake import FakeClient
-from exlcli.server.runtime_file import ServerRecord, write_record
+from exlcli.client.runtime_file import ServerRecord, write_record
 
 
 @contextlib.contextmanager

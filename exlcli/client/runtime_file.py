@@ -8,6 +8,7 @@ same trust a user's own files get, as Jupyter does with its runtime files).
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import time
@@ -16,8 +17,17 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
+from exlcli import environment
 
-from exlcli.server.security import is_loopback_host
+
+def is_loopback_host(host: str) -> bool:
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost may resolve anywhere
+
 
 FILE_NAME = "server.json"
 HEALTH_TIMEOUT_S = 0.5
@@ -33,8 +43,8 @@ class ServerRecord:
 
 
 def runtime_dir() -> Path:
-    if os.environ.get("EXLCLI_RUNTIME_DIR"):
-        return Path(os.environ["EXLCLI_RUNTIME_DIR"])
+    if environment.text("EXLCLI_RUNTIME_DIR"):
+        return Path(environment.text("EXLCLI_RUNTIME_DIR"))
     if os.environ.get("XDG_RUNTIME_DIR"):
         return Path(os.environ["XDG_RUNTIME_DIR"]) / "exlcli"
     return Path.home() / ".cache" / "exlcli"

