@@ -1,0 +1,60 @@
+"""What the CUDA and CPU kernel loaders share: the switch that forces the torch reference ops, and
+the folder kernel builds are cached in."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from pathlib import Path
+from typing import Iterator
+
+from exlcli import environment
+
+
+class _ReferenceSwitch:
+    """Counts the open kernels_disabled() blocks. Process-wide on purpose: a test that disables the
+    kernels around an engine must reach the engine's own thread too."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._depth = 0
+
+    def enter(self) -> None:
+        with self._lock:
+            self._depth += 1
+
+    def exit(self) -> None:
+        with self._lock:
+            self._depth -= 1
+
+    @property
+    def on(self) -> bool:
+        return self._depth > 0
+
+
+_SWITCH = _ReferenceSwitch()
+
+
+@contextlib.contextmanager
+def kernels_disabled() -> Iterator[None]:
+    """Runs the torch reference ops inside the block, on every device (tests, comparisons)."""
+    _SWITCH.enter()
+    try:
+        yield
+    finally:
+        _SWITCH.exit()
+
+
+def reference_forced() -> bool:
+    """True inside kernels_disabled()."""
+    return _SWITCH.on
+
+
+def kernel_cache_root() -> Path:
+    """EXLCLI_KERNEL_CACHE, else $XDG_CACHE_HOME/exlcli/kernels (~/.cache/exlcli/kernels)."""
+    env = environment.text("EXLCLI_KERNEL_CACHE")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "exlcli" / "kernels"

@@ -1,0 +1,81 @@
+"""What every weight format gives the rest of exlcli: its block layout, a torch reference that
+dequantizes its blocks (the oracle of every kernel), and the linears that run it on each device.
+
+A format is one module in exlcli/ops/formats/ holding one `BlockFormat`; `exlcli.ops.formats`
+looks them up by name. A `QuantizedWeight` is a matrix kept in the blocks of one format, rows of
+`in_features // block_weights` blocks each, until a Linear takes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Optional
+
+import torch
+
+if TYPE_CHECKING:
+    from exlcli.ops.linear import Linear
+
+# uint8 blocks [rows, blocks_per_row * block_bytes] -> fp32 weights [rows, blocks_per_row * block_weights]
+Dequantize = Callable[[torch.Tensor], torch.Tensor]
+# (weight, bias or None, device, activation dtype) -> a Linear, or None when this device has no
+# kernel for the format (make_linear then dequantizes to a dense weight, and says so)
+MakeLinear = Callable[["QuantizedWeight", Optional[torch.Tensor], torch.device, torch.dtype], Optional["Linear"]]
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    name: str  # GGUF's name of the type: "Q4_0", "Q4_K", ...
+    gguf_type: int | None  # its GGMLQuantizationType value (None for formats GGUF does not have)
+    block_weights: int  # weights per block (a row is cut into blocks of this many)
+    block_bytes: int  # bytes per block
+    dequantize: Dequantize
+    cpu_linear: MakeLinear | None = None
+    cuda_linear: MakeLinear | None = None
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8.0 * self.block_bytes / self.block_weights
+
+    def row_bytes(self, in_features: int) -> int:
+        return in_features // self.block_weights * self.block_bytes
+
+
+@dataclass
+class QuantizedWeight:
+    fmt: BlockFormat
+    shape: tuple[int, int]  # (out_features, in_features)
+    blocks: torch.Tensor  # uint8 [out_features, fmt.row_bytes(in_features)]
+
+    def __post_init__(self) -> None:
+        rows, cols = self.shape
+        if cols % self.fmt.block_weights:
+            raise ValueError(f"{self.fmt.name} weight width {cols} is not a multiple of {self.fmt.block_weights}")
+        want = (rows, self.fmt.row_bytes(cols))
+        if tuple(self.blocks.shape) != want or self.blocks.dtype != torch.uint8:
+            raise ValueError(f"{self.fmt.name} blocks have shape {tuple(self.blocks.shape)}, expected uint8 {want}")
+
+    @property
+    def qtype(self) -> str:
+        return self.fmt.name
+
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.fmt.dequantize(self.blocks).to(dtype)
+
+    def permute_rows(self, order: torch.Tensor) -> "QuantizedWeight":
+        return QuantizedWeight(self.fmt, self.shape, self.blocks[order].contiguous())
+
+    @staticmethod
+    def concat_rows(parts: list["QuantizedWeight"]) -> "QuantizedWeight":
+        if len({p.fmt.name for p in parts}) != 1 or len({p.shape[1] for p in parts}) != 1:
+            raise ValueError("can only concatenate weights of one format and width")
+        return QuantizedWeight(parts[0].fmt, (sum(p.shape[0] for p in parts), parts[0].shape[1]),
+                               torch.cat([p.blocks for p in parts]))
+
+
+def f16_at(blocks: torch.Tensor, offset: int) -> torch.Tensor:
+    """The fp16 scalar at byte `offset` of every block, as fp32: blocks [..., block_bytes] -> [...]."""
+    return blocks[..., offset:offset + 2].contiguous().view(torch.float16).float().squeeze(-1)
