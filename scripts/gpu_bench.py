@@ -252,7 +252,8 @@ def graph_replay_ms(engine, batch: int) -> float | None:
 
 def prefill_tok_s(model, num_seqs: int, length: int) -> tuple[float, float]:
     """Model forward over num_seqs fresh prompts of `length` tokens: (tok/s, ms)."""
-    from exlcli.model.llama import BatchInputs, KVCache
+    from exlcli.model.batch_inputs import BatchInputs
+    from exlcli.model.kv_cache import KVCache
 
     page_size = 16
     pages = -(-length // page_size)

@@ -25,7 +25,7 @@ class ModelFacts:
     @classmethod
     def of(cls, loaded) -> "ModelFacts":
         """From an exlcli.model.loader.LoadedModel."""
-        from exlcli.model.llama import KVCache
+        from exlcli.model.kv_cache import KVCache
 
         cfg, model = loaded.config, loaded.model
         h, i = cfg.hidden_size, cfg.intermediate_size

@@ -26,7 +26,8 @@ from exlcli.engine.sequence import Sequence, SeqStatus
 from exlcli.engine.stats import (STEP_TIME_BUCKETS, ActiveRequestInfo, EngineStats,
                                  FinishedRequestInfo)
 from exlcli.errors import RequestError
-from exlcli.model.llama import KVCache, LlamaModel
+from exlcli.model.kv_cache import KVCache
+from exlcli.model.llama import LlamaModel
 
 log = logging.getLogger("exlcli.engine")
 

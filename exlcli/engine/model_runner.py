@@ -6,7 +6,9 @@ import torch
 
 from exlcli.engine.scheduler import ScheduledBatch
 from exlcli.engine.transfer import to_device
-from exlcli.model.llama import BatchInputs, KVCache, LlamaModel
+from exlcli.model.batch_inputs import BatchInputs
+from exlcli.model.kv_cache import KVCache
+from exlcli.model.llama import LlamaModel
 
 
 class ModelRunner:

@@ -26,7 +26,9 @@ import torch.nn.functional as F
 
 from exlcli.engine.model_runner import take_in_flight
 from exlcli.engine.scheduler import ScheduledBatch, ScheduledSeq
-from exlcli.model.llama import BatchInputs, KVCache, LlamaModel
+from exlcli.model.batch_inputs import BatchInputs
+from exlcli.model.kv_cache import KVCache
+from exlcli.model.llama import LlamaModel
 from exlcli.ops import _ext
 from exlcli.ops.linear import DenseLinear
 from exlcli import environment

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
+from exlcli.model.batch_inputs import BatchInputs
 from exlcli.model.config import ModelConfig
+from exlcli.model.kv_cache import KVCache
 from exlcli.model.quant import QuantizedWeight
 from exlcli.ops.activation import silu_and_mul
 from exlcli.ops._cpu_ext import use_cpu_kernels
@@ -17,47 +17,6 @@ from exlcli.ops.linear import Linear, make_linear
 from exlcli.ops.qlinear import QuantCpuLinear
 from exlcli.ops.norm import fused_add_rms_norm, rms_norm
 from exlcli.ops.rope import gather_cos_sin, rope_and_write_kv, rope_cos_sin_cache
-
-
-@dataclass
-class BatchInputs:
-    """One step's tokens. Sequence b owns tokens query_start_loc[b]:query_start_loc[b+1]."""
-
-    input_ids: torch.Tensor  # [T] long
-    positions: torch.Tensor  # [T] long
-    slot_mapping: torch.Tensor  # [T] long: page * page_size + offset where each token's K/V goes
-    block_tables: torch.Tensor  # [B, max_pages] int32
-    seq_lens: list[int]  # [B] tokens in each sequence after this step
-    query_start_loc: list[int]  # [B + 1]
-    logits_indices: torch.Tensor  # [S] long: rows of T whose next-token logits are wanted
-    seq_lens_t: torch.Tensor | None = None  # [B] int32 on the device (compiled kernels)
-    query_start_loc_t: torch.Tensor | None = None  # [B + 1] int32 on the device
-
-    def __post_init__(self) -> None:
-        num_tokens = self.input_ids.shape[0]
-        if not (self.positions.shape[0] == self.slot_mapping.shape[0] == num_tokens):
-            raise ValueError("input_ids, positions and slot_mapping must have one entry per token")
-        if len(self.query_start_loc) != len(self.seq_lens) + 1 or self.query_start_loc[-1] != num_tokens:
-            raise ValueError("query_start_loc must have B + 1 entries ending at the token count")
-
-
-class KVCache:
-    """Per layer K and V pages: [num_pages, page_size, kv_heads, head_dim]."""
-
-    def __init__(self, config: ModelConfig, num_pages: int, page_size: int, device: torch.device,
-                 dtype: torch.dtype) -> None:
-        shape = (num_pages, page_size, config.num_kv_heads, config.head_dim)
-        # zeros, not empty: pages past a sequence's length are read (and masked) by the
-        # vectorised decode; they must never hold NaN.
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
-        self.num_pages = num_pages
-        self.page_size = page_size
-
-    @staticmethod
-    def bytes_per_page(config: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
-        elem = torch.tensor([], dtype=dtype).element_size()
-        return 2 * config.num_layers * page_size * config.num_kv_heads * config.head_dim * elem
 
 
 class DecoderLayer:

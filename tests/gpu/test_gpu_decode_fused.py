@@ -11,7 +11,9 @@ import torch.nn.functional as F
 from gpu_helpers import assert_matches, poison_next_alloc, requires_cuda
 from exlcli.model.config import ModelConfig
 from exlcli.model.cuda_graphs import fused_decode_forward, fused_decode_unsupported, use_decode_linears
-from exlcli.model.llama import BatchInputs, KVCache, LlamaModel
+from exlcli.model.batch_inputs import BatchInputs
+from exlcli.model.kv_cache import KVCache
+from exlcli.model.llama import LlamaModel
 from exlcli.model.random_weights import random_tensors
 from exlcli.ops import _ext as ops
 from exlcli.ops.activation import silu_and_mul_ref

@@ -121,7 +121,8 @@ def test_width_buckets(pages, width):
 
 def test_cpu_runner_has_no_graphs():
     from exlcli.engine.model_runner import ModelRunner
-    from exlcli.model.llama import KVCache, LlamaModel
+    from exlcli.model.kv_cache import KVCache
+    from exlcli.model.llama import LlamaModel
     from exlcli.model.random_weights import random_config, random_tensors
 
     cfg = random_config("tiny")

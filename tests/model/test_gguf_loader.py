@@ -10,7 +10,8 @@ import torch
 from exlcli.errors import ModelLoadError, UnsupportedTensorTypeError
 from exlcli.model.gguf_loader import hf_name, load_gguf_tensors, unpermute_rope_rows
 from exlcli.model.gguf_meta import metadata_from_reader, open_gguf
-from exlcli.model.llama import BatchInputs, KVCache
+from exlcli.model.batch_inputs import BatchInputs
+from exlcli.model.kv_cache import KVCache
 from exlcli.model.quant import QuantizedWeight
 
 from hf_random_init import randomize_  # tests/model/hf_random_init.py

@@ -14,7 +14,8 @@ import os
 import pytest
 import torch
 
-from exlcli.model.llama import BatchInputs, KVCache
+from exlcli.model.batch_inputs import BatchInputs
+from exlcli.model.kv_cache import KVCache
 from exlcli.model.loader import load_model
 
 from hf_random_init import randomize_  # tests/model/hf_random_init.py
