@@ -71,3 +71,15 @@ def number(name: str) -> int | None:
         return int(value)
     except ValueError:
         raise ValueError(f"{name}={value!r} is not a whole number") from None
+
+
+def markdown_table() -> str:
+    """The README's table of variables (tests/test_environment.py keeps the two equal)."""
+    kinds = {"flag": "`=1`", "text": "text", "number": "number"}
+    rows = ["| variable | value | effect |", "| --- | --- | --- |"]
+    rows += [f"| `{v.name}` | {kinds[v.kind]} | {v.doc} |" for v in VARIABLES.values()]
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown_table())
