@@ -1,0 +1,32 @@
+"""Q2_K: super-blocks of 256 weights in 16 sub-blocks of 16, w = d * sc[s] * q - dmin * m[s], q of 2 bits.
+
+Block (84 bytes): scales, 16 bytes: sub-block s has sc[s] in the low nibble of byte s and m[s] in
+the high nibble | qs, 64 bytes: two halves of 32 bytes; 2-bit field f of byte i in half h is
+q[128 * h + 32 * f + i] | fp16 d | fp16 dmin.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from exlcli.ops.formats.base import BlockFormat, f16_at
+from exlcli.ops.formats.bit_fields import blocks_of, rows_of, unpack_fields
+
+BLOCK_WEIGHTS = 256
+BLOCK_BYTES = 84
+
+
+def dequantize(blocks: torch.Tensor) -> torch.Tensor:
+    b = blocks_of(blocks, BLOCK_BYTES)
+    n = b.shape[0]
+    scales = b[:, 0:16]
+    d, dmin = f16_at(b, 80), f16_at(b, 82)  # [n]
+    step = d[:, None] * (scales & 0x0F).float()  # [n, 16]
+    offset = dmin[:, None] * (scales >> 4).float()
+    q = unpack_fields(b[:, 16:80].view(n, 2, 32), 2).reshape(n, 16, 16).float()
+    w = step[..., None] * q - offset[..., None]
+    return rows_of(w, blocks, BLOCK_BYTES, BLOCK_WEIGHTS)
+
+
+FORMAT = BlockFormat(name="Q2_K", gguf_type=10, block_weights=BLOCK_WEIGHTS, block_bytes=BLOCK_BYTES,
+                     dequantize=dequantize)

@@ -1,0 +1,26 @@
+"""Q5_1: blocks of 32 weights, w = d * q + m, q of 5 bits.
+
+Block (24 bytes): fp16 d | fp16 m | qh, 4 bytes | qs, 16 bytes, both laid out as in Q5_0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from exlcli.ops.formats.base import BlockFormat, f16_at
+from exlcli.ops.formats.bit_fields import blocks_of, rows_of
+from exlcli.ops.formats.q5_0 import five_bit_quants
+
+BLOCK_WEIGHTS = 32
+BLOCK_BYTES = 24
+
+
+def dequantize(blocks: torch.Tensor) -> torch.Tensor:
+    b = blocks_of(blocks, BLOCK_BYTES)
+    d, m = f16_at(b, 0), f16_at(b, 2)  # [n]
+    q = five_bit_quants(b[:, 4:8], b[:, 8:24])
+    return rows_of(d[:, None] * q.float() + m[:, None], blocks, BLOCK_BYTES, BLOCK_WEIGHTS)
+
+
+FORMAT = BlockFormat(name="Q5_1", gguf_type=7, block_weights=BLOCK_WEIGHTS, block_bytes=BLOCK_BYTES,
+                     dequantize=dequantize)

@@ -1,0 +1,27 @@
+"""Q5_K: Q4_K with a fifth bit, w = d * sc[s] * q - dmin * m[s], q of 5 bits.
+
+Block (176 bytes): fp16 d | fp16 dmin | scales and mins, 12 bytes (kquant_scales) | qh, 32 bytes:
+bit s of byte i is the top bit of weight i of sub-block s | qs, 128 bytes: the low 4 bits, as in Q4_K.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from exlcli.ops.formats.base import BlockFormat
+from exlcli.ops.formats.bit_fields import blocks_of, rows_of, unpack_fields
+from exlcli.ops.formats.q4_k import nibble_quants, sub_block_affine
+
+BLOCK_WEIGHTS = 256
+BLOCK_BYTES = 176
+
+
+def dequantize(blocks: torch.Tensor) -> torch.Tensor:
+    b = blocks_of(blocks, BLOCK_BYTES)
+    step, offset = sub_block_affine(b)
+    q = nibble_quants(b[:, 48:176]) | (unpack_fields(b[:, 16:48], 1) << 4)  # [n, 8, 32]
+    return rows_of(step * q.float() - offset, blocks, BLOCK_BYTES, BLOCK_WEIGHTS)
+
+
+FORMAT = BlockFormat(name="Q5_K", gguf_type=13, block_weights=BLOCK_WEIGHTS, block_bytes=BLOCK_BYTES,
+                     dequantize=dequantize)
