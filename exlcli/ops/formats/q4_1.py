@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from exlcli.ops.formats import cpu_qmatmul
 from exlcli.ops.formats.base import BlockFormat, Linear, QuantizedWeight, f16_at, low_high_nibbles, scaled_blocks
 from exlcli.ops.formats.cpu_int4 import Int4CpuLinear
-from exlcli.ops.formats.cpu_qmatmul import QuantCpuLinear, available as qmatmul_available
+from exlcli.ops.formats.cpu_qmatmul import QuantCpuLinear
 
 BLOCK_WEIGHTS = 32
 BLOCK_BYTES = 20
@@ -45,7 +46,7 @@ def cpu_linear(weight: QuantizedWeight, bias: torch.Tensor | None, device: torch
                dtype: torch.dtype) -> Linear | None:
     if dtype != torch.bfloat16:
         return None
-    return qmatmul_linear(weight, bias) if qmatmul_available() else int4_linear(weight, bias)
+    return qmatmul_linear(weight, bias) if cpu_qmatmul.available() else int4_linear(weight, bias)
 
 
 FORMAT = BlockFormat("Q4_1", gguf_type=3, block_weights=BLOCK_WEIGHTS, block_bytes=BLOCK_BYTES,

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from exlcli.ops.formats import cpu_qmatmul
 from exlcli.ops.formats.base import BlockFormat, Linear, QuantizedWeight, f16_at, scaled_blocks
-from exlcli.ops.formats.cpu_qmatmul import QuantCpuLinear, available as qmatmul_available
+from exlcli.ops.formats.cpu_qmatmul import QuantCpuLinear
 
 BLOCK_WEIGHTS = 32
 BLOCK_BYTES = 34
@@ -38,7 +39,7 @@ def qmatmul_linear(weight: QuantizedWeight, bias: torch.Tensor | None = None) ->
 
 def cpu_linear(weight: QuantizedWeight, bias: torch.Tensor | None, device: torch.device,
                dtype: torch.dtype) -> Linear | None:
-    if dtype != torch.bfloat16 or not qmatmul_available():
+    if dtype != torch.bfloat16 or not cpu_qmatmul.available():
         return None
     return qmatmul_linear(weight, bias)
 

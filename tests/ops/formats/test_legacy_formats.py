@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from exlcli.ops.formats import QuantizedWeight, by_name, q4_0, q4_1, q8_0
 from exlcli.ops.formats.cpu_int4 import Int4CpuLinear
-from exlcli.ops.formats.cpu_qmatmul import QuantCpuLinear, available as qmatmul_available
+from exlcli.ops.formats.cpu_qmatmul import QuantCpuLinear, available
 from exlcli.ops.formats.dense import DenseLinear
 from exlcli.ops.linear import make_linear
 
@@ -150,7 +150,7 @@ def test_make_linear_keeps_quantized_weights_for_bf16_cpu_and_dense_otherwise():
     k, _ = _random_weight("Q4_1", 16, 64, seed=11)
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(12))
     fused = make_linear([q, k], None, CPU, torch.bfloat16)
-    kernel = QuantCpuLinear if qmatmul_available() else Int4CpuLinear
+    kernel = QuantCpuLinear if available() else Int4CpuLinear
     assert isinstance(fused, kernel) and fused.out_features == 48
     dense = make_linear([q, k], None, CPU, torch.float32)
     assert isinstance(dense, DenseLinear)
@@ -158,6 +158,6 @@ def test_make_linear_keeps_quantized_weights_for_bf16_cpu_and_dense_otherwise():
     torch.testing.assert_close(dense(x), want, rtol=1e-5, atol=1e-5)
     assert _rel(fused(x.bfloat16()), want) < 1e-2
     q8, _ = _random_weight("Q8_0", 32, 64, seed=13)
-    q8_kind = QuantCpuLinear if qmatmul_available() else DenseLinear
+    q8_kind = QuantCpuLinear if available() else DenseLinear
     assert isinstance(make_linear([q8], None, CPU, torch.bfloat16), q8_kind)
     assert fused.nbytes() < dense.nbytes() / 4  # int4 stays small
