@@ -18,9 +18,8 @@ class ModelRunner:
         self.device = model.device
         self.graphs = None  # CUDA graphs of decode steps (exlcli/model/cuda_graphs.py); None on CPU
         if self.device.type == "cuda":
-            from exlcli.model.cuda_graphs import make_decode_graphs, use_decode_linears
+            from exlcli.model.cuda_graphs import make_decode_graphs
 
-            use_decode_linears(model)
             self.graphs = make_decode_graphs(model, kv)
 
     def build_inputs(self, batch: ScheduledBatch, prev_ids: torch.Tensor | None = None) -> BatchInputs:

@@ -30,7 +30,6 @@ from exlcli.model.batch_inputs import BatchInputs
 from exlcli.model.kv_cache import KVCache
 from exlcli.model.llama import LlamaModel
 from exlcli.ops import _ext
-from exlcli.ops.linear import DenseLinear
 from exlcli import environment
 
 log = logging.getLogger("exlcli.cuda_graphs")
@@ -216,34 +215,6 @@ class DecodeGraphs:
             take_in_flight(self._longs[0], in_flight, prev_ids)
 
 
-class DecodeLinear(DenseLinear):
-    """A DenseLinear whose products of 1 to 4 rows (decode steps) run the skinny_linear kernel;
-    cuBLAS reaches only 1.1 to 3.3 TB/s on those shapes on an H200."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        super().__init__(weight, bias)
-        self._skinny = (weight.dtype in (torch.bfloat16, torch.float16) and weight.is_contiguous()
-                        and weight.data_ptr() % 16 == 0 and self.in_features % 8 == 0
-                        and (bias is None or (bias.dtype == weight.dtype and bias.is_contiguous())))
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if (self._skinny and x.dim() == 2 and 1 <= x.shape[0] <= 4 and x.dtype == self.weight.dtype
-                and _ext.use_kernels(x) and _ext.skinny_linear_ok):
-            return _ext.skinny_linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
-
-
-def use_decode_linears(model: LlamaModel) -> None:
-    """Swaps the model's dense projections for DecodeLinear (same weights, no copy)."""
-    def swap(lin):
-        return DecodeLinear(lin.weight, lin.bias) if type(lin) is DenseLinear else lin
-
-    for layer in model.layers:
-        for name in ("qkv", "o_proj", "gate_up", "down"):
-            setattr(layer, name, swap(getattr(layer, name)))
-    model.lm_head = swap(model.lm_head)
-
-
 def make_decode_graphs(model: LlamaModel, kv: KVCache) -> DecodeGraphs | None:
     """Graphs for a model on a CUDA device, unless EXLCLI_NO_CUDA_GRAPHS=1."""
     if model.device.type != "cuda" or environment.flag("EXLCLI_NO_CUDA_GRAPHS"):
@@ -268,7 +239,7 @@ def fused_decode_unsupported(model: LlamaModel) -> str | None:
         return f"hidden size {cfg.hidden_size}"
     linears = [model.lm_head] + [getattr(layer, name) for layer in model.layers
                                  for name in ("qkv", "o_proj", "gate_up", "down")]
-    if not all(isinstance(lin, DecodeLinear) and lin._skinny for lin in linears):
+    if any(lin.fused_decode_weights() is None for lin in linears):
         return "a projection the decode linear kernel cannot read (quantized or unaligned)"
     if any(layer.q_norm is not None for layer in model.layers):
         return "q/k norms"
@@ -286,12 +257,14 @@ def fused_decode_forward(model: LlamaModel, batch: BatchInputs, kv: KVCache) -> 
     rows = batch.input_ids.shape[0]
     r = F.embedding(batch.input_ids, model.embed)  # the residual stream
     for i, layer in enumerate(model.layers):
-        q = _ext.decode_qkv_rope(r, layer.qkv.weight, layer.qkv.bias, layer.input_norm, eps, batch.positions,
+        # the dense weights each projection hands over (fused_decode_unsupported checked they exist)
+        qkv_w, o_w = layer.qkv.fused_decode_weights(), layer.o_proj.fused_decode_weights()
+        gate_up_w, down_w = layer.gate_up.fused_decode_weights(), layer.down.fused_decode_weights()
+        q = _ext.decode_qkv_rope(r, *qkv_w, layer.input_norm, eps, batch.positions,
                                  model.cos_sin, kv.k[i], kv.v[i], batch.slot_mapping, cfg.num_heads)
         o = _ext.paged_attention_decode(q, kv.k[i], kv.v[i], batch.block_tables, batch.seq_lens_t, model.scale)
-        r = _ext.decode_linear(o.view(rows, -1), layer.o_proj.weight, layer.o_proj.bias, residual=r)
-        gate_up = _ext.decode_linear(r, layer.gate_up.weight, layer.gate_up.bias, norm_weight=layer.post_norm,
-                                     eps=eps)
-        r = _ext.decode_linear(gate_up, layer.down.weight, layer.down.bias, silu=True, residual=r)
-    return _ext.decode_linear(r, model.lm_head.weight, model.lm_head.bias, norm_weight=model.norm, eps=eps,
+        r = _ext.decode_linear(o.view(rows, -1), *o_w, residual=r)
+        gate_up = _ext.decode_linear(r, *gate_up_w, norm_weight=layer.post_norm, eps=eps)
+        r = _ext.decode_linear(gate_up, *down_w, silu=True, residual=r)
+    return _ext.decode_linear(r, *model.lm_head.fused_decode_weights(), norm_weight=model.norm, eps=eps,
                               float_out=True)

@@ -11,7 +11,8 @@ import torch
 
 from exlcli.errors import ModelLoadError, UnsupportedTensorTypeError
 from exlcli.model.config import ModelConfig
-from exlcli.model.quant import QuantizedWeight
+from exlcli.ops import formats
+from exlcli.ops.formats import QuantizedWeight
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -32,7 +33,8 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+DENSE_TYPES = ("F32", "F16", "BF16")
+SUPPORTED_TYPES = DENSE_TYPES + formats.names()
 ROPE_FACTORS = "rope_freqs.weight"  # llama.cpp's form of Llama 3.1 RoPE scaling: one divisor per frequency
 
 
@@ -63,13 +65,13 @@ def _tensor(t: Any) -> "torch.Tensor | QuantizedWeight":
         return torch.from_numpy(data.astype(np.float16, copy=True)).reshape(dims)
     if kind == "BF16":
         return torch.from_numpy(data.view(np.uint16).copy()).view(torch.bfloat16).reshape(dims)
-    if kind in ("Q8_0", "Q4_0", "Q4_1"):
-        if len(dims) != 2:
-            raise UnsupportedTensorTypeError(f"tensor {t.name}: {kind} with {len(dims)} dims is not supported")
-        return QuantizedWeight(kind, (dims[0], dims[1]),
-                               torch.from_numpy(data.copy()).reshape(dims[0], -1))
-    raise UnsupportedTensorTypeError(
-        f"tensor {t.name} has type {kind}, which exlcli cannot run; supported: {', '.join(SUPPORTED_TYPES)}")
+    if kind not in formats.names():
+        raise UnsupportedTensorTypeError(
+            f"tensor {t.name} has type {kind}, which exlcli cannot run; supported: {', '.join(SUPPORTED_TYPES)}")
+    if len(dims) != 2:
+        raise UnsupportedTensorTypeError(f"tensor {t.name}: {kind} with {len(dims)} dims is not supported")
+    return QuantizedWeight(formats.by_name(kind), (dims[0], dims[1]),
+                           torch.from_numpy(data.copy()).reshape(dims[0], -1))
 
 
 def load_gguf_tensors(reader: Any, meta: dict[str, Any]) -> tuple[ModelConfig, dict[str, Any]]:

@@ -8,13 +8,12 @@ import torch.nn.functional as F
 from exlcli.model.batch_inputs import BatchInputs
 from exlcli.model.config import ModelConfig
 from exlcli.model.kv_cache import KVCache
-from exlcli.model.quant import QuantizedWeight
 from exlcli.ops.activation import silu_and_mul
 from exlcli.ops._cpu_ext import use_cpu_kernels
 from exlcli.ops._ext import use_kernels
 from exlcli.ops.attention import PagedLayout, paged_attention
-from exlcli.ops.linear import Linear, make_linear
-from exlcli.ops.qlinear import QuantCpuLinear
+from exlcli.ops.formats import QuantizedWeight
+from exlcli.ops.linear import Linear, dense_weight, make_linear
 from exlcli.ops.norm import fused_add_rms_norm, rms_norm
 from exlcli.ops.rope import gather_cos_sin, rope_and_write_kv, rope_cos_sin_cache
 
@@ -43,8 +42,7 @@ class LlamaModel:
         self.device = device
         self.dtype = dtype
         embed = tensors["model.embed_tokens.weight"]
-        embed = embed.dequantize(dtype) if isinstance(embed, QuantizedWeight) else embed.to(dtype)
-        self.embed = embed.to(device)  # [V, H]
+        self.embed = dense_weight(embed, dtype).to(device)  # [V, H]
         self.layers = [DecoderLayer(config, tensors, i, device, dtype) for i in range(config.num_layers)]
         self.norm = tensors["model.norm.weight"].to(device=device, dtype=dtype)
         head = tensors.get("lm_head.weight")
@@ -99,6 +97,4 @@ class LlamaModel:
         h = h[batch.logits_indices]
         residual = residual[batch.logits_indices]
         x, _ = fused_add_rms_norm(h, residual, self.norm, cfg.rms_norm_eps)
-        if isinstance(self.lm_head, QuantCpuLinear):
-            return self.lm_head(x, out_dtype=torch.float32)  # fp32 logits straight from the kernel
-        return self.lm_head(x).float()
+        return self.lm_head(x, out_dtype=torch.float32)  # fp32 logits (straight from the CPU kernel)

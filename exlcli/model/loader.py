@@ -14,7 +14,7 @@ from exlcli.errors import ModelLoadError
 from exlcli.model.chat_template import ChatTemplate
 from exlcli.model.config import ModelConfig
 from exlcli.model.llama import LlamaModel
-from exlcli.model.quant import QuantizedWeight
+from exlcli.ops.formats import QuantizedWeight
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -53,7 +53,7 @@ def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
 
 
 def _quantization(tensors: dict) -> str:
-    kinds = {v.qtype if isinstance(v, QuantizedWeight) else str(v.dtype).removeprefix("torch.")
+    kinds = {v.fmt.name if isinstance(v, QuantizedWeight) else str(v.dtype).removeprefix("torch.")
              for k, v in tensors.items() if k.endswith("proj.weight")}
     return "+".join(sorted(kinds))
 

@@ -1,72 +1,29 @@
-"""Linear layers over dense or GGUF-quantized weights, with fused projections (qkv, gate|up).
+"""make_linear: the Linear for some weights on a device, looked up in the weight-format table.
 
-On CPU with bf16 activations, Q4_0 / Q4_1 / Q8_0 weights stay quantized and run through our C
-kernel (exlcli/ops/qlinear.py). Where it cannot be built, Q4_0 / Q4_1 run through torch's int4 CPU
-matmul (`_weight_int4pack_mm_for_cpu`), whose (q - 8) * scale + zero form holds Q4_1's
-q * d + m exactly with zero = m + 8d. Everything else is dequantized to a dense weight.
+Dense weights get the dense linear of the device (exlcli/ops/formats/dense.py). Quantized weights of
+one format get that format's linear for the device (its `cpu_linear` / `cuda_linear`); where it has
+none for this device and dtype, they are dequantized to a dense weight. Several weights make one
+fused projection (qkv, gate|up): their outputs side by side.
 """
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+import logging
 
-from exlcli.model.quant import BLOCK, QuantizedWeight
+import torch
+
+from exlcli.ops.formats.base import Linear, QuantizedWeight
+from exlcli.ops.formats.dense import dense_linear
+
+log = logging.getLogger("exlcli.linear")
 
 Weight = "torch.Tensor | QuantizedWeight"
 
-
-class Linear:
-    out_features: int
-    in_features: int
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def nbytes(self) -> int:
-        raise NotImplementedError
+__all__ = ["Linear", "Weight", "dense_weight", "make_linear"]
 
 
-class DenseLinear(Linear):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.weight = weight  # [out, in]
-        self.bias = bias
-        self.out_features, self.in_features = weight.shape
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-    def nbytes(self) -> int:
-        return self.weight.numel() * self.weight.element_size()
-
-
-class Int4CpuLinear(Linear):
-    """4-bit weights in torch's CPU int4 pack; activations run in bf16."""
-
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
-        q, scale, offset = weight.unpack()
-        if weight.qtype == "Q4_0":
-            q, zero = q, torch.zeros_like(scale)  # (q - 8) * d
-        else:  # Q4_1
-            zero = offset + 8.0 * scale
-        self.out_features, self.in_features = weight.shape
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
-        # [K / 32, N, 2] of (scale, zero)
-        self.scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
-        self.bias = None if bias is None else bias.to(torch.bfloat16)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, BLOCK, self.scales_zeros)
-        if self.bias is not None:
-            y = y + self.bias
-        return y if y.dtype == x.dtype else y.to(x.dtype)
-
-    def nbytes(self) -> int:
-        return self.packed.numel() + self.scales_zeros.numel() * 2
-
-
-def _dense(w: "torch.Tensor | QuantizedWeight", dtype: torch.dtype) -> torch.Tensor:
+def dense_weight(w: "torch.Tensor | QuantizedWeight", dtype: torch.dtype) -> torch.Tensor:
+    """The weight as a dense tensor of `dtype` (dequantized if it is quantized)."""
     return w.dequantize(dtype) if isinstance(w, QuantizedWeight) else w.to(dtype)
 
 
@@ -76,13 +33,14 @@ def make_linear(weights: list, biases: list | None, device: torch.device, dtype:
     if biases and any(b is not None for b in biases):
         bias = torch.cat([b.to(dtype) if b is not None else torch.zeros(w.shape[0], dtype=dtype)
                           for w, b in zip(weights, biases)]).to(device)
-    one_qtype = all(isinstance(w, QuantizedWeight) for w in weights) and len({w.qtype for w in weights}) == 1
-    if one_qtype and device.type == "cpu" and dtype == torch.bfloat16:
-        from exlcli.ops import qlinear  # imports this module
-
-        if weights[0].qtype in qlinear.QTYPES and qlinear.available():
-            return qlinear.QuantCpuLinear(QuantizedWeight.concat_rows(weights), bias)
-        if weights[0].qtype in ("Q4_0", "Q4_1"):
-            return Int4CpuLinear(QuantizedWeight.concat_rows(weights), bias)
-    dense = torch.cat([_dense(w, dtype) for w in weights]) if len(weights) > 1 else _dense(weights[0], dtype)
-    return DenseLinear(dense.to(device).contiguous(), bias)
+    if all(isinstance(w, QuantizedWeight) for w in weights) and len({w.fmt.name for w in weights}) == 1:
+        fmt = weights[0].fmt
+        make = {"cpu": fmt.cpu_linear, "cuda": fmt.cuda_linear}.get(device.type)
+        lin = make(QuantizedWeight.concat_rows(weights), bias, device, dtype) if make is not None else None
+        if lin is not None:
+            return lin
+        log.debug("no %s linear for %s weights in %s: dequantized", device.type, fmt.name, dtype)
+    # one dense weight is taken as it is (no copy: a tied head shares the embedding)
+    parts = [dense_weight(w, dtype) for w in weights]
+    dense = torch.cat(parts) if len(parts) > 1 else parts[0]
+    return dense_linear(dense.to(device).contiguous(), bias)

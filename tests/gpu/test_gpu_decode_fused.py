@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from gpu_helpers import assert_matches, poison_next_alloc, requires_cuda
 from exlcli.model.config import ModelConfig
-from exlcli.model.cuda_graphs import fused_decode_forward, fused_decode_unsupported, use_decode_linears
+from exlcli.model.cuda_graphs import fused_decode_forward, fused_decode_unsupported
 from exlcli.model.batch_inputs import BatchInputs
 from exlcli.model.kv_cache import KVCache
 from exlcli.model.llama import LlamaModel
@@ -160,7 +160,6 @@ def decode_inputs(lens: list[int], pages_each: int, page_size: int, vocab: int) 
 def test_fused_decode_step_equals_the_model_forward(name, dtype):
     config = MODELS[name]
     model = LlamaModel(config, random_tensors(config, device="cuda", dtype=dtype, seed=3), torch.device("cuda"), dtype)
-    use_decode_linears(model)
     assert fused_decode_unsupported(model) is None
     page_size, pages_each = 16, 40
     for lens in ([1], [300, 17], [5, 600, 33, 129]):

@@ -12,7 +12,7 @@ from exlcli.model.gguf_loader import hf_name, load_gguf_tensors, unpermute_rope_
 from exlcli.model.gguf_meta import metadata_from_reader, open_gguf
 from exlcli.model.batch_inputs import BatchInputs
 from exlcli.model.kv_cache import KVCache
-from exlcli.model.quant import QuantizedWeight
+from exlcli.ops.formats import QuantizedWeight
 
 from hf_random_init import randomize_  # tests/model/hf_random_init.py
 

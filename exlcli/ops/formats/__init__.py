@@ -1,1 +1,44 @@
-"""The weight-format table (see base.py): one module per format, looked up by name."""
+"""The weight-format table: every block format exlcli runs, looked up by name or GGUF type id.
+
+A format is one module here holding its block layout, a torch reference `dequantize` (and, for
+formats of the form w = q * scale + offset, the `unpack` that the CPU repack reads), and the
+constructors of its CPU and CUDA linears, all in one `FORMAT = BlockFormat(...)` (see base.py).
+Adding a format is that module, its tests, and one entry in FORMATS below. Dense weights (F32, F16,
+BF16) are plain torch tensors and run through dense.py.
+"""
+
+from __future__ import annotations
+
+from exlcli.errors import UnsupportedTensorTypeError
+from exlcli.ops.formats import q4_0, q4_1, q8_0
+from exlcli.ops.formats.base import BlockFormat, QuantizedWeight
+
+FORMATS: tuple[BlockFormat, ...] = (q4_0.FORMAT, q4_1.FORMAT, q8_0.FORMAT)
+
+_BY_NAME = {f.name: f for f in FORMATS}
+_BY_GGUF_TYPE = {f.gguf_type: f for f in FORMATS if f.gguf_type is not None}
+
+
+def names() -> tuple[str, ...]:
+    return tuple(f.name for f in FORMATS)
+
+
+def by_name(name: str) -> BlockFormat:
+    """The format called `name` ("Q4_0", ...); an UnsupportedTensorTypeError names an unknown one."""
+    fmt = _BY_NAME.get(name)
+    if fmt is None:
+        raise UnsupportedTensorTypeError(f"no weight format {name}; exlcli runs {', '.join(names())}")
+    return fmt
+
+
+def by_gguf_type(gguf_type: int, name: str | None = None) -> BlockFormat:
+    """The format of GGUF type id `gguf_type` (its GGMLQuantizationType value); `name`, the type's
+    name where the caller knows it, goes into the error for an unknown one."""
+    fmt = _BY_GGUF_TYPE.get(int(gguf_type))
+    if fmt is None:
+        what = f"{name} (GGUF type {int(gguf_type)})" if name else f"GGUF type {int(gguf_type)}"
+        raise UnsupportedTensorTypeError(f"no weight format for {what}; exlcli runs {', '.join(names())}")
+    return fmt
+
+
+__all__ = ["FORMATS", "BlockFormat", "QuantizedWeight", "by_gguf_type", "by_name", "names"]

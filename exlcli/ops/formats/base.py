@@ -3,24 +3,43 @@ dequantizes its blocks (the oracle of every kernel), and the linears that run it
 
 A format is one module in exlcli/ops/formats/ holding one `BlockFormat`; `exlcli.ops.formats`
 looks them up by name. A `QuantizedWeight` is a matrix kept in the blocks of one format, rows of
-`in_features // block_weights` blocks each, until a Linear takes it.
+`in_features // block_weights` blocks each, until a Linear takes it. A `Linear` is what the model
+and the graph runner hold, whatever the format: they ask it for capabilities, never for its class.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 import torch
-
-if TYPE_CHECKING:
-    from exlcli.ops.linear import Linear
 
 # uint8 blocks [rows, blocks_per_row * block_bytes] -> fp32 weights [rows, blocks_per_row * block_weights]
 Dequantize = Callable[[torch.Tensor], torch.Tensor]
 # (weight, bias or None, device, activation dtype) -> a Linear, or None when this device has no
 # kernel for the format (make_linear then dequantizes to a dense weight, and says so)
 MakeLinear = Callable[["QuantizedWeight", Optional[torch.Tensor], torch.device, torch.dtype], Optional["Linear"]]
+
+
+class Linear:
+    """y = x W^T + b over the weights of one format, on one device."""
+
+    out_features: int
+    in_features: int
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x [M, in_features] -> [M, out_features] in out_dtype (x's dtype by default; fp32 for
+        logits, which some kernels write directly)."""
+        raise NotImplementedError
+
+    def nbytes(self) -> int:
+        """Bytes of weights read by one use (what a decode step streams)."""
+        raise NotImplementedError
+
+    def fused_decode_weights(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """(weight [out, in], bias or None) as the fused decode kernels read them (dense bf16 / fp16,
+        contiguous, 16-byte aligned), or None when this linear cannot take part in that step."""
+        return None
 
 
 @dataclass(frozen=True)
@@ -74,6 +93,20 @@ class QuantizedWeight:
             raise ValueError("can only concatenate weights of one format and width")
         return QuantizedWeight(parts[0].fmt, (sum(p.shape[0] for p in parts), parts[0].shape[1]),
                                torch.cat([p.blocks for p in parts]))
+
+
+def scaled_blocks(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """w = q * scale + offset per block: q [rows, cols], scale and offset [rows, cols / block] -> fp32 [rows, cols]."""
+    rows, cols = q.shape
+    nb = scale.shape[-1]
+    w = q.view(rows, nb, cols // nb).float() * scale[..., None] + offset[..., None]
+    return w.reshape(rows, cols)
+
+
+def low_high_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """ggml's 4-bit packing: byte j of n holds element j in its low nibble and element j + n in its
+    high one. packed uint8 [..., n] -> int32 [..., 2n]."""
+    return torch.cat([packed & 0x0F, packed >> 4], dim=-1).to(torch.int32)
 
 
 def f16_at(blocks: torch.Tensor, offset: int) -> torch.Tensor:

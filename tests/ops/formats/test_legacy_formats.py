@@ -1,5 +1,5 @@
-"""GGUF block formats (Q4_0, Q4_1, Q8_0): dequantization against a hand-packed block and the gguf
-package, and the int4 CPU matmul against a dense matmul of the dequantized weight."""
+"""GGUF's legacy block formats (Q4_0, Q4_1, Q8_0): dequantization against a hand-packed block and the
+gguf package, and the int4 CPU matmul against a dense matmul of the dequantized weight."""
 
 from __future__ import annotations
 
@@ -10,10 +10,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from exlcli.model.quant import BLOCK_BYTES, QuantizedWeight
-from exlcli.ops.linear import DenseLinear, Int4CpuLinear, make_linear
+from exlcli.ops.formats import QuantizedWeight, by_name, q4_0, q4_1, q8_0
+from exlcli.ops.formats.cpu_int4 import Int4CpuLinear
+from exlcli.ops.formats.cpu_qmatmul import QuantCpuLinear, available
+from exlcli.ops.formats.dense import DenseLinear
+from exlcli.ops.linear import make_linear
 
 CPU = torch.device("cpu")
+MODULES = {"Q4_0": q4_0, "Q4_1": q4_1, "Q8_0": q8_0}
+
+
+def _weight(qtype: str, shape: tuple[int, int], blocks: torch.Tensor) -> QuantizedWeight:
+    return QuantizedWeight(by_name(qtype), shape, blocks)
 
 
 def _pack_block(qtype: str, d: float, m: float, q: list[int]) -> bytes:
@@ -48,7 +56,7 @@ def _random_weight(qtype: str, rows: int, cols: int, seed: int) -> tuple[Quantiz
         raw += _pack_block(qtype, d, m, q)
         want += _by_hand(qtype, d, m, q)
     blocks = torch.frombuffer(raw, dtype=torch.uint8).reshape(rows, -1)
-    return QuantizedWeight(qtype, (rows, cols), blocks), torch.tensor(want, dtype=torch.float64).reshape(rows, cols)
+    return _weight(qtype, (rows, cols), blocks), torch.tensor(want, dtype=torch.float64).reshape(rows, cols)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
@@ -56,8 +64,8 @@ def test_one_hand_packed_block(qtype):
     q = list(range(16)) * 2 if qtype != "Q8_0" else list(range(-16, 16))
     q = q[5:] + q[:5]  # not symmetric around the nibble split
     raw = _pack_block(qtype, 0.25, -1.5, q)
-    assert len(raw) == BLOCK_BYTES[qtype]
-    w = QuantizedWeight(qtype, (1, 32), torch.frombuffer(bytearray(raw), dtype=torch.uint8).reshape(1, -1))
+    assert len(raw) == by_name(qtype).block_bytes
+    w = _weight(qtype, (1, 32), torch.frombuffer(bytearray(raw), dtype=torch.uint8).reshape(1, -1))
     assert w.dequantize().tolist() == [_by_hand(qtype, 0.25, -1.5, q)]
 
 
@@ -76,7 +84,7 @@ def test_dequantize_matches_hand_computation_and_gguf(qtype):
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 def test_unpack_is_q_times_scale_plus_offset(qtype):
     w, want = _random_weight(qtype, rows=3, cols=64, seed=2)
-    q, scale, offset = w.unpack()
+    q, scale, offset = MODULES[qtype].unpack(w.blocks)
     assert q.shape == (3, 64) and scale.shape == offset.shape == (3, 2)
     lo, hi = (-128, 127) if qtype == "Q8_0" else (0, 15)
     assert int(q.min()) >= lo and int(q.max()) <= hi
@@ -90,15 +98,15 @@ def test_round_trip_through_gguf_quantize():
     x = np.random.default_rng(3).standard_normal((4, 64)).astype(np.float32)
     for qtype, tol in (("Q8_0", 0.02), ("Q4_0", 0.3), ("Q4_1", 0.3)):
         blocks = gguf.quants.quantize(x, gguf.GGMLQuantizationType[qtype])
-        w = QuantizedWeight(qtype, (4, 64), torch.from_numpy(blocks))
+        w = _weight(qtype, (4, 64), torch.from_numpy(blocks))
         assert float((w.dequantize() - torch.from_numpy(x)).abs().max()) < tol, qtype
 
 
 def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="multiple of 32"):
-        QuantizedWeight("Q4_0", (2, 48), torch.zeros(2, 27, dtype=torch.uint8))
+        _weight("Q4_0", (2, 48), torch.zeros(2, 27, dtype=torch.uint8))
     with pytest.raises(ValueError, match="expected"):
-        QuantizedWeight("Q8_0", (2, 64), torch.zeros(2, 60, dtype=torch.uint8))
+        _weight("Q8_0", (2, 64), torch.zeros(2, 60, dtype=torch.uint8))
 
 
 def test_permute_and_concat_rows_follow_the_dense_weight():
@@ -124,26 +132,25 @@ def test_int4_cpu_linear_matches_dense_matmul(qtype, num_tokens):
     w, _ = _random_weight(qtype, rows=48, cols=128, seed=7)
     bias = torch.randn(48, generator=torch.Generator().manual_seed(8))
     x = torch.randn(num_tokens, 128, generator=torch.Generator().manual_seed(9)).bfloat16()
-    lin = Int4CpuLinear(w, bias)
+    lin = MODULES[qtype].int4_linear(w, bias)
+    assert isinstance(lin, Int4CpuLinear)
     got = lin(x)
     assert got.shape == (num_tokens, 48) and got.dtype == torch.bfloat16
     want = F.linear(x.double(), w.dequantize(torch.float64), bias.double())
     assert _rel(got, want) < 1e-2  # bf16 activations and bf16 scales
     # and it is not just close by chance: a wrong offset (Q4_1's m dropped) is far off
     if qtype == "Q4_1":
-        q, scale, _ = w.unpack()
+        q, scale, _ = q4_1.unpack(w.blocks)
         no_offset = (q.view(48, 4, 32).double() * scale[..., None].double()).reshape(48, 128)
         assert _rel(got, F.linear(x.double(), no_offset, bias.double())) > 0.1
 
 
 def test_make_linear_keeps_quantized_weights_for_bf16_cpu_and_dense_otherwise():
-    from exlcli.ops import qlinear
-
     q, _ = _random_weight("Q4_1", 32, 64, seed=10)
     k, _ = _random_weight("Q4_1", 16, 64, seed=11)
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(12))
     fused = make_linear([q, k], None, CPU, torch.bfloat16)
-    kernel = qlinear.QuantCpuLinear if qlinear.available() else Int4CpuLinear
+    kernel = QuantCpuLinear if available() else Int4CpuLinear
     assert isinstance(fused, kernel) and fused.out_features == 48
     dense = make_linear([q, k], None, CPU, torch.float32)
     assert isinstance(dense, DenseLinear)
@@ -151,6 +158,6 @@ def test_make_linear_keeps_quantized_weights_for_bf16_cpu_and_dense_otherwise():
     torch.testing.assert_close(dense(x), want, rtol=1e-5, atol=1e-5)
     assert _rel(fused(x.bfloat16()), want) < 1e-2
     q8, _ = _random_weight("Q8_0", 32, 64, seed=13)
-    q8_kind = qlinear.QuantCpuLinear if qlinear.available() else DenseLinear
+    q8_kind = QuantCpuLinear if available() else DenseLinear
     assert isinstance(make_linear([q8], None, CPU, torch.bfloat16), q8_kind)
     assert fused.nbytes() < dense.nbytes() / 4  # int4 stays small

@@ -1,9 +1,11 @@
-"""GGUF-quantized linear layers on the CPU through csrc/cpu/qmatmul.c (Q4_0, Q4_1, Q8_0).
+"""The CPU linear of Q4_0, Q4_1 and Q8_0 weights through csrc/cpu/qmatmul.c.
 
 The weights are repacked once, at load, into groups of 16 output columns (one per SIMD lane; see the
 C file for the layout and the arithmetic); activations are bf16, results fp32 rounded to bf16 (or
 fp32 logits). `reference()` computes the same product with torch ops from the repacked groups: the
-oracle of the tests, and what runs inside `kernels_disabled()`.
+oracle of the tests, and what runs inside `kernels_disabled()`. The kernel takes any weights of the
+form w = q * scale + offset per block of 32 (q 4-bit in 0..15, or 8-bit signed with no offset), as
+the format modules unpack them.
 """
 
 from __future__ import annotations
@@ -14,12 +16,12 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from exlcli.model.quant import BLOCK, QuantizedWeight
 from exlcli.ops import _cpu_ext
-from exlcli.ops.linear import Linear
+from exlcli.ops.formats.base import Linear
 
+BLOCK = 32  # weights per (scale, offset) pair, as in the C file
 CG = 16  # output columns per group, as in the C file
-QTYPES = ("Q4_0", "Q4_1", "Q8_0")
+
 
 @functools.cache
 def _kernel():
@@ -51,16 +53,17 @@ def _q4_byte_sources() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class QuantCpuLinear(Linear):
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
-        if weight.qtype not in QTYPES:
-            raise ValueError(f"no CPU kernel for {weight.qtype} weights")
-        self.qtype = weight.qtype
-        self.out_features, self.in_features = weight.shape
-        self.bits = 8 if weight.qtype == "Q8_0" else 4
-        n, k = weight.shape
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int,
+                 bias: torch.Tensor | None = None) -> None:
+        """q [N, K] int32 (0..15 for bits 4, -128..127 for bits 8); scale, offset [N, K / 32] fp32,
+        w = q * scale + offset (the offset is ignored for bits 8)."""
+        if bits not in (4, 8):
+            raise ValueError(f"the CPU matmul kernel takes 4- or 8-bit weights, not {bits}-bit")
+        self.out_features, self.in_features = q.shape
+        self.bits = bits
+        n, k = q.shape
         nb = k // BLOCK
         self.groups = groups = -(-n // CG)
-        q, scale, offset = weight.unpack()  # [N, K] int32, [N, nb], [N, nb]
         pad = groups * CG - n
         q = F.pad(q, (0, 0, 0, pad))
         # per (group, block): the 16 columns' 32 weights, [G, nb, CG * 32]

@@ -1,43 +1,50 @@
-"""The CPU quantized matmul kernel (csrc/cpu/qmatmul.c) against the exact dequantized product."""
+"""The CPU quantized matmul kernel (exlcli/csrc/cpu/qmatmul.c) against the exact dequantized product."""
 
 import pytest
 import torch
 
-from exlcli.model.quant import BLOCK_BYTES, QuantizedWeight
-from exlcli.ops import _ext, qlinear
+from exlcli.ops import _ext
+from exlcli.ops.formats import QuantizedWeight, by_name, q4_0, q4_1, q8_0
+from exlcli.ops.formats.cpu_qmatmul import QuantCpuLinear, available
 from exlcli.ops.linear import make_linear
 
-needs_kernel = pytest.mark.skipif(not qlinear.available(), reason="CPU matmul kernel not built here")
+needs_kernel = pytest.mark.skipif(not available(), reason="CPU matmul kernel not built here")
+QTYPES = ("Q4_0", "Q4_1", "Q8_0")
+MODULES = {"Q4_0": q4_0, "Q4_1": q4_1, "Q8_0": q8_0}
+
+
+def kernel_linear(w: QuantizedWeight, bias: torch.Tensor | None = None) -> QuantCpuLinear:
+    return MODULES[w.qtype].qmatmul_linear(w, bias)
 
 
 def random_weight(qtype: str, n: int, k: int, seed: int = 0) -> QuantizedWeight:
     gen = torch.Generator().manual_seed(seed)
     nb = k // 32
-    blocks = torch.randint(0, 256, (n, nb, BLOCK_BYTES[qtype]), dtype=torch.uint8, generator=gen)
+    blocks = torch.randint(0, 256, (n, nb, by_name(qtype).block_bytes), dtype=torch.uint8, generator=gen)
     d = (torch.rand(n, nb, generator=gen) * 0.02 + 0.001).half()
     blocks[..., :2] = d.view(torch.uint8).view(n, nb, 2)
     if qtype == "Q4_1":
         m = (torch.randn(n, nb, generator=gen) * 0.05).half()
         blocks[..., 2:4] = m.view(torch.uint8).view(n, nb, 2)
-    return QuantizedWeight(qtype, (n, k), blocks.view(n, -1).contiguous())
+    return QuantizedWeight(by_name(qtype), (n, k), blocks.view(n, -1).contiguous())
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y.double() - ref).norm() / ref.norm())
 
 
-@pytest.mark.parametrize("qtype", qlinear.QTYPES)
+@pytest.mark.parametrize("qtype", QTYPES)
 def test_repack_round_trips_every_weight(qtype):
     w = random_weight(qtype, 37, 96)
-    assert torch.equal(qlinear.QuantCpuLinear(w).dequantize(), w.dequantize(torch.float32))
+    assert torch.equal(kernel_linear(w).dequantize(), w.dequantize(torch.float32))
 
 
 @needs_kernel
-@pytest.mark.parametrize("qtype", qlinear.QTYPES)
+@pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("n,k,m", [(1, 32, 1), (16, 64, 2), (37, 576, 5), (960, 576, 16), (100, 1536, 33)])
 def test_kernel_matches_exact_product(qtype, n, k, m):
     w = random_weight(qtype, n, k, seed=n + k + m)
-    lin = qlinear.QuantCpuLinear(w)
+    lin = kernel_linear(w)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
     exact = x.double() @ w.dequantize(torch.float64).T
     y32 = lin(x, out_dtype=torch.float32)
@@ -49,10 +56,10 @@ def test_kernel_matches_exact_product(qtype, n, k, m):
 
 
 @needs_kernel
-@pytest.mark.parametrize("qtype", qlinear.QTYPES)
+@pytest.mark.parametrize("qtype", QTYPES)
 def test_each_row_is_the_same_whatever_the_batch(qtype):
     w = random_weight(qtype, 70, 320)
-    lin = qlinear.QuantCpuLinear(w, bias=torch.randn(70))
+    lin = kernel_linear(w, bias=torch.randn(70))
     x = torch.randn(11, 320).bfloat16()
     together = lin(x, out_dtype=torch.float32)
     for lo, hi in ((0, 1), (3, 4), (2, 9), (5, 11)):
@@ -62,7 +69,7 @@ def test_each_row_is_the_same_whatever_the_batch(qtype):
 @needs_kernel
 def test_a_nan_gives_nan_bf16_in_its_row_only():
     # csrc/cpu/bf16.h rounds every NaN to 0xffff, as torch's vectorised conversion does
-    lin = qlinear.QuantCpuLinear(random_weight("Q4_1", 20, 64))
+    lin = kernel_linear(random_weight("Q4_1", 20, 64))
     x = torch.randn(3, 64).bfloat16()
     x[1, 5] = float("nan")
     y = lin(x)
@@ -75,15 +82,15 @@ def test_bias_is_added():
     w = random_weight("Q4_1", 20, 64)
     bias = torch.randn(20)
     x = torch.randn(3, 64).bfloat16()
-    with_bias = qlinear.QuantCpuLinear(w, bias)(x, out_dtype=torch.float32)
-    without = qlinear.QuantCpuLinear(w)(x, out_dtype=torch.float32)
+    with_bias = kernel_linear(w, bias)(x, out_dtype=torch.float32)
+    without = kernel_linear(w)(x, out_dtype=torch.float32)
     torch.testing.assert_close(with_bias - without, bias.bfloat16().float().expand(3, 20), rtol=0, atol=1e-5)
 
 
 @needs_kernel
 def test_disabled_kernels_run_the_torch_reference():
     w = random_weight("Q4_0", 24, 64)
-    lin = qlinear.QuantCpuLinear(w)
+    lin = kernel_linear(w)
     x = torch.randn(2, 64).bfloat16()
     with _ext.kernels_disabled():
         ref = lin(x, out_dtype=torch.float32)
@@ -93,7 +100,7 @@ def test_disabled_kernels_run_the_torch_reference():
 
 @needs_kernel
 def test_wrong_width_is_a_clear_error():
-    lin = qlinear.QuantCpuLinear(random_weight("Q4_1", 8, 64))
+    lin = kernel_linear(random_weight("Q4_1", 8, 64))
     with pytest.raises(ValueError, match="features"):
         lin(torch.randn(2, 96).bfloat16())
 
@@ -102,7 +109,7 @@ def test_wrong_width_is_a_clear_error():
 def test_make_linear_picks_the_kernel_for_quantized_cpu_bf16():
     parts = [random_weight("Q4_1", 16, 64, seed=1), random_weight("Q4_1", 8, 64, seed=2)]
     lin = make_linear(parts, None, torch.device("cpu"), torch.bfloat16)
-    assert isinstance(lin, qlinear.QuantCpuLinear) and lin.out_features == 24
+    assert isinstance(lin, QuantCpuLinear) and lin.out_features == 24
     x = torch.randn(3, 64).bfloat16()
     exact = x.double() @ torch.cat([p.dequantize(torch.float64) for p in parts]).T
     assert rel_err(lin(x, out_dtype=torch.float32), exact) < 1e-5

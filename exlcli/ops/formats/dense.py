@@ -1,0 +1,56 @@
+"""Dense weights (F32, F16, BF16: a torch tensor [out, in]) and their linears.
+
+On the CPU, and for more than 4 rows on CUDA, the product is torch's (`F.linear`). On CUDA, products
+of 1 to 4 rows (decode steps) of an aligned bf16 / fp16 weight run the skinny_linear kernel: cuBLAS
+reaches only 1.1 to 3.3 TB/s on those shapes on an H200. Those weights are also the ones the fused
+decode step reads (`fused_decode_weights`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from exlcli.ops import _ext
+from exlcli.ops.formats.base import Linear
+
+
+class DenseLinear(Linear):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight = weight  # [out, in]
+        self.bias = bias
+        self.out_features, self.in_features = weight.shape
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        return _as(F.linear(x, self.weight, self.bias), out_dtype)
+
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+
+class CudaDenseLinear(DenseLinear):
+    """A DenseLinear on a CUDA device whose products of 1 to 4 rows run the skinny_linear kernel."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__(weight, bias)
+        self._skinny = (weight.dtype in (torch.bfloat16, torch.float16) and weight.is_contiguous()
+                        and weight.data_ptr() % 16 == 0 and self.in_features % 8 == 0
+                        and (bias is None or (bias.dtype == weight.dtype and bias.is_contiguous())))
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        if (self._skinny and x.dim() == 2 and 1 <= x.shape[0] <= 4 and x.dtype == self.weight.dtype
+                and _ext.use_kernels(x) and _ext.skinny_linear_ok):
+            return _as(_ext.skinny_linear(x, self.weight, self.bias), out_dtype)
+        return _as(F.linear(x, self.weight, self.bias), out_dtype)
+
+    def fused_decode_weights(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        return (self.weight, self.bias) if self._skinny else None
+
+
+def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> DenseLinear:
+    """The dense linear for the weight's device (weight and bias already there)."""
+    return CudaDenseLinear(weight, bias) if weight.is_cuda else DenseLinear(weight, bias)
+
+
+def _as(y: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return y if dtype is None or y.dtype == dtype else y.to(dtype)

@@ -1,0 +1,128 @@
+"""The weight-format table: consistent with the gguf package, looked up by name and GGUF type id, and
+what make_linear asks of a format (any format: these tests run over every entry of the table)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from exlcli.errors import UnsupportedTensorTypeError
+from exlcli.ops import formats
+from exlcli.ops.formats import FORMATS, BlockFormat, QuantizedWeight
+from exlcli.ops.formats.base import Linear
+from exlcli.ops.formats.dense import DenseLinear
+from exlcli.ops.linear import make_linear
+
+CPU = torch.device("cpu")
+IDS = [f.name for f in FORMATS]
+
+
+def sample_weight(fmt: BlockFormat, rows: int, cols: int, seed: int) -> QuantizedWeight:
+    """Random blocks of any format; a block whose weights are not finite or large (random bytes in its
+    fp16 scales) is zeroed, which every GGUF format reads as 32 zero weights."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (rows, fmt.row_bytes(cols)), dtype=torch.uint8, generator=gen)
+    w = fmt.dequantize(blocks).view(rows, -1, fmt.block_weights)
+    bad = ~(w.isfinite().all(-1) & (w.abs().amax(-1) < 100))  # [rows, blocks]
+    blocks.view(rows, -1, fmt.block_bytes)[bad] = 0
+    assert bad.float().mean() < 0.9  # most blocks are kept: the test runs on random weights
+    return QuantizedWeight(fmt, (rows, cols), blocks)
+
+
+def test_names_and_gguf_ids_are_unique():
+    assert len(set(IDS)) == len(IDS)
+    ids = [f.gguf_type for f in FORMATS if f.gguf_type is not None]
+    assert len(set(ids)) == len(ids)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+def test_each_format_is_gguf_s_type_of_its_name(fmt):
+    import gguf
+
+    gtype = gguf.GGMLQuantizationType[fmt.name]
+    assert fmt.gguf_type == gtype.value
+    assert gguf.GGML_QUANT_SIZES[gtype] == (fmt.block_weights, fmt.block_bytes)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+def test_lookup_by_name_and_gguf_type(fmt):
+    assert formats.by_name(fmt.name) is fmt
+    assert formats.by_gguf_type(fmt.gguf_type) is fmt
+    assert fmt.name in formats.names()
+
+
+def test_unknown_types_are_named_in_the_error():
+    import gguf
+
+    with pytest.raises(UnsupportedTensorTypeError, match="Q2_K.*Q4_0"):
+        formats.by_name("Q2_K")
+    with pytest.raises(UnsupportedTensorTypeError, match=r"Q2_K \(GGUF type 10\)"):
+        formats.by_gguf_type(gguf.GGMLQuantizationType.Q2_K, "Q2_K")
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+def test_dequantize_matches_gguf_on_random_blocks(fmt):
+    import gguf
+
+    w = sample_weight(fmt, 5, 4 * fmt.block_weights, seed=1)
+    ours = w.dequantize()
+    assert ours.dtype == torch.float32 and ours.shape == (5, 4 * fmt.block_weights)
+    theirs = torch.from_numpy(gguf.quants.dequantize(w.blocks.numpy(), gguf.GGMLQuantizationType[fmt.name]))
+    torch.testing.assert_close(ours, theirs.float(), rtol=1e-6, atol=1e-7)
+    assert ours.std() > 0
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+def test_make_linear_runs_the_format_s_cpu_linear_or_its_dequantized_weight(fmt):
+    """Two weights of one format make one fused projection; the format's CPU linear (or, where it has
+    none here, a dense linear of the dequantized weights) computes both products side by side."""
+    cols = 4 * fmt.block_weights
+    a, b = sample_weight(fmt, 24, cols, seed=2), sample_weight(fmt, 8, cols, seed=3)
+    x = torch.randn(3, cols, generator=torch.Generator().manual_seed(4)).bfloat16()
+    want = F.linear(x.double(), torch.cat([a.dequantize(torch.float64), b.dequantize(torch.float64)]))
+    own = fmt.cpu_linear and fmt.cpu_linear(QuantizedWeight.concat_rows([a, b]), None, CPU, torch.bfloat16)
+    lin = make_linear([a, b], None, CPU, torch.bfloat16)
+    assert type(lin) is (type(own) if own is not None else DenseLinear)
+    assert lin.out_features == 32 and lin.in_features == cols
+    y = lin(x, out_dtype=torch.float32)
+    assert y.dtype == torch.float32 and y.shape == (3, 32)
+    assert float((y.double() - want).norm() / want.norm()) < 1e-2
+    assert lin(x).dtype == torch.bfloat16
+    assert lin.fused_decode_weights() is None  # the fused decode step is CUDA's
+    if own is not None:
+        assert lin.nbytes() <= (a.nbytes() + b.nbytes()) * 1.25  # stays about as small as its blocks
+
+
+class _Recorded(Linear):
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
+        self.weight, self.bias = weight, bias
+        self.out_features, self.in_features = weight.shape
+
+
+def _int8_rows(blocks: torch.Tensor) -> torch.Tensor:  # a made-up format: 8 int8 weights a block, no scale
+    return blocks.view(torch.int8).float()
+
+
+def test_make_linear_asks_the_weight_s_format_and_dequantizes_when_it_has_no_linear():
+    with_cpu = BlockFormat("T8", None, 8, 8, _int8_rows, cpu_linear=lambda w, b, dev, dt: _Recorded(w, b))
+    without = BlockFormat("T8", None, 8, 8, _int8_rows)
+    blocks = torch.randint(0, 256, (6, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    parts = [QuantizedWeight(with_cpu, (4, 16), blocks[:4]), QuantizedWeight(with_cpu, (2, 16), blocks[4:])]
+    lin = make_linear(parts, [None, torch.ones(2)], CPU, torch.float32)
+    assert isinstance(lin, _Recorded) and lin.weight.shape == (6, 16) and torch.equal(lin.weight.blocks, blocks)
+    assert lin.bias.tolist() == [0.0] * 4 + [1.0] * 2
+    dense = make_linear([QuantizedWeight(without, (6, 16), blocks)], None, CPU, torch.float32)
+    assert isinstance(dense, DenseLinear) and torch.equal(dense.weight, _int8_rows(blocks))
+    mixed = make_linear([QuantizedWeight(with_cpu, (6, 16), blocks), torch.ones(2, 16)], None, CPU, torch.float32)
+    assert isinstance(mixed, DenseLinear) and mixed.out_features == 8  # two formats: dense
+
+
+def test_dense_linear_gives_the_dtype_asked_and_shares_a_single_weight():
+    w = torch.randn(6, 16).bfloat16()
+    lin = make_linear([w], None, CPU, torch.bfloat16)
+    assert isinstance(lin, DenseLinear) and lin.weight.data_ptr() == w.data_ptr()  # a tied head stays tied
+    x = torch.randn(2, 16).bfloat16()
+    assert lin(x).dtype == torch.bfloat16
+    assert torch.equal(lin(x, out_dtype=torch.float32), F.linear(x, w).float())
+    assert lin.nbytes() == 6 * 16 * 2 and lin.fused_decode_weights() is None
