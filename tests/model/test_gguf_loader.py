@@ -207,12 +207,12 @@ def test_quantized_tensors_load_as_their_blocks_say(tmp_path, hf_models, qtype):
 def test_unsupported_tensor_type_names_tensor_and_type(tmp_path, hf_models):
     import gguf
 
-    path = tmp_path / "q2k.gguf"
-    # [96, 64] = 24 blocks of 256 elements, 84 bytes each
-    q2k = {"blk.1.ffn_up.weight": (np.zeros((24, 84), dtype=np.uint8), gguf.GGMLQuantizationType.Q2_K)}
-    write_gguf(path, hf_models["llama"], "llama", raw=q2k)
+    path = tmp_path / "iq4nl.gguf"
+    # [96, 64]: 96 rows of 2 blocks of 32 elements, 18 bytes each (a type exlcli does not read)
+    iq4 = {"blk.1.ffn_up.weight": (np.zeros((96, 36), dtype=np.uint8), gguf.GGMLQuantizationType.IQ4_NL)}
+    write_gguf(path, hf_models["llama"], "llama", raw=iq4)
     reader = open_gguf(path)
-    with pytest.raises(UnsupportedTensorTypeError, match=r"blk\.1\.ffn_up\.weight.*Q2_K"):
+    with pytest.raises(UnsupportedTensorTypeError, match=r"blk\.1\.ffn_up\.weight.*IQ4_NL"):
         load_gguf_tensors(reader, metadata_from_reader(reader))
 
 

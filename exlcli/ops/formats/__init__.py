@@ -10,10 +10,13 @@ BF16) are plain torch tensors and run through dense.py.
 from __future__ import annotations
 
 from exlcli.errors import UnsupportedTensorTypeError
-from exlcli.ops.formats import q4_0, q4_1, q8_0
+from exlcli.ops.formats import q2_k, q3_k, q4_0, q4_1, q4_k, q5_0, q5_1, q5_k, q6_k, q8_0
 from exlcli.ops.formats.base import BlockFormat, QuantizedWeight
 
-FORMATS: tuple[BlockFormat, ...] = (q4_0.FORMAT, q4_1.FORMAT, q8_0.FORMAT)
+FORMATS: tuple[BlockFormat, ...] = (
+    q4_0.FORMAT, q4_1.FORMAT, q5_0.FORMAT, q5_1.FORMAT, q8_0.FORMAT,
+    q2_k.FORMAT, q3_k.FORMAT, q4_k.FORMAT, q5_k.FORMAT, q6_k.FORMAT,
+)
 
 _BY_NAME = {f.name: f for f in FORMATS}
 _BY_GGUF_TYPE = {f.gguf_type: f for f in FORMATS if f.gguf_type is not None}

@@ -24,7 +24,7 @@ def sample_weight(fmt: BlockFormat, rows: int, cols: int, seed: int) -> Quantize
     gen = torch.Generator().manual_seed(seed)
     blocks = torch.randint(0, 256, (rows, fmt.row_bytes(cols)), dtype=torch.uint8, generator=gen)
     w = fmt.dequantize(blocks).view(rows, -1, fmt.block_weights)
-    bad = ~(w.isfinite().all(-1) & (w.abs().amax(-1) < 100))  # [rows, blocks]
+    bad = ~(w.isfinite().all(-1) & (w.abs().amax(-1) < 1e5))  # [rows, blocks]
     blocks.view(rows, -1, fmt.block_bytes)[bad] = 0
     assert bad.float().mean() < 0.9  # most blocks are kept: the test runs on random weights
     return QuantizedWeight(fmt, (rows, cols), blocks)
@@ -55,10 +55,10 @@ def test_lookup_by_name_and_gguf_type(fmt):
 def test_unknown_types_are_named_in_the_error():
     import gguf
 
-    with pytest.raises(UnsupportedTensorTypeError, match="Q2_K.*Q4_0"):
-        formats.by_name("Q2_K")
-    with pytest.raises(UnsupportedTensorTypeError, match=r"Q2_K \(GGUF type 10\)"):
-        formats.by_gguf_type(gguf.GGMLQuantizationType.Q2_K, "Q2_K")
+    with pytest.raises(UnsupportedTensorTypeError, match="IQ4_NL.*Q4_0"):
+        formats.by_name("IQ4_NL")
+    with pytest.raises(UnsupportedTensorTypeError, match=r"IQ4_NL \(GGUF type 20\)"):
+        formats.by_gguf_type(gguf.GGMLQuantizationType.IQ4_NL, "IQ4_NL")
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
