@@ -29,7 +29,9 @@ from exlcli.engine.scheduler import ScheduledBatch, ScheduledSeq
 from exlcli.model.batch_inputs import BatchInputs
 from exlcli.model.kv_cache import KVCache
 from exlcli.model.llama import LlamaModel
-from exlcli.ops import _ext
+from exlcli.ops.cuda import kernels
+from exlcli.ops.cuda import loader as cuda_loader
+from exlcli.ops.cuda.limits import DECODE_LINEAR_MAX_ROWS, HEAD_DIMS
 from exlcli.ops.linear import DenseLinear
 from exlcli import environment
 
@@ -101,7 +103,7 @@ class DecodeGraphs:
             return None
         n = len(batch.items)
         bucket = batch_bucket(n)
-        if bucket is None or not _ext.kernels_available():
+        if bucket is None or not cuda_loader.kernels_available():
             return None
         width = width_bucket(max(len(item.seq.pages) for item in batch.items))
         graph = self._graphs.get((bucket, width))
@@ -117,7 +119,7 @@ class DecodeGraphs:
     def capture(self, batch_sizes: list[int], max_pages: int) -> int:
         """Captures ahead the graphs that steps of these sizes and up to `max_pages` pages per
         sequence will use (benchmarks; servers at start). Returns how many exist afterwards."""
-        if _ext.kernels_available():
+        if cuda_loader.kernels_available():
             width = width_bucket(max_pages)
             for n in sorted({batch_bucket(n) for n in batch_sizes if batch_bucket(n)}, reverse=True):
                 if (n, width) not in self._graphs and self._capture_or_disable(n, width) is None:
@@ -217,7 +219,7 @@ class DecodeGraphs:
 
 
 class DecodeLinear(DenseLinear):
-    """A DenseLinear whose products of 1 to 4 rows (decode steps) run the skinny_linear kernel;
+    """A DenseLinear whose products of 1 to 4 rows (decode steps) run the decode_linear kernel;
     cuBLAS reaches only 1.1 to 3.3 TB/s on those shapes on an H200."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -227,9 +229,9 @@ class DecodeLinear(DenseLinear):
                         and (bias is None or (bias.dtype == weight.dtype and bias.is_contiguous())))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if (self._skinny and x.dim() == 2 and 1 <= x.shape[0] <= 4 and x.dtype == self.weight.dtype
-                and _ext.use_kernels(x) and _ext.skinny_linear_ok):
-            return _ext.skinny_linear(x, self.weight, self.bias)
+        if (self._skinny and x.dim() == 2 and 1 <= x.shape[0] <= DECODE_LINEAR_MAX_ROWS
+                and x.dtype == self.weight.dtype and cuda_loader.use_kernels(x) and cuda_loader.decode_linear_ok()):
+            return kernels.decode_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -252,7 +254,7 @@ def make_decode_graphs(model: LlamaModel, kv: KVCache) -> DecodeGraphs | None:
 
 
 # -- the fused decode step ----------------------------------------------------------------------------
-FUSED_MAX_ROWS = 4  # the decode linear kernel's rows
+FUSED_MAX_ROWS = DECODE_LINEAR_MAX_ROWS
 
 
 def fused_decode_unsupported(model: LlamaModel) -> str | None:
@@ -262,7 +264,7 @@ def fused_decode_unsupported(model: LlamaModel) -> str | None:
     cfg = model.config
     if model.dtype not in (torch.bfloat16, torch.float16):
         return f"dtype {model.dtype} (the decode linear kernel is bf16 / fp16)"
-    if cfg.head_dim not in (64, 128):
+    if cfg.head_dim not in HEAD_DIMS:
         return f"head_dim {cfg.head_dim}"
     if cfg.hidden_size % 8 or cfg.hidden_size > 32768:
         return f"hidden size {cfg.hidden_size}"
@@ -286,12 +288,12 @@ def fused_decode_forward(model: LlamaModel, batch: BatchInputs, kv: KVCache) -> 
     rows = batch.input_ids.shape[0]
     r = F.embedding(batch.input_ids, model.embed)  # the residual stream
     for i, layer in enumerate(model.layers):
-        q = _ext.decode_qkv_rope(r, layer.qkv.weight, layer.qkv.bias, layer.input_norm, eps, batch.positions,
-                                 model.cos_sin, kv.k[i], kv.v[i], batch.slot_mapping, cfg.num_heads)
-        o = _ext.paged_attention_decode(q, kv.k[i], kv.v[i], batch.block_tables, batch.seq_lens_t, model.scale)
-        r = _ext.decode_linear(o.view(rows, -1), layer.o_proj.weight, layer.o_proj.bias, residual=r)
-        gate_up = _ext.decode_linear(r, layer.gate_up.weight, layer.gate_up.bias, norm_weight=layer.post_norm,
-                                     eps=eps)
-        r = _ext.decode_linear(gate_up, layer.down.weight, layer.down.bias, silu=True, residual=r)
-    return _ext.decode_linear(r, model.lm_head.weight, model.lm_head.bias, norm_weight=model.norm, eps=eps,
-                              float_out=True)
+        q = kernels.decode_qkv_rope(r, layer.qkv.weight, layer.qkv.bias, layer.input_norm, eps, batch.positions,
+                                    model.cos_sin, kv.k[i], kv.v[i], batch.slot_mapping, cfg.num_heads)
+        o = kernels.paged_attention_decode(q, kv.k[i], kv.v[i], batch.block_tables, batch.seq_lens_t, model.scale)
+        r = kernels.decode_linear(o.view(rows, -1), layer.o_proj.weight, layer.o_proj.bias, residual=r)
+        gate_up = kernels.decode_linear(r, layer.gate_up.weight, layer.gate_up.bias, norm_weight=layer.post_norm,
+                                        eps=eps)
+        r = kernels.decode_linear(gate_up, layer.down.weight, layer.down.bias, silu=True, residual=r)
+    return kernels.decode_linear(r, model.lm_head.weight, model.lm_head.bias, norm_weight=model.norm, eps=eps,
+                                 float_out=True)

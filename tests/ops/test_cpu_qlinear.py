@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from exlcli.model.quant import BLOCK_BYTES, QuantizedWeight
-from exlcli.ops import _ext, qlinear
+from exlcli.ops import backend, qlinear
 from exlcli.ops.linear import make_linear
 
 needs_kernel = pytest.mark.skipif(not qlinear.available(), reason="CPU matmul kernel not built here")
@@ -85,7 +85,7 @@ def test_disabled_kernels_run_the_torch_reference():
     w = random_weight("Q4_0", 24, 64)
     lin = qlinear.QuantCpuLinear(w)
     x = torch.randn(2, 64).bfloat16()
-    with _ext.kernels_disabled():
+    with backend.kernels_disabled():
         ref = lin(x, out_dtype=torch.float32)
     torch.testing.assert_close(ref, lin.reference(x, torch.float32))
     assert rel_err(lin(x, out_dtype=torch.float32), ref.double()) < 1e-5
