@@ -59,6 +59,14 @@ def test_the_compiled_code_reads_no_environment_and_keeps_no_setting():
     assert "float scale, int version, bool pdl" in schemas
 
 
+def test_the_supported_head_sizes_are_written_in_one_place():
+    from exlcli.ops.cuda.limits import HEAD_DIMS
+
+    holders = sorted(str(py.relative_to(PACKAGE)) for py in PACKAGE.rglob("*.py")
+                     if re.search(r"\(\s*64\s*,\s*128\s*\)", py.read_text()))
+    assert holders == ["ops/cuda/limits.py"] and HEAD_DIMS == (64, 128)
+
+
 def test_the_wrappers_reject_cpu_tensors_in_one_line():
     x, w = torch.zeros(2, 64, dtype=torch.bfloat16), torch.zeros(64, dtype=torch.bfloat16)
     with pytest.raises(KernelInputError, match=r"^rms_norm: x must be a CUDA tensor, got one on cpu$"):
