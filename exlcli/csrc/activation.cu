@@ -58,11 +58,11 @@ at::Tensor silu_and_mul(const at::Tensor& x, bool pdl) {
     const int threads = 256;
     const int64_t blocks = std::min<int64_t>((num_chunks + threads - 1) / threads, 1 << 16);
     if (vec_ok) {
-      launch_pdl(silu_and_mul_kernel<T, VW>, dim3(blocks), dim3(threads), 0, current_stream(), pdl, dst, src, x2.stride(0),
-                 inter, num_chunks);
+      launch_pdl(silu_and_mul_kernel<T, VW>, dim3(blocks), dim3(threads), 0, current_stream(), pdl, dst, src,
+                 x2.stride(0), inter, num_chunks);
     } else {
-      launch_pdl(silu_and_mul_kernel<T, 1>, dim3(blocks), dim3(threads), 0, current_stream(), pdl, dst, src, x2.stride(0),
-                 inter, num_chunks);
+      launch_pdl(silu_and_mul_kernel<T, 1>, dim3(blocks), dim3(threads), 0, current_stream(), pdl, dst, src,
+                 x2.stride(0), inter, num_chunks);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });

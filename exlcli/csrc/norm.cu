@@ -112,11 +112,11 @@ void launch_rms_norm(const at::Tensor& out, const at::Tensor& residual_out, cons
   const T* w = static_cast<const T*>(weight.data_ptr());
   const int64_t rs = ADD ? r2.stride(0) : 0;
   if (vec_ok) {
-    launch_pdl(rms_norm_kernel<T, VW, ADD>, grid, dim3(threads), 0, current_stream(), pdl, o, ro, x, x2.stride(0), r, rs,
-               w, hidden, static_cast<float>(eps));
+    launch_pdl(rms_norm_kernel<T, VW, ADD>, grid, dim3(threads), 0, current_stream(), pdl, o, ro, x, x2.stride(0), r,
+               rs, w, hidden, static_cast<float>(eps));
   } else {
-    launch_pdl(rms_norm_kernel<T, 1, ADD>, grid, dim3(threads), 0, current_stream(), pdl, o, ro, x, x2.stride(0), r, rs,
-               w, hidden, static_cast<float>(eps));
+    launch_pdl(rms_norm_kernel<T, 1, ADD>, grid, dim3(threads), 0, current_stream(), pdl, o, ro, x, x2.stride(0), r,
+               rs, w, hidden, static_cast<float>(eps));
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
