@@ -23,7 +23,6 @@ import argparse
 import datetime
 import gc
 import json
-import os
 import statistics
 import sys
 import time
@@ -94,7 +93,8 @@ def linear_chain_tb_s(out_f: int, in_f: int) -> dict:
     """Weight bytes over time of a CUDA graph of products of one row with distinct weights (enough
     of them to overflow the L2): torch's F.linear (cuBLAS) and our decode kernel, with and without
     programmatic dependent launch."""
-    from exlcli.ops import _ext
+    from exlcli.ops.cuda import kernels, loader
+    from exlcli.ops.cuda.state import launch_options
 
     count = max(2, min(8, (1 << 31) // (out_f * in_f * 2)))
     ws = [torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16) for _ in range(count)]
@@ -113,60 +113,47 @@ def linear_chain_tb_s(out_f: int, in_f: int) -> dict:
         return round(nbytes / (ms * 1e-3) / 1e12, 2)
 
     out = {"cublas": graph_of(lambda a, w: torch.nn.functional.linear(a, w))}
-    if _ext.load():
-        out["ours"] = graph_of(lambda a, w: _ext.skinny_linear(a, w))
-        previous = _ext.decode_tuning(pdl=0)
-        out["ours_no_pdl"] = graph_of(lambda a, w: _ext.skinny_linear(a, w))
-        _ext.decode_tuning(pdl=previous[0])
-        for wg in (2, 4, 8):
-            _ext.decode_tuning(warps_per_group=wg)
-            out[f"ours_wg{wg}"] = graph_of(lambda a, w: _ext.skinny_linear(a, w))
-        _ext.decode_tuning(warps_per_group=0)
+    if loader.load():
+        out["ours"] = graph_of(lambda a, w: kernels.decode_linear(a, w))
+        with launch_options(pdl=False):
+            out["ours_no_pdl"] = graph_of(lambda a, w: kernels.decode_linear(a, w))
     del ws
     return out
 
 
 def measure_attention(res: dict) -> None:
-    """The decode kernel alone (version 1 with 4 and 8 warps a block, versions 2 and 3): KV bytes read per
-    call over its time, from a CUDA graph of 8 calls (the smallest cases partly read the L2)."""
-    from exlcli.ops import _ext
+    """The decode kernel alone (versions 1 and 3): KV bytes read per call over its time, from a
+    CUDA graph of 8 calls (the smallest cases partly read the L2)."""
+    from exlcli.ops.cuda import kernels, loader
+    from exlcli.ops.cuda.state import STATE
 
-    if not _ext.load():
+    if not loader.load():
         return
-    saved = os.environ.get("EXLCLI_DECODE_KERNEL")
-    previous = _ext.decode_tuning()
     out = {}
-    try:
-        for batch, length in ((1, 4096), (64, 208), (64, 1024), (256, 512), (1024, 192), (1, 32768)):
-            pages = -(-length // 16)
-            k = torch.randn(batch * pages, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
-            v = torch.randn_like(k)
-            tables = torch.arange(batch * pages, dtype=torch.int32, device="cuda").view(batch, pages)
-            lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
-            q = torch.randn(batch, 32, 128, device="cuda", dtype=torch.bfloat16)
-            for name, version, warps in (("v1w4", "1", 4), ("v1w8", "1", 8), ("v2", "2", 4), ("v3", "3", 4)):
-                os.environ["EXLCLI_DECODE_KERNEL"] = version
-                _ext.decode_tuning(attention_warps=warps)
-                call = lambda: _ext.paged_attention_decode(q, k, v, tables, lens, 0.088)  # noqa: E731
-                call()
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    for _ in range(8):
-                        call()
-                ms = cuda_time_ms(graph.replay, reps=10) / 8
-                out[f"{name} b{batch}x{length}"] = {"us": round(ms * 1e3, 1),
-                                                     "tb_s": round(2 * k.numel() * 2 / (ms * 1e-3) / 1e12, 2)}
-                del graph
-            del k, v
-    finally:
-        if saved is None:
-            os.environ.pop("EXLCLI_DECODE_KERNEL", None)
-        else:
-            os.environ["EXLCLI_DECODE_KERNEL"] = saved
-        _ext.decode_tuning(attention_warps=previous[2])
+    for batch, length in ((1, 4096), (64, 208), (64, 1024), (256, 512), (1024, 192), (1, 32768)):
+        pages = -(-length // 16)
+        k = torch.randn(batch * pages, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        tables = torch.arange(batch * pages, dtype=torch.int32, device="cuda").view(batch, pages)
+        lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
+        q = torch.randn(batch, 32, 128, device="cuda", dtype=torch.bfloat16)
+        for name, version in (("v1", 1), ("v3", 3)):
+            def call(version: int = version) -> torch.Tensor:
+                return kernels.paged_attention_decode(q, k, v, tables, lens, 0.088, version=version)
+
+            call()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(8):
+                    call()
+            ms = cuda_time_ms(graph.replay, reps=10) / 8
+            out[f"{name} b{batch}x{length}"] = {"us": round(ms * 1e3, 1),
+                                                 "tb_s": round(2 * k.numel() * 2 / (ms * 1e-3) / 1e12, 2)}
+            del graph
+        del k, v
     res["decode_attention"] = out
-    res["decode_kernel_in_use"] = f"v{saved or 3}" + (f", {previous[2]} warps" if saved == "1" else "")
+    res["decode_kernel_in_use"] = f"v{STATE.options.decode_attention_version}"
     log(f"decode attention kernel (llama-8B heads): {out}")
     free_gpu()
 
@@ -298,26 +285,27 @@ def offline(engine, count: int, prompt_len: int, new_tokens: int) -> dict:
 
 
 def decode_variants(engine, res: dict, profile: bool = False) -> None:
-    """Batch-1 decode with the fused step and programmatic dependent launch switched on and off."""
-    from exlcli.ops import _ext
+    """Batch-1 decode with the fused step and programmatic dependent launch switched on and off,
+    and with decode attention version 1 (the default is version 3)."""
+    from exlcli.ops.cuda import loader
+    from exlcli.ops.cuda.state import STATE, launch_options
 
     graphs = engine.runner.graphs
-    if graphs is None or not _ext.load():
+    if graphs is None or not loader.load():
         return
     out = {}
-    attention_warps = _ext.decode_tuning()[2]
-    for fused, pdl, warps in ((True, True, 4), (True, True, 8), (True, False, attention_warps),
-                              (False, True, attention_warps), (False, False, attention_warps)):
+    default_version = STATE.options.decode_attention_version
+    for fused, pdl, version in ((True, True, default_version), (True, True, 1), (True, False, default_version),
+                                (False, True, default_version), (False, False, default_version)):
         graphs.use_fused = fused and graphs.fused_unsupported is None
-        _ext.decode_tuning(pdl=int(pdl), attention_warps=warps)
-        graphs.reset()
-        step = decode_steps(engine, 1, 128, 160, f"var-{fused}-{pdl}-{warps}")
-        out[f"fused={int(fused)} pdl={int(pdl)} attn_warps={warps}"] = {
-            "step_ms": round(step["median_s"] * 1e3, 3), "graph_ms": round(graph_replay_ms(engine, 1) or 0, 3)}
-        if profile and fused and not pdl:  # without PDL a kernel's time is its own, not overlapped
-            res["profile_b1_no_pdl"] = profile_graph(engine, 1)
+        with launch_options(pdl=pdl, decode_attention_version=version):
+            graphs.reset()  # the graphs are captured again with these options
+            step = decode_steps(engine, 1, 128, 160, f"var-{fused}-{pdl}-{version}")
+            out[f"fused={int(fused)} pdl={int(pdl)} attn=v{version}"] = {
+                "step_ms": round(step["median_s"] * 1e3, 3), "graph_ms": round(graph_replay_ms(engine, 1) or 0, 3)}
+            if profile and fused and not pdl:  # without PDL a kernel's time is its own, not overlapped
+                res["profile_b1_no_pdl"] = profile_graph(engine, 1)
     graphs.use_fused = graphs.fused_unsupported is None
-    _ext.decode_tuning(pdl=1, attention_warps=attention_warps)
     graphs.reset()
     res["llama8b_b1_variants"] = out
     log(f"llama b1 variants: {out}")
@@ -378,15 +366,12 @@ def bench_llama(res: dict, offline_seqs: list[int], variants: bool = False, prof
         log(f"llama sync steps: b64 {res['llama8b_b64_sync_tok_s']:.0f} tok/s, "
             f"b1 {res['llama8b_b1_sync_ms_per_step']:.2f} ms")
     if variants:  # the same steps with decode attention version 1 (the default is version 3)
-        saved = os.environ.get("EXLCLI_DECODE_KERNEL")
-        os.environ["EXLCLI_DECODE_KERNEL"] = "1"
-        engine.runner.graphs.reset()
-        res["llama8b_b64_attn_v1_tok_s"] = 64 / decode_steps(engine, 64, 128, 160, "b64-v1")["median_s"]
-        res["llama8b_b64_attn_v1_graph_ms"] = graph_replay_ms(engine, 64)
-        if saved is None:
-            os.environ.pop("EXLCLI_DECODE_KERNEL")
-        else:
-            os.environ["EXLCLI_DECODE_KERNEL"] = saved
+        from exlcli.ops.cuda.state import launch_options
+
+        with launch_options(decode_attention_version=1):
+            engine.runner.graphs.reset()
+            res["llama8b_b64_attn_v1_tok_s"] = 64 / decode_steps(engine, 64, 128, 160, "b64-v1")["median_s"]
+            res["llama8b_b64_attn_v1_graph_ms"] = graph_replay_ms(engine, 64)
         engine.runner.graphs.reset()
         log(f"llama b64 with attention version 1: {res['llama8b_b64_attn_v1_tok_s']:.0f} tok/s")
 
@@ -551,7 +536,7 @@ def main() -> int:
     ap.add_argument("--offline-seqs", default="512,1024", help="max_num_seqs of the offline runs (comma list)")
     ap.add_argument("--only", default="ceilings,llama,smollm2", help="comma list of parts to run")
     ap.add_argument("--variants", action="store_true",
-                    help="also batch-1 decode with the fused step, PDL and attention warps switched, "
+                    help="also batch-1 decode with the fused step, PDL and the attention version switched, "
                          "batch 1 and 64 with synchronous steps, batch 64 with decode attention version 1")
     ap.add_argument("--profile", action="store_true", help="also the top kernels of the b1 and b64 decode graphs")
     args = ap.parse_args()
@@ -561,10 +546,10 @@ def main() -> int:
             res["tests"] = args.tests
         print(table(res))
         return 0
-    from exlcli.ops import _ext
+    from exlcli.ops.cuda import loader
 
     res: dict = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
-                 "torch": torch.__version__, "kernels": _ext.load(), "kernels_reason": _ext.reason()}
+                 "torch": torch.__version__, "kernels": loader.load(), "kernels_reason": loader.reason()}
     if args.tests:
         res["tests"] = args.tests
     parts = args.only.split(",")

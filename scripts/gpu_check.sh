@@ -25,13 +25,14 @@ echo "host compiler: $(${CXX:-c++} --version 2>/dev/null | head -n 1) (CXX=${CXX
 echo "== build (cache: $EXLCLI_KERNEL_CACHE)"
 start=$(date +%s)
 EXLCLI_VERBOSE_BUILD=1 timeout 420 python3 - >"$OUT/build.log" 2>&1 <<'PY'
-from exlcli.ops import _ext
-ok = _ext.load()
-print("kernels loaded:", ok, _ext.reason())
+from exlcli.ops.backend import kernel_cache_root
+from exlcli.ops.cuda import loader
+from exlcli.ops.cuda.build import arch_list, build_key, library_name
+ok = loader.load()
+print("kernels loaded:", ok, loader.reason())
 if ok:
-    from exlcli.ops._ext import cache_root, build_key, arch_list, library_name
     key = build_key(arch_list())
-    print("library:", cache_root() / key / (library_name(key) + ".so"))
+    print("library:", kernel_cache_root() / key / (library_name(key) + ".so"))
 raise SystemExit(0 if ok else 1)
 PY
 build_rc=$?

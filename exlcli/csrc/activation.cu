@@ -36,7 +36,7 @@ __global__ void silu_and_mul_kernel(T* __restrict__ out, const T* __restrict__ x
 
 }  // namespace
 
-at::Tensor silu_and_mul(const at::Tensor& x) {
+at::Tensor silu_and_mul(const at::Tensor& x, bool pdl) {
   EXL_CHECK_CUDA_TENSOR(x, "silu_and_mul: x");
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 2 == 0, "silu_and_mul: last dim must be even, got ", x.sizes());
   const c10::cuda::CUDAGuard guard(x.device());
@@ -58,11 +58,11 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
     const int threads = 256;
     const int64_t blocks = std::min<int64_t>((num_chunks + threads - 1) / threads, 1 << 16);
     if (vec_ok) {
-      launch_pdl(silu_and_mul_kernel<T, VW>, dim3(blocks), dim3(threads), 0, current_stream(), dst, src, x2.stride(0),
-                 inter, num_chunks);
+      launch_pdl(silu_and_mul_kernel<T, VW>, dim3(blocks), dim3(threads), 0, current_stream(), pdl, dst, src,
+                 x2.stride(0), inter, num_chunks);
     } else {
-      launch_pdl(silu_and_mul_kernel<T, 1>, dim3(blocks), dim3(threads), 0, current_stream(), dst, src, x2.stride(0),
-                 inter, num_chunks);
+      launch_pdl(silu_and_mul_kernel<T, 1>, dim3(blocks), dim3(threads), 0, current_stream(), pdl, dst, src,
+                 x2.stride(0), inter, num_chunks);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });

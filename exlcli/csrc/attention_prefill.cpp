@@ -29,7 +29,7 @@ at::Tensor index_tensor(const std::vector<int64_t>& values, const at::Device& de
 
 at::Tensor paged_attention_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                    const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                                   const at::Tensor& seq_lens, double scale) {
+                                   const at::Tensor& seq_lens, double scale, int64_t version, bool pdl) {
   check_paged_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens);
   TORCH_CHECK(query_start_loc.is_cuda() && query_start_loc.device() == q.device(),
               "paged_attention_prefill: query_start_loc must be on q's device");
@@ -40,7 +40,8 @@ at::Tensor paged_attention_prefill(const at::Tensor& q, const at::Tensor& k_cach
   at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   const int64_t num_seqs = seq_lens.size(0);
   if (num_seqs == 0) return out;
-  launch_paged_decode(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc.data_ptr<int>(), scale);
+  launch_paged_decode(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc.data_ptr<int>(), scale,
+                      version, pdl);
 
   const at::Tensor starts_h = query_start_loc.cpu(), lens_h = seq_lens.cpu();
   const int* starts = starts_h.data_ptr<int>();

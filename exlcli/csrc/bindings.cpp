@@ -1,33 +1,32 @@
 // Registers every exlcli op: schemas in TORCH_LIBRARY, CUDA implementations in TORCH_LIBRARY_IMPL.
-// Python reaches them as torch.ops.exlcli.<name> once the library is loaded (exlcli/ops/_ext.py).
+// Python reaches them as torch.ops.exlcli.<name> once the library is loaded, only through the
+// checked wrappers of exlcli/ops/cuda/kernels.py. Launch choices (pdl, the decode attention
+// version) are arguments: the library keeps no settings and reads no environment variable.
 #include <torch/library.h>
 
 #include "ops.h"
 
 TORCH_LIBRARY(exlcli, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
-  m.def("silu_and_mul(Tensor x) -> Tensor");
-  m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, bool pdl) -> Tensor");
+  m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, bool pdl) -> (Tensor, Tensor)");
+  m.def("silu_and_mul(Tensor x, bool pdl) -> Tensor");
   m.def("decode_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? norm_weight, float eps, bool silu, "
-        "Tensor? residual, bool float_out) -> Tensor");
+        "Tensor? residual, bool float_out, bool pdl) -> Tensor");
   m.def("decode_qkv_rope(Tensor x, Tensor weight, Tensor? bias, Tensor? norm_weight, float eps, Tensor positions, "
-        "Tensor cos_sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, int num_heads) -> Tensor");
-  // no tensor arguments: one implementation for every dispatch key
-  m.def("decode_tuning(int pdl, int warps_per_group, int attention_warps) -> int[]", &exlcli::decode_tuning);
+        "Tensor cos_sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, int num_heads, bool pdl) "
+        "-> Tensor");
   m.def("rope_and_write_kv(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor cos_sin, "
-        "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> Tensor");
+        "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, bool pdl) -> Tensor");
   m.def("paged_attention_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor seq_lens, float scale) -> Tensor");
+        "Tensor seq_lens, float scale, int version, bool pdl) -> Tensor");
   m.def("paged_attention_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor query_start_loc, Tensor seq_lens, float scale) -> Tensor");
+        "Tensor query_start_loc, Tensor seq_lens, float scale, int version, bool pdl) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(exlcli, CUDA, m) {
   m.impl("rms_norm", &exlcli::rms_norm);
   m.impl("fused_add_rms_norm", &exlcli::fused_add_rms_norm);
   m.impl("silu_and_mul", &exlcli::silu_and_mul);
-  m.impl("skinny_linear", &exlcli::skinny_linear);
   m.impl("decode_linear", &exlcli::decode_linear);
   m.impl("decode_qkv_rope", &exlcli::decode_qkv_rope);
   m.impl("rope_and_write_kv", &exlcli::rope_and_write_kv);

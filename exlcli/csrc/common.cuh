@@ -128,12 +128,16 @@ __device__ __forceinline__ void grid_dependents_launch() {
 #endif
 }
 
-// Whether launches use programmatic dependent launch (on by default on sm_90+; set_pdl switches it).
-bool pdl_enabled();
+// Whether the current device can take programmatic dependent launches (sm_90+; cached per device).
+bool device_supports_pdl();
 
-// Launches `kernel` on `stream`, as a programmatic dependent launch when pdl_enabled().
+// Whether the current device has cp.async and bf16 mma (sm_80+; cached per device).
+bool device_has_sm80();
+
+// Launches `kernel` on `stream`, as a programmatic dependent launch when the caller asks for one
+// (`pdl`: the op's argument, decided in Python) and the device supports it.
 template <typename Kernel, typename... Args>
-void launch_pdl(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Args&&... args) {
+void launch_pdl(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl, Args&&... args) {
   cudaLaunchConfig_t config{};
   config.gridDim = grid;
   config.blockDim = block;
@@ -143,14 +147,11 @@ void launch_pdl(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t 
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attribute;
-  config.numAttrs = pdl_enabled() ? 1 : 0;
+  config.numAttrs = pdl && device_supports_pdl() ? 1 : 0;
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
 }
 
 // Multiprocessors of the current device (cached per device).
 int num_sms();
-
-// Warps per block of the decode attention kernel (version 1): 4 or 8 (decode_tuning switches it).
-int decode_attention_warps();
 
 }  // namespace exlcli

@@ -331,8 +331,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_gemv_kernel(const Params p
 }
 
 // Warps per row group for rows of k elements: enough 16-byte chunks for kUnroll passes per thread.
-inline int warps_per_group(int k, int override_wg) {
-  if (override_wg > 0) return override_wg;
+inline int warps_per_group(int k) {
   const int chunks = k / 8;
   for (int wg = kWarps; wg > 1; wg /= 2)
     if (chunks >= wg * 32 * kUnroll) return wg;
@@ -340,8 +339,8 @@ inline int warps_per_group(int k, int override_wg) {
 }
 
 template <typename T, int M, In IN, Out OUT>
-void launch(Params p, cudaStream_t stream, int override_wg) {
-  p.warps_per_group = warps_per_group(p.k, override_wg);
+void launch(Params p, cudaStream_t stream, bool pdl) {
+  p.warps_per_group = warps_per_group(p.k);
   if (OUT == Out::kRopeKV) {
     p.num_units = (p.num_heads + 2 * p.num_kv_heads) * ((p.head_dim / 2) / (kRows / 2));
   } else {
@@ -349,18 +348,18 @@ void launch(Params p, cudaStream_t stream, int override_wg) {
   }
   const int groups = kWarps / p.warps_per_group;
   const int grid = std::max(1, std::min(ceil_div(p.num_units, groups), 2 * num_sms()));
-  launch_pdl(decode_gemv_kernel<T, M, IN, OUT>, dim3(grid), dim3(kThreads), 0, stream, p);
+  launch_pdl(decode_gemv_kernel<T, M, IN, OUT>, dim3(grid), dim3(kThreads), 0, stream, pdl, p);
 }
 
 // Runs launch<T, M, IN, OUT> with M the smallest of 1, 2, 4 that holds p.rows.
 template <typename T, In IN, Out OUT>
-void launch_rows(const Params& p, cudaStream_t stream, int override_wg) {
+void launch_rows(const Params& p, cudaStream_t stream, bool pdl) {
   if (p.rows <= 1) {
-    launch<T, 1, IN, OUT>(p, stream, override_wg);
+    launch<T, 1, IN, OUT>(p, stream, pdl);
   } else if (p.rows <= 2) {
-    launch<T, 2, IN, OUT>(p, stream, override_wg);
+    launch<T, 2, IN, OUT>(p, stream, pdl);
   } else {
-    launch<T, 4, IN, OUT>(p, stream, override_wg);
+    launch<T, 4, IN, OUT>(p, stream, pdl);
   }
 }
 
@@ -370,14 +369,11 @@ void launch_rows(const Params& p, cudaStream_t stream, int override_wg) {
 namespace exlcli {
 namespace gemv {
 
-// Tuning switches (linear.cu): warps per row group forced (0: chosen by k).
-int override_warps_per_group();
-
 // Launches the (in, out) combination for p.rows rows of dtype `dtype` (bf16 / fp16). Each returns
 // false for a combination its file does not hold: linear.cu holds the plain and silu prologues,
 // linear_fused.cu the norm prologue and the rope epilogue.
-bool launch_plain_combos(const Params& p, at::ScalarType dtype, In in, Out out, cudaStream_t stream);
-bool launch_fused_combos(const Params& p, at::ScalarType dtype, In in, Out out, cudaStream_t stream);
+bool launch_plain_combos(const Params& p, at::ScalarType dtype, In in, Out out, cudaStream_t stream, bool pdl);
+bool launch_fused_combos(const Params& p, at::ScalarType dtype, In in, Out out, cudaStream_t stream, bool pdl);
 
 }  // namespace gemv
 }  // namespace exlcli

@@ -1,12 +1,9 @@
-// Decode linear layers (1 to 4 token rows, bf16 / fp16) on the kernel of decode_gemv.cuh: the plain
-// product (skinny_linear), the fused variants of decode_linear and decode_qkv_rope, and the launch
-// switches. cuBLAS reaches 1.1 to 3.3 TB/s on these shapes at one row (measured on the H200).
+// Decode linear layers (1 to 4 token rows, bf16 / fp16) on the kernel of decode_gemv.cuh:
+// decode_linear (the plain product when no fused stage is asked for) and decode_qkv_rope. cuBLAS
+// reaches 1.1 to 3.3 TB/s on these shapes at one row (measured on the H200).
 //
-// The inputs are checked in Python (exlcli/ops/_ext.py) before these run; the checks here only
-// guard against a call that bypasses that layer.
-#include <atomic>
-#include <vector>
-
+// The inputs are checked in Python (exlcli/ops/cuda/checks.py) before these run; the checks here
+// only guard against a call that bypasses that layer.
 #include <ATen/ops/empty.h>
 #include <cuda_runtime.h>
 
@@ -16,10 +13,6 @@
 
 namespace exlcli {
 namespace {
-
-std::atomic<int> g_pdl{-1};  // -1: not decided yet
-std::atomic<int> g_warps_per_group{0};
-std::atomic<int> g_attention_warps{8};
 
 // x's rows as a pointer and row stride the kernel can read with 16-byte loads (a copy otherwise).
 at::Tensor loadable_rows(const at::Tensor& x) {
@@ -60,59 +53,29 @@ gemv::Params base_params(const at::Tensor& xc, const at::Tensor& weight, const s
   return p;
 }
 
-void run(const gemv::Params& p, at::ScalarType dtype, gemv::In in, gemv::Out out) {
+void run(const gemv::Params& p, at::ScalarType dtype, gemv::In in, gemv::Out out, bool pdl) {
   const cudaStream_t stream = current_stream();
-  if (!gemv::launch_plain_combos(p, dtype, in, out, stream) && !gemv::launch_fused_combos(p, dtype, in, out, stream)) {
+  if (!gemv::launch_plain_combos(p, dtype, in, out, stream, pdl) &&
+      !gemv::launch_fused_combos(p, dtype, in, out, stream, pdl)) {
     TORCH_CHECK(false, "decode linear: unsupported combination of fused stages");
   }
 }
 
 }  // namespace
 
-bool pdl_enabled() {
-  int v = g_pdl.load(std::memory_order_relaxed);
-  if (v < 0) {
-    int device = 0, major = 0;
-    C10_CUDA_CHECK(cudaGetDevice(&device));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    const char* env = std::getenv("EXLCLI_NO_PDL");
-    v = (major >= 9 && !(env != nullptr && env[0] == '1')) ? 1 : 0;
-    g_pdl.store(v, std::memory_order_relaxed);
-  }
-  return v == 1;
-}
-
-int decode_attention_warps() { return g_attention_warps.load(std::memory_order_relaxed); }
-
-int num_sms() {
-  static std::atomic<int> cached[64] = {};
-  int device = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  std::atomic<int>& slot = cached[device & 63];
-  int v = slot.load(std::memory_order_relaxed);
-  if (v == 0) {
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device));
-    slot.store(v, std::memory_order_relaxed);
-  }
-  return v;
-}
-
 namespace gemv {
 
-int override_warps_per_group() { return g_warps_per_group.load(std::memory_order_relaxed); }
-
-bool launch_plain_combos(const Params& p, at::ScalarType dtype, In in, Out out, cudaStream_t stream) {
-  const int wg = override_warps_per_group();
+bool launch_plain_combos(const Params& p, at::ScalarType dtype, In in, Out out, cudaStream_t stream, bool pdl) {
   auto go = [&](auto tag) {
     using T = decltype(tag);
     if (in == In::kPlain && out == Out::kPlain) {
-      launch_rows<T, In::kPlain, Out::kPlain>(p, stream, wg);
+      launch_rows<T, In::kPlain, Out::kPlain>(p, stream, pdl);
     } else if (in == In::kPlain && out == Out::kResidual) {
-      launch_rows<T, In::kPlain, Out::kResidual>(p, stream, wg);
+      launch_rows<T, In::kPlain, Out::kResidual>(p, stream, pdl);
     } else if (in == In::kSilu && out == Out::kResidual) {
-      launch_rows<T, In::kSilu, Out::kResidual>(p, stream, wg);
+      launch_rows<T, In::kSilu, Out::kResidual>(p, stream, pdl);
     } else if (in == In::kSilu && out == Out::kPlain) {
-      launch_rows<T, In::kSilu, Out::kPlain>(p, stream, wg);
+      launch_rows<T, In::kSilu, Out::kPlain>(p, stream, pdl);
     } else {
       return false;
     }
@@ -123,37 +86,9 @@ bool launch_plain_combos(const Params& p, at::ScalarType dtype, In in, Out out, 
 
 }  // namespace gemv
 
-std::vector<int64_t> decode_tuning(int64_t pdl, int64_t warps_per_group, int64_t attention_warps) {
-  const std::vector<int64_t> previous{pdl_enabled() ? 1 : 0, g_warps_per_group.load(), g_attention_warps.load()};
-  if (pdl >= 0) g_pdl.store(pdl > 0 ? 1 : 0);
-  if (warps_per_group >= 0) {
-    TORCH_CHECK(warps_per_group == 0 || warps_per_group == 1 || warps_per_group == 2 || warps_per_group == 4 ||
-                    warps_per_group == 8,
-                "decode_tuning: warps_per_group must be 0 (automatic), 1, 2, 4 or 8");
-    g_warps_per_group.store(static_cast<int>(warps_per_group));
-  }
-  if (attention_warps >= 0) {
-    TORCH_CHECK(attention_warps == 4 || attention_warps == 8, "decode_tuning: attention_warps must be 4 or 8");
-    g_attention_warps.store(static_cast<int>(attention_warps));
-  }
-  return previous;
-}
-
-at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  check_weight(x, weight, bias, x.dim() == 2 ? x.size(1) : -1);
-  const c10::cuda::CUDAGuard guard(x.device());
-  at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options().memory_format(at::MemoryFormat::Contiguous));
-  if (weight.size(0) == 0) return y;
-  const at::Tensor xc = loadable_rows(x);
-  gemv::Params p = base_params(xc, weight, bias, x.size(1));
-  p.y = y.data_ptr();
-  run(p, x.scalar_type(), gemv::In::kPlain, gemv::Out::kPlain);
-  return y;
-}
-
 at::Tensor decode_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                          const std::optional<at::Tensor>& norm_weight, double eps, bool silu,
-                         const std::optional<at::Tensor>& residual, bool float_out) {
+                         const std::optional<at::Tensor>& residual, bool float_out, bool pdl) {
   TORCH_CHECK(x.dim() == 2, "decode_linear: x must be [rows, features]");
   const int64_t k = silu ? x.size(1) / 2 : x.size(1);
   check_weight(x, weight, bias, k);
@@ -191,14 +126,14 @@ at::Tensor decode_linear(const at::Tensor& x, const at::Tensor& weight, const st
   } else if (float_out) {
     out = gemv::Out::kFloat;
   }
-  run(p, x.scalar_type(), in, out);
+  run(p, x.scalar_type(), in, out, pdl);
   return y;
 }
 
 at::Tensor decode_qkv_rope(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                            const std::optional<at::Tensor>& norm_weight, double eps, const at::Tensor& positions,
                            const at::Tensor& cos_sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           const at::Tensor& slot_mapping, int64_t num_heads) {
+                           const at::Tensor& slot_mapping, int64_t num_heads, bool pdl) {
   TORCH_CHECK(x.dim() == 2, "decode_qkv_rope: x must be [rows, features]");
   const int64_t k = x.size(1);
   check_weight(x, weight, bias, k);
@@ -240,7 +175,7 @@ at::Tensor decode_qkv_rope(const at::Tensor& x, const at::Tensor& weight, const 
   p.num_heads = static_cast<int>(num_heads);
   p.num_kv_heads = static_cast<int>(kv_heads);
   p.head_dim = static_cast<int>(head_dim);
-  run(p, x.scalar_type(), in, gemv::Out::kRopeKV);
+  run(p, x.scalar_type(), in, gemv::Out::kRopeKV, pdl);
   return q_out;
 }
 

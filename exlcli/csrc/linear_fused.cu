@@ -6,18 +6,17 @@
 namespace exlcli {
 namespace gemv {
 
-bool launch_fused_combos(const Params& p, at::ScalarType dtype, In in, Out out, cudaStream_t stream) {
-  const int wg = override_warps_per_group();
+bool launch_fused_combos(const Params& p, at::ScalarType dtype, In in, Out out, cudaStream_t stream, bool pdl) {
   auto go = [&](auto tag) {
     using T = decltype(tag);
     if (in == In::kNorm && out == Out::kPlain) {
-      launch_rows<T, In::kNorm, Out::kPlain>(p, stream, wg);
+      launch_rows<T, In::kNorm, Out::kPlain>(p, stream, pdl);
     } else if (in == In::kNorm && out == Out::kFloat) {
-      launch_rows<T, In::kNorm, Out::kFloat>(p, stream, wg);
+      launch_rows<T, In::kNorm, Out::kFloat>(p, stream, pdl);
     } else if (in == In::kNorm && out == Out::kRopeKV) {
-      launch_rows<T, In::kNorm, Out::kRopeKV>(p, stream, wg);
+      launch_rows<T, In::kNorm, Out::kRopeKV>(p, stream, pdl);
     } else if (in == In::kPlain && out == Out::kRopeKV) {
-      launch_rows<T, In::kPlain, Out::kRopeKV>(p, stream, wg);
+      launch_rows<T, In::kPlain, Out::kRopeKV>(p, stream, pdl);
     } else {
       return false;
     }

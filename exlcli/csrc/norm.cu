@@ -92,7 +92,7 @@ at::Tensor as_rows(const at::Tensor& x) {
 
 template <typename T, bool ADD>
 void launch_rms_norm(const at::Tensor& out, const at::Tensor& residual_out, const at::Tensor& x2,
-                     const at::Tensor& r2, const at::Tensor& weight, double eps) {
+                     const at::Tensor& r2, const at::Tensor& weight, double eps, bool pdl) {
   const int64_t rows = x2.size(0);
   const int hidden = static_cast<int>(x2.size(1));
   if (rows == 0) return;
@@ -112,11 +112,11 @@ void launch_rms_norm(const at::Tensor& out, const at::Tensor& residual_out, cons
   const T* w = static_cast<const T*>(weight.data_ptr());
   const int64_t rs = ADD ? r2.stride(0) : 0;
   if (vec_ok) {
-    launch_pdl(rms_norm_kernel<T, VW, ADD>, grid, dim3(threads), 0, current_stream(), o, ro, x, x2.stride(0), r, rs,
-               w, hidden, static_cast<float>(eps));
+    launch_pdl(rms_norm_kernel<T, VW, ADD>, grid, dim3(threads), 0, current_stream(), pdl, o, ro, x, x2.stride(0), r,
+               rs, w, hidden, static_cast<float>(eps));
   } else {
-    launch_pdl(rms_norm_kernel<T, 1, ADD>, grid, dim3(threads), 0, current_stream(), o, ro, x, x2.stride(0), r, rs,
-               w, hidden, static_cast<float>(eps));
+    launch_pdl(rms_norm_kernel<T, 1, ADD>, grid, dim3(threads), 0, current_stream(), pdl, o, ro, x, x2.stride(0), r,
+               rs, w, hidden, static_cast<float>(eps));
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -135,19 +135,19 @@ void check_norm_inputs(const at::Tensor& x, const at::Tensor& weight) {
 
 }  // namespace
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool pdl) {
   check_norm_inputs(x, weight);
   const c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor x2 = as_rows(x);
   at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
   EXL_DISPATCH_FLOAT(x.scalar_type(), "rms_norm", [&] {
-    launch_rms_norm<scalar_t, false>(out, out, x2, x2, weight, eps);
+    launch_rms_norm<scalar_t, false>(out, out, x2, x2, weight, eps, pdl);
   });
   return out;
 }
 
 std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
-                                                      const at::Tensor& weight, double eps) {
+                                                      const at::Tensor& weight, double eps, bool pdl) {
   check_norm_inputs(x, weight);
   EXL_CHECK_CUDA_TENSOR(residual, "fused_add_rms_norm: residual");
   TORCH_CHECK(residual.sizes() == x.sizes(), "fused_add_rms_norm: residual shape ", residual.sizes(),
@@ -160,7 +160,7 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const
   at::Tensor out = at::empty(x.sizes(), opts);
   at::Tensor residual_out = at::empty(x.sizes(), opts);
   EXL_DISPATCH_FLOAT(x.scalar_type(), "fused_add_rms_norm", [&] {
-    launch_rms_norm<scalar_t, true>(out, residual_out, x2, r2, weight, eps);
+    launch_rms_norm<scalar_t, true>(out, residual_out, x2, r2, weight, eps, pdl);
   });
   return {out, residual_out};
 }

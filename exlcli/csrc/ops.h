@@ -1,49 +1,50 @@
 // The torch-facing functions registered in bindings.cpp, one group per .cu file.
+//
+// Every op that launches a kernel takes `pdl`: whether to launch it as a programmatic dependent
+// launch (it is one only on sm_90+ whatever the caller asks). Python decides it (from its table of
+// variables, or a benchmark's choice) and passes it; nothing here reads the environment or keeps a setting.
 #pragma once
 
 #include <optional>
 #include <tuple>
-#include <vector>
 
 #include <ATen/core/Tensor.h>
 
 namespace exlcli {
 
 // norm.cu
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool pdl);
 std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
-                                                      const at::Tensor& weight, double eps);
+                                                      const at::Tensor& weight, double eps, bool pdl);
 
 // activation.cu
-at::Tensor silu_and_mul(const at::Tensor& x);
+at::Tensor silu_and_mul(const at::Tensor& x, bool pdl);
 
-// linear.cu: y = x @ weight^T (+ bias) for 1 to 4 rows (decode), bf16 / fp16
-at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
-// The same product with fused stages: x normalised first (norm_weight) or x = silu(gate) * up of a
-// [rows, 2k] x (silu); the result added to a residual (residual) or returned as fp32 (float_out).
+// linear.cu: y = x @ weight^T (+ bias) for 1 to 4 rows (decode), bf16 / fp16, with optional fused
+// stages: x normalised first (norm_weight) or x = silu(gate) * up of a [rows, 2k] x (silu); the
+// result added to a residual (residual) or returned as fp32 (float_out). With none of them it is
+// the plain product.
 at::Tensor decode_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                          const std::optional<at::Tensor>& norm_weight, double eps, bool silu,
-                         const std::optional<at::Tensor>& residual, bool float_out);
+                         const std::optional<at::Tensor>& residual, bool float_out, bool pdl);
 // The fused q|k|v projection of decode: (optionally normalised) x @ weight^T, q and k rotated, k and
 // v written at slot_mapping of their caches; returns the rotated q [rows, num_heads, head_dim].
 at::Tensor decode_qkv_rope(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                            const std::optional<at::Tensor>& norm_weight, double eps, const at::Tensor& positions,
                            const at::Tensor& cos_sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           const at::Tensor& slot_mapping, int64_t num_heads);
-// Launch switches for benchmarks: programmatic dependent launch (pdl: 1 on, 0 off), the decode
-// linear's warps per row group (0 automatic) and the decode attention's warps per block (4 or 8);
-// -1 leaves one unchanged. Returns the previous three.
-std::vector<int64_t> decode_tuning(int64_t pdl, int64_t warps_per_group, int64_t attention_warps);
+                           const at::Tensor& slot_mapping, int64_t num_heads, bool pdl);
 
 // rope.cu
 at::Tensor rope_and_write_kv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const at::Tensor& positions, const at::Tensor& cos_sin,
                              const at::Tensor& k_cache, const at::Tensor& v_cache,
-                             const at::Tensor& slot_mapping);
+                             const at::Tensor& slot_mapping, bool pdl);
 
-// attention_decode.cu
+// attention_decode.cu (kernels in attention_decode_v1.cu and attention_decode_v3.cu). `version`
+// is the decode attention kernel, 1 or 3 (fp32 and devices before sm_80 always run version 1).
 at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale);
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                                  int64_t version, bool pdl);
 
 // Checks shared by both attention ops (q: [rows, heads, D]; caches: [pages, page_size, kv_heads, D]).
 void check_paged_attention_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -54,11 +55,12 @@ void check_paged_attention_inputs(const at::Tensor& q, const at::Tensor& k_cache
 // are computed; without it, sequence b's query is row b.
 void launch_paged_decode(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                          const at::Tensor& v_cache, const at::Tensor& block_tables,
-                         const at::Tensor& seq_lens, const int* query_start_loc, double scale);
+                         const at::Tensor& seq_lens, const int* query_start_loc, double scale, int64_t version,
+                         bool pdl);
 
-// attention_prefill.cpp
+// attention_prefill.cpp: its decode tokens go through the decode kernel of `version`.
 at::Tensor paged_attention_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                    const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                                   const at::Tensor& seq_lens, double scale);
+                                   const at::Tensor& seq_lens, double scale, int64_t version, bool pdl);
 
 }  // namespace exlcli

@@ -65,7 +65,7 @@ void check_token_heads(const at::Tensor& x, const char* name, int64_t tokens, in
 at::Tensor rope_and_write_kv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const at::Tensor& positions, const at::Tensor& cos_sin,
                              const at::Tensor& k_cache, const at::Tensor& v_cache,
-                             const at::Tensor& slot_mapping) {
+                             const at::Tensor& slot_mapping, bool pdl) {
   for (const at::Tensor* t : {&q, &k, &v, &positions, &cos_sin, &k_cache, &v_cache, &slot_mapping}) {
     EXL_CHECK_CUDA_TENSOR(*t, "rope_and_write_kv: every input");
     TORCH_CHECK(t->device() == q.device(), "rope_and_write_kv: inputs are on different devices");
@@ -103,7 +103,7 @@ at::Tensor rope_and_write_kv(const at::Tensor& q, const at::Tensor& k, const at:
   EXL_DISPATCH_FLOAT(q.scalar_type(), "rope_and_write_kv", [&] {
     using T = scalar_t;
     const dim3 grid(static_cast<unsigned>(tokens), static_cast<unsigned>(q.size(1) + k.size(1)));
-    launch_pdl(rope_and_write_kv_kernel<T>, grid, dim3(64), 0, current_stream(),
+    launch_pdl(rope_and_write_kv_kernel<T>, grid, dim3(64), 0, current_stream(), pdl,
         static_cast<T*>(q_out.data_ptr()), static_cast<const T*>(q.data_ptr()), q.stride(0),
         static_cast<const T*>(k.data_ptr()), k.stride(0), static_cast<const T*>(v.data_ptr()), v.stride(0),
         positions.data_ptr<int64_t>(), cos_sin.data_ptr<float>(), cos_sin.stride(0),

@@ -29,7 +29,9 @@ from exlcli.engine.scheduler import ScheduledBatch, ScheduledSeq
 from exlcli.model.batch_inputs import BatchInputs
 from exlcli.model.kv_cache import KVCache
 from exlcli.model.llama import LlamaModel
-from exlcli.ops import _ext
+from exlcli.ops.cuda import kernels
+from exlcli.ops.cuda import loader as cuda_loader
+from exlcli.ops.cuda.limits import DECODE_LINEAR_MAX_ROWS, HEAD_DIMS
 from exlcli import environment
 
 log = logging.getLogger("exlcli.cuda_graphs")
@@ -100,7 +102,7 @@ class DecodeGraphs:
             return None
         n = len(batch.items)
         bucket = batch_bucket(n)
-        if bucket is None or not _ext.kernels_available():
+        if bucket is None or not cuda_loader.kernels_available():
             return None
         width = width_bucket(max(len(item.seq.pages) for item in batch.items))
         graph = self._graphs.get((bucket, width))
@@ -116,7 +118,7 @@ class DecodeGraphs:
     def capture(self, batch_sizes: list[int], max_pages: int) -> int:
         """Captures ahead the graphs that steps of these sizes and up to `max_pages` pages per
         sequence will use (benchmarks; servers at start). Returns how many exist afterwards."""
-        if _ext.kernels_available():
+        if cuda_loader.kernels_available():
             width = width_bucket(max_pages)
             for n in sorted({batch_bucket(n) for n in batch_sizes if batch_bucket(n)}, reverse=True):
                 if (n, width) not in self._graphs and self._capture_or_disable(n, width) is None:
@@ -223,7 +225,7 @@ def make_decode_graphs(model: LlamaModel, kv: KVCache) -> DecodeGraphs | None:
 
 
 # -- the fused decode step ----------------------------------------------------------------------------
-FUSED_MAX_ROWS = 4  # the decode linear kernel's rows
+FUSED_MAX_ROWS = DECODE_LINEAR_MAX_ROWS
 
 
 def fused_decode_unsupported(model: LlamaModel) -> str | None:
@@ -233,7 +235,7 @@ def fused_decode_unsupported(model: LlamaModel) -> str | None:
     cfg = model.config
     if model.dtype not in (torch.bfloat16, torch.float16):
         return f"dtype {model.dtype} (the decode linear kernel is bf16 / fp16)"
-    if cfg.head_dim not in (64, 128):
+    if cfg.head_dim not in HEAD_DIMS:
         return f"head_dim {cfg.head_dim}"
     if cfg.hidden_size % 8 or cfg.hidden_size > 32768:
         return f"hidden size {cfg.hidden_size}"
@@ -260,11 +262,11 @@ def fused_decode_forward(model: LlamaModel, batch: BatchInputs, kv: KVCache) -> 
         # the dense weights each projection hands over (fused_decode_unsupported checked they exist)
         qkv_w, o_w = layer.qkv.fused_decode_weights(), layer.o_proj.fused_decode_weights()
         gate_up_w, down_w = layer.gate_up.fused_decode_weights(), layer.down.fused_decode_weights()
-        q = _ext.decode_qkv_rope(r, *qkv_w, layer.input_norm, eps, batch.positions,
-                                 model.cos_sin, kv.k[i], kv.v[i], batch.slot_mapping, cfg.num_heads)
-        o = _ext.paged_attention_decode(q, kv.k[i], kv.v[i], batch.block_tables, batch.seq_lens_t, model.scale)
-        r = _ext.decode_linear(o.view(rows, -1), *o_w, residual=r)
-        gate_up = _ext.decode_linear(r, *gate_up_w, norm_weight=layer.post_norm, eps=eps)
-        r = _ext.decode_linear(gate_up, *down_w, silu=True, residual=r)
-    return _ext.decode_linear(r, *model.lm_head.fused_decode_weights(), norm_weight=model.norm, eps=eps,
-                              float_out=True)
+        q = kernels.decode_qkv_rope(r, *qkv_w, layer.input_norm, eps, batch.positions,
+                                    model.cos_sin, kv.k[i], kv.v[i], batch.slot_mapping, cfg.num_heads)
+        o = kernels.paged_attention_decode(q, kv.k[i], kv.v[i], batch.block_tables, batch.seq_lens_t, model.scale)
+        r = kernels.decode_linear(o.view(rows, -1), *o_w, residual=r)
+        gate_up = kernels.decode_linear(r, *gate_up_w, norm_weight=layer.post_norm, eps=eps)
+        r = kernels.decode_linear(gate_up, *down_w, silu=True, residual=r)
+    return kernels.decode_linear(r, *model.lm_head.fused_decode_weights(), norm_weight=model.norm, eps=eps,
+                                 float_out=True)

@@ -10,8 +10,8 @@ from exlcli.model.config import ModelConfig
 from exlcli.model.kv_cache import KVCache
 from exlcli.ops.activation import silu_and_mul
 from exlcli.ops._cpu_ext import use_cpu_kernels
-from exlcli.ops._ext import use_kernels
 from exlcli.ops.attention import PagedLayout, paged_attention
+from exlcli.ops.cuda.loader import use_kernels
 from exlcli.ops.formats import QuantizedWeight
 from exlcli.ops.linear import Linear, dense_weight, make_linear
 from exlcli.ops.norm import fused_add_rms_norm, rms_norm

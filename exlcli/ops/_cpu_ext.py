@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from exlcli.ops import _ext
 from exlcli import environment
+from exlcli.ops import backend
 
 CSRC_CPU = Path(__file__).resolve().parents[1] / "csrc" / "cpu"
 CFLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c11", "-fno-math-errno", "-pthread")
@@ -73,7 +73,7 @@ def _build() -> ctypes.CDLL:
     compiler = os.environ.get("CC", "cc")
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C compiler ({compiler!r} not found)")
-    folder = _ext.cache_root() / f"cpu-{build_key(compiler)}"
+    folder = backend.kernel_cache_root() / f"cpu-{build_key(compiler)}"
     target = folder / "libexlcli_cpu.so"
     if not target.is_file():
         folder.mkdir(parents=True, exist_ok=True)
@@ -154,8 +154,8 @@ def kernel_function(name: str, argtypes: list, restype=ctypes.c_int, *, availabl
 
 def use_cpu_kernels(t: torch.Tensor) -> bool:
     """True for a bf16 CPU tensor when the library is loaded and kernels are not disabled
-    (`_ext.kernels_disabled()` turns these off too)."""
-    return (t.device.type == "cpu" and t.dtype == torch.bfloat16 and _ext._disabled_depth == 0
+    (`backend.kernels_disabled()` turns these off too)."""
+    return (t.device.type == "cpu" and t.dtype == torch.bfloat16 and not backend.reference_forced()
             and lib() is not None)
 
 

@@ -8,10 +8,10 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from exlcli.errors import ExlcliError
 from exlcli.ops import _cpu_ext
-from exlcli.ops import _ext
-from exlcli.ops._ext import use_kernels
+from exlcli.ops.cuda import kernels as cuda_kernels
+from exlcli.ops.cuda.loader import use_kernels
+from exlcli.ops.errors import KernelInputError
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -21,17 +21,13 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if use_kernels(x):
-        return _ext.silu_and_mul(x)
+        return cuda_kernels.silu_and_mul(x)
     if _cpu_ext.use_cpu_kernels(x) and _cpu_kernel() is not None:
         return silu_and_mul_cpu(x)
     return silu_and_mul_ref(x)
 
 
 # --- CPU kernel (csrc/cpu/activation.c): bitwise the same as the reference above ------------------
-
-
-class ActivationInputError(ExlcliError, ValueError):
-    """Inputs the CPU activation kernel cannot take: a caller's bug, reported in one line."""
 
 
 @functools.cache
@@ -50,15 +46,15 @@ def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
     """The C kernel: x [..., 2I] bf16 (rows may be strided) -> a new contiguous [..., I] bf16."""
     fn = _cpu_kernel()
     if x.dtype != torch.bfloat16 or not x.is_cpu:
-        raise ActivationInputError(f"CPU silu_and_mul: x must be a bf16 CPU tensor, got {x.dtype} on {x.device}")
+        raise KernelInputError(f"CPU silu_and_mul: x must be a bf16 CPU tensor, got {x.dtype} on {x.device}")
     if x.dim() == 0 or x.shape[-1] == 0 or x.shape[-1] % 2:
-        raise ActivationInputError(f"CPU silu_and_mul: the last dim of x must be even (gate | up), "
-                                   f"got shape {tuple(x.shape)}")
+        raise KernelInputError(f"CPU silu_and_mul: the last dim of x must be even (gate | up), "
+                               f"got shape {tuple(x.shape)}")
     inter = x.shape[-1] // 2
     out = torch.empty(*x.shape[:-1], inter, dtype=torch.bfloat16)
     rows = x.reshape(-1, 2 * inter) if x.dim() != 2 or x.stride(-1) != 1 else x
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     if fn(rows.data_ptr(), rows.stride(0), out.data_ptr(), inter, inter, rows.shape[0]):
-        raise ActivationInputError(f"CPU silu_and_mul refused x of shape {tuple(x.shape)}")
+        raise KernelInputError(f"CPU silu_and_mul refused x of shape {tuple(x.shape)}")
     return out

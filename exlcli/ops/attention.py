@@ -18,13 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
-from exlcli.errors import ExlcliError
 from exlcli.ops import _cpu_ext
-from exlcli.ops import _ext
-from exlcli.ops._ext import use_kernels
-
-
-KERNEL_HEAD_DIMS = (64, 128)  # what csrc/attention_decode.cu is built for; others take the reference
+from exlcli.ops.cuda import kernels as cuda_kernels
+from exlcli.ops.cuda.limits import HEAD_DIMS
+from exlcli.ops.cuda.loader import use_kernels
+from exlcli.ops.errors import KernelInputError
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
@@ -103,11 +101,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Dispatch: the compiled decode / prefill kernels on a GPU, the C kernel for bf16 on the CPU,
     else the reference."""
     decode_only = len(seq_lens) == q.shape[0]
-    if use_kernels(q) and q.shape[-1] in KERNEL_HEAD_DIMS:
+    if use_kernels(q) and q.shape[-1] in HEAD_DIMS:  # others take the reference
         if decode_only:
-            return _ext.paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens_t, scale)
-        return _ext.paged_attention_prefill(q, k_cache, v_cache, block_tables, query_start_loc_t, seq_lens_t,
-                                            scale, query_start_loc, seq_lens)
+            return cuda_kernels.paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens_t, scale)
+        return cuda_kernels.paged_attention_prefill(q, k_cache, v_cache, block_tables, query_start_loc_t,
+                                                    seq_lens_t, scale, query_start_loc, seq_lens)
     if use_cpu_kernels_for(q):
         # rope hands q over as a view of its [T, heads + kv_heads, D] result
         return paged_attention_cpu(q.contiguous(), k_cache, v_cache, block_tables, query_start_loc,
@@ -118,10 +116,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 # --- CPU kernel (csrc/cpu/attention.c) -------------------------------------------------------------
-
-
-class AttentionInputError(ExlcliError, ValueError):
-    """Inputs the CPU attention kernel cannot take: a caller's bug, reported in one line."""
 
 
 @functools.cache
@@ -152,36 +146,36 @@ def _check_cpu_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       block_tables: torch.Tensor, query_start_loc: list[int], seq_lens: list[int]) -> None:
     for name, t, dims in (("q", q, 3), ("k_cache", k_cache, 4), ("v_cache", v_cache, 4)):
         if t.dtype != torch.bfloat16 or t.device.type != "cpu":
-            raise AttentionInputError(f"CPU attention: {name} must be bf16 on the CPU, got {t.dtype} on {t.device}")
+            raise KernelInputError(f"CPU attention: {name} must be bf16 on the CPU, got {t.dtype} on {t.device}")
         if t.dim() != dims or not t.is_contiguous():
-            raise AttentionInputError(f"CPU attention: {name} must be a contiguous {dims}-D tensor, "
-                                      f"got shape {tuple(t.shape)}" + ("" if t.is_contiguous() else " (strided)"))
+            raise KernelInputError(f"CPU attention: {name} must be a contiguous {dims}-D tensor, "
+                                   f"got shape {tuple(t.shape)}" + ("" if t.is_contiguous() else " (strided)"))
     num_tokens, heads, dim = q.shape
     if k_cache.shape != v_cache.shape:
-        raise AttentionInputError(f"CPU attention: k_cache {tuple(k_cache.shape)} and v_cache "
-                                  f"{tuple(v_cache.shape)} differ")
+        raise KernelInputError(f"CPU attention: k_cache {tuple(k_cache.shape)} and v_cache "
+                               f"{tuple(v_cache.shape)} differ")
     page_size, kv_heads, cache_dim = k_cache.shape[1:]
     if page_size == 0 or k_cache.shape[0] == 0:
-        raise AttentionInputError(f"CPU attention: the cache {tuple(k_cache.shape)} has no pages")
+        raise KernelInputError(f"CPU attention: the cache {tuple(k_cache.shape)} has no pages")
     if cache_dim != dim or dim % 16 or dim == 0:
-        raise AttentionInputError(f"CPU attention: head_dim must match the cache and be a multiple of 16, "
-                                  f"got q {dim} and cache {cache_dim}")
+        raise KernelInputError(f"CPU attention: head_dim must match the cache and be a multiple of 16, "
+                               f"got q {dim} and cache {cache_dim}")
     if kv_heads == 0 or heads % kv_heads:
-        raise AttentionInputError(f"CPU attention: {heads} query heads do not split over {kv_heads} kv heads")
+        raise KernelInputError(f"CPU attention: {heads} query heads do not split over {kv_heads} kv heads")
     num_seqs = len(seq_lens)
     if (block_tables.dtype != torch.int32 or block_tables.device.type != "cpu" or block_tables.dim() != 2
             or not block_tables.is_contiguous() or block_tables.shape[0] < num_seqs):
-        raise AttentionInputError(f"CPU attention: block_tables must be contiguous int32 [B >= {num_seqs}, "
-                                  f"pages], got {block_tables.dtype} {tuple(block_tables.shape)}")
+        raise KernelInputError(f"CPU attention: block_tables must be contiguous int32 [B >= {num_seqs}, "
+                               f"pages], got {block_tables.dtype} {tuple(block_tables.shape)}")
     if len(query_start_loc) != num_seqs + 1 or query_start_loc[0] != 0 or query_start_loc[-1] != num_tokens:
-        raise AttentionInputError(f"CPU attention: query_start_loc must have {num_seqs + 1} entries from 0 "
-                                  f"to {num_tokens}")
+        raise KernelInputError(f"CPU attention: query_start_loc must have {num_seqs + 1} entries from 0 "
+                               f"to {num_tokens}")
     capacity = block_tables.shape[1] * page_size
     for b in range(num_seqs):
         n, length = query_start_loc[b + 1] - query_start_loc[b], seq_lens[b]
         if n < 0 or length < n or length > capacity:
-            raise AttentionInputError(f"CPU attention: sequence {b} has {n} queries and {length} tokens "
-                                      f"(block table room: {capacity})")
+            raise KernelInputError(f"CPU attention: sequence {b} has {n} queries and {length} tokens "
+                                   f"(block table room: {capacity})")
 
 
 def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -192,7 +186,7 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     (its q, its keys, its position), and the result is rounded once to bf16."""
     fn = _cpu_kernel()
     if fn is None:
-        raise AttentionInputError(f"CPU attention kernel unavailable ({_cpu_ext.reason() or 'no AVX-512'})")
+        raise KernelInputError(f"CPU attention kernel unavailable ({_cpu_ext.reason() or 'no AVX-512'})")
     _check_cpu_inputs(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
     out = torch.empty_like(q)
     num_seqs = len(seq_lens)
@@ -204,7 +198,7 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                 block_tables.shape[1], qsl.buffer_info()[0], lens.buffer_info()[0], 0, num_seqs,
                 num_pages, page_size, q.shape[1], kv_heads, dim, scale, out.data_ptr(), _threads())
     if status == 1:
-        raise AttentionInputError(f"CPU attention: a block table entry is outside the cache's {num_pages} pages")
+        raise KernelInputError(f"CPU attention: a block table entry is outside the cache's {num_pages} pages")
     if status:
         raise MemoryError("CPU attention: no memory for the kernel's scratch")
     return out

@@ -8,10 +8,10 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from exlcli.errors import ExlcliError
 from exlcli.ops import _cpu_ext
-from exlcli.ops import _ext
-from exlcli.ops._ext import use_kernels
+from exlcli.ops.cuda import kernels as cuda_kernels
+from exlcli.ops.cuda.loader import use_kernels
+from exlcli.ops.errors import KernelInputError
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -22,7 +22,7 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if use_kernels(x):
-        return _ext.rms_norm(x, weight, eps)
+        return cuda_kernels.rms_norm(x, weight, eps)
     if weight.dtype == torch.bfloat16 and _cpu_ext.use_cpu_kernels(x) and _cpu_kernels() is not None:
         return rms_norm_cpu(x, weight, eps)
     return rms_norm_ref(x, weight, eps)
@@ -38,7 +38,7 @@ def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torc
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     if use_kernels(x):
-        return _ext.fused_add_rms_norm(x, residual, weight, eps)
+        return cuda_kernels.fused_add_rms_norm(x, residual, weight, eps)
     if (residual.dtype == weight.dtype == torch.bfloat16 and _cpu_ext.use_cpu_kernels(x)
             and _cpu_kernels() is not None):
         return fused_add_rms_norm_cpu(x, residual, weight, eps)
@@ -46,10 +46,6 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
 
 # --- CPU kernels (csrc/cpu/norm.c): bitwise the same as the references above -------------------
-
-
-class NormInputError(ExlcliError, ValueError):
-    """Inputs the CPU norm kernels cannot take: a caller's bug, reported in one line."""
 
 
 @functools.cache
@@ -70,11 +66,11 @@ def cpu_kernel_available() -> bool:
 def _check(x: torch.Tensor, weight: torch.Tensor) -> int:
     for name, t in (("x", x), ("weight", weight)):
         if t.dtype != torch.bfloat16 or not t.is_cpu:
-            raise NormInputError(f"CPU rms_norm: {name} must be a bf16 CPU tensor, got {t.dtype} on {t.device}")
+            raise KernelInputError(f"CPU rms_norm: {name} must be a bf16 CPU tensor, got {t.dtype} on {t.device}")
     dim = x.shape[-1] if x.dim() else 0
     if dim == 0 or weight.shape != (dim,):
-        raise NormInputError(f"CPU rms_norm: weight of shape {tuple(weight.shape)} does not match rows of "
-                             f"size {dim} (x is {tuple(x.shape)})")
+        raise KernelInputError(f"CPU rms_norm: weight of shape {tuple(weight.shape)} does not match rows of "
+                               f"size {dim} (x is {tuple(x.shape)})")
     return dim
 
 
@@ -94,7 +90,7 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
         outer, inner, s_outer, s_inner = 1, 1, 0, 0
     out = torch.empty(*shape, dtype=torch.bfloat16)  # (unpacked sizes parse faster than a tuple)
     if norm(x.data_ptr(), s_outer, s_inner, inner, weight.data_ptr(), out.data_ptr(), dim, eps, outer * inner):
-        raise NormInputError(f"CPU rms_norm refused x of shape {tuple(shape)}")
+        raise KernelInputError(f"CPU rms_norm refused x of shape {tuple(shape)}")
     return out
 
 
@@ -104,13 +100,13 @@ def fused_add_rms_norm_cpu(x: torch.Tensor, residual: torch.Tensor, weight: torc
     fused = _cpu_kernels()[1]
     dim = _check(x, weight)
     if residual.shape != x.shape or residual.dtype != torch.bfloat16 or not residual.is_cpu:
-        raise NormInputError(f"CPU fused_add_rms_norm: residual ({tuple(residual.shape)}, {residual.dtype}) "
-                             f"must be bf16 shaped like x ({tuple(x.shape)})")
+        raise KernelInputError(f"CPU fused_add_rms_norm: residual ({tuple(residual.shape)}, {residual.dtype}) "
+                               f"must be bf16 shaped like x ({tuple(x.shape)})")
     x, residual, weight = x.contiguous(), residual.contiguous(), weight.contiguous()
     out, new_residual = torch.empty_like(x), torch.empty_like(x)  # x is contiguous: so are these
     if fused(x.data_ptr(), residual.data_ptr(), new_residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
              dim, eps, x.numel() // dim):
-        raise NormInputError(f"CPU fused_add_rms_norm refused x of shape {tuple(x.shape)}")
+        raise KernelInputError(f"CPU fused_add_rms_norm refused x of shape {tuple(x.shape)}")
     return out, new_residual
 
 
@@ -118,7 +114,7 @@ def mean_squares_cpu(x: torch.Tensor) -> torch.Tensor:
     """The fp32 mean of squares the C norm computes for each row of a bf16 [rows, D] x; the tests
     compare it bit for bit with torch's x.float().pow(2).mean(-1), whose summation order it copies."""
     if x.dtype != torch.bfloat16 or not x.is_cpu or x.dim() != 2 or x.shape[1] == 0:
-        raise NormInputError(f"mean_squares: x must be a bf16 CPU [rows, D], got {x.dtype} {tuple(x.shape)}")
+        raise KernelInputError(f"mean_squares: x must be a bf16 CPU [rows, D], got {x.dtype} {tuple(x.shape)}")
     x = x.contiguous()
     out = torch.empty(x.shape[0], dtype=torch.float32)
     _cpu_kernels()[2](x.data_ptr(), x.shape[1], x.shape[0], out.data_ptr())

@@ -8,11 +8,11 @@ import math
 
 import torch
 
-from exlcli.errors import ExlcliError
 from exlcli.model.config import ModelConfig
 from exlcli.ops import _cpu_ext
-from exlcli.ops import _ext
-from exlcli.ops._ext import use_kernels
+from exlcli.ops.cuda import kernels as cuda_kernels
+from exlcli.ops.cuda.loader import use_kernels
+from exlcli.ops.errors import KernelInputError
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -85,17 +85,13 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
                       slot_mapping: torch.Tensor,
                       cos_sin_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     if use_kernels(q):
-        return _ext.rope_and_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+        return cuda_kernels.rope_and_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
     if k_cache.dtype == torch.bfloat16 and _cpu_ext.use_cpu_kernels(q) and _cpu_kernel() is not None:
         return rope_and_write_kv_cpu(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
     return rope_and_write_kv_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, cos_sin_rows)
 
 
 # --- CPU kernel (csrc/cpu/rope.c): bitwise the same as the reference above ------------------------
-
-
-class RopeInputError(ExlcliError, ValueError):
-    """Inputs the CPU rope kernel cannot take: a caller's bug, reported in one line."""
 
 
 @functools.cache
@@ -127,29 +123,29 @@ def rope_and_write_kv_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos
     fn = _cpu_kernel()
     # (this runs once per layer per step: a few plain comparisons, no tensor ops unless needed)
     if q.dim() != 3 or k_cache.dim() != 4:
-        raise RopeInputError(f"CPU rope: q must be [tokens, heads, head_dim] and k_cache [pages, page_size, "
-                             f"kv_heads, head_dim], got {tuple(q.shape)} and {tuple(k_cache.shape)}")
+        raise KernelInputError(f"CPU rope: q must be [tokens, heads, head_dim] and k_cache [pages, page_size, "
+                               f"kv_heads, head_dim], got {tuple(q.shape)} and {tuple(k_cache.shape)}")
     tokens, heads, dim = q.shape
     cache_shape = k_cache.shape
     kv_heads = cache_shape[2]
     if cache_shape[3] != dim or dim % 2:
-        raise RopeInputError(f"CPU rope: k_cache {tuple(cache_shape)} must end in q's head_dim {dim}, "
-                             f"an even number")
+        raise KernelInputError(f"CPU rope: k_cache {tuple(cache_shape)} must end in q's head_dim {dim}, "
+                               f"an even number")
     if (v_cache.shape != cache_shape or k_cache.dtype != torch.bfloat16 or v_cache.dtype != torch.bfloat16
             or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
-        raise RopeInputError(f"CPU rope: k_cache and v_cache must be contiguous bf16 tensors of one shape, got "
-                             f"{k_cache.dtype} {tuple(cache_shape)} and {v_cache.dtype} {tuple(v_cache.shape)}")
+        raise KernelInputError(f"CPU rope: k_cache and v_cache must be contiguous bf16 tensors of one shape, got "
+                               f"{k_cache.dtype} {tuple(cache_shape)} and {v_cache.dtype} {tuple(v_cache.shape)}")
     kv_shape = (tokens, kv_heads, dim)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dtype != torch.bfloat16 or not t.is_cpu or (t is not q and t.shape != kv_shape):
-            raise RopeInputError(f"CPU rope: {name} must be a bf16 CPU tensor of shape "
-                                 f"{(tokens, heads if t is q else kv_heads, dim)}, got {t.dtype} "
-                                 f"{tuple(t.shape)} on {t.device}")
+            raise KernelInputError(f"CPU rope: {name} must be a bf16 CPU tensor of shape "
+                                   f"{(tokens, heads if t is q else kv_heads, dim)}, got {t.dtype} "
+                                   f"{tuple(t.shape)} on {t.device}")
     if cos_sin.dim() != 2 or cos_sin.shape[1] != dim:
-        raise RopeInputError(f"CPU rope: cos_sin must be [positions, {dim}], got {tuple(cos_sin.shape)}")
+        raise KernelInputError(f"CPU rope: cos_sin must be [positions, {dim}], got {tuple(cos_sin.shape)}")
     if positions.shape != (tokens,) or slot_mapping.shape != (tokens,):
-        raise RopeInputError(f"CPU rope: positions {tuple(positions.shape)} and slot_mapping "
-                             f"{tuple(slot_mapping.shape)} must have one entry per token ({tokens})")
+        raise KernelInputError(f"CPU rope: positions {tuple(positions.shape)} and slot_mapping "
+                               f"{tuple(slot_mapping.shape)} must have one entry per token ({tokens})")
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # views of a qkv row are fine
     cos_sin = _as(cos_sin, torch.float32)
     positions, slot_mapping = _as(positions, torch.int64), _as(slot_mapping, torch.int64)
@@ -160,9 +156,9 @@ def rope_and_write_kv_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos
             positions.data_ptr(), cos_sin.data_ptr(), max_pos, k_cache.data_ptr(), v_cache.data_ptr(),
             slot_mapping.data_ptr(), num_slots, q_out.data_ptr(), heads, kv_heads, dim, tokens)
     if rc == -1:
-        raise RopeInputError(f"CPU rope: a position is outside the cos/sin cache [0, {max_pos})")
+        raise KernelInputError(f"CPU rope: a position is outside the cos/sin cache [0, {max_pos})")
     if rc == -2:
-        raise RopeInputError(f"CPU rope: a slot is outside the KV cache [0, {num_slots})")
+        raise KernelInputError(f"CPU rope: a slot is outside the KV cache [0, {num_slots})")
     if rc:
-        raise RopeInputError(f"CPU rope refused head_dim {dim}")
+        raise KernelInputError(f"CPU rope refused head_dim {dim}")
     return q_out

@@ -8,6 +8,6 @@ import pytest
 
 @pytest.fixture(scope="session")
 def kernels() -> None:
-    from exlcli.ops import _ext
+    from exlcli.ops.cuda import loader
 
-    assert _ext.load(), f"the exlcli CUDA kernels did not load: {_ext.reason()}"
+    assert loader.load(), f"the exlcli CUDA kernels did not load: {loader.reason()}"

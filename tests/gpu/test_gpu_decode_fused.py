@@ -15,8 +15,9 @@ from exlcli.model.batch_inputs import BatchInputs
 from exlcli.model.kv_cache import KVCache
 from exlcli.model.llama import LlamaModel
 from exlcli.model.random_weights import random_tensors
-from exlcli.ops import _ext as ops
 from exlcli.ops.activation import silu_and_mul_ref
+from exlcli.ops.cuda import kernels as ops
+from exlcli.ops.errors import KernelInputError
 from exlcli.ops.norm import rms_norm_ref
 from exlcli.ops.rope import apply_rope_ref, gather_cos_sin, rope_cos_sin_cache
 
@@ -50,7 +51,7 @@ def test_norm_prologue(rows, out_f, in_f, with_bias, dtype):
     w, b = weights(out_f, in_f, with_bias, dtype)
     poison_next_alloc((rows, out_f), dtype)
     y = ops.decode_linear(r, w, b, norm_weight=nw, eps=1e-5)
-    assert_same(y, ops.skinny_linear(ops.rms_norm(r, nw, 1e-5), w, b), "norm + linear")
+    assert_same(y, ops.decode_linear(ops.rms_norm(r, nw, 1e-5), w, b), "norm + linear")
     ref = F.linear(rms_norm_ref(r.double(), nw.double(), 1e-5), w.double(), None if b is None else b.double())
     assert_matches(y, ref, dtype, "norm + linear vs fp64")
     logits = ops.decode_linear(r, w, b, norm_weight=nw, eps=1e-5, float_out=True)
@@ -64,7 +65,7 @@ def test_residual_epilogue(rows, out_f, in_f, with_bias, dtype):
     x, res = randn(rows, in_f, dtype=dtype), randn(rows, out_f, dtype=dtype) * 4
     w, b = weights(out_f, in_f, with_bias, dtype)
     y = ops.decode_linear(x, w, b, residual=res)
-    h = ops.skinny_linear(x, w, b)
+    h = ops.decode_linear(x, w, b)
     assert_same(y, (h + res), "linear + residual")  # torch adds two bf16 tensors: one rounding
 
 
@@ -76,7 +77,7 @@ def test_silu_prologue(rows, out_f, inter, dtype):
     w, _ = weights(out_f, inter, False, dtype)
     res = randn(rows, out_f, dtype=dtype)
     y = ops.decode_linear(gate_up, w, silu=True)
-    assert_same(y, ops.skinny_linear(ops.silu_and_mul(gate_up), w), "silu + linear")
+    assert_same(y, ops.decode_linear(ops.silu_and_mul(gate_up), w), "silu + linear")
     assert_matches(y, F.linear(silu_and_mul_ref(gate_up.double()), w.double()), dtype, "silu + linear vs fp64")
     assert_same(ops.decode_linear(gate_up, w, silu=True, residual=res), y + res, "silu + linear + residual")
 
@@ -101,7 +102,7 @@ def test_qkv_rope_epilogue(rows, heads, kv_heads, dim, hidden, with_bias, dtype)
     poison_next_alloc((rows, heads, dim), dtype)
     q = ops.decode_qkv_rope(r, w, b, nw, 1e-5, positions, cos_sin, caches[0], caches[1], slots, heads)
 
-    qkv = ops.skinny_linear(ops.rms_norm(r, nw, 1e-5), w, b)
+    qkv = ops.decode_linear(ops.rms_norm(r, nw, 1e-5), w, b)
     q_ref, k_ref, v_ref = (t.reshape(rows, -1, dim) for t in qkv.split([heads * dim, kv_heads * dim,
                                                                        kv_heads * dim], dim=-1))
     q_want = ops.rope_and_write_kv(q_ref, k_ref, v_ref, positions, cos_sin, caches[2], caches[3], slots)
@@ -122,10 +123,10 @@ def test_fused_wrappers_reject_bad_input():
         (lambda: ops.decode_linear(x[:2], w, float_out=True), "float_out needs norm_weight"),
         (lambda: ops.decode_linear(x[:2], w, residual=randn(2, 31, dtype=torch.bfloat16)), "residual must be"),
         (lambda: ops.decode_linear(x[:2].float(), w.float()), "dtype must be one of"),
-        (lambda: ops.skinny_linear(x[:2], randn(32, 60, dtype=torch.bfloat16)), "weight must be [out, 64]"),
+        (lambda: ops.decode_linear(x[:2], randn(32, 60, dtype=torch.bfloat16)), "weight must be [out, 64]"),
     ]
     for call, words in cases:
-        with pytest.raises(ops.KernelInputError) as err:
+        with pytest.raises(KernelInputError) as err:
             call()
         assert words in str(err.value) and "\n" not in str(err.value), (words, str(err.value))
 

@@ -12,7 +12,7 @@ from exlcli.engine.engine import Engine, EngineConfig
 from exlcli.engine.request import Request, SamplingParams
 from exlcli.model.llama import LlamaModel
 from exlcli.model.random_weights import SyntheticTokenizer, random_config, random_tensors
-from exlcli.ops import _ext
+from exlcli.ops.backend import kernels_disabled
 
 pytestmark = [pytest.mark.gpu, requires_cuda, pytest.mark.usefixtures("kernels")]
 
@@ -57,7 +57,7 @@ def collect(handle) -> tuple[list[int], list]:
 def greedy(model: LlamaModel, prompt: list[int], reference: bool, logprobs: int = 0):
     """(tokens, logprobs, decode graph replays) of one greedy request through a fresh Engine."""
     if reference:
-        with _ext.kernels_disabled():
+        with kernels_disabled():
             engine = engine_for(model)
             handle = submit(engine, prompt, "ref", logprobs=logprobs)
             engine.run_until_idle()
@@ -81,7 +81,7 @@ def test_greedy_tokens_equal_the_reference_path_fp32(model_fp32):
 
 @pytest.mark.parametrize("dtype,near_tie", [(torch.bfloat16, 2.0), (torch.float16, 2.0)])
 def test_greedy_tokens_half_precision_agree_until_a_near_tie(dtype, near_tie):
-    """In 16-bit the kernels (the skinny decode linear among them) round differently from the
+    """In 16-bit the kernels (the decode linear among them) round differently from the
     reference in the last bit, and 30 random layers amplify that (fp32 shows no such drift), so
     the two paths may part at a step where the reference's two best logits are within 2 (of ~100,
     where a bf16 step is 0.5); never at a clear winner."""

@@ -6,7 +6,6 @@ before each run; KV slots no sequence owns hold NaN, so a read past a sequence s
 from __future__ import annotations
 
 import math
-import os
 import random
 import subprocess
 import sys
@@ -18,9 +17,12 @@ import torch
 
 from gpu_helpers import TOLERANCE, assert_matches, poison_next_alloc, rel_err, requires_cuda
 from exlcli.model.config import ModelConfig
-from exlcli.ops import _ext as ops  # the checked wrappers: the only way exlcli calls the compiled ops
 from exlcli.ops.activation import silu_and_mul_ref
 from exlcli.ops.attention import paged_attention_decode_ref, paged_attention_ref
+from exlcli.ops.cuda import kernels as ops  # the checked wrappers: the only way exlcli calls the compiled ops
+from exlcli.ops.cuda.limits import DECODE_ATTENTION_VERSIONS
+from exlcli.ops.cuda.state import launch_options
+from exlcli.ops.errors import KernelInputError
 from exlcli.ops.norm import fused_add_rms_norm_ref, rms_norm_ref
 from exlcli.ops.rope import apply_rope_ref, gather_cos_sin, rope_and_write_kv_ref, rope_cos_sin_cache
 
@@ -74,7 +76,7 @@ def test_fused_add_rms_norm(rows, hidden, dtype):
 
 def expect_rejected(call, *words: str) -> str:
     """The wrapper raises KernelInputError, one line holding each of `words`."""
-    with pytest.raises(ops.KernelInputError) as err:
+    with pytest.raises(KernelInputError) as err:
         call()
     message = str(err.value)
     assert "\n" not in message and all(w in message for w in words), (message, words)
@@ -93,7 +95,7 @@ def test_norm_rejects_bad_input():
 def run_isolated(code: str) -> list[str]:
     """Runs `code` in a fresh interpreter with the kernels loaded (a crash must not take the test
     session down); returns its stdout lines."""
-    prelude = ("import torch\nfrom exlcli.ops import _ext\nassert _ext.load(), _ext.reason()\n"
+    prelude = ("import torch\nfrom exlcli.ops.cuda import loader\nassert loader.load(), loader.reason()\n"
                "raw = torch.ops.exlcli\n"
                "def randn(*s, dtype=torch.bfloat16): return torch.randn(*s, device='cuda').to(dtype)\n"
                "def expect_error(fn):\n"
@@ -111,12 +113,12 @@ def test_an_error_raised_inside_the_compiled_library_is_a_python_error():
     RuntimeError. Linked against a static copy of the C++ runtime, they killed the process."""
     out = run_isolated("""
         x = randn(4, 64)
-        expect_error(lambda: raw.rms_norm(x, randn(32), 1e-5))
+        expect_error(lambda: raw.rms_norm(x, randn(32), 1e-5, True))
         k = randn(2, 16, 2, 64)
         tables = torch.zeros(1, 1, dtype=torch.int32, device="cuda")
         lens = torch.tensor([10], dtype=torch.int32, device="cuda")
-        expect_error(lambda: raw.paged_attention_decode(randn(1, 4, 96), k, k, tables, lens, 0.1))
-        expect_error(lambda: raw.skinny_linear(randn(7, 64), randn(8, 64), None))
+        expect_error(lambda: raw.paged_attention_decode(randn(1, 4, 96), k, k, tables, lens, 0.1, 3, True))
+        expect_error(lambda: raw.decode_linear(randn(7, 64), randn(8, 64), None, None, 1e-6, False, None, False, True))
         print("ALIVE")
     """)
     assert out[-1] == "ALIVE" and len(out) == 4, out
@@ -135,27 +137,42 @@ def test_silu_and_mul(rows, inter, dtype):
     assert_matches(out, silu_and_mul_ref(x), dtype, "silu_and_mul vs same-dtype reference")
 
 
-# -- skinny linear (decode projections) --------------------------------------------------------
+# -- decode linear, no fused stage (decode projections) ------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("out_f,in_f,with_bias", [(6144, 4096, False), (576, 576, True), (49152, 576, False),
                                                   (100, 24, True), (7, 8, False), (4096, 14336, False)])
-def test_skinny_linear(rows, out_f, in_f, with_bias, dtype):
+def test_decode_linear(rows, out_f, in_f, with_bias, dtype):
     x = randn(rows, in_f, dtype=dtype)
     w = randn(out_f, in_f, dtype=dtype) * in_f ** -0.5
     b = randn(out_f, dtype=dtype) if with_bias else None
     poison_next_alloc((rows, out_f), dtype)
-    y = ops.skinny_linear(x, w, b)
+    y = ops.decode_linear(x, w, b)
     ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
-    assert_matches(y, ref, dtype, "skinny_linear vs fp64")
+    assert_matches(y, ref, dtype, "decode_linear vs fp64")
 
 
-def test_skinny_linear_of_a_strided_row_block():
+def test_launch_options_change_how_ops_launch_not_what_they_compute():
+    """PDL off and the other decode attention version: the same numbers (bit for bit for PDL,
+    which changes only when a kernel may start)."""
+    x, w = randn(2, 512, dtype=torch.bfloat16), randn(300, 512, dtype=torch.bfloat16)
+    k, v, tables, _, _ = make_paged([70, 600], 2, 128, 16, torch.bfloat16)
+    q, lens = randn(2, 8, 128, dtype=torch.bfloat16), torch.tensor([70, 600], dtype=torch.int32, device="cuda")
+    on = (ops.decode_linear(x, w), ops.paged_attention_decode(q, k, v, tables, lens, 0.1))
+    with launch_options(pdl=False):
+        off = (ops.decode_linear(x, w), ops.paged_attention_decode(q, k, v, tables, lens, 0.1))
+    assert all(torch.equal(a, b) for a, b in zip(on, off))
+    v1 = ops.paged_attention_decode(q, k, v, tables, lens, 0.1, version=1)
+    v3 = ops.paged_attention_decode(q, k, v, tables, lens, 0.1, version=3)
+    assert rel_err(v1, v3) < TOLERANCE[torch.bfloat16]
+
+
+def test_decode_linear_of_a_strided_row_block():
     qkv = randn(2, 3 * 256, dtype=torch.bfloat16)
     x = qkv[:, 256:512]  # rows 768 apart
     w = randn(64, 256, dtype=torch.bfloat16)
-    assert_matches(ops.skinny_linear(x, w, None), torch.nn.functional.linear(x.double(), w.double()),
-                   torch.bfloat16, "strided skinny_linear")
+    assert_matches(ops.decode_linear(x, w, None), torch.nn.functional.linear(x.double(), w.double()),
+                   torch.bfloat16, "strided decode_linear")
 
 
 # -- rope + KV write ------------------------------------------------------------------------------
@@ -235,22 +252,11 @@ DECODE_CASES = [
 ] + [([70, 300, 1], 2 * g, 2, dim, 16, 0) for g in range(1, 9) for dim in (64, 128)]  # GQA 1..8
 
 
-DECODE_KERNELS = ["1", "2", "3"]  # EXLCLI_DECODE_KERNEL: attention_decode.cu reads it at each launch
-
-
-@pytest.fixture(params=DECODE_KERNELS, ids=lambda v: f"v{v}")
-def decode_kernel(request, kernels) -> str:
-    """Runs the test with one version of the decode kernel (after the load's self-check, which may
-    set the variable itself), then restores the variable."""
-    saved = os.environ.get("EXLCLI_DECODE_KERNEL")
-    os.environ["EXLCLI_DECODE_KERNEL"] = request.param
-    try:
+@pytest.fixture(params=DECODE_ATTENTION_VERSIONS, ids=lambda v: f"v{v}")
+def decode_kernel(request, kernels) -> int:
+    """Runs the test with one version of the decode kernel: the wrappers pass it to the op."""
+    with launch_options(decode_attention_version=request.param):
         yield request.param
-    finally:
-        if saved is None:
-            os.environ.pop("EXLCLI_DECODE_KERNEL", None)
-        else:
-            os.environ["EXLCLI_DECODE_KERNEL"] = saved
 
 
 # version 3's 64-token tiles (16 tokens a warp): tile edges, partial tiles, pages that straddle them
@@ -352,6 +358,7 @@ def test_attention_rejects_bad_input():
     expect_rejected(lambda: decode(randn(1, 3, 64, dtype=torch.bfloat16), k, v, tables, lens, 0.1), "multiple")
     expect_rejected(lambda: decode(q.half(), k, v, tables, lens, 0.1), "dtype")
     expect_rejected(lambda: decode(q, k, v[:1], tables, lens, 0.1), "differ in shape")
+    expect_rejected(lambda: decode(q, k, v, tables, lens, 0.1, version=2), "kernel version must be 1 or 3, got 2")
     qsl = torch.tensor([0, 1], dtype=torch.int64, device="cuda")
     expect_rejected(lambda: ops.paged_attention_prefill(q, k, v, tables, qsl, lens, 0.1), "query_start_loc")
     qsl32 = qsl.int()

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from exlcli.ops import _cpu_ext
-from exlcli.ops._ext import kernels_disabled
-from exlcli.ops.attention import (AttentionInputError, cpu_kernel_available, paged_attention,
-                                  paged_attention_cpu, paged_attention_ref)
+from exlcli.ops.attention import cpu_kernel_available, paged_attention, paged_attention_cpu, paged_attention_ref
+from exlcli.ops.backend import kernels_disabled
+from exlcli.ops.errors import KernelInputError
 
 
 def _cpu_has_avx512() -> bool:
@@ -193,7 +193,7 @@ def test_bad_input_raises_one_clear_error():
                 query_start_loc=good.query_start_loc, seq_lens=good.lens, scale=good.scale)
 
     def fails(match: str, **change) -> None:
-        with pytest.raises(AttentionInputError, match=match):
+        with pytest.raises(KernelInputError, match=match):
             paged_attention_cpu(**{**args, **change})
 
     fails("q must be bf16", q=good.q.float())

@@ -1,7 +1,7 @@
 """Dense weights (F32, F16, BF16: a torch tensor [out, in]) and their linears.
 
 On the CPU, and for more than 4 rows on CUDA, the product is torch's (`F.linear`). On CUDA, products
-of 1 to 4 rows (decode steps) of an aligned bf16 / fp16 weight run the skinny_linear kernel: cuBLAS
+of 1 to 4 rows (decode steps) of an aligned bf16 / fp16 weight run the decode_linear kernel: cuBLAS
 reaches only 1.1 to 3.3 TB/s on those shapes on an H200. Those weights are also the ones the fused
 decode step reads (`fused_decode_weights`).
 """
@@ -11,7 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from exlcli.ops import _ext
+from exlcli.ops.cuda import kernels
+from exlcli.ops.cuda import loader as cuda_loader
+from exlcli.ops.cuda.limits import DECODE_LINEAR_MAX_ROWS
 from exlcli.ops.formats.base import Linear
 
 
@@ -29,7 +31,7 @@ class DenseLinear(Linear):
 
 
 class CudaDenseLinear(DenseLinear):
-    """A DenseLinear on a CUDA device whose products of 1 to 4 rows run the skinny_linear kernel."""
+    """A DenseLinear on a CUDA device whose products of 1 to 4 rows run the decode_linear kernel."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__(weight, bias)
@@ -38,9 +40,9 @@ class CudaDenseLinear(DenseLinear):
                         and (bias is None or (bias.dtype == weight.dtype and bias.is_contiguous())))
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        if (self._skinny and x.dim() == 2 and 1 <= x.shape[0] <= 4 and x.dtype == self.weight.dtype
-                and _ext.use_kernels(x) and _ext.skinny_linear_ok):
-            return _as(_ext.skinny_linear(x, self.weight, self.bias), out_dtype)
+        if (self._skinny and x.dim() == 2 and 1 <= x.shape[0] <= DECODE_LINEAR_MAX_ROWS and x.dtype == self.weight.dtype
+                and cuda_loader.use_kernels(x) and cuda_loader.decode_linear_ok()):
+            return _as(kernels.decode_linear(x, self.weight, self.bias), out_dtype)
         return _as(F.linear(x, self.weight, self.bias), out_dtype)
 
     def fused_decode_weights(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:

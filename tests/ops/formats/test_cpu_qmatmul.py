@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from exlcli.ops import _ext
+from exlcli.ops import backend
 from exlcli.ops.formats import QuantizedWeight, by_name, q4_0, q4_1, q8_0
 from exlcli.ops.formats.cpu_qmatmul import QuantCpuLinear, available
 from exlcli.ops.linear import make_linear
@@ -92,7 +92,7 @@ def test_disabled_kernels_run_the_torch_reference():
     w = random_weight("Q4_0", 24, 64)
     lin = kernel_linear(w)
     x = torch.randn(2, 64).bfloat16()
-    with _ext.kernels_disabled():
+    with backend.kernels_disabled():
         ref = lin(x, out_dtype=torch.float32)
     torch.testing.assert_close(ref, lin.reference(x, torch.float32))
     assert rel_err(lin(x, out_dtype=torch.float32), ref.double()) < 1e-5

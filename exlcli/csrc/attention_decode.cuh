@@ -1,0 +1,96 @@
+// Paged attention for decode, the parts its kernel versions (attention_decode_v1.cu,
+// attention_decode_v3.cu) and their dispatch (attention_decode.cu) share.
+//
+// One query per sequence against its K/V pages, split over the KV length (flash-decoding). Each
+// block takes one sequence, one KV head (all the query heads of its GQA group, so K and V are read
+// once) and one partition of kPartitionTokens tokens. Partitions sit at fixed token offsets and are
+// combined in order, so a sequence's result does not depend on the batch it runs in. When the block
+// table allows only one partition the block writes the output itself; otherwise a second kernel
+// merges the partitions' (max, sum, accumulator). Both versions compute the same partitions.
+#pragma once
+
+#include <cstdint>
+
+#include "common.cuh"
+
+namespace exlcli {
+namespace decode_attention {
+
+constexpr int kPartitionTokens = 256;
+
+struct DecodeParams {
+  void* out;  // [rows, num_heads, D] contiguous
+  float* part_acc;  // [B, num_heads, max_parts, D]: unnormalised partition outputs
+  float* part_ml;  // [B, num_heads, max_parts, 2]: partition max and sum of exp
+  const void* q;  // [rows, num_heads, D], heads and elements packed
+  int64_t q_row_stride;
+  const void* k_cache;  // [pages, page_size, num_kv_heads, D]
+  const void* v_cache;
+  const int* block_tables;  // [B, width]
+  int64_t bt_stride;
+  const int* seq_lens;  // [B]
+  const int* query_start_loc;  // [B + 1] or nullptr
+  int num_heads, num_kv_heads, group, head_chunks, page_size, max_parts;
+  float scale;
+};
+
+// The query row of sequence b, or -1 when the sequence has no single query to answer here.
+__device__ __forceinline__ int64_t query_row(const DecodeParams& p, int b) {
+  if (p.query_start_loc == nullptr) return b;
+  const int q0 = p.query_start_loc[b], q1 = p.query_start_loc[b + 1];
+  return q1 - q0 == 1 ? q0 : -1;
+}
+
+// The cache slot of each token of the partition, looked up once so the loops' loads do not wait
+// on the block table.
+__device__ __forceinline__ void fill_slots(int64_t* s_slot, const int* table, int start, int n, int page_size) {
+  for (int t = threadIdx.x; t < n; t += blockDim.x) {
+    const int pos = start + t;
+    s_slot[t] = static_cast<int64_t>(table[pos / page_size]) * page_size + pos % page_size;
+  }
+  __syncthreads();
+}
+
+// Where one block of a decode kernel works: grid (kv head x head chunk, sequence, partition).
+template <typename T, int D>
+struct DecodeBlock {
+  int kvh, b, part, seq_len, num_parts, ng, head0;
+  int64_t row;  // -1: nothing to do for this sequence
+  T* out;       // the first of the block's ng query heads in the output row
+
+  __device__ __forceinline__ DecodeBlock(const DecodeParams& p, int gmax) {
+    const int chunk = blockIdx.x % p.head_chunks;
+    kvh = blockIdx.x / p.head_chunks;
+    b = blockIdx.y;
+    part = blockIdx.z;
+    row = query_row(p, b);
+    seq_len = row < 0 ? 0 : p.seq_lens[b];
+    num_parts = ceil_div(seq_len, kPartitionTokens);
+    const int g0 = chunk * gmax;
+    ng = min(gmax, p.group - g0);
+    head0 = kvh * p.group + g0;
+    out = static_cast<T*>(p.out) + (row < 0 ? 0 : row) * (static_cast<int64_t>(p.num_heads) * D) +
+          static_cast<int64_t>(head0) * D;
+  }
+
+  // True when this block has no partition to compute (and it wrote the zeros of an empty row).
+  __device__ __forceinline__ bool idle(const DecodeParams& p, int threads) const {
+    if (row < 0) return true;
+    if (part < num_parts) return false;
+    if (part == 0 && p.max_parts == 1) {  // an empty sequence (a padded row): zeros
+      for (int i = threadIdx.x; i < ng * D; i += threads) out[i] = from_float<T>(0.f);
+    }
+    return true;
+  }
+};
+
+// Launch one version's partition kernel over grid (kv heads x head chunks, sequences, partitions)
+// for query heads of `head_dim` (64 or 128) in GQA groups of at most gmax (1, 2, 4 or 8) heads.
+// Version 1 takes every float type, version 3 bf16 and fp16 on sm_80+.
+void launch_v1(const DecodeParams& p, at::ScalarType dtype, int head_dim, int gmax, const dim3& grid,
+               cudaStream_t stream, bool pdl);
+void launch_v3(const DecodeParams& p, at::ScalarType dtype, int head_dim, int gmax, const dim3& grid,
+               cudaStream_t stream, bool pdl);
+
+}  // namespace decode_attention
+}  // namespace exlcli

@@ -1,0 +1,164 @@
+"""The checked entry points of the compiled ops: the only way exlcli calls torch.ops.exlcli. Each
+wrapper checks what its kernel assumes (device, dtype, shape, contiguity, alignment; checks.py)
+and passes the launch options (state.LaunchOptions: PDL, the decode attention version) as the op's
+arguments. Callers load the library first (loader.use_kernels / loader.load)."""
+
+from __future__ import annotations
+
+import torch
+
+from exlcli.ops.cuda import checks
+from exlcli.ops.cuda.state import STATE
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    checks.norm("rms_norm", x, weight)
+    return torch.ops.exlcli.rms_norm(x, weight, eps, STATE.options.pdl)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    op = "fused_add_rms_norm"
+    checks.norm(op, x, weight)
+    checks.on_cuda(op, "x residual", x, residual)
+    if residual.shape != x.shape:
+        checks.fail(op, f"residual shape {list(residual.shape)} differs from x shape {list(x.shape)}")
+    checks.same_dtype(op, "residual", residual, x)
+    return torch.ops.exlcli.fused_add_rms_norm(x, residual, weight, eps, STATE.options.pdl)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    op = "silu_and_mul"
+    checks.on_cuda(op, "x", x)
+    checks.dtype_in(op, "x", x, checks.FLOATS)
+    if x.dim() < 1 or x.shape[-1] % 2:
+        checks.fail(op, f"the last dimension must be even (gate | up), got shape {list(x.shape)}")
+    return torch.ops.exlcli.silu_and_mul(x, STATE.options.pdl)
+
+
+def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  norm_weight: torch.Tensor | None = None, eps: float = 1e-6, silu: bool = False,
+                  residual: torch.Tensor | None = None, float_out: bool = False) -> torch.Tensor:
+    """x @ weight.T (+ bias) for 1 to 4 rows of bf16 / fp16 (decode), with optional fused stages: x
+    normalised first (norm_weight, as rms_norm), or x = silu(gate) * up of a [rows, 2k] x (silu);
+    then round(y) + residual (residual, as the residual of fused_add_rms_norm) or round(y) as fp32
+    (float_out). With none of them, the plain product."""
+    op = "decode_linear"
+    if x.dim() != 2:
+        checks.fail(op, f"x must be [rows, features], got {list(x.shape)}")
+    if silu and x.shape[1] % 2:
+        checks.fail(op, f"with silu, x must be [rows, 2 * in_features], got {list(x.shape)}")
+    k = x.shape[1] // 2 if silu else x.shape[1]
+    checks.decode_weight(op, x, weight, bias, k)
+    if silu and norm_weight is not None:
+        checks.fail(op, "silu and norm_weight cannot be combined")
+    if residual is not None and float_out:
+        checks.fail(op, "residual and float_out cannot be combined")
+    if norm_weight is not None:
+        checks.norm_weight(op, x, norm_weight, k)
+        if residual is not None:
+            checks.fail(op, "norm_weight and residual cannot be combined")
+    elif float_out:
+        checks.fail(op, "float_out needs norm_weight (the logits of the final norm)")
+    if residual is not None:
+        checks.on_cuda(op, "x residual", x, residual)
+        if residual.dim() != 2 or residual.shape != (x.shape[0], weight.shape[0]) or residual.stride(1) != 1:
+            checks.fail(op, f"residual must be [{x.shape[0]}, {weight.shape[0]}] with contiguous rows, "
+                            f"got {list(residual.shape)}")
+        checks.same_dtype(op, "residual", residual, x)
+    return torch.ops.exlcli.decode_linear(x, weight, bias, norm_weight, eps, silu, residual, float_out,
+                                          STATE.options.pdl)
+
+
+def decode_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    norm_weight: torch.Tensor | None, eps: float, positions: torch.Tensor,
+                    cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Decode's fused q|k|v projection: (rms_norm of) x @ weight.T (+ bias), q and k rotated as
+    rope_and_write_kv does, k and v written at slot_mapping; returns q [rows, num_heads, D]."""
+    op = "decode_qkv_rope"
+    if x.dim() != 2:
+        checks.fail(op, f"x must be [rows, features], got {list(x.shape)}")
+    checks.decode_weight(op, x, weight, bias, x.shape[1])
+    checks.on_cuda(op, "x positions cos_sin k_cache v_cache slot_mapping", x, positions, cos_sin, k_cache,
+                   v_cache, slot_mapping)
+    if norm_weight is not None:
+        checks.norm_weight(op, x, norm_weight, x.shape[1])
+    if k_cache.dim() != 4:
+        checks.fail(op, f"k_cache must be [pages, page_size, kv_heads, head_dim], got {list(k_cache.shape)}")
+    kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
+    checks.head_dim(op, dim)
+    checks.cache_pair(op, k_cache, v_cache, x.dtype, kv_heads, dim)
+    if num_heads < 1 or weight.shape[0] != (num_heads + 2 * kv_heads) * dim:
+        checks.fail(op, f"weight must have (num_heads + 2 * kv_heads) * head_dim = "
+                        f"{(num_heads + 2 * kv_heads) * dim} rows, got {weight.shape[0]}")
+    checks.rope_inputs(op, x.shape[0], dim, positions, cos_sin, slot_mapping)
+    return torch.ops.exlcli.decode_qkv_rope(x, weight, bias, norm_weight, eps, positions, cos_sin, k_cache,
+                                            v_cache, slot_mapping, num_heads, STATE.options.pdl)
+
+
+def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                      cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> torch.Tensor:
+    op = "rope_and_write_kv"
+    checks.on_cuda(op, "q k v positions cos_sin k_cache v_cache slot_mapping", q, k, v, positions, cos_sin,
+                   k_cache, v_cache, slot_mapping)
+    checks.dtype_in(op, "q", q, checks.FLOATS)
+    if q.dim() != 3:
+        checks.fail(op, f"q must be [tokens, heads, head_dim], got {list(q.shape)}")
+    tokens, dim = q.shape[0], q.shape[2]
+    if dim % 2:
+        checks.fail(op, f"head_dim must be even, got {dim}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 3 or t.shape[0] != tokens or t.shape[2] != dim:
+            checks.fail(op, f"{name} must be [{tokens}, heads, {dim}], got {list(t.shape)}")
+        if t.stride(2) != 1 or t.stride(1) != dim:
+            checks.fail(op, f"{name} must have contiguous heads and elements")
+        checks.same_dtype(op, name, t, q)
+    if k.shape[1] != v.shape[1]:
+        checks.fail(op, f"k has {k.shape[1]} heads, v {v.shape[1]}")
+    checks.cache_pair(op, k_cache, v_cache, q.dtype, k.shape[1], dim)
+    checks.rope_inputs(op, tokens, dim, positions, cos_sin, slot_mapping)
+    return torch.ops.exlcli.rope_and_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping,
+                                              STATE.options.pdl)
+
+
+def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
+                           version: int | None = None) -> torch.Tensor:
+    """One query per sequence. `version`: the decode attention kernel (1 or 3); by default the one
+    the self-check chose at load (state.LaunchOptions.decode_attention_version)."""
+    op = "paged_attention_decode"
+    checks.paged(op, q, k_cache, v_cache, block_tables, seq_lens)
+    if seq_lens.shape[0] != q.shape[0]:
+        checks.fail(op, f"one query per sequence: q has {q.shape[0]} rows for {seq_lens.shape[0]} sequences")
+    options = STATE.options
+    version = options.decode_attention_version if version is None else version
+    checks.decode_attention_version(op, version)
+    return torch.ops.exlcli.paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, version,
+                                                   options.pdl)
+
+
+def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                            scale: float, host_query_start_loc: list[int] | None = None,
+                            host_seq_lens: list[int] | None = None, *, version: int | None = None) -> torch.Tensor:
+    """With the host copies of query_start_loc and seq_lens (the model has them), their values are
+    checked too; the kernel reads them again itself. Decode tokens run the decode kernel `version`
+    (as paged_attention_decode)."""
+    op = "paged_attention_prefill"
+    checks.paged(op, q, k_cache, v_cache, block_tables, seq_lens)
+    checks.on_cuda(op, "q query_start_loc", q, query_start_loc)
+    checks.vector(op, "query_start_loc", query_start_loc, seq_lens.shape[0] + 1, torch.int32)
+    if host_query_start_loc is not None and host_seq_lens is not None:
+        # every layer of a step passes the same lists: check them once
+        key = (host_query_start_loc, host_seq_lens, q.shape[0], k_cache.shape[1], block_tables.shape[1])
+        last = STATE.checked_prefill_layout
+        if not (last and last[0] is key[0] and last[1] is key[1] and last[2:] == key[2:]):
+            checks.prefill_layout(op, q, k_cache, block_tables, host_query_start_loc, host_seq_lens)
+            STATE.checked_prefill_layout = key
+    options = STATE.options
+    version = options.decode_attention_version if version is None else version
+    checks.decode_attention_version(op, version)
+    return torch.ops.exlcli.paged_attention_prefill(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
+                                                    scale, version, options.pdl)
