@@ -53,7 +53,8 @@ class LlamaModel:
             stored = tensors["model.embed_tokens.weight"]
             head = stored if isinstance(stored, QuantizedWeight) else self.embed
         self.lm_head: Linear = make_linear([head], None, device, dtype)
-        self.cos_sin = rope_cos_sin_cache(config, config.max_position_embeddings, device)
+        self.cos_sin = rope_cos_sin_cache(config.head_dim, config.rope_theta, config.rope_scaling,
+                                          config.max_position_embeddings, device)
         self.scale = config.head_dim ** -0.5
         q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
         self._splits = (q, kv, kv)

@@ -86,10 +86,7 @@ def test_silu_prologue(rows, out_f, inter, dtype):
 @pytest.mark.parametrize("heads,kv_heads,dim,hidden,with_bias", [(32, 8, 128, 4096, False), (9, 3, 64, 576, True),
                                                                 (4, 4, 64, 256, False)])
 def test_qkv_rope_epilogue(rows, heads, kv_heads, dim, hidden, with_bias, dtype):
-    config = ModelConfig("llama", vocab_size=16, hidden_size=hidden, intermediate_size=16, num_layers=1,
-                         num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, rope_theta=500000.0,
-                         max_position_embeddings=8192)
-    cos_sin = rope_cos_sin_cache(config, 8192, torch.device("cuda"))
+    cos_sin = rope_cos_sin_cache(dim, 500000.0, None, 8192, torch.device("cuda"))
     r = randn(rows, hidden, dtype=dtype) * 2
     nw = 1 + 0.1 * randn(hidden, dtype=dtype)
     w, b = weights((heads + 2 * kv_heads) * dim, hidden, with_bias, dtype)
