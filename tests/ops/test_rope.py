@@ -133,3 +133,16 @@ def test_cos_sin_cache_layout():
     inv = rope_inv_freq(*cfg)
     assert cs[3, 1].item() == pytest.approx(math.cos(3 * inv[1].item()), abs=1e-6)
     assert cs[3, 4 + 1].item() == pytest.approx(math.sin(3 * inv[1].item()), abs=1e-6)
+
+
+def test_rope_imports_nothing_from_the_model_layer():
+    """ops sit below model: the caller passes head_dim, theta and scaling as plain values."""
+    import ast
+    import inspect
+
+    from exlcli.ops import rope
+
+    tree = ast.parse(inspect.getsource(rope))
+    modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    modules |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not [m for m in modules if m and m.startswith("exlcli.model")]
