@@ -160,12 +160,12 @@ def measure_attention(res: dict) -> None:
 
 # -- exlcli ---------------------------------------------------------------------------------------
 def build_model(shape: str, dtype: torch.dtype):
-    from exlcli.model.llama import LlamaModel
+    from exlcli.model.architectures import build_model
     from exlcli.model.random_weights import SyntheticTokenizer, random_config, random_tensors
 
     config = random_config(shape)
     tensors = random_tensors(config, device="cuda", dtype=dtype, seed=0)
-    model = LlamaModel(config, tensors, torch.device("cuda"), dtype)
+    model = build_model(config, tensors, torch.device("cuda"), dtype)
     del tensors
     free_gpu()
     return model, SyntheticTokenizer(config.vocab_size)

@@ -26,8 +26,8 @@ from exlcli.engine.sequence import Sequence, SeqStatus
 from exlcli.engine.stats import (STEP_TIME_BUCKETS, ActiveRequestInfo, EngineStats,
                                  FinishedRequestInfo)
 from exlcli.errors import RequestError
+from exlcli.model.interface import CausalLM
 from exlcli.model.kv_cache import KVCache
-from exlcli.model.llama import LlamaModel
 
 log = logging.getLogger("exlcli.engine")
 
@@ -114,7 +114,7 @@ class RequestHandle:
 
 
 class Engine:
-    def __init__(self, model: LlamaModel, tokenizer, config: EngineConfig | None = None) -> None:
+    def __init__(self, model: CausalLM, tokenizer, config: EngineConfig | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config = config or EngineConfig()

@@ -7,12 +7,12 @@ import torch
 from exlcli.engine.scheduler import ScheduledBatch
 from exlcli.engine.transfer import to_device
 from exlcli.model.batch_inputs import BatchInputs
+from exlcli.model.interface import CausalLM
 from exlcli.model.kv_cache import KVCache
-from exlcli.model.llama import LlamaModel
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv: KVCache) -> None:
+    def __init__(self, model: CausalLM, kv: KVCache) -> None:
         self.model = model
         self.kv = kv
         self.device = model.device

@@ -1,36 +1,21 @@
-"""One ModelConfig for every supported checkpoint, from HF config.json or GGUF metadata."""
+"""One ModelConfig for every supported checkpoint, from HF config.json or GGUF metadata.
+
+This module reads the fields every architecture shares; the architecture modules
+(exlcli/model/architectures/) read their own and pass them in (`**fields`), and the table there
+is where a config's architecture is looked up (exlcli.model.architectures: config_from_hf, config_from_gguf).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from exlcli.errors import ModelLoadError, UnsupportedArchitectureError
-
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-
-# HF `architectures[0]` / `model_type` -> our name.
-_HF_NAMES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "llama": "llama",
-    "mistral": "mistral",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-}
-
-
-def _unsupported(name: str) -> UnsupportedArchitectureError:
-    return UnsupportedArchitectureError(
-        f"unsupported architecture '{name}'; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-    )
+from exlcli.errors import ModelLoadError
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str
+    architecture: str  # a name of the table in exlcli/model/architectures/
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -45,14 +30,13 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # qwen2: bias on q/k/v projections
-    qk_norm: bool = False  # qwen3: per-head RMSNorm on q and k before RoPE
+    # set by the architecture module (qwen2: q/k/v bias; qwen3: per-head RMSNorm on q and k before RoPE)
+    attention_bias: bool = False
+    qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise _unsupported(self.architecture)
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim", "max_position_embeddings"):
             if getattr(self, name) <= 0:
@@ -81,11 +65,8 @@ class ModelConfig:
         return self.num_layers * per_layer + embed + h
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        raw = (cfg.get("architectures") or [None])[0] or cfg.get("model_type") or "<missing>"
-        arch = _HF_NAMES.get(raw) or _HF_NAMES.get(cfg.get("model_type", ""))
-        if arch is None:
-            raise _unsupported(raw)
+    def from_hf_dict(cls, cfg: dict[str, Any], architecture: str, **fields: Any) -> "ModelConfig":
+        """The shared fields of config.json, with `fields` (the architecture's own) on top."""
         try:
             num_heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
@@ -95,8 +76,8 @@ class ModelConfig:
             scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
             if scaling is not None and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
                 scaling = None
-            return cls(
-                architecture=arch,
+            shared = dict(
+                architecture=architecture,
                 vocab_size=int(cfg["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(cfg["intermediate_size"]),
@@ -110,20 +91,19 @@ class ModelConfig:
                 rope_scaling=scaling,
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
-                qk_norm=arch == "qwen3",
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
             )
         except KeyError as e:
             raise ModelLoadError(f"config.json is missing the field {e.args[0]!r}") from None
+        return cls(**{**shared, **fields})
 
     @classmethod
-    def from_gguf_metadata(cls, meta: dict[str, Any], has_output_tensor: bool) -> "ModelConfig":
-        """`meta` maps GGUF keys (e.g. 'llama.block_count') to plain Python values."""
+    def from_gguf_metadata(cls, meta: dict[str, Any], architecture: str, has_output_tensor: bool,
+                           **fields: Any) -> "ModelConfig":
+        """The shared fields of GGUF metadata (`meta` maps keys such as 'llama.block_count' to plain
+        Python values; the prefix is `general.architecture`), with `fields` on top."""
         arch = str(meta.get("general.architecture", "<missing>"))
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise _unsupported(arch)
 
         def get(key: str, default: Any = None) -> Any:
             value = meta.get(f"{arch}.{key}", default)
@@ -134,13 +114,9 @@ class ModelConfig:
         hidden = int(get("embedding_length"))
         num_heads = int(get("attention.head_count"))
         vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or [])
-        scaling = None
-        if meta.get(f"{arch}.rope.scaling.type") not in (None, "none") and arch == "llama":
-            scaling = {"rope_type": meta[f"{arch}.rope.scaling.type"],
-                       "factor": float(meta.get(f"{arch}.rope.scaling.factor", 1.0))}
         eos = meta.get("tokenizer.ggml.eos_token_id")
-        return cls(
-            architecture=arch,
+        shared = dict(
+            architecture=architecture,
             vocab_size=int(vocab),
             hidden_size=hidden,
             intermediate_size=int(get("feed_forward_length")),
@@ -150,11 +126,9 @@ class ModelConfig:
             head_dim=int(meta.get(f"{arch}.attention.key_length") or hidden // num_heads),
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
             rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-            rope_scaling=scaling,
             max_position_embeddings=int(get("context_length", 4096)),
             tie_word_embeddings=not has_output_tensor,
-            attention_bias=arch == "qwen2",
-            qk_norm=arch == "qwen3",
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=(int(eos),) if eos is not None else (),
         )
+        return cls(**{**shared, **fields})

@@ -10,9 +10,10 @@ Graphs are captured lazily, the first time a bucket is needed (or ahead with `ca
 memory pool. They need the compiled kernels: the reference ops read lengths on the host, which a
 graph cannot do. Set EXLCLI_NO_CUDA_GRAPHS=1 to run every step eagerly.
 
-Buckets of 1 to 4 sequences capture `fused_decode_forward`: five kernels a layer instead of nine
-(the norms, rope with the KV write, SiLU and the residual adds run inside the projections), with
-the same roundings as the layer-by-layer path. EXLCLI_NO_FUSED_DECODE=1 captures model.forward.
+Buckets of 1 to 4 sequences capture the model's `fused_decode_forward` (exlcli/model/interface.py):
+for the llama-style decoder, five kernels a layer instead of nine (the norms, rope with the KV
+write, SiLU and the residual adds run inside the projections), with the same roundings as the
+layer-by-layer path. EXLCLI_NO_FUSED_DECODE=1 captures model.forward.
 """
 
 from __future__ import annotations
@@ -27,11 +28,10 @@ import torch.nn.functional as F
 from exlcli.engine.model_runner import take_in_flight
 from exlcli.engine.scheduler import ScheduledBatch, ScheduledSeq
 from exlcli.model.batch_inputs import BatchInputs
+from exlcli.model.interface import CausalLM
 from exlcli.model.kv_cache import KVCache
-from exlcli.model.llama import LlamaModel
-from exlcli.ops.cuda import kernels
 from exlcli.ops.cuda import loader as cuda_loader
-from exlcli.ops.cuda.limits import DECODE_LINEAR_MAX_ROWS, HEAD_DIMS
+from exlcli.ops.cuda.limits import DECODE_LINEAR_MAX_ROWS
 from exlcli import environment
 
 log = logging.getLogger("exlcli.cuda_graphs")
@@ -69,7 +69,7 @@ class _Graph:
 
 
 class DecodeGraphs:
-    def __init__(self, model: LlamaModel, kv: KVCache) -> None:
+    def __init__(self, model: CausalLM, kv: KVCache) -> None:
         self.model = model
         self.kv = kv
         self.device = model.device
@@ -90,7 +90,7 @@ class DecodeGraphs:
         self._copied.record()
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle()
-        self.fused_unsupported = fused_decode_unsupported(model)  # None: buckets <= 4 use it
+        self.fused_unsupported = model.fused_decode_unsupported()  # None: buckets <= 4 use it
         self.use_fused = self.fused_unsupported is None
 
     # -- public -----------------------------------------------------------------------------------
@@ -165,7 +165,7 @@ class DecodeGraphs:
         inputs = self._inputs(bucket, width)
         forward = self.model.forward
         if self.use_fused and bucket <= FUSED_MAX_ROWS:
-            forward = lambda batch, kv: fused_decode_forward(self.model, batch, kv)  # noqa: E731
+            forward = self.model.fused_decode_forward
         self._copied.synchronize()
         # Padding everywhere: the warm-up and the capture write no KV page of a live sequence.
         self._longs[:, :bucket].zero_()
@@ -217,56 +217,11 @@ class DecodeGraphs:
             take_in_flight(self._longs[0], in_flight, prev_ids)
 
 
-def make_decode_graphs(model: LlamaModel, kv: KVCache) -> DecodeGraphs | None:
+def make_decode_graphs(model: CausalLM, kv: KVCache) -> DecodeGraphs | None:
     """Graphs for a model on a CUDA device, unless EXLCLI_NO_CUDA_GRAPHS=1."""
     if model.device.type != "cuda" or environment.flag("EXLCLI_NO_CUDA_GRAPHS"):
         return None
     return DecodeGraphs(model, kv)
 
 
-# -- the fused decode step ----------------------------------------------------------------------------
-FUSED_MAX_ROWS = DECODE_LINEAR_MAX_ROWS
-
-
-def fused_decode_unsupported(model: LlamaModel) -> str | None:
-    """Why fused_decode_forward cannot run this model (None when it can)."""
-    if environment.flag("EXLCLI_NO_FUSED_DECODE"):
-        return "EXLCLI_NO_FUSED_DECODE=1"
-    cfg = model.config
-    if model.dtype not in (torch.bfloat16, torch.float16):
-        return f"dtype {model.dtype} (the decode linear kernel is bf16 / fp16)"
-    if cfg.head_dim not in HEAD_DIMS:
-        return f"head_dim {cfg.head_dim}"
-    if cfg.hidden_size % 8 or cfg.hidden_size > 32768:
-        return f"hidden size {cfg.hidden_size}"
-    linears = [model.lm_head] + [getattr(layer, name) for layer in model.layers
-                                 for name in ("qkv", "o_proj", "gate_up", "down")]
-    if any(lin.fused_decode_weights() is None for lin in linears):
-        return "a projection the decode linear kernel cannot read (quantized or unaligned)"
-    if any(layer.q_norm is not None for layer in model.layers):
-        return "q/k norms"
-    return None
-
-
-@torch.inference_mode()
-def fused_decode_forward(model: LlamaModel, batch: BatchInputs, kv: KVCache) -> torch.Tensor:
-    """LlamaModel.forward for a pure decode step of 1 to 4 sequences (every row samples), in five
-    kernels a layer: q|k|v with the input norm, rope and the KV write; attention; o_proj with the
-    residual add; gate|up with the post-attention norm; down with SiLU and the residual add. Each
-    rounds as the layer-by-layer kernels do. Returns fp32 logits [rows, V]."""
-    cfg = model.config
-    eps = cfg.rms_norm_eps
-    rows = batch.input_ids.shape[0]
-    r = F.embedding(batch.input_ids, model.embed)  # the residual stream
-    for i, layer in enumerate(model.layers):
-        # the dense weights each projection hands over (fused_decode_unsupported checked they exist)
-        qkv_w, o_w = layer.qkv.fused_decode_weights(), layer.o_proj.fused_decode_weights()
-        gate_up_w, down_w = layer.gate_up.fused_decode_weights(), layer.down.fused_decode_weights()
-        q = kernels.decode_qkv_rope(r, *qkv_w, layer.input_norm, eps, batch.positions,
-                                    model.cos_sin, kv.k[i], kv.v[i], batch.slot_mapping, cfg.num_heads)
-        o = kernels.paged_attention_decode(q, kv.k[i], kv.v[i], batch.block_tables, batch.seq_lens_t, model.scale)
-        r = kernels.decode_linear(o.view(rows, -1), *o_w, residual=r)
-        gate_up = kernels.decode_linear(r, *gate_up_w, norm_weight=layer.post_norm, eps=eps)
-        r = kernels.decode_linear(gate_up, *down_w, silu=True, residual=r)
-    return kernels.decode_linear(r, *model.lm_head.fused_decode_weights(), norm_weight=model.norm, eps=eps,
-                                 float_out=True)
+FUSED_MAX_ROWS = DECODE_LINEAR_MAX_ROWS  # the rows of the model's fused decode step

@@ -1,50 +1,26 @@
-"""GGUF tensors -> named tensors under Hugging Face names, quantized ones kept as blocks."""
+"""GGUF tensors -> named tensors under Hugging Face names, quantized ones kept as blocks.
+
+The names, and whether llama.cpp interleaved the Q/K rows, come from the architecture's module
+(exlcli/model/architectures/).
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any
 
 import numpy as np
 import torch
 
 from exlcli.errors import ModelLoadError, UnsupportedTensorTypeError
+from exlcli.model.architectures import architecture, config_from_gguf
 from exlcli.model.config import ModelConfig
 from exlcli.ops import formats
 from exlcli.ops.formats import QuantizedWeight
 
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 DENSE_TYPES = ("F32", "F16", "BF16")
 SUPPORTED_TYPES = DENSE_TYPES + formats.names()
 ROPE_FACTORS = "rope_freqs.weight"  # llama.cpp's form of Llama 3.1 RoPE scaling: one divisor per frequency
-
-
-def hf_name(gguf_name: str) -> str | None:
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    m = _LAYER_RE.match(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
-    return None
 
 
 def unpermute_rope_rows(num_rows: int, num_heads: int) -> torch.Tensor:
@@ -76,21 +52,22 @@ def _tensor(t: Any) -> "torch.Tensor | QuantizedWeight":
 
 def load_gguf_tensors(reader: Any, meta: dict[str, Any]) -> tuple[ModelConfig, dict[str, Any]]:
     names = {t.name for t in reader.tensors}
-    config = ModelConfig.from_gguf_metadata(meta, has_output_tensor="output.weight" in names)
+    config = config_from_gguf(meta, has_output_tensor="output.weight" in names)
+    arch = architecture(config.architecture)
     tensors: dict[str, Any] = {}
     for t in reader.tensors:
         if t.name == ROPE_FACTORS:
             factors = [float(f) for f in np.asarray(t.data, dtype=np.float32).reshape(-1)]
             config = dataclasses.replace(config, rope_scaling={"rope_type": "freq_factors", "factors": factors})
             continue
-        name = hf_name(t.name)
+        name = arch.hf_name(t.name)
         if name is None:
             raise ModelLoadError(f"unexpected tensor {t.name} in a {config.architecture} GGUF")
         try:
             value = _tensor(t)
         except (ValueError, RuntimeError) as e:
             raise ModelLoadError(f"tensor {t.name}: unreadable data ({e}); is the file truncated?") from None
-        if config.architecture in ("llama", "mistral") and (".q_proj." in name or ".k_proj." in name):
+        if arch.gguf_qk_interleaved and (".q_proj." in name or ".k_proj." in name):
             heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
             order = unpermute_rope_rows(value.shape[0], heads)
             value = value.permute_rows(order) if isinstance(value, QuantizedWeight) else value[order]

@@ -110,17 +110,7 @@ def load_hf_tensors(folder: str | os.PathLike,
 
 
 def expected_tensor_names(config: "ModelConfig") -> list[str]:
-    """The HF tensor names a llama-family decoder with this config needs."""
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not config.tie_word_embeddings:
-        names.append("lm_head.weight")
-    for i in range(config.num_layers):
-        p = f"model.layers.{i}."
-        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-        names += [f"{p}self_attn.{x}_proj.weight" for x in "qkvo"]
-        names += [f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
-        if config.attention_bias:
-            names += [f"{p}self_attn.{x}_proj.bias" for x in "qkv"]
-        if config.qk_norm:
-            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
-    return names
+    """The HF tensor names the model of this config needs (its architecture's module says which)."""
+    from exlcli.model.architectures import architecture
+
+    return architecture(config.architecture).hf_tensor_names(config)

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 import torch
 
 from exlcli.errors import ModelLoadError
+from exlcli.model.architectures import build_model, config_from_hf
 from exlcli.model.chat_template import ChatTemplate
 from exlcli.model.config import ModelConfig
-from exlcli.model.llama import LlamaModel
+from exlcli.model.interface import CausalLM
 from exlcli.ops.formats import QuantizedWeight
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -25,7 +26,7 @@ class LoadedModel:
     name: str
     path: str
     config: ModelConfig
-    model: LlamaModel
+    model: CausalLM
     tokenizer: object  # exlcli.model.tokenizer.Tokenizer or SyntheticTokenizer
     chat_template: ChatTemplate
     quantization: str  # e.g. "Q4_1", "bf16", "random bf16"
@@ -78,7 +79,7 @@ def load_model(spec: str | None = None, device: str | None = None, dtype: str | 
         from exlcli.model.hf_loader import load_hf_tensors, read_hf_config
         from exlcli.model.tokenizer import Tokenizer
 
-        config = ModelConfig.from_hf_dict(read_hf_config(path))
+        config = config_from_hf(read_hf_config(path))
         tokenizer = Tokenizer.from_hf_folder(path)
         tensors = load_hf_tensors(path)
         template = ChatTemplate.for_tokenizer(tokenizer)
@@ -98,7 +99,7 @@ def load_model(spec: str | None = None, device: str | None = None, dtype: str | 
     if missing:
         raise ModelLoadError(f"{path}: missing tensor {missing[0]}")
     try:
-        model = LlamaModel(config, tensors, dev, dt)
+        model = build_model(config, tensors, dev, dt)
     except (KeyError, AttributeError) as e:
         raise ModelLoadError(f"{path}: missing or malformed tensor ({e})") from None
     except ValueError as e:  # e.g. an unsupported rope_scaling type, a tensor of the wrong shape

@@ -5,20 +5,22 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+from typing import Any, Mapping
 
 import torch
 
-from exlcli.model.config import ModelConfig
 from exlcli.ops import _cpu_ext
 from exlcli.ops.cuda import kernels as cuda_kernels
 from exlcli.ops.cuda.loader import use_kernels
 from exlcli.ops.errors import KernelInputError
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    scaling = config.rope_scaling or {}
+def rope_inv_freq(head_dim: int, theta: float, scaling: Mapping[str, Any] | None = None) -> torch.Tensor:
+    """[head_dim / 2] fp32 frequencies. `scaling` is in HF's form, e.g. {"rope_type": "llama3",
+    "factor": 8.0, ...}; None (or {}) is plain RoPE."""
+    dim = head_dim
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = scaling or {}
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind == "llama3":
         factor = float(scaling["factor"])
@@ -42,9 +44,10 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return inv_freq.float()
 
 
-def rope_cos_sin_cache(config: ModelConfig, max_positions: int, device: torch.device) -> torch.Tensor:
+def rope_cos_sin_cache(head_dim: int, theta: float, scaling: Mapping[str, Any] | None, max_positions: int,
+                       device: torch.device) -> torch.Tensor:
     """[max_positions, head_dim]: cos in the first half, sin in the second, fp32."""
-    inv_freq = rope_inv_freq(config)
+    inv_freq = rope_inv_freq(head_dim, theta, scaling)
     t = torch.arange(max_positions, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)  # [P, D/2]
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from exlcli.cli.app import app
-from exlcli.model.config import ModelConfig
+from exlcli.model.architectures import config_from_hf
 from exlcli.model.hf_loader import expected_tensor_names
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -52,7 +52,7 @@ def write_tiny_hf(folder, config: dict | None = None) -> None:
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f)
     g = torch.Generator().manual_seed(0)
-    cfg = ModelConfig.from_hf_dict(config)
+    cfg = config_from_hf(config)
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     shapes = {"embed_tokens": (v, h), "q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),

@@ -7,7 +7,8 @@ import torch
 
 from exlcli.engine.engine import Engine, EngineConfig
 from exlcli.engine.request import Request, SamplingParams
-from exlcli.model.llama import LlamaModel
+from exlcli.model.architectures import build_model
+from exlcli.model.interface import CausalLM
 from exlcli.model.random_weights import random_config, random_tensors
 
 
@@ -27,11 +28,11 @@ class LetterTokenizer:
 
 
 @pytest.fixture(scope="session")
-def tiny_model() -> LlamaModel:
+def tiny_model() -> CausalLM:
     cfg = random_config("tiny")
     # bf16, the CPU default: there every row's numbers are independent of the batch (in fp32,
     # torch's matmuls pick kernels by row count, so batch invariance is only approximate)
-    return LlamaModel(cfg, random_tensors(cfg), torch.device("cpu"), torch.bfloat16)
+    return build_model(cfg, random_tensors(cfg), torch.device("cpu"), torch.bfloat16)
 
 
 @pytest.fixture(params=[False, True], ids=["sync", "async"])

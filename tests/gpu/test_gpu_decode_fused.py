@@ -1,6 +1,6 @@
 """The fused decode kernels (decode_linear's norm / SiLU prologues and residual / fp32 epilogues,
 decode_qkv_rope) against the layer-by-layer kernels they replace, bit for bit, and against float64;
-and the fused decode step against LlamaModel.forward on the same GPU."""
+and the fused decode step against the model's forward on the same GPU."""
 
 from __future__ import annotations
 
@@ -10,10 +10,9 @@ import torch.nn.functional as F
 
 from gpu_helpers import assert_matches, poison_next_alloc, requires_cuda
 from exlcli.model.config import ModelConfig
-from exlcli.model.cuda_graphs import fused_decode_forward, fused_decode_unsupported
+from exlcli.model.architectures import build_model
 from exlcli.model.batch_inputs import BatchInputs
 from exlcli.model.kv_cache import KVCache
-from exlcli.model.llama import LlamaModel
 from exlcli.model.random_weights import random_tensors
 from exlcli.ops.activation import silu_and_mul_ref
 from exlcli.ops.cuda import kernels as ops
@@ -87,10 +86,7 @@ def test_silu_prologue(rows, out_f, inter, dtype):
 @pytest.mark.parametrize("heads,kv_heads,dim,hidden,with_bias", [(32, 8, 128, 4096, False), (9, 3, 64, 576, True),
                                                                 (4, 4, 64, 256, False)])
 def test_qkv_rope_epilogue(rows, heads, kv_heads, dim, hidden, with_bias, dtype):
-    config = ModelConfig("llama", vocab_size=16, hidden_size=hidden, intermediate_size=16, num_layers=1,
-                         num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, rope_theta=500000.0,
-                         max_position_embeddings=8192)
-    cos_sin = rope_cos_sin_cache(config, 8192, torch.device("cuda"))
+    cos_sin = rope_cos_sin_cache(dim, 500000.0, None, 8192, torch.device("cuda"))
     r = randn(rows, hidden, dtype=dtype) * 2
     nw = 1 + 0.1 * randn(hidden, dtype=dtype)
     w, b = weights((heads + 2 * kv_heads) * dim, hidden, with_bias, dtype)
@@ -160,8 +156,8 @@ def decode_inputs(lens: list[int], pages_each: int, page_size: int, vocab: int) 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_decode_step_equals_the_model_forward(name, dtype):
     config = MODELS[name]
-    model = LlamaModel(config, random_tensors(config, device="cuda", dtype=dtype, seed=3), torch.device("cuda"), dtype)
-    assert fused_decode_unsupported(model) is None
+    model = build_model(config, random_tensors(config, device="cuda", dtype=dtype, seed=3), torch.device("cuda"), dtype)
+    assert model.fused_decode_unsupported() is None
     page_size, pages_each = 16, 40
     for lens in ([1], [300, 17], [5, 600, 33, 129]):
         kv = KVCache(config, len(lens) * pages_each, page_size, model.device, dtype)
@@ -171,7 +167,7 @@ def test_fused_decode_step_equals_the_model_forward(name, dtype):
         for c, c_ref in zip(kv.k + kv.v, kv_ref.k + kv_ref.v):
             c_ref.copy_(c)
         inputs = decode_inputs(lens, pages_each, page_size, config.vocab_size)
-        got = fused_decode_forward(model, inputs, kv)
+        got = model.fused_decode_forward(inputs, kv)
         want = model.forward(inputs, kv_ref)
         assert_same(got, want, f"{name} logits, lengths {lens}")
         for c, c_ref in zip(kv.k + kv.v, kv_ref.k + kv_ref.v):

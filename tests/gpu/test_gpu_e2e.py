@@ -10,7 +10,8 @@ import torch
 from gpu_helpers import requires_cuda
 from exlcli.engine.engine import Engine, EngineConfig
 from exlcli.engine.request import Request, SamplingParams
-from exlcli.model.llama import LlamaModel
+from exlcli.model.architectures import build_model
+from exlcli.model.interface import CausalLM
 from exlcli.model.random_weights import SyntheticTokenizer, random_config, random_tensors
 from exlcli.ops.backend import kernels_disabled
 
@@ -19,13 +20,13 @@ pytestmark = [pytest.mark.gpu, requires_cuda, pytest.mark.usefixtures("kernels")
 NEW_TOKENS = 64
 
 
-def smollm2(dtype: torch.dtype) -> LlamaModel:
+def smollm2(dtype: torch.dtype) -> CausalLM:
     config = random_config("smollm2-135m")
-    return LlamaModel(config, random_tensors(config, device="cuda", dtype=dtype, seed=1), torch.device("cuda"), dtype)
+    return build_model(config, random_tensors(config, device="cuda", dtype=dtype, seed=1), torch.device("cuda"), dtype)
 
 
 @pytest.fixture(scope="module")
-def model_fp32() -> LlamaModel:
+def model_fp32() -> CausalLM:
     return smollm2(torch.float32)
 
 
@@ -35,7 +36,7 @@ def prompts(count: int, seed: int) -> list[list[int]]:
             for n in torch.randint(3, 60, (count,), generator=gen)]
 
 
-def engine_for(model: LlamaModel, async_scheduling: bool | None = None) -> Engine:
+def engine_for(model: CausalLM, async_scheduling: bool | None = None) -> Engine:
     return Engine(model, SyntheticTokenizer(model.config.vocab_size),
                   EngineConfig(num_pages=512, max_num_seqs=32, async_scheduling=async_scheduling))
 
@@ -54,7 +55,7 @@ def collect(handle) -> tuple[list[int], list]:
     return tokens, logprobs
 
 
-def greedy(model: LlamaModel, prompt: list[int], reference: bool, logprobs: int = 0):
+def greedy(model: CausalLM, prompt: list[int], reference: bool, logprobs: int = 0):
     """(tokens, logprobs, decode graph replays) of one greedy request through a fresh Engine."""
     if reference:
         with kernels_disabled():

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from gpu_helpers import TOLERANCE, assert_matches, poison_next_alloc, rel_err, requires_cuda
-from exlcli.model.config import ModelConfig
 from exlcli.ops.activation import silu_and_mul_ref
 from exlcli.ops.attention import paged_attention_decode_ref, paged_attention_ref
 from exlcli.ops.cuda import kernels as ops  # the checked wrappers: the only way exlcli calls the compiled ops
@@ -180,10 +179,7 @@ def test_decode_linear_of_a_strided_row_block():
 @pytest.mark.parametrize("tokens,heads,kv_heads,dim", [(1, 8, 8, 128), (7, 32, 8, 128), (130, 9, 3, 64),
                                                        (17, 14, 2, 64)])
 def test_rope_and_write_kv(tokens, heads, kv_heads, dim, dtype):
-    config = ModelConfig("llama", vocab_size=16, hidden_size=heads * dim, intermediate_size=16, num_layers=1,
-                         num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, rope_theta=500000.0,
-                         max_position_embeddings=8192)
-    cos_sin = rope_cos_sin_cache(config, 8192, torch.device("cuda"))
+    cos_sin = rope_cos_sin_cache(dim, 500000.0, None, 8192, torch.device("cuda"))
     page_size, num_pages = 16, tokens // 16 + 3
     qkv = randn(tokens, (heads + 2 * kv_heads) * dim, dtype=dtype)  # q, k, v as views, as in the model
     q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)

@@ -184,10 +184,10 @@ def test_width_buckets(pages, width):
 def test_cpu_runner_has_no_graphs():
     from exlcli.engine.model_runner import ModelRunner
     from exlcli.model.kv_cache import KVCache
-    from exlcli.model.llama import LlamaModel
+    from exlcli.model.architectures import build_model
     from exlcli.model.random_weights import random_config, random_tensors
 
     cfg = random_config("tiny")
-    model = LlamaModel(cfg, random_tensors(cfg), torch.device("cpu"), torch.float32)
+    model = build_model(cfg, random_tensors(cfg), torch.device("cpu"), torch.float32)
     runner = ModelRunner(model, KVCache(cfg, 4, 16, torch.device("cpu"), torch.float32))
     assert runner.graphs is None

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from exlcli.errors import ModelLoadError, UnsupportedTensorTypeError
-from exlcli.model.gguf_loader import hf_name, load_gguf_tensors, unpermute_rope_rows
+from exlcli.model.architectures import architecture
+from exlcli.model.gguf_loader import load_gguf_tensors, unpermute_rope_rows
 from exlcli.model.gguf_meta import metadata_from_reader, open_gguf
 from exlcli.model.batch_inputs import BatchInputs
 from exlcli.model.kv_cache import KVCache
@@ -140,6 +141,7 @@ def test_unpermute_undoes_llama_cpp_permute(rows, heads):
 
 
 def test_names_map_to_hugging_face():
+    hf_name = architecture("qwen3").hf_name
     assert hf_name("token_embd.weight") == "model.embed_tokens.weight"
     assert hf_name("output.weight") == "lm_head.weight"
     assert hf_name("blk.11.attn_q.bias") == "model.layers.11.self_attn.q_proj.bias"

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from exlcli.errors import ModelLoadError, UnsupportedTensorTypeError
-from exlcli.model.config import ModelConfig
+from exlcli.model.architectures import config_from_hf
 from exlcli.model.hf_loader import expected_tensor_names, load_hf_tensors, read_hf_config
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden_size": 8,
@@ -21,7 +21,7 @@ CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden_size"
 
 def _tensors(dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    cfg = ModelConfig.from_hf_dict(CONFIG)
+    cfg = config_from_hf(CONFIG)
     shapes = {"embed_tokens": (32, 8), "norm": (8,), "layernorm": (8,), "q_proj": (8, 8),
               "k_proj": (4, 8), "v_proj": (4, 8), "o_proj": (8, 8), "gate_proj": (16, 8),
               "up_proj": (16, 8), "down_proj": (8, 16)}
@@ -53,7 +53,7 @@ def _folder(tmp_path, tensors, *, shards=1, config=CONFIG):
 def test_loads_every_tensor_under_its_hf_name(tmp_path, dtype, shards):
     want = _tensors(dtype)
     folder = _folder(tmp_path, want, shards=shards)
-    got = load_hf_tensors(folder, ModelConfig.from_hf_dict(read_hf_config(folder)))
+    got = load_hf_tensors(folder, config_from_hf(read_hf_config(folder)))
     assert set(got) == set(want) and "model.layers.1.self_attn.q_proj.weight" in got
     for name, t in want.items():
         assert got[name].dtype == dtype and torch.equal(got[name], t), name
@@ -104,7 +104,7 @@ def test_missing_tensor_and_missing_shard(tmp_path):
     (tmp_path / "a").mkdir()
     folder = _folder(tmp_path / "a", tensors)
     with pytest.raises(ModelLoadError, match="missing tensor model.layers.1.mlp.up_proj.weight"):
-        load_hf_tensors(folder, ModelConfig.from_hf_dict(CONFIG))
+        load_hf_tensors(folder, config_from_hf(CONFIG))
 
     (tmp_path / "b").mkdir()
     folder = _folder(tmp_path / "b", _tensors(), shards=2)

@@ -8,7 +8,6 @@ import math
 import pytest
 import torch
 
-from exlcli.model.config import ModelConfig
 from exlcli.ops.rope import (apply_rope_ref, gather_cos_sin, rope_and_write_kv, rope_cos_sin_cache,
                              rope_inv_freq)
 
@@ -16,10 +15,9 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
           "original_max_position_embeddings": 64}
 
 
-def _config(head_dim: int = 32, theta: float = 10000.0, scaling: dict | None = None) -> ModelConfig:
-    return ModelConfig("llama", vocab_size=16, hidden_size=4 * head_dim, intermediate_size=8, num_layers=1,
-                       num_heads=4, num_kv_heads=2, head_dim=head_dim, rope_theta=theta,
-                       rope_scaling=scaling, max_position_embeddings=512)
+def _rope(head_dim: int = 32, theta: float = 10000.0, scaling: dict | None = None) -> tuple:
+    """(head_dim, theta, scaling): what rope_inv_freq and rope_cos_sin_cache take first."""
+    return head_dim, theta, scaling
 
 
 def _rotate_as_complex(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -33,14 +31,14 @@ def _rotate_as_complex(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch
 
 @pytest.mark.parametrize("head_dim,theta", [(16, 10000.0), (64, 500000.0)])
 def test_plain_inv_freq_is_theta_power(head_dim, theta):
-    got = rope_inv_freq(_config(head_dim, theta))
+    got = rope_inv_freq(*_rope(head_dim, theta))
     want = torch.tensor([theta ** (-2 * i / head_dim) for i in range(head_dim // 2)])
     torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=0)
 
 
 def test_linear_scaling_divides_every_frequency():
-    plain = rope_inv_freq(_config())
-    scaled = rope_inv_freq(_config(scaling={"rope_type": "linear", "factor": 4.0}))
+    plain = rope_inv_freq(*_rope())
+    scaled = rope_inv_freq(*_rope(scaling={"rope_type": "linear", "factor": 4.0}))
     torch.testing.assert_close(scaled, plain / 4)
 
 
@@ -56,34 +54,34 @@ def _transformers_inv_freq(kind: str, scaling: dict, head_dim: int, theta: float
 
 @pytest.mark.parametrize("head_dim,theta", [(32, 10000.0), (64, 500000.0)])
 def test_llama3_inv_freq_matches_transformers(head_dim, theta):
-    got = rope_inv_freq(_config(head_dim, theta, LLAMA3))
+    got = rope_inv_freq(*_rope(head_dim, theta, LLAMA3))
     want = _transformers_inv_freq("llama3", LLAMA3, head_dim, theta)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
-    plain = rope_inv_freq(_config(head_dim, theta))
+    plain = rope_inv_freq(*_rope(head_dim, theta))
     # the test can fail: low frequencies are scaled down, the highest is left alone
     assert got[0] == plain[0] and got[-1] < plain[-1] / 4
 
 
 def test_linear_inv_freq_matches_transformers():
     scaling = {"rope_type": "linear", "factor": 2.5}
-    torch.testing.assert_close(rope_inv_freq(_config(scaling=scaling)),
+    torch.testing.assert_close(rope_inv_freq(*_rope(scaling=scaling)),
                                _transformers_inv_freq("linear", scaling, 32, 10000.0), rtol=1e-6, atol=0)
 
 
 def test_unknown_scaling_type_is_refused():
     with pytest.raises(ValueError, match="yarn"):
-        rope_inv_freq(_config(scaling={"rope_type": "yarn", "factor": 4.0}))
+        rope_inv_freq(*_rope(scaling={"rope_type": "yarn", "factor": 4.0}))
 
 
 @pytest.mark.parametrize("scaling", [None, LLAMA3])
 def test_rotation_matches_complex_form(scaling):
-    cfg = _config(32, 10000.0, scaling)
-    cos_sin = rope_cos_sin_cache(cfg, 300, torch.device("cpu"))
+    cfg = _rope(32, 10000.0, scaling)
+    cos_sin = rope_cos_sin_cache(*cfg, 300, torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
     positions = torch.tensor([0, 1, 5, 17, 63, 64, 299])
     x = torch.randn(len(positions), 3, 32, generator=g)
     got = apply_rope_ref(x, *gather_cos_sin(cos_sin, positions))
-    want = _rotate_as_complex(x, positions, rope_inv_freq(cfg))
+    want = _rotate_as_complex(x, positions, rope_inv_freq(*cfg))
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got[0], x[0])  # position 0 is the identity
     # rotation keeps each pair's length
@@ -94,8 +92,8 @@ def test_rotation_matches_complex_form(scaling):
 
 def test_relative_positions_only_change_scores():
     """q at p and k at p - d give the same dot product for any p: the property RoPE exists for."""
-    cfg = _config(16)
-    cos_sin = rope_cos_sin_cache(cfg, 200, torch.device("cpu"))
+    cfg = _rope(16)
+    cos_sin = rope_cos_sin_cache(*cfg, 200, torch.device("cpu"))
     g = torch.Generator().manual_seed(1)
     q, k = torch.randn(1, 1, 16, generator=g), torch.randn(1, 1, 16, generator=g)
     rot = lambda t, p: apply_rope_ref(t, *gather_cos_sin(cos_sin, torch.tensor([p])))  # noqa: E731
@@ -105,8 +103,8 @@ def test_relative_positions_only_change_scores():
 
 
 def test_rope_and_write_kv_rotates_q_and_k_and_fills_slots():
-    cfg = _config(16)
-    cos_sin = rope_cos_sin_cache(cfg, 64, torch.device("cpu"))
+    cfg = _rope(16)
+    cos_sin = rope_cos_sin_cache(*cfg, 64, torch.device("cpu"))
     g = torch.Generator().manual_seed(2)
     num_pages, page_size, heads, kv_heads = 6, 4, 4, 2
     positions = torch.tensor([0, 1, 2, 3, 4, 9])
@@ -117,7 +115,7 @@ def test_rope_and_write_kv_rotates_q_and_k_and_fills_slots():
     k_cache = torch.zeros(num_pages, page_size, kv_heads, 16)
     v_cache = torch.zeros(num_pages, page_size, kv_heads, 16)
     q_rot = rope_and_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slots)
-    inv_freq = rope_inv_freq(cfg)
+    inv_freq = rope_inv_freq(*cfg)
     torch.testing.assert_close(q_rot.double(), _rotate_as_complex(q, positions, inv_freq), rtol=1e-4, atol=1e-4)
     flat_k, flat_v = k_cache.view(-1, kv_heads, 16), v_cache.view(-1, kv_heads, 16)
     torch.testing.assert_close(flat_k[slots].double(), _rotate_as_complex(k, positions, inv_freq),
@@ -129,9 +127,22 @@ def test_rope_and_write_kv_rotates_q_and_k_and_fills_slots():
 
 
 def test_cos_sin_cache_layout():
-    cfg = _config(8)
-    cs = rope_cos_sin_cache(cfg, 10, torch.device("cpu"))
+    cfg = _rope(8)
+    cs = rope_cos_sin_cache(*cfg, 10, torch.device("cpu"))
     assert cs.shape == (10, 8) and cs.dtype == torch.float32
-    inv = rope_inv_freq(cfg)
+    inv = rope_inv_freq(*cfg)
     assert cs[3, 1].item() == pytest.approx(math.cos(3 * inv[1].item()), abs=1e-6)
     assert cs[3, 4 + 1].item() == pytest.approx(math.sin(3 * inv[1].item()), abs=1e-6)
+
+
+def test_rope_imports_nothing_from_the_model_layer():
+    """ops sit below model: the caller passes head_dim, theta and scaling as plain values."""
+    import ast
+    import inspect
+
+    from exlcli.ops import rope
+
+    tree = ast.parse(inspect.getsource(rope))
+    modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    modules |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not [m for m in modules if m and m.startswith("exlcli.model")]

@@ -7,7 +7,11 @@ import pytest
 import torch
 
 from exlcli.model.random_weights import random_config
-from exlcli.ops.rope import rope_inv_freq
+from exlcli.ops import rope
+
+
+def rope_inv_freq(config) -> torch.Tensor:
+    return rope.rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
 
 
 def test_freq_factors_reproduce_llama3_scaling():

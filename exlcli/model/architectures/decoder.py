@@ -1,26 +1,39 @@
-"""The decoder (llama, mistral, qwen2, qwen3) over a flat batch of tokens from many sequences."""
+"""The llama-style decoder that llama, mistral, qwen2 and qwen3 share, over a flat batch of tokens
+from many sequences: the layer, the model (a CausalLM, exlcli/model/interface.py) and its fused
+decode path. Its tensor names are in tensor_names.py.
+
+Per layer: RMSNorm, q|k|v (a bias when the checkpoint has one; per-head q/k RMSNorm when
+config.qk_norm), RoPE with the KV write, paged attention, o_proj, RMSNorm, SiLU(gate) * up, down.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from exlcli import environment
+from exlcli.model.architectures.base import FUSED_DECODE
+from exlcli.model.architectures.tensor_names import EMBED, FINAL_NORM, LM_HEAD, layer_prefix
 from exlcli.model.batch_inputs import BatchInputs
 from exlcli.model.config import ModelConfig
 from exlcli.model.kv_cache import KVCache
 from exlcli.ops.activation import silu_and_mul
 from exlcli.ops._cpu_ext import use_cpu_kernels
 from exlcli.ops.attention import PagedLayout, paged_attention
+from exlcli.ops.cuda import kernels
+from exlcli.ops.cuda.limits import HEAD_DIMS
 from exlcli.ops.cuda.loader import use_kernels
 from exlcli.ops.formats import QuantizedWeight
 from exlcli.ops.linear import Linear, dense_weight, make_linear
 from exlcli.ops.norm import fused_add_rms_norm, rms_norm
 from exlcli.ops.rope import gather_cos_sin, rope_and_write_kv, rope_cos_sin_cache
 
+PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")  # the Linear attributes of a DecoderLayer
+
 
 class DecoderLayer:
     def __init__(self, config: ModelConfig, t: dict, i: int, device: torch.device, dtype: torch.dtype):
-        p = f"model.layers.{i}."
+        p = layer_prefix(i)
         get = lambda name: t.get(p + name)  # noqa: E731
         norm = lambda name: get(name).to(device=device, dtype=dtype)  # noqa: E731
         self.input_norm = norm("input_layernorm.weight")
@@ -36,30 +49,35 @@ class DecoderLayer:
         self.k_norm = norm("self_attn.k_norm.weight") if config.qk_norm else None
 
 
-class LlamaModel:
-    def __init__(self, config: ModelConfig, tensors: dict, device: torch.device, dtype: torch.dtype) -> None:
+class DecoderModel:
+    """A CausalLM (exlcli/model/interface.py). `fused_paths`: the fused paths its architecture
+    supports (base.FUSED_DECODE: fused_decode_forward)."""
+
+    def __init__(self, config: ModelConfig, tensors: dict, device: torch.device, dtype: torch.dtype,
+                 fused_paths: tuple[str, ...] = (FUSED_DECODE,)) -> None:
         self.config = config
         self.device = device
         self.dtype = dtype
-        embed = tensors["model.embed_tokens.weight"]
+        self.fused_paths = fused_paths
+        embed = tensors[EMBED]
         self.embed = dense_weight(embed, dtype).to(device)  # [V, H]
         self.layers = [DecoderLayer(config, tensors, i, device, dtype) for i in range(config.num_layers)]
-        self.norm = tensors["model.norm.weight"].to(device=device, dtype=dtype)
-        head = tensors.get("lm_head.weight")
+        self.norm = tensors[FINAL_NORM].to(device=device, dtype=dtype)
+        head = tensors.get(LM_HEAD)
         if head is None or config.tie_word_embeddings:
             # a quantized embedding stays quantized in the output layer; a dense one is shared
-            stored = tensors["model.embed_tokens.weight"]
+            stored = tensors[EMBED]
             head = stored if isinstance(stored, QuantizedWeight) else self.embed
         self.lm_head: Linear = make_linear([head], None, device, dtype)
-        self.cos_sin = rope_cos_sin_cache(config, config.max_position_embeddings, device)
+        self.cos_sin = rope_cos_sin_cache(config.head_dim, config.rope_theta, config.rope_scaling,
+                                          config.max_position_embeddings, device)
         self.scale = config.head_dim ** -0.5
         q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
         self._splits = (q, kv, kv)
 
     def weight_bytes(self) -> int:
         """Bytes of weights read by one decode step (the embedding row read is negligible)."""
-        total = sum(lin.nbytes() for layer in self.layers
-                    for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
+        total = sum(getattr(layer, name).nbytes() for layer in self.layers for name in PROJECTIONS)
         return total + self.lm_head.nbytes()
 
     @torch.inference_mode()
@@ -98,3 +116,48 @@ class LlamaModel:
         residual = residual[batch.logits_indices]
         x, _ = fused_add_rms_norm(h, residual, self.norm, cfg.rms_norm_eps)
         return self.lm_head(x, out_dtype=torch.float32)  # fp32 logits (straight from the CPU kernel)
+
+    # -- the fused decode step ----------------------------------------------------------------------
+    def fused_decode_unsupported(self) -> str | None:
+        """Why fused_decode_forward cannot run this model (None when it can)."""
+        if environment.flag("EXLCLI_NO_FUSED_DECODE"):
+            return "EXLCLI_NO_FUSED_DECODE=1"
+        cfg = self.config
+        if FUSED_DECODE not in self.fused_paths:
+            return f"the {cfg.architecture} architecture has no fused decode path"
+        if self.dtype not in (torch.bfloat16, torch.float16):
+            return f"dtype {self.dtype} (the decode linear kernel is bf16 / fp16)"
+        if cfg.head_dim not in HEAD_DIMS:
+            return f"head_dim {cfg.head_dim}"
+        if cfg.hidden_size % 8 or cfg.hidden_size > 32768:
+            return f"hidden size {cfg.hidden_size}"
+        linears = [self.lm_head] + [getattr(layer, name) for layer in self.layers for name in PROJECTIONS]
+        if any(lin.fused_decode_weights() is None for lin in linears):
+            return "a projection the decode linear kernel cannot read (quantized or unaligned)"
+        if any(layer.q_norm is not None for layer in self.layers):
+            return "q/k norms"
+        return None
+
+    @torch.inference_mode()
+    def fused_decode_forward(self, batch: BatchInputs, kv: KVCache) -> torch.Tensor:
+        """forward() for a pure decode step of 1 to 4 sequences (every row samples), in five
+        kernels a layer: q|k|v with the input norm, rope and the KV write; attention; o_proj with the
+        residual add; gate|up with the post-attention norm; down with SiLU and the residual add. Each
+        rounds as the layer-by-layer kernels do. Returns fp32 logits [rows, V]."""
+        cfg = self.config
+        eps = cfg.rms_norm_eps
+        rows = batch.input_ids.shape[0]
+        r = F.embedding(batch.input_ids, self.embed)  # the residual stream
+        for i, layer in enumerate(self.layers):
+            # the dense weights each projection hands over (fused_decode_unsupported checked they exist)
+            qkv_w, o_w = layer.qkv.fused_decode_weights(), layer.o_proj.fused_decode_weights()
+            gate_up_w, down_w = layer.gate_up.fused_decode_weights(), layer.down.fused_decode_weights()
+            q = kernels.decode_qkv_rope(r, *qkv_w, layer.input_norm, eps, batch.positions,
+                                        self.cos_sin, kv.k[i], kv.v[i], batch.slot_mapping, cfg.num_heads)
+            o = kernels.paged_attention_decode(q, kv.k[i], kv.v[i], batch.block_tables, batch.seq_lens_t,
+                                               self.scale)
+            r = kernels.decode_linear(o.view(rows, -1), *o_w, residual=r)
+            gate_up = kernels.decode_linear(r, *gate_up_w, norm_weight=layer.post_norm, eps=eps)
+            r = kernels.decode_linear(gate_up, *down_w, silu=True, residual=r)
+        return kernels.decode_linear(r, *self.lm_head.fused_decode_weights(), norm_weight=self.norm, eps=eps,
+                                     float_out=True)

@@ -1,0 +1,84 @@
+"""The architecture table: one module per architecture, one row each.
+
+A module (llama.py, mistral.py, qwen2.py, qwen3.py) states in one `Architecture` (base.py) the HF
+`architectures` names and GGUF `general.architecture` it serves, the config fields it reads beyond
+the shared ones (config.py), its HF and GGUF tensor names, its model build and the fused paths it
+supports. What they share, the llama-style decoder, is decoder.py with tensor_names.py.
+
+A new architecture is one module here and one row in ARCHITECTURES (plus its tests); the loader,
+engine, runner and graph runner only see the CausalLM it builds (exlcli/model/interface.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from exlcli.errors import UnsupportedArchitectureError
+from exlcli.model.architectures import llama, mistral, qwen2, qwen3
+from exlcli.model.architectures.base import Architecture
+from exlcli.model.config import ModelConfig
+from exlcli.model.interface import CausalLM
+
+ARCHITECTURES: tuple[Architecture, ...] = (
+    llama.ARCHITECTURE,
+    mistral.ARCHITECTURE,
+    qwen2.ARCHITECTURE,
+    qwen3.ARCHITECTURE,
+)
+
+
+def supported_names() -> tuple[str, ...]:
+    return tuple(a.name for a in ARCHITECTURES)
+
+
+def unsupported(name: str) -> UnsupportedArchitectureError:
+    return UnsupportedArchitectureError(f"unsupported architecture '{name}'; supported: {', '.join(supported_names())}")
+
+
+def architecture(name: str) -> Architecture:
+    """The row of one of our names (ModelConfig.architecture)."""
+    for arch in ARCHITECTURES:
+        if arch.name == name:
+            return arch
+    raise unsupported(name)
+
+
+def for_hf_config(cfg: Mapping[str, Any]) -> Architecture:
+    """The row for a config.json: by `architectures[0]`, else by `model_type`."""
+    raw = (cfg.get("architectures") or [None])[0] or cfg.get("model_type") or "<missing>"
+    model_type = cfg.get("model_type")
+    for arch in ARCHITECTURES:
+        if raw in arch.hf_names or raw == arch.hf_model_type:
+            return arch
+    for arch in ARCHITECTURES:
+        if model_type == arch.hf_model_type:
+            return arch
+    raise unsupported(raw)
+
+
+def for_gguf(name: str) -> Architecture:
+    """The row for a GGUF `general.architecture`."""
+    for arch in ARCHITECTURES:
+        if arch.gguf_name == name:
+            return arch
+    raise unsupported(name)
+
+
+def config_from_hf(cfg: Mapping[str, Any]) -> ModelConfig:
+    """ModelConfig of a config.json: the shared fields and its architecture's own."""
+    arch = for_hf_config(cfg)
+    return ModelConfig.from_hf_dict(dict(cfg), arch.name, **arch.hf_fields(cfg))
+
+
+def config_from_gguf(meta: Mapping[str, Any], has_output_tensor: bool) -> ModelConfig:
+    """ModelConfig of GGUF metadata (`has_output_tensor`: the file has output.weight, so the head
+    is not tied to the embedding)."""
+    arch = for_gguf(str(meta.get("general.architecture", "<missing>")))
+    return ModelConfig.from_gguf_metadata(dict(meta), arch.name, has_output_tensor, **arch.gguf_fields(meta))
+
+
+def build_model(config: ModelConfig, tensors: dict, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    """The model of `config.architecture` from HF-named tensors, on `device` in `dtype`."""
+    return architecture(config.architecture).build(config, tensors, device, dtype)

@@ -1,0 +1,47 @@
+"""Mistral: llama's decoder under another name.
+
+Config fields of its own: `attention_bias` as llama (off unless set). `sliding_window` is not
+read: attention spans the whole context, as it always has here (exact for prompts shorter than the
+window). Tensors: the decoder's. GGUF: Q and K rows interleaved by llama.cpp. Fused paths: decode.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from exlcli.model.architectures import tensor_names as names
+from exlcli.model.architectures.base import FUSED_DECODE, Architecture
+from exlcli.model.architectures.decoder import DecoderModel
+from exlcli.model.config import ModelConfig
+
+FUSED_PATHS = (FUSED_DECODE,)
+
+
+def hf_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    return {"attention_bias": bool(cfg.get("attention_bias", False))}
+
+
+def gguf_fields(meta: Mapping[str, Any]) -> dict[str, Any]:
+    return {}
+
+
+def build(config: ModelConfig, tensors: dict, device: torch.device, dtype: torch.dtype) -> DecoderModel:
+    return DecoderModel(config, tensors, device, dtype, fused_paths=FUSED_PATHS)
+
+
+ARCHITECTURE = Architecture(
+    name="mistral",
+    hf_names=("MistralForCausalLM",),
+    hf_model_type="mistral",
+    gguf_name="mistral",
+    hf_fields=hf_fields,
+    gguf_fields=gguf_fields,
+    hf_tensor_names=names.hf_tensor_names,
+    gguf_global_names=names.GGUF_GLOBAL_NAMES,
+    gguf_layer_names=names.GGUF_LAYER_NAMES,
+    gguf_qk_interleaved=True,
+    build=build,
+    fused_paths=FUSED_PATHS,
+)

@@ -1,0 +1,47 @@
+"""The tensor names of a llama-style checkpoint: Hugging Face's, and llama.cpp's GGUF names for them.
+
+Checkpoints are loaded under the HF names (the GGUF loader renames); the architectures of this
+package name their tensors with these.
+"""
+
+from __future__ import annotations
+
+from exlcli.model.config import ModelConfig
+
+EMBED, FINAL_NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
+
+# llama.cpp's names (convert_hf_to_gguf.py) -> the HF names above
+GGUF_GLOBAL_NAMES = {"token_embd.weight": EMBED, "output_norm.weight": FINAL_NORM, "output.weight": LM_HEAD}
+GGUF_LAYER_NAMES = {  # blk.{i}.<key>.{weight,bias} -> model.layers.{i}.<value>.{weight,bias}
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+GGUF_QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+
+
+def layer_prefix(i: int) -> str:
+    return f"model.layers.{i}."
+
+
+def hf_tensor_names(config: ModelConfig) -> list[str]:
+    """The HF tensor names a decoder with this config needs."""
+    names = [EMBED, FINAL_NORM]
+    if not config.tie_word_embeddings:
+        names.append(LM_HEAD)
+    for i in range(config.num_layers):
+        p = layer_prefix(i)
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        names += [f"{p}self_attn.{x}_proj.weight" for x in "qkvo"]
+        names += [f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+        if config.attention_bias:
+            names += [f"{p}self_attn.{x}_proj.bias" for x in "qkv"]
+        if config.qk_norm:
+            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+    return names

@@ -1,0 +1,39 @@
+"""What the loader, engine, runner and graph runner need from a model: `CausalLM`.
+
+Each architecture (exlcli/model/architectures/) builds an object of this shape; nothing above the
+model names a model class.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from exlcli.model.batch_inputs import BatchInputs
+from exlcli.model.config import ModelConfig
+from exlcli.model.kv_cache import KVCache
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype  # activations and the KV cache
+
+    def forward(self, batch: BatchInputs, kv: KVCache) -> torch.Tensor:
+        """fp32 logits [S, V] for the rows batch.logits_indices; writes the step's K and V into `kv`."""
+        ...
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads."""
+        ...
+
+    # -- the fused decode step: a pure decode step of 1 to 4 sequences in fewer kernels ------------
+    def fused_decode_unsupported(self) -> str | None:
+        """Why fused_decode_forward cannot run this model (None when it can)."""
+        ...
+
+    def fused_decode_forward(self, batch: BatchInputs, kv: KVCache) -> torch.Tensor:
+        """forward() for a pure decode step (every row samples), same roundings; fp32 logits [rows, V]."""
+        ...
