@@ -7,6 +7,7 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
+from exlcli.batch.jsonl import dump_line
 from exlcli.batch.lines import NATIVE, OPENAI, BadLine, Job
 from exlcli.batch.output import ResultWriter, load_done
 from exlcli.batch.records import Finished, bad_line_record, error_record, result_record
@@ -94,7 +95,7 @@ def test_torn_last_line_is_cut_before_appending(tmp_path):
     assert state.torn_bytes == len(torn) and state.ok == {"a"}
     assert path.read_bytes() == (json.dumps(OK_A) + "\n").encode()
     with ResultWriter(path) as w:
-        w.write([{"id": "b", "line": 2, "text": "y", "finish_reason": "stop"}])
+        w.write([dump_line({"id": "b", "line": 2, "text": "y", "finish_reason": "stop"})])
     assert [json.loads(l)["id"] for l in path.read_text().splitlines()] == ["a", "b"]
 
 
@@ -124,10 +125,10 @@ def test_a_file_that_is_not_batch_output_is_refused(tmp_path):
 def test_writer_appends_whole_lines(tmp_path):
     path = tmp_path / "out.jsonl"
     with ResultWriter(path) as w:
-        w.write([OK_A, {"id": "ü", "text": "line\nbreak"}])
+        w.write([dump_line(OK_A), dump_line({"id": "ü", "text": "line\nbreak"})])
         w.write([])
     with ResultWriter(path) as w:
-        w.write([OA_OK])
+        w.write([dump_line(OA_OK)])
     lines = path.read_bytes().split(b"\n")
     assert lines[-1] == b"" and len(lines) == 4
     assert [json.loads(l) for l in lines[:-1]] == [OK_A, {"id": "ü", "text": "line\nbreak"}, OA_OK]

@@ -115,7 +115,6 @@ def test_torn_line_from_a_kill_is_cut_and_reported(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["missing.jsonl"], "no such input file"),
     (["{inp}", "-o", "{inp}"], "must not be the input"),
     (["{inp}", "--temperature", "-1"], "temperature must be >= 0"),
     (["{inp}", "--max-in-flight", "0"], "--max-in-flight must be at least 1"),
