@@ -93,7 +93,8 @@ def test_native_example_file_runs_clean_and_output_goes_next_to_input(tmp_path):
 
 
 def test_command_line_defaults_apply_and_a_line_overrides_them(tmp_path):
-    inp = write(tmp_path / "in.jsonl", [{"id": "a", "prompt": "w " * 30}, {"id": "b", "prompt": "w " * 30, "max_tokens": 5},
+    inp = write(tmp_path / "in.jsonl", [{"id": "a", "prompt": "w " * 30},
+                                        {"id": "b", "prompt": "w " * 30, "max_tokens": 5},
                                         {"id": "c", "messages": [{"role": "user", "content": "x"}]}])
     result = invoke(inp, "-o", tmp_path / "o.jsonl", *FAKE, "--max-tokens", "3", "--stop", "zzz", "--seed", "9")
     assert result.exit_code == 0, result.output
