@@ -85,7 +85,8 @@ def register(app: typer.Typer) -> None:
         input_path: Annotated[Path, typer.Argument(
             metavar="PROMPTS.jsonl", help="One job per line: {id, prompt|messages, ...} or an OpenAI batch line.")],
         output: Annotated[Optional[Path], typer.Option(
-            "--output", "-o", help="Results JSONL (appended; rerun to resume). Default: PROMPTS.results.jsonl.")] = None,
+            "--output", "-o",
+            help="Results JSONL (appended; rerun to resume). Default: PROMPTS.results.jsonl.")] = None,
         model: ModelOption = None,
         server: ServerOption = None,
         local: LocalOption = False,
@@ -94,7 +95,8 @@ def register(app: typer.Typer) -> None:
         device: DeviceOption = None,
         dtype: DtypeOption = None,
         max_tokens: Annotated[int, typer.Option("--max-tokens", help="Default max new tokens per line.")] = 256,
-        temperature: Annotated[float, typer.Option("--temperature", "-t", help="Default temperature; 0 is greedy.")] = 0.7,
+        temperature: Annotated[float, typer.Option(
+            "--temperature", "-t", help="Default temperature; 0 is greedy.")] = 0.7,
         top_p: Annotated[float, typer.Option("--top-p", help="Default nucleus sampling.")] = 1.0,
         top_k: Annotated[int, typer.Option("--top-k", help="Default top-k; 0 is off.")] = 0,
         min_p: Annotated[float, typer.Option("--min-p", help="Default min-p.")] = 0.0,
