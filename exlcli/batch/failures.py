@@ -36,9 +36,10 @@ def safe_text(text: str) -> str:
     return text.encode("utf-8", "replace").decode("utf-8")
 
 
-def line_error(e: BaseException, fallback_code: str) -> LineError:
+def line_error(e: BaseException, fallback_code: str, subject: str = "line") -> LineError:
     """Whatever one line raised, as that line's error. `fallback_code` names the stage for the
-    exceptions nobody foresaw (invalid_line when reading, invalid_request when submitting, ...)."""
+    exceptions nobody foresaw (invalid_line when reading, invalid_request when submitting, ...);
+    `subject` is what was at fault ("line", or "result" when writing it)."""
     if isinstance(e, LineError):
         return e
     if isinstance(e, RequestError):
@@ -46,12 +47,12 @@ def line_error(e: BaseException, fallback_code: str) -> LineError:
     if isinstance(e, UnicodeDecodeError):
         return LineError("invalid_utf8", "line is not valid UTF-8")
     if isinstance(e, UnicodeEncodeError):
-        return LineError("invalid_unicode", "line has a string that is not valid Unicode "
-                                            "(a lone surrogate escape such as \\ud800)")
+        return LineError("invalid_unicode", f"{subject} has a string that is not valid Unicode "
+                                            "(a lone surrogate such as \\ud800)")
     if isinstance(e, json.JSONDecodeError):
         return LineError("invalid_json", f"line is not valid JSON ({e.msg} at column {e.colno})")
     if isinstance(e, RecursionError):
-        return LineError("invalid_json", "line is nested too deeply")
+        return LineError("invalid_json", f"{subject} is nested too deeply")
     return LineError(fallback_code, safe_text(f"{type(e).__name__}: {e}")[:MAX_MESSAGE])
 
 

@@ -191,21 +191,26 @@ def _line_id(obj: dict, shape: str) -> str | None:
     if is_int(value):
         return str(value)
     if isinstance(value, str) and value:
+        dump_line(value)  # an id with a lone surrogate could never be written: the line gets line-N
         return value
     raise wrong_type(key, "a non-empty string", value)
 
 
 def _load_object(raw: bytes) -> dict:
     obj = load_line(raw)
-    try:  # what we read must be writable again: it may end up in an error or result line
+    if not isinstance(obj, dict):
+        raise LineError("invalid_type", f"line must be a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _check_writable(obj: dict) -> None:
+    """What we read must be writable again (it may end up in an error or a result line)."""
+    try:
         dump_line(obj)
     except UnicodeEncodeError:
         raise  # a lone surrogate: line_error names it
     except ValueError:
         raise LineError("invalid_json", "line has a number too large for a float (such as 1e400)") from None
-    if not isinstance(obj, dict):
-        raise LineError("invalid_type", f"line must be a JSON object, got {type(obj).__name__}")
-    return obj
 
 
 def parse_line(raw: bytes, line_no: int, defaults: LineDefaults, file_shape: str = NATIVE,
@@ -217,6 +222,7 @@ def parse_line(raw: bytes, line_no: int, defaults: LineDefaults, file_shape: str
         obj = _load_object(raw)
         shape = shape_of(obj)
         job_id = _line_id(obj, shape)
+        _check_writable(obj)
         build = _openai_job if shape == OPENAI else _native_job
         return build(obj, job_id or auto_id(line_no, claimed), line_no, defaults)
     except Exception as e:  # noqa: BLE001 - one line must never stop the file

@@ -275,7 +275,7 @@ class BatchRun:
             try:
                 entry = (dump_line(record), error)
             except Exception as e:  # noqa: BLE001 - one line must never stop the file
-                failure = line_error(e, "unwritable_result")
+                failure = line_error(e, "unwritable_result", subject="the result")
                 entry = (dump_line(error_record(origin.id, origin.line_no, origin.shape, failure.code,
                                                 failure.message)), True)
         self._ready.extend(self.sequencer.push(seq, entry))
