@@ -77,8 +77,9 @@ def test_a_second_batch_process_on_the_same_output_refuses_at_once_and_the_first
     try:
         lock = tmp_path / "out.jsonl.lock"
         deadline = time.monotonic() + 30
-        while not (lock.exists() and lock.read_text().strip() == str(first.pid)):
-            assert time.monotonic() < deadline and first.poll() is None, "the first run never took the lock"
+        while not (lock.exists() and lock.read_text().strip() == str(first.pid) and out.exists()
+                   and out.read_bytes().count(b"\n") >= 1):  # holding the lock and writing
+            assert time.monotonic() < deadline and first.poll() is None, "the first run never got going"
             time.sleep(0.05)
         second = subprocess.run(cmd + FAKE, env=ENV, capture_output=True, text=True, timeout=60)
         assert first.poll() is None, "the first run ended before the second was tried: make it longer"
