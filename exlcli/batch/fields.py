@@ -6,37 +6,44 @@ import json
 import math
 from typing import Any
 
+from exlcli.batch.failures import LineError
 
-class LineError(Exception):
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
+INT_LIMIT = 2 ** 63  # integers must fit in 64 bits: the engine, the server and JSON readers all assume so
+
+
+def preview(value: Any, limit: int = 60) -> str:
+    """A short JSON rendering of a value for a message; never raises."""
+    try:
+        text = json.dumps(value)
+    except (ValueError, TypeError, RecursionError):
+        text = f"a {type(value).__name__}"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def wrong_type(name: str, want: str, value: Any) -> LineError:
-    return LineError("invalid_type", f"{name} must be {want}, got {json.dumps(value)[:60]}")
+    return LineError("invalid_type", f"{name} must be {want}, got {preview(value)}")
 
 
 def is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer that fits in 64 bits (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and -INT_LIMIT <= value < INT_LIMIT
 
 
 def _number(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise wrong_type(name, "a number", value)
+    if not (is_int(value) or (isinstance(value, float) and math.isfinite(value))):
+        raise wrong_type(name, "a finite number", value)
     return float(value)
 
 
 def _integer(name: str, value: Any) -> int:
     if not is_int(value):
-        raise wrong_type(name, "an integer", value)
+        raise wrong_type(name, "an integer of at most 64 bits", value)
     return value
 
 
 def _max_tokens(name: str, value: Any) -> int:
     if not is_int(value) or value < 1:
-        raise wrong_type(name, "a positive integer", value)
+        raise wrong_type(name, "a positive integer of at most 64 bits", value)
     return value
 
 

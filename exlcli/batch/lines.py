@@ -4,18 +4,25 @@ native  {"id", "prompt" | "messages", "system"?, "max_tokens"?, "temperature"?, 
 openai  {"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions", "body"}
 
 A line that can't run becomes a BadLine (line number, code, one clear message) instead of stopping
-the file. The file is streamed: only the set of ids seen so far is kept, to catch duplicates.
+the file: parse_line never raises, whatever the line holds (see failures.line_error). The file is
+streamed: only the set of ids seen so far is kept, to catch duplicates.
+
+Automatic ids: a line without one gets `line-N`, unless some line of the file claims `line-N` as
+its own id; then it gets `line-N-auto` (or `line-N-auto2`, ...), the first name nobody claims. A
+first pass over the file (scan_input) finds the claims, so an automatic id never collides with a
+user's id, and the same file always gives the same ids: a resume is exact.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from exlcli.batch.fields import (OPENAI_EXTRA_PARAM_FIELDS, PARAM_FIELDS, LineError, is_int, wrong_type)
+from exlcli.batch.failures import LineError, io_errors, line_error
+from exlcli.batch.fields import OPENAI_EXTRA_PARAM_FIELDS, PARAM_FIELDS, is_int, preview, wrong_type
+from exlcli.batch.jsonl import dump_line, load_line
 from exlcli.client.base import GenerationParams
 from exlcli.errors import RequestError
 
@@ -59,8 +66,17 @@ class BadLine:
     message: str
 
 
-def auto_id(line_no: int) -> str:
-    return f"line-{line_no}"
+AUTO_PREFIX = "line-"
+UTF8_BOM = b"\xef\xbb\xbf"
+
+
+def auto_id(line_no: int, claimed: frozenset[str] = frozenset()) -> str:
+    """The id of a line that has none: `line-N`, or the first `line-N-auto[K]` no line claims."""
+    candidate, k = f"{AUTO_PREFIX}{line_no}", 1
+    while candidate in claimed:
+        candidate = f"{AUTO_PREFIX}{line_no}-auto{k if k > 1 else ''}"
+        k += 1
+    return candidate
 
 
 def shape_of(obj: dict) -> str:
@@ -143,10 +159,10 @@ def _native_job(obj: dict, job_id: str, line_no: int, defaults: LineDefaults) ->
 def _openai_job(obj: dict, job_id: str, line_no: int, defaults: LineDefaults) -> Job:
     method = obj.get("method", "POST")
     if method != "POST":
-        raise LineError("invalid_value", f"method must be POST, got {json.dumps(method)[:40]}")
+        raise LineError("invalid_value", f"method must be POST, got {preview(method, 40)}")
     url = obj.get("url")
     if url not in (CHAT_URL, COMPLETIONS_URL):
-        raise LineError("invalid_value", f"url must be {CHAT_URL} or {COMPLETIONS_URL}, got {json.dumps(url)[:60]}")
+        raise LineError("invalid_value", f"url must be {CHAT_URL} or {COMPLETIONS_URL}, got {preview(url)}")
     body = obj.get("body")
     if not isinstance(body, dict):
         raise wrong_type("body", "an object", body)
@@ -166,74 +182,116 @@ def _openai_job(obj: dict, job_id: str, line_no: int, defaults: LineDefaults) ->
     return Job(job_id, line_no, OPENAI, "complete", params, prompt=_prompt(body["prompt"]))
 
 
-def _line_id(obj: dict, shape: str, line_no: int) -> str:
+def _line_id(obj: dict, shape: str) -> str | None:
+    """The line's own id; None when it has none."""
     key = "custom_id" if shape == OPENAI else "id"
     value = obj.get(key)
     if value is None:
-        return auto_id(line_no)
+        return None
     if is_int(value):
         return str(value)
     if isinstance(value, str) and value:
+        dump_line(value)  # an id with a lone surrogate could never be written: the line gets line-N
         return value
     raise wrong_type(key, "a non-empty string", value)
 
 
-def parse_line(raw: bytes, line_no: int, defaults: LineDefaults, file_shape: str) -> Job | BadLine:
-    """One input line (without its newline) -> a Job, or a BadLine saying what is wrong."""
-    try:
-        obj = json.loads(raw)
-    except UnicodeDecodeError:
-        return BadLine(auto_id(line_no), line_no, file_shape, "invalid_utf8", "line is not valid UTF-8")
-    except json.JSONDecodeError as e:
-        return BadLine(auto_id(line_no), line_no, file_shape, "invalid_json",
-                       f"line is not valid JSON ({e.msg} at column {e.colno})")
+def _load_object(raw: bytes) -> dict:
+    obj = load_line(raw)
     if not isinstance(obj, dict):
-        return BadLine(auto_id(line_no), line_no, file_shape, "invalid_type",
-                       f"line must be a JSON object, got {type(obj).__name__}")
-    shape = shape_of(obj)
+        raise LineError("invalid_type", f"line must be a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _check_writable(obj: dict) -> None:
+    """What we read must be writable again (it may end up in an error or a result line)."""
     try:
-        job_id = _line_id(obj, shape, line_no)
-    except LineError as e:
-        return BadLine(auto_id(line_no), line_no, shape, e.code, e.message)
+        dump_line(obj)
+    except UnicodeEncodeError:
+        raise  # a lone surrogate: line_error names it
+    except ValueError:
+        raise LineError("invalid_json", "line has a number too large for a float (such as 1e400)") from None
+
+
+def parse_line(raw: bytes, line_no: int, defaults: LineDefaults, file_shape: str = NATIVE,
+               claimed: frozenset[str] = frozenset()) -> Job | BadLine:
+    """One input line (without its newline) -> a Job, or a BadLine saying what is wrong. Never raises:
+    whatever goes wrong with this line, at any step, is this line's error."""
+    shape, job_id = file_shape, None
     try:
+        obj = _load_object(raw)
+        shape = shape_of(obj)
+        job_id = _line_id(obj, shape)
+        _check_writable(obj)
         build = _openai_job if shape == OPENAI else _native_job
-        return build(obj, job_id, line_no, defaults)
-    except LineError as e:
-        return BadLine(job_id, line_no, shape, e.code, e.message)
+        return build(obj, job_id or auto_id(line_no, claimed), line_no, defaults)
+    except Exception as e:  # noqa: BLE001 - one line must never stop the file
+        error = line_error(e, "invalid_line")
+        return BadLine(job_id or auto_id(line_no, claimed), line_no, shape, error.code, error.message)
+
+
+def check_input(path: Path) -> None:
+    """Refuse, before the model loads, an input that can't be read (missing, a folder, no permission)."""
+    with io_errors("read", path), open(path, "rb") as f:
+        f.read(1)
 
 
 def _numbered_lines(path: Path) -> Iterator[tuple[int, bytes]]:
     """(1-based line number, line without its end) for each non-blank line, streamed."""
-    with open(path, "rb") as f:
+    with io_errors("read", path), open(path, "rb") as f:
         for line_no, raw in enumerate(f, start=1):
             raw = raw.rstrip(b"\r\n")
+            if line_no == 1 and raw.startswith(UTF8_BOM):  # some editors start a file with one
+                raw = raw[len(UTF8_BOM):]
             if raw.strip():
                 yield line_no, raw
 
 
+@dataclass(frozen=True)
+class InputScan:
+    """One cheap pass over the input before the run."""
+
+    num_lines: int  # non-blank lines: the progress bar's total
+    shape: str  # of the first line that parses: the shape of error lines for unparsable ones
+    claimed: frozenset[str]  # users' own ids that look automatic ("line-..."), which auto ids avoid
+
+
+def _own_id(raw: bytes) -> tuple[str | None, str | None]:
+    """(shape, own id) of a line, or Nones where it has none or doesn't parse."""
+    try:
+        obj = _load_object(raw)
+        shape = shape_of(obj)
+        return shape, _line_id(obj, shape)
+    except Exception:  # noqa: BLE001 - a bad line is reported when it is read for real
+        return None, None
+
+
+def scan_input(path: Path) -> InputScan:
+    num_lines, shape, claimed = 0, None, set()
+    for _, raw in _numbered_lines(path):
+        num_lines += 1
+        if shape is None or AUTO_PREFIX.encode() in raw or b"\\u" in raw:  # only these lines can claim
+            line_shape, own = _own_id(raw)
+            shape = shape or line_shape
+            if own is not None and own.startswith(AUTO_PREFIX):
+                claimed.add(own)
+    return InputScan(num_lines, shape or NATIVE, frozenset(claimed))
+
+
 def count_lines(path: Path) -> int:
-    """Non-blank lines: the progress bar's total (one cheap pass, nothing parsed)."""
-    return sum(1 for _ in _numbered_lines(path))
+    return scan_input(path).num_lines
 
 
 def detect_shape(path: Path) -> str:
-    """The shape of the first line that parses; it is the shape of error lines for unparsable ones."""
-    for _, raw in _numbered_lines(path):
-        try:
-            obj = json.loads(raw)
-        except ValueError:
-            continue
-        if isinstance(obj, dict):
-            return shape_of(obj)
-    return NATIVE
+    return scan_input(path).shape
 
 
-def read_jobs(path: Path, defaults: LineDefaults) -> Iterator[Job | BadLine]:
+def read_jobs(path: Path, defaults: LineDefaults, scan: InputScan | None = None) -> Iterator[Job | BadLine]:
     """Every non-blank line of `path` in order; a repeated id becomes a BadLine (the first runs)."""
-    file_shape = detect_shape(path)
+    scan = scan or scan_input(path)
     first_line: dict[str, int] = {}
     for line_no, raw in _numbered_lines(path):
-        item = parse_line(raw, line_no, defaults, file_shape)
+        item = parse_line(raw, line_no, defaults, scan.shape, scan.claimed)
         if item.id in first_line:
             yield BadLine(item.id, line_no, item.shape, "duplicate_id",
                           f"id {item.id!r} already used on line {first_line[item.id]}")

@@ -1,18 +1,20 @@
 """The output file: durable appends, and reading back what is already done so a rerun resumes.
 
-Lines are appended by one writer, each in a single write of the whole line, and fsync'd before the
-writer moves on. So a kill at any moment leaves complete lines plus at most one torn last line,
-which the next run cuts off before appending.
+Lines are appended by one writer (lock.py keeps a second process out), each in a single write of
+the whole line, and fsync'd before the writer moves on. So a kill at any moment leaves complete
+lines plus at most one torn last line, which the next run cuts off before appending. A write that
+fails (full disk, I/O error) is cut back to the last whole line at once and stops the job.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
+from exlcli.batch.failures import BatchIOError, io_errors
+from exlcli.batch.jsonl import load_line
 from exlcli.batch.lines import BadLine, Job
 from exlcli.batch.records import record_error_code, record_id, record_line
 from exlcli.errors import ExlcliError
@@ -75,9 +77,21 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def check_output_path(path: Path) -> None:
+    """Refuse, before anything runs, an output path that can never be a file."""
+    if path.is_dir():
+        raise BatchIOError(f"cannot write {path}: it is a folder; give -o a file path")
+
+
 def load_done(path: Path, drop_errors: bool = False) -> DoneState:
     """Read an existing output file (none is fine). With `drop_errors` the error lines are removed
     (atomically) so their ids run again."""
+    check_output_path(path)
+    with io_errors("open", path):
+        return _load_done(path, drop_errors)
+
+
+def _load_done(path: Path, drop_errors: bool) -> DoneState:
     state = DoneState()
     if not path.exists():
         return state
@@ -88,8 +102,8 @@ def load_done(path: Path, drop_errors: bool = False) -> DoneState:
             if not raw.strip():
                 continue
             try:
-                record = json.loads(raw)
-            except ValueError:
+                record = load_line(raw)
+            except Exception:  # noqa: BLE001 - any line we can't read back means this is not our file
                 record = None
             job_id = record_id(record) if isinstance(record, dict) else None
             if job_id is None:
@@ -116,43 +130,64 @@ def load_done(path: Path, drop_errors: bool = False) -> DoneState:
 
 def _rewrite(path: Path, lines: list[bytes]) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.writelines(lines)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            f.writelines(lines)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError:
+        tmp.unlink(missing_ok=True)  # the original is untouched
+        raise
     os.replace(tmp, path)
     _fsync_dir(path)
 
 
-def encode(record: dict) -> bytes:
-    return (json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8")
-
-
 class ResultWriter:
-    """Appends whole lines; `write` returns only after they are on disk."""
+    """Appends whole lines (bytes from jsonl.dump_line); `write` returns only after they are on disk.
+
+    If a write or sync fails, the file is cut back to where that group of lines began, so it holds
+    only whole lines that reached the disk, and BatchIOError is raised; the writer is then broken
+    and writes nothing more."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        check_output_path(path)
         existed = path.exists()
-        try:
+        with io_errors("write", path):
             self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise ExlcliError(f"cannot write {path}: {e.strerror}") from None
+            self._size = os.fstat(self._fd).st_size  # the end of the last whole line on disk
         if not existed:
             _fsync_dir(path)
         self.num_lines = 0
+        self.broken = False
 
-    def write(self, records: Iterable[dict]) -> None:
-        wrote = False
-        for record in records:
-            data = encode(record)
-            while data:  # a regular file takes it in one go; loop for the odd short write
-                n = os.write(self._fd, data)
-                data = data[n:]
-            self.num_lines += 1
-            wrote = True
-        if wrote:
+    def _write_all(self, data: bytes) -> None:
+        while data:  # a regular file takes it in one go; loop for the odd short write
+            n = os.write(self._fd, data)
+            data = data[n:]
+
+    def write(self, lines: Iterable[bytes]) -> None:
+        if self.broken:
+            raise BatchIOError(f"cannot write {self.path}: an earlier write failed")
+        data = b"".join(lines)
+        if not data:
+            return
+        try:
+            self._write_all(data)
             os.fsync(self._fd)  # one sync per group of lines that finished together
+        except OSError as e:
+            self.broken = True
+            self._cut_back()
+            raise BatchIOError(f"cannot write {self.path}: {e.strerror or e}") from None
+        self._size += len(data)
+        self.num_lines += data.count(b"\n")
+
+    def _cut_back(self) -> None:
+        try:
+            os.ftruncate(self._fd, self._size)
+            os.fsync(self._fd)
+        except OSError:
+            pass  # then the next run cuts the torn tail, as after a kill
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -9,10 +9,12 @@ openai  {"id": "batch_req_...", "custom_id", "response": {"status_code": 200, "r
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from dataclasses import dataclass
 
+from exlcli.batch.failures import MAX_MESSAGE, safe_text
 from exlcli.batch.lines import NATIVE, OPENAI, BadLine, Job
 from exlcli.client.base import Usage
 
@@ -33,7 +35,7 @@ def _hex() -> str:
 
 
 def _round(value: float | None) -> float | None:
-    return None if value is None else round(value, 4)
+    return None if value is None or not math.isfinite(value) else round(value, 4)  # JSON has no inf
 
 
 def result_record(done: Finished, model_name: str) -> dict:
@@ -68,6 +70,7 @@ def openai_body(done: Finished, model_name: str) -> dict:
 
 
 def error_record(job_id: str, line_no: int, shape: str, code: str, message: str) -> dict:
+    message = safe_text(message)[:MAX_MESSAGE]  # an error line must always be writable
     if shape == OPENAI:
         return {"id": f"batch_req_{_hex()}", "custom_id": job_id, "response": None,
                 "error": {"code": code, "message": message, "line": line_no}}

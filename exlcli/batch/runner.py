@@ -9,10 +9,16 @@ Stopping (see StopControl): the first Ctrl-C stops submitting and lets the reque
 finish and be written; a second Ctrl-C, or SIGTERM, cancels them (they are not written, so a rerun
 does them again). Either way the output holds only whole lines, and a rerun resumes.
 
-What is an error line and what is not: a line the engine refuses (RequestError: too long, bad
-value) or ends with finish_reason "error" gets an error line, kept on resume unless
---retry-errors. A stream that breaks (connection lost) is not written at all, so a plain rerun
-retries it; an engine that can't be reached at all stops the job the same way.
+What is an error line and what is not: a line that can't be read, that the engine refuses when it
+is submitted (too long, a prompt the tokenizer or chat template rejects, any exception but "the
+engine is unreachable"), whose result can't be written, or that ends with finish_reason "error"
+gets an error line, kept on resume unless --retry-errors; all go through failures.line_error. A
+stream that breaks (connection lost) is not written at all, so a plain rerun retries it; an engine
+that can't be reached at all stops the job the same way.
+
+The whole run holds the output's lock (lock.py). An I/O error (full disk, a folder as output,
+no permission, the input gone) stops the job: the lines in flight are cancelled, the file keeps
+only whole lines, and the summary's failure says what happened so the CLI prints the resume command.
 """
 
 from __future__ import annotations
@@ -23,13 +29,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from exlcli.batch.lines import BadLine, Job, LineDefaults, count_lines, read_jobs
-from exlcli.batch.output import DoneState, ResultWriter, load_done
+from exlcli.batch.failures import BatchIOError, line_error
+from exlcli.batch.jsonl import dump_line
+from exlcli.batch.lines import BadLine, InputScan, Job, LineDefaults, read_jobs, scan_input
+from exlcli.batch.lock import OutputLock, lock_path
+from exlcli.batch.output import DoneState, ResultWriter, check_output_path, load_done
 from exlcli.batch.progress import Snapshot
 from exlcli.batch.records import Finished, bad_line_record, error_record, result_record
 from exlcli.batch.sequencer import Sequencer
-from exlcli.batch.summary import BatchSummary
 from exlcli.batch.stopping import StopControl
+from exlcli.batch.summary import BatchSummary
 from exlcli.client.base import EngineClient, GenerationStream, TextDelta
 from exlcli.errors import ExlcliError, RequestError
 
@@ -74,7 +83,7 @@ def _drain(seq: int, job: Job, stream: GenerationStream, out: "queue.Queue[_Outc
 class BatchRun:
     def __init__(self, client: EngineClient, input_path: Path, output_path: Path,
                  defaults: LineDefaults, options: BatchOptions, progress=None,
-                 stop: StopControl | None = None) -> None:
+                 stop: StopControl | None = None, lock: OutputLock | None = None) -> None:
         self.client = client
         self.input_path = input_path
         self.output_path = output_path
@@ -82,6 +91,7 @@ class BatchRun:
         self.options = options
         self.progress = progress
         self.stop = stop or StopControl()
+        self.lock = lock  # held by the caller for the whole run; None: the run takes its own
         self.summary = BatchSummary()
         self.sequencer = Sequencer(options.ordered)
         self.results: queue.Queue[_Outcome] = queue.Queue()
@@ -89,7 +99,7 @@ class BatchRun:
         self.next_seq = 0
         self.expected = 0
         self.writer: ResultWriter | None = None
-        self._ready: list[dict] = []  # released by the sequencer, not yet written
+        self._ready: list[tuple[bytes, bool]] = []  # (line, is an error) released, not yet written
         self._start = 0.0
         self._last_tick = 0.0
         self._announced_stop = self._announced_cancel = False
@@ -98,34 +108,55 @@ class BatchRun:
 
     def run(self) -> BatchSummary:
         self._start = time.perf_counter()
-        total_lines = count_lines(self.input_path)
-        state = load_done(self.output_path, drop_errors=self.options.retry_errors)
-        self.summary.torn_bytes, self.summary.dropped_errors = state.torn_bytes, state.dropped_errors
-        self.expected = max(0, total_lines - state.num_written)
-        self.writer = ResultWriter(self.output_path)
         try:
-            try:
-                self._submit_all(state)
-            except BaseException:
-                for stream in self.in_flight.values():  # the job is failing: free the engine
-                    stream.cancel()
-                raise
-            self._finish_in_flight()
+            check_output_path(self.output_path)  # before a lock file is made beside it
+            if self.lock is not None:
+                if not self.lock.held or self.lock.path != lock_path(self.output_path):
+                    raise ExlcliError(f"the lock passed in is not held for {self.output_path}")
+                self._run_locked()
+            else:
+                with OutputLock(self.output_path):
+                    self._run_locked()
+        except BatchIOError as e:
+            self.summary.failure = str(e)
         finally:
-            self.writer.write(self._ready + self.sequencer.release_all())
-            self._ready = []
-            self.writer.close()
             self.summary.wall_s = time.perf_counter() - self._start
             if self.stop.stopping.is_set():
                 self.summary.stopped_by = self.stop.signal_name or "stop"
             self._tick(force=True)
         return self.summary
 
+    def _run_locked(self) -> None:
+        scan = scan_input(self.input_path)
+        state = load_done(self.output_path, drop_errors=self.options.retry_errors)
+        self.summary.torn_bytes, self.summary.dropped_errors = state.torn_bytes, state.dropped_errors
+        self.expected = max(0, scan.num_lines - state.num_written)
+        self.writer = ResultWriter(self.output_path)
+        try:
+            try:
+                self._submit_all(state, scan)
+                self._finish_in_flight()
+            except BaseException:
+                self._cancel_in_flight()  # the job is failing: free the engine
+                raise
+            finally:
+                if not self.writer.broken:
+                    ready, self._ready = self._ready + self.sequencer.release_all(), []
+                    self._flush(ready)
+        finally:
+            self.writer.close()
+
+    def _cancel_in_flight(self) -> None:
+        for stream in self.in_flight.values():
+            stream.cancel()
+        self.summary.cancelled += len(self.in_flight)  # not written; a rerun does them
+        self.in_flight.clear()
+
     def _halted(self) -> bool:
         return self.stop.stopping.is_set() or self.summary.failure is not None
 
-    def _submit_all(self, state: DoneState) -> None:
-        for item in read_jobs(self.input_path, self.defaults):
+    def _submit_all(self, state: DoneState, scan: InputScan) -> None:
+        for item in read_jobs(self.input_path, self.defaults, scan):
             if self._halted():
                 self.summary.input_left = True
                 return
@@ -133,7 +164,7 @@ class BatchRun:
                 self.summary.skipped += 1
                 continue
             if isinstance(item, BadLine):
-                self._emit(self._take_seq(), bad_line_record(item), error=True)
+                self._emit(self._take_seq(), item, bad_line_record(item), error=True)
                 self._write_ready()
                 continue
             self._wait_for_room()
@@ -150,14 +181,15 @@ class BatchRun:
                 stream = self.client.chat(job.messages, job.params)
             else:
                 stream = self.client.complete(job.prompt, job.params)
-        except RequestError as e:  # this line can't run (too long, bad value); the rest go on
-            self._emit(seq, error_record(job.id, job.line_no, job.shape, "invalid_request", str(e)), error=True)
+        except Exception as e:  # noqa: BLE001 - sorted below: the engine's failure, or this line's
+            if isinstance(e, ExlcliError) and not isinstance(e, RequestError):
+                self.summary.failure = str(e)  # the engine is unreachable or refuses everything: stop
+                self.summary.input_left = True
+                self._emit(seq, job, None)
+                return
+            error = line_error(e, "invalid_request")  # too long, a prompt the tokenizer refuses, ...
+            self._emit(seq, job, error_record(job.id, job.line_no, job.shape, error.code, error.message), error=True)
             self._write_ready()
-            return
-        except ExlcliError as e:  # the engine is unreachable or refuses everything: stop, keep the line
-            self.summary.failure = str(e)
-            self.summary.input_left = True
-            self._emit(seq, None)
             return
         self.in_flight[seq] = stream
         threading.Thread(target=_drain, args=(seq, job, stream, self.results),
@@ -218,34 +250,47 @@ class BatchRun:
             self.summary.lost += 1
             self._message(f"line {job.line_no} ({job.id}): {o.failure or 'the stream ended early'}; "
                           "not written, a rerun retries it")
-            self._emit(o.seq, None)
+            self._emit(o.seq, job, None)
             return
         if last.usage is not None:
             self.summary.prompt_tokens += last.usage.prompt_tokens
             self.summary.completion_tokens += last.usage.completion_tokens
         if last.finish_reason == "cancelled":
             self.summary.cancelled += 1
-            self._emit(o.seq, None)
+            self._emit(o.seq, job, None)
             return
         if last.finish_reason not in ("stop", "length"):
             message = last.error or f"generation ended with {last.finish_reason}"
-            self._emit(o.seq, error_record(job.id, job.line_no, job.shape, "engine_error", message), error=True)
+            self._emit(o.seq, job, error_record(job.id, job.line_no, job.shape, "engine_error", message),
+                       error=True)
             return
         finished = Finished(job, o.text, last.finish_reason, last.usage, o.request_id)
-        self._emit(o.seq, result_record(finished, self.client.model_name))
+        self._emit(o.seq, job, result_record(finished, self.client.model_name))
 
-    def _emit(self, seq: int, record: dict | None, error: bool = False) -> None:
+    def _emit(self, seq: int, origin: Job | BadLine, record: dict | None, error: bool = False) -> None:
+        """Encode one line's record and hand it to the sequencer (None: nothing to write for this
+        slot). A record that can't be written as strict JSON becomes that line's error line."""
+        entry = None
         if record is not None:
-            if error:
-                self.summary.errors += 1
-            else:
-                self.summary.done += 1
-        self._ready.extend(self.sequencer.push(seq, record))
+            try:
+                entry = (dump_line(record), error)
+            except Exception as e:  # noqa: BLE001 - one line must never stop the file
+                failure = line_error(e, "unwritable_result", subject="the result")
+                entry = (dump_line(error_record(origin.id, origin.line_no, origin.shape, failure.code,
+                                                failure.message)), True)
+        self._ready.extend(self.sequencer.push(seq, entry))
 
     def _write_ready(self) -> None:
         if self._ready:
             ready, self._ready = self._ready, []
-            self.writer.write(ready)
+            self._flush(ready)
+
+    def _flush(self, entries: list[tuple[bytes, bool]]) -> None:
+        """Write, then count: the summary counts only what is on disk."""
+        self.writer.write(data for data, _ in entries)
+        num_errors = sum(1 for _, error in entries if error)
+        self.summary.errors += num_errors
+        self.summary.done += len(entries) - num_errors
 
     # ---- telling the user ----
 
@@ -283,8 +328,9 @@ class BatchRun:
 
 def run_batch(client: EngineClient, input_path: Path, output_path: Path,
               defaults: LineDefaults | None = None, options: BatchOptions | None = None,
-              progress=None, stop: StopControl | None = None) -> BatchSummary:
-    """Run every line of `input_path` not already in `output_path`; append results there."""
+              progress=None, stop: StopControl | None = None, lock: OutputLock | None = None) -> BatchSummary:
+    """Run every line of `input_path` not already in `output_path`; append results there. Holds the
+    output's lock throughout (pass `lock` if the caller already holds it); OutputInUse if another has it."""
     return BatchRun(client, Path(input_path), Path(output_path), defaults or LineDefaults(),
-                    options or BatchOptions(), progress, stop).run()
+                    options or BatchOptions(), progress, stop, lock).run()
 

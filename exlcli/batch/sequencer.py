@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+from typing import Generic, TypeVar
 
-class Sequencer:
+T = TypeVar("T")
+
+
+class Sequencer(Generic[T]):
     """Releases lines to the writer: at once, or (ordered) in input order. A slot may be None
     (nothing to write, e.g. a cancelled request) so that later lines are not held up."""
 
     def __init__(self, ordered: bool) -> None:
         self.ordered = ordered
         self.next_to_write = 0
-        self._waiting: dict[int, dict | None] = {}
+        self._waiting: dict[int, T | None] = {}
 
-    def push(self, seq: int, record: dict | None) -> list[dict]:
+    def push(self, seq: int, record: T | None) -> list[T]:
         if not self.ordered:
             self.next_to_write += 1
             return [] if record is None else [record]
@@ -25,7 +29,7 @@ class Sequencer:
                 ready.append(item)
         return ready
 
-    def release_all(self) -> list[dict]:
+    def release_all(self) -> list[T]:
         """Whatever is held, in order (used when a gap will never be filled)."""
         ready = [r for _, r in sorted(self._waiting.items()) if r is not None]
         self._waiting.clear()

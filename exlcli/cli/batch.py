@@ -10,13 +10,24 @@ from typing import Annotated, List, Optional
 
 import typer
 
-from exlcli.batch.lines import LineDefaults
+from exlcli.batch.failures import BatchIOError
+from exlcli.batch.lines import LineDefaults, check_input
+from exlcli.batch.lock import OutputLock
+from exlcli.batch.output import check_output_path
 from exlcli.batch.progress import make_progress
 from exlcli.batch.runner import BatchOptions, run_batch
-from exlcli.batch.summary import BatchSummary
 from exlcli.batch.stopping import StopControl
-from exlcli.cli.common import (DeviceOption, DtypeOption, KvMemoryOption, LocalOption, ModelOption,
-                               PrefixCacheOption, ServerOption, user_errors)
+from exlcli.batch.summary import BatchSummary
+from exlcli.cli.common import (
+    DeviceOption,
+    DtypeOption,
+    KvMemoryOption,
+    LocalOption,
+    ModelOption,
+    PrefixCacheOption,
+    ServerOption,
+    user_errors,
+)
 from exlcli.client.base import EngineClient, GenerationParams
 from exlcli.errors import ExlcliError
 
@@ -45,6 +56,13 @@ def resume_command(input_path: Path, output_path: Path) -> str:
     return f"exlcli batch {shlex.quote(str(input_path))} -o {shlex.quote(str(output_path))} (same options)"
 
 
+def io_failure(error: BatchIOError, input_path: Path, output_path: Path) -> typer.Exit:
+    """An I/O error before anything ran: one line, and the command to run once it is fixed."""
+    print(f"error: {error}", file=sys.stderr)
+    print(f"batch: to resume, run: {resume_command(input_path, output_path)}", file=sys.stderr)
+    return typer.Exit(1)
+
+
 def report(summary: BatchSummary, output_path: Path, input_path: Path) -> int:
     """Print the summary (and how to resume when something is left); return the exit code."""
     print(f"batch: {summary.describe()} -> {output_path}", file=sys.stderr)
@@ -67,7 +85,8 @@ def register(app: typer.Typer) -> None:
         input_path: Annotated[Path, typer.Argument(
             metavar="PROMPTS.jsonl", help="One job per line: {id, prompt|messages, ...} or an OpenAI batch line.")],
         output: Annotated[Optional[Path], typer.Option(
-            "--output", "-o", help="Results JSONL (appended; rerun to resume). Default: PROMPTS.results.jsonl.")] = None,
+            "--output", "-o",
+            help="Results JSONL (appended; rerun to resume). Default: PROMPTS.results.jsonl.")] = None,
         model: ModelOption = None,
         server: ServerOption = None,
         local: LocalOption = False,
@@ -76,7 +95,8 @@ def register(app: typer.Typer) -> None:
         device: DeviceOption = None,
         dtype: DtypeOption = None,
         max_tokens: Annotated[int, typer.Option("--max-tokens", help="Default max new tokens per line.")] = 256,
-        temperature: Annotated[float, typer.Option("--temperature", "-t", help="Default temperature; 0 is greedy.")] = 0.7,
+        temperature: Annotated[float, typer.Option(
+            "--temperature", "-t", help="Default temperature; 0 is greedy.")] = 0.7,
         top_p: Annotated[float, typer.Option("--top-p", help="Default nucleus sampling.")] = 1.0,
         top_k: Annotated[int, typer.Option("--top-k", help="Default top-k; 0 is off.")] = 0,
         min_p: Annotated[float, typer.Option("--min-p", help="Default min-p.")] = 0.0,
@@ -97,8 +117,6 @@ def register(app: typer.Typer) -> None:
         Ctrl-C stops submitting and finishes what is in flight (Ctrl-C again, or SIGTERM, cancels
         it); rerun the same command to resume where it stopped.
         """
-        if not input_path.is_file():
-            raise ExlcliError(f"no such input file: {input_path}")
         output_path = output or default_output(input_path)
         if output_path.resolve() == input_path.resolve():
             raise ExlcliError("the output file must not be the input file")
@@ -108,20 +126,29 @@ def register(app: typer.Typer) -> None:
         if max_tokens < 1:
             raise ExlcliError(f"--max-tokens must be at least 1, got {max_tokens}")
         options = BatchOptions(max_in_flight=max_in_flight, ordered=ordered, retry_errors=retry_errors)
-
-        client = open_batch_client(model, server, local, device, dtype, kv_memory, prefix_cache)
+        try:  # all before the model loads: a second process on this output is refused at once
+            check_input(input_path)
+            check_output_path(output_path)
+            lock = OutputLock(output_path).acquire()
+        except BatchIOError as e:
+            raise io_failure(e, input_path, output_path) from None
         try:
-            print(f"batch: {input_path} -> {output_path} on {client.model_name} ({client.kind})", file=sys.stderr)
-            progress = make_progress(0, sys.stderr, interval=progress_every)
-            stop_control = StopControl()
+            client = open_batch_client(model, server, local, device, dtype, kv_memory, prefix_cache)
             try:
-                with stop_control.installed():
-                    summary = run_batch(client, input_path, output_path, LineDefaults(params, system),
-                                        options, progress=progress, stop=stop_control)
+                print(f"batch: {input_path} -> {output_path} on {client.model_name} ({client.kind})",
+                      file=sys.stderr)
+                progress = make_progress(0, sys.stderr, interval=progress_every)
+                stop_control = StopControl()
+                try:
+                    with stop_control.installed():
+                        summary = run_batch(client, input_path, output_path, LineDefaults(params, system),
+                                            options, progress=progress, stop=stop_control, lock=lock)
+                finally:
+                    progress.close()
             finally:
-                progress.close()
+                client.close()
         finally:
-            client.close()
+            lock.release()
         if summary.torn_bytes:
             print(f"batch: cut {summary.torn_bytes} bytes of a line an earlier run left unfinished",
                   file=sys.stderr)

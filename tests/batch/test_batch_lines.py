@@ -3,9 +3,20 @@
 import json
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from exlcli.batch.lines import (NATIVE, OPENAI, BadLine, Job, LineDefaults, count_lines, detect_shape,
-                                parse_line, read_jobs)
+from exlcli.batch.lines import (
+    NATIVE,
+    OPENAI,
+    BadLine,
+    Job,
+    LineDefaults,
+    count_lines,
+    detect_shape,
+    parse_line,
+    read_jobs,
+)
 from exlcli.client.base import GenerationParams
 
 DEFAULTS = LineDefaults(GenerationParams(max_tokens=32, temperature=0.5, stop=["END"]), system=None)
@@ -69,7 +80,7 @@ def test_content_parts_are_joined():
     ({"id": "x", "messages": [{"role": "user", "content": 3}]}, "invalid_type", "messages[0].content"),
     ({"id": "x", "prompt": "a", "max_tokens": "10"}, "invalid_type", "max_tokens must be a positive integer"),
     ({"id": "x", "prompt": "a", "max_tokens": 0}, "invalid_type", "max_tokens"),
-    ({"id": "x", "prompt": "a", "temperature": "hot"}, "invalid_type", "temperature must be a number"),
+    ({"id": "x", "prompt": "a", "temperature": "hot"}, "invalid_type", "temperature must be a finite number"),
     ({"id": "x", "prompt": "a", "temperature": True}, "invalid_type", "temperature"),
     ({"id": "x", "prompt": "a", "top_k": 1.5}, "invalid_type", "top_k must be an integer"),
     ({"id": "x", "prompt": "a", "seed": "s"}, "invalid_type", "seed"),
@@ -129,8 +140,10 @@ def test_read_jobs_streams_numbers_lines_skips_blanks_and_flags_duplicates(write
     path = write_jsonl([{"id": "a", "prompt": "1"}, "", {"prompt": "2"}, {"id": "a", "prompt": "3"},
                         {"id": "line-3", "prompt": "4"}, "not json"])
     items = list(read_jobs(path, DEFAULTS))
-    assert [(i.id, i.line_no) for i in items] == [("a", 1), ("line-3", 3), ("a", 4), ("line-3", 5), ("line-6", 6)]
-    assert [getattr(i, "code", None) for i in items] == [None, None, "duplicate_id", "duplicate_id", "invalid_json"]
+    # line 5 claims "line-3" as its own id, so line 3's automatic id steps aside (see the auto id tests)
+    assert [(i.id, i.line_no) for i in items] == [("a", 1), ("line-3-auto", 3), ("a", 4), ("line-3", 5),
+                                                  ("line-6", 6)]
+    assert [getattr(i, "code", None) for i in items] == [None, None, "duplicate_id", None, "invalid_json"]
     assert "already used on line 1" in items[2].message
     assert count_lines(path) == 5
 
@@ -140,3 +153,119 @@ def test_shape_of_unparsable_lines_follows_the_file(write_jsonl):
     assert detect_shape(path) == OPENAI
     first = next(read_jobs(path, DEFAULTS))
     assert isinstance(first, BadLine) and first.shape == OPENAI
+
+
+# ---- nothing in a line can stop the file ----
+
+DEEP = b'{"id": "deep", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+HOSTILE = [  # (raw line, code): every way we found a line could raise, each must become one error line
+    (rb'{"id": "s", "prompt": "x \ud800 y"}', "invalid_unicode"),          # lone surrogate in the prompt
+    (rb'{"id": "\udfff", "prompt": "x"}', "invalid_unicode"),              # ... in the id: it gets line-N
+    (rb'{"id": "k", "prompt": "x", "meta\ud83d": 1}', "invalid_unicode"),  # ... in a key nobody reads
+    (rb'{"id": "p", "messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]}',
+     "invalid_unicode"),
+    (b'{"id": "bytes", "prompt": "\xc3\x28"}', "invalid_utf8"),
+    (b'{"id": "n", "prompt": "x", "temperature": NaN}', "invalid_json"),
+    (b'{"id": "i", "prompt": "x", "top_p": Infinity}', "invalid_json"),
+    (b'{"id": "m", "prompt": "x", "meta": -Infinity}', "invalid_json"),
+    (b'{"id": "f", "prompt": "x", "temperature": 1e400}', "invalid_json"),  # a float that overflows
+    (b'{"id": "d", "prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", "invalid_json"),  # past int parsing
+    (b'{"id": "b", "prompt": "x", "temperature": ' + b"9" * 400 + b"}", "invalid_type"),  # int too big for float
+    (b'{"id": "b2", "prompt": "x", "seed": ' + b"9" * 30 + b"}", "invalid_type"),
+    (b'{"id": "b3", "prompt": "x", "top_k": 18446744073709551616}', "invalid_type"),
+    (b'{"id": 100000000000000000000000, "prompt": "x"}', "invalid_type"),
+    (DEEP, "invalid_json"),
+    (b'{"id": "nest", "prompt": ' + b'{"a": ' * 500 + b"1" + b"}" * 500 + b"}", "invalid_type"),
+    (b'{"id": "obj", "messages": {"role": "user"}}', "invalid_type"),
+    (b'{"id": "args", "messages": [{"role": "user", "content": {"text": "hi"}}]}', "invalid_type"),
+    (b'"just a string"', "invalid_type"),
+    (b"17", "invalid_type"),
+    (b"null", "invalid_type"),
+    (b"[]", "invalid_type"),
+    (b"true", "invalid_type"),
+    (b"{}", "missing_prompt"),
+    (b'{"id": "ctl", "prompt": "tab\tinside"}', "invalid_json"),  # a raw control character in a string
+    (b"\x00\x01", "invalid_json"),
+]
+
+
+@pytest.mark.parametrize("raw, code", HOSTILE, ids=[f"hostile{i}" for i in range(len(HOSTILE))])
+def test_no_line_can_raise_each_becomes_an_error_line_that_can_be_written(raw, code):
+    from exlcli.batch.jsonl import dump_line
+    from exlcli.batch.records import bad_line_record
+
+    bad = parse(raw, line_no=4)
+    assert isinstance(bad, BadLine), bad
+    assert (bad.code, bad.line_no) == (code, 4), bad
+    assert 0 < len(bad.message) <= 200
+    record = json.loads(dump_line(bad_line_record(bad)))  # strict JSON, valid UTF-8: always writable
+    assert record["line"] == 4 and record["error"]["code"] == code
+    if b"\\ud" in raw[:20] or not raw.startswith(b'{"id": "'):
+        assert bad.id == "line-4"  # an id that can't be written, or none: the automatic one
+
+
+def test_a_surrogate_pair_is_fine_only_a_lone_half_is_not():
+    job = parse(rb'{"id": "emoji", "prompt": "x \ud83d\ude00"}')
+    assert isinstance(job, Job) and job.prompt == "x \U0001F600"
+
+
+def test_utf8_bom_on_the_first_line_is_ignored(write_jsonl, tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"id": "a", "prompt": "x"}\n{"id": "b", "prompt": "y"}\n')
+    assert [type(i).__name__ for i in read_jobs(path, DEFAULTS)] == ["Job", "Job"]
+
+
+TEXTS = st.text(st.characters(exclude_categories=()), max_size=8) | st.sampled_from(
+    ["\ud800", "a\udfffb", "\x00", "line-3", "", "\U0001F600"])
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(st.binary(max_size=80), st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | TEXTS,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+        st.sampled_from(["id", "prompt", "messages", "role", "content", "max_tokens", "temperature", "stop",
+                         "seed", "custom_id", "url", "body", "system", "top_k"]) | st.text(max_size=4),
+        inner, max_size=5),
+    max_leaves=12)))
+def test_property_any_line_is_a_job_or_a_writable_error_line(value):
+    from exlcli.batch.jsonl import dump_line
+    from exlcli.batch.records import bad_line_record
+
+    raw = value if isinstance(value, bytes) else json.dumps(value).encode()  # json.dumps writes NaN, \ud800
+    item = parse_line(raw, 3, DEFAULTS, NATIVE)
+    assert isinstance(item, (Job, BadLine))
+    if isinstance(item, BadLine):
+        dump_line(bad_line_record(item))
+    else:
+        dump_line({"id": item.id, "prompt": item.prompt, "messages": item.messages})
+
+
+# ---- automatic ids never collide with a user's ----
+
+def test_auto_id_steps_aside_for_a_user_id_claimed_before_or_after_it(write_jsonl):
+    path = write_jsonl([{"id": "line-2", "prompt": "user claims line 2's name, before it"},
+                        {"prompt": "no id"},
+                        {"prompt": "no id either"},
+                        {"id": "line-3", "prompt": "user claims line 3's name, after it"},
+                        {"id": "line-3-auto", "prompt": "and the first fallback too"},
+                        {"id": "line-6", "prompt": "a user id equal to its own line's auto id"}])
+    items = list(read_jobs(path, DEFAULTS))
+    assert [i.id for i in items] == ["line-2", "line-2-auto", "line-3-auto2", "line-3", "line-3-auto", "line-6"]
+    assert all(isinstance(i, Job) for i in items)  # nobody is a duplicate of anybody
+
+
+def test_a_claim_spelled_with_json_escapes_is_still_seen(write_jsonl):
+    path = write_jsonl(['{"id": "\\u006cine-1", "prompt": "escaped"}', {"prompt": "no id"}])
+    assert [i.id for i in read_jobs(path, DEFAULTS)] == ["line-1", "line-2"]
+    path = write_jsonl([{"prompt": "no id"}, '{"id": "\\u006cine-1", "prompt": "escaped"}'])
+    assert [i.id for i in read_jobs(path, DEFAULTS)] == ["line-1-auto", "line-1"]
+
+
+def test_scan_counts_lines_finds_the_shape_and_the_claims(write_jsonl):
+    from exlcli.batch.lines import auto_id, scan_input
+
+    path = write_jsonl(["{broken", "", openai_line(), {"custom_id": "line-9", "url": "/v1/completions",
+                                                        "body": {"prompt": "x"}}, {"id": "lineup", "prompt": "x"}])
+    scan = scan_input(path)
+    assert (scan.num_lines, scan.shape, scan.claimed) == (4, OPENAI, frozenset({"line-9"}))
+    assert auto_id(9, scan.claimed) == "line-9-auto" and auto_id(8, scan.claimed) == "line-8"

@@ -7,6 +7,7 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
+from exlcli.batch.jsonl import dump_line
 from exlcli.batch.lines import NATIVE, OPENAI, BadLine, Job
 from exlcli.batch.output import ResultWriter, load_done
 from exlcli.batch.records import Finished, bad_line_record, error_record, result_record
@@ -94,8 +95,8 @@ def test_torn_last_line_is_cut_before_appending(tmp_path):
     assert state.torn_bytes == len(torn) and state.ok == {"a"}
     assert path.read_bytes() == (json.dumps(OK_A) + "\n").encode()
     with ResultWriter(path) as w:
-        w.write([{"id": "b", "line": 2, "text": "y", "finish_reason": "stop"}])
-    assert [json.loads(l)["id"] for l in path.read_text().splitlines()] == ["a", "b"]
+        w.write([dump_line({"id": "b", "line": 2, "text": "y", "finish_reason": "stop"})])
+    assert [json.loads(line)["id"] for line in path.read_text().splitlines()] == ["a", "b"]
 
 
 def test_torn_file_with_no_complete_line_becomes_empty(tmp_path):
@@ -110,7 +111,7 @@ def test_retry_errors_drops_error_lines_atomically(tmp_path):
     state = load_done(path, drop_errors=True)
     assert state.ok == {"a"} and not state.failed and not state.duplicate_lines
     assert state.dropped_errors == 3
-    assert [json.loads(l) for l in path.read_text().splitlines()] == [OK_A]
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [OK_A]
     assert not (tmp_path / "out.jsonl.tmp").exists()
 
 
@@ -124,10 +125,77 @@ def test_a_file_that_is_not_batch_output_is_refused(tmp_path):
 def test_writer_appends_whole_lines(tmp_path):
     path = tmp_path / "out.jsonl"
     with ResultWriter(path) as w:
-        w.write([OK_A, {"id": "ü", "text": "line\nbreak"}])
+        w.write([dump_line(OK_A), dump_line({"id": "ü", "text": "line\nbreak"})])
         w.write([])
     with ResultWriter(path) as w:
-        w.write([OA_OK])
+        w.write([dump_line(OA_OK)])
     lines = path.read_bytes().split(b"\n")
     assert lines[-1] == b"" and len(lines) == 4
-    assert [json.loads(l) for l in lines[:-1]] == [OK_A, {"id": "ü", "text": "line\nbreak"}, OA_OK]
+    assert [json.loads(line) for line in lines[:-1]] == [OK_A, {"id": "ü", "text": "line\nbreak"}, OA_OK]
+
+
+def test_writer_that_fails_mid_line_cuts_back_to_whole_lines_and_writes_no_more(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    from exlcli.batch.failures import BatchIOError
+
+    path = tmp_path / "out.jsonl"
+    with ResultWriter(path) as w:
+        w.write([dump_line(OK_A)])
+
+        def half_then_full(self, data):  # what a filling disk does: part of the line, then ENOSPC
+            os.write(self._fd, data[: len(data) // 2])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr(ResultWriter, "_write_all", half_then_full)
+        with pytest.raises(BatchIOError, match="cannot write .*out.jsonl: No space left on device"):
+            w.write([dump_line(ERR_B), dump_line(OA_OK)])
+        assert w.broken and w.num_lines == 1
+        monkeypatch.undo()
+        with pytest.raises(BatchIOError, match="an earlier write failed"):
+            w.write([dump_line(OA_OK)])
+    assert path.read_bytes() == dump_line(OK_A)  # the torn half is gone at once, not left for the next run
+
+
+def test_writer_whose_sync_fails_drops_that_group(tmp_path, monkeypatch):
+    import errno
+
+    from exlcli.batch import output
+    from exlcli.batch.failures import BatchIOError
+
+    path = tmp_path / "out.jsonl"
+    with ResultWriter(path) as w:
+        w.write([dump_line(OK_A)])
+        real_fsync = output.os.fsync
+        calls = []
+
+        def failing_fsync(fd):
+            calls.append(fd)
+            if len(calls) == 1:
+                raise OSError(errno.EIO, "Input/output error")
+            real_fsync(fd)
+
+        monkeypatch.setattr(output.os, "fsync", failing_fsync)
+        with pytest.raises(BatchIOError, match="Input/output error"):
+            w.write([dump_line(ERR_B)])
+    assert path.read_bytes() == dump_line(OK_A)  # not known to be on disk: not counted, the rerun redoes it
+
+
+def test_an_output_path_that_is_a_folder_is_refused_by_reader_and_writer(tmp_path):
+    from exlcli.batch.failures import BatchIOError
+
+    folder = tmp_path / "results"
+    folder.mkdir()
+    with pytest.raises(BatchIOError, match="it is a folder"):
+        load_done(folder)
+    with pytest.raises(BatchIOError, match="it is a folder"):
+        ResultWriter(folder)
+    assert list(folder.iterdir()) == []
+
+
+def test_read_back_refuses_lines_that_are_not_ours_without_a_traceback(tmp_path):
+    path = tmp_path / "out.jsonl"
+    path.write_bytes(dump_line(OK_A) + b"[" * 100_000 + b"\n")  # nested too deeply for json
+    with pytest.raises(ExlcliError, match="line 2 is not a batch result line"):
+        load_done(path)

@@ -229,3 +229,118 @@ def test_sequencer_releases_in_order_skips_empty_slots_and_can_flush_a_gap():
     assert seq.push(4, {"n": 4}) == [] and seq.num_held == 1
     assert seq.release_all() == [{"n": 4}] and seq.num_held == 0
     assert Sequencer(ordered=False).push(7, {"n": 7}) == [{"n": 7}]
+
+
+class RefusingClient(FakeClient):
+    """A client whose tokenizer / chat template refuse some prompts, the way real ones raise."""
+
+    def _check(self, text):
+        import jinja2
+
+        if "TEMPLATE" in text:
+            raise jinja2.exceptions.TemplateError("Conversation roles must alternate user/assistant")
+        if "TOKENIZER" in text:
+            raise ValueError("TextEncodeInput must be Union[TextInputSequence, Tuple[InputSequence, InputSequence]]")
+        if "OVERFLOW" in text:
+            raise OverflowError("Python int too large to convert to C long")
+
+    def complete(self, prompt, params):
+        self._check(prompt)
+        return super().complete(prompt, params)
+
+    def chat(self, messages, params):
+        self._check(messages[-1]["content"])
+        return super().chat(messages, params)
+
+
+def test_a_prompt_the_tokenizer_or_template_refuses_is_an_error_line_and_the_rest_run(tmp_path, write_jsonl,
+                                                                                       read_jsonl):
+    rows = [{"id": "t", "messages": [{"role": "user", "content": "TEMPLATE"}]}, {"id": "ok1", "prompt": "a"},
+            {"id": "k", "prompt": "TOKENIZER"}, {"id": "o", "prompt": "OVERFLOW"}, {"id": "ok2", "prompt": "b"}]
+    inp, out = write_jsonl(rows), tmp_path / "out.jsonl"
+    summary = run(RefusingClient(), inp, out)
+    assert (summary.done, summary.errors, summary.failure) == (2, 3, None)
+    by_id = {r["id"]: r for r in read_jsonl(out)}
+    assert by_id["t"]["error"]["code"] == "invalid_request" and by_id["t"]["line"] == 1
+    assert by_id["t"]["error"]["message"] == "TemplateError: Conversation roles must alternate user/assistant"
+    assert by_id["k"]["error"]["message"].startswith("ValueError: TextEncodeInput")
+    assert by_id["o"]["error"]["message"].startswith("OverflowError")
+    assert by_id["ok2"]["text"] == "echo: b"
+    assert run(RefusingClient(), inp, out).skipped == 5  # kept on resume, like every error line
+
+
+def test_a_result_that_cannot_be_written_becomes_its_error_line(tmp_path, write_jsonl, read_jsonl):
+    class Stream(GenerationStream):
+        request_id = "s"
+
+        def __init__(self, text):
+            self.text = text
+
+        def cancel(self):
+            pass
+
+        def __iter__(self):
+            yield TextDelta(text=self.text)
+            yield TextDelta(finish_reason="stop", usage=Usage(completion_tokens=1, total_time=0.0, ttft=0.0,
+                                                              decode_tps=float("inf")))
+
+        def __aiter__(self):
+            raise NotImplementedError
+
+    class Client(FakeClient):
+        def complete(self, prompt, params):
+            return Stream("half a pair \ud83d" if prompt == "BROKEN" else "fine")
+
+    rows = [{"id": "a", "prompt": "x"}, {"id": "b", "prompt": "BROKEN"}, {"id": "c", "prompt": "y"}]
+    inp, out = write_jsonl(rows), tmp_path / "out.jsonl"
+    summary = run(Client(), inp, out, ordered=True)
+    assert (summary.done, summary.errors) == (2, 1)
+    records = read_jsonl(out)
+    assert [r["id"] for r in records] == ["a", "b", "c"]
+    assert records[1]["error"]["code"] == "invalid_unicode" and records[1]["line"] == 2
+    assert records[1]["error"]["message"].startswith("the result has a string that is not valid Unicode")
+    assert records[0]["timing"]["decode_tps"] is None  # an infinite rate is not JSON: written as null
+
+
+def test_a_full_disk_stops_the_job_keeps_whole_lines_and_a_rerun_finishes(tmp_path, write_jsonl, read_jsonl,
+                                                                         monkeypatch):
+    import errno
+    import os
+
+    from exlcli.batch.output import ResultWriter
+
+    rows = prompts(30)
+    inp, out = write_jsonl(rows), tmp_path / "out.jsonl"
+    real = ResultWriter._write_all
+    calls = []
+
+    def fills_up(self, data):
+        calls.append(len(data))
+        if len(calls) < 6:
+            return real(self, data)
+        os.write(self._fd, data[:7])  # a torn start of a line, then the disk is full
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(ResultWriter, "_write_all", fills_up)
+    summary = run(ScriptedClient(), inp, out, max_in_flight=4)
+    assert summary.failure == f"cannot write {out}: No space left on device"
+    written = read_jsonl(out)  # every line whole JSON (read_jsonl would raise on a torn one)
+    assert summary.done == len(written) and 0 < len(written) < 30
+    assert out.read_bytes().endswith(b"\n")
+    monkeypatch.undo()
+    rest = run(ScriptedClient(), inp, out)
+    assert rest.failure is None and rest.done + rest.skipped == 30 and rest.skipped == len(written)
+    final = read_jsonl(out)
+    assert sorted(r["id"] for r in final) == sorted(r["id"] for r in rows)  # each id exactly once
+    assert {r["id"]: r["text"] for r in final} == {r["id"]: expected_text(r) for r in rows}
+
+
+def test_an_input_that_vanishes_or_an_output_folder_is_a_failure_not_a_traceback(tmp_path, write_jsonl):
+    folder = tmp_path / "results"
+    folder.mkdir()
+    summary = run(ScriptedClient(), write_jsonl(prompts(2)), folder)
+    assert summary.failure == f"cannot write {folder}: it is a folder; give -o a file path"
+    assert list(tmp_path.glob("*.lock")) == []
+    missing = tmp_path / "gone.jsonl"
+    summary = run(ScriptedClient(), missing, tmp_path / "out.jsonl")
+    assert summary.failure == f"cannot read {missing}: No such file or directory"

@@ -8,9 +8,9 @@ import os
 from typer.testing import CliRunner
 
 from exlcli.cli.app import app
-from tests.server.server_helpers import running_server
 from exlcli.client.fake import FakeClient
 from exlcli.client.runtime_file import ServerRecord, write_record
+from tests.server.server_helpers import running_server
 
 
 @contextlib.contextmanager
