@@ -14,8 +14,6 @@ from exlcli.chat.settings import ChatSettings
 from exlcli.client.base import EngineClient
 from exlcli.errors import ExlcliError
 
-MAX_N = 16
-
 
 @dataclass
 class SessionTotals:

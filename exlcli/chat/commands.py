@@ -16,6 +16,9 @@ if TYPE_CHECKING:
     from exlcli.chat.app import ChatApp
 
 
+MAX_N = 16  # answers one /n may ask for at once
+
+
 class CommandError(ExlcliError):
     pass
 
@@ -112,7 +115,6 @@ def _undo(app: "ChatApp", arg: str) -> None:
 
 @command("n", "/n K [TEXT]", "K answers at once, in one batch, to TEXT (or again to the last message)")
 def _n(app: "ChatApp", arg: str) -> None:
-    from exlcli.chat.app import MAX_N
 
     count, _, text = arg.partition(" ")
     try:
