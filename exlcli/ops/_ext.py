@@ -17,18 +17,17 @@ Environment:
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import sys
 import threading
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
 from exlcli.errors import ExlcliError
 from exlcli import environment
+from exlcli.ops.backend import kernels_disabled, reference_forced  # kernels_disabled: re-exported
 
 # The one list of the extension's sources, relative to csrc/.
 SOURCES = (
@@ -47,7 +46,6 @@ CSRC = Path(__file__).resolve().parents[1] / "csrc"
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
 _reason = ""  # why the kernels are off, when they are
-_disabled_depth = 0  # kernels_disabled() nesting
 skinny_linear_ok = False  # the decode linear kernel passed its check at load
 
 
@@ -239,23 +237,12 @@ def reason() -> str:
 
 def use_kernels(t: torch.Tensor) -> bool:
     """True when `t` lives on a CUDA device and the compiled ops are loaded."""
-    return t.is_cuda and _disabled_depth == 0 and (_loaded if _loaded is not None else load())
-
-
-@contextlib.contextmanager
-def kernels_disabled() -> Iterator[None]:
-    """Runs the torch reference ops inside the block, also on CUDA tensors (tests, comparisons)."""
-    global _disabled_depth
-    _disabled_depth += 1
-    try:
-        yield
-    finally:
-        _disabled_depth -= 1
+    return t.is_cuda and not reference_forced() and (_loaded if _loaded is not None else load())
 
 
 def kernels_available() -> bool:
     """Whether use_kernels() would say yes for a CUDA tensor (loads the extension if needed)."""
-    return _disabled_depth == 0 and torch.cuda.is_available() and load()
+    return not reference_forced() and torch.cuda.is_available() and load()
 
 
 # -- checked entry points ------------------------------------------------------------------------
