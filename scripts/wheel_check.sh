@@ -14,12 +14,20 @@ trap 'rm -rf "$work"' EXIT
 # Build from a copy of what git would ship (tracked and untracked-not-ignored files): the source
 # tree gets no build/ or egg-info, and a kernel file git does not know cannot hide a missing glob.
 mkdir "$work/src"
-git -C "$repo" ls-files -z --cached --others --exclude-standard | (cd "$repo" && xargs -0 cp --parents -t "$work/src" || true)
+if git -C "$repo" rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+  git -C "$repo" ls-files -z --cached --others --exclude-standard | (cd "$repo" && xargs -0 cp --parents -t "$work/src" || true)
+else  # a copy without git: all of it but what builds leave behind
+  tar -C "$repo" --exclude=.git --exclude=build --exclude='*.egg-info' --exclude=__pycache__ -cf - . | tar -C "$work/src" -xf -
+fi
 [ -f "$work/src/pyproject.toml" ] || { echo "wheel_check: could not copy the source tree" >&2; exit 1; }
 (cd "$work/src" && python3 -m pip wheel -q --no-deps -w "$work/dist" "$@" .)
 wheel=("$work"/dist/exlcli-*.whl)
 
 python3 -m venv --system-site-packages "$work/venv"
+# where python3 is itself a venv, --system-site-packages reaches only its base: let the new venv see
+# python3's own packages too (after its own, so exlcli still comes from the wheel)
+python3 -c 'import site; print("\n".join(site.getsitepackages()))' \
+  >"$("$work/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/_outer_site.pth"
 "$work/venv/bin/python" -m pip install -q --no-deps --ignore-installed "${wheel[0]}"
 
 cd "$work"  # nothing here is importable as exlcli: only the venv's copy is
