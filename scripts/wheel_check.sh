@@ -84,12 +84,15 @@ else:
 # the CUDA kernels: found by their loader inside the package (built on first use on a GPU)
 import torch  # noqa: E402
 
-from exlcli.ops import _ext  # noqa: E402
+try:  # the module that lists the CUDA build's sources
+    from exlcli.ops.cuda import build as cuda_build
+except ImportError:  # before ops/_ext.py was split up
+    from exlcli.ops import _ext as cuda_build
 
-assert _ext.CSRC.is_relative_to(package), _ext.CSRC
-lost = [name for name in _ext.SOURCES + _ext.HEADERS if not (_ext.CSRC / name).is_file()]
-assert not lost, f"the CUDA loader's sources are missing: {lost}"
+assert cuda_build.CSRC.is_relative_to(package), cuda_build.CSRC
+lost = [name for name in cuda_build.SOURCES + cuda_build.HEADERS if not (cuda_build.CSRC / name).is_file()]
+assert not lost, f"the CUDA build's sources are missing: {lost}"
 where = "on this CUDA machine" if torch.cuda.is_available() else "(no CUDA here: not built)"
-print(f"wheel_check: the CUDA loader finds its {len(_ext.SOURCES)} sources {where}")
+print(f"wheel_check: the CUDA build finds its {len(cuda_build.SOURCES)} sources {where}")
 print("wheel_check: ok")
 EOF
