@@ -3,6 +3,9 @@ this very CPU (-march=native), loaded with ctypes. No torch headers, so the buil
 two. If there is no compiler, or the CPU lacks the instructions a kernel needs, the torch reference
 ops run and the user is told once, on stderr, why.
 
+Each kernel takes one struct of arguments by pointer: exlcli/csrc/cpu/args.h declares them and
+exlcli/ops/cpu_args.py mirrors them as ctypes Structures (`kernel_function` sets that signature).
+
 The kernels are used for bf16 tensors on the CPU only (the fast CPU path); fp32 runs the torch
 references, which stay the oracle in the tests. Every kernel computes each output row with the same
 sequence of operations whatever else is in the batch, so batch invariance holds with them too.
@@ -18,6 +21,7 @@ Environment:
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -32,14 +36,15 @@ import torch
 
 from exlcli import environment
 from exlcli.ops import backend
+from exlcli.ops.cpu_args import KernelArgs
 
 CSRC_CPU = Path(__file__).resolve().parents[1] / "csrc" / "cpu"
-CFLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c11", "-fno-math-errno", "-pthread")
+# -march=native tunes for this CPU, but never with AMX: AMX tiles need a permission from the kernel
+# (arch_prctl) that this process may not have asked for, and without it an AMX instruction kills it.
+CFLAGS = ("-O3", "-march=native", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16", "-shared", "-fPIC",
+          "-std=c11", "-fno-math-errno", "-pthread")
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
-_reason = ""
+_LOAD_LOCK = threading.Lock()  # one build and load at a time; the result is kept by _load
 
 
 def _cpu_flags() -> str:
@@ -68,8 +73,8 @@ def build_key(compiler: str) -> str:
 def _build() -> ctypes.CDLL:
     sources = _sources()
     if not sources:
-        raise RuntimeError(f"kernel sources not found in {CSRC_CPU}; install exlcli from its source "
-                           f"tree (pip install -e .) to build them")
+        raise RuntimeError(f"kernel sources not found in {CSRC_CPU}; this install of exlcli lacks its "
+                           f"package data (exlcli/csrc/cpu/*.c)")
     compiler = os.environ.get("CC", "cc")
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C compiler ({compiler!r} not found)")
@@ -90,27 +95,54 @@ def _build() -> ctypes.CDLL:
     return ctypes.CDLL(str(target))
 
 
+class CpuKernelLibrary:
+    """The built library, or why there is none, and its kernel functions with their signatures set."""
+
+    def __init__(self, cdll: ctypes.CDLL | None, reason: str = "") -> None:
+        self.cdll = cdll
+        self.reason = reason
+        self._functions: dict[str, ctypes._CFuncPtr | None] = {}
+
+    def function(self, args: type[KernelArgs], available: str) -> ctypes._CFuncPtr | None:
+        """`args.kernel` taking a pointer to `args`, or None when the library is not loaded or its C
+        file's `available` function (exl_<x>_available) returns 0 (built without the instructions it
+        needs). Looked up once per kernel: ctypes shares one function object per name, so its
+        signature is set in one place."""
+        if args.kernel not in self._functions:
+            fn = None
+            if self.cdll is not None and getattr(self.cdll, available)():
+                fn = getattr(self.cdll, args.kernel)
+                fn.argtypes = [ctypes.POINTER(args)]
+                fn.restype = ctypes.c_int
+            self._functions[args.kernel] = fn
+        return self._functions[args.kernel]
+
+
+@functools.cache
+def _load() -> CpuKernelLibrary:
+    if environment.flag("EXLCLI_NO_KERNELS"):
+        return CpuKernelLibrary(None, "EXLCLI_NO_KERNELS=1")
+    try:
+        cdll = _build()
+        cdll.exl_pool_start.argtypes = [ctypes.c_int]
+        cdll.exl_pool_start(threads())
+        return CpuKernelLibrary(cdll)
+    except Exception as e:  # a failed build must never stop the engine: the reference runs
+        why = f"{type(e).__name__}: {e}"[:300]
+        print(f"exlcli: CPU kernels unavailable ({why}); running the slower torch reference "
+              f"ops. Set EXLCLI_NO_KERNELS=1 to skip the build.", file=sys.stderr, flush=True)
+        return CpuKernelLibrary(None, why)
+
+
+def library() -> CpuKernelLibrary:
+    """The library of this process: built (or found in the cache) and loaded on the first call."""
+    with _LOAD_LOCK:
+        return _load()
+
+
 def lib() -> ctypes.CDLL | None:
     """The loaded library, or None (with `reason()`) when the CPU kernels are off."""
-    global _lib, _tried, _reason
-    if _tried:
-        return _lib
-    with _lock:
-        if _tried:
-            return _lib
-        if environment.flag("EXLCLI_NO_KERNELS"):
-            _reason = "EXLCLI_NO_KERNELS=1"
-        else:
-            try:
-                _lib = _build()
-                _lib.exl_pool_start.argtypes = [ctypes.c_int]
-                _lib.exl_pool_start(threads())
-            except Exception as e:  # a failed build must never stop the engine: the reference runs
-                _reason = f"{type(e).__name__}: {e}"[:300]
-                print(f"exlcli: CPU kernels unavailable ({_reason}); running the slower torch reference "
-                      f"ops. Set EXLCLI_NO_KERNELS=1 to skip the build.", file=sys.stderr, flush=True)
-        _tried = True
-        return _lib
+    return library().cdll
 
 
 def threads() -> int:
@@ -129,27 +161,13 @@ def threads() -> int:
 
 
 def reason() -> str:
-    return _reason
+    """Why the library is not loaded ("" when it is)."""
+    return library().reason
 
 
-_functions: dict[str, ctypes._CFuncPtr | None] = {}
-
-
-def kernel_function(name: str, argtypes: list, restype=ctypes.c_int, *, available: str):
-    """The library's function `name` with its signature set, or None when the library is not
-    loaded or its C file's `available` function (exl_<x>_available) returns 0 (built without the
-    instructions it needs). Looked up once per name: ctypes shares one function object per name,
-    so its signature is set in one place."""
-    if name in _functions:
-        return _functions[name]
-    library = lib()
-    fn = None
-    if library is not None and getattr(library, available)():
-        fn = getattr(library, name)
-        fn.argtypes = argtypes
-        fn.restype = restype
-    _functions[name] = fn
-    return fn
+def kernel_function(args: type[KernelArgs], *, available: str) -> ctypes._CFuncPtr | None:
+    """The kernel that takes a pointer to an `args` struct (see CpuKernelLibrary.function)."""
+    return library().function(args, available)
 
 
 def use_cpu_kernels(t: torch.Tensor) -> bool:
@@ -157,7 +175,3 @@ def use_cpu_kernels(t: torch.Tensor) -> bool:
     (`backend.kernels_disabled()` turns these off too)."""
     return (t.device.type == "cpu" and t.dtype == torch.bfloat16 and not backend.reference_forced()
             and lib() is not None)
-
-
-def ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
-    return ctypes.c_void_p(None if t is None else t.data_ptr())

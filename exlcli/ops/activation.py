@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from exlcli.ops import _cpu_ext
+from exlcli.ops.cpu_args import SiluAndMulArgs
 from exlcli.ops.cuda import kernels as cuda_kernels
 from exlcli.ops.cuda.loader import use_kernels
 from exlcli.ops.errors import KernelInputError
@@ -33,9 +34,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def _cpu_kernel():
     """The C function with its signature set, or None when the CPU kernels are unavailable."""
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    return _cpu_ext.kernel_function("exl_silu_and_mul", [p, i64, p, i64, i64, i64],
-                                    available="exl_activation_available")
+    return _cpu_ext.kernel_function(SiluAndMulArgs, available="exl_activation_available")
 
 
 def cpu_kernel_available() -> bool:
@@ -55,6 +54,8 @@ def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(-1, 2 * inter) if x.dim() != 2 or x.stride(-1) != 1 else x
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    if fn(rows.data_ptr(), rows.stride(0), out.data_ptr(), inter, inter, rows.shape[0]):
+    args = SiluAndMulArgs(x=rows.data_ptr(), x_stride=rows.stride(0), out=out.data_ptr(), out_stride=inter,
+                          inter=inter, rows=rows.shape[0])
+    if fn(ctypes.byref(args)):
         raise KernelInputError(f"CPU silu_and_mul refused x of shape {tuple(x.shape)}")
     return out

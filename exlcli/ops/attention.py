@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from exlcli.ops import _cpu_ext
+from exlcli.ops.cpu_args import PagedAttentionArgs
 from exlcli.ops.cuda import kernels as cuda_kernels
 from exlcli.ops.cuda.limits import HEAD_DIMS
 from exlcli.ops.cuda.loader import use_kernels
@@ -121,10 +122,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 @functools.cache
 def _cpu_kernel():
     """The C function with its signature set, or None when the CPU kernels are unavailable."""
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    return _cpu_ext.kernel_function("exl_paged_attention",
-                                    [p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, p, i64],
-                                    available="exl_paged_attention_available")
+    return _cpu_ext.kernel_function(PagedAttentionArgs, available="exl_paged_attention_available")
 
 
 @functools.cache
@@ -194,9 +192,12 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         return out
     num_pages, page_size, kv_heads, dim = k_cache.shape
     qsl, lens = array.array("i", query_start_loc), array.array("i", seq_lens)
-    status = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-                block_tables.shape[1], qsl.buffer_info()[0], lens.buffer_info()[0], 0, num_seqs,
-                num_pages, page_size, q.shape[1], kv_heads, dim, scale, out.data_ptr(), _threads())
+    args = PagedAttentionArgs(
+        q=q.data_ptr(), k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(), block_tables=block_tables.data_ptr(),
+        max_pages=block_tables.shape[1], query_start_loc=qsl.buffer_info()[0], seq_lens=lens.buffer_info()[0],
+        seq_begin=0, seq_end=num_seqs, num_pages=num_pages, page_size=page_size, heads=q.shape[1],
+        kv_heads=kv_heads, dim=dim, scale=scale, out=out.data_ptr(), threads=_threads())
+    status = fn(ctypes.byref(args))
     if status == 1:
         raise KernelInputError(f"CPU attention: a block table entry is outside the cache's {num_pages} pages")
     if status:

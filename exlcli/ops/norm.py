@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from exlcli.ops import _cpu_ext
+from exlcli.ops.cpu_args import FusedAddRmsNormArgs, MeanSquaresArgs, RmsNormArgs
 from exlcli.ops.cuda import kernels as cuda_kernels
 from exlcli.ops.cuda.loader import use_kernels
 from exlcli.ops.errors import KernelInputError
@@ -51,11 +52,8 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 @functools.cache
 def _cpu_kernels():
     """(rms_norm, fused_add_rms_norm, mean_squares) C functions with their signatures set, or None."""
-    p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    fns = tuple(_cpu_ext.kernel_function(name, argtypes, available="exl_norm_available") for name, argtypes in (
-        ("exl_rms_norm", [p, i64, i64, i64, p, p, i64, f32, i64]),
-        ("exl_fused_add_rms_norm", [p, p, p, p, p, i64, f32, i64]),
-        ("exl_mean_squares", [p, i64, i64, p])))
+    fns = tuple(_cpu_ext.kernel_function(args, available="exl_norm_available")
+                for args in (RmsNormArgs, FusedAddRmsNormArgs, MeanSquaresArgs))
     return fns if all(fns) else None
 
 
@@ -89,7 +87,9 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     else:
         outer, inner, s_outer, s_inner = 1, 1, 0, 0
     out = torch.empty(*shape, dtype=torch.bfloat16)  # (unpacked sizes parse faster than a tuple)
-    if norm(x.data_ptr(), s_outer, s_inner, inner, weight.data_ptr(), out.data_ptr(), dim, eps, outer * inner):
+    args = RmsNormArgs(x=x.data_ptr(), stride_outer=s_outer, stride_inner=s_inner, inner=inner,
+                       weight=weight.data_ptr(), out=out.data_ptr(), dim=dim, eps=eps, rows=outer * inner)
+    if norm(ctypes.byref(args)):
         raise KernelInputError(f"CPU rms_norm refused x of shape {tuple(shape)}")
     return out
 
@@ -104,8 +104,9 @@ def fused_add_rms_norm_cpu(x: torch.Tensor, residual: torch.Tensor, weight: torc
                                f"must be bf16 shaped like x ({tuple(x.shape)})")
     x, residual, weight = x.contiguous(), residual.contiguous(), weight.contiguous()
     out, new_residual = torch.empty_like(x), torch.empty_like(x)  # x is contiguous: so are these
-    if fused(x.data_ptr(), residual.data_ptr(), new_residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
-             dim, eps, x.numel() // dim):
+    args = FusedAddRmsNormArgs(x=x.data_ptr(), residual=residual.data_ptr(), residual_out=new_residual.data_ptr(),
+                               weight=weight.data_ptr(), out=out.data_ptr(), dim=dim, eps=eps, rows=x.numel() // dim)
+    if fused(ctypes.byref(args)):
         raise KernelInputError(f"CPU fused_add_rms_norm refused x of shape {tuple(x.shape)}")
     return out, new_residual
 
@@ -117,5 +118,6 @@ def mean_squares_cpu(x: torch.Tensor) -> torch.Tensor:
         raise KernelInputError(f"mean_squares: x must be a bf16 CPU [rows, D], got {x.dtype} {tuple(x.shape)}")
     x = x.contiguous()
     out = torch.empty(x.shape[0], dtype=torch.float32)
-    _cpu_kernels()[2](x.data_ptr(), x.shape[1], x.shape[0], out.data_ptr())
+    _cpu_kernels()[2](ctypes.byref(MeanSquaresArgs(x=x.data_ptr(), dim=x.shape[1], rows=x.shape[0],
+                                                   out=out.data_ptr())))
     return out

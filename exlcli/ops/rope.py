@@ -10,6 +10,7 @@ from typing import Any, Mapping
 import torch
 
 from exlcli.ops import _cpu_ext
+from exlcli.ops.cpu_args import RopeArgs
 from exlcli.ops.cuda import kernels as cuda_kernels
 from exlcli.ops.cuda.loader import use_kernels
 from exlcli.ops.errors import KernelInputError
@@ -100,13 +101,7 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
 @functools.cache
 def _cpu_kernel():
     """The C function with its signature set, or None when the CPU kernels are unavailable."""
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    return _cpu_ext.kernel_function("exl_rope_and_write_kv",
-                                    [p, i64, i64, p, i64, i64, p, i64, i64,  # q, k, v with (token, head) strides
-                                     p, p, i64,  # positions, cos_sin, max positions
-                                     p, p, p, i64,  # k_cache, v_cache, slots, number of slots
-                                     p, i64, i64, i64, i64],  # q_out, heads, kv_heads, head_dim, tokens
-                                    available="exl_rope_available")
+    return _cpu_ext.kernel_function(RopeArgs, available="exl_rope_available")
 
 
 def cpu_kernel_available() -> bool:
@@ -155,9 +150,14 @@ def rope_and_write_kv_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos
     q_out = torch.empty(tokens, heads, dim, dtype=torch.bfloat16)
     max_pos, num_slots = cos_sin.shape[0], cache_shape[0] * cache_shape[1]
     q_st, k_st, v_st = q.stride(), k.stride(), v.stride()
-    rc = fn(q.data_ptr(), q_st[0], q_st[1], k.data_ptr(), k_st[0], k_st[1], v.data_ptr(), v_st[0], v_st[1],
-            positions.data_ptr(), cos_sin.data_ptr(), max_pos, k_cache.data_ptr(), v_cache.data_ptr(),
-            slot_mapping.data_ptr(), num_slots, q_out.data_ptr(), heads, kv_heads, dim, tokens)
+    args = RopeArgs(q=q.data_ptr(), q_token_stride=q_st[0], q_head_stride=q_st[1],
+                    k=k.data_ptr(), k_token_stride=k_st[0], k_head_stride=k_st[1],
+                    v=v.data_ptr(), v_token_stride=v_st[0], v_head_stride=v_st[1],
+                    positions=positions.data_ptr(), cos_sin=cos_sin.data_ptr(), max_positions=max_pos,
+                    k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(), slots=slot_mapping.data_ptr(),
+                    num_slots=num_slots, q_out=q_out.data_ptr(), heads=heads, kv_heads=kv_heads, dim=dim,
+                    tokens=tokens)
+    rc = fn(ctypes.byref(args))
     if rc == -1:
         raise KernelInputError(f"CPU rope: a position is outside the cos/sin cache [0, {max_pos})")
     if rc == -2:

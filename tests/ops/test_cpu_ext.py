@@ -9,13 +9,12 @@ from exlcli.ops import _cpu_ext
 
 @pytest.fixture
 def fresh_loader(monkeypatch, tmp_path):
-    """The loader as if the process had not tried it yet, with its own cache folder."""
+    """The loader as if the process had not tried it yet, with its own cache folder; afterwards the
+    next caller loads again under its own environment."""
     monkeypatch.setenv("EXLCLI_KERNEL_CACHE", str(tmp_path))
-    monkeypatch.setattr(_cpu_ext, "_tried", False)
-    monkeypatch.setattr(_cpu_ext, "_lib", None)
-    monkeypatch.setattr(_cpu_ext, "_reason", "")
-    monkeypatch.setattr(_cpu_ext, "_functions", {}, raising=False)
-    return tmp_path
+    _cpu_ext._load.cache_clear()
+    yield tmp_path
+    _cpu_ext._load.cache_clear()
 
 
 def test_no_compiler_falls_back_with_a_reason(fresh_loader, monkeypatch, capsys):
@@ -41,8 +40,7 @@ def test_builds_into_the_cache_once_and_reuses_it(fresh_loader, monkeypatch):
     built = list(fresh_loader.glob("cpu-*/libexlcli_cpu.so"))
     assert len(built) == 1
     stamp = built[0].stat().st_mtime_ns
-    monkeypatch.setattr(_cpu_ext, "_tried", False)
-    monkeypatch.setattr(_cpu_ext, "_lib", None)
+    _cpu_ext._load.cache_clear()
     assert _cpu_ext.lib() is not None
     assert built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
     assert list(fresh_loader.glob("cpu-*/*.so")) == built  # no temporary files left behind
@@ -53,3 +51,10 @@ def test_thread_count_follows_the_environment(monkeypatch):
     assert _cpu_ext.threads() == 3
     monkeypatch.setenv("EXLCLI_CPU_THREADS", "zero")
     assert _cpu_ext.threads() >= 1
+
+
+def test_never_builds_for_amx():
+    """-march=native alone would let the compiler use AMX, whose tiles this process has no permission for."""
+    flags = _cpu_ext.CFLAGS
+    assert "-march=native" in flags
+    assert {"-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"} <= set(flags)

@@ -12,6 +12,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "args.h"
 #include "bf16.h"
 #include "pool.h"
 
@@ -85,8 +86,10 @@ static void silu_rows(void *ctx, int64_t begin, int64_t end) {
 }
 
 // x: rows of 2I (gate then up), row stride x_stride; out: rows of I, row stride out_stride.
-int exl_silu_and_mul(const uint16_t *x, int64_t x_stride, uint16_t *out, int64_t out_stride,
-                     int64_t inter, int64_t rows) {
+int exl_silu_and_mul(const exl_silu_and_mul_args *args) {
+    const uint16_t *x = args->x;
+    uint16_t *out = args->out;
+    int64_t x_stride = args->x_stride, out_stride = args->out_stride, inter = args->inter, rows = args->rows;
     if (inter <= 0 || rows < 0) return -1;
     silu_args a = {x, out, x_stride, out_stride, inter};
     if (rows * inter >= PARALLEL_MIN_ELEMS) exl_parallel_for(silu_rows, &a, rows);

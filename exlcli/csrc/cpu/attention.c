@@ -26,6 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "args.h"
 #include "bf16.h"
 #include "pool.h"
 
@@ -432,11 +433,15 @@ static void attend_units(void *ctx, int64_t begin, int64_t end) {
 // split by kv head when that gives too few units to go round. The caller has checked shapes,
 // dtypes and lengths. Returns 0; 1 when a used block-table entry is outside [0, num_pages); -1
 // when out of memory.
-int exl_paged_attention(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
-                        const int32_t *block_tables, int64_t max_pages, const int32_t *query_start_loc,
-                        const int32_t *seq_lens, int64_t seq_begin, int64_t seq_end, int64_t num_pages,
-                        int64_t page_size, int64_t heads, int64_t kv_heads, int64_t dim, float scale,
-                        uint16_t *out, int64_t threads) {
+int exl_paged_attention(const exl_paged_attention_args *args) {
+    const uint16_t *q = args->q, *k_cache = args->k_cache, *v_cache = args->v_cache;
+    const int32_t *block_tables = args->block_tables, *query_start_loc = args->query_start_loc;
+    const int32_t *seq_lens = args->seq_lens;
+    int64_t max_pages = args->max_pages, seq_begin = args->seq_begin, seq_end = args->seq_end;
+    int64_t num_pages = args->num_pages, page_size = args->page_size, heads = args->heads;
+    int64_t kv_heads = args->kv_heads, dim = args->dim, threads = args->threads;
+    float scale = args->scale;
+    uint16_t *out = args->out;
     int64_t count = 0;
     for (int64_t b = seq_begin; b < seq_end; b++) {
         const int32_t *pages = block_tables + b * max_pages;
@@ -463,15 +468,8 @@ int exl_paged_attention(const uint16_t *q, const uint16_t *k_cache, const uint16
 
 #else
 
-int exl_paged_attention(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
-                        const int32_t *block_tables, int64_t max_pages, const int32_t *query_start_loc,
-                        const int32_t *seq_lens, int64_t seq_begin, int64_t seq_end, int64_t num_pages,
-                        int64_t page_size, int64_t heads, int64_t kv_heads, int64_t dim, float scale,
-                        uint16_t *out, int64_t threads) {
-    (void)threads;
-    (void)q; (void)k_cache; (void)v_cache; (void)block_tables; (void)max_pages; (void)query_start_loc;
-    (void)seq_lens; (void)seq_begin; (void)seq_end; (void)num_pages; (void)page_size; (void)heads;
-    (void)kv_heads; (void)dim; (void)scale; (void)out;
+int exl_paged_attention(const exl_paged_attention_args *args) {
+    (void)args;
     return -1;
 }
 

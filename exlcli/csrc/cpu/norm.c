@@ -22,6 +22,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "args.h"
 #include "bf16.h"
 #include "pool.h"
 
@@ -155,8 +156,12 @@ static void run(exl_task_fn task, norm_args *a, int64_t rows) {
 }
 
 // x rows (see the top of the file) -> out [rows, d] contiguous.
-int exl_rms_norm(const uint16_t *x, int64_t stride_outer, int64_t stride_inner, int64_t inner,
-                 const uint16_t *w, uint16_t *out, int64_t d, float eps, int64_t rows) {
+int exl_rms_norm(const exl_rms_norm_args *args) {
+    const uint16_t *x = args->x, *w = args->weight;
+    uint16_t *out = args->out;
+    int64_t stride_outer = args->stride_outer, stride_inner = args->stride_inner, inner = args->inner;
+    int64_t d = args->dim, rows = args->rows;
+    float eps = args->eps;
     if (d <= 0 || inner <= 0 || rows < 0) return -1;
     norm_args a = {.x = x, .w = w, .out = out, .stride_outer = stride_outer, .stride_inner = stride_inner,
                    .inner = inner, .d = d, .eps = eps};
@@ -166,15 +171,21 @@ int exl_rms_norm(const uint16_t *x, int64_t stride_outer, int64_t stride_inner, 
 
 // out[r] = the fp32 mean of squares the norm uses for row r of x [rows, d] contiguous: what the tests
 // compare with torch's x.float().pow(2).mean(-1), bit for bit.
-int exl_mean_squares(const uint16_t *x, int64_t d, int64_t rows, float *out) {
+int exl_mean_squares(const exl_mean_squares_args *args) {
+    const uint16_t *x = args->x;
+    int64_t d = args->dim, rows = args->rows;
+    float *out = args->out;
     if (d <= 0 || rows < 0) return -1;
     for (int64_t r = 0; r < rows; r++) out[r] = sum_squares(x + r * d, d) / (float)d;
     return 0;
 }
 
 // residual_out = bf16(x + residual); out = rms_norm(residual_out); all [rows, d] contiguous.
-int exl_fused_add_rms_norm(const uint16_t *x, const uint16_t *residual, uint16_t *residual_out,
-                           const uint16_t *w, uint16_t *out, int64_t d, float eps, int64_t rows) {
+int exl_fused_add_rms_norm(const exl_fused_add_rms_norm_args *args) {
+    const uint16_t *x = args->x, *residual = args->residual, *w = args->weight;
+    uint16_t *residual_out = args->residual_out, *out = args->out;
+    int64_t d = args->dim, rows = args->rows;
+    float eps = args->eps;
     if (d <= 0 || rows < 0) return -1;
     norm_args a = {.x = x, .residual = residual, .w = w, .residual_out = residual_out, .out = out,
                    .d = d, .eps = eps};

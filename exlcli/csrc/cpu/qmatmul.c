@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "args.h"
 #include "bf16.h"
 #include "pool.h"
 
@@ -175,9 +176,14 @@ static void qmm_groups(void *ctx, int64_t begin, int64_t end) {
 // bits 8: qs [groups][nb][512], d fp32 [groups][nb][CG], m unused.
 // The column groups are shared among the pool's threads. Returns 0, or -1 when the kernel is not
 // built or its scratch cannot be had.
-int exl_qmatmul(const uint16_t *x, int64_t M, int64_t K, int bits, const uint8_t *qs, const float *d,
-                const float *m, const uint16_t *bias, int64_t N, void *y, int y_fp32) {
+int exl_qmatmul(const exl_qmatmul_args *args) {
 #if EXL_QMM
+    const uint16_t *x = args->x, *bias = args->bias;
+    int64_t M = args->rows, K = args->in_features, N = args->out_features;
+    int bits = args->bits, y_fp32 = args->y_fp32;
+    const uint8_t *qs = args->qs;
+    const float *d = args->d, *m = args->m;
+    void *y = args->y;
     int64_t nb = K / BLOCK;
     float *sx = NULL;
     if (bits == 4) {
@@ -190,8 +196,7 @@ int exl_qmatmul(const uint16_t *x, int64_t M, int64_t K, int bits, const uint8_t
     free(sx);
     return 0;
 #else
-    (void)x; (void)M; (void)K; (void)bits; (void)qs; (void)d; (void)m; (void)bias; (void)N; (void)y;
-    (void)y_fp32;
+    (void)args;
     return -1;
 #endif
 }

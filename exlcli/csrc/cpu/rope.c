@@ -16,6 +16,7 @@
 
 #include <stdint.h>
 
+#include "args.h"
 #include "bf16.h"
 #include "pool.h"
 
@@ -89,12 +90,16 @@ static void rope_tokens(void *ctx, int64_t begin, int64_t end) {
 // contiguous. cos_sin [max_pos, d] fp32. q_out [T, heads, d] contiguous.
 // Returns 0, or -1 for a position outside [0, max_pos), -2 for a slot outside [0, num_slots),
 // -3 for an odd or empty head_dim; nothing is written unless it returns 0.
-int exl_rope_and_write_kv(const uint16_t *q, int64_t q_st, int64_t q_sh,
-                          const uint16_t *k, int64_t k_st, int64_t k_sh,
-                          const uint16_t *v, int64_t v_st, int64_t v_sh,
-                          const int64_t *positions, const float *cos_sin, int64_t max_pos,
-                          uint16_t *k_cache, uint16_t *v_cache, const int64_t *slots, int64_t num_slots,
-                          uint16_t *q_out, int64_t heads, int64_t kv_heads, int64_t d, int64_t tokens) {
+int exl_rope_and_write_kv(const exl_rope_and_write_kv_args *args) {
+    const uint16_t *q = args->q, *k = args->k, *v = args->v;
+    int64_t q_st = args->q_token_stride, q_sh = args->q_head_stride;
+    int64_t k_st = args->k_token_stride, k_sh = args->k_head_stride;
+    int64_t v_st = args->v_token_stride, v_sh = args->v_head_stride;
+    const int64_t *positions = args->positions, *slots = args->slots;
+    const float *cos_sin = args->cos_sin;
+    int64_t max_pos = args->max_positions, num_slots = args->num_slots;
+    uint16_t *k_cache = args->k_cache, *v_cache = args->v_cache, *q_out = args->q_out;
+    int64_t heads = args->heads, kv_heads = args->kv_heads, d = args->dim, tokens = args->tokens;
     if (d <= 0 || d % 2 != 0 || tokens < 0) return -3;
     for (int64_t t = 0; t < tokens; t++) {
         if (positions[t] < 0 || positions[t] >= max_pos) return -1;

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from exlcli.ops import _cpu_ext
+from exlcli.ops.cpu_args import QMatmulArgs
 from exlcli.ops.formats.base import Linear
 
 BLOCK = 32  # weights per (scale, offset) pair, as in the C file
@@ -26,9 +27,15 @@ CG = 16  # output columns per group, as in the C file
 @functools.cache
 def _kernel():
     """The C function with its signature set, or None when the CPU kernels are unavailable."""
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    return _cpu_ext.kernel_function("exl_qmatmul", [p, i64, i64, i32, p, p, p, p, i64, p, i32],
-                                    available="exl_qmatmul_available")
+    return _cpu_ext.kernel_function(QMatmulArgs, available="exl_qmatmul_available")
+
+
+def _qmatmul(x: torch.Tensor, y: torch.Tensor, weight_args: dict) -> int:
+    """The C kernel: y [M, N] (bf16 or fp32) = x [M, K] (bf16, contiguous) @ W^T, with W's fields of
+    QMatmulArgs in `weight_args`. Returns its status (0, or -1 without scratch memory)."""
+    args = QMatmulArgs(x=x.data_ptr(), rows=x.shape[0], y=y.data_ptr(), y_fp32=y.dtype is torch.float32,
+                       **weight_args)
+    return _kernel()(ctypes.byref(args))
 
 
 def available() -> bool:
@@ -79,7 +86,7 @@ class QuantCpuLinear(Linear):
         self.m = F.pad(offset, (0, 0, 0, pad)).view(groups, CG, nb).permute(0, 2, 1).contiguous()
         self.bias = None if bias is None else bias.to(torch.bfloat16).contiguous()
         self._dense: torch.Tensor | None = None
-        self._args: tuple | None = None
+        self._args: dict | None = None
 
     def nbytes(self) -> int:
         return self.qs.numel() + self.d.numel() * 4 + (self.m.numel() * 4 if self.bits == 4 else 0)
@@ -106,12 +113,12 @@ class QuantCpuLinear(Linear):
         bias = None if self.bias is None else self.bias.float()
         return F.linear(x.float(), self._dense, bias).to(out_dtype or x.dtype)
 
-    def _weight_args(self) -> tuple:
+    def _weight_args(self) -> dict:
         """The kernel's arguments that never change, as plain ints (fewer conversions per call)."""
         if self._args is None:
             ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-            self._args = (self.in_features, self.bits, ptr(self.qs), ptr(self.d), ptr(self.m), ptr(self.bias),
-                          self.out_features)
+            self._args = dict(in_features=self.in_features, bits=self.bits, qs=ptr(self.qs), d=ptr(self.d),
+                              m=ptr(self.m), bias=ptr(self.bias), out_features=self.out_features)
         return self._args
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -123,9 +130,6 @@ class QuantCpuLinear(Linear):
             raise ValueError(f"input has {x.shape[1]} features, the weight {self.in_features}")
         x = x.contiguous()
         y = torch.empty(x.shape[0], self.out_features, dtype=out_dtype)
-        k, bits, qs, d, m, bias, n = self._weight_args()
-        rc = _kernel()(x.data_ptr(), x.shape[0], k, bits, qs, d, m, bias, n, y.data_ptr(),
-                       out_dtype is torch.float32)
-        if rc != 0:
+        if _qmatmul(x, y, self._weight_args()) != 0:
             raise MemoryError("the CPU matmul kernel could not get its scratch memory")
         return y

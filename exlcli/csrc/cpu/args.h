@@ -1,0 +1,121 @@
+// The arguments of every CPU kernel, one struct per kernel, passed by pointer.
+//
+// Python builds them as ctypes Structures (exlcli/ops/cpu_args.py, one class per struct, same field
+// names in the same order); tests/ops/test_cpu_args_abi.py compiles this header and checks every
+// struct's size and every field's offset and size against those classes. So keep to its format: one
+// field per line, `type name;`, fixed-width types only (int64_t, int32_t, float, pointers).
+// Tensors travel as data pointers; bf16 values as uint16_t bit patterns (bf16.h). Strides count
+// elements. Each function returns 0, or the error its C file lists.
+#pragma once
+#include <stdint.h>
+
+// y[M, N] = x[M, K] @ W^T for GGUF block-quantized W repacked into groups (qmatmul.c).
+typedef struct {
+    const uint16_t *x;  // bf16 [M, K] contiguous
+    int64_t rows;       // M
+    int64_t in_features;  // K
+    int32_t bits;       // 4 (Q4_0, Q4_1) or 8 (Q8_0)
+    int32_t y_fp32;     // 1: y is fp32, 0: bf16
+    const uint8_t *qs;  // the repacked quants
+    const float *d;     // the scales
+    const float *m;     // the offsets (4-bit only)
+    const uint16_t *bias;  // bf16 [N], or NULL
+    int64_t out_features;  // N
+    void *y;            // [M, N]
+} exl_qmatmul_args;
+int exl_qmatmul(const exl_qmatmul_args *args);
+
+// Paged attention over decode rows and prefill chunks of many sequences (attention.c).
+typedef struct {
+    const uint16_t *q;  // bf16 [T, heads, dim]
+    const uint16_t *k_cache;  // bf16 [num_pages, page_size, kv_heads, dim]
+    const uint16_t *v_cache;
+    const int32_t *block_tables;  // [B, max_pages]
+    int64_t max_pages;
+    const int32_t *query_start_loc;  // [B + 1]
+    const int32_t *seq_lens;  // [B]
+    int64_t seq_begin;  // the sequences seq_begin .. seq_end - 1 are computed
+    int64_t seq_end;
+    int64_t num_pages;
+    int64_t page_size;
+    int64_t heads;
+    int64_t kv_heads;
+    int64_t dim;
+    float scale;
+    uint16_t *out;      // bf16 [T, heads, dim]
+    int64_t threads;    // how many threads the kernel pool has
+} exl_paged_attention_args;
+int exl_paged_attention(const exl_paged_attention_args *args);
+
+// RMSNorm of rows x + (r / inner) * stride_outer + (r % inner) * stride_inner (norm.c).
+typedef struct {
+    const uint16_t *x;
+    int64_t stride_outer;
+    int64_t stride_inner;
+    int64_t inner;
+    const uint16_t *weight;  // bf16 [dim]
+    uint16_t *out;      // bf16 [rows, dim] contiguous
+    int64_t dim;
+    float eps;
+    int64_t rows;
+} exl_rms_norm_args;
+int exl_rms_norm(const exl_rms_norm_args *args);
+
+// residual_out = x + residual; out = rms_norm(residual_out); all bf16 [rows, dim] contiguous (norm.c).
+typedef struct {
+    const uint16_t *x;
+    const uint16_t *residual;
+    uint16_t *residual_out;
+    const uint16_t *weight;  // bf16 [dim]
+    uint16_t *out;
+    int64_t dim;
+    float eps;
+    int64_t rows;
+} exl_fused_add_rms_norm_args;
+int exl_fused_add_rms_norm(const exl_fused_add_rms_norm_args *args);
+
+// out[r] = the fp32 mean of squares the norm uses for row r of x (norm.c; for the tests).
+typedef struct {
+    const uint16_t *x;  // bf16 [rows, dim] contiguous
+    int64_t dim;
+    int64_t rows;
+    float *out;         // fp32 [rows]
+} exl_mean_squares_args;
+int exl_mean_squares(const exl_mean_squares_args *args);
+
+// Rotary embedding of q and k, with k and v written into their cache slots (rope.c).
+typedef struct {
+    const uint16_t *q;  // bf16 [T, heads, dim], strides per token and per head
+    int64_t q_token_stride;
+    int64_t q_head_stride;
+    const uint16_t *k;  // bf16 [T, kv_heads, dim]
+    int64_t k_token_stride;
+    int64_t k_head_stride;
+    const uint16_t *v;  // bf16 [T, kv_heads, dim]
+    int64_t v_token_stride;
+    int64_t v_head_stride;
+    const int64_t *positions;  // [T]
+    const float *cos_sin;  // fp32 [max_positions, dim]
+    int64_t max_positions;
+    uint16_t *k_cache;  // bf16 [num_slots, kv_heads, dim]
+    uint16_t *v_cache;
+    const int64_t *slots;  // [T]
+    int64_t num_slots;
+    uint16_t *q_out;    // bf16 [T, heads, dim] contiguous
+    int64_t heads;
+    int64_t kv_heads;
+    int64_t dim;
+    int64_t tokens;
+} exl_rope_and_write_kv_args;
+int exl_rope_and_write_kv(const exl_rope_and_write_kv_args *args);
+
+// out = silu(gate) * up over rows of x = gate | up (activation.c).
+typedef struct {
+    const uint16_t *x;  // bf16 rows of 2 * inter
+    int64_t x_stride;
+    uint16_t *out;      // bf16 rows of inter
+    int64_t out_stride;
+    int64_t inter;
+    int64_t rows;
+} exl_silu_and_mul_args;
+int exl_silu_and_mul(const exl_silu_and_mul_args *args);

@@ -1,0 +1,80 @@
+"""The argument structs of the CPU kernels, mirrored from exlcli/csrc/cpu/args.h: one ctypes
+Structure per C struct, the same field names in the same order (tests/ops/test_cpu_args_abi.py
+compiles the header and checks every size and offset against these). Pointers are c_void_p, so a
+tensor's data_ptr() (or None for NULL) goes in as it is."""
+
+from __future__ import annotations
+
+import ctypes
+
+_p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+
+
+class KernelArgs(ctypes.Structure):
+    """One kernel's arguments. `c_name`: the C struct; `kernel`: the C function that takes a
+    pointer to it."""
+
+    c_name = ""
+    kernel = ""
+
+
+class QMatmulArgs(KernelArgs):
+    c_name, kernel = "exl_qmatmul_args", "exl_qmatmul"
+    _fields_ = [
+        ("x", _p), ("rows", _i64), ("in_features", _i64), ("bits", _i32), ("y_fp32", _i32),
+        ("qs", _p), ("d", _p), ("m", _p), ("bias", _p), ("out_features", _i64), ("y", _p),
+    ]
+
+
+class PagedAttentionArgs(KernelArgs):
+    c_name, kernel = "exl_paged_attention_args", "exl_paged_attention"
+    _fields_ = [
+        ("q", _p), ("k_cache", _p), ("v_cache", _p), ("block_tables", _p), ("max_pages", _i64),
+        ("query_start_loc", _p), ("seq_lens", _p), ("seq_begin", _i64), ("seq_end", _i64),
+        ("num_pages", _i64), ("page_size", _i64), ("heads", _i64), ("kv_heads", _i64), ("dim", _i64),
+        ("scale", _f32), ("out", _p), ("threads", _i64),
+    ]
+
+
+class RmsNormArgs(KernelArgs):
+    c_name, kernel = "exl_rms_norm_args", "exl_rms_norm"
+    _fields_ = [
+        ("x", _p), ("stride_outer", _i64), ("stride_inner", _i64), ("inner", _i64), ("weight", _p),
+        ("out", _p), ("dim", _i64), ("eps", _f32), ("rows", _i64),
+    ]
+
+
+class FusedAddRmsNormArgs(KernelArgs):
+    c_name, kernel = "exl_fused_add_rms_norm_args", "exl_fused_add_rms_norm"
+    _fields_ = [
+        ("x", _p), ("residual", _p), ("residual_out", _p), ("weight", _p), ("out", _p), ("dim", _i64),
+        ("eps", _f32), ("rows", _i64),
+    ]
+
+
+class MeanSquaresArgs(KernelArgs):
+    c_name, kernel = "exl_mean_squares_args", "exl_mean_squares"
+    _fields_ = [("x", _p), ("dim", _i64), ("rows", _i64), ("out", _p)]
+
+
+class RopeArgs(KernelArgs):
+    c_name, kernel = "exl_rope_and_write_kv_args", "exl_rope_and_write_kv"
+    _fields_ = [
+        ("q", _p), ("q_token_stride", _i64), ("q_head_stride", _i64),
+        ("k", _p), ("k_token_stride", _i64), ("k_head_stride", _i64),
+        ("v", _p), ("v_token_stride", _i64), ("v_head_stride", _i64),
+        ("positions", _p), ("cos_sin", _p), ("max_positions", _i64),
+        ("k_cache", _p), ("v_cache", _p), ("slots", _p), ("num_slots", _i64),
+        ("q_out", _p), ("heads", _i64), ("kv_heads", _i64), ("dim", _i64), ("tokens", _i64),
+    ]
+
+
+class SiluAndMulArgs(KernelArgs):
+    c_name, kernel = "exl_silu_and_mul_args", "exl_silu_and_mul"
+    _fields_ = [
+        ("x", _p), ("x_stride", _i64), ("out", _p), ("out_stride", _i64), ("inter", _i64), ("rows", _i64),
+    ]
+
+
+ALL = (QMatmulArgs, PagedAttentionArgs, RmsNormArgs, FusedAddRmsNormArgs, MeanSquaresArgs, RopeArgs,
+       SiluAndMulArgs)
