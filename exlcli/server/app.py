@@ -27,7 +27,7 @@ from exlcli.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from exlcli.server.metrics import ResponseCounter, render_metrics
 from exlcli.server.schemas import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from exlcli.server.security import DEFAULT_MAX_BODY_BYTES, BodySizeLimit, bearer_token, key_matches
-from exlcli.server.sse import EventStreamResponse
+from exlcli.server.sse import DEFAULT_PING_S, EventStreamResponse
 from exlcli.server.tracker import RequestTracker
 
 # Engine streams are iterated in worker threads by some clients; the default pool (cpu + 4 threads)
@@ -42,6 +42,7 @@ class ServerConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     default_max_tokens: int = 2048  # when a request names no max_tokens
     retry_after_s: int = 2
+    sse_ping_s: float = DEFAULT_PING_S  # keep-alive comment on a stream with nothing to send
 
 
 @dataclass
@@ -206,8 +207,8 @@ def _event_stream(state: ServerState, group: GenerationGroup,
             group.abandon()
             state.groups.pop(group.response_id, None)
 
-    return EventStreamResponse(guarded(), on_disconnect=group.cancel,
-                               headers={"X-Request-Id": group.response_id})
+    return EventStreamResponse(guarded(), on_disconnect=group.cancel, headers={"X-Request-Id": group.response_id},
+                               ping_s=state.config.sse_ping_s)
 
 
 async def _collect_unless_gone(state: ServerState, group: GenerationGroup,

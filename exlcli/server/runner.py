@@ -21,6 +21,7 @@ from exlcli.server.app import ServerConfig, ServerState, create_app
 from exlcli.server.dashboard import LiveDashboard, LogDashboard
 from exlcli.client.runtime_file import ServerRecord, find_running_server, remove_record, write_record
 from exlcli.server.security import check_bind_allowed
+from exlcli.server.sse import keep_streams_on_shutdown
 from exlcli.server.tracker import RequestTracker
 
 
@@ -105,6 +106,7 @@ def serve(client: EngineClient, sock: socket.socket, host: str, port: int, confi
           live_display: bool | None = None) -> None:
     """Serve until a signal; the caller owns `client` and closes it afterwards."""
     check_bind_allowed(host, config.api_key)
+    keep_streams_on_shutdown()  # drain: a SIGTERM lets running streams finish
     url = url_for(host, port)
     console = Console(stderr=True)
     if live_display is None:
