@@ -16,10 +16,10 @@ import uvicorn
 from rich.console import Console
 
 from exlcli.client.base import EngineClient
+from exlcli.client.runtime_file import ServerRecord, find_running_server, remove_record, write_record
 from exlcli.errors import ExlcliError
 from exlcli.server.app import ServerConfig, ServerState, create_app
 from exlcli.server.dashboard import LiveDashboard, LogDashboard
-from exlcli.client.runtime_file import ServerRecord, find_running_server, remove_record, write_record
 from exlcli.server.security import check_bind_allowed
 from exlcli.server.sse import keep_streams_on_shutdown
 from exlcli.server.tracker import RequestTracker
@@ -119,7 +119,8 @@ def serve(client: EngineClient, sock: socket.socket, host: str, port: int, confi
                                server_header=False, timeout_graceful_shutdown=None)
     server = DrainingServer(uv_config, app.state.exlcli, display)
     write_record(ServerRecord(url=url, pid=os.getpid(), model=client.model_name, api_key=config.api_key))
-    display.note(f"serving {client.model_name} at {url} (OpenAI API under {url}/v1; Ctrl-C or SIGTERM drains and stops)")
+    display.note(f"serving {client.model_name} at {url} "
+                 f"(OpenAI API under {url}/v1; Ctrl-C or SIGTERM drains and stops)")
     try:
         server.run(sockets=[sock])
     finally:

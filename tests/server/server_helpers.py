@@ -218,6 +218,6 @@ def parse_prometheus(text: str) -> tuple[dict[str, str], list[tuple[str, dict[st
 
 
 def metric(samples, name: str, **labels) -> float:
-    values = [v for n, l, v in samples if n == name and all(l.get(k) == v2 for k, v2 in labels.items())]
+    values = [v for n, lab, v in samples if n == name and all(lab.get(k) == v2 for k, v2 in labels.items())]
     assert len(values) == 1, f"{name}{labels}: {values}"
     return values[0]

@@ -13,8 +13,8 @@ import pytest
 from server_helpers import SchedulingFakeClient, metric, parse_prometheus, running_server, wait_until
 
 from exlcli.client.base import GenerationParams
-from exlcli.server.app import ServerConfig
 from exlcli.client.remote import RemoteClient
+from exlcli.server.app import ServerConfig
 
 WORDS = "one two three four five six seven"  # 8 tokens per answer with "echo:"
 

@@ -6,11 +6,11 @@ import httpx
 import pytest
 from server_helpers import SchedulingFakeClient, metric, parse_prometheus, running_server
 
+from exlcli.client.runtime_file import is_loopback_host
 from exlcli.engine.stats import STEP_TIME_BUCKETS, EngineStats
 from exlcli.errors import ExlcliError
 from exlcli.server.app import ServerConfig
 from exlcli.server.metrics import render_metrics
-from exlcli.client.runtime_file import is_loopback_host
 from exlcli.server.security import check_bind_allowed, key_matches
 from exlcli.server.tracker import RequestTracker
 
