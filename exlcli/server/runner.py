@@ -113,7 +113,7 @@ def serve(client: EngineClient, sock: socket.socket, host: str, port: int, confi
         live_display = console.is_terminal and not console.is_dumb_terminal
     display = LiveDashboard(url, console) if live_display else LogDashboard(url)
     _configure_logging(console if live_display else None)
-    tracker = RequestTracker(on_finish=display.on_finish)
+    tracker = RequestTracker(on_finish=display.on_finish, model_name=client.model_name)
     app = create_app(client, config, tracker)
     uv_config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on", ws="none",
                                server_header=False, timeout_graceful_shutdown=None)
