@@ -3,7 +3,8 @@
 The engine updates `EngineStats.tokens_per_s` and `last_batch_size` only when it steps, so an idle
 engine keeps reporting its last busy values. The server computes its own from the engine's
 monotonic counters instead, sampled whenever the display or a /metrics scrape looks: over the last
-`window_s` seconds, or since the previous look when looks are further apart. No steps in the
+`window_s` seconds (the counter's value at the window's start interpolated between looks), or since
+the previous look when looks are further apart. No steps in the
 window: batch size 0. The caller passes the time, so tests drive a fake clock.
 """
 
@@ -35,10 +36,14 @@ class CounterRate:
             drop = self._samples[-1][1] - value
             self._samples = collections.deque((t, v - drop) for t, v in self._samples)
         self._samples.append((now, value))
-        # Keep one sample at or before the window's start as the base of the difference.
-        while len(self._samples) > 2 and self._samples[1][0] <= now - self.window_s:
+        # Keep one sample at or before the window's start; the counter's value at the start is
+        # read off the line between it and the next sample.
+        start = now - self.window_s
+        while len(self._samples) > 2 and self._samples[1][0] <= start:
             self._samples.popleft()
-        t0, v0 = self._samples[0]
+        (t0, v0), (t1, v1) = self._samples[0], self._samples[min(1, len(self._samples) - 1)]
+        if t0 < start < t1:
+            t0, v0 = start, v0 + (v1 - v0) * (start - t0) / (t1 - t0)
         return (value - v0) / (now - t0) if now > t0 else 0.0
 
 
