@@ -175,13 +175,16 @@ class Column:
         return max([len(self.name), *map(len, self.cells)])
 
 
-def fit_table(title: str, ids: list[str], columns: list[Column], width: int, empty: str) -> Table:
-    """The id column, then `columns` in order of importance: the required ones always, the others
-    while they fit; the id gets what is left (down to MIN_ID_WIDTH), shortened in the middle."""
+def fit_table(title: str, ids: list[str], columns: list[Column], width: int, empty: str,
+              importance: list[str] | None = None) -> Table:
+    """The id column, then `columns`: the required ones always, the others by `importance` (names;
+    default: the order given) while they fit; the id gets what is left (down to MIN_ID_WIDTH),
+    shortened in the middle."""
     id_natural = max([2, *map(len, ids)])
     chosen = [c for c in columns if c.required]
     used = sum(c.width + 1 for c in chosen) + min(id_natural, MIN_ID_WIDTH) + 1
-    for c in columns:
+    ranked = sorted(columns, key=lambda c: importance.index(c.name)) if importance else columns
+    for c in ranked:
         if not c.required and used + c.width + 1 <= width:
             chosen.append(c)
             used += c.width + 1
@@ -202,18 +205,18 @@ def fit_table(title: str, ids: list[str], columns: list[Column], width: int, emp
 def active_table(snap: DashboardSnapshot, width: int) -> Table:
     rows = snap.rows[:snap.max_rows]
     ids = [g.display_id for g in rows]
-    columns = [
+    columns = [  # in the order shown
+        Column("client", [g.client for g in rows], "left"),
         Column("pri", [_priority(g.priority) for g in rows], "left"),
         Column("state", [g.state for g in rows], "left", required=True),
         Column("prompt", ["-" if g.prompt_tokens is None else str(g.prompt_tokens) for g in rows]),
         Column("gen", [str(g.generated_tokens) for g in rows], required=True),
         Column("tok/s", [f"{g.tokens_per_s(snap.now):.1f}" for g in rows], required=True),
         Column("ttft", [_secs(g.ttft_s) for g in rows]),
-        Column("client", [g.client for g in rows], "left"),
         Column("age", [_age(snap.now - g.started) for g in rows]),
     ]
-    order = ["pri", "state", "gen", "tok/s", "ttft", "prompt", "client", "age"]  # by importance
-    return fit_table("active requests", ids, sorted(columns, key=lambda c: order.index(c.name)), width, "(none)")
+    return fit_table("active requests", ids, columns, width, "(none)",
+                     importance=["state", "gen", "tok/s", "pri", "client", "ttft", "prompt", "age"])
 
 
 def recent_table(snap: DashboardSnapshot, width: int) -> Table:
