@@ -11,7 +11,7 @@ when the engine is idle.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -20,9 +20,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from exlcli.engine.stats import STEP_TIME_BUCKETS
 from exlcli.server.tracker import RequestTracker
-
-if TYPE_CHECKING:
-    from exlcli.server.app import ServerState
 
 # Paths counted by name in exlcli_http_responses_total; any other path counts as "other".
 KNOWN_ENDPOINTS = {"/v1/models", "/v1/chat/completions", "/v1/completions", "/health", "/metrics",
@@ -38,8 +35,8 @@ def render_metrics(tracker: RequestTracker, accept: str | None = None) -> tuple[
 class EngineCollector(Collector):
     """What the engine and the HTTP server count, read when scraped (on the event loop thread)."""
 
-    def __init__(self, state: "ServerState") -> None:
-        self.state = state
+    def __init__(self, state) -> None:
+        self.state = state  # the app's ServerState (app.py imports this module, not the other way)
 
     def collect(self) -> Iterator[Metric]:
         state, tracker = self.state, self.state.tracker
