@@ -16,6 +16,8 @@ from exlcli.ops.linear import make_linear
 
 CPU = torch.device("cpu")
 IDS = [f.name for f in FORMATS]
+GGUF_FORMATS = [f for f in FORMATS if f.gguf_type is not None]  # the others (GPTQ, AWQ, FP8) come from HF folders
+GGUF_IDS = [f.name for f in GGUF_FORMATS]
 
 
 def sample_weight(fmt: BlockFormat, rows: int, cols: int, seed: int) -> QuantizedWeight:
@@ -32,11 +34,12 @@ def sample_weight(fmt: BlockFormat, rows: int, cols: int, seed: int) -> Quantize
 
 def test_names_and_gguf_ids_are_unique():
     assert len(set(IDS)) == len(IDS)
+    assert all(formats.by_name(f.name) is f for f in FORMATS)
     ids = [f.gguf_type for f in FORMATS if f.gguf_type is not None]
     assert len(set(ids)) == len(ids)
 
 
-@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+@pytest.mark.parametrize("fmt", GGUF_FORMATS, ids=GGUF_IDS)
 def test_each_format_is_gguf_s_type_of_its_name(fmt):
     import gguf
 
@@ -45,7 +48,7 @@ def test_each_format_is_gguf_s_type_of_its_name(fmt):
     assert gguf.GGML_QUANT_SIZES[gtype] == (fmt.block_weights, fmt.block_bytes)
 
 
-@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+@pytest.mark.parametrize("fmt", GGUF_FORMATS, ids=GGUF_IDS)
 def test_lookup_by_name_and_gguf_type(fmt):
     assert formats.by_name(fmt.name) is fmt
     assert formats.by_gguf_type(fmt.gguf_type) is fmt
@@ -61,7 +64,7 @@ def test_unknown_types_are_named_in_the_error():
         formats.by_gguf_type(gguf.GGMLQuantizationType.IQ4_NL, "IQ4_NL")
 
 
-@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+@pytest.mark.parametrize("fmt", GGUF_FORMATS, ids=GGUF_IDS)
 def test_dequantize_matches_gguf_on_random_blocks(fmt):
     import gguf
 
