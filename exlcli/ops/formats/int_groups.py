@@ -33,6 +33,7 @@ from exlcli.ops.formats.input_order import PermutedInputLinear
 HEADER_BYTES = 4  # fp16 scale, int16 zero
 GROUPS = (32, 64, 128)
 BITS = (4, 8)
+INT4_ROWS = 16  # torch's int4 matmul takes weights of a multiple of this many rows
 
 
 @dataclass(frozen=True)
@@ -71,10 +72,10 @@ def pack(fmt: GroupFormat, q: torch.Tensor, scale: torch.Tensor, zero: torch.Ten
     bits, group = fmt.bits, fmt.group
     rows, cols = q.shape
     groups = cols // group
-    qg = q.to(torch.uint8).view(rows, groups, group)
+    qg = q.to(torch.uint8).contiguous().view(rows, groups, group)
     packed = qg if bits == 8 else pack_fields(qg.view(rows, groups, 8 // bits, group * bits // 8), bits)
-    header = torch.cat([scale.to(torch.float16).reshape(rows, groups, 1).view(torch.uint8),
-                        zero.to(torch.int16).reshape(rows, groups, 1).view(torch.uint8)], dim=-1)
+    header = torch.cat([scale.to(torch.float16).flatten().view(torch.uint8).view(rows, groups, 2),
+                        zero.to(torch.int16).flatten().view(torch.uint8).view(rows, groups, 2)], dim=-1)
     blocks = torch.cat([header, packed], dim=-1).reshape(rows, -1).contiguous()
     return QuantizedWeight(fmt, (rows, cols), blocks, input_order)
 
@@ -135,7 +136,7 @@ def cpu_linear(weight: QuantizedWeight, bias: torch.Tensor | None, device: torch
         return None
     if cpu_qmatmul.available():
         lin = qmatmul_linear(weight, bias)
-    elif _fmt(weight).bits == 4:
+    elif _fmt(weight).bits == 4 and weight.shape[0] % INT4_ROWS == 0:
         lin = int4_linear(weight, bias)
     else:
         return None
