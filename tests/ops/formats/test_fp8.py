@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from exlcli.ops import formats
 from exlcli.ops.formats import fp8
 from exlcli.ops.linear import make_linear
-
 from tests.ops.formats import hf_quant_writers as writers
 
 CPU = torch.device("cpu")

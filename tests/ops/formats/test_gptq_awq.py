@@ -13,7 +13,6 @@ from exlcli.ops.formats import QuantizedWeight, awq, gptq, int_groups
 from exlcli.ops.formats.input_order import PermutedInputLinear, SideBySideLinear
 from exlcli.ops.formats.packed_int32 import pack_int32, unpack_int32
 from exlcli.ops.linear import make_linear
-
 from tests.ops.formats import hf_quant_writers as writers
 
 CPU = torch.device("cpu")
