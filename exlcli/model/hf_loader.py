@@ -123,9 +123,11 @@ def load_hf_tensors(folder: str | os.PathLike,
                 for name in names:
                     t = f.get_tensor(name)
                     if t.dtype not in allowed:
+                        hint = ("; it looks quantized, but config.json has no quantization_config"
+                                if quantization is None and _looks_quantized(name, t.dtype) else "")
                         raise UnsupportedTensorTypeError(
                             f"{file}: tensor {name} has dtype {_dtype_name(t.dtype)}; "
-                            f"supported: {', '.join(map(_dtype_name, allowed))}")
+                            f"supported: {', '.join(map(_dtype_name, allowed))}{hint}")
                     tensors[name] = t
         except (SafetensorError, OSError) as e:
             raise ModelLoadError(f"{file}: corrupt or unreadable safetensors file ({e})") from None
@@ -141,6 +143,11 @@ def load_hf_tensors(folder: str | os.PathLike,
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             raise ModelLoadError(f"{path}: missing tensor {missing[0]}{more}")
     return tensors
+
+
+def _looks_quantized(name: str, dtype: "torch.dtype") -> bool:
+    """A tensor GPTQ, AWQ or FP8 checkpoints have (a folder that lost its quantization_config)."""
+    return name.rsplit(".", 1)[-1] in ("qweight", "qzeros", "g_idx") or str(dtype).startswith("torch.float8")
 
 
 def _dtype_name(dtype: "torch.dtype") -> str:

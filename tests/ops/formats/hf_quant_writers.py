@@ -28,19 +28,15 @@ def _group_quantize(w: torch.Tensor, bits: int, group_of: torch.Tensor, groups: 
     """Per (row, group): fp16 scale and integer zero from the group's range, q = round(w / s + z).
     group_of [K]: each input feature's group. Returns q [N, K], scale fp16 [N, G], zero [N, G]."""
     maxq = (1 << bits) - 1
-    n = w.shape[0]
-    scale = torch.empty(n, groups, dtype=torch.float16)
-    zero = torch.empty(n, groups, dtype=torch.int64)
-    for g in range(groups):
-        cols = w[:, group_of == g]
-        lo, hi = cols.min(1).values.clamp(max=0), cols.max(1).values.clamp(min=0)
-        if sym:
-            s = (2 * torch.maximum(lo.abs(), hi) / maxq).clamp(min=1e-5)
-            z = torch.full((n,), (maxq + 1) // 2)
-        else:
-            s = ((hi - lo) / maxq).clamp(min=1e-5)
-            z = torch.round(-lo / s).clamp(min_zero, maxq).long()
-        scale[:, g], zero[:, g] = s.half(), z
+    n, k = w.shape
+    by_group = w[:, torch.argsort(group_of, stable=True)].view(n, groups, k // groups)
+    lo, hi = by_group.amin(-1).clamp(max=0), by_group.amax(-1).clamp(min=0)  # [N, G]
+    if sym:
+        scale = (2 * torch.maximum(lo.abs(), hi) / maxq).clamp(min=1e-5).half()
+        zero = torch.full((n, groups), (maxq + 1) // 2)
+    else:
+        s = ((hi - lo) / maxq).clamp(min=1e-5)
+        scale, zero = s.half(), torch.round(-lo / s).clamp(min_zero, maxq).long()
     s, z = scale.float()[:, group_of], zero[:, group_of]
     q = torch.clamp(torch.round(w / s) + z, 0, maxq).long()
     return q, scale, zero
