@@ -104,30 +104,31 @@ def _fmt(weight: QuantizedWeight) -> GroupFormat:
     return weight.fmt
 
 
+def _per_32(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q [N, K] int32, scale, zero [N, K / 32] fp32): each group's scale and zero repeated over its
+    blocks of 32, as the CPU matmuls read them."""
+    fmt = _fmt(weight)
+    q, scale, zero = unpack(weight.blocks, fmt.bits, fmt.group)
+    per_block = fmt.group // BLOCK
+    return q, scale.repeat_interleave(per_block, dim=1), zero.repeat_interleave(per_block, dim=1).float()
+
+
 def qmatmul_linear(weight: QuantizedWeight, bias: torch.Tensor | None = None) -> Linear:
     """The C kernel's linear over the weight's stored column order (its torch reference runs where
     the kernel is not built); the caller permutes x for an act-order weight."""
-    bits, group = _fmt(weight).bits, _fmt(weight).group
-    q, scale, zero = unpack(weight.blocks, bits, group)
-    per_block = group // BLOCK
-    scale32 = scale.repeat_interleave(per_block, dim=1)
-    zero32 = zero.repeat_interleave(per_block, dim=1).float()
-    if bits == 4:
-        return QuantCpuLinear(q, scale32, -zero32 * scale32, bits=4, bias=bias)
-    offset = (128.0 - zero32) * scale32
+    q, scale, zero = _per_32(weight)
+    if _fmt(weight).bits == 4:
+        return QuantCpuLinear(q, scale, -zero * scale, bits=4, bias=bias)
+    offset = (128.0 - zero) * scale
     if not offset.any():  # symmetric: zero 128
-        return QuantCpuLinear(q - 128, scale32, offset, bits=8, bias=bias)
-    return GroupOffsetLinear(QuantCpuLinear(q - 128, scale32, torch.zeros_like(offset), bits=8, bias=bias), offset)
+        return QuantCpuLinear(q - 128, scale, offset, bits=8, bias=bias)
+    return GroupOffsetLinear(QuantCpuLinear(q - 128, scale, torch.zeros_like(offset), bits=8, bias=bias), offset)
 
 
 def int4_linear(weight: QuantizedWeight, bias: torch.Tensor | None = None) -> Int4CpuLinear:
     """torch's int4 matmul ((q - 8) * scale + zero per 32, scales and zeros rounded to bf16)."""
-    group = _fmt(weight).group
-    q, scale, zero = unpack(weight.blocks, 4, group)
-    per_block = group // BLOCK
-    scale32 = scale.repeat_interleave(per_block, dim=1)
-    zero32 = zero.repeat_interleave(per_block, dim=1).float()
-    return Int4CpuLinear(q, scale32, (8.0 - zero32) * scale32, bias)
+    q, scale, zero = _per_32(weight)
+    return Int4CpuLinear(q, scale, (8.0 - zero) * scale, bias)
 
 
 def cpu_linear(weight: QuantizedWeight, bias: torch.Tensor | None, device: torch.device,
