@@ -143,10 +143,11 @@ def read_quantization(qc: Any) -> Quantization | None:
 
 def quantize_tensors(tensors: dict[str, torch.Tensor], q: Quantization) -> dict[str, Any]:
     """The checkpoint's tensors with each quantized linear's tensors replaced by one QuantizedWeight
-    under `<module>.weight`. Raises UnsupportedTensorTypeError naming the linear that does not fit."""
-    out: dict[str, Any] = dict(tensors)
+    under `<module>.weight`, in place (each linear's stored tensors are let go as soon as it is
+    repacked). Raises UnsupportedTensorTypeError naming the linear that does not fit."""
+    out: dict[str, Any] = tensors
     if q.kind in (GPTQ, AWQ):
-        for module in [n.removesuffix(".qweight") for n in tensors if n.endswith(".qweight")]:
+        for module in [n.removesuffix(".qweight") for n in list(tensors) if n.endswith(".qweight")]:
             parts = {s: out.pop(f"{module}.{s}", None) for s in GPTQ_SUFFIXES}
             missing = [s for s in ("qzeros", "scales") if parts[s] is None]
             if missing:
@@ -169,7 +170,7 @@ def quantize_tensors(tensors: dict[str, torch.Tensor], q: Quantization) -> dict[
             if scale is None or not name.endswith(".weight"):
                 raise UnsupportedTensorTypeError(f"FP8 tensor {name} has no weight_scale beside it")
             try:
-                out[name] = fp8.from_fp8(tensors[name], scale, q.tile)
+                out[name] = fp8.from_fp8(out[name], scale, q.tile)
             except ValueError as e:
                 raise UnsupportedTensorTypeError(f"FP8 linear {module}: {e}") from None
     return out
