@@ -1,7 +1,9 @@
 """Hugging Face checkpoint folders: config.json and safetensors weights (one file or shards).
 
 Tensors are read one at a time through safetensors' memory map, so the process never holds the
-checkpoint twice: each tensor is copied out of the mapped file once, in its stored dtype.
+checkpoint twice: each tensor is copied out of the mapped file once, in its stored dtype. A folder
+whose config.json has a `quantization_config` (GPTQ, AWQ, FP8) has its quantized linears repacked
+into QuantizedWeights (hf_quantization.py), kept quantized.
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ if TYPE_CHECKING:
     import torch
 
     from exlcli.model.config import ModelConfig
+    from exlcli.ops.formats import QuantizedWeight
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+# where older AutoGPTQ / AutoAWQ folders keep their quantization, config.json having none
+LEGACY_QUANT_FILES = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
 
 
 def _folder(folder: str | os.PathLike) -> str:
@@ -43,6 +48,25 @@ def read_hf_config(folder: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(cfg, dict):
         raise ModelLoadError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
     return cfg
+
+
+def read_quantization_config(folder: str | os.PathLike) -> dict[str, Any] | None:
+    """The folder's quantization_config (config.json's, else an older tool's own file), or None."""
+    path = _folder(folder)
+    if os.path.isfile(os.path.join(path, "config.json")):
+        qc = read_hf_config(path).get("quantization_config")
+        if qc is not None:
+            return qc
+    for name, method in LEGACY_QUANT_FILES.items():
+        file = os.path.join(path, name)
+        if os.path.isfile(file):
+            try:
+                with open(file, encoding="utf-8") as f:
+                    qc = json.load(f)
+            except (OSError, UnicodeDecodeError, ValueError) as e:
+                raise ModelLoadError(f"{file}: not valid JSON ({e})") from None
+            return {"quant_method": method, **qc} if isinstance(qc, dict) else qc
+    return None
 
 
 def _weight_files(folder: str) -> dict[str, list[str] | None]:
@@ -70,16 +94,20 @@ def _weight_files(folder: str) -> dict[str, list[str] | None]:
 
 
 def load_hf_tensors(folder: str | os.PathLike,
-                    config: "ModelConfig | None" = None) -> "dict[str, torch.Tensor]":
+                    config: "ModelConfig | None" = None) -> "dict[str, torch.Tensor | QuantizedWeight]":
     """All tensors of the checkpoint under their HF names (model.layers.0.self_attn.q_proj.weight,
-    ...), in their stored dtype (bf16, fp16 or fp32). With `config`, also checks that every
-    tensor the model needs is there."""
+    ...), in their stored dtype (bf16, fp16 or fp32), a quantized linear's as one QuantizedWeight
+    under its `.weight` name. With `config`, also checks that every tensor the model needs is there."""
     import torch
     from safetensors import SafetensorError, safe_open
 
-    allowed = (torch.bfloat16, torch.float16, torch.float32)
+    from exlcli.model.hf_quantization import quantize_tensors, read_quantization
+
+    dense = (torch.bfloat16, torch.float16, torch.float32)
     path = _folder(folder)
-    tensors: dict[str, torch.Tensor] = {}
+    quantization = read_quantization(read_quantization_config(path))
+    allowed = dense + (quantization.stored_dtypes if quantization else ())
+    tensors: dict[str, Any] = {}
     files = _weight_files(path)
     for file in files:  # all shards present before reading any
         if not os.path.isfile(file):
@@ -95,18 +123,35 @@ def load_hf_tensors(folder: str | os.PathLike,
                 for name in names:
                     t = f.get_tensor(name)
                     if t.dtype not in allowed:
+                        hint = ("; it looks quantized, but config.json has no quantization_config"
+                                if quantization is None and _looks_quantized(name, t.dtype) else "")
                         raise UnsupportedTensorTypeError(
-                            f"{file}: tensor {name} has dtype {str(t.dtype).removeprefix('torch.')}; "
-                            f"supported: bfloat16, float16, float32")
+                            f"{file}: tensor {name} has dtype {_dtype_name(t.dtype)}; "
+                            f"supported: {', '.join(map(_dtype_name, allowed))}{hint}")
                     tensors[name] = t
         except (SafetensorError, OSError) as e:
             raise ModelLoadError(f"{file}: corrupt or unreadable safetensors file ({e})") from None
+    if quantization is not None:
+        tensors = quantize_tensors(tensors, quantization)
+        stray = next((n for n, t in tensors.items() if isinstance(t, torch.Tensor) and t.dtype not in dense), None)
+        if stray is not None:
+            raise UnsupportedTensorTypeError(f"{path}: tensor {stray} ({_dtype_name(tensors[stray].dtype)}) "
+                                             f"belongs to no {quantization.kind.upper()} linear")
     if config is not None:
         missing = [n for n in expected_tensor_names(config) if n not in tensors]
         if missing:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             raise ModelLoadError(f"{path}: missing tensor {missing[0]}{more}")
     return tensors
+
+
+def _looks_quantized(name: str, dtype: "torch.dtype") -> bool:
+    """A tensor GPTQ, AWQ or FP8 checkpoints have (a folder that lost its quantization_config)."""
+    return name.rsplit(".", 1)[-1] in ("qweight", "qzeros", "g_idx") or str(dtype).startswith("torch.float8")
+
+
+def _dtype_name(dtype: "torch.dtype") -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def expected_tensor_names(config: "ModelConfig") -> list[str]:

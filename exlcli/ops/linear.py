@@ -14,6 +14,7 @@ import torch
 
 from exlcli.ops.formats.base import Linear, QuantizedWeight
 from exlcli.ops.formats.dense import dense_linear
+from exlcli.ops.formats.input_order import SideBySideLinear
 
 log = logging.getLogger("exlcli.linear")
 
@@ -34,6 +35,9 @@ def make_linear(weights: list, biases: list | None, device: torch.device, dtype:
         bias = torch.cat([b.to(dtype) if b is not None else torch.zeros(w.shape[0], dtype=dtype)
                           for w, b in zip(weights, biases)]).to(device)
     if all(isinstance(w, QuantizedWeight) for w in weights) and len({w.fmt.name for w in weights}) == 1:
+        if not QuantizedWeight.same_input_order(weights):  # act-order projections permuted differently
+            return SideBySideLinear([make_linear([w], [b] if biases else None, device, dtype)
+                                     for w, b in zip(weights, biases or [None] * len(weights))])
         fmt = weights[0].fmt
         make = {"cpu": fmt.cpu_linear, "cuda": fmt.cuda_linear}.get(device.type)
         lin = make(QuantizedWeight.concat_rows(weights), bias, device, dtype) if make is not None else None

@@ -65,6 +65,9 @@ class QuantizedWeight:
     fmt: BlockFormat
     shape: tuple[int, int]  # (out_features, in_features)
     blocks: torch.Tensor  # uint8 [out_features, fmt.row_bytes(in_features)]
+    # int64 [in_features] or None: column j of the blocks is input feature input_order[j] (GPTQ's
+    # act-order groups, made contiguous at load); a linear over the blocks reads x[:, input_order]
+    input_order: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         rows, cols = self.shape
@@ -73,26 +76,45 @@ class QuantizedWeight:
         want = (rows, self.fmt.row_bytes(cols))
         if tuple(self.blocks.shape) != want or self.blocks.dtype != torch.uint8:
             raise ValueError(f"{self.fmt.name} blocks have shape {tuple(self.blocks.shape)}, expected uint8 {want}")
+        if self.input_order is not None and (tuple(self.input_order.shape) != (cols,)
+                                             or self.input_order.dtype != torch.int64):
+            raise ValueError(f"{self.fmt.name} input order must be int64 [{cols}], got "
+                             f"{self.input_order.dtype} {tuple(self.input_order.shape)}")
 
     @property
     def qtype(self) -> str:
         return self.fmt.name
 
     def nbytes(self) -> int:
-        return self.blocks.numel()
+        order = 0 if self.input_order is None else self.input_order.numel() * 8
+        return self.blocks.numel() + order
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return self.fmt.dequantize(self.blocks).to(dtype)
+        """The weight [out, in] in the original order of its input features."""
+        w = self.fmt.dequantize(self.blocks)
+        if self.input_order is not None:
+            w = torch.empty_like(w).index_copy_(1, self.input_order, w)
+        return w.to(dtype)
 
     def permute_rows(self, order: torch.Tensor) -> "QuantizedWeight":
-        return QuantizedWeight(self.fmt, self.shape, self.blocks[order].contiguous())
+        return QuantizedWeight(self.fmt, self.shape, self.blocks[order].contiguous(), self.input_order)
+
+    @staticmethod
+    def same_input_order(parts: list["QuantizedWeight"]) -> bool:
+        """Whether the weights read their input in one order (so their rows can share one linear)."""
+        first = parts[0].input_order
+        return all((p.input_order is None and first is None)
+                   or (p.input_order is not None and first is not None and torch.equal(p.input_order, first))
+                   for p in parts)
 
     @staticmethod
     def concat_rows(parts: list["QuantizedWeight"]) -> "QuantizedWeight":
         if len({p.fmt.name for p in parts}) != 1 or len({p.shape[1] for p in parts}) != 1:
             raise ValueError("can only concatenate weights of one format and width")
+        if not QuantizedWeight.same_input_order(parts):
+            raise ValueError("can only concatenate weights that read their input in one order")
         return QuantizedWeight(parts[0].fmt, (sum(p.shape[0] for p in parts), parts[0].shape[1]),
-                               torch.cat([p.blocks for p in parts]))
+                               torch.cat([p.blocks for p in parts]), parts[0].input_order)
 
 
 def scaled_blocks(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
