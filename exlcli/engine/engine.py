@@ -28,6 +28,7 @@ from exlcli.engine.stats import (STEP_TIME_BUCKETS, ActiveRequestInfo, EngineSta
 from exlcli.errors import RequestError
 from exlcli.model.interface import CausalLM
 from exlcli.model.kv_cache import KVCache
+from exlcli.model.transfer import to_device
 
 log = logging.getLogger("exlcli.engine")
 
@@ -276,14 +277,16 @@ class Engine:
         """Queues the forward pass and the sampling of `batch`; None if the forward pass failed."""
         start = time.perf_counter()
         try:
-            logits = self.runner.run(batch, prev.ids if prev is not None else None)
+            inputs = self.runner.prepare(batch)
+            logits = self.runner.execute(inputs, prev.ids if prev is not None else None)
         except Exception as e:  # e.g. out of memory: fail this step's requests, keep serving
             log.exception("forward pass failed")
             for item in batch.items:
                 self._finish(item.seq, FinishReason.ERROR, error=f"forward pass failed: {e}")
             return None
         self.scheduler.commit(batch)
-        seqs = [item.seq for item in batch.items if item.samples]
+        seqs = [item.seq for item in batch.items if item.num_logits]
+        logits = self._last_logits_rows(batch, logits)
         ids, logprobs = self._sample(seqs, logits) if seqs else (None, None)
         host_ids, ready = ids, None
         if ids is not None and ids.device.type != "cpu":
@@ -292,11 +295,20 @@ class Engine:
             ready = torch.cuda.Event()
             ready.record()
         for row, seq in enumerate(seqs):
-            seq.num_pending += 1
-            seq.last_sample_row = row
+            seq.add_pending([row])
         keep = (self.async_scheduling and bool(seqs) and logprobs is None
                 and not any(needs_history(seq.request.sampling) for seq in seqs))
         return LaunchedStep(batch, seqs, ids, host_ids, ready, logprobs, start, keep)
+
+    @staticmethod
+    def _last_logits_rows(batch: ScheduledBatch, logits: torch.Tensor) -> torch.Tensor:
+        """One row per sampling sequence, its last: nothing drafts yet, so a sequence with k rows
+        (verifying k - 1 drafted tokens) samples from the row after its last token."""
+        counts = [item.num_logits for item in batch.items if item.num_logits]
+        if all(k == 1 for k in counts):
+            return logits
+        last = list(itertools.accumulate(counts))
+        return logits.index_select(0, to_device([i - 1 for i in last], torch.long, logits.device))
 
     def _resolve(self, step: LaunchedStep) -> None:
         """Reads a launched step's tokens back (waiting for the device) and streams them."""
@@ -306,7 +318,7 @@ class Engine:
                 step.ready.synchronize()
             tokens = step.host_ids.tolist()
         for row, (seq, token) in enumerate(zip(step.seqs, tokens)):
-            seq.num_pending -= 1
+            seq.pending_read(1)
             if seq.status is SeqStatus.FINISHED:
                 continue  # cancelled, failed, or stopped while this token was in flight
             try:

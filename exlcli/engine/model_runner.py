@@ -1,14 +1,16 @@
-"""Turns a ScheduledBatch into the model's flat BatchInputs and runs the forward pass."""
+"""A step in two halves: `prepare` turns a ScheduledBatch into the host-side StepInputs (the only
+place that reads scheduler objects), `execute` stages them onto the device and runs the forward
+pass, as a CUDA graph when one fits. Only StepInputs cross between the two, so `execute` could
+later run in another process."""
 
 from __future__ import annotations
 
 import torch
 
 from exlcli.engine.scheduler import ScheduledBatch
-from exlcli.engine.transfer import to_device
-from exlcli.model.batch_inputs import BatchInputs
 from exlcli.model.interface import CausalLM
 from exlcli.model.kv_cache import KVCache
+from exlcli.model.step_inputs import StepInputs
 
 
 class ModelRunner:
@@ -22,9 +24,9 @@ class ModelRunner:
 
             self.graphs = make_decode_graphs(model, kv)
 
-    def build_inputs(self, batch: ScheduledBatch, prev_ids: torch.Tensor | None = None) -> BatchInputs:
-        """`prev_ids`: the previous step's sampled ids on the device, where the input of a
-        sequence whose last token is still in flight is taken from (async scheduling)."""
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+        """Host-side inputs of a step: each item's tokens (known, in flight, drafted), positions,
+        KV slots, block table and length, and its last `num_logits` rows as logits rows."""
         page_size = self.kv.page_size
         ids: list[int] = []
         positions: list[int] = []
@@ -34,53 +36,33 @@ class ModelRunner:
         logits_rows: list[int] = []
         max_pages = max(len(item.seq.pages) for item in batch.items)
         tables = []
-        in_flight: list[tuple[int, int]] = []  # (input row, row of prev_ids)
+        in_flight: list[tuple[int, int]] = []  # (input row, row of the previous step's sampled ids)
         for item in batch.items:
             seq, n = item.seq, item.num_new_tokens
             begin = seq.num_computed_tokens
             known = seq.token_ids[begin:begin + n]
-            if len(known) < n:  # only a decode step's one token can be in flight
-                in_flight.append((len(ids) + len(known), seq.last_sample_row))
-                known = known + [0]
+            for p in range(begin + len(known), begin + n):  # in flight, then drafted
+                if p < seq.num_tokens:
+                    in_flight.append((len(ids) + p - begin, seq.pending_row(p)))
+                    known.append(0)
+                else:
+                    known.append(item.draft_tokens[p - seq.num_tokens])
             ids.extend(known)
             span = range(begin, begin + n)
             positions.extend(span)
             slots.extend(seq.pages[p // page_size] * page_size + p % page_size for p in span)
             seq_lens.append(begin + n)
             starts.append(starts[-1] + n)
-            if item.samples:
-                logits_rows.append(starts[-1] - 1)
+            logits_rows.extend(range(starts[-1] - item.num_logits, starts[-1]))
             tables.append(seq.pages + [0] * (max_pages - len(seq.pages)))
-        dev = self.device
-        longs = to_device([ids, positions, slots], torch.long, dev)
-        if in_flight:
-            take_in_flight(longs[0], in_flight, prev_ids)
-        return BatchInputs(
-            input_ids=longs[0],
-            positions=longs[1],
-            slot_mapping=longs[2],
-            block_tables=to_device(tables, torch.int32, dev),
-            seq_lens=seq_lens,
-            query_start_loc=starts,
-            logits_indices=to_device(logits_rows, torch.long, dev),
-            seq_lens_t=to_device(seq_lens, torch.int32, dev),
-            query_start_loc_t=to_device(starts, torch.int32, dev),
-        )
+        return StepInputs(ids, positions, slots, tables, seq_lens, starts, logits_rows, in_flight)
 
-    def run(self, batch: ScheduledBatch, prev_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """fp32 logits [S, V], one row per item that samples, in batch order. Queued on the
-        device; nothing here waits for it."""
+    def execute(self, inputs: StepInputs, prev_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 logits [S, V], one row per entry of inputs.logits_indices. Queued on the device;
+        nothing here waits for it. `prev_ids`: the previous step's sampled ids on the device, where
+        the tokens in flight come from (device state: it stays on this side of a process boundary)."""
         if self.graphs is not None:
-            logits = self.graphs.run(batch, prev_ids)  # None unless a pure decode step fits a graph
+            logits = self.graphs.run(inputs, prev_ids)  # None unless a decode step fits a graph
             if logits is not None:
                 return logits
-        return self.model.forward(self.build_inputs(batch, prev_ids), self.kv)
-
-
-def take_in_flight(input_ids: torch.Tensor, rows: list[tuple[int, int]], prev_ids: torch.Tensor | None) -> None:
-    """input_ids[row] = prev_ids[src] for each (row, src), on the device without waiting for it."""
-    if prev_ids is None:
-        raise RuntimeError("a token in flight has no sampled ids to come from")
-    dst, src = zip(*rows)
-    index = to_device([dst, src], torch.long, input_ids.device)
-    input_ids.index_copy_(0, index[0], prev_ids.index_select(0, index[1]))
+        return self.model.forward(inputs.to_batch_inputs(self.device, prev_ids), self.kv)

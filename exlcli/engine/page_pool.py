@@ -84,6 +84,10 @@ class PagePool:
     def lookup(self, h: int) -> int | None:
         return self._page_of.get(h) if self.enable_prefix_cache else None
 
+    def is_published(self, page: int) -> bool:
+        """The page is in the prefix cache under the hash of its tokens: it must not be rewritten."""
+        return page in self._hash_of
+
     def take_cached(self, page: int) -> None:
         """Add a reference to a page found by `lookup`."""
         if self.ref_counts[page] == 0:

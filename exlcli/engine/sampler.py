@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from exlcli.engine.request import SamplingParams, TokenLogprob
-from exlcli.engine.transfer import to_device
+from exlcli.model.transfer import to_device
 
 
 @dataclass

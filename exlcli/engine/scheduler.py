@@ -1,7 +1,8 @@
 """One rule for prefill and decode: each running sequence's computed tokens catch up to its known
 tokens under a per-step token budget. Interactive before batch, first come first served within a
 class; when pages run out, the lowest-priority most recent sequence is preempted (its pages freed,
-recomputed later, its full pages kept in the prefix cache)."""
+recomputed later, its full pages kept in the prefix cache). `rollback` un-computes tokens (rejected
+drafted tokens) and returns the pages they took."""
 
 from __future__ import annotations
 
@@ -14,14 +15,35 @@ from exlcli.engine.sequence import Sequence, SeqStatus
 
 @dataclass
 class ScheduledSeq:
+    """One sequence's part of a step: `num_new_tokens` tokens from seq.num_computed_tokens on, the
+    last len(draft_tokens) of them drafted tokens to verify (they follow the known and pending
+    tokens), and the next-token logits wanted at its last `num_logits` positions."""
+
     seq: Sequence
-    num_new_tokens: int  # tokens computed this step, from seq.num_computed_tokens on
-    samples: bool = False  # the chunk reaches the last known token: the step yields a next token
+    num_new_tokens: int
+    # None: 1 + len(draft_tokens) when the chunk reaches the last token (each drafted token is
+    # checked by the logits before it, and the last one gives the next token), else 0 (mid-prompt)
+    num_logits: int | None = None
+    draft_tokens: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.num_new_tokens < 1:
             raise ValueError("a scheduled sequence must compute at least one token")
-        self.samples = self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        end = self.seq.num_computed_tokens + self.num_new_tokens
+        total = self.seq.num_tokens + len(self.draft_tokens)
+        if end > total:
+            raise ValueError(f"the chunk ends at token {end}, past the {total} known, pending and drafted ones")
+        if self.draft_tokens and (end != total or self.num_new_tokens <= len(self.draft_tokens)):
+            raise ValueError("drafted tokens must end the chunk, after at least one known or pending token")
+        if self.num_logits is None:
+            self.num_logits = 1 + len(self.draft_tokens) if end == total else 0
+        if not 0 <= self.num_logits <= self.num_new_tokens:
+            raise ValueError(f"{self.num_logits} logits rows wanted from a chunk of {self.num_new_tokens} tokens")
+
+    @property
+    def samples(self) -> bool:
+        """The step yields next-token logits for this sequence."""
+        return self.num_logits > 0
 
 
 @dataclass
@@ -154,6 +176,45 @@ class Scheduler:
         if n % self.page_size == 0 and seq.num_computed_tokens >= n and seq.pages:
             p = n // self.page_size - 1
             self.pool.register(seq.pages[p], seq.page_hashes(p + 1, self.page_size)[p])
+
+    def rollback(self, seq: Sequence, num_tokens: int, num_dropped: int = 0) -> int:
+        """Un-compute the last `num_tokens` computed tokens of a running sequence (rejected drafted
+        tokens, say) and drop its last `num_dropped` known tokens, which must lie past the new
+        computed point with at least one known token left to compute. Pages no longer needed go
+        back to the pool; a published full page keeps its hash, since its K/V still match it.
+
+        Never writes into a page that is published or shared: when the new computed point falls
+        inside such a page, the sequence lets go of it and goes back to the page's start (it gets
+        a fresh page and recomputes those few tokens). Returns the tokens actually un-computed.
+
+        After a step that verified drafted tokens, roll the rejected ones back before appending the
+        accepted and the next token: `token_known` publishes a page filled by an appended token
+        only when that position is computed, and a rejected draft's K/V must not count as such."""
+        if seq.status is not SeqStatus.RUNNING:
+            raise ValueError(f"{seq.request_id} is not running")
+        if not 0 <= num_tokens <= seq.num_computed_tokens or num_dropped < 0:
+            raise ValueError(f"cannot roll back {num_tokens} of {seq.num_computed_tokens} computed tokens "
+                             f"dropping {num_dropped}")
+        computed = seq.num_computed_tokens - num_tokens
+        if num_dropped:
+            kept = len(seq.token_ids) - num_dropped
+            if kept <= computed:
+                raise ValueError(f"dropping {num_dropped} tokens leaves {kept}, nothing to compute after the "
+                                 f"{computed} still computed")
+            seq.truncate(kept)
+        size = self.page_size
+        boundary = computed // size
+        if computed % size and self._published_or_shared(seq.pages[boundary]):
+            computed = boundary * size
+        keep = -(-computed // size)
+        self.pool.release_all(seq.pages[keep:])
+        del seq.pages[keep:]
+        undone = seq.num_computed_tokens - computed
+        seq.num_computed_tokens = computed
+        return undone
+
+    def _published_or_shared(self, page: int) -> bool:
+        return self.pool.ref_counts[page] > 1 or self.pool.is_published(page)
 
     # -- helpers --------------------------------------------------------------------------------
     def _chunk(self, seq: Sequence, budget: int, top_priority: int) -> int:

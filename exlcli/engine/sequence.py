@@ -33,10 +33,11 @@ class Sequence:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     # Async scheduling: tokens sampled by steps already launched but not yet read back. They count
-    # in num_tokens (the scheduler plans around them); the newest is row `last_sample_row` of the
-    # latest step's sampled ids on the device, where the next step's input is taken from.
+    # in num_tokens (the scheduler plans around them); the newest len(pending_rows) of them are
+    # those rows of the latest step's sampled ids on the device, where the next step's inputs are
+    # taken from.
     num_pending: int = 0
-    last_sample_row: int = -1
+    pending_rows: list[int] = field(default_factory=list)
     rng: random.Random = field(default_factory=random.Random)
     _hashes: list[int] = field(default_factory=list)
 
@@ -76,6 +77,36 @@ class Sequence:
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    def add_pending(self, rows: list[int]) -> None:
+        """The latest step sampled len(rows) tokens for this sequence, at those rows of its ids."""
+        self.num_pending += len(rows)
+        self.pending_rows = list(rows)
+
+    def pending_read(self, num_tokens: int = 1) -> None:
+        """The oldest `num_tokens` pending tokens were read back (appended, or dropped when the
+        sequence finished)."""
+        if not 0 <= num_tokens <= self.num_pending:
+            raise RuntimeError(f"{num_tokens} tokens read back, {self.num_pending} were pending")
+        self.num_pending -= num_tokens
+        del self.pending_rows[:max(0, len(self.pending_rows) - self.num_pending)]
+
+    def pending_row(self, position: int) -> int:
+        """The row of the latest step's sampled ids that holds the pending token at `position`."""
+        first = self.num_tokens - len(self.pending_rows)
+        if not first <= position < self.num_tokens:
+            raise RuntimeError(f"the token at position {position} is not among the latest step's samples")
+        return self.pending_rows[position - first]
+
+    def truncate(self, num_tokens: int) -> None:
+        """Drop the known tokens from `num_tokens` on (and the page hashes that covered them)."""
+        if self.num_pending:
+            raise RuntimeError("cannot drop tokens while tokens are in flight")
+        if not self.num_prompt_tokens <= num_tokens <= len(self.token_ids):
+            raise ValueError(f"cannot truncate {len(self.token_ids)} tokens to {num_tokens} "
+                             f"(the prompt has {self.num_prompt_tokens})")
+        del self.token_ids[num_tokens:]
+        self._hashes.clear()  # recomputed when next asked for (rare: rollbacks that drop tokens)
 
     def page_hashes(self, num_pages: int, page_size: int) -> list[int]:
         """Hashes of the first `num_pages` pages, which must be full of known tokens."""

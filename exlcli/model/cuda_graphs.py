@@ -1,6 +1,6 @@
 """Decode steps replayed as CUDA graphs, one graph per (batch-size bucket, block-table width bucket).
 
-A pure decode step (every scheduled sequence computes its one next token and samples) of n
+A decode step (StepInputs.is_decode: every sequence computes one token and wants its logits) of n
 sequences runs the graph of the smallest bucket >= n; the rows past n are padding: token 0 at
 position 0, KV slot -1 (the rope kernel writes nothing) and length 0 (attention writes zeros).
 Inputs reach the graph's static buffers through three host-to-device copies from pinned memory;
@@ -25,11 +25,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from exlcli.engine.model_runner import take_in_flight
-from exlcli.engine.scheduler import ScheduledBatch, ScheduledSeq
 from exlcli.model.batch_inputs import BatchInputs
 from exlcli.model.interface import CausalLM
 from exlcli.model.kv_cache import KVCache
+from exlcli.model.step_inputs import StepInputs, take_in_flight
 from exlcli.ops.cuda import loader as cuda_loader
 from exlcli.ops.cuda.limits import DECODE_LINEAR_MAX_ROWS
 from exlcli import environment
@@ -56,10 +55,6 @@ def width_bucket(pages: int) -> int:
     while width < pages:
         width *= 2
     return width
-
-
-def is_pure_decode(batch: ScheduledBatch) -> bool:
-    return bool(batch.items) and all(item.num_new_tokens == 1 and item.samples for item in batch.items)
 
 
 @dataclass
@@ -94,23 +89,23 @@ class DecodeGraphs:
         self.use_fused = self.fused_unsupported is None
 
     # -- public -----------------------------------------------------------------------------------
-    def run(self, batch: ScheduledBatch, prev_ids: torch.Tensor | None = None) -> torch.Tensor | None:
-        """fp32 logits [n, V] of a pure decode step, or None when this step runs eagerly. The
-        tensor is the graph's output: queue its reads before the next step. `prev_ids`: the
-        previous step's sampled ids, for sequences whose last token is still in flight."""
-        if self.disabled_reason is not None or not is_pure_decode(batch):
+    def run(self, inputs: StepInputs, prev_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        """fp32 logits [n, V] of a decode step, or None when this step runs eagerly. The tensor is
+        the graph's output: queue its reads before the next step. `prev_ids`: the previous step's
+        sampled ids, for sequences whose last token is still in flight."""
+        if self.disabled_reason is not None or not inputs.is_decode:
             return None
-        n = len(batch.items)
+        n = inputs.num_seqs
         bucket = batch_bucket(n)
         if bucket is None or not cuda_loader.kernels_available():
             return None
-        width = width_bucket(max(len(item.seq.pages) for item in batch.items))
+        width = width_bucket(inputs.max_pages)
         graph = self._graphs.get((bucket, width))
         if graph is None:
             graph = self._capture_or_disable(bucket, width)
             if graph is None:
                 return None
-        self._stage(batch.items, bucket, width, prev_ids)
+        self._stage(inputs, bucket, width, prev_ids)
         graph.graph.replay()
         self.num_replays += 1
         return graph.logits[:n]
@@ -184,28 +179,19 @@ class DecodeGraphs:
         log.debug("captured decode graph: batch %d, width %d pages", bucket, width)
         return _Graph(graph, logits)
 
-    def _stage(self, items: list[ScheduledSeq], bucket: int, width: int, prev_ids: torch.Tensor | None) -> None:
+    def _stage(self, inputs: StepInputs, bucket: int, width: int, prev_ids: torch.Tensor | None) -> None:
+        """The prepared inputs into the static buffers, through pinned memory; rows n..bucket are
+        padding."""
         tables, host_tables = self._table(width)
         self._copied.synchronize()  # the previous step's copies have left the pinned buffers
         longs = self._host_longs.numpy()
         lens = self._host_lens.numpy()
-        table = host_tables.numpy()
-        page_size = self.kv.page_size
-        in_flight: list[tuple[int, int]] = []
-        for i, item in enumerate(items):
-            seq = item.seq
-            pos = seq.num_computed_tokens
-            pages = seq.pages
-            if pos < len(seq.token_ids):
-                longs[0, i] = seq.token_ids[pos]
-            else:  # still on the device: taken from prev_ids after the copy
-                longs[0, i] = 0
-                in_flight.append((i, seq.last_sample_row))
-            longs[1, i] = pos
-            longs[2, i] = pages[pos // page_size] * page_size + pos % page_size
-            lens[i] = pos + 1
-            table[i, :len(pages)] = pages
-        n = len(items)
+        n = inputs.num_seqs
+        longs[0, :n] = inputs.input_ids  # 0 where in flight: taken from prev_ids after the copy
+        longs[1, :n] = inputs.positions
+        longs[2, :n] = inputs.slot_mapping
+        lens[:n] = inputs.seq_lens
+        host_tables.numpy()[:n, :inputs.max_pages] = inputs.block_tables
         longs[:, n:bucket] = 0
         longs[2, n:bucket] = -1
         lens[n:bucket] = 0
@@ -213,8 +199,8 @@ class DecodeGraphs:
         self._lens.copy_(self._host_lens, non_blocking=True)
         tables[:bucket].copy_(host_tables[:bucket], non_blocking=True)
         self._copied.record()
-        if in_flight:
-            take_in_flight(self._longs[0], in_flight, prev_ids)
+        if inputs.in_flight:
+            take_in_flight(self._longs[0], inputs.in_flight, prev_ids)
 
 
 def make_decode_graphs(model: CausalLM, kv: KVCache) -> DecodeGraphs | None:

@@ -116,6 +116,41 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, layout)
 
 
+# --- decode with several queries per sequence (verifying drafted tokens) --------------------------
+
+MAX_DECODE_QUERIES = 8  # queries per sequence a multi-query decode step takes
+
+
+def decode_query_rows(query_start_loc: list[int], seq_lens: list[int]) -> tuple[list[int], list[int]]:
+    """Host side: for each query row, its sequence and the keys it sees. Row j of a sequence whose
+    k queries sit at positions p..p+k-1 sees keys 0..p+j, so its own length is p+j+1."""
+    seq_of_row, row_lens = [], []
+    for b, length in enumerate(seq_lens):
+        k = query_start_loc[b + 1] - query_start_loc[b]
+        if not 1 <= k <= min(MAX_DECODE_QUERIES, length):
+            raise ValueError(f"decode takes 1 to {MAX_DECODE_QUERIES} queries per sequence, sequence {b} "
+                             f"has {k} of length {length}")
+        seq_of_row += [b] * k
+        row_lens += range(length - k + 1, length + 1)
+    return seq_of_row, row_lens
+
+
+def paged_attention_decode_multi(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 block_tables: torch.Tensor, seq_of_row: torch.Tensor, row_lens: torch.Tensor,
+                                 scale: float) -> torch.Tensor:
+    """Up to MAX_DECODE_QUERIES queries per sequence as one-query decode rows: q [R, heads, D], row r
+    reads the table row of sequence seq_of_row[r] ([R] long) and its own length row_lens[r] ([R]
+    int32). The tables are gathered on the device and nothing is read back on a GPU, so a step
+    can be captured in a graph. Rows of length 0 (graph padding) come out as zeros."""
+    tables = block_tables.index_select(0, seq_of_row)  # [R, max_pages]
+    if use_kernels(q) and q.shape[-1] in HEAD_DIMS:
+        return cuda_kernels.paged_attention_decode(q, k_cache, v_cache, tables, row_lens, scale)
+    lens = row_lens.tolist()
+    if use_cpu_kernels_for(q):
+        return paged_attention_cpu(q.contiguous(), k_cache, v_cache, tables, list(range(len(lens) + 1)), lens, scale)
+    return paged_attention_decode_ref(q, k_cache, v_cache, tables, lens, scale)
+
+
 # --- CPU kernel (csrc/cpu/attention.c) -------------------------------------------------------------
 
 

@@ -76,7 +76,7 @@ def test_scheduler_with_sharing_preemption_and_cancel_returns_every_page(actions
                 assert len(item.seq.pages) * 4 >= item.seq.num_computed_tokens + item.num_new_tokens
             sched.commit(batch)
             for item in batch.items:
-                if item.samples:
+                if item.num_logits:
                     item.seq.token_ids.append(arg % 11)
             writable = [p for s in sched.running for i, p in enumerate(s.pages)
                         if i >= s.num_computed_tokens // 4]

@@ -1,0 +1,84 @@
+"""One step's inputs as the host builds them (StepInputs: plain lists, no scheduler objects, so they
+could cross a process boundary), and their staging onto the device as the model's BatchInputs.
+
+Async scheduling: a token sampled by the step before and not yet read back is a placeholder 0 in
+`input_ids`; `in_flight` says which row of that step's sampled ids (still on the device) replaces
+it, and `take_in_flight` does so on the device without waiting for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from exlcli.model.batch_inputs import BatchInputs
+from exlcli.model.transfer import to_device
+
+
+@dataclass
+class StepInputs:
+    """Sequence b owns tokens query_start_loc[b]:query_start_loc[b+1], the last ones of its
+    seq_lens[b] tokens; the model returns logits for the rows `logits_indices`, in order."""
+
+    input_ids: list[int]  # [T]; 0 where a token is in flight
+    positions: list[int]  # [T]
+    slot_mapping: list[int]  # [T] page * page_size + offset where each token's K/V goes
+    block_tables: list[list[int]]  # [B][max_pages], padded with page 0
+    seq_lens: list[int]  # [B] tokens of each sequence after this step
+    query_start_loc: list[int]  # [B + 1]
+    logits_indices: list[int]  # [S] rows of T whose next-token logits are wanted
+    in_flight: list[tuple[int, int]] = field(default_factory=list)  # (row of T, row of the previous step's ids)
+
+    def __post_init__(self) -> None:
+        num_tokens = len(self.input_ids)
+        if not len(self.positions) == len(self.slot_mapping) == num_tokens:
+            raise ValueError("input_ids, positions and slot_mapping must have one entry per token")
+        if len(self.query_start_loc) != self.num_seqs + 1 or self.query_start_loc[-1] != num_tokens:
+            raise ValueError("query_start_loc must have B + 1 entries ending at the token count")
+        if len(self.block_tables) != self.num_seqs:
+            raise ValueError("block_tables must have one row per sequence")
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def max_pages(self) -> int:
+        return len(self.block_tables[0]) if self.block_tables else 0
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence computes one token and wants its logits (what a decode graph replays)."""
+        return self.num_seqs > 0 and self.num_tokens == self.num_seqs == len(self.logits_indices)
+
+    def to_batch_inputs(self, device: torch.device, prev_ids: torch.Tensor | None = None) -> BatchInputs:
+        """The eager path's staging: fresh device tensors. `prev_ids`: the previous step's sampled
+        ids on the device, where the in-flight tokens are taken from."""
+        longs = to_device([self.input_ids, self.positions, self.slot_mapping], torch.long, device)
+        if self.in_flight:
+            take_in_flight(longs[0], self.in_flight, prev_ids)
+        return BatchInputs(
+            input_ids=longs[0],
+            positions=longs[1],
+            slot_mapping=longs[2],
+            block_tables=to_device(self.block_tables, torch.int32, device),
+            seq_lens=self.seq_lens,
+            query_start_loc=self.query_start_loc,
+            logits_indices=to_device(self.logits_indices, torch.long, device),
+            seq_lens_t=to_device(self.seq_lens, torch.int32, device),
+            query_start_loc_t=to_device(self.query_start_loc, torch.int32, device),
+        )
+
+
+def take_in_flight(input_ids: torch.Tensor, rows: list[tuple[int, int]], prev_ids: torch.Tensor | None) -> None:
+    """input_ids[row] = prev_ids[src] for each (row, src), on the device without waiting for it."""
+    if prev_ids is None:
+        raise RuntimeError("a token in flight has no sampled ids to come from")
+    dst, src = zip(*rows)
+    index = to_device([dst, src], torch.long, input_ids.device)
+    input_ids.index_copy_(0, index[0], prev_ids.index_select(0, index[1]))
