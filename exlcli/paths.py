@@ -5,6 +5,8 @@ Windows. $EXLCLI_CACHE overrides the cache and data folders, $EXLCLI_RUNTIME_DIR
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import platformdirs
@@ -42,9 +44,10 @@ def config_file() -> Path:
 
 def runtime_dir() -> Path:
     """$EXLCLI_RUNTIME_DIR, else the user runtime folder (Linux: $XDG_RUNTIME_DIR/exlcli), else the
-    cache folder when the system has no runtime folder for this user (a container, say)."""
+    cache folder where the system gives this session no runtime folder (a container, a cron job)."""
     override = environment.text("EXLCLI_RUNTIME_DIR")
     if override:
         return Path(override).expanduser()
-    runtime = Path(platformdirs.user_runtime_dir(APP, appauthor=False))
-    return runtime if runtime.parent.is_dir() else cache_dir()
+    if os.name == "posix" and sys.platform != "darwin" and not os.environ.get("XDG_RUNTIME_DIR"):
+        return cache_dir()
+    return Path(platformdirs.user_runtime_dir(APP, appauthor=False))
