@@ -46,8 +46,7 @@ def _whole(least: int | None, hint: str) -> Callable[[str], int]:
 
 
 ThreadsOption = Annotated[Optional[int], typer.Option(
-    "--threads", "-t", parser=_whole(1, "temperature is --temp (-t meant --temperature "
-                                                            "before exlcli 0.2)"),
+    "--threads", "-t", parser=_whole(1, "temperature is --temp (-t was --temperature in earlier releases)"),
     help="CPU threads of the kernels (llama.cpp's -t). Default: $EXLCLI_CPU_THREADS, else the cores this "
          "process may run on.")]
 CtxSizeOption = Annotated[Optional[int], typer.Option(
@@ -55,8 +54,8 @@ CtxSizeOption = Annotated[Optional[int], typer.Option(
     help="Cap the context at N tokens (the engine's max model length; llama.cpp -c, vLLM --max-model-len). "
          "Default: the model's, as far as the KV cache holds.")]
 SeedOption = Annotated[Optional[int], typer.Option(
-    "--seed", "-s", parser=_whole(None, "the system prompt is --system (-sys); -s meant "
-                                                         "--system before exlcli 0.2"),
+    "--seed", "-s", parser=_whole(None, "the system prompt is --system (-sys; -s was --system in earlier "
+                                        "releases)"),
     help="Sampling seed, for repeatable answers (llama.cpp's -s).")]
 SystemOption = Annotated[Optional[str], typer.Option(
     "--system", "-sys", "--system-prompt", help="System prompt (llama.cpp's -sys).")]

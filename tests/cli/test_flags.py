@@ -77,9 +77,9 @@ def test_old_spellings_work_with_a_notice(config_home):
 
 @pytest.mark.parametrize("args, fragment", [
     (["-t", "0.7"], "Invalid value for '--threads' / '-t'"),
-    (["-t", "0.7"], "temperature is --temp (-t meant --temperature before exlcli 0.2)"),
+    (["-t", "0.7"], "temperature is --temp (-t was --temperature in earlier releases)"),
     (["-t", "0"], "at least 1, got 0"),
-    (["-s", "You are terse."], "the system prompt is --system (-sys)"),
+    (["-s", "You are terse."], "the system prompt is --system (-sys; -s was --system in earlier releases)"),
     (["-c", "4"], "at least 16, got 4"),
 ])
 def test_moved_short_flags_explain_themselves(args, fragment, config_home):
