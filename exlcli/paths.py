@@ -23,6 +23,14 @@ def cache_dir() -> Path:
     return Path(override).expanduser() if override else Path(platformdirs.user_cache_dir(APP, appauthor=False))
 
 
+def kernel_cache_dir() -> Path:
+    """$EXLCLI_KERNEL_CACHE, else the user cache folder's kernels/ ($EXLCLI_CACHE does not move it)."""
+    override = environment.text("EXLCLI_KERNEL_CACHE")
+    if override:
+        return Path(override).expanduser()
+    return Path(platformdirs.user_cache_dir(APP, appauthor=False)) / "kernels"
+
+
 def models_dir() -> Path:
     return cache_dir() / "models"
 

@@ -10,8 +10,16 @@ import typer
 
 from exlcli.errors import ExlcliError
 
+
+def complete_model(incomplete: str) -> list[str]:
+    """Shell completion of --model: the names in the cache folder (files and folders complete as paths)."""
+    from exlcli.model.default_model import list_cached_models
+
+    return [name for name, _, _ in list_cached_models() if name.startswith(incomplete)]
+
+
 ModelOption = Annotated[Optional[str], typer.Option(
-    "--model", "-m", envvar="EXLCLI_MODEL",
+    "--model", "-m", envvar="EXLCLI_MODEL", autocompletion=complete_model,
     help="GGUF file, Hugging Face folder or random:<shape>. Default: SmolLM2-135M-Instruct.")]
 DeviceOption = Annotated[Optional[str], typer.Option(
     "--device", help="cpu, cuda or cuda:N. Default: cuda when available, else cpu.")]

@@ -11,7 +11,7 @@ from typing import Annotated, List, Optional
 
 import typer
 
-from exlcli.cli.common import ModelOption, user_errors
+from exlcli.cli.common import ModelOption, complete_model, user_errors
 from exlcli.errors import ExlcliError
 
 
@@ -79,8 +79,8 @@ def register(app: typer.Typer) -> None:
 
     @app.command("rm")
     @user_errors
-    def rm(names: Annotated[List[str], typer.Argument(metavar="NAME...", help="Models as `exlcli ls` names them.")]
-           ) -> None:
+    def rm(names: Annotated[List[str], typer.Argument(
+            metavar="NAME...", help="Models as `exlcli ls` names them.", autocompletion=complete_model)]) -> None:
         """Delete models from the cache folder."""
         for name in names:
             print(f"removed {remove_model(name)}", file=sys.stderr)

@@ -193,6 +193,13 @@ def test_shell_completion_installs_and_completes(tmp_path):
     completed = subprocess.run([sys.executable, "-m", "exlcli"], env=options, capture_output=True, text=True,
                                timeout=60)
     assert "--served-model-name" in completed.stdout
+    models = tmp_path / "cache" / "models"
+    models.mkdir(parents=True)
+    (models / "tiny.Q4_0.gguf").write_bytes(b"GGUF")
+    names = {**words, "EXLCLI_CACHE": str(tmp_path / "cache"), "COMP_WORDS": "exlcli run -m ti", "COMP_CWORD": "3"}
+    completed = subprocess.run([sys.executable, "-m", "exlcli"], env=names, capture_output=True, text=True,
+                               timeout=60)
+    assert "tiny.Q4_0.gguf" in completed.stdout.split()  # --model completes the cache folder's names
 
 
 def test_serve_takes_the_model_as_an_argument_and_ps_shows_it(private_runtime_dir):
