@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import glob
 import os
 import shutil
 import sys
@@ -47,9 +46,13 @@ def remove_model(name: str) -> str:
     from exlcli.model.default_model import list_cached_models, models_dir
     from exlcli.model.hub import DOWNLOADS
 
+    if not name or name in (".", "..") or "/" in name or "\\" in name:
+        raise ExlcliError(f"{name!r} is not a model name; `exlcli ls` lists them")
     found = {n: p for n, p, _ in list_cached_models()}
     path = found.get(name) or found.get(name + ".gguf")
-    leftovers = sorted((models_dir() / DOWNLOADS).glob(glob.escape(name) + "*"))
+    downloads = models_dir() / DOWNLOADS
+    leftovers = [downloads / (stem + tail) for stem in (name, name + ".gguf")
+                 for tail in ("", ".part", ".part.etag", ".lock") if (downloads / (stem + tail)).exists()]
     if path is None and not leftovers:
         known = ", ".join(found) or "none"
         raise ExlcliError(f"no model {name!r} in {models_dir()} (exlcli ls lists them: {known})")
