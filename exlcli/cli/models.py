@@ -92,14 +92,14 @@ def register(app: typer.Typer) -> None:
     @user_errors
     def pull(
         spec: Annotated[str, typer.Argument(metavar="REPO[:FILE]", help=(
-            "A Hugging Face repository, with a GGUF file (or a part of its name, such as Q4_K_M) after a colon; "
+            "A Hugging Face repository, with a GGUF file (or a part of its name, such as q4_k_m) after a colon; "
             "without one, the repository's safetensors folder (or its only GGUF). REPO@REVISION picks a branch, "
             "tag or commit."))],
     ) -> None:
         """Download a model from the Hugging Face Hub into the cache folder; rerun to resume.
 
         Uses HF_TOKEN for private and gated repositories and HF_ENDPOINT for a mirror. Examples:
-        exlcli pull bartowski/SmolLM2-135M-Instruct-GGUF:Q4_K_M, exlcli pull HuggingFaceTB/SmolLM2-135M-Instruct"""
+        exlcli pull Qwen/Qwen2.5-0.5B-Instruct-GGUF:q4_k_m, exlcli pull Qwen/Qwen2.5-0.5B-Instruct"""
         from exlcli.model.hub import pull as pull_model
 
         try:

@@ -26,7 +26,7 @@ def register(app: typer.Typer) -> None:
     @user_errors
     def serve_command(
         model_arg: Annotated[Optional[str], typer.Argument(
-            metavar="[MODEL]", show_default=False,
+            metavar="MODEL", show_default=False,
             help="GGUF file, Hugging Face folder, a name from `exlcli ls`, or random:<shape> (as --model).")] = None,
         model: ModelOption = None,
         served_model_name: Annotated[Optional[str], typer.Option(

@@ -61,8 +61,8 @@ def parse_spec(text: str) -> PullSpec:
     repo, _, file = spec.partition(":")
     repo, _, revision = repo.partition("@")
     if not _REPO.match(repo):
-        raise ModelLoadError(f"cannot read {text!r} as REPO[:FILE]; give e.g. bartowski/SmolLM2-135M-Instruct-GGUF"
-                             ":Q4_K_M or HuggingFaceTB/SmolLM2-135M-Instruct")
+        raise ModelLoadError(f"cannot read {text!r} as REPO[:FILE]; give e.g. Qwen/Qwen2.5-0.5B-Instruct-GGUF:q4_k_m"
+                             " or Qwen/Qwen2.5-0.5B-Instruct")
     return PullSpec(repo, file or None, revision or "main")
 
 
@@ -88,7 +88,7 @@ def plan_pull(spec: PullSpec, files: list[RemoteFile]) -> PullPlan:
         return PullPlan(ggufs[0].path.rsplit("/", 1)[-1], (ggufs[0],), folder=False)
     if ggufs:
         raise ModelLoadError(f"{spec.repo} has {len(ggufs)} GGUF files; name one as {spec.repo}:FILE "
-                             f"(a part of the name such as Q4_K_M will do): {_names(ggufs)}")
+                             f"(a part of the name such as q4_k_m will do): {_names(ggufs)}")
     raise ModelLoadError(f"{spec.repo} has no .gguf file and no safetensors folder (config.json + *.safetensors)")
 
 
