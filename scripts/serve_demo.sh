@@ -71,7 +71,7 @@ check() {  # check NAME COMMAND...: print PASS/FAIL
 }
 
 # Rows of the "active requests" table, by client label.
-active_rows() { server_pane | sed -n '/active requests/,/recently finished/p' | grep -cE "^ *[^ ]+ +$1 +(waiting|prefill|decode|preempted) "; }
+active_rows() { server_pane | sed -n '/active requests/,/recently finished/p' | grep -cE "^ *[^ ]+ +$1 +([^ ]+ +)?(waiting|prefill|decode|preempted) "; }
 all_three_live() { [ "$(active_rows chat)" -ge 2 ] && [ "$(active_rows batch)" -ge 1 ]; }
 server_up() { curl -sf "$URL/health" >/dev/null 2>&1; }
 batch_done() { tmux capture-pane -p -J -t "$SESSION:0.3" | grep -q 'batch: .*->'; }
@@ -103,7 +103,7 @@ echo "------------------------------------------------"
 check "the batch job finishes" wait_until "$RUN_TIMEOUT" batch_done
 nothing_active() { server_pane | grep -q '(none)'; }
 check "every request finishes (no active rows left)" wait_until "$RUN_TIMEOUT" nothing_active
-pages_free() { curl -sf "$URL/metrics" | grep -q '^exlcli_kv_pages_used 0$'; }
+pages_free() { curl -sf "$URL/metrics" | grep -qE '^exlcli_kv_pages_used 0(\.0)?$'; }
 check "/metrics shows no page in use" pages_free
 keep 2-finished
 

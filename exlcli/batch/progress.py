@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import TextIO
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn
+from rich.text import Text
 
 
 @dataclass
@@ -13,23 +18,47 @@ class Snapshot:
     done: int  # result lines written this run (good + error)
     errors: int
     total: int  # lines this run expects to handle
-    completion_tokens: int
+    completion_tokens: int  # of finished requests
     in_flight: int
     batch_size: int  # the engine's current batch (all clients), 0 if unknown
     elapsed: float
+    instant_errors: int = 0  # of `errors`, lines that never reached the engine (unreadable, refused)
+    streamed_tokens: int = 0  # tokens received so far, requests still in flight included
+    last_error: str | None = None
 
     @property
     def tokens_per_s(self) -> float:
-        return self.completion_tokens / self.elapsed if self.elapsed > 0 else 0.0
+        tokens = max(self.streamed_tokens, self.completion_tokens)
+        return tokens / self.elapsed if self.elapsed > 0 else 0.0
 
     @property
     def eta_s(self) -> float | None:
+        """From the lines the engine completed: an unreadable line costs no time, so counting it
+        would make the rest look faster than it is."""
         left = max(0, self.total - self.done)
         if left == 0:
             return 0.0
-        if self.done == 0 or self.elapsed <= 0:
+        completed = self.done - self.instant_errors
+        if completed <= 0 or self.elapsed <= 0:
             return None
-        return left * self.elapsed / self.done
+        return left * self.elapsed / completed
+
+
+class StreamedTokens:
+    """Tokens received so far, added to by the threads that drain the streams."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._total = 0
+
+    def add(self, count: int) -> None:
+        if count:
+            with self._lock:
+                self._total += count
+
+    @property
+    def total(self) -> int:
+        return self._total
 
 
 def format_duration(seconds: float | None) -> str:
@@ -42,9 +71,10 @@ def format_duration(seconds: float | None) -> str:
 
 
 def plain_line(snap: Snapshot) -> str:
-    return (f"batch: {snap.done}/{snap.total} done, {snap.errors} errors, "
+    line = (f"batch: {snap.done}/{snap.total} done, {snap.errors} errors, "
             f"{snap.tokens_per_s:.1f} tok/s, eta {format_duration(snap.eta_s)}, "
             f"{snap.in_flight} in flight, batch size {snap.batch_size}")
+    return line + (f"; last error: {snap.last_error}" if snap.last_error else "")
 
 
 class PlainProgress:
@@ -68,15 +98,24 @@ class PlainProgress:
         pass
 
 
+class BarWithLastError(Progress):
+    """A bar with the last error line under it (Rich's way to add lines: override get_renderables)."""
+
+    last_error: str | None = None
+
+    def get_renderables(self):
+        yield self.make_tasks_table(self.tasks)
+        if self.last_error:
+            yield Text(f"last error: {self.last_error}", style="red", no_wrap=True, overflow="ellipsis")
+
+
 class RichProgress:
-    """A live bar: done/total, output tok/s, ETA, in flight and the engine's batch size."""
+    """A live bar: done/total, errors, output tok/s, ETA, in flight and the engine's batch size;
+    under it, the last error line."""
 
     def __init__(self, stream: TextIO, total: int) -> None:
-        from rich.console import Console
-        from rich.progress import BarColumn, Progress, TextColumn
-
         self.console = Console(file=stream)
-        self._progress = Progress(
+        self._progress = BarWithLastError(
             TextColumn("[bold]batch"), BarColumn(),
             TextColumn("{task.completed}/{task.total}"),
             TextColumn("{task.fields[errors]} err"),
@@ -90,6 +129,7 @@ class RichProgress:
         self._progress.start()
 
     def update(self, snap: Snapshot) -> None:
+        self._progress.last_error = snap.last_error
         self._progress.update(self._task, completed=snap.done, total=max(snap.total, snap.done, 1),
                               errors=snap.errors, tps=snap.tokens_per_s, eta=format_duration(snap.eta_s),
                               in_flight=snap.in_flight, batch=snap.batch_size)

@@ -34,7 +34,7 @@ from exlcli.batch.jsonl import dump_line
 from exlcli.batch.lines import BadLine, InputScan, Job, LineDefaults, read_jobs, scan_input
 from exlcli.batch.lock import OutputLock, lock_path
 from exlcli.batch.output import DoneState, ResultWriter, check_output_path, load_done
-from exlcli.batch.progress import Snapshot
+from exlcli.batch.progress import Snapshot, StreamedTokens
 from exlcli.batch.records import Finished, bad_line_record, error_record, result_record
 from exlcli.batch.sequencer import Sequencer
 from exlcli.batch.stopping import StopControl
@@ -67,13 +67,15 @@ class _Outcome:
     request_id: str
 
 
-def _drain(seq: int, job: Job, stream: GenerationStream, out: "queue.Queue[_Outcome]") -> None:
+def _drain(seq: int, job: Job, stream: GenerationStream, out: "queue.Queue[_Outcome]",
+           streamed: StreamedTokens) -> None:
     parts: list[str] = []
     last: TextDelta | None = None
     failure = None
     try:
         for delta in stream:
             parts.append(delta.text)
+            streamed.add(len(delta.token_ids))
             last = delta
     except Exception as e:  # noqa: BLE001 - any failure of one request becomes its error line
         failure = str(e) if isinstance(e, ExlcliError) else f"{type(e).__name__}: {e}"
@@ -103,6 +105,9 @@ class BatchRun:
         self._start = 0.0
         self._last_tick = 0.0
         self._announced_stop = self._announced_cancel = False
+        self._streamed = StreamedTokens()  # for the progress display: live tok/s
+        self._instant_errors = 0  # error lines that never reached the engine: left out of the ETA
+        self._last_error: str | None = None
 
     # ---- the loop ----
 
@@ -164,6 +169,7 @@ class BatchRun:
                 self.summary.skipped += 1
                 continue
             if isinstance(item, BadLine):
+                self._instant_errors += 1
                 self._emit(self._take_seq(), item, bad_line_record(item), error=True)
                 self._write_ready()
                 continue
@@ -188,11 +194,12 @@ class BatchRun:
                 self._emit(seq, job, None)
                 return
             error = line_error(e, "invalid_request")  # too long, a prompt the tokenizer refuses, ...
+            self._instant_errors += 1
             self._emit(seq, job, error_record(job.id, job.line_no, job.shape, error.code, error.message), error=True)
             self._write_ready()
             return
         self.in_flight[seq] = stream
-        threading.Thread(target=_drain, args=(seq, job, stream, self.results),
+        threading.Thread(target=_drain, args=(seq, job, stream, self.results, self._streamed),
                          name=f"batch-{job.id}", daemon=True).start()
 
     def _take_seq(self) -> int:
@@ -276,8 +283,11 @@ class BatchRun:
                 entry = (dump_line(record), error)
             except Exception as e:  # noqa: BLE001 - one line must never stop the file
                 failure = line_error(e, "unwritable_result", subject="the result")
-                entry = (dump_line(error_record(origin.id, origin.line_no, origin.shape, failure.code,
-                                                failure.message)), True)
+                record = error_record(origin.id, origin.line_no, origin.shape, failure.code, failure.message)
+                entry = (dump_line(record), True)
+        if entry is not None and entry[1]:
+            err = record.get("error") or {}
+            self._last_error = f"line {origin.line_no} ({origin.id}): {err.get('code')}: {err.get('message')}"
         self._ready.extend(self.sequencer.push(seq, entry))
 
     def _write_ready(self) -> None:
@@ -323,7 +333,8 @@ class BatchRun:
         self.progress.update(Snapshot(
             done=self.summary.done + self.summary.errors, errors=self.summary.errors, total=self.expected,
             completion_tokens=self.summary.completion_tokens, in_flight=len(self.in_flight),
-            batch_size=batch_size, elapsed=now - self._start))
+            batch_size=batch_size, elapsed=now - self._start, instant_errors=self._instant_errors,
+            streamed_tokens=self._streamed.total, last_error=self._last_error))
 
 
 def run_batch(client: EngineClient, input_path: Path, output_path: Path,

@@ -23,11 +23,11 @@ from exlcli.server import openai_format as fmt
 from exlcli.server.events import chat_events, completion_events
 from exlcli.server.generations import ChoiceResult, EngineFailure, GenerationGroup, Starter
 from exlcli.server.http_errors import APIError, install_error_handlers
-from exlcli.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from exlcli.server.metrics import ResponseCounter, render_metrics
+from exlcli.server.metrics import EngineCollector, ResponseCounter, render_metrics
+from exlcli.server.rates import EngineRates
 from exlcli.server.schemas import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from exlcli.server.security import DEFAULT_MAX_BODY_BYTES, BodySizeLimit, bearer_token, key_matches
-from exlcli.server.sse import EventStreamResponse
+from exlcli.server.sse import DEFAULT_PING_S, EventStreamResponse
 from exlcli.server.tracker import RequestTracker
 
 # Engine streams are iterated in worker threads by some clients; the default pool (cpu + 4 threads)
@@ -42,6 +42,7 @@ class ServerConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     default_max_tokens: int = 2048  # when a request names no max_tokens
     retry_after_s: int = 2
+    sse_ping_s: float = DEFAULT_PING_S  # keep-alive comment on a stream with nothing to send
 
 
 @dataclass
@@ -52,6 +53,7 @@ class ServerState:
     draining: bool = False
     groups: dict[str, GenerationGroup] = field(default_factory=dict)  # by response id, in flight
     num_starting: int = 0  # admitted, streams being started: counted as waiting
+    rates: EngineRates = field(default_factory=EngineRates)  # tok/s and batch size that fall to 0 when idle
 
     def num_waiting(self) -> int:
         return self.tracker.num_waiting(self.client.stats()) + self.num_starting
@@ -83,7 +85,8 @@ class ServerState:
 def create_app(client: EngineClient, config: ServerConfig | None = None,
                tracker: RequestTracker | None = None) -> FastAPI:
     config = config or ServerConfig()
-    state = ServerState(client, config, tracker or RequestTracker())
+    state = ServerState(client, config, tracker or RequestTracker(model_name=client.model_name))
+    state.tracker.registry.register(EngineCollector(state))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -118,10 +121,9 @@ def create_app(client: EngineClient, config: ServerConfig | None = None,
         return fmt.model_list(client.model_name, client.context_length, fmt.now())
 
     @app.get("/metrics", dependencies=auth)
-    async def metrics() -> Response:
-        stats = client.stats()
-        text = render_metrics(stats, state.tracker, state.tracker.num_waiting(stats) + state.num_starting)
-        return Response(text, media_type=METRICS_CONTENT_TYPE)
+    async def metrics(request: Request) -> Response:
+        body, content_type = render_metrics(state.tracker, request.headers.get("accept"))
+        return Response(body, headers={"Content-Type": content_type})
 
     @app.get("/stats", dependencies=auth)
     async def stats() -> dict:
@@ -206,8 +208,8 @@ def _event_stream(state: ServerState, group: GenerationGroup,
             group.abandon()
             state.groups.pop(group.response_id, None)
 
-    return EventStreamResponse(guarded(), on_disconnect=group.cancel,
-                               headers={"X-Request-Id": group.response_id})
+    return EventStreamResponse(guarded(), on_disconnect=group.cancel, headers={"X-Request-Id": group.response_id},
+                               ping_s=state.config.sse_ping_s)
 
 
 async def _collect_unless_gone(state: ServerState, group: GenerationGroup,

@@ -52,7 +52,8 @@ class GenerationGroup:
             for s in starters:
                 # Off the event loop: starting tokenises the prompt, which can take a while.
                 stream = await asyncio.to_thread(s.start)
-                gen = self.tracker.start(stream.request_id, self.client_label, self.priority, self.endpoint)
+                gen = self.tracker.start(stream.request_id, self.client_label, self.priority, self.endpoint,
+                                         self.response_id, s.index if len(starters) > 1 else None)
                 self.choices.append(Choice(s.index, s.prompt_index, stream, gen))
         except BaseException:
             self.abandon()

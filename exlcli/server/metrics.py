@@ -1,110 +1,125 @@
-"""/metrics in the Prometheus text exposition format (version 0.0.4), from the engine's
-EngineStats and the server's RequestTracker. Written by hand: a few dozen lines, no dependency."""
+"""/metrics through prometheus_client, in the app's own CollectorRegistry (the tracker's; no
+global registry).
+
+vLLM's names where a dashboard looks for them (vllm:num_requests_running, vllm:kv_cache_usage_perc,
+vllm:prompt_tokens_total, vllm:time_to_first_token_seconds, ...; label model_name), exlcli_ names
+for what only exlcli has (KV pages, step time, the HTTP server's own counts). Request histograms are
+observed by the tracker as requests finish; everything the engine counts is read from its
+EngineStats at scrape time by `EngineCollector`. Rates come from `EngineRates`, so they fall to 0
+when the engine is idle.
+"""
 
 from __future__ import annotations
 
+from typing import Iterator
+
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from exlcli.engine.stats import STEP_TIME_BUCKETS, EngineStats
-from exlcli.server.tracker import Histogram, RequestTracker
+from exlcli.engine.stats import STEP_TIME_BUCKETS
+from exlcli.server.tracker import RequestTracker
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-PREFIX = "exlcli_"
 # Paths counted by name in exlcli_http_responses_total; any other path counts as "other".
 KNOWN_ENDPOINTS = {"/v1/models", "/v1/chat/completions", "/v1/completions", "/health", "/metrics",
                    "/tokenize", "/stats"}
 
 
-def _number(value: float) -> str:
-    if value == float("inf"):
-        return "+Inf"
-    return repr(float(value)) if isinstance(value, float) else str(value)
+def render_metrics(tracker: RequestTracker, accept: str | None = None) -> tuple[bytes, str]:
+    """-> (body, content type): the text format 0.0.4, or OpenMetrics if the scraper asks for it."""
+    encoder, content_type = choose_encoder(accept or "")
+    return encoder(tracker.registry), content_type
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+class EngineCollector(Collector):
+    """What the engine and the HTTP server count, read when scraped (on the event loop thread)."""
 
+    def __init__(self, state) -> None:
+        self.state = state  # the app's ServerState (app.py imports this module, not the other way)
 
-def _labels(labels: dict[str, str]) -> str:
-    if not labels:
-        return ""
-    return "{" + ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels.items()) + "}"
+    def collect(self) -> Iterator[Metric]:
+        state, tracker = self.state, self.state.tracker
+        stats = state.client.stats()
+        num_waiting = tracker.num_waiting(stats) + state.num_starting
+        rates = state.rates.observe(stats, tracker.clock())
+        model = {"model_name": state.client.model_name}
 
+        def vllm_gauge(name: str, help_text: str, value: float) -> Metric:
+            g = GaugeMetricFamily("vllm:" + name, help_text, labels=list(model))
+            g.add_metric(list(model.values()), value)
+            return g
 
-class _Writer:
-    def __init__(self) -> None:
-        self.lines: list[str] = []
+        def vllm_counter(name: str, help_text: str, value: float) -> Metric:
+            c = CounterMetricFamily("vllm:" + name, help_text, labels=list(model))
+            c.add_metric(list(model.values()), value)
+            return c
 
-    def family(self, name: str, kind: str, help_text: str) -> str:
-        full = PREFIX + name
-        self.lines.append(f"# HELP {full} {help_text}")
-        self.lines.append(f"# TYPE {full} {kind}")
-        return full
+        def gauge(name: str, help_text: str, value: float) -> Metric:
+            return GaugeMetricFamily("exlcli_" + name, help_text, value=value)
 
-    def sample(self, name: str, value: float, labels: dict[str, str] | None = None) -> None:
-        self.lines.append(f"{name}{_labels(labels or {})} {_number(value)}")
+        def counter(name: str, help_text: str, value: float) -> Metric:
+            return CounterMetricFamily("exlcli_" + name, help_text, value=value)
 
-    def gauge(self, name: str, value: float, help_text: str) -> None:
-        self.sample(self.family(name, "gauge", help_text), value)
+        def by_label(name: str, help_text: str, labels: list[str], counts: dict) -> Metric:
+            c = CounterMetricFamily("exlcli_" + name, help_text, labels=labels)
+            for key, count in sorted(counts.items()):
+                c.add_metric([str(k) for k in (key if isinstance(key, tuple) else (key,))], count)
+            return c
 
-    def counter(self, name: str, value: float, help_text: str) -> None:
-        self.sample(self.family(name, "counter", help_text) + "_total", value)
+        kv_usage = stats.pages_used / stats.pages_total if stats.pages_total else 0.0
+        yield vllm_gauge("num_requests_running", "Requests the engine is running (prefill or decode).",
+                         stats.num_running)
+        yield vllm_gauge("num_requests_waiting", "Requests waiting in the engine's queue.", stats.num_waiting)
+        yield vllm_gauge("kv_cache_usage_perc", "Fraction of KV pages referenced by live sequences (1 = all).",
+                         kv_usage)
+        yield vllm_gauge("gpu_cache_usage_perc", "Same as vllm:kv_cache_usage_perc (vLLM's older name).", kv_usage)
+        yield vllm_counter("prompt_tokens", "Prompt tokens of finished requests.", stats.total_prompt_tokens)
+        yield vllm_counter("generation_tokens", "Generated tokens of finished requests.",
+                           stats.total_generated_tokens)
+        yield vllm_counter("num_preemptions", "Sequences preempted for lack of KV pages.", stats.num_preemptions)
+        yield vllm_counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                           stats.prefix_cache_queries)
+        yield vllm_counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+                           stats.prefix_cache_hits)
+        success = CounterMetricFamily("vllm:request_success", "Requests that finished with stop or length.",
+                                      labels=["model_name", "finished_reason"])
+        for reason in ("stop", "length"):
+            success.add_metric([model["model_name"], reason], tracker.finished_by_reason.get(reason, 0))
+        yield success
 
-    def histogram(self, name: str, help_text: str, bounds: tuple[float, ...], counts: list[int],
-                  total: float) -> None:
-        full = self.family(name, "histogram", help_text)
-        cumulative = 0
-        for bound, count in zip((*bounds, float("inf")), counts):
+        yield gauge("server_requests_active", "Generations the HTTP server has in flight.", len(tracker.live))
+        yield gauge("server_queue_depth", "Generations with no token yet that the engine has not started.",
+                    num_waiting)
+        yield counter("engine_requests_finished", "Requests the engine finished, any reason.", stats.total_requests)
+        yield counter("prefix_cache_evictions", "KV pages evicted from the prefix cache.",
+                      stats.prefix_cache_evictions)
+        yield gauge("kv_pages_total", "KV cache pages in the pool.", stats.pages_total)
+        yield gauge("kv_pages_used", "KV pages referenced by live sequences.", stats.pages_used)
+        yield gauge("kv_pages_cached", "KV pages held only by the prefix cache.", stats.pages_cached)
+        yield gauge("kv_pages_free", "KV pages free.", stats.pages_free)
+        yield gauge("kv_page_size_tokens", "Tokens per KV page.", stats.page_size)
+        yield gauge("batch_size", "Sequences in the last engine step; 0 when the engine has not stepped lately.",
+                    rates.batch_size)
+        yield gauge("step_tokens", "Tokens in the last engine step; 0 when the engine has not stepped lately.",
+                    rates.step_tokens)
+        yield gauge("generation_tokens_per_second", "Generated tokens per second over the last few seconds.",
+                    rates.generation_tokens_per_s)
+        yield gauge("prompt_tokens_per_second", "Prompt tokens (of finished requests) per second, last few seconds.",
+                    rates.prompt_tokens_per_s)
+        counts = list(stats.step_time_bucket_counts) or [0] * (len(STEP_TIME_BUCKETS) + 1)
+        cumulative, buckets = 0, []
+        for bound, count in zip((*STEP_TIME_BUCKETS, float("inf")), counts):
             cumulative += count
-            self.sample(full + "_bucket", cumulative, {"le": _number(float(bound))})
-        self.sample(full + "_sum", float(total))
-        self.sample(full + "_count", cumulative)
-
-    def text(self) -> str:
-        return "\n".join(self.lines) + "\n"
-
-
-def render_metrics(stats: EngineStats, tracker: RequestTracker, num_waiting: int) -> str:
-    w = _Writer()
-    w.gauge("requests_running", stats.num_running, "Requests the engine is running (prefill or decode).")
-    w.gauge("requests_waiting", stats.num_waiting, "Requests waiting in the engine's queue.")
-    w.gauge("server_requests_active", len(tracker.live), "Generations the HTTP server has in flight.")
-    w.gauge("server_queue_depth", num_waiting, "Generations with no token yet that the engine has not started.")
-    w.counter("prompt_tokens", stats.total_prompt_tokens, "Prompt tokens of finished requests.")
-    w.counter("generation_tokens", stats.total_generated_tokens, "Generated tokens.")
-    w.counter("engine_requests_finished", stats.total_requests, "Requests the engine finished, any reason.")
-    w.counter("preemptions", stats.num_preemptions, "Sequences preempted for lack of KV pages.")
-    w.gauge("kv_pages_total", stats.pages_total, "KV cache pages in the pool.")
-    w.gauge("kv_pages_used", stats.pages_used, "KV pages referenced by live sequences.")
-    w.gauge("kv_pages_cached", stats.pages_cached, "KV pages held only by the prefix cache.")
-    w.gauge("kv_pages_free", stats.pages_free, "KV pages free.")
-    w.gauge("kv_page_size_tokens", stats.page_size, "Tokens per KV page.")
-    w.counter("prefix_cache_queries", stats.prefix_cache_queries, "Prompt tokens looked up in the prefix cache.")
-    w.counter("prefix_cache_hits", stats.prefix_cache_hits, "Prompt tokens served from the prefix cache.")
-    w.gauge("batch_size", stats.last_batch_size, "Sequences in the last engine step.")
-    w.gauge("step_tokens", stats.last_step_tokens, "Tokens in the last engine step.")
-    w.gauge("generation_tokens_per_second", stats.tokens_per_s, "Generated tokens per second, recent window.")
-    counts = list(stats.step_time_bucket_counts) or [0] * (len(STEP_TIME_BUCKETS) + 1)
-    w.histogram("step_time_seconds", "Wall time of one engine step.", STEP_TIME_BUCKETS, counts,
-                stats.step_time_sum_s)
-    _tracker_histogram(w, "time_to_first_token_seconds", "Seconds from arrival to the first token.",
-                       tracker.ttft)
-    _tracker_histogram(w, "request_latency_seconds", "Seconds from arrival to the last token.",
-                       tracker.latency)
-    name = w.family("server_generations_finished", "counter", "Generations the server finished, by reason.")
-    for reason, count in sorted(tracker.finished_by_reason.items()):
-        w.sample(name + "_total", count, {"reason": reason})
-    name = w.family("server_requests_rejected", "counter", "Requests refused before they ran, by reason.")
-    for reason, count in sorted(tracker.rejected_by_reason.items()):
-        w.sample(name + "_total", count, {"reason": reason})
-    name = w.family("http_responses", "counter", "HTTP responses by endpoint and status.")
-    for (endpoint, status), count in sorted(tracker.responses_by_status.items()):
-        w.sample(name + "_total", count, {"endpoint": endpoint, "status": str(status)})
-    return w.text()
-
-
-def _tracker_histogram(w: _Writer, name: str, help_text: str, h: Histogram) -> None:
-    w.histogram(name, help_text, h.bounds, h.counts, h.total)
+            buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cumulative))
+        yield HistogramMetricFamily("exlcli_step_time_seconds", "Wall time of one engine step.", buckets=buckets,
+                                    sum_value=stats.step_time_sum_s)
+        yield by_label("server_generations_finished", "Generations the server finished, by reason.", ["reason"],
+                       tracker.finished_by_reason)
+        yield by_label("server_requests_rejected", "Requests refused before they ran, by reason.", ["reason"],
+                       tracker.rejected_by_reason)
+        yield by_label("http_responses", "HTTP responses by endpoint and status.", ["endpoint", "status"],
+                       tracker.responses_by_status)
 
 
 class ResponseCounter:

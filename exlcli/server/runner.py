@@ -16,11 +16,12 @@ import uvicorn
 from rich.console import Console
 
 from exlcli.client.base import EngineClient
+from exlcli.client.runtime_file import ServerRecord, find_running_server, remove_record, write_record
 from exlcli.errors import ExlcliError
 from exlcli.server.app import ServerConfig, ServerState, create_app
 from exlcli.server.dashboard import LiveDashboard, LogDashboard
-from exlcli.client.runtime_file import ServerRecord, find_running_server, remove_record, write_record
 from exlcli.server.security import check_bind_allowed
+from exlcli.server.sse import keep_streams_on_shutdown
 from exlcli.server.tracker import RequestTracker
 
 
@@ -105,19 +106,21 @@ def serve(client: EngineClient, sock: socket.socket, host: str, port: int, confi
           live_display: bool | None = None) -> None:
     """Serve until a signal; the caller owns `client` and closes it afterwards."""
     check_bind_allowed(host, config.api_key)
+    keep_streams_on_shutdown()  # drain: a SIGTERM lets running streams finish
     url = url_for(host, port)
     console = Console(stderr=True)
     if live_display is None:
         live_display = console.is_terminal and not console.is_dumb_terminal
     display = LiveDashboard(url, console) if live_display else LogDashboard(url)
     _configure_logging(console if live_display else None)
-    tracker = RequestTracker(on_finish=display.on_finish)
+    tracker = RequestTracker(on_finish=display.on_finish, model_name=client.model_name)
     app = create_app(client, config, tracker)
     uv_config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on", ws="none",
                                server_header=False, timeout_graceful_shutdown=None)
     server = DrainingServer(uv_config, app.state.exlcli, display)
     write_record(ServerRecord(url=url, pid=os.getpid(), model=client.model_name, api_key=config.api_key))
-    display.note(f"serving {client.model_name} at {url} (OpenAI API under {url}/v1; Ctrl-C or SIGTERM drains and stops)")
+    display.note(f"serving {client.model_name} at {url} "
+                 f"(OpenAI API under {url}/v1; Ctrl-C or SIGTERM drains and stops)")
     try:
         server.run(sockets=[sock])
     finally:

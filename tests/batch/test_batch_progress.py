@@ -64,3 +64,56 @@ def test_run_reports_progress_lines_and_stops_on_the_final_count(tmp_path):
               BatchOptions(max_in_flight=4), progress=PlainProgress(out, interval=0))
     lines = out.getvalue().splitlines()
     assert lines and lines[-1].startswith("batch: 12/12 done, 0 errors")
+
+
+def test_eta_leaves_out_lines_that_never_reached_the_engine():
+    # 10 written in 5 s, but 5 of them were unreadable lines written at once: 5 real in 5 s.
+    s = snap(done=10, errors=5, instant_errors=5)
+    assert s.eta_s == 30.0  # 30 left at 1 line/s, not 15 s
+    assert snap(done=5, errors=5, instant_errors=5).eta_s is None  # nothing real done yet: unknown
+
+
+def test_tok_s_counts_tokens_still_streaming():
+    s = snap(completion_tokens=0, streamed_tokens=250)
+    assert s.tokens_per_s == 50.0
+    assert snap(completion_tokens=500, streamed_tokens=0).tokens_per_s == 100.0  # a caller that does not stream
+
+
+def test_last_error_is_shown():
+    s = snap(last_error="line 3 (a): bad_json: not JSON")
+    assert plain_line(s).endswith("; last error: line 3 (a): bad_json: not JSON")
+    tty = FakeTty()
+    bar = RichProgress(tty, total=40)
+    bar.update(s)
+    bar.close()
+    assert "last error: line 3 (a): bad_json: not JSON" in tty.getvalue() and "1 err" in tty.getvalue()
+
+
+class Recording:
+    def __init__(self):
+        self.snaps = []
+
+    def update(self, s):
+        self.snaps.append(s)
+
+    def message(self, text):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_run_feeds_eta_live_rate_and_errors(tmp_path):
+    inp = tmp_path / "in.jsonl"
+    bad = "".join("{not json\n" for _ in range(6))
+    good = "".join(f'{{"id": "{i}", "prompt": "{" ".join(["w"] * 12)}"}}\n' for i in range(3))
+    inp.write_text(bad + good)
+    progress = Recording()
+    run_batch(FakeClient(token_delay=0.03), inp, tmp_path / "out.jsonl", LineDefaults(GenerationParams()),
+              BatchOptions(max_in_flight=4), progress=progress)
+    snaps = progress.snaps
+    early = [s for s in snaps if s.done == s.errors == 6 and s.in_flight]
+    assert early and all(s.instant_errors == 6 and s.eta_s is None for s in early)  # 6 instant lines: no ETA
+    assert any(s.completion_tokens == 0 and s.tokens_per_s > 0 for s in early)  # tok/s before any finished
+    assert snaps[-1].done == 9 and snaps[-1].errors == 6 and snaps[-1].eta_s == 0.0
+    assert snaps[-1].last_error.startswith("line 6 (")

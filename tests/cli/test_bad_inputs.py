@@ -133,8 +133,8 @@ def test_unsupported_rope_scaling(tmp_path):
     assert_one_line_error(run_cli("-m", str(folder), "hello"), "rope_scaling", "yarn")
 
 
-def _write_q2k_gguf(path) -> None:
-    """A llama GGUF whose first tensor is Q2_K, a type exlcli does not run."""
+def _write_iq4_nl_gguf(path) -> None:
+    """A llama GGUF whose first tensor is IQ4_NL, a type exlcli does not run."""
     import gguf
 
     w = gguf.GGUFWriter(str(path), "llama")
@@ -148,9 +148,9 @@ def _write_q2k_gguf(path) -> None:
     w.add_tokenizer_model("gpt2")
     w.add_token_list([chr(33 + n) for n in range(64)])
     w.add_token_types([1] * 64)
-    # [512, 256]: 512 rows of one 256-element Q2_K block (84 bytes)
-    w.add_tensor("blk.0.ffn_up.weight", np.zeros((512, 84), dtype=np.uint8),
-                 raw_dtype=gguf.GGMLQuantizationType.Q2_K)
+    # [512, 256]: 512 rows of eight 32-element IQ4_NL blocks (18 bytes each)
+    w.add_tensor("blk.0.ffn_up.weight", np.zeros((512, 144), dtype=np.uint8),
+                 raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
     w.add_tensor("token_embd.weight", np.zeros((64, 256), dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -159,9 +159,9 @@ def _write_q2k_gguf(path) -> None:
 
 
 def test_unsupported_tensor_type(tmp_path):
-    path = tmp_path / "q2k.gguf"
-    _write_q2k_gguf(path)
-    assert_one_line_error(run_cli("-m", str(path), "hello"), "blk.0.ffn_up.weight", "Q2_K")
+    path = tmp_path / "iq4_nl.gguf"
+    _write_iq4_nl_gguf(path)
+    assert_one_line_error(run_cli("-m", str(path), "hello"), "blk.0.ffn_up.weight", "IQ4_NL")
 
 
 def test_prompt_longer_than_the_context(tmp_path):

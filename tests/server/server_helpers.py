@@ -7,14 +7,13 @@ from __future__ import annotations
 import contextlib
 import heapq
 import itertools
-import math
-import re
 import threading
 import time
 from dataclasses import dataclass
 from typing import Iterator
 
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
 from exlcli.client.base import EngineClient, GenerationParams, TextDelta, Usage
 from exlcli.client.fake import FakeClient, FakeStream
@@ -57,6 +56,16 @@ def running_server(client: EngineClient, config: ServerConfig | None = None) -> 
             server.force_exit = True
             thread.join(5)
         sock.close()
+
+
+class FakeClock:
+    """A monotonic clock that moves only when a test moves it."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def wait_until(predicate, timeout: float = 5.0, interval: float = 0.01) -> bool:
@@ -187,37 +196,23 @@ class LogprobFakeClient(FakeClient):
 
 # ---- Prometheus text format -------------------------------------------------------------------
 
-_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([^}]*)\})? (\S+)$')
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
 
 def parse_prometheus(text: str) -> tuple[dict[str, str], list[tuple[str, dict[str, str], float]]]:
-    """-> ({family: type}, [(sample name, labels, value)]). Raises AssertionError on a bad line or
-    a sample whose family was not declared before it."""
+    """-> ({family: type}, [(sample name, labels, value)]), read by prometheus_client's own parser.
+    Fails if a family is declared twice or is not typed (the parser reads a counter whose TYPE line
+    lacks `_total` as `unknown`)."""
     types: dict[str, str] = {}
     samples = []
     assert text.endswith("\n")
-    for line in text.splitlines():
-        if line.startswith("# HELP "):
-            continue
-        if line.startswith("# TYPE "):
-            _, _, name, kind = line.split(" ", 3)
-            assert kind in ("counter", "gauge", "histogram", "summary", "untyped"), line
-            assert name not in types, f"family declared twice: {name}"
-            types[name] = kind
-            continue
-        m = _SAMPLE.match(line)
-        assert m, f"not a sample line: {line!r}"
-        name, labels_text, value = m.group(1), m.group(3) or "", m.group(4)
-        labels = dict(_LABEL.findall(labels_text))
-        number = math.inf if value == "+Inf" else float(value)
-        family = next((f for f in (name, re.sub(r"_(total|bucket|sum|count)$", "", name)) if f in types), None)
-        assert family is not None, f"sample {name} has no # TYPE"
-        samples.append((name, labels, number))
+    for family in text_string_to_metric_families(text):
+        assert family.type in ("counter", "gauge", "histogram", "summary"), f"{family.name}: {family.type}"
+        assert family.name not in types, f"family declared twice: {family.name}"
+        types[family.name] = family.type
+        samples.extend((s.name, dict(s.labels), s.value) for s in family.samples)
     return types, samples
 
 
 def metric(samples, name: str, **labels) -> float:
-    values = [v for n, l, v in samples if n == name and all(l.get(k) == v2 for k, v2 in labels.items())]
+    values = [v for n, lab, v in samples if n == name and all(lab.get(k) == v2 for k, v2 in labels.items())]
     assert len(values) == 1, f"{name}{labels}: {values}"
     return values[0]

@@ -13,8 +13,8 @@ import pytest
 from server_helpers import SchedulingFakeClient, metric, parse_prometheus, running_server, wait_until
 
 from exlcli.client.base import GenerationParams
-from exlcli.server.app import ServerConfig
 from exlcli.client.remote import RemoteClient
+from exlcli.server.app import ServerConfig
 
 WORDS = "one two three four five six seven"  # 8 tokens per answer with "echo:"
 
@@ -82,7 +82,7 @@ def test_32_streaming_chats_and_a_batch_job_all_finish_chat_first():
         assert metric(samples, "exlcli_kv_pages_used") == 0
         assert metric(samples, "exlcli_kv_pages_free") == metric(samples, "exlcli_kv_pages_total") == 64
         assert metric(samples, "exlcli_server_requests_active") == 0
-        assert metric(samples, "exlcli_time_to_first_token_seconds_count") == 48
+        assert metric(samples, "vllm:time_to_first_token_seconds_count") == 48
         assert metric(samples, "exlcli_server_generations_finished_total", reason="stop") == 48
 
 

@@ -75,6 +75,6 @@ def test_default_model_through_the_server(local_client):
         assert metric(samples, "exlcli_kv_pages_used") == 0
         assert (metric(samples, "exlcli_kv_pages_free") + metric(samples, "exlcli_kv_pages_cached")
                 == metric(samples, "exlcli_kv_pages_total"))
-        assert metric(samples, "exlcli_requests_running") == metric(samples, "exlcli_requests_waiting") == 0
+        assert metric(samples, "vllm:num_requests_running") == metric(samples, "vllm:num_requests_waiting") == 0
         assert metric(samples, "exlcli_step_time_seconds_count") > 0
-        assert metric(samples, "exlcli_time_to_first_token_seconds_count") == 10
+        assert metric(samples, "vllm:time_to_first_token_seconds_count") == 10

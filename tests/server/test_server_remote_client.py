@@ -7,12 +7,12 @@ import stat
 import pytest
 from server_helpers import LogprobFakeClient, SchedulingFakeClient, running_server, wait_until
 
+from exlcli.client import runtime_file
 from exlcli.client.base import GenerationParams
 from exlcli.client.fake import FakeClient
-from exlcli.errors import RequestError
-from exlcli.client import runtime_file
-from exlcli.server.app import ServerConfig
 from exlcli.client.remote import RemoteClient, ServerBusyError, ServerError, normalize_url
+from exlcli.errors import RequestError
+from exlcli.server.app import ServerConfig
 
 
 def test_remote_client_matches_the_engine_behind_it(fake_server):
