@@ -50,12 +50,14 @@ def open_chat_client(model: str | None, **engine: object) -> EngineClient:
 def start_chat(*, model: str | None, system: str | None = None, system_file: str | None = None,
                overrides: dict | None = None, server: str | None = None, local: bool = False,
                device: str | None = None, dtype: str | None = None, kv_memory: str | None = None,
-               prefix_cache: bool = True, io: ChatIO | None = None) -> ChatApp:
+               prefix_cache: bool = True, max_model_len: int | None = None, cpu_threads: int | None = None,
+               io: ChatIO | None = None) -> ChatApp:
     overrides = overrides or {}
     system_prompt = read_system_prompt(system, system_file)
     settings = make_settings(overrides)
     client = open_chat_client(model, server=server, local=local, device=device, dtype=dtype,
-                              kv_memory=kv_memory, prefix_cache=prefix_cache)
+                              kv_memory=kv_memory, prefix_cache=prefix_cache, max_model_len=max_model_len,
+                              cpu_threads=cpu_threads)
     with client:
         try:
             fit_max_tokens(settings, client.context_length, explicit=overrides.get("max_tokens") is not None)

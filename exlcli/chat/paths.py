@@ -1,21 +1,17 @@
-"""Where the chat keeps its input history."""
+"""Where the chat keeps its input history: the data folder of exlcli/paths.py."""
 
 from __future__ import annotations
 
-import os
-from exlcli import environment
 from pathlib import Path
+
+from exlcli import paths
 
 HISTORY_FILE = "chat_history"
 
 
 def data_dir() -> Path:
-    """$EXLCLI_CACHE if set, else $XDG_DATA_HOME/exlcli, else ~/.local/share/exlcli."""
-    if environment.text("EXLCLI_CACHE"):
-        return Path(environment.text("EXLCLI_CACHE")).expanduser()
-    xdg = os.environ.get("XDG_DATA_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".local" / "share"
-    return base / "exlcli"
+    """$EXLCLI_CACHE if set, else the user data folder (Linux: $XDG_DATA_HOME/exlcli, ~/.local/share/exlcli)."""
+    return paths.data_dir()
 
 
 def history_path() -> Path:

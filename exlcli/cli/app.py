@@ -2,22 +2,55 @@
 
 from __future__ import annotations
 
+from importlib import metadata
+from typing import Annotated
+
 import typer
 
-from exlcli.cli import batch, bench, chat, models, run, serve
+from exlcli.cli import batch, bench, chat, config, models, ps, run, serve
+from exlcli.cli.common import user_errors
+from exlcli.cli.config_file import default_map
 
 app = typer.Typer(
     name="exlcli",
     help="A fast local LLM engine with a terminal front end.",
     context_settings={"help_option_names": ["-h", "--help"]},
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # click's plain help: every name of every option, and its default, at any width
 )
 
-for module in (chat, run, batch, bench, serve, models):
+
+def version() -> str:
+    try:
+        return metadata.version("exlcli")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        print(f"exlcli {version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+@user_errors
+def root(
+    ctx: typer.Context,
+    show_version: Annotated[bool, typer.Option(
+        "--version", "-V", callback=_print_version, is_eager=True, help="Print the version and exit.")] = False,
+) -> None:
+    """A fast local LLM engine with a terminal front end."""
+    # The config file's defaults, before the command's own context is made from it (click's
+    # precedence: command line, then environment variable, then this map, then the default).
+    ctx.default_map = {**default_map(ctx.command), **(ctx.default_map or {})}
+
+
+for module in (chat, run, batch, bench, serve, models, ps, config):
     module.register(app)
 
 
 def main() -> None:
-    app()
+    app(prog_name="exlcli")

@@ -19,13 +19,17 @@ from exlcli.batch.runner import BatchOptions, run_batch
 from exlcli.batch.stopping import StopControl
 from exlcli.batch.summary import BatchSummary
 from exlcli.cli.common import (
+    TEMP_NAMES,
+    CtxSizeOption,
     DeviceOption,
     DtypeOption,
     KvMemoryOption,
     LocalOption,
     ModelOption,
     PrefixCacheOption,
+    SeedOption,
     ServerOption,
+    ThreadsOption,
     user_errors,
 )
 from exlcli.client.base import EngineClient, GenerationParams
@@ -39,11 +43,13 @@ def default_output(input_path: Path) -> Path:
 
 
 def open_batch_client(model: str | None, server: str | None, local: bool, device: str | None,
-                      dtype: str | None, kv_memory: str | None = None, prefix_cache: bool = True) -> EngineClient:
+                      dtype: str | None, kv_memory: str | None = None, prefix_cache: bool = True,
+                      max_model_len: int | None = None, cpu_threads: int | None = None) -> EngineClient:
     from exlcli.client.factory import open_client
 
     return open_client(model, server=server, local=local, device=device, dtype=dtype, kv_memory=kv_memory,
-                       prefix_cache=prefix_cache, fake_delay=0.002)
+                       prefix_cache=prefix_cache, fake_delay=0.002, max_model_len=max_model_len,
+                       cpu_threads=cpu_threads)
 
 
 def resume_command(input_path: Path, output_path: Path) -> str:
@@ -95,15 +101,16 @@ def register(app: typer.Typer) -> None:
         device: DeviceOption = None,
         dtype: DtypeOption = None,
         max_tokens: Annotated[int, typer.Option("--max-tokens", help="Default max new tokens per line.")] = 256,
-        temperature: Annotated[float, typer.Option(
-            "--temperature", "-t", help="Default temperature; 0 is greedy.")] = 0.7,
+        temperature: Annotated[float, typer.Option(*TEMP_NAMES, help="Default temperature; 0 is greedy.")] = 0.7,
         top_p: Annotated[float, typer.Option("--top-p", help="Default nucleus sampling.")] = 1.0,
         top_k: Annotated[int, typer.Option("--top-k", help="Default top-k; 0 is off.")] = 0,
         min_p: Annotated[float, typer.Option("--min-p", help="Default min-p.")] = 0.0,
-        seed: Annotated[Optional[int], typer.Option("--seed", help="Default sampling seed.")] = None,
+        seed: SeedOption = None,
         stop: Annotated[Optional[List[str]], typer.Option("--stop", help="Default stop string (repeatable).")] = None,
         system: Annotated[Optional[str], typer.Option(
-            "--system", help="System prompt for chat lines that have none.")] = None,
+            "--system", "-sys", "--system-prompt", help="System prompt for chat lines that have none.")] = None,
+        ctx_size: CtxSizeOption = None,
+        threads: ThreadsOption = None,
         max_in_flight: Annotated[int, typer.Option(
             "--max-in-flight", help="Requests handed to the engine at once.")] = 64,
         ordered: Annotated[bool, typer.Option("--ordered", help="Write results in input order.")] = False,
@@ -133,7 +140,7 @@ def register(app: typer.Typer) -> None:
         except BatchIOError as e:
             raise io_failure(e, input_path, output_path) from None
         try:
-            client = open_batch_client(model, server, local, device, dtype, kv_memory, prefix_cache)
+            client = open_batch_client(model, server, local, device, dtype, kv_memory, prefix_cache, ctx_size, threads)
             try:
                 print(f"batch: {input_path} -> {output_path} on {client.model_name} ({client.kind})",
                       file=sys.stderr)

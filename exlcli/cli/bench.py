@@ -8,7 +8,16 @@ from typing import Annotated, Optional
 
 import typer
 
-from exlcli.cli.common import DeviceOption, DtypeOption, KvMemoryOption, ModelOption, ServerOption, user_errors
+from exlcli.cli.common import (
+    DeviceOption,
+    DtypeOption,
+    KvMemoryOption,
+    ModelOption,
+    ServerOption,
+    ThreadsOption,
+    renamed,
+    user_errors,
+)
 from exlcli.errors import ExlcliError
 
 FormatOption = Annotated[str, typer.Option(
@@ -72,7 +81,7 @@ def client_facts(client) -> dict:
 def register(app: typer.Typer) -> None:
     bench_app = typer.Typer(
         help="Benchmarks: prefill/decode throughput; `serve` and `mixed` below.",
-        context_settings={"help_option_names": ["-h", "--help"]}, no_args_is_help=False)
+        context_settings={"help_option_names": ["-h", "--help"]}, no_args_is_help=False, rich_markup_mode=None)
 
     @bench_app.callback(invoke_without_command=True)
     @user_errors
@@ -85,35 +94,47 @@ def register(app: typer.Typer) -> None:
             "--n-prompt", "-p", help="Prompt lengths for pp tests, comma-separated; 0 skips.")] = "512",
         n_gen: Annotated[str, typer.Option(
             "--n-gen", "-n", help="Generated lengths for tg tests, comma-separated; 0 skips.")] = "128",
-        batch: Annotated[str, typer.Option(
-            "--batch", "-b", help="Concurrent sequences per test, comma-separated.")] = "1",
+        parallel: Annotated[str, typer.Option(
+            "--parallel", "-np", help="Concurrent sequences per test, comma-separated (llama.cpp's -np).")] = "1",
+        batch_old: Annotated[Optional[str], typer.Option(
+            "--batch", "-b", hidden=True, help="Old spelling of --parallel.")] = None,
+        threads: ThreadsOption = None,
         reps: Annotated[int, typer.Option("--reps", "-r", help="Timed repetitions per test.")] = 3,
         warmup: Annotated[int, typer.Option("--warmup", help="Untimed warm-up runs per test.")] = 1,
         depth: Annotated[int, typer.Option(
             "--depth", "-d", help="Tokens already in each sequence's cache before a tg test.")] = 0,
         ubatch: Annotated[Optional[int], typer.Option(
-            "--ubatch", help="Most tokens per engine step (prefill chunk). Default: the engine's.")] = None,
+            "--ubatch", "-ub", "--ubatch-size",
+            help="Most tokens per engine step (prefill chunk). Default: the engine's.")] = None,
         fmt: FormatOption = "table",
         save: SaveOption = None,
         seed: SeedOption = 0,
     ) -> None:
         """Prefill (pp) and decode (tg) tokens/s, llama-bench style; `serve` and `mixed` below.
 
-        Every pp and tg test runs at every batch (-b, concurrent sequences); t/s is mean ± std
+        Every pp and tg test runs at every batch (-np, concurrent sequences); t/s is mean ± std
         over --reps after --warmup runs. Decode shows its achieved bandwidth (weights + KV bytes
         read per step / step time) and its share of the device's copy bandwidth.
-        Example: exlcli bench -p 512 -n 128 -b 1,8,32 --format md"""
+        Example: exlcli bench -p 512 -n 128 -np 1,8,32 -t 2 --format md"""
         if ctx.invoked_subcommand is not None:
             return
         from exlcli.bench.suite import SuiteOptions, run_suite
         from exlcli.bench.throughput import COLUMNS
+        from exlcli.client.local import start_cpu_threads
 
+        parallel = renamed("-b/--batch", "-np/--parallel (llama-bench's -b counts tokens: here --ubatch)",
+                           batch_old, parallel)
+
+        if any(p < 1 for p in parse_int_list(parallel, "-np")):
+            raise ExlcliError(f"-np values must be at least 1, got {parallel}")
         options = SuiteOptions(model=model, device=device, dtype=dtype,
                                prompt_lens=parse_int_list(n_prompt, "-p"), gen_lens=parse_int_list(n_gen, "-n"),
-                               batches=parse_int_list(batch, "-b"), reps=reps, warmup=warmup, depth=depth,
+                               batches=parse_int_list(parallel, "-np"), reps=reps, warmup=warmup, depth=depth,
                                ubatch=ubatch, seed=seed)
         options.validate()
         check_format(fmt)
+        if threads is not None and not (device or "").startswith("cuda"):
+            start_cpu_threads(threads)
         emit(run_suite(options), COLUMNS, fmt, save)
 
     @bench_app.command("serve")

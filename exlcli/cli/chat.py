@@ -6,8 +6,22 @@ from typing import Annotated, Optional
 
 import typer
 
-from exlcli.cli.common import (DeviceOption, DtypeOption, KvMemoryOption, LocalOption, ModelOption,
-                               PrefixCacheOption, ServerOption, user_errors)
+from exlcli.chat.settings import ChatSettings
+from exlcli.cli.common import (
+    TEMP_NAMES,
+    CtxSizeOption,
+    DeviceOption,
+    DtypeOption,
+    KvMemoryOption,
+    LocalOption,
+    ModelOption,
+    PrefixCacheOption,
+    SeedOption,
+    ServerOption,
+    SystemOption,
+    ThreadsOption,
+    user_errors,
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -15,18 +29,26 @@ def register(app: typer.Typer) -> None:
     @user_errors
     def chat(
         model: ModelOption = None,
-        system: Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt.")] = None,
+        system: SystemOption = None,
         system_file: Annotated[Optional[str], typer.Option(
             "--system-file", help="Read the system prompt from this file.")] = None,
-        temperature: Annotated[Optional[float], typer.Option(help="Sampling temperature; 0 is greedy. [default: 0.7]")] = None,
-        top_p: Annotated[Optional[float], typer.Option("--top-p", help="Nucleus sampling mass. [default: 1.0]")] = None,
-        top_k: Annotated[Optional[int], typer.Option("--top-k", help="Keep the K likeliest tokens; 0 is off.")] = None,
-        min_p: Annotated[Optional[float], typer.Option("--min-p", help="Drop tokens below min_p x the top probability.")] = None,
-        repeat_penalty: Annotated[Optional[float], typer.Option(
-            "--repeat-penalty", help="Penalty for tokens already in the context; 1.0 is off.")] = None,
+        temperature: Annotated[float, typer.Option(
+            *TEMP_NAMES, help="Sampling temperature; 0 is greedy.")] = ChatSettings.temperature,
+        top_p: Annotated[float, typer.Option(
+            "--top-p", help="Nucleus sampling mass.")] = ChatSettings.top_p,
+        top_k: Annotated[int, typer.Option(
+            "--top-k", help="Keep the K likeliest tokens; 0 is off.")] = ChatSettings.top_k,
+        min_p: Annotated[float, typer.Option(
+            "--min-p", help="Drop tokens below min_p x the top probability.")] = ChatSettings.min_p,
+        repeat_penalty: Annotated[float, typer.Option(
+            "--repeat-penalty",
+            help="Penalty for tokens already in the context; 1.0 is off.")] = ChatSettings.repeat_penalty,
         max_tokens: Annotated[Optional[int], typer.Option(
-            "--max-tokens", "-n", help="Longest answer in tokens. [default: 1024, at most half the context]")] = None,
-        seed: Annotated[Optional[int], typer.Option(help="Sampling seed, for repeatable answers.")] = None,
+            "--max-tokens", "-n", help="Longest answer in tokens.",
+            show_default=f"{ChatSettings.max_tokens}, at most half the context")] = None,
+        seed: SeedOption = None,
+        ctx_size: CtxSizeOption = None,
+        threads: ThreadsOption = None,
         server: ServerOption = None,
         local: LocalOption = False,
         device: DeviceOption = None,
@@ -40,6 +62,7 @@ def register(app: typer.Typer) -> None:
         from exlcli.chat.launch import start_chat
 
         start_chat(model=model, system=system, system_file=system_file, server=server, local=local,
-                   device=device, dtype=dtype, kv_memory=kv_memory, prefix_cache=prefix_cache, overrides=dict(
+                   device=device, dtype=dtype, kv_memory=kv_memory, prefix_cache=prefix_cache,
+                   max_model_len=ctx_size, cpu_threads=threads, overrides=dict(
                        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                        repeat_penalty=repeat_penalty, max_tokens=max_tokens, seed=seed))

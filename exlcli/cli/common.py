@@ -10,8 +10,16 @@ import typer
 
 from exlcli.errors import ExlcliError
 
+
+def complete_model(incomplete: str) -> list[str]:
+    """Shell completion of --model: the names in the cache folder (files and folders complete as paths)."""
+    from exlcli.model.default_model import list_cached_models
+
+    return [name for name, _, _ in list_cached_models() if name.startswith(incomplete)]
+
+
 ModelOption = Annotated[Optional[str], typer.Option(
-    "--model", "-m", envvar="EXLCLI_MODEL",
+    "--model", "-m", envvar="EXLCLI_MODEL", autocompletion=complete_model,
     help="GGUF file, Hugging Face folder or random:<shape>. Default: SmolLM2-135M-Instruct.")]
 DeviceOption = Annotated[Optional[str], typer.Option(
     "--device", help="cpu, cuda or cuda:N. Default: cuda when available, else cpu.")]
@@ -27,7 +35,50 @@ KvMemoryOption = Annotated[Optional[str], typer.Option(
 PrefixCacheOption = Annotated[bool, typer.Option(
     "--prefix-cache/--no-prefix-cache", help="Share the KV pages of common prompt prefixes.")]
 
+
+
+def _whole(least: int | None, hint: str) -> Callable[[str], int]:
+    """A parser of whole numbers >= `least`, whose error adds a hint for a spelling that meant
+    something else before."""
+
+    def parse(value: str | int) -> int:
+        try:
+            number = value if isinstance(value, int) else int(str(value), 10)
+        except ValueError:
+            raise ValueError(f"a whole number, got {value!r}; {hint}") from None
+        if least is not None and number < least:
+            raise ValueError(f"at least {least}, got {number}; {hint}")
+        return number
+
+    return parse
+
+
+ThreadsOption = Annotated[Optional[int], typer.Option(
+    "--threads", "-t", parser=_whole(1, "temperature is --temp (-t was --temperature in earlier releases)"),
+    help="CPU threads of the kernels (llama.cpp's -t). Default: $EXLCLI_CPU_THREADS, else the cores this "
+         "process may run on.")]
+CtxSizeOption = Annotated[Optional[int], typer.Option(
+    "--ctx-size", "-c", "--max-model-len", parser=_whole(16, "it is a number of tokens"),
+    help="Cap the context at N tokens (the engine's max model length; llama.cpp -c, vLLM --max-model-len). "
+         "Default: the model's, as far as the KV cache holds.")]
+SeedOption = Annotated[Optional[int], typer.Option(
+    "--seed", "-s", parser=_whole(None, "the system prompt is --system (-sys; -s was --system in earlier "
+                                        "releases)"),
+    help="Sampling seed, for repeatable answers (llama.cpp's -s).")]
+SystemOption = Annotated[Optional[str], typer.Option(
+    "--system", "-sys", "--system-prompt", help="System prompt (llama.cpp's -sys).")]
+TEMP_NAMES = ("--temp", "--temperature")  # llama.cpp's name, then vLLM's and OpenAI's
+
 F = TypeVar("F", bound=Callable)
+T = TypeVar("T")
+
+
+def renamed(old: str, new: str, value: T | None, current: T) -> T:
+    """A hidden old spelling: when it was given, one line saying the new one, and its value."""
+    if value is None:
+        return current
+    print(f"exlcli: {old} is now {new}; {old} still works in this release only", file=sys.stderr)
+    return value
 
 
 def fail(message: str, code: int = 1) -> "typer.Exit":

@@ -1,12 +1,17 @@
-"""`exlcli models` and `exlcli info [MODEL]`."""
+"""`exlcli models`, `ls`, `rm`, `pull` and `info [MODEL]`: the models in the cache folder."""
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Annotated, List, Optional
 
 import typer
 
-from exlcli.cli.common import ModelOption, user_errors
+from exlcli.cli.common import ModelOption, complete_model, user_errors
+from exlcli.errors import ExlcliError
 
 
 def _human(n: float) -> str:
@@ -17,6 +22,45 @@ def _human(n: float) -> str:
     return f"{n:.1f}P"
 
 
+def _size(n: float) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB"
+
+
+def list_lines() -> list[str]:
+    """`exlcli ls`: NAME, SIZE, MODIFIED and PATH of each model in the cache folder."""
+    import datetime
+
+    from exlcli.model.default_model import DEFAULT_MODEL_NAME, list_cached_models
+
+    rows = [("NAME", "SIZE", "MODIFIED", "PATH")]
+    for name, path, size in list_cached_models():
+        when = datetime.datetime.fromtimestamp(os.path.getmtime(path)).strftime("%Y-%m-%d %H:%M")
+        rows.append((name + (" (default)" if name == DEFAULT_MODEL_NAME else ""), _size(size), when, path))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    return [f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]}" for r in rows]
+
+
+def remove_model(name: str) -> str:
+    """Delete one model of the cache folder (and what an unfinished pull of it left); never a path
+    outside it."""
+    from exlcli.model.default_model import list_cached_models, models_dir
+    from exlcli.model.hub import DOWNLOADS
+
+    if not name or name in (".", "..") or "/" in name or "\\" in name:
+        raise ExlcliError(f"{name!r} is not a model name; `exlcli ls` lists them")
+    found = {n: p for n, p, _ in list_cached_models()}
+    path = found.get(name) or found.get(name + ".gguf")
+    downloads = models_dir() / DOWNLOADS
+    leftovers = [downloads / (stem + tail) for stem in (name, name + ".gguf")
+                 for tail in ("", ".part", ".part.etag", ".lock") if (downloads / (stem + tail)).exists()]
+    if path is None and not leftovers:
+        known = ", ".join(found) or "none"
+        raise ExlcliError(f"no model {name!r} in {models_dir()} (exlcli ls lists them: {known})")
+    for p in ([Path(path)] if path else []) + leftovers:
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+    return path or f"an unfinished download of {name}"
+
+
 def register(app: typer.Typer) -> None:
     @app.command("models")
     @user_errors
@@ -25,9 +69,45 @@ def register(app: typer.Typer) -> None:
         from exlcli.model.default_model import default_model_file, list_cached_models
 
         default = default_model_file()
-        print(f"default: SmolLM2-135M-Instruct Q4_1 ({'cached at ' + str(default) if default.exists() else 'not downloaded yet; provisioned on first use'})")
+        where = f"cached at {default}" if default.exists() else "not downloaded yet; provisioned on first use"
+        print(f"default: SmolLM2-135M-Instruct Q4_1 ({where})")
         for name, path, size in list_cached_models():
             print(f"{name}\t{size / 1e6:.0f} MB\t{path}")
+
+    @app.command("ls")
+    @user_errors
+    def ls() -> None:
+        """List the models in the cache folder (as `ollama ls`); `--model NAME` runs one."""
+        print("\n".join(list_lines()))
+
+    @app.command("rm")
+    @user_errors
+    def rm(names: Annotated[List[str], typer.Argument(
+            metavar="NAME...", help="Models as `exlcli ls` names them.", autocompletion=complete_model)]) -> None:
+        """Delete models from the cache folder."""
+        for name in names:
+            print(f"removed {remove_model(name)}", file=sys.stderr)
+
+    @app.command("pull")
+    @user_errors
+    def pull(
+        spec: Annotated[str, typer.Argument(metavar="REPO[:FILE]", help=(
+            "A Hugging Face repository, with a GGUF file (or a part of its name, such as q4_k_m) after a colon; "
+            "without one, the repository's safetensors folder (or its only GGUF). REPO@REVISION picks a branch, "
+            "tag or commit."))],
+    ) -> None:
+        """Download a model from the Hugging Face Hub into the cache folder; rerun to resume.
+
+        Uses HF_TOKEN for private and gated repositories and HF_ENDPOINT for a mirror. Examples:
+        exlcli pull Qwen/Qwen2.5-0.5B-Instruct-GGUF:q4_k_m, exlcli pull Qwen/Qwen2.5-0.5B-Instruct"""
+        from exlcli.model.hub import pull as pull_model
+
+        try:
+            path = pull_model(spec)
+        except KeyboardInterrupt:
+            print(f"pull: interrupted; `exlcli pull {spec}` resumes it", file=sys.stderr)
+            raise typer.Exit(130) from None
+        print(path)
 
     @app.command("info")
     @user_errors

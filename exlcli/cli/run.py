@@ -7,7 +7,18 @@ from typing import Annotated, Optional
 
 import typer
 
-from exlcli.cli.common import DeviceOption, DtypeOption, ModelOption, fail, user_errors
+from exlcli.cli.common import (
+    TEMP_NAMES,
+    CtxSizeOption,
+    DeviceOption,
+    DtypeOption,
+    ModelOption,
+    SeedOption,
+    SystemOption,
+    ThreadsOption,
+    fail,
+    user_errors,
+)
 from exlcli.client.base import GenerationParams
 
 
@@ -23,15 +34,19 @@ def register(app: typer.Typer) -> None:
     @app.command("run")
     @user_errors
     def run(
-        prompt: Annotated[Optional[str], typer.Argument(help="The prompt; '-' or none with piped stdin reads stdin.")] = None,
+        prompt: Annotated[Optional[str], typer.Argument(
+            help="The prompt; '-' or none with piped stdin reads stdin.")] = None,
         model: ModelOption = None,
-        system: Annotated[Optional[str], typer.Option("--system", "-s", help="System message.")] = None,
+        system: SystemOption = None,
         raw: Annotated[bool, typer.Option("--raw", help="Complete the text as is, no chat template.")] = False,
-        max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", min=1, help="Most tokens to generate.")] = 512,
-        temperature: Annotated[float, typer.Option("--temperature", "-t", min=0.0, help="0 means greedy.")] = 0.7,
-        top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
-        top_k: Annotated[int, typer.Option("--top-k", min=0)] = 0,
-        seed: Annotated[Optional[int], typer.Option("--seed")] = None,
+        max_tokens: Annotated[int, typer.Option(
+            "--max-tokens", "-n", min=1, help="Most tokens to generate (llama.cpp's -n).")] = 512,
+        temperature: Annotated[float, typer.Option(*TEMP_NAMES, min=0.0, help="0 means greedy.")] = 0.7,
+        top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass.")] = 1.0,
+        top_k: Annotated[int, typer.Option("--top-k", min=0, help="Keep the K likeliest tokens; 0 is off.")] = 0,
+        seed: SeedOption = None,
+        ctx_size: CtxSizeOption = None,
+        threads: ThreadsOption = None,
         device: DeviceOption = None,
         dtype: DtypeOption = None,
     ) -> None:
@@ -41,7 +56,8 @@ def register(app: typer.Typer) -> None:
         text = read_prompt(prompt)
         params = GenerationParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                   top_k=top_k, seed=seed, client="run")
-        client = LocalClient.from_model(model, device=device, dtype=dtype, threaded=False)
+        client = LocalClient.from_model(model, device=device, dtype=dtype, threaded=False, cpu_threads=threads,
+                                        max_model_len=ctx_size)
         try:
             if raw:
                 stream = client.complete(text, params)

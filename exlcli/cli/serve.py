@@ -6,7 +6,16 @@ from typing import Annotated, Optional
 
 import typer
 
-from exlcli.cli.common import DeviceOption, DtypeOption, ModelOption, fail, user_errors
+from exlcli.cli.common import (
+    CtxSizeOption,
+    DeviceOption,
+    DtypeOption,
+    ModelOption,
+    ThreadsOption,
+    fail,
+    renamed,
+    user_errors,
+)
 from exlcli.client.base import EngineClient
 
 DEFAULT_PORT = 8000
@@ -16,11 +25,18 @@ def register(app: typer.Typer) -> None:
     @app.command("serve")
     @user_errors
     def serve_command(
+        model_arg: Annotated[Optional[str], typer.Argument(
+            metavar="MODEL", show_default=False,
+            help="GGUF file, Hugging Face folder, a name from `exlcli ls`, or random:<shape> (as --model).")] = None,
         model: ModelOption = None,
+        served_model_name: Annotated[Optional[str], typer.Option(
+            "--served-model-name",
+            help="The model's name in the API (/v1/models, responses). Default: the model's.")] = None,
         host: Annotated[str, typer.Option(
             "--host", envvar="EXLCLI_HOST",
             help="Address to listen on. Anything but loopback needs --api-key.")] = "127.0.0.1",
-        port: Annotated[int, typer.Option("--port", "-p", envvar="EXLCLI_PORT", help="TCP port.")] = DEFAULT_PORT,
+        port: Annotated[int, typer.Option("--port", envvar="EXLCLI_PORT", help="TCP port.")] = DEFAULT_PORT,
+        port_old: Annotated[Optional[int], typer.Option("-p", hidden=True, help="Old spelling of --port.")] = None,
         api_key: Annotated[Optional[str], typer.Option(
             "--api-key", envvar="EXLCLI_API_KEY",
             help="Require 'Authorization: Bearer KEY' on every API call.")] = None,
@@ -39,8 +55,12 @@ def register(app: typer.Typer) -> None:
             "--kv-memory", help="Memory for the KV cache, e.g. 2GiB or 0.5 (fraction of free).")] = None,
         prefix_cache: Annotated[bool, typer.Option(
             "--prefix-cache/--no-prefix-cache", help="Share the KV pages of common prompt prefixes.")] = True,
+        ctx_size: CtxSizeOption = None,
+        threads: ThreadsOption = None,
     ) -> None:
         """Serve one model to many clients: OpenAI API at /v1, /metrics, a live display.
+
+        Example: exlcli serve model.gguf --port 8080 -c 8192 --served-model-name my-model
 
         `exlcli chat`, `batch` and `bench` attach to it automatically.
         """
@@ -48,6 +68,12 @@ def register(app: typer.Typer) -> None:
         from exlcli.server.runner import bind_socket, serve
         from exlcli.server.security import check_bind_allowed
 
+        port = renamed("-p", "--port", port_old, port)
+        if model_arg and model and model_arg != model:
+            raise fail(f"two models: {model_arg!r} and --model {model!r}; give one")
+        model = model_arg or model
+        if served_model_name is not None and not served_model_name.strip():
+            raise fail("--served-model-name must not be empty")
         if not 0 <= port <= 65535:
             raise fail(f"--port must be in 0..65535, got {port}")
         if max_queue < 1:
@@ -60,7 +86,9 @@ def register(app: typer.Typer) -> None:
         sock = bind_socket(host, port)  # before the model loads, so a busy port fails fast
         port = sock.getsockname()[1]
         try:
-            client = _open_engine(model, device, dtype, kv_memory, prefix_cache)
+            client = _open_engine(model, device, dtype, kv_memory, prefix_cache, ctx_size, threads)
+            if served_model_name:
+                client.model_name = served_model_name
         except BaseException:
             sock.close()
             raise
@@ -70,8 +98,9 @@ def register(app: typer.Typer) -> None:
             serve(client, sock, host, port, config, live_display=display)
 
 
-def _open_engine(model, device, dtype, kv_memory, prefix_cache) -> EngineClient:
+def _open_engine(model, device, dtype, kv_memory, prefix_cache, max_model_len=None, cpu_threads=None) -> EngineClient:
     from exlcli.client.factory import open_client
 
     return open_client(model, local=True, device=device, dtype=dtype, kv_memory=kv_memory,
-                       prefix_cache=prefix_cache, fake_delay=0.0)
+                       prefix_cache=prefix_cache, fake_delay=0.0, max_model_len=max_model_len,
+                       cpu_threads=cpu_threads)

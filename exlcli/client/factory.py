@@ -25,13 +25,17 @@ def open_client(model: str | None = None, *, server: str | None = None, local: b
                 device: str | None = None, dtype: str | None = None,
                 kv_memory: str | None = None, prefix_cache: bool = True,
                 api_key: str | None = None, quiet: bool = False,
-                fake_delay: float = 0.05) -> EngineClient:
+                fake_delay: float = 0.05, max_model_len: int | None = None,
+                cpu_threads: int | None = None) -> EngineClient:
     """`server` names one; else a running `exlcli serve` is used unless `local`; else in-process.
-    `fake:echo[:DELAY[:CONTEXT]]` is the echo engine, for demos and tests."""
+    `fake:echo[:DELAY[:CONTEXT]]` is the echo engine, for demos and tests. `max_model_len`
+    (`--ctx-size`) and `cpu_threads` (`--threads`) shape an in-process engine only."""
     from exlcli.client.fake import is_fake, open_fake_client
 
     if is_fake(model):
-        return open_fake_client(model, default_delay=fake_delay)  # type: ignore[arg-type]
+        fake = open_fake_client(model, default_delay=fake_delay)  # type: ignore[arg-type]
+        fake.context_length = min(fake.context_length, max_model_len or fake.context_length)
+        return fake
     server = find_server(server, local, model, quiet)
     if server:
         from exlcli.client.remote import RemoteClient
@@ -42,4 +46,4 @@ def open_client(model: str | None = None, *, server: str | None = None, local: b
     if not quiet:
         print("exlcli: loading the model ...", file=sys.stderr)
     return LocalClient.from_model(model, device=device, dtype=dtype, kv_memory=kv_memory,
-                                  prefix_cache=prefix_cache)
+                                  prefix_cache=prefix_cache, cpu_threads=cpu_threads, max_model_len=max_model_len)

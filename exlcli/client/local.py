@@ -42,6 +42,16 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * (base ** power))
 
 
+def start_cpu_threads(num_threads: int, log=sys.stderr) -> None:
+    """The CPU kernels' pool with `num_threads` threads (it starts once per process)."""
+    from exlcli.ops import _cpu_ext
+
+    running = _cpu_ext.library(num_threads).pool_threads
+    if running and running != num_threads:
+        print(f"exlcli: the CPU kernels already run {running} threads in this process; --threads {num_threads} "
+              "takes effect in a new process", file=log)
+
+
 def delta_from_output(out: RequestOutput) -> TextDelta:
     usage = None
     if out.finished and out.stats is not None:
@@ -90,9 +100,13 @@ class LocalClient(EngineClient):
     @classmethod
     def from_model(cls, model: str | None = None, *, device: str | None = None, dtype: str | None = None,
                    kv_memory: str | None = None, prefix_cache: bool = True, log=sys.stderr,
-                   threaded: bool = True, **engine_options) -> "LocalClient":
+                   threaded: bool = True, cpu_threads: int | None = None, **engine_options) -> "LocalClient":
+        """`cpu_threads` (`--threads`) starts the CPU kernels' thread pool before the model loads;
+        `engine_options` are EngineConfig fields (`max_model_len` for `--ctx-size`)."""
         config = EngineConfig(**(parse_kv_memory(kv_memory) if kv_memory else {}),
                               enable_prefix_cache=prefix_cache, **engine_options)
+        if cpu_threads is not None and not (device or "").startswith("cuda"):
+            start_cpu_threads(cpu_threads, log)
         return cls(load_model(model, device=device, dtype=dtype, log=log), config, threaded=threaded)
 
     def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:

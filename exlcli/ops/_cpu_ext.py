@@ -14,7 +14,8 @@ Environment:
   EXLCLI_NO_KERNELS=1   never build or load them (also turns off the CUDA kernels).
   EXLCLI_KERNEL_CACHE   the cache folder, shared with the CUDA build (default ~/.cache/exlcli/kernels);
                         each build sits in cpu-<hash of the sources, compiler and CPU flags>.
-  EXLCLI_CPU_THREADS    threads the kernels use (default: the cores this process may run on).
+  EXLCLI_CPU_THREADS    threads the kernels use (default: the cores this process may run on); `--threads`
+                        (`library(num_threads)`) wins over it.
   CC                    the C compiler (default cc).
 """
 
@@ -102,6 +103,12 @@ class CpuKernelLibrary:
         self.cdll = cdll
         self.reason = reason
         self._functions: dict[str, ctypes._CFuncPtr | None] = {}
+        self.pool_threads = 0  # threads of the kernels' pool, once started
+
+    def start_pool(self, num_threads: int) -> None:
+        """Start the pool of `num_threads` threads; it starts once per process (later calls keep it)."""
+        if self.cdll is not None and not self.pool_threads:
+            self.pool_threads = self.cdll.exl_pool_start(num_threads)
 
     def function(self, args: type[KernelArgs], available: str) -> ctypes._CFuncPtr | None:
         """`args.kernel` taking a pointer to `args`, or None when the library is not loaded or its C
@@ -125,7 +132,6 @@ def _load() -> CpuKernelLibrary:
     try:
         cdll = _build()
         cdll.exl_pool_start.argtypes = [ctypes.c_int]
-        cdll.exl_pool_start(threads())
         return CpuKernelLibrary(cdll)
     except Exception as e:  # a failed build must never stop the engine: the reference runs
         why = f"{type(e).__name__}: {e}"[:300]
@@ -134,10 +140,13 @@ def _load() -> CpuKernelLibrary:
         return CpuKernelLibrary(None, why)
 
 
-def library() -> CpuKernelLibrary:
-    """The library of this process: built (or found in the cache) and loaded on the first call."""
+def library(num_threads: int | None = None) -> CpuKernelLibrary:
+    """The library of this process: built (or found in the cache) and loaded on the first call, which
+    also starts its thread pool with `num_threads` (`--threads`), else `default_threads()`."""
     with _LOAD_LOCK:
-        return _load()
+        loaded = _load()
+        loaded.start_pool(num_threads or default_threads())
+        return loaded
 
 
 def lib() -> ctypes.CDLL | None:
@@ -146,8 +155,12 @@ def lib() -> ctypes.CDLL | None:
 
 
 def threads() -> int:
-    """Threads the kernels share their work among: EXLCLI_CPU_THREADS, else the cores this process
-    may run on."""
+    """Threads the kernels share their work among: the pool's, once the library is loaded."""
+    return library().pool_threads or default_threads()
+
+
+def default_threads() -> int:
+    """EXLCLI_CPU_THREADS, else the cores this process may run on."""
     try:
         wanted = environment.number("EXLCLI_CPU_THREADS")
     except ValueError:

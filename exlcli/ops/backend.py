@@ -4,12 +4,11 @@ the folder kernel builds are cached in."""
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from pathlib import Path
 from typing import Iterator
 
-from exlcli import environment
+from exlcli import paths
 
 
 class _ReferenceSwitch:
@@ -52,9 +51,5 @@ def reference_forced() -> bool:
 
 
 def kernel_cache_root() -> Path:
-    """EXLCLI_KERNEL_CACHE, else $XDG_CACHE_HOME/exlcli/kernels (~/.cache/exlcli/kernels)."""
-    env = environment.text("EXLCLI_KERNEL_CACHE")
-    if env:
-        return Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "exlcli" / "kernels"
+    """EXLCLI_KERNEL_CACHE, else the user cache folder's kernels/ (exlcli/paths.py; ~/.cache/exlcli/kernels)."""
+    return paths.kernel_cache_dir()

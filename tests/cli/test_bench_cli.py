@@ -55,7 +55,7 @@ def test_throughput_other_formats(runner, fmt):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["-b", "0"], "-b values must be at least 1"),
+    (["-np", "0"], "-np values must be at least 1"),
     (["-p", "abc"], "-p takes integers"),
     (["-p", "0", "-n", "0"], "nothing to run"),
     (["--reps", "0"], "--reps must be at least 1"),
