@@ -15,6 +15,9 @@
 //
 // Batch invariance: every output is made by the same sequence of operations whatever M is and
 // wherever its row sits in a tile; tiles of MT rows only share the weight expansion.
+//
+// Where the compiler targets AVX2 + FMA but not AVX-512 BF16, qmatmul_avx2.h does the same with
+// fp32 FMAs on the same layout (exact products too; its own fixed order of sums, written there).
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -27,6 +30,9 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VL__)
 #define EXL_QMM 1
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#define EXL_QMM_AVX2 1  // qmatmul_avx2.h: the same layout, contract and results with fp32 FMAs
+#define EXL_QMM 0
 #else
 #define EXL_QMM 0
 #endif
@@ -35,7 +41,17 @@
 #define MT 4       // rows sharing one weight expansion
 #define BLOCK 32
 
-int exl_qmatmul_available(void) { return EXL_QMM; }
+#if EXL_QMM_AVX2
+#include "qmatmul_avx2.h"
+#endif
+
+int exl_qmatmul_available(void) {
+#if EXL_QMM_AVX2
+    return 1;
+#else
+    return EXL_QMM;
+#endif
+}
 
 #if EXL_QMM
 
@@ -195,6 +211,8 @@ int exl_qmatmul(const exl_qmatmul_args *args) {
     exl_parallel_for(qmm_groups, &a, (N + CG - 1) / CG);
     free(sx);
     return 0;
+#elif EXL_QMM_AVX2
+    return qmatmul_avx2(args, 0, args->bits == 4);
 #else
     (void)args;
     return -1;

@@ -1,4 +1,4 @@
-"""The CPU linear of Q4_0, Q4_1 and Q8_0 weights through csrc/cpu/qmatmul.c.
+"""The CPU linear of Q4_0, Q4_1 and Q8_0 weights through csrc/cpu/qmatmul.c (AVX-512 BF16, or AVX2 + FMA).
 
 The weights are repacked once, at load, into groups of 16 output columns (one per SIMD lane; see the
 C file for the layout and the arithmetic); activations are bf16, results fp32 rounded to bf16 (or
