@@ -91,7 +91,10 @@ def test_make_linear_runs_the_format_s_cpu_linear_or_its_dequantized_weight(fmt)
     assert lin(x).dtype == torch.bfloat16
     assert lin.fused_decode_weights() is None  # the fused decode step is CUDA's
     if own is not None:
-        assert lin.nbytes() <= (a.nbytes() + b.nbytes()) * 1.25  # stays about as small as its blocks
+        # stays about as small as its blocks: 4-bit and 8-bit layouts within 1.33x, the 5- and 6-bit
+        # formats run a byte per weight (cpu_qmatmul.py says why) within 2x; never the bf16 weight
+        assert lin.nbytes() <= (a.nbytes() + b.nbytes()) * (1.34 if fmt.bits_per_weight in (4.5, 5.0, 8.5) else 2)
+        assert lin.nbytes() < 32 * cols * 2
 
 
 class _Recorded(Linear):
