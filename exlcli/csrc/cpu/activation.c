@@ -26,13 +26,16 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define EXL_ACT 1
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#define EXL_ACT 2  // 8 lanes: the same exp (SLEEF's AVX2 expf_u10 is this algorithm too), the same bits
+#include <immintrin.h>
 #else
 #define EXL_ACT 0
 #endif
 
-int exl_activation_available(void) { return EXL_ACT; }
+int exl_activation_available(void) { return EXL_ACT != 0; }
 
-#if EXL_ACT
+#if EXL_ACT == 1
 
 #define LANES 16
 
@@ -60,6 +63,32 @@ static inline __m512 sleef_expf(__m512 d) {
                               _mm512_set1_ps(INFINITY));
 }
 
+#elif EXL_ACT == 2
+
+static inline __m256 sleef_expf8(__m256 d) {
+    __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(d, _mm256_set1_ps(1.44269504088896340736f)));  // 1 / ln2
+    __m256 qf = _mm256_cvtepi32_ps(q);
+    __m256 s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-0.693145751953125f), d);
+    s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-1.428606765330187045e-06f), s);
+    __m256 u = _mm256_set1_ps(0.000198527617612853646278381f);
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.00139304355252534151077271f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.00833336077630519866943359f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.0416664853692054748535156f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.166666671633720397949219f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.5f));
+    u = _mm256_add_ps(_mm256_set1_ps(1.0f), _mm256_fmadd_ps(_mm256_mul_ps(s, s), u, s));
+    __m256i q1 = _mm256_srai_epi32(q, 1), q2 = _mm256_sub_epi32(q, q1);
+    __m256i bias = _mm256_set1_epi32(127);
+    u = _mm256_mul_ps(u, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(q1, bias), 23)));
+    u = _mm256_mul_ps(u, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(q2, bias), 23)));
+    u = _mm256_and_ps(u, _mm256_cmp_ps(d, _mm256_set1_ps(-104.0f), _CMP_NLT_US));
+    return _mm256_blendv_ps(u, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(_mm256_set1_ps(100.0f), d, _CMP_LT_OQ));
+}
+
+#endif
+
+#if EXL_ACT
+
 // Below this many outputs a call stays on the caller's thread: waking the pool costs more.
 #define PARALLEL_MIN_ELEMS 8192
 
@@ -69,6 +98,7 @@ typedef struct {
     int64_t x_stride, out_stride, inter;
 } silu_args;
 
+#if EXL_ACT == 1
 static void silu_rows(void *ctx, int64_t begin, int64_t end) {
     const silu_args *a = (const silu_args *)ctx;
     const int64_t inter = a->inter;
@@ -84,6 +114,22 @@ static void silu_rows(void *ctx, int64_t begin, int64_t end) {
         }
     }
 }
+#else
+static void silu_rows(void *ctx, int64_t begin, int64_t end) {
+    const silu_args *a = (const silu_args *)ctx;
+    const int64_t inter = a->inter;
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    for (int64_t r = begin; r < end; r++) {
+        const uint16_t *gate = a->x + r * a->x_stride, *up = gate + inter;
+        uint16_t *o = a->out + r * a->out_stride;
+        for (int64_t i = 0; i < inter; i += 8) {
+            __m256 g = bf16_load8_n(gate + i, inter - i);
+            __m256 s = bf16_round8(_mm256_div_ps(g, _mm256_add_ps(one, sleef_expf8(_mm256_xor_ps(g, sign)))));
+            bf16_store8_n(o + i, _mm256_mul_ps(s, bf16_load8_n(up + i, inter - i)), inter - i);
+        }
+    }
+}
+#endif
 
 // x: rows of 2I (gate then up), row stride x_stride; out: rows of I, row stride out_stride.
 int exl_silu_and_mul(const exl_silu_and_mul_args *args) {

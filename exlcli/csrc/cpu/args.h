@@ -14,11 +14,13 @@ typedef struct {
     const uint16_t *x;  // bf16 [M, K] contiguous
     int64_t rows;       // M
     int64_t in_features;  // K
-    int32_t bits;       // 4 (Q4_0, Q4_1) or 8 (Q8_0)
+    int32_t bits;       // 4 (Q4_0, Q4_1, Q4_K) or 8 (Q8_0, and the 5- and 6-bit formats)
     int32_t y_fp32;     // 1: y is fp32, 0: bf16
+    int32_t offsets;    // 1: w = q * d + m; 0: w = q * d (bits 4 always has offsets)
+    int32_t scales_per_block;  // 1, or 2: one scale per 16 weights (Q6_K)
     const uint8_t *qs;  // the repacked quants
     const float *d;     // the scales
-    const float *m;     // the offsets (4-bit only)
+    const float *m;     // the offsets (read when there are offsets)
     const uint16_t *bias;  // bf16 [N], or NULL
     int64_t out_features;  // N
     void *y;            // [M, N]

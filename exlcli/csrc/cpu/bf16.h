@@ -5,7 +5,7 @@
 // activation) can use it, and the others get the same rule. bf16 -> fp32 is exact.
 //
 // The vector helpers need AVX-512 and are compiled only where the target has it (the masked ones
-// also need BW and VL); the scalar ones compile everywhere.
+// also need BW and VL); the 8-lane ones at the end need AVX2; the scalar ones compile everywhere.
 #pragma once
 #include <stdint.h>
 #include <string.h>
@@ -70,3 +70,52 @@ static inline void bf16_store16_masked(uint16_t *p, __m512 v, __mmask16 m) {
 
 #endif  // BW, VL
 #endif  // AVX512F
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+
+// The 8-lane helpers of the AVX2 paths: the same conversions, rounding and NaN rule as above, on
+// the first n lanes (all 8 when n >= 8; the others read as 0, their memory never touched).
+
+static inline __m256 bf16_load8_n(const uint16_t *p, int64_t n) {
+    __m128i h;
+    if (n >= 8) {
+        h = _mm_loadu_si128((const __m128i *)p);
+    } else {
+        uint16_t t[8] = {0};
+        memcpy(t, p, (size_t)n * sizeof(uint16_t));
+        h = _mm_loadu_si128((const __m128i *)t);
+    }
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static inline __m256 f32_load8_n(const float *p, int64_t n) {
+    if (n >= 8) return _mm256_loadu_ps(p);
+    float t[8] = {0};
+    memcpy(t, p, (size_t)n * sizeof(float));
+    return _mm256_loadu_ps(t);
+}
+
+static inline __m256i bf16_bits8(__m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    return _mm256_blendv_epi8(r, _mm256_set1_epi32(0xffff), nan);
+}
+
+static inline __m256 bf16_round8(__m256 v) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(v), 16)); }
+
+static inline void bf16_store8_n(uint16_t *p, __m256 v, int64_t n) {
+    __m256i b = bf16_bits8(v);  // 0 .. 0xffff per lane: the unsigned pack keeps them as they are
+    __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+    if (n >= 8) {
+        _mm_storeu_si128((__m128i *)p, packed);
+    } else {
+        uint16_t t[8];
+        _mm_storeu_si128((__m128i *)t, packed);
+        memcpy(p, t, (size_t)n * sizeof(uint16_t));
+    }
+}
+
+#endif  // AVX2

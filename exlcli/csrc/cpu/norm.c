@@ -36,15 +36,18 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define EXL_NORM 1
 #include <immintrin.h>
+#elif defined(__AVX2__)
+#define EXL_NORM 2  // 8 lanes for the elementwise parts; the sum is 8-lane on both
+#include <immintrin.h>
 #else
 #define EXL_NORM 0
 #endif
 
-int exl_norm_available(void) { return EXL_NORM; }
+int exl_norm_available(void) { return EXL_NORM != 0; }
 
 #if EXL_NORM
 
-#define LANES 16
+#define LANES (EXL_NORM == 1 ? 16 : 8)
 
 static inline int64_t ceil_log2(int64_t x) {
     if (x <= 2) return 1;
@@ -103,6 +106,7 @@ static float sum_squares(const uint16_t *row, int64_t d) {
 }
 
 // out = bf16(w * bf16(r * inv)) over one row.
+#if EXL_NORM == 1
 static void scale_row(const uint16_t *r, const uint16_t *w, uint16_t *out, int64_t d, float inv) {
     const __m512 vinv = _mm512_set1_ps(inv);
     for (int64_t i = 0; i < d; i += LANES) {
@@ -111,6 +115,15 @@ static void scale_row(const uint16_t *r, const uint16_t *w, uint16_t *out, int64
         bf16_store16_masked(out + i, _mm512_mul_ps(bf16_load16_masked(w + i, m), y), m);
     }
 }
+#else
+static void scale_row(const uint16_t *r, const uint16_t *w, uint16_t *out, int64_t d, float inv) {
+    const __m256 vinv = _mm256_set1_ps(inv);
+    for (int64_t i = 0; i < d; i += LANES) {
+        __m256 y = bf16_round8(_mm256_mul_ps(bf16_load8_n(r + i, d - i), vinv));
+        bf16_store8_n(out + i, _mm256_mul_ps(bf16_load8_n(w + i, d - i), y), d - i);
+    }
+}
+#endif
 
 static float inv_rms(const uint16_t *r, int64_t d, float eps) {
     float ms = sum_squares(r, d) / (float)d;
@@ -141,10 +154,15 @@ static void fused_rows(void *ctx, int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; r++) {
         const int64_t base = r * d;
         for (int64_t i = 0; i < d; i += LANES) {
+#if EXL_NORM == 1
             __mmask16 m = lanes16(d - i);
             __m512 s = _mm512_add_ps(bf16_load16_masked(a->x + base + i, m),
                                      bf16_load16_masked(a->residual + base + i, m));
             bf16_store16_masked(a->residual_out + base + i, s, m);
+#else
+            __m256 s = _mm256_add_ps(bf16_load8_n(a->x + base + i, d - i), bf16_load8_n(a->residual + base + i, d - i));
+            bf16_store8_n(a->residual_out + base + i, s, d - i);
+#endif
         }
         scale_row(a->residual_out + base, a->w, a->out + base, d, inv_rms(a->residual_out + base, d, a->eps));
     }

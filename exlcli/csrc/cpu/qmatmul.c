@@ -1,10 +1,14 @@
-// y[M, N] = x[M, K] (bf16) @ W[N, K]^T for GGUF block-quantized W (Q4_0, Q4_1, Q8_0), on the CPU.
+// y[M, N] = x[M, K] (bf16) @ W[N, K]^T for GGUF block-quantized W (Q4_0, Q4_1, Q8_0, the K-quants
+// Q4_K .. Q6_K, Q5_0, Q5_1), on the CPU.
 //
-// Weights stay quantized; exlcli/ops/qlinear.py repacks them at load into groups of CG = 16 output
-// columns, one column per SIMD lane, so that a group streams through memory in one pass and the
-// result of a group is one vector of 16 outputs (no horizontal sums). Per block of 32 weights:
-//   w = q * d + m   (Q4_1: q in 0..15; Q4_0: m = -8d; Q8_0: q signed, m = 0)
+// Weights stay quantized; exlcli/ops/formats/cpu_qmatmul.py repacks them at load into groups of
+// CG = 16 output columns, one column per SIMD lane, so that a group streams through memory in one
+// pass and the result of a group is one vector of 16 outputs (no horizontal sums). Per block of 32:
+//   w = q * d + m   (Q4_1, Q4_K: q in 0..15; Q4_0: m = -8d; Q8_0: q signed, m = 0; the 5- and 6-bit
+//                    formats: q as a signed byte, with m (`offsets`) or without)
 //   sum_k x_k w_k = d * dot(q, x) + m * sum(x)
+// or, with two scales per block (Q6_K's sub-blocks of 16, 8-bit, no offset), d0 * dot(q, x) over
+// k < 16 + d1 * dot(q, x) over k >= 16: the two partial sums the dot products already keep apart.
 //
 // The dot products run on AVX512-BF16 (vdpbf16ps): each instruction takes one pair of x values,
 // broadcast, against that pair of weights of all 16 columns; bf16 products are exact in fp32 and
@@ -15,6 +19,9 @@
 //
 // Batch invariance: every output is made by the same sequence of operations whatever M is and
 // wherever its row sits in a tile; tiles of MT rows only share the weight expansion.
+//
+// Where the compiler targets AVX2 + FMA but not AVX-512 BF16, qmatmul_avx2.h does the same with
+// fp32 FMAs on the same layout (exact products too; its own fixed order of sums, written there).
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -27,6 +34,9 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VL__)
 #define EXL_QMM 1
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#define EXL_QMM_AVX2 1  // qmatmul_avx2.h: the same layout, contract and results with fp32 FMAs
+#define EXL_QMM 0
 #else
 #define EXL_QMM 0
 #endif
@@ -35,7 +45,17 @@
 #define MT 4       // rows sharing one weight expansion
 #define BLOCK 32
 
-int exl_qmatmul_available(void) { return EXL_QMM; }
+#if EXL_QMM_AVX2
+#include "qmatmul_avx2.h"
+#endif
+
+int exl_qmatmul_available(void) {
+#if EXL_QMM_AVX2
+    return 1;
+#else
+    return EXL_QMM;
+#endif
+}
 
 #if EXL_QMM
 
@@ -83,13 +103,19 @@ static inline __m512bh pair_of(const uint16_t *xb, int p) {
     return (__m512bh)_mm512_set1_epi32(v);
 }
 
-// One block's contribution to one row: d * dot(q, x) (+ (m - 128 d) * sum(x) for 4-bit).
-static inline __m512 row_block(const __m512bh *w, const uint16_t *xb, __m512 dvec, int has_off,
-                               __m512 offvec, float sxb, __m512 acc) {
+// One block's contribution to one row: d * dot(q, x) (+ (m - 128 d) * sum(x) for 4-bit, m * sum(x)
+// for 8-bit with offsets). With two scales per block, d0 * dot of k < 16 + d1 * dot of k >= 16.
+static inline __m512 row_block(const __m512bh *w, const uint16_t *xb, __m512 dvec, int two_scales, __m512 d1vec,
+                               int has_off, __m512 offvec, float sxb, __m512 acc) {
     __m512 pa = _mm512_setzero_ps(), pb = _mm512_setzero_ps();
     for (int p = 0; p < 8; p++) pa = _mm512_dpbf16_ps(pa, w[p], pair_of(xb, p));
     for (int p = 8; p < 16; p++) pb = _mm512_dpbf16_ps(pb, w[p], pair_of(xb, p));
-    acc = _mm512_fmadd_ps(_mm512_add_ps(pa, pb), dvec, acc);
+    if (two_scales) {
+        acc = _mm512_fmadd_ps(pa, dvec, acc);
+        acc = _mm512_fmadd_ps(pb, d1vec, acc);
+    } else {
+        acc = _mm512_fmadd_ps(_mm512_add_ps(pa, pb), dvec, acc);
+    }
     if (has_off) acc = _mm512_fmadd_ps(offvec, _mm512_set1_ps(sxb), acc);
     return acc;
 }
@@ -102,8 +128,9 @@ static inline void expand(const uint8_t *qs, int bits, __m512bh w[16]) {
 // Rows m0 .. m0 + rows - 1 of one column group. `expanded` holds the group's weights already
 // expanded (nb * 16 vectors), or is NULL to expand them block by block here.
 static inline __attribute__((always_inline)) void group_rows(
-        const uint16_t *x, int64_t K, int64_t nb, const float *sx, int64_t m0, int rows, int bits,
-        const uint8_t *qs, const float *d, const float *m, const __m512bh *expanded, __m512 acc[MT]) {
+        const uint16_t *x, int64_t K, int64_t nb, const float *sx, int64_t m0, int rows, int bits, int has_off,
+        int two_scales, const uint8_t *qs, const float *d, const float *m, const __m512bh *expanded,
+        __m512 acc[MT]) {
     int64_t qbytes = bits == 4 ? 256 : 512;
     const __m512 minus128 = _mm512_set1_ps(-128.0f);
     for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_ps();
@@ -112,13 +139,15 @@ static inline __attribute__((always_inline)) void group_rows(
         const __m512bh *w = local;
         if (expanded) w = expanded + b * 16;
         else expand(qs + b * qbytes, bits, local);
-        __m512 dvec = _mm512_loadu_ps(d + b * CG);
+        __m512 dvec = _mm512_loadu_ps(d + (two_scales ? 2 * b : b) * CG);
+        __m512 d1vec = two_scales ? _mm512_loadu_ps(d + (2 * b + 1) * CG) : dvec;
         __m512 offvec = bits == 4 ? _mm512_fmadd_ps(minus128, dvec, _mm512_loadu_ps(m + b * CG))
+                        : has_off ? _mm512_loadu_ps(m + b * CG)
                                   : _mm512_setzero_ps();
         for (int i = 0; i < rows; i++) {
             const uint16_t *xb = x + (m0 + i) * K + b * BLOCK;
-            float sxb = bits == 4 ? sx[(m0 + i) * nb + b] : 0.0f;
-            acc[i] = row_block(w, xb, dvec, bits == 4, offvec, sxb, acc[i]);
+            float sxb = has_off ? sx[(m0 + i) * nb + b] : 0.0f;
+            acc[i] = row_block(w, xb, dvec, two_scales, d1vec, has_off, offvec, sxb, acc[i]);
         }
     }
 }
@@ -126,7 +155,7 @@ static inline __attribute__((always_inline)) void group_rows(
 typedef struct {
     const uint16_t *x;
     int64_t M, K, nb, N;
-    int bits, y_fp32;
+    int bits, y_fp32, has_off, two_scales;
     const uint8_t *qs;
     const float *d, *m, *sx;
     const uint16_t *bias;
@@ -145,8 +174,8 @@ static void qmm_groups(void *ctx, int64_t begin, int64_t end) {
         const uint8_t *gq = a->qs + g * nb * qbytes;
         if (expanded)
             for (int64_t b = 0; b < nb; b++) expand(gq + b * qbytes, a->bits, expanded + b * 16);
-        const float *gd = a->d + g * nb * CG;
-        const float *gm = a->bits == 4 ? a->m + g * nb * CG : NULL;
+        const float *gd = a->d + g * nb * CG * (a->two_scales ? 2 : 1);
+        const float *gm = a->has_off ? a->m + g * nb * CG : NULL;
         int64_t n0 = g * CG;
         __mmask16 keep = lanes16(a->N - n0);  // the group's columns that exist (CG == 16)
         __m512 bvec = _mm512_setzero_ps();
@@ -155,10 +184,13 @@ static void qmm_groups(void *ctx, int64_t begin, int64_t end) {
             int rows = (int)(a->M - m0 < MT ? a->M - m0 : MT);
             __m512 acc[MT];
             switch (rows) {  // constant row counts let the compiler keep acc in registers
-                case 4: group_rows(a->x, a->K, nb, a->sx, m0, 4, a->bits, gq, gd, gm, expanded, acc); break;
-                case 3: group_rows(a->x, a->K, nb, a->sx, m0, 3, a->bits, gq, gd, gm, expanded, acc); break;
-                case 2: group_rows(a->x, a->K, nb, a->sx, m0, 2, a->bits, gq, gd, gm, expanded, acc); break;
-                default: group_rows(a->x, a->K, nb, a->sx, m0, 1, a->bits, gq, gd, gm, expanded, acc); break;
+#define EXL_GROUP_ROWS(R) group_rows(a->x, a->K, nb, a->sx, m0, R, a->bits, a->has_off, a->two_scales, gq, gd, gm, \
+                                     expanded, acc)
+                case 4: EXL_GROUP_ROWS(4); break;
+                case 3: EXL_GROUP_ROWS(3); break;
+                case 2: EXL_GROUP_ROWS(2); break;
+                default: EXL_GROUP_ROWS(1); break;
+#undef EXL_GROUP_ROWS
             }
             for (int i = 0; i < rows; i++) {
                 __m512 out = a->bias ? _mm512_add_ps(acc[i], bvec) : acc[i];
@@ -173,7 +205,8 @@ static void qmm_groups(void *ctx, int64_t begin, int64_t end) {
 
 // x: bf16 [M, K]; bias: bf16 [N] or NULL; y: [M, N], fp32 when y_fp32 else bf16.
 // bits 4: qs [groups][nb][256], d and m fp32 [groups][nb][CG].
-// bits 8: qs [groups][nb][512], d fp32 [groups][nb][CG], m unused.
+// bits 8: qs [groups][nb][512], d fp32 [groups][nb][CG], m fp32 [groups][nb][CG] read with offsets only.
+// scales_per_block 2: d fp32 [groups][nb][2][CG], the scales of k < 16 and k >= 16 of each block.
 // The column groups are shared among the pool's threads. Returns 0, or -1 when the kernel is not
 // built or its scratch cannot be had.
 int exl_qmatmul(const exl_qmatmul_args *args) {
@@ -181,20 +214,23 @@ int exl_qmatmul(const exl_qmatmul_args *args) {
     const uint16_t *x = args->x, *bias = args->bias;
     int64_t M = args->rows, K = args->in_features, N = args->out_features;
     int bits = args->bits, y_fp32 = args->y_fp32;
+    int has_off = bits == 4 || args->offsets, two_scales = args->scales_per_block == 2;
     const uint8_t *qs = args->qs;
     const float *d = args->d, *m = args->m;
     void *y = args->y;
     int64_t nb = K / BLOCK;
     float *sx = NULL;
-    if (bits == 4) {
+    if (has_off) {
         sx = (float *)malloc(sizeof(float) * (size_t)(M * nb + 1));
         if (!sx) return -1;
         block_sums(x, M, K, sx);
     }
-    qmm_args a = {x, M, K, nb, N, bits, y_fp32, qs, d, m, sx, bias, y};
+    qmm_args a = {x, M, K, nb, N, bits, y_fp32, has_off, two_scales, qs, d, m, sx, bias, y};
     exl_parallel_for(qmm_groups, &a, (N + CG - 1) / CG);
     free(sx);
     return 0;
+#elif EXL_QMM_AVX2
+    return qmatmul_avx2(args, args->scales_per_block == 2, args->bits == 4 || args->offsets);
 #else
     (void)args;
     return -1;

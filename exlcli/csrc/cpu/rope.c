@@ -30,13 +30,17 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define EXL_ROPE 1
 #include <immintrin.h>
+#elif defined(__AVX2__)
+#define EXL_ROPE 2  // 8 lanes, the same elementwise arithmetic
+#include <immintrin.h>
+#include <string.h>
 #else
 #define EXL_ROPE 0
 #endif
 
-int exl_rope_available(void) { return EXL_ROPE; }
+int exl_rope_available(void) { return EXL_ROPE != 0; }
 
-#if EXL_ROPE
+#if EXL_ROPE == 1
 
 #define LANES 16
 
@@ -58,6 +62,27 @@ static inline void copy_head(const uint16_t *x, uint16_t *out, int64_t d) {
         _mm512_mask_storeu_epi16(out + i, m, _mm512_maskz_loadu_epi16(m, x + i));
     }
 }
+
+#elif EXL_ROPE == 2
+
+static inline void rotate_head(const uint16_t *x, uint16_t *out, const float *cs, int64_t d) {
+    const int64_t half = d / 2;
+    for (int64_t i = 0; i < half; i += 8) {
+        int64_t n = half - i;
+        __m256 c = f32_load8_n(cs + i, n), s = f32_load8_n(cs + half + i, n);
+        __m256 x1 = bf16_load8_n(x + i, n), x2 = bf16_load8_n(x + half + i, n);
+        bf16_store8_n(out + i, _mm256_sub_ps(_mm256_mul_ps(x1, c), _mm256_mul_ps(x2, s)), n);
+        bf16_store8_n(out + half + i, _mm256_add_ps(_mm256_mul_ps(x2, c), _mm256_mul_ps(x1, s)), n);
+    }
+}
+
+static inline void copy_head(const uint16_t *x, uint16_t *out, int64_t d) {
+    memcpy(out, x, (size_t)d * sizeof(uint16_t));
+}
+
+#endif
+
+#if EXL_ROPE
 
 // Below this many rotated values a call stays on the caller's thread: waking the pool costs more.
 #define PARALLEL_MIN_ELEMS 32768

@@ -1,11 +1,13 @@
-"""The CPU linear of Q4_0, Q4_1 and Q8_0 weights through csrc/cpu/qmatmul.c.
+"""The CPU linear of block-quantized weights through csrc/cpu/qmatmul.c (AVX-512 BF16, or AVX2 + FMA).
 
 The weights are repacked once, at load, into groups of 16 output columns (one per SIMD lane; see the
 C file for the layout and the arithmetic); activations are bf16, results fp32 rounded to bf16 (or
 fp32 logits). `reference()` computes the same product with torch ops from the repacked groups: the
 oracle of the tests, and what runs inside `kernels_disabled()`. The kernel takes any weights of the
-form w = q * scale + offset per block of 32 (q 4-bit in 0..15, or 8-bit signed with no offset), as
-the format modules unpack them.
+form w = q * scale + offset per block of 32 (q 4-bit in 0..15, or 8-bit signed), or w = q * scale per
+16 weights (8-bit, no offset: Q6_K), as the format modules unpack them. The 5- and 6-bit formats run
+as 8-bit: at 8 bits a weight their decode reads 1.45x (5-bit) / 1.23x (6-bit) the file's bytes, but
+the inner loop is the 8-bit one, with no high bits to merge.
 """
 
 from __future__ import annotations
@@ -60,16 +62,27 @@ def _q4_byte_sources() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class QuantCpuLinear(Linear):
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int,
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, bits: int,
                  bias: torch.Tensor | None = None) -> None:
         """q [N, K] int32 (0..15 for bits 4, -128..127 for bits 8); scale, offset [N, K / 32] fp32,
-        w = q * scale + offset (the offset is ignored for bits 8)."""
+        w = q * scale + offset. For bits 8 an offset that is None or all zeros is left out, and scale
+        may be [N, K / 16] (one per 16 weights; then no offset)."""
         if bits not in (4, 8):
             raise ValueError(f"the CPU matmul kernel takes 4- or 8-bit weights, not {bits}-bit")
         self.out_features, self.in_features = q.shape
         self.bits = bits
         n, k = q.shape
         nb = k // BLOCK
+        if offset is None or (bits == 8 and not offset.any()):
+            offset = torch.zeros(n, nb)  # none: the kernel leaves the term out
+        self.offsets = bits == 4 or bool(offset.any())
+        if offset.shape != (n, nb):
+            raise ValueError(f"offsets {tuple(offset.shape)}: expected one per 32 weights, ({n}, {nb})")
+        self.scales_per_block = scale.shape[1] // nb
+        if self.scales_per_block not in (1, 2) or scale.shape[1] != nb * self.scales_per_block:
+            raise ValueError(f"scales [{scale.shape[1]}] per row of {k} weights: expected one per 32 or per 16")
+        if self.scales_per_block == 2 and (bits == 4 or self.offsets):
+            raise ValueError("one scale per 16 weights is for 8-bit weights without offsets")
         self.groups = groups = -(-n // CG)
         pad = groups * CG - n
         q = F.pad(q, (0, 0, 0, pad))
@@ -81,15 +94,18 @@ class QuantCpuLinear(Linear):
         else:
             lo, hi = _q4_byte_sources()
             self.qs = (blocks[..., lo] | (blocks[..., hi] << 4)).to(torch.uint8).contiguous()
-        # [G, nb, CG] fp32
-        self.d = F.pad(scale, (0, 0, 0, pad)).view(groups, CG, nb).permute(0, 2, 1).contiguous()
+        # [G, nb, CG] fp32, or [G, nb, 2, CG] with two scales per block
+        spb = self.scales_per_block
+        self.d = F.pad(scale, (0, 0, 0, pad)).view(groups, CG, nb, spb).permute(0, 2, 3, 1).contiguous()
+        if spb == 1:
+            self.d = self.d.view(groups, nb, CG)
         self.m = F.pad(offset, (0, 0, 0, pad)).view(groups, CG, nb).permute(0, 2, 1).contiguous()
         self.bias = None if bias is None else bias.to(torch.bfloat16).contiguous()
         self._dense: torch.Tensor | None = None
         self._args: dict | None = None
 
     def nbytes(self) -> int:
-        return self.qs.numel() + self.d.numel() * 4 + (self.m.numel() * 4 if self.bits == 4 else 0)
+        return self.qs.numel() + self.d.numel() * 4 + (self.m.numel() * 4 if self.offsets else 0)
 
     def dequantize(self) -> torch.Tensor:
         """The weight as fp32 [N, K], from the repacked groups."""
@@ -102,8 +118,11 @@ class QuantCpuLinear(Linear):
             blocks = torch.empty(groups, nb, CG * BLOCK)
             blocks[..., lo] = (self.qs & 0x0F).float()
             blocks[..., hi] = (self.qs >> 4).float()
-        w = blocks.view(groups, nb, CG, BLOCK) * self.d[..., None]
-        if self.bits == 4:
+        # scales [G, nb, CG, spb, 1] against weights [G, nb, CG, spb, 32 / spb]
+        spb = self.scales_per_block
+        d = self.d.view(groups, nb, spb, CG).transpose(2, 3)[..., None]
+        w = (blocks.view(groups, nb, CG, spb, BLOCK // spb) * d).view(groups, nb, CG, BLOCK)
+        if self.offsets:
             w = w + self.m[..., None]
         return w.permute(0, 2, 1, 3).reshape(groups * CG, nb * BLOCK)[:self.out_features]
 
@@ -117,7 +136,8 @@ class QuantCpuLinear(Linear):
         """The kernel's arguments that never change, as plain ints (fewer conversions per call)."""
         if self._args is None:
             ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-            self._args = dict(in_features=self.in_features, bits=self.bits, qs=ptr(self.qs), d=ptr(self.d),
+            self._args = dict(in_features=self.in_features, bits=self.bits, offsets=self.offsets,
+                              scales_per_block=self.scales_per_block, qs=ptr(self.qs), d=ptr(self.d),
                               m=ptr(self.m), bias=ptr(self.bias), out_features=self.out_features)
         return self._args
 

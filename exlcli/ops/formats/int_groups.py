@@ -80,24 +80,6 @@ def pack(fmt: GroupFormat, q: torch.Tensor, scale: torch.Tensor, zero: torch.Ten
     return QuantizedWeight(fmt, (rows, cols), blocks, input_order)
 
 
-class GroupOffsetLinear(Linear):
-    """inner(x) + sum over each block of 32 of x times that block's offset [N, K / 32]: the part of
-    q * scale + offset that the inner (8-bit, offset-free) kernel leaves out."""
-
-    def __init__(self, inner: Linear, offset: torch.Tensor) -> None:
-        self.inner = inner
-        self.offset_t = offset.t().contiguous()  # [K / 32, N] fp32
-        self.out_features, self.in_features = inner.out_features, inner.in_features
-
-    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        y = self.inner(x, torch.float32)
-        sums = x.reshape(*x.shape[:-1], -1, BLOCK).float().sum(-1)  # [M, K / 32]
-        return (y + sums @ self.offset_t).to(out_dtype or x.dtype)
-
-    def nbytes(self) -> int:
-        return self.inner.nbytes() + self.offset_t.numel() * 4
-
-
 def _fmt(weight: QuantizedWeight) -> GroupFormat:
     if not isinstance(weight.fmt, GroupFormat):
         raise TypeError(f"{weight.fmt.name} is not a grouped integer format")
@@ -119,10 +101,9 @@ def qmatmul_linear(weight: QuantizedWeight, bias: torch.Tensor | None = None) ->
     q, scale, zero = _per_32(weight)
     if _fmt(weight).bits == 4:
         return QuantCpuLinear(q, scale, -zero * scale, bits=4, bias=bias)
+    # signed q - 128 for the 8-bit path; the kernel adds each block's offset (none when symmetric)
     offset = (128.0 - zero) * scale
-    if not offset.any():  # symmetric: zero 128
-        return QuantCpuLinear(q - 128, scale, offset, bits=8, bias=bias)
-    return GroupOffsetLinear(QuantCpuLinear(q - 128, scale, torch.zeros_like(offset), bits=8, bias=bias), offset)
+    return QuantCpuLinear(q - 128, scale, offset if offset.any() else None, bits=8, bias=bias)
 
 
 def int4_linear(weight: QuantizedWeight, bias: torch.Tensor | None = None) -> Int4CpuLinear:

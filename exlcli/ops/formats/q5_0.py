@@ -2,14 +2,19 @@
 
 Block (22 bytes): fp16 d | qh, 4 bytes: bit i (little-endian) is the top bit of q[i] |
 qs, 16 bytes: byte j holds the low 4 bits of q[j] (low nibble) and q[j + 16] (high nibble).
+
+On the CPU with bf16 activations it runs quantized through our C kernel's 8-bit path (q - 16 a byte
+each, no offset; see cpu_qmatmul.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from exlcli.ops.formats.base import BlockFormat, f16_at
+from exlcli.ops.formats import cpu_qmatmul
+from exlcli.ops.formats.base import BlockFormat, Linear, QuantizedWeight, f16_at
 from exlcli.ops.formats.bit_fields import blocks_of, rows_of, unpack_fields
+from exlcli.ops.formats.cpu_qmatmul import QuantCpuLinear
 
 BLOCK_WEIGHTS = 32
 BLOCK_BYTES = 22
@@ -23,6 +28,16 @@ def five_bit_quants(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
     return (low | (high << 4)).to(torch.int32)
 
 
+def unpack(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """blocks uint8 [N, K / 32 * 22] -> (q [N, K] int32 in -16..15, scale [N, K/32] fp32, offset
+    [N, K/32] fp32, all zeros) with w = q * scale + offset."""
+    rows = blocks.shape[0]
+    b = blocks_of(blocks, BLOCK_BYTES)
+    d = f16_at(b, 0).reshape(rows, -1)
+    q = five_bit_quants(b[:, 2:6], b[:, 6:22]) - 16
+    return q.reshape(rows, -1), d, torch.zeros_like(d)
+
+
 def dequantize(blocks: torch.Tensor) -> torch.Tensor:
     b = blocks_of(blocks, BLOCK_BYTES)
     d = f16_at(b, 0)  # [n]
@@ -30,5 +45,14 @@ def dequantize(blocks: torch.Tensor) -> torch.Tensor:
     return rows_of(d[:, None] * q.float(), blocks, BLOCK_BYTES, BLOCK_WEIGHTS)
 
 
+def cpu_linear(weight: QuantizedWeight, bias: torch.Tensor | None, device: torch.device,
+               dtype: torch.dtype) -> Linear | None:
+    """The C kernel's 8-bit path (a byte per weight; see cpu_qmatmul.py), or None without it."""
+    if dtype != torch.bfloat16 or not cpu_qmatmul.available():
+        return None
+    q, scale, offset = unpack(weight.blocks)
+    return QuantCpuLinear(q, scale, offset, bits=8, bias=bias)
+
+
 FORMAT = BlockFormat(name="Q5_0", gguf_type=6, block_weights=BLOCK_WEIGHTS, block_bytes=BLOCK_BYTES,
-                     dequantize=dequantize)
+                     dequantize=dequantize, cpu_linear=cpu_linear)

@@ -1,18 +1,32 @@
 """Q5_1: blocks of 32 weights, w = d * q + m, q of 5 bits.
 
 Block (24 bytes): fp16 d | fp16 m | qh, 4 bytes | qs, 16 bytes, both laid out as in Q5_0.
+
+On the CPU with bf16 activations it runs quantized through our C kernel's 8-bit path (q in 0..31 a
+byte each, with its offset; see cpu_qmatmul.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from exlcli.ops.formats.base import BlockFormat, f16_at
+from exlcli.ops.formats import cpu_qmatmul
+from exlcli.ops.formats.base import BlockFormat, Linear, QuantizedWeight, f16_at
 from exlcli.ops.formats.bit_fields import blocks_of, rows_of
+from exlcli.ops.formats.cpu_qmatmul import QuantCpuLinear
 from exlcli.ops.formats.q5_0 import five_bit_quants
 
 BLOCK_WEIGHTS = 32
 BLOCK_BYTES = 24
+
+
+def unpack(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """blocks uint8 [N, K / 32 * 24] -> (q [N, K] int32 in 0..31, scale [N, K/32] fp32, offset
+    [N, K/32] fp32) with w = q * scale + offset."""
+    rows = blocks.shape[0]
+    b = blocks_of(blocks, BLOCK_BYTES)
+    q = five_bit_quants(b[:, 4:8], b[:, 8:24])
+    return q.reshape(rows, -1), f16_at(b, 0).reshape(rows, -1), f16_at(b, 2).reshape(rows, -1)
 
 
 def dequantize(blocks: torch.Tensor) -> torch.Tensor:
@@ -22,5 +36,14 @@ def dequantize(blocks: torch.Tensor) -> torch.Tensor:
     return rows_of(d[:, None] * q.float() + m[:, None], blocks, BLOCK_BYTES, BLOCK_WEIGHTS)
 
 
+def cpu_linear(weight: QuantizedWeight, bias: torch.Tensor | None, device: torch.device,
+               dtype: torch.dtype) -> Linear | None:
+    """The C kernel's 8-bit path (a byte per weight; see cpu_qmatmul.py), or None without it."""
+    if dtype != torch.bfloat16 or not cpu_qmatmul.available():
+        return None
+    q, scale, offset = unpack(weight.blocks)
+    return QuantCpuLinear(q, scale, offset, bits=8, bias=bias)
+
+
 FORMAT = BlockFormat(name="Q5_1", gguf_type=7, block_weights=BLOCK_WEIGHTS, block_bytes=BLOCK_BYTES,
-                     dequantize=dequantize)
+                     dequantize=dequantize, cpu_linear=cpu_linear)

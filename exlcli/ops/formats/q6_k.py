@@ -4,17 +4,35 @@ sc int8.
 Block (210 bytes): ql, 128 bytes: two halves of 64; byte i of half h holds the low 4 bits of
 q[128 * h + i] (low nibble) and q[128 * h + 64 + i] (high) | qh, 64 bytes: two halves of 32; 2-bit
 field f of byte i in half h is the top 2 bits of q[128 * h + 32 * f + i] | scales, 16 x int8 | fp16 d.
+
+On the CPU with bf16 activations it runs quantized through our C kernel's 8-bit path (q - 32 a byte
+each, one scale per 16 weights, no offset; see cpu_qmatmul.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from exlcli.ops.formats.base import BlockFormat, f16_at
+from exlcli.ops.formats import cpu_qmatmul
+from exlcli.ops.formats.base import BlockFormat, Linear, QuantizedWeight, f16_at
 from exlcli.ops.formats.bit_fields import blocks_of, rows_of, unpack_fields
+from exlcli.ops.formats.cpu_qmatmul import QuantCpuLinear
 
 BLOCK_WEIGHTS = 256
 BLOCK_BYTES = 210
+
+
+def unpack(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """blocks uint8 [N, K / 256 * 210] -> (q [N, K] int32 in -32..31, scale [N, K/16] fp32, offset
+    [N, K/16] fp32, all zeros) with w = q * scale + offset per sub-block of 16."""
+    rows = blocks.shape[0]
+    b = blocks_of(blocks, BLOCK_BYTES)
+    n = b.shape[0]
+    low = unpack_fields(b[:, 0:128].view(n, 2, 64), 4).reshape(n, 16, 16)
+    high = unpack_fields(b[:, 128:192].view(n, 2, 32), 2).reshape(n, 16, 16)
+    q = (low | (high << 4)).to(torch.int32) - 32
+    step = f16_at(b, 208)[:, None] * b[:, 192:208].contiguous().view(torch.int8).float()  # [n, 16]
+    return q.reshape(rows, -1), step.reshape(rows, -1), torch.zeros(rows, step.numel() // rows)
 
 
 def dequantize(blocks: torch.Tensor) -> torch.Tensor:
@@ -28,5 +46,14 @@ def dequantize(blocks: torch.Tensor) -> torch.Tensor:
     return rows_of(step[..., None] * q.float(), blocks, BLOCK_BYTES, BLOCK_WEIGHTS)
 
 
+def cpu_linear(weight: QuantizedWeight, bias: torch.Tensor | None, device: torch.device,
+               dtype: torch.dtype) -> Linear | None:
+    """The C kernel's 8-bit path (a byte per weight; see cpu_qmatmul.py), or None without it."""
+    if dtype != torch.bfloat16 or not cpu_qmatmul.available():
+        return None
+    q, scale, offset = unpack(weight.blocks)
+    return QuantCpuLinear(q, scale, offset, bits=8, bias=bias)
+
+
 FORMAT = BlockFormat(name="Q6_K", gguf_type=14, block_weights=BLOCK_WEIGHTS, block_bytes=BLOCK_BYTES,
-                     dequantize=dequantize)
+                     dequantize=dequantize, cpu_linear=cpu_linear)

@@ -60,7 +60,9 @@ def test_block_size_and_cost(module):
     assert fmt.gguf_type == gguf_type.value
     assert (fmt.block_weights, fmt.block_bytes) == GGML_QUANT_SIZES[gguf_type]
     assert fmt.bits_per_weight == FORMATS[module][1]
-    assert fmt.cpu_linear is None and fmt.cuda_linear is None  # no kernels yet: make_linear dequantizes
+    # kept quantized on the CPU by the qmatmul kernel (test_cpu_kquant_linear.py) except Q2_K, Q3_K
+    assert (fmt.cpu_linear is None) == (fmt.name in ("Q2_K", "Q3_K"))
+    assert fmt.cuda_linear is None  # no CUDA kernels yet: make_linear dequantizes
 
 
 @pytest.mark.parametrize("module", FORMATS)

@@ -1,0 +1,124 @@
+"""The K-quants and 5-bit formats kept quantized on the CPU (their cpu_linear through
+exlcli/csrc/cpu/qmatmul.c) against their torch reference: dequantize, then the exact product."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from exlcli.ops.formats import QuantizedWeight, by_name, q4_k, q5_0, q5_1, q5_k, q6_k
+from exlcli.ops.formats.base import scaled_blocks
+from exlcli.ops.formats.cpu_qmatmul import QuantCpuLinear, available
+from exlcli.ops.formats.quantize import quantize
+from exlcli.ops.linear import make_linear
+
+needs_kernel = pytest.mark.skipif(not available(), reason="CPU matmul kernel not built here")
+MODULES = {"Q4_K": q4_k, "Q5_K": q5_k, "Q6_K": q6_k, "Q5_0": q5_0, "Q5_1": q5_1}
+QTYPES = tuple(MODULES)
+REPO = Path(__file__).resolve().parents[3]
+
+
+def random_weight(qtype: str, n: int, k: int, seed: int = 0) -> QuantizedWeight:
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * 0.02 + torch.randn(n, 1, generator=gen) * 0.01  # rows off zero
+    return QuantizedWeight(by_name(qtype), (n, k), quantize(w, qtype))
+
+
+def cpu_linear(w: QuantizedWeight, bias: torch.Tensor | None = None):
+    return w.fmt.cpu_linear(w, bias, torch.device("cpu"), torch.bfloat16)
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.double() - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_unpack_is_the_reference_dequantize(qtype):
+    w = random_weight(qtype, 19, 512)
+    q, scale, offset = MODULES[qtype].unpack(w.blocks)
+    assert q.dtype == torch.int32 and q.shape == (19, 512)
+    assert torch.equal(scaled_blocks(q, scale, offset), w.dequantize(torch.float32))
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_repack_round_trips_every_weight(qtype):
+    w = random_weight(qtype, 37, 768)
+    q, scale, offset = MODULES[qtype].unpack(w.blocks)
+    lin = QuantCpuLinear(q, scale, offset, bits=4 if qtype == "Q4_K" else 8)
+    assert torch.equal(lin.dequantize(), w.dequantize(torch.float32))
+    assert lin.scales_per_block == (2 if qtype == "Q6_K" else 1)
+    assert lin.offsets == (qtype in ("Q4_K", "Q5_K", "Q5_1"))
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("n,k,m", [(37, 256, 1), (100, 768, 16), (16, 2816, 64), (53, 1280, 300)])
+def test_kernel_matches_the_exact_dequantized_product(qtype, n, k, m):
+    w = random_weight(qtype, n, k, seed=n + k + m)
+    lin = cpu_linear(w)
+    assert isinstance(lin, QuantCpuLinear)  # kept quantized, not dequantized to dense
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+    exact = x.double() @ w.dequantize(torch.float64).T
+    y32 = lin(x, out_dtype=torch.float32)
+    assert y32.shape == (m, n)
+    assert rel_err(y32, exact) < 1e-5  # exact products; only the fp32 sums round
+    assert torch.equal(lin(x), y32.bfloat16())
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_each_row_is_the_same_whatever_the_batch(qtype):
+    w = random_weight(qtype, 70, 512)
+    lin = cpu_linear(w, bias=torch.randn(70))
+    x = torch.randn(13, 512).bfloat16()
+    together = lin(x, out_dtype=torch.float32)
+    for lo, hi in ((0, 1), (4, 5), (1, 3), (2, 9), (5, 13)):
+        assert torch.equal(lin(x[lo:hi], out_dtype=torch.float32), together[lo:hi])
+
+
+_THREADS_PROGRAM = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from tests.ops.formats.test_cpu_kquant_linear import QTYPES, cpu_linear, random_weight
+x = torch.randn(7, 512, generator=torch.Generator().manual_seed(3)).bfloat16()
+torch.save({q: cpu_linear(random_weight(q, 300, 512))(x, out_dtype=torch.float32) for q in QTYPES}, sys.argv[2])
+"""
+
+
+@needs_kernel
+def test_one_or_two_threads_give_the_same_bits(tmp_path):
+    results = []
+    for threads in (1, 2):  # the pool's size is fixed per process
+        out = tmp_path / f"{threads}.pt"
+        env = dict(os.environ, EXLCLI_CPU_THREADS=str(threads))
+        subprocess.run([sys.executable, "-c", _THREADS_PROGRAM, str(REPO), str(out)], env=env, check=True,
+                       cwd=REPO)
+        results.append(torch.load(out))
+    for qtype in QTYPES:
+        assert torch.equal(results[0][qtype], results[1][qtype]), qtype
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_make_linear_keeps_them_quantized(qtype):
+    parts = [random_weight(qtype, 48, 512, seed=1), random_weight(qtype, 16, 512, seed=2)]
+    lin = make_linear(parts, None, torch.device("cpu"), torch.bfloat16)
+    assert isinstance(lin, QuantCpuLinear) and lin.out_features == 64
+    assert lin.nbytes() < 64 * 512 * 2  # smaller than the bf16 weight it replaces
+    x = torch.randn(3, 512).bfloat16()
+    exact = x.double() @ torch.cat([p.dequantize(torch.float64) for p in parts]).T
+    assert rel_err(lin(x, out_dtype=torch.float32), exact) < 1e-5
+
+
+def test_fp32_activations_still_get_no_kernel_linear():
+    w = random_weight("Q6_K", 16, 256)
+    assert w.fmt.cpu_linear(w, None, torch.device("cpu"), torch.float32) is None
+
+
+def test_per_16_scales_with_offsets_are_refused():
+    q = torch.zeros(16, 64, dtype=torch.int32)
+    with pytest.raises(ValueError, match="per 16"):
+        QuantCpuLinear(q, torch.ones(16, 4), torch.ones(16, 2), bits=8)
