@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from exlcli.cli import batch, bench, chat, models, run, serve
+from exlcli.cli import batch, bench, chat, models, perplexity, run, serve
 
 app = typer.Typer(
     name="exlcli",
@@ -15,7 +15,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-for module in (chat, run, batch, bench, serve, models):
+for module in (chat, run, batch, bench, perplexity, serve, models):
     module.register(app)
 
 
