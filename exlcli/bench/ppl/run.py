@@ -72,9 +72,10 @@ def _plan(options: PerplexityOptions, loaded, reference: LogitsReader | None, lo
     if reference is None:
         started = time.perf_counter()
         tokens = tok.encode(read_text(options.text))
+        plan = plan_chunks(tokens, n_ctx, options.max_chunks, bos)
         print(f"perplexity: tokenized {options.text} to {len(tokens)} tokens in "
               f"{time.perf_counter() - started:.2f} s", file=log)
-        return plan_chunks(tokens, n_ctx, options.max_chunks, bos)
+        return plan
     return _plan_against(options, loaded, reference, n_ctx, bos)
 
 
@@ -99,9 +100,11 @@ def _plan_against(options: PerplexityOptions, loaded, reference: LogitsReader, n
     return ChunkPlan(n_ctx, reference.tokens, num_chunks, bos)
 
 
-def run_perplexity(options: PerplexityOptions, out: TextIO = sys.stdout, log: TextIO = sys.stderr,
+def run_perplexity(options: PerplexityOptions, out: TextIO | None = None, log: TextIO | None = None,
                    loaded=None) -> PerplexityResult:
-    """Load the model (unless `loaded` is given), score every chunk, print llama-perplexity's lines."""
+    """Load the model (unless `loaded` is given), score every chunk, print llama-perplexity's lines
+    (results to `out`, default stdout; progress to `log`, default stderr)."""
+    out, log = out or sys.stdout, log or sys.stderr  # looked up per call: a test runner swaps them
     options.validate()
     reference = LogitsReader(options.kl_divergence) if options.kl_divergence is not None else None
     if loaded is None:
