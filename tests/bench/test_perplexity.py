@@ -294,3 +294,22 @@ def test_not_a_logits_file_and_a_truncated_one(base, text_file, saved_reference,
 def test_save_and_compare_together_are_refused(base, text_file, saved_reference, tmp_path):
     with pytest.raises(ExlcliError, match="do not go together"):
         run(base, text_file, save_logits=tmp_path / "x.bin", kl_divergence=saved_reference)
+
+
+# --- the default model ------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_default_model_ppl_of_the_readme_is_in_range(default_model_path):
+    """SmolLM2-135M on this repository's README (technical English and shell): llama.cpp's Q4_1 of it
+    gives a PPL of about 10 on such text, and a broken scorer lands far off (a uniform guess is 49,152;
+    a scorer that reads the target token's own logits gives far below 2)."""
+    from pathlib import Path
+
+    from exlcli.model.loader import load_model
+
+    readme = Path(__file__).resolve().parents[2] / "README.md"
+    loaded = load_model(default_model_path, device="cpu", dtype="float32")
+    result, out = run(loaded, readme, ctx_size=256, max_chunks=2)
+    assert result.stats.count == 2 * 127
+    assert 3 < result.stats.ppl < 40, out
+    assert 0 < result.stats.ppl_error() < result.stats.ppl / 3

@@ -12,8 +12,11 @@ Layout (little-endian), as perplexity.cpp writes it:
 Why this and not fp16 log-probs or top-k: it is the same size as fp16 (2 bytes per vocabulary entry:
 98 KiB per scored token at a 49,152 vocabulary, 200 MB for 8 chunks of 512) with a 16 / 65535 nat
 step (an error of at most 1.2e-4 nats on every log-prob, against up to 8e-3 for fp16 at -20), and a
-top-k file, though hundreds of times smaller, drops the tail: the KLD that the tail carries, about
-its share of the probability, is lost (measured in the report of the change that added this).
+top-k file, though hundreds of times smaller, drops the tail, and with it about the tail's share of
+the KLD (a perturbation spread over the vocabulary contributes in proportion to probability).
+Measured on the default model (SmolLM2-135M, 8 chunks of 512 of a README): on average 5.1% of the
+probability lies outside the top 256 tokens, 1.9% outside the top 1024; too much for a number users
+judge quants by. Same layout as llama.cpp also means the same rounding, so the two tools' KLDs agree.
 """
 
 from __future__ import annotations
