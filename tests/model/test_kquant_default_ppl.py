@@ -6,9 +6,10 @@ The bound, from the KLD: per scored token, ln PPL(Q) - ln PPL(base) averages d =
 ln p_Q(t). Were the text drawn from the base model's own predictions, the mean of d would be the mean
 KL(base || Q) exactly (E_p[ln p - ln q] = KL(p || q)), up to its sampling error sigma, which is
 llama.cpp's uncertainty of ln(PPL(Q)/PPL(base)). Real text is not drawn from the model, so we allow
-twice the KLD: |ln(PPL(Q)/PPL(base))| <= 2 * mean KLD + 3 * sigma. Measured (README, 4 chunks of
-256): see the assertion message; the test fails on a quantizer or a kernel that adds error the KLD
-would show and on one whose PPL drifts where the KLD does not.
+twice the KLD: |ln(PPL(Q)/PPL(base))| <= 2 * mean KLD + 3 * sigma. Measured on tqdm's README (8
+chunks of 512): mean KLD 0.0632 ± 0.0016, ln ratio 0.0686 ± 0.0087 (PPL 10.28 -> 11.01), so the ratio
+does track the KLD; the test fails on a quantizer or kernel that adds error (the KLD grows past its
+limit) and on a PPL that drifts where the KLD does not.
 """
 
 from __future__ import annotations
