@@ -299,11 +299,15 @@ def test_save_and_compare_together_are_refused(base, text_file, saved_reference,
 # --- the default model ------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_default_model_ppl_of_the_readme_is_in_range(default_model_path):
-    """SmolLM2-135M on this repository's README (technical English and shell): llama.cpp's Q4_1 of it
-    gives a PPL of about 10 on such text, and a broken scorer lands far off (a uniform guess is 49,152;
-    a scorer that reads the target token's own logits gives far below 2)."""
+def test_default_model_ppl_of_the_readme_equals_transformers(default_model_path):
+    """SmolLM2-135M on this repository's README: our PPL is what transformers' own forward of the same
+    GGUF (dequantized to fp32 by its converter) gives on the same chunks, and in a sane range
+    (measured 57 over the first two chunks of 256: dense jargon, little context; tqdm's README gives
+    10 at 512; a uniform guess is 49,152)."""
+    import os
     from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
 
     from exlcli.model.loader import load_model
 
@@ -311,5 +315,15 @@ def test_default_model_ppl_of_the_readme_is_in_range(default_model_path):
     loaded = load_model(default_model_path, device="cpu", dtype="float32")
     result, out = run(loaded, readme, ctx_size=256, max_chunks=2)
     assert result.stats.count == 2 * 127
-    assert 3 < result.stats.ppl < 40, out
-    assert 0 < result.stats.ppl_error() < result.stats.ppl / 3
+    assert 5 < result.stats.ppl < 200, out
+    assert 0 < result.stats.ppl_error() < result.stats.ppl / 2
+
+    folder, name = os.path.split(default_model_path)
+    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    nlls = []
+    for c in range(2):
+        ids = result.plan.chunk(c)
+        with torch.no_grad():
+            log_probs = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+        nlls += [-log_probs[pos, ids[pos + 1]].item() for pos in range(128, 255)]
+    assert result.stats.ppl == pytest.approx(math.exp(sum(nlls) / len(nlls)), rel=1e-3)
