@@ -15,7 +15,7 @@ def register(app: typer.Typer) -> None:
     @app.command("perplexity")
     @user_errors
     def perplexity(
-        text: Annotated[Optional[Path], typer.Argument(
+        text: Annotated[Optional[Path], typer.Argument(metavar="FILE",
             help="UTF-8 text to score. May be left out with --kl-divergence (the saved tokens are used).",
             show_default=False)] = None,
         model: ModelOption = None,
