@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from exlcli.cli import batch, bench, chat, config, models, ps, run, serve
+from exlcli.cli import batch, bench, chat, config, models, perplexity, ps, run, serve
 from exlcli.cli.common import user_errors
 from exlcli.cli.config_file import default_map
 
@@ -48,7 +48,7 @@ def root(
     ctx.default_map = {**default_map(ctx.command), **(ctx.default_map or {})}
 
 
-for module in (chat, run, batch, bench, serve, models, ps, config):
+for module in (chat, run, batch, bench, perplexity, serve, models, ps, config):
     module.register(app)
 
 

@@ -1,0 +1,48 @@
+"""`exlcli perplexity FILE`: perplexity of a text as llama-perplexity computes it; --save-logits and
+--kl-divergence compare a model (a quantized one) with a reference run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from exlcli.cli.common import DeviceOption, DtypeOption, ModelOption, user_errors
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("perplexity")
+    @user_errors
+    def perplexity(
+        text: Annotated[Optional[Path], typer.Argument(metavar="FILE",
+            help="UTF-8 text to score. May be left out with --kl-divergence (the saved tokens are used).",
+            show_default=False)] = None,
+        model: ModelOption = None,
+        device: DeviceOption = None,
+        dtype: DtypeOption = None,
+        ctx_size: Annotated[Optional[int], typer.Option(
+            "--ctx-size", "-c", help="Tokens per chunk; the second half of each is scored. Default: 512, "
+            "or the --kl-divergence file's.", show_default=False)] = None,
+        chunks: Annotated[Optional[int], typer.Option(
+            "--chunks", help="Score at most this many chunks. Default: all that fit the text.")] = None,
+        ubatch: Annotated[int, typer.Option(
+            "--ubatch", help="Most tokens per forward pass (a chunk runs in pieces of this size).")] = 256,
+        save_logits: Annotated[Optional[Path], typer.Option(
+            "--save-logits", help="Save this run's log-probs, as a reference for --kl-divergence "
+            "(llama-perplexity's --kl-divergence-base layout).")] = None,
+        kl_divergence: Annotated[Optional[Path], typer.Option(
+            "--kl-divergence", help="Compare this run with the log-probs saved in this file: KLD, same top "
+            "token, PPL ratio.")] = None,
+    ) -> None:
+        """Perplexity of FILE, computed as llama.cpp's llama-perplexity does (chunks of --ctx-size tokens,
+        the second half of each scored), printed per chunk and as a final estimate with its error.
+
+        Example: exlcli perplexity wiki.test.raw -c 512 --chunks 8
+        Compare a quant: exlcli perplexity T -m ref.gguf --save-logits ref.bin, then
+        exlcli perplexity T -m quant.gguf --kl-divergence ref.bin"""
+        from exlcli.bench.ppl.run import PerplexityOptions, run_perplexity
+
+        run_perplexity(PerplexityOptions(text=text, model=model, ctx_size=ctx_size, max_chunks=chunks, ubatch=ubatch,
+                                         device=device, dtype=dtype, save_logits=save_logits,
+                                         kl_divergence=kl_divergence))
