@@ -33,7 +33,7 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     Variable("EXLCLI_KV_MEMORY", "text", "the KV cache's memory (as --kv-memory)"),
     # kernels
     Variable("EXLCLI_NO_KERNELS", "flag", "no compiled kernels at all (CPU and CUDA): the torch reference ops"),
-    Variable("EXLCLI_CPU_THREADS", "number", "threads the CPU kernels use (default: the cores this process may run on)"),
+    Variable("EXLCLI_CPU_THREADS", "number", "threads the CPU kernels use (default: the cores this process has)"),
     Variable("EXLCLI_VERBOSE_BUILD", "flag", "show the compiler output"),
     Variable("EXLCLI_NO_CUDA_GRAPHS", "flag", "run decode steps eagerly"),
     Variable("EXLCLI_NO_FUSED_DECODE", "flag", "decode 1-4 sequences layer by layer instead of the fused step"),

@@ -512,15 +512,11 @@ def table(res: dict) -> str:
     if res.get("decode_attention"):
         out.append("decode attention kernel: " + ", ".join(f"{k} {v['us']}us {v['tb_s']}TB/s"
                                                           for k, v in res["decode_attention"].items()))
-    extra = {k: v for k, v in res.items() if k.endswith("_error") or k in ("llama8b_offline_s", "llama8b_b64_graph_ms",
-                                                                          "smollm2_b1_graph_ms", "graphs_disabled_reason",
-                                                                          "llama8b_offline_runs", "decode_kernel_in_use",
-                                                                          "llama8b_offline_max_num_seqs",
-                                                                          "llama8b_b64_attn_v1_tok_s",
-                                                                          "llama8b_b64_attn_v1_graph_ms",
-                                                                          "llama8b_b64_sync_tok_s",
-                                                                          "llama8b_b1_sync_ms_per_step",
-                                                                          "llama8b_b64_ms_per_step")}
+    more = ("llama8b_offline_s", "llama8b_b64_graph_ms", "smollm2_b1_graph_ms", "graphs_disabled_reason",
+            "llama8b_offline_runs", "decode_kernel_in_use", "llama8b_offline_max_num_seqs",
+            "llama8b_b64_attn_v1_tok_s", "llama8b_b64_attn_v1_graph_ms", "llama8b_b64_sync_tok_s",
+            "llama8b_b1_sync_ms_per_step", "llama8b_b64_ms_per_step")
+    extra = {k: v for k, v in res.items() if k.endswith("_error") or k in more}
     if extra:
         out.append("more: " + json.dumps(extra, default=str)[:600])
     return "\n".join(out)

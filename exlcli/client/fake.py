@@ -46,7 +46,8 @@ class FakeStream(GenerationStream):
         self._client._running += 1
         try:
             for i, word in enumerate(self._words):
-                if self._cancelled.wait(self._client.token_delay) if self._client.token_delay else self._cancelled.is_set():
+                delay = self._client.token_delay
+                if self._cancelled.wait(delay) if delay else self._cancelled.is_set():
                     reason = "cancelled"
                     break
                 if count >= self._params.max_tokens:

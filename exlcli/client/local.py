@@ -8,7 +8,7 @@ from typing import AsyncIterator, Iterator
 
 from exlcli.client.base import EngineClient, GenerationParams, GenerationStream, TextDelta, Usage
 from exlcli.engine.engine import Engine, EngineConfig, RequestHandle
-from exlcli.engine.request import RequestOutput, Request
+from exlcli.engine.request import Request, RequestOutput
 from exlcli.engine.stats import EngineStats
 from exlcli.errors import ExlcliError
 from exlcli.model.loader import LoadedModel, load_model

@@ -23,15 +23,14 @@ import sys
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from exlcli import environment
 from exlcli.model.batch_inputs import BatchInputs
 from exlcli.model.interface import CausalLM
 from exlcli.model.kv_cache import KVCache
 from exlcli.model.step_inputs import StepInputs, take_in_flight
 from exlcli.ops.cuda import loader as cuda_loader
 from exlcli.ops.cuda.limits import DECODE_LINEAR_MAX_ROWS
-from exlcli import environment
 
 log = logging.getLogger("exlcli.cuda_graphs")
 

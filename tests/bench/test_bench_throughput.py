@@ -4,12 +4,11 @@ out exactly, with warm-up excluded and the clock read around synchronised steps.
 import math
 
 import pytest
+from bench_fakes import FakeClock, FakeStepEngine, fake_facts
 
 from exlcli.bench.stats import decode_bytes, prefill_flops
-from exlcli.bench.throughput import ThroughputRunner, BenchSpec, plan_tests, result_row
+from exlcli.bench.throughput import BenchSpec, ThroughputRunner, plan_tests, result_row
 from exlcli.errors import ExlcliError
-
-from bench_fakes import FakeClock, FakeStepEngine, fake_facts
 
 
 def runner(engine, clock, **kw):

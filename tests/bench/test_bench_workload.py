@@ -4,8 +4,8 @@ import asyncio
 import math
 
 import pytest
-
 from bench_fakes import FakeClock, ScriptedClient
+
 from exlcli.bench.serve_load import run_level, run_serve, summarize
 from exlcli.bench.workload import RequestRecord, make_requests, send
 from exlcli.client.base import TextDelta, Usage

@@ -14,8 +14,8 @@ from exlcli.chat.app import ChatApp
 from exlcli.chat.io import ChatIO
 from exlcli.chat.settings import ChatSettings
 from exlcli.client.fake import FakeClient
-from exlcli.server.app import create_app
 from exlcli.client.remote import RemoteClient
+from exlcli.server.app import create_app
 
 
 def test_chat_through_remote_client_matches_local_behaviour():

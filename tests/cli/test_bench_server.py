@@ -10,9 +10,9 @@ import pytest
 from typer.testing import CliRunner
 
 from exlcli.cli.app import app
+from exlcli.client.fake import FakeClient
 from exlcli.server.runner import bind_socket
 from tests.server.server_helpers import running_server
-from exlcli.client.fake import FakeClient
 
 
 @contextlib.contextmanager

@@ -55,7 +55,8 @@ def test_default_max_tokens_leaves_half_a_small_context(runner):
 @pytest.mark.parametrize("args, message", [
     (["--temperature", "-1"], "error: temperature must be >= 0, got -1.0"),
     (["--top-p", "0"], "error: top_p must be in (0, 1], got 0.0"),
-    (["--max-tokens", "4096"], "error: --max-tokens: max_tokens must be below the model's context of 2048 tokens, got 4096"),
+    (["--max-tokens", "4096"],
+     "error: --max-tokens: max_tokens must be below the model's context of 2048 tokens, got 4096"),
     (["--system", "a", "--system-file", "b"], "error: use --system or --system-file, not both"),
     (["--system-file", "/no/such/file"], "error: --system-file /no/such/file: no such file"),
 ])

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from gpu_helpers import assert_matches, poison_next_alloc, requires_cuda
-from exlcli.model.config import ModelConfig
+
 from exlcli.model.architectures import build_model
 from exlcli.model.batch_inputs import BatchInputs
+from exlcli.model.config import ModelConfig
 from exlcli.model.kv_cache import KVCache
 from exlcli.model.random_weights import random_tensors
 from exlcli.ops.activation import silu_and_mul_ref

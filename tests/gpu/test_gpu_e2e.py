@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from gpu_helpers import requires_cuda
+
 from exlcli.engine.engine import Engine, EngineConfig
 from exlcli.engine.request import Request, SamplingParams
 from exlcli.model.architectures import build_model

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from gpu_helpers import TOLERANCE, assert_matches, poison_next_alloc, rel_err, requires_cuda
+
 from exlcli.ops.activation import silu_and_mul_ref
 from exlcli.ops.attention import paged_attention_decode_ref, paged_attention_ref
 from exlcli.ops.cuda import kernels as ops  # the checked wrappers: the only way exlcli calls the compiled ops

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from gpu_helpers import assert_matches, requires_cuda
-from exlcli.ops.cuda import kernels
+
 from exlcli.ops.attention import decode_query_rows, paged_attention_decode_multi, paged_attention_ref
+from exlcli.ops.cuda import kernels
 
 pytestmark = [pytest.mark.gpu, requires_cuda, pytest.mark.usefixtures("kernels")]
 

@@ -183,8 +183,8 @@ def test_width_buckets(pages, width):
 
 def test_cpu_runner_has_no_graphs():
     from exlcli.engine.model_runner import ModelRunner
-    from exlcli.model.kv_cache import KVCache
     from exlcli.model.architectures import build_model
+    from exlcli.model.kv_cache import KVCache
     from exlcli.model.random_weights import random_config, random_tensors
 
     cfg = random_config("tiny")

@@ -14,8 +14,19 @@ import torch
 
 from exlcli.errors import UnsupportedArchitectureError
 from exlcli.model import architectures, config
-from exlcli.model.architectures import (ARCHITECTURES, architecture, build_model, config_from_gguf, config_from_hf,
-                                        for_gguf, for_hf_config, llama, mistral, qwen2, qwen3)
+from exlcli.model.architectures import (
+    ARCHITECTURES,
+    architecture,
+    build_model,
+    config_from_gguf,
+    config_from_hf,
+    for_gguf,
+    for_hf_config,
+    llama,
+    mistral,
+    qwen2,
+    qwen3,
+)
 from exlcli.model.architectures.base import FUSED_DECODE
 from exlcli.model.architectures.decoder import PROJECTIONS
 from exlcli.model.batch_inputs import BatchInputs

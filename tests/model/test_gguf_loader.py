@@ -6,16 +6,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hf_random_init import randomize_  # tests/model/hf_random_init.py
 
 from exlcli.errors import ModelLoadError, UnsupportedTensorTypeError
 from exlcli.model.architectures import architecture
+from exlcli.model.batch_inputs import BatchInputs
 from exlcli.model.gguf_loader import load_gguf_tensors, unpermute_rope_rows
 from exlcli.model.gguf_meta import metadata_from_reader, open_gguf
-from exlcli.model.batch_inputs import BatchInputs
 from exlcli.model.kv_cache import KVCache
 from exlcli.ops.formats import QuantizedWeight
-
-from hf_random_init import randomize_  # tests/model/hf_random_init.py
 
 VOCAB = 64
 # hf suffix -> gguf suffix, per layer

@@ -89,7 +89,8 @@ def test_config_that_is_not_json(tmp_path):
     b"\x01\x02",  # shorter than the 8-byte header length
     struct.pack("<Q", 1 << 40) + b"{}",  # header length past the end of the file
     struct.pack("<Q", 10) + b"{not json}",
-    struct.pack("<Q", 60) + json.dumps({"w": {"dtype": "BF16", "shape": [4, 4], "data_offsets": [0, 32]}}).encode().ljust(60),
+    struct.pack("<Q", 60)
+    + json.dumps({"w": {"dtype": "BF16", "shape": [4, 4], "data_offsets": [0, 32]}}).encode().ljust(60),
 ])
 def test_corrupt_safetensors_is_one_load_error(tmp_path, blob):
     folder = _folder(tmp_path, _tensors())

@@ -19,11 +19,10 @@ import math
 from pathlib import Path
 
 import pytest
+from requantize_gguf import requantize_q4_k_m  # tests/model/requantize_gguf.py
 
 from exlcli.bench.ppl.run import PerplexityOptions, run_perplexity
 from exlcli.model.loader import load_model
-
-from requantize_gguf import requantize_q4_k_m  # tests/model/requantize_gguf.py
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

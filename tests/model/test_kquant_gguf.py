@@ -8,7 +8,6 @@ import importlib
 import numpy as np
 import pytest
 import torch
-
 from kquant_gguf import q4_k_m_type, use_more_bits, write_tensors_gguf  # tests/model/kquant_gguf.py
 
 NUM_LAYERS = 8

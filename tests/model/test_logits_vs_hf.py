@@ -13,12 +13,11 @@ import os
 
 import pytest
 import torch
+from hf_random_init import randomize_  # tests/model/hf_random_init.py
 
 from exlcli.model.batch_inputs import BatchInputs
 from exlcli.model.kv_cache import KVCache
 from exlcli.model.loader import load_model
-
-from hf_random_init import randomize_  # tests/model/hf_random_init.py
 
 MAX_REL_ERR = 1e-3
 VOCAB = 96

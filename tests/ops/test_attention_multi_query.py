@@ -7,10 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exlcli.ops.attention import (MAX_DECODE_QUERIES, decode_query_rows, paged_attention_decode_multi,
-                                  paged_attention_ref)
+from exlcli.ops.attention import (
+    MAX_DECODE_QUERIES,
+    decode_query_rows,
+    paged_attention_decode_multi,
+    paged_attention_ref,
+)
 from exlcli.ops.backend import kernels_disabled
-
 from tests.ops.test_attention import GQA, PagedBatch
 
 

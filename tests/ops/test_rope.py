@@ -8,8 +8,7 @@ import math
 import pytest
 import torch
 
-from exlcli.ops.rope import (apply_rope_ref, gather_cos_sin, rope_and_write_kv, rope_cos_sin_cache,
-                             rope_inv_freq)
+from exlcli.ops.rope import apply_rope_ref, gather_cos_sin, rope_and_write_kv, rope_cos_sin_cache, rope_inv_freq
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 64}
