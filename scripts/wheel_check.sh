@@ -53,12 +53,12 @@ print(f"wheel_check: {len(wanted)} kernel sources installed")
 
 # the CPU kernels: the library builds from the installed sources on any CPU; they run where it has
 # the instructions they need
-from exlcli.ops import _cpu_ext  # noqa: E402
+from exlcli.ops.cpu import loader as cpu_loader  # noqa: E402
 
-assert _cpu_ext.CSRC_CPU.is_relative_to(package), _cpu_ext.CSRC_CPU
-library = _cpu_ext.lib()
-assert library is not None, f"the CPU kernel library did not build from the installed sources: {_cpu_ext.reason()}"
-checks = sorted({name for path in _cpu_ext.CSRC_CPU.glob("*.c")
+assert cpu_loader.CSRC_CPU.is_relative_to(package), cpu_loader.CSRC_CPU
+library = cpu_loader.lib()
+assert library is not None, f"the CPU kernel library did not build from the installed sources: {cpu_loader.reason()}"
+checks = sorted({name for path in cpu_loader.CSRC_CPU.glob("*.c")
                  for name in re.findall(r"^int (exl_\w+_available)\(void\)", path.read_text(), re.M)})
 available = {name: bool(getattr(library, name)()) for name in checks}
 try:
@@ -66,20 +66,22 @@ try:
 except (OSError, StopIteration):
     cpu_flags = []
 has_bf16 = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= set(cpu_flags)
-if has_bf16:
-    assert all(available.values()), f"a CPU kernel is unavailable on a CPU with AVX-512 BF16: {available}"
+has_avx2 = {"avx2", "fma", "f16c"} <= set(cpu_flags)
+# AVX-512 BF16 runs every kernel; AVX2 + FMA every one but paged attention (AVX-512 only so far)
+want = set(checks) if has_bf16 else set(checks) - {"exl_paged_attention_available"} if has_avx2 else set()
+missing = sorted(name for name in want if not available[name])
+assert not missing, f"CPU kernels unavailable on a CPU with {'AVX-512 BF16' if has_bf16 else 'AVX2'}: {missing}"
+if available["exl_norm_available"]:
     import torch
 
     from exlcli.ops import norm
 
     x, w = torch.randn(3, 64, dtype=torch.bfloat16), torch.randn(64, dtype=torch.bfloat16)
     assert torch.equal(norm.rms_norm_cpu(x, w, 1e-5), norm.rms_norm_ref(x, w, 1e-5)), "rms_norm_cpu differs"
-    print(f"wheel_check: CPU kernels built, loaded and ran ({len(checks)} kernel files)")
-else:
-    assert not available["exl_qmatmul_available"], "qmatmul claims AVX-512 BF16 on a CPU without it"
-    off = [name.removeprefix("exl_").removesuffix("_available") for name, on in available.items() if not on]
-    print(f"wheel_check: CPU kernel library built and loaded; unavailable here because this CPU lacks AVX-512 "
-          f"BF16 (the torch reference ops run): {', '.join(off)}")
+ran = [name.removeprefix("exl_").removesuffix("_available") for name in checks if available[name]]
+off = [name.removeprefix("exl_").removesuffix("_available") for name in checks if not available[name]]
+print(f"wheel_check: CPU kernels built and loaded; running here: {', '.join(ran) or 'none'}; "
+      f"without the instructions they need here (the torch reference runs): {', '.join(off) or 'none'}")
 
 # the CUDA kernels: found by their loader inside the package (built on first use on a GPU)
 import torch  # noqa: E402

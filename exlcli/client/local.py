@@ -44,9 +44,9 @@ def parse_size(text: str) -> int:
 
 def start_cpu_threads(num_threads: int, log=sys.stderr) -> None:
     """The CPU kernels' pool with `num_threads` threads (it starts once per process)."""
-    from exlcli.ops import _cpu_ext
+    from exlcli.ops.cpu import loader as cpu_loader
 
-    running = _cpu_ext.library(num_threads).pool_threads
+    running = cpu_loader.library(num_threads).pool_threads
     if running and running != num_threads:
         print(f"exlcli: the CPU kernels already run {running} threads in this process; --threads {num_threads} "
               "takes effect in a new process", file=log)

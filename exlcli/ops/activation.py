@@ -8,8 +8,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from exlcli.ops import _cpu_ext
-from exlcli.ops.cpu_args import SiluAndMulArgs
+from exlcli.ops.cpu import loader as cpu_loader
+from exlcli.ops.cpu.args import SiluAndMulArgs
 from exlcli.ops.cuda import kernels as cuda_kernels
 from exlcli.ops.cuda.loader import use_kernels
 from exlcli.ops.errors import KernelInputError
@@ -23,7 +23,7 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if use_kernels(x):
         return cuda_kernels.silu_and_mul(x)
-    if _cpu_ext.use_cpu_kernels(x) and _cpu_kernel() is not None:
+    if cpu_loader.use_cpu_kernels(x) and _cpu_kernel() is not None:
         return silu_and_mul_cpu(x)
     return silu_and_mul_ref(x)
 
@@ -34,7 +34,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def _cpu_kernel():
     """The C function with its signature set, or None when the CPU kernels are unavailable."""
-    return _cpu_ext.kernel_function(SiluAndMulArgs, available="exl_activation_available")
+    return cpu_loader.kernel_function(SiluAndMulArgs, available="exl_activation_available")
 
 
 def cpu_kernel_available() -> bool:

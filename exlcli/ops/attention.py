@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from exlcli.ops import _cpu_ext
-from exlcli.ops.cpu_args import PagedAttentionArgs
+from exlcli.ops.cpu import loader as cpu_loader
+from exlcli.ops.cpu.args import PagedAttentionArgs
 from exlcli.ops.cuda import kernels as cuda_kernels
 from exlcli.ops.cuda.limits import HEAD_DIMS
 from exlcli.ops.cuda.loader import use_kernels
@@ -157,12 +157,12 @@ def paged_attention_decode_multi(q: torch.Tensor, k_cache: torch.Tensor, v_cache
 @functools.cache
 def _cpu_kernel():
     """The C function with its signature set, or None when the CPU kernels are unavailable."""
-    return _cpu_ext.kernel_function(PagedAttentionArgs, available="exl_paged_attention_available")
+    return cpu_loader.kernel_function(PagedAttentionArgs, available="exl_paged_attention_available")
 
 
 @functools.cache
 def _threads() -> int:
-    return _cpu_ext.threads()
+    return cpu_loader.threads()
 
 
 def cpu_kernel_available() -> bool:
@@ -172,7 +172,7 @@ def cpu_kernel_available() -> bool:
 def use_cpu_kernels_for(q: torch.Tensor) -> bool:
     """True when `paged_attention` runs the C kernel for this q (bf16 on the CPU, head_dim a
     multiple of 16, kernels on)."""
-    return q.shape[-1] % 16 == 0 and _cpu_ext.use_cpu_kernels(q) and _cpu_kernel() is not None
+    return q.shape[-1] % 16 == 0 and cpu_loader.use_cpu_kernels(q) and _cpu_kernel() is not None
 
 
 def _check_cpu_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -219,7 +219,7 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     (its q, its keys, its position), and the result is rounded once to bf16."""
     fn = _cpu_kernel()
     if fn is None:
-        raise KernelInputError(f"CPU attention kernel unavailable ({_cpu_ext.reason() or 'no AVX-512'})")
+        raise KernelInputError(f"CPU attention kernel unavailable ({cpu_loader.reason() or 'no AVX-512'})")
     _check_cpu_inputs(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
     out = torch.empty_like(q)
     num_seqs = len(seq_lens)

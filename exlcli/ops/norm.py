@@ -8,8 +8,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from exlcli.ops import _cpu_ext
-from exlcli.ops.cpu_args import FusedAddRmsNormArgs, MeanSquaresArgs, RmsNormArgs
+from exlcli.ops.cpu import loader as cpu_loader
+from exlcli.ops.cpu.args import FusedAddRmsNormArgs, MeanSquaresArgs, RmsNormArgs
 from exlcli.ops.cuda import kernels as cuda_kernels
 from exlcli.ops.cuda.loader import use_kernels
 from exlcli.ops.errors import KernelInputError
@@ -24,7 +24,7 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if use_kernels(x):
         return cuda_kernels.rms_norm(x, weight, eps)
-    if weight.dtype == torch.bfloat16 and _cpu_ext.use_cpu_kernels(x) and _cpu_kernels() is not None:
+    if weight.dtype == torch.bfloat16 and cpu_loader.use_cpu_kernels(x) and _cpu_kernels() is not None:
         return rms_norm_cpu(x, weight, eps)
     return rms_norm_ref(x, weight, eps)
 
@@ -40,7 +40,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     if use_kernels(x):
         return cuda_kernels.fused_add_rms_norm(x, residual, weight, eps)
-    if (residual.dtype == weight.dtype == torch.bfloat16 and _cpu_ext.use_cpu_kernels(x)
+    if (residual.dtype == weight.dtype == torch.bfloat16 and cpu_loader.use_cpu_kernels(x)
             and _cpu_kernels() is not None):
         return fused_add_rms_norm_cpu(x, residual, weight, eps)
     return fused_add_rms_norm_ref(x, residual, weight, eps)
@@ -52,7 +52,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 @functools.cache
 def _cpu_kernels():
     """(rms_norm, fused_add_rms_norm, mean_squares) C functions with their signatures set, or None."""
-    fns = tuple(_cpu_ext.kernel_function(args, available="exl_norm_available")
+    fns = tuple(cpu_loader.kernel_function(args, available="exl_norm_available")
                 for args in (RmsNormArgs, FusedAddRmsNormArgs, MeanSquaresArgs))
     return fns if all(fns) else None
 

@@ -9,8 +9,8 @@ from typing import Any, Mapping
 
 import torch
 
-from exlcli.ops import _cpu_ext
-from exlcli.ops.cpu_args import RopeArgs
+from exlcli.ops.cpu import loader as cpu_loader
+from exlcli.ops.cpu.args import RopeArgs
 from exlcli.ops.cuda import kernels as cuda_kernels
 from exlcli.ops.cuda.loader import use_kernels
 from exlcli.ops.errors import KernelInputError
@@ -90,7 +90,7 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
                       cos_sin_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     if use_kernels(q):
         return cuda_kernels.rope_and_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
-    if k_cache.dtype == torch.bfloat16 and _cpu_ext.use_cpu_kernels(q) and _cpu_kernel() is not None:
+    if k_cache.dtype == torch.bfloat16 and cpu_loader.use_cpu_kernels(q) and _cpu_kernel() is not None:
         return rope_and_write_kv_cpu(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
     return rope_and_write_kv_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, cos_sin_rows)
 
@@ -101,7 +101,7 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
 @functools.cache
 def _cpu_kernel():
     """The C function with its signature set, or None when the CPU kernels are unavailable."""
-    return _cpu_ext.kernel_function(RopeArgs, available="exl_rope_available")
+    return cpu_loader.kernel_function(RopeArgs, available="exl_rope_available")
 
 
 def cpu_kernel_available() -> bool:

@@ -115,9 +115,9 @@ def test_ctx_size_and_threads_reach_the_real_engine(config_home, monkeypatch):
 
 
 def test_threads_size_the_kernel_pool_over_the_environment():
-    code = ("from exlcli.ops import _cpu_ext\n"
-            "lib = _cpu_ext.library(3)\n"
-            "print(lib.cdll is not None, _cpu_ext.threads(), _cpu_ext.default_threads())")
+    code = ("from exlcli.ops.cpu import loader as cpu_loader\n"
+            "lib = cpu_loader.library(3)\n"
+            "print(lib.cdll is not None, cpu_loader.threads(), cpu_loader.default_threads())")
     env = {**os.environ, "EXLCLI_CPU_THREADS": "2", "PYTHONPATH": str(REPO)}
     env.pop("EXLCLI_NO_KERNELS", None)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)

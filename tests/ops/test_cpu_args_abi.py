@@ -1,5 +1,5 @@
 """The CPU kernels' argument structs: exlcli/csrc/cpu/args.h and the ctypes Structures of
-exlcli/ops/cpu_args.py must lay out every field alike, or a kernel reads garbage. The C side is
+exlcli/ops/cpu/args.py must lay out every field alike, or a kernel reads garbage. The C side is
 measured by a small program that the system compiler builds from the header (no AVX-512 needed)."""
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ import subprocess
 
 import pytest
 
-from exlcli.ops import _cpu_ext, cpu_args
+from exlcli.ops.cpu import args as cpu_args
+from exlcli.ops.cpu import loader as cpu_loader
 
-HEADER = _cpu_ext.CSRC_CPU / "args.h"
+HEADER = cpu_loader.CSRC_CPU / "args.h"
 COMPILER = os.environ.get("CC", "cc")
 needs_compiler = pytest.mark.skipif(shutil.which(COMPILER) is None, reason=f"no C compiler ({COMPILER})")
 
@@ -57,7 +58,7 @@ def _c_layout(structs: dict[str, list[tuple[str, str]]], tmp_path) -> dict[str, 
     lines += ["    return 0;", "}"]
     source, program = tmp_path / "layout.c", tmp_path / "layout"
     source.write_text("\n".join(lines) + "\n")
-    subprocess.run([COMPILER, "-std=c11", f"-I{_cpu_ext.CSRC_CPU}", "-o", str(program), str(source)],
+    subprocess.run([COMPILER, "-std=c11", f"-I{cpu_loader.CSRC_CPU}", "-o", str(program), str(source)],
                    check=True, capture_output=True, text=True)
     out = subprocess.run([str(program)], check=True, capture_output=True, text=True).stdout
     return {name: [int(n) for n in numbers] for name, *numbers in (ln.split() for ln in out.splitlines())}
@@ -74,7 +75,7 @@ def test_every_exported_kernel_takes_its_struct():
     """Each C file's exl_* functions are the prototypes of args.h (plus the availability checks and
     the pool's start): no kernel is called with a positional argument list."""
     defined = set()
-    for path in _cpu_ext.CSRC_CPU.glob("*.c"):
+    for path in cpu_loader.CSRC_CPU.glob("*.c"):
         defined |= set(re.findall(r"^int\s+(exl_\w+)\s*\(", path.read_text(), re.M))
     kernels = {name for name in defined if not name.endswith("_available") and name != "exl_pool_start"}
     assert kernels == set(_header_kernels())
@@ -98,8 +99,8 @@ def test_the_kernels_compile_against_the_header(tmp_path):
     """Each C file with the AVX-512 paths on, so its definitions are checked against the header's
     prototypes even on a CPU that cannot run them (compiling needs no AVX-512)."""
     flags = ["-std=c11", "-fsyntax-only", "-Werror", "-Wall", "-mavx512f", "-mavx512bf16", "-mavx512bw",
-             "-mavx512vl", "-mavx512dq", f"-I{_cpu_ext.CSRC_CPU}"]
-    for path in sorted(_cpu_ext.CSRC_CPU.glob("*.c")):
+             "-mavx512vl", "-mavx512dq", f"-I{cpu_loader.CSRC_CPU}"]
+    for path in sorted(cpu_loader.CSRC_CPU.glob("*.c")):
         done = subprocess.run([COMPILER, *flags, str(path)], capture_output=True, text=True)
         assert done.returncode == 0, f"{path.name}: {done.stderr[:2000]}"
 

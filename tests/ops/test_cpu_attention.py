@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from exlcli.ops import _cpu_ext
 from exlcli.ops.attention import cpu_kernel_available, paged_attention, paged_attention_cpu, paged_attention_ref
 from exlcli.ops.backend import kernels_disabled
+from exlcli.ops.cpu import loader as cpu_loader
 from exlcli.ops.errors import KernelInputError
 
 
@@ -23,7 +23,7 @@ def _cpu_has_avx512() -> bool:
 
 
 needs_kernel = pytest.mark.skipif(not cpu_kernel_available(),
-                                  reason=f"CPU attention kernel unavailable ({_cpu_ext.reason() or 'no AVX-512'})")
+                                  reason=f"CPU attention kernel unavailable ({cpu_loader.reason() or 'no AVX-512'})")
 
 
 class Paged:
@@ -73,7 +73,7 @@ def assert_rounded_once(out: torch.Tensor, exact: torch.Tensor) -> None:
 
 def test_kernel_is_built_on_avx512_machines():
     if _cpu_has_avx512():
-        assert cpu_kernel_available(), _cpu_ext.reason()
+        assert cpu_kernel_available(), cpu_loader.reason()
 
 
 @needs_kernel

@@ -8,13 +8,14 @@ import pytest
 import torch
 
 from exlcli.errors import ExlcliError
-from exlcli.ops import _cpu_ext, activation, norm, rope
+from exlcli.ops import activation, norm, rope
 from exlcli.ops.backend import kernels_disabled
+from exlcli.ops.cpu import loader as cpu_loader
 from exlcli.ops.errors import KernelInputError
 
 pytestmark = pytest.mark.skipif(
     not (norm.cpu_kernel_available() and rope.cpu_kernel_available() and activation.cpu_kernel_available()),
-    reason=f"CPU small-op kernels unavailable: {_cpu_ext.reason() or 'no AVX-512 (F, BW, VL)'}")
+    reason=f"CPU small-op kernels unavailable: {cpu_loader.reason() or 'no AVX-512 (F, BW, VL)'}")
 
 bf16 = torch.bfloat16
 SMOL = (9, 3, 64)  # SmolLM2-135M: heads, kv heads, head_dim

@@ -1,6 +1,6 @@
 // The arguments of every CPU kernel, one struct per kernel, passed by pointer.
 //
-// Python builds them as ctypes Structures (exlcli/ops/cpu_args.py, one class per struct, same field
+// Python builds them as ctypes Structures (exlcli/ops/cpu/args.py, one class per struct, same field
 // names in the same order); tests/ops/test_cpu_args_abi.py compiles this header and checks every
 // struct's size and every field's offset and size against those classes. So keep to its format: one
 // field per line, `type name;`, fixed-width types only (int64_t, int32_t, float, pointers).

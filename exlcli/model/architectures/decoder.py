@@ -17,9 +17,9 @@ from exlcli.model.architectures.tensor_names import EMBED, FINAL_NORM, LM_HEAD, 
 from exlcli.model.batch_inputs import BatchInputs
 from exlcli.model.config import ModelConfig
 from exlcli.model.kv_cache import KVCache
-from exlcli.ops._cpu_ext import use_cpu_kernels
 from exlcli.ops.activation import silu_and_mul
 from exlcli.ops.attention import PagedLayout, paged_attention
+from exlcli.ops.cpu.loader import use_cpu_kernels
 from exlcli.ops.cuda import kernels
 from exlcli.ops.cuda.limits import HEAD_DIMS
 from exlcli.ops.cuda.loader import use_kernels

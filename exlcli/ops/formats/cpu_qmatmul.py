@@ -18,8 +18,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from exlcli.ops import _cpu_ext
-from exlcli.ops.cpu_args import QMatmulArgs
+from exlcli.ops.cpu import loader as cpu_loader
+from exlcli.ops.cpu.args import QMatmulArgs
 from exlcli.ops.formats.base import Linear
 
 BLOCK = 32  # weights per (scale, offset) pair, as in the C file
@@ -29,7 +29,7 @@ CG = 16  # output columns per group, as in the C file
 @functools.cache
 def _kernel():
     """The C function with its signature set, or None when the CPU kernels are unavailable."""
-    return _cpu_ext.kernel_function(QMatmulArgs, available="exl_qmatmul_available")
+    return cpu_loader.kernel_function(QMatmulArgs, available="exl_qmatmul_available")
 
 
 def _qmatmul(x: torch.Tensor, y: torch.Tensor, weight_args: dict) -> int:
@@ -144,7 +144,7 @@ class QuantCpuLinear(Linear):
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x: [M, K] bf16 -> [M, N] in out_dtype (bf16 by default; fp32 for logits)."""
         out_dtype = out_dtype or x.dtype
-        if not _cpu_ext.use_cpu_kernels(x) or x.dim() != 2 or out_dtype not in (torch.bfloat16, torch.float32):
+        if not cpu_loader.use_cpu_kernels(x) or x.dim() != 2 or out_dtype not in (torch.bfloat16, torch.float32):
             return self.reference(x, out_dtype)
         if x.shape[1] != self.in_features:
             raise ValueError(f"input has {x.shape[1]} features, the weight {self.in_features}")

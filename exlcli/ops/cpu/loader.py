@@ -4,7 +4,7 @@ two. If there is no compiler, or the CPU lacks the instructions a kernel needs, 
 ops run and the user is told once, on stderr, why.
 
 Each kernel takes one struct of arguments by pointer: exlcli/csrc/cpu/args.h declares them and
-exlcli/ops/cpu_args.py mirrors them as ctypes Structures (`kernel_function` sets that signature).
+exlcli/ops/cpu/args.py mirrors them as ctypes Structures (`kernel_function` sets that signature).
 
 The kernels are used for bf16 tensors on the CPU only (the fast CPU path); fp32 runs the torch
 references, which stay the oracle in the tests. Every kernel computes each output row with the same
@@ -37,9 +37,9 @@ import torch
 
 from exlcli import environment
 from exlcli.ops import backend
-from exlcli.ops.cpu_args import KernelArgs
+from exlcli.ops.cpu.args import KernelArgs
 
-CSRC_CPU = Path(__file__).resolve().parents[1] / "csrc" / "cpu"
+CSRC_CPU = Path(__file__).resolve().parents[2] / "csrc" / "cpu"
 # -march=native tunes for this CPU, but never with AMX: AMX tiles need a permission from the kernel
 # (arch_prctl) that this process may not have asked for, and without it an AMX instruction kills it.
 CFLAGS = ("-O3", "-march=native", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16", "-shared", "-fPIC",
