@@ -59,6 +59,24 @@ def _quantization(tensors: dict) -> str:
     return "+".join(sorted(kinds))
 
 
+def dequantized_at_load(tensors: dict, device: torch.device, dtype: torch.dtype) -> str | None:
+    """The one-line notice for quantized weights that have no kernel on this device (and dtype), so
+    make_linear dequantizes them: which types, and the memory that costs. None when there are none."""
+    extra: dict[str, int] = {}
+    for name, w in tensors.items():
+        if not isinstance(w, QuantizedWeight) or name == "model.embed_tokens.weight":
+            continue  # the embedding is a lookup table: dequantized everywhere, and read a row a step
+        make = {"cpu": w.fmt.cpu_linear, "cuda": w.fmt.cuda_linear}.get(device.type)
+        if make is None or (device.type == "cpu" and dtype != torch.bfloat16):
+            dense = w.shape[0] * w.shape[1] * torch.tensor([], dtype=dtype).element_size()
+            extra[w.fmt.name] = extra.get(w.fmt.name, 0) + dense - w.nbytes()
+    if not extra:
+        return None
+    where = f"{device.type.upper() if device.type == 'cuda' else 'CPU'} {str(dtype).removeprefix('torch.')}"
+    return (f"exlcli: {', '.join(sorted(extra))} weights have no {where} kernel yet: dequantized at load "
+            f"(+{sum(extra.values()) / 2**20:,.0f} MiB)")
+
+
 def load_model(spec: str | None = None, device: str | None = None, dtype: str | None = None,
                log=sys.stderr) -> LoadedModel:
     from exlcli.model.default_model import resolve_model_path
@@ -98,6 +116,9 @@ def load_model(spec: str | None = None, device: str | None = None, dtype: str | 
     missing = [n for n in ("model.embed_tokens.weight", "model.norm.weight") if n not in tensors]
     if missing:
         raise ModelLoadError(f"{path}: missing tensor {missing[0]}")
+    notice = dequantized_at_load(tensors, dev, dt)
+    if notice:
+        print(notice, file=log, flush=True)
     try:
         model = build_model(config, tensors, dev, dt)
     except (KeyError, AttributeError) as e:
