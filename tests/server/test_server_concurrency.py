@@ -150,7 +150,7 @@ def test_non_streaming_client_hanging_up_cancels_its_request():
         port = int(live.url.rsplit(":", 1)[1])
         body = b'{"prompt": "' + b"z " * 300 + b'"}'
         with socket.create_connection(("127.0.0.1", port)) as sock:
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                          b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
             assert wait_until(lambda: client.stats().num_running == 1)
         assert wait_until(lambda: client.stats().num_running == 0, timeout=2)  # not the 6 s it needs
