@@ -4,6 +4,7 @@ the rest are counted and reported once when the interval ends."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Callable
@@ -33,3 +34,12 @@ class RepeatLimiter(logging.Filter):
             for old in sorted(self._window, key=lambda k: self._window[k][0])[:512]:
                 del self._window[old]
         return count <= self.per_interval
+
+
+class DropCancelledTracebacks(logging.Filter):
+    """uvicorn logs "Exception in ASGI application" with a traceback for each stream it cancels
+    when the drain timeout ends; that is the intended end of those streams, said once by uvicorn's
+    "Cancel N running task(s)" line, not a crash."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], asyncio.CancelledError))

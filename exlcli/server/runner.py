@@ -22,7 +22,7 @@ from exlcli.errors import ExlcliError
 from exlcli.server.app import ServerConfig, ServerState, create_app
 from exlcli.server.connections import ConnectionLimits, LimitedConfig
 from exlcli.server.dashboard import LiveDashboard, LogDashboard
-from exlcli.server.logs import RepeatLimiter
+from exlcli.server.logs import DropCancelledTracebacks, RepeatLimiter
 from exlcli.server.security import allowed_host_names, check_bind_allowed
 from exlcli.server.sse import keep_streams_on_shutdown
 from exlcli.server.tracker import RequestTracker
@@ -101,6 +101,7 @@ def _configure_logging(console: Console | None) -> None:
     # Under attack the same lines (accept errors, invalid requests, closed connections) come by the
     # thousand: a few of each get through, then one count per interval.
     handler.addFilter(RepeatLimiter())
+    handler.addFilter(DropCancelledTracebacks())
     for name, level in (("exlcli", logging.INFO), ("uvicorn.error", logging.WARNING), ("asyncio", logging.WARNING)):
         logger = logging.getLogger(name)
         logger.handlers[:] = [handler]
