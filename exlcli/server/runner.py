@@ -17,7 +17,13 @@ import uvicorn
 from rich.console import Console
 
 from exlcli.client.base import EngineClient
-from exlcli.client.runtime_file import ServerRecord, find_running_server, remove_record, write_record
+from exlcli.client.runtime_file import (
+    ServerRecord,
+    find_running_server,
+    remove_record,
+    secure_runtime_dir,
+    write_record,
+)
 from exlcli.errors import ExlcliError
 from exlcli.server.app import ServerConfig, ServerState, create_app
 from exlcli.server.connections import ConnectionLimits, LimitedConfig
@@ -129,6 +135,9 @@ def serve(client: EngineClient, sock: socket.socket, host: str, port: int, confi
     tracker = RequestTracker(on_finish=display.on_finish, model_name=client.model_name)
     app = create_app(client, config, tracker)
     server = DrainingServer(uvicorn_config(app, limits or ConnectionLimits()), app.state.exlcli, display)
+    fixed = secure_runtime_dir()
+    if fixed:
+        display.note(fixed)
     write_record(ServerRecord(url=url, pid=os.getpid(), model=client.model_name, api_key=config.api_key))
     display.note(f"serving {client.model_name} at {url} "
                  f"(OpenAI API under {url}/v1; Ctrl-C or SIGTERM drains and stops)")

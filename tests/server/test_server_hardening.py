@@ -261,3 +261,24 @@ def test_soak_of_thousands_of_requests_with_cancels_and_bad_bodies():
         assert httpx.get(live.url + "/health").status_code == 200
         _, samples = parse_prometheus(httpx.get(live.url + "/metrics").text)
     assert metric(samples, "exlcli_http_responses_total", endpoint="/v1/completions", status="413") == num // 7
+
+
+def test_runtime_folder_is_made_private_or_refused(private_runtime_dir, monkeypatch):
+    import os
+    import stat
+
+    from exlcli.errors import ExlcliError
+
+    private_runtime_dir.mkdir(mode=0o777)
+    os.chmod(private_runtime_dir, 0o777)
+    note = runtime_file.secure_runtime_dir()
+    assert note == f"the runtime folder {private_runtime_dir} was mode 0777; now 0700"
+    assert stat.S_IMODE(private_runtime_dir.stat().st_mode) == 0o700
+    assert runtime_file.secure_runtime_dir() is None  # already private: nothing to say
+    os.chmod(private_runtime_dir, 0o755)
+    runtime_file.write_record(runtime_file.ServerRecord(url="http://127.0.0.1:1", pid=os.getpid(), model="m"))
+    assert stat.S_IMODE(private_runtime_dir.stat().st_mode) == 0o700
+    assert stat.S_IMODE(runtime_file.runtime_path().stat().st_mode) == 0o600
+    monkeypatch.setattr(os, "getuid", lambda: os.stat(private_runtime_dir).st_uid + 1)
+    with pytest.raises(ExlcliError, match="belongs to another user"):
+        runtime_file.secure_runtime_dir()
