@@ -282,3 +282,34 @@ def test_runtime_folder_is_made_private_or_refused(private_runtime_dir, monkeypa
     monkeypatch.setattr(os, "getuid", lambda: os.stat(private_runtime_dir).st_uid + 1)
     with pytest.raises(ExlcliError, match="belongs to another user"):
         runtime_file.secure_runtime_dir()
+
+
+def test_prompts_are_tokenised_a_bounded_number_at_a_time_off_the_event_loop():
+    import threading
+
+    class SlowTokenizer(FakeClient):
+        def __init__(self):
+            super().__init__()
+            self.lock, self.now, self.most = threading.Lock(), 0, 0
+
+        def complete(self, prompt, params):
+            with self.lock:
+                self.now += 1
+                self.most = max(self.most, self.now)
+            time.sleep(0.1)  # a long prompt's tokenising
+            with self.lock:
+                self.now -= 1
+            return super().complete(prompt, params)
+
+    client = SlowTokenizer()
+    with running_server(client, ServerConfig(max_tokenizing=2)) as live, httpx.Client(timeout=2) as http:
+        http.get(live.url + "/health")
+        with ThreadPoolExecutor(6) as pool:
+            futures = [pool.submit(httpx.post, live.url + "/v1/completions", json={"prompt": "a"}, timeout=10)
+                       for _ in range(6)]
+            time.sleep(0.05)
+            start = time.monotonic()
+            assert http.get(live.url + "/health").status_code == 200  # the loop is free meanwhile
+            assert time.monotonic() - start < 0.25
+            assert all(f.result().status_code == 200 for f in futures)
+    assert client.most == 2
