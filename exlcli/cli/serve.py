@@ -46,6 +46,23 @@ def register(app: typer.Typer) -> None:
             "--max-body-mb", help="Largest request body accepted, in MiB.")] = 4.0,
         default_max_tokens: Annotated[int, typer.Option(
             "--default-max-tokens", help="max_tokens for requests that name none.")] = 2048,
+        max_connections: Annotated[int, typer.Option(
+            "--max-connections", help="Open connections allowed; new ones beyond are closed at once.")] = 1024,
+        header_timeout: Annotated[float, typer.Option(
+            "--header-timeout", help="Seconds a client has to send a request's headers.")] = 10.0,
+        keep_alive_timeout: Annotated[float, typer.Option(
+            "--keep-alive-timeout", help="Seconds an idle keep-alive connection stays open.")] = 5.0,
+        request_timeout: Annotated[float, typer.Option(
+            "--request-timeout", help="Seconds a generation may run before it is cancelled.")] = 600.0,
+        drain_timeout: Annotated[float, typer.Option(
+            "--drain-timeout",
+            help="On SIGTERM, seconds running requests get to finish; then streams are closed.")] = 30.0,
+        max_prompt_kb: Annotated[Optional[float], typer.Option(
+            "--max-prompt-kb", show_default=False,
+            help="Largest prompt in KiB, checked before tokenising. Default: 32 bytes per token of context.")] = None,
+        cors_origins: Annotated[Optional[list[str]], typer.Option(
+            "--cors-origin",
+            help="Allow browser pages from this origin (repeat for more; '*' for any). Default: none.")] = None,
         display: Annotated[Optional[bool], typer.Option(
             "--display/--no-display",
             help="Live display of requests and engine. Default: on when stderr is a terminal.")] = None,
@@ -65,6 +82,7 @@ def register(app: typer.Typer) -> None:
         `exlcli chat`, `batch` and `bench` attach to it automatically.
         """
         from exlcli.server.app import ServerConfig
+        from exlcli.server.connections import ConnectionLimits
         from exlcli.server.runner import bind_socket, serve
         from exlcli.server.security import check_bind_allowed
 
@@ -82,20 +100,34 @@ def register(app: typer.Typer) -> None:
             raise fail(f"--max-body-mb must be positive, got {max_body_mb}")
         if default_max_tokens < 1:
             raise fail(f"--default-max-tokens must be at least 1, got {default_max_tokens}")
+        for flag, value in (("--header-timeout", header_timeout), ("--keep-alive-timeout", keep_alive_timeout),
+                            ("--request-timeout", request_timeout), ("--drain-timeout", drain_timeout)):
+            if not value > 0:
+                raise fail(f"{flag} must be positive, got {value}")
+        if max_connections < 1:
+            raise fail(f"--max-connections must be at least 1, got {max_connections}")
+        if max_prompt_kb is not None and max_prompt_kb <= 0:
+            raise fail(f"--max-prompt-kb must be positive, got {max_prompt_kb}")
         check_bind_allowed(host, api_key)
+        limits = ConnectionLimits(max_connections, header_timeout, keep_alive_timeout, drain_timeout)
         sock = bind_socket(host, port)  # before the model loads, so a busy port fails fast
         port = sock.getsockname()[1]
         try:
             client = _open_engine(model, device, dtype, kv_memory, prefix_cache, ctx_size, threads)
+            aliases: tuple[str, ...] = ()
             if served_model_name:
+                aliases = (client.model_name,)  # the model's own name keeps working
                 client.model_name = served_model_name
         except BaseException:
             sock.close()
             raise
         config = ServerConfig(api_key=api_key or None, max_queue=max_queue,
-                              max_body_bytes=int(max_body_mb * 1024 * 1024), default_max_tokens=default_max_tokens)
+                              max_body_bytes=int(max_body_mb * 1024 * 1024), default_max_tokens=default_max_tokens,
+                              model_aliases=aliases, cors_origins=tuple(cors_origins or ()),
+                              max_prompt_bytes=int(max_prompt_kb * 1024) if max_prompt_kb else None,
+                              request_timeout_s=request_timeout)
         with client:
-            serve(client, sock, host, port, config, live_display=display)
+            serve(client, sock, host, port, config, live_display=display, limits=limits)
 
 
 def _open_engine(model, device, dtype, kv_memory, prefix_cache, max_model_len=None, cpu_threads=None) -> EngineClient:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import stat
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ import httpx
 import psutil
 
 from exlcli import paths
+from exlcli.errors import ExlcliError
 
 
 def is_loopback_host(host: str) -> bool:
@@ -52,9 +54,31 @@ def runtime_path() -> Path:
     return runtime_dir() / FILE_NAME
 
 
+def secure_runtime_dir() -> str | None:
+    """Make the runtime folder (0700) or check the one there: another user's folder is refused; one
+    of ours that others may read or write (say 0755 or 0777, where another user could swap the
+    record for one that points our clients, and their key, elsewhere) is narrowed to 0700. Returns
+    what was fixed, for the server to say."""
+    folder = runtime_dir()
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if os.name != "posix":
+        return None
+    info = folder.lstat()
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        raise ExlcliError(f"the runtime folder {folder} is a link or not a folder; remove it or set EXLCLI_RUNTIME_DIR")
+    if info.st_uid != os.getuid():
+        raise ExlcliError(f"the runtime folder {folder} belongs to another user (uid {info.st_uid}); "
+                          "set EXLCLI_RUNTIME_DIR to a folder of your own")
+    mode = stat.S_IMODE(info.st_mode)
+    if mode & 0o077:
+        os.chmod(folder, 0o700)
+        return f"the runtime folder {folder} was mode {mode:04o}; now 0700"
+    return None
+
+
 def write_record(record: ServerRecord) -> Path:
     path = runtime_path()
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    secure_runtime_dir()
     tmp = path.with_name(f".{FILE_NAME}.{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:

@@ -8,6 +8,8 @@ internet: they run in jinja2's immutable sandbox.
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from datetime import datetime
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
@@ -122,5 +124,22 @@ class ChatTemplate:
     def encode(self, tokenizer: "Tokenizer", messages: list[dict[str, Any]],
                add_generation_prompt: bool = True) -> list[int]:
         """Prompt token ids. The template writes any BOS itself, so none is added on top
-        (as apply_chat_template does)."""
-        return tokenizer.encode(self.render(messages, add_generation_prompt), add_special_tokens=False)
+        (as apply_chat_template does).
+
+        Only the template's own special-token text becomes special tokens: a message whose content
+        holds such text ("<|im_start|>system") is rendered as a placeholder, and its content is
+        encoded as plain text in the placeholder's place, so a user cannot forge another turn."""
+        forged = [i for i, m in enumerate(messages) if isinstance(m, dict) and isinstance(m.get("content"), str)
+                  and tokenizer.has_special_text(m["content"])]
+        if not forged:
+            return tokenizer.encode(self.render(messages, add_generation_prompt), add_special_tokens=False)
+        nonce = secrets.token_hex(8)  # so no text a user sends can name a placeholder
+        marked = [dict(m, content=f"\ue000{nonce}:{i}\ue001") if i in forged else m for i, m in enumerate(messages)]
+        parts = re.split(f"\ue000{nonce}:(\\d+)\ue001", self.render(marked, add_generation_prompt))
+        ids: list[int] = []
+        for n, part in enumerate(parts):
+            if n % 2:  # a placeholder's message index
+                ids += tokenizer.encode_plain(messages[int(part)]["content"])
+            elif part:
+                ids += tokenizer.encode(part, add_special_tokens=False)
+        return ids

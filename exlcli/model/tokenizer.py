@@ -32,6 +32,11 @@ class Tokenizer:
         self.add_bos = bool(add_bos and bos_token_id is not None)
         self.chat_template = chat_template
         self.special_token_ids: set[int] = set(backend.special_token_ids)
+        texts = (backend.id_to_token(i) for i in self.special_token_ids)
+        # longest first, so "<|im_start|>" wins over a special "<|" that would be its prefix
+        self.special_token_texts: list[str] = sorted({t for t in texts if t}, key=len, reverse=True)
+        self._special_pattern = (re.compile("|".join(map(re.escape, self.special_token_texts)))
+                                 if self.special_token_texts else None)
         # tokenizer.json post-processors may already put BOS in front; then we don't add it twice
         self._backend_adds_bos = backend_adds_bos
 
@@ -67,6 +72,30 @@ class Tokenizer:
         ids = self._backend.encode(text, add_special_tokens and self._backend_adds_bos)
         if add_special_tokens and self.add_bos and (not ids or ids[0] != self.bos_token_id):
             ids.insert(0, self.bos_token_id)
+        return ids
+
+    def has_special_text(self, text: str) -> bool:
+        return self._special_pattern is not None and self._special_pattern.search(text) is not None
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids for `text` with any special-token text in it read as ordinary characters (for
+        what users write: "<|im_start|>system" in a message must not open a system turn). Each such
+        occurrence is encoded in two pieces, which no special token can match."""
+        if not self.has_special_text(text):
+            return self._backend.encode(text, False) if text else []
+        ordinary = self._backend.encode_ordinary(text)
+        if ordinary is not None and not set(ordinary) & self.special_token_ids:
+            return ordinary
+        ids: list[int] = []
+        pos = 0
+        for match in self._special_pattern.finditer(text):  # type: ignore[union-attr]
+            if match.start() > pos:
+                ids += self._backend.encode(text[pos:match.start()], False)
+            found = match.group()
+            ids += self._backend.encode(found[:1], False) + self.encode_plain(found[1:])
+            pos = match.end()
+        if pos < len(text):
+            ids += self._backend.encode(text[pos:], False)
         return ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
@@ -206,6 +235,8 @@ class _Backend:
     def token_to_id(self, token: str) -> int | None: ...
     def id_to_token(self, token_id: int) -> str | None: ...
     def post_processor_adds(self, token_id: int) -> bool: return False
+    # The whole text with special-token strings left as characters, where the backend can: None if not.
+    def encode_ordinary(self, text: str) -> list[int] | None: return None
 
 
 class _HFBackend(_Backend):
@@ -277,6 +308,10 @@ class _SPBackend(_Backend):
                 self.special_token_ids.add(self.token_to_id(text))
         specials = sorted((self.sp.id_to_piece(i) for i in self.special_token_ids), key=len, reverse=True)
         self._split = re.compile("(" + "|".join(map(re.escape, specials)) + ")") if specials else None
+
+    def encode_ordinary(self, text: str) -> list[int] | None:
+        # sentencepiece itself never matches control symbols in text; splitting would add a "▁" per piece
+        return list(self.sp.encode(text))
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         if self._split is None:

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import AsyncIterator
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 from exlcli.client.base import EngineClient
@@ -26,13 +27,17 @@ from exlcli.server.http_errors import APIError, install_error_handlers
 from exlcli.server.metrics import EngineCollector, ResponseCounter, render_metrics
 from exlcli.server.rates import EngineRates
 from exlcli.server.schemas import ChatCompletionRequest, CompletionRequest, TokenizeRequest
-from exlcli.server.security import DEFAULT_MAX_BODY_BYTES, BodySizeLimit, bearer_token, key_matches
+from exlcli.server.security import DEFAULT_MAX_BODY_BYTES, APIKeyGate, BodySizeLimit, HostAllowList
 from exlcli.server.sse import DEFAULT_PING_S, EventStreamResponse
 from exlcli.server.tracker import RequestTracker
 
 # Engine streams are iterated in worker threads by some clients; the default pool (cpu + 4 threads)
 # would cap concurrency far below what the engine batches.
 MAX_WORKER_THREADS = 512
+HEALTH_PATH = "/health"
+# No tokenizer we ship has tokens of more than 16 bytes on average over real text, so a prompt of
+# more than 32 bytes per token of context cannot fit; it is refused before any tokenising.
+PROMPT_BYTES_PER_TOKEN = 32
 
 
 @dataclass
@@ -43,6 +48,12 @@ class ServerConfig:
     default_max_tokens: int = 2048  # when a request names no max_tokens
     retry_after_s: int = 2
     sse_ping_s: float = DEFAULT_PING_S  # keep-alive comment on a stream with nothing to send
+    model_aliases: tuple[str, ...] = ()  # names accepted in "model" besides the served one
+    allowed_hosts: tuple[str, ...] | None = None  # Host header names accepted (None: any)
+    cors_origins: tuple[str, ...] = ()  # browser origins allowed by CORS (none: CORS off)
+    max_prompt_bytes: int | None = None  # refused before tokenising; None: PROMPT_BYTES_PER_TOKEN x context
+    max_tokenizing: int = 2  # prompts tokenised at once, in worker threads
+    request_timeout_s: float | None = 600.0  # a generation still running after this is cancelled
 
 
 @dataclass
@@ -54,11 +65,18 @@ class ServerState:
     groups: dict[str, GenerationGroup] = field(default_factory=dict)  # by response id, in flight
     num_starting: int = 0  # admitted, streams being started: counted as waiting
     rates: EngineRates = field(default_factory=EngineRates)  # tok/s and batch size that fall to 0 when idle
+    tokenizing: asyncio.Semaphore = field(init=False)  # bounds prompts tokenised at once
+
+    def __post_init__(self) -> None:
+        self.tokenizing = asyncio.Semaphore(self.config.max_tokenizing)
 
     def num_waiting(self) -> int:
         return self.tracker.num_waiting(self.client.stats()) + self.num_starting
 
     def admit(self, num_generations: int) -> None:
+        if num_generations > self.config.max_queue:
+            raise APIError(400, f"the request needs {num_generations} generations, more than this server ever queues "
+                           f"({self.config.max_queue}, --max-queue); lower n or send fewer prompts", param="n")
         if self.draining:
             self.tracker.rejected_by_reason["draining"] += 1
             raise APIError(503, "the server is shutting down", "server_error", code="draining",
@@ -69,6 +87,22 @@ class ServerState:
             raise APIError(503, f"the server is busy: {waiting} requests are waiting (limit "
                            f"{self.config.max_queue}); retry later", "server_error", code="queue_full",
                            headers={"Retry-After": str(self.config.retry_after_s)})
+
+    def check(self, body: ChatCompletionRequest | CompletionRequest, prompt_param: str) -> None:
+        """What the schema cannot know: the served model's names, its context, the prompt cap."""
+        names = (self.client.model_name, *self.config.model_aliases)
+        if body.model is not None and body.model not in names:
+            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {names[0]!r}",
+                           param="model", code="model_not_found")
+        context = self.client.context_length
+        max_tokens = body.generation_params(0, self.config.default_max_tokens).max_tokens
+        if body.max_tokens_param in body.model_fields_set and max_tokens > context:
+            raise APIError(400, f"{body.max_tokens_param} is {max_tokens}, more than the model's context of "
+                           f"{context} tokens", param=body.max_tokens_param)
+        limit = self.config.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * context
+        if body.prompt_bytes() > limit:
+            raise APIError(400, f"the prompt is {body.prompt_bytes()} bytes; more than {limit} bytes cannot fit the "
+                           f"model's context of {context} tokens", param=prompt_param, code="context_length_exceeded")
 
     def token_text(self, token_id: int) -> str:
         # EngineClient has no detokeniser; an in-process client exposes its tokenizer, a fake has
@@ -98,43 +132,46 @@ def create_app(client: EngineClient, config: ServerConfig | None = None,
 
     app = FastAPI(title="exlcli", version="0.1", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.exlcli = state
-    app.add_middleware(ResponseCounter, tracker=state.tracker)
+    # The last added runs first: count every response (413 and 401 too), then the Host check, CORS,
+    # the key (before any body is read), the body's size.
     app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
+    if config.api_key is not None:
+        app.add_middleware(APIKeyGate, api_key=config.api_key, open_paths=(HEALTH_PATH,))
+    if config.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type"])
+    if config.allowed_hosts is not None:
+        app.add_middleware(HostAllowList, allowed=config.allowed_hosts)
+    app.add_middleware(ResponseCounter, tracker=state.tracker)
     install_error_handlers(app)
 
-    def require_key(request: Request) -> None:
-        if config.api_key is None:
-            return
-        if not key_matches(bearer_token(request.headers.get("authorization")), config.api_key):
-            raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
-                           code="invalid_api_key")
-
-    auth = [Depends(require_key)]
-
-    @app.get("/health")
+    @app.get(HEALTH_PATH)
     async def health() -> JSONResponse:
-        body = {"status": "draining" if state.draining else "ok", "model": client.model_name}
+        body = {"status": "draining" if state.draining else "ok"}
+        if config.api_key is None:  # with a key, /health (which needs none) names nothing
+            body["model"] = client.model_name
         return JSONResponse(body, status_code=503 if state.draining else 200)
 
-    @app.get("/v1/models", dependencies=auth)
+    @app.get("/v1/models")
     async def models() -> dict:
         return fmt.model_list(client.model_name, client.context_length, fmt.now())
 
-    @app.get("/metrics", dependencies=auth)
+    @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         body, content_type = render_metrics(state.tracker, request.headers.get("accept"))
         return Response(body, headers={"Content-Type": content_type})
 
-    @app.get("/stats", dependencies=auth)
+    @app.get("/stats")
     async def stats() -> dict:
         return dataclasses.asdict(client.stats())
 
-    @app.post("/tokenize", dependencies=auth)
+    @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
-        count = await asyncio.to_thread(client.count_chat_tokens, body.message_dicts(), body.add_generation_prompt)
+        async with state.tokenizing:
+            count = await asyncio.to_thread(client.count_chat_tokens, body.message_dicts(), body.add_generation_prompt)
         return {"count": count, "max_model_len": client.context_length}
 
-    @app.post("/cancel/{response_id}", dependencies=auth)
+    @app.post("/cancel/{response_id}")
     async def cancel(response_id: str) -> dict:
         group = state.groups.get(response_id)
         if group is None:
@@ -142,8 +179,9 @@ def create_app(client: EngineClient, config: ServerConfig | None = None,
         group.cancel()
         return {"id": response_id, "cancelled": True}
 
-    @app.post("/v1/chat/completions", dependencies=auth)
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        state.check(body, "messages")
         messages, max_tokens = body.message_dicts(), config.default_max_tokens
         starters = [Starter(i, 0, partial(client.chat, messages, body.generation_params(i, max_tokens)))
                     for i in range(body.num_choices)]
@@ -158,8 +196,9 @@ def create_app(client: EngineClient, config: ServerConfig | None = None,
             group.response_id, fmt.now(), client.model_name, results,
             lambda c: fmt.chat_logprobs(c.logprobs, state.token_text, num_top) if body.logprobs else None))
 
-    @app.post("/v1/completions", dependencies=auth)
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        state.check(body, "prompt")
         n, max_tokens = body.num_choices, config.default_max_tokens
         starters = [Starter(p * n + j, p, partial(client.complete, prompt, body.generation_params(j, max_tokens)))
                     for p, prompt in enumerate(body.prompts()) for j in range(n)]
@@ -191,9 +230,11 @@ async def _start(state: ServerState, endpoint: str, label: str, priority: str,
     group = GenerationGroup(fmt.new_id(prefix), endpoint, label, priority, state.tracker)
     state.num_starting += len(starters)
     try:
-        await group.start(starters)
+        await group.start(starters, state.tokenizing)
     finally:
         state.num_starting -= len(starters)
+    if state.config.request_timeout_s is not None:
+        group.timer = asyncio.get_running_loop().call_later(state.config.request_timeout_s, group.cancel)
     state.groups[group.response_id] = group
     return group
 

@@ -45,13 +45,16 @@ class GenerationGroup:
     priority: str
     tracker: RequestTracker
     choices: list[Choice] = field(default_factory=list)
+    timer: asyncio.TimerHandle | None = None  # the request's time limit, cancelled when it ends
 
-    async def start(self, starters: list[Starter]) -> None:
+    async def start(self, starters: list[Starter], tokenizing: asyncio.Semaphore) -> None:
         """Start every choice; if one is refused (RequestError) cancel those already started."""
         try:
             for s in starters:
-                # Off the event loop: starting tokenises the prompt, which can take a while.
-                stream = await asyncio.to_thread(s.start)
+                # Off the event loop, and a few at a time: starting tokenises the prompt, which can
+                # take a while and a lot of memory.
+                async with tokenizing:
+                    stream = await asyncio.to_thread(s.start)
                 gen = self.tracker.start(stream.request_id, self.client_label, self.priority, self.endpoint,
                                          self.response_id, s.index if len(starters) > 1 else None)
                 self.choices.append(Choice(s.index, s.prompt_index, stream, gen))
@@ -68,6 +71,8 @@ class GenerationGroup:
 
     def abandon(self) -> None:
         """Nobody will read the rest: cancel what is unfinished and record it as cancelled now."""
+        if self.timer is not None:
+            self.timer.cancel()
         for c in self.choices:
             if not c.finished:
                 c.stream.cancel()

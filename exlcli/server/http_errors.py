@@ -4,6 +4,7 @@ OpenAI uses (400 for a bad body where FastAPI would say 422)."""
 from __future__ import annotations
 
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -12,8 +13,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from exlcli.errors import ExlcliError
 from exlcli.server import openai_format as fmt
+from exlcli.server.schemas import ParamError
 
 log = logging.getLogger("exlcli.server")
+
+# The engine's (and the fake's) words for a prompt that does not fit: "prompt is N tokens, longer
+# than the context of M" / "... longer than the model's context of M".
+_CONTEXT_EXCEEDED = re.compile(r"longer than the (model's )?context")
 
 
 class APIError(Exception):
@@ -42,14 +48,22 @@ def install_error_handlers(app: FastAPI) -> None:
         if first.get("type") == "json_invalid":
             detail = first.get("ctx", {}).get("error", "")
             return APIError(400, f"the body is not valid JSON: {detail}".rstrip(": ")).response()
+        message = first.get("msg", "invalid value").removeprefix("Value error, ")
+        cause = first.get("ctx", {}).get("error")
+        if isinstance(cause, ParamError):  # a check across fields that names its own field
+            return APIError(400, message, param=cause.param).response()
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         param = ".".join(loc) or None
-        message = first.get("msg", "invalid value").removeprefix("Value error, ")
         return APIError(400, f"{param}: {message}" if param else message, param=param).response()
 
     @app.exception_handler(ExlcliError)
     async def refused(request: Request, exc: ExlcliError) -> JSONResponse:
-        return APIError(400, str(exc)).response()  # RequestError: prompt too long, bad parameters
+        # RequestError from the engine: prompt too long, bad parameters
+        message = str(exc)
+        if _CONTEXT_EXCEEDED.search(message):
+            param = "messages" if request.url.path.endswith("/chat/completions") else "prompt"
+            return APIError(400, message, param=param, code="context_length_exceeded").response()
+        return APIError(400, message).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

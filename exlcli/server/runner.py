@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -16,11 +17,19 @@ import uvicorn
 from rich.console import Console
 
 from exlcli.client.base import EngineClient
-from exlcli.client.runtime_file import ServerRecord, find_running_server, remove_record, write_record
+from exlcli.client.runtime_file import (
+    ServerRecord,
+    find_running_server,
+    remove_record,
+    secure_runtime_dir,
+    write_record,
+)
 from exlcli.errors import ExlcliError
 from exlcli.server.app import ServerConfig, ServerState, create_app
+from exlcli.server.connections import ConnectionLimits, LimitedConfig
 from exlcli.server.dashboard import LiveDashboard, LogDashboard
-from exlcli.server.security import check_bind_allowed
+from exlcli.server.logs import DropCancelledTracebacks, RepeatLimiter
+from exlcli.server.security import allowed_host_names, check_bind_allowed
 from exlcli.server.sse import keep_streams_on_shutdown
 from exlcli.server.tracker import RequestTracker
 
@@ -95,17 +104,27 @@ def _configure_logging(console: Console | None) -> None:
     else:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    for name, level in (("exlcli", logging.INFO), ("uvicorn.error", logging.WARNING)):
+    # Under attack the same lines (accept errors, invalid requests, closed connections) come by the
+    # thousand: a few of each get through, then one count per interval.
+    handler.addFilter(RepeatLimiter())
+    handler.addFilter(DropCancelledTracebacks())
+    for name, level in (("exlcli", logging.INFO), ("uvicorn.error", logging.WARNING), ("asyncio", logging.WARNING)):
         logger = logging.getLogger(name)
         logger.handlers[:] = [handler]
         logger.setLevel(level)
         logger.propagate = False
 
 
+def uvicorn_config(app, limits: ConnectionLimits) -> LimitedConfig:
+    return LimitedConfig(app, limits, log_config=None, access_log=False, lifespan="on", ws="none", server_header=False)
+
+
 def serve(client: EngineClient, sock: socket.socket, host: str, port: int, config: ServerConfig,
-          live_display: bool | None = None) -> None:
+          live_display: bool | None = None, limits: ConnectionLimits | None = None) -> None:
     """Serve until a signal; the caller owns `client` and closes it afterwards."""
     check_bind_allowed(host, config.api_key)
+    if config.allowed_hosts is None:
+        config = dataclasses.replace(config, allowed_hosts=allowed_host_names(host))
     keep_streams_on_shutdown()  # drain: a SIGTERM lets running streams finish
     url = url_for(host, port)
     console = Console(stderr=True)
@@ -115,9 +134,10 @@ def serve(client: EngineClient, sock: socket.socket, host: str, port: int, confi
     _configure_logging(console if live_display else None)
     tracker = RequestTracker(on_finish=display.on_finish, model_name=client.model_name)
     app = create_app(client, config, tracker)
-    uv_config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on", ws="none",
-                               server_header=False, timeout_graceful_shutdown=None)
-    server = DrainingServer(uv_config, app.state.exlcli, display)
+    server = DrainingServer(uvicorn_config(app, limits or ConnectionLimits()), app.state.exlcli, display)
+    fixed = secure_runtime_dir()
+    if fixed:
+        display.note(fixed)
     write_record(ServerRecord(url=url, pid=os.getpid(), model=client.model_name, api_key=config.api_key))
     display.note(f"serving {client.model_name} at {url} "
                  f"(OpenAI API under {url}/v1; Ctrl-C or SIGTERM drains and stops)")

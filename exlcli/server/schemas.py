@@ -19,6 +19,16 @@ MAX_MESSAGES = 4096
 MAX_PROMPTS = 64  # a list `prompt` in /v1/completions
 MAX_TOP_LOGPROBS = 20
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+TOP_K_MAX = 2**31 - 1  # larger values overflow the sampler's int32 arithmetic
+
+
+class ParamError(ValueError):
+    """A check across fields that names the field at fault (pydantic's own location for a model
+    validator is the whole body)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
 
 
 def _valid_unicode(text: str) -> str:
@@ -72,7 +82,7 @@ class _SamplingBody(_Body):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)
+    top_k: int | None = Field(None, ge=0, le=TOP_K_MAX)
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0, le=10)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
@@ -87,6 +97,15 @@ class _SamplingBody(_Body):
     priority: Literal["interactive", "batch"] | None = None
     client: ClientLabel | None = None
     return_token_ids: bool | None = None  # stream chunks carry "token_ids" (RemoteClient uses it)
+    logit_bias: dict | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value: dict | None) -> None:
+        # Refused rather than ignored: a client relying on a ban would silently get the banned tokens.
+        if value:
+            raise ValueError("logit_bias is not supported by this server")
+        return None
 
     @field_validator("stop")
     @classmethod
@@ -113,6 +132,14 @@ class _SamplingBody(_Body):
 
     def _max_tokens(self) -> int | None:
         return self.max_tokens
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_tokens"
+
+    def prompt_bytes(self) -> int:
+        """UTF-8 size of the text to tokenise, known before any tokenising."""
+        return 0
 
     def _num_logprobs(self) -> int:
         return 0
@@ -166,6 +193,16 @@ class ChatCompletionRequest(_SamplingBody):
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise ParamError("top_logprobs", "needs \"logprobs\": true")
+        return self
+
     def _num_logprobs(self) -> int:
         # The engine reports the sampled token's logprob only alongside a top-n list, so ask for
         # at least one; the response trims `top_logprobs` back to what was asked.
@@ -173,6 +210,9 @@ class ChatCompletionRequest(_SamplingBody):
 
     def message_dicts(self) -> list[dict]:
         return [m.as_dict() for m in self.messages]
+
+    def prompt_bytes(self) -> int:
+        return sum(len((m.content or "").encode()) for m in self.messages)
 
 
 class CompletionRequest(_SamplingBody):
@@ -208,10 +248,13 @@ class CompletionRequest(_SamplingBody):
     def _num_logprobs(self) -> int:
         return self.logprobs or 0
 
+    def prompt_bytes(self) -> int:
+        return max(len(p.encode()) for p in self.prompts())  # each prompt is tokenised on its own
+
     @model_validator(mode="after")
     def _best_of_is_n(self) -> "CompletionRequest":
         if self.best_of is not None and self.best_of != self.num_choices:
-            raise ValueError("best_of must equal n (this server does not rerank)")
+            raise ParamError("best_of", "must equal n (this server does not rerank)")
         return self
 
 

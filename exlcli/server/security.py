@@ -1,5 +1,6 @@
-"""Who may reach the server and how much they may send: loopback by default, API keys compared in
-constant time, and a cap on request body size enforced before the body is read into memory."""
+"""Who may reach the server and how much they may send: loopback by default, a Host allow-list
+there (against DNS rebinding), API keys compared in constant time and checked before any body is
+read, and a cap on request body size enforced before the body is read into memory."""
 
 from __future__ import annotations
 
@@ -13,13 +14,90 @@ from exlcli.client.runtime_file import is_loopback_host
 from exlcli.errors import ExlcliError
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+MIN_PUBLIC_KEY_CHARS = 16
+# A body over the limit is still read (and dropped) up to this size before the 413, so the client,
+# still sending, reads the answer instead of a connection reset.
+MAX_DISCARD_BYTES = 64 * 1024 * 1024
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
 
 def check_bind_allowed(host: str, api_key: str | None) -> None:
-    if not is_loopback_host(host) and not api_key:
+    if is_loopback_host(host):
+        return
+    if not api_key:
         raise ExlcliError(
             f"refusing to listen on {host} without an API key: anyone who can reach this machine could "
             "use the model. Pass --api-key KEY (or set EXLCLI_API_KEY), or bind 127.0.0.1")
+    if len(api_key) < MIN_PUBLIC_KEY_CHARS:
+        raise ExlcliError(
+            f"refusing to listen on {host} with a key of {len(api_key)} characters: a key for a public address "
+            f"needs at least {MIN_PUBLIC_KEY_CHARS} (e.g. python -c 'import secrets; print(secrets.token_urlsafe())')")
+
+
+def allowed_host_names(host: str) -> tuple[str, ...] | None:
+    """Host header names a server bound to `host` answers: for loopback, the local names and the
+    bound address (a web page on another name that resolves to 127.0.0.1 is DNS rebinding);
+    elsewhere any, since the key guards it."""
+    if not is_loopback_host(host):
+        return None
+    return tuple(dict.fromkeys((*LOOPBACK_NAMES, host.strip("[]").lower())))
+
+
+def _error(status: int, message: str, code: str, headers: list[tuple[bytes, bytes]] = ()) -> list[Message]:
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                 "code": code}}).encode()
+    return [{"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]},
+        {"type": "http.response.body", "body": body}]
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    return next((v for k, v in scope.get("headers", []) if k == name), None)
+
+
+def _host_name(value: bytes) -> str:
+    host = value.decode("latin-1").strip().lower()
+    if host.startswith("["):  # [::1]:8000
+        return host[1:host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+class HostAllowList:
+    """ASGI middleware: 400 for a Host header not in `allowed` (any port)."""
+
+    def __init__(self, app: ASGIApp, allowed: tuple[str, ...]) -> None:
+        self.app = app
+        self.allowed = frozenset(h.lower() for h in allowed)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            host = _header(scope, b"host")
+            if host is None or _host_name(host) not in self.allowed:
+                for message in _error(400, "this server answers only requests for " + ", ".join(sorted(self.allowed))
+                                      + " in the Host header", "invalid_host"):
+                    await send(message)
+                return
+        await self.app(scope, receive, send)
+
+
+class APIKeyGate:
+    """ASGI middleware: 401 unless 'Authorization: Bearer KEY', on every path but `open_paths`,
+    checked before the app reads (or parses) any of the body."""
+
+    def __init__(self, app: ASGIApp, api_key: str, open_paths: tuple[str, ...] = ()) -> None:
+        self.app = app
+        self.api_key = api_key
+        self.open_paths = frozenset(open_paths)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("path") not in self.open_paths and scope.get("method") != "OPTIONS":
+            given = _header(scope, b"authorization")
+            if not key_matches(bearer_token(given.decode("latin-1") if given else None), self.api_key):
+                for message in _error(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
+                                      "invalid_api_key", [(b"www-authenticate", b"Bearer")]):
+                    await send(message)
+                return
+        await self.app(scope, receive, send)
 
 
 def key_matches(given: str | None, expected: str) -> bool:
@@ -53,7 +131,7 @@ class BodySizeLimit:
                 except ValueError:
                     too_big = False  # the HTTP server rejects a malformed length itself
                 if too_big:
-                    await self._reject(send)
+                    await self._reject(receive, send)
                     return
         received = 0
         response_started = False
@@ -77,16 +155,24 @@ class BodySizeLimit:
             await self.app(scope, counting_receive, tracking_send)
         except _BodyTooLarge:
             if not response_started:
-                await self._reject(send)
+                await self._reject(receive, send)
 
-    async def _reject(self, send: Send) -> None:
-        body = json.dumps({"error": {
-            "message": f"request body is larger than the limit of {self.max_bytes} bytes",
-            "type": "invalid_request_error", "param": None, "code": "request_too_large"}}).encode()
-        await send({"type": "http.response.start", "status": 413, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-            (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": body})
+    async def _reject(self, receive: Receive, send: Send) -> None:
+        await _discard_body(receive, MAX_DISCARD_BYTES)
+        for message in _error(413, f"request body is larger than the limit of {self.max_bytes} bytes",
+                              "request_too_large", [(b"connection", b"close")]):
+            await send(message)
+
+
+async def _discard_body(receive: Receive, max_bytes: int) -> None:
+    """Read what is left of the body and drop it: closing a socket with unread bytes resets the
+    connection, and the client would lose the response."""
+    dropped = 0
+    while dropped <= max_bytes:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
+        dropped += len(message.get("body", b""))
 
 
 class _BodyTooLarge(HTTPException):

@@ -5,6 +5,7 @@ text parser."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import heapq
 import itertools
 import threading
@@ -20,7 +21,9 @@ from exlcli.client.fake import FakeClient, FakeStream
 from exlcli.engine.request import Priority, TokenLogprob
 from exlcli.engine.stats import ActiveRequestInfo, EngineStats
 from exlcli.server.app import ServerConfig, ServerState, create_app
-from exlcli.server.runner import bind_socket
+from exlcli.server.connections import ConnectionLimits
+from exlcli.server.runner import bind_socket, uvicorn_config
+from exlcli.server.security import allowed_host_names
 from exlcli.server.tracker import RequestTracker
 
 
@@ -36,11 +39,17 @@ class LiveServer:
 
 
 @contextlib.contextmanager
-def running_server(client: EngineClient, config: ServerConfig | None = None) -> Iterator[LiveServer]:
+def running_server(client: EngineClient, config: ServerConfig | None = None,
+                   limits: ConnectionLimits | None = None) -> Iterator[LiveServer]:
+    """As `exlcli serve` runs it: the loopback Host allow-list (unless `config` names one) and the
+    connection limits."""
+    config = config or ServerConfig()
+    if config.allowed_hosts is None:
+        config = dataclasses.replace(config, allowed_hosts=allowed_host_names("127.0.0.1"))
     app = create_app(client, config)
     sock = bind_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="on", ws="none"))
+    server = uvicorn.Server(uvicorn_config(app, limits or ConnectionLimits()))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10

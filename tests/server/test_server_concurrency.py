@@ -44,7 +44,7 @@ def test_32_streaming_chats_and_a_batch_job_all_finish_chat_first():
             async def one(i: int) -> tuple[float, str]:
                 start = time.perf_counter()
                 stream = await sdk.chat.completions.create(
-                    model="x", messages=[{"role": "user", "content": f"{WORDS} c{i}"}], stream=True,
+                    model="fake-echo", messages=[{"role": "user", "content": f"{WORDS} c{i}"}], stream=True,
                     extra_body={"priority": "interactive", "client": "chat"})
                 parts, first = [], None
                 async for chunk in stream:
@@ -99,12 +99,12 @@ def test_full_queue_gets_503_with_retry_after():
         assert response.json()["error"]["code"] == "queue_full"
         sdk = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0)
         with pytest.raises(openai.InternalServerError) as info:
-            sdk.completions.create(model="x", prompt="d")
+            sdk.completions.create(model="fake-echo", prompt="d")
         assert info.value.status_code == 503
         for stream in [running, *waiting]:
             stream.cancel()
         assert wait_until(lambda: client.stats().num_running == 0 and client.stats().num_waiting == 0)
-        assert sdk.completions.create(model="x", prompt="e").choices[0].text == "echo: e"  # room again
+        assert sdk.completions.create(model="fake-echo", prompt="e").choices[0].text == "echo: e"  # room again
         assert live.tracker.rejected_by_reason["queue_full"] == 2
         remote.close()
 
@@ -150,7 +150,7 @@ def test_non_streaming_client_hanging_up_cancels_its_request():
         port = int(live.url.rsplit(":", 1)[1])
         body = b'{"prompt": "' + b"z " * 300 + b'"}'
         with socket.create_connection(("127.0.0.1", port)) as sock:
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                          b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
             assert wait_until(lambda: client.stats().num_running == 1)
         assert wait_until(lambda: client.stats().num_running == 0, timeout=2)  # not the 6 s it needs

@@ -24,7 +24,7 @@ typed_message = st.fixed_dictionaries(
                                                 "text": st.text(max_size=10)}), max_size=2),
               "name": st.text(max_size=5)})
 typed_sampling = {
-    "model": st.text(max_size=10), "max_tokens": st.integers(-2, 40) | st.none(),
+    "model": st.sampled_from(["fake-echo", "other"]) | st.none(), "max_tokens": st.integers(-2, 40) | st.none(),
     "temperature": st.floats(-1, 3) | st.none(), "top_p": st.floats(-0.5, 1.5), "top_k": st.integers(-3, 50),
     "min_p": st.floats(-0.5, 1.5), "repetition_penalty": st.floats(-1, 12),
     "presence_penalty": st.floats(-3, 3), "frequency_penalty": st.floats(-3, 3),

@@ -132,7 +132,10 @@ def test_loopback_rules():
     assert all(is_loopback_host(h) for h in ("127.0.0.1", "127.5.0.1", "::1", "[::1]", "localhost"))
     assert not any(is_loopback_host(h) for h in ("0.0.0.0", "::", "192.168.1.4", "example.com"))
     check_bind_allowed("127.0.0.1", None)
-    check_bind_allowed("0.0.0.0", "key")
+    check_bind_allowed("0.0.0.0", "k" * 16)
+    check_bind_allowed("127.0.0.1", "k")  # a short key is fine where only this machine can connect
+    with pytest.raises(ExlcliError, match="with a key of 15 characters: a key for a public address needs at least 16"):
+        check_bind_allowed("0.0.0.0", "k" * 15)
     with pytest.raises(ExlcliError, match="refusing to listen on 0.0.0.0 without an API key"):
         check_bind_allowed("0.0.0.0", None)
 

@@ -25,9 +25,10 @@ def local_client(default_model_path):
 def test_default_model_through_the_server(local_client):
     question = [{"role": "user", "content": "What is the capital of France?"}]
     direct, _ = local_client.chat(question, GenerationParams(max_tokens=12, temperature=0)).collect()
+    name = local_client.model_name
     with running_server(local_client) as live:
         sdk = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0)
-        reply = sdk.chat.completions.create(model="x", messages=question, max_tokens=12, temperature=0,
+        reply = sdk.chat.completions.create(model=name, messages=question, max_tokens=12, temperature=0,
                                             logprobs=True, top_logprobs=2)
         assert reply.choices[0].message.content == direct  # greedy: the server changes nothing
         assert reply.usage.prompt_tokens == local_client.count_chat_tokens(question)
@@ -41,17 +42,17 @@ def test_default_model_through_the_server(local_client):
 
             async def chat(i):
                 stream = await client.chat.completions.create(
-                    model="x", messages=[{"role": "user", "content": f"Count to {i + 3}."}], max_tokens=10,
+                    model=name, messages=[{"role": "user", "content": f"Count to {i + 3}."}], max_tokens=10,
                     stream=True, extra_body={"client": "chat"})
                 return [c async for c in stream]
 
             async def batch(i):
-                return await client.completions.create(model="x", prompt=f"Item {i}:", max_tokens=10,
+                return await client.completions.create(model=name, prompt=f"Item {i}:", max_tokens=10,
                                                        extra_body={"priority": "batch", "client": "batch"})
 
             async def hang_up():
                 stream = await client.chat.completions.create(
-                    model="x", messages=[{"role": "user", "content": "Tell a long story."}], max_tokens=400,
+                    model=name, messages=[{"role": "user", "content": "Tell a long story."}], max_tokens=400,
                     stream=True)
                 async for chunk in stream:
                     if chunk.choices and chunk.choices[0].delta.content:

@@ -54,7 +54,7 @@ def test_pings_arrive_while_the_request_waits_in_the_queue():
 def test_clients_read_through_pings():
     with running_server(FakeClient(token_delay=0.02), ServerConfig(sse_ping_s=0.005)) as live:
         stream = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0).chat.completions.create(
-            model="x", messages=[{"role": "user", "content": "one two three four"}], stream=True)
+            model="fake-echo", messages=[{"role": "user", "content": "one two three four"}], stream=True)
         assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == "echo: one two three four"
         remote = RemoteClient(live.url)
         try:
