@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from exlcli.ops.cpu import loader as cpu_loader
 from exlcli.ops.cpu.args import QMatmulArgs
-from exlcli.ops.formats.base import Linear
+from exlcli.ops.formats.base import Linear, MakeLinear, QuantizedWeight
 
 BLOCK = 32  # weights per (scale, offset) pair, as in the C file
 CG = 16  # output columns per group, as in the C file
@@ -153,3 +154,18 @@ class QuantCpuLinear(Linear):
         if _qmatmul(x, y, self._weight_args()) != 0:
             raise MemoryError("the CPU matmul kernel could not get its scratch memory")
         return y
+
+
+def byte_per_weight_linear(unpack: Callable[[torch.Tensor], tuple]) -> MakeLinear:
+    """The `cpu_linear` of a format whose blocks `unpack` into (q, scale, offset) with q of more than
+    4 bits (Q5_0, Q5_1, Q5_K, Q6_K): the kernel's 8-bit path, a byte per weight; None where the
+    kernel is not built or the activations are not bf16 (make_linear then dequantizes)."""
+
+    def cpu_linear(weight: QuantizedWeight, bias: torch.Tensor | None, device: torch.device,
+                   dtype: torch.dtype) -> Linear | None:
+        if dtype != torch.bfloat16 or not available():
+            return None
+        q, scale, offset = unpack(weight.blocks)
+        return QuantCpuLinear(q, scale, offset, bits=8, bias=bias)
+
+    return cpu_linear

@@ -12,9 +12,8 @@ from __future__ import annotations
 import torch
 
 from exlcli.ops.formats import cpu_qmatmul
-from exlcli.ops.formats.base import BlockFormat, Linear, QuantizedWeight, f16_at
+from exlcli.ops.formats.base import BlockFormat, f16_at
 from exlcli.ops.formats.bit_fields import blocks_of, rows_of, unpack_fields
-from exlcli.ops.formats.cpu_qmatmul import QuantCpuLinear
 
 BLOCK_WEIGHTS = 32
 BLOCK_BYTES = 22
@@ -45,14 +44,5 @@ def dequantize(blocks: torch.Tensor) -> torch.Tensor:
     return rows_of(d[:, None] * q.float(), blocks, BLOCK_BYTES, BLOCK_WEIGHTS)
 
 
-def cpu_linear(weight: QuantizedWeight, bias: torch.Tensor | None, device: torch.device,
-               dtype: torch.dtype) -> Linear | None:
-    """The C kernel's 8-bit path (a byte per weight; see cpu_qmatmul.py), or None without it."""
-    if dtype != torch.bfloat16 or not cpu_qmatmul.available():
-        return None
-    q, scale, offset = unpack(weight.blocks)
-    return QuantCpuLinear(q, scale, offset, bits=8, bias=bias)
-
-
 FORMAT = BlockFormat(name="Q5_0", gguf_type=6, block_weights=BLOCK_WEIGHTS, block_bytes=BLOCK_BYTES,
-                     dequantize=dequantize, cpu_linear=cpu_linear)
+                     dequantize=dequantize, cpu_linear=cpu_qmatmul.byte_per_weight_linear(unpack))

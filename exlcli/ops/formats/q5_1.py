@@ -11,9 +11,8 @@ from __future__ import annotations
 import torch
 
 from exlcli.ops.formats import cpu_qmatmul
-from exlcli.ops.formats.base import BlockFormat, Linear, QuantizedWeight, f16_at
+from exlcli.ops.formats.base import BlockFormat, f16_at
 from exlcli.ops.formats.bit_fields import blocks_of, rows_of
-from exlcli.ops.formats.cpu_qmatmul import QuantCpuLinear
 from exlcli.ops.formats.q5_0 import five_bit_quants
 
 BLOCK_WEIGHTS = 32
@@ -36,14 +35,5 @@ def dequantize(blocks: torch.Tensor) -> torch.Tensor:
     return rows_of(d[:, None] * q.float() + m[:, None], blocks, BLOCK_BYTES, BLOCK_WEIGHTS)
 
 
-def cpu_linear(weight: QuantizedWeight, bias: torch.Tensor | None, device: torch.device,
-               dtype: torch.dtype) -> Linear | None:
-    """The C kernel's 8-bit path (a byte per weight; see cpu_qmatmul.py), or None without it."""
-    if dtype != torch.bfloat16 or not cpu_qmatmul.available():
-        return None
-    q, scale, offset = unpack(weight.blocks)
-    return QuantCpuLinear(q, scale, offset, bits=8, bias=bias)
-
-
 FORMAT = BlockFormat(name="Q5_1", gguf_type=7, block_weights=BLOCK_WEIGHTS, block_bytes=BLOCK_BYTES,
-                     dequantize=dequantize, cpu_linear=cpu_linear)
+                     dequantize=dequantize, cpu_linear=cpu_qmatmul.byte_per_weight_linear(unpack))

@@ -12,9 +12,8 @@ from __future__ import annotations
 import torch
 
 from exlcli.ops.formats import cpu_qmatmul
-from exlcli.ops.formats.base import BlockFormat, Linear, QuantizedWeight
+from exlcli.ops.formats.base import BlockFormat
 from exlcli.ops.formats.bit_fields import blocks_of, rows_of, unpack_fields
-from exlcli.ops.formats.cpu_qmatmul import QuantCpuLinear
 from exlcli.ops.formats.q4_k import nibble_quants, sub_block_affine
 
 BLOCK_WEIGHTS = 256
@@ -38,14 +37,5 @@ def dequantize(blocks: torch.Tensor) -> torch.Tensor:
     return rows_of(step * q.float() - offset, blocks, BLOCK_BYTES, BLOCK_WEIGHTS)
 
 
-def cpu_linear(weight: QuantizedWeight, bias: torch.Tensor | None, device: torch.device,
-               dtype: torch.dtype) -> Linear | None:
-    """The C kernel's 8-bit path (a byte per weight; see cpu_qmatmul.py), or None without it."""
-    if dtype != torch.bfloat16 or not cpu_qmatmul.available():
-        return None
-    q, scale, offset = unpack(weight.blocks)
-    return QuantCpuLinear(q, scale, offset, bits=8, bias=bias)
-
-
 FORMAT = BlockFormat(name="Q5_K", gguf_type=13, block_weights=BLOCK_WEIGHTS, block_bytes=BLOCK_BYTES,
-                     dequantize=dequantize, cpu_linear=cpu_linear)
+                     dequantize=dequantize, cpu_linear=cpu_qmatmul.byte_per_weight_linear(unpack))
