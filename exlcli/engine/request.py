@@ -77,6 +77,32 @@ class SamplingParams:
         return self
 
 
+GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "grammar")
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What the generated text must match. `value`: the JSON Schema (a dict, or its JSON text) for
+    json_schema, the regex for regex, the EBNF (GBNF) grammar for grammar, None for json_object (any
+    JSON object). `strict` (json_schema): properties and items the schema does not name are not
+    generated (OpenAI's strict mode); else the schema is read as written (extra properties allowed
+    unless additionalProperties says otherwise)."""
+
+    kind: str
+    value: str | dict | None = None
+    strict: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise RequestError(f"unknown constraint kind {self.kind!r}; use one of {', '.join(GRAMMAR_KINDS)}")
+        if self.kind == "json_object":
+            return
+        if self.kind == "json_schema" and not isinstance(self.value, (dict, str, bool)):
+            raise RequestError("a json_schema constraint needs the schema (a JSON object)")
+        if self.kind != "json_schema" and (not isinstance(self.value, str) or not self.value):
+            raise RequestError(f"a {self.kind} constraint needs a non-empty string")
+
+
 @dataclass
 class Request:
     """One generation. `prompt_ids` are already tokenised (chat template applied)."""
@@ -90,6 +116,7 @@ class Request:
     priority: Priority = Priority.INTERACTIVE
     ignore_eos: bool = False
     client: str = "api"  # who asked: chat / batch / bench / api; shown on the live display
+    grammar: GrammarSpec | None = None  # structured output: the text must match it
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
