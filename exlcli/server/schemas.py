@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from exlcli.client.base import GenerationParams
+from exlcli.engine.request import GrammarSpec
+from exlcli.errors import RequestError
 
 MAX_CHOICES = 16  # `n`
 MAX_STOP_STRINGS = 16
@@ -65,6 +67,31 @@ class ChatMessage(_Body):
         return {"role": role, "content": self.content or ""}
 
 
+def _grammar_spec(response_format: dict | None) -> GrammarSpec | None:
+    """OpenAI's response_format as the engine's constraint: {"type": "text"}, {"type": "json_object"}
+    or {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": bool}}. Whether
+    the schema compiles is checked at submit (also a 400)."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GrammarSpec("json_object")
+    if kind != "json_schema":
+        raise ValueError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+        raise ValueError("response_format json_schema needs {\"name\": ..., \"schema\": {a JSON Schema}}")
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise ValueError("response_format json_schema strict must be true or false")
+    try:
+        return GrammarSpec("json_schema", spec["schema"], strict=bool(strict))
+    except RequestError as e:
+        raise ValueError(str(e)) from None
+
+
 class _SamplingBody(_Body):
     """Fields shared by chat and text completions. None means "the default"."""
 
@@ -87,6 +114,13 @@ class _SamplingBody(_Body):
     priority: Literal["interactive", "batch"] | None = None
     client: ClientLabel | None = None
     return_token_ids: bool | None = None  # stream chunks carry "token_ids" (RemoteClient uses it)
+    response_format: dict | None = None  # text, json_object, json_schema (structured output)
+
+    @field_validator("response_format")
+    @classmethod
+    def _check_response_format(cls, value: dict | None) -> dict | None:
+        _grammar_spec(value)  # a ValueError naming the problem becomes a 400
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -137,6 +171,7 @@ class _SamplingBody(_Body):
             priority=self.priority or "interactive",
             logprobs=self._num_logprobs(),
             client=self.client or "api",
+            grammar=_grammar_spec(self.response_format),
         )
 
 
@@ -147,7 +182,6 @@ class ChatCompletionRequest(_SamplingBody):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict | None = None
 
     @field_validator("tools")
     @classmethod
@@ -155,13 +189,6 @@ class ChatCompletionRequest(_SamplingBody):
         if value:
             raise ValueError("tool calling is not supported by this server")
         return None
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_format_only(cls, value: dict | None) -> dict | None:
-        if value is not None and value.get("type") != "text":
-            raise ValueError("only {\"type\": \"text\"} is supported")
-        return value
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
