@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from exlcli.client.base import GenerationParams
-from exlcli.engine.request import GrammarSpec
+from exlcli.engine.request import GrammarSpec, grammar_from_response_format
 from exlcli.errors import RequestError
 
 MAX_CHOICES = 16  # `n`
@@ -68,26 +68,8 @@ class ChatMessage(_Body):
 
 
 def _grammar_spec(response_format: dict | None) -> GrammarSpec | None:
-    """OpenAI's response_format as the engine's constraint: {"type": "text"}, {"type": "json_object"}
-    or {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": bool}}. Whether
-    the schema compiles is checked at submit (also a 400)."""
-    if response_format is None:
-        return None
-    kind = response_format.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return GrammarSpec("json_object")
-    if kind != "json_schema":
-        raise ValueError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
-    spec = response_format.get("json_schema")
-    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
-        raise ValueError("response_format json_schema needs {\"name\": ..., \"schema\": {a JSON Schema}}")
-    strict = spec.get("strict")
-    if strict is not None and not isinstance(strict, bool):
-        raise ValueError("response_format json_schema strict must be true or false")
     try:
-        return GrammarSpec("json_schema", spec["schema"], strict=bool(strict))
+        return grammar_from_response_format(response_format)
     except RequestError as e:
         raise ValueError(str(e)) from None
 
