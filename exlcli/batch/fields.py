@@ -7,6 +7,8 @@ import math
 from typing import Any
 
 from exlcli.batch.failures import LineError
+from exlcli.engine.request import GrammarSpec, grammar_from_response_format
+from exlcli.errors import RequestError
 
 INT_LIMIT = 2 ** 63  # integers must fit in 64 bits: the engine, the server and JSON readers all assume so
 
@@ -61,6 +63,24 @@ def _stop(name: str, value: Any) -> list[str]:
     return list(value)
 
 
+def _grammar(name: str, value: Any) -> GrammarSpec | None:
+    """json_schema (a schema object), regex, grammar (Lark or GBNF text), or response_format."""
+    if value is None:
+        return None
+    try:
+        if name == "response_format":
+            return grammar_from_response_format(value)
+        if name == "json_schema":
+            if not isinstance(value, (dict, bool)):
+                raise wrong_type(name, "a JSON Schema object", value)
+            return GrammarSpec("json_schema", value)
+        return GrammarSpec(name, value)
+    except RequestError as e:
+        raise LineError("invalid_value", str(e)) from None
+
+
+GRAMMAR_KEYS = ("json_schema", "regex", "grammar", "response_format")
+
 # line key -> (GenerationParams field, check)
 PARAM_FIELDS = {
     "max_tokens": ("max_tokens", _max_tokens),
@@ -70,6 +90,7 @@ PARAM_FIELDS = {
     "min_p": ("min_p", _number),
     "seed": ("seed", _seed),
     "stop": ("stop", _stop),
+    **{key: ("grammar", _grammar) for key in GRAMMAR_KEYS},
 }
 OPENAI_EXTRA_PARAM_FIELDS = {
     "max_completion_tokens": ("max_tokens", _max_tokens),

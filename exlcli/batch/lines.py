@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from exlcli.batch.failures import LineError, io_errors, line_error
-from exlcli.batch.fields import OPENAI_EXTRA_PARAM_FIELDS, PARAM_FIELDS, is_int, preview, wrong_type
+from exlcli.batch.fields import GRAMMAR_KEYS, OPENAI_EXTRA_PARAM_FIELDS, PARAM_FIELDS, is_int, preview, wrong_type
 from exlcli.batch.jsonl import dump_line, load_line
 from exlcli.client.base import GenerationParams
 from exlcli.errors import RequestError
@@ -33,7 +33,7 @@ COMPLETIONS_URL = "/v1/completions"
 
 ROLES = ("system", "user", "assistant", "tool")
 # OpenAI body keys that would change what the answer means; refusing beats silently ignoring them.
-UNSUPPORTED_BODY_KEYS = ("tools", "tool_choice", "functions", "function_call", "response_format",
+UNSUPPORTED_BODY_KEYS = ("tools", "tool_choice", "functions", "function_call",
                          "logprobs", "top_logprobs", "logit_bias", "suffix", "echo", "audio",
                          "modalities", "prediction")
 
@@ -85,6 +85,9 @@ def shape_of(obj: dict) -> str:
 
 def _params(obj: dict, fields: dict, defaults: GenerationParams) -> GenerationParams:
     changes: dict[str, Any] = {"stop": list(defaults.stop)}  # a job's list, not the shared default
+    constraints = [key for key in GRAMMAR_KEYS if obj.get(key) is not None]
+    if len(constraints) > 1:
+        raise LineError("invalid_value", f"{' and '.join(constraints)} cannot be used together: pick one")
     for key, (attr, check) in fields.items():
         if key in obj:
             changes[attr] = check(key, obj[key])

@@ -20,6 +20,7 @@ from exlcli.cli.common import (
     user_errors,
 )
 from exlcli.client.base import GenerationParams
+from exlcli.engine.request import GrammarSpec
 
 
 def read_prompt(prompt: str | None) -> str:
@@ -28,6 +29,31 @@ def read_prompt(prompt: str | None) -> str:
     if prompt is None:
         raise fail("no prompt: pass one as an argument, or pipe it on stdin")
     return prompt
+
+
+def grammar_from_flags(json_schema: str | None, regex: str | None, grammar: str | None) -> GrammarSpec | None:
+    """--json-schema FILE | --regex R | --grammar FILE (one at most) as the engine's GrammarSpec."""
+    given = [name for name, v in (("--json-schema", json_schema), ("--regex", regex), ("--grammar", grammar)) if v]
+    if len(given) > 1:
+        raise fail(f"{' and '.join(given)} cannot be used together: pick one constraint")
+    if regex:
+        return GrammarSpec("regex", regex)
+    path = json_schema or grammar
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise fail(f"cannot read {path}: {e.strerror or e}") from None
+    if json_schema:
+        import json
+
+        try:
+            return GrammarSpec("json_schema", json.loads(text))
+        except ValueError as e:
+            raise fail(f"{path} is not JSON: {e}") from None
+    return GrammarSpec("grammar", text)
 
 
 def register(app: typer.Typer) -> None:
@@ -49,13 +75,20 @@ def register(app: typer.Typer) -> None:
         threads: ThreadsOption = None,
         device: DeviceOption = None,
         dtype: DtypeOption = None,
+        json_schema: Annotated[Optional[str], typer.Option(
+            "--json-schema", metavar="FILE", help="The answer is JSON valid under this JSON Schema file.")] = None,
+        regex: Annotated[Optional[str], typer.Option(
+            "--regex", metavar="R", help="The answer matches this regular expression in full.")] = None,
+        grammar: Annotated[Optional[str], typer.Option(
+            "--grammar", metavar="FILE", help="The answer follows this Lark or GBNF grammar file.")] = None,
     ) -> None:
         """Generate one answer and print only the completion."""
         from exlcli.client.local import LocalClient
 
+        constraint = grammar_from_flags(json_schema, regex, grammar)
         text = read_prompt(prompt)
         params = GenerationParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                  top_k=top_k, seed=seed, client="run")
+                                  top_k=top_k, seed=seed, client="run", grammar=constraint)
         client = LocalClient.from_model(model, device=device, dtype=dtype, threaded=False, cpu_threads=threads,
                                         max_model_len=ctx_size)
         try:

@@ -10,7 +10,7 @@ import abc
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator
 
-from exlcli.engine.request import Priority, SamplingParams
+from exlcli.engine.request import GrammarSpec, Priority, SamplingParams
 from exlcli.engine.stats import EngineStats
 
 
@@ -29,6 +29,7 @@ class GenerationParams:
     priority: str = "interactive"  # or "batch"
     logprobs: int = 0
     client: str = "api"  # chat / batch / bench / api, for the live display
+    grammar: GrammarSpec | None = None  # structured output (JSON schema, regex, grammar)
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(

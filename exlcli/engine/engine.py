@@ -16,15 +16,15 @@ from typing import AsyncIterator, Iterator
 
 import torch
 
+from exlcli.engine.constraints import GrammarCompiler, new_bitmask
 from exlcli.engine.detok import TextStreamer
-from exlcli.engine.page_pool import PagePool
 from exlcli.engine.model_runner import ModelRunner
+from exlcli.engine.page_pool import PagePool
 from exlcli.engine.request import FinishReason, Request, RequestOutput, RequestStats
 from exlcli.engine.sampler import SampleRow, needs_history, sample_ids, top_logprobs
 from exlcli.engine.scheduler import ScheduledBatch, Scheduler
-from exlcli.engine.sequence import Sequence, SeqStatus
-from exlcli.engine.stats import (STEP_TIME_BUCKETS, ActiveRequestInfo, EngineStats,
-                                 FinishedRequestInfo)
+from exlcli.engine.sequence import SeqStatus, Sequence
+from exlcli.engine.stats import STEP_TIME_BUCKETS, ActiveRequestInfo, EngineStats, FinishedRequestInfo
 from exlcli.errors import RequestError
 from exlcli.model.interface import CausalLM
 from exlcli.model.kv_cache import KVCache
@@ -59,7 +59,7 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     # Schedule and queue step N+1 before reading step N's tokens back, so the host's work overlaps
     # the device's (None: on for a GPU model). Stop strings then end a request one step late (the
-    # extra token is dropped); requests with penalties or logprobs are read back at once.
+    # extra token is dropped); requests with penalties, logprobs or a grammar are read back at once.
     async_scheduling: bool | None = None
 
 
@@ -136,6 +136,7 @@ class Engine:
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else device.type == "cuda")
         self._in_flight: LaunchedStep | None = None
+        self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size, self.eos_ids)
         self._last_resolved = 0.0
 
         self._lock = threading.Lock()  # guards the inbox and cancellations
@@ -178,6 +179,8 @@ class Engine:
             raise RequestError(f"prompt has token ids outside the vocabulary (0..{vocab - 1})")
         max_tokens = min(self.max_model_len, prompt_len + request.max_new_tokens)
         seq = Sequence(request=request, arrival_index=next(self._arrivals), max_tokens=max_tokens)
+        if request.grammar is not None:  # compiled here, on the client's thread, not the engine's
+            seq.constraint = self.grammars.constraint(request.grammar)
         handle = RequestHandle(self, request.request_id)
         with self._lock:
             if request.request_id in self._handles:
@@ -296,8 +299,9 @@ class Engine:
             ready.record()
         for row, seq in enumerate(seqs):
             seq.add_pending([row])
+        # a grammar's next mask needs this step's token: such a step is read back at once
         keep = (self.async_scheduling and bool(seqs) and logprobs is None
-                and not any(needs_history(seq.request.sampling) for seq in seqs))
+                and not any(needs_history(seq.request.sampling) or seq.constraint for seq in seqs))
         return LaunchedStep(batch, seqs, ids, host_ids, ready, logprobs, start, keep)
 
     @staticmethod
@@ -356,8 +360,9 @@ class Engine:
         those waits for the device)."""
         rows = [SampleRow(s.request.sampling, s.rng.random(), s.token_ids, s.num_prompt_tokens) for s in seqs]
         want_logprobs = any(r.params.logprobs for r in rows)
+        bitmask = self._grammar_masks(seqs)
         try:
-            ids = sample_ids(logits, rows)
+            ids = sample_ids(logits, rows, bitmask)
             return ids, (top_logprobs(logits, ids.tolist(), rows) if want_logprobs else None)
         except Exception:
             pass
@@ -365,7 +370,7 @@ class Engine:
         ids_list, logprobs = [], []
         for i, (seq, row) in enumerate(zip(seqs, rows)):
             try:
-                one = sample_ids(logits[i:i + 1], [row])
+                one = sample_ids(logits[i:i + 1], [row], bitmask[i:i + 1] if bitmask is not None else None)
                 logprobs.append(top_logprobs(logits[i:i + 1], one.tolist(), [row])[0])
                 ids_list.append(one)
             except Exception as e:
@@ -373,6 +378,23 @@ class Engine:
                 ids_list.append(torch.zeros(1, dtype=torch.long, device=logits.device))
                 logprobs.append(None)
         return torch.cat(ids_list), logprobs
+
+    def _grammar_masks(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        """The next-token masks of the constrained rows (host work; on a GPU it overlaps the step's
+        forward pass, queued before); None when no row is constrained."""
+        rows = [i for i, s in enumerate(seqs) if s.constraint is not None]
+        if not rows:
+            return None
+        constraints = []
+        for i in rows:
+            seq = seqs[i]
+            if seq.num_pending:
+                raise RuntimeError(f"{seq.request_id}: a constrained sequence has tokens in flight")
+            seq.constraint.follow(seq.output_ids)  # a no-op unless tokens were dropped
+            constraints.append(seq.constraint)
+        bitmask = new_bitmask(len(seqs), self.model.config.vocab_size)
+        self.grammars.fill_masks(constraints, rows, bitmask)
+        return bitmask
 
     def _append_token(self, seq: Sequence, token: int, logprob) -> None:
         if seq.status is SeqStatus.FINISHED:
@@ -385,8 +407,14 @@ class Engine:
         request = seq.request
         streamer = self._streamers[seq.request_id]
         reason = None
+        constraint = seq.constraint
+        if constraint is not None and not constraint.accept(token):
+            self._finish(seq, FinishReason.ERROR, error=f"the grammar does not allow token {token}: {constraint.error}")
+            return
         if token in request.stop_token_ids or (token in self.eos_ids and not request.ignore_eos):
             text, reason = streamer.flush(), FinishReason.STOP
+        elif constraint is not None and constraint.must_stop():  # the grammar is complete
+            text, reason = streamer.push([token])[0] + streamer.flush(), FinishReason.STOP
         else:
             text, stopped = streamer.push([token])
             if stopped:

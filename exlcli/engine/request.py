@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from exlcli.errors import RequestError
 
@@ -77,6 +78,56 @@ class SamplingParams:
         return self
 
 
+GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "grammar")
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What the generated text must match. `value`: the JSON Schema (a dict, or its JSON text) for
+    json_schema, the regex for regex, the EBNF (GBNF) grammar for grammar, None for json_object (any
+    JSON object). `strict` (json_schema): properties and items the schema does not name are not
+    generated (OpenAI's strict mode); else the schema is read as written (extra properties allowed
+    unless additionalProperties says otherwise)."""
+
+    kind: str
+    value: str | dict | None = None
+    strict: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise RequestError(f"unknown constraint kind {self.kind!r}; use one of {', '.join(GRAMMAR_KINDS)}")
+        if self.kind == "json_object":
+            return
+        if self.kind == "json_schema" and not isinstance(self.value, (dict, str, bool)):
+            raise RequestError("a json_schema constraint needs the schema (a JSON object)")
+        if self.kind != "json_schema" and (not isinstance(self.value, str) or not self.value):
+            raise RequestError(f"a {self.kind} constraint needs a non-empty string")
+
+
+def grammar_from_response_format(response_format: Any) -> "GrammarSpec | None":
+    """OpenAI's response_format as a GrammarSpec: {"type": "text"}, {"type": "json_object"} or
+    {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": bool}}. Whether
+    the schema compiles is checked when the request is submitted."""
+    if response_format is None:
+        return None
+    if not isinstance(response_format, dict):
+        raise RequestError("response_format must be an object such as {\"type\": \"json_object\"}")
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GrammarSpec("json_object")
+    if kind != "json_schema":
+        raise RequestError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+        raise RequestError("response_format json_schema needs {\"name\": ..., \"schema\": {a JSON Schema}}")
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise RequestError("response_format json_schema strict must be true or false")
+    return GrammarSpec("json_schema", spec["schema"], strict=bool(strict))
+
+
 @dataclass
 class Request:
     """One generation. `prompt_ids` are already tokenised (chat template applied)."""
@@ -90,6 +141,7 @@ class Request:
     priority: Priority = Priority.INTERACTIVE
     ignore_eos: bool = False
     client: str = "api"  # who asked: chat / batch / bench / api; shown on the live display
+    grammar: GrammarSpec | None = None  # structured output: the text must match it
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

@@ -35,6 +35,16 @@ def _column(rows: list[SampleRow], name: str, device: torch.device) -> torch.Ten
     return to_device([getattr(r.params, name) for r in rows], torch.float32, device)
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """-inf where a grammar forbids the token. bitmask: int32 [B, ceil(V / 32)] on the host, bit
+    t % 32 of word t // 32 set where token t is allowed (all bits set for a free row)."""
+    batch, vocab = logits.shape
+    words = bitmask.pin_memory().to(logits.device, non_blocking=True) if logits.device.type != "cpu" else bitmask
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((words[:, :, None] >> shifts) & 1).bool().reshape(batch, -1)[:, :vocab]  # [B, V]
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
 def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """Repetition (over prompt and output, as HF/vLLM), presence and frequency (over output)."""
     device = logits.device
@@ -85,9 +95,12 @@ def filtered_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     return probs
 
 
-def sample_ids(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+def sample_ids(logits: torch.Tensor, rows: list[SampleRow], bitmask: torch.Tensor | None = None) -> torch.Tensor:
     """logits: fp32 [B, V] -> int64 [B] token ids, on the logits' device. Nothing here waits for
-    the device (penalties aside), so sampling queues behind the forward pass."""
+    the device (penalties aside), so sampling queues behind the forward pass. `bitmask`: the
+    grammar masks (see apply_token_bitmask), applied first."""
+    if bitmask is not None:
+        logits = apply_token_bitmask(logits, bitmask)
     logits = apply_penalties(logits, rows)
     greedy = [r.params.greedy for r in rows]
     if all(greedy):

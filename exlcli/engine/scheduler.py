@@ -10,7 +10,7 @@ import bisect
 from dataclasses import dataclass, field
 
 from exlcli.engine.page_pool import PagePool
-from exlcli.engine.sequence import Sequence, SeqStatus
+from exlcli.engine.sequence import SeqStatus, Sequence
 
 
 @dataclass

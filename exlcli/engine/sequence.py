@@ -7,6 +7,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
+from exlcli.engine.constraints import TokenConstraint
 from exlcli.engine.page_pool import page_hash
 from exlcli.engine.request import Request
 
@@ -39,6 +40,7 @@ class Sequence:
     num_pending: int = 0
     pending_rows: list[int] = field(default_factory=list)
     rng: random.Random = field(default_factory=random.Random)
+    constraint: TokenConstraint | None = None  # the request's grammar matcher, at its generated tokens
     _hashes: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:

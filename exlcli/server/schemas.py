@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from exlcli.client.base import GenerationParams
+from exlcli.engine.request import GrammarSpec, grammar_from_response_format
+from exlcli.errors import RequestError
 
 MAX_CHOICES = 16  # `n`
 MAX_STOP_STRINGS = 16
@@ -75,6 +77,13 @@ class ChatMessage(_Body):
         return {"role": role, "content": self.content or ""}
 
 
+def _grammar_spec(response_format: dict | None) -> GrammarSpec | None:
+    try:
+        return grammar_from_response_format(response_format)
+    except RequestError as e:
+        raise ValueError(str(e)) from None
+
+
 class _SamplingBody(_Body):
     """Fields shared by chat and text completions. None means "the default"."""
 
@@ -106,6 +115,14 @@ class _SamplingBody(_Body):
         if value:
             raise ValueError("logit_bias is not supported by this server")
         return None
+
+    response_format: dict | None = None  # text, json_object, json_schema (structured output)
+
+    @field_validator("response_format")
+    @classmethod
+    def _check_response_format(cls, value: dict | None) -> dict | None:
+        _grammar_spec(value)  # a ValueError naming the problem becomes a 400
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -164,6 +181,7 @@ class _SamplingBody(_Body):
             priority=self.priority or "interactive",
             logprobs=self._num_logprobs(),
             client=self.client or "api",
+            grammar=_grammar_spec(self.response_format),
         )
 
 
@@ -174,7 +192,6 @@ class ChatCompletionRequest(_SamplingBody):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict | None = None
 
     @field_validator("tools")
     @classmethod
@@ -182,13 +199,6 @@ class ChatCompletionRequest(_SamplingBody):
         if value:
             raise ValueError("tool calling is not supported by this server")
         return None
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_format_only(cls, value: dict | None) -> dict | None:
-        if value is not None and value.get("type") != "text":
-            raise ValueError("only {\"type\": \"text\"} is supported")
-        return value
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -9,7 +9,6 @@ import pytest
 
 from exlcli.engine.engine import Engine, EngineConfig
 from exlcli.engine.request import FinishReason, Request, SamplingParams
-
 from tests.engine.conftest import LetterTokenizer, greedy, random_prompts
 
 

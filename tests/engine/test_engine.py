@@ -154,10 +154,10 @@ def test_a_failing_request_does_not_hurt_the_others(make_engine, monkeypatch):
 
     real_sample = engine_module.sample_ids
 
-    def flaky(logits, rows):
+    def flaky(logits, rows, bitmask=None):
         if any(r.prompt_ids == [4, 5, 6] for r in rows):
             raise RuntimeError("broken logits")
-        return real_sample(logits, rows)
+        return real_sample(logits, rows, bitmask)
 
     monkeypatch.setattr(engine_module, "sample_ids", flaky)
     engine.run_until_idle()

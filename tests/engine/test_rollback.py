@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from exlcli.engine.page_pool import PagePool, page_hash
 from exlcli.engine.request import Request, SamplingParams
 from exlcli.engine.scheduler import ScheduledBatch, ScheduledSeq, Scheduler
-from exlcli.engine.sequence import Sequence, SeqStatus
+from exlcli.engine.sequence import SeqStatus, Sequence
 
 PAGE = 4
 
