@@ -19,11 +19,16 @@ def test_bad_response_format_is_400_naming_the_problem(fake_server):
                        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "strict": "yes"}},
                         "strict")]:
         with pytest.raises(openai.BadRequestError) as e:
-            client.chat.completions.create(model="x", messages=messages, response_format=fmt)
+            client.chat.completions.create(model="fake-echo", messages=messages, response_format=fmt)
         assert words in str(e.value)
     # text is the default, and still accepted
-    reply = client.chat.completions.create(model="x", messages=messages, response_format={"type": "text"})
+    reply = client.chat.completions.create(model="fake-echo", messages=messages, response_format={"type": "text"})
     assert reply.choices[0].message.content == "echo: hi"
+
+
+def served_name(server) -> str:
+    """The name the server answers to (it refuses any other with model_not_found)."""
+    return sdk(server).models.list().data[0].id
 
 
 class City(pydantic.BaseModel):
@@ -50,7 +55,8 @@ def real_server(default_model_path):
 @pytest.mark.slow
 def test_chat_completions_parse_with_a_pydantic_model(real_server):
     reply = sdk(real_server).chat.completions.parse(
-        model="x", messages=[{"role": "user", "content": "Name the largest city of France as JSON."}],
+        model=served_name(real_server),
+        messages=[{"role": "user", "content": "Name the largest city of France as JSON."}],
         response_format=Answer, temperature=0, max_tokens=200)
     choice = reply.choices[0]
     assert choice.finish_reason == "stop"
@@ -64,12 +70,14 @@ def test_json_schema_and_json_object_on_chat_and_completions(real_server):
                                                "confidence": {"type": "number", "minimum": 0, "maximum": 1}},
               "required": ["answer", "confidence"], "additionalProperties": False}
     fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}
-    reply = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Is water wet?"}],
+    reply = client.chat.completions.create(model=served_name(real_server),
+                                           messages=[{"role": "user", "content": "Is water wet?"}],
                                            response_format=fmt, temperature=0.8, seed=3, n=3, max_tokens=60)
     for choice in reply.choices:
         assert choice.finish_reason == "stop"
         jsonschema.validate(json.loads(choice.message.content), schema)
-    text = client.completions.create(model="x", prompt="A JSON object describing a cat:", max_tokens=120,
+    text = client.completions.create(model=served_name(real_server), prompt="A JSON object describing a cat:",
+                                     max_tokens=120,
                                      temperature=0, extra_body={"response_format": {"type": "json_object"}})
     if text.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(text.choices[0].text), dict)
@@ -81,6 +89,6 @@ def test_json_schema_and_json_object_on_chat_and_completions(real_server):
 def test_a_schema_that_does_not_compile_is_400(real_server):
     with pytest.raises(openai.BadRequestError) as e:
         sdk(real_server).chat.completions.create(
-            model="x", messages=[{"role": "user", "content": "hi"}],
+            model=served_name(real_server), messages=[{"role": "user", "content": "hi"}],
             response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "objekt"}}})
     assert "objekt" in str(e.value)
