@@ -15,12 +15,12 @@ from typing import AsyncIterator, Iterator
 
 import httpx
 
+from exlcli import environment
 from exlcli.client.base import EngineClient, GenerationParams, GenerationStream, TextDelta, Usage
+from exlcli.client.runtime_file import api_key_for, http_client_options
 from exlcli.engine.request import TokenLogprob
 from exlcli.engine.stats import ActiveRequestInfo, EngineStats, FinishedRequestInfo
 from exlcli.errors import ExlcliError, RequestError
-from exlcli.client.runtime_file import api_key_for, http_client_options
-from exlcli import environment
 
 
 def usage_from_dict(body: dict | None) -> Usage | None:

@@ -66,7 +66,10 @@ class TextStreamer:
         before = self._tok.decode(self._ids[:self._read], skip_special_tokens=self._skip)
         after = self._tok.decode(self._ids, skip_special_tokens=self._skip)
         # the decoder may rewrite earlier text (rare); then only what is past it counts as new
-        fresh = after[len(before):] if after.startswith(before) else after[len(before):] if len(after) > len(before) else ""
+        if after.startswith(before) or len(after) > len(before):
+            fresh = after[len(before):]
+        else:
+            fresh = ""
         pending = len(self._ids) - self._read
         if not final and fresh.endswith(REPLACEMENT_CHAR) and pending < _MAX_PENDING_TOKENS:
             # half a character at the end: send what precedes it, keep its tokens for next time

@@ -109,7 +109,8 @@ class PagePool:
         assert not free & cached
         for page in range(self.num_pages):
             live = self.ref_counts[page] > 0
-            assert live + (page in free) + (page in cached) == 1, f"page {page} is in {live, page in free, page in cached}"
+            where = (live, page in free, page in cached)
+            assert sum(where) == 1, f"page {page} is (live, free, cached) = {where}"
             assert self.ref_counts[page] >= 0
         assert all(p in self._hash_of for p in cached)
         assert all(self._page_of[h] == p for p, h in self._hash_of.items())
