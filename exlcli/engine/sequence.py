@@ -39,6 +39,7 @@ class Sequence:
     num_pending: int = 0
     pending_rows: list[int] = field(default_factory=list)
     rng: random.Random = field(default_factory=random.Random)
+    spec: object | None = None  # speculative.SpecState once the engine's speculator has seen it
     _hashes: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
