@@ -13,7 +13,9 @@ from exlcli.cli.common import (
     DeviceOption,
     DtypeOption,
     ModelOption,
+    NumDraftTokensOption,
     SeedOption,
+    SpeculativeOption,
     SystemOption,
     ThreadsOption,
     fail,
@@ -49,6 +51,8 @@ def register(app: typer.Typer) -> None:
         threads: ThreadsOption = None,
         device: DeviceOption = None,
         dtype: DtypeOption = None,
+        speculative: SpeculativeOption = None,
+        num_draft_tokens: NumDraftTokensOption = 4,
     ) -> None:
         """Generate one answer and print only the completion."""
         from exlcli.client.local import LocalClient
@@ -57,7 +61,8 @@ def register(app: typer.Typer) -> None:
         params = GenerationParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                   top_k=top_k, seed=seed, client="run")
         client = LocalClient.from_model(model, device=device, dtype=dtype, threaded=False, cpu_threads=threads,
-                                        max_model_len=ctx_size)
+                                        max_model_len=ctx_size, speculative=speculative,
+                                        num_draft_tokens=num_draft_tokens)
         try:
             if raw:
                 stream = client.complete(text, params)

@@ -29,6 +29,7 @@ class GenerationParams:
     priority: str = "interactive"  # or "batch"
     logprobs: int = 0
     client: str = "api"  # chat / batch / bench / api, for the live display
+    speculative: bool | None = None  # False: no speculative decoding for this request (None: the engine's)
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(

@@ -87,6 +87,7 @@ class _SamplingBody(_Body):
     priority: Literal["interactive", "batch"] | None = None
     client: ClientLabel | None = None
     return_token_ids: bool | None = None  # stream chunks carry "token_ids" (RemoteClient uses it)
+    speculative: bool | None = None  # false: no speculative decoding for this request
 
     @field_validator("stop")
     @classmethod
@@ -137,6 +138,7 @@ class _SamplingBody(_Body):
             priority=self.priority or "interactive",
             logprobs=self._num_logprobs(),
             client=self.client or "api",
+            speculative=self.speculative,
         )
 
 
