@@ -67,6 +67,12 @@ SeedOption = Annotated[Optional[int], typer.Option(
     help="Sampling seed, for repeatable answers (llama.cpp's -s).")]
 SystemOption = Annotated[Optional[str], typer.Option(
     "--system", "-sys", "--system-prompt", help="System prompt (llama.cpp's -sys).")]
+SpeculativeOption = Annotated[Optional[str], typer.Option(
+    "--speculative", help="Speculative decoding with this drafter: 'ngram' (prompt lookup: drafts copied from "
+                          "the prompt and the text so far; greedy output unchanged). Default: off.")]
+NumDraftTokensOption = Annotated[int, typer.Option(
+    "--num-draft-tokens", min=1, max=7, help="Most tokens drafted per sequence and step with --speculative "
+                                             "(each sequence's k adapts to its acceptance rate).")]
 TEMP_NAMES = ("--temp", "--temperature")  # llama.cpp's name, then vLLM's and OpenAI's
 
 F = TypeVar("F", bound=Callable)

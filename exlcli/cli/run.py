@@ -13,7 +13,9 @@ from exlcli.cli.common import (
     DeviceOption,
     DtypeOption,
     ModelOption,
+    NumDraftTokensOption,
     SeedOption,
+    SpeculativeOption,
     SystemOption,
     ThreadsOption,
     fail,
@@ -81,6 +83,8 @@ def register(app: typer.Typer) -> None:
             "--regex", metavar="R", help="The answer matches this regular expression in full.")] = None,
         grammar: Annotated[Optional[str], typer.Option(
             "--grammar", metavar="FILE", help="The answer follows this Lark or GBNF grammar file.")] = None,
+        speculative: SpeculativeOption = None,
+        num_draft_tokens: NumDraftTokensOption = 4,
     ) -> None:
         """Generate one answer and print only the completion."""
         from exlcli.client.local import LocalClient
@@ -90,7 +94,8 @@ def register(app: typer.Typer) -> None:
         params = GenerationParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                   top_k=top_k, seed=seed, client="run", grammar=constraint)
         client = LocalClient.from_model(model, device=device, dtype=dtype, threaded=False, cpu_threads=threads,
-                                        max_model_len=ctx_size)
+                                        max_model_len=ctx_size, speculative=speculative,
+                                        num_draft_tokens=num_draft_tokens)
         try:
             if raw:
                 stream = client.complete(text, params)

@@ -11,6 +11,8 @@ from exlcli.cli.common import (
     DeviceOption,
     DtypeOption,
     ModelOption,
+    NumDraftTokensOption,
+    SpeculativeOption,
     ThreadsOption,
     fail,
     renamed,
@@ -74,6 +76,8 @@ def register(app: typer.Typer) -> None:
             "--prefix-cache/--no-prefix-cache", help="Share the KV pages of common prompt prefixes.")] = True,
         ctx_size: CtxSizeOption = None,
         threads: ThreadsOption = None,
+        speculative: SpeculativeOption = None,
+        num_draft_tokens: NumDraftTokensOption = 4,
     ) -> None:
         """Serve one model to many clients: OpenAI API at /v1, /metrics, a live display.
 
@@ -113,7 +117,8 @@ def register(app: typer.Typer) -> None:
         sock = bind_socket(host, port)  # before the model loads, so a busy port fails fast
         port = sock.getsockname()[1]
         try:
-            client = _open_engine(model, device, dtype, kv_memory, prefix_cache, ctx_size, threads)
+            client = _open_engine(model, device, dtype, kv_memory, prefix_cache, ctx_size, threads,
+                                  speculative, num_draft_tokens)
             aliases: tuple[str, ...] = ()
             if served_model_name:
                 aliases = (client.model_name,)  # the model's own name keeps working
@@ -130,9 +135,10 @@ def register(app: typer.Typer) -> None:
             serve(client, sock, host, port, config, live_display=display, limits=limits)
 
 
-def _open_engine(model, device, dtype, kv_memory, prefix_cache, max_model_len=None, cpu_threads=None) -> EngineClient:
+def _open_engine(model, device, dtype, kv_memory, prefix_cache, max_model_len=None, cpu_threads=None,
+                 speculative=None, num_draft_tokens=4) -> EngineClient:
     from exlcli.client.factory import open_client
 
     return open_client(model, local=True, device=device, dtype=dtype, kv_memory=kv_memory,
                        prefix_cache=prefix_cache, fake_delay=0.0, max_model_len=max_model_len,
-                       cpu_threads=cpu_threads)
+                       cpu_threads=cpu_threads, speculative=speculative, num_draft_tokens=num_draft_tokens)

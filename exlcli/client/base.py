@@ -30,6 +30,7 @@ class GenerationParams:
     logprobs: int = 0
     client: str = "api"  # chat / batch / bench / api, for the live display
     grammar: GrammarSpec | None = None  # structured output (JSON schema, regex, grammar)
+    speculative: bool | None = None  # False: no speculative decoding for this request (None: the engine's)
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(

@@ -119,7 +119,8 @@ class LocalClient(EngineClient):
         request = Request(
             request_id=self.engine.new_request_id(), prompt_ids=prompt_ids, sampling=params.sampling(),
             max_new_tokens=params.max_tokens, stop=list(params.stop), priority=params.priority_class(),
-            client=params.client, ignore_eos=ignore_eos, grammar=params.grammar)
+            client=params.client, ignore_eos=ignore_eos, grammar=params.grammar,
+            speculative=params.speculative)
         return LocalStream(self.engine.submit(request))
 
     def chat(self, messages: list[dict], params: GenerationParams) -> GenerationStream:

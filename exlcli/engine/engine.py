@@ -24,6 +24,7 @@ from exlcli.engine.request import FinishReason, Request, RequestOutput, RequestS
 from exlcli.engine.sampler import SampleRow, needs_history, sample_ids, top_logprobs
 from exlcli.engine.scheduler import ScheduledBatch, Scheduler
 from exlcli.engine.sequence import SeqStatus, Sequence
+from exlcli.engine.speculative import Drafter, Speculator, make_drafter, num_accepted
 from exlcli.engine.stats import STEP_TIME_BUCKETS, ActiveRequestInfo, EngineStats, FinishedRequestInfo
 from exlcli.errors import RequestError
 from exlcli.model.interface import CausalLM
@@ -38,7 +39,10 @@ class LaunchedStep:
     """A step whose forward pass and sampling are queued on the device; `Engine._resolve` reads
     its tokens back and streams them."""
     batch: ScheduledBatch
-    seqs: list[Sequence]  # the sequences that sample, in the rows of `ids`
+    seqs: list[Sequence]  # the sequences that sample
+    rows: list[list[int]]  # each one's rows of `ids`: one, or 1 + k when verifying k drafted tokens
+    drafts: list[list[int]]  # each one's drafted tokens
+    rng_states: list  # each drafting one's generator state before its rows' draws (None: no drafts)
     ids: torch.Tensor | None  # sampled ids on the device
     host_ids: torch.Tensor | None  # their copy in host memory (pinned on a GPU)
     ready: torch.cuda.Event | None  # recorded after the copy (None on CPU)
@@ -61,6 +65,13 @@ class EngineConfig:
     # the device's (None: on for a GPU model). Stop strings then end a request one step late (the
     # extra token is dropped); requests with penalties, logprobs or a grammar are read back at once.
     async_scheduling: bool | None = None
+    # Speculative decoding: a drafter's name ("ngram": prompt lookup) or None for none; the most
+    # tokens drafted per sequence and step (k adapts to each sequence's acceptance); no drafting
+    # while more sequences than speculative_max_batch run. Sequences that may draft are read back
+    # at once (a draft needs the last token), the others stay asynchronous.
+    speculative: "str | Drafter | None" = None
+    num_draft_tokens: int = 4
+    speculative_max_batch: int = 8
 
 
 class RequestHandle:
@@ -130,7 +141,10 @@ class Engine:
                                  model.config.context_length, num_pages * config.page_size)
         # CPU: a 256-token chunk takes ~0.5 s on 2 cores, which bounds the gap other streams see
         budget = config.max_num_batched_tokens or (256 if device.type == "cpu" else 4096)
-        self.scheduler = Scheduler(self.pool, budget, config.max_num_seqs)
+        self.speculator = (Speculator(make_drafter(config.speculative), config.num_draft_tokens,
+                                      config.speculative_max_batch) if config.speculative else None)
+        self.scheduler = Scheduler(self.pool, budget, config.max_num_seqs,
+                                   propose=self.speculator.propose if self.speculator else None)
         self.runner = ModelRunner(model, self.kv)
         self.eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or model.config.eos_token_ids)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
@@ -199,7 +213,9 @@ class Engine:
         """A snapshot (a copy: the engine thread goes on updating its own)."""
         with self._stats_lock:
             snap = dataclasses.replace(self._stats, step_time_bucket_counts=list(self._stats.step_time_bucket_counts),
-                                       recent_finished=list(self._stats.recent_finished))
+                                       recent_finished=list(self._stats.recent_finished),
+                                       spec_drafted_by_position=list(self._stats.spec_drafted_by_position),
+                                       spec_accepted_by_position=list(self._stats.spec_accepted_by_position))
         snap.active = self._active_requests()
         return snap
 
@@ -255,6 +271,8 @@ class Engine:
                 return True
             self._publish_stats(None, 0.0)
             return False
+        if self.speculator is not None:
+            self.speculator.begin_step(len(self.scheduler.running) + len(self.scheduler.waiting))
         batch = self.scheduler.schedule()
         now = time.perf_counter()
         for item in batch.items:
@@ -288,31 +306,43 @@ class Engine:
                 self._finish(item.seq, FinishReason.ERROR, error=f"forward pass failed: {e}")
             return None
         self.scheduler.commit(batch)
-        seqs = [item.seq for item in batch.items if item.num_logits]
-        logits = self._last_logits_rows(batch, logits)
-        ids, logprobs = self._sample(seqs, logits) if seqs else (None, None)
+        items = [item for item in batch.items if item.num_logits]
+        seqs = [item.seq for item in items]
+        drafts = [item.draft_tokens for item in items]
+        rng_states = [seq.rng.getstate() if d else None for seq, d in zip(seqs, drafts)]
+        logits = self._sampled_logits_rows(batch, logits)
+        ids, logprobs = self._sample(seqs, drafts, logits) if seqs else (None, None)
+        rows, first = [], 0
+        for d in drafts:
+            rows.append(list(range(first, first + 1 + len(d))))
+            first += 1 + len(d)
         host_ids, ready = ids, None
         if ids is not None and ids.device.type != "cpu":
             host_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
             host_ids.copy_(ids, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
-        for row, seq in enumerate(seqs):
-            seq.add_pending([row])
+        for seq, r in zip(seqs, rows):
+            seq.add_pending(r[:1])  # a verify step's tokens are read back before anything uses the row
+        speculating = self.speculator is not None and any(self.speculator.enabled(seq) for seq in seqs)
         # a grammar's next mask needs this step's token: such a step is read back at once
-        keep = (self.async_scheduling and bool(seqs) and logprobs is None
+        keep = (self.async_scheduling and bool(seqs) and logprobs is None and not speculating
                 and not any(needs_history(seq.request.sampling) or seq.constraint for seq in seqs))
-        return LaunchedStep(batch, seqs, ids, host_ids, ready, logprobs, start, keep)
+        return LaunchedStep(batch, seqs, rows, drafts, rng_states, ids, host_ids, ready, logprobs, start, keep)
 
     @staticmethod
-    def _last_logits_rows(batch: ScheduledBatch, logits: torch.Tensor) -> torch.Tensor:
-        """One row per sampling sequence, its last: nothing drafts yet, so a sequence with k rows
-        (verifying k - 1 drafted tokens) samples from the row after its last token."""
-        counts = [item.num_logits for item in batch.items if item.num_logits]
-        if all(k == 1 for k in counts):
+    def _sampled_logits_rows(batch: ScheduledBatch, logits: torch.Tensor) -> torch.Tensor:
+        """The rows each sampling sequence draws from: the last 1 + len(draft_tokens) of its
+        num_logits rows (each drafted token is checked by the row before it, and the last row gives
+        the token after them)."""
+        items = [item for item in batch.items if item.num_logits]
+        if all(item.num_logits == 1 for item in items):
             return logits
-        last = list(itertools.accumulate(counts))
-        return logits.index_select(0, to_device([i - 1 for i in last], torch.long, logits.device))
+        keep, end = [], 0
+        for item in items:
+            end += item.num_logits
+            keep.extend(range(end - 1 - len(item.draft_tokens), end))
+        return logits.index_select(0, to_device(keep, torch.long, logits.device))
 
     def _resolve(self, step: LaunchedStep) -> None:
         """Reads a launched step's tokens back (waiting for the device) and streams them."""
@@ -321,19 +351,40 @@ class Engine:
             if step.ready is not None:
                 step.ready.synchronize()
             tokens = step.host_ids.tolist()
-        for row, (seq, token) in enumerate(zip(step.seqs, tokens)):
+        generated = 0
+        for seq, rows, drafts, rng_state in zip(step.seqs, step.rows, step.drafts, step.rng_states):
+            if not tokens:
+                break
             seq.pending_read(1)
             if seq.status is SeqStatus.FINISHED:
                 continue  # cancelled, failed, or stopped while this token was in flight
             try:
-                self._append_token(seq, token, step.logprobs[row] if step.logprobs else None)
+                choices = [tokens[r] for r in rows]
+                logprobs = [step.logprobs[r] for r in rows] if step.logprobs else None
+                if drafts:
+                    choices, logprobs = self._accept(seq, drafts, choices, logprobs, rng_state)
+                generated += self._append_tokens(seq, choices, logprobs)
             except Exception as e:
                 log.exception("postprocess failed for %s", seq.request_id)
                 self._finish(seq, FinishReason.ERROR, error=f"{type(e).__name__}: {e}")
         now = time.perf_counter()
         elapsed = now - max(step.start, self._last_resolved)  # with steps overlapping: the period
         self._last_resolved = now
-        self._publish_stats(step.batch, elapsed, generated=len(step.seqs))
+        self._publish_stats(step.batch, elapsed, generated=generated)
+
+    def _accept(self, seq: Sequence, drafts: list[int], choices: list[int], logprobs: list | None,
+                rng_state) -> tuple[list[int], list | None]:
+        """The tokens a verify step yields: the drafts the target's own tokens agree with, then
+        the target's token at the first disagreement (or after the last draft). The rejected drafts
+        are rolled back (before anything is appended, see Scheduler.rollback) and the generator
+        draws of the rows past the first disagreement are given back."""
+        accepted = num_accepted(drafts, choices)
+        self.scheduler.rollback(seq, len(drafts) - accepted)
+        seq.rng.setstate(rng_state)
+        for _ in range(accepted + 1):
+            seq.rng.random()
+        self.speculator.record(seq, len(drafts), accepted)
+        return choices[:accepted + 1], logprobs[:accepted + 1] if logprobs else None
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> None:
         """Drive the loop on the calling thread (tests, offline use without start())."""
@@ -355,79 +406,105 @@ class Engine:
             if seq is not None:
                 self._finish(seq, FinishReason.CANCELLED)
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, list | None]:
-        """Sampled ids on the device, and the logprobs when a request asks for them (reading
-        those waits for the device)."""
-        rows = [SampleRow(s.request.sampling, s.rng.random(), s.token_ids, s.num_prompt_tokens) for s in seqs]
+    def _sample(self, seqs: list[Sequence], drafts: list[list[int]],
+                logits: torch.Tensor) -> tuple[torch.Tensor, list | None]:
+        """Sampled ids on the device (1 + len(drafts) rows per sequence), and the logprobs when a
+        request asks for them (reading those waits for the device). Row j of a verifying sequence
+        is drawn as plain decoding would draw it after the first j drafted tokens: the same
+        history (for penalties) and the generator's next draw."""
+        rows: list[SampleRow] = []
+        for s, d in zip(seqs, drafts):
+            rows.append(SampleRow(s.request.sampling, s.rng.random(), s.token_ids, s.num_prompt_tokens))
+            rows.extend(SampleRow(s.request.sampling, s.rng.random(), s.token_ids + d[:j], s.num_prompt_tokens)
+                        for j in range(1, len(d) + 1))
         want_logprobs = any(r.params.logprobs for r in rows)
-        bitmask = self._grammar_masks(seqs)
+        bitmask = self._grammar_masks(seqs, drafts)
         try:
             ids = sample_ids(logits, rows, bitmask)
             return ids, (top_logprobs(logits, ids.tolist(), rows) if want_logprobs else None)
         except Exception:
             pass
-        # Find the row that broke the batch; the others go on (a failed row's id is never read).
-        ids_list, logprobs = [], []
-        for i, (seq, row) in enumerate(zip(seqs, rows)):
+        # Find the sequence that broke the batch; the others go on (a failed row's id is never read).
+        ids_list, logprobs, first = [], [], 0
+        for seq, d in zip(seqs, drafts):
+            span = slice(first, first + 1 + len(d))
+            first = span.stop
             try:
-                one = sample_ids(logits[i:i + 1], [row], bitmask[i:i + 1] if bitmask is not None else None)
-                logprobs.append(top_logprobs(logits[i:i + 1], one.tolist(), [row])[0])
-                ids_list.append(one)
+                mask = bitmask[span] if bitmask is not None else None
+                some = sample_ids(logits[span], rows[span], mask)
+                logprobs.extend(top_logprobs(logits[span], some.tolist(), rows[span]))
+                ids_list.append(some)
             except Exception as e:
                 self._finish(seq, FinishReason.ERROR, error=f"sampling failed: {type(e).__name__}: {e}")
-                ids_list.append(torch.zeros(1, dtype=torch.long, device=logits.device))
-                logprobs.append(None)
+                ids_list.append(torch.zeros(1 + len(d), dtype=torch.long, device=logits.device))
+                logprobs.extend([None] * (1 + len(d)))
         return torch.cat(ids_list), logprobs
 
-    def _grammar_masks(self, seqs: list[Sequence]) -> torch.Tensor | None:
-        """The next-token masks of the constrained rows (host work; on a GPU it overlaps the step's
-        forward pass, queued before); None when no row is constrained."""
-        rows = [i for i, s in enumerate(seqs) if s.constraint is not None]
-        if not rows:
+    def _grammar_masks(self, seqs: list[Sequence], drafts: list[list[int]]) -> torch.Tensor | None:
+        """The next-token masks of the constrained rows, one bitmask row per sampled row (host work;
+        on a GPU it overlaps the step's forward pass, queued before); None when no row is
+        constrained. A constrained sequence never drafts, so it has one row."""
+        firsts = [0]
+        for d in drafts:
+            firsts.append(firsts[-1] + 1 + len(d))
+        seq_rows = [i for i, s in enumerate(seqs) if s.constraint is not None]
+        if not seq_rows:
             return None
+        rows = [firsts[i] for i in seq_rows]
         constraints = []
-        for i in rows:
+        for i in seq_rows:
             seq = seqs[i]
             if seq.num_pending:
                 raise RuntimeError(f"{seq.request_id}: a constrained sequence has tokens in flight")
             seq.constraint.follow(seq.output_ids)  # a no-op unless tokens were dropped
             constraints.append(seq.constraint)
-        bitmask = new_bitmask(len(seqs), self.model.config.vocab_size)
+        bitmask = new_bitmask(firsts[-1], self.model.config.vocab_size)
         self.grammars.fill_masks(constraints, rows, bitmask)
         return bitmask
 
-    def _append_token(self, seq: Sequence, token: int, logprob) -> None:
+    def _append_tokens(self, seq: Sequence, tokens: list[int], logprobs: list | None) -> int:
+        """Appends a step's tokens one by one (stop tokens, stop strings and the length limit end
+        the request at the token that meets them) and streams them as one delta. Returns how many
+        were appended."""
         if seq.status is SeqStatus.FINISHED:
-            return
+            return 0
         now = time.perf_counter()
         if seq.first_token_time is None:
             seq.first_token_time = now
-        seq.token_ids.append(token)
-        self.scheduler.token_known(seq)
         request = seq.request
         streamer = self._streamers[seq.request_id]
         reason = None
         constraint = seq.constraint
-        if constraint is not None and not constraint.accept(token):
-            self._finish(seq, FinishReason.ERROR, error=f"the grammar does not allow token {token}: {constraint.error}")
-            return
-        if token in request.stop_token_ids or (token in self.eos_ids and not request.ignore_eos):
-            text, reason = streamer.flush(), FinishReason.STOP
-        elif constraint is not None and constraint.must_stop():  # the grammar is complete
-            text, reason = streamer.push([token])[0] + streamer.flush(), FinishReason.STOP
-        else:
-            text, stopped = streamer.push([token])
-            if stopped:
-                reason = FinishReason.STOP
-            elif len(seq.token_ids) >= seq.max_tokens:  # max_new_tokens or the context
-                text += streamer.flush()
-                reason = FinishReason.LENGTH
-        out = RequestOutput(seq.request_id, new_token_ids=[token], new_text=text,
-                            logprobs=[logprob] if logprob is not None else None)
+        text, taken = "", 0
+        for token in tokens:
+            if constraint is not None and not constraint.accept(token):
+                self._finish(seq, FinishReason.ERROR,
+                             error=f"the grammar does not allow token {token}: {constraint.error}")
+                return taken
+            seq.token_ids.append(token)
+            self.scheduler.token_known(seq)
+            taken += 1
+            if token in request.stop_token_ids or (token in self.eos_ids and not request.ignore_eos):
+                text, reason = text + streamer.flush(), FinishReason.STOP
+            elif constraint is not None and constraint.must_stop():  # the grammar is complete
+                text, reason = text + streamer.push([token])[0] + streamer.flush(), FinishReason.STOP
+            else:
+                piece, stopped = streamer.push([token])
+                text += piece
+                if stopped:
+                    reason = FinishReason.STOP
+                elif len(seq.token_ids) >= seq.max_tokens:  # max_new_tokens or the context
+                    text += streamer.flush()
+                    reason = FinishReason.LENGTH
+            if reason is not None:
+                break
+        chosen = [lp for lp in (logprobs or [])[:taken] if lp is not None]
+        out = RequestOutput(seq.request_id, new_token_ids=tokens[:taken], new_text=text, logprobs=chosen or None)
         if reason is None:
             self._handles[seq.request_id]._put(out)
         else:
             self._finish(seq, reason, last=out)
+        return taken
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None,
                 last: RequestOutput | None = None) -> None:
@@ -491,6 +568,12 @@ class Engine:
             s.num_preemptions = sched.num_preemptions
             s.prefix_cache_queries, s.prefix_cache_hits = sched.prefix_queries, sched.prefix_hits
             s.prefix_cache_evictions = self.pool.num_evictions
+            if self.speculator is not None:
+                c = self.speculator.counters
+                s.spec_verify_steps, s.spec_drafted_tokens, s.spec_accepted_tokens = (
+                    c.num_verify_steps, c.num_drafted, c.num_accepted)
+                s.spec_drafted_by_position = list(c.drafted_by_position)
+                s.spec_accepted_by_position = list(c.accepted_by_position)
             if batch is not None and batch.items:
                 s.last_batch_size, s.last_step_tokens = len(batch.items), batch.num_tokens
                 s.last_step_time_s = elapsed

@@ -142,6 +142,7 @@ class Request:
     ignore_eos: bool = False
     client: str = "api"  # who asked: chat / batch / bench / api; shown on the live display
     grammar: GrammarSpec | None = None  # structured output: the text must match it
+    speculative: bool | None = None  # False: never draft for this request; None/True: the engine's choice
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from typing import Callable
 
 from exlcli.engine.page_pool import PagePool
 from exlcli.engine.sequence import SeqStatus, Sequence
@@ -57,8 +58,11 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, pool: PagePool, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+    def __init__(self, pool: PagePool, max_num_batched_tokens: int, max_num_seqs: int,
+                 propose: Callable[[Sequence, int], list[int]] | None = None) -> None:
         self.pool = pool
+        # speculative decoding: propose(seq, max_tokens) drafts tokens to verify after seq's last one
+        self.propose = propose
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.background_chunk = max(16, max_num_batched_tokens // 8)
@@ -114,8 +118,9 @@ class Scheduler:
                     continue
                 if not self._reserve(seq, n, batch):
                     break  # seq itself was preempted; it was the last one
-                batch.items.append(ScheduledSeq(seq, n))
-                budget -= n
+                drafts = self._drafts(seq, n, budget - n)
+                batch.items.append(ScheduledSeq(seq, n + len(drafts), draft_tokens=drafts))
+                budget -= n + len(drafts)
                 if self.pool.enable_prefix_cache:
                     in_flight |= self._future_full_pages(seq, n)
             budget = self._admit(cls, budget, top, batch, in_flight)
@@ -217,6 +222,19 @@ class Scheduler:
         return self.pool.ref_counts[page] > 1 or self.pool.is_published(page)
 
     # -- helpers --------------------------------------------------------------------------------
+    def _drafts(self, seq: Sequence, n: int, budget: int) -> list[int]:
+        """Drafted tokens to verify after a chunk that reaches seq's last token, with their pages
+        reserved; none when they would not fit the budget, the generation limit or the free pages
+        (drafts never preempt anyone)."""
+        if self.propose is None or seq.num_computed_tokens + n != seq.num_tokens:
+            return []
+        room = min(budget, seq.max_tokens - seq.num_tokens - 1)  # every accepted draft plus one more token fits
+        drafts = self.propose(seq, room)[:max(0, room)] if room > 0 else []
+        if drafts and not self.pool.can_allocate(self._pages_needed(seq, n + len(drafts))):
+            return []
+        self._allocate(seq, n + len(drafts))
+        return drafts
+
     def _chunk(self, seq: Sequence, budget: int, top_priority: int) -> int:
         """Tokens `seq` computes this step (0: none). While a higher class has work, the lower
         classes' prefills share `background_chunk` tokens a step, so the step (and the higher

@@ -41,6 +41,7 @@ class Sequence:
     pending_rows: list[int] = field(default_factory=list)
     rng: random.Random = field(default_factory=random.Random)
     constraint: TokenConstraint | None = None  # the request's grammar matcher, at its generated tokens
+    spec: object | None = None  # speculative.SpecState once the engine's speculator has seen it
     _hashes: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:

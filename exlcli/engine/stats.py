@@ -52,12 +52,27 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens served from it
     prefix_cache_evictions: int = 0
+    # speculative decoding: drafted tokens verified, those accepted, and both by draft position
+    spec_verify_steps: int = 0
+    spec_drafted_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_drafted_by_position: list[int] = field(default_factory=list)
+    spec_accepted_by_position: list[int] = field(default_factory=list)
     active: list[ActiveRequestInfo] = field(default_factory=list)
     recent_finished: list[FinishedRequestInfo] = field(default_factory=list)
 
     @property
     def pages_free(self) -> int:
         return self.pages_total - self.pages_used - self.pages_cached
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_accepted_tokens / self.spec_drafted_tokens if self.spec_drafted_tokens else 0.0
+
+    @property
+    def spec_acceptance_by_position(self) -> list[float]:
+        """Of the tokens drafted at position i (0: right after the last known token), the share accepted."""
+        return [a / d for a, d in zip(self.spec_accepted_by_position, self.spec_drafted_by_position) if d]
 
     @property
     def prefix_cache_hit_rate(self) -> float:

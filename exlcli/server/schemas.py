@@ -123,6 +123,7 @@ class _SamplingBody(_Body):
     def _check_response_format(cls, value: dict | None) -> dict | None:
         _grammar_spec(value)  # a ValueError naming the problem becomes a 400
         return value
+    speculative: bool | None = None  # false: no speculative decoding for this request
 
     @field_validator("stop")
     @classmethod
@@ -182,6 +183,7 @@ class _SamplingBody(_Body):
             logprobs=self._num_logprobs(),
             client=self.client or "api",
             grammar=_grammar_spec(self.response_format),
+            speculative=self.speculative,
         )
 
 
