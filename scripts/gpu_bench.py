@@ -410,6 +410,7 @@ QUANT_KINDS = {  # --only part -> (label, format of each linear: (layer, name, l
         i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2) else "Q4_K", "Q6_K"),
     "gptq4": ("GPTQ 4-bit g128", lambda i, name, n: "GPTQ4_G128", None),  # GPTQ keeps the head in bf16
     "q8": ("Q8_0", lambda i, name, n: "Q8_0", "Q8_0"),
+    "fp8": ("FP8 e4m3 per tensor", lambda i, name, n: "FP8_E4M3", None),  # FP8 checkpoints keep the head in bf16
 }
 
 
@@ -418,6 +419,12 @@ def random_blocks(fmt_name: str, rows: int, cols: int) -> "QuantizedWeight":
     speed does not depend on the values, only on the layout."""
     from exlcli.ops import formats
 
+    if fmt_name == "FP8_E4M3":
+        from exlcli.ops.formats import fp8
+
+        w = torch.randn(rows, cols, device="cuda") * (3.0 * cols ** -0.5)
+        scale = w.abs().max() / 448
+        return fp8.from_fp8((w / scale).to(torch.float8_e4m3fn), scale)
     fmt = formats.by_name(fmt_name)
     nb = cols // fmt.block_weights
     blocks = torch.randint(0, 256, (rows, nb, fmt.block_bytes), dtype=torch.uint8, device="cuda")
@@ -470,7 +477,7 @@ def build_quantized_llama(kind: str):
     return model, SyntheticTokenizer(config.vocab_size)
 
 
-def bench_quant(res: dict, kind: str) -> None:
+def bench_quant(res: dict, kind: str, profile: bool = False) -> None:
     label = QUANT_KINDS[kind][0]
     log(f"llama3.1-8b {label}: building random quantized weights")
     model, tok = build_quantized_llama(kind)
@@ -479,15 +486,23 @@ def bench_quant(res: dict, kind: str) -> None:
     res[key + "_gpu_gb"] = torch.cuda.memory_allocated() / 1e9
     log(f"{label}: {res[key + '_weight_gb']:.2f} GB of weights read per step, "
         f"{res[key + '_gpu_gb']:.2f} GB allocated")
-    engine = make_engine(model, tok, max_num_seqs=64)
+    engine = make_engine(model, tok, max_num_seqs=512 if kind == "fp8" else 64)
     replay = decode_figures(res, key + "_b1", engine, 1, 160)
     if replay:
         res[key + "_b1_graph_tb_s"] = model.weight_bytes() / (replay * 1e-3) / 1e12
+    if profile:
+        res[key + "_profile_b1"] = profile_graph(engine, 1)
     decode_figures(res, key + "_b16", engine, 16, 96)
     decode_figures(res, key + "_b64", engine, 64, 96)
+    if profile:
+        res[key + "_profile_b64"] = profile_graph(engine, 64)
     tps, ms = prefill_tok_s(model, 1, 2048)
     res[key + "_prefill2048_tok_s"] = tps
     log(f"{label} prefill 1x2048: {tps:.0f} tok/s ({ms:.1f} ms)")
+    if kind == "fp8":  # the issue's offline figure for FP8
+        off = offline(engine, 1024, 128, 128)
+        res[key + "_offline_out_tok_s"] = off["out_tok_s"]
+        log(f"{label} offline 1024 x (128 + 128), max_num_seqs 512: {off}")
     del engine, model
     free_gpu()
 
@@ -680,7 +695,7 @@ def main() -> int:
                                                    args.variants, args.profile)),
                      ("smollm2", lambda: bench_smollm2(res)),
                      ("qlinear", lambda: bench_quant_linear(res)),
-                     *((kind, lambda kind=kind: bench_quant(res, kind)) for kind in QUANT_KINDS),
+                     *((kind, lambda kind=kind: bench_quant(res, kind, args.profile)) for kind in QUANT_KINDS),
                      ("hf", lambda: (hf_bench(res, "smollm2-135m", "smollm2", 0),
                                      hf_bench(res, "llama3.1-8b", "llama8b", args.hf_batch_requests)))):
         if name not in parts and not (name == "hf" and args.hf):

@@ -4,9 +4,9 @@
 // (exlcli/ops/formats/cuda_groups.py, which also holds the torch reference of the layout).
 //
 // The product runs on the tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulate): a block
-// computes 16 output features (one "row tile") for up to 8 * NT tokens; its 8 warps split the row
-// tile's input features in chunks of 64 (warp w takes chunks w, w + 8, ...) and add their partial
-// sums in a fixed order, so a token's result does not depend on how many tokens share the call.
+// computes RT tiles of 16 output features ("row tiles") for up to 8 * NT tokens; its 8 warps split the
+// input features in chunks of 64 (warp w takes chunks w, w + 8, ...) and add their partial sums in a
+// fixed order, so a token's result does not depend on how many tokens share the call.
 //
 // Packed layout (what the pack in cuda_groups.py writes; "lane" is the thread of the warp, g = lane
 // / 4 and t = lane % 4 its place in the mma fragments):
@@ -21,10 +21,13 @@
 // - 8-bit: two uint32 per (row tile, chunk, lane, k-step), bytes in fragment order (register p's
 //   two weights are bytes 2 p and 2 p + 1). A chunk is [2 halves (steps 0-1, 2-3)][32 lanes][4 words].
 // - Scales: per (row tile, group, row of the tile): (scale, offset) as a bf16 pair for 4-bit
-//   weights, as a float pair for 8-bit ones.
+//   weights (the bf16 arithmetic of their dequantization), as an fp16 pair for 8-bit ones (computed
+//   in fp32; fp16 holds the GGUF and GPTQ scales as their files do). FP8 (e4m3) weights take the
+//   8-bit layout with an fp32 scale * 2^120 in the slot (see e4m3_value).
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -37,13 +40,12 @@ namespace qlinear {
 constexpr int kTileRows = 16;   // output features per block
 constexpr int kChunk = 64;      // input features per chunk
 constexpr int kWarps = 8;       // warps per block, splitting the chunks of a row tile
-constexpr int kUnroll = 4;      // chunks a warp loads before it computes them
 constexpr int kMaxTileTokens = 64;  // 8 * NT tokens at most per block (NT <= 8)
 
 struct Params {
   const __nv_bfloat16* x;  // [m, k], rows 16-byte aligned
   const uint32_t* qweight;  // packed, see above
-  const void* scales;       // bf16x2 (4-bit) or float2 (8-bit) per (row tile, group, row)
+  const uint32_t* scales;   // a bf16 (4-bit) or fp16 (8-bit) pair per (row tile, group, row)
   const __nv_bfloat16* bias;  // [n] or null
   void* out;                // [m, n] bf16, or fp32 when float_out
   int m, n, k;
@@ -104,6 +106,20 @@ __device__ __forceinline__ void dequant8(uint32_t w0, uint32_t w1, float2 lo, fl
   a[3] = as_u32(__floats2bfloat162_rn(fmaf(byte_value(w1, 2), hi.x, hi.y), fmaf(byte_value(w1, 3), hi.x, hi.y)));
 }
 
+// e4m3 (FP8 weights): the byte's sign, exponent and mantissa placed in a float's are the value times
+// 2^-120 (for subnormals too, as the float is then subnormal); the scale slot holds scale * 2^120.
+__device__ __forceinline__ float e4m3_value(uint32_t word, int byte) {
+  const uint32_t b = (word >> (8 * byte)) & 0xFFu;
+  return __uint_as_float(((b & 0x80u) << 24) | ((b & 0x7Fu) << 20));
+}
+
+__device__ __forceinline__ void dequant_e4m3(uint32_t w0, uint32_t w1, float lo, float hi, uint32_t (&a)[4]) {
+  a[0] = as_u32(__floats2bfloat162_rn(e4m3_value(w0, 0) * lo, e4m3_value(w0, 1) * lo));
+  a[1] = as_u32(__floats2bfloat162_rn(e4m3_value(w0, 2) * hi, e4m3_value(w0, 3) * hi));
+  a[2] = as_u32(__floats2bfloat162_rn(e4m3_value(w1, 0) * lo, e4m3_value(w1, 1) * lo));
+  a[3] = as_u32(__floats2bfloat162_rn(e4m3_value(w1, 2) * hi, e4m3_value(w1, 3) * hi));
+}
+
 // What one warp loads for one chunk before computing it.
 template <int BITS>
 struct ChunkLoad;
@@ -117,7 +133,7 @@ struct ChunkLoad<4> {
 template <>
 struct ChunkLoad<8> {
   uint4 q0, q1;  // steps 0-1 and 2-3
-  float2 lo, hi;
+  uint32_t lo, hi;
 };
 
 template <int BITS>
@@ -130,58 +146,76 @@ __device__ __forceinline__ void load_chunk(const Params& p, int tile, int chunk,
   if constexpr (BITS == 4) {
     const uint4* q = reinterpret_cast<const uint4*>(p.qweight) + (static_cast<size_t>(tile) * chunks + chunk) * 32;
     c.q = load_streaming(q + lane);
-    const uint32_t* s = static_cast<const uint32_t*>(p.scales);
-    c.lo = __ldg(s + scale_at);
-    c.hi = __ldg(s + scale_at + 8);
+    c.lo = __ldg(p.scales + scale_at);
+    c.hi = __ldg(p.scales + scale_at + 8);
   } else {
     const uint4* q = reinterpret_cast<const uint4*>(p.qweight) + (static_cast<size_t>(tile) * chunks + chunk) * 64;
     c.q0 = load_streaming(q + lane);
     c.q1 = load_streaming(q + 32 + lane);
-    const float2* s = static_cast<const float2*>(p.scales);
-    c.lo = __ldg(s + scale_at);
-    c.hi = __ldg(s + scale_at + 8);
+    c.lo = __ldg(p.scales + scale_at);
+    c.hi = __ldg(p.scales + scale_at + 8);
   }
 }
 
-// The fragments of k-step `step` of a loaded chunk.
-template <int BITS>
+// The fragments of k-step `step` of a loaded chunk (E4M3: 8-bit FP8 weights, whose scale slot is
+// one fp32, not an fp16 pair).
+template <int BITS, bool E4M3>
 __device__ __forceinline__ void chunk_step(const ChunkLoad<BITS>& c, int step, uint32_t (&a)[4]) {
   if constexpr (BITS == 4) {
     const uint32_t word = step == 0 ? c.q.x : step == 1 ? c.q.y : step == 2 ? c.q.z : c.q.w;
     dequant4(word, affine4(c.lo), affine4(c.hi), a);
+  } else if constexpr (E4M3) {
+    const uint4& h = step < 2 ? c.q0 : c.q1;
+    const float lo = __uint_as_float(c.lo), hi = __uint_as_float(c.hi);
+    if (step & 1) {
+      dequant_e4m3(h.z, h.w, lo, hi, a);
+    } else {
+      dequant_e4m3(h.x, h.y, lo, hi, a);
+    }
   } else {
     const uint4& h = step < 2 ? c.q0 : c.q1;
+    const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&c.lo));
+    const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&c.hi));
     if (step & 1) {
-      dequant8(h.z, h.w, c.lo, c.hi, a);
+      dequant8(h.z, h.w, lo, hi, a);
     } else {
-      dequant8(h.x, h.y, c.lo, c.hi, a);
+      dequant8(h.x, h.y, lo, hi, a);
     }
   }
 }
 
-template <int BITS, int NT, bool FLOAT_OUT>
+// RT row tiles per block share each activation fragment a warp loads (for many tokens the
+// activations, read again for every row tile, otherwise cost more L2 traffic than the weights);
+// UNROLL chunks of each row tile are loaded before they are computed.
+template <int BITS, bool E4M3, int NT, int RT, int UNROLL, bool FLOAT_OUT>
 __global__ void __launch_bounds__(kWarps * 32) quant_linear_kernel(Params p) {
   __shared__ float partial[kWarps][NT][4][32];
-  const int tile = blockIdx.x;
+  const int tile0 = blockIdx.x * RT;
   const int token0 = blockIdx.y * 8 * NT;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   const int chunks = p.k / kChunk;
 
-  float acc[NT][4];
+  float acc[RT][NT][4];
 #pragma unroll
-  for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+  for (int r = 0; r < RT; ++r) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j) acc[r][j][0] = acc[r][j][1] = acc[r][j][2] = acc[r][j][3] = 0.0f;
+  }
 
-  for (int first = warp; first < chunks; first += kWarps * kUnroll) {
-    ChunkLoad<BITS> loads[kUnroll];
+  for (int first = warp; first < chunks; first += kWarps * UNROLL) {
+    ChunkLoad<BITS> loads[UNROLL][RT];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < UNROLL; ++u) {
       const int chunk = first + u * kWarps;
-      if (chunk < chunks) load_chunk<BITS>(p, tile, chunk, lane, loads[u]);
+      if (chunk < chunks) {
+#pragma unroll
+        for (int r = 0; r < RT; ++r) load_chunk<BITS>(p, tile0 + r, chunk, lane, loads[u][r]);
+      }
     }
     if (first == warp) grid_dependency_wait();  // x is the previous kernel's output
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < UNROLL; ++u) {
       const int chunk = first + u * kWarps;
       if (chunk >= chunks) break;
       uint4 xv[NT][2];
@@ -199,12 +233,15 @@ __global__ void __launch_bounds__(kWarps * 32) quant_linear_kernel(Params p) {
       }
 #pragma unroll
       for (int step = 0; step < 4; ++step) {
-        uint32_t a[4];
-        chunk_step<BITS>(loads[u], step, a);
 #pragma unroll
-        for (int j = 0; j < NT; ++j) {
-          const uint4& v = xv[j][step >> 1];
-          mma_bf16(acc[j], a, (step & 1) ? v.z : v.x, (step & 1) ? v.w : v.y);
+        for (int r = 0; r < RT; ++r) {
+          uint32_t a[4];
+          chunk_step<BITS, E4M3>(loads[u][r], step, a);
+#pragma unroll
+          for (int j = 0; j < NT; ++j) {
+            const uint4& v = xv[j][step >> 1];
+            mma_bf16(acc[r][j], a, (step & 1) ? v.z : v.x, (step & 1) ? v.w : v.y);
+          }
         }
       }
     }
@@ -213,34 +250,38 @@ __global__ void __launch_bounds__(kWarps * 32) quant_linear_kernel(Params p) {
   grid_dependency_wait();  // (warps without a chunk) before anything is written
   grid_dependents_launch();
 #pragma unroll
-  for (int j = 0; j < NT; ++j) {
+  for (int r = 0; r < RT; ++r) {
+    if (r > 0) __syncthreads();  // the previous row tile's sums are read
 #pragma unroll
-    for (int e = 0; e < 4; ++e) partial[warp][j][e][lane] = acc[j][e];
-  }
-  __syncthreads();
-  // the warps' partial sums, added in warp order; accumulator e of lane (g, t) is row g + 8 (e / 2)
-  // of the tile and token 2 t + e % 2 of its group of 8
-  for (int i = threadIdx.x; i < NT * 4 * 32; i += kWarps * 32) {
-    const int j = i / 128, e = (i / 32) % 4, l = i % 32;
-    const int token = token0 + 8 * j + 2 * (l & 3) + (e & 1);
-    if (token >= p.m) continue;
-    float sum = 0.0f;
+    for (int j = 0; j < NT; ++j) {
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) sum += partial[w][j][e][l];
-    const int row = tile * kTileRows + (l >> 2) + 8 * (e >> 1);
-    if (p.bias != nullptr) sum += __bfloat162float(p.bias[row]);
-    const size_t at = static_cast<size_t>(token) * p.n + row;
-    if constexpr (FLOAT_OUT) {
-      static_cast<float*>(p.out)[at] = sum;
-    } else {
-      static_cast<__nv_bfloat16*>(p.out)[at] = __float2bfloat16_rn(sum);
+      for (int e = 0; e < 4; ++e) partial[warp][j][e][lane] = acc[r][j][e];
+    }
+    __syncthreads();
+    // the warps' partial sums, added in warp order; accumulator e of lane (g, t) is row g + 8 (e / 2)
+    // of the tile and token 2 t + e % 2 of its group of 8
+    for (int i = threadIdx.x; i < NT * 4 * 32; i += kWarps * 32) {
+      const int j = i / 128, e = (i / 32) % 4, l = i % 32;
+      const int token = token0 + 8 * j + 2 * (l & 3) + (e & 1);
+      if (token >= p.m) continue;
+      float sum = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) sum += partial[w][j][e][l];
+      const int row = (tile0 + r) * kTileRows + (l >> 2) + 8 * (e >> 1);
+      if (p.bias != nullptr) sum += __bfloat162float(p.bias[row]);
+      const size_t at = static_cast<size_t>(token) * p.n + row;
+      if constexpr (FLOAT_OUT) {
+        static_cast<float*>(p.out)[at] = sum;
+      } else {
+        static_cast<__nv_bfloat16*>(p.out)[at] = __float2bfloat16_rn(sum);
+      }
     }
   }
 }
 
 // The dense bf16 weight [n, k] of the packed one (for products of many tokens through cuBLAS): one
 // warp per (row tile, chunk), each thread writing its 16 consecutive features of rows g and g + 8.
-template <int BITS>
+template <int BITS, bool E4M3>
 __global__ void __launch_bounds__(256) dequantize_kernel(Params p, __nv_bfloat16* __restrict__ out) {
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
   const int chunks = p.k / kChunk;
@@ -254,7 +295,7 @@ __global__ void __launch_bounds__(256) dequantize_kernel(Params p, __nv_bfloat16
 #pragma unroll
   for (int step = 0; step < 4; ++step) {
     uint32_t a[4];
-    chunk_step<BITS>(c, step, a);
+    chunk_step<BITS, E4M3>(c, step, a);
     lo[2 * step] = a[0];
     hi[2 * step] = a[1];
     lo[2 * step + 1] = a[2];

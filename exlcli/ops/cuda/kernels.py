@@ -174,7 +174,7 @@ def _packed(op: str, qweight: torch.Tensor, scales: torch.Tensor, bits: int, gro
                         f"got [{n}, {k}]")
     if qweight.dtype != torch.int32 or not qweight.is_contiguous() or qweight.numel() != n * k * bits // 32:
         checks.fail(op, f"qweight must be contiguous int32 of {n * k * bits // 32} elements")
-    want = n * (k // group) * (4 if bits == 4 else 8)
+    want = n * (k // group) * 4  # a 2-byte pair per group and row
     if not scales.is_contiguous() or scales.numel() * scales.element_size() != want:
         checks.fail(op, f"scales must be contiguous, {want} bytes")
     if not (checks.aligned(qweight) and checks.aligned(scales)):
@@ -182,9 +182,10 @@ def _packed(op: str, qweight: torch.Tensor, scales: torch.Tensor, bits: int, gro
 
 
 def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bits: int, group: int, n: int,
-                 bias: torch.Tensor | None = None, float_out: bool = False) -> torch.Tensor:
+                 bias: torch.Tensor | None = None, float_out: bool = False, e4m3: bool = False) -> torch.Tensor:
     """x [m, k] bf16 @ w^T (+ bias) for w [n, k] in the packed layout of csrc/quant_linear.cuh
-    (exlcli/ops/formats/cuda_groups.py packs it): bf16 [m, n], or fp32 with float_out."""
+    (exlcli/ops/formats/cuda_groups.py packs it; e4m3: FP8 values in the 8-bit layout): bf16 [m, n],
+    or fp32 with float_out."""
     op = "quant_linear"
     checks.on_cuda(op, "x", x)
     if x.dim() != 2 or x.dtype != torch.bfloat16 or not x.is_contiguous() or not checks.aligned(x):
@@ -194,11 +195,16 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, b
     if bias is not None:
         checks.on_cuda(op, "x bias", x, bias)
         checks.vector(op, "bias", bias, n, torch.bfloat16)
-    return torch.ops.exlcli.quant_linear(x, qweight, scales, bits, group, n, bias, float_out, STATE.options.pdl)
+    if e4m3 and bits != 8:
+        checks.fail(op, "e4m3 weights take the 8-bit layout")
+    return torch.ops.exlcli.quant_linear(x, qweight, scales, bits, e4m3, group, n, bias, float_out,
+                                         STATE.options.pdl)
 
 
 def quant_dequantize(qweight: torch.Tensor, scales: torch.Tensor, bits: int, group: int, n: int,
-                     k: int) -> torch.Tensor:
+                     k: int, e4m3: bool = False) -> torch.Tensor:
     """The dense bf16 weight [n, k] of a packed one (see quant_linear)."""
     _packed("quant_dequantize", qweight, scales, bits, group, n, k)
-    return torch.ops.exlcli.quant_dequantize(qweight, scales, bits, group, n, k)
+    if e4m3 and bits != 8:
+        checks.fail("quant_dequantize", "e4m3 weights take the 8-bit layout")
+    return torch.ops.exlcli.quant_dequantize(qweight, scales, bits, e4m3, group, n, k)

@@ -1,7 +1,8 @@
 """Quantized weights on CUDA: every format of the form w = q * scale + offset per group of weights
 along a row (the legacy and K-quant GGUF types, GPTQ, AWQ) is repacked at load into the one layout
 that csrc/quant_linear.cuh reads, and stays quantized there: 4-bit q with a bf16 (scale, offset)
-pair per group, or 8-bit q (the 5- and 6-bit types too) with an fp32 pair.
+pair per group, or 8-bit q (the 5- and 6-bit types too) with an fp16 pair; FP8 (e4m3) weights take
+the 8-bit layout with an fp32 scale per group.
 
 The layout follows the tensor-core fragments of the kernel (see the header): rows in tiles of 16,
 input features in chunks of 64 whose features are read in a permuted order that is the same for
@@ -41,9 +42,28 @@ def fits(shape: tuple[int, int], group: int) -> bool:
             and cols % group == 0 and rows > 0)
 
 
+E4M3_SCALE_SHIFT = 2.0 ** 120  # the kernel reads e4m3 bits as a float 2^-120 times their value
+
+
 def pack(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """q [N, K] (0 .. 2**bits - 1), scale and offset [N, K / G] -> (qweight int32 [N * K * bits / 32],
-    scales: bf16 [N / 16, K / G, 16, 2] for 4 bits, fp32 for 8), on q's device."""
+    scales: bf16 [N / 16, K / G, 16, 2] for 4 bits, fp16 for 8), on q's device."""
+    groups = scale.shape[1]
+    pairs = torch.stack([scale.float(), offset.float()], dim=-1)  # [N, G, 2]
+    pairs = pairs.view(q.shape[0] // QUANT_TILE_ROWS, QUANT_TILE_ROWS, groups, 2).permute(0, 2, 1, 3).contiguous()
+    return pack_quants(q, bits), pairs.to(torch.bfloat16 if bits == 4 else torch.float16)
+
+
+def pack_e4m3(values: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 weights: e4m3 values [N, K] and their fp32 scale [N, K / G] -> (qweight in the 8-bit layout,
+    scales fp32 [N / 16, K / G, 16]: scale * 2^120)."""
+    rows, groups = scale.shape
+    slots = (scale.float() * E4M3_SCALE_SHIFT).view(rows // QUANT_TILE_ROWS, QUANT_TILE_ROWS, groups)
+    return pack_quants(values.view(torch.uint8), 8), slots.permute(0, 2, 1).contiguous()
+
+
+def pack_quants(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """q [N, K] (0 .. 2**bits - 1) -> qweight int32 [N * K * bits / 32] in the kernel's fragment order."""
     rows, cols = q.shape
     tiles, chunks = rows // QUANT_TILE_ROWS, cols // QUANT_CHUNK
     if bits == 4:
@@ -60,13 +80,11 @@ def pack(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int) 
         qweight = v.contiguous().view(-1).view(torch.int32)
     else:
         raise ValueError(f"packed weights are {QUANT_BITS}-bit, not {bits}-bit")
-    groups = scale.shape[1]
-    pairs = torch.stack([scale.float(), offset.float()], dim=-1)  # [N, G, 2]
-    pairs = pairs.view(tiles, QUANT_TILE_ROWS, groups, 2).permute(0, 2, 1, 3).contiguous()
-    return qweight.contiguous(), pairs.to(torch.bfloat16 if bits == 4 else torch.float32)
+    return qweight.contiguous()
 
 
-def unpack_packed(qweight: torch.Tensor, scales: torch.Tensor, bits: int, shape: tuple[int, int]) -> torch.Tensor:
+def unpack_packed(qweight: torch.Tensor, scales: torch.Tensor, bits: int, shape: tuple[int, int],
+                  e4m3: bool = False) -> torch.Tensor:
     """The weight [N, K] in fp32 as the kernel computes it (for 4 bits: q * scale + offset in bf16)."""
     rows, cols = shape
     tiles, chunks = rows // QUANT_TILE_ROWS, cols // QUANT_CHUNK
@@ -80,13 +98,17 @@ def unpack_packed(qweight: torch.Tensor, scales: torch.Tensor, bits: int, shape:
         v = qweight.view(torch.uint8).view(tiles, chunks, 2, 8, 4, 2, 2, 2, 2)  # [T, C, h, g, t, s1, ph, pb, e]
         q = v.permute(0, 7, 3, 1, 4, 2, 5, 6, 8).reshape(rows, cols)
     groups = scales.shape[1]
-    pairs = scales.permute(0, 2, 1, 3).reshape(rows, groups, 2)
     group = cols // groups
+    if e4m3:
+        values = q.to(torch.uint8).view(torch.float8_e4m3fn).float().view(rows, groups, group)
+        scale = scales.permute(0, 2, 1).reshape(rows, groups, 1) / E4M3_SCALE_SHIFT
+        return (values * scale).reshape(rows, cols)
+    pairs = scales.permute(0, 2, 1, 3).reshape(rows, groups, 2)
     qg = q.view(rows, groups, group).float()
     if bits == 4:  # the kernel's one bf16 rounding of q * scale + offset
         w = (qg * pairs[..., :1].float() + pairs[..., 1:].float()).to(torch.bfloat16).float()
     else:
-        w = qg * pairs[..., :1] + pairs[..., 1:]
+        w = qg * pairs[..., :1].float() + pairs[..., 1:].float()
     return w.reshape(rows, cols)
 
 
@@ -94,8 +116,8 @@ class GroupedCudaLinear(Linear):
     """x W^T + b over packed weights (bf16 activations)."""
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bits: int, group: int, shape: tuple[int, int],
-                 bias: torch.Tensor | None) -> None:
-        self.qweight, self.scales, self.bits, self.group = qweight, scales, bits, group
+                 bias: torch.Tensor | None, e4m3: bool = False) -> None:
+        self.qweight, self.scales, self.bits, self.group, self.e4m3 = qweight, scales, bits, group, e4m3
         self.out_features, self.in_features = shape
         self.bias = bias
 
@@ -106,11 +128,9 @@ class GroupedCudaLinear(Linear):
             x2 = x2.clone(memory_format=torch.contiguous_format)
         if x2.shape[0] <= MAX_KERNEL_TOKENS:
             y = kernels.quant_linear(x2, self.qweight, self.scales, self.bits, self.group, self.out_features,
-                                     self.bias, float_out=out_dtype == torch.float32)
+                                     self.bias, float_out=out_dtype == torch.float32, e4m3=self.e4m3)
         else:
-            w = kernels.quant_dequantize(self.qweight, self.scales, self.bits, self.group, self.out_features,
-                                         self.in_features)
-            y = F.linear(x2, w, self.bias)
+            y = F.linear(x2, self.dequantized(), self.bias)
         y = y.reshape(*lead, self.out_features)
         want = out_dtype or x.dtype
         return y if y.dtype == want else y.to(want)
@@ -121,7 +141,7 @@ class GroupedCudaLinear(Linear):
     def dequantized(self) -> torch.Tensor:
         """The dense bf16 weight [N, K] (tests and tools)."""
         return kernels.quant_dequantize(self.qweight, self.scales, self.bits, self.group, self.out_features,
-                                        self.in_features)
+                                        self.in_features, e4m3=self.e4m3)
 
 
 def grouped_linear(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int,
@@ -143,6 +163,19 @@ def grouped_linear(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, b
     if input_order is not None:
         return PermutedInputLinear(lin, input_order.to(q.device))
     return lin
+
+
+def e4m3_linear(values: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> Linear | None:
+    """The CUDA linear of FP8 weights (e4m3 values [N, K] times a scale per row and group of [N, K / G]),
+    or None when they do not fit the layout."""
+    rows, cols = values.shape
+    group = cols // scale.shape[1]
+    if not fits((rows, cols), group):
+        return None
+    qweight, scales = pack_e4m3(values, scale.to(values.device))
+    if bias is not None:
+        bias = bias.to(device=values.device, dtype=torch.bfloat16).contiguous()
+    return GroupedCudaLinear(qweight, scales, 8, group, (rows, cols), bias, e4m3=True)
 
 
 def cuda_linear(unpack: Unpack, bits: int):
