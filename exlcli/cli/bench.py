@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Callable, Optional
 
 import typer
 
@@ -104,6 +104,23 @@ def client_facts(client) -> dict:
             "machine": machine_facts(device)}
 
 
+def run_on_client(client, requests: str, longest: int, workload: Callable[[object], list[dict]],
+                  hint: str = "") -> list[dict]:
+    """What `bench serve` and `bench mixed` share around their workloads: the longest request must
+    fit the context; every row gets the model and machine facts; the client is closed in the end."""
+    from exlcli.bench.machine import finish_facts
+
+    try:
+        if client.context_length and longest >= client.context_length:
+            raise ExlcliError(f"{requests} do not fit the context of {client.context_length} tokens{hint}")
+        facts = client_facts(client)
+        rows = workload(client)
+        finish_facts(facts["machine"])
+    finally:
+        client.close()
+    return [{**row, **facts} for row in rows]
+
+
 def register(app: typer.Typer) -> None:
     bench_app = typer.Typer(
         help="Benchmarks: prefill/decode throughput; `serve` and `mixed` below.",
@@ -195,7 +212,7 @@ def register(app: typer.Typer) -> None:
         Reports requests/s, output tok/s, TTFT, TPOT and ITL percentiles at each level; runs the
         engine in process, or against a running server with --server URL.
         Example: exlcli bench serve -N 64 --max-concurrency 1,4,16,64 --plot load.png"""
-        from exlcli.bench.machine import finish_facts, log
+        from exlcli.bench.machine import log
         from exlcli.bench.serve_load import COLUMNS, run_serve
         from exlcli.bench.workload import make_requests, vocab_size_of
 
@@ -206,27 +223,22 @@ def register(app: typer.Typer) -> None:
             raise ExlcliError("--num-prompts, --input-len and --output-len must be at least 1")
         check_format(fmt)
         check_plot(plot)
-        client = open_bench_client(model, server, device, dtype, kv_memory, ctx_size)
-        try:
+        longest = round(input_len * (1 + range_ratio)) + round(output_len * (1 + range_ratio))
+        hint = "; -c is --ctx-size (concurrency levels are --max-concurrency)" if ctx_size is not None else ""
+
+        def workload(client) -> list[dict]:
             vocab = vocab_size_of(client)
-            longest = round(input_len * (1 + range_ratio)) + round(output_len * (1 + range_ratio))
-            if client.context_length and longest >= client.context_length:
-                hint = ("; -c is --ctx-size (concurrency levels are --max-concurrency)" if ctx_size is not None
-                        else "")
-                raise ExlcliError(f"prompt + output of up to {longest} tokens do not fit the context "
-                                  f"of {client.context_length} tokens{hint}")
 
             def specs_for(level: int):
                 return make_requests(num_prompts, input_len, output_len, vocab, range_ratio=range_ratio,
                                      seed=seed * 1000 + level + 100)
             log(f"serve: {client.model_name} ({client.kind}), {num_prompts} requests per level, "
                 f"~{input_len} in / ~{output_len} out")
-            facts = client_facts(client)
-            rows = run_serve(client, specs_for, list(levels), warmup=warmup, progress=log)
-            finish_facts(facts["machine"])
-        finally:
-            client.close()
-        emit([{**row, **facts} for row in rows], COLUMNS, fmt, save, plot)
+            return run_serve(client, specs_for, list(levels), warmup=warmup, progress=log)
+
+        client = open_bench_client(model, server, device, dtype, kv_memory, ctx_size)
+        rows = run_on_client(client, f"prompt + output of up to {longest} tokens", longest, workload, hint)
+        emit(rows, COLUMNS, fmt, save, plot)
 
     @bench_app.command("mixed")
     @user_errors
@@ -255,7 +267,7 @@ def register(app: typer.Typer) -> None:
         A saturating batch-priority job plus a chat request every --chat-every seconds: the chats'
         TTFT and ITL percentiles and the batch throughput, in three phases (chat alone, batch
         alone, both)."""
-        from exlcli.bench.machine import finish_facts, log
+        from exlcli.bench.machine import log
         from exlcli.bench.mixed import COLUMNS, MixedOptions, MixedRunner
         from exlcli.bench.workload import vocab_size_of
 
@@ -263,20 +275,15 @@ def register(app: typer.Typer) -> None:
                                batch_input_len, batch_output_len, seed, warmup)
         options.validate()
         check_format(fmt)
-        client = open_bench_client(model, server, device, dtype, kv_memory)
-        try:
-            longest = max(chat_input_len + chat_output_len, batch_input_len + batch_output_len)
-            if client.context_length and longest >= client.context_length:
-                raise ExlcliError(f"requests of {longest} tokens do not fit the context of "
-                                  f"{client.context_length} tokens")
+        longest = max(chat_input_len + chat_output_len, batch_input_len + batch_output_len)
+
+        def workload(client) -> list[dict]:
             log(f"mixed: {client.model_name} ({client.kind}), {batch_concurrency} batch requests in flight, "
                 f"a chat every {chat_every:g} s, {duration:g} s per phase")
-            facts = client_facts(client)
-            rows = MixedRunner(client, options, vocab_size_of(client), progress=log).run()
-            finish_facts(facts["machine"])
-        finally:
-            client.close()
-        emit([{**row, **facts} for row in rows], COLUMNS, fmt, save)
+            return MixedRunner(client, options, vocab_size_of(client), progress=log).run()
+
+        client = open_bench_client(model, server, device, dtype, kv_memory)
+        emit(run_on_client(client, f"requests of {longest} tokens", longest, workload), COLUMNS, fmt, save)
 
     @bench_app.command("compare")
     @user_errors

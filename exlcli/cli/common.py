@@ -74,6 +74,11 @@ NumDraftTokensOption = Annotated[int, typer.Option(
     "--num-draft-tokens", min=1, max=7, help="Most tokens drafted per sequence and step with --speculative "
                                              "(each sequence's k adapts to its acceptance rate).")]
 TEMP_NAMES = ("--temp", "--temperature")  # llama.cpp's name, then vLLM's and OpenAI's
+# Sampling, for the commands that generate (their defaults differ: chat's come from ChatSettings)
+TemperatureOption = Annotated[float, typer.Option(*TEMP_NAMES, help="Sampling temperature; 0 is greedy.")]
+TopPOption = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass; 1.0 is off.")]
+TopKOption = Annotated[int, typer.Option("--top-k", help="Keep the K likeliest tokens; 0 is off.")]
+MinPOption = Annotated[float, typer.Option("--min-p", help="Drop tokens below min_p x the top probability; 0 is off.")]
 
 F = TypeVar("F", bound=Callable)
 T = TypeVar("T")
