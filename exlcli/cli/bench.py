@@ -221,6 +221,9 @@ def register(app: typer.Typer) -> None:
             raise ExlcliError(f"--max-concurrency levels must be at least 1, got {list(levels)}")
         if num_prompts < 1 or input_len < 1 or output_len < 1 or warmup < 0:
             raise ExlcliError("--num-prompts, --input-len and --output-len must be at least 1")
+        if server and ctx_size is not None:
+            raise ExlcliError("-c/--ctx-size caps an in-process engine's context, not a server's (concurrency "
+                              "levels are --max-concurrency)")
         check_format(fmt)
         check_plot(plot)
         longest = round(input_len * (1 + range_ratio)) + round(output_len * (1 + range_ratio))
