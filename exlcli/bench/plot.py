@@ -111,7 +111,9 @@ def sweep_figure(rows: list[dict]) -> Figure:
     first = rows[0]
     machine = first.get("machine") or {}
     where = machine.get("device_name") or first.get("device") or machine.get("device") or ""
-    title = " · ".join(str(p) for p in (first.get("model"), first.get("dtype"), where) if p)
+    load = machine.get("load_avg_1m")
+    title = " · ".join(str(p) for p in (first.get("model"), first.get("weights"), first.get("dtype"), where,
+                                         f"load {load:g}" if isinstance(load, (int, float)) else None) if p)
     return Figure(title, tuple(panels))
 
 

@@ -63,6 +63,8 @@ def test_rows_that_are_no_sweep_are_one_error():
     with pytest.raises(ExlcliError, match="no numbers"):
         sweep_figure([tp("pp8", 1, math.nan)])
     assert sweep_figure([tp("pp8", 1, 3.0)]).title == "random:tiny · bfloat16 · Test CPU"
+    loaded = {**tp("pp8", 1, 3.0), "weights": "Q4_1", "machine": {**MACHINE, "load_avg_1m": 17.5}}
+    assert sweep_figure([loaded]).title == "random:tiny · Q4_1 · bfloat16 · Test CPU · load 17.5"
 
 
 @pytest.mark.parametrize("rows", [
