@@ -103,12 +103,14 @@ def compare_rows(a_rows: list[dict], b_rows: list[dict]) -> list[dict]:
 
 
 def describe(label: str, path: Path, rows: list[dict]) -> str:
-    """'A: runs/a.json: SmolLM2 Q4_1 on cpu, commit 1234abc, 2 CPUs'."""
+    """'A: runs/a.json: SmolLM2, Q4_1, on AMD EPYC, commit 1234abc, 2 CPUs, load 0.5, 2026-12-01T12:00:00+00:00'."""
     first = rows[0]
     machine = first.get("machine") or {}
     facts = [str(first.get("model")), str(first.get("weights") or first.get("dtype") or ""),
              f"on {machine.get('device_name') or first.get('device') or machine.get('device') or '?'}",
-             f"commit {machine.get('commit') or '?'}", f"{machine.get('cpu_count') or '?'} CPUs"]
+             f"commit {machine.get('commit') or '?'}", f"{machine.get('cpu_count') or '?'} CPUs",
+             f"load {machine['load_avg_1m']}" if machine.get("load_avg_1m") is not None else "",
+             str(machine.get("time") or "")]
     return f"{label}: {path}: " + ", ".join(f for f in facts if f)
 
 

@@ -123,7 +123,7 @@ def run_on_client(client, requests: str, longest: int, workload: Callable[[objec
 
 def register(app: typer.Typer) -> None:
     bench_app = typer.Typer(
-        help="Benchmarks: prefill/decode throughput; `serve` and `mixed` below.",
+        help="Benchmarks: prefill/decode throughput; `serve` and `mixed` below; `compare` for two saved runs.",
         context_settings={"help_option_names": ["-h", "--help"]}, no_args_is_help=False, rich_markup_mode=None)
 
     @bench_app.callback(invoke_without_command=True)
