@@ -19,17 +19,21 @@ from exlcli.batch.runner import BatchOptions, run_batch
 from exlcli.batch.stopping import StopControl
 from exlcli.batch.summary import BatchSummary
 from exlcli.cli.common import (
-    TEMP_NAMES,
     CtxSizeOption,
     DeviceOption,
     DtypeOption,
     KvMemoryOption,
     LocalOption,
+    MinPOption,
     ModelOption,
     PrefixCacheOption,
     SeedOption,
     ServerOption,
+    SystemOption,
+    TemperatureOption,
     ThreadsOption,
+    TopKOption,
+    TopPOption,
     user_errors,
 )
 from exlcli.client.base import EngineClient, GenerationParams
@@ -101,14 +105,13 @@ def register(app: typer.Typer) -> None:
         device: DeviceOption = None,
         dtype: DtypeOption = None,
         max_tokens: Annotated[int, typer.Option("--max-tokens", help="Default max new tokens per line.")] = 256,
-        temperature: Annotated[float, typer.Option(*TEMP_NAMES, help="Default temperature; 0 is greedy.")] = 0.7,
-        top_p: Annotated[float, typer.Option("--top-p", help="Default nucleus sampling.")] = 1.0,
-        top_k: Annotated[int, typer.Option("--top-k", help="Default top-k; 0 is off.")] = 0,
-        min_p: Annotated[float, typer.Option("--min-p", help="Default min-p.")] = 0.0,
+        temperature: TemperatureOption = 0.7,
+        top_p: TopPOption = 1.0,
+        top_k: TopKOption = 0,
+        min_p: MinPOption = 0.0,
         seed: SeedOption = None,
         stop: Annotated[Optional[List[str]], typer.Option("--stop", help="Default stop string (repeatable).")] = None,
-        system: Annotated[Optional[str], typer.Option(
-            "--system", "-sys", "--system-prompt", help="System prompt for chat lines that have none.")] = None,
+        system: SystemOption = None,
         ctx_size: CtxSizeOption = None,
         threads: ThreadsOption = None,
         max_in_flight: Annotated[int, typer.Option(
@@ -120,6 +123,8 @@ def register(app: typer.Typer) -> None:
             "--progress-every", hidden=True, help="Seconds between plain progress lines.")] = 10.0,
     ) -> None:
         """Run a JSONL file of prompts at batch priority; every result is on disk when it finishes.
+
+        The sampling options and --system are defaults for the lines that set none.
 
         Ctrl-C stops submitting and finishes what is in flight (Ctrl-C again, or SIGTERM, cancels
         it); rerun the same command to resume where it stopped.
