@@ -51,6 +51,7 @@ class PoolSettings:
     max_in_flight: int = 64  # per actor, in its engine
     shard_size: int = 32  # lines per Ray call to an actor
     linger_s: float = 0.02
+    report_every_s: float = 30.0  # a line of per-actor throughput to on_message this often
 
 
 @dataclass
@@ -59,7 +60,7 @@ class ActorThroughput:
 
     index: int
     host: str
-    lines: int = 0  # answered (results, error results and refusals)
+    lines: int = 0  # answered, not cancelled (results, error results and refusals)
     completion_tokens: int = 0
     first_sent: float | None = None
     last_answer: float | None = None
@@ -72,11 +73,12 @@ class ActorThroughput:
             return 0.0
         return max(0.0, self.last_answer - self.first_sent)
 
-    def describe(self) -> str:
+    def rates(self) -> str:
         busy = self.busy_s
-        rates = (f"{self.completion_tokens / busy:.1f} tok/s, {self.lines / busy:.1f} lines/s"
-                 if busy > 0 else "idle")
-        text = f"actor {self.index} on {self.host}: {self.lines} lines, {self.completion_tokens} tokens, {rates}"
+        return f"{self.completion_tokens / busy:.1f} tok/s, {self.lines / busy:.1f} lines/s" if busy > 0 else "idle"
+
+    def describe(self) -> str:
+        text = f"actor {self.index} on {self.host}: {self.lines} lines, {self.completion_tokens} tokens, {self.rates()}"
         if self.death:
             text += f"; died ({self.death}), {self.handed_back} unfinished lines went to the others"
         return text
@@ -153,6 +155,7 @@ class RayPool(EngineClient):
         self._pending: collections.deque[RayStream] = collections.deque()
         self._closed = False
         self._next_key = 0
+        self._last_report = time.monotonic()
         self._threads: list[threading.Thread] = []
         self._slots: list[_ActorSlot] = []
         try:
@@ -349,14 +352,26 @@ class RayPool(EngineClient):
                     if stream is None:
                         continue  # cancelled and already resolved, or the pool closed
                     answered.append((stream, result))
-                    slot.throughput.lines += 1
-                    if result.last is not None and result.last.usage is not None:
-                        slot.throughput.completion_tokens += result.last.usage.completion_tokens
+                    last = result.last
+                    if result.failure is None and (last is None or last.finish_reason != "cancelled"):
+                        slot.throughput.lines += 1
+                    if last is not None and last.usage is not None:
+                        slot.throughput.completion_tokens += last.usage.completion_tokens
                 if answered:
                     slot.throughput.last_answer = now
                     self._cond.notify_all()
             for stream, result in answered:
                 stream.resolve(result)
+            self._report_now_and_then(now)
+
+    def _report_now_and_then(self, now: float) -> None:
+        with self._cond:
+            if now - self._last_report < self.settings.report_every_s:
+                return
+            self._last_report = now
+            parts = [f"actor {slot.index} {slot.throughput.lines} lines, {slot.throughput.rates()}"
+                     for slot in self._slots if slot.alive]
+        self._message("ray: " + "; ".join(parts))
 
     def _actor_died(self, slot: _ActorSlot, error: BaseException) -> None:
         reason = type(error).__name__

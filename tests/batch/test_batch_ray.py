@@ -76,7 +76,8 @@ def comparable(record):
                 body and (body["choices"], body["usage"], body["object"], body["model"]))
     if "error" in record:
         return ("native", record["id"], record["line"], record["error"])
-    return ("native", record["id"], record["line"], record["text"], record["finish_reason"], record["usage"])
+    usage = {k: v for k, v in record["usage"].items() if k != "cached_tokens"}  # each engine has its own cache
+    return ("native", record["id"], record["line"], record["text"], record["finish_reason"], usage)
 
 
 def ray_pool(model, **settings):
@@ -111,13 +112,16 @@ def test_ordered_over_two_actors_writes_in_input_order(cluster, tmp_path, write_
     # long prompts first: unordered, later lines would finish first
     rows = [{"id": f"o{i}", "prompt": " ".join(["w"] * (40 - i % 40))} for i in range(120)]
     inp = write_jsonl(rows)
-    pool = ray_pool("fake:echo:0.001", max_in_flight=8)
+    pool = ray_pool("fake:echo:0.001", max_in_flight=8, report_every_s=0.2)
+    notes = []
+    pool.on_message = notes.append
     try:
         summary = run_batch(pool, inp, tmp_path / "o.jsonl", GREEDY,
                             BatchOptions(max_in_flight=pool.capacity, ordered=True))
     finally:
         pool.close()
     assert summary.done == 120
+    assert any(n.startswith("ray: actor 0 ") and "; actor 1 " in n and "tok/s" in n for n in notes)  # per actor
     assert [r["id"] for r in read_jsonl(tmp_path / "o.jsonl")] == [r["id"] for r in rows]
 
 
@@ -152,6 +156,28 @@ def test_an_actor_killed_mid_job_hands_its_unfinished_lines_to_the_other(cluster
     assert actors[0].death == "ActorDiedError" and actors[0].handed_back > 0
     assert actors[1].death is None and actors[1].lines >= 300 - actors[0].lines
     assert any("actor 0" in n and "died" in n for n in notes)
+
+
+@pytest.mark.slow
+def test_a_tiny_random_model_over_two_actors_gives_the_local_runners_texts(cluster, tmp_path, write_jsonl,
+                                                                         read_jsonl):
+    from exlcli.client.local import LocalClient
+
+    rows = [{"id": f"t{i}", "prompt": f"tell me {i} things", "max_tokens": 1 + i % 8} for i in range(40)]
+    rows.append({"id": "long", "prompt": "x " * 5000})  # longer than the context of 4096: refused in the actor
+    inp = write_jsonl(rows)
+    with LocalClient.from_model("random:tiny") as local:
+        run_batch(local, inp, tmp_path / "local.jsonl", GREEDY, BatchOptions())
+    pool = ray_pool("random:tiny")
+    try:
+        summary = run_batch(pool, inp, tmp_path / "ray.jsonl", GREEDY, BatchOptions(max_in_flight=pool.capacity))
+        actors = pool.throughput()
+    finally:
+        pool.close()
+    assert (summary.done, summary.errors) == (40, 1)
+    assert all(a.lines > 0 for a in actors)
+    ours = sorted(map(comparable, read_jsonl(tmp_path / "ray.jsonl")), key=repr)
+    assert ours == sorted(map(comparable, read_jsonl(tmp_path / "local.jsonl")), key=repr)  # greedy: same tokens
 
 
 @pytest.mark.slow
