@@ -19,12 +19,16 @@ import os
 import queue
 import socket
 import threading
+import time
 from dataclasses import dataclass
 
 from exlcli.batch.failures import line_error
 from exlcli.client.base import EngineClient, GenerationParams, TextDelta
 from exlcli.engine.stats import EngineStats
 from exlcli.errors import ExlcliError, RequestError
+
+GATHER_S = 0.005  # a poll that has a result waits this much longer for more: fewer round trips per line
+MAX_RESULTS_PER_POLL = 512
 
 
 @dataclass(frozen=True)
@@ -114,8 +118,9 @@ class EngineActor:
         results = []
         try:
             results.append(self._results.get(timeout=timeout))
-            while True:
-                results.append(self._results.get_nowait())
+            gather_until = time.monotonic() + GATHER_S
+            while len(results) < MAX_RESULTS_PER_POLL:
+                results.append(self._results.get(timeout=max(0.0, gather_until - time.monotonic())))
         except queue.Empty:
             pass
         try:
