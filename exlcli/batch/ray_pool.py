@@ -330,7 +330,18 @@ class RayPool(EngineClient):
                 if self._closed:
                     return
             slot, shard = chosen
-            slot.handle.submit.remote([stream.request for stream in shard])  # a dead actor: its poller sees it
+            try:
+                slot.handle.submit.remote([stream.request for stream in shard])  # a dead actor: its poller sees it
+            except Exception as e:  # noqa: BLE001 - the lines could not be sent (pickled): their error lines
+                self._unsendable(slot, shard, e)
+
+    def _unsendable(self, slot: _ActorSlot, shard: list[RayStream], error: BaseException) -> None:
+        with self._cond:
+            for stream in shard:
+                slot.outstanding.pop(stream.request.key, None)
+        message = f"cannot send the line to a Ray actor ({type(error).__name__}: {error})"[:200]
+        for stream in shard:
+            stream.resolve(LineResult(stream.request.key, refused=("invalid_request", message)))
 
     def _poll_loop(self, slot: _ActorSlot) -> None:
         ray = self._ray
