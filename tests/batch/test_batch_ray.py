@@ -156,6 +156,8 @@ def test_an_actor_killed_mid_job_hands_its_unfinished_lines_to_the_other(cluster
     assert actors[0].death == "ActorDiedError" and actors[0].handed_back > 0
     assert actors[1].death is None and actors[1].lines >= 300 - actors[0].lines
     assert any("actor 0" in n and "died" in n for n in notes)
+    again = run_batch(FakeClient(), inp, out, GREEDY, BatchOptions())  # a rerun finds nothing left to do
+    assert (again.done, again.skipped) == (0, 300)
 
 
 @pytest.mark.slow
