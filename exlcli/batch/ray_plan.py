@@ -4,6 +4,7 @@ of what size it fits. Nothing here holds an engine."""
 from __future__ import annotations
 
 import math
+import socket
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -11,6 +12,7 @@ from exlcli.errors import ExlcliError
 
 INSTALL_HINT = "--ray needs Ray, which is not installed: pip install exlcli[ray]"
 LOCAL = "local"  # --ray with no address: start a Ray instance on this machine for the job
+PROBE_TIMEOUT_S = 10.0
 
 
 def require_ray() -> ModuleType:
@@ -27,12 +29,24 @@ def connect(ray: ModuleType, address: str | None) -> bool:
     that is already connected (a test, a notebook) keeps its connection."""
     if ray.is_initialized():
         return False
+    _check_reachable(address)
     try:
         # log_to_driver off: workers' output must not reach stdout; actors report their own errors
         ray.init(address=address or LOCAL, log_to_driver=False)
     except ConnectionError as e:
         raise ExlcliError(f"cannot reach the Ray cluster at {address}: {e}") from None
     return True
+
+
+def _check_reachable(address: str | None) -> None:
+    """A HOST:PORT that nothing answers: one line now, where ray.init would retry for minutes."""
+    host, _, port = (address or "").removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return  # auto, local, or not ours to judge: Ray reads it
+    try:
+        socket.create_connection((host, int(port)), timeout=PROBE_TIMEOUT_S).close()
+    except OSError as e:
+        raise ExlcliError(f"cannot reach the Ray cluster at {address}: {e.strerror or e}") from None
 
 
 @dataclass(frozen=True)

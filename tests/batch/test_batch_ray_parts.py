@@ -1,6 +1,7 @@
 """The parts of `exlcli batch --ray` that need no Ray: the actor's engine side run in-process, the
 actor plan from a cluster's resources, reading `--ray [ADDRESS]`, and the message without Ray."""
 
+import socket
 import sys
 import time
 
@@ -8,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from exlcli.batch.ray_actor import EngineActor, EngineSpec, LineRequest
-from exlcli.batch.ray_plan import plan_actors
+from exlcli.batch.ray_plan import connect, plan_actors
 from exlcli.cli.app import app
 from exlcli.cli.batch_ray import with_ray_address
 from exlcli.client.base import GenerationParams
@@ -117,3 +118,20 @@ def test_ray_options_that_cannot_work_are_one_line(tmp_path, extra, message):
     inp.write_text('{"id": "a", "prompt": "x"}\n')
     result = CliRunner().invoke(app, ["batch", str(inp), "--model", "fake:echo:0", *extra])
     assert result.exit_code == 1 and message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_an_address_nothing_answers_is_one_line_at_once_not_minutes_of_retries():
+    class Unconnected:  # stands in for the ray module
+        def is_initialized(self):
+            return False
+
+        def init(self, **kwargs):
+            raise AssertionError("ray.init must not be reached")
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.monotonic()
+    with pytest.raises(ExlcliError, match=f"cannot reach the Ray cluster at ray://127.0.0.1:{port}: "):
+        connect(Unconnected(), f"ray://127.0.0.1:{port}")
+    assert time.monotonic() - start < 5
