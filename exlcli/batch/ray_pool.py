@@ -37,6 +37,7 @@ from exlcli.client.base import EngineClient, GenerationParams, GenerationStream,
 from exlcli.engine.stats import EngineStats
 from exlcli.errors import ExlcliError
 
+DEFAULT_SHARD_SIZE = 32
 MAX_ATTEMPTS = 3  # a line that took down this many actors is left for a rerun
 POLL_WAIT_S = 0.5  # how long one poll waits in the actor for a result
 READY_TIMEOUT_S = 1800.0  # actors waiting for resources, then loading the model
@@ -49,9 +50,15 @@ class PoolSettings:
     num_actors: int | None = None  # None: from the cluster's resources
     gpus_per_actor: float | None = None  # None: 1 when the cluster has GPUs, else 0 (CPU actors)
     max_in_flight: int = 64  # per actor, in its engine
-    shard_size: int = 32  # lines per Ray call to an actor
+    shard_size: int | None = None  # lines per Ray call to an actor; None: 32, or max_in_flight if smaller
     linger_s: float = 0.02
     report_every_s: float = 30.0  # a line of per-actor throughput to on_message this often
+
+    def __post_init__(self) -> None:
+        if self.max_in_flight < 1 or (self.shard_size is not None and self.shard_size < 1):
+            raise ExlcliError("--max-in-flight and the shard size must be at least 1")
+        if self.shard_size is None:  # no bigger than an engine's worth: little left queued on one actor at the end
+            self.shard_size = min(DEFAULT_SHARD_SIZE, self.max_in_flight)
 
 
 @dataclass
@@ -146,8 +153,6 @@ class RayPool(EngineClient):
     def __init__(self, spec: EngineSpec, settings: PoolSettings | None = None,
                  on_message: Callable[[str], None] | None = None) -> None:
         self.settings = settings = settings or PoolSettings()
-        if settings.max_in_flight < 1 or settings.shard_size < 1:
-            raise ExlcliError("--max-in-flight and the shard size must be at least 1")
         self.on_message = on_message
         self._ray = ray = require_ray()
         self._owns_ray = connect(ray, settings.address)
