@@ -20,7 +20,6 @@ rerun does them) and the runner stops at its next line.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import dataclasses
 import os
@@ -28,11 +27,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator, Callable, Iterator
+from typing import Callable
 
-from exlcli.batch.failures import RefusedLine
 from exlcli.batch.ray_actor import ActorInfo, EngineActor, EngineSpec, LineRequest, LineResult
 from exlcli.batch.ray_plan import ActorPlan, connect, plan_actors, require_ray
+from exlcli.batch.ray_stream import ActorThroughput, RayStream
 from exlcli.client.base import EngineClient, GenerationParams, GenerationStream, TextDelta
 from exlcli.engine.stats import EngineStats
 from exlcli.errors import ExlcliError
@@ -59,74 +58,6 @@ class PoolSettings:
             raise ExlcliError("--max-in-flight and the shard size must be at least 1")
         if self.shard_size is None:  # no bigger than an engine's worth: little left queued on one actor at the end
             self.shard_size = min(DEFAULT_SHARD_SIZE, self.max_in_flight)
-
-
-@dataclass
-class ActorThroughput:
-    """One actor's share of the run, for the summary."""
-
-    index: int
-    host: str
-    lines: int = 0  # answered, not cancelled (results, error results and refusals)
-    completion_tokens: int = 0
-    first_sent: float | None = None
-    last_answer: float | None = None
-    death: str | None = None  # why it left the pool
-    handed_back: int = 0  # unfinished lines it left for other actors
-
-    @property
-    def busy_s(self) -> float:
-        if self.first_sent is None or self.last_answer is None:
-            return 0.0
-        return max(0.0, self.last_answer - self.first_sent)
-
-    def rates(self) -> str:
-        busy = self.busy_s
-        return f"{self.completion_tokens / busy:.1f} tok/s, {self.lines / busy:.1f} lines/s" if busy > 0 else "idle"
-
-    def describe(self) -> str:
-        text = f"actor {self.index} on {self.host}: {self.lines} lines, {self.completion_tokens} tokens, {self.rates()}"
-        if self.death:
-            text += f"; died ({self.death}), {self.handed_back} unfinished lines went to the others"
-        return text
-
-
-class RayStream(GenerationStream):
-    """One line in the pool. Its result comes whole: one delta with the text and finish reason."""
-
-    def __init__(self, pool: "RayPool", request: LineRequest) -> None:
-        self.request_id = ""
-        self.request = request
-        self.attempts = 0
-        self.cancelled = False
-        self.slot: _ActorSlot | None = None
-        self.queued_at = time.monotonic()
-        self._pool = pool
-        self._done = threading.Event()
-        self._result: LineResult | None = None
-
-    def resolve(self, result: LineResult) -> None:
-        self._result = result
-        self.request_id = result.request_id
-        self._done.set()
-
-    def cancel(self) -> None:
-        self._pool._cancel(self)
-
-    def __iter__(self) -> Iterator[TextDelta]:
-        self._done.wait()
-        result = self._result
-        if result.refused is not None:
-            raise RefusedLine(*result.refused)
-        if result.failure is not None:
-            raise ExlcliError(result.failure)  # the runner leaves it unwritten: a rerun does it
-        if result.last is None:
-            raise ExlcliError("the stream ended early")
-        yield dataclasses.replace(result.last, text=result.text)
-
-    async def __aiter__(self) -> AsyncIterator[TextDelta]:
-        for delta in await asyncio.to_thread(list, iter(self)):
-            yield delta
 
 
 @dataclass
@@ -244,7 +175,7 @@ class RayPool(EngineClient):
         with self._cond:
             if self._closed or not any(slot.alive for slot in self._slots):
                 raise ExlcliError("no Ray actor is left to run the job (see the messages above)")
-            stream = RayStream(self, LineRequest(self._next_key, kind, params, **what))
+            stream = RayStream(LineRequest(self._next_key, kind, params, **what), self._cancel)
             self._next_key += 1
             self._pending.append(stream)
             self._cond.notify_all()
