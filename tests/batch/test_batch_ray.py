@@ -160,6 +160,33 @@ def test_an_actor_killed_mid_job_hands_its_unfinished_lines_to_the_other(cluster
     assert (again.done, again.skipped) == (0, 300)
 
 
+def test_with_every_actor_killed_the_job_stops_and_a_rerun_writes_the_rest_once(cluster, tmp_path, write_jsonl,
+                                                                                read_jsonl):
+    rows = [{"id": f"a{i}", "prompt": " ".join(["w"] * 20)} for i in range(200)]
+    inp, out = write_jsonl(rows), tmp_path / "out.jsonl"
+    pool = ray_pool("fake:echo:0.01", max_in_flight=8)
+    result = {}
+    job = threading.Thread(target=lambda: result.update(summary=run_batch(
+        pool, inp, out, GREEDY, BatchOptions(max_in_flight=pool.capacity))))
+    try:
+        job.start()
+        deadline = time.monotonic() + 60
+        while (not out.exists() or out.read_bytes().count(b"\n") < 20) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for slot in pool._slots:
+            ray.kill(slot.handle)
+        job.join(timeout=120)
+    finally:
+        pool.close()
+    summary = result["summary"]
+    assert summary.failure and "no Ray actor is left" in summary.failure and summary.input_left
+    assert summary.lost > 0 and 20 <= summary.done < 200  # what came back is written; the lost lines are not
+    assert len(read_jsonl(out)) == summary.done and out.read_bytes().endswith(b"\n")
+    again = run_batch(FakeClient(), inp, out, GREEDY, BatchOptions())
+    assert (again.done, again.skipped) == (200 - summary.done, summary.done)
+    assert sorted(r["id"] for r in read_jsonl(out)) == sorted(r["id"] for r in rows)  # every id once
+
+
 @pytest.mark.slow
 def test_a_tiny_random_model_over_two_actors_gives_the_local_runners_texts(cluster, tmp_path, write_jsonl,
                                                                          read_jsonl):
