@@ -19,9 +19,9 @@ def test_types_without_a_kernel_are_named_with_their_cost():
                "model.layers.0.mlp.down_proj.weight": _weight("Q3_K", 1024, 1024),
                "model.layers.0.self_attn.q_proj.weight": _weight("Q4_0", 1024, 1024)}
     notice = dequantized_at_load(tensors, torch.device("cpu"), torch.bfloat16)
-    assert notice.startswith("exlcli: Q2_K, Q3_K weights have no CPU bfloat16 kernel yet: dequantized at load")
-    # 2 MiB of bf16 each, less their blocks (Q2_K 2.625, Q3_K 3.4375 bits per weight)
-    cost = 2 * 2 * 2**20 - (1024 * 1024 * (2.625 + 3.4375) / 8)
+    assert notice.startswith("exlcli: Q2_K weights have no CPU bfloat16 kernel yet: dequantized at load")
+    # 2 MiB of bf16, less its blocks (Q2_K: 2.625 bits per weight)
+    cost = 2 * 2**20 - (1024 * 1024 * 2.625 / 8)
     assert notice.endswith(f"(+{cost / 2**20:,.0f} MiB)")
 
 

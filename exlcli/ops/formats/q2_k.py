@@ -3,12 +3,16 @@
 Block (84 bytes): scales, 16 bytes: sub-block s has sc[s] in the low nibble of byte s and m[s] in
 the high nibble | qs, 64 bytes: two halves of 32 bytes; 2-bit field f of byte i in half h is
 q[128 * h + 32 * f + i] | fp16 d | fp16 dmin.
+
+On CUDA it runs kept quantized in the 4-bit layout with groups of 16. The CPU kernel takes one offset
+per 32 weights, not Q2_K's one per 16: there it is dequantized at load.
 """
 
 from __future__ import annotations
 
 import torch
 
+from exlcli.ops.formats import cuda_groups
 from exlcli.ops.formats.base import BlockFormat, f16_at
 from exlcli.ops.formats.bit_fields import blocks_of, rows_of, unpack_fields
 
@@ -16,17 +20,30 @@ BLOCK_WEIGHTS = 256
 BLOCK_BYTES = 84
 
 
-def dequantize(blocks: torch.Tensor) -> torch.Tensor:
+def _fields(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q [n, 16, 16] uint8, step [n, 16], offset [n, 16]) per super-block: w = step * q - offset."""
     b = blocks_of(blocks, BLOCK_BYTES)
     n = b.shape[0]
     scales = b[:, 0:16]
     d, dmin = f16_at(b, 80), f16_at(b, 82)  # [n]
     step = d[:, None] * (scales & 0x0F).float()  # [n, 16]
     offset = dmin[:, None] * (scales >> 4).float()
-    q = unpack_fields(b[:, 16:80].view(n, 2, 32), 2).reshape(n, 16, 16).float()
-    w = step[..., None] * q - offset[..., None]
+    return unpack_fields(b[:, 16:80].view(n, 2, 32), 2).reshape(n, 16, 16), step, offset
+
+
+def dequantize(blocks: torch.Tensor) -> torch.Tensor:
+    q, step, offset = _fields(blocks)
+    w = step[..., None] * q.float() - offset[..., None]
     return rows_of(w, blocks, BLOCK_BYTES, BLOCK_WEIGHTS)
 
 
+def unpack(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """blocks uint8 [N, K / 256 * 84] -> (q [N, K] int32 in 0..3, scale [N, K/16] fp32, offset [N, K/16]
+    fp32) with w = q * scale + offset per sub-block of 16."""
+    rows = blocks.shape[0]
+    q, step, offset = _fields(blocks)
+    return q.to(torch.int32).reshape(rows, -1), step.reshape(rows, -1), -offset.reshape(rows, -1)
+
+
 FORMAT = BlockFormat(name="Q2_K", gguf_type=10, block_weights=BLOCK_WEIGHTS, block_bytes=BLOCK_BYTES,
-                     dequantize=dequantize)
+                     dequantize=dequantize, cuda_linear=cuda_groups.cuda_linear(unpack, 4))

@@ -3,12 +3,15 @@ whose top bit is stored inverted (a set bit in hmask means no -4), sc signed 6-b
 
 Block (110 bytes): hmask, 32 bytes: bit f of byte i is the top bit of q[32 * f + i] | qs, 64 bytes:
 the low 2 bits, laid out as in Q2_K | scales, 12 bytes (kquant_scales) | fp16 d.
+
+It runs kept quantized as Q2_K does: the CPU kernel's 8-bit path, the CUDA 4-bit layout in groups of 16.
 """
 
 from __future__ import annotations
 
 import torch
 
+from exlcli.ops.formats import cpu_qmatmul, cuda_groups
 from exlcli.ops.formats.base import BlockFormat, f16_at
 from exlcli.ops.formats.bit_fields import blocks_of, rows_of, unpack_fields
 from exlcli.ops.formats.kquant_scales import unpack_scales_q3_k
@@ -17,15 +20,30 @@ BLOCK_WEIGHTS = 256
 BLOCK_BYTES = 110
 
 
-def dequantize(blocks: torch.Tensor) -> torch.Tensor:
+def _fields(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [n, 16, 16] int32 in -4..3, step [n, 16]) per super-block: w = step * q."""
     b = blocks_of(blocks, BLOCK_BYTES)
     n = b.shape[0]
     low = unpack_fields(b[:, 32:96].view(n, 2, 32), 2).reshape(n, 16, 16).to(torch.int32)
     high = unpack_fields(b[:, 0:32], 1).reshape(n, 16, 16).to(torch.int32)
-    q = low - 4 * (1 - high)
     step = f16_at(b, 108)[:, None] * unpack_scales_q3_k(b[:, 96:108]).float()  # [n, 16]
+    return low - 4 * (1 - high), step
+
+
+def dequantize(blocks: torch.Tensor) -> torch.Tensor:
+    q, step = _fields(blocks)
     return rows_of(step[..., None] * q.float(), blocks, BLOCK_BYTES, BLOCK_WEIGHTS)
 
 
+def unpack(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """blocks uint8 [N, K / 256 * 110] -> (q [N, K] int32 in -4..3, scale [N, K/16] fp32, offset
+    [N, K/16] fp32, all zeros) with w = q * scale + offset per sub-block of 16."""
+    rows = blocks.shape[0]
+    q, step = _fields(blocks)
+    step = step.reshape(rows, -1)
+    return q.reshape(rows, -1), step, torch.zeros_like(step)
+
+
 FORMAT = BlockFormat(name="Q3_K", gguf_type=11, block_weights=BLOCK_WEIGHTS, block_bytes=BLOCK_BYTES,
-                     dequantize=dequantize)
+                     dequantize=dequantize, cpu_linear=cpu_qmatmul.byte_per_weight_linear(unpack),
+                     cuda_linear=cuda_groups.cuda_linear(unpack, 4))

@@ -58,7 +58,7 @@ def test_every_element_lands_once():
     assert torch.equal(got8, q8.float())
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
 def test_gguf_formats_repack_to_their_weights(name, monkeypatch):
     rows, cols = 32, 512
     w = torch.randn(rows, cols) * 0.05
@@ -70,8 +70,8 @@ def test_gguf_formats_repack_to_their_weights(name, monkeypatch):
                         lambda qweight, scales, bits, group, shape, bias: seen.update(
                             qweight=qweight, scales=scales, bits=bits, group=group, shape=shape) or object())
     q, scale, offset = next(_unpacks(fmt))(blocks)
-    assert cuda_groups.grouped_linear(q, scale, offset, seen.get("bits", 4 if name.startswith("Q4") else 8),
-                                      None) is not None
+    bits = 4 if name[:2] in ("Q2", "Q3", "Q4") else 8
+    assert cuda_groups.grouped_linear(q, scale, offset, bits, None) is not None
     got = cuda_groups.unpack_packed(seen["qweight"], seen["scales"], seen["bits"], seen["shape"])
     # 4-bit: the bf16 (scale, offset) pair errs by a few bf16 steps of the group's range, a tenth of one
     # quantization step at most (its rms adds well under 1% to the quantization noise); 8-bit: fp16 pairs,
