@@ -10,10 +10,13 @@ import typer
 
 from exlcli.cli.common import (
     DeviceOption,
+    DraftLayersOption,
     DtypeOption,
     KvMemoryOption,
     ModelOption,
+    NumDraftTokensOption,
     ServerOption,
+    SpeculativeOption,
     ThreadsOption,
     renamed,
     user_errors,
@@ -61,10 +64,12 @@ def emit(rows: list[dict], columns, fmt: str, save: Path | None) -> None:
         print(("\n" if fmt == "md" else "") + "machine: " + ", ".join(facts))
 
 
-def open_bench_client(model, server, device, dtype, kv_memory):
+def open_bench_client(model, server, device, dtype, kv_memory, speculative=None, num_draft_tokens=4,
+                      draft_layers=None):
     from exlcli.client.factory import open_client
 
-    return open_client(model, server=server, local=not server, device=device, dtype=dtype, kv_memory=kv_memory)
+    return open_client(model, server=server, local=not server, device=device, dtype=dtype, kv_memory=kv_memory,
+                       speculative=speculative, num_draft_tokens=num_draft_tokens, draft_layers=draft_layers)
 
 
 def client_facts(client) -> dict:
@@ -155,6 +160,9 @@ def register(app: typer.Typer) -> None:
             "--concurrency", "-c", help="Requests in flight, comma-separated levels.")] = "1,4,16,64",
         warmup: Annotated[int, typer.Option(
             "--warmup", help="Untimed rounds of `concurrency` requests before each level.")] = 1,
+        speculative: SpeculativeOption = None,
+        num_draft_tokens: NumDraftTokensOption = 4,
+        draft_layers: DraftLayersOption = None,
         fmt: FormatOption = "table",
         save: SaveOption = None,
         seed: SeedOption = 0,
@@ -173,7 +181,8 @@ def register(app: typer.Typer) -> None:
         if num_prompts < 1 or input_len < 1 or output_len < 1 or warmup < 0:
             raise ExlcliError("--num-prompts, --input-len and --output-len must be at least 1")
         check_format(fmt)
-        client = open_bench_client(model, server, device, dtype, kv_memory)
+        client = open_bench_client(model, server, device, dtype, kv_memory, speculative, num_draft_tokens,
+                                   draft_layers)
         try:
             vocab = vocab_size_of(client)
             longest = round(input_len * (1 + range_ratio)) + round(output_len * (1 + range_ratio))
