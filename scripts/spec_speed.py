@@ -12,6 +12,8 @@ import argparse
 import statistics
 import time
 
+import torch
+
 from exlcli.client.local import LocalClient
 from exlcli.engine.request import Request, SamplingParams
 
@@ -63,8 +65,14 @@ def main() -> None:
     parser.add_argument("--speculative", default="ngram")
     parser.add_argument("--draft-layers", type=int, default=None)
     parser.add_argument("--workloads", default="editing,chat")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (kernels and torch)")
     args = parser.parse_args()
-    client = LocalClient.from_model(args.model, threaded=False, speculative=args.speculative,
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    # no prefix cache: each prompt runs twice, and a warm second run would compute its prompt in
+    # other chunks than the cold first (and be faster for it)
+    client = LocalClient.from_model(args.model, threaded=False, speculative=args.speculative, prefix_cache=False,
+                                    cpu_threads=args.threads,
                                     num_draft_tokens=args.num_draft_tokens, draft_layers=args.draft_layers)
     print(f"drafter {args.speculative}" + (f", {client.engine.speculator.drafter.num_layers} layers"
                                            if args.speculative == "self" else ""))

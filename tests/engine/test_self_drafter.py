@@ -141,3 +141,26 @@ def test_bad_drafter_options_are_one_line_errors(tiny_model):
     with pytest.raises(ExlcliError, match="unknown drafter"):
         Engine(tiny_model, LetterTokenizer(), EngineConfig(speculative="nope", num_pages=8))
     assert default_draft_layers(30) == 7 and default_draft_layers(2) == 1
+
+
+def test_policy_drafts_only_while_the_batch_is_small(tiny_model):
+    """speculative_max_batch: with more sequences than that running, verifying k drafts costs more
+    than it saves (the step is compute-bound), so nobody drafts; as the batch shrinks, drafting starts."""
+    prompts = random_prompts(4, seed=5, high=30)
+    requests = [greedy(f"r{i}", p, n=n) for i, (p, n) in enumerate(zip(prompts, (3, 5, 20, 20)))]
+    config = dict(async_scheduling=False, num_pages=256)
+    plain = run(Engine(tiny_model, LetterTokenizer(), EngineConfig(**config)), requests)
+    eng = Engine(tiny_model, LetterTokenizer(), EngineConfig(speculative="self", draft_layers=2,
+                                                             speculative_max_batch=2, **config))
+    batch_sizes = []
+    propose = eng.speculator.propose
+
+    def recording(seq, max_tokens):
+        drafts = propose(seq, max_tokens)
+        if drafts:
+            batch_sizes.append(len(eng.scheduler.running) + len(eng.scheduler.waiting))
+        return drafts
+
+    eng.scheduler.propose = recording
+    assert run(eng, requests) == plain
+    assert batch_sizes and max(batch_sizes) <= 2  # drafts came once two sequences had finished
