@@ -111,6 +111,9 @@ def register(app: typer.Typer) -> None:
         ubatch: Annotated[Optional[int], typer.Option(
             "--ubatch", "-ub", "--ubatch-size",
             help="Most tokens per engine step (prefill chunk). Default: the engine's.")] = None,
+        speculative: SpeculativeOption = None,
+        num_draft_tokens: NumDraftTokensOption = 4,
+        draft_layers: DraftLayersOption = None,
         fmt: FormatOption = "table",
         save: SaveOption = None,
         seed: SeedOption = 0,
@@ -135,7 +138,8 @@ def register(app: typer.Typer) -> None:
         options = SuiteOptions(model=model, device=device, dtype=dtype,
                                prompt_lens=parse_int_list(n_prompt, "-p"), gen_lens=parse_int_list(n_gen, "-n"),
                                batches=parse_int_list(parallel, "-np"), reps=reps, warmup=warmup, depth=depth,
-                               ubatch=ubatch, seed=seed)
+                               ubatch=ubatch, seed=seed, speculative=speculative,
+                               num_draft_tokens=num_draft_tokens, draft_layers=draft_layers)
         options.validate()
         check_format(fmt)
         if threads is not None and not (device or "").startswith("cuda"):

@@ -39,3 +39,15 @@ def test_run_verbose_prints_the_counters_and_the_same_greedy_answer():
 def test_bad_drafter_flags_are_one_line(flags, words):
     result = invoke("run", "-m", "random:tiny", "--device", "cpu", "--raw", "-n", "2", "ab", *flags)
     assert result.exit_code == 1 and words in result.stderr and len(result.stderr.strip().splitlines()) <= 2
+
+
+def test_bench_tg_with_a_drafter_reports_its_counters():
+    """Every step after the prefill decodes (a verify step makes several tokens); the row counts drafts."""
+    import json
+
+    result = invoke("bench", "-m", "random:tiny", "--device", "cpu", "-p", "0", "-n", "16", "--reps", "1",
+                    "--warmup", "0", "--speculative", "self", "--draft-layers", "2", "--format", "json")
+    assert result.exit_code == 0, result.output
+    row = json.loads(result.stdout)[0]
+    assert row["test"] == "tg16" and row["tps_mean"] > 0 and row["spec_method"] == "self"
+    assert row["spec_drafted"] > 0 and row["spec_accepted"] == row["spec_drafted"]  # all layers: the model itself
