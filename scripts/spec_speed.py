@@ -1,8 +1,9 @@
-"""Batch-1 decode speed with and without speculative decoding (prompt lookup), on an editing
+"""Batch-1 decode speed with and without speculative decoding (prompt lookup or self-drafting), on an editing
 workload (repeat a code snippet with a small change) and on plain chat prompts. Greedy, so both
 runs must give the same tokens; the script checks that too.
 
-    python scripts/spec_speed.py [--model PATH] [--max-tokens 160] [--num-draft-tokens 4]
+    python scripts/spec_speed.py [--model PATH] [--speculative ngram|self] [--draft-layers N]
+                                 [--max-tokens 160] [--num-draft-tokens 4]
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+
+import torch
 
 from exlcli.client.local import LocalClient
 from exlcli.engine.request import Request, SamplingParams
@@ -59,13 +62,25 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--num-draft-tokens", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--speculative", default="ngram")
+    parser.add_argument("--draft-layers", type=int, default=None)
+    parser.add_argument("--workloads", default="editing,chat")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (kernels and torch)")
     args = parser.parse_args()
-    client = LocalClient.from_model(args.model, threaded=False, speculative="ngram",
-                                    num_draft_tokens=args.num_draft_tokens)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    # no prefix cache: each prompt runs twice, and a warm second run would compute its prompt in
+    # other chunks than the cold first (and be faster for it)
+    client = LocalClient.from_model(args.model, threaded=False, speculative=args.speculative, prefix_cache=False,
+                                    cpu_threads=args.threads,
+                                    num_draft_tokens=args.num_draft_tokens, draft_layers=args.draft_layers)
+    print(f"drafter {args.speculative}" + (f", {client.engine.speculator.drafter.num_layers} layers"
+                                           if args.speculative == "self" else ""))
     measure(client, "Hello", False, 8)  # warm-up
     print(f"{'workload':8} {'prompt':>6} {'tokens':>6} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>7} "
           f"{'accepted':>8} same")
-    for name, prompts in (("editing", EDITING), ("chat", CHAT)):
+    workloads = {"editing": EDITING, "chat": CHAT}
+    for name, prompts in ((w, workloads[w]) for w in args.workloads.split(",")):
         for i, prompt in enumerate(prompts):
             plain_tps, spec_tps = [], []
             for _ in range(args.repeats):

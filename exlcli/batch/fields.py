@@ -79,6 +79,13 @@ def _grammar(name: str, value: Any) -> GrammarSpec | None:
         raise LineError("invalid_value", str(e)) from None
 
 
+def _speculative(name: str, value: Any) -> bool | None:
+    """false: no speculative decoding for this line (true or absent: the engine's choice)."""
+    if value is not None and not isinstance(value, bool):
+        raise wrong_type(name, "true or false", value)
+    return value
+
+
 GRAMMAR_KEYS = ("json_schema", "regex", "grammar", "response_format")
 
 # line key -> (GenerationParams field, check)
@@ -91,6 +98,7 @@ PARAM_FIELDS = {
     "seed": ("seed", _seed),
     "stop": ("stop", _stop),
     **{key: ("grammar", _grammar) for key in GRAMMAR_KEYS},
+    "speculative": ("speculative", _speculative),
 }
 OPENAI_EXTRA_PARAM_FIELDS = {
     "max_completion_tokens": ("max_tokens", _max_tokens),

@@ -70,15 +70,33 @@ def run_serve(client: EngineClient, specs_for: Callable[[int], list[RequestSpec]
             progress(f"concurrency {concurrency}: warm-up, {len(warm)} requests ...")
             asyncio.run(run_level(client, warm, concurrency, clock))
         progress(f"concurrency {concurrency}: {len(specs)} requests ...")
+        before = client.stats()
         records, duration = asyncio.run(run_level(client, specs, concurrency, clock))
+        after = client.stats()
         row = {"bench": "serve", "concurrency": concurrency, "num_prompts": len(specs),
                "input_len_mean": sum(s.input_len for s in specs) / len(specs),
                "output_len_mean": sum(s.output_len for s in specs) / len(specs)}
         row.update(summarize(records, duration))
+        row.update(spec_counts(before, after))
         progress(f"concurrency {concurrency}: {row['completed']} done, {row['failed']} failed in "
                  f"{duration:.1f} s, {row['output_throughput']:.1f} output tok/s")
         rows.append(row)
     return rows
+
+
+def spec_counts(before, after) -> dict:
+    """Speculative decoding over one level: drafted and accepted tokens, the acceptance rate."""
+    drafted = after.spec_drafted_tokens - before.spec_drafted_tokens
+    accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
+    return {"spec_method": after.spec_method, "spec_drafted": drafted, "spec_accepted": accepted,
+            "spec_acceptance": accepted / drafted if drafted else None}
+
+
+def _spec(row: dict) -> str:
+    if not row.get("spec_method"):
+        return "-"
+    rate = row.get("spec_acceptance")
+    return f"{row['spec_accepted']}/{row['spec_drafted']}" + (f" ({100 * rate:.0f}%)" if rate is not None else "")
 
 
 def _columns():
@@ -91,6 +109,7 @@ def _columns():
         Column("TTFT ms p50/p90/p99", lambda r: ms_triple(r, "ttft_ms")),
         Column("TPOT ms p50/p90/p99", lambda r: ms_triple(r, "tpot_ms")),
         Column("ITL ms p50/p90/p99", lambda r: ms_triple(r, "itl_ms")),
+        Column("spec accepted", _spec),
     ]
 
 

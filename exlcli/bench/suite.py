@@ -9,6 +9,7 @@ import torch
 
 from exlcli.bench.machine import copy_bandwidth, finish_facts, log, machine_facts, synchronizer
 from exlcli.bench.model_facts import ModelFacts
+from exlcli.bench.serve_load import spec_counts
 from exlcli.bench.throughput import ThroughputRunner, make_engine, plan_tests, result_row
 from exlcli.errors import ExlcliError
 
@@ -27,6 +28,9 @@ class SuiteOptions:
     ubatch: int | None = None
     seed: int = 0
     measure_copy: bool = True
+    speculative: str | None = None  # a drafter for the tg tests' decode ("ngram", "self")
+    num_draft_tokens: int = 4
+    draft_layers: int | None = None
 
     def validate(self) -> None:
         for name, values in (("-p", self.prompt_lens), ("-n", self.gen_lens), ("-b", self.batches)):
@@ -55,7 +59,9 @@ def run_suite(options: SuiteOptions) -> list[dict]:
     log(f"{facts.name} ({facts.weights}, {facts.weight_bytes / 2**20:.1f} MiB read per step) on "
         f"{device}, loaded in {loaded.load_time_s:.1f} s")
     max_len = max([max(1, options.depth) + t.n + 1 if t.kind == "tg" else t.n for t in tests])
-    engine = make_engine(loaded, max(t.batch for t in tests), max_len, options.depth, options.ubatch)
+    engine = make_engine(loaded, max(t.batch for t in tests), max_len, options.depth, options.ubatch,
+                         speculative=dict(speculative=options.speculative, num_draft_tokens=options.num_draft_tokens,
+                                          draft_layers=options.draft_layers) if options.speculative else None)
     copy_bw = None
     if options.measure_copy:
         copy_bw = copy_bandwidth(device)
@@ -64,8 +70,9 @@ def run_suite(options: SuiteOptions) -> list[dict]:
     runner = ThroughputRunner(engine, facts, sync=synchronizer(device), seed=options.seed, progress=log)
     rows = []
     for spec in tests:
+        before = engine.stats()
         with torch.inference_mode():
             result = runner.run(spec, options.reps, options.warmup, options.depth)
-        rows.append(result_row(result, copy_bw, machine))
+        rows.append({**result_row(result, copy_bw, machine), **spec_counts(before, engine.stats())})
     finish_facts(machine)  # shared by every row
     return rows

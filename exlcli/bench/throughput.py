@@ -143,6 +143,9 @@ class ThroughputRunner:
         self._check(handles, spec.batch * new_tokens, spec)
         if spec.kind == "pp":
             return RepTiming(sum(steps))
+        if getattr(self.engine, "speculator", None) is not None:
+            # a verify step yields several tokens: every step after the (one-step) prefill decodes
+            return RepTiming(sum(steps[1:]), steps[1:])
         if len(steps) < spec.n + 1:
             raise ExlcliError(f"{spec.name}: expected at least {spec.n + 1} engine steps, saw {len(steps)}")
         decode = steps[-spec.n:]
@@ -180,10 +183,12 @@ class ThroughputRunner:
             raise ExlcliError(f"{spec.name} at batch {spec.batch}: made {made} tokens, expected {expected_tokens}")
 
 
-def make_engine(loaded, max_batch: int, max_len: int, depth: int = 0, ubatch: int | None = None):
+def make_engine(loaded, max_batch: int, max_len: int, depth: int = 0, ubatch: int | None = None,
+                speculative: dict | None = None):
     """An engine for benchmarking: a KV pool just big enough for `max_batch` sequences of
     `max_len` tokens, no prefix cache, a step budget that fits a whole decode batch and a whole
-    tg prefill (so every sequence decodes in lockstep and the last N steps are pure decode)."""
+    tg prefill (so every sequence decodes in lockstep and the last N steps are pure decode).
+    `speculative`: EngineConfig's speculative fields, for tg with a drafter."""
     from exlcli.engine.engine import Engine, EngineConfig
 
     page_size = 16
@@ -192,7 +197,7 @@ def make_engine(loaded, max_batch: int, max_len: int, depth: int = 0, ubatch: in
                           max_num_batched_tokens=ubatch, max_num_seqs=max(max_batch, 1),
                           # never past the model's own context (the engine takes this value as is)
                           max_model_len=min(max_len + 1, loaded.config.context_length),
-                          enable_prefix_cache=False)
+                          enable_prefix_cache=False, **(speculative or {}))
     engine = Engine(loaded.model, loaded.tokenizer, config)
     need = max_batch * max(1, depth)
     if engine.scheduler.max_num_batched_tokens < need:

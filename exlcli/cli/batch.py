@@ -22,14 +22,17 @@ from exlcli.cli.batch_ray import BatchCommand, attach_progress, check_ray_option
 from exlcli.cli.common import (
     CtxSizeOption,
     DeviceOption,
+    DraftLayersOption,
     DtypeOption,
     KvMemoryOption,
     LocalOption,
     MinPOption,
     ModelOption,
+    NumDraftTokensOption,
     PrefixCacheOption,
     SeedOption,
     ServerOption,
+    SpeculativeOption,
     SystemOption,
     TemperatureOption,
     ThreadsOption,
@@ -49,12 +52,15 @@ def default_output(input_path: Path) -> Path:
 
 def open_batch_client(model: str | None, server: str | None, local: bool, device: str | None,
                       dtype: str | None, kv_memory: str | None = None, prefix_cache: bool = True,
-                      max_model_len: int | None = None, cpu_threads: int | None = None) -> EngineClient:
+                      max_model_len: int | None = None, cpu_threads: int | None = None,
+                      speculative: str | None = None, num_draft_tokens: int = 4,
+                      draft_layers: int | None = None) -> EngineClient:
     from exlcli.client.factory import open_client
 
     return open_client(model, server=server, local=local, device=device, dtype=dtype, kv_memory=kv_memory,
                        prefix_cache=prefix_cache, fake_delay=0.002, max_model_len=max_model_len,
-                       cpu_threads=cpu_threads)
+                       cpu_threads=cpu_threads, speculative=speculative, num_draft_tokens=num_draft_tokens,
+                       draft_layers=draft_layers)
 
 
 def resume_command(input_path: Path, output_path: Path) -> str:
@@ -115,6 +121,9 @@ def register(app: typer.Typer) -> None:
         system: SystemOption = None,
         ctx_size: CtxSizeOption = None,
         threads: ThreadsOption = None,
+        speculative: SpeculativeOption = None,
+        num_draft_tokens: NumDraftTokensOption = 4,
+        draft_layers: DraftLayersOption = None,
         max_in_flight: Annotated[int, typer.Option(
             "--max-in-flight", help="Requests handed to the engine at once.")] = 64,
         ordered: Annotated[bool, typer.Option("--ordered", help="Write results in input order.")] = False,
@@ -161,7 +170,7 @@ def register(app: typer.Typer) -> None:
                 options.max_in_flight = client.capacity  # the pool hands lines on to its actors
             else:
                 client = open_batch_client(model, server, local, device, dtype, kv_memory, prefix_cache, ctx_size,
-                                           threads)
+                                           threads, speculative, num_draft_tokens, draft_layers)
             try:
                 print(f"batch: {input_path} -> {output_path} on {client.model_name} ({client.kind})",
                       file=sys.stderr)

@@ -10,10 +10,13 @@ import typer
 
 from exlcli.cli.common import (
     DeviceOption,
+    DraftLayersOption,
     DtypeOption,
     KvMemoryOption,
     ModelOption,
+    NumDraftTokensOption,
     ServerOption,
+    SpeculativeOption,
     ThreadsOption,
     renamed,
     user_errors,
@@ -86,11 +89,13 @@ def check_plot(plot: Path | None) -> None:
         raise ExlcliError(f"--plot {plot}: no folder {plot.parent}")
 
 
-def open_bench_client(model, server, device, dtype, kv_memory, max_model_len=None):
+def open_bench_client(model, server, device, dtype, kv_memory, max_model_len=None, speculative=None,
+                      num_draft_tokens=4, draft_layers=None):
     from exlcli.client.factory import open_client
 
     return open_client(model, server=server, local=not server, device=device, dtype=dtype, kv_memory=kv_memory,
-                       max_model_len=max_model_len)
+                       max_model_len=max_model_len, speculative=speculative, num_draft_tokens=num_draft_tokens,
+                       draft_layers=draft_layers)
 
 
 def client_facts(client) -> dict:
@@ -149,6 +154,9 @@ def register(app: typer.Typer) -> None:
         ubatch: Annotated[Optional[int], typer.Option(
             "--ubatch", "-ub", "--ubatch-size",
             help="Most tokens per engine step (prefill chunk). Default: the engine's.")] = None,
+        speculative: SpeculativeOption = None,
+        num_draft_tokens: NumDraftTokensOption = 4,
+        draft_layers: DraftLayersOption = None,
         fmt: FormatOption = "table",
         save: SaveOption = None,
         plot: PlotOption = None,
@@ -174,7 +182,8 @@ def register(app: typer.Typer) -> None:
         options = SuiteOptions(model=model, device=device, dtype=dtype,
                                prompt_lens=parse_int_list(n_prompt, "-p"), gen_lens=parse_int_list(n_gen, "-n"),
                                batches=parse_int_list(parallel, "-np"), reps=reps, warmup=warmup, depth=depth,
-                               ubatch=ubatch, seed=seed)
+                               ubatch=ubatch, seed=seed, speculative=speculative,
+                               num_draft_tokens=num_draft_tokens, draft_layers=draft_layers)
         options.validate()
         check_format(fmt)
         check_plot(plot)
@@ -202,6 +211,9 @@ def register(app: typer.Typer) -> None:
         ctx_size: ServeCtxSizeOption = None,
         warmup: Annotated[int, typer.Option(
             "--warmup", help="Untimed rounds of `concurrency` requests before each level.")] = 1,
+        speculative: SpeculativeOption = None,
+        num_draft_tokens: NumDraftTokensOption = 4,
+        draft_layers: DraftLayersOption = None,
         fmt: FormatOption = "table",
         save: SaveOption = None,
         plot: PlotOption = None,
@@ -239,7 +251,8 @@ def register(app: typer.Typer) -> None:
                 f"~{input_len} in / ~{output_len} out")
             return run_serve(client, specs_for, list(levels), warmup=warmup, progress=log)
 
-        client = open_bench_client(model, server, device, dtype, kv_memory, ctx_size)
+        client = open_bench_client(model, server, device, dtype, kv_memory, ctx_size, speculative, num_draft_tokens,
+                                   draft_layers)
         rows = run_on_client(client, f"prompt + output of up to {longest} tokens", longest, workload, hint)
         emit(rows, COLUMNS, fmt, save, plot)
 

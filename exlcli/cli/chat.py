@@ -10,14 +10,17 @@ from exlcli.chat.settings import ChatSettings
 from exlcli.cli.common import (
     CtxSizeOption,
     DeviceOption,
+    DraftLayersOption,
     DtypeOption,
     KvMemoryOption,
     LocalOption,
     MinPOption,
     ModelOption,
+    NumDraftTokensOption,
     PrefixCacheOption,
     SeedOption,
     ServerOption,
+    SpeculativeOption,
     SystemOption,
     TemperatureOption,
     ThreadsOption,
@@ -54,6 +57,9 @@ def register(app: typer.Typer) -> None:
         dtype: DtypeOption = None,
         kv_memory: KvMemoryOption = None,
         prefix_cache: PrefixCacheOption = True,
+        speculative: SpeculativeOption = None,
+        num_draft_tokens: NumDraftTokensOption = 4,
+        draft_layers: DraftLayersOption = None,
     ) -> None:
         """Chat with a model in the terminal. /help inside lists the commands; Alt-Enter or \"\"\" for
         multi-line input; Ctrl-C stops an answer; Ctrl-D or /bye leaves. Without a terminal it reads
@@ -62,6 +68,7 @@ def register(app: typer.Typer) -> None:
 
         start_chat(model=model, system=system, system_file=system_file, server=server, local=local,
                    device=device, dtype=dtype, kv_memory=kv_memory, prefix_cache=prefix_cache,
-                   max_model_len=ctx_size, cpu_threads=threads, overrides=dict(
+                   max_model_len=ctx_size, cpu_threads=threads, speculative=speculative,
+                   num_draft_tokens=num_draft_tokens, draft_layers=draft_layers, overrides=dict(
                        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                        repeat_penalty=repeat_penalty, max_tokens=max_tokens, seed=seed))

@@ -69,10 +69,14 @@ SystemOption = Annotated[Optional[str], typer.Option(
     "--system", "-sys", "--system-prompt", help="System prompt (llama.cpp's -sys).")]
 SpeculativeOption = Annotated[Optional[str], typer.Option(
     "--speculative", help="Speculative decoding with this drafter: 'ngram' (prompt lookup: drafts copied from "
-                          "the prompt and the text so far; greedy output unchanged). Default: off.")]
+                          "the prompt and the text so far) or 'self' (the model's own first --draft-layers "
+                          "layers and its LM head). Output unchanged (greedy: token for token). Default: off.")]
 NumDraftTokensOption = Annotated[int, typer.Option(
     "--num-draft-tokens", min=1, max=7, help="Most tokens drafted per sequence and step with --speculative "
                                              "(each sequence's k adapts to its acceptance rate).")]
+DraftLayersOption = Annotated[Optional[int], typer.Option(
+    "--draft-layers", min=1, help="Layers the 'self' drafter runs before the LM head. Default: a quarter "
+                                  "of the model's.")]
 TEMP_NAMES = ("--temp", "--temperature")  # llama.cpp's name, then vLLM's and OpenAI's
 # Sampling, for the commands that generate (their defaults differ: chat's come from ChatSettings)
 TemperatureOption = Annotated[float, typer.Option(*TEMP_NAMES, help="Sampling temperature; 0 is greedy.")]

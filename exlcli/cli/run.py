@@ -11,6 +11,7 @@ from exlcli.cli.common import (
     TEMP_NAMES,
     CtxSizeOption,
     DeviceOption,
+    DraftLayersOption,
     DtypeOption,
     ModelOption,
     NumDraftTokensOption,
@@ -59,6 +60,20 @@ def grammar_from_flags(json_schema: str | None, regex: str | None, grammar: str 
     return GrammarSpec("grammar", text)
 
 
+def verbose_summary(usage, stats) -> str:
+    """`run --verbose`: the request's tokens and speeds, and the engine's speculative counters."""
+    parts = []
+    if usage is not None:
+        parts.append(f"{usage.prompt_tokens} prompt tokens ({usage.cached_tokens} cached), "
+                     f"{usage.completion_tokens} generated")
+        if usage.ttft is not None:
+            parts.append(f"first token {usage.ttft:.3f} s")
+        if usage.decode_tps:
+            parts.append(f"decode {usage.decode_tps:.1f} tok/s")
+    parts.append(stats.spec_summary())
+    return "run: " + "; ".join(parts)
+
+
 def register(app: typer.Typer) -> None:
     @app.command("run")
     @user_errors
@@ -86,6 +101,10 @@ def register(app: typer.Typer) -> None:
             "--grammar", metavar="FILE", help="The answer follows this Lark or GBNF grammar file.")] = None,
         speculative: SpeculativeOption = None,
         num_draft_tokens: NumDraftTokensOption = 4,
+        draft_layers: DraftLayersOption = None,
+        verbose: Annotated[bool, typer.Option(
+            "--verbose", "-v",
+            help="After the answer, print its timings and the speculative counters to stderr.")] = False,
     ) -> None:
         """Generate one answer and print only the completion."""
         from exlcli.client.local import LocalClient
@@ -96,7 +115,7 @@ def register(app: typer.Typer) -> None:
                                   top_k=top_k, seed=seed, client="run", grammar=constraint)
         client = LocalClient.from_model(model, device=device, dtype=dtype, threaded=False, cpu_threads=threads,
                                         max_model_len=ctx_size, speculative=speculative,
-                                        num_draft_tokens=num_draft_tokens)
+                                        num_draft_tokens=num_draft_tokens, draft_layers=draft_layers)
         try:
             if raw:
                 stream = client.complete(text, params)
@@ -110,6 +129,8 @@ def register(app: typer.Typer) -> None:
                 sys.stdout.flush()
                 last = delta
             sys.stdout.write("\n")
+            if verbose and last is not None:
+                print(verbose_summary(last.usage, client.stats()), file=sys.stderr)
             if last is not None and last.finish_reason == "error":
                 raise fail(last.error or "generation failed")
         finally:

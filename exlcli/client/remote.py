@@ -139,12 +139,16 @@ class RemoteClient(EngineClient):
 
     def chat(self, messages: list[dict], params: GenerationParams) -> GenerationStream:
         body = {"messages": messages, **self._sampling_body(params)}
+        if params.speculative is not None:
+            body["speculative"] = params.speculative
         if params.logprobs:
             body.update(logprobs=True, top_logprobs=params.logprobs)
         return RemoteStream(self, self._open_stream("/v1/chat/completions", body), chat=True)
 
     def complete(self, prompt: str, params: GenerationParams) -> GenerationStream:
         body = {"prompt": prompt, **self._sampling_body(params)}
+        if params.speculative is not None:
+            body["speculative"] = params.speculative
         if params.logprobs:
             body["logprobs"] = params.logprobs
         return RemoteStream(self, self._open_stream("/v1/completions", body), chat=False)

@@ -18,13 +18,14 @@ import torch
 
 from exlcli.engine.constraints import GrammarCompiler, new_bitmask
 from exlcli.engine.detok import TextStreamer
+from exlcli.engine.drafters import build_drafter, num_drafter_pages
 from exlcli.engine.model_runner import ModelRunner
 from exlcli.engine.page_pool import PagePool
 from exlcli.engine.request import FinishReason, Request, RequestOutput, RequestStats
 from exlcli.engine.sampler import SampleRow, needs_history, sample_ids, top_logprobs
 from exlcli.engine.scheduler import ScheduledBatch, Scheduler
 from exlcli.engine.sequence import SeqStatus, Sequence
-from exlcli.engine.speculative import Drafter, Speculator, make_drafter, num_accepted
+from exlcli.engine.speculative import Drafter, Speculator, num_accepted
 from exlcli.engine.stats import STEP_TIME_BUCKETS, ActiveRequestInfo, EngineStats, FinishedRequestInfo
 from exlcli.errors import RequestError
 from exlcli.model.interface import CausalLM
@@ -72,6 +73,7 @@ class EngineConfig:
     speculative: "str | Drafter | None" = None
     num_draft_tokens: int = 4
     speculative_max_batch: int = 8
+    draft_layers: int | None = None  # the "self" drafter's layers (None: a quarter of the model's)
 
 
 class RequestHandle:
@@ -134,15 +136,19 @@ class Engine:
         kv_dtype = model.dtype
         per_page = KVCache.bytes_per_page(model.config, config.page_size, kv_dtype)
         num_pages = config.num_pages or max(2, self._kv_budget(device) // per_page)
-        self.kv = KVCache(model.config, num_pages, config.page_size, device, kv_dtype)
+        # a drafter's scratch pages sit past the pool's (no sequence owns them)
+        self.kv = KVCache(model.config, num_pages + num_drafter_pages(config.speculative, config.page_size),
+                          config.page_size, device, kv_dtype)
         self.pool = PagePool(num_pages, config.page_size, config.enable_prefix_cache)
         # One sequence alone must always fit, so preemption can always make progress.
         self.max_model_len = min(config.max_model_len or model.config.context_length,
                                  model.config.context_length, num_pages * config.page_size)
         # CPU: a 256-token chunk takes ~0.5 s on 2 cores, which bounds the gap other streams see
         budget = config.max_num_batched_tokens or (256 if device.type == "cpu" else 4096)
-        self.speculator = (Speculator(make_drafter(config.speculative), config.num_draft_tokens,
-                                      config.speculative_max_batch) if config.speculative else None)
+        self.speculator = (Speculator(build_drafter(config.speculative, model, self.kv, num_pages,
+                                                    config.draft_layers),
+                                      config.num_draft_tokens, config.speculative_max_batch)
+                           if config.speculative else None)
         self.scheduler = Scheduler(self.pool, budget, config.max_num_seqs,
                                    propose=self.speculator.propose if self.speculator else None)
         self.runner = ModelRunner(model, self.kv)
@@ -164,7 +170,8 @@ class Engine:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self._stats = EngineStats(pages_total=num_pages, page_size=config.page_size)
+        self._stats = EngineStats(pages_total=num_pages, page_size=config.page_size,
+                                  spec_method=self.speculator.drafter.name if self.speculator else None)
         self._recent_tokens: collections.deque[tuple[float, int]] = collections.deque()
         self._stats_lock = threading.Lock()
 

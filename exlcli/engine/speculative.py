@@ -27,6 +27,9 @@ MAX_DRAFT_TOKENS = MAX_DECODE_QUERIES - 1  # the verify step's 1 + k queries fit
 
 
 class Drafter(Protocol):
+    """A drafter may also have `propose_for(seq, max_tokens)`, which the speculator then calls
+    instead, with the scheduled sequence (its pages cover its known tokens; none in flight)."""
+
     name: str
 
     def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:
@@ -125,7 +128,10 @@ class Speculator:
             state.cooldown -= 1
             return []
         k = min(max_tokens, state.num_draft_tokens, MAX_DRAFT_TOKENS)
-        return self.drafter.propose(seq.token_ids, k) if k > 0 else []
+        if k <= 0:
+            return []
+        propose_for = getattr(self.drafter, "propose_for", None)
+        return propose_for(seq, k) if propose_for is not None else self.drafter.propose(seq.token_ids, k)
 
     def state(self, seq) -> SpecState:
         if seq.spec is None:

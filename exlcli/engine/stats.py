@@ -52,7 +52,9 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens served from it
     prefix_cache_evictions: int = 0
-    # speculative decoding: drafted tokens verified, those accepted, and both by draft position
+    # speculative decoding: the drafter (None: off), the drafted tokens verified, those accepted,
+    # and both by draft position
+    spec_method: str | None = None
     spec_verify_steps: int = 0
     spec_drafted_tokens: int = 0
     spec_accepted_tokens: int = 0
@@ -73,6 +75,18 @@ class EngineStats:
     def spec_acceptance_by_position(self) -> list[float]:
         """Of the tokens drafted at position i (0: right after the last known token), the share accepted."""
         return [a / d for a, d in zip(self.spec_accepted_by_position, self.spec_drafted_by_position) if d]
+
+    def spec_summary(self) -> str:
+        """One line for `run --verbose` and the serve display: drafted, accepted, the rate by position."""
+        if not self.spec_method:
+            return "speculative off"
+        if not self.spec_drafted_tokens:
+            return f"speculative {self.spec_method}: nothing drafted"
+        by_pos = " ".join(f"{100 * r:.0f}" for r in self.spec_acceptance_by_position)
+        return (f"speculative {self.spec_method}: drafted {self.spec_drafted_tokens}, accepted "
+                f"{self.spec_accepted_tokens} ({100 * self.spec_acceptance_rate:.0f}%), by position {by_pos} %, "
+                f"{(self.spec_accepted_tokens + self.spec_verify_steps) / self.spec_verify_steps:.2f} tokens "
+                f"per verify step")
 
     @property
     def prefix_cache_hit_rate(self) -> float:

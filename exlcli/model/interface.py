@@ -25,6 +25,11 @@ class CausalLM(Protocol):
         """fp32 logits [S, V] for the rows batch.logits_indices; writes the step's K and V into `kv`."""
         ...
 
+    def forward_layers(self, batch: BatchInputs, kv: KVCache, num_layers: int) -> torch.Tensor:
+        """forward() through the first `num_layers` layers, then the final norm and LM head (early
+        exit: what a self-drafter proposes from); writes the K/V of those layers only."""
+        ...
+
     def weight_bytes(self) -> int:
         """Bytes of weights one decode step reads."""
         ...

@@ -132,6 +132,18 @@ def cache_parts(snap: DashboardSnapshot) -> list[str]:
     return ["KV", kv, pages, hit, f"preemptions {s.num_preemptions}"]
 
 
+def spec_parts(snap: DashboardSnapshot) -> list[str]:
+    """Speculative decoding's counters; none when the engine does not speculate."""
+    s = snap.stats
+    if not s.spec_method:
+        return []
+    if not s.spec_drafted_tokens:
+        return [f"spec {s.spec_method}", "drafted 0"]
+    by_pos = " ".join(f"{100 * r:.0f}" for r in s.spec_acceptance_by_position)
+    return [f"spec {s.spec_method}", f"drafted {s.spec_drafted_tokens}",
+            f"accepted {s.spec_accepted_tokens} ({100 * s.spec_acceptance_rate:.0f}%)", f"by position {by_pos} %"]
+
+
 def latency_parts(snap: DashboardSnapshot) -> list[str]:
     lat = snap.latencies
     return ["latency, last 1m", f"TTFT p50 {_secs(lat.ttft_p50)} p99 {_secs(lat.ttft_p99)}",
@@ -139,7 +151,7 @@ def latency_parts(snap: DashboardSnapshot) -> list[str]:
 
 
 def engine_line(snap: DashboardSnapshot) -> str:
-    return "  ".join(engine_parts(snap) + cache_parts(snap) + latency_parts(snap))
+    return "  ".join(engine_parts(snap) + cache_parts(snap) + spec_parts(snap) + latency_parts(snap))
 
 
 def server_line(snap: DashboardSnapshot) -> str:
@@ -247,8 +259,8 @@ class Dashboard:
         spark = sparkline(snap.history, max(10, min(60, width - 60)))
         if spark:
             engine.insert(2, spark)
-        for group in (engine, cache_parts(snap), latency_parts(snap)):
-            for line in pack(group, width):
+        for group in (engine, cache_parts(snap), spec_parts(snap), latency_parts(snap)):
+            for line in pack(group, width) if group else []:
                 yield Text(line, style="cyan", no_wrap=True, overflow="ellipsis")
         yield Text("")
         yield active_table(snap, width)

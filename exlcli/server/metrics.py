@@ -82,6 +82,7 @@ class EngineCollector(Collector):
                            stats.prefix_cache_queries)
         yield vllm_counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.",
                            stats.prefix_cache_hits)
+        yield from spec_decode_metrics(stats, model)
         success = CounterMetricFamily("vllm:request_success", "Requests that finished with stop or length.",
                                       labels=["model_name", "finished_reason"])
         for reason in ("stop", "length"):
@@ -120,6 +121,33 @@ class EngineCollector(Collector):
                        tracker.rejected_by_reason)
         yield by_label("http_responses", "HTTP responses by endpoint and status.", ["endpoint", "status"],
                        tracker.responses_by_status)
+
+
+def spec_decode_metrics(stats, model: dict) -> Iterator[Metric]:
+    """vLLM v1's speculative-decoding counters (always present: zero without speculation)."""
+    labels, values = list(model), list(model.values())
+
+    def vllm_counter(name: str, help_text: str, value: float) -> Metric:
+        c = CounterMetricFamily("vllm:" + name, help_text, labels=labels)
+        c.add_metric(values, value)
+        return c
+
+    yield vllm_counter("spec_decode_num_drafts", "Verify steps of sequences with drafted tokens.",
+                       stats.spec_verify_steps)
+    yield vllm_counter("spec_decode_num_draft_tokens", "Drafted tokens verified.", stats.spec_drafted_tokens)
+    yield vllm_counter("spec_decode_num_accepted_tokens", "Drafted tokens accepted.", stats.spec_accepted_tokens)
+    per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                  "Drafted tokens accepted, by position in the draft (0: the first).",
+                                  labels=labels + ["position"])
+    for position, count in enumerate(stats.spec_accepted_by_position):
+        per_pos.add_metric(values + [str(position)], count)
+    yield per_pos
+    drafted = CounterMetricFamily("exlcli_spec_decode_num_draft_tokens_per_pos",
+                                  "Drafted tokens verified, by position in the draft (0: the first).",
+                                  labels=["position"])
+    for position, count in enumerate(stats.spec_drafted_by_position):
+        drafted.add_metric([str(position)], count)
+    yield drafted
 
 
 class ResponseCounter:

@@ -269,3 +269,12 @@ def test_scan_counts_lines_finds_the_shape_and_the_claims(write_jsonl):
     scan = scan_input(path)
     assert (scan.num_lines, scan.shape, scan.claimed) == (4, OPENAI, frozenset({"line-9"}))
     assert auto_id(9, scan.claimed) == "line-9-auto" and auto_id(8, scan.claimed) == "line-8"
+
+
+def test_speculative_false_on_a_line_turns_drafting_off_for_it():
+    assert parse({"id": "a", "prompt": "p"}).params.speculative is None
+    assert parse({"id": "a", "prompt": "p", "speculative": False}).params.speculative is False
+    assert parse(openai_line(speculative=True)).params.speculative is True
+    bad = parse({"id": "a", "prompt": "p", "speculative": "no"})
+    assert isinstance(bad, BadLine) and bad.code == "invalid_type"
+    assert "speculative must be true or false" in bad.message

@@ -83,6 +83,17 @@ class DecoderModel:
     @torch.inference_mode()
     def forward(self, batch: BatchInputs, kv: KVCache) -> torch.Tensor:
         """Returns fp32 logits [S, V] for the rows batch.logits_indices."""
+        return self._forward(batch, kv, len(self.layers))
+
+    @torch.inference_mode()
+    def forward_layers(self, batch: BatchInputs, kv: KVCache, num_layers: int) -> torch.Tensor:
+        """forward() through the first `num_layers` layers only, then the final norm and the LM head
+        (an early exit, for self-drafting); writes the K/V of those layers only."""
+        if not 1 <= num_layers <= len(self.layers):
+            raise ValueError(f"num_layers must be 1 to {len(self.layers)}, got {num_layers}")
+        return self._forward(batch, kv, num_layers)
+
+    def _forward(self, batch: BatchInputs, kv: KVCache, num_layers: int) -> torch.Tensor:
         cfg = self.config
         num_tokens = batch.input_ids.shape[0]
         h = F.embedding(batch.input_ids, self.embed)  # [T, H]
@@ -92,7 +103,7 @@ class DecoderModel:
         if not use_kernels(h) and not use_cpu_kernels(h):
             cos_sin_rows = gather_cos_sin(self.cos_sin, batch.positions)
             layout = PagedLayout.build(batch.block_tables, batch.seq_lens, kv.page_size)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layers[:num_layers]):
             if residual is None:
                 residual = h
                 x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
