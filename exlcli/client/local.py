@@ -10,9 +10,9 @@ from exlcli.client.base import EngineClient, GenerationParams, GenerationStream,
 from exlcli.engine.engine import Engine, EngineConfig, RequestHandle
 from exlcli.engine.request import Request, RequestOutput
 from exlcli.engine.stats import EngineStats
-from exlcli.errors import ExlcliError
+from exlcli.errors import ExlcliError, RequestError
 from exlcli.model.loader import LoadedModel, load_model
-from exlcli.model.tool_formats import ToolFormat, detect_tool_format, prompt_messages
+from exlcli.model.tool_formats import ToolFormat, detect_tool_format, prompt_messages, tool_texts
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
@@ -112,6 +112,10 @@ class LocalClient(EngineClient):
 
     def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True,
                         tools: list[dict] | None = None) -> list[int]:
+        has_special = getattr(self.tokenizer, "has_special_text", None)
+        if has_special is not None and any(has_special(t) for t in tool_texts(messages, tools)):
+            raise RequestError("tools and tool calls may not hold special-token text (such as the chat template's "
+                               "turn markers)")
         messages, template_tools = prompt_messages(messages, tools, self.template.source)
         return self.template.encode(self.tokenizer, messages, add_generation_prompt, template_tools)
 

@@ -304,6 +304,14 @@ def _inline_tools(messages: list[dict], tools: list[dict] | None) -> list[dict]:
     return out
 
 
+def tool_texts(messages: list[dict], tools: list[dict] | None) -> list[str]:
+    """The text of every tool definition and assistant tool call: templates write it into the
+    prompt as is, so special-token text in it must be refused (it would forge turns)."""
+    texts = [json.dumps(t, ensure_ascii=False) for t in tools or []]
+    texts += [json.dumps(m["tool_calls"], ensure_ascii=False) for m in messages if m.get("tool_calls")]
+    return texts
+
+
 def prompt_messages(messages: list[dict], tools: list[dict] | None,
                     template_source: str | None) -> tuple[list[dict], list[dict] | None]:
     """Messages (and the `tools` template variable) for rendering a conversation that may hold

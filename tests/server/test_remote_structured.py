@@ -57,7 +57,7 @@ def test_bad_constraint_types_are_refused(fake_server):
 
 
 @pytest.fixture(scope="module")
-def tiny_served(tmp_path_factory):
+def tiny_served():
     cfg = random_config("tiny")
     model = build_model(cfg, random_tensors(cfg), torch.device("cpu"), torch.bfloat16)
     loaded = LoadedModel("tiny", "", cfg, model, small_bpe_tokenizer(), ChatTemplate(None), "random bf16", 0.0)
@@ -67,7 +67,7 @@ def tiny_served(tmp_path_factory):
     client.close()
 
 
-def test_the_served_engine_holds_remote_requests_to_their_constraint(tiny_served, private_runtime_dir):
+def test_the_served_engine_holds_remote_requests_to_their_constraint(tiny_served):
     remote = RemoteClient(tiny_served.url)
     for seed in range(3):
         text, last = remote.complete("The", GenerationParams(grammar=GrammarSpec("regex", r"[A-Z]{3}-[0-9]{2,4}"),
