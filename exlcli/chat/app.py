@@ -3,6 +3,7 @@ the answer(s), keep the stats. It knows only `EngineClient`, never whether the e
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 
@@ -12,6 +13,7 @@ from exlcli.chat.render import LiveAnswer, PlainAnswer, answer_view, stats_line
 from exlcli.chat.session import Conversation
 from exlcli.chat.settings import ChatSettings
 from exlcli.client.base import EngineClient
+from exlcli.engine.request import GrammarSpec
 from exlcli.errors import ExlcliError
 
 
@@ -49,6 +51,7 @@ class ChatApp:
         self.model_label = model_label or client.model_name
         self.totals = SessionTotals()
         self.running = True
+        self.output_format: GrammarSpec | None = None  # /format: what every answer must match
 
     # ---- the loop -----------------------------------------------------------------------------
 
@@ -102,7 +105,8 @@ class ChatApp:
         streams = []
         try:
             for seed in seeds:
-                streams.append(self.client.chat(messages, self.settings.params(seed)))
+                streams.append(self.client.chat(messages, dataclasses.replace(self.settings.params(seed),
+                                                                               grammar=self.output_format)))
         except ExlcliError as e:
             for stream in streams:
                 stream.cancel()

@@ -7,6 +7,7 @@ import statistics
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
+from exlcli.chat.output_format import describe, parse_format
 from exlcli.chat.persist import load_conversation, save_conversation
 from exlcli.chat.render import format_seconds
 from exlcli.chat.settings import apply_setting
@@ -164,6 +165,14 @@ def _set(app: "ChatApp", arg: str) -> None:
     app.io.say(f"{name} = {parsed if parsed is not None else 'random'}")
 
 
+@command("format", "/format [KIND]", "hold the answers to: json, schema FILE (a JSON Schema), regex R, grammar "
+         "FILE (Lark or GBNF); off frees them")
+def _format(app: "ChatApp", arg: str) -> None:
+    if arg:
+        app.output_format = parse_format(arg)
+    app.io.say(f"answers: {describe(app.output_format)}")
+
+
 @command("show", "/show", "model, settings, system prompt and context used")
 def _show(app: "ChatApp", arg: str) -> None:
     conv = app.conversation
@@ -174,6 +183,7 @@ def _show(app: "ChatApp", arg: str) -> None:
         f"for the answer",
         f"turns: {len(conv.window())} in context, {conv.num_dropped} dropped",
         f"system prompt: {_preview(conv.system) if conv.system else '(none)'}",
+        f"answers: {describe(app.output_format)}",
         _settings_text(app),
     ]
     app.io.say("\n".join(lines))

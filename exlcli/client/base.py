@@ -12,6 +12,7 @@ from typing import AsyncIterator, Iterator
 
 from exlcli.engine.request import GrammarSpec, Priority, SamplingParams
 from exlcli.engine.stats import EngineStats
+from exlcli.model.tool_formats import HermesFormat, ToolFormat
 
 
 @dataclass
@@ -31,6 +32,7 @@ class GenerationParams:
     client: str = "api"  # chat / batch / bench / api, for the live display
     grammar: GrammarSpec | None = None  # structured output (JSON schema, regex, grammar)
     speculative: bool | None = None  # False: no speculative decoding for this request (None: the engine's)
+    tools: list[dict] | None = None  # OpenAI tool objects the chat template describes to the model
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(
@@ -113,6 +115,10 @@ class EngineClient(abc.ABC):
 
     @abc.abstractmethod
     def stats(self) -> EngineStats: ...
+
+    def tool_format(self) -> ToolFormat:
+        """How the model spells tool calls (the chat template's format; hermes when it has none)."""
+        return HermesFormat()
 
     def close(self) -> None:
         pass

@@ -10,8 +10,9 @@ from exlcli.client.base import EngineClient, GenerationParams, GenerationStream,
 from exlcli.engine.engine import Engine, EngineConfig, RequestHandle
 from exlcli.engine.request import Request, RequestOutput
 from exlcli.engine.stats import EngineStats
-from exlcli.errors import ExlcliError
+from exlcli.errors import ExlcliError, RequestError
 from exlcli.model.loader import LoadedModel, load_model
+from exlcli.model.tool_formats import ToolFormat, detect_tool_format, prompt_messages, tool_texts
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
@@ -109,8 +110,21 @@ class LocalClient(EngineClient):
             start_cpu_threads(cpu_threads, log)
         return cls(load_model(model, device=device, dtype=dtype, log=log), config, threaded=threaded)
 
-    def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return self.template.encode(self.tokenizer, messages, add_generation_prompt)
+    def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True,
+                        tools: list[dict] | None = None) -> list[int]:
+        has_special = getattr(self.tokenizer, "has_special_text", None)
+        if has_special is not None and any(has_special(t) for t in tool_texts(messages, tools)):
+            raise RequestError("tools and tool calls may not hold special-token text (such as the chat template's "
+                               "turn markers)")
+        messages, template_tools = prompt_messages(messages, tools, self.template.source)
+        return self.template.encode(self.tokenizer, messages, add_generation_prompt, template_tools)
+
+    def tool_format(self) -> ToolFormat:
+        def special_id(text: str) -> int | None:
+            token_id = self.tokenizer.token_to_id(text) if hasattr(self.tokenizer, "token_to_id") else None
+            return token_id if token_id in getattr(self.tokenizer, "special_token_ids", ()) else None
+
+        return detect_tool_format(None if self.template.is_fallback else self.template.source, special_id)
 
     def count_chat_tokens(self, messages: list[dict], add_generation_prompt: bool = True) -> int:
         return len(self.chat_prompt_ids(messages, add_generation_prompt))
@@ -124,7 +138,7 @@ class LocalClient(EngineClient):
         return LocalStream(self.engine.submit(request))
 
     def chat(self, messages: list[dict], params: GenerationParams) -> GenerationStream:
-        return self.submit_ids(self.chat_prompt_ids(messages), params)
+        return self.submit_ids(self.chat_prompt_ids(messages, tools=params.tools), params)
 
     def complete(self, prompt: str, params: GenerationParams) -> GenerationStream:
         return self.submit_ids(self.tokenizer.encode(prompt), params)

@@ -18,7 +18,7 @@ import httpx
 from exlcli import environment
 from exlcli.client.base import EngineClient, GenerationParams, GenerationStream, TextDelta, Usage
 from exlcli.client.runtime_file import api_key_for, http_client_options
-from exlcli.engine.request import TokenLogprob
+from exlcli.engine.request import TokenLogprob, response_format_of
 from exlcli.engine.stats import ActiveRequestInfo, EngineStats, FinishedRequestInfo
 from exlcli.errors import ExlcliError, RequestError
 
@@ -132,12 +132,14 @@ class RemoteClient(EngineClient):
             "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
             "seed": params.seed, "stop": list(params.stop), "priority": params.priority,
             "client": params.client, "stream": True, "stream_options": {"include_usage": True},
-            "return_token_ids": True,
+            "return_token_ids": True, "response_format": response_format_of(params.grammar),
         }
 
     # ---- EngineClient ----
 
     def chat(self, messages: list[dict], params: GenerationParams) -> GenerationStream:
+        if params.tools:  # the stream would carry tool_calls this client does not read
+            raise RequestError("tools are not available through a remote engine; call the server's API directly")
         body = {"messages": messages, **self._sampling_body(params)}
         if params.speculative is not None:
             body["speculative"] = params.speculative

@@ -52,6 +52,20 @@ def _one_line(message: str) -> str:
     return " ".join(" ".join(keep).split()) or "rejected"
 
 
+def check_json_schema(schema: dict, strict: bool = False) -> None:
+    """RequestError naming the problem if llguidance cannot compile `schema` (no tokenizer needed:
+    a tool's parameter schema is checked when the request comes, before any grammar is built)."""
+    import llguidance
+
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides={"lenient": not strict})
+    except (ValueError, TypeError) as e:
+        raise RequestError(f"invalid JSON schema: {_one_line(str(e))}") from None
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
+    if is_error:
+        raise RequestError(f"invalid JSON schema: {_one_line(messages[0])}")
+
+
 class TokenConstraint:
     """One request's matcher: the mask of the tokens that may come next, advanced token by token
     along the request's generated tokens (and rolled back if tokens are dropped)."""

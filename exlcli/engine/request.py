@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -106,8 +107,9 @@ class GrammarSpec:
 
 def grammar_from_response_format(response_format: Any) -> "GrammarSpec | None":
     """OpenAI's response_format as a GrammarSpec: {"type": "text"}, {"type": "json_object"} or
-    {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": bool}}. Whether
-    the schema compiles is checked when the request is submitted."""
+    {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": bool}}, and
+    exlcli's {"type": "regex", "regex": ...} and {"type": "grammar", "grammar": ...} (Lark or GBNF).
+    Whether the schema compiles is checked when the request is submitted."""
     if response_format is None:
         return None
     if not isinstance(response_format, dict):
@@ -117,8 +119,14 @@ def grammar_from_response_format(response_format: Any) -> "GrammarSpec | None":
         return None
     if kind == "json_object":
         return GrammarSpec("json_object")
+    if kind in ("regex", "grammar"):  # exlcli extensions: {"type": "regex", "regex": "..."}, likewise grammar
+        value = response_format.get(kind)
+        if not isinstance(value, str) or not value:
+            raise RequestError(f"response_format {kind} needs {{\"{kind}\": a non-empty string}}")
+        return GrammarSpec(kind, value)
     if kind != "json_schema":
-        raise RequestError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
+        raise RequestError(f"response_format type must be text, json_object or json_schema (or exlcli's regex or "
+                           f"grammar), got {kind!r}")
     spec = response_format.get("json_schema")
     if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
         raise RequestError("response_format json_schema needs {\"name\": ..., \"schema\": {a JSON Schema}}")
@@ -126,6 +134,18 @@ def grammar_from_response_format(response_format: Any) -> "GrammarSpec | None":
     if strict is not None and not isinstance(strict, bool):
         raise RequestError("response_format json_schema strict must be true or false")
     return GrammarSpec("json_schema", spec["schema"], strict=bool(strict))
+
+
+def response_format_of(spec: "GrammarSpec | None") -> dict | None:
+    """The response_format that grammar_from_response_format reads back as `spec`."""
+    if spec is None:
+        return None
+    if spec.kind == "json_object":
+        return {"type": "json_object"}
+    if spec.kind == "json_schema":
+        schema = json.loads(spec.value) if isinstance(spec.value, str) else spec.value
+        return {"type": "json_schema", "json_schema": {"name": "schema", "schema": schema, "strict": spec.strict}}
+    return {"type": spec.kind, spec.kind: spec.value}
 
 
 @dataclass

@@ -106,14 +106,16 @@ class ChatTemplate:
         """The checkpoint's template (ChatML when it has none) with its BOS/EOS text."""
         return cls(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token)
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None) -> str:
+        """`tools`: OpenAI tool objects, for templates that describe them (see model/tool_formats.py)."""
         import jinja2
 
         checked = _checked_messages(messages)
         try:
             return self._template.render(
                 messages=checked, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token, eos_token=self.eos_token, tools=None, documents=None,
+                bos_token=self.bos_token, eos_token=self.eos_token, tools=tools, documents=None,
                 **self._extra)
         except jinja2.exceptions.TemplateError as e:
             # raise_exception() in templates reports bad conversations ("roles must alternate")
@@ -122,7 +124,7 @@ class ChatTemplate:
             raise RequestError(f"chat template failed: {type(e).__name__}: {e}") from None
 
     def encode(self, tokenizer: "Tokenizer", messages: list[dict[str, Any]],
-               add_generation_prompt: bool = True) -> list[int]:
+               add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Prompt token ids. The template writes any BOS itself, so none is added on top
         (as apply_chat_template does).
 
@@ -132,10 +134,10 @@ class ChatTemplate:
         forged = [i for i, m in enumerate(messages) if isinstance(m, dict) and isinstance(m.get("content"), str)
                   and tokenizer.has_special_text(m["content"])]
         if not forged:
-            return tokenizer.encode(self.render(messages, add_generation_prompt), add_special_tokens=False)
+            return tokenizer.encode(self.render(messages, add_generation_prompt, tools), add_special_tokens=False)
         nonce = secrets.token_hex(8)  # so no text a user sends can name a placeholder
         marked = [dict(m, content=f"\ue000{nonce}:{i}\ue001") if i in forged else m for i, m in enumerate(messages)]
-        parts = re.split(f"\ue000{nonce}:(\\d+)\ue001", self.render(marked, add_generation_prompt))
+        parts = re.split(f"\ue000{nonce}:(\\d+)\ue001", self.render(marked, add_generation_prompt, tools))
         ids: list[int] = []
         for n, part in enumerate(parts):
             if n % 2:  # a placeholder's message index

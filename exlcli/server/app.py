@@ -29,6 +29,7 @@ from exlcli.server.rates import EngineRates
 from exlcli.server.schemas import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from exlcli.server.security import DEFAULT_MAX_BODY_BYTES, APIKeyGate, BodySizeLimit, HostAllowList
 from exlcli.server.sse import DEFAULT_PING_S, EventStreamResponse
+from exlcli.server.tool_calls import ToolPlan, rewrite_completion
 from exlcli.server.tracker import RequestTracker
 
 # Engine streams are iterated in worker threads by some clients; the default pool (cpu + 4 threads)
@@ -183,18 +184,19 @@ def create_app(client: EngineClient, config: ServerConfig | None = None,
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         state.check(body, "messages")
         messages, max_tokens = body.message_dicts(), config.default_max_tokens
-        starters = [Starter(i, 0, partial(client.chat, messages, body.generation_params(i, max_tokens)))
+        tools = ToolPlan.for_request(body.tools, body.tool_choice, body.parallel_tool_calls, client.tool_format())
+        starters = [Starter(i, 0, partial(client.chat, messages, tools.apply(body.generation_params(i, max_tokens))))
                     for i in range(body.num_choices)]
         group = await _start(state, "chat", body.client or "api", body.priority or "interactive", starters)
         if body.streaming:
-            return _event_stream(state, group, chat_events(group, body, client.model_name, state.token_text))
+            return _event_stream(state, group, chat_events(group, body, client.model_name, state.token_text, tools))
         results = await _collect_unless_gone(state, group, request)
         if results is None:
             return Response(status_code=499)
         num_top = body.top_logprobs or 0
-        return JSONResponse(fmt.chat_completion(
+        return JSONResponse(rewrite_completion(fmt.chat_completion(
             group.response_id, fmt.now(), client.model_name, results,
-            lambda c: fmt.chat_logprobs(c.logprobs, state.token_text, num_top) if body.logprobs else None))
+            lambda c: fmt.chat_logprobs(c.logprobs, state.token_text, num_top) if body.logprobs else None), tools))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

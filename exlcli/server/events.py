@@ -10,13 +10,16 @@ from exlcli.server import openai_format as fmt
 from exlcli.server.generations import GenerationGroup
 from exlcli.server.schemas import ChatCompletionRequest, CompletionRequest
 from exlcli.server.sse import DONE, sse_data
+from exlcli.server.tool_calls import ToolCallStream, ToolPlan
 
 
 async def chat_events(group: GenerationGroup, body: ChatCompletionRequest, model: str,
-                      token_text: Callable[[int], str]) -> AsyncIterator[bytes]:
+                      token_text: Callable[[int], str], tools: ToolPlan | None = None) -> AsyncIterator[bytes]:
     rid, created = group.response_id, fmt.now()
     num_top = body.top_logprobs or 0
     usages = []
+    # with tools, text that may be a call is held back and sent at the end as tool_calls deltas
+    calls = {c.index: ToolCallStream(tools) for c in group.choices} if tools is not None and tools.active else {}
     for c in group.choices:
         yield sse_data(fmt.chat_chunk(rid, created, model, c.index, {"role": "assistant", "content": ""}))
     async for item in group.deltas():
@@ -24,13 +27,19 @@ async def chat_events(group: GenerationGroup, body: ChatCompletionRequest, model
         if d.error:
             yield sse_data(fmt.error_body(d.error, "server_error"))
             return
-        if d.text or d.logprobs or (body.return_token_ids and d.token_ids):
+        text = calls[index].feed(d.text) if calls else d.text
+        if text or d.logprobs or (body.return_token_ids and d.token_ids):
             logprobs = fmt.chat_logprobs(d.logprobs or [], token_text, num_top) if body.logprobs else None
-            yield sse_data(fmt.chat_chunk(rid, created, model, index, {"content": d.text}, logprobs=logprobs,
+            yield sse_data(fmt.chat_chunk(rid, created, model, index, {"content": text}, logprobs=logprobs,
                                           token_ids=d.token_ids if body.return_token_ids else None))
         if d.finished:
             usages.append((item.choice.prompt_index, d.usage))
-            yield sse_data(fmt.chat_chunk(rid, created, model, index, {}, finish_reason=d.finish_reason))
+            reason = d.finish_reason
+            if calls:
+                last, reason = calls[index].finish(reason)
+                for delta in last:
+                    yield sse_data(fmt.chat_chunk(rid, created, model, index, delta))
+            yield sse_data(fmt.chat_chunk(rid, created, model, index, {}, finish_reason=reason))
     if body.include_usage_chunk:
         yield sse_data(fmt.usage_chunk(rid, created, model, "chat.completion.chunk", usages))
     yield DONE

@@ -13,6 +13,14 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from exlcli.client.base import GenerationParams
 from exlcli.engine.request import GrammarSpec, grammar_from_response_format
 from exlcli.errors import RequestError
+from exlcli.server.tool_calls import (
+    MAX_TOOLS,
+    AssistantToolCall,
+    ToolChoice,
+    ToolDef,
+    check_tool_choice,
+    history_message,
+)
 
 MAX_CHOICES = 16  # `n`
 MAX_STOP_STRINGS = 16
@@ -55,9 +63,11 @@ class StreamOptions(_Body):
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[Any] | None = None
     name: Text | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # an assistant's calls (then content may be null)
+    tool_call_id: Text | None = None  # a tool result: the call it answers
 
     @field_validator("content")
     @classmethod
@@ -74,7 +84,7 @@ class ChatMessage(_Body):
     def as_dict(self) -> dict:
         # Chat templates know system / user / assistant; OpenAI's newer "developer" is a system turn.
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": self.content or ""}
+        return history_message(role, self.content, self.tool_calls, self.tool_call_id, self.name)
 
 
 def _grammar_spec(response_format: dict | None) -> GrammarSpec | None:
@@ -192,15 +202,9 @@ class ChatCompletionRequest(_SamplingBody):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, value: list | None) -> None:
-        if value:
-            raise ValueError("tool calling is not supported by this server")
-        return None
+    tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -213,6 +217,14 @@ class ChatCompletionRequest(_SamplingBody):
     def _top_logprobs_needs_logprobs(self) -> "ChatCompletionRequest":
         if self.top_logprobs and not self.logprobs:
             raise ParamError("top_logprobs", "needs \"logprobs\": true")
+        return self
+
+    @model_validator(mode="after")
+    def _tool_choice_fits(self) -> "ChatCompletionRequest":
+        problem = check_tool_choice(self.tools, self.tool_choice, self.response_format)
+        if problem:
+            param, _, message = problem.partition(": ")
+            raise ParamError(param, message)
         return self
 
     def _num_logprobs(self) -> int:

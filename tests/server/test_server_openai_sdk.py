@@ -112,9 +112,9 @@ def test_invalid_request_is_400_in_openai_shape(fake_server):
     assert "temperature" in info.value.body["message"]
     with pytest.raises(openai.BadRequestError, match="at least 1 item"):
         client.chat.completions.create(model="fake-echo", messages=[])
-    with pytest.raises(openai.BadRequestError, match="tool calling"):
+    with pytest.raises(openai.BadRequestError, match="tools.0.function.name"):
         client.chat.completions.create(model="fake-echo", messages=[{"role": "user", "content": "hi"}],
-                                       tools=[{"type": "function", "function": {"name": "f"}}])
+                                       tools=[{"type": "function", "function": {"name": "f g"}}])
     with pytest.raises(openai.BadRequestError, match="longer than the model's context"):
         client.completions.create(model="fake-echo", prompt="w " * 3000)
     with pytest.raises(openai.NotFoundError):
