@@ -112,4 +112,5 @@ def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
     """bool [S]: rows with a NaN or +Inf, or with no finite value at all. -Inf alone is a legal
     logit (a masked token); such a row still has a distribution to sample from. Computed on the
     logits' device, so reading it back waits for nothing more than the sampled ids do."""
-    return logits.isnan().any(-1) | logits.isposinf().any(-1) | ~logits.isfinite().any(-1)
+    nan_or_inf = ~(logits < float("inf"))  # NaN compares false
+    return nan_or_inf.any(-1) | (logits == float("-inf")).all(-1)
