@@ -19,6 +19,7 @@ import torch
 from exlcli.engine.constraints import GrammarCompiler, new_bitmask
 from exlcli.engine.detok import TextStreamer
 from exlcli.engine.drafters import build_drafter, num_drafter_pages
+from exlcli.engine.failure_policy import FailurePolicy, nonfinite_rows
 from exlcli.engine.model_runner import ModelRunner
 from exlcli.engine.page_pool import PagePool
 from exlcli.engine.request import FinishReason, Request, RequestOutput, RequestStats
@@ -158,6 +159,7 @@ class Engine:
         self._in_flight: LaunchedStep | None = None
         self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size, self.eos_ids)
         self._last_resolved = 0.0
+        self.failures = FailurePolicy(log)
 
         self._lock = threading.Lock()  # guards the inbox and cancellations
         self._wake = threading.Condition(self._lock)
@@ -224,6 +226,9 @@ class Engine:
                                        spec_drafted_by_position=list(self._stats.spec_drafted_by_position),
                                        spec_accepted_by_position=list(self._stats.spec_accepted_by_position))
         snap.active = self._active_requests()
+        c = self.failures.counters
+        snap.step_failures, snap.requests_failed, snap.nonfinite_logits = (
+            c.step_failures, c.requests_failed, c.nonfinite_logits)
         return snap
 
     @property
@@ -260,8 +265,8 @@ class Engine:
                     break
             try:
                 self.step()
-            except Exception:  # the loop must survive anything one step does
-                log.exception("engine step failed")
+            except Exception as e:  # the loop must survive anything one step does
+                self.failures.step_failed("engine step failed", e)
         self._in_flight = None
         for seq in list(self._seqs.values()):
             self._finish(seq, FinishReason.CANCELLED)
@@ -280,7 +285,11 @@ class Engine:
             return False
         if self.speculator is not None:
             self.speculator.begin_step(len(self.scheduler.running) + len(self.scheduler.waiting))
-        batch = self.scheduler.schedule()
+        try:
+            batch = self.scheduler.schedule()
+        except Exception as e:  # nothing scheduled; if it persists, the stall below fails what is stuck
+            self.failures.step_failed("scheduling failed", e)
+            batch = ScheduledBatch()
         now = time.perf_counter()
         for item in batch.items:
             if item.seq.first_scheduled_time is None:
@@ -290,8 +299,18 @@ class Engine:
                 self._resolve(prev)
             else:
                 self._publish_stats(batch, 0.0)
+                if self.failures.stalled():  # work, yet nothing ran nor is in flight: back off, then fail it
+                    for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+                        self._finish(seq, FinishReason.ERROR, error=self.failures.stall_message())
             return True
-        launched = self._launch(batch, prev)
+        self.failures.progressed()
+        try:
+            launched = self._launch(batch, prev)
+        except Exception as e:  # after commit: these sequences' tokens are lost, so they end here
+            self.failures.step_failed("sampling failed", e)
+            for item in batch.items:
+                self._finish(item.seq, FinishReason.ERROR, error=f"sampling failed: {type(e).__name__}: {e}")
+            launched = None
         if prev is not None:
             self._resolve(prev)  # overlaps the device's work on this step
         if launched is not None:
@@ -307,11 +326,10 @@ class Engine:
         try:
             inputs = self.runner.prepare(batch)
             logits = self.runner.execute(inputs, prev.ids if prev is not None else None)
-        except Exception as e:  # e.g. out of memory: fail this step's requests, keep serving
-            log.exception("forward pass failed")
-            for item in batch.items:
-                self._finish(item.seq, FinishReason.ERROR, error=f"forward pass failed: {e}")
-            return None
+        except Exception as e:  # e.g. out of memory, or one bad sequence: retry each alone
+            batch, logits = self._run_alone(batch, prev, e)
+            if batch is None:
+                return None
         self.scheduler.commit(batch)
         items = [item for item in batch.items if item.num_logits]
         seqs = [item.seq for item in items]
@@ -324,9 +342,11 @@ class Engine:
             rows.append(list(range(first, first + 1 + len(d))))
             first += 1 + len(d)
         host_ids, ready = ids, None
+        if ids is not None:  # read back as one: the ids, then a flag per row for NaN/Inf logits
+            host_ids = torch.cat([ids, nonfinite_rows(logits).to(ids.dtype)])
         if ids is not None and ids.device.type != "cpu":
-            host_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-            host_ids.copy_(ids, non_blocking=True)
+            flagged, host_ids = host_ids, torch.empty(host_ids.shape, dtype=ids.dtype, pin_memory=True)
+            host_ids.copy_(flagged, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
         for seq, r in zip(seqs, rows):
@@ -336,6 +356,25 @@ class Engine:
         keep = (self.async_scheduling and bool(seqs) and logprobs is None and not speculating
                 and not any(needs_history(seq.request.sampling) or seq.constraint for seq in seqs))
         return LaunchedStep(batch, seqs, rows, drafts, rng_states, ids, host_ids, ready, logprobs, start, keep)
+
+    def _run_alone(self, batch: ScheduledBatch, prev: LaunchedStep | None,
+                   error: Exception) -> tuple[ScheduledBatch | None, torch.Tensor | None]:
+        """A forward pass over `batch` failed: run each sequence alone, once; those that fail
+        again are failed, the rest go on with their logits rows (in batch order). A batch of one
+        is not retried: the blame is clear."""
+        self.failures.step_failed("forward pass failed", error)
+        prev_ids = prev.ids if prev is not None else None
+
+        def run(item):
+            return self.runner.execute(self.runner.prepare(ScheduledBatch([item])), prev_ids)
+
+        done, failed = (self.failures.run_alone(batch.items, run) if len(batch.items) > 1
+                        else ([], [(batch.items[0], error)]))
+        for item, e in failed:
+            self._finish(item.seq, FinishReason.ERROR, error=f"forward pass failed: {type(e).__name__}: {e}")
+        if not done:
+            return None, None
+        return ScheduledBatch([item for item, _ in done], batch.preempted), torch.cat([lg for _, lg in done])
 
     @staticmethod
     def _sampled_logits_rows(batch: ScheduledBatch, logits: torch.Tensor) -> torch.Tensor:
@@ -354,10 +393,16 @@ class Engine:
     def _resolve(self, step: LaunchedStep) -> None:
         """Reads a launched step's tokens back (waiting for the device) and streams them."""
         tokens = []
-        if step.host_ids is not None:
-            if step.ready is not None:
-                step.ready.synchronize()
-            tokens = step.host_ids.tolist()
+        try:
+            if step.host_ids is not None:
+                if step.ready is not None:
+                    step.ready.synchronize()
+                tokens = step.host_ids.tolist()
+        except Exception as e:  # the device failed this step: its sequences' tokens are lost
+            self.failures.step_failed("reading sampled tokens failed", e)
+            for seq in step.seqs:
+                self._finish(seq, FinishReason.ERROR, error=f"reading sampled tokens failed: {type(e).__name__}: {e}")
+        tokens, nonfinite = tokens[:len(tokens) // 2], tokens[len(tokens) // 2:]
         generated = 0
         for seq, rows, drafts, rng_state in zip(step.seqs, step.rows, step.drafts, step.rng_states):
             if not tokens:
@@ -365,6 +410,10 @@ class Engine:
             seq.pending_read(1)
             if seq.status is SeqStatus.FINISHED:
                 continue  # cancelled, failed, or stopped while this token was in flight
+            if any(nonfinite[r] for r in rows):
+                self._finish(seq, FinishReason.ERROR, error="the model's logits were NaN or infinite (a numerical "
+                             "fault in the forward pass); the request was ended", nonfinite=True)
+                continue
             try:
                 choices = [tokens[r] for r in rows]
                 logprobs = [step.logprobs[r] for r in rows] if step.logprobs else None
@@ -514,9 +563,11 @@ class Engine:
         return taken
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None,
-                last: RequestOutput | None = None) -> None:
+                last: RequestOutput | None = None, nonfinite: bool = False) -> None:
         if seq.status is SeqStatus.FINISHED and seq.request_id not in self._seqs:
             return
+        if reason is FinishReason.ERROR:
+            self.failures.request_failed(nonfinite)
         self.scheduler.remove(seq)
         self._seqs.pop(seq.request_id, None)
         self._streamers.pop(seq.request_id, None)

@@ -126,7 +126,7 @@ def top_logprobs(logits: torch.Tensor, token_ids: list[int], rows: list[SampleRo
     want = [r.params.logprobs for r in rows]
     if not any(want):
         return [None] * len(rows)
-    logp = logits.log_softmax(-1)
+    logp = logits.log_softmax(-1).clamp_min(-9999.0)  # a masked token's -inf as OpenAI writes it (JSON has no -inf)
     top_vals, top_ids = logp.topk(max(want), dim=-1)
     chosen = logp.gather(1, torch.tensor(token_ids, device=logits.device)[:, None]).squeeze(1).tolist()
     top_vals, top_ids = top_vals.tolist(), top_ids.tolist()

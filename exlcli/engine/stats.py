@@ -60,6 +60,11 @@ class EngineStats:
     spec_accepted_tokens: int = 0
     spec_drafted_by_position: list[int] = field(default_factory=list)
     spec_accepted_by_position: list[int] = field(default_factory=list)
+    # failures (engine/failure_policy.py): steps that raised, requests ended with an error, of those
+    # the ones whose logits were NaN or infinite
+    step_failures: int = 0
+    requests_failed: int = 0
+    nonfinite_logits: int = 0
     active: list[ActiveRequestInfo] = field(default_factory=list)
     recent_finished: list[FinishedRequestInfo] = field(default_factory=list)
 

@@ -93,6 +93,11 @@ class EngineCollector(Collector):
         yield gauge("server_queue_depth", "Generations with no token yet that the engine has not started.",
                     num_waiting)
         yield counter("engine_requests_finished", "Requests the engine finished, any reason.", stats.total_requests)
+        yield counter("engine_step_failures", "Engine steps (or parts of steps) that raised; the loop went on.",
+                      stats.step_failures)
+        yield counter("engine_requests_failed", "Requests the engine ended with an error.", stats.requests_failed)
+        yield counter("engine_nonfinite_logits", "Requests ended because their logits were NaN or infinite.",
+                      stats.nonfinite_logits)
         yield counter("prefix_cache_evictions", "KV pages evicted from the prefix cache.",
                       stats.prefix_cache_evictions)
         yield gauge("kv_pages_total", "KV cache pages in the pool.", stats.pages_total)
