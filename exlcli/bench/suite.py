@@ -18,6 +18,7 @@ class SuiteOptions:
     model: str | None = None
     device: str | None = None
     dtype: str | None = None
+    quantize: str | None = None  # --quantize fp8|q8_0|q4_k at load
     prompt_lens: tuple[int, ...] = (512,)
     gen_lens: tuple[int, ...] = (128,)
     batches: tuple[int, ...] = (1,)
@@ -49,7 +50,8 @@ def run_suite(options: SuiteOptions) -> list[dict]:
 
     options.validate()
     tests = plan_tests(list(options.prompt_lens), list(options.gen_lens), list(options.batches))
-    loaded = load_model(options.model, device=options.device, dtype=options.dtype, log=sys.stderr)
+    loaded = load_model(options.model, device=options.device, dtype=options.dtype, log=sys.stderr,
+                        quantize=options.quantize)
     facts = ModelFacts.of(loaded)
     device = loaded.model.device
     log(f"{facts.name} ({facts.weights}, {facts.weight_bytes / 2**20:.1f} MiB read per step) on "

@@ -51,13 +51,13 @@ def start_chat(*, model: str | None, system: str | None = None, system_file: str
                overrides: dict | None = None, server: str | None = None, local: bool = False,
                device: str | None = None, dtype: str | None = None, kv_memory: str | None = None,
                prefix_cache: bool = True, max_model_len: int | None = None, cpu_threads: int | None = None,
-               io: ChatIO | None = None) -> ChatApp:
+               io: ChatIO | None = None, quantize: str | None = None) -> ChatApp:
     overrides = overrides or {}
     system_prompt = read_system_prompt(system, system_file)
     settings = make_settings(overrides)
     client = open_chat_client(model, server=server, local=local, device=device, dtype=dtype,
                               kv_memory=kv_memory, prefix_cache=prefix_cache, max_model_len=max_model_len,
-                              cpu_threads=cpu_threads)
+                              cpu_threads=cpu_threads, quantize=quantize)
     with client:
         try:
             fit_max_tokens(settings, client.context_length, explicit=overrides.get("max_tokens") is not None)

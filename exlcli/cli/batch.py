@@ -27,6 +27,7 @@ from exlcli.cli.common import (
     LocalOption,
     ModelOption,
     PrefixCacheOption,
+    QuantizeOption,
     SeedOption,
     ServerOption,
     ThreadsOption,
@@ -44,12 +45,13 @@ def default_output(input_path: Path) -> Path:
 
 def open_batch_client(model: str | None, server: str | None, local: bool, device: str | None,
                       dtype: str | None, kv_memory: str | None = None, prefix_cache: bool = True,
-                      max_model_len: int | None = None, cpu_threads: int | None = None) -> EngineClient:
+                      max_model_len: int | None = None, cpu_threads: int | None = None,
+                      quantize: str | None = None) -> EngineClient:
     from exlcli.client.factory import open_client
 
     return open_client(model, server=server, local=local, device=device, dtype=dtype, kv_memory=kv_memory,
                        prefix_cache=prefix_cache, fake_delay=0.002, max_model_len=max_model_len,
-                       cpu_threads=cpu_threads)
+                       cpu_threads=cpu_threads, quantize=quantize)
 
 
 def resume_command(input_path: Path, output_path: Path) -> str:
@@ -100,6 +102,7 @@ def register(app: typer.Typer) -> None:
         prefix_cache: PrefixCacheOption = True,
         device: DeviceOption = None,
         dtype: DtypeOption = None,
+        quantize: QuantizeOption = None,
         max_tokens: Annotated[int, typer.Option("--max-tokens", help="Default max new tokens per line.")] = 256,
         temperature: Annotated[float, typer.Option(*TEMP_NAMES, help="Default temperature; 0 is greedy.")] = 0.7,
         top_p: Annotated[float, typer.Option("--top-p", help="Default nucleus sampling.")] = 1.0,
@@ -140,7 +143,8 @@ def register(app: typer.Typer) -> None:
         except BatchIOError as e:
             raise io_failure(e, input_path, output_path) from None
         try:
-            client = open_batch_client(model, server, local, device, dtype, kv_memory, prefix_cache, ctx_size, threads)
+            client = open_batch_client(model, server, local, device, dtype, kv_memory, prefix_cache, ctx_size, threads,
+                                       quantize)
             try:
                 print(f"batch: {input_path} -> {output_path} on {client.model_name} ({client.kind})",
                       file=sys.stderr)

@@ -13,6 +13,7 @@ from exlcli.cli.common import (
     DtypeOption,
     KvMemoryOption,
     ModelOption,
+    QuantizeOption,
     ServerOption,
     ThreadsOption,
     renamed,
@@ -61,10 +62,11 @@ def emit(rows: list[dict], columns, fmt: str, save: Path | None) -> None:
         print(("\n" if fmt == "md" else "") + "machine: " + ", ".join(facts))
 
 
-def open_bench_client(model, server, device, dtype, kv_memory):
+def open_bench_client(model, server, device, dtype, kv_memory, quantize=None):
     from exlcli.client.factory import open_client
 
-    return open_client(model, server=server, local=not server, device=device, dtype=dtype, kv_memory=kv_memory)
+    return open_client(model, server=server, local=not server, device=device, dtype=dtype, kv_memory=kv_memory,
+                       quantize=quantize)
 
 
 def client_facts(client) -> dict:
@@ -90,6 +92,7 @@ def register(app: typer.Typer) -> None:
         model: ModelOption = None,
         device: DeviceOption = None,
         dtype: DtypeOption = None,
+        quantize: QuantizeOption = None,
         n_prompt: Annotated[str, typer.Option(
             "--n-prompt", "-p", help="Prompt lengths for pp tests, comma-separated; 0 skips.")] = "512",
         n_gen: Annotated[str, typer.Option(
@@ -127,7 +130,7 @@ def register(app: typer.Typer) -> None:
 
         if any(p < 1 for p in parse_int_list(parallel, "-np")):
             raise ExlcliError(f"-np values must be at least 1, got {parallel}")
-        options = SuiteOptions(model=model, device=device, dtype=dtype,
+        options = SuiteOptions(model=model, device=device, dtype=dtype, quantize=quantize,
                                prompt_lens=parse_int_list(n_prompt, "-p"), gen_lens=parse_int_list(n_gen, "-n"),
                                batches=parse_int_list(parallel, "-np"), reps=reps, warmup=warmup, depth=depth,
                                ubatch=ubatch, seed=seed)
@@ -144,6 +147,7 @@ def register(app: typer.Typer) -> None:
         server: ServerOption = None,
         device: DeviceOption = None,
         dtype: DtypeOption = None,
+        quantize: QuantizeOption = None,
         kv_memory: KvMemoryOption = None,
         num_prompts: Annotated[int, typer.Option(
             "--num-prompts", "-N", help="Requests at each concurrency level.")] = 64,
@@ -173,7 +177,7 @@ def register(app: typer.Typer) -> None:
         if num_prompts < 1 or input_len < 1 or output_len < 1 or warmup < 0:
             raise ExlcliError("--num-prompts, --input-len and --output-len must be at least 1")
         check_format(fmt)
-        client = open_bench_client(model, server, device, dtype, kv_memory)
+        client = open_bench_client(model, server, device, dtype, kv_memory, quantize)
         try:
             vocab = vocab_size_of(client)
             longest = round(input_len * (1 + range_ratio)) + round(output_len * (1 + range_ratio))
@@ -200,6 +204,7 @@ def register(app: typer.Typer) -> None:
         server: ServerOption = None,
         device: DeviceOption = None,
         dtype: DtypeOption = None,
+        quantize: QuantizeOption = None,
         kv_memory: KvMemoryOption = None,
         duration: Annotated[float, typer.Option("--duration", help="Seconds of each of the three phases.")] = 30.0,
         chat_every: Annotated[float, typer.Option("--chat-every", help="Seconds between chat requests.")] = 1.0,
@@ -228,7 +233,7 @@ def register(app: typer.Typer) -> None:
                                batch_input_len, batch_output_len, seed, warmup)
         options.validate()
         check_format(fmt)
-        client = open_bench_client(model, server, device, dtype, kv_memory)
+        client = open_bench_client(model, server, device, dtype, kv_memory, quantize)
         try:
             longest = max(chat_input_len + chat_output_len, batch_input_len + batch_output_len)
             if client.context_length and longest >= client.context_length:

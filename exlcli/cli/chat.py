@@ -16,6 +16,7 @@ from exlcli.cli.common import (
     LocalOption,
     ModelOption,
     PrefixCacheOption,
+    QuantizeOption,
     SeedOption,
     ServerOption,
     SystemOption,
@@ -53,6 +54,7 @@ def register(app: typer.Typer) -> None:
         local: LocalOption = False,
         device: DeviceOption = None,
         dtype: DtypeOption = None,
+        quantize: QuantizeOption = None,
         kv_memory: KvMemoryOption = None,
         prefix_cache: PrefixCacheOption = True,
     ) -> None:
@@ -63,6 +65,6 @@ def register(app: typer.Typer) -> None:
 
         start_chat(model=model, system=system, system_file=system_file, server=server, local=local,
                    device=device, dtype=dtype, kv_memory=kv_memory, prefix_cache=prefix_cache,
-                   max_model_len=ctx_size, cpu_threads=threads, overrides=dict(
+                   max_model_len=ctx_size, cpu_threads=threads, quantize=quantize, overrides=dict(
                        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                        repeat_penalty=repeat_penalty, max_tokens=max_tokens, seed=seed))

@@ -12,6 +12,7 @@ from exlcli.cli.common import (
     DtypeOption,
     ModelOption,
     NumDraftTokensOption,
+    QuantizeOption,
     SpeculativeOption,
     ThreadsOption,
     fail,
@@ -70,6 +71,7 @@ def register(app: typer.Typer) -> None:
             help="Live display of requests and engine. Default: on when stderr is a terminal.")] = None,
         device: DeviceOption = None,
         dtype: DtypeOption = None,
+        quantize: QuantizeOption = None,
         kv_memory: Annotated[Optional[str], typer.Option(
             "--kv-memory", help="Memory for the KV cache, e.g. 2GiB or 0.5 (fraction of free).")] = None,
         prefix_cache: Annotated[bool, typer.Option(
@@ -118,7 +120,7 @@ def register(app: typer.Typer) -> None:
         port = sock.getsockname()[1]
         try:
             client = _open_engine(model, device, dtype, kv_memory, prefix_cache, ctx_size, threads,
-                                  speculative, num_draft_tokens)
+                                  speculative, num_draft_tokens, quantize)
             aliases: tuple[str, ...] = ()
             if served_model_name:
                 aliases = (client.model_name,)  # the model's own name keeps working
@@ -136,9 +138,10 @@ def register(app: typer.Typer) -> None:
 
 
 def _open_engine(model, device, dtype, kv_memory, prefix_cache, max_model_len=None, cpu_threads=None,
-                 speculative=None, num_draft_tokens=4) -> EngineClient:
+                 speculative=None, num_draft_tokens=4, quantize=None) -> EngineClient:
     from exlcli.client.factory import open_client
 
     return open_client(model, local=True, device=device, dtype=dtype, kv_memory=kv_memory,
                        prefix_cache=prefix_cache, fake_delay=0.0, max_model_len=max_model_len,
-                       cpu_threads=cpu_threads, speculative=speculative, num_draft_tokens=num_draft_tokens)
+                       cpu_threads=cpu_threads, speculative=speculative, num_draft_tokens=num_draft_tokens,
+                       quantize=quantize)

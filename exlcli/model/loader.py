@@ -15,6 +15,7 @@ from exlcli.model.architectures import build_model, config_from_hf
 from exlcli.model.chat_template import ChatTemplate
 from exlcli.model.config import ModelConfig
 from exlcli.model.interface import CausalLM
+from exlcli.model.tensor_types import TensorTypes, count_types
 from exlcli.ops.formats import QuantizedWeight
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -31,6 +32,7 @@ class LoadedModel:
     chat_template: ChatTemplate
     quantization: str  # e.g. "Q4_1", "bf16", "random bf16"
     load_time_s: float
+    tensor_types: TensorTypes | None = None  # the weights as loaded (after --quantize), per type
 
 
 def pick_device(device: str | None) -> torch.device:
@@ -78,10 +80,14 @@ def dequantized_at_load(tensors: dict, device: torch.device, dtype: torch.dtype)
 
 
 def load_model(spec: str | None = None, device: str | None = None, dtype: str | None = None,
-               log=sys.stderr) -> LoadedModel:
+               log=sys.stderr, quantize: str | None = None) -> LoadedModel:
+    """`quantize` (--quantize fp8|q8_0|q4_k): quantize a full-precision checkpoint's linears at load
+    (exlcli/model/quantize_at_load.py)."""
     from exlcli.model.default_model import resolve_model_path
+    from exlcli.model.quantize_at_load import check_target
 
     start = time.perf_counter()
+    quantize = check_target(quantize)
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     path = resolve_model_path(spec, log=log)
@@ -116,6 +122,12 @@ def load_model(spec: str | None = None, device: str | None = None, dtype: str | 
     missing = [n for n in ("model.embed_tokens.weight", "model.norm.weight") if n not in tensors]
     if missing:
         raise ModelLoadError(f"{path}: missing tensor {missing[0]}")
+    if quantize is not None:
+        from exlcli.model.quantize_at_load import describe, quantize_tensors
+
+        print(describe(quantize_tensors(tensors, config, quantize), quantize), file=log, flush=True)
+        quant = _quantization(tensors) if not path.startswith("random:") else f"random {_quantization(tensors)}"
+    types = count_types(tensors)
     notice = dequantized_at_load(tensors, dev, dt)
     if notice:
         print(notice, file=log, flush=True)
@@ -127,4 +139,4 @@ def load_model(spec: str | None = None, device: str | None = None, dtype: str | 
         raise ModelLoadError(f"{path}: {e}") from None
     del tensors
     name = path if path.startswith("random:") else os.path.basename(path.rstrip("/"))
-    return LoadedModel(name, path, config, model, tokenizer, template, quant, time.perf_counter() - start)
+    return LoadedModel(name, path, config, model, tokenizer, template, quant, time.perf_counter() - start, types)
