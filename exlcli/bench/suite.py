@@ -54,8 +54,9 @@ def run_suite(options: SuiteOptions) -> list[dict]:
                         quantize=options.quantize)
     facts = ModelFacts.of(loaded)
     device = loaded.model.device
-    log(f"{facts.name} ({facts.weights}, {facts.weight_bytes / 2**20:.1f} MiB read per step) on "
-        f"{device}, loaded in {loaded.load_time_s:.1f} s")
+    log(f"{facts.name} ({facts.weights}, {facts.step_weight_bytes / 2**20:.1f} MiB of weights per step as stored, "
+        f"{facts.weight_bytes / 2**20:.1f} MiB as the kernels hold them) on {device}, loaded in "
+        f"{loaded.load_time_s:.1f} s")
     max_len = max([max(1, options.depth) + t.n + 1 if t.kind == "tg" else t.n for t in tests])
     engine = make_engine(loaded, max(t.batch for t in tests), max_len, options.depth, options.ubatch)
     copy_bw = None

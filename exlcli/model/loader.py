@@ -12,10 +12,11 @@ import torch
 
 from exlcli.errors import ModelLoadError
 from exlcli.model.architectures import build_model, config_from_hf
+from exlcli.model.architectures.tensor_names import EMBED, LM_HEAD
 from exlcli.model.chat_template import ChatTemplate
 from exlcli.model.config import ModelConfig
 from exlcli.model.interface import CausalLM
-from exlcli.model.tensor_types import TensorTypes, count_types
+from exlcli.model.tensor_types import TensorTypes, count_types, decode_step_bytes
 from exlcli.ops.formats import QuantizedWeight
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -33,6 +34,7 @@ class LoadedModel:
     quantization: str  # e.g. "Q4_1", "bf16", "random bf16"
     load_time_s: float
     tensor_types: TensorTypes | None = None  # the weights as loaded (after --quantize), per type
+    step_weight_bytes: int | None = None  # weights one decode step reads, as stored (formats' nbytes)
 
 
 def pick_device(device: str | None) -> torch.device:
@@ -128,6 +130,8 @@ def load_model(spec: str | None = None, device: str | None = None, dtype: str | 
         print(describe(quantize_tensors(tensors, config, quantize), quantize), file=log, flush=True)
         quant = _quantization(tensors) if not path.startswith("random:") else f"random {_quantization(tensors)}"
     types = count_types(tensors)
+    tied = config.tie_word_embeddings or LM_HEAD not in tensors  # as the decoder picks its output layer
+    step_bytes = decode_step_bytes(tensors, (LM_HEAD,) if tied else (EMBED,))
     notice = dequantized_at_load(tensors, dev, dt)
     if notice:
         print(notice, file=log, flush=True)
@@ -139,4 +143,5 @@ def load_model(spec: str | None = None, device: str | None = None, dtype: str | 
         raise ModelLoadError(f"{path}: {e}") from None
     del tensors
     name = path if path.startswith("random:") else os.path.basename(path.rstrip("/"))
-    return LoadedModel(name, path, config, model, tokenizer, template, quant, time.perf_counter() - start, types)
+    return LoadedModel(name, path, config, model, tokenizer, template, quant, time.perf_counter() - start, types,
+                       step_bytes)

@@ -1,6 +1,7 @@
 """What a checkpoint's tensors are stored as: per type (GGUF's names: Q4_K, Q6_K, F32, ... and our HF
 formats GPTQ4_G128, FP8_E4M3, ...) how many tensors, weights and bytes, and the bits per weight of
-each type and of the whole, for `exlcli info` and the load line."""
+each type and of the whole, for `exlcli info`; and the bytes a decode step reads as stored, for
+`exlcli bench`'s roofline."""
 
 from __future__ import annotations
 
@@ -59,6 +60,12 @@ def stored_bytes(t: Any) -> int:
     """Bytes of one tensor as loaded: a quantized weight's blocks (QuantizedWeight.nbytes, the format
     table's count), a dense tensor's elements."""
     return t.nbytes() if isinstance(t, QuantizedWeight) else t.numel() * t.element_size()
+
+
+def decode_step_bytes(tensors: dict[str, Any], not_read: tuple[str, ...]) -> int:
+    """Bytes of the weights one decode step reads, as stored: every tensor but those named (an
+    embedding that is not the output layer, of which a step reads one row; an unused tied copy)."""
+    return sum(stored_bytes(t) for name, t in tensors.items() if name not in not_read)
 
 
 def count_types(tensors: dict[str, Any]) -> TensorTypes:
