@@ -189,3 +189,22 @@ def test_already_quantized_and_unknown_targets_are_one_line(tmp_path, dense):
         quantize_tensors(tensors, cfg, "q4_k")
     with pytest.raises(ModelLoadError, match="unknown --quantize 'q3_k'; use one of fp8, q8_0, q4_k"):
         load_model("random:tiny", device="cpu", quantize="q3_k")
+
+
+def test_run_and_perplexity_take_the_flag(tmp_path, private_runtime_dir):
+    from typer.testing import CliRunner
+
+    from exlcli.cli.app import app
+
+    result = CliRunner().invoke(app, ["run", "-m", "random:tiny", "--quantize", "q8_0", "--raw", "--max-tokens", "3",
+                                      "--temp", "0", "hello"])
+    assert result.exit_code == 0, result.output
+    assert "--quantize q8_0: 15 to Q8_0" in result.stderr  # 14 projections and the tied output layer
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog " * 40)
+    result = CliRunner().invoke(app, ["perplexity", str(text), "-m", "random:tiny", "--quantize", "q4_k", "-c", "64",
+                                      "--chunks", "1"])
+    assert result.exit_code == 0, result.output
+    assert "random Q5_0" in result.stderr  # 64 wide: Q4_K falls back to Q5_0
+    bad = CliRunner().invoke(app, ["run", "-m", "random:tiny", "--quantize", "int4", "hi"])
+    assert bad.exit_code == 1 and bad.stderr.strip() == "error: unknown --quantize 'int4'; use one of fp8, q8_0, q4_k"
