@@ -86,10 +86,20 @@ def dense():
     return dense_tensors()
 
 
+@pytest.fixture(scope="module")
+def unquantized(dense, tmp_path_factory):
+    """The bf16 folder, and its logits (fp32 and bf16 activations) and decode bytes unquantized."""
+    folder = write_folder(tmp_path_factory.mktemp("bf16"), dense)
+    plain32 = load_model(str(folder), device="cpu", dtype="float32")
+    plain = load_model(str(folder), device="cpu", dtype="bfloat16")
+    assert plain.quantization == "bfloat16"
+    return folder, prefill_logits(plain32, IDS), prefill_logits(plain, IDS), plain.model.weight_bytes()
+
+
 @pytest.mark.parametrize("target", list(EXPECTED))
-def test_quantize_at_load_hf_folder(tmp_path, dense, target):
+def test_quantize_at_load_hf_folder(tmp_path, dense, unquantized, target):
     layer_fmt, head_fmt, tolerance = EXPECTED[target]
-    folder = write_folder(tmp_path / "bf16", dense)
+    folder, base, base_bf16, base_bytes = unquantized
     cfg = config_from_hf(CONFIG)
 
     tensors = dict(dense)
@@ -112,20 +122,17 @@ def test_quantize_at_load_hf_folder(tmp_path, dense, target):
     got, want = prefill_logits(quant32, IDS), prefill_logits(recon32, IDS)
     assert float((got - want).abs().max() / want.abs().max()) <= 1e-5
     # ... and stays within the format's error of the unquantized model, which it differs from
-    plain32 = load_model(str(folder), device="cpu", dtype="float32")
-    base = prefill_logits(plain32, IDS)
     assert base.std() > 0.1
     assert 0 < relative_error(got, base) <= tolerance
 
     # bf16: the formats' CPU linears run it; fewer bytes read per step than the bf16 model
     quant = load_model(str(folder), device="cpu", dtype="bfloat16", quantize=target)
-    plain = load_model(str(folder), device="cpu", dtype="bfloat16")
-    assert quant.quantization == layer_fmt and plain.quantization == "bfloat16"
-    assert relative_error(prefill_logits(quant, IDS), prefill_logits(plain, IDS)) <= tolerance + 0.03
+    assert quant.quantization == layer_fmt
+    assert relative_error(prefill_logits(quant, IDS), base_bf16) <= tolerance + 0.03
     types = {t.name: t.tensors for t in quant.tensor_types.types}
     assert types == dict(Counter([layer_fmt] * len(projections) + [head_fmt or "BF16"] + ["BF16"] * 6))
     if layer_fmt != "FP8_E4M3" and cpu_qmatmul.available():
-        assert quant.model.weight_bytes() < 0.75 * plain.model.weight_bytes()
+        assert quant.model.weight_bytes() < 0.75 * base_bytes
 
 
 def test_tied_output_layer_is_the_quantized_embedding(tmp_path):
@@ -140,6 +147,7 @@ def test_tied_output_layer_is_the_quantized_embedding(tmp_path):
     assert 0 < relative_error(prefill_logits(loaded, IDS), prefill_logits(plain, IDS)) <= 0.45
 
 
+@pytest.mark.slow  # builds a transformers model
 def test_gguf_f16_checkpoint(tmp_path):
     transformers = pytest.importorskip("transformers")
     from hf_random_init import randomize_
