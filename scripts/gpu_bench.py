@@ -20,6 +20,7 @@ Figures (medians; each labelled with what it includes):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import json
@@ -401,6 +402,141 @@ def bench_llama(res: dict, offline_seqs: list[int], variants: bool = False, prof
     free_gpu()
 
 
+# -- quantized weights -----------------------------------------------------------------------------
+QUANT_KINDS = {  # --only part -> (label, format of each linear: (layer, name, layers) -> format name)
+    # llama.cpp's Q4_K_M: attn_v and ffn_down in Q6_K in the first and last eighth and every third layer
+    # between, the LM head in Q6_K, the rest Q4_K
+    "q4km": ("Q4_K_M", lambda i, name, n: "Q6_K" if name in ("v_proj", "down_proj") and (
+        i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2) else "Q4_K", "Q6_K"),
+    "gptq4": ("GPTQ 4-bit g128", lambda i, name, n: "GPTQ4_G128", None),  # GPTQ keeps the head in bf16
+    "q8": ("Q8_0", lambda i, name, n: "Q8_0", "Q8_0"),
+    "fp8": ("FP8 e4m3 per tensor", lambda i, name, n: "FP8_E4M3", None),  # FP8 checkpoints keep the head in bf16
+}
+
+
+def random_blocks(fmt_name: str, rows: int, cols: int) -> "QuantizedWeight":
+    """Random blocks of a format with sane scales (about unit-variance activations through the model), on the GPU:
+    speed does not depend on the values, only on the layout."""
+    from exlcli.ops import formats
+
+    if fmt_name == "FP8_E4M3":
+        from exlcli.ops.formats import fp8
+
+        w = torch.randn(rows, cols, device="cuda") * (3.0 * cols ** -0.5)
+        scale = w.abs().max() / 448
+        return fp8.from_fp8((w / scale).to(torch.float8_e4m3fn), scale)
+    fmt = formats.by_name(fmt_name)
+    nb = cols // fmt.block_weights
+    blocks = torch.randint(0, 256, (rows, nb, fmt.block_bytes), dtype=torch.uint8, device="cuda")
+    step = torch.tensor(3.0 * cols ** -0.5 / 16, dtype=torch.float16)
+
+    def put_f16(offset: int, value: torch.Tensor) -> None:
+        blocks[..., offset:offset + 2] = value.reshape(1).view(torch.uint8).cuda()
+
+    if fmt_name in ("Q4_K", "Q5_K"):
+        put_f16(0, step / 32)  # d (times a 6-bit scale)
+        put_f16(2, step / 32 * 7.5)  # dmin (times a 6-bit min): centres the weights
+    elif fmt_name == "Q6_K":
+        blocks[..., 192:208] = torch.randint(1, 64, (rows, nb, 16), dtype=torch.uint8, device="cuda")
+        put_f16(208, step / 64)
+    elif fmt_name == "Q8_0":
+        put_f16(0, step / 8)
+    elif fmt_name.startswith("GPTQ"):
+        put_f16(0, step)
+        blocks[..., 2:4] = torch.tensor([8], dtype=torch.int16).view(torch.uint8).cuda()  # zero point 8
+    else:
+        raise ValueError(f"no random blocks for {fmt_name}")
+    return formats.QuantizedWeight(fmt, (rows, cols), blocks.reshape(rows, -1))
+
+
+def build_quantized_llama(kind: str):
+    from exlcli.model.architectures import build_model
+    from exlcli.model.random_weights import SyntheticTokenizer, random_config, random_tensors
+
+    _, layer_format, head_format = QUANT_KINDS[kind]
+    config = random_config("llama3.1-8b")
+    config_small = dataclasses.replace(config, num_layers=1)  # the embedding, norms and head (layer 0 replaced below)
+    tensors = random_tensors(config_small, device="cuda", dtype=torch.bfloat16, seed=0)
+    if head_format is not None:
+        tensors["lm_head.weight"] = random_blocks(head_format, config.vocab_size, config.hidden_size)
+    h, i = config.hidden_size, config.intermediate_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    n = config.num_layers
+    ones = torch.ones(h, device="cuda", dtype=torch.bfloat16)
+    for layer in range(n):
+        p = f"model.layers.{layer}."
+        tensors[p + "input_layernorm.weight"] = ones
+        tensors[p + "post_attention_layernorm.weight"] = ones
+        for name, rows, cols in (("self_attn.q_proj", q, h), ("self_attn.k_proj", kv, h), ("self_attn.v_proj", kv, h),
+                                 ("self_attn.o_proj", h, q), ("mlp.gate_proj", i, h), ("mlp.up_proj", i, h),
+                                 ("mlp.down_proj", h, i)):
+            tensors[p + name + ".weight"] = random_blocks(layer_format(layer, name.split(".")[1], n), rows, cols)
+    model = build_model(config, tensors, torch.device("cuda"), torch.bfloat16)
+    del tensors
+    free_gpu()
+    return model, SyntheticTokenizer(config.vocab_size)
+
+
+def bench_quant(res: dict, kind: str, profile: bool = False) -> None:
+    label = QUANT_KINDS[kind][0]
+    log(f"llama3.1-8b {label}: building random quantized weights")
+    model, tok = build_quantized_llama(kind)
+    key = f"llama8b_{kind}"
+    res[key + "_weight_gb"] = model.weight_bytes() / 1e9
+    res[key + "_gpu_gb"] = torch.cuda.memory_allocated() / 1e9
+    log(f"{label}: {res[key + '_weight_gb']:.2f} GB of weights read per step, "
+        f"{res[key + '_gpu_gb']:.2f} GB allocated")
+    engine = make_engine(model, tok, max_num_seqs=512 if kind == "fp8" else 64)
+    replay = decode_figures(res, key + "_b1", engine, 1, 160)
+    if replay:
+        res[key + "_b1_graph_tb_s"] = model.weight_bytes() / (replay * 1e-3) / 1e12
+    if profile:
+        res[key + "_profile_b1"] = profile_graph(engine, 1)
+    decode_figures(res, key + "_b16", engine, 16, 96)
+    decode_figures(res, key + "_b64", engine, 64, 96)
+    if profile:
+        res[key + "_profile_b64"] = profile_graph(engine, 64)
+    tps, ms = prefill_tok_s(model, 1, 2048)
+    res[key + "_prefill2048_tok_s"] = tps
+    log(f"{label} prefill 1x2048: {tps:.0f} tok/s ({ms:.1f} ms)")
+    if kind == "fp8":  # the issue's offline figure for FP8
+        off = offline(engine, 1024, 128, 128)
+        res[key + "_offline_out_tok_s"] = off["out_tok_s"]
+        log(f"{label} offline 1024 x (128 + 128), max_num_seqs 512: {off}")
+    del engine, model
+    free_gpu()
+
+
+def bench_quant_linear(res: dict) -> None:
+    """The quantized linear alone on the 8B shapes: TB/s of its packed weights by tokens, against dequantize
+    + cuBLAS (where the product switches) and the dense bf16 product."""
+    from exlcli.ops.cuda import kernels as ops
+    from exlcli.ops.formats import cuda_groups
+
+    out = {}
+    for bits, group in ((4, 32), (4, 128), (8, 32)):
+        for n, k in ((6144, 4096), (28672, 4096), (4096, 14336)):
+            q = torch.randint(0, 2 ** bits, (n, k), dtype=torch.int32, device="cuda")
+            scale = torch.full((n, k // group), 1e-3, device="cuda")
+            qweight, scales = cuda_groups.pack(q, scale, -scale * 2 ** (bits - 1), bits)
+            del q
+            nbytes = qweight.numel() * 4 + scales.numel() * scales.element_size()
+            dense = torch.randn(n, k, device="cuda").to(torch.bfloat16)
+            for m in (1, 4, 16, 64, 128, 256):
+                x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+                kern = cuda_time_ms(lambda: ops.quant_linear(x, qweight, scales, bits, group, n), reps=20)
+                deq = cuda_time_ms(lambda: torch.nn.functional.linear(
+                    x, ops.quant_dequantize(qweight, scales, bits, group, n, k)), reps=10)
+                bf16 = cuda_time_ms(lambda: torch.nn.functional.linear(x, dense), reps=20)
+                out[f"{bits}b g{group} {n}x{k} m{m}"] = (f"kernel {kern * 1e3:.0f}us {nbytes / kern / 1e9:.2f}TB/s, "
+                                                         f"dequant+cublas {deq * 1e3:.0f}us, bf16 {bf16 * 1e3:.0f}us")
+            del qweight, scales, dense
+            free_gpu()
+    res["quant_linear"] = out
+    for k, v in out.items():
+        log(f"quant linear {k}: {v}")
+
+
 def bench_smollm2(res: dict) -> None:
     model, tok = build_model("smollm2-135m", torch.bfloat16)
     engine = make_engine(model, tok, max_num_seqs=8)
@@ -558,6 +694,8 @@ def main() -> int:
                      ("llama", lambda: bench_llama(res, [int(n) for n in args.offline_seqs.split(",")],
                                                    args.variants, args.profile)),
                      ("smollm2", lambda: bench_smollm2(res)),
+                     ("qlinear", lambda: bench_quant_linear(res)),
+                     *((kind, lambda kind=kind: bench_quant(res, kind, args.profile)) for kind in QUANT_KINDS),
                      ("hf", lambda: (hf_bench(res, "smollm2-135m", "smollm2", 0),
                                      hf_bench(res, "llama3.1-8b", "llama8b", args.hf_batch_requests)))):
         if name not in parts and not (name == "hf" and args.hf):

@@ -27,6 +27,11 @@ class LineError(Exception):
         self.message = message
 
 
+class RefusedLine(LineError):
+    """The engine refused a line when it reached it, not when it was handed over (an engine in a Ray
+    actor checks a line there): still that line's error line, as a refusal at submit is."""
+
+
 class BatchIOError(ExlcliError):
     """Reading the input or writing the output failed; the job stops and can be resumed."""
 

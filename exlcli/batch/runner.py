@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from exlcli.batch.failures import BatchIOError, line_error
+from exlcli.batch.failures import BatchIOError, LineError, RefusedLine, line_error
 from exlcli.batch.jsonl import dump_line
 from exlcli.batch.lines import BadLine, InputScan, Job, LineDefaults, read_jobs, scan_input
 from exlcli.batch.lock import OutputLock, lock_path
@@ -65,21 +65,24 @@ class _Outcome:
     last: TextDelta | None
     failure: str | None  # the stream raised
     request_id: str
+    refused: LineError | None = None  # the engine refused the line once it got there (RefusedLine)
 
 
 def _drain(seq: int, job: Job, stream: GenerationStream, out: "queue.Queue[_Outcome]",
            streamed: StreamedTokens) -> None:
     parts: list[str] = []
     last: TextDelta | None = None
-    failure = None
+    failure = refused = None
     try:
         for delta in stream:
             parts.append(delta.text)
             streamed.add(len(delta.token_ids))
             last = delta
+    except RefusedLine as e:
+        refused = e
     except Exception as e:  # noqa: BLE001 - any failure of one request becomes its error line
         failure = str(e) if isinstance(e, ExlcliError) else f"{type(e).__name__}: {e}"
-    out.put(_Outcome(seq, job, "".join(parts), last, failure, getattr(stream, "request_id", "")))
+    out.put(_Outcome(seq, job, "".join(parts), last, failure, getattr(stream, "request_id", ""), refused))
 
 
 class BatchRun:
@@ -253,6 +256,11 @@ class BatchRun:
     def _settle(self, o: _Outcome) -> None:
         job = o.job
         last = o.last
+        if o.refused is not None:  # as a refusal at submit: this line's error line
+            self._instant_errors += 1
+            self._emit(o.seq, job, error_record(job.id, job.line_no, job.shape, o.refused.code, o.refused.message),
+                       error=True)
+            return
         if o.failure is not None or last is None:
             self.summary.lost += 1
             self._message(f"line {job.line_no} ({job.id}): {o.failure or 'the stream ended early'}; "

@@ -18,19 +18,24 @@ from exlcli.batch.progress import make_progress
 from exlcli.batch.runner import BatchOptions, run_batch
 from exlcli.batch.stopping import StopControl
 from exlcli.batch.summary import BatchSummary
+from exlcli.cli.batch_ray import BatchCommand, attach_progress, check_ray_options, open_ray_client, report_actors
 from exlcli.cli.common import (
-    TEMP_NAMES,
     CtxSizeOption,
     DeviceOption,
     DtypeOption,
     KvMemoryOption,
     LocalOption,
+    MinPOption,
     ModelOption,
     PrefixCacheOption,
     QuantizeOption,
     SeedOption,
     ServerOption,
+    SystemOption,
+    TemperatureOption,
     ThreadsOption,
+    TopKOption,
+    TopPOption,
     user_errors,
 )
 from exlcli.client.base import EngineClient, GenerationParams
@@ -87,7 +92,7 @@ def report(summary: BatchSummary, output_path: Path, input_path: Path) -> int:
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("batch")
+    @app.command("batch", cls=BatchCommand)
     @user_errors
     def batch(
         input_path: Annotated[Path, typer.Argument(
@@ -104,14 +109,13 @@ def register(app: typer.Typer) -> None:
         dtype: DtypeOption = None,
         quantize: QuantizeOption = None,
         max_tokens: Annotated[int, typer.Option("--max-tokens", help="Default max new tokens per line.")] = 256,
-        temperature: Annotated[float, typer.Option(*TEMP_NAMES, help="Default temperature; 0 is greedy.")] = 0.7,
-        top_p: Annotated[float, typer.Option("--top-p", help="Default nucleus sampling.")] = 1.0,
-        top_k: Annotated[int, typer.Option("--top-k", help="Default top-k; 0 is off.")] = 0,
-        min_p: Annotated[float, typer.Option("--min-p", help="Default min-p.")] = 0.0,
+        temperature: TemperatureOption = 0.7,
+        top_p: TopPOption = 1.0,
+        top_k: TopKOption = 0,
+        min_p: MinPOption = 0.0,
         seed: SeedOption = None,
         stop: Annotated[Optional[List[str]], typer.Option("--stop", help="Default stop string (repeatable).")] = None,
-        system: Annotated[Optional[str], typer.Option(
-            "--system", "-sys", "--system-prompt", help="System prompt for chat lines that have none.")] = None,
+        system: SystemOption = None,
         ctx_size: CtxSizeOption = None,
         threads: ThreadsOption = None,
         max_in_flight: Annotated[int, typer.Option(
@@ -119,10 +123,20 @@ def register(app: typer.Typer) -> None:
         ordered: Annotated[bool, typer.Option("--ordered", help="Write results in input order.")] = False,
         retry_errors: Annotated[bool, typer.Option(
             "--retry-errors", help="Rerun the lines that ended in an error last time.")] = False,
+        ray: Annotated[Optional[str], typer.Option(
+            "--ray", metavar="[ADDRESS]",
+            help="Run on a Ray cluster: a pool of actors, one engine each. ADDRESS: auto (the running cluster), "
+                 "HOST:PORT or ray://HOST:PORT; none starts a local one. --max-in-flight is then per actor.")] = None,
+        ray_actors: Annotated[Optional[int], typer.Option(
+            "--ray-actors", help="--ray: actors to start. Default: one per GPU of the cluster, else per CPU.")] = None,
+        gpus_per_actor: Annotated[Optional[float], typer.Option(
+            "--gpus-per-actor", help="--ray: GPUs per actor (0: CPU actors). Default: 1 with GPUs, else 0.")] = None,
         progress_every: Annotated[float, typer.Option(
             "--progress-every", hidden=True, help="Seconds between plain progress lines.")] = 10.0,
     ) -> None:
         """Run a JSONL file of prompts at batch priority; every result is on disk when it finishes.
+
+        The sampling options and --system are defaults for the lines that set none.
 
         Ctrl-C stops submitting and finishes what is in flight (Ctrl-C again, or SIGTERM, cancels
         it); rerun the same command to resume where it stopped.
@@ -136,6 +150,7 @@ def register(app: typer.Typer) -> None:
         if max_tokens < 1:
             raise ExlcliError(f"--max-tokens must be at least 1, got {max_tokens}")
         options = BatchOptions(max_in_flight=max_in_flight, ordered=ordered, retry_errors=retry_errors)
+        check_ray_options(ray, server, local, ray_actors, gpus_per_actor)
         try:  # all before the model loads: a second process on this output is refused at once
             check_input(input_path)
             check_output_path(output_path)
@@ -143,12 +158,18 @@ def register(app: typer.Typer) -> None:
         except BatchIOError as e:
             raise io_failure(e, input_path, output_path) from None
         try:
-            client = open_batch_client(model, server, local, device, dtype, kv_memory, prefix_cache, ctx_size, threads,
-                                       quantize)
+            if ray is not None:
+                client = open_ray_client(ray, model, device, dtype, kv_memory, prefix_cache, ctx_size, threads,
+                                         ray_actors, gpus_per_actor, max_in_flight)
+                options.max_in_flight = client.capacity  # the pool hands lines on to its actors
+            else:
+                client = open_batch_client(model, server, local, device, dtype, kv_memory, prefix_cache, ctx_size,
+                                           threads, quantize)
             try:
                 print(f"batch: {input_path} -> {output_path} on {client.model_name} ({client.kind})",
                       file=sys.stderr)
                 progress = make_progress(0, sys.stderr, interval=progress_every)
+                attach_progress(client, progress)
                 stop_control = StopControl()
                 try:
                     with stop_control.installed():
@@ -163,6 +184,7 @@ def register(app: typer.Typer) -> None:
         if summary.torn_bytes:
             print(f"batch: cut {summary.torn_bytes} bytes of a line an earlier run left unfinished",
                   file=sys.stderr)
+        report_actors(client)
         code = report(summary, output_path, input_path)
         if code:
             raise typer.Exit(code)

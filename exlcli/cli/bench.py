@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Callable, Optional
 
 import typer
 
@@ -18,6 +18,7 @@ from exlcli.cli.common import (
     ThreadsOption,
     renamed,
     user_errors,
+    whole_number,
 )
 from exlcli.errors import ExlcliError
 
@@ -26,6 +27,13 @@ FormatOption = Annotated[str, typer.Option(
 SaveOption = Annotated[Optional[Path], typer.Option(
     "--save", help="Append the results to this file as JSON lines.")]
 SeedOption = Annotated[int, typer.Option("--seed", help="Seed of the random prompts.")]
+ServeCtxSizeOption = Annotated[Optional[int], typer.Option(
+    "--ctx-size", "-c", "--max-model-len",
+    parser=whole_number(16, "concurrency levels are --max-concurrency (-c was --concurrency in earlier releases)"),
+    help="Cap an in-process engine's context at N tokens (llama.cpp -c, vLLM --max-model-len). "
+         "Default: the model's.")]
+PlotOption = Annotated[Optional[Path], typer.Option(
+    "--plot", metavar="FILE.png", help="Also draw the sweep to this image (needs matplotlib: exlcli[plot]).")]
 
 
 def parse_int_list(text: str, option: str) -> tuple[int, ...]:
@@ -47,8 +55,8 @@ def check_format(fmt: str) -> str:
     return fmt
 
 
-def emit(rows: list[dict], columns, fmt: str, save: Path | None) -> None:
-    """Results to stdout (with a machine line under human tables), and appended to --save."""
+def emit(rows: list[dict], columns, fmt: str, save: Path | None, plot: Path | None = None) -> None:
+    """Results to stdout (with a machine line under human tables), appended to --save, drawn to --plot."""
     from exlcli.bench.report import render, save_jsonl
 
     if save is not None:
@@ -60,13 +68,30 @@ def emit(rows: list[dict], columns, fmt: str, save: Path | None) -> None:
                  f"torch {m.get('torch')}", f"commit {m.get('commit') or '?'}",
                  f"load {m.get('load_avg_1m')} before, {m.get('load_avg_1m_end')} after"]
         print(("\n" if fmt == "md" else "") + "machine: " + ", ".join(facts))
+    if plot is not None:  # after the results, so a plot that fails loses none of them
+        from exlcli.bench.machine import log
+        from exlcli.bench.plot import write_plot
+
+        write_plot(rows, plot)
+        log(f"plot: {plot}")
 
 
-def open_bench_client(model, server, device, dtype, kv_memory, quantize=None):
+def check_plot(plot: Path | None) -> None:
+    """Before a long run: that --plot can be drawn and written at its end."""
+    if plot is None:
+        return
+    from exlcli.bench.plot import require_matplotlib
+
+    require_matplotlib()
+    if not plot.parent.is_dir():
+        raise ExlcliError(f"--plot {plot}: no folder {plot.parent}")
+
+
+def open_bench_client(model, server, device, dtype, kv_memory, max_model_len=None, quantize=None):
     from exlcli.client.factory import open_client
 
     return open_client(model, server=server, local=not server, device=device, dtype=dtype, kv_memory=kv_memory,
-                       quantize=quantize)
+                       max_model_len=max_model_len, quantize=quantize)
 
 
 def client_facts(client) -> dict:
@@ -80,9 +105,26 @@ def client_facts(client) -> dict:
             "machine": machine_facts(device)}
 
 
+def run_on_client(client, requests: str, longest: int, workload: Callable[[object], list[dict]],
+                  hint: str = "") -> list[dict]:
+    """What `bench serve` and `bench mixed` share around their workloads: the longest request must
+    fit the context; every row gets the model and machine facts; the client is closed in the end."""
+    from exlcli.bench.machine import finish_facts
+
+    try:
+        if client.context_length and longest >= client.context_length:
+            raise ExlcliError(f"{requests} do not fit the context of {client.context_length} tokens{hint}")
+        facts = client_facts(client)
+        rows = workload(client)
+        finish_facts(facts["machine"])
+    finally:
+        client.close()
+    return [{**row, **facts} for row in rows]
+
+
 def register(app: typer.Typer) -> None:
     bench_app = typer.Typer(
-        help="Benchmarks: prefill/decode throughput; `serve` and `mixed` below.",
+        help="Benchmarks: prefill/decode throughput; `serve` and `mixed` below; `compare` for two saved runs.",
         context_settings={"help_option_names": ["-h", "--help"]}, no_args_is_help=False, rich_markup_mode=None)
 
     @bench_app.callback(invoke_without_command=True)
@@ -111,6 +153,7 @@ def register(app: typer.Typer) -> None:
             help="Most tokens per engine step (prefill chunk). Default: the engine's.")] = None,
         fmt: FormatOption = "table",
         save: SaveOption = None,
+        plot: PlotOption = None,
         seed: SeedOption = 0,
     ) -> None:
         """Prefill (pp) and decode (tg) tokens/s, llama-bench style; `serve` and `mixed` below.
@@ -118,7 +161,7 @@ def register(app: typer.Typer) -> None:
         Every pp and tg test runs at every batch (-np, concurrent sequences); t/s is mean ± std
         over --reps after --warmup runs. Decode shows its achieved bandwidth (weights + KV bytes
         read per step / step time) and its share of the device's copy bandwidth.
-        Example: exlcli bench -p 512 -n 128 -np 1,8,32 -t 2 --format md"""
+        Example: exlcli bench -p 512 -n 128 -np 1,8,32 -t 2 --format md --plot tps.png"""
         if ctx.invoked_subcommand is not None:
             return
         from exlcli.bench.suite import SuiteOptions, run_suite
@@ -136,9 +179,10 @@ def register(app: typer.Typer) -> None:
                                ubatch=ubatch, seed=seed)
         options.validate()
         check_format(fmt)
+        check_plot(plot)
         if threads is not None and not (device or "").startswith("cuda"):
             start_cpu_threads(threads)
-        emit(run_suite(options), COLUMNS, fmt, save)
+        emit(run_suite(options), COLUMNS, fmt, save, plot)
 
     @bench_app.command("serve")
     @user_errors
@@ -156,46 +200,51 @@ def register(app: typer.Typer) -> None:
         range_ratio: Annotated[float, typer.Option(
             "--range-ratio", help="Lengths uniform in mean x [1 - r, 1 + r].")] = 0.0,
         concurrency: Annotated[str, typer.Option(
-            "--concurrency", "-c", help="Requests in flight, comma-separated levels.")] = "1,4,16,64",
+            "--max-concurrency", "--concurrency",
+            help="Requests in flight, comma-separated levels (vLLM's --max-concurrency).")] = "1,4,16,64",
+        ctx_size: ServeCtxSizeOption = None,
         warmup: Annotated[int, typer.Option(
             "--warmup", help="Untimed rounds of `concurrency` requests before each level.")] = 1,
         fmt: FormatOption = "table",
         save: SaveOption = None,
+        plot: PlotOption = None,
         seed: SeedOption = 0,
     ) -> None:
         """A serving workload at several concurrency levels, like `vllm bench serve`.
 
         Reports requests/s, output tok/s, TTFT, TPOT and ITL percentiles at each level; runs the
-        engine in process, or against a running server with --server URL."""
-        from exlcli.bench.machine import finish_facts, log
+        engine in process, or against a running server with --server URL.
+        Example: exlcli bench serve -N 64 --max-concurrency 1,4,16,64 --plot load.png"""
+        from exlcli.bench.machine import log
         from exlcli.bench.serve_load import COLUMNS, run_serve
         from exlcli.bench.workload import make_requests, vocab_size_of
 
-        levels = parse_int_list(concurrency, "-c")
+        levels = parse_int_list(concurrency, "--max-concurrency")
         if any(c < 1 for c in levels):
-            raise ExlcliError(f"-c levels must be at least 1, got {list(levels)}")
+            raise ExlcliError(f"--max-concurrency levels must be at least 1, got {list(levels)}")
         if num_prompts < 1 or input_len < 1 or output_len < 1 or warmup < 0:
             raise ExlcliError("--num-prompts, --input-len and --output-len must be at least 1")
+        if server and ctx_size is not None:
+            raise ExlcliError("-c/--ctx-size caps an in-process engine's context, not a server's (concurrency "
+                              "levels are --max-concurrency)")
         check_format(fmt)
-        client = open_bench_client(model, server, device, dtype, kv_memory, quantize)
-        try:
+        check_plot(plot)
+        longest = round(input_len * (1 + range_ratio)) + round(output_len * (1 + range_ratio))
+        hint = "; -c is --ctx-size (concurrency levels are --max-concurrency)" if ctx_size is not None else ""
+
+        def workload(client) -> list[dict]:
             vocab = vocab_size_of(client)
-            longest = round(input_len * (1 + range_ratio)) + round(output_len * (1 + range_ratio))
-            if client.context_length and longest >= client.context_length:
-                raise ExlcliError(f"prompt + output of up to {longest} tokens do not fit the context "
-                                  f"of {client.context_length} tokens")
 
             def specs_for(level: int):
                 return make_requests(num_prompts, input_len, output_len, vocab, range_ratio=range_ratio,
                                      seed=seed * 1000 + level + 100)
             log(f"serve: {client.model_name} ({client.kind}), {num_prompts} requests per level, "
                 f"~{input_len} in / ~{output_len} out")
-            facts = client_facts(client)
-            rows = run_serve(client, specs_for, list(levels), warmup=warmup, progress=log)
-            finish_facts(facts["machine"])
-        finally:
-            client.close()
-        emit([{**row, **facts} for row in rows], COLUMNS, fmt, save)
+            return run_serve(client, specs_for, list(levels), warmup=warmup, progress=log)
+
+        client = open_bench_client(model, server, device, dtype, kv_memory, ctx_size, quantize)
+        rows = run_on_client(client, f"prompt + output of up to {longest} tokens", longest, workload, hint)
+        emit(rows, COLUMNS, fmt, save, plot)
 
     @bench_app.command("mixed")
     @user_errors
@@ -225,7 +274,7 @@ def register(app: typer.Typer) -> None:
         A saturating batch-priority job plus a chat request every --chat-every seconds: the chats'
         TTFT and ITL percentiles and the batch throughput, in three phases (chat alone, batch
         alone, both)."""
-        from exlcli.bench.machine import finish_facts, log
+        from exlcli.bench.machine import log
         from exlcli.bench.mixed import COLUMNS, MixedOptions, MixedRunner
         from exlcli.bench.workload import vocab_size_of
 
@@ -233,19 +282,39 @@ def register(app: typer.Typer) -> None:
                                batch_input_len, batch_output_len, seed, warmup)
         options.validate()
         check_format(fmt)
-        client = open_bench_client(model, server, device, dtype, kv_memory, quantize)
-        try:
-            longest = max(chat_input_len + chat_output_len, batch_input_len + batch_output_len)
-            if client.context_length and longest >= client.context_length:
-                raise ExlcliError(f"requests of {longest} tokens do not fit the context of "
-                                  f"{client.context_length} tokens")
+        longest = max(chat_input_len + chat_output_len, batch_input_len + batch_output_len)
+
+        def workload(client) -> list[dict]:
             log(f"mixed: {client.model_name} ({client.kind}), {batch_concurrency} batch requests in flight, "
                 f"a chat every {chat_every:g} s, {duration:g} s per phase")
-            facts = client_facts(client)
-            rows = MixedRunner(client, options, vocab_size_of(client), progress=log).run()
-            finish_facts(facts["machine"])
-        finally:
-            client.close()
-        emit([{**row, **facts} for row in rows], COLUMNS, fmt, save)
+            return MixedRunner(client, options, vocab_size_of(client), progress=log).run()
+
+        client = open_bench_client(model, server, device, dtype, kv_memory, quantize=quantize)
+        emit(run_on_client(client, f"requests of {longest} tokens", longest, workload), COLUMNS, fmt, save)
+
+    @bench_app.command("compare")
+    @user_errors
+    def compare(
+        run_a: Annotated[Path, typer.Argument(metavar="A.json", help="The first run: --format json output or a "
+                                                                      "--save file.")],
+        run_b: Annotated[Path, typer.Argument(metavar="B.json", help="The second run, compared with the first.")],
+        fmt: FormatOption = "table",
+    ) -> None:
+        """Two saved runs side by side: every measure of every test both have, and B / A.
+
+        Tests are matched by what they ran (pp512 at batch 8, concurrency 16), not by model or
+        machine; "better" names the run that did better (higher t/s, lower latency).
+        Example: exlcli bench -np 1,8 --format json > a.json, the same > b.json after a change, then
+        exlcli bench compare a.json b.json"""
+        from exlcli.bench.compare import COLUMNS, compare_rows, describe, load_run
+
+        check_format(fmt)
+        a_rows, b_rows = load_run(run_a), load_run(run_b)
+        rows = compare_rows(a_rows, b_rows)
+        if fmt in ("table", "md"):
+            print(describe("A", run_a, a_rows) + "\n" + describe("B", run_b, b_rows) + "\n")
+        from exlcli.bench.report import render
+
+        print(render(rows, COLUMNS, fmt))
 
     app.add_typer(bench_app, name="bench")

@@ -8,19 +8,22 @@ import typer
 
 from exlcli.chat.settings import ChatSettings
 from exlcli.cli.common import (
-    TEMP_NAMES,
     CtxSizeOption,
     DeviceOption,
     DtypeOption,
     KvMemoryOption,
     LocalOption,
+    MinPOption,
     ModelOption,
     PrefixCacheOption,
     QuantizeOption,
     SeedOption,
     ServerOption,
     SystemOption,
+    TemperatureOption,
     ThreadsOption,
+    TopKOption,
+    TopPOption,
     user_errors,
 )
 
@@ -33,14 +36,10 @@ def register(app: typer.Typer) -> None:
         system: SystemOption = None,
         system_file: Annotated[Optional[str], typer.Option(
             "--system-file", help="Read the system prompt from this file.")] = None,
-        temperature: Annotated[float, typer.Option(
-            *TEMP_NAMES, help="Sampling temperature; 0 is greedy.")] = ChatSettings.temperature,
-        top_p: Annotated[float, typer.Option(
-            "--top-p", help="Nucleus sampling mass.")] = ChatSettings.top_p,
-        top_k: Annotated[int, typer.Option(
-            "--top-k", help="Keep the K likeliest tokens; 0 is off.")] = ChatSettings.top_k,
-        min_p: Annotated[float, typer.Option(
-            "--min-p", help="Drop tokens below min_p x the top probability.")] = ChatSettings.min_p,
+        temperature: TemperatureOption = ChatSettings.temperature,
+        top_p: TopPOption = ChatSettings.top_p,
+        top_k: TopKOption = ChatSettings.top_k,
+        min_p: MinPOption = ChatSettings.min_p,
         repeat_penalty: Annotated[float, typer.Option(
             "--repeat-penalty",
             help="Penalty for tokens already in the context; 1.0 is off.")] = ChatSettings.repeat_penalty,

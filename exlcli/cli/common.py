@@ -40,7 +40,7 @@ PrefixCacheOption = Annotated[bool, typer.Option(
 
 
 
-def _whole(least: int | None, hint: str) -> Callable[[str], int]:
+def whole_number(least: int | None, hint: str) -> Callable[[str], int]:
     """A parser of whole numbers >= `least`, whose error adds a hint for a spelling that meant
     something else before."""
 
@@ -57,15 +57,15 @@ def _whole(least: int | None, hint: str) -> Callable[[str], int]:
 
 
 ThreadsOption = Annotated[Optional[int], typer.Option(
-    "--threads", "-t", parser=_whole(1, "temperature is --temp (-t was --temperature in earlier releases)"),
+    "--threads", "-t", parser=whole_number(1, "temperature is --temp (-t was --temperature in earlier releases)"),
     help="CPU threads of the kernels (llama.cpp's -t). Default: $EXLCLI_CPU_THREADS, else the cores this "
          "process may run on.")]
 CtxSizeOption = Annotated[Optional[int], typer.Option(
-    "--ctx-size", "-c", "--max-model-len", parser=_whole(16, "it is a number of tokens"),
+    "--ctx-size", "-c", "--max-model-len", parser=whole_number(16, "it is a number of tokens"),
     help="Cap the context at N tokens (the engine's max model length; llama.cpp -c, vLLM --max-model-len). "
          "Default: the model's, as far as the KV cache holds.")]
 SeedOption = Annotated[Optional[int], typer.Option(
-    "--seed", "-s", parser=_whole(None, "the system prompt is --system (-sys; -s was --system in earlier "
+    "--seed", "-s", parser=whole_number(None, "the system prompt is --system (-sys; -s was --system in earlier "
                                         "releases)"),
     help="Sampling seed, for repeatable answers (llama.cpp's -s).")]
 SystemOption = Annotated[Optional[str], typer.Option(
@@ -77,6 +77,11 @@ NumDraftTokensOption = Annotated[int, typer.Option(
     "--num-draft-tokens", min=1, max=7, help="Most tokens drafted per sequence and step with --speculative "
                                              "(each sequence's k adapts to its acceptance rate).")]
 TEMP_NAMES = ("--temp", "--temperature")  # llama.cpp's name, then vLLM's and OpenAI's
+# Sampling, for the commands that generate (their defaults differ: chat's come from ChatSettings)
+TemperatureOption = Annotated[float, typer.Option(*TEMP_NAMES, help="Sampling temperature; 0 is greedy.")]
+TopPOption = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass; 1.0 is off.")]
+TopKOption = Annotated[int, typer.Option("--top-k", help="Keep the K likeliest tokens; 0 is off.")]
+MinPOption = Annotated[float, typer.Option("--min-p", help="Drop tokens below min_p x the top probability; 0 is off.")]
 
 F = TypeVar("F", bound=Callable)
 T = TypeVar("T")

@@ -19,6 +19,7 @@ from exlcli.cli.common import (
     SpeculativeOption,
     SystemOption,
     ThreadsOption,
+    TopPOption,
     fail,
     user_errors,
 )
@@ -71,7 +72,7 @@ def register(app: typer.Typer) -> None:
         max_tokens: Annotated[int, typer.Option(
             "--max-tokens", "-n", min=1, help="Most tokens to generate (llama.cpp's -n).")] = 512,
         temperature: Annotated[float, typer.Option(*TEMP_NAMES, min=0.0, help="0 means greedy.")] = 0.7,
-        top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass.")] = 1.0,
+        top_p: TopPOption = 1.0,
         top_k: Annotated[int, typer.Option("--top-k", min=0, help="Keep the K likeliest tokens; 0 is off.")] = 0,
         seed: SeedOption = None,
         ctx_size: CtxSizeOption = None,

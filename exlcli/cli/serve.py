@@ -10,8 +10,10 @@ from exlcli.cli.common import (
     CtxSizeOption,
     DeviceOption,
     DtypeOption,
+    KvMemoryOption,
     ModelOption,
     NumDraftTokensOption,
+    PrefixCacheOption,
     QuantizeOption,
     SpeculativeOption,
     ThreadsOption,
@@ -72,10 +74,8 @@ def register(app: typer.Typer) -> None:
         device: DeviceOption = None,
         dtype: DtypeOption = None,
         quantize: QuantizeOption = None,
-        kv_memory: Annotated[Optional[str], typer.Option(
-            "--kv-memory", help="Memory for the KV cache, e.g. 2GiB or 0.5 (fraction of free).")] = None,
-        prefix_cache: Annotated[bool, typer.Option(
-            "--prefix-cache/--no-prefix-cache", help="Share the KV pages of common prompt prefixes.")] = True,
+        kv_memory: KvMemoryOption = None,
+        prefix_cache: PrefixCacheOption = True,
         ctx_size: CtxSizeOption = None,
         threads: ThreadsOption = None,
         speculative: SpeculativeOption = None,

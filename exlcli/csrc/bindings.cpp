@@ -15,6 +15,9 @@ TORCH_LIBRARY(exlcli, m) {
   m.def("decode_qkv_rope(Tensor x, Tensor weight, Tensor? bias, Tensor? norm_weight, float eps, Tensor positions, "
         "Tensor cos_sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, int num_heads, bool pdl) "
         "-> Tensor");
+  m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, int bits, bool e4m3, int group, int n, Tensor? bias, "
+        "bool float_out, bool pdl) -> Tensor");
+  m.def("quant_dequantize(Tensor qweight, Tensor scales, int bits, bool e4m3, int group, int n, int k) -> Tensor");
   m.def("rope_and_write_kv(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor cos_sin, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, bool pdl) -> Tensor");
   m.def("paged_attention_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
@@ -29,6 +32,8 @@ TORCH_LIBRARY_IMPL(exlcli, CUDA, m) {
   m.impl("silu_and_mul", &exlcli::silu_and_mul);
   m.impl("decode_linear", &exlcli::decode_linear);
   m.impl("decode_qkv_rope", &exlcli::decode_qkv_rope);
+  m.impl("quant_linear", &exlcli::quant_linear);
+  m.impl("quant_dequantize", &exlcli::quant_dequantize);
   m.impl("rope_and_write_kv", &exlcli::rope_and_write_kv);
   m.impl("paged_attention_decode", &exlcli::paged_attention_decode);
   m.impl("paged_attention_prefill", &exlcli::paged_attention_prefill);

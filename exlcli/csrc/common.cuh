@@ -13,6 +13,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include "pdl.cuh"
+
 namespace exlcli {
 
 // ---- scalar conversions ------------------------------------------------------------------------
@@ -112,21 +114,7 @@ inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 
 inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 
 // ---- programmatic dependent launch (Hopper) ----------------------------------------------------
-// A kernel launched with launch_pdl() may start while the kernel before it in the stream is still
-// finishing. Its blocks may read data that no earlier kernel writes (weights) at once, but must
-// call grid_dependency_wait() before they read anything an earlier kernel wrote and before they
-// write anything at all. grid_dependents_launch() lets the next kernel's blocks start early.
-__device__ __forceinline__ void grid_dependency_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void grid_dependents_launch() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" :::);
-#endif
-}
+// grid_dependency_wait() and grid_dependents_launch(): pdl.cuh
 
 // Whether the current device can take programmatic dependent launches (sm_90+; cached per device).
 bool device_supports_pdl();

@@ -34,6 +34,15 @@ at::Tensor decode_qkv_rope(const at::Tensor& x, const at::Tensor& weight, const 
                            const at::Tensor& cos_sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& slot_mapping, int64_t num_heads, bool pdl);
 
+// quant_linear.cu: weights kept quantized in the packed layout of quant_linear.cuh (bits 4 or 8, groups
+// of 16 to 128 along k; e4m3: 8-bit FP8 values): y = x @ w^T (+ bias) for bf16 x [m, k] into bf16 (or
+// fp32: float_out) [m, n], and the dense bf16 weight [n, k] (for products of many tokens through cuBLAS).
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t bits,
+                        bool e4m3, int64_t group, int64_t n, const std::optional<at::Tensor>& bias, bool float_out,
+                        bool pdl);
+at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& scales, int64_t bits, bool e4m3,
+                            int64_t group, int64_t n, int64_t k);
+
 // rope.cu
 at::Tensor rope_and_write_kv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const at::Tensor& positions, const at::Tensor& cos_sin,

@@ -93,6 +93,12 @@ class SyntheticTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
 
+    def has_special_text(self, text: str) -> bool:
+        return False  # no special tokens: every text is plain bytes
+
+    def encode_plain(self, text: str) -> list[int]:
+        return self.encode(text)
+
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         out = bytearray()
         for i in ids:

@@ -34,8 +34,10 @@ def make_linear(weights: list, biases: list | None, device: torch.device, dtype:
     if biases and any(b is not None for b in biases):
         bias = torch.cat([b.to(dtype) if b is not None else torch.zeros(w.shape[0], dtype=dtype)
                           for w, b in zip(weights, biases)]).to(device)
-    if all(isinstance(w, QuantizedWeight) for w in weights) and len({w.fmt.name for w in weights}) == 1:
-        if not QuantizedWeight.same_input_order(weights):  # act-order projections permuted differently
+    if all(isinstance(w, QuantizedWeight) for w in weights):
+        # projections of different formats (a Q4_K_M file's Q4_K q, k and Q6_K v) or act-order permutations
+        # each keep their own quantized linear
+        if len({w.fmt.name for w in weights}) > 1 or not QuantizedWeight.same_input_order(weights):
             return SideBySideLinear([make_linear([w], [b] if biases else None, device, dtype)
                                      for w, b in zip(weights, biases or [None] * len(weights))])
         fmt = weights[0].fmt

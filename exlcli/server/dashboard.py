@@ -180,7 +180,7 @@ def fit_table(title: str, ids: list[str], columns: list[Column], width: int, emp
     """The id column, then `columns`: the required ones always, the others by `importance` (names;
     default: the order given) while they fit; the id gets what is left (down to MIN_ID_WIDTH),
     shortened in the middle."""
-    id_natural = max([2, *map(len, ids)])
+    id_natural = max([2, *map(len, ids)]) if ids else max(2, len(empty))  # an empty table shows `empty` whole
     chosen = [c for c in columns if c.required]
     used = sum(c.width + 1 for c in chosen) + min(id_natural, MIN_ID_WIDTH) + 1
     ranked = sorted(columns, key=lambda c: importance.index(c.name)) if importance else columns

@@ -89,6 +89,24 @@ def test_last_error_is_shown():
     assert "last error: line 3 (a): bad_json: not JSON" in tty.getvalue() and "1 err" in tty.getvalue()
 
 
+def test_rich_bar_fits_80_and_200_columns_with_every_field():
+    import re
+
+    for width in (80, 200):
+        tty = FakeTty()
+        bar = RichProgress(tty, total=1000)
+        bar.console.width = width
+        bar.update(snap(done=100, errors=12, total=1000, in_flight=64, batch_size=48, elapsed=50.0,
+                        last_error="line 7 (q7): bad_json: " + "not JSON " * 30))
+        bar.close()
+        screen = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", tty.getvalue()).split("\r")[-1]
+        lines = screen.strip("\n").splitlines()
+        assert len(lines) == 2 and all(len(line) <= width for line in lines), lines
+        assert "100/1000 12 err 10.0 tok/s eta 7m30s 64 in flight, batch 48" in lines[0]
+        assert lines[1].startswith("last error: line 7 (q7): bad_json: not JSON")
+        assert lines[1].endswith("…") and len(lines[1]) == width  # cut to the width, never wrapped
+
+
 class Recording:
     def __init__(self):
         self.snaps = []

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import sys
 
 import pytest
 import torch
@@ -74,7 +75,7 @@ def test_bad_input_is_one_line(runner, args, message):
 
 def test_serve_workload_makes_exact_lengths_in_process(runner):
     result = runner.invoke(app, ["bench", "serve", *TINY, "--kv-memory", "4MiB", "-N", "4", "--input-len", "16",
-                                 "--output-len", "5", "-c", "1,2", "--format", "json"])
+                                 "--output-len", "5", "--max-concurrency", "1,2", "--format", "json"])
     assert result.exit_code == 0, result.stderr
     rows = json.loads(result.stdout)
     assert [r["concurrency"] for r in rows] == [1, 2]
@@ -84,6 +85,34 @@ def test_serve_workload_makes_exact_lengths_in_process(runner):
         assert r["ttft_ms_p50"] > 0 and r["tpot_ms_p50"] > 0 and r["itl_ms_p99"] >= r["itl_ms_p50"]
         assert r["model"] == "random:tiny" and r["engine"] == "local"
     assert "concurrency 2: 4 done" in result.stderr
+
+
+def test_serve_plot_is_a_png_of_the_sweep(runner, tmp_path):
+    pytest.importorskip("matplotlib")  # the `test` extra installs it
+    plot = tmp_path / "load.png"
+    result = runner.invoke(app, ["bench", "serve", *TINY, "--kv-memory", "4MiB", "-N", "2", "--input-len", "8",
+                                 "--output-len", "3", "--concurrency", "1,2", "--warmup", "0", "--plot", str(plot)])
+    assert result.exit_code == 0, result.stderr
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"plot: {plot}" in result.stderr
+    assert "conc" in result.stdout.splitlines()[0]  # the table still goes to stdout
+
+
+def test_plot_without_matplotlib_says_how_to_get_it_before_running(runner, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
+    result = runner.invoke(app, ["bench", *TINY, "-p", "8", "-n", "0", "--plot", str(tmp_path / "p.png")])
+    assert result.exit_code == 1 and result.stdout == "" and "rep 1" not in result.stderr
+    assert result.stderr.strip() == "error: --plot needs matplotlib: pip install 'exlcli[plot]' (or pip install "\
+                                    "matplotlib)"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["-c", "1,4,16"], "concurrency levels are --max-concurrency (-c was --concurrency in earlier releases)"),
+    (["-c", "4"], "at least 16, got 4; concurrency levels are --max-concurrency"),
+    (["-c", "64"], "do not fit the context of 64 tokens; -c is --ctx-size (concurrency levels are --max-concurrency)"),
+])
+def test_serve_c_is_the_context_size_and_old_concurrency_use_says_so(runner, args, message):
+    result = runner.invoke(app, ["bench", "serve", *TINY, "--kv-memory", "4MiB", *args])
+    assert result.exit_code != 0 and message in result.stderr and "Traceback" not in result.stderr
 
 
 def test_serve_rejects_requests_longer_than_the_context(runner):

@@ -29,7 +29,7 @@ def runner(private_runtime_dir):
 def test_serve_workload_through_a_server(runner):
     with echo_server() as url:
         result = runner.invoke(app, ["bench", "serve", "--server", url, "-N", "4", "--input-len", "6",
-                                     "--output-len", "3", "-c", "1,2", "--format", "json"])
+                                     "--output-len", "3", "--max-concurrency", "1,2", "--format", "json"])
     assert result.exit_code == 0, result.stderr
     rows = json.loads(result.stdout)
     assert [r["concurrency"] for r in rows] == [1, 2]
@@ -37,6 +37,9 @@ def test_serve_workload_through_a_server(runner):
         assert (r["completed"], r["failed"]) == (4, 0)
         assert r["output_tokens"] == 12  # the echo of 6 words, cut at 3 tokens each, as the usage says
         assert r["ttft_ms_p50"] > 0 and r["engine"] == "remote" and r["machine"]["device"] == "remote"
+    # the old -c (concurrency) against a server: refused before connecting, saying what -c is now
+    old_spelling = runner.invoke(app, ["bench", "serve", "--server", url, "-c", "64"])
+    assert old_spelling.exit_code == 1 and "concurrency levels are --max-concurrency" in old_spelling.stderr
 
 
 def test_mixed_through_a_server(runner):

@@ -88,3 +88,58 @@ def test_tokenizer_json_post_processor_bos_is_added_once(tmp_path):
     assert ids == [256] + [vocab["h"], vocab["i"]]
     assert tok.encode("hi", add_special_tokens=False) == ids[1:]
     assert tok.encode("<|begin_of_text|>hi", add_special_tokens=False) == ids
+
+
+FAMILY_TEXT = "HelloWorld I'M 1234567 日本語, ok?\n\n  x"
+
+
+def _family_words(pre: str) -> list[str]:
+    from tokenizers import decoders
+
+    from exlcli.model.gguf_vocab import _pre_tokenizer
+
+    seen: list[str] = []
+    words = [w for w, _ in _pre_tokenizer(pre, seen.append).pre_tokenize_str(FAMILY_TEXT)]
+    assert seen == [], f"{pre} is known: no notice"
+    byte_level = decoders.ByteLevel()
+    return [byte_level.decode([w]) for w in words]  # back from GPT-2's byte alphabet to text
+
+
+@pytest.mark.parametrize("pre, expected", [
+    # GPT-2: digits run together with their space; the contraction's case matters
+    ("gpt-2", ["HelloWorld", " I", "'", "M", " 1234567", " 日本語", ",", " ok", "?", "\n\n ", " x"]),
+    # StarCoder / SmolLM: each digit alone first, then GPT-2's split
+    ("starcoder", ["HelloWorld", " I", "'", "M", " ", *"1234567", " 日本語", ",", " ok", "?", "\n\n ", " x"]),
+    # Llama 3 (and GLM-4): up to three digits; case-insensitive contractions; newlines stay with "?"
+    ("glm4", ["HelloWorld", " I", "'M", " ", "123", "456", "7", " 日本語", ",", " ok", "?\n\n", " ", " x"]),
+    ("stablelm2", ["HelloWorld", " I", "'M", " ", *"1234567", " 日本語", ",", " ok", "?\n\n", " ", " x"]),
+    # GPT-4o / Llama 4: a word also ends where lower case turns to upper; contractions stay on
+    ("llama4", ["Hello", "World", " I'M", " ", "123", "456", "7", " 日本語", ",", " ok", "?\n\n", " ", " x"]),
+    # Tekken: the same case split, no contractions, each digit alone
+    ("tekken", ["Hello", "World", " I", "'M", " ", *"1234567", " 日本語", ",", " ok", "?\n\n", " ", " x"]),
+    # DeepSeek V3: digits in threes and CJK runs come out first, away from the space before them
+    ("deepseek-v3", ["HelloWorld", " I", "'M", " ", "123", "456", "7", " ", "日本語", ",", " ok", "?\n\n", " ",
+                     " x"]),
+    # DeepSeek Coder: newlines alone, letters with one space, punctuation, CJK runs, single digits
+    ("deepseek-coder", ["HelloWorld", " I", "'", "M", " ", *"1234567", " ", "日本語", ",", " ok", "?", "\n", "\n",
+                        " ", " x"]),
+    # Seed-Coder: as Qwen2, but the newlines after "?" are a piece of their own
+    ("seed-coder", ["HelloWorld", " I", "'M", " ", *"1234567", " 日本語", ",", " ok", "?", "\n\n", " ", " x"]),
+    # BLOOM: words end only at white space and a few punctuation marks (what is between stays whole)
+    ("bloom", ["HelloWorld", " I'M", " 1234567", " 日本語", ",", " ok", "?\n\n ", " x"]),
+])
+def test_each_known_family_splits_as_its_tokenizer(pre, expected):
+    words = _family_words(pre)
+    assert "".join(words) == FAMILY_TEXT  # a split loses nothing
+    assert words == expected
+
+
+def test_an_unknown_pre_tokenizer_is_named_in_one_notice_and_split_as_gpt2(capsys):
+    tok = Tokenizer.from_gguf_metadata(_meta("brand-new-family"))
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'brand-new-family' (tokenizer.ggml.pre)" in err and "GPT-2" in err
+    assert _words(tok) == _words(Tokenizer.from_gguf_metadata(_meta("gpt-2")))
+    assert tok.decode(tok.encode(TEXT)) == TEXT
+    for known in ("smollm", "llama-bpe", "qwen2", "deepseek-r1-qwen", None):
+        Tokenizer.from_gguf_metadata(_meta(known))
+    assert capsys.readouterr().err == ""  # the known families (and none named) are quiet

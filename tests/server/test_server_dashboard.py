@@ -94,6 +94,14 @@ def test_fits_80_and_200_columns_without_wrapping_a_row():
     assert len([line for line in narrow.splitlines() if "0123abcd[" in line]) == 2
 
 
+def test_an_idle_server_shows_none_whole_in_both_tables():
+    state = ServerState(FakeClient(), ServerConfig(), RequestTracker())
+    for width in (80, 200):
+        lines = screen(state, width=width).splitlines()
+        assert max(map(len, lines)) <= width
+        assert [line.strip() for line in lines if line.strip().startswith("(")] == ["(none)", "(none)"]
+
+
 def test_percentiles_and_sparkline_over_the_last_minute():
     clock = FakeClock()
     tracker = RequestTracker(clock=clock)

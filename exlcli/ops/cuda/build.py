@@ -24,12 +24,13 @@ SOURCES = (
     "rope.cu",
     "linear.cu",
     "linear_fused.cu",
+    "quant_linear.cu",
     "attention_decode.cu",
     "attention_decode_v1.cu",
     "attention_decode_v3.cu",
     "attention_prefill.cpp",
 )
-HEADERS = ("common.cuh", "decode_gemv.cuh", "attention_decode.cuh", "ops.h")
+HEADERS = ("common.cuh", "pdl.cuh", "decode_gemv.cuh", "quant_linear.cuh", "attention_decode.cuh", "ops.h")
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 
 # unwind tables everywhere: an error raised by a check must unwind through our frames

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from exlcli.ops.cuda import checks
+from exlcli.ops.cuda.limits import QUANT_BITS, QUANT_CHUNK, QUANT_GROUPS, QUANT_TILE_ROWS
 from exlcli.ops.cuda.state import STATE
 
 
@@ -162,3 +163,48 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     checks.decode_attention_version(op, version)
     return torch.ops.exlcli.paged_attention_prefill(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
                                                     scale, version, options.pdl)
+
+
+def _packed(op: str, qweight: torch.Tensor, scales: torch.Tensor, bits: int, group: int, n: int, k: int) -> None:
+    checks.on_cuda(op, "qweight scales", qweight, scales)
+    if bits not in QUANT_BITS or group not in QUANT_GROUPS:
+        checks.fail(op, f"bits must be one of {QUANT_BITS} and group one of {QUANT_GROUPS}, got {bits} / {group}")
+    if n <= 0 or k <= 0 or n % QUANT_TILE_ROWS or k % QUANT_CHUNK or k % group:
+        checks.fail(op, f"the weight must be [n, k] with n a multiple of {QUANT_TILE_ROWS} and k of {QUANT_CHUNK}, "
+                        f"got [{n}, {k}]")
+    if qweight.dtype != torch.int32 or not qweight.is_contiguous() or qweight.numel() != n * k * bits // 32:
+        checks.fail(op, f"qweight must be contiguous int32 of {n * k * bits // 32} elements")
+    want = n * (k // group) * 4  # a 2-byte pair per group and row
+    if not scales.is_contiguous() or scales.numel() * scales.element_size() != want:
+        checks.fail(op, f"scales must be contiguous, {want} bytes")
+    if not (checks.aligned(qweight) and checks.aligned(scales)):
+        checks.fail(op, "qweight and scales must be 16-byte aligned")
+
+
+def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bits: int, group: int, n: int,
+                 bias: torch.Tensor | None = None, float_out: bool = False, e4m3: bool = False) -> torch.Tensor:
+    """x [m, k] bf16 @ w^T (+ bias) for w [n, k] in the packed layout of csrc/quant_linear.cuh
+    (exlcli/ops/formats/cuda_groups.py packs it; e4m3: FP8 values in the 8-bit layout): bf16 [m, n],
+    or fp32 with float_out."""
+    op = "quant_linear"
+    checks.on_cuda(op, "x", x)
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or not x.is_contiguous() or not checks.aligned(x):
+        checks.fail(op, f"x must be a contiguous, aligned bfloat16 [m, k], got {x.dtype} {list(x.shape)}")
+    _packed(op, qweight, scales, bits, group, n, x.shape[1])
+    checks.on_cuda(op, "x qweight", x, qweight)
+    if bias is not None:
+        checks.on_cuda(op, "x bias", x, bias)
+        checks.vector(op, "bias", bias, n, torch.bfloat16)
+    if e4m3 and bits != 8:
+        checks.fail(op, "e4m3 weights take the 8-bit layout")
+    return torch.ops.exlcli.quant_linear(x, qweight, scales, bits, e4m3, group, n, bias, float_out,
+                                         STATE.options.pdl)
+
+
+def quant_dequantize(qweight: torch.Tensor, scales: torch.Tensor, bits: int, group: int, n: int,
+                     k: int, e4m3: bool = False) -> torch.Tensor:
+    """The dense bf16 weight [n, k] of a packed one (see quant_linear)."""
+    _packed("quant_dequantize", qweight, scales, bits, group, n, k)
+    if e4m3 and bits != 8:
+        checks.fail("quant_dequantize", "e4m3 weights take the 8-bit layout")
+    return torch.ops.exlcli.quant_dequantize(qweight, scales, bits, e4m3, group, n, k)

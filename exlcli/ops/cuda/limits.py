@@ -7,3 +7,7 @@ HEAD_DIMS = (64, 128)  # attention and rope's fused decode path; other head size
 DECODE_LINEAR_MAX_ROWS = 4  # rows (tokens) of one decode_linear / decode_qkv_rope call
 DECODE_ATTENTION_VERSIONS = (1, 3)  # csrc/attention_decode_v1.cu, csrc/attention_decode_v3.cu
 DEFAULT_DECODE_ATTENTION_VERSION = 3  # tensor cores; fp32 and devices before sm_80 run version 1
+QUANT_BITS = (4, 8)  # quant_linear.cu's integer widths
+QUANT_GROUPS = (16, 32, 64, 128)  # its group sizes (weights per scale along a row)
+QUANT_TILE_ROWS = 16  # output features per row tile of its packed layout
+QUANT_CHUNK = 64  # input features per chunk of its packed layout

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from exlcli.ops.formats import cpu_qmatmul
+from exlcli.ops.formats import cpu_qmatmul, cuda_groups
 from exlcli.ops.formats.base import BlockFormat, Linear, QuantizedWeight, f16_at
 from exlcli.ops.formats.bit_fields import pack_fields, unpack_fields
 from exlcli.ops.formats.cpu_int4 import Int4CpuLinear
@@ -125,10 +125,19 @@ def cpu_linear(weight: QuantizedWeight, bias: torch.Tensor | None, device: torch
     return lin if weight.input_order is None else PermutedInputLinear(lin, weight.input_order)
 
 
+def affine_unpack(blocks: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, scale, offset) with w = q * scale + offset: the form the CUDA repack reads."""
+    q, scale, zero = unpack(blocks, bits, group)
+    return q, scale, -zero.float() * scale
+
+
 def group_format(name: str, bits: int, group: int) -> GroupFormat:
     """The format `name` of `bits`-bit weights in groups of `group` (made once, by its module)."""
     if bits not in BITS or group not in GROUPS:
         raise ValueError(f"grouped integer weights are {BITS}-bit in groups of {GROUPS}, not {bits}-bit / {group}")
     return GroupFormat(name, gguf_type=None, block_weights=group, block_bytes=block_bytes(bits, group),
                        dequantize=functools.partial(dequantize, bits=bits, group=group),
-                       cpu_linear=cpu_linear, cuda_linear=None, bits=bits, group=group)
+                       cpu_linear=cpu_linear,
+                       cuda_linear=cuda_groups.cuda_linear(functools.partial(affine_unpack, bits=bits, group=group),
+                                                           bits),
+                       bits=bits, group=group)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from exlcli.ops.formats import cpu_qmatmul
+from exlcli.ops.formats import cpu_qmatmul, cuda_groups
 from exlcli.ops.formats.base import BlockFormat, Linear, QuantizedWeight, f16_at
 from exlcli.ops.formats.bit_fields import blocks_of, rows_of, unpack_fields
 from exlcli.ops.formats.cpu_int4 import Int4CpuLinear
@@ -65,4 +65,5 @@ def cpu_linear(weight: QuantizedWeight, bias: torch.Tensor | None, device: torch
 
 
 FORMAT = BlockFormat(name="Q4_K", gguf_type=12, block_weights=BLOCK_WEIGHTS, block_bytes=BLOCK_BYTES,
-                     dequantize=dequantize, cpu_linear=cpu_linear)
+                     dequantize=dequantize, cpu_linear=cpu_linear,
+                     cuda_linear=cuda_groups.cuda_linear(unpack, 4))

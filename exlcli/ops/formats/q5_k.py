@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from exlcli.ops.formats import cpu_qmatmul
+from exlcli.ops.formats import cpu_qmatmul, cuda_groups
 from exlcli.ops.formats.base import BlockFormat
 from exlcli.ops.formats.bit_fields import blocks_of, rows_of, unpack_fields
 from exlcli.ops.formats.q4_k import nibble_quants, sub_block_affine
@@ -38,4 +38,5 @@ def dequantize(blocks: torch.Tensor) -> torch.Tensor:
 
 
 FORMAT = BlockFormat(name="Q5_K", gguf_type=13, block_weights=BLOCK_WEIGHTS, block_bytes=BLOCK_BYTES,
-                     dequantize=dequantize, cpu_linear=cpu_qmatmul.byte_per_weight_linear(unpack))
+                     dequantize=dequantize, cpu_linear=cpu_qmatmul.byte_per_weight_linear(unpack),
+                     cuda_linear=cuda_groups.cuda_linear(unpack, 8))

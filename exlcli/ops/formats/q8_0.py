@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from exlcli.ops.formats import cpu_qmatmul
+from exlcli.ops.formats import cpu_qmatmul, cuda_groups
 from exlcli.ops.formats.base import BlockFormat, Linear, QuantizedWeight, f16_at, scaled_blocks
 from exlcli.ops.formats.cpu_qmatmul import QuantCpuLinear
 
@@ -45,4 +45,4 @@ def cpu_linear(weight: QuantizedWeight, bias: torch.Tensor | None, device: torch
 
 
 FORMAT = BlockFormat("Q8_0", gguf_type=8, block_weights=BLOCK_WEIGHTS, block_bytes=BLOCK_BYTES,
-                     dequantize=dequantize, cpu_linear=cpu_linear, cuda_linear=None)
+                     dequantize=dequantize, cpu_linear=cpu_linear, cuda_linear=cuda_groups.cuda_linear(unpack, 8))

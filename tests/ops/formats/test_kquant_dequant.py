@@ -62,7 +62,8 @@ def test_block_size_and_cost(module):
     assert fmt.bits_per_weight == FORMATS[module][1]
     # kept quantized on the CPU by the qmatmul kernel (test_cpu_kquant_linear.py) except Q2_K, Q3_K
     assert (fmt.cpu_linear is None) == (fmt.name in ("Q2_K", "Q3_K"))
-    assert fmt.cuda_linear is None  # no CUDA kernels yet: make_linear dequantizes
+    # kept quantized on CUDA by quant_linear (tests/gpu/test_gpu_quant_linear.py) except Q2_K, Q3_K
+    assert (fmt.cuda_linear is None) == (fmt.name in ("Q2_K", "Q3_K"))
 
 
 @pytest.mark.parametrize("module", FORMATS)

@@ -1,0 +1,129 @@
+// The torch-facing ops over quantized weights in the packed layout of quant_linear.cuh:
+// quant_linear (the product, on the tensor cores) and quant_dequantize (the dense bf16 weight, for
+// products of many tokens through cuBLAS). Python checks the inputs first
+// (exlcli/ops/cuda/kernels.py); the checks here only guard against a call that bypasses it.
+#include <ATen/ops/empty.h>
+#include <cuda_runtime.h>
+
+#include "common.cuh"
+#include "ops.h"
+#include "quant_linear.cuh"
+
+namespace exlcli {
+namespace {
+
+qlinear::Params packed_params(const at::Tensor& qweight, const at::Tensor& scales, int64_t bits, int64_t group,
+                              int64_t n, int64_t k) {
+  EXL_CHECK_CUDA_TENSOR(qweight, "quant linear: qweight");
+  EXL_CHECK_CUDA_TENSOR(scales, "quant linear: scales");
+  TORCH_CHECK(bits == 4 || bits == 8, "quant linear: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(group == 16 || group == 32 || group == 64 || group == 128,
+              "quant linear: group must be 16, 32, 64 or 128, got ", group);
+  TORCH_CHECK(n % qlinear::kTileRows == 0 && k % qlinear::kChunk == 0 && n > 0 && k > 0,
+              "quant linear: n must be a multiple of 16 and k of 64, got ", n, " x ", k);
+  TORCH_CHECK(qweight.scalar_type() == at::kInt && qweight.is_contiguous() && qweight.numel() == n * k * bits / 32,
+              "quant linear: qweight must be contiguous int32 with ", n * k * bits / 32, " elements");
+  TORCH_CHECK(scales.is_contiguous() && scales.numel() * scales.element_size() == n * (k / group) * 4,
+              "quant linear: scales must be contiguous with ", n * (k / group) * 4, " bytes");
+  TORCH_CHECK(aligned16(qweight.data_ptr()) && aligned16(scales.data_ptr()),
+              "quant linear: qweight and scales must be 16-byte aligned");
+  qlinear::Params p{};
+  p.qweight = static_cast<const uint32_t*>(qweight.data_ptr());
+  p.scales = static_cast<const uint32_t*>(scales.data_ptr());
+  p.n = static_cast<int>(n);
+  p.k = static_cast<int>(k);
+  p.group_log2 = group == 16 ? 4 : group == 32 ? 5 : group == 64 ? 6 : 7;
+  return p;
+}
+
+template <int BITS, bool E4M3, int NT, int RT, int UNROLL>
+void launch_tiles(const qlinear::Params& p, bool float_out, cudaStream_t stream, bool pdl) {
+  const dim3 grid(p.n / (qlinear::kTileRows * RT), (p.m + 8 * NT - 1) / (8 * NT));
+  const dim3 block(qlinear::kWarps * 32);
+  if (float_out) {
+    launch_pdl(qlinear::quant_linear_kernel<BITS, E4M3, NT, RT, UNROLL, true>, grid, block, 0, stream, pdl, p);
+  } else {
+    launch_pdl(qlinear::quant_linear_kernel<BITS, E4M3, NT, RT, UNROLL, false>, grid, block, 0, stream, pdl, p);
+  }
+}
+
+// The smallest token tile (8 * NT) that covers m, more blocks in y beyond 64 tokens. Up to 16 tokens a
+// block takes one row tile and keeps 4 chunks in flight per warp (decode is bound by the weights'
+// bytes); beyond, two row tiles share each activation fragment (L2 traffic of the activations).
+template <int BITS, bool E4M3>
+void launch(const qlinear::Params& p, bool float_out, cudaStream_t stream, bool pdl) {
+  const bool pairs = (p.n / qlinear::kTileRows) % 2 == 0;
+  if (p.m <= 8) {
+    launch_tiles<BITS, E4M3, 1, 1, 4>(p, float_out, stream, pdl);
+  } else if (p.m <= 16) {
+    launch_tiles<BITS, E4M3, 2, 1, 4>(p, float_out, stream, pdl);
+  } else if (p.m <= 32) {
+    if (pairs) {
+      launch_tiles<BITS, E4M3, 4, 2, 4>(p, float_out, stream, pdl);
+    } else {
+      launch_tiles<BITS, E4M3, 4, 1, 4>(p, float_out, stream, pdl);
+    }
+  } else if (pairs) {
+    launch_tiles<BITS, E4M3, 8, 2, 2>(p, float_out, stream, pdl);
+  } else {
+    launch_tiles<BITS, E4M3, 8, 1, 2>(p, float_out, stream, pdl);
+  }
+}
+
+}  // namespace
+
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t bits,
+                        bool e4m3, int64_t group, int64_t n, const std::optional<at::Tensor>& bias, bool float_out,
+                        bool pdl) {
+  EXL_CHECK_CUDA_TENSOR(x, "quant linear: x");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && aligned16(x.data_ptr()),
+              "quant linear: x must be a contiguous, 16-byte aligned bfloat16 [m, k]");
+  const int64_t k = x.size(1);
+  qlinear::Params p = packed_params(qweight, scales, bits, group, n, k);
+  TORCH_CHECK(x.device() == qweight.device() && x.device() == scales.device(),
+              "quant linear: x, qweight and scales must be on one device");
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->is_cuda() && bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous() &&
+                    bias->scalar_type() == at::kBFloat16,
+                "quant linear: bias must be a contiguous bfloat16 [", n, "]");
+    p.bias = static_cast<const __nv_bfloat16*>(bias->data_ptr());
+  }
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor out = at::empty({x.size(0), n}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
+  if (x.size(0) == 0) return out;
+  p.x = static_cast<const __nv_bfloat16*>(x.data_ptr());
+  p.out = out.data_ptr();
+  p.m = static_cast<int>(x.size(0));
+  const cudaStream_t stream = current_stream();
+  TORCH_CHECK(!e4m3 || bits == 8, "quant linear: e4m3 weights take the 8-bit layout");
+  if (bits == 4) {
+    launch<4, false>(p, float_out, stream, pdl);
+  } else if (e4m3) {
+    launch<8, true>(p, float_out, stream, pdl);
+  } else {
+    launch<8, false>(p, float_out, stream, pdl);
+  }
+  return out;
+}
+
+at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& scales, int64_t bits, bool e4m3,
+                            int64_t group, int64_t n, int64_t k) {
+  qlinear::Params p = packed_params(qweight, scales, bits, group, n, k);
+  const c10::cuda::CUDAGuard guard(qweight.device());
+  at::Tensor out = at::empty({n, k}, qweight.options().dtype(at::kBFloat16));
+  const int warps = static_cast<int>((n / qlinear::kTileRows) * (k / qlinear::kChunk));
+  auto* dense = static_cast<__nv_bfloat16*>(out.data_ptr());
+  const cudaStream_t stream = current_stream();
+  TORCH_CHECK(!e4m3 || bits == 8, "quant linear: e4m3 weights take the 8-bit layout");
+  if (bits == 4) {
+    qlinear::dequantize_kernel<4, false><<<(warps + 7) / 8, 256, 0, stream>>>(p, dense);
+  } else if (e4m3) {
+    qlinear::dequantize_kernel<8, true><<<(warps + 7) / 8, 256, 0, stream>>>(p, dense);
+  } else {
+    qlinear::dequantize_kernel<8, false><<<(warps + 7) / 8, 256, 0, stream>>>(p, dense);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+}  // namespace exlcli

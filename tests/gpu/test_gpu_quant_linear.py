@@ -1,0 +1,178 @@
+"""The quantized CUDA linear (csrc/quant_linear.cuh, exlcli/ops/formats/cuda_groups.py) against the
+torch reference of its layout (unpack_packed, float64 product): 4 and 8 bits, every group size,
+one token to page-sized batches and beyond the kernel's limit (the dequantize + cuBLAS path),
+bias and fp32 output, batch invariance, a CUDA graph; and the formats' CUDA linears through
+make_linear (the weights stay quantized: no dense copy)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gpu_helpers import assert_matches, poison_next_alloc, requires_cuda
+
+from exlcli.ops import formats
+from exlcli.ops.cuda import kernels as ops
+from exlcli.ops.errors import KernelInputError
+from exlcli.ops.formats import cuda_groups
+from exlcli.ops.formats.quantize import quantize
+from exlcli.ops.linear import make_linear
+
+pytestmark = [pytest.mark.gpu, requires_cuda, pytest.mark.usefixtures("kernels")]
+
+
+def packed(rows: int, cols: int, group: int, bits: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 2 ** bits, (rows, cols), generator=gen, dtype=torch.int32)
+    scale = (torch.rand(rows, cols // group, generator=gen) * 0.02 + 1e-3) / 2 ** (bits - 4)
+    offset = -scale * (2 ** (bits - 1)) + (torch.rand(rows, cols // group, generator=gen) - 0.5) * 0.01
+    qweight, scales = cuda_groups.pack(q.cuda(), scale.cuda(), offset.cuda(), bits)
+    return qweight, scales
+
+
+CASES = [  # (n, k, group)
+    (16, 64, 16), (48, 192, 64), (64, 576, 32), (128, 640, 128), (4096, 4096, 32), (1536, 4096, 128), (256, 14336, 32),
+]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("n,k,group", CASES)
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 33, 64, 65, 300])
+def test_quant_linear_matches_the_reference(bits, n, k, group, m):
+    qweight, scales = packed(n, k, group, bits, seed=n + k + m + bits)
+    w = cuda_groups.unpack_packed(qweight, scales, bits, (n, k))
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    lin = cuda_groups.GroupedCudaLinear(qweight, scales, bits, group, (n, k), None)
+    poison_next_alloc((m, n), torch.bfloat16)
+    got = lin(x)
+    ref = x.double() @ w.double().t()
+    assert_matches(got, ref, torch.bfloat16, f"{bits}-bit {n}x{k} g{group} m{m}")
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_bias_and_fp32_output(bits):
+    n, k, group = 256, 1024, 32
+    qweight, scales = packed(n, k, group, bits, seed=7)
+    w = cuda_groups.unpack_packed(qweight, scales, bits, (n, k))
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    x = torch.randn(5, k, device="cuda").to(torch.bfloat16)
+    got = ops.quant_linear(x, qweight, scales, bits, group, n, bias, float_out=True)
+    assert got.dtype == torch.float32
+    ref = x.double() @ w.double().t() + bias.double()
+    assert_matches(got, ref, torch.float16, f"{bits}-bit with bias, fp32 out")  # fp32 accumulation
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_dequantized_weight_is_the_reference_layout(bits):
+    n, k = 64, 512
+    qweight, scales = packed(n, k, 32, bits, seed=3)
+    got = ops.quant_dequantize(qweight, scales, bits, 32, n, k)
+    want = cuda_groups.unpack_packed(qweight, scales, bits, (n, k))
+    torch.testing.assert_close(got.float(), want, rtol=2 ** -8, atol=1e-6)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_token_gets_the_same_bits_whatever_the_batch(bits):
+    n, k, group = 512, 2048, 32
+    qweight, scales = packed(n, k, group, bits, seed=11)
+    x = torch.randn(64, k, device="cuda").to(torch.bfloat16)
+    full = ops.quant_linear(x, qweight, scales, bits, group, n)
+    for m in (1, 2, 7, 8, 9, 17, 40, 64):
+        part = ops.quant_linear(x[:m].contiguous(), qweight, scales, bits, group, n)
+        assert torch.equal(part, full[:m]), f"{bits}-bit: the first {m} rows differ from the batch of 64"
+    assert torch.equal(ops.quant_linear(x[5:6].contiguous(), qweight, scales, bits, group, n), full[5:6])
+
+
+def test_the_linear_runs_in_a_cuda_graph():
+    n, k, group, bits = 1024, 1024, 32, 4
+    qweight, scales = packed(n, k, group, bits, seed=5)
+    x = torch.randn(4, k, device="cuda").to(torch.bfloat16)
+    eager = ops.quant_linear(x, qweight, scales, bits, group, n)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        ops.quant_linear(x, qweight, scales, bits, group, n)  # warm up
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.quant_linear(x, qweight, scales, bits, group, n)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(out, ops.quant_linear(x, qweight, scales, bits, group, n))
+    assert not torch.equal(out, eager)
+
+
+def test_bad_inputs_are_refused_with_the_op_named():
+    qweight, scales = packed(64, 128, 32, 4, seed=1)
+    x = torch.randn(2, 128, device="cuda")  # fp32
+    with pytest.raises(KernelInputError, match="quant_linear"):
+        ops.quant_linear(x, qweight, scales, 4, 32, 64)
+    with pytest.raises(KernelInputError, match="quant_linear"):
+        ops.quant_linear(x.to(torch.bfloat16), qweight, scales, 4, 32, 48)  # wrong n
+    with pytest.raises(KernelInputError, match="group"):
+        ops.quant_linear(x.to(torch.bfloat16), qweight, scales, 4, 24, 64)
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_gguf_formats_stay_quantized_on_cuda(name):
+    rows, cols = 256, 1024
+    w = torch.randn(rows, cols) * 0.05
+    qw = formats.QuantizedWeight(formats.by_name(name), (rows, cols), quantize(w, name))
+    bias = torch.randn(rows) * 0.1
+    lin = make_linear([qw], [bias], torch.device("cuda"), torch.bfloat16)
+    assert isinstance(lin, cuda_groups.GroupedCudaLinear), f"{name}: {type(lin).__name__}"
+    # 4-bit: 4 bits and a bf16 pair per group; 8-bit (Q5, Q6, Q8): a byte and an fp16 pair per group
+    bound = 0.35 if name.startswith("Q4") else 0.7
+    assert lin.nbytes() < rows * cols * 2 * bound, f"{name}: {lin.nbytes()} bytes is not quantized"
+    ref_w = qw.dequantize().double().cuda()
+    for m in (1, 12, 100):
+        x = torch.randn(m, cols, device="cuda").to(torch.bfloat16)
+        ref = x.double() @ ref_w.t() + bias.double().cuda()
+        assert_matches(lin(x), ref, torch.bfloat16, f"{name} m{m}")
+
+
+def test_gptq_act_order_runs_quantized_with_its_permutation():
+    from exlcli.ops.formats import gptq
+    from exlcli.ops.formats.input_order import PermutedInputLinear
+    rows, cols, group = 128, 512, 128
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randint(0, 16, (rows, cols), generator=gen, dtype=torch.int32)
+    scale = torch.rand(rows, cols // group, generator=gen) * 0.01 + 1e-3
+    zero = torch.randint(0, 16, (rows, cols // group), generator=gen, dtype=torch.int32)
+    order = torch.randperm(cols, generator=gen)
+    from exlcli.ops.formats.int_groups import pack
+    qw = pack(gptq.FORMATS[(4, group)], q, scale, zero, order)
+    lin = make_linear([qw], None, torch.device("cuda"), torch.bfloat16)
+    assert isinstance(lin, PermutedInputLinear) and isinstance(lin.inner, cuda_groups.GroupedCudaLinear)
+    x = torch.randn(3, cols, device="cuda").to(torch.bfloat16)
+    ref = x.double() @ qw.dequantize().double().cuda().t()
+    assert_matches(lin(x), ref, torch.bfloat16, "GPTQ act-order")
+
+
+@pytest.mark.parametrize("scales", ["tensor", "channel", "tiles"])
+def test_fp8_weights_stay_fp8_on_cuda(scales):
+    from exlcli.ops.formats import fp8
+    rows, cols = 512, 1024
+    w = torch.randn(rows, cols) * 0.05
+    tile = None
+    if scales == "tensor":
+        scale = w.abs().max() / 448
+        values = (w / scale).to(torch.float8_e4m3fn)
+    elif scales == "channel":
+        scale = w.abs().amax(dim=1) / 448
+        values = (w / scale[:, None]).to(torch.float8_e4m3fn)
+    else:
+        tile = (128, 128)
+        scale = torch.rand(rows // 128, cols // 128) * 1e-3 + 1e-4
+        values = (w / scale.repeat_interleave(128, 0).repeat_interleave(128, 1)).clamp(-448, 448).to(
+            torch.float8_e4m3fn)
+    qw = fp8.from_fp8(values, scale, tile)
+    bias = torch.randn(rows) * 0.1
+    lin = make_linear([qw], [bias], torch.device("cuda"), torch.bfloat16)
+    assert isinstance(lin, cuda_groups.GroupedCudaLinear) and lin.e4m3
+    assert lin.nbytes() < rows * cols * 1.1
+    ref_w = qw.dequantize().double().cuda()
+    torch.testing.assert_close(lin.dequantized().double(), ref_w.to(torch.bfloat16).double(), rtol=0, atol=0)
+    for m in (1, 16, 37, 100):
+        x = torch.randn(m, cols, device="cuda").to(torch.bfloat16)
+        ref = x.double() @ ref_w.t() + bias.double().cuda()
+        assert_matches(lin(x), ref, torch.bfloat16, f"FP8 ({scales} scales) m{m}")
