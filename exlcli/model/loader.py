@@ -82,9 +82,11 @@ def dequantized_at_load(tensors: dict, device: torch.device, dtype: torch.dtype)
 
 
 def load_model(spec: str | None = None, device: str | None = None, dtype: str | None = None,
-               log=sys.stderr, quantize: str | None = None) -> LoadedModel:
+               log=None, quantize: str | None = None) -> LoadedModel:
     """`quantize` (--quantize fp8|q8_0|q4_k): quantize a full-precision checkpoint's linears at load
-    (exlcli/model/quantize_at_load.py)."""
+    (exlcli/model/quantize_at_load.py). Notices go to `log`, sys.stderr by default (looked up per
+    call: a test runner swaps it, and a default bound at import may be a closed one)."""
+    log = sys.stderr if log is None else log
     from exlcli.model.default_model import resolve_model_path
     from exlcli.model.quantize_at_load import check_target
 
