@@ -11,7 +11,7 @@ class ModelFacts:
     weights: str  # how the weights are stored: "Q4_1", "random bfloat16", ...
     dtype: str  # activation and KV dtype
     device: str
-    weight_bytes: int  # weights one decode step reads
+    weight_bytes: int  # weights one decode step reads, as the kernels hold them (Linear.nbytes)
     num_params: int
     linear_params: int  # weights every token goes through (all decoder layers' projections)
     head_params: int  # the output head, run once per sampled row
@@ -21,6 +21,13 @@ class ModelFacts:
     kv_bytes_per_token: int  # K and V of one token, all layers
     vocab_size: int
     context_length: int
+    # the same weights as stored (the formats' nbytes: what the file holds, what llama.cpp reads); the
+    # roofline is counted from these, so a kernel that reads a repacked, larger form is not flattered
+    stored_weight_bytes: int | None = None
+
+    @property
+    def step_weight_bytes(self) -> int:
+        return self.stored_weight_bytes or self.weight_bytes
 
     @classmethod
     def of(cls, loaded) -> "ModelFacts":
@@ -37,4 +44,4 @@ class ModelFacts:
             linear_params=per_layer * cfg.num_layers, head_params=cfg.vocab_size * h,
             num_layers=cfg.num_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim,
             kv_bytes_per_token=KVCache.bytes_per_page(cfg, 1, model.dtype), vocab_size=cfg.vocab_size,
-            context_length=cfg.context_length)
+            context_length=cfg.context_length, stored_weight_bytes=getattr(loaded, "step_weight_bytes", None))

@@ -19,6 +19,7 @@ class SuiteOptions:
     model: str | None = None
     device: str | None = None
     dtype: str | None = None
+    quantize: str | None = None  # --quantize fp8|q8_0|q4_k at load
     prompt_lens: tuple[int, ...] = (512,)
     gen_lens: tuple[int, ...] = (128,)
     batches: tuple[int, ...] = (1,)
@@ -53,11 +54,13 @@ def run_suite(options: SuiteOptions) -> list[dict]:
 
     options.validate()
     tests = plan_tests(list(options.prompt_lens), list(options.gen_lens), list(options.batches))
-    loaded = load_model(options.model, device=options.device, dtype=options.dtype, log=sys.stderr)
+    loaded = load_model(options.model, device=options.device, dtype=options.dtype, log=sys.stderr,
+                        quantize=options.quantize)
     facts = ModelFacts.of(loaded)
     device = loaded.model.device
-    log(f"{facts.name} ({facts.weights}, {facts.weight_bytes / 2**20:.1f} MiB read per step) on "
-        f"{device}, loaded in {loaded.load_time_s:.1f} s")
+    log(f"{facts.name} ({facts.weights}, {facts.step_weight_bytes / 2**20:.1f} MiB of weights per step as stored, "
+        f"{facts.weight_bytes / 2**20:.1f} MiB as the kernels hold them) on {device}, loaded in "
+        f"{loaded.load_time_s:.1f} s")
     max_len = max([max(1, options.depth) + t.n + 1 if t.kind == "tg" else t.n for t in tests])
     engine = make_engine(loaded, max(t.batch for t in tests), max_len, options.depth, options.ubatch,
                          speculative=dict(speculative=options.speculative, num_draft_tokens=options.num_draft_tokens,

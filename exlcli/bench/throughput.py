@@ -76,9 +76,9 @@ class BenchResult:
 
     @property
     def bytes_per_rep(self) -> int:
-        """tg: weights + K/V bytes read by the N decode steps."""
+        """tg: weights (as stored) + K/V bytes read by the N decode steps."""
         f = self.facts
-        return decode_bytes(f.weight_bytes, f.kv_bytes_per_token, self.spec.batch, self.depth_tokens, self.spec.n)
+        return decode_bytes(f.step_weight_bytes, f.kv_bytes_per_token, self.spec.batch, self.depth_tokens, self.spec.n)
 
     @property
     def flops_per_rep(self) -> int:
@@ -216,7 +216,8 @@ def result_row(result: BenchResult, copy_bandwidth: float | None, machine: dict)
     """One flat result (plus the machine facts) for every output format."""
     f, spec, tps = result.facts, result.spec, result.tps
     row = {
-        "bench": "throughput", "model": f.name, "weights": f.weights, "size_bytes": f.weight_bytes,
+        "bench": "throughput", "model": f.name, "weights": f.weights, "size_bytes": f.step_weight_bytes,
+        "kernel_weight_bytes": f.weight_bytes,
         "params": f.num_params, "device": f.device, "dtype": f.dtype, "test": spec.name,
         "batch": spec.batch, "depth": result.depth, "reps": len(result.reps),
         "tps_mean": tps.mean, "tps_std": tps.std,
@@ -224,6 +225,7 @@ def result_row(result: BenchResult, copy_bandwidth: float | None, machine: dict)
     }
     if spec.kind == "tg":
         bw = result.bandwidth
+        # bandwidth_frac: the share of the measured copy bandwidth (the roofline) the step reaches
         row.update(step_ms=result.step_ms, bytes_per_step=result.bytes_per_rep / spec.n,
                    bandwidth_gbs=bw / 1e9,
                    copy_bandwidth_gbs=copy_bandwidth / 1e9 if copy_bandwidth else None,
@@ -255,6 +257,8 @@ def _columns():
         field("device", left=True), field("dtype", left=True), field("test", left=True),
         field("batch"),
         Column("t/s", lambda r: f"{r['tps_mean']:.2f} ± {r['tps_std']:.2f}"),
+        # a decode step's weights (as stored) and K/V
+        Column("read/step", lambda r: human_bytes(r["bytes_per_step"]) if r.get("bytes_per_step") else "-"),
         Column("achieved", _achieved),
     ]
 

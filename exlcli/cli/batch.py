@@ -30,6 +30,7 @@ from exlcli.cli.common import (
     ModelOption,
     NumDraftTokensOption,
     PrefixCacheOption,
+    QuantizeOption,
     SeedOption,
     ServerOption,
     SpeculativeOption,
@@ -54,13 +55,13 @@ def open_batch_client(model: str | None, server: str | None, local: bool, device
                       dtype: str | None, kv_memory: str | None = None, prefix_cache: bool = True,
                       max_model_len: int | None = None, cpu_threads: int | None = None,
                       speculative: str | None = None, num_draft_tokens: int = 4,
-                      draft_layers: int | None = None) -> EngineClient:
+                      draft_layers: int | None = None, quantize: str | None = None) -> EngineClient:
     from exlcli.client.factory import open_client
 
     return open_client(model, server=server, local=local, device=device, dtype=dtype, kv_memory=kv_memory,
                        prefix_cache=prefix_cache, fake_delay=0.002, max_model_len=max_model_len,
                        cpu_threads=cpu_threads, speculative=speculative, num_draft_tokens=num_draft_tokens,
-                       draft_layers=draft_layers)
+                       draft_layers=draft_layers, quantize=quantize)
 
 
 def resume_command(input_path: Path, output_path: Path) -> str:
@@ -111,6 +112,7 @@ def register(app: typer.Typer) -> None:
         prefix_cache: PrefixCacheOption = True,
         device: DeviceOption = None,
         dtype: DtypeOption = None,
+        quantize: QuantizeOption = None,
         max_tokens: Annotated[int, typer.Option("--max-tokens", help="Default max new tokens per line.")] = 256,
         temperature: TemperatureOption = 0.7,
         top_p: TopPOption = 1.0,
@@ -170,7 +172,7 @@ def register(app: typer.Typer) -> None:
                 options.max_in_flight = client.capacity  # the pool hands lines on to its actors
             else:
                 client = open_batch_client(model, server, local, device, dtype, kv_memory, prefix_cache, ctx_size,
-                                           threads, speculative, num_draft_tokens, draft_layers)
+                                           threads, speculative, num_draft_tokens, draft_layers, quantize)
             try:
                 print(f"batch: {input_path} -> {output_path} on {client.model_name} ({client.kind})",
                       file=sys.stderr)

@@ -15,6 +15,7 @@ from exlcli.cli.common import (
     KvMemoryOption,
     ModelOption,
     NumDraftTokensOption,
+    QuantizeOption,
     ServerOption,
     SpeculativeOption,
     ThreadsOption,
@@ -90,12 +91,12 @@ def check_plot(plot: Path | None) -> None:
 
 
 def open_bench_client(model, server, device, dtype, kv_memory, max_model_len=None, speculative=None,
-                      num_draft_tokens=4, draft_layers=None):
+                      num_draft_tokens=4, draft_layers=None, quantize=None):
     from exlcli.client.factory import open_client
 
     return open_client(model, server=server, local=not server, device=device, dtype=dtype, kv_memory=kv_memory,
                        max_model_len=max_model_len, speculative=speculative, num_draft_tokens=num_draft_tokens,
-                       draft_layers=draft_layers)
+                       draft_layers=draft_layers, quantize=quantize)
 
 
 def client_facts(client) -> dict:
@@ -138,6 +139,7 @@ def register(app: typer.Typer) -> None:
         model: ModelOption = None,
         device: DeviceOption = None,
         dtype: DtypeOption = None,
+        quantize: QuantizeOption = None,
         n_prompt: Annotated[str, typer.Option(
             "--n-prompt", "-p", help="Prompt lengths for pp tests, comma-separated; 0 skips.")] = "512",
         n_gen: Annotated[str, typer.Option(
@@ -179,7 +181,7 @@ def register(app: typer.Typer) -> None:
 
         if any(p < 1 for p in parse_int_list(parallel, "-np")):
             raise ExlcliError(f"-np values must be at least 1, got {parallel}")
-        options = SuiteOptions(model=model, device=device, dtype=dtype,
+        options = SuiteOptions(model=model, device=device, dtype=dtype, quantize=quantize,
                                prompt_lens=parse_int_list(n_prompt, "-p"), gen_lens=parse_int_list(n_gen, "-n"),
                                batches=parse_int_list(parallel, "-np"), reps=reps, warmup=warmup, depth=depth,
                                ubatch=ubatch, seed=seed, speculative=speculative,
@@ -198,6 +200,7 @@ def register(app: typer.Typer) -> None:
         server: ServerOption = None,
         device: DeviceOption = None,
         dtype: DtypeOption = None,
+        quantize: QuantizeOption = None,
         kv_memory: KvMemoryOption = None,
         num_prompts: Annotated[int, typer.Option(
             "--num-prompts", "-N", help="Requests at each concurrency level.")] = 64,
@@ -252,7 +255,7 @@ def register(app: typer.Typer) -> None:
             return run_serve(client, specs_for, list(levels), warmup=warmup, progress=log)
 
         client = open_bench_client(model, server, device, dtype, kv_memory, ctx_size, speculative, num_draft_tokens,
-                                   draft_layers)
+                                   draft_layers, quantize)
         rows = run_on_client(client, f"prompt + output of up to {longest} tokens", longest, workload, hint)
         emit(rows, COLUMNS, fmt, save, plot)
 
@@ -263,6 +266,7 @@ def register(app: typer.Typer) -> None:
         server: ServerOption = None,
         device: DeviceOption = None,
         dtype: DtypeOption = None,
+        quantize: QuantizeOption = None,
         kv_memory: KvMemoryOption = None,
         duration: Annotated[float, typer.Option("--duration", help="Seconds of each of the three phases.")] = 30.0,
         chat_every: Annotated[float, typer.Option("--chat-every", help="Seconds between chat requests.")] = 1.0,
@@ -298,7 +302,7 @@ def register(app: typer.Typer) -> None:
                 f"a chat every {chat_every:g} s, {duration:g} s per phase")
             return MixedRunner(client, options, vocab_size_of(client), progress=log).run()
 
-        client = open_bench_client(model, server, device, dtype, kv_memory)
+        client = open_bench_client(model, server, device, dtype, kv_memory, quantize=quantize)
         emit(run_on_client(client, f"requests of {longest} tokens", longest, workload), COLUMNS, fmt, save)
 
     @bench_app.command("compare")

@@ -18,6 +18,7 @@ from exlcli.cli.common import (
     ModelOption,
     NumDraftTokensOption,
     PrefixCacheOption,
+    QuantizeOption,
     SeedOption,
     ServerOption,
     SpeculativeOption,
@@ -55,6 +56,7 @@ def register(app: typer.Typer) -> None:
         local: LocalOption = False,
         device: DeviceOption = None,
         dtype: DtypeOption = None,
+        quantize: QuantizeOption = None,
         kv_memory: KvMemoryOption = None,
         prefix_cache: PrefixCacheOption = True,
         speculative: SpeculativeOption = None,
@@ -69,6 +71,6 @@ def register(app: typer.Typer) -> None:
         start_chat(model=model, system=system, system_file=system_file, server=server, local=local,
                    device=device, dtype=dtype, kv_memory=kv_memory, prefix_cache=prefix_cache,
                    max_model_len=ctx_size, cpu_threads=threads, speculative=speculative,
-                   num_draft_tokens=num_draft_tokens, draft_layers=draft_layers, overrides=dict(
+                   num_draft_tokens=num_draft_tokens, draft_layers=draft_layers, quantize=quantize, overrides=dict(
                        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                        repeat_penalty=repeat_penalty, max_tokens=max_tokens, seed=seed))

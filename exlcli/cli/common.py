@@ -25,6 +25,9 @@ DeviceOption = Annotated[Optional[str], typer.Option(
     "--device", help="cpu, cuda or cuda:N. Default: cuda when available, else cpu.")]
 DtypeOption = Annotated[Optional[str], typer.Option(
     "--dtype", help="Activation dtype: float32, bfloat16 or float16. Default: by device.")]
+QuantizeOption = Annotated[Optional[str], typer.Option(
+    "--quantize", help="Quantize a full-precision (bf16/fp16/fp32) checkpoint's linears at load: fp8, q8_0 or "
+                       "q4_k (the output layer Q6_K, as llama.cpp's Q4_K_M). Default: run the weights as stored.")]
 ServerOption = Annotated[Optional[str], typer.Option(
     "--server", envvar="EXLCLI_SERVER", help="URL of a running `exlcli serve` to use.")]
 LocalOption = Annotated[bool, typer.Option(

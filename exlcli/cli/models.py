@@ -10,7 +10,7 @@ from typing import Annotated, List, Optional
 
 import typer
 
-from exlcli.cli.common import ModelOption, complete_model, user_errors
+from exlcli.cli.common import ModelOption, QuantizeOption, complete_model, user_errors
 from exlcli.errors import ExlcliError
 
 
@@ -112,11 +112,12 @@ def register(app: typer.Typer) -> None:
     @app.command("info")
     @user_errors
     def info(model: Annotated[Optional[str], typer.Argument(help="GGUF file, HF folder or random:<shape>.")] = None,
-             model_opt: ModelOption = None) -> None:
-        """Architecture, parameter count, context length, tokenizer, quantization, template."""
+             model_opt: ModelOption = None, quantize: QuantizeOption = None) -> None:
+        """Architecture, parameter count, context length, tokenizer, quantization, template, and the
+        tensor types (count, size and bits per weight of each, and overall)."""
         from exlcli.model.loader import load_model
 
-        loaded = load_model(model or model_opt, device="cpu")
+        loaded = load_model(model or model_opt, device="cpu", quantize=quantize)
         c = loaded.config
         rows = [
             ("model", loaded.name), ("path", loaded.path), ("architecture", c.architecture),
@@ -130,6 +131,14 @@ def register(app: typer.Typer) -> None:
             ("chat template", "built-in ChatML fallback" if loaded.chat_template.is_fallback
              else f"{len(loaded.chat_template.source)} chars from the checkpoint"),
         ]
+        types = loaded.tensor_types
+        if types is not None:
+            rows.append(("weights", f"{types.nbytes / 2**20:,.2f} MiB, {types.bits_per_weight:.2f} bits per weight "
+                                    f"overall"))
         width = max(len(k) for k, _ in rows)
         for key, value in rows:
             print(f"{key:<{width}}  {value}")
+        if types is not None:
+            print("tensor types:")
+            for line in types.lines():
+                print(f"  {line}")

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from exlcli.cli.common import DeviceOption, DtypeOption, ModelOption, user_errors
+from exlcli.cli.common import DeviceOption, DtypeOption, ModelOption, QuantizeOption, user_errors
 
 
 def register(app: typer.Typer) -> None:
@@ -21,6 +21,7 @@ def register(app: typer.Typer) -> None:
         model: ModelOption = None,
         device: DeviceOption = None,
         dtype: DtypeOption = None,
+        quantize: QuantizeOption = None,
         ctx_size: Annotated[Optional[int], typer.Option(
             "--ctx-size", "-c", help="Tokens per chunk; the second half of each is scored. Default: 512, "
             "or the --kl-divergence file's.", show_default=False)] = None,
@@ -45,4 +46,4 @@ def register(app: typer.Typer) -> None:
 
         run_perplexity(PerplexityOptions(text=text, model=model, ctx_size=ctx_size, max_chunks=chunks, ubatch=ubatch,
                                          device=device, dtype=dtype, save_logits=save_logits,
-                                         kl_divergence=kl_divergence))
+                                         kl_divergence=kl_divergence, quantize=quantize))

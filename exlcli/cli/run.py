@@ -15,6 +15,7 @@ from exlcli.cli.common import (
     DtypeOption,
     ModelOption,
     NumDraftTokensOption,
+    QuantizeOption,
     SeedOption,
     SpeculativeOption,
     SystemOption,
@@ -93,6 +94,7 @@ def register(app: typer.Typer) -> None:
         threads: ThreadsOption = None,
         device: DeviceOption = None,
         dtype: DtypeOption = None,
+        quantize: QuantizeOption = None,
         json_schema: Annotated[Optional[str], typer.Option(
             "--json-schema", metavar="FILE", help="The answer is JSON valid under this JSON Schema file.")] = None,
         regex: Annotated[Optional[str], typer.Option(
@@ -115,7 +117,8 @@ def register(app: typer.Typer) -> None:
                                   top_k=top_k, seed=seed, client="run", grammar=constraint)
         client = LocalClient.from_model(model, device=device, dtype=dtype, threaded=False, cpu_threads=threads,
                                         max_model_len=ctx_size, speculative=speculative,
-                                        num_draft_tokens=num_draft_tokens, draft_layers=draft_layers)
+                                        num_draft_tokens=num_draft_tokens, draft_layers=draft_layers,
+                                        quantize=quantize)
         try:
             if raw:
                 stream = client.complete(text, params)

@@ -15,6 +15,7 @@ from exlcli.cli.common import (
     ModelOption,
     NumDraftTokensOption,
     PrefixCacheOption,
+    QuantizeOption,
     SpeculativeOption,
     ThreadsOption,
     fail,
@@ -73,6 +74,7 @@ def register(app: typer.Typer) -> None:
             help="Live display of requests and engine. Default: on when stderr is a terminal.")] = None,
         device: DeviceOption = None,
         dtype: DtypeOption = None,
+        quantize: QuantizeOption = None,
         kv_memory: KvMemoryOption = None,
         prefix_cache: PrefixCacheOption = True,
         ctx_size: CtxSizeOption = None,
@@ -120,7 +122,7 @@ def register(app: typer.Typer) -> None:
         port = sock.getsockname()[1]
         try:
             client = _open_engine(model, device, dtype, kv_memory, prefix_cache, ctx_size, threads,
-                                  speculative, num_draft_tokens, draft_layers)
+                                  speculative, num_draft_tokens, draft_layers, quantize)
             aliases: tuple[str, ...] = ()
             if served_model_name:
                 aliases = (client.model_name,)  # the model's own name keeps working
@@ -138,10 +140,10 @@ def register(app: typer.Typer) -> None:
 
 
 def _open_engine(model, device, dtype, kv_memory, prefix_cache, max_model_len=None, cpu_threads=None,
-                 speculative=None, num_draft_tokens=4, draft_layers=None) -> EngineClient:
+                 speculative=None, num_draft_tokens=4, draft_layers=None, quantize=None) -> EngineClient:
     from exlcli.client.factory import open_client
 
     return open_client(model, local=True, device=device, dtype=dtype, kv_memory=kv_memory,
                        prefix_cache=prefix_cache, fake_delay=0.0, max_model_len=max_model_len,
                        cpu_threads=cpu_threads, speculative=speculative, num_draft_tokens=num_draft_tokens,
-                       draft_layers=draft_layers)
+                       draft_layers=draft_layers, quantize=quantize)

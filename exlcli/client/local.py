@@ -100,15 +100,18 @@ class LocalClient(EngineClient):
 
     @classmethod
     def from_model(cls, model: str | None = None, *, device: str | None = None, dtype: str | None = None,
-                   kv_memory: str | None = None, prefix_cache: bool = True, log=sys.stderr,
-                   threaded: bool = True, cpu_threads: int | None = None, **engine_options) -> "LocalClient":
+                   kv_memory: str | None = None, prefix_cache: bool = True, log=None,
+                   threaded: bool = True, cpu_threads: int | None = None, quantize: str | None = None,
+                   **engine_options) -> "LocalClient":
         """`cpu_threads` (`--threads`) starts the CPU kernels' thread pool before the model loads;
         `engine_options` are EngineConfig fields (`max_model_len` for `--ctx-size`)."""
         config = EngineConfig(**(parse_kv_memory(kv_memory) if kv_memory else {}),
                               enable_prefix_cache=prefix_cache, **engine_options)
+        log = sys.stderr if log is None else log  # looked up per call (a test runner swaps it)
         if cpu_threads is not None and not (device or "").startswith("cuda"):
             start_cpu_threads(cpu_threads, log)
-        return cls(load_model(model, device=device, dtype=dtype, log=log), config, threaded=threaded)
+        return cls(load_model(model, device=device, dtype=dtype, log=log, quantize=quantize), config,
+                   threaded=threaded)
 
     def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True,
                         tools: list[dict] | None = None) -> list[int]:

@@ -20,6 +20,7 @@ from exlcli.engine.constraints import GrammarCompiler, new_bitmask
 from exlcli.engine.detok import TextStreamer
 from exlcli.engine.drafters import build_drafter, num_drafter_pages
 from exlcli.engine.failure_policy import FailurePolicy, nonfinite_rows
+from exlcli.engine.memory_budget import GPU_MEMORY_UTILIZATION, DeviceMemory, model_kv_budget
 from exlcli.engine.model_runner import ModelRunner
 from exlcli.engine.page_pool import PagePool
 from exlcli.engine.request import FinishReason, Request, RequestOutput, RequestStats
@@ -57,8 +58,11 @@ class LaunchedStep:
 class EngineConfig:
     page_size: int = 16
     num_pages: int | None = None  # explicit pool size; else from kv_memory
-    kv_memory: int | None = None  # bytes for K/V pages; default: 1 GiB on CPU, half the free memory on a GPU
+    kv_memory: int | None = None  # bytes for K/V pages; default: 1 GiB on CPU, on a GPU what the weights leave
     kv_memory_fraction: float | None = None  # or this share of the free (GPU) / available (CPU) memory
+    # the default on a GPU: this share of its memory, less the weights (as loaded), the other
+    # processes' use and the activations (memory_budget.py)
+    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION
     max_num_batched_tokens: int | None = None  # per-step token budget; default by device
     max_num_seqs: int = 128
     max_model_len: int | None = None  # default: the model's context (capped by the pool)
@@ -182,8 +186,12 @@ class Engine:
             return self.config.kv_memory
         fraction = self.config.kv_memory_fraction
         if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            return int(free * (fraction or 0.5))
+            if fraction:
+                free, _ = torch.cuda.mem_get_info(device)
+                return int(free * fraction)
+            tokens = self.config.max_num_batched_tokens or 4096  # the GPU's default step budget below
+            return model_kv_budget(self.model, DeviceMemory.of(device), tokens, self.config.max_num_seqs,
+                                   self.config.gpu_memory_utilization)
         if fraction:
             return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * fraction)
         return 1 << 30

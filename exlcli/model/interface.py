@@ -34,6 +34,10 @@ class CausalLM(Protocol):
         """Bytes of weights one decode step reads."""
         ...
 
+    def resident_bytes(self) -> int:
+        """Bytes all its weights take on its device (the engine's memory budget leaves the rest to K/V)."""
+        ...
+
     # -- the fused decode step: a pure decode step of 1 to 4 sequences in fewer kernels ------------
     def fused_decode_unsupported(self) -> str | None:
         """Why fused_decode_forward cannot run this model (None when it can)."""

@@ -12,9 +12,11 @@ import torch
 
 from exlcli.errors import ModelLoadError
 from exlcli.model.architectures import build_model, config_from_hf
+from exlcli.model.architectures.tensor_names import EMBED, LM_HEAD
 from exlcli.model.chat_template import ChatTemplate
 from exlcli.model.config import ModelConfig
 from exlcli.model.interface import CausalLM
+from exlcli.model.tensor_types import TensorTypes, count_types, decode_step_bytes
 from exlcli.ops.formats import QuantizedWeight
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -31,6 +33,8 @@ class LoadedModel:
     chat_template: ChatTemplate
     quantization: str  # e.g. "Q4_1", "bf16", "random bf16"
     load_time_s: float
+    tensor_types: TensorTypes | None = None  # the weights as loaded (after --quantize), per type
+    step_weight_bytes: int | None = None  # weights one decode step reads, as stored (formats' nbytes)
 
 
 def pick_device(device: str | None) -> torch.device:
@@ -78,10 +82,16 @@ def dequantized_at_load(tensors: dict, device: torch.device, dtype: torch.dtype)
 
 
 def load_model(spec: str | None = None, device: str | None = None, dtype: str | None = None,
-               log=sys.stderr) -> LoadedModel:
+               log=None, quantize: str | None = None) -> LoadedModel:
+    """`quantize` (--quantize fp8|q8_0|q4_k): quantize a full-precision checkpoint's linears at load
+    (exlcli/model/quantize_at_load.py). Notices go to `log`, sys.stderr by default (looked up per
+    call: a test runner swaps it, and a default bound at import may be a closed one)."""
+    log = sys.stderr if log is None else log
     from exlcli.model.default_model import resolve_model_path
+    from exlcli.model.quantize_at_load import check_target
 
     start = time.perf_counter()
+    quantize = check_target(quantize)
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     path = resolve_model_path(spec, log=log)
@@ -116,6 +126,14 @@ def load_model(spec: str | None = None, device: str | None = None, dtype: str | 
     missing = [n for n in ("model.embed_tokens.weight", "model.norm.weight") if n not in tensors]
     if missing:
         raise ModelLoadError(f"{path}: missing tensor {missing[0]}")
+    if quantize is not None:
+        from exlcli.model.quantize_at_load import describe, quantize_tensors
+
+        print(describe(quantize_tensors(tensors, config, quantize), quantize), file=log, flush=True)
+        quant = _quantization(tensors) if not path.startswith("random:") else f"random {_quantization(tensors)}"
+    types = count_types(tensors)
+    tied = config.tie_word_embeddings or LM_HEAD not in tensors  # as the decoder picks its output layer
+    step_bytes = decode_step_bytes(tensors, (LM_HEAD,) if tied else (EMBED,))
     notice = dequantized_at_load(tensors, dev, dt)
     if notice:
         print(notice, file=log, flush=True)
@@ -127,4 +145,5 @@ def load_model(spec: str | None = None, device: str | None = None, dtype: str | 
         raise ModelLoadError(f"{path}: {e}") from None
     del tensors
     name = path if path.startswith("random:") else os.path.basename(path.rstrip("/"))
-    return LoadedModel(name, path, config, model, tokenizer, template, quant, time.perf_counter() - start)
+    return LoadedModel(name, path, config, model, tokenizer, template, quant, time.perf_counter() - start, types,
+                       step_bytes)

@@ -29,6 +29,7 @@ class PerplexityOptions:
     dtype: str | None = None
     save_logits: Path | None = None
     kl_divergence: Path | None = None
+    quantize: str | None = None  # --quantize fp8|q8_0|q4_k at load
 
     def validate(self) -> None:
         if self.save_logits is not None and self.kl_divergence is not None:
@@ -110,7 +111,8 @@ def run_perplexity(options: PerplexityOptions, out: TextIO | None = None, log: T
     if loaded is None:
         from exlcli.model.loader import load_model
 
-        loaded = load_model(options.model, device=options.device, dtype=options.dtype, log=log)
+        loaded = load_model(options.model, device=options.device, dtype=options.dtype, log=log,
+                            quantize=options.quantize)
     plan = _plan(options, loaded, reference, log)
     print(f"perplexity: {loaded.name} ({loaded.quantization}), {plan.num_chunks} chunks of {plan.n_ctx} tokens, "
           f"{plan.scored_per_chunk} scored in each, pieces of {options.ubatch}", file=log)

@@ -68,6 +68,7 @@ class DecoderModel:
             # a quantized embedding stays quantized in the output layer; a dense one is shared
             stored = tensors[EMBED]
             head = stored if isinstance(stored, QuantizedWeight) else self.embed
+        self._head_is_embed = head is self.embed  # one tensor: counted once in resident_bytes
         self.lm_head: Linear = make_linear([head], None, device, dtype)
         self.cos_sin = rope_cos_sin_cache(config.head_dim, config.rope_theta, config.rope_scaling,
                                           config.max_position_embeddings, device)
@@ -79,6 +80,16 @@ class DecoderModel:
         """Bytes of weights read by one decode step (the embedding row read is negligible)."""
         total = sum(getattr(layer, name).nbytes() for layer in self.layers for name in PROJECTIONS)
         return total + self.lm_head.nbytes()
+
+    def resident_bytes(self) -> int:
+        """Bytes the weights take on the device: what a step reads (the linears' nbytes, so a quantized
+        model counts its blocks), the embedding unless it is the output layer's weight, the norms."""
+        def size(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.numel() * t.element_size()
+
+        norms = sum(size(layer.input_norm) + size(layer.post_norm) + size(layer.q_norm) + size(layer.k_norm)
+                    for layer in self.layers)
+        return self.weight_bytes() + (0 if self._head_is_embed else size(self.embed)) + norms + size(self.norm)
 
     @torch.inference_mode()
     def forward(self, batch: BatchInputs, kv: KVCache) -> torch.Tensor:
