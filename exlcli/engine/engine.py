@@ -581,7 +581,7 @@ class Engine:
             s = self._stats
             s.num_running, s.num_waiting = len(sched.running), len(sched.waiting)
             s.pages_used, s.pages_cached = self.pool.num_used, self.pool.num_cached
-            recent = sum(n for _, n in self._recent_tokens) - self._recent_tokens[0][1]
+            recent = sum(n for _, n in self._recent_tokens) - self._recent_tokens[0][1] if window > 0 else 0
             s.tokens_per_s = recent / window if window > 0 else 0.0
             s.num_preemptions = sched.num_preemptions
             s.prefix_cache_queries, s.prefix_cache_hits = sched.prefix_queries, sched.prefix_hits
