@@ -9,16 +9,20 @@ import typer
 
 from exlcli.cli.common import (
     TEMP_NAMES,
+    ContextOverflowOption,
     CtxSizeOption,
     DeviceOption,
     DtypeOption,
     ModelOption,
     NumDraftTokensOption,
     SeedOption,
+    SinkTokensOption,
     SpeculativeOption,
     SystemOption,
     ThreadsOption,
+    WindowOption,
     fail,
+    overflow_options,
     user_errors,
 )
 from exlcli.client.base import GenerationParams
@@ -85,6 +89,9 @@ def register(app: typer.Typer) -> None:
             "--grammar", metavar="FILE", help="The answer follows this Lark or GBNF grammar file.")] = None,
         speculative: SpeculativeOption = None,
         num_draft_tokens: NumDraftTokensOption = 4,
+        context_overflow: ContextOverflowOption = None,
+        sink_tokens: SinkTokensOption = None,
+        window: WindowOption = None,
     ) -> None:
         """Generate one answer and print only the completion."""
         from exlcli.client.local import LocalClient
@@ -95,7 +102,8 @@ def register(app: typer.Typer) -> None:
                                   top_k=top_k, seed=seed, client="run", grammar=constraint)
         client = LocalClient.from_model(model, device=device, dtype=dtype, threaded=False, cpu_threads=threads,
                                         max_model_len=ctx_size, speculative=speculative,
-                                        num_draft_tokens=num_draft_tokens)
+                                        num_draft_tokens=num_draft_tokens,
+                                        **overflow_options(context_overflow, sink_tokens, window))
         try:
             if raw:
                 stream = client.complete(text, params)

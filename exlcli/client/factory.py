@@ -27,7 +27,7 @@ def open_client(model: str | None = None, *, server: str | None = None, local: b
                 api_key: str | None = None, quiet: bool = False,
                 fake_delay: float = 0.05, max_model_len: int | None = None,
                 cpu_threads: int | None = None, speculative: str | None = None,
-                num_draft_tokens: int = 4) -> EngineClient:
+                num_draft_tokens: int = 4, engine_options: dict | None = None) -> EngineClient:
     """`server` names one; else a running `exlcli serve` is used unless `local`; else in-process.
     `fake:echo[:DELAY[:CONTEXT]]` is the echo engine, for demos and tests. `max_model_len`
     (`--ctx-size`) and `cpu_threads` (`--threads`) shape an in-process engine only."""
@@ -48,4 +48,5 @@ def open_client(model: str | None = None, *, server: str | None = None, local: b
         print("exlcli: loading the model ...", file=sys.stderr)
     return LocalClient.from_model(model, device=device, dtype=dtype, kv_memory=kv_memory,
                                   prefix_cache=prefix_cache, cpu_threads=cpu_threads, max_model_len=max_model_len,
-                                  speculative=speculative, num_draft_tokens=num_draft_tokens)
+                                  speculative=speculative, num_draft_tokens=num_draft_tokens,
+                                  **(engine_options or {}))
