@@ -269,3 +269,13 @@ def test_scan_counts_lines_finds_the_shape_and_the_claims(write_jsonl):
     scan = scan_input(path)
     assert (scan.num_lines, scan.shape, scan.claimed) == (4, OPENAI, frozenset({"line-9"}))
     assert auto_id(9, scan.claimed) == "line-9-auto" and auto_id(8, scan.claimed) == "line-8"
+
+
+def test_context_overflow_keys_on_both_shapes():
+    job = parse({"id": "a", "prompt": "p", "context_overflow": "sinks", "sink_tokens": 0, "window": 128})
+    assert (job.params.context_overflow, job.params.sink_tokens, job.params.window) == ("sinks", 0, 128)
+    body = {"custom_id": "b", "url": "/v1/completions", "body": {"prompt": "p", "context_overflow": "shift"}}
+    assert parse(body, file_shape=OPENAI).params.context_overflow == "shift"
+    for bad in ({"context_overflow": "wrap"}, {"sink_tokens": -2}, {"window": "big"}):
+        line = parse({"id": "c", "prompt": "p", **bad})
+        assert isinstance(line, BadLine) and next(iter(bad)) in line.message

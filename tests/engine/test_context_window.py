@@ -128,12 +128,12 @@ def test_stop_is_todays_behaviour_and_bad_fields_are_refused(make_engine):
 
 def test_pages_stay_constant_and_all_come_back(make_engine):
     engine = make_engine(page_size=PAGE, num_pages=16, max_model_len=64, context_overflow="sinks")
-    handle = engine.submit(greedy("long", [5, 6, 7], n=600, ignore_eos=True))
+    handle = engine.submit(greedy("long", [5, 6, 7], n=300, ignore_eos=True))
     used = set()
     while engine.step():
         used.add(engine.pool.num_used)
     outs = list(handle)
-    assert sum(len(o.new_token_ids) for o in outs) == 600
+    assert sum(len(o.new_token_ids) for o in outs) == 300
     assert max(used) <= 64 // PAGE + 1  # the window's pages (and one filling while a page leaves)
     engine.pool.check()
     assert engine.pool.num_used == 0
@@ -207,9 +207,9 @@ def test_speculative_decoding_beside_shifts(make_engine):
     drafts never cross a shift (the window's pages stay bounded)."""
     prompt = [1, 2, 3, 4, 5, 6, 7, 8] * 4
     plain = tokens_of(make_engine(page_size=PAGE).submit(
-        greedy("p", prompt, n=120, context_overflow="sinks", window=64, ignore_eos=True)))
+        greedy("p", prompt, n=80, context_overflow="sinks", window=64, ignore_eos=True)))
     engine = make_engine(page_size=PAGE, speculative="ngram")
-    spec = tokens_of(engine.submit(greedy("s", prompt, n=120, context_overflow="sinks", window=64,
+    spec = tokens_of(engine.submit(greedy("s", prompt, n=80, context_overflow="sinks", window=64,
                                           ignore_eos=True)))
     assert spec == plain
     engine.pool.check()
@@ -230,8 +230,8 @@ def greedy_stream(engine: Engine, n: int) -> tuple[int, set[int], list[float]]:
 
 def test_a_long_greedy_stream_keeps_its_pages_short(tiny_model):
     engine = Engine(tiny_model, LetterTokenizer(), EngineConfig(page_size=PAGE, max_model_len=64, num_pages=8))
-    generated, pages, _ = greedy_stream(engine, 400)
-    assert generated == 400 and max(pages) <= 5
+    generated, pages, _ = greedy_stream(engine, 250)
+    assert generated == 250 and max(pages) <= 5
     assert engine.pool.num_used == 0
 
 
