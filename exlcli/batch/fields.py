@@ -7,6 +7,7 @@ import math
 from typing import Any
 
 from exlcli.batch.failures import LineError
+from exlcli.engine.context_window import OVERFLOW_MODES
 from exlcli.engine.request import GrammarSpec, grammar_from_response_format
 from exlcli.errors import RequestError
 
@@ -86,6 +87,18 @@ def _speculative(name: str, value: Any) -> bool | None:
     return value
 
 
+def _context_overflow(name: str, value: Any) -> str | None:
+    if value is not None and value not in OVERFLOW_MODES:
+        raise wrong_type(name, " or ".join(OVERFLOW_MODES), value)
+    return value
+
+
+def _count(name: str, value: Any) -> int | None:
+    if value is not None and (not is_int(value) or value < 0):
+        raise wrong_type(name, "an integer >= 0", value)
+    return value
+
+
 GRAMMAR_KEYS = ("json_schema", "regex", "grammar", "response_format")
 
 # line key -> (GenerationParams field, check)
@@ -99,6 +112,9 @@ PARAM_FIELDS = {
     "stop": ("stop", _stop),
     **{key: ("grammar", _grammar) for key in GRAMMAR_KEYS},
     "speculative": ("speculative", _speculative),
+    "context_overflow": ("context_overflow", _context_overflow),  # past the window: stop / shift / sinks
+    "sink_tokens": ("sink_tokens", _count),
+    "window": ("window", _count),
 }
 OPENAI_EXTRA_PARAM_FIELDS = {
     "max_completion_tokens": ("max_tokens", _max_tokens),

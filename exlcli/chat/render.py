@@ -36,6 +36,8 @@ def stats_line(usage: Usage | None, finish_reason: str | None) -> str:
         text = (f"{usage.prompt_tokens} prompt tokens ({usage.cached_tokens} cached), "
                 f"first token {format_seconds(usage.ttft)}, "
                 f"{usage.completion_tokens} tokens at {usage.decode_tps:.1f} tok/s")
+        if usage.evicted_tokens:  # the window overflowed and shifted (context_overflow shift / sinks)
+            text += f", {usage.evicted_tokens} tokens left the window"
     if finish_reason == "length":
         text += ", stopped at max_tokens"
     elif finish_reason == "cancelled":

@@ -80,6 +80,16 @@ NumDraftTokensOption = Annotated[int, typer.Option(
 DraftLayersOption = Annotated[Optional[int], typer.Option(
     "--draft-layers", min=1, help="Layers the 'self' drafter runs before the LM head. Default: a quarter "
                                   "of the model's.")]
+ContextOverflowOption = Annotated[Optional[str], typer.Option(
+    "--context-overflow", help="At the end of the window: stop (end with 'length'), shift (llama.cpp's context "
+                               "shift: keep --sink-tokens, drop half of the rest) or sinks (StreamingLLM: the sink "
+                               "tokens and a rolling window). Default: stop.", show_default=False)]
+SinkTokensOption = Annotated[Optional[int], typer.Option(
+    "--sink-tokens", min=0, help="Tokens kept at the start by shift / sinks, rounded up to whole KV pages "
+                                 "(0: a plain sliding window). Default: 4.", show_default=False)]
+WindowOption = Annotated[Optional[int], typer.Option(
+    "--window", min=1, help="Most tokens a sequence's cache holds with shift / sinks. Default: the context "
+                            "(--ctx-size).", show_default=False)]
 TEMP_NAMES = ("--temp", "--temperature")  # llama.cpp's name, then vLLM's and OpenAI's
 # Sampling, for the commands that generate (their defaults differ: chat's come from ChatSettings)
 TemperatureOption = Annotated[float, typer.Option(*TEMP_NAMES, help="Sampling temperature; 0 is greedy.")]
@@ -89,6 +99,12 @@ MinPOption = Annotated[float, typer.Option("--min-p", help="Drop tokens below mi
 
 F = TypeVar("F", bound=Callable)
 T = TypeVar("T")
+
+
+def overflow_options(context_overflow: str | None, sink_tokens: int | None, window: int | None) -> dict:
+    """The EngineConfig fields --context-overflow, --sink-tokens and --window set (checked by the engine)."""
+    given = {"context_overflow": context_overflow, "sink_tokens": sink_tokens, "window": window}
+    return {k: v for k, v in given.items() if v is not None}
 
 
 def renamed(old: str, new: str, value: T | None, current: T) -> T:

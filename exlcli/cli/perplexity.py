@@ -35,6 +35,13 @@ def register(app: typer.Typer) -> None:
         kl_divergence: Annotated[Optional[Path], typer.Option(
             "--kl-divergence", help="Compare this run with the log-probs saved in this file: KLD, same top "
             "token, PPL ratio.")] = None,
+        context_overflow: Annotated[Optional[str], typer.Option(
+            "--context-overflow", help="shift or sinks: score the whole text as one stream through a window of "
+            "--ctx-size tokens (llama.cpp's context shift, or StreamingLLM's sinks + rolling window) instead of "
+            "in chunks; stop (the default): chunks.", show_default=False)] = None,
+        sink_tokens: Annotated[int, typer.Option(
+            "--sink-tokens", min=0, help="With --context-overflow: tokens kept at the start (rounded up to "
+            "pages of 16); 0 is a plain sliding window.")] = 4,
     ) -> None:
         """Perplexity of FILE, computed as llama.cpp's llama-perplexity does (chunks of --ctx-size tokens,
         the second half of each scored), printed per chunk and as a final estimate with its error.
@@ -46,4 +53,5 @@ def register(app: typer.Typer) -> None:
 
         run_perplexity(PerplexityOptions(text=text, model=model, ctx_size=ctx_size, max_chunks=chunks, ubatch=ubatch,
                                          device=device, dtype=dtype, save_logits=save_logits,
-                                         kl_divergence=kl_divergence, quantize=quantize))
+                                         kl_divergence=kl_divergence, quantize=quantize,
+                                         context_overflow=context_overflow, sink_tokens=sink_tokens))

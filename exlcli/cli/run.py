@@ -9,6 +9,7 @@ import typer
 
 from exlcli.cli.common import (
     TEMP_NAMES,
+    ContextOverflowOption,
     CtxSizeOption,
     DeviceOption,
     DraftLayersOption,
@@ -17,11 +18,14 @@ from exlcli.cli.common import (
     NumDraftTokensOption,
     QuantizeOption,
     SeedOption,
+    SinkTokensOption,
     SpeculativeOption,
     SystemOption,
     ThreadsOption,
     TopPOption,
+    WindowOption,
     fail,
+    overflow_options,
     user_errors,
 )
 from exlcli.client.base import GenerationParams
@@ -107,6 +111,9 @@ def register(app: typer.Typer) -> None:
         verbose: Annotated[bool, typer.Option(
             "--verbose", "-v",
             help="After the answer, print its timings and the speculative counters to stderr.")] = False,
+        context_overflow: ContextOverflowOption = None,
+        sink_tokens: SinkTokensOption = None,
+        window: WindowOption = None,
     ) -> None:
         """Generate one answer and print only the completion."""
         from exlcli.client.local import LocalClient
@@ -118,7 +125,7 @@ def register(app: typer.Typer) -> None:
         client = LocalClient.from_model(model, device=device, dtype=dtype, threaded=False, cpu_threads=threads,
                                         max_model_len=ctx_size, speculative=speculative,
                                         num_draft_tokens=num_draft_tokens, draft_layers=draft_layers,
-                                        quantize=quantize)
+                                        quantize=quantize, **overflow_options(context_overflow, sink_tokens, window))
         try:
             if raw:
                 stream = client.complete(text, params)

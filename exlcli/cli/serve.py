@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from exlcli.cli.common import (
+    ContextOverflowOption,
     CtxSizeOption,
     DeviceOption,
     DraftLayersOption,
@@ -16,9 +17,12 @@ from exlcli.cli.common import (
     NumDraftTokensOption,
     PrefixCacheOption,
     QuantizeOption,
+    SinkTokensOption,
     SpeculativeOption,
     ThreadsOption,
+    WindowOption,
     fail,
+    overflow_options,
     renamed,
     user_errors,
 )
@@ -82,6 +86,9 @@ def register(app: typer.Typer) -> None:
         speculative: SpeculativeOption = None,
         num_draft_tokens: NumDraftTokensOption = 4,
         draft_layers: DraftLayersOption = None,
+        context_overflow: ContextOverflowOption = None,
+        sink_tokens: SinkTokensOption = None,
+        window: WindowOption = None,
     ) -> None:
         """Serve one model to many clients: OpenAI API at /v1, /metrics, a live display.
 
@@ -122,7 +129,8 @@ def register(app: typer.Typer) -> None:
         port = sock.getsockname()[1]
         try:
             client = _open_engine(model, device, dtype, kv_memory, prefix_cache, ctx_size, threads,
-                                  speculative, num_draft_tokens, draft_layers, quantize)
+                                  speculative, num_draft_tokens, draft_layers, quantize,
+                                  overflow_options(context_overflow, sink_tokens, window))
             aliases: tuple[str, ...] = ()
             if served_model_name:
                 aliases = (client.model_name,)  # the model's own name keeps working
@@ -140,10 +148,11 @@ def register(app: typer.Typer) -> None:
 
 
 def _open_engine(model, device, dtype, kv_memory, prefix_cache, max_model_len=None, cpu_threads=None,
-                 speculative=None, num_draft_tokens=4, draft_layers=None, quantize=None) -> EngineClient:
+                 speculative=None, num_draft_tokens=4, draft_layers=None, quantize=None,
+                 overflow: dict | None = None) -> EngineClient:
     from exlcli.client.factory import open_client
 
     return open_client(model, local=True, device=device, dtype=dtype, kv_memory=kv_memory,
                        prefix_cache=prefix_cache, fake_delay=0.0, max_model_len=max_model_len,
                        cpu_threads=cpu_threads, speculative=speculative, num_draft_tokens=num_draft_tokens,
-                       draft_layers=draft_layers, quantize=quantize)
+                       draft_layers=draft_layers, quantize=quantize, engine_options=overflow)

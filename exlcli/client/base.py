@@ -33,6 +33,9 @@ class GenerationParams:
     grammar: GrammarSpec | None = None  # structured output (JSON schema, regex, grammar)
     speculative: bool | None = None  # False: no speculative decoding for this request (None: the engine's)
     tools: list[dict] | None = None  # OpenAI tool objects the chat template describes to the model
+    context_overflow: str | None = None  # past the window: stop / shift / sinks (None: the engine's)
+    sink_tokens: int | None = None
+    window: int | None = None
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(
@@ -54,6 +57,7 @@ class Usage:
     ttft: float | None = None
     total_time: float = 0.0
     decode_tps: float = 0.0
+    evicted_tokens: int = 0  # tokens that left the cache by context shifts
 
 
 @dataclass

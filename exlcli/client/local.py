@@ -59,7 +59,7 @@ def delta_from_output(out: RequestOutput) -> TextDelta:
         s = out.stats
         usage = Usage(prompt_tokens=s.prompt_tokens, cached_tokens=s.cached_tokens,
                       completion_tokens=s.generated_tokens, queue_time=s.queue_time, ttft=s.ttft,
-                      total_time=s.total_time, decode_tps=s.decode_tps)
+                      total_time=s.total_time, decode_tps=s.decode_tps, evicted_tokens=s.evicted_tokens)
     return TextDelta(text=out.new_text, token_ids=list(out.new_token_ids),
                      finish_reason=out.finish_reason.value if out.finish_reason else None,
                      error=out.error, usage=usage, logprobs=out.logprobs)
@@ -137,7 +137,8 @@ class LocalClient(EngineClient):
             request_id=self.engine.new_request_id(), prompt_ids=prompt_ids, sampling=params.sampling(),
             max_new_tokens=params.max_tokens, stop=list(params.stop), priority=params.priority_class(),
             client=params.client, ignore_eos=ignore_eos, grammar=params.grammar,
-            speculative=params.speculative)
+            speculative=params.speculative, context_overflow=params.context_overflow,
+            sink_tokens=params.sink_tokens, window=params.window)
         return LocalStream(self.engine.submit(request))
 
     def chat(self, messages: list[dict], params: GenerationParams) -> GenerationStream:

@@ -32,7 +32,8 @@ def usage_from_dict(body: dict | None) -> Usage | None:
                  completion_tokens=int(body.get("completion_tokens") or 0),
                  queue_time=float(body.get("queue_time") or 0.0), ttft=body.get("ttft"),
                  total_time=float(body.get("total_time") or 0.0),
-                 decode_tps=float(body.get("decode_tps") or 0.0))
+                 decode_tps=float(body.get("decode_tps") or 0.0),
+                 evicted_tokens=int(body.get("evicted_tokens") or 0))
 
 
 CONNECT_TIMEOUT_S = 5.0
@@ -133,6 +134,8 @@ class RemoteClient(EngineClient):
             "seed": params.seed, "stop": list(params.stop), "priority": params.priority,
             "client": params.client, "stream": True, "stream_options": {"include_usage": True},
             "return_token_ids": True, "response_format": response_format_of(params.grammar),
+            **{k: v for k, v in (("context_overflow", params.context_overflow), ("sink_tokens", params.sink_tokens),
+                                 ("window", params.window)) if v is not None},
         }
 
     # ---- EngineClient ----

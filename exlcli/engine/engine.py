@@ -17,6 +17,7 @@ from typing import AsyncIterator, Iterator
 import torch
 
 from exlcli.engine.constraints import GrammarCompiler, new_bitmask
+from exlcli.engine.context_window import DEFAULT_SINK_TOKENS, check_mode, resolve_policy
 from exlcli.engine.detok import TextStreamer
 from exlcli.engine.drafters import build_drafter, num_drafter_pages
 from exlcli.engine.failure_policy import FailurePolicy, nonfinite_rows
@@ -79,6 +80,12 @@ class EngineConfig:
     num_draft_tokens: int = 4
     speculative_max_batch: int = 8
     draft_layers: int | None = None  # the "self" drafter's layers (None: a quarter of the model's)
+    # Past the window (context_window.py), the default of requests that do not say: "stop" (end
+    # with length), "shift" (llama.cpp) or "sinks" (StreamingLLM); sink tokens kept; the window
+    # (None: max_model_len).
+    context_overflow: str = "stop"
+    sink_tokens: int = DEFAULT_SINK_TOKENS
+    window: int | None = None
 
 
 class RequestHandle:
@@ -148,6 +155,10 @@ class Engine:
         # One sequence alone must always fit, so preemption can always make progress.
         self.max_model_len = min(config.max_model_len or model.config.context_length,
                                  model.config.context_length, num_pages * config.page_size)
+        # a bad default (--context-overflow, --sink-tokens, --window) fails here, not in every request
+        resolve_policy(None, None, None, default_mode=check_mode(config.context_overflow, "--context-overflow"),
+                       default_sink_tokens=config.sink_tokens, default_window=config.window,
+                       max_model_len=self.max_model_len, page_size=config.page_size)
         # CPU: a 256-token chunk takes ~0.5 s on 2 cores, which bounds the gap other streams see
         budget = config.max_num_batched_tokens or (256 if device.type == "cpu" else 4096)
         self.speculator = (Speculator(build_drafter(config.speculative, model, self.kv, num_pages,
@@ -202,14 +213,21 @@ class Engine:
 
     def submit(self, request: Request) -> RequestHandle:
         prompt_len = len(request.prompt_ids)
-        if prompt_len >= self.max_model_len:
+        cfg = self.config
+        overflow = resolve_policy(request.context_overflow, request.sink_tokens, request.window,
+                                  default_mode=cfg.context_overflow, default_sink_tokens=cfg.sink_tokens,
+                                  default_window=cfg.window, max_model_len=self.max_model_len,
+                                  page_size=cfg.page_size)
+        if prompt_len >= self.max_model_len and overflow is None:
             raise RequestError(f"prompt is {prompt_len} tokens, longer than the context of "
                                f"{self.max_model_len} tokens (the prompt plus at least one new token must fit)")
         vocab = self.model.config.vocab_size
         if any(not 0 <= t < vocab for t in request.prompt_ids):
             raise RequestError(f"prompt has token ids outside the vocabulary (0..{vocab - 1})")
-        max_tokens = min(self.max_model_len, prompt_len + request.max_new_tokens)
-        seq = Sequence(request=request, arrival_index=next(self._arrivals), max_tokens=max_tokens)
+        max_tokens = prompt_len + request.max_new_tokens  # past the window the cache shifts instead
+        if overflow is None:
+            max_tokens = min(self.max_model_len, max_tokens)
+        seq = Sequence(request=request, arrival_index=next(self._arrivals), max_tokens=max_tokens, overflow=overflow)
         if request.grammar is not None:  # compiled here, on the client's thread, not the engine's
             seq.constraint = self.grammars.constraint(request.grammar)
         handle = RequestHandle(self, request.request_id)
@@ -586,7 +604,7 @@ class Engine:
             generated_tokens=seq.num_generated,
             queue_time=(seq.first_scheduled_time or now) - seq.submit_time,
             ttft=None if seq.first_token_time is None else seq.first_token_time - seq.submit_time,
-            total_time=now - seq.submit_time, num_preemptions=seq.num_preemptions)
+            total_time=now - seq.submit_time, num_preemptions=seq.num_preemptions, evicted_tokens=seq.num_evicted)
         out = last or RequestOutput(seq.request_id)
         out.finished, out.finish_reason, out.error, out.stats = True, reason, error, stats
         with self._stats_lock:

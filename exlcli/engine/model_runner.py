@@ -10,6 +10,7 @@ import torch
 from exlcli.engine.scheduler import ScheduledBatch
 from exlcli.model.interface import CausalLM
 from exlcli.model.kv_cache import KVCache
+from exlcli.model.kv_shift import apply_key_shifts
 from exlcli.model.step_inputs import StepInputs
 
 
@@ -48,19 +49,22 @@ class ModelRunner:
                 else:
                     known.append(item.draft_tokens[p - seq.num_tokens])
             ids.extend(known)
-            span = range(begin, begin + n)
+            cached = seq.cache_len  # = begin unless tokens left the middle (a context shift)
+            span = range(cached, cached + n)
             positions.extend(span)
             slots.extend(seq.pages[p // page_size] * page_size + p % page_size for p in span)
-            seq_lens.append(begin + n)
+            seq_lens.append(cached + n)
             starts.append(starts[-1] + n)
             logits_rows.extend(range(starts[-1] - item.num_logits, starts[-1]))
             tables.append(seq.pages + [0] * (max_pages - len(seq.pages)))
-        return StepInputs(ids, positions, slots, tables, seq_lens, starts, logits_rows, in_flight)
+        return StepInputs(ids, positions, slots, tables, seq_lens, starts, logits_rows, in_flight,
+                          key_shifts=list(batch.key_shifts))
 
     def execute(self, inputs: StepInputs, prev_ids: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 logits [S, V], one row per entry of inputs.logits_indices. Queued on the device;
         nothing here waits for it. `prev_ids`: the previous step's sampled ids on the device, where
         the tokens in flight come from (device state: it stays on this side of a process boundary)."""
+        apply_key_shifts(self.model.config, self.kv, inputs.key_shifts)  # context shifts first
         if self.graphs is not None:
             logits = self.graphs.run(inputs, prev_ids)  # None unless a decode step fits a graph
             if logits is not None:

@@ -102,6 +102,12 @@ class PagePool:
         self._hash_of[page] = h
         self._page_of[h] = page
 
+    def unregister(self, page: int) -> None:
+        """Take a live page out of the prefix cache (its K/V are about to change: a context shift)."""
+        h = self._hash_of.pop(page, None)
+        if h is not None:
+            del self._page_of[h]
+
     def check(self) -> None:
         """Invariants, for tests: every page is exactly one of free / cached / referenced."""
         free, cached = set(self._free), set(self._cached)

@@ -163,6 +163,10 @@ class Request:
     client: str = "api"  # who asked: chat / batch / bench / api; shown on the live display
     grammar: GrammarSpec | None = None  # structured output: the text must match it
     speculative: bool | None = None  # False: never draft for this request; None/True: the engine's choice
+    # Past the window (engine/context_window.py): "stop", "shift" or "sinks"; None: the engine's default
+    context_overflow: str | None = None
+    sink_tokens: int | None = None  # kept at the start (None: the engine's, 4)
+    window: int | None = None  # most tokens in the cache (None: the engine's, its context)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -183,6 +187,7 @@ class RequestStats:
     ttft: float | None = None  # seconds from submit to first generated token
     total_time: float = 0.0  # seconds from submit to finish
     num_preemptions: int = 0
+    evicted_tokens: int = 0  # tokens that left the cache by context shifts (context_overflow shift / sinks)
 
     @property
     def decode_tps(self) -> float:

@@ -10,8 +10,10 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Callable
 
+from exlcli.engine.context_window import make_room
 from exlcli.engine.page_pool import PagePool
 from exlcli.engine.sequence import SeqStatus, Sequence
+from exlcli.model.kv_shift import KeyShift
 
 
 @dataclass
@@ -51,6 +53,7 @@ class ScheduledSeq:
 class ScheduledBatch:
     items: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    key_shifts: list[KeyShift] = field(default_factory=list)  # context shifts to apply before the forward
 
     @property
     def num_tokens(self) -> int:
@@ -113,7 +116,7 @@ class Scheduler:
                     continue  # preempted by a sequence scheduled before it
                 if seq.limit_reached:
                     continue  # its last token is still in flight (async scheduling)
-                n = self._chunk(seq, budget, top)
+                n = self._chunk(seq, budget, top, batch)
                 if n == 0:
                     continue
                 if not self._reserve(seq, n, batch):
@@ -142,7 +145,7 @@ class Scheduler:
                 self._unmatch(seq)
                 w += 1
                 continue
-            n = self._chunk(seq, budget, top)
+            n = self._chunk(seq, budget, top, batch)
             if n == 0:
                 self._unmatch(seq)
                 break
@@ -168,8 +171,9 @@ class Scheduler:
             seq = item.seq
             before = seq.num_computed_tokens // size
             seq.num_computed_tokens += item.num_new_tokens
+            seq.skip_evicted()
             after = min(seq.num_computed_tokens, len(seq.token_ids)) // size
-            if after > before:
+            if after > before and not seq.num_evicted:  # a shifted sequence publishes nothing
                 hashes = seq.page_hashes(after, size)
                 for p in range(before, after):
                     self.pool.register(seq.pages[p], hashes[p])
@@ -178,7 +182,7 @@ class Scheduler:
         """A token in flight was read and appended: publish its page if that token filled a page
         that is already computed."""
         n = len(seq.token_ids)
-        if n % self.page_size == 0 and seq.num_computed_tokens >= n and seq.pages:
+        if n % self.page_size == 0 and seq.num_computed_tokens >= n and seq.pages and not seq.num_evicted:
             p = n // self.page_size - 1
             self.pool.register(seq.pages[p], seq.page_hashes(p + 1, self.page_size)[p])
 
@@ -208,14 +212,16 @@ class Scheduler:
                                  f"{computed} still computed")
             seq.truncate(kept)
         size = self.page_size
-        boundary = computed // size
-        if computed % size and self._published_or_shared(seq.pages[boundary]):
-            computed = boundary * size
-        keep = -(-computed // size)
+        offset = seq.num_computed_tokens - seq.cache_len  # tokens evicted before the computed point
+        cached = computed - offset  # (drafted tokens never reach back into the evicted gap)
+        boundary = cached // size
+        if cached % size and self._published_or_shared(seq.pages[boundary]):
+            cached = boundary * size
+        keep = -(-cached // size)
         self.pool.release_all(seq.pages[keep:])
         del seq.pages[keep:]
-        undone = seq.num_computed_tokens - computed
-        seq.num_computed_tokens = computed
+        undone = seq.num_computed_tokens - (cached + offset)
+        seq.num_computed_tokens = cached + offset
         return undone
 
     def _published_or_shared(self, page: int) -> bool:
@@ -229,38 +235,48 @@ class Scheduler:
         if self.propose is None or seq.num_computed_tokens + n != seq.num_tokens:
             return []
         room = min(budget, seq.max_tokens - seq.num_tokens - 1)  # every accepted draft plus one more token fits
+        if seq.overflow is not None:  # never drafts across a context shift: the next step shifts first
+            room = min(room, seq.overflow.window - seq.cache_len - n)
         drafts = self.propose(seq, room)[:max(0, room)] if room > 0 else []
         if drafts and not self.pool.can_allocate(self._pages_needed(seq, n + len(drafts))):
             return []
         self._allocate(seq, n + len(drafts))
         return drafts
 
-    def _chunk(self, seq: Sequence, budget: int, top_priority: int) -> int:
+    def _chunk(self, seq: Sequence, budget: int, top_priority: int, batch: ScheduledBatch) -> int:
         """Tokens `seq` computes this step (0: none). While a higher class has work, the lower
         classes' prefills share `background_chunk` tokens a step, so the step (and the higher
-        class's inter-token gap) stays short; their decode tokens are not held back."""
+        class's inter-token gap) stays short; their decode tokens are not held back. A sequence
+        with an overflow policy makes room in its window first (context_window.make_room)."""
+        seq.skip_evicted()
         n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        if seq.num_computed_tokens < seq.evict_start < seq.num_computed_tokens + n and seq.num_evicted:
+            n = seq.evict_start - seq.num_computed_tokens  # recomputing: the sinks, then the kept tokens
         if seq.priority > top_priority and n > 1:
             n = min(n, self._background_left)
             self._background_left -= n
+        if seq.overflow is not None and n > 0:
+            n = make_room(seq, n, self.pool, batch.key_shifts)
         return n
 
     def _future_full_pages(self, seq: Sequence, n: int) -> set[int]:
         """Hashes of the full pages that computing `n` more tokens of `seq` completes."""
+        if seq.num_evicted:
+            return set()
         size = self.page_size
         first = seq.num_computed_tokens // size
         last = min(seq.num_computed_tokens + n, len(seq.token_ids)) // size
         return set(seq.page_hashes(last, size)[first:]) if last > first else set()
 
     def _next_page_in_flight(self, seq: Sequence, in_flight: set[int]) -> bool:
-        if not in_flight:
+        if not in_flight or seq.num_evicted:
             return False
         max_pages = (seq.num_tokens - 1) // self.page_size
         matched = len(seq.pages)
         return matched < max_pages and seq.page_hashes(max_pages, self.page_size)[matched] in in_flight
 
     def _pages_needed(self, seq: Sequence, n: int) -> int:
-        total = -(-(seq.num_computed_tokens + n) // self.page_size)
+        total = -(-(seq.cache_len + n) // self.page_size)
         return max(0, total - len(seq.pages))
 
     def _allocate(self, seq: Sequence, n: int) -> None:
@@ -304,10 +320,12 @@ class Scheduler:
     def _match_prefix(self, seq: Sequence) -> None:
         """Reuse every leading full page already in the pool (never the last token: at least
         one token must be computed to get the next-token logits)."""
-        if seq.pages or seq.num_computed_tokens:
-            return
+        if seq.pages or seq.num_computed_tokens or seq.num_evicted:
+            return  # (a shifted sequence's kept tokens are no prefix of anything cached)
         size = self.page_size
         max_pages = (seq.num_tokens - 1) // size
+        if seq.overflow is not None:  # a prompt longer than the window: the rest goes through it
+            max_pages = min(max_pages, seq.overflow.window // size - 1)
         first_time = seq.first_scheduled_time is None and seq.num_preemptions == 0
         if first_time:
             self.prefix_queries += seq.num_tokens

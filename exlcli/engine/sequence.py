@@ -42,6 +42,11 @@ class Sequence:
     rng: random.Random = field(default_factory=random.Random)
     constraint: TokenConstraint | None = None  # the request's grammar matcher, at its generated tokens
     spec: object | None = None  # speculative.SpecState once the engine's speculator has seen it
+    # Past the window (context_window.py): the policy (None: stop at the context), and how many
+    # tokens after the sinks left the cache. Tokens [evict_start, evict_start + num_evicted) are
+    # not in the cache; the computed point never lies inside that gap.
+    overflow: object | None = None  # context_window.ContextPolicy
+    num_evicted: int = 0
     _hashes: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -80,6 +85,21 @@ class Sequence:
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def evict_start(self) -> int:
+        return self.overflow.evict_start if self.overflow is not None else 0
+
+    @property
+    def cache_len(self) -> int:
+        """Computed tokens that are in the cache (the position the next token is computed at)."""
+        computed = self.num_computed_tokens
+        return computed - self.num_evicted if computed > self.evict_start else computed
+
+    def skip_evicted(self) -> None:
+        """Recomputing after a preemption: at the gap, go on after it (its tokens are not recomputed)."""
+        if self.num_evicted and self.num_computed_tokens == self.evict_start:
+            self.num_computed_tokens += self.num_evicted
 
     def add_pending(self, rows: list[int]) -> None:
         """The latest step sampled len(rows) tokens for this sequence, at those rows of its ids."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from exlcli.model.batch_inputs import BatchInputs
+from exlcli.model.kv_shift import KeyShift
 from exlcli.model.transfer import to_device
 
 
@@ -29,6 +30,7 @@ class StepInputs:
     query_start_loc: list[int]  # [B + 1]
     logits_indices: list[int]  # [S] rows of T whose next-token logits are wanted
     in_flight: list[tuple[int, int]] = field(default_factory=list)  # (row of T, row of the previous step's ids)
+    key_shifts: list[KeyShift] = field(default_factory=list)  # context shifts applied before the forward
 
     def __post_init__(self) -> None:
         num_tokens = len(self.input_ids)

@@ -165,3 +165,25 @@ def rope_and_write_kv_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos
     if rc:
         raise KernelInputError(f"CPU rope refused head_dim {dim}")
     return q_out
+
+
+# --- context shift: move cached keys to other positions --------------------------------------------
+
+
+def rotate_cached_keys(k_cache: torch.Tensor, pages: torch.Tensor, delta: int, inv_freq: torch.Tensor) -> None:
+    """Rotates the keys of whole `pages` of k_cache ([num_pages, page_size, kv_heads, D], rotate-half
+    RoPE already applied) in place by `delta` positions: a key rotated for position p becomes the
+    key rotated for p + delta (R(p + delta) = R(delta) R(p)). `pages`: [n] long on k_cache's device;
+    `inv_freq`: [D / 2] fp32 (rope_inv_freq). In fp32, one rounding to the cache's dtype. Torch
+    only, so it runs on CPU and CUDA alike (one gather, a few element-wise ops, one scatter)."""
+    if k_cache.dim() != 4 or k_cache.shape[-1] != 2 * inv_freq.numel():
+        raise KernelInputError(f"rotate_cached_keys: k_cache must be [pages, page_size, kv_heads, "
+                               f"{2 * inv_freq.numel()}], got {tuple(k_cache.shape)}")
+    if pages.numel() == 0 or delta == 0:
+        return
+    angle = inv_freq.double().to(k_cache.device) * float(delta)  # fp64: delta * theta stays exact enough
+    cos, sin = angle.cos().float(), angle.sin().float()  # [D/2]
+    k = k_cache.index_select(0, pages).float()  # [n, page_size, kv_heads, D]
+    k1, k2 = k.chunk(2, dim=-1)
+    rotated = torch.cat([k1 * cos - k2 * sin, k2 * cos + k1 * sin], dim=-1)
+    k_cache.index_copy_(0, pages, rotated.to(k_cache.dtype))

@@ -62,6 +62,7 @@ def usage_dict(usages: list[tuple[int, Usage | None]]) -> dict:
     if first is not None:  # exlcli extras, read back by RemoteClient
         body.update(queue_time=first.queue_time, ttft=first.ttft, total_time=first.total_time,
                     decode_tps=first.decode_tps)
+        body["evicted_tokens"] = sum(u.evicted_tokens for _, u in usages if u is not None)  # context shifts
     return body
 
 

@@ -134,6 +134,10 @@ class _SamplingBody(_Body):
         _grammar_spec(value)  # a ValueError naming the problem becomes a 400
         return value
     speculative: bool | None = None  # false: no speculative decoding for this request
+    # past the window: stop (end with length), shift (llama.cpp), sinks (StreamingLLM); None: the server's
+    context_overflow: Literal["stop", "shift", "sinks"] | None = None
+    sink_tokens: int | None = Field(None, ge=0)
+    window: int | None = Field(None, ge=1)
 
     @field_validator("stop")
     @classmethod
@@ -194,6 +198,9 @@ class _SamplingBody(_Body):
             client=self.client or "api",
             grammar=_grammar_spec(self.response_format),
             speculative=self.speculative,
+            context_overflow=self.context_overflow,
+            sink_tokens=self.sink_tokens,
+            window=self.window,
         )
 
 

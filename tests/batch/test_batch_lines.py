@@ -278,3 +278,13 @@ def test_speculative_false_on_a_line_turns_drafting_off_for_it():
     bad = parse({"id": "a", "prompt": "p", "speculative": "no"})
     assert isinstance(bad, BadLine) and bad.code == "invalid_type"
     assert "speculative must be true or false" in bad.message
+
+
+def test_context_overflow_keys_on_both_shapes():
+    job = parse({"id": "a", "prompt": "p", "context_overflow": "sinks", "sink_tokens": 0, "window": 128})
+    assert (job.params.context_overflow, job.params.sink_tokens, job.params.window) == ("sinks", 0, 128)
+    body = {"custom_id": "b", "url": "/v1/completions", "body": {"prompt": "p", "context_overflow": "shift"}}
+    assert parse(body, file_shape=OPENAI).params.context_overflow == "shift"
+    for bad in ({"context_overflow": "wrap"}, {"sink_tokens": -2}, {"window": "big"}):
+        line = parse({"id": "c", "prompt": "p", **bad})
+        assert isinstance(line, BadLine) and next(iter(bad)) in line.message

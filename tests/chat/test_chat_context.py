@@ -69,3 +69,13 @@ def test_fit_drops_nothing_when_it_fits_and_keeps_window_on_refusal():
     assert (fit.dropped, fit.fits, conv.first_in_context) == (1, True, 1)
     assert conv.messages("q") == [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]
     assert conv.pop().user == "u1" and conv.first_in_context == 0
+
+
+def test_the_stats_line_says_when_tokens_left_the_window():
+    from exlcli.chat.render import stats_line
+    from exlcli.client.base import Usage
+
+    usage = Usage(prompt_tokens=10, completion_tokens=700, ttft=0.1, decode_tps=20.0)
+    assert "left the window" not in stats_line(usage, "stop")
+    usage.evicted_tokens = 256
+    assert stats_line(usage, "stop").endswith("700 tokens at 20.0 tok/s, 256 tokens left the window")

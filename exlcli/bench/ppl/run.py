@@ -30,8 +30,19 @@ class PerplexityOptions:
     save_logits: Path | None = None
     kl_divergence: Path | None = None
     quantize: str | None = None  # --quantize fp8|q8_0|q4_k at load
+    context_overflow: str | None = None  # shift / sinks: the whole text as one stream through the window
+    sink_tokens: int = 4
+
+    @property
+    def streams(self) -> bool:
+        return self.context_overflow in ("shift", "sinks")
 
     def validate(self) -> None:
+        if self.context_overflow not in (None, "stop", "shift", "sinks"):
+            raise ExlcliError(f"--context-overflow must be stop, shift or sinks, got {self.context_overflow!r}")
+        if self.streams and (self.save_logits is not None or self.kl_divergence is not None):
+            raise ExlcliError("--context-overflow shift|sinks scores one stream; --save-logits and --kl-divergence "
+                              "compare chunked runs")
         if self.save_logits is not None and self.kl_divergence is not None:
             raise ExlcliError("--save-logits and --kl-divergence do not go together: save with the reference "
                               "model, then compare with --kl-divergence")
@@ -113,6 +124,8 @@ def run_perplexity(options: PerplexityOptions, out: TextIO | None = None, log: T
 
         loaded = load_model(options.model, device=options.device, dtype=options.dtype, log=log,
                             quantize=options.quantize)
+    if options.streams:
+        return _run_stream(options, loaded, out, log)
     plan = _plan(options, loaded, reference, log)
     print(f"perplexity: {loaded.name} ({loaded.quantization}), {plan.num_chunks} chunks of {plan.n_ctx} tokens, "
           f"{plan.scored_per_chunk} scored in each, pieces of {options.ubatch}", file=log)
@@ -176,3 +189,22 @@ def _score(plan: ChunkPlan, loaded, ubatch: int, writer: LogitsWriter | None, re
     print(f"perplexity: {plan.num_chunks} chunks ({stats.count} scored tokens) in {seconds:.1f} s", file=log)
     return PerplexityResult(plan, stats, kld, seconds)
 
+
+
+def _run_stream(options: PerplexityOptions, loaded, out: TextIO, log: TextIO):
+    from exlcli.bench.ppl.stream import PAGE_SIZE, STREAM_PIECE, score_stream
+    from exlcli.engine.context_window import resolve_policy
+
+    window = options.ctx_size or DEFAULT_CTX
+    context = loaded.config.max_position_embeddings
+    policy = resolve_policy(options.context_overflow, options.sink_tokens, window, default_mode="stop",
+                            default_sink_tokens=4, default_window=None, max_model_len=context, page_size=PAGE_SIZE)
+    tokens = loaded.tokenizer.encode(read_text(options.text))
+    print(f"perplexity: {loaded.name} ({loaded.quantization}), {len(tokens)} tokens as one stream through a window "
+          f"of {window} ({policy.mode}, {policy.sink_tokens} sink tokens, kept as {policy.sink_pages} page(s) of "
+          f"{PAGE_SIZE}), pieces of {STREAM_PIECE}", file=log)
+    result = score_stream(loaded.model, tokens, policy, STREAM_PIECE, out)
+    print(final_estimate(result.stats), file=out)
+    print(f"perplexity: {result.stats.count} scored tokens, {result.evicted_tokens} evicted, "
+          f"in {result.seconds:.1f} s", file=log)
+    return result

@@ -1,0 +1,41 @@
+"""Context shift on the paged KV cache: the keys of pages that stay after a block of pages left the
+middle of a sequence are moved `delta` positions back by rotating them (keys are cached with RoPE
+applied), so the kept tokens sit at consecutive positions again, as llama.cpp's context shift does.
+A page that another sequence also reads is copied first (copy on write), never rotated in place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from exlcli.model.config import ModelConfig
+from exlcli.model.kv_cache import KVCache
+from exlcli.model.transfer import to_device
+from exlcli.ops.rope import rope_inv_freq, rotate_cached_keys
+
+
+@dataclass(frozen=True)
+class KeyShift:
+    """Rotate the keys of `pages` by `delta` positions (negative: back), after copying each page of
+    `copies` (src, dst) into its dst (dst is then among `pages`). Plain lists: it travels in StepInputs."""
+
+    pages: list[int]
+    delta: int
+    copies: list[tuple[int, int]] = field(default_factory=list)
+
+
+def apply_key_shifts(config: ModelConfig, kv: KVCache, shifts: list[KeyShift]) -> None:
+    """Every layer's copies, then rotations, queued on the cache's device before the step's forward."""
+    if not shifts:
+        return
+    device = kv.k[0].device
+    inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+    for shift in shifts:
+        if shift.copies:
+            src, dst = to_device([[s for s, _ in shift.copies], [d for _, d in shift.copies]], torch.long, device)
+            for cache in (*kv.k, *kv.v):
+                cache.index_copy_(0, dst, cache.index_select(0, src))
+        pages = to_device(shift.pages, torch.long, device)
+        for k_cache in kv.k:
+            rotate_cached_keys(k_cache, pages, shift.delta, inv_freq)
