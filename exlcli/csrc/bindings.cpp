@@ -17,7 +17,8 @@ TORCH_LIBRARY(exlcli, m) {
         "-> Tensor");
   m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, int bits, bool e4m3, int group, int n, Tensor? bias, "
         "bool float_out, bool pdl) -> Tensor");
-  m.def("quant_dequantize(Tensor qweight, Tensor scales, int bits, bool e4m3, int group, int n, int k) -> Tensor");
+  m.def("quant_dequantize(Tensor qweight, Tensor scales, int bits, bool e4m3, int group, int n, int k, bool pdl) "
+        "-> Tensor");
   m.def("rope_and_write_kv(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor cos_sin, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, bool pdl) -> Tensor");
   m.def("paged_attention_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "

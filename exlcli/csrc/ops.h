@@ -41,7 +41,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
                         bool e4m3, int64_t group, int64_t n, const std::optional<at::Tensor>& bias, bool float_out,
                         bool pdl);
 at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& scales, int64_t bits, bool e4m3,
-                            int64_t group, int64_t n, int64_t k);
+                            int64_t group, int64_t n, int64_t k, bool pdl);
 
 // rope.cu
 at::Tensor rope_and_write_kv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

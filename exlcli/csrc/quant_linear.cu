@@ -107,7 +107,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
 }
 
 at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& scales, int64_t bits, bool e4m3,
-                            int64_t group, int64_t n, int64_t k) {
+                            int64_t group, int64_t n, int64_t k, bool pdl) {
   qlinear::Params p = packed_params(qweight, scales, bits, group, n, k);
   const c10::cuda::CUDAGuard guard(qweight.device());
   at::Tensor out = at::empty({n, k}, qweight.options().dtype(at::kBFloat16));
@@ -115,14 +115,14 @@ at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& scales,
   auto* dense = static_cast<__nv_bfloat16*>(out.data_ptr());
   const cudaStream_t stream = current_stream();
   TORCH_CHECK(!e4m3 || bits == 8, "quant linear: e4m3 weights take the 8-bit layout");
+  const dim3 grid((warps + 7) / 8), block(256);
   if (bits == 4) {
-    qlinear::dequantize_kernel<4, false><<<(warps + 7) / 8, 256, 0, stream>>>(p, dense);
+    launch_pdl(qlinear::dequantize_kernel<4, false>, grid, block, 0, stream, pdl, p, dense);
   } else if (e4m3) {
-    qlinear::dequantize_kernel<8, true><<<(warps + 7) / 8, 256, 0, stream>>>(p, dense);
+    launch_pdl(qlinear::dequantize_kernel<8, true>, grid, block, 0, stream, pdl, p, dense);
   } else {
-    qlinear::dequantize_kernel<8, false><<<(warps + 7) / 8, 256, 0, stream>>>(p, dense);
+    launch_pdl(qlinear::dequantize_kernel<8, false>, grid, block, 0, stream, pdl, p, dense);
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }
 

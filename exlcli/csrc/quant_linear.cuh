@@ -291,6 +291,7 @@ __global__ void __launch_bounds__(256) dequantize_kernel(Params p, __nv_bfloat16
   const int g = lane >> 2, t = lane & 3;
   ChunkLoad<BITS> c;
   load_chunk<BITS>(p, tile, chunk, lane, c);
+  grid_dependency_wait();  // before the first write
   uint32_t lo[8], hi[8];  // bf16 pairs of features 16 t + 4 s + {0,1} (even) and {2,3} (odd), rows g and g + 8
 #pragma unroll
   for (int step = 0; step < 4; ++step) {

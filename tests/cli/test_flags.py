@@ -178,7 +178,10 @@ def test_version():
 
 
 def test_shell_completion_installs_and_completes(tmp_path):
-    env = {**os.environ, "HOME": str(tmp_path), "SHELL": "/bin/bash", "PYTHONPATH": str(REPO)}
+    # Typer detects the shell from the process tree (which a CI runner or a background job may not show) unless
+    # this variable makes --install-completion take the shell as its value
+    env = {**os.environ, "HOME": str(tmp_path), "SHELL": "/bin/bash", "PYTHONPATH": str(REPO),
+           "_TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION": "1"}
     done = subprocess.run([sys.executable, "-m", "exlcli", "--install-completion", "bash"], env=env,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr

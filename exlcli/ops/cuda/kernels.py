@@ -207,4 +207,4 @@ def quant_dequantize(qweight: torch.Tensor, scales: torch.Tensor, bits: int, gro
     _packed("quant_dequantize", qweight, scales, bits, group, n, k)
     if e4m3 and bits != 8:
         checks.fail("quant_dequantize", "e4m3 weights take the 8-bit layout")
-    return torch.ops.exlcli.quant_dequantize(qweight, scales, bits, e4m3, group, n, k)
+    return torch.ops.exlcli.quant_dequantize(qweight, scales, bits, e4m3, group, n, k, STATE.options.pdl)
