@@ -72,6 +72,7 @@ def main() -> None:
     # no prefix cache: each prompt runs twice, and a warm second run would compute its prompt in
     # other chunks than the cold first (and be faster for it)
     client = LocalClient.from_model(args.model, threaded=False, speculative=args.speculative, prefix_cache=False,
+                                    force_speculative=True,  # measure it where the engine's policy keeps it off
                                     cpu_threads=args.threads,
                                     num_draft_tokens=args.num_draft_tokens, draft_layers=args.draft_layers)
     print(f"drafter {args.speculative}" + (f", {client.engine.speculator.drafter.num_layers} layers"

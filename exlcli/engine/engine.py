@@ -28,7 +28,7 @@ from exlcli.engine.request import FinishReason, Request, RequestOutput, RequestS
 from exlcli.engine.sampler import SampleRow, needs_history, sample_ids, top_logprobs
 from exlcli.engine.scheduler import ScheduledBatch, Scheduler
 from exlcli.engine.sequence import SeqStatus, Sequence
-from exlcli.engine.speculative import Drafter, Speculator, num_accepted
+from exlcli.engine.speculative import Drafter, Speculator, num_accepted, speculation_pays_on
 from exlcli.engine.stats import STEP_TIME_BUCKETS, ActiveRequestInfo, EngineStats, FinishedRequestInfo
 from exlcli.errors import RequestError
 from exlcli.model.interface import CausalLM
@@ -80,6 +80,8 @@ class EngineConfig:
     num_draft_tokens: int = 4
     speculative_max_batch: int = 8
     draft_layers: int | None = None  # the "self" drafter's layers (None: a quarter of the model's)
+    # draft even where speculation_pays_on() says it costs more than it saves (benchmarks)
+    force_speculative: bool = False
     # Past the window (context_window.py), the default of requests that do not say: "stop" (end
     # with length), "shift" (llama.cpp) or "sinks" (StreamingLLM); sink tokens kept; the window
     # (None: max_model_len).
@@ -145,6 +147,10 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config = config or EngineConfig()
         device = model.device
+        if config.speculative and not config.force_speculative and not speculation_pays_on(device.type):
+            log.warning("speculative decoding is off on %s: its verify step runs outside the CUDA graphs there and "
+                        "was measured ten times slower than plain decoding", device.type)
+            config = self.config = dataclasses.replace(config, speculative=None)
         kv_dtype = model.dtype
         per_page = KVCache.bytes_per_page(model.config, config.page_size, kv_dtype)
         num_pages = config.num_pages or max(2, self._kv_budget(device) // per_page)

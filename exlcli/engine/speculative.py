@@ -67,6 +67,14 @@ class NgramDrafter:
 DRAFTERS = {"ngram": NgramDrafter}
 
 
+def speculation_pays_on(device_type: str) -> bool:
+    """Whether drafting can save time on this kind of device. On CUDA the verify step runs eager, outside
+    the decode CUDA graphs, and drafting sequences are read back every step: measured on an H200 with the
+    default model, 0.06-0.11x of plain decoding (docs/gpu-results.md, run 14), so the policy keeps it
+    off there until the verify step is captured."""
+    return device_type != "cuda"
+
+
 def make_drafter(name: "str | Drafter") -> Drafter:
     """A drafter by name, or the given one (any object with `propose`)."""
     if not isinstance(name, str):

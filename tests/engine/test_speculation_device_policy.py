@@ -1,0 +1,31 @@
+"""The device policy of speculative decoding: where drafting was measured to cost more than it saves
+(CUDA, whose verify step runs outside the decode graphs), an engine asked to speculate runs plain and
+says so once; `force_speculative` (benchmarks) drafts anyway."""
+
+from __future__ import annotations
+
+import logging
+
+from exlcli.engine import engine as engine_module
+from exlcli.engine.engine import Engine, EngineConfig
+from exlcli.engine.speculative import speculation_pays_on
+from tests.engine.conftest import LetterTokenizer
+
+
+def test_speculation_pays_on_the_cpu_not_on_cuda():
+    assert speculation_pays_on("cpu") and not speculation_pays_on("cuda")
+
+
+def test_an_engine_where_drafting_does_not_pay_runs_plain_and_says_so(tiny_model, monkeypatch, caplog):
+    monkeypatch.setattr(engine_module, "speculation_pays_on", lambda device_type: False)
+    with caplog.at_level(logging.WARNING, logger="exlcli.engine"):
+        plain = Engine(tiny_model, LetterTokenizer(), EngineConfig(speculative="ngram", num_pages=64))
+    assert plain.speculator is None and plain.config.speculative is None
+    assert any("speculative decoding is off" in r.getMessage() for r in caplog.records)
+    forced = Engine(tiny_model, LetterTokenizer(), EngineConfig(speculative="ngram", num_pages=64,
+                                                                force_speculative=True))
+    assert forced.speculator is not None
+
+
+def test_on_the_cpu_the_engine_drafts(tiny_model):
+    assert Engine(tiny_model, LetterTokenizer(), EngineConfig(speculative="ngram", num_pages=64)).speculator
