@@ -20,8 +20,9 @@
 // Batch invariance: every output is made by the same sequence of operations whatever M is and
 // wherever its row sits in a tile; tiles of MT rows only share the weight expansion.
 //
-// Where the compiler targets AVX2 + FMA but not AVX-512 BF16, qmatmul_avx2.h does the same with
-// fp32 FMAs on the same layout (exact products too; its own fixed order of sums, written there).
+// Where the compiler targets AVX2 but not AVX-512 BF16, qmatmul_avx2.h reads the same layout with
+// integer dot products over activations quantized to int8 per block of 32 (as llama.cpp's CPU kernels
+// do; its arithmetic is written there). exl_qmatmul_available() says which.
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -35,7 +36,7 @@
 #define EXL_QMM 1
 #include <immintrin.h>
 #elif defined(__AVX2__) && defined(__FMA__)
-#define EXL_QMM_AVX2 1  // qmatmul_avx2.h: the same layout, contract and results with fp32 FMAs
+#define EXL_QMM_AVX2 1  // qmatmul_avx2.h: the same layout and contract, int8 dot products
 #define EXL_QMM 0
 #else
 #define EXL_QMM 0
@@ -49,9 +50,10 @@
 #include "qmatmul_avx2.h"
 #endif
 
+// Which arithmetic the kernel was built with: 1 exact bf16 products, 2 q8 activations, 0 none.
 int exl_qmatmul_available(void) {
 #if EXL_QMM_AVX2
-    return 1;
+    return 2;
 #else
     return EXL_QMM;
 #endif

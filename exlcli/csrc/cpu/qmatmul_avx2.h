@@ -1,101 +1,89 @@
-// The AVX2 + FMA body of qmatmul.c, for CPUs without AVX-512 BF16; included by qmatmul.c only where
-// the compiler targets AVX2 and FMA but not the AVX-512 path. It reads the same repacked layout.
+// The AVX2 body of qmatmul.c, for CPUs without AVX-512 BF16; included by qmatmul.c only where the
+// compiler targets AVX2 but not the AVX-512 path. It reads the same repacked layout.
 //
-// No bf16 dot product here: weights become fp32 vectors of 8 columns for one k, and each output is
-// a chain of fp32 FMAs. A 4-bit q becomes the bf16 value 128 + q (bit pattern 0x4300 | q, as in the
-// AVX-512 path) whose 16 bits, shifted to the top of a 32-bit lane, are that value as fp32: the
-// unpacked byte pairs of the layout hold two k of one column per 32-bit lane, so one shift and one
-// mask give both without a conversion. 8-bit q is converted (exact). Every product q * x is exact.
+// Integer dot products, as llama.cpp's CPU kernels do: each row's activations are quantized per
+// block of 32 to int8 (q8 below), and a block's products are exact 8 x 8-bit integer sums
+// (vpmaddubsw + vpmaddwd), one float scale per block. An fp32 product per weight (this file's first
+// version) was compute-bound, 2.4-2.8x slower per call on an AVX2 AMD EPYC.
 //
-// The order of the sums of one output, the same on every path below (so whatever M is, wherever the
-// row sits, however threads split the columns): per block of 32, pa = the k < 16 terms and pb = the
-// k >= 16 terms, each an FMA chain in k order from 0; then acc += (pa + pb) * d (or pa * d0, pb * d1
-// with two scales per block); then acc += offset * sum(x of the block) where there is an offset
-// (4-bit: m - 128 d, which takes back the 128 * sum(x)); acc starts at 0, the bias is added last.
+// Activations, per row and block of 32 (v = the bf16 values as fp32):
+//   amax = max |v|; dx = amax / 127; xq = rint(v * (amax > 0 ? 127 / amax : 0)) (nearest, ties to
+//   even), in -127..127; xs = dx * sum(xq). A block holding a NaN or an infinity gets dx = NaN and xq = 0.
+// Each output, blocks in order from 0, separate fp32 multiplies and adds (no fused multiply-add, so
+// that torch ops reproduce it bit for bit: QuantCpuLinear.emulate_kernel):
+//   acc = 0; per block: acc = acc + float(sum_k q_k xq_k) * (d * dx)          (one scale)
+//                    or acc = acc + float(sum_{k<16}) * (d0 * dx); acc = acc + float(sum_{k>=16}) * (d1 * dx)
+//                       then, with offsets, acc = acc + m * xs;
+//   y = acc + bias.
+// The integer sums are exact (|sum| < 2^24, so float() is too). Every output is made by the same
+// operations whatever M is and wherever its row sits, so rows are the same in any batch.
 
 #include <immintrin.h>
+#include <math.h>
 
-#define RT 4  // rows sharing one read of an expanded weight vector (large-M path)
+#define RT 4  // rows sharing each weight vector
 
-// x as fp32, and the sum of each 32-value block of each row (a fixed order of adds).
-static void widen_rows(const uint16_t *x, int64_t M, int64_t K, float *xf, float *sx) {
+// xq int8 [M, K], dx and xs fp32 [M, nb].
+static void quantize_rows(const uint16_t *x, int64_t M, int64_t K, int8_t *xq, float *dx, float *xs) {
     int64_t nb = K / BLOCK;
-    for (int64_t i = 0; i < M * K; i++) xf[i] = bf16_to_f32(x[i]);
     for (int64_t r = 0; r < M; r++) {
         for (int64_t b = 0; b < nb; b++) {
-            const float *v = xf + r * K + b * BLOCK;
-            __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(v), _mm256_loadu_ps(v + 8)),
-                                     _mm256_add_ps(_mm256_loadu_ps(v + 16), _mm256_loadu_ps(v + 24)));
-            __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-            h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-            h = _mm_add_ss(h, _mm_movehdup_ps(h));
-            sx[r * nb + b] = _mm_cvtss_f32(h);
+            const uint16_t *src = x + r * K + b * BLOCK;
+            int8_t *dst = xq + r * K + b * BLOCK;
+            float v[BLOCK], amax = 0.0f;
+            int nan = 0;
+            for (int i = 0; i < BLOCK; i++) {
+                v[i] = bf16_to_f32(src[i]);
+                float a = fabsf(v[i]);
+                if (!(a <= 3.40282347e38f)) nan = 1;  // NaN or infinite
+                else if (a > amax) amax = a;
+            }
+            float scale = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+            int sum = 0;
+            for (int i = 0; i < BLOCK; i++) {
+                int q = nan ? 0 : (int)rintf(v[i] * id);
+                q = q > 127 ? 127 : q < -127 ? -127 : q;
+                dst[i] = (int8_t)q;
+                sum += q;
+            }
+            dx[r * nb + b] = nan ? NAN : scale;
+            xs[r * nb + b] = (nan ? NAN : scale) * (float)sum;
         }
     }
 }
 
-// w[j] = the weights k = 8c + j (j = 0..7) of columns 8h .. 8h + 7 of one (group, block) `blk`.
-// 4-bit: bytes 64c + 32h .. + 31 hold them (lane 0: columns 8h..8h+3, lane 1: the next four); low
-// nibbles unpacked give k 8c+0..3, high ones 8c+4..7; each 32-bit lane a pair (even k low, odd high).
-// 8-bit: pair p = 4c + u, columns 8h.., at bytes 32p + 16h, one column's pair per two bytes.
-static inline __attribute__((always_inline)) void expand_chunk(const uint8_t *blk, int bits, int c, int h,
-                                                                __m256 w[8]) {
-    if (bits == 4) {
-        const __m256i low4 = _mm256_set1_epi8(0x0f), c43 = _mm256_set1_epi8(0x43);
-        const __m256i top16 = _mm256_set1_epi32((int)0xffff0000u);
-        __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 * c + 32 * h));
-        __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-        __m256i u[4] = {_mm256_unpacklo_epi8(lo, c43), _mm256_unpackhi_epi8(lo, c43),
-                        _mm256_unpacklo_epi8(hi, c43), _mm256_unpackhi_epi8(hi, c43)};
-        for (int i = 0; i < 4; i++) {
-            w[2 * i] = _mm256_castsi256_ps(_mm256_slli_epi32(u[i], 16));
-            w[2 * i + 1] = _mm256_castsi256_ps(_mm256_and_si256(u[i], top16));
-        }
-    } else {
-        for (int i = 0; i < 4; i++) {
-            __m128i v = _mm_loadu_si128((const __m128i *)(blk + 32 * (4 * c + i) + 16 * h));
-            __m256i s = _mm256_cvtepi8_epi16(v);  // one column's pair per 32-bit lane
-            w[2 * i] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(s, 16), 16));
-            w[2 * i + 1] = _mm256_cvtepi32_ps(_mm256_srai_epi32(s, 16));
-        }
-    }
+// One (group, block, chunk c, half h) of 4-bit weights as two vectors of 8 columns x 4 k, one column
+// per 32-bit lane: lo holds k = 8c + 0..3, hi k = 8c + 4..7 (q in 0..15, as unsigned bytes). The 32
+// bytes at 64c + 32h hold columns 8h..8h+3 (lane 0) and the next four (lane 1); in each 16-byte lane
+// bytes 0-7 carry the pairs (k, k+1) of the four columns for k = 8c, bytes 8-15 for k = 8c + 2, low
+// nibbles for those k, high nibbles for k + 4: a byte shuffle gathers each column's four.
+static inline __attribute__((always_inline)) void chunk_q4(const uint8_t *blk, int c, int h, __m256i *lo,
+                                                            __m256i *hi) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    const __m256i gather = _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15,
+                                            0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
+    __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 * c + 32 * h));
+    *lo = _mm256_shuffle_epi8(_mm256_and_si256(v, low4), gather);
+    *hi = _mm256_shuffle_epi8(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), gather);
 }
 
-// How one block's two partial sums enter an output (the last two steps of the order above).
-typedef struct {
-    __m256 d0, d1, off;  // scales of k < 16 and k >= 16 (equal with one scale per block); offset
-    int two_scales, has_off;
-} block_coefs;
-
-static inline __attribute__((always_inline)) block_coefs coefs_of(const float *d, const float *m, int64_t b, int h,
-                                                                   int bits, int two_scales, int has_off) {
-    block_coefs k;
-    k.two_scales = two_scales;
-    k.has_off = has_off;
-    k.d0 = _mm256_loadu_ps(d + (two_scales ? 2 * b : b) * CG + 8 * h);
-    k.d1 = two_scales ? _mm256_loadu_ps(d + (2 * b + 1) * CG + 8 * h) : k.d0;
-    k.off = _mm256_setzero_ps();
-    if (has_off) {
-        __m256 mv = _mm256_loadu_ps(m + b * CG + 8 * h);
-        k.off = bits == 4 ? _mm256_fmadd_ps(_mm256_set1_ps(-128.0f), k.d0, mv) : mv;
-    }
-    return k;
+// 8-bit: pair p (k = 2p, 2p + 1) of columns 8h..8h+7 is 16 bytes at 32p + 16h, a column's pair per
+// two bytes. Pairs p and p + 1 interleaved by 16-bit elements give each column's k = 2p .. 2p + 3.
+static inline __attribute__((always_inline)) __m256i quad_q8(const uint8_t *blk, int p, int h) {
+    __m128i a = _mm_loadu_si128((const __m128i *)(blk + 32 * p + 16 * h));
+    __m128i b = _mm_loadu_si128((const __m128i *)(blk + 32 * (p + 1) + 16 * h));
+    return _mm256_set_m128i(_mm_unpackhi_epi16(a, b), _mm_unpacklo_epi16(a, b));
 }
 
-static inline __attribute__((always_inline)) __m256 add_block(__m256 acc, __m256 pa, __m256 pb,
-                                                               const block_coefs *k, float sxb) {
-    if (k->two_scales) {
-        acc = _mm256_fmadd_ps(pa, k->d0, acc);
-        acc = _mm256_fmadd_ps(pb, k->d1, acc);
-    } else {
-        acc = _mm256_fmadd_ps(_mm256_add_ps(pa, pb), k->d0, acc);
-    }
-    if (k->has_off) acc = _mm256_fmadd_ps(k->off, _mm256_set1_ps(sxb), acc);
-    return acc;
+static inline __m256i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
 }
 
 typedef struct {
-    const float *xf, *sx;
+    const int8_t *xq;
+    const float *dx, *xs;
     int64_t M, K, nb, N;
     int bits, y_fp32, two_scales, has_off;
     const uint8_t *qs;
@@ -105,59 +93,85 @@ typedef struct {
 } qmm2_args;
 
 static inline int64_t qbytes_of(int bits) { return bits == 4 ? 256 : 512; }
-static inline int64_t scales_per_block(const qmm2_args *a) { return a->two_scales ? 2 : 1; }
 
-// Few rows: each (block, chunk, half) is expanded in registers and used by all `rows` rows at once.
-static inline __attribute__((always_inline)) void rows_direct(const qmm2_args *a, const uint8_t *gq, const float *gd,
-                                                               const float *gm, int64_t r0, int rows,
-                                                               __m256 acc[2][2]) {
-    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+// acc[r] += float(sum) * (d * dx) (+ m * xs with offsets): one step of the order in the header.
+static inline __attribute__((always_inline)) __m256 add_scaled(__m256 acc, __m256i sum, __m256 d, float dx) {
+    return _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(dx))));
+}
+
+// Rows r0 .. r0 + rows - 1, half h (columns n0 + 8h ..) of one column group of 4-bit weights.
+// q <= 15 and |xq| <= 127: a pair is at most 3,810, so the 8 pairs of a block's 32 k fit int16.
+static inline __attribute__((always_inline)) void group_half_q4(const qmm2_args *a, const uint8_t *gq,
+                                                                 const float *gd, const float *gm, int64_t r0,
+                                                                 int rows, int h, __m256 acc[RT]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < a->nb; b++) {
-        const uint8_t *blk = gq + b * qbytes_of(a->bits);
-        for (int h = 0; h < 2; h++) {
-            __m256 pa[2], pb[2];
-            for (int r = 0; r < rows; r++) pa[r] = pb[r] = _mm256_setzero_ps();
-            for (int c = 0; c < 4; c++) {
-                __m256 w[8];
-                expand_chunk(blk, a->bits, c, h, w);
-                for (int r = 0; r < rows; r++) {
-                    const float *xb = a->xf + (r0 + r) * a->K + b * BLOCK + 8 * c;
-                    __m256 p = c < 2 ? pa[r] : pb[r];
-                    for (int j = 0; j < 8; j++) p = _mm256_fmadd_ps(w[j], _mm256_broadcast_ss(xb + j), p);
-                    if (c < 2) pa[r] = p;
-                    else pb[r] = p;
-                }
+        const uint8_t *blk = gq + b * 256;
+        const int8_t *xb = a->xq + r0 * a->K + b * BLOCK;
+        __m256i s16[RT];
+        for (int r = 0; r < rows; r++) s16[r] = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            __m256i lo, hi;
+            chunk_q4(blk, c, h, &lo, &hi);
+            for (int r = 0; r < rows; r++) {
+                const int8_t *x = xb + r * a->K + 8 * c;
+                s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, bcast4(x)));
+                s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(hi, bcast4(x + 4)));
             }
-            block_coefs k = coefs_of(gd, gm, b, h, a->bits, a->two_scales, a->has_off);
-            for (int r = 0; r < rows; r++)
-                acc[r][h] = add_block(acc[r][h], pa[r], pb[r], &k, a->has_off ? a->sx[(r0 + r) * a->nb + b] : 0.0f);
+        }
+        __m256 d = _mm256_loadu_ps(gd + b * CG + 8 * h), mv = _mm256_loadu_ps(gm + b * CG + 8 * h);
+        for (int r = 0; r < rows; r++) {
+            int64_t i = (r0 + r) * a->nb + b;
+            acc[r] = add_scaled(acc[r], _mm256_madd_epi16(s16[r], ones), d, a->dx[i]);
+            acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(mv, _mm256_set1_ps(a->xs[i])));
         }
     }
 }
 
-// Many rows: the group's weights were expanded once into `wbuf` ([nb][4 chunks][2 halves][8] vectors);
-// tiles of up to RT rows read each vector once, one half at a time.
-static inline __attribute__((always_inline)) void rows_buffered(const qmm2_args *a, const __m256 *wbuf,
+// The same for 8-bit weights: |q| <= 128 against x with q's sign, a pair at most 32,512 (int16), each
+// pair widened to int32 at once. With two scales per block the k < 16 sum enters acc before the rest.
+static inline __attribute__((always_inline)) void group_half_q8(const qmm2_args *a, const uint8_t *gq,
                                                                  const float *gd, const float *gm, int64_t r0,
                                                                  int rows, int h, __m256 acc[RT]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    int64_t spb = a->two_scales ? 2 : 1;
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < a->nb; b++) {
-        __m256 pa[RT], pb[RT];
-        for (int r = 0; r < rows; r++) pa[r] = pb[r] = _mm256_setzero_ps();
-        for (int c = 0; c < 4; c++) {
-            const __m256 *w = wbuf + ((b * 4 + c) * 2 + h) * 8;
-            for (int j = 0; j < 8; j++) {
+        const uint8_t *blk = gq + b * 512;
+        const int8_t *xb = a->xq + r0 * a->K + b * BLOCK;
+        const float *db = gd + b * spb * CG + 8 * h;
+        __m256i s[RT];
+        for (int r = 0; r < rows; r++) s[r] = _mm256_setzero_si256();
+        for (int p = 0; p < 16; p += 2) {
+            if (p == 8 && a->two_scales) {
+                __m256 d0 = _mm256_loadu_ps(db);
                 for (int r = 0; r < rows; r++) {
-                    __m256 xv = _mm256_broadcast_ss(a->xf + (r0 + r) * a->K + b * BLOCK + 8 * c + j);
-                    if (c < 2) pa[r] = _mm256_fmadd_ps(w[j], xv, pa[r]);
-                    else pb[r] = _mm256_fmadd_ps(w[j], xv, pb[r]);
+                    acc[r] = add_scaled(acc[r], s[r], d0, a->dx[(r0 + r) * a->nb + b]);
+                    s[r] = _mm256_setzero_si256();
                 }
             }
+            __m256i w = quad_q8(blk, p, h), wabs = _mm256_abs_epi8(w);
+            for (int r = 0; r < rows; r++) {
+                __m256i prod = _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(bcast4(xb + r * a->K + 2 * p), w));
+                s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(prod, ones));
+            }
         }
-        block_coefs k = coefs_of(gd, gm, b, h, a->bits, a->two_scales, a->has_off);
-        for (int r = 0; r < rows; r++)
-            acc[r] = add_block(acc[r], pa[r], pb[r], &k, a->has_off ? a->sx[(r0 + r) * a->nb + b] : 0.0f);
+        __m256 d = _mm256_loadu_ps(db + (a->two_scales ? CG : 0));
+        for (int r = 0; r < rows; r++) {
+            int64_t i = (r0 + r) * a->nb + b;
+            acc[r] = add_scaled(acc[r], s[r], d, a->dx[i]);
+            if (a->has_off) acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_loadu_ps(gm + b * CG + 8 * h),
+                                                                         _mm256_set1_ps(a->xs[i])));
+        }
     }
+}
+
+static inline __attribute__((always_inline)) void group_half(const qmm2_args *a, const uint8_t *gq, const float *gd,
+                                                              const float *gm, int64_t r0, int rows, int h,
+                                                              __m256 acc[RT]) {
+    if (a->bits == 4) group_half_q4(a, gq, gd, gm, r0, rows, h, acc);
+    else group_half_q8(a, gq, gd, gm, r0, rows, h, acc);
 }
 
 // Output row r, columns n0 + 8h ..: acc + bias, the lanes that exist only.
@@ -174,55 +188,43 @@ static inline void store_half(const qmm2_args *a, int64_t r, int64_t n0, int h, 
 
 static void qmm2_groups(void *ctx, int64_t begin, int64_t end) {
     const qmm2_args *a = (const qmm2_args *)ctx;
-    int64_t nb = a->nb, qbytes = qbytes_of(a->bits), spb = scales_per_block(a);
-    __m256 *wbuf = NULL;
-    if (a->M > 2) wbuf = (__m256 *)aligned_alloc(32, (size_t)nb * 64 * sizeof(__m256));
+    int64_t nb = a->nb, qbytes = qbytes_of(a->bits), spb = a->two_scales ? 2 : 1;
     for (int64_t g = begin; g < end; g++) {
-        const uint8_t *gq = a->qs + g * nb * qbytes;
+        const uint8_t *gq = a->qs + g * nb * qbytes;  // the group's weights: 4.5 to 24 KB, L1/L2 across tiles
         const float *gd = a->d + g * nb * spb * CG;
         const float *gm = a->has_off ? a->m + g * nb * CG : NULL;
         int64_t n0 = g * CG;
-        if (!wbuf) {  // also where the buffer could not be had: the same sums, only slower
-            for (int64_t r0 = 0; r0 < a->M; r0 += 2) {
-                __m256 acc[2][2];
-                int rows = a->M - r0 >= 2 ? 2 : 1;
-                if (rows == 2) rows_direct(a, gq, gd, gm, r0, 2, acc);
-                else rows_direct(a, gq, gd, gm, r0, 1, acc);
-                for (int r = 0; r < rows; r++)
-                    for (int h = 0; h < 2; h++) store_half(a, r0 + r, n0, h, acc[r][h]);
-            }
-            continue;
-        }
-        for (int64_t b = 0; b < nb; b++)
-            for (int c = 0; c < 4; c++)
-                for (int h = 0; h < 2; h++) expand_chunk(gq + b * qbytes, a->bits, c, h, wbuf + ((b * 4 + c) * 2 + h) * 8);
         for (int h = 0; h < 2; h++) {
             if (n0 + 8 * h >= a->N) break;
             for (int64_t r0 = 0; r0 < a->M; r0 += RT) {
                 int rows = (int)(a->M - r0 < RT ? a->M - r0 : RT);
                 __m256 acc[RT];
                 switch (rows) {  // constant row counts let the compiler keep the sums in registers
-                    case 4: rows_buffered(a, wbuf, gd, gm, r0, 4, h, acc); break;
-                    case 3: rows_buffered(a, wbuf, gd, gm, r0, 3, h, acc); break;
-                    case 2: rows_buffered(a, wbuf, gd, gm, r0, 2, h, acc); break;
-                    default: rows_buffered(a, wbuf, gd, gm, r0, 1, h, acc); break;
+                    case 4: group_half(a, gq, gd, gm, r0, 4, h, acc); break;
+                    case 3: group_half(a, gq, gd, gm, r0, 3, h, acc); break;
+                    case 2: group_half(a, gq, gd, gm, r0, 2, h, acc); break;
+                    default: group_half(a, gq, gd, gm, r0, 1, h, acc); break;
                 }
                 for (int i = 0; i < rows; i++) store_half(a, r0 + i, n0, h, acc[i]);
             }
         }
     }
-    free(wbuf);
 }
 
 static int qmatmul_avx2(const exl_qmatmul_args *args, int two_scales, int has_off) {
     int64_t M = args->rows, K = args->in_features, N = args->out_features, nb = K / BLOCK;
-    float *xf = (float *)malloc(sizeof(float) * (size_t)(M * K + M * nb + 1));
-    if (!xf) return -1;
-    float *sx = xf + M * K;
-    widen_rows(args->x, M, K, xf, sx);
-    qmm2_args a = {xf, sx, M, K, nb, N, args->bits, args->y_fp32, two_scales, has_off,
+    float *scales = (float *)malloc(sizeof(float) * (size_t)(2 * M * nb + 1));
+    int8_t *xq = (int8_t *)malloc((size_t)(M * K + 1));
+    if (!scales || !xq) {
+        free(scales);
+        free(xq);
+        return -1;
+    }
+    quantize_rows(args->x, M, K, xq, scales, scales + M * nb);
+    qmm2_args a = {xq, scales, scales + M * nb, M, K, nb, N, args->bits, args->y_fp32, two_scales, has_off,
                    args->qs, args->d, args->m, args->bias, args->y};
     exl_parallel_for(qmm2_groups, &a, (N + CG - 1) / CG);
-    free(xf);
+    free(scales);
+    free(xq);
     return 0;
 }

@@ -1,9 +1,13 @@
-"""The CPU linear of block-quantized weights through csrc/cpu/qmatmul.c (AVX-512 BF16, or AVX2 + FMA).
+"""The CPU linear of block-quantized weights through csrc/cpu/qmatmul.c (AVX-512 BF16, or AVX2).
 
 The weights are repacked once, at load, into groups of 16 output columns (one per SIMD lane; see the
 C file for the layout and the arithmetic); activations are bf16, results fp32 rounded to bf16 (or
-fp32 logits). `reference()` computes the same product with torch ops from the repacked groups: the
-oracle of the tests, and what runs inside `kernels_disabled()`. The kernel takes any weights of the
+fp32 logits). `reference()` computes the exact product with torch ops from the repacked groups: the
+oracle of the tests, and what runs inside `kernels_disabled()`. The kernel's arithmetic depends on
+the CPU (`kernel_mode()`): with AVX-512 BF16 its products are exact and only its fp32 sums round;
+with AVX2 only it quantizes each row's activations to int8 per block of 32 and sums integer products
+(llama.cpp's way on CPUs: 2.4-2.8x faster per call than fp32 products on an AVX2 AMD EPYC), which
+`emulate_kernel()` reproduces bit for bit with torch ops. The kernel takes any weights of the
 form w = q * scale + offset per block of 32 (q 4-bit in 0..15, or 8-bit signed), or w = q * scale per
 16 weights (8-bit, no offset: Q6_K), as the format modules unpack them. The 5- and 6-bit formats run
 as 8-bit: at 8 bits a weight their decode reads 1.45x (5-bit) / 1.23x (6-bit) the file's bytes, but
@@ -33,16 +37,44 @@ def _kernel():
     return cpu_loader.kernel_function(QMatmulArgs, available="exl_qmatmul_available")
 
 
-def _qmatmul(x: torch.Tensor, y: torch.Tensor, weight_args: dict) -> int:
-    """The C kernel: y [M, N] (bf16 or fp32) = x [M, K] (bf16, contiguous) @ W^T, with W's fields of
-    QMatmulArgs in `weight_args`. Returns its status (0, or -1 without scratch memory)."""
-    args = QMatmulArgs(x=x.data_ptr(), rows=x.shape[0], y=y.data_ptr(), y_fp32=y.dtype is torch.float32,
-                       **weight_args)
+def _qmatmul(x: torch.Tensor, y: torch.Tensor, weight_args: QMatmulArgs) -> int:
+    """The C kernel: y [M, N] (bf16 or fp32) = x [M, K] (bf16, contiguous) @ W^T, with W's fields
+    set in `weight_args` (copied per call: a decode step makes ~200 of these calls, and building
+    the struct from keywords cost more than the kernel at one row). Returns its status (0, or -1
+    without scratch memory)."""
+    args = QMatmulArgs.from_buffer_copy(weight_args)
+    args.x, args.rows, args.y, args.y_fp32 = x.data_ptr(), x.shape[0], y.data_ptr(), y.dtype is torch.float32
     return _kernel()(ctypes.byref(args))
 
 
 def available() -> bool:
     return _kernel() is not None
+
+
+EXACT_PRODUCTS, Q8_ACTIVATIONS = 1, 2  # kernel_mode(): the AVX-512 BF16 and the AVX2 arithmetic
+
+
+@functools.cache
+def kernel_mode() -> int:
+    """How the built kernel computes (EXACT_PRODUCTS or Q8_ACTIVATIONS), 0 when there is none."""
+    cdll = cpu_loader.lib() if available() else None
+    return int(cdll.exl_qmatmul_available()) if cdll is not None else 0
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The AVX2 kernel's activations: x [M, K] -> (xq [M, K / 32, 32] int values in -127..127 as fp32,
+    dx [M, K / 32] its scale per block, xs [M, K / 32] = dx * sum(xq)); a block with a value that is
+    not finite gets dx = NaN and xq = 0 (qmatmul_avx2.h)."""
+    xb = x.float().reshape(x.shape[0], -1, BLOCK)
+    bad = ~torch.isfinite(xb).all(dim=-1)
+    amax = xb.abs().nan_to_num(0.0, 0.0, 0.0).amax(dim=-1)
+    c127 = torch.full_like(amax, 127.0)  # tensor / tensor: torch turns a division by (or of) a scalar into a
+    dx = amax / c127                    # multiplication by a reciprocal, which rounds otherwise than C
+    inv = torch.where(amax > 0, c127 / amax, torch.zeros_like(amax))
+    xq = torch.round(xb * inv[..., None]).clamp(-127, 127)
+    xq = torch.where(bad[..., None], torch.zeros_like(xq), xq)
+    dx = torch.where(bad, torch.full_like(dx, float("nan")), dx)
+    return xq, dx, dx * xq.sum(dim=-1)
 
 
 def _q4_byte_sources() -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,13 +135,22 @@ class QuantCpuLinear(Linear):
         self.m = F.pad(offset, (0, 0, 0, pad)).view(groups, CG, nb).permute(0, 2, 1).contiguous()
         self.bias = None if bias is None else bias.to(torch.bfloat16).contiguous()
         self._dense: torch.Tensor | None = None
-        self._args: dict | None = None
+        self._args: QMatmulArgs | None = None
 
     def nbytes(self) -> int:
         return self.qs.numel() + self.d.numel() * 4 + (self.m.numel() * 4 if self.offsets else 0)
 
     def dequantize(self) -> torch.Tensor:
         """The weight as fp32 [N, K], from the repacked groups."""
+        q, d, m = self._quants()
+        n, nb, spb = d.shape
+        w = (q.view(n, nb, spb, BLOCK // spb) * d[..., None]).view(n, nb, BLOCK)
+        if self.offsets:
+            w = w + m[..., None]
+        return w.reshape(n, nb * BLOCK)
+
+    def _quants(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """From the repacked groups: q [N, K / 32, 32] fp32, d [N, K / 32, scales per block], m [N, K / 32]."""
         groups, nb = self.d.shape[:2]
         if self.bits == 8:
             pairs = self.qs.view(torch.int8).view(groups, nb, BLOCK // 2, CG, 2).permute(0, 1, 3, 2, 4)
@@ -119,13 +160,32 @@ class QuantCpuLinear(Linear):
             blocks = torch.empty(groups, nb, CG * BLOCK)
             blocks[..., lo] = (self.qs & 0x0F).float()
             blocks[..., hi] = (self.qs >> 4).float()
-        # scales [G, nb, CG, spb, 1] against weights [G, nb, CG, spb, 32 / spb]
-        spb = self.scales_per_block
-        d = self.d.view(groups, nb, spb, CG).transpose(2, 3)[..., None]
-        w = (blocks.view(groups, nb, CG, spb, BLOCK // spb) * d).view(groups, nb, CG, BLOCK)
-        if self.offsets:
-            w = w + self.m[..., None]
-        return w.permute(0, 2, 1, 3).reshape(groups * CG, nb * BLOCK)[:self.out_features]
+        n, spb = self.out_features, self.scales_per_block
+        q = blocks.view(groups, nb, CG, BLOCK).permute(0, 2, 1, 3).reshape(groups * CG, nb, BLOCK)[:n]
+        d = self.d.view(groups, nb, spb, CG).permute(0, 3, 1, 2).reshape(groups * CG, nb, spb)[:n]
+        m = self.m.permute(0, 2, 1).reshape(groups * CG, nb)[:n]
+        return q, d, m
+
+    def emulate_kernel(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The AVX2 kernel's result with torch ops, bit for bit (the order of operations of
+        qmatmul_avx2.h; the tests' oracle for that path)."""
+        q, d, m = self._quants()
+        xq, dx, xs = quantize_activations(x)
+        # exact integer sums per block, [M, N, nb], for k < 16 and k >= 16
+        lo = torch.einsum("mbk,nbk->mnb", xq[..., :16].double(), q[..., :16].double()).float()
+        hi = torch.einsum("mbk,nbk->mnb", xq[..., 16:].double(), q[..., 16:].double()).float()
+        acc = torch.zeros(x.shape[0], self.out_features)
+        for b in range(q.shape[1]):
+            if self.scales_per_block == 2:
+                acc = acc + lo[..., b] * (d[None, :, b, 0] * dx[:, b, None])
+                acc = acc + hi[..., b] * (d[None, :, b, 1] * dx[:, b, None])
+            else:
+                acc = acc + (lo[..., b] + hi[..., b]) * (d[None, :, b, 0] * dx[:, b, None])
+            if self.offsets:
+                acc = acc + m[None, :, b] * xs[:, b, None]
+        if self.bias is not None:
+            acc = acc + self.bias.float()
+        return acc.to(out_dtype or x.dtype)
 
     def reference(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         if self._dense is None:
@@ -133,13 +193,13 @@ class QuantCpuLinear(Linear):
         bias = None if self.bias is None else self.bias.float()
         return F.linear(x.float(), self._dense, bias).to(out_dtype or x.dtype)
 
-    def _weight_args(self) -> dict:
-        """The kernel's arguments that never change, as plain ints (fewer conversions per call)."""
+    def _weight_args(self) -> QMatmulArgs:
+        """The kernel's arguments that never change (the per-call fields are set on a copy)."""
         if self._args is None:
             ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-            self._args = dict(in_features=self.in_features, bits=self.bits, offsets=self.offsets,
-                              scales_per_block=self.scales_per_block, qs=ptr(self.qs), d=ptr(self.d),
-                              m=ptr(self.m), bias=ptr(self.bias), out_features=self.out_features)
+            self._args = QMatmulArgs(in_features=self.in_features, bits=self.bits, offsets=self.offsets,
+                                     scales_per_block=self.scales_per_block, qs=ptr(self.qs), d=ptr(self.d),
+                                     m=ptr(self.m), bias=ptr(self.bias), out_features=self.out_features)
         return self._args
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:

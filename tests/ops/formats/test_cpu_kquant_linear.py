@@ -14,6 +14,7 @@ from exlcli.ops.formats.base import scaled_blocks
 from exlcli.ops.formats.cpu_qmatmul import QuantCpuLinear, available
 from exlcli.ops.formats.quantize import quantize
 from exlcli.ops.linear import make_linear
+from tests.ops.formats.kernel_contract import check_product
 
 needs_kernel = pytest.mark.skipif(not available(), reason="CPU matmul kernel not built here")
 MODULES = {"Q4_K": q4_k, "Q5_K": q5_k, "Q6_K": q6_k, "Q5_0": q5_0, "Q5_1": q5_1}
@@ -29,10 +30,6 @@ def random_weight(qtype: str, n: int, k: int, seed: int = 0) -> QuantizedWeight:
 
 def cpu_linear(w: QuantizedWeight, bias: torch.Tensor | None = None):
     return w.fmt.cpu_linear(w, bias, torch.device("cpu"), torch.bfloat16)
-
-
-def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((y.double() - ref).norm() / ref.norm())
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
@@ -64,7 +61,7 @@ def test_kernel_matches_the_exact_dequantized_product(qtype, n, k, m):
     exact = x.double() @ w.dequantize(torch.float64).T
     y32 = lin(x, out_dtype=torch.float32)
     assert y32.shape == (m, n)
-    assert rel_err(y32, exact) < 1e-5  # exact products; only the fp32 sums round
+    check_product(lin, x, y32, exact, w.dequantize(torch.float64))
     assert torch.equal(lin(x), y32.bfloat16())
 
 
@@ -109,8 +106,8 @@ def test_make_linear_keeps_them_quantized(qtype):
     assert isinstance(lin, QuantCpuLinear) and lin.out_features == 64
     assert lin.nbytes() < 64 * 512 * 2  # smaller than the bf16 weight it replaces
     x = torch.randn(3, 512).bfloat16()
-    exact = x.double() @ torch.cat([p.dequantize(torch.float64) for p in parts]).T
-    assert rel_err(lin(x, out_dtype=torch.float32), exact) < 1e-5
+    dense = torch.cat([p.dequantize(torch.float64) for p in parts])
+    check_product(lin, x, lin(x, out_dtype=torch.float32), x.double() @ dense.T, dense)
 
 
 def test_fp32_activations_still_get_no_kernel_linear():

@@ -5,8 +5,9 @@ import torch
 
 from exlcli.ops import backend
 from exlcli.ops.formats import QuantizedWeight, by_name, q4_0, q4_1, q8_0
-from exlcli.ops.formats.cpu_qmatmul import QuantCpuLinear, available
+from exlcli.ops.formats.cpu_qmatmul import Q8_ACTIVATIONS, QuantCpuLinear, available, kernel_mode, quantize_activations
 from exlcli.ops.linear import make_linear
+from tests.ops.formats.kernel_contract import check_product
 
 needs_kernel = pytest.mark.skipif(not available(), reason="CPU matmul kernel not built here")
 QTYPES = ("Q4_0", "Q4_1", "Q8_0")
@@ -29,10 +30,6 @@ def random_weight(qtype: str, n: int, k: int, seed: int = 0) -> QuantizedWeight:
     return QuantizedWeight(by_name(qtype), (n, k), blocks.view(n, -1).contiguous())
 
 
-def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((y.double() - ref).norm() / ref.norm())
-
-
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_repack_round_trips_every_weight(qtype):
     w = random_weight(qtype, 37, 96)
@@ -49,7 +46,7 @@ def test_kernel_matches_exact_product(qtype, n, k, m):
     exact = x.double() @ w.dequantize(torch.float64).T
     y32 = lin(x, out_dtype=torch.float32)
     assert y32.dtype == torch.float32 and y32.shape == (m, n)
-    assert rel_err(y32, exact) < 1e-5  # products are exact; only fp32 sums round
+    check_product(lin, x, y32, exact, w.dequantize(torch.float64))
     y16 = lin(x)
     assert y16.dtype == torch.bfloat16
     assert torch.equal(y16, y32.bfloat16())  # one rounding, to nearest even
@@ -95,7 +92,7 @@ def test_disabled_kernels_run_the_torch_reference():
     with backend.kernels_disabled():
         ref = lin(x, out_dtype=torch.float32)
     torch.testing.assert_close(ref, lin.reference(x, torch.float32))
-    assert rel_err(lin(x, out_dtype=torch.float32), ref.double()) < 1e-5
+    check_product(lin, x, lin(x, out_dtype=torch.float32), ref.double(), lin.dequantize())
 
 
 @needs_kernel
@@ -111,5 +108,38 @@ def test_make_linear_picks_the_kernel_for_quantized_cpu_bf16():
     lin = make_linear(parts, None, torch.device("cpu"), torch.bfloat16)
     assert isinstance(lin, QuantCpuLinear) and lin.out_features == 24
     x = torch.randn(3, 64).bfloat16()
-    exact = x.double() @ torch.cat([p.dequantize(torch.float64) for p in parts]).T
-    assert rel_err(lin(x, out_dtype=torch.float32), exact) < 1e-5
+    dense = torch.cat([p.dequantize(torch.float64) for p in parts])
+    check_product(lin, x, lin(x, out_dtype=torch.float32), x.double() @ dense.T, dense)
+
+
+def test_activations_quantize_per_block_with_ties_to_even():
+    x = torch.zeros(2, 64)
+    x[0, 0], x[0, 1], x[0, 2] = 127.0, 2.5, -3.5  # step 1: 2.5 -> 2, -3.5 -> -4 (ties to even)
+    x[0, 32:] = 1e-3  # a block of its own scale
+    x[1, 40] = float("inf")
+    xq, dx, xs = quantize_activations(x.bfloat16())
+    assert xq[0, 0, :3].tolist() == [127.0, 2.0, -4.0] and dx[0, 0] == 1.0 and xs[0, 0] == 125.0
+    assert bool((xq[0, 1] == 127).all()) and dx[0, 1] == torch.tensor(1e-3).bfloat16().float() / 127
+    assert dx[1, 0] == 0 and xs[1, 0] == 0  # an all-zero block
+    assert bool(dx[1, 1].isnan()) and bool((xq[1, 1] == 0).all())  # not finite: NaN out, in its row only
+
+
+@needs_kernel
+@pytest.mark.skipif(kernel_mode() != Q8_ACTIVATIONS, reason="the kernel here computes exact products (AVX-512 BF16)")
+@pytest.mark.parametrize("bits,offsets,per16", [(4, True, False), (8, False, False), (8, True, False),
+                                                (8, False, True)])
+def test_int8_activation_kernel_is_its_emulation_bit_for_bit(bits, offsets, per16):
+    gen = torch.Generator().manual_seed(bits * 10 + offsets + per16)
+    n, k = 45, 320
+    lo, hi = (0, 16) if bits == 4 else (-128, 128)
+    q = torch.randint(lo, hi, (n, k), dtype=torch.int32, generator=gen)
+    scale = torch.rand(n, k // (16 if per16 else 32), generator=gen) * 0.01
+    offset = torch.randn(n, k // 32, generator=gen) * 0.01 if offsets else None
+    lin = QuantCpuLinear(q, scale, offset, bits, bias=torch.randn(n, generator=gen))
+    x = (torch.randn(9, k, generator=gen) * 3).bfloat16()
+    x[4, 7] = float("nan")
+    x[6, 300] = float("-inf")
+    got, want = lin(x, out_dtype=torch.float32), lin.emulate_kernel(x, torch.float32)
+    assert torch.equal(got.isnan(), want.isnan()) and bool(got[[4, 6]].isnan().all())
+    assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0))
+    assert torch.equal(lin(x[:3]), got[:3].bfloat16())

@@ -14,6 +14,7 @@ from exlcli.ops.formats.input_order import PermutedInputLinear, SideBySideLinear
 from exlcli.ops.formats.packed_int32 import pack_int32, unpack_int32
 from exlcli.ops.linear import make_linear
 from tests.ops.formats import hf_quant_writers as writers
+from tests.ops.formats.kernel_contract import check_product
 
 CPU = torch.device("cpu")
 
@@ -130,7 +131,7 @@ def test_cpu_kernel_in_bf16_matches_the_exact_product(bits, sym, n, m):
     lin = w.fmt.cpu_linear(w, None, CPU, torch.bfloat16)
     x = torch.randn(m, 384, generator=torch.Generator().manual_seed(m)).bfloat16()
     y = lin(x, out_dtype=torch.float32)
-    assert rel_err(y, F.linear(x.double(), want.double())) < 1e-5  # exact products, fp32 sums
+    check_product(lin, x, y, F.linear(x.double(), want.double()), want.double())
 
 
 def test_fused_projections_with_different_act_orders_keep_their_own_linears():
