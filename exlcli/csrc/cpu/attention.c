@@ -33,6 +33,9 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define EXL_ATTN 1
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#define EXL_ATTN 2  // attention_avx2.h: the same contract and invariance with 8-lane vectors
+#include <immintrin.h>
 #else
 #define EXL_ATTN 0
 #endif
@@ -44,9 +47,33 @@
 #define QBLK 32  // most queries of one sequence in a unit of work
 #define PREFETCH_BLOCKS 2  // key blocks ahead that convert_kv asks memory for
 
-int exl_paged_attention_available(void) { return EXL_ATTN; }
+int exl_paged_attention_available(void) { return EXL_ATTN != 0; }
 
 #if EXL_ATTN
+
+typedef struct {
+    const uint16_t *q, *k_cache, *v_cache;
+    const int32_t *block_tables, *query_start_loc, *seq_lens;
+    int64_t max_pages, page_size, heads, kv_heads, dim;
+    float scale;
+    uint16_t *out;
+} AttentionArgs;
+
+// A unit of work: queries tok0 .. tok1 - 1 of sequence seq (counted within its chunk) for kv
+// heads h0 .. h1 - 1 and their query heads. Units only share inputs, so they can run anywhere.
+typedef struct {
+    int64_t seq, tok0, tok1, h0, h1;
+} Unit;
+
+// Keys the unit's last query sees.
+static int64_t unit_keys(const AttentionArgs *a, const Unit *u) {
+    int64_t n = a->query_start_loc[u->seq + 1] - a->query_start_loc[u->seq];
+    return a->seq_lens[u->seq] - n + u->tok1;
+}
+
+#endif
+
+#if EXL_ATTN == 1
 
 // Horizontal sum in one fixed order: halves, quarters, then pairs.
 static inline float sum16(__m512 v) {
@@ -325,26 +352,6 @@ static void weighted_values(const float *p, int64_t padded, const Values *vals, 
     }
 }
 
-typedef struct {
-    const uint16_t *q, *k_cache, *v_cache;
-    const int32_t *block_tables, *query_start_loc, *seq_lens;
-    int64_t max_pages, page_size, heads, kv_heads, dim;
-    float scale;
-    uint16_t *out;
-} AttentionArgs;
-
-// A unit of work: queries tok0 .. tok1 - 1 of sequence seq (counted within its chunk) for kv
-// heads h0 .. h1 - 1 and their query heads. Units only share inputs, so they can run anywhere.
-typedef struct {
-    int64_t seq, tok0, tok1, h0, h1;
-} Unit;
-
-// Keys the unit's last query sees.
-static int64_t unit_keys(const AttentionArgs *a, const Unit *u) {
-    int64_t n = a->query_start_loc[u->seq + 1] - a->query_start_loc[u->seq];
-    return a->seq_lens[u->seq] - n + u->tok1;
-}
-
 // Floats of scratch for a unit: its heads' converted keys and values, the scores of one tile of
 // rows and its fp32 queries.
 static int64_t workspace_floats(int64_t keys, int64_t heads, int64_t dim) {
@@ -402,6 +409,12 @@ static void attend_unit(const AttentionArgs *a, const Unit *u, const Unit *next,
         }
     }
 }
+
+#elif EXL_ATTN == 2
+#include "attention_avx2.h"
+#endif
+
+#if EXL_ATTN
 
 typedef struct {
     AttentionArgs args;
