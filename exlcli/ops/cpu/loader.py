@@ -150,8 +150,12 @@ def library(num_threads: int | None = None) -> CpuKernelLibrary:
 
 
 def lib() -> ctypes.CDLL | None:
-    """The loaded library, or None (with `reason()`) when the CPU kernels are off."""
-    return library().cdll
+    """The loaded library, or None (with `reason()`) when the CPU kernels are off. On every kernel
+    call's path: no lock once the pool runs."""
+    loaded = _load()
+    if loaded.cdll is not None and not loaded.pool_threads:
+        library()  # the first call starts the pool
+    return loaded.cdll
 
 
 def threads() -> int:
