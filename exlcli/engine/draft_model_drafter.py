@@ -90,7 +90,7 @@ class DraftModelDrafter:
         self.name = f"draft {draft.name}"
         self.kv = KVCache(draft.model.config, num_pages, page_size, draft.model.device, draft.model.dtype)
         self.pool = PagePool(num_pages, page_size, enable_prefix_cache=False)
-        self._states: dict[object, DraftState] = {}  # by sequence (identity), oldest drafted first
+        self._states: dict[object, DraftState] = {}  # by sequence (identity)
 
     def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:
         raise TypeError("the draft model proposes for a scheduled sequence (propose_for), not from token ids")
@@ -111,22 +111,20 @@ class DraftModelDrafter:
         if seq.num_evicted or len(tokens) + max_tokens > self.model.config.context_length:
             self.release(seq)
             return []
-        state = self._states.pop(seq, None) or DraftState()
-        self._states[seq] = state  # now the most recent
+        state = self._states.setdefault(seq, DraftState())
         # what still matches; the last known token is computed again for its logits
         keep = min(common_prefix(state.tokens, tokens), len(tokens) - 1)
         self._truncate(state, keep)
+        # pages for the known tokens and all drafts but the last (the last is never an input), before any work
+        if not self._make_room(seq, state, len(tokens) + max_tokens - 1):
+            return []
         first = keep
         if len(tokens) - first > self.CATCH_UP_CHUNK:  # a long catch-up: a chunk a step, no drafts yet
             end = first + self.CATCH_UP_CHUNK
-            if self._make_room(seq, state, end):
-                self._forward(state, tokens[first:end], first)
-                state.tokens = tokens[:end]
+            self._forward(state, tokens[first:end], first)
+            state.tokens = tokens[:end]
             return []
-        # the drafts' inputs: the known tokens not yet in the draft cache, then all drafts but the last
-        if not self._make_room(seq, state, len(tokens) + max_tokens - 1):
-            return []
-        inputs, drafts = tokens[first:], []
+        inputs, drafts = tokens[first:], []  # the known tokens not yet in the draft cache, then each draft
         while True:
             drafts.append(self._forward(state, inputs, first))
             if len(drafts) == max_tokens:
@@ -142,14 +140,11 @@ class DraftModelDrafter:
         del state.pages[keep:]
 
     def _make_room(self, seq, state: DraftState, num_tokens: int) -> bool:
-        """Pages for `num_tokens` positions of `seq`, taken from the sequences that drafted least
-        recently if the pool is short (theirs are recomputed when they draft again). False, and
-        its own state dropped, when even that is not enough."""
+        """Pages for `num_tokens` positions of `seq`. When the pool is short, False, and the
+        sequence's state is dropped: it gives way to those that fit, which go on drafting (taking
+        theirs instead would have them all recompute in turn and none draft), and starts again when
+        pages are free."""
         needed = -(-num_tokens // self.pool.page_size) - len(state.pages)
-        for other in list(self._states):
-            if self.pool.can_allocate(needed) or other is seq:
-                break
-            self.release(other)
         if not self.pool.can_allocate(needed):
             self.release(seq)
             return False

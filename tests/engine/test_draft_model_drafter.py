@@ -163,25 +163,28 @@ def test_a_long_catch_up_is_prefilled_a_chunk_a_step(tiny_model, itself):
     check_pools_empty(eng)
 
 
-def test_a_short_draft_pool_takes_pages_from_the_least_recent_drafter(tiny_model, itself):
-    """Two sequences, a draft pool that holds one of them: outputs unchanged, and both still draft."""
-    prompts = random_prompts(2, seed=8, low=20, high=30)
+def test_a_sequence_that_finds_the_draft_pool_full_gives_way(tiny_model, itself):
+    """Two sequences, a draft pool that holds one of them: the other drafts nothing (and holds no
+    draft pages) until the first ends, then drafts; outputs unchanged."""
+    prompts = random_prompts(2, seed=8, low=12, high=16)
     requests = [greedy(f"r{i}", p, n=16) for i, p in enumerate(prompts)]
     config = dict(async_scheduling=False, num_pages=64, page_size=4)
     plain = run(Engine(tiny_model, LetterTokenizer(), EngineConfig(**config)), requests)
     drafter = DraftModelDrafter(itself, 12, 4)
     eng = Engine(tiny_model, LetterTokenizer(), EngineConfig(speculative=drafter, **config))
-    drafted = {}
+    proposals = []
     propose = drafter.propose_for
 
     def recording(seq, max_tokens):
         drafts = propose(seq, max_tokens)
-        drafted[seq.request_id] = drafted.get(seq.request_id, 0) + len(drafts)
+        proposals.append((seq.request_id, len(drafts), len(drafter._states)))
         return drafts
 
     drafter.propose_for = recording
     assert run(eng, requests) == plain
-    assert drafted["r0"] > 0 and drafted["r1"] > 0
+    refused = [i for i, (_, n, _) in enumerate(proposals) if n == 0]
+    assert refused and all(proposals[i][2] == 1 for i in refused)  # it gave way: only the other holds pages
+    assert {rid for rid, n, _ in proposals if n} == {"r0", "r1"}
     assert eng.stats().spec_accepted_tokens == eng.stats().spec_drafted_tokens
 
 
