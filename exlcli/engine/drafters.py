@@ -16,6 +16,8 @@ def resolve_draft_model(speculative: "str | Drafter | DraftModel | None", model:
                         tokenizer) -> DraftModel | None:
     """The draft model `speculative` names (any other string than a drafter's name is a model
     spec), loaded and checked against the model's tokenizer; None for the other drafters."""
+    if not speculative:  # (an empty name is no model spec: it would load the default model)
+        return None
     if isinstance(speculative, str) and speculative not in KNOWN:
         speculative = load_draft_model(speculative, model)
     if not isinstance(speculative, DraftModel):

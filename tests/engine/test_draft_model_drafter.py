@@ -233,6 +233,15 @@ def test_a_draft_model_of_another_vocabulary_is_one_line_error(tiny_model):
         make("no-such-model")
 
 
+def test_only_a_model_spec_loads_a_model(tiny_model, monkeypatch):
+    import exlcli.engine.drafters as drafters
+
+    monkeypatch.setattr(drafters, "load_draft_model", lambda spec, target: pytest.fail(f"loaded {spec!r}"))
+    for speculative in ("", None, "ngram", "self"):
+        eng = Engine(tiny_model, LetterTokenizer(), EngineConfig(speculative=speculative, num_pages=8))
+        assert (eng.speculator is not None) == bool(speculative)
+
+
 def test_a_model_spec_loads_the_draft_model():
     """`--speculative random:tiny` beside a target loaded the same way (the same weights): its drafts all hold."""
     target = load_model("random:tiny", device="cpu")
