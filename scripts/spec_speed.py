@@ -1,8 +1,8 @@
-"""Batch-1 decode speed with and without speculative decoding (prompt lookup or self-drafting), on an editing
-workload (repeat a code snippet with a small change) and on plain chat prompts. Greedy, so both
+"""Batch-1 decode speed with and without speculative decoding (prompt lookup, self-drafting or a draft
+model), on an editing workload (repeat a code snippet with a small change) and on plain chat prompts. Greedy, so both
 runs must give the same tokens; the script checks that too.
 
-    python scripts/spec_speed.py [--model PATH] [--speculative ngram|self] [--draft-layers N]
+    python scripts/spec_speed.py [--model PATH] [--speculative ngram|self|MODEL] [--draft-layers N]
                                  [--max-tokens 160] [--num-draft-tokens 4]
 """
 

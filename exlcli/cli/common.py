@@ -72,8 +72,10 @@ SystemOption = Annotated[Optional[str], typer.Option(
     "--system", "-sys", "--system-prompt", help="System prompt (llama.cpp's -sys).")]
 SpeculativeOption = Annotated[Optional[str], typer.Option(
     "--speculative", help="Speculative decoding with this drafter: 'ngram' (prompt lookup: drafts copied from "
-                          "the prompt and the text so far) or 'self' (the model's own first --draft-layers "
-                          "layers and its LM head). Output unchanged (greedy: token for token). Default: off.")]
+                          "the prompt and the text so far), 'self' (the model's own first --draft-layers "
+                          "layers and its LM head) or a draft model (a path or name, as --model takes: a small "
+                          "model with the same tokenizer, on KV pages of its own). Output unchanged (greedy: "
+                          "token for token). Default: off.")]
 NumDraftTokensOption = Annotated[int, typer.Option(
     "--num-draft-tokens", min=1, max=7, help="Most tokens drafted per sequence and step with --speculative "
                                              "(each sequence's k adapts to its acceptance rate).")]

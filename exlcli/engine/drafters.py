@@ -1,28 +1,43 @@
-"""The engine's drafter from its configuration: a name ("ngram", "self") or a Drafter object."""
+"""The engine's drafter from its configuration: a name ("ngram", "self"), a draft model (a model
+spec, or a DraftModel already loaded) or a Drafter object."""
 
 from __future__ import annotations
 
+from exlcli.engine.draft_model_drafter import DraftModel, DraftModelDrafter, check_same_vocabulary, load_draft_model
 from exlcli.engine.self_drafter import SelfDrafter
 from exlcli.engine.speculative import DRAFTERS, Drafter, make_drafter
-from exlcli.errors import ExlcliError
 from exlcli.model.interface import CausalLM
 from exlcli.model.kv_cache import KVCache
 
 KNOWN = (*DRAFTERS, "self")
 
 
-def num_drafter_pages(speculative: "str | Drafter | None", page_size: int) -> int:
+def resolve_draft_model(speculative: "str | Drafter | DraftModel | None", model: CausalLM,
+                        tokenizer) -> DraftModel | None:
+    """The draft model `speculative` names (any other string than a drafter's name is a model
+    spec), loaded and checked against the model's tokenizer; None for the other drafters."""
+    if not speculative:  # (an empty name is no model spec: it would load the default model)
+        return None
+    if isinstance(speculative, str) and speculative not in KNOWN:
+        speculative = load_draft_model(speculative, model)
+    if not isinstance(speculative, DraftModel):
+        return None
+    check_same_vocabulary(speculative, model, tokenizer)
+    return speculative
+
+
+def num_drafter_pages(speculative: "str | Drafter | DraftModel | None", page_size: int) -> int:
     """KV pages beyond the pool that the drafter writes its drafts into (the self drafter's scratch)."""
     return SelfDrafter.num_scratch_pages(page_size) if speculative == "self" else 0
 
 
-def build_drafter(speculative: "str | Drafter", model: CausalLM, kv: KVCache, first_scratch_page: int,
-                  draft_layers: int | None = None) -> Drafter:
-    """`first_scratch_page`: the first of the num_drafter_pages pages past the pool."""
+def build_drafter(speculative: "str | Drafter | DraftModel", model: CausalLM, kv: KVCache, first_scratch_page: int,
+                  draft_layers: int | None = None, draft_model: DraftModel | None = None) -> Drafter:
+    """`first_scratch_page`: the first of the num_drafter_pages pages past the pool (also the
+    pool's size, which a draft model's own pool matches); `draft_model`: from resolve_draft_model."""
+    if draft_model is not None:
+        return DraftModelDrafter(draft_model, first_scratch_page, kv.page_size)
     if speculative == "self":
         scratch = list(range(first_scratch_page, first_scratch_page + num_drafter_pages("self", kv.page_size)))
         return SelfDrafter(model, kv, draft_layers, scratch)
-    if isinstance(speculative, str) and speculative not in KNOWN:
-        raise ExlcliError(f"--speculative {speculative!r}: unknown drafter; use one of {', '.join(KNOWN)} "
-                          "(a separate draft model is not supported yet)")
     return make_drafter(speculative)

@@ -19,7 +19,8 @@ import torch
 from exlcli.engine.constraints import GrammarCompiler, new_bitmask
 from exlcli.engine.context_window import DEFAULT_SINK_TOKENS, check_mode, resolve_policy
 from exlcli.engine.detok import TextStreamer
-from exlcli.engine.drafters import build_drafter, num_drafter_pages
+from exlcli.engine.draft_model_drafter import DraftModel
+from exlcli.engine.drafters import build_drafter, num_drafter_pages, resolve_draft_model
 from exlcli.engine.failure_policy import FailurePolicy, nonfinite_rows
 from exlcli.engine.memory_budget import GPU_MEMORY_UTILIZATION, DeviceMemory, model_kv_budget
 from exlcli.engine.model_runner import ModelRunner
@@ -72,11 +73,12 @@ class EngineConfig:
     # the device's (None: on for a GPU model). Stop strings then end a request one step late (the
     # extra token is dropped); requests with penalties, logprobs or a grammar are read back at once.
     async_scheduling: bool | None = None
-    # Speculative decoding: a drafter's name ("ngram": prompt lookup) or None for none; the most
+    # Speculative decoding: a drafter's name ("ngram": prompt lookup, "self"), a draft model (a model
+    # spec, or a DraftModel: draft_model_drafter.py) or None for none; the most
     # tokens drafted per sequence and step (k adapts to each sequence's acceptance); no drafting
     # while more sequences than speculative_max_batch run. Sequences that may draft are read back
     # at once (a draft needs the last token), the others stay asynchronous.
-    speculative: "str | Drafter | None" = None
+    speculative: "str | Drafter | DraftModel | None" = None
     num_draft_tokens: int = 4
     speculative_max_batch: int = 8
     draft_layers: int | None = None  # the "self" drafter's layers (None: a quarter of the model's)
@@ -152,7 +154,10 @@ class Engine:
                         "was measured ten times slower than plain decoding", device.type)
             config = self.config = dataclasses.replace(config, speculative=None)
         kv_dtype = model.dtype
+        draft_model = resolve_draft_model(config.speculative, model, tokenizer)  # --speculative MODEL
         per_page = KVCache.bytes_per_page(model.config, config.page_size, kv_dtype)
+        if draft_model is not None:  # its own pool, as many pages as the target's, from the same budget
+            per_page += draft_model.kv_bytes_per_page(config.page_size)
         num_pages = config.num_pages or max(2, self._kv_budget(device) // per_page)
         # a drafter's scratch pages sit past the pool's (no sequence owns them)
         self.kv = KVCache(model.config, num_pages + num_drafter_pages(config.speculative, config.page_size),
@@ -168,7 +173,7 @@ class Engine:
         # CPU: a 256-token chunk takes ~0.5 s on 2 cores, which bounds the gap other streams see
         budget = config.max_num_batched_tokens or (256 if device.type == "cpu" else 4096)
         self.speculator = (Speculator(build_drafter(config.speculative, model, self.kv, num_pages,
-                                                    config.draft_layers),
+                                                    config.draft_layers, draft_model),
                                       config.num_draft_tokens, config.speculative_max_batch)
                            if config.speculative else None)
         self.scheduler = Scheduler(self.pool, budget, config.max_num_seqs,
@@ -322,6 +327,9 @@ class Engine:
         except Exception as e:  # nothing scheduled; if it persists, the stall below fails what is stuck
             self.failures.step_failed("scheduling failed", e)
             batch = ScheduledBatch()
+        if self.speculator is not None:
+            for seq in batch.preempted:  # recomputed later: a draft model's cache of it too
+                self.speculator.release(seq)
         now = time.perf_counter()
         for item in batch.items:
             if item.seq.first_scheduled_time is None:
@@ -601,6 +609,8 @@ class Engine:
         if reason is FinishReason.ERROR:
             self.failures.request_failed(nonfinite)
         self.scheduler.remove(seq)
+        if self.speculator is not None:
+            self.speculator.release(seq)
         self._seqs.pop(seq.request_id, None)
         self._streamers.pop(seq.request_id, None)
         handle = self._handles.pop(seq.request_id, None)

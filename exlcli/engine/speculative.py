@@ -28,7 +28,8 @@ MAX_DRAFT_TOKENS = MAX_DECODE_QUERIES - 1  # the verify step's 1 + k queries fit
 
 class Drafter(Protocol):
     """A drafter may also have `propose_for(seq, max_tokens)`, which the speculator then calls
-    instead, with the scheduled sequence (its pages cover its known tokens; none in flight)."""
+    instead, with the scheduled sequence (its pages cover its known tokens; none in flight), and
+    `release(seq)`, called when the sequence ends or is preempted."""
 
     name: str
 
@@ -140,6 +141,13 @@ class Speculator:
             return []
         propose_for = getattr(self.drafter, "propose_for", None)
         return propose_for(seq, k) if propose_for is not None else self.drafter.propose(seq.token_ids, k)
+
+    def release(self, seq) -> None:
+        """seq left the running set (ended or preempted): a drafter with a cache of its own (a draft
+        model's `release`) gives its pages back."""
+        release = getattr(self.drafter, "release", None)
+        if release is not None:
+            release(seq)
 
     def state(self, seq) -> SpecState:
         if seq.spec is None:

@@ -32,6 +32,18 @@ def test_run_verbose_prints_the_counters_and_the_same_greedy_answer():
     assert "speculative self: drafted" in spec.stderr and "accepted" in spec.stderr
 
 
+def test_run_with_a_draft_model_gives_the_same_greedy_answer():
+    """`--speculative MODEL` takes what --model takes; the model as its own draft: every draft holds."""
+    base = ["run", "-m", "random:tiny", "--device", "cpu", "--raw", "--temp", "0", "-n", "12", "abcabcabc"]
+    plain = invoke(*base)
+    spec = invoke(*base, "--speculative", "random:tiny", "--verbose")
+    assert plain.exit_code == spec.exit_code == 0
+    assert spec.stdout == plain.stdout
+    line = next(x for x in spec.stderr.splitlines() if "speculative draft random:tiny: drafted" in x)
+    drafted = line.split("drafted ")[1].split(",")[0]
+    assert int(drafted) > 0 and f"accepted {drafted} " in line, line
+
+
 @pytest.mark.parametrize("flags, words", [
     (["--speculative", "nope"], "unknown drafter"),
     (["--speculative", "self", "--draft-layers", "5"], "--draft-layers must be 1 to 2"),
