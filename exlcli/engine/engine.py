@@ -16,11 +16,12 @@ from typing import AsyncIterator, Iterator
 
 import torch
 
-from exlcli.engine.constraints import GrammarCompiler, new_bitmask
+from exlcli.engine.constraints import GrammarCompiler
 from exlcli.engine.context_window import DEFAULT_SINK_TOKENS, check_mode, resolve_policy
 from exlcli.engine.detok import TextStreamer
 from exlcli.engine.drafters import build_drafter, num_drafter_pages
 from exlcli.engine.failure_policy import FailurePolicy, nonfinite_rows
+from exlcli.engine.grammar_masks import MaskWorker, StepMasks
 from exlcli.engine.memory_budget import GPU_MEMORY_UTILIZATION, DeviceMemory, model_kv_budget
 from exlcli.engine.model_runner import ModelRunner
 from exlcli.engine.page_pool import PagePool
@@ -179,6 +180,7 @@ class Engine:
                                  else device.type == "cuda")
         self._in_flight: LaunchedStep | None = None
         self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size, self.eos_ids)
+        self.masks = MaskWorker(self.grammars, model.config.vocab_size)
         self._last_resolved = 0.0
         self.failures = FailurePolicy(log)
 
@@ -280,6 +282,7 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+        self.masks.shutdown()
 
     # -- the loop (engine thread) ---------------------------------------------------------------
     def _loop(self) -> None:
@@ -355,20 +358,37 @@ class Engine:
     def _launch(self, batch: ScheduledBatch, prev: LaunchedStep | None) -> LaunchedStep | None:
         """Queues the forward pass and the sampling of `batch`; None if the forward pass failed."""
         start = time.perf_counter()
+        masks = None
         try:
             inputs = self.runner.prepare(batch)
+            masks = self._start_masks(batch)  # computed while the forward pass runs
             logits = self.runner.execute(inputs, prev.ids if prev is not None else None)
         except Exception as e:  # e.g. out of memory, or one bad sequence: retry each alone
+            if masks is not None:
+                masks.wait()
             batch, logits = self._run_alone(batch, prev, e)
             if batch is None:
                 return None
+            masks = self._start_masks(batch)
+        try:
+            return self._sample_launched(batch, logits, masks, start)
+        finally:
+            masks.wait()  # the matchers are the mask thread's until it is done with them
+
+    def _start_masks(self, batch: ScheduledBatch) -> StepMasks:
+        items = [item for item in batch.items if item.num_logits]
+        return self.masks.start([item.seq for item in items], [item.draft_tokens for item in items])
+
+    def _sample_launched(self, batch: ScheduledBatch, logits: torch.Tensor, masks: StepMasks,
+                         start: float) -> LaunchedStep:
+        """Commits the step whose forward pass is queued, and queues its sampling."""
         self.scheduler.commit(batch)
         items = [item for item in batch.items if item.num_logits]
         seqs = [item.seq for item in items]
         drafts = [item.draft_tokens for item in items]
         rng_states = [seq.rng.getstate() if d else None for seq, d in zip(seqs, drafts)]
         logits = self._sampled_logits_rows(batch, logits)
-        ids, logprobs = self._sample(seqs, drafts, logits) if seqs else (None, None)
+        ids, logprobs = self._sample(seqs, drafts, logits, masks) if seqs else (None, None)
         rows, first = [], 0
         for d in drafts:
             rows.append(list(range(first, first + 1 + len(d))))
@@ -494,8 +514,8 @@ class Engine:
             if seq is not None:
                 self._finish(seq, FinishReason.CANCELLED)
 
-    def _sample(self, seqs: list[Sequence], drafts: list[list[int]],
-                logits: torch.Tensor) -> tuple[torch.Tensor, list | None]:
+    def _sample(self, seqs: list[Sequence], drafts: list[list[int]], logits: torch.Tensor,
+                masks: StepMasks) -> tuple[torch.Tensor, list | None]:
         """Sampled ids on the device (1 + len(drafts) rows per sequence), and the logprobs when a
         request asks for them (reading those waits for the device). Row j of a verifying sequence
         is drawn as plain decoding would draw it after the first j drafted tokens: the same
@@ -506,7 +526,7 @@ class Engine:
             rows.extend(SampleRow(s.request.sampling, s.rng.random(), s.token_ids + d[:j], s.num_prompt_tokens)
                         for j in range(1, len(d) + 1))
         want_logprobs = any(r.params.logprobs for r in rows)
-        bitmask = self._grammar_masks(seqs, drafts)
+        bitmask = masks.result()
         try:
             ids = sample_ids(logits, rows, bitmask)
             return ids, (top_logprobs(logits, ids.tolist(), rows) if want_logprobs else None)
@@ -527,28 +547,6 @@ class Engine:
                 ids_list.append(torch.zeros(1 + len(d), dtype=torch.long, device=logits.device))
                 logprobs.extend([None] * (1 + len(d)))
         return torch.cat(ids_list), logprobs
-
-    def _grammar_masks(self, seqs: list[Sequence], drafts: list[list[int]]) -> torch.Tensor | None:
-        """The next-token masks of the constrained rows, one bitmask row per sampled row (host work;
-        on a GPU it overlaps the step's forward pass, queued before); None when no row is
-        constrained. A constrained sequence never drafts, so it has one row."""
-        firsts = [0]
-        for d in drafts:
-            firsts.append(firsts[-1] + 1 + len(d))
-        seq_rows = [i for i, s in enumerate(seqs) if s.constraint is not None]
-        if not seq_rows:
-            return None
-        rows = [firsts[i] for i in seq_rows]
-        constraints = []
-        for i in seq_rows:
-            seq = seqs[i]
-            if seq.num_pending:
-                raise RuntimeError(f"{seq.request_id}: a constrained sequence has tokens in flight")
-            seq.constraint.follow(seq.output_ids)  # a no-op unless tokens were dropped
-            constraints.append(seq.constraint)
-        bitmask = new_bitmask(firsts[-1], self.model.config.vocab_size)
-        self.grammars.fill_masks(constraints, rows, bitmask)
-        return bitmask
 
     def _append_tokens(self, seq: Sequence, tokens: list[int], logprobs: list | None) -> int:
         """Appends a step's tokens one by one (stop tokens, stop strings and the length limit end
