@@ -54,6 +54,7 @@ class LaunchedStep:
     logprobs: list | None  # computed at launch when a request asks for them
     start: float
     keep_in_flight: bool  # may stay unread while the next step is scheduled
+    resolved: bool = False  # its tokens were read back (by _resolve, once)
 
 
 @dataclass
@@ -347,7 +348,7 @@ class Engine:
                 self._finish(item.seq, FinishReason.ERROR, error=f"sampling failed: {type(e).__name__}: {e}")
             launched = None
         if prev is not None:
-            self._resolve(prev)  # overlaps the device's work on this step
+            self._resolve(prev)  # overlaps the device's work on this step (done already if its masks needed it)
         if launched is not None:
             if launched.keep_in_flight:
                 self._in_flight = launched
@@ -361,19 +362,32 @@ class Engine:
         masks = None
         try:
             inputs = self.runner.prepare(batch)
-            masks = self._start_masks(batch)  # computed while the forward pass runs
+            if not self._masks_need_tokens_in_flight(batch):
+                masks = self._start_masks(batch)  # on the mask thread while the forward pass runs
             logits = self.runner.execute(inputs, prev.ids if prev is not None else None)
         except Exception as e:  # e.g. out of memory, or one bad sequence: retry each alone
             if masks is not None:
                 masks.wait()
+                masks = None
             batch, logits = self._run_alone(batch, prev, e)
             if batch is None:
                 return None
+        self.scheduler.commit(batch)
+        if masks is None:
+            if prev is not None and self._masks_need_tokens_in_flight(batch):
+                # async scheduling: a grammar's mask needs the token of the step before, read
+                # back now; the device runs this step's forward pass meanwhile
+                self._resolve(prev)
             masks = self._start_masks(batch)
         try:
             return self._sample_launched(batch, logits, masks, start)
         finally:
             masks.wait()  # the matchers are the mask thread's until it is done with them
+
+    @staticmethod
+    def _masks_need_tokens_in_flight(batch: ScheduledBatch) -> bool:
+        return any(item.num_logits and item.seq.constraint is not None and item.seq.num_pending
+                   for item in batch.items)
 
     def _start_masks(self, batch: ScheduledBatch) -> StepMasks:
         items = [item for item in batch.items if item.num_logits]
@@ -381,8 +395,7 @@ class Engine:
 
     def _sample_launched(self, batch: ScheduledBatch, logits: torch.Tensor, masks: StepMasks,
                          start: float) -> LaunchedStep:
-        """Commits the step whose forward pass is queued, and queues its sampling."""
-        self.scheduler.commit(batch)
+        """Queues the sampling of a committed step whose forward pass is queued."""
         items = [item for item in batch.items if item.num_logits]
         seqs = [item.seq for item in items]
         drafts = [item.draft_tokens for item in items]
@@ -404,9 +417,10 @@ class Engine:
         for seq, r in zip(seqs, rows):
             seq.add_pending(r[:1])  # a verify step's tokens are read back before anything uses the row
         speculating = self.speculator is not None and any(self.speculator.enabled(seq) for seq in seqs)
-        # a grammar's next mask needs this step's token: such a step is read back at once
+        # (a grammar's next mask needs this step's token: the next step reads it back after its
+        # forward pass is queued, see _launch)
         keep = (self.async_scheduling and bool(seqs) and logprobs is None and not speculating
-                and not any(needs_history(seq.request.sampling) or seq.constraint for seq in seqs))
+                and not any(needs_history(seq.request.sampling) for seq in seqs))
         return LaunchedStep(batch, seqs, rows, drafts, rng_states, ids, host_ids, ready, logprobs, start, keep)
 
     def _run_alone(self, batch: ScheduledBatch, prev: LaunchedStep | None,
@@ -443,7 +457,10 @@ class Engine:
         return logits.index_select(0, to_device(keep, torch.long, logits.device))
 
     def _resolve(self, step: LaunchedStep) -> None:
-        """Reads a launched step's tokens back (waiting for the device) and streams them."""
+        """Reads a launched step's tokens back (waiting for the device) and streams them, once."""
+        if step.resolved:
+            return
+        step.resolved = True
         tokens = []
         try:
             if step.host_ids is not None:

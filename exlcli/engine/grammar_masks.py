@@ -20,20 +20,28 @@ from typing import TYPE_CHECKING
 import torch
 
 from exlcli.engine.constraints import GrammarCompiler, new_bitmask
+from exlcli.engine.sequence import SeqStatus
 
 if TYPE_CHECKING:
     from exlcli.engine.sequence import Sequence
+
+
+def constrained_outputs(seqs: list["Sequence"]) -> list[list[int] | None]:
+    """Each sequence's generated tokens where its grammar masks its row, else None. A sequence that
+    ended while this step was queued (async scheduling) has a free row: its token is dropped, and
+    its matcher may be complete or in its error state."""
+    return [s.output_ids if s.constraint is not None and s.status is not SeqStatus.FINISHED else None for s in seqs]
 
 
 def step_masks(grammars: GrammarCompiler, seqs: list["Sequence"], output_ids: list[list[int] | None],
                drafts: list[list[int]], vocab_size: int) -> torch.Tensor | None:
     """The next-token masks of the constrained rows, one bitmask row per sampled row (1 + len(draft)
     per sequence; a constrained sequence never drafts, so it has one); None when no row is
-    constrained. `output_ids[i]`: sequence i's generated tokens (None where it has no grammar)."""
+    constrained. `output_ids`: from constrained_outputs (None: a free row)."""
     firsts = [0]
     for d in drafts:
         firsts.append(firsts[-1] + 1 + len(d))
-    seq_rows = [i for i, s in enumerate(seqs) if s.constraint is not None]
+    seq_rows = [i for i, ids in enumerate(output_ids) if ids is not None]
     if not seq_rows:
         return None
     constraints = []
@@ -77,15 +85,15 @@ class MaskWorker:
 
     def start(self, seqs: list["Sequence"], drafts: list[list[int]]) -> StepMasks:
         """Starts the masks of a step whose sampling sequences are `seqs` (with `drafts`)."""
-        if not any(s.constraint is not None for s in seqs):
+        # snapshots taken here: the worker reads no sequence state the engine's thread may change
+        output_ids = constrained_outputs(seqs)
+        if all(ids is None for ids in output_ids):
             return StepMasks.done()
-        pending = [s.request_id for s in seqs if s.constraint is not None and s.num_pending]
+        pending = [s.request_id for s, ids in zip(seqs, output_ids) if ids is not None and s.num_pending]
         if pending:
             future: concurrent.futures.Future = concurrent.futures.Future()
             future.set_exception(RuntimeError(f"{pending[0]}: a constrained sequence has tokens in flight"))
             return StepMasks(future)
-        # snapshots taken here: the worker reads no sequence state the engine's thread may change
-        output_ids = [s.output_ids if s.constraint is not None else None for s in seqs]
         return StepMasks(self._pool().submit(step_masks, self.grammars, list(seqs), output_ids,
                                              [list(d) for d in drafts], self.vocab_size))
 
