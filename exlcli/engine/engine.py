@@ -72,7 +72,8 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     # Schedule and queue step N+1 before reading step N's tokens back, so the host's work overlaps
     # the device's (None: on for a GPU model). Stop strings then end a request one step late (the
-    # extra token is dropped); requests with penalties, logprobs or a grammar are read back at once.
+    # extra token is dropped); requests with penalties or logprobs are read back at once (with a
+    # grammar, the next step reads a step back once its own forward pass is queued).
     async_scheduling: bool | None = None
     # Speculative decoding: a drafter's name ("ngram": prompt lookup) or None for none; the most
     # tokens drafted per sequence and step (k adapts to each sequence's acceptance); no drafting
@@ -378,7 +379,7 @@ class Engine:
                 # async scheduling: a grammar's mask needs the token of the step before, read
                 # back now; the device runs this step's forward pass meanwhile
                 self._resolve(prev)
-            masks = self._start_masks(batch)
+            masks = self._start_masks(batch, inline=True)
         try:
             return self._sample_launched(batch, logits, masks, start)
         finally:
@@ -389,9 +390,9 @@ class Engine:
         return any(item.num_logits and item.seq.constraint is not None and item.seq.num_pending
                    for item in batch.items)
 
-    def _start_masks(self, batch: ScheduledBatch) -> StepMasks:
+    def _start_masks(self, batch: ScheduledBatch, inline: bool = False) -> StepMasks:
         items = [item for item in batch.items if item.num_logits]
-        return self.masks.start([item.seq for item in items], [item.draft_tokens for item in items])
+        return self.masks.start([item.seq for item in items], [item.draft_tokens for item in items], inline)
 
     def _sample_launched(self, batch: ScheduledBatch, logits: torch.Tensor, masks: StepMasks,
                          start: float) -> LaunchedStep:

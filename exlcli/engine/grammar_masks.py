@@ -7,6 +7,10 @@ also overlaps its launches; on CPU the forward runs on the engine's thread, so o
 can overlap it. llguidance drops the GIL while it computes a mask (LLMatcher / LLExecutor
 `unsafe_compute_mask_ptr`), so the two threads do run at once.
 
+Under async scheduling (the GPU default) step t is launched before step t - 1's token is read
+back, so the engine queues step t's forward pass, reads step t - 1 back, then computes the masks
+on its own thread (`inline`) while the device runs step t (Engine._launch).
+
 Between `start` and `result` the matchers belong to the worker: the engine's thread does not touch
 them (tokens are accepted when a step is resolved, after its masks were taken).
 """
@@ -83,8 +87,9 @@ class MaskWorker:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
-    def start(self, seqs: list["Sequence"], drafts: list[list[int]]) -> StepMasks:
-        """Starts the masks of a step whose sampling sequences are `seqs` (with `drafts`)."""
+    def start(self, seqs: list["Sequence"], drafts: list[list[int]], inline: bool = False) -> StepMasks:
+        """Starts the masks of a step whose sampling sequences are `seqs` (with `drafts`); `inline`:
+        computes them at once on this thread (which has nothing else to do meanwhile)."""
         # snapshots taken here: the worker reads no sequence state the engine's thread may change
         output_ids = constrained_outputs(seqs)
         if all(ids is None for ids in output_ids):
@@ -94,6 +99,8 @@ class MaskWorker:
             future: concurrent.futures.Future = concurrent.futures.Future()
             future.set_exception(RuntimeError(f"{pending[0]}: a constrained sequence has tokens in flight"))
             return StepMasks(future)
+        if inline:
+            return StepMasks.done(step_masks(self.grammars, seqs, output_ids, drafts, self.vocab_size))
         return StepMasks(self._pool().submit(step_masks, self.grammars, list(seqs), output_ids,
                                              [list(d) for d in drafts], self.vocab_size))
 
