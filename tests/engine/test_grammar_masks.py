@@ -54,7 +54,7 @@ def outputs(engine: Engine, requests: list[Request]) -> list[tuple[list[int], st
 
 def masks_inline(engine: Engine, monkeypatch) -> None:
     """This engine computes each step's masks on its own thread, at once (as before the mask thread)."""
-    def start(seqs, drafts):
+    def start(seqs, drafts, inline=False):
         return StepMasks.done(step_masks(engine.grammars, seqs, constrained_outputs(seqs), drafts,
                                          engine.model.config.vocab_size))
     monkeypatch.setattr(engine.masks, "start", start)
