@@ -3,10 +3,13 @@
 --batch sequences (64) decode --tokens tokens each, first free, then each held to a nested JSON
 schema (an array of at least 4 of the mask bench's nested objects, so none ends early and the batch
 stays full). The model: the default one (on CPU its quantized kernels are the fast path), any GGUF
-or HF folder, or random weights of a real shape (`--model random:llama3-8b`, for a GPU).
+or HF folder, or random weights of a real shape (`--model random:llama3-8b`, for a GPU; a shape
+whose vocabulary is smaller than the tokenizer's is widened to it, so `--model random:tiny` puts a
+forward pass of a few ms beside masks over a real vocabulary, where their overlap shows on a CPU).
 Reported for each: decode tok/s (median step time over the steps where every sequence decodes),
 and for the constrained run the host mask time per step and per token per sequence (the engine's
-own GrammarCompiler.fill_masks, timed). The tokenizer must
+own GrammarCompiler.fill_masks, timed), and how much of it the engine's thread waited for (the
+part the forward pass did not hide: all of it where masks are computed on that thread). The tokenizer must
 be a real one (llguidance reads its tokens): the default model's, a GGUF or HF folder's, or one
 saved here with --save-tokenizer (a small folder to carry to a machine without the model).
 
@@ -49,12 +52,27 @@ def save_tokenizer(tokenizer, folder: str) -> None:
         json.dump({"eos_token": tokenizer.eos_token, "add_bos_token": False}, f)
 
 
+def widened_random_model(spec: str, vocab_size: int, device, dtype):
+    """Random weights of `spec`'s shape with `vocab_size` ids (the tokenizer's)."""
+    import dataclasses
+    import types
+
+    from exlcli.model.architectures import build_model
+    from exlcli.model.random_weights import random_config, random_tensors
+
+    config = dataclasses.replace(random_config(spec), vocab_size=vocab_size)
+    model = build_model(config, random_tensors(config, device=device, dtype=dtype), device, dtype)
+    return types.SimpleNamespace(name=f"{spec} (vocabulary widened to {vocab_size})", config=config, model=model,
+                                 quantization=f"random {str(dtype).removeprefix('torch.')}")
+
+
 def run(engine, tokenizer, batch: int, num_tokens: int, constrained: bool, seed: int) -> dict:
     import torch
 
     from exlcli.engine.request import GrammarSpec, Request, SamplingParams
 
     mask_times: list[tuple[float, int]] = []
+    mask_waits: list[tuple[float, int]] = []  # the engine's thread waiting for a step's masks
     fill = engine.grammars.fill_masks
 
     def timed_fill(constraints, rows, bitmask):
@@ -63,6 +81,23 @@ def run(engine, tokenizer, batch: int, num_tokens: int, constrained: bool, seed:
         mask_times.append((time.perf_counter() - t0, len(constraints)))
 
     engine.grammars.fill_masks = timed_fill  # this engine only: the bench's own timer
+    start_masks = getattr(getattr(engine, "masks", None), "start", None)  # None: an engine without a mask thread
+    if start_masks is not None:
+        def timed_start(seqs, drafts, inline=False):
+            t0 = time.perf_counter()
+            masks = start_masks(seqs, drafts, inline)
+            started, result = time.perf_counter() - t0, masks.result
+            num_constrained = sum(s.constraint is not None for s in seqs)
+
+            def timed_result():
+                t1 = time.perf_counter()
+                out = result()
+                if out is not None:
+                    mask_waits.append((started + time.perf_counter() - t1, num_constrained))
+                return out
+            masks.result = timed_result
+            return masks
+        engine.masks.start = timed_start
     g = torch.Generator().manual_seed(seed)
     grammar = GrammarSpec("json_schema", ARRAY_SCHEMA, strict=False) if constrained else None
     handles = []
@@ -79,6 +114,8 @@ def run(engine, tokenizer, batch: int, num_tokens: int, constrained: bool, seed:
             break
         steps.append((time.perf_counter() - t0, running))
     engine.grammars.fill_masks = fill
+    if start_masks is not None:
+        engine.masks.start = start_masks
     texts, reasons = [], []
     for h in handles:
         outs = list(h)
@@ -93,7 +130,9 @@ def run(engine, tokenizer, batch: int, num_tokens: int, constrained: bool, seed:
               "mean_tokens": sum(len(tokenizer.encode(t, add_special_tokens=False)) for t in texts) / batch}
     if constrained:
         per_step = [t for t, n in mask_times if n == batch]
+        waits = [t for t, n in (mask_waits if start_masks is not None else mask_times) if n == batch]
         result.update(mask_ms_per_step_median=statistics.median(per_step) * 1e3,
+                      mask_wait_ms_per_step_median=statistics.median(waits) * 1e3,
                       mask_us_per_token_per_seq_median=statistics.median(per_step) / batch * 1e6,
                       mask_us_per_token_per_seq_mean=sum(per_step) / (batch * len(per_step)) * 1e6)
         assert all(t.startswith("[{") for t in texts), "a constrained text does not start the schema's array"
@@ -124,6 +163,8 @@ def main() -> None:
 
     with open(os.devnull, "w") as quiet:
         loaded = load_model(args.model, device=args.device, log=quiet)
+    if random_weights and loaded.config.vocab_size < tokenizer.vocab_size:
+        loaded = widened_random_model(args.model, tokenizer.vocab_size, loaded.model.device, loaded.model.dtype)
     if not random_weights and args.tokenizer is None:
         tokenizer = loaded.tokenizer
     if loaded.config.vocab_size < tokenizer.vocab_size:
@@ -151,7 +192,8 @@ def main() -> None:
         line = (f"{'schema' if r['constrained'] else 'free':>7}: {r['decode_tok_s']:.0f} tok/s "
                 f"(step {r['step_ms_median']:.2f} ms median over {r['steps_full_batch']} full-batch steps)")
         if r["constrained"]:
-            line += (f"; masks {r['mask_ms_per_step_median']:.2f} ms per step, "
+            line += (f"; masks {r['mask_ms_per_step_median']:.2f} ms per step "
+                     f"({r['mask_wait_ms_per_step_median']:.2f} ms waited for), "
                      f"{r['mask_us_per_token_per_seq_median']:.1f} us per token per sequence median "
                      f"(mean {r['mask_us_per_token_per_seq_mean']:.1f})")
         print(line)

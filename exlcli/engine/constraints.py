@@ -6,8 +6,8 @@ token per sequence median, 8.3 mean, against 38 and 101), but xgrammar 0.2.9 let
 maxLength/minLength hold raw control characters and no escapes (mlc-ai/xgrammar#800, fix #880 still
 open): the tests here caught invalid JSON from it. llguidance is also one 8 MB wheel with no
 dependencies (xgrammar pulls triton, ~1 GB, and transformers). The masks of a step's constrained
-rows are computed on the host after its forward pass is queued, so on a GPU they overlap it, and
-in parallel (LLExecutor) where there are cores to spare.
+rows are computed on the host while its forward pass runs (engine/grammar_masks.py), and in
+parallel (LLExecutor) where there are cores to spare.
 
 `GrammarCompiler` (one per engine; its tokenizer view is built on first use, ~0.4 s for 49k tokens)
 turns a GrammarSpec into a `TokenConstraint`; bad schemas, regexes and grammars raise RequestError

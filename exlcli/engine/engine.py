@@ -16,12 +16,13 @@ from typing import AsyncIterator, Iterator
 
 import torch
 
-from exlcli.engine.constraints import GrammarCompiler, new_bitmask
+from exlcli.engine.constraints import GrammarCompiler
 from exlcli.engine.context_window import DEFAULT_SINK_TOKENS, check_mode, resolve_policy
 from exlcli.engine.detok import TextStreamer
 from exlcli.engine.draft_model_drafter import DraftModel
 from exlcli.engine.drafters import build_drafter, num_drafter_pages, resolve_draft_model
 from exlcli.engine.failure_policy import FailurePolicy, nonfinite_rows
+from exlcli.engine.grammar_masks import MaskWorker, StepMasks
 from exlcli.engine.memory_budget import GPU_MEMORY_UTILIZATION, DeviceMemory, model_kv_budget
 from exlcli.engine.model_runner import ModelRunner
 from exlcli.engine.page_pool import PagePool
@@ -54,6 +55,7 @@ class LaunchedStep:
     logprobs: list | None  # computed at launch when a request asks for them
     start: float
     keep_in_flight: bool  # may stay unread while the next step is scheduled
+    resolved: bool = False  # its tokens were read back (by _resolve, once)
 
 
 @dataclass
@@ -71,7 +73,8 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     # Schedule and queue step N+1 before reading step N's tokens back, so the host's work overlaps
     # the device's (None: on for a GPU model). Stop strings then end a request one step late (the
-    # extra token is dropped); requests with penalties, logprobs or a grammar are read back at once.
+    # extra token is dropped); requests with penalties or logprobs are read back at once (with a
+    # grammar, the next step reads a step back once its own forward pass is queued).
     async_scheduling: bool | None = None
     # Speculative decoding: a drafter's name ("ngram": prompt lookup, "self"), a draft model (a model
     # spec, or a DraftModel: draft_model_drafter.py) or None for none; the most
@@ -184,6 +187,7 @@ class Engine:
                                  else device.type == "cuda")
         self._in_flight: LaunchedStep | None = None
         self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size, self.eos_ids)
+        self.masks = MaskWorker(self.grammars, model.config.vocab_size)
         self._last_resolved = 0.0
         self.failures = FailurePolicy(log)
 
@@ -285,6 +289,7 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+        self.masks.shutdown()
 
     # -- the loop (engine thread) ---------------------------------------------------------------
     def _loop(self) -> None:
@@ -352,7 +357,7 @@ class Engine:
                 self._finish(item.seq, FinishReason.ERROR, error=f"sampling failed: {type(e).__name__}: {e}")
             launched = None
         if prev is not None:
-            self._resolve(prev)  # overlaps the device's work on this step
+            self._resolve(prev)  # overlaps the device's work on this step (done already if its masks needed it)
         if launched is not None:
             if launched.keep_in_flight:
                 self._in_flight = launched
@@ -363,20 +368,49 @@ class Engine:
     def _launch(self, batch: ScheduledBatch, prev: LaunchedStep | None) -> LaunchedStep | None:
         """Queues the forward pass and the sampling of `batch`; None if the forward pass failed."""
         start = time.perf_counter()
+        masks = None
         try:
             inputs = self.runner.prepare(batch)
+            if not self._masks_need_tokens_in_flight(batch):
+                masks = self._start_masks(batch)  # on the mask thread while the forward pass runs
             logits = self.runner.execute(inputs, prev.ids if prev is not None else None)
         except Exception as e:  # e.g. out of memory, or one bad sequence: retry each alone
+            if masks is not None:
+                masks.wait()
+                masks = None
             batch, logits = self._run_alone(batch, prev, e)
             if batch is None:
                 return None
         self.scheduler.commit(batch)
+        if masks is None:
+            if prev is not None and self._masks_need_tokens_in_flight(batch):
+                # async scheduling: a grammar's mask needs the token of the step before, read
+                # back now; the device runs this step's forward pass meanwhile
+                self._resolve(prev)
+            masks = self._start_masks(batch, inline=True)
+        try:
+            return self._sample_launched(batch, logits, masks, start)
+        finally:
+            masks.wait()  # the matchers are the mask thread's until it is done with them
+
+    @staticmethod
+    def _masks_need_tokens_in_flight(batch: ScheduledBatch) -> bool:
+        return any(item.num_logits and item.seq.constraint is not None and item.seq.num_pending
+                   for item in batch.items)
+
+    def _start_masks(self, batch: ScheduledBatch, inline: bool = False) -> StepMasks:
+        items = [item for item in batch.items if item.num_logits]
+        return self.masks.start([item.seq for item in items], [item.draft_tokens for item in items], inline)
+
+    def _sample_launched(self, batch: ScheduledBatch, logits: torch.Tensor, masks: StepMasks,
+                         start: float) -> LaunchedStep:
+        """Queues the sampling of a committed step whose forward pass is queued."""
         items = [item for item in batch.items if item.num_logits]
         seqs = [item.seq for item in items]
         drafts = [item.draft_tokens for item in items]
         rng_states = [seq.rng.getstate() if d else None for seq, d in zip(seqs, drafts)]
         logits = self._sampled_logits_rows(batch, logits)
-        ids, logprobs = self._sample(seqs, drafts, logits) if seqs else (None, None)
+        ids, logprobs = self._sample(seqs, drafts, logits, masks) if seqs else (None, None)
         rows, first = [], 0
         for d in drafts:
             rows.append(list(range(first, first + 1 + len(d))))
@@ -392,9 +426,10 @@ class Engine:
         for seq, r in zip(seqs, rows):
             seq.add_pending(r[:1])  # a verify step's tokens are read back before anything uses the row
         speculating = self.speculator is not None and any(self.speculator.enabled(seq) for seq in seqs)
-        # a grammar's next mask needs this step's token: such a step is read back at once
+        # (a grammar's next mask needs this step's token: the next step reads it back after its
+        # forward pass is queued, see _launch)
         keep = (self.async_scheduling and bool(seqs) and logprobs is None and not speculating
-                and not any(needs_history(seq.request.sampling) or seq.constraint for seq in seqs))
+                and not any(needs_history(seq.request.sampling) for seq in seqs))
         return LaunchedStep(batch, seqs, rows, drafts, rng_states, ids, host_ids, ready, logprobs, start, keep)
 
     def _run_alone(self, batch: ScheduledBatch, prev: LaunchedStep | None,
@@ -431,7 +466,10 @@ class Engine:
         return logits.index_select(0, to_device(keep, torch.long, logits.device))
 
     def _resolve(self, step: LaunchedStep) -> None:
-        """Reads a launched step's tokens back (waiting for the device) and streams them."""
+        """Reads a launched step's tokens back (waiting for the device) and streams them, once."""
+        if step.resolved:
+            return
+        step.resolved = True
         tokens = []
         try:
             if step.host_ids is not None:
@@ -502,8 +540,8 @@ class Engine:
             if seq is not None:
                 self._finish(seq, FinishReason.CANCELLED)
 
-    def _sample(self, seqs: list[Sequence], drafts: list[list[int]],
-                logits: torch.Tensor) -> tuple[torch.Tensor, list | None]:
+    def _sample(self, seqs: list[Sequence], drafts: list[list[int]], logits: torch.Tensor,
+                masks: StepMasks) -> tuple[torch.Tensor, list | None]:
         """Sampled ids on the device (1 + len(drafts) rows per sequence), and the logprobs when a
         request asks for them (reading those waits for the device). Row j of a verifying sequence
         is drawn as plain decoding would draw it after the first j drafted tokens: the same
@@ -514,7 +552,7 @@ class Engine:
             rows.extend(SampleRow(s.request.sampling, s.rng.random(), s.token_ids + d[:j], s.num_prompt_tokens)
                         for j in range(1, len(d) + 1))
         want_logprobs = any(r.params.logprobs for r in rows)
-        bitmask = self._grammar_masks(seqs, drafts)
+        bitmask = masks.result()
         try:
             ids = sample_ids(logits, rows, bitmask)
             return ids, (top_logprobs(logits, ids.tolist(), rows) if want_logprobs else None)
@@ -535,28 +573,6 @@ class Engine:
                 ids_list.append(torch.zeros(1 + len(d), dtype=torch.long, device=logits.device))
                 logprobs.extend([None] * (1 + len(d)))
         return torch.cat(ids_list), logprobs
-
-    def _grammar_masks(self, seqs: list[Sequence], drafts: list[list[int]]) -> torch.Tensor | None:
-        """The next-token masks of the constrained rows, one bitmask row per sampled row (host work;
-        on a GPU it overlaps the step's forward pass, queued before); None when no row is
-        constrained. A constrained sequence never drafts, so it has one row."""
-        firsts = [0]
-        for d in drafts:
-            firsts.append(firsts[-1] + 1 + len(d))
-        seq_rows = [i for i, s in enumerate(seqs) if s.constraint is not None]
-        if not seq_rows:
-            return None
-        rows = [firsts[i] for i in seq_rows]
-        constraints = []
-        for i in seq_rows:
-            seq = seqs[i]
-            if seq.num_pending:
-                raise RuntimeError(f"{seq.request_id}: a constrained sequence has tokens in flight")
-            seq.constraint.follow(seq.output_ids)  # a no-op unless tokens were dropped
-            constraints.append(seq.constraint)
-        bitmask = new_bitmask(firsts[-1], self.model.config.vocab_size)
-        self.grammars.fill_masks(constraints, rows, bitmask)
-        return bitmask
 
     def _append_tokens(self, seq: Sequence, tokens: list[int], logprobs: list | None) -> int:
         """Appends a step's tokens one by one (stop tokens, stop strings and the length limit end
