@@ -180,8 +180,8 @@ def _show(app: "ChatApp", arg: str) -> None:
     used = app.context_used()
     lines = [
         f"model: {app.model_label} ({app.client.kind} engine)",
-        (f"context: {used} tokens in the conversation, the engine's window holds {app.client.context_length} at "
-         f"most" if app.window.streams() else
+        (f"context: {used} tokens in the conversation, through a window of {app.client.context_length} tokens"
+         if app.window.streams() else
          f"context: {used} of {app.client.context_length} tokens used, {app.settings.max_tokens} kept "
          f"for the answer"),
         f"turns: {len(conv.window())} in context, {conv.num_dropped} dropped",

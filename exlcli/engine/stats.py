@@ -72,7 +72,7 @@ class EngineStats:
     # past the window (engine/context_window.py): the engine's default policy, and the tokens that
     # left the caches by context shifts (finished and running requests)
     context_overflow: str = "stop"
-    sink_tokens: int = 0
+    sink_tokens: int = 4
     window: int = 0
     evicted_tokens: int = 0
     # continuations (engine/sessions.py): sessions parked and their pages; requests that resumed one,
