@@ -12,6 +12,7 @@ from exlcli.chat.io import NEWLINE_KEY, ChatIO
 from exlcli.chat.render import LiveAnswer, PlainAnswer, answer_view, stats_line
 from exlcli.chat.session import Conversation
 from exlcli.chat.settings import ChatSettings
+from exlcli.chat.window import ChatWindow, new_session_id
 from exlcli.client.base import EngineClient
 from exlcli.engine.request import GrammarSpec
 from exlcli.errors import ExlcliError
@@ -26,6 +27,7 @@ class SessionTotals:
     decode_seconds: float = 0.0  # time after each answer's first token, to average tok/s
     ttfts: list[float] = field(default_factory=list)
     dropped_turns: int = 0
+    evicted_tokens: int = 0  # tokens that left the window by context shifts
 
     def add(self, answer: Answer) -> None:
         usage = answer.usage
@@ -35,6 +37,7 @@ class SessionTotals:
         self.prompt_tokens += usage.prompt_tokens
         self.cached_tokens += usage.cached_tokens
         self.generated_tokens += usage.completion_tokens
+        self.evicted_tokens += usage.evicted_tokens
         if usage.ttft is not None:
             self.ttfts.append(usage.ttft)
             if usage.decode_tps > 0:
@@ -43,7 +46,8 @@ class SessionTotals:
 
 class ChatApp:
     def __init__(self, client: EngineClient, io: ChatIO, settings: ChatSettings | None = None,
-                 conversation: Conversation | None = None, model_label: str | None = None) -> None:
+                 conversation: Conversation | None = None, model_label: str | None = None,
+                 window: ChatWindow | None = None) -> None:
         self.client = client
         self.io = io
         self.settings = settings or ChatSettings()
@@ -52,6 +56,8 @@ class ChatApp:
         self.totals = SessionTotals()
         self.running = True
         self.output_format: GrammarSpec | None = None  # /format: what every answer must match
+        self.window = window or ChatWindow()  # past the context window (chat/window.py)
+        self.session = new_session_id()  # the engine keeps each answer's cache for the next turn
 
     # ---- the loop -----------------------------------------------------------------------------
 
@@ -74,6 +80,12 @@ class ChatApp:
                 run_command(self, message)
             else:
                 self.send(message)
+        self.client.end_session(self.session)
+
+    def new_session(self) -> None:
+        """The conversation starts over (/clear): the engine may free the cache it kept."""
+        self.client.end_session(self.session)
+        self.session = new_session_id()
 
     # ---- sending ------------------------------------------------------------------------------
 
@@ -86,15 +98,17 @@ class ChatApp:
         return self.client.count_chat_tokens(messages, add_generation_prompt=False) if messages else 0
 
     def send(self, message: str, n: int = 1) -> list[Answer]:
-        """Answer `message` (n answers in one batch for /n); add the kept one to the conversation."""
-        fit = self.conversation.fit(message, self.client.count_chat_tokens, self.room())
-        if not fit.fits:
+        """Answer `message` (n answers in one batch for /n); add the kept one to the conversation.
+        Past the window with shift or sinks, no turn is dropped: the engine's cache shifts."""
+        fit = (self.conversation.fit(message, self.client.count_chat_tokens, self.room())
+               if not self.window.streams() else None)
+        if fit is not None and not fit.fits:
             self.io.error(
                 f"the message is too long: {fit.prompt_tokens} tokens with the system prompt, but the "
                 f"context of {self.client.context_length} keeps {self.settings.max_tokens} for the answer; "
                 f"shorten it or /set max_tokens lower")
             return []
-        if fit.dropped:
+        if fit is not None and fit.dropped:
             self.totals.dropped_turns += fit.dropped
             self.io.notice(
                 f"context full: dropped the {fit.dropped} oldest turn{'s' if fit.dropped > 1 else ''} "
@@ -104,9 +118,10 @@ class ChatApp:
         seeds = self._seeds(n)
         streams = []
         try:
-            for seed in seeds:
-                streams.append(self.client.chat(messages, dataclasses.replace(self.settings.params(seed),
-                                                                               grammar=self.output_format)))
+            for seed in seeds:  # (n answers: none of them continues the session's cache)
+                params = dataclasses.replace(self.settings.params(seed), grammar=self.output_format,
+                                             session=self.session if n == 1 else None)
+                streams.append(self.client.chat(messages, self.window.apply(params)))
         except ExlcliError as e:
             for stream in streams:
                 stream.cancel()

@@ -74,6 +74,7 @@ def _help(app: "ChatApp", arg: str) -> None:
 @command("clear", "/clear", "forget the conversation (the system prompt stays)")
 def _clear(app: "ChatApp", arg: str) -> None:
     count = app.conversation.clear()
+    app.new_session()
     app.io.say(f"cleared {count} turn{'s' if count != 1 else ''}")
 
 
@@ -179,9 +180,12 @@ def _show(app: "ChatApp", arg: str) -> None:
     used = app.context_used()
     lines = [
         f"model: {app.model_label} ({app.client.kind} engine)",
-        f"context: {used} of {app.client.context_length} tokens used, {app.settings.max_tokens} kept "
-        f"for the answer",
+        (f"context: {used} tokens in the conversation, through a window of {app.client.context_length} tokens"
+         if app.window.streams() else
+         f"context: {used} of {app.client.context_length} tokens used, {app.settings.max_tokens} kept "
+         f"for the answer"),
         f"turns: {len(conv.window())} in context, {conv.num_dropped} dropped",
+        app.window.describe(_engine_stats(app), app.client.context_length, app.totals.evicted_tokens),
         f"system prompt: {_preview(conv.system) if conv.system else '(none)'}",
         f"answers: {describe(app.output_format)}",
         _settings_text(app),
@@ -232,6 +236,13 @@ def _load(app: "ChatApp", arg: str) -> None:
 @command("bye", "/bye", "leave (Ctrl-D works too)", aliases=("exit", "quit", "q"))
 def _bye(app: "ChatApp", arg: str) -> None:
     app.running = False
+
+
+def _engine_stats(app: "ChatApp"):
+    try:
+        return app.client.stats()
+    except ExlcliError:
+        return None
 
 
 def _settings_text(app: "ChatApp") -> str:

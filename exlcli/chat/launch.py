@@ -9,6 +9,7 @@ from exlcli.chat.app import ChatApp
 from exlcli.chat.io import ChatIO
 from exlcli.chat.session import Conversation
 from exlcli.chat.settings import DEFAULT_MAX_TOKENS, ChatSettings, SettingError
+from exlcli.chat.window import ChatWindow
 from exlcli.client.base import EngineClient
 from exlcli.errors import ExlcliError
 
@@ -52,7 +53,8 @@ def start_chat(*, model: str | None, system: str | None = None, system_file: str
                device: str | None = None, dtype: str | None = None, kv_memory: str | None = None,
                prefix_cache: bool = True, max_model_len: int | None = None, cpu_threads: int | None = None,
                io: ChatIO | None = None, speculative: str | None = None, num_draft_tokens: int = 4,
-               draft_layers: int | None = None, quantize: str | None = None) -> ChatApp:
+               draft_layers: int | None = None, quantize: str | None = None,
+               window: ChatWindow | None = None) -> ChatApp:
     overrides = overrides or {}
     system_prompt = read_system_prompt(system, system_file)
     settings = make_settings(overrides)
@@ -65,6 +67,6 @@ def start_chat(*, model: str | None, system: str | None = None, system_file: str
             fit_max_tokens(settings, client.context_length, explicit=overrides.get("max_tokens") is not None)
         except SettingError as e:
             raise SettingError(f"--max-tokens: {e}") from None
-        app = ChatApp(client, io or ChatIO(), settings, Conversation(system=system_prompt))
+        app = ChatApp(client, io or ChatIO(), settings, Conversation(system=system_prompt), window=window)
         app.run()
     return app

@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from exlcli.chat.settings import ChatSettings
+from exlcli.chat.window import CHAT_DEFAULT_OVERFLOW
 from exlcli.cli.common import (
     CtxSizeOption,
     DeviceOption,
@@ -21,12 +22,14 @@ from exlcli.cli.common import (
     QuantizeOption,
     SeedOption,
     ServerOption,
+    SinkTokensOption,
     SpeculativeOption,
     SystemOption,
     TemperatureOption,
     ThreadsOption,
     TopKOption,
     TopPOption,
+    WindowOption,
     user_errors,
 )
 
@@ -62,15 +65,23 @@ def register(app: typer.Typer) -> None:
         speculative: SpeculativeOption = None,
         num_draft_tokens: NumDraftTokensOption = 4,
         draft_layers: DraftLayersOption = None,
+        context_overflow: Annotated[str, typer.Option(
+            "--context-overflow", help="When the conversation fills the window: sinks (StreamingLLM: the sink "
+                                       "tokens and a rolling window), shift (llama.cpp's context shift) or stop (drop "
+                                       "the oldest turns and send the rest again).")] = CHAT_DEFAULT_OVERFLOW,
+        sink_tokens: SinkTokensOption = None,
+        window: WindowOption = None,
     ) -> None:
         """Chat with a model in the terminal. /help inside lists the commands; Alt-Enter or \"\"\" for
         multi-line input; Ctrl-C stops an answer; Ctrl-D or /bye leaves. Without a terminal it reads
         one message per line and writes the answers to stdout."""
         from exlcli.chat.launch import start_chat
+        from exlcli.chat.window import ChatWindow
 
         start_chat(model=model, system=system, system_file=system_file, server=server, local=local,
                    device=device, dtype=dtype, kv_memory=kv_memory, prefix_cache=prefix_cache,
                    max_model_len=ctx_size, cpu_threads=threads, speculative=speculative,
-                   num_draft_tokens=num_draft_tokens, draft_layers=draft_layers, quantize=quantize, overrides=dict(
+                   num_draft_tokens=num_draft_tokens, draft_layers=draft_layers, quantize=quantize,
+                   window=ChatWindow(context_overflow, sink_tokens, window), overrides=dict(
                        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                        repeat_penalty=repeat_penalty, max_tokens=max_tokens, seed=seed))

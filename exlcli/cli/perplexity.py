@@ -42,6 +42,11 @@ def register(app: typer.Typer) -> None:
         sink_tokens: Annotated[int, typer.Option(
             "--sink-tokens", min=0, help="With --context-overflow: tokens kept at the start (rounded up to "
             "pages of 16); 0 is a plain sliding window.")] = 4,
+        stride: Annotated[Optional[int], typer.Option(
+            "--stride", min=1, help="The in-window baseline of --context-overflow's stream: the same tokens, each "
+            "block of N predicted by a fresh pass over the --ctx-size tokens ending with it (every token sees "
+            "--ctx-size - N to --ctx-size tokens). Costs --ctx-size / N times the stream.",
+            show_default=False)] = None,
     ) -> None:
         """Perplexity of FILE, computed as llama.cpp's llama-perplexity does (chunks of --ctx-size tokens,
         the second half of each scored), printed per chunk and as a final estimate with its error.
@@ -54,4 +59,5 @@ def register(app: typer.Typer) -> None:
         run_perplexity(PerplexityOptions(text=text, model=model, ctx_size=ctx_size, max_chunks=chunks, ubatch=ubatch,
                                          device=device, dtype=dtype, save_logits=save_logits,
                                          kl_divergence=kl_divergence, quantize=quantize,
-                                         context_overflow=context_overflow, sink_tokens=sink_tokens))
+                                         context_overflow=context_overflow, sink_tokens=sink_tokens,
+                                         stride=stride))

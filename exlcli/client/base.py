@@ -36,6 +36,9 @@ class GenerationParams:
     context_overflow: str | None = None  # past the window: stop / shift / sinks (None: the engine's)
     sink_tokens: int | None = None
     window: int | None = None
+    # a continuation: the engine keeps this request's cache for the session's next request, which
+    # then computes only its new tokens (engine/sessions.py); chat sets one per conversation
+    session: str | None = None
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(
@@ -119,6 +122,9 @@ class EngineClient(abc.ABC):
 
     @abc.abstractmethod
     def stats(self) -> EngineStats: ...
+
+    def end_session(self, session: str) -> None:
+        """The conversation `session` is over: the engine may free the cache it kept for it."""
 
     def tool_format(self) -> ToolFormat:
         """How the model spells tool calls (the chat template's format; hermes when it has none)."""

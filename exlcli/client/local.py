@@ -138,7 +138,7 @@ class LocalClient(EngineClient):
             max_new_tokens=params.max_tokens, stop=list(params.stop), priority=params.priority_class(),
             client=params.client, ignore_eos=ignore_eos, grammar=params.grammar,
             speculative=params.speculative, context_overflow=params.context_overflow,
-            sink_tokens=params.sink_tokens, window=params.window)
+            sink_tokens=params.sink_tokens, window=params.window, session=params.session)
         return LocalStream(self.engine.submit(request))
 
     def chat(self, messages: list[dict], params: GenerationParams) -> GenerationStream:
@@ -149,6 +149,9 @@ class LocalClient(EngineClient):
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    def end_session(self, session: str) -> None:
+        self.engine.end_session(session)
 
     def close(self) -> None:
         self.engine.shutdown()

@@ -135,7 +135,7 @@ class RemoteClient(EngineClient):
             "client": params.client, "stream": True, "stream_options": {"include_usage": True},
             "return_token_ids": True, "response_format": response_format_of(params.grammar),
             **{k: v for k, v in (("context_overflow", params.context_overflow), ("sink_tokens", params.sink_tokens),
-                                 ("window", params.window)) if v is not None},
+                                 ("window", params.window), ("session", params.session)) if v is not None},
         }
 
     # ---- EngineClient ----

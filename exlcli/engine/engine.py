@@ -30,6 +30,7 @@ from exlcli.engine.request import FinishReason, Request, RequestOutput, RequestS
 from exlcli.engine.sampler import SampleRow, needs_history, sample_ids, top_logprobs
 from exlcli.engine.scheduler import ScheduledBatch, Scheduler
 from exlcli.engine.sequence import SeqStatus, Sequence
+from exlcli.engine.sessions import DEFAULT_MAX_SESSIONS, SessionCache
 from exlcli.engine.speculative import Drafter, Speculator, num_accepted, speculation_pays_on
 from exlcli.engine.stats import STEP_TIME_BUCKETS, ActiveRequestInfo, EngineStats, FinishedRequestInfo
 from exlcli.errors import RequestError
@@ -93,6 +94,9 @@ class EngineConfig:
     context_overflow: str = "stop"
     sink_tokens: int = DEFAULT_SINK_TOKENS
     window: int | None = None
+    # Continuations (sessions.py): finished requests of a session keep their cache for its next one;
+    # at most this many are kept (their pages are reclaimed before anyone is preempted)
+    max_sessions: int = DEFAULT_MAX_SESSIONS
 
 
 class RequestHandle:
@@ -179,8 +183,10 @@ class Engine:
                                                     config.draft_layers, draft_model),
                                       config.num_draft_tokens, config.speculative_max_batch)
                            if config.speculative else None)
+        self.sessions = SessionCache(self.pool, config.max_sessions)
         self.scheduler = Scheduler(self.pool, budget, config.max_num_seqs,
-                                   propose=self.speculator.propose if self.speculator else None)
+                                   propose=self.speculator.propose if self.speculator else None,
+                                   reclaim=self.sessions.reclaim)
         self.runner = ModelRunner(model, self.kv)
         self.eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or model.config.eos_token_ids)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
@@ -195,6 +201,7 @@ class Engine:
         self._wake = threading.Condition(self._lock)
         self._inbox: list[tuple[Sequence, RequestHandle]] = []
         self._cancels: set[str] = set()
+        self._ended_sessions: list[str] = []
         self._seqs: dict[str, Sequence] = {}
         self._handles: dict[str, RequestHandle] = {}
         self._streamers: dict[str, TextStreamer] = {}
@@ -203,9 +210,13 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._stats = EngineStats(pages_total=num_pages, page_size=config.page_size,
-                                  spec_method=self.speculator.drafter.name if self.speculator else None)
+                                  spec_method=self.speculator.drafter.name if self.speculator else None,
+                                  context_overflow=config.context_overflow, sink_tokens=config.sink_tokens,
+                                  window=config.window or self.max_model_len)
         self._recent_tokens: collections.deque[tuple[float, int]] = collections.deque()
         self._stats_lock = threading.Lock()
+        self._num_prefill_tokens = 0  # prompt tokens computed (neither cached nor resumed)
+        self._num_evicted_finished = 0  # tokens finished requests evicted
 
     def _kv_budget(self, device: torch.device) -> int:
         if self.config.kv_memory:
@@ -259,6 +270,12 @@ class Engine:
             self._cancels.add(request_id)
             self._wake.notify()
 
+    def end_session(self, session: str) -> None:
+        """The conversation `session` is over: its parked cache (sessions.py) goes back to the pool."""
+        with self._lock:
+            self._ended_sessions.append(session)
+            self._wake.notify()
+
     def stats(self) -> EngineStats:
         """A snapshot (a copy: the engine thread goes on updating its own)."""
         with self._stats_lock:
@@ -267,6 +284,7 @@ class Engine:
                                        spec_drafted_by_position=list(self._stats.spec_drafted_by_position),
                                        spec_accepted_by_position=list(self._stats.spec_accepted_by_position))
         snap.active = self._active_requests()
+        snap.evicted_tokens = snap.evicted_tokens + sum(a.evicted_tokens for a in snap.active)
         c = self.failures.counters
         snap.step_failures, snap.requests_failed, snap.nonfinite_logits = (
             c.step_failures, c.requests_failed, c.nonfinite_logits)
@@ -300,8 +318,8 @@ class Engine:
             torch.set_num_threads(1)
         while True:
             with self._lock:
-                while not (self._inbox or self._cancels or self._stopping or self.scheduler.has_work()
-                           or self._in_flight is not None):
+                while not (self._inbox or self._cancels or self._ended_sessions or self._stopping
+                           or self.scheduler.has_work() or self._in_flight is not None):
                     self._wake.wait()
                 if self._stopping:
                     break
@@ -312,6 +330,7 @@ class Engine:
         self._in_flight = None
         for seq in list(self._seqs.values()):
             self._finish(seq, FinishReason.CANCELLED)
+        self.sessions.end_all()
 
     def step(self) -> bool:
         """One iteration: take new requests and cancellations, schedule, queue the forward pass
@@ -381,6 +400,9 @@ class Engine:
             batch, logits = self._run_alone(batch, prev, e)
             if batch is None:
                 return None
+        self._num_prefill_tokens += sum(
+            max(0, min(item.seq.num_computed_tokens + item.num_new_tokens, item.seq.num_prompt_tokens)
+                - item.seq.num_computed_tokens) for item in batch.items)
         self.scheduler.commit(batch)
         if masks is None:
             if prev is not None and self._masks_need_tokens_in_flight(batch):
@@ -530,8 +552,16 @@ class Engine:
         with self._lock:
             inbox, self._inbox = self._inbox, []
             cancels, self._cancels = self._cancels, set()
+            ended, self._ended_sessions = self._ended_sessions, []
+        for session in ended:
+            self.sessions.end(session)
         for seq, _handle in inbox:
             self._seqs[seq.request_id] = seq
+            if seq.request.session is not None:
+                resumed = self.sessions.resume(seq.request.session, seq)
+                if resumed:  # counted as prefix hits, so that the scheduler's _unmatch can take them back
+                    self.scheduler.prefix_queries += seq.num_tokens
+                    self.scheduler.prefix_hits += resumed
             self._streamers[seq.request_id] = TextStreamer(self.tokenizer, seq.request.stop,
                                                            prompt_ids=seq.request.prompt_ids)
             self.scheduler.add(seq)
@@ -624,9 +654,15 @@ class Engine:
             return
         if reason is FinishReason.ERROR:
             self.failures.request_failed(nonfinite)
+        session = seq.request.session
+        parked = None
+        if session is not None and reason is not FinishReason.ERROR:  # (a failed step's K/V may be wrong)
+            parked, seq.pages = seq.pages, []
         self.scheduler.remove(seq)
         if self.speculator is not None:
             self.speculator.release(seq)
+        if parked is not None:
+            self.sessions.park(session, seq, parked)
         self._seqs.pop(seq.request_id, None)
         self._streamers.pop(seq.request_id, None)
         handle = self._handles.pop(seq.request_id, None)
@@ -636,7 +672,8 @@ class Engine:
             generated_tokens=seq.num_generated,
             queue_time=(seq.first_scheduled_time or now) - seq.submit_time,
             ttft=None if seq.first_token_time is None else seq.first_token_time - seq.submit_time,
-            total_time=now - seq.submit_time, num_preemptions=seq.num_preemptions, evicted_tokens=seq.num_evicted)
+            total_time=now - seq.submit_time, num_preemptions=seq.num_preemptions,
+            evicted_tokens=seq.num_evicted - seq.evicted_before)
         out = last or RequestOutput(seq.request_id)
         out.finished, out.finish_reason, out.error, out.stats = True, reason, error, stats
         with self._stats_lock:
@@ -644,6 +681,7 @@ class Engine:
             s.total_requests += 1
             s.total_prompt_tokens += stats.prompt_tokens
             s.total_generated_tokens += stats.generated_tokens
+            self._num_evicted_finished += stats.evicted_tokens
             s.recent_finished = (s.recent_finished + [FinishedRequestInfo(
                 seq.request_id, seq.request.client, reason.value, stats.prompt_tokens,
                 stats.generated_tokens, stats.ttft, stats.total_time)])[-20:]
@@ -663,7 +701,9 @@ class Engine:
             active.append(ActiveRequestInfo(seq.request_id, seq.request.client, state, seq.num_prompt_tokens,
                                             seq.num_generated,
                                             (seq.num_generated - 1) / gen_time if gen_time > 0 else 0.0,
-                                            now - seq.submit_time))
+                                            now - seq.submit_time, evicted_tokens=seq.num_evicted - seq.evicted_before,
+                                            window=seq.overflow.window if seq.overflow is not None else None,
+                                            cache_tokens=seq.cache_len))
         return active
 
     def _publish_stats(self, batch: ScheduledBatch | None, elapsed: float, generated: int = 0) -> None:
@@ -685,6 +725,9 @@ class Engine:
             s.num_preemptions = sched.num_preemptions
             s.prefix_cache_queries, s.prefix_cache_hits = sched.prefix_queries, sched.prefix_hits
             s.prefix_cache_evictions = self.pool.num_evictions
+            s.prefill_tokens, s.evicted_tokens = self._num_prefill_tokens, self._num_evicted_finished
+            s.sessions_parked, s.session_pages = len(self.sessions), self.sessions.num_pages
+            s.sessions_resumed, s.session_resumed_tokens = self.sessions.num_resumed, self.sessions.num_resumed_tokens
             if self.speculator is not None:
                 c = self.speculator.counters
                 s.spec_verify_steps, s.spec_drafted_tokens, s.spec_accepted_tokens = (

@@ -167,6 +167,9 @@ class Request:
     context_overflow: str | None = None
     sink_tokens: int | None = None  # kept at the start (None: the engine's, 4)
     window: int | None = None  # most tokens in the cache (None: the engine's, its context)
+    # A continuation (engine/sessions.py): keep the cache after the request ends under this name, and
+    # resume the one kept under it when the prompt starts with its tokens
+    session: str | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -176,6 +179,8 @@ class Request:
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise RequestError("every stop string must be a non-empty string")
         self.sampling.validate()
+        if self.session is not None and (not isinstance(self.session, str) or not self.session):
+            raise RequestError("session must be a non-empty string")
 
 
 @dataclass

@@ -62,8 +62,12 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, pool: PagePool, max_num_batched_tokens: int, max_num_seqs: int,
-                 propose: Callable[[Sequence, int], list[int]] | None = None) -> None:
+                 propose: Callable[[Sequence, int], list[int]] | None = None,
+                 reclaim: Callable[[int], bool] | None = None) -> None:
         self.pool = pool
+        # reclaim(num_pages) frees pages held outside the running set (parked sessions) until
+        # num_pages can be allocated; True when it freed any
+        self.reclaim = reclaim
         # speculative decoding: propose(seq, max_tokens) drafts tokens to verify after seq's last one
         self.propose = propose
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -149,7 +153,7 @@ class Scheduler:
             if n == 0:
                 self._unmatch(seq)
                 break
-            if not self.pool.can_allocate(self._pages_needed(seq, n)):
+            if not self._can_allocate(self._pages_needed(seq, n)):
                 self._unmatch(seq)
                 break
             self.waiting.pop(w)
@@ -286,13 +290,17 @@ class Scheduler:
     def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """Pages for `n` more tokens of a running seq, preempting from the back of the running
         list as needed. False if `seq` itself had to go."""
-        while not self.pool.can_allocate(self._pages_needed(seq, n)):
+        while not self._can_allocate(self._pages_needed(seq, n)):
             victim = self.running[-1]
             self._preempt(victim, batch)
             if victim is seq:
                 return False
         self._allocate(seq, n)
         return True
+
+    def _can_allocate(self, num_pages: int) -> bool:
+        return self.pool.can_allocate(num_pages) or (self.reclaim is not None and self.reclaim(num_pages)
+                                                      and self.pool.can_allocate(num_pages))
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)
@@ -313,7 +321,7 @@ class Scheduler:
         while self.running and self.running[-1].priority > head.priority:
             first_chunk = min(head.num_tokens, self.max_num_batched_tokens)
             full = len(self.running) >= self.max_num_seqs
-            if not full and self.pool.can_allocate(-(-first_chunk // self.page_size)):
+            if not full and self._can_allocate(-(-first_chunk // self.page_size)):
                 return
             self._preempt(self.running[-1], batch)
 
@@ -347,6 +355,7 @@ class Scheduler:
             self.prefix_queries -= seq.num_tokens
             self.prefix_hits -= seq.num_cached_tokens
             seq.num_cached_tokens = 0
+            seq.num_evicted = seq.evicted_before = 0  # a resumed session (engine/sessions.py) starts afresh
         self.pool.release_all(seq.pages)
         seq.pages = []
         seq.num_computed_tokens = 0

@@ -47,6 +47,7 @@ class Sequence:
     # not in the cache; the computed point never lies inside that gap.
     overflow: object | None = None  # context_window.ContextPolicy
     num_evicted: int = 0
+    evicted_before: int = 0  # of those, evicted before this request resumed its session (engine/sessions.py)
     _hashes: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:

@@ -17,6 +17,9 @@ class ActiveRequestInfo:
     generated_tokens: int
     tokens_per_s: float
     age_s: float
+    evicted_tokens: int = 0  # left the cache by context shifts (this request's)
+    window: int | None = None  # the request's window past which the cache shifts (None: it stops there)
+    cache_tokens: int = 0  # tokens in its cache now
 
 
 @dataclass
@@ -65,6 +68,19 @@ class EngineStats:
     step_failures: int = 0
     requests_failed: int = 0
     nonfinite_logits: int = 0
+    prefill_tokens: int = 0  # prompt tokens computed: neither served by the prefix cache nor resumed
+    # past the window (engine/context_window.py): the engine's default policy, and the tokens that
+    # left the caches by context shifts (finished and running requests)
+    context_overflow: str = "stop"
+    sink_tokens: int = 4
+    window: int = 0
+    evicted_tokens: int = 0
+    # continuations (engine/sessions.py): sessions parked and their pages; requests that resumed one,
+    # and the tokens those did not compute again
+    sessions_parked: int = 0
+    session_pages: int = 0
+    sessions_resumed: int = 0
+    session_resumed_tokens: int = 0
     active: list[ActiveRequestInfo] = field(default_factory=list)
     recent_finished: list[FinishedRequestInfo] = field(default_factory=list)
 

@@ -144,6 +144,19 @@ def spec_parts(snap: DashboardSnapshot) -> list[str]:
             f"accepted {s.spec_accepted_tokens} ({100 * s.spec_acceptance_rate:.0f}%)", f"by position {by_pos} %"]
 
 
+def window_parts(snap: DashboardSnapshot) -> list[str]:
+    """Past the context window (engine/context_window.py) and continuations (engine/sessions.py); none
+    while the engine stops at the window and no request or session has used either."""
+    s = snap.stats
+    if s.context_overflow == "stop" and not (s.evicted_tokens or s.sessions_parked or s.sessions_resumed):
+        return []
+    method = s.context_overflow + (f" {s.window} tokens, {s.sink_tokens} sinks" if s.context_overflow != "stop" else "")
+    shifted = sum(1 for a in s.active if a.evicted_tokens)
+    return ["window", method, f"evicted {s.evicted_tokens} tokens", f"past it now {shifted}",
+            f"sessions {s.sessions_parked} ({s.session_pages} pages)",
+            f"resumed {s.sessions_resumed} ({s.session_resumed_tokens} tokens not recomputed)"]
+
+
 def latency_parts(snap: DashboardSnapshot) -> list[str]:
     lat = snap.latencies
     return ["latency, last 1m", f"TTFT p50 {_secs(lat.ttft_p50)} p99 {_secs(lat.ttft_p99)}",
@@ -151,7 +164,8 @@ def latency_parts(snap: DashboardSnapshot) -> list[str]:
 
 
 def engine_line(snap: DashboardSnapshot) -> str:
-    return "  ".join(engine_parts(snap) + cache_parts(snap) + spec_parts(snap) + latency_parts(snap))
+    return "  ".join(engine_parts(snap) + cache_parts(snap) + spec_parts(snap) + window_parts(snap)
+                     + latency_parts(snap))
 
 
 def server_line(snap: DashboardSnapshot) -> str:
@@ -259,7 +273,7 @@ class Dashboard:
         spark = sparkline(snap.history, max(10, min(60, width - 60)))
         if spark:
             engine.insert(2, spark)
-        for group in (engine, cache_parts(snap), spec_parts(snap), latency_parts(snap)):
+        for group in (engine, cache_parts(snap), spec_parts(snap), window_parts(snap), latency_parts(snap)):
             for line in pack(group, width) if group else []:
                 yield Text(line, style="cyan", no_wrap=True, overflow="ellipsis")
         yield Text("")

@@ -138,6 +138,8 @@ class _SamplingBody(_Body):
     context_overflow: Literal["stop", "shift", "sinks"] | None = None
     sink_tokens: int | None = Field(None, ge=0)
     window: int | None = Field(None, ge=1)
+    # exlcli: keep this request's cache for the session's next request (engine/sessions.py); the first choice's
+    session: str | None = Field(None, min_length=1, max_length=200)
 
     @field_validator("stop")
     @classmethod
@@ -201,6 +203,7 @@ class _SamplingBody(_Body):
             context_overflow=self.context_overflow,
             sink_tokens=self.sink_tokens,
             window=self.window,
+            session=self.session if index == 0 else None,
         )
 
 

@@ -35,3 +35,16 @@ def test_usage_reports_the_evicted_tokens():
     body = usage_dict([(0, Usage(prompt_tokens=3, completion_tokens=900, evicted_tokens=512)),
                        (0, Usage(prompt_tokens=3, completion_tokens=10))])
     assert body["evicted_tokens"] == 512 and body["completion_tokens"] == 910
+
+
+def test_a_session_reaches_the_first_choice_only():
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], session="conv-1", n=2)
+    assert chat.generation_params(0, 16).session == "conv-1" and chat.generation_params(1, 16).session is None
+    assert CompletionRequest(prompt="x").generation_params(0, 16).session is None
+
+
+def test_an_empty_session_is_a_400_naming_it(fake_server):
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk(fake_server).chat.completions.create(model="fake-echo", messages=[{"role": "user", "content": "hi"}],
+                                                 extra_body={"session": ""})
+    assert "session" in str(e.value)

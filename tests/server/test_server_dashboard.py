@@ -196,3 +196,23 @@ def test_row_ids_are_the_ids_clients_see():
     assert first["id"].startswith("chatcmpl-") and response.headers["x-request-id"] == first["id"]
     assert ids == [f"{first['id']}[0]", f"{first['id']}[1]"]
     assert {f.display_id for f in live.tracker.recent} == set(ids)
+
+
+def test_the_window_line_shows_the_method_evictions_and_sessions():
+    state = make_state()
+    assert "window" not in screen(state).split()  # an engine that stops at its window: no line
+    state.client.view = dataclasses.replace(state.client.view, context_overflow="sinks", window=512, sink_tokens=4,
+                                            evicted_tokens=1536, sessions_parked=1, session_pages=32,
+                                            sessions_resumed=9, session_resumed_tokens=4100)
+    base_stats = state.client.stats
+
+    def with_a_shifted_request():
+        snap = base_stats()
+        snap.active[0] = dataclasses.replace(snap.active[0], evicted_tokens=64, window=512)
+        return snap
+
+    state.client.stats = with_a_shifted_request
+    text = screen(state, width=200)
+    assert ("window  sinks 512 tokens, 4 sinks  evicted 1536 tokens  past it now 1  sessions 1 (32 pages)  "
+            "resumed 9 (4100 tokens not recomputed)") in text
+    assert "window  sinks 512 tokens" in engine_line(take_snapshot(state, "u"))

@@ -32,6 +32,9 @@ class PerplexityOptions:
     quantize: str | None = None  # --quantize fp8|q8_0|q4_k at load
     context_overflow: str | None = None  # shift / sinks: the whole text as one stream through the window
     sink_tokens: int = 4
+    # the in-window baseline of a stream (window_recompute.py): the stream's tokens, each block of `stride`
+    # predicted by a fresh pass over the --ctx-size tokens ending with it
+    stride: int | None = None
 
     @property
     def streams(self) -> bool:
@@ -43,6 +46,10 @@ class PerplexityOptions:
         if self.streams and (self.save_logits is not None or self.kl_divergence is not None):
             raise ExlcliError("--context-overflow shift|sinks scores one stream; --save-logits and --kl-divergence "
                               "compare chunked runs")
+        if self.stride is not None and (self.streams or self.save_logits is not None
+                                        or self.kl_divergence is not None):
+            raise ExlcliError("--stride scores the in-window baseline of a stream; it goes with --context-overflow "
+                              "stop (the default) and without --save-logits or --kl-divergence")
         if self.save_logits is not None and self.kl_divergence is not None:
             raise ExlcliError("--save-logits and --kl-divergence do not go together: save with the reference "
                               "model, then compare with --kl-divergence")
@@ -126,6 +133,8 @@ def run_perplexity(options: PerplexityOptions, out: TextIO | None = None, log: T
                             quantize=options.quantize)
     if options.streams:
         return _run_stream(options, loaded, out, log)
+    if options.stride is not None:
+        return _run_recompute(options, loaded, out, log)
     plan = _plan(options, loaded, reference, log)
     print(f"perplexity: {loaded.name} ({loaded.quantization}), {plan.num_chunks} chunks of {plan.n_ctx} tokens, "
           f"{plan.scored_per_chunk} scored in each, pieces of {options.ubatch}", file=log)
@@ -207,4 +216,21 @@ def _run_stream(options: PerplexityOptions, loaded, out: TextIO, log: TextIO):
     print(final_estimate(result.stats), file=out)
     print(f"perplexity: {result.stats.count} scored tokens, {result.evicted_tokens} evicted, "
           f"in {result.seconds:.1f} s", file=log)
+    return result
+
+
+def _run_recompute(options: PerplexityOptions, loaded, out: TextIO, log: TextIO):
+    from exlcli.bench.ppl.window_recompute import score_recompute
+
+    window = options.ctx_size or DEFAULT_CTX
+    context = loaded.config.max_position_embeddings
+    if window > context:
+        raise ExlcliError(f"--ctx-size {window} is above the model's context of {context} tokens")
+    tokens = loaded.tokenizer.encode(read_text(options.text))
+    print(f"perplexity: {loaded.name} ({loaded.quantization}), {len(tokens)} tokens, the in-window baseline of a "
+          f"stream through {window}: blocks of {options.stride} predicted by a fresh pass over the {window} tokens "
+          f"ending with each", file=log)
+    result = score_recompute(loaded.model, tokens, window, options.stride, out, ubatch=options.ubatch)
+    print(final_estimate(result.stats), file=out)
+    print(f"perplexity: {result.stats.count} scored tokens in {result.seconds:.1f} s", file=log)
     return result

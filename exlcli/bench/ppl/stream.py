@@ -47,6 +47,7 @@ class StreamResult:
     segments: list[Segment]
     evicted_tokens: int
     seconds: float
+    nlls: torch.Tensor | None = None  # every scored token's NLL, in order (to compare runs token by token)
 
 
 def score_stream(model, tokens: list[int], policy: ContextPolicy, piece: int, out: TextIO) -> StreamResult:
@@ -60,7 +61,7 @@ def score_stream(model, tokens: list[int], policy: ContextPolicy, piece: int, ou
     kv = KVCache(model.config, pool.num_pages, PAGE_SIZE, model.device, model.dtype)
     seq = Sequence(request=Request("perplexity", tokens), arrival_index=0, max_tokens=len(tokens), overflow=policy)
     device = model.device
-    total, segments = PerplexityStats(), []
+    total, segments, nlls = PerplexityStats(), [], []
     first_scored = window // 2
     started = time.perf_counter()
     while seq.num_computed_tokens < len(tokens) - 1:
@@ -89,17 +90,18 @@ def score_stream(model, tokens: list[int], policy: ContextPolicy, piece: int, ou
             index = (begin + lo) // window
             while len(segments) <= index:
                 if segments:
-                    _print_segment(segments[-1], window, out)
+                    print_segment(segments[-1], window, out)
                 segments.append(Segment(len(segments) * window))
             segments[index].stats.add(nll[lo:])
             segments[index].piece_times.append(elapsed)
             total.add(nll[lo:])
-    _print_segment(segments[-1], window, out)
+            nlls.append(nll[lo:])
+    print_segment(segments[-1], window, out)
     pool.release_all(seq.pages)
-    return StreamResult(total, segments, seq.num_evicted, time.perf_counter() - started)
+    return StreamResult(total, segments, seq.num_evicted, time.perf_counter() - started, torch.cat(nlls))
 
 
-def _print_segment(segment: Segment, window: int, out: TextIO) -> None:
+def print_segment(segment: Segment, window: int, out: TextIO) -> None:
     median_ms = 1e3 * statistics.median(segment.piece_times)
     print(f"tokens {segment.start:6d} .. {segment.start + window - 1:6d}: PPL {segment.stats.ppl:9.4f}  "
           f"({segment.stats.count} scored, {median_ms:.1f} ms a piece)", file=out, flush=True)
