@@ -11,6 +11,7 @@
 Against a batch-1 decode step at a full window (the model's forward on the paged cache).
 
     python scripts/shift_cost.py [--shape smollm2-135m] [--window 512] [--page-size 16] [--repeat 20]
+    python scripts/shift_cost.py --device cuda --shape llama3-8b      # on a GPU (eager forward)
 """
 
 from __future__ import annotations
@@ -28,12 +29,15 @@ from exlcli.model.random_weights import random_config, random_tensors
 from exlcli.ops.rope import rope_inv_freq, rotate_cached_keys
 
 
-def median_time(fn, repeat: int) -> float:
+def median_time(fn, repeat: int, device: torch.device) -> float:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     fn()
     times = []
     for _ in range(repeat):
+        sync()
         start = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -44,10 +48,11 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     cfg = random_config(args.shape)
-    device = torch.device("cpu")
-    model = build_model(cfg, random_tensors(cfg, dtype=torch.bfloat16), device, torch.bfloat16)
+    device = torch.device(args.device)
+    model = build_model(cfg, random_tensors(cfg, device=device, dtype=torch.bfloat16), device, torch.bfloat16)
     pages = args.window // args.page_size
     kv = KVCache(cfg, pages + 1, args.page_size, device, torch.bfloat16)
     for cache in kv.k + kv.v:
@@ -55,23 +60,25 @@ def main() -> None:
     n = args.window
 
     def decode_step() -> None:
-        table = torch.arange(pages + 1, dtype=torch.int32)[None, :]
+        table = torch.arange(pages + 1, dtype=torch.int32, device=device)[None, :]
+        at = dict(device=device)
         model.forward(BatchInputs(
-            input_ids=torch.tensor([5]), positions=torch.tensor([n - 1]), slot_mapping=torch.tensor([n - 1]),
-            block_tables=table, seq_lens=[n], query_start_loc=[0, 1], logits_indices=torch.tensor([0]),
-            seq_lens_t=torch.tensor([n], dtype=torch.int32), query_start_loc_t=torch.tensor([0, 1], dtype=torch.int32)),
-            kv)
+            input_ids=torch.tensor([5], **at), positions=torch.tensor([n - 1], **at),
+            slot_mapping=torch.tensor([n - 1], **at), block_tables=table, seq_lens=[n], query_start_loc=[0, 1],
+            logits_indices=torch.tensor([0], **at), seq_lens_t=torch.tensor([n], dtype=torch.int32, **at),
+            query_start_loc_t=torch.tensor([0, 1], dtype=torch.int32, **at)), kv)
 
-    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-    window_pages = torch.arange(1, pages)  # all but the sink page
+    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
+    window_pages = torch.arange(1, pages, device=device)  # all but the sink page
 
     def rotate_window() -> None:
         for k_cache in kv.k:
             rotate_cached_keys(k_cache, window_pages, -args.page_size, inv_freq)
 
-    step = median_time(decode_step, args.repeat)
-    rotate = median_time(rotate_window, args.repeat)
-    print(f"{args.shape}, window {n}, page {args.page_size}, {torch.get_num_threads()} threads, CPU")
+    step = median_time(decode_step, args.repeat, device)
+    rotate = median_time(rotate_window, args.repeat, device)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    print(f"{args.shape}, window {n}, page {args.page_size}, {where}")
     print(f"decode step at a full window:               {1e3 * step:8.2f} ms")
     print(f"rotate the window's keys, all layers:       {1e3 * rotate:8.2f} ms")
     print(f"re-rotate (once per {args.page_size} tokens), per token:   {1e3 * rotate / args.page_size:8.2f} ms "
