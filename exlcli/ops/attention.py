@@ -6,7 +6,11 @@ Attention is causal: a query at position p sees keys 0..p.
 
 The reference path attends sequence by sequence over exactly its own keys. A padded, vectorised
 batch would be faster on CPU, but torch's kernels then round differently depending on the padded
-length, so a request's tokens would depend on what else is in the batch.
+length, so a request's tokens would depend on what else is in the batch. For the same reason a
+sequence of a few queries (a step verifying drafted tokens) attends row by row, each row over
+exactly the keys it sees: a causal mask over the chunk's keys leaves the numbers equal but not the
+bits, since torch sums probs @ values in an order that depends on the key count, and a verified
+token would not get the bits a decode step gives it (greedy speculation then drifts at near-ties).
 """
 
 from __future__ import annotations
@@ -30,9 +34,10 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: fl
     """One sequence. q: [n, heads, D] (its last n tokens); keys, values: [kv_heads, L, D].
 
     Written out as matmul, fp32 softmax, matmul (Hugging Face's eager form) rather than SDPA:
-    in bf16, each query row's result then does not depend on how many rows are computed with it,
-    so a token gets the same numbers in a full prefill, a chunk after a prefix-cache hit, or a
-    decode step."""
+    in bf16, each query row's result then does not depend on how many rows are computed with it.
+    It does depend on L, through the masked keys' place in the probs @ values sum: a row gets the
+    bits of a decode step only when L is its own length (paged_attention_ref sees to it for a few
+    queries; a longer prefill chunk's rows may differ from decode rows by a rounding step)."""
     num_q, heads, dim = q.shape
     kv_heads, seq_len = keys.shape[:2]
     group = heads // kv_heads
@@ -90,7 +95,13 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     out = torch.empty_like(q)
     for b, slots in enumerate(layout.slots):
         start, end = query_start_loc[b], query_start_loc[b + 1]
-        out[start:end] = _attend(q[start:end], _gather(k_flat, slots), _gather(v_flat, slots), scale)
+        if 1 < end - start <= MAX_DECODE_QUERIES:  # decode rows, bit for bit (module docstring)
+            first = len(slots) - (end - start)
+            for r in range(start, end):
+                own = slots[:first + r - start + 1]
+                out[r:r + 1] = _attend(q[r:r + 1], _gather(k_flat, own), _gather(v_flat, own), scale)
+        else:
+            out[start:end] = _attend(q[start:end], _gather(k_flat, slots), _gather(v_flat, slots), scale)
     return out
 
 
