@@ -172,7 +172,10 @@ def stream_message(stream) -> tuple[dict, str]:
 def test_tool_round_trip_on_the_tiny_model(tiny_server, streaming):
     client = sdk(tiny_server)
     messages = ask("What is the weather in Paris?")
-    args = dict(model="tiny-tools", tools=TOOLS, tool_choice="required", temperature=0, max_tokens=300)
+    # one call: a random model may chain parallel calls until max_tokens (which calls it makes is not
+    # what this tests; the grammar allowing them is tested above)
+    args = dict(model="tiny-tools", tools=TOOLS, tool_choice="required", parallel_tool_calls=False, temperature=0,
+                max_tokens=300)
     if streaming:
         assistant, reason = stream_message(client.chat.completions.create(messages=messages, stream=True, **args))
         assert reason == "tool_calls" and assistant["tool_calls"]
@@ -180,7 +183,7 @@ def test_tool_round_trip_on_the_tiny_model(tiny_server, streaming):
             jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
     else:
         reply = client.chat.completions.create(messages=messages, **args)
-        assert reply.choices[0].finish_reason == "tool_calls"
+        assert reply.choices[0].finish_reason == "tool_calls", repr(reply.choices[0].message)[:500]
         check_calls(reply.choices[0].message)
         assistant = reply.choices[0].message.model_dump(exclude_none=True)
     results = [{"role": "tool", "tool_call_id": c["id"], "content": json.dumps({"temp": 21})}
