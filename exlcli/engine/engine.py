@@ -310,12 +310,15 @@ class Engine:
         self.masks.shutdown()
 
     # -- the loop (engine thread) ---------------------------------------------------------------
-    def _loop(self) -> None:
-        if self.model.device.type == "cpu":
-            # torch's OpenMP parallel regions started from a thread other than the process's
-            # first one cost more than they save here (measured: 36 vs 24 tok/s at batch 1,
-            # 104 vs 57 at batch 16 on 2 cores), so the engine thread computes single-threaded.
+    def _single_threaded_torch(self) -> None:
+        """On the CPU the C kernels' own pool does the parallel work: torch's OpenMP threads, spinning
+        after each small op, only take cores from it (measured on 2 cores: 36 vs 24 tok/s at batch 1
+        on the engine's thread; 48 vs 41 on the caller's thread with the AVX2 kernels), so torch
+        computes single-threaded wherever the engine steps."""
+        if self.model.device.type == "cpu" and torch.get_num_threads() != 1:
             torch.set_num_threads(1)
+
+    def _loop(self) -> None:
         while True:
             with self._lock:
                 while not (self._inbox or self._cancels or self._ended_sessions or self._stopping
@@ -336,6 +339,7 @@ class Engine:
         """One iteration: take new requests and cancellations, schedule, queue the forward pass
         and sampling, then read back and stream the tokens of the step before (async scheduling:
         while this one runs) or of this one. Returns False when there was nothing to do."""
+        self._single_threaded_torch()
         self._take_inbox()
         prev, self._in_flight = self._in_flight, None
         if not self.scheduler.has_work():
