@@ -5,6 +5,7 @@ from __future__ import annotations
 import _thread
 import io
 import re
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -48,7 +49,13 @@ def run_chat(lines: list[str], client: FakeClient | None = None, settings: ChatS
     chat_io = ChatIO(stdin=io.StringIO("".join(line + "\n" for line in lines)), stdout=out, stderr=err,
                      interactive=False, width=WIDTH)
     app = ChatApp(client, chat_io, settings or ChatSettings(), Conversation(system=system))
-    app.run()
+    # Ctrl-C raises KeyboardInterrupt, as in a terminal, even where pytest was started with SIGINT
+    # ignored (in the background of a non-interactive shell); InterruptingClient relies on it
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        app.run()
+    finally:
+        signal.signal(signal.SIGINT, previous)
     return Transcript(app, client, out.getvalue(), err.getvalue(), merged.getvalue())
 
 

@@ -53,9 +53,15 @@ def pull_env(hub_url: str, tmp_path: Path) -> dict:
     return env
 
 
+def _ctrl_c_as_in_a_terminal() -> None:
+    # a pytest started in the background of a non-interactive shell ignores SIGINT, and a child
+    # inherits that (Python then installs no KeyboardInterrupt handler); a user's terminal does not
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_pull(spec: str, env: dict) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "exlcli", "pull", spec], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=_ctrl_c_as_in_a_terminal)
 
 
 def wait_for_size(path: Path, size: int, proc: subprocess.Popen, timeout: float = 60.0) -> None:
