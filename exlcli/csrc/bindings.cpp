@@ -10,11 +10,12 @@ TORCH_LIBRARY(exlcli, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool pdl) -> Tensor");
   m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, bool pdl) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x, bool pdl) -> Tensor");
-  m.def("decode_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? norm_weight, float eps, bool silu, "
-        "Tensor? residual, bool float_out, bool pdl) -> Tensor");
-  m.def("decode_qkv_rope(Tensor x, Tensor weight, Tensor? bias, Tensor? norm_weight, float eps, Tensor positions, "
-        "Tensor cos_sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, int num_heads, bool pdl) "
-        "-> Tensor");
+  m.def("decode_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? weight_scale, Tensor? norm_weight, float eps, "
+        "bool silu, Tensor? residual, bool float_out, bool pdl) -> Tensor");
+  m.def("decode_qkv_rope(Tensor x, Tensor weight, Tensor? bias, Tensor? weight_scale, Tensor? norm_weight, float eps, "
+        "Tensor positions, Tensor cos_sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, int num_heads, "
+        "bool pdl) -> Tensor");
+  m.def("quantize_rows_e4m3(Tensor x, bool pdl) -> (Tensor, Tensor)");
   m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, int bits, bool e4m3, int group, int n, Tensor? bias, "
         "bool float_out, bool pdl) -> Tensor");
   m.def("quant_dequantize(Tensor qweight, Tensor scales, int bits, bool e4m3, int group, int n, int k, bool pdl) "
@@ -33,6 +34,7 @@ TORCH_LIBRARY_IMPL(exlcli, CUDA, m) {
   m.impl("silu_and_mul", &exlcli::silu_and_mul);
   m.impl("decode_linear", &exlcli::decode_linear);
   m.impl("decode_qkv_rope", &exlcli::decode_qkv_rope);
+  m.impl("quantize_rows_e4m3", &exlcli::quantize_rows_e4m3);
   m.impl("quant_linear", &exlcli::quant_linear);
   m.impl("quant_dequantize", &exlcli::quant_dequantize);
   m.impl("rope_and_write_kv", &exlcli::rope_and_write_kv);

@@ -12,12 +12,18 @@
 //                          kRopeKV    rows are q|k|v heads: q is rotated into q_out, k rotated and v
 //                                     written into their KV pages, as rope.cu does
 //
+// Weights (W) are of the activations' dtype, or FP8 e4m3 (bf16 activations only) with an fp32 scale
+// per row that multiplies the row's sum before the epilogue (FP8 checkpoints' per-tensor and
+// per-channel scales; exlcli/ops/formats/cuda_fp8.py).
+//
 // Work is split in row groups of kRows weight rows; each group is read by `warps_per_group` warps
 // that split K between them (16-byte loads, kUnroll passes in flight per row), so even a 4096-row
 // matrix gives every multiprocessor several groups. The grid is persistent (two blocks per SM). The
 // kernel is launched as a programmatic dependent launch: the first weights are loaded before it
 // waits for the previous kernel (whose output is x).
 #pragma once
+
+#include <cuda_fp8.h>
 
 #include "common.cuh"
 
@@ -37,6 +43,7 @@ constexpr int kNormChunksPerThread = 4;
 struct Params {
   const void* w;  // [n, k]
   const void* bias;  // [n] or nullptr
+  const float* w_scale;  // e4m3 weights: [n], the scale of each row
   int n, k;
   const void* x;  // kPlain, kNorm: [rows, k]; kSilu: [rows, 2k]; rows x_stride apart
   int64_t x_stride;
@@ -59,8 +66,31 @@ struct Params {
   int num_units;  // row groups
 };
 
-__device__ __forceinline__ uint4 load_stream(const void* p) { return __ldcs(static_cast<const uint4*>(p)); }
 __device__ __forceinline__ uint4 load_cached(const void* p) { return __ldg(static_cast<const uint4*>(p)); }
+
+// Weights in one 16-byte chunk of a weight row: 8 of bf16 / fp16, 16 of e4m3.
+template <typename W>
+constexpr int chunk_weights() {
+  return 16 / static_cast<int>(sizeof(W));
+}
+
+// 16 e4m3 weights times two chunks of 8 activations of T, the products added in order.
+template <typename T>
+__device__ __forceinline__ float dot16_e4m3(const uint4& a, const uint4& b0, const uint4& b1, float acc) {
+  const __nv_fp8x2_storage_t* w = reinterpret_cast<const __nv_fp8x2_storage_t*>(&a);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const T* y = reinterpret_cast<const T*>(half == 0 ? &b0 : &b1);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(w[4 * half + e], __NV_E4M3);
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+      acc = fmaf(f.x, to_float(y[2 * e]), acc);
+      acc = fmaf(f.y, to_float(y[2 * e + 1]), acc);
+    }
+  }
+  return acc;
+}
 
 template <typename T>
 __device__ __forceinline__ float dot8(const uint4& a, const uint4& b, float acc) {
@@ -166,6 +196,7 @@ struct EpilogueInputs {
   float a = 0.f, b = 0.f;  // bias of the row (pair)
   float res = 0.f;  // kResidual: the residual element
   float c = 1.f, s = 0.f;  // kRopeKV: cos and sin of the pair's frequency at the token's position
+  float scale_a = 1.f, scale_b = 1.f;  // e4m3 weights: the scales of the row (pair)
 };
 
 template <typename T, Out OUT>
@@ -174,6 +205,10 @@ __device__ __forceinline__ EpilogueInputs epilogue_inputs(const Params& p, int r
   const T* bias = static_cast<const T*>(p.bias);
   if constexpr (OUT == Out::kRopeKV) {
     const int d = p.head_dim, half = d / 2, head = row / d, j = row % d;
+    if (p.w_scale != nullptr) {
+      in.scale_a = p.w_scale[row];
+      in.scale_b = p.w_scale[row + half];
+    }
     if (bias != nullptr) {
       in.a = to_float(bias[row]);
       in.b = to_float(bias[row + half]);
@@ -184,6 +219,7 @@ __device__ __forceinline__ EpilogueInputs epilogue_inputs(const Params& p, int r
       in.s = cs[half + j];
     }
   } else {
+    if (p.w_scale != nullptr) in.scale_a = p.w_scale[row];
     if (bias != nullptr) in.a = to_float(bias[row]);
     if constexpr (OUT == Out::kResidual) in.res = to_float(static_cast<const T*>(p.residual)[m * p.res_stride + row]);
   }
@@ -229,8 +265,10 @@ __device__ __forceinline__ void store_rope_pair(const Params& p, int ra, int m, 
   dst[j + half] = from_float<T>(ob);
 }
 
-template <typename T, int M, In IN, Out OUT>
+template <typename T, typename W, int M, In IN, Out OUT>
 __global__ void __launch_bounds__(kThreads, 2) decode_gemv_kernel(const Params p) {
+  constexpr int kPer = chunk_weights<W>();
+  constexpr bool kScaled = sizeof(W) == 1;
   __shared__ float s_red[kWarps][kRows][M];
   __shared__ float s_scratch[M][32];
   __shared__ float s_inv[M];
@@ -239,8 +277,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_gemv_kernel(const Params p
   const int group = warp / wg;
   const int gt = threadIdx.x - group * wg * 32;  // thread within the row group
   const int step = wg * 32;
-  const int chunks = p.k / 8;
-  const T* w = static_cast<const T*>(p.w);
+  const int chunks = p.k / kPer;
+  const W* w = static_cast<const W*>(p.w);
 
   uint4 wv[kUnroll][kRows];
   auto load_weights = [&](int unit, int c0) {
@@ -251,7 +289,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_gemv_kernel(const Params p
       for (int u = 0; u < kUnroll; ++u) {
         const int c = c0 + u * step;
         if (row >= 0 && c < chunks) {
-          wv[u][r] = load_stream(w + static_cast<int64_t>(row) * p.k + c * 8);
+          wv[u][r] = __ldcs(reinterpret_cast<const uint4*>(w + static_cast<int64_t>(row) * p.k + c * kPer));
         } else {
           wv[u][r] = make_uint4(0, 0, 0, 0);
         }
@@ -298,9 +336,15 @@ __global__ void __launch_bounds__(kThreads, 2) decode_gemv_kernel(const Params p
 #pragma unroll
           for (int m = 0; m < M; ++m) {
             if (m < p.rows) {
-              const uint4 xv = x_chunk<T, IN>(p, m, c, inv[m]);
+              if constexpr (kPer == 8) {
+                const uint4 xv = x_chunk<T, IN>(p, m, c, inv[m]);
 #pragma unroll
-              for (int r = 0; r < kRows; ++r) acc[r][m] = dot8<T>(wv[u][r], xv, acc[r][m]);
+                for (int r = 0; r < kRows; ++r) acc[r][m] = dot8<T>(wv[u][r], xv, acc[r][m]);
+              } else {
+                const uint4 x0 = x_chunk<T, IN>(p, m, 2 * c, inv[m]), x1 = x_chunk<T, IN>(p, m, 2 * c + 1, inv[m]);
+#pragma unroll
+                for (int r = 0; r < kRows; ++r) acc[r][m] = dot16_e4m3<T>(wv[u][r], x0, x1, acc[r][m]);
+              }
             }
           }
         }
@@ -318,9 +362,11 @@ __global__ void __launch_bounds__(kThreads, 2) decode_gemv_kernel(const Params p
     if (finishes) {
       float sa = 0.f;
       for (int i = 0; i < wg; ++i) sa += s_red[group * wg + i][er][em];
+      if constexpr (kScaled) sa *= ein.scale_a;
       if constexpr (OUT == Out::kRopeKV) {
         float sb = 0.f;
         for (int i = 0; i < wg; ++i) sb += s_red[group * wg + i][er + kRows / 2][em];
+        if constexpr (kScaled) sb *= ein.scale_b;
         store_rope_pair<T>(p, out_row, em, sa, sb, slot, ein);
       } else {
         store_row<T, OUT>(p, out_row, em, sa, ein);
@@ -330,17 +376,16 @@ __global__ void __launch_bounds__(kThreads, 2) decode_gemv_kernel(const Params p
   }
 }
 
-// Warps per row group for rows of k elements: enough 16-byte chunks for kUnroll passes per thread.
-inline int warps_per_group(int k) {
-  const int chunks = k / 8;
+// Warps per row group for rows of `chunks` 16-byte chunks: enough for kUnroll passes per thread.
+inline int warps_per_group(int chunks) {
   for (int wg = kWarps; wg > 1; wg /= 2)
     if (chunks >= wg * 32 * kUnroll) return wg;
   return 1;
 }
 
-template <typename T, int M, In IN, Out OUT>
+template <typename T, typename W, int M, In IN, Out OUT>
 void launch(Params p, cudaStream_t stream, bool pdl) {
-  p.warps_per_group = warps_per_group(p.k);
+  p.warps_per_group = warps_per_group(p.k / chunk_weights<W>());
   if (OUT == Out::kRopeKV) {
     p.num_units = (p.num_heads + 2 * p.num_kv_heads) * ((p.head_dim / 2) / (kRows / 2));
   } else {
@@ -348,19 +393,27 @@ void launch(Params p, cudaStream_t stream, bool pdl) {
   }
   const int groups = kWarps / p.warps_per_group;
   const int grid = std::max(1, std::min(ceil_div(p.num_units, groups), 2 * num_sms()));
-  launch_pdl(decode_gemv_kernel<T, M, IN, OUT>, dim3(grid), dim3(kThreads), 0, stream, pdl, p);
+  launch_pdl(decode_gemv_kernel<T, W, M, IN, OUT>, dim3(grid), dim3(kThreads), 0, stream, pdl, p);
 }
 
-// Runs launch<T, M, IN, OUT> with M the smallest of 1, 2, 4 that holds p.rows.
-template <typename T, In IN, Out OUT>
+// Runs launch<T, W, M, IN, OUT> with M the smallest of 1, 2, 4 that holds p.rows.
+template <typename T, typename W, In IN, Out OUT>
 void launch_rows(const Params& p, cudaStream_t stream, bool pdl) {
   if (p.rows <= 1) {
-    launch<T, 1, IN, OUT>(p, stream, pdl);
+    launch<T, W, 1, IN, OUT>(p, stream, pdl);
   } else if (p.rows <= 2) {
-    launch<T, 2, IN, OUT>(p, stream, pdl);
+    launch<T, W, 2, IN, OUT>(p, stream, pdl);
   } else {
-    launch<T, 4, IN, OUT>(p, stream, pdl);
+    launch<T, W, 4, IN, OUT>(p, stream, pdl);
   }
+}
+
+// Calls go(T{}, W{}) for the activation dtype and the weights' kind (e4m3: bf16 activations only);
+// false for a pair no kernel is built for.
+template <typename Go>
+bool with_types(at::ScalarType dtype, bool fp8_weights, Go&& go) {
+  if (fp8_weights) return dtype == at::kBFloat16 && go(__nv_bfloat16{}, __nv_fp8_e4m3{});
+  return dtype == at::kBFloat16 ? go(__nv_bfloat16{}, __nv_bfloat16{}) : go(__half{}, __half{});
 }
 
 }  // namespace gemv
@@ -369,9 +422,10 @@ void launch_rows(const Params& p, cudaStream_t stream, bool pdl) {
 namespace exlcli {
 namespace gemv {
 
-// Launches the (in, out) combination for p.rows rows of dtype `dtype` (bf16 / fp16). Each returns
-// false for a combination its file does not hold: linear.cu holds the plain and silu prologues,
-// linear_fused.cu the norm prologue and the rope epilogue.
+// Launches the (in, out) combination for p.rows rows of dtype `dtype` (bf16 / fp16), over weights of
+// that dtype or e4m3 ones (p.w_scale set). Each returns false for a combination its file does not
+// hold: linear.cu holds the plain and silu prologues, linear_fused.cu the norm prologue and the rope
+// epilogue.
 bool launch_plain_combos(const Params& p, at::ScalarType dtype, In in, Out out, cudaStream_t stream, bool pdl);
 bool launch_fused_combos(const Params& p, at::ScalarType dtype, In in, Out out, cudaStream_t stream, bool pdl);
 

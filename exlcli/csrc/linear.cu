@@ -22,15 +22,25 @@ at::Tensor loadable_rows(const at::Tensor& x) {
 }
 
 void check_weight(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                  int64_t k) {
+                  const std::optional<at::Tensor>& weight_scale, int64_t k) {
   EXL_CHECK_CUDA_TENSOR(x, "decode linear: x");
   EXL_CHECK_CUDA_TENSOR(weight, "decode linear: weight");
   TORCH_CHECK(x.device() == weight.device(), "decode linear: x and weight are on different devices");
   TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= 4, "decode linear: x must be [1 to 4, k]");
   TORCH_CHECK(weight.dim() == 2 && weight.size(1) == k, "decode linear: weight must be [n, ", k, "]");
-  TORCH_CHECK(x.scalar_type() == weight.scalar_type() &&
-                  (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf),
-              "decode linear: x and weight must both be bfloat16 or both float16");
+  if (weight_scale.has_value()) {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kFloat8_e4m3fn,
+                "decode linear: a weight scale goes with float8_e4m3fn weights and bfloat16 x");
+    TORCH_CHECK(k % 16 == 0, "decode linear: e4m3 weight rows must be a multiple of 16 elements");
+    TORCH_CHECK(weight_scale->is_cuda() && weight_scale->device() == x.device() && weight_scale->dim() == 1 &&
+                    weight_scale->size(0) == weight.size(0) && weight_scale->is_contiguous() &&
+                    weight_scale->scalar_type() == at::kFloat,
+                "decode linear: weight_scale must be a contiguous float32 [", weight.size(0), "]");
+  } else {
+    TORCH_CHECK(x.scalar_type() == weight.scalar_type() &&
+                    (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf),
+                "decode linear: x and weight must both be bfloat16 or both float16");
+  }
   TORCH_CHECK(k % 8 == 0 && weight.is_contiguous() && aligned16(weight.data_ptr()),
               "decode linear: weight must be contiguous with rows a multiple of 8 elements");
   if (bias.has_value()) {
@@ -41,9 +51,10 @@ void check_weight(const at::Tensor& x, const at::Tensor& weight, const std::opti
 }
 
 gemv::Params base_params(const at::Tensor& xc, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                         int64_t k) {
+                         const std::optional<at::Tensor>& weight_scale, int64_t k) {
   gemv::Params p{};
   p.w = weight.data_ptr();
+  p.w_scale = weight_scale.has_value() ? weight_scale->data_ptr<float>() : nullptr;
   p.bias = bias.has_value() ? bias->data_ptr() : nullptr;
   p.n = static_cast<int>(weight.size(0));
   p.k = static_cast<int>(k);
@@ -66,32 +77,33 @@ void run(const gemv::Params& p, at::ScalarType dtype, gemv::In in, gemv::Out out
 namespace gemv {
 
 bool launch_plain_combos(const Params& p, at::ScalarType dtype, In in, Out out, cudaStream_t stream, bool pdl) {
-  auto go = [&](auto tag) {
-    using T = decltype(tag);
+  auto go = [&](auto t_tag, auto w_tag) {
+    using T = decltype(t_tag);
+    using W = decltype(w_tag);
     if (in == In::kPlain && out == Out::kPlain) {
-      launch_rows<T, In::kPlain, Out::kPlain>(p, stream, pdl);
+      launch_rows<T, W, In::kPlain, Out::kPlain>(p, stream, pdl);
     } else if (in == In::kPlain && out == Out::kResidual) {
-      launch_rows<T, In::kPlain, Out::kResidual>(p, stream, pdl);
+      launch_rows<T, W, In::kPlain, Out::kResidual>(p, stream, pdl);
     } else if (in == In::kSilu && out == Out::kResidual) {
-      launch_rows<T, In::kSilu, Out::kResidual>(p, stream, pdl);
+      launch_rows<T, W, In::kSilu, Out::kResidual>(p, stream, pdl);
     } else if (in == In::kSilu && out == Out::kPlain) {
-      launch_rows<T, In::kSilu, Out::kPlain>(p, stream, pdl);
+      launch_rows<T, W, In::kSilu, Out::kPlain>(p, stream, pdl);
     } else {
       return false;
     }
     return true;
   };
-  return dtype == at::kBFloat16 ? go(__nv_bfloat16{}) : go(__half{});
+  return with_types(dtype, p.w_scale != nullptr, go);
 }
 
 }  // namespace gemv
 
 at::Tensor decode_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                         const std::optional<at::Tensor>& norm_weight, double eps, bool silu,
+                         const std::optional<at::Tensor>& weight_scale, const std::optional<at::Tensor>& norm_weight, double eps, bool silu,
                          const std::optional<at::Tensor>& residual, bool float_out, bool pdl) {
   TORCH_CHECK(x.dim() == 2, "decode_linear: x must be [rows, features]");
   const int64_t k = silu ? x.size(1) / 2 : x.size(1);
-  check_weight(x, weight, bias, k);
+  check_weight(x, weight, bias, weight_scale, k);
   TORCH_CHECK(!(silu && norm_weight.has_value()), "decode_linear: silu and norm_weight are exclusive");
   TORCH_CHECK(!(float_out && residual.has_value()), "decode_linear: float_out and residual are exclusive");
   const c10::cuda::CUDAGuard guard(x.device());
@@ -100,7 +112,7 @@ at::Tensor decode_linear(const at::Tensor& x, const at::Tensor& weight, const st
                                                .memory_format(at::MemoryFormat::Contiguous));
   if (n == 0) return y;
   const at::Tensor xc = loadable_rows(x);
-  gemv::Params p = base_params(xc, weight, bias, k);
+  gemv::Params p = base_params(xc, weight, bias, weight_scale, k);
   p.y = y.data_ptr();
   gemv::In in = gemv::In::kPlain;
   gemv::Out out = gemv::Out::kPlain;
@@ -131,12 +143,12 @@ at::Tensor decode_linear(const at::Tensor& x, const at::Tensor& weight, const st
 }
 
 at::Tensor decode_qkv_rope(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                           const std::optional<at::Tensor>& norm_weight, double eps, const at::Tensor& positions,
+                           const std::optional<at::Tensor>& weight_scale, const std::optional<at::Tensor>& norm_weight, double eps, const at::Tensor& positions,
                            const at::Tensor& cos_sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& slot_mapping, int64_t num_heads, bool pdl) {
   TORCH_CHECK(x.dim() == 2, "decode_qkv_rope: x must be [rows, features]");
   const int64_t k = x.size(1);
-  check_weight(x, weight, bias, k);
+  check_weight(x, weight, bias, weight_scale, k);
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
                   v_cache.is_contiguous() && k_cache.scalar_type() == x.scalar_type() &&
                   v_cache.scalar_type() == x.scalar_type(),
@@ -154,7 +166,7 @@ at::Tensor decode_qkv_rope(const at::Tensor& x, const at::Tensor& weight, const 
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor q_out = at::empty({x.size(0), num_heads, head_dim}, x.options().memory_format(at::MemoryFormat::Contiguous));
   const at::Tensor xc = loadable_rows(x);
-  gemv::Params p = base_params(xc, weight, bias, k);
+  gemv::Params p = base_params(xc, weight, bias, weight_scale, k);
   gemv::In in = gemv::In::kPlain;
   if (norm_weight.has_value()) {
     TORCH_CHECK(norm_weight->is_cuda() && norm_weight->dim() == 1 && norm_weight->size(0) == k &&

@@ -20,19 +20,23 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const
 // activation.cu
 at::Tensor silu_and_mul(const at::Tensor& x, bool pdl);
 
-// linear.cu: y = x @ weight^T (+ bias) for 1 to 4 rows (decode), bf16 / fp16, with optional fused
-// stages: x normalised first (norm_weight) or x = silu(gate) * up of a [rows, 2k] x (silu); the
+// linear.cu: y = x @ weight^T (+ bias) for 1 to 4 rows (decode), bf16 / fp16 (or e4m3 weights times
+// weight_scale per row, with bf16 x), with optional fused stages: x normalised first (norm_weight) or x = silu(gate) * up of a [rows, 2k] x (silu); the
 // result added to a residual (residual) or returned as fp32 (float_out). With none of them it is
 // the plain product.
 at::Tensor decode_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                         const std::optional<at::Tensor>& norm_weight, double eps, bool silu,
+                         const std::optional<at::Tensor>& weight_scale, const std::optional<at::Tensor>& norm_weight, double eps, bool silu,
                          const std::optional<at::Tensor>& residual, bool float_out, bool pdl);
 // The fused q|k|v projection of decode: (optionally normalised) x @ weight^T, q and k rotated, k and
 // v written at slot_mapping of their caches; returns the rotated q [rows, num_heads, head_dim].
 at::Tensor decode_qkv_rope(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                           const std::optional<at::Tensor>& norm_weight, double eps, const at::Tensor& positions,
+                           const std::optional<at::Tensor>& weight_scale, const std::optional<at::Tensor>& norm_weight, double eps, const at::Tensor& positions,
                            const at::Tensor& cos_sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& slot_mapping, int64_t num_heads, bool pdl);
+
+// fp8_quant.cu: bf16 x [m, k] quantized per row to e4m3 for FP8 products: (q [m, k] float8_e4m3fn,
+// scale [m, 1] fp32) with x ~ q * scale, scale = amax(|row|) / 448.
+std::tuple<at::Tensor, at::Tensor> quantize_rows_e4m3(const at::Tensor& x, bool pdl);
 
 // quant_linear.cu: weights kept quantized in the packed layout of quant_linear.cuh (bits 4 or 8, groups
 // of 16 to 128 along k; e4m3: 8-bit FP8 values): y = x @ w^T (+ bias) for bf16 x [m, k] into bf16 (or

@@ -171,11 +171,12 @@ class DecoderModel:
         rows = batch.input_ids.shape[0]
         r = F.embedding(batch.input_ids, self.embed)  # the residual stream
         for i, layer in enumerate(self.layers):
-            # the dense weights each projection hands over (fused_decode_unsupported checked they exist)
+            # the weights each projection hands over (fused_decode_unsupported checked they exist)
             qkv_w, o_w = layer.qkv.fused_decode_weights(), layer.o_proj.fused_decode_weights()
             gate_up_w, down_w = layer.gate_up.fused_decode_weights(), layer.down.fused_decode_weights()
-            q = kernels.decode_qkv_rope(r, *qkv_w, layer.input_norm, eps, batch.positions,
-                                        self.cos_sin, kv.k[i], kv.v[i], batch.slot_mapping, cfg.num_heads)
+            q = kernels.decode_qkv_rope(r, qkv_w.weight, qkv_w.bias, layer.input_norm, eps, batch.positions,
+                                        self.cos_sin, kv.k[i], kv.v[i], batch.slot_mapping, cfg.num_heads,
+                                        weight_scale=qkv_w.scale)
             o = kernels.paged_attention_decode(q, kv.k[i], kv.v[i], batch.block_tables, batch.seq_lens_t,
                                                self.scale)
             r = kernels.decode_linear(o.view(rows, -1), *o_w, residual=r)

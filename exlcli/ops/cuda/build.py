@@ -25,6 +25,7 @@ SOURCES = (
     "linear.cu",
     "linear_fused.cu",
     "quant_linear.cu",
+    "fp8_quant.cu",
     "attention_decode.cu",
     "attention_decode_v1.cu",
     "attention_decode_v3.cu",

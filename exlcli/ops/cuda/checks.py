@@ -85,12 +85,21 @@ def norm(op: str, x: torch.Tensor, weight: torch.Tensor) -> None:
         fail(op, f"rows of {hidden} elements are longer than the kernel supports")
 
 
-def decode_weight(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int) -> None:
+def decode_weight(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int,
+                  weight_scale: torch.Tensor | None = None) -> None:
     on_cuda(op, "x weight", x, weight)
     if x.dim() != 2 or not 1 <= x.shape[0] <= DECODE_LINEAR_MAX_ROWS:
         fail(op, f"x must be [1 to {DECODE_LINEAR_MAX_ROWS} rows, features], got {list(x.shape)}")
     dtype_in(op, "x", x, HALVES)
-    same_dtype(op, "weight", weight, x)
+    if weight_scale is None:
+        same_dtype(op, "weight", weight, x)
+    else:  # e4m3 weights, a scale per row
+        if weight.dtype != torch.float8_e4m3fn or x.dtype != torch.bfloat16:
+            fail(op, f"a weight_scale goes with float8_e4m3fn weights and bfloat16 x, got {weight.dtype} and {x.dtype}")
+        on_cuda(op, "x weight_scale", x, weight_scale)
+        vector(op, "weight_scale", weight_scale, weight.shape[0], torch.float32)
+        if k % 16:
+            fail(op, f"e4m3 weight rows must be a multiple of 16 elements, got {k}")
     if weight.dim() != 2 or weight.shape[1] != k:
         fail(op, f"weight must be [out, {k}], got {list(weight.shape)}")
     if k % 8 or not weight.is_contiguous() or not aligned(weight):

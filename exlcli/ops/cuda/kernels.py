@@ -37,10 +37,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return torch.ops.exlcli.silu_and_mul(x, STATE.options.pdl)
 
 
-def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                  norm_weight: torch.Tensor | None = None, eps: float = 1e-6, silu: bool = False,
-                  residual: torch.Tensor | None = None, float_out: bool = False) -> torch.Tensor:
-    """x @ weight.T (+ bias) for 1 to 4 rows of bf16 / fp16 (decode), with optional fused stages: x
+def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  weight_scale: torch.Tensor | None = None, *, norm_weight: torch.Tensor | None = None,
+                  eps: float = 1e-6, silu: bool = False, residual: torch.Tensor | None = None,
+                  float_out: bool = False) -> torch.Tensor:
+    """x @ weight.T (+ bias) for 1 to 4 rows of bf16 / fp16 (decode); or of bf16 x over float8_e4m3fn
+    weights, each row's sum times its weight_scale (fp32 [out]). With optional fused stages: x
     normalised first (norm_weight, as rms_norm), or x = silu(gate) * up of a [rows, 2k] x (silu);
     then round(y) + residual (residual, as the residual of fused_add_rms_norm) or round(y) as fp32
     (float_out). With none of them, the plain product."""
@@ -50,7 +52,7 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if silu and x.shape[1] % 2:
         checks.fail(op, f"with silu, x must be [rows, 2 * in_features], got {list(x.shape)}")
     k = x.shape[1] // 2 if silu else x.shape[1]
-    checks.decode_weight(op, x, weight, bias, k)
+    checks.decode_weight(op, x, weight, bias, k, weight_scale)
     if silu and norm_weight is not None:
         checks.fail(op, "silu and norm_weight cannot be combined")
     if residual is not None and float_out:
@@ -67,20 +69,22 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             checks.fail(op, f"residual must be [{x.shape[0]}, {weight.shape[0]}] with contiguous rows, "
                             f"got {list(residual.shape)}")
         checks.same_dtype(op, "residual", residual, x)
-    return torch.ops.exlcli.decode_linear(x, weight, bias, norm_weight, eps, silu, residual, float_out,
-                                          STATE.options.pdl)
+    return torch.ops.exlcli.decode_linear(x, weight, bias, weight_scale, norm_weight, eps, silu, residual,
+                                          float_out, STATE.options.pdl)
 
 
 def decode_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                     norm_weight: torch.Tensor | None, eps: float, positions: torch.Tensor,
                     cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    slot_mapping: torch.Tensor, num_heads: int) -> torch.Tensor:
+                    slot_mapping: torch.Tensor, num_heads: int,
+                    weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Decode's fused q|k|v projection: (rms_norm of) x @ weight.T (+ bias), q and k rotated as
-    rope_and_write_kv does, k and v written at slot_mapping; returns q [rows, num_heads, D]."""
+    rope_and_write_kv does, k and v written at slot_mapping; returns q [rows, num_heads, D]. Weights
+    as decode_linear takes them (weight_scale for e4m3 ones)."""
     op = "decode_qkv_rope"
     if x.dim() != 2:
         checks.fail(op, f"x must be [rows, features], got {list(x.shape)}")
-    checks.decode_weight(op, x, weight, bias, x.shape[1])
+    checks.decode_weight(op, x, weight, bias, x.shape[1], weight_scale)
     checks.on_cuda(op, "x positions cos_sin k_cache v_cache slot_mapping", x, positions, cos_sin, k_cache,
                    v_cache, slot_mapping)
     if norm_weight is not None:
@@ -94,8 +98,8 @@ def decode_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         checks.fail(op, f"weight must have (num_heads + 2 * kv_heads) * head_dim = "
                         f"{(num_heads + 2 * kv_heads) * dim} rows, got {weight.shape[0]}")
     checks.rope_inputs(op, x.shape[0], dim, positions, cos_sin, slot_mapping)
-    return torch.ops.exlcli.decode_qkv_rope(x, weight, bias, norm_weight, eps, positions, cos_sin, k_cache,
-                                            v_cache, slot_mapping, num_heads, STATE.options.pdl)
+    return torch.ops.exlcli.decode_qkv_rope(x, weight, bias, weight_scale, norm_weight, eps, positions, cos_sin,
+                                            k_cache, v_cache, slot_mapping, num_heads, STATE.options.pdl)
 
 
 def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -179,6 +183,17 @@ def _packed(op: str, qweight: torch.Tensor, scales: torch.Tensor, bits: int, gro
         checks.fail(op, f"scales must be contiguous, {want} bytes")
     if not (checks.aligned(qweight) and checks.aligned(scales)):
         checks.fail(op, "qweight and scales must be 16-byte aligned")
+
+
+def quantize_rows_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 x [m, k] quantized per row for FP8 products: (q float8_e4m3fn [m, k], scale fp32 [m, 1]),
+    x ~ q * scale with scale = amax(|row|) / 448 (see csrc/fp8_quant.cu)."""
+    op = "quantize_rows_e4m3"
+    checks.on_cuda(op, "x", x)
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or not x.is_contiguous() or not checks.aligned(x) or x.shape[1] % 8:
+        checks.fail(op, f"x must be a contiguous, aligned bfloat16 [m, k] with k a multiple of 8, got {x.dtype} "
+                        f"{list(x.shape)}")
+    return torch.ops.exlcli.quantize_rows_e4m3(x, STATE.options.pdl)
 
 
 def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bits: int, group: int, n: int,

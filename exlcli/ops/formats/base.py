@@ -10,7 +10,7 @@ and the graph runner hold, whatever the format: they ask it for capabilities, ne
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -19,6 +19,15 @@ Dequantize = Callable[[torch.Tensor], torch.Tensor]
 # (weight, bias or None, device, activation dtype) -> a Linear, or None when this device has no
 # kernel for the format (make_linear then dequantizes to a dense weight, and says so)
 MakeLinear = Callable[["QuantizedWeight", Optional[torch.Tensor], torch.device, torch.dtype], Optional["Linear"]]
+
+
+class DecodeWeights(NamedTuple):
+    """A linear's weights as the fused decode kernels read them (exlcli/ops/cuda/kernels.py's
+    decode_linear and decode_qkv_rope take them in this order)."""
+
+    weight: torch.Tensor  # [out, in], contiguous, 16-byte aligned: bf16 / fp16, or float8_e4m3fn
+    bias: torch.Tensor | None
+    scale: torch.Tensor | None = None  # e4m3 weights: fp32 [out], the scale of each row
 
 
 class Linear:
@@ -36,9 +45,9 @@ class Linear:
         """Bytes of weights read by one use (what a decode step streams)."""
         raise NotImplementedError
 
-    def fused_decode_weights(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """(weight [out, in], bias or None) as the fused decode kernels read them (dense bf16 / fp16,
-        contiguous, 16-byte aligned), or None when this linear cannot take part in that step."""
+    def fused_decode_weights(self) -> DecodeWeights | None:
+        """The weights as the fused decode kernels read them, or None when this linear cannot take
+        part in that step."""
         return None
 
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from exlcli.ops.cuda import kernels
 from exlcli.ops.cuda import loader as cuda_loader
 from exlcli.ops.cuda.limits import DECODE_LINEAR_MAX_ROWS
-from exlcli.ops.formats.base import Linear
+from exlcli.ops.formats.base import DecodeWeights, Linear
 
 
 class DenseLinear(Linear):
@@ -45,8 +45,8 @@ class CudaDenseLinear(DenseLinear):
             return _as(kernels.decode_linear(x, self.weight, self.bias), out_dtype)
         return _as(F.linear(x, self.weight, self.bias), out_dtype)
 
-    def fused_decode_weights(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        return (self.weight, self.bias) if self._skinny else None
+    def fused_decode_weights(self) -> DecodeWeights | None:
+        return DecodeWeights(self.weight, self.bias) if self._skinny else None
 
 
 def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> DenseLinear:

@@ -9,11 +9,11 @@ fbgemm_fp8) and per 128 x 128 tile (DeepSeek-style `weight_block_size: [128, 128
 
 Its CPU linear is a reference that dequantizes (128 rows of weights at a time) on every call: the
 weights stay fp8 in memory, the product is exact in fp32, but it is not fast (no FP8 kernel yet).
-On CUDA the weights stay e4m3 in the 8-bit layout of the quantized linear (cuda_groups.py), one
-scale per block of 128 (all three scale shapes), converted to bf16 in registers on the tensor-core
-path. That beat cuBLASLt's FP8 matmul (`torch._scaled_mm`, activations quantized per token) at
-batch 1 by 2x on an H200; at batch 64 _scaled_mm was about 10% faster (docs/gpu-results.md, run 13),
-not enough to keep a second copy of every weight in its layout.
+On CUDA the weights stay e4m3. With one scale per row (per tensor, per channel) they stay row-major
+(cuda_fp8.py): the decode linear kernel for 1 to 4 tokens and the fused decode step, cuBLASLt's FP8
+matmul with activations quantized per token beyond. With scales per tile they take the 8-bit layout of
+the quantized linear (cuda_groups.py), one scale per block of 128, converted to bf16 in registers on
+the tensor-core path.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from exlcli.ops.cuda import loader as cuda_loader
-from exlcli.ops.formats import cuda_groups
+from exlcli.ops.formats import cuda_fp8, cuda_groups
 from exlcli.ops.formats.base import BlockFormat, Linear, QuantizedWeight
 
 BLOCK_WEIGHTS = 128
@@ -109,16 +109,16 @@ def cpu_linear(weight: QuantizedWeight, bias: torch.Tensor | None, device: torch
 
 def cuda_linear(weight: QuantizedWeight, bias: torch.Tensor | None, device: torch.device,
                 dtype: torch.dtype) -> Linear | None:
-    """The weights kept in e4m3 on the GPU (cuda_groups' 8-bit layout with a scale per block of 128), or
-    None (make_linear then dequantizes) for activations other than bf16, shapes that do not fit, or no
-    kernels."""
+    """The weights kept in e4m3 on the GPU (row-major with a scale per row, or cuda_groups' 8-bit layout
+    with a scale per block of 128), or None (make_linear then dequantizes) for activations other than
+    bf16, shapes that do not fit, or no kernels."""
     if dtype != torch.bfloat16 or device.type != "cuda" or not cuda_loader.kernels_available():
         return None
     rows, cols = weight.shape
     blocks = weight.blocks.to(device).view(rows, -1, BLOCK_BYTES)
     scales = blocks[..., :4].contiguous().view(torch.float32).squeeze(-1)  # [rows, blocks]
     values = blocks[..., 4:].contiguous().view(torch.float8_e4m3fn).reshape(rows, cols)
-    return cuda_groups.e4m3_linear(values, scales, bias)
+    return cuda_fp8.row_scaled_linear(values, scales, bias) or cuda_groups.e4m3_linear(values, scales, bias)
 
 
 FORMAT = BlockFormat("FP8_E4M3", gguf_type=None, block_weights=BLOCK_WEIGHTS, block_bytes=BLOCK_BYTES,

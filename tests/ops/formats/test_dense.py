@@ -12,8 +12,8 @@ from exlcli.ops.formats.dense import CudaDenseLinear, DenseLinear, dense_linear
 def test_the_fused_decode_step_reads_aligned_half_precision_weights_only():
     w = torch.randn(12, 64).bfloat16()
     b = torch.randn(12).bfloat16()
-    weight, bias = CudaDenseLinear(w, b).fused_decode_weights()
-    assert weight is w and bias is b
+    weight, bias, scale = CudaDenseLinear(w, b).fused_decode_weights()
+    assert weight is w and bias is b and scale is None
     assert CudaDenseLinear(w.half()).fused_decode_weights()[1] is None
     assert CudaDenseLinear(w.float()).fused_decode_weights() is None  # fp32
     assert CudaDenseLinear(w[:, :60]).fused_decode_weights() is None  # not contiguous

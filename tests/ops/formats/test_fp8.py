@@ -70,3 +70,33 @@ def test_cpu_linear_stays_fp8_and_computes_the_product(dtype, n, m):
     exact = F.linear(x.double(), want.double(), bias.to(dtype).double())  # make_linear holds the bias in dtype
     assert y.shape == (m, n) and float((y.double() - exact).norm() / exact.norm()) < 1e-6
     assert lin(x).dtype == dtype
+
+
+def test_per_token_activation_quantization_reference():
+    """cuda_fp8.quantize_rows_reference (the oracle of csrc/fp8_quant.cu): each row's largest magnitude
+    maps to 448, a row of zeros keeps a finite scale, and q * scale is x within e4m3's rounding."""
+    from exlcli.ops.formats import cuda_fp8
+    x = (torch.randn(6, 256) * torch.logspace(-4, 4, 6)[:, None]).bfloat16()
+    x[3] = 0
+    q, scale = cuda_fp8.quantize_rows_reference(x)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (6, 1) and scale.dtype == torch.float32
+    top = q.float().abs().amax(dim=1)
+    assert torch.equal(top[[0, 1, 2, 4, 5]], torch.full((5,), 448.0))
+    assert torch.equal(q[3].float(), torch.zeros(256)) and float(scale[3]) > 0
+    back = q.double() * scale.double()
+    rel = (back - x.double()).abs() / x.double().abs().amax(dim=1, keepdim=True).clamp(min=1e-30)
+    assert float(rel.max()) <= 2 ** -4
+
+
+def test_row_scaled_fp8_is_recognised_only_when_every_block_of_a_row_shares_its_scale():
+    from exlcli.ops.formats import cuda_fp8
+    values = torch.randn(32, 256).to(torch.float8_e4m3fn)
+    per_row = torch.rand(32, 1).expand(32, 2).contiguous()
+    lin = cuda_fp8.row_scaled_linear(values, per_row, None)
+    assert isinstance(lin, cuda_fp8.Fp8CudaLinear) and torch.equal(lin.row_scale, per_row[:, 0])
+    assert lin.nbytes() == 32 * 256 + 32 * 4
+    torch.testing.assert_close(lin.dequantized().float(), (values.float() * per_row[:, :1]).bfloat16().float())
+    tiles = per_row.clone()
+    tiles[5, 1] *= 2
+    assert cuda_fp8.row_scaled_linear(values, tiles, None) is None
+    assert cuda_fp8.row_scaled_linear(values[:, :200], per_row, None) is None  # width not of 16

@@ -1,0 +1,88 @@
+"""FP8 weights on CUDA with one scale per output row (per tensor or per channel, as most FP8
+checkpoints are written): the e4m3 matrix [N, K] stays row-major as the checkpoint has it, which is
+the layout both of its products read.
+
+- 1 to 4 tokens (decode): the decode linear kernel (csrc/decode_gemv.cuh) over the e4m3 rows with
+  the bf16 activations as they are, each row's sum times its scale; `fused_decode_weights` hands the
+  same weights to the fused decode step.
+- More tokens: the activations are quantized per token to e4m3 (csrc/fp8_quant.cu) and multiplied
+  on the tensor cores by cuBLASLt's FP8 matmul (`torch._scaled_mm`, a scale per token and per weight
+  row, fp32 accumulation). Measured on an H200 against the 8-bit tensor-core kernel of
+  quant_linear.cuh (`scripts/fp8_matmul_bench.py`, docs/gpu-results.md run 18): equal at 16 tokens,
+  1.8-2.9x faster at 64, 3-5x at 128 and beyond.
+
+Weights with scales per 128 x 128 tile stay in cuda_groups' packed 8-bit layout.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from exlcli.ops.cuda import kernels
+from exlcli.ops.cuda.limits import DECODE_LINEAR_MAX_ROWS
+from exlcli.ops.formats.base import DecodeWeights, Linear
+
+E4M3_MAX = 448.0  # the largest finite e4m3 value
+MIN_AMAX = 1e-12  # a row of zeros quantizes with this amax (csrc/fp8_quant.cu's kMinAmax)
+
+
+def fits(shape: tuple[int, int]) -> bool:
+    """Whether an e4m3 weight [N, K] can run here (cuBLASLt's FP8 matmul wants both multiples of 16)."""
+    rows, cols = shape
+    return rows > 0 and rows % 16 == 0 and cols % 16 == 0
+
+
+def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch reference of kernels.quantize_rows_e4m3, bit for bit: (q e4m3 [m, k], scale fp32 [m, 1])."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=1, keepdim=True).clamp(min=MIN_AMAX)
+    top = torch.full_like(amax, E4M3_MAX)  # tensor by tensor: torch divides by a scalar as a product
+    return (xf * (top / amax)).to(torch.float8_e4m3fn), amax / top
+
+
+class Fp8CudaLinear(Linear):
+    """x W^T + b over e4m3 weights [N, K] (row-major) times an fp32 scale per row (bf16 activations)."""
+
+    def __init__(self, weight: torch.Tensor, row_scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight = weight.contiguous()
+        self.row_scale = row_scale.float().contiguous()
+        self._scale_b = self.row_scale.view(1, -1)  # _scaled_mm's per-column scale of W^T
+        self.bias = bias
+        self.out_features, self.in_features = weight.shape
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        if not x2.is_contiguous() or x2.data_ptr() % 16:
+            x2 = x2.clone(memory_format=torch.contiguous_format)
+        if x2.shape[0] == 0:
+            y = x2.new_empty(0, self.out_features)
+        elif x2.shape[0] <= DECODE_LINEAR_MAX_ROWS:
+            y = kernels.decode_linear(x2, self.weight, self.bias, self.row_scale)
+        else:
+            xq, x_scale = kernels.quantize_rows_e4m3(x2)
+            y = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self._scale_b, bias=self.bias,
+                                 out_dtype=torch.bfloat16)
+        y = y.reshape(*lead, self.out_features)
+        want = out_dtype or x.dtype
+        return y if y.dtype == want else y.to(want)
+
+    def nbytes(self) -> int:
+        return self.weight.numel() + self.row_scale.numel() * 4
+
+    def fused_decode_weights(self) -> DecodeWeights:
+        return DecodeWeights(self.weight, self.bias, self.row_scale)
+
+    def dequantized(self) -> torch.Tensor:
+        """The dense bf16 weight [N, K] (tests and tools)."""
+        return (self.weight.float() * self.row_scale[:, None]).to(torch.bfloat16)
+
+
+def row_scaled_linear(values: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> Linear | None:
+    """The linear of e4m3 values [N, K] whose block scales [N, K / 128] are one value per row, or None
+    when they are not (or the shape does not fit)."""
+    if not fits(tuple(values.shape)) or not bool((scales == scales[:, :1]).all()):
+        return None
+    if bias is not None:
+        bias = bias.to(device=values.device, dtype=torch.bfloat16).contiguous()
+    return Fp8CudaLinear(values, scales[:, 0].contiguous(), bias)

@@ -1,0 +1,232 @@
+"""FP8 weights with a scale per row on CUDA (exlcli/ops/formats/cuda_fp8.py): the per-token e4m3
+quantization of activations against its torch reference bit for bit; the decode linear kernel over
+e4m3 rows (every fused stage) against float64 and against itself layer by layer; the linear at every
+token count against its reference (W8A16 up to 4 tokens, W8A8 beyond); make_linear's choice of
+layout; and the fused decode step of an FP8 model against the model's forward, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gpu_helpers import assert_matches, poison_next_alloc, requires_cuda
+from test_gpu_decode_fused import assert_same, decode_inputs
+
+from exlcli.model.architectures import build_model
+from exlcli.model.config import ModelConfig
+from exlcli.model.kv_cache import KVCache
+from exlcli.model.quantize_at_load import quantize_tensors
+from exlcli.model.random_weights import random_tensors
+from exlcli.ops.activation import silu_and_mul_ref
+from exlcli.ops.cuda import kernels as ops
+from exlcli.ops.errors import KernelInputError
+from exlcli.ops.formats import cuda_fp8, cuda_groups, fp8
+from exlcli.ops.linear import make_linear
+from exlcli.ops.norm import rms_norm_ref
+
+pytestmark = [pytest.mark.gpu, requires_cuda, pytest.mark.usefixtures("kernels")]
+
+
+def fp8_weight(rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random e4m3 values [rows, cols] (every exponent, subnormals included) and a scale per row."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    w = torch.randn(rows, cols, device="cuda", generator=gen) * torch.rand(rows, 1, device="cuda", generator=gen)
+    scale = (w.abs().amax(dim=1) / 448).clamp(min=1e-8)
+    return (w / scale[:, None]).to(torch.float8_e4m3fn), scale.float()
+
+
+def dense(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return values.double() * scale.double()[:, None]
+
+
+@pytest.mark.parametrize("m,k", [(1, 64), (5, 4096), (300, 576), (2, 14336)])
+def test_quantize_rows_is_its_reference_bit_for_bit(m, k):
+    x = (torch.randn(m, k, device="cuda") * torch.logspace(-3, 3, m, device="cuda")[:, None]).bfloat16()
+    x[0, : k // 2] = 0
+    if m > 2:
+        x[1] = 0  # a row of zeros: a finite scale, zeros
+        x[2, 7] = 3e4  # one outlier
+    q, scale = ops.quantize_rows_e4m3(x)
+    q_ref, scale_ref = cuda_fp8.quantize_rows_reference(x)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (m, 1) and scale.dtype == torch.float32
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(scale, scale_ref)
+    assert float(q.float().abs().max()) == 448.0  # every row that is not zeros reaches the top of the range
+    rel = ((q.double() * scale.double() - x.double()).abs().amax(dim=1) / x.double().abs().amax(dim=1).clamp(min=1))
+    assert float(rel.max()) <= 2 ** -4  # e4m3 keeps 3 mantissa bits
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("n,k,with_bias", [(6144, 4096, False), (512, 512, True), (208, 32, True),
+                                           (4096, 14336, False)])
+def test_decode_linear_over_e4m3_rows(rows, n, k, with_bias):
+    values, scale = fp8_weight(n, k, seed=n + k + rows)
+    bias = torch.randn(n, device="cuda").bfloat16() if with_bias else None
+    x = torch.randn(rows, k, device="cuda").bfloat16()
+    poison_next_alloc((rows, n), torch.bfloat16)
+    y = ops.decode_linear(x, values, bias, scale)
+    ref = x.double() @ dense(values, scale).t() + (0 if bias is None else bias.double())
+    assert_matches(y, ref, torch.bfloat16, f"e4m3 {n}x{k} rows {rows}")
+    res = torch.randn(rows, n, device="cuda").bfloat16()
+    assert_same(ops.decode_linear(x, values, bias, scale, residual=res), y + res, "e4m3 linear + residual")
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_decode_linear_over_e4m3_rows_with_norm_and_silu(rows):
+    hidden, inter = 512, 1536
+    values, scale = fp8_weight(2 * inter, hidden, seed=1)
+    r = torch.randn(rows, hidden, device="cuda").bfloat16() * 3
+    nw = (1 + 0.1 * torch.randn(hidden, device="cuda")).bfloat16()
+    y = ops.decode_linear(r, values, None, scale, norm_weight=nw, eps=1e-5)
+    assert_same(y, ops.decode_linear(ops.rms_norm(r, nw, 1e-5), values, None, scale), "norm + e4m3 linear")
+    ref = rms_norm_ref(r.double(), nw.double(), 1e-5) @ dense(values, scale).t()
+    assert_matches(y, ref, torch.bfloat16, "norm + e4m3 linear vs fp64")
+    assert_same(ops.decode_linear(r, values, None, scale, norm_weight=nw, eps=1e-5, float_out=True), y.float(),
+                "fp32 logits")
+    down, down_scale = fp8_weight(hidden, inter, seed=2)
+    gate_up = torch.randn(rows, 2 * inter, device="cuda").bfloat16() * 2
+    h = ops.decode_linear(gate_up, down, None, down_scale, silu=True)
+    assert_same(h, ops.decode_linear(ops.silu_and_mul(gate_up), down, None, down_scale), "silu + e4m3 linear")
+    assert_matches(h, silu_and_mul_ref(gate_up.double()) @ dense(down, down_scale).t(), torch.bfloat16,
+                   "silu + e4m3 linear vs fp64")
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_decode_qkv_rope_over_e4m3_rows(rows):
+    from exlcli.ops.rope import rope_cos_sin_cache
+    heads, kv_heads, dim, hidden = 8, 2, 64, 512
+    cos_sin = rope_cos_sin_cache(dim, 500000.0, None, 4096, torch.device("cuda"))
+    values, scale = fp8_weight((heads + 2 * kv_heads) * dim, hidden, seed=5)
+    r = torch.randn(rows, hidden, device="cuda").bfloat16()
+    nw = (1 + 0.1 * torch.randn(hidden, device="cuda")).bfloat16()
+    positions = torch.randint(0, 4096, (rows,), device="cuda")
+    slots = torch.randperm(64, device="cuda")[:rows]
+    caches = [torch.full((4, 16, kv_heads, dim), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(4)]
+    q = ops.decode_qkv_rope(r, values, None, nw, 1e-5, positions, cos_sin, caches[0], caches[1], slots, heads,
+                            weight_scale=scale)
+    qkv = ops.decode_linear(ops.rms_norm(r, nw, 1e-5), values, None, scale)
+    q_ref, k_ref, v_ref = (t.reshape(rows, -1, dim) for t in qkv.split([heads * dim, kv_heads * dim,
+                                                                       kv_heads * dim], dim=-1))
+    assert_same(q, ops.rope_and_write_kv(q_ref, k_ref, v_ref, positions, cos_sin, caches[2], caches[3], slots),
+                "rotated q")
+    assert_same(caches[0], caches[2], "k cache")
+    assert_same(caches[1], caches[3], "v cache")
+
+
+@pytest.mark.parametrize("m", [1, 4, 5, 16, 64, 300])
+@pytest.mark.parametrize("n,k,with_bias", [(1536, 4096, False), (512, 512, True)])
+def test_fp8_linear_at_every_token_count(m, n, k, with_bias):
+    values, scale = fp8_weight(n, k, seed=m + n)
+    bias = torch.randn(n, device="cuda").bfloat16() if with_bias else None
+    lin = cuda_fp8.Fp8CudaLinear(values, scale, bias)
+    x = torch.randn(m, k, device="cuda").bfloat16()
+    got = lin(x)
+    if m <= 4:  # the activations as they are
+        xd = x.double()
+    else:  # quantized per token (W8A8)
+        xq, xs = cuda_fp8.quantize_rows_reference(x)
+        xd = xq.double() * xs.double()
+    ref = xd @ dense(values, scale).t() + (0 if bias is None else bias.double())
+    assert_matches(got, ref, torch.bfloat16, f"FP8 linear m{m}")
+    assert got.dtype == torch.bfloat16 and lin(x, out_dtype=torch.float32).dtype == torch.float32
+    if m <= 4:  # the decode kernel: a token's result does not depend on the others of its call
+        assert torch.equal(lin(x[:1]), got[:1])
+    three_d = lin(x.view(1, m, k))
+    assert torch.equal(three_d.view(m, n), got)
+
+
+def test_fp8_linear_in_a_cuda_graph():
+    values, scale = fp8_weight(1024, 512, seed=9)
+    lin = cuda_fp8.Fp8CudaLinear(values, scale, None)
+    for m in (2, 40):
+        x = torch.randn(m, 512, device="cuda").bfloat16()
+        want = lin(x)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            lin(x)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = lin(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want), f"graph replay of {m} tokens"
+
+
+@pytest.mark.parametrize("scales", ["tensor", "channel", "tiles"])
+def test_make_linear_keeps_row_scaled_fp8_row_major(scales):
+    rows, cols = 512, 1024
+    w = torch.randn(rows, cols) * 0.05
+    tile = None
+    if scales == "tensor":
+        scale = w.abs().max() / 448
+        values = (w / scale).to(torch.float8_e4m3fn)
+    elif scales == "channel":
+        scale = w.abs().amax(dim=1) / 448
+        values = (w / scale[:, None]).to(torch.float8_e4m3fn)
+    else:
+        tile = (128, 128)
+        scale = torch.rand(rows // 128, cols // 128) * 1e-3 + 1e-4
+        values = (w / scale.repeat_interleave(128, 0).repeat_interleave(128, 1)).clamp(-448, 448).to(
+            torch.float8_e4m3fn)
+    qw = fp8.from_fp8(values, scale, tile)
+    lin = make_linear([qw], None, torch.device("cuda"), torch.bfloat16)
+    if scales == "tiles":
+        assert isinstance(lin, cuda_groups.GroupedCudaLinear) and lin.e4m3
+        return
+    assert isinstance(lin, cuda_fp8.Fp8CudaLinear)
+    assert lin.nbytes() == rows * cols + rows * 4
+    assert torch.equal(lin.weight.view(torch.uint8), values.view(torch.uint8).cuda())
+    torch.testing.assert_close(lin.dequantized().double(), qw.dequantize().double().cuda().bfloat16().double(),
+                               rtol=0, atol=0)
+    assert lin.fused_decode_weights().scale is lin.row_scale
+
+
+def test_bad_input_names_the_problem():
+    values, scale = fp8_weight(64, 64, seed=3)
+    x = torch.randn(2, 64, device="cuda").bfloat16()
+    cases = [
+        (lambda: ops.decode_linear(x, values, None, scale[:10]), "weight_scale must be a contiguous [64]"),
+        (lambda: ops.decode_linear(x.half(), values, None, scale), "float8_e4m3fn weights and bfloat16 x"),
+        (lambda: ops.decode_linear(x, values, None, scale.double()), "weight_scale dtype"),
+        (lambda: ops.decode_linear(torch.randn(1, 24, device="cuda").bfloat16(), values[:, :24].contiguous(), None,
+                                   scale), "multiple of 16"),
+        (lambda: ops.quantize_rows_e4m3(x.float()), "bfloat16 [m, k]"),
+        (lambda: ops.quantize_rows_e4m3(torch.randn(2, 12, device="cuda").bfloat16()), "multiple of 8"),
+    ]
+    for call, words in cases:
+        with pytest.raises(KernelInputError) as err:
+            call()
+        assert words in str(err.value) and "\n" not in str(err.value), (words, str(err.value))
+
+
+FP8_MODELS = {
+    "llama-like": ModelConfig("llama", vocab_size=2000, hidden_size=512, intermediate_size=1536, num_layers=3,
+                              num_heads=8, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
+                              max_position_embeddings=2048),
+    "qwen2-like": ModelConfig("qwen2", vocab_size=2000, hidden_size=512, intermediate_size=1024, num_layers=2,
+                              num_heads=8, num_kv_heads=2, head_dim=128, rms_norm_eps=1e-6,
+                              max_position_embeddings=2048, attention_bias=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FP8_MODELS))
+def test_fused_decode_step_of_an_fp8_model_equals_its_forward(name):
+    config = FP8_MODELS[name]
+    tensors = random_tensors(config, device="cpu", dtype=torch.bfloat16, seed=4)
+    quantize_tensors(tensors, config, "fp8")
+    model = build_model(config, tensors, torch.device("cuda"), torch.bfloat16)
+    assert isinstance(model.layers[0].gate_up, cuda_fp8.Fp8CudaLinear)
+    assert model.fused_decode_unsupported() is None
+    page_size, pages_each = 16, 40
+    for lens in ([1], [300, 17, 5, 129]):
+        kv = KVCache(config, len(lens) * pages_each, page_size, model.device, torch.bfloat16)
+        for c in kv.k + kv.v:
+            c.normal_()
+        kv_ref = KVCache(config, len(lens) * pages_each, page_size, model.device, torch.bfloat16)
+        for c, c_ref in zip(kv.k + kv.v, kv_ref.k + kv_ref.v):
+            c_ref.copy_(c)
+        inputs = decode_inputs(lens, pages_each, page_size, config.vocab_size)
+        assert_same(model.fused_decode_forward(inputs, kv), model.forward(inputs, kv_ref), f"{name} logits {lens}")
+        for c, c_ref in zip(kv.k + kv.v, kv_ref.k + kv_ref.v):
+            assert_same(c, c_ref, "KV cache after the step")
