@@ -7,7 +7,8 @@ CUDA graphs of 20 calls over copies of the weight that together exceed the L2 ca
 - `kernel`: exlcli's FP8 linear (`fp8.cuda_linear`, what the engine runs), whatever path it takes;
 - `scaled_mm`: `torch._scaled_mm` with a scale per token and per output row, the activations
   quantized per token inside the timed call (by the path the linear uses for them);
-- `scaled_mm_only`: the same product with the activations already quantized;
+- `mma_only`: exlcli's FP8 x FP8 kernel (csrc/fp8_linear.cu) with the activations already quantized;
+- `scaled_mm_only`: cuBLASLt's product with the activations already quantized;
 - `bf16`: cuBLAS over the dense bf16 weight (twice the bytes; the unquantized model's product).
 Prints microseconds per call and the weight bytes per second each reaches.
 """
@@ -71,6 +72,7 @@ def main() -> None:
 
 
 def bench_shape(name: str, tokens: list[int], dev: torch.device) -> list[dict]:
+    from exlcli.ops.cuda import kernels
     from exlcli.ops.formats import fp8
 
     rows_out = []
@@ -99,6 +101,7 @@ def bench_shape(name: str, tokens: list[int], dev: torch.device) -> list[dict]:
             "kernel": lambda i: linears[i % copies](x),
             "scaled_mm": lambda i: torch._scaled_mm(*_pair(quantized_input(), weights[i % copies].t()),
                                                     scale_b=row_scales[i % copies], out_dtype=torch.bfloat16),
+            "mma_only": lambda i: kernels.fp8_linear(xq, xs, weights[i % copies], row_scales[i % copies].view(-1)),
             "scaled_mm_only": lambda i: torch._scaled_mm(xq, weights[i % copies].t(), scale_a=xs,
                                                          scale_b=row_scales[i % copies], out_dtype=torch.bfloat16),
             "scaled_mm_fast": lambda i: torch._scaled_mm(xq, weights[i % copies].t(), scale_a=xs,

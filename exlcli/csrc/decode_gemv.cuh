@@ -362,11 +362,12 @@ __global__ void __launch_bounds__(kThreads, 2) decode_gemv_kernel(const Params p
     if (finishes) {
       float sa = 0.f;
       for (int i = 0; i < wg; ++i) sa += s_red[group * wg + i][er][em];
-      if constexpr (kScaled) sa *= ein.scale_a;
+      // __fmul_rn: never contracted into an FMA with the bias, so every epilogue rounds alike
+      if constexpr (kScaled) sa = __fmul_rn(sa, ein.scale_a);
       if constexpr (OUT == Out::kRopeKV) {
         float sb = 0.f;
         for (int i = 0; i < wg; ++i) sb += s_red[group * wg + i][er + kRows / 2][em];
-        if constexpr (kScaled) sb *= ein.scale_b;
+        if constexpr (kScaled) sb = __fmul_rn(sb, ein.scale_b);
         store_rope_pair<T>(p, out_row, em, sa, sb, slot, ein);
       } else {
         store_row<T, OUT>(p, out_row, em, sa, ein);

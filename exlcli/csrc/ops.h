@@ -38,6 +38,11 @@ at::Tensor decode_qkv_rope(const at::Tensor& x, const at::Tensor& weight, const 
 // scale [m, 1] fp32) with x ~ q * scale, scale = amax(|row|) / 448.
 std::tuple<at::Tensor, at::Tensor> quantize_rows_e4m3(const at::Tensor& x, bool pdl);
 
+// fp8_linear.cu: (xq @ weight^T) * x_scale * w_scale (+ bias) for e4m3 xq [m, k] with a scale per row
+// and e4m3 weights [n, k] with a scale per row, bf16 [m, n], on the tensor cores (sm_89+).
+at::Tensor fp8_linear(const at::Tensor& xq, const at::Tensor& x_scale, const at::Tensor& weight,
+                      const at::Tensor& w_scale, const std::optional<at::Tensor>& bias, bool pdl);
+
 // quant_linear.cu: weights kept quantized in the packed layout of quant_linear.cuh (bits 4 or 8, groups
 // of 16 to 128 along k; e4m3: 8-bit FP8 values): y = x @ w^T (+ bias) for bf16 x [m, k] into bf16 (or
 // fp32: float_out) [m, n], and the dense bf16 weight [n, k] (for products of many tokens through cuBLAS).

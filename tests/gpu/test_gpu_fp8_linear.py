@@ -134,10 +134,25 @@ def test_fp8_linear_at_every_token_count(m, n, k, with_bias):
     assert torch.equal(three_d.view(m, n), got)
 
 
+@pytest.mark.parametrize("n,k,with_bias", [(1536, 4096, False), (208, 64, True), (4096, 14336, False)])
+def test_fp8_mma_kernel_against_float64_and_batch_invariant(n, k, with_bias):
+    values, scale = fp8_weight(n, k, seed=n + k)
+    bias = torch.randn(n, device="cuda").bfloat16() if with_bias else None
+    x = torch.randn(256, k, device="cuda").bfloat16()
+    xq, xs = ops.quantize_rows_e4m3(x)
+    ref = (xq.double() * xs.double()) @ dense(values, scale).t() + (0 if bias is None else bias.double())
+    full = ops.fp8_linear(xq, xs, values, scale, bias)
+    assert_matches(full, ref, torch.bfloat16, f"fp8 x fp8 {n}x{k} m256")
+    for m in (1, 5, 8, 9, 16, 17, 33, 64, 65, 200):
+        poison_next_alloc((m, n), torch.bfloat16)
+        got = ops.fp8_linear(xq[:m].contiguous(), xs[:m].contiguous(), values, scale, bias)
+        assert torch.equal(got, full[:m]), f"rows of {m} tokens differ from the same rows among 256"
+
+
 def test_fp8_linear_in_a_cuda_graph():
     values, scale = fp8_weight(1024, 512, seed=9)
     lin = cuda_fp8.Fp8CudaLinear(values, scale, None)
-    for m in (2, 40):
+    for m in (2, 12, 40):
         x = torch.randn(m, 512, device="cuda").bfloat16()
         want = lin(x)
         stream = torch.cuda.Stream()
@@ -192,6 +207,10 @@ def test_bad_input_names_the_problem():
         (lambda: ops.decode_linear(torch.randn(1, 24, device="cuda").bfloat16(), values[:, :24].contiguous(), None,
                                    scale), "multiple of 16"),
         (lambda: ops.quantize_rows_e4m3(x.float()), "bfloat16 [m, k]"),
+        (lambda: ops.fp8_linear(values[:2], scale[:2, None], values[:, :32].contiguous(), scale),
+         "float8_e4m3fn [n, 64]"),
+        (lambda: ops.fp8_linear(values[:2], scale[:3], values, scale), "x_scale must be a contiguous float32 of 2"),
+        (lambda: ops.fp8_linear(values[:2], scale[:2], values[:24], scale[:24]), "multiple of 16"),
         (lambda: ops.quantize_rows_e4m3(torch.randn(2, 12, device="cuda").bfloat16()), "multiple of 8"),
     ]
     for call, words in cases:

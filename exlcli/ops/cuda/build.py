@@ -26,6 +26,7 @@ SOURCES = (
     "linear_fused.cu",
     "quant_linear.cu",
     "fp8_quant.cu",
+    "fp8_linear.cu",
     "attention_decode.cu",
     "attention_decode_v1.cu",
     "attention_decode_v3.cu",

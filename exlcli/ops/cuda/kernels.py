@@ -196,6 +196,32 @@ def quantize_rows_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.ops.exlcli.quantize_rows_e4m3(x, STATE.options.pdl)
 
 
+def fp8_linear(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """(xq @ weight.T) * x_scale * w_scale (+ bias) -> bf16 [m, n] on the tensor cores (sm_89+): xq
+    float8_e4m3fn [m, k] with x_scale fp32 [m, 1] (quantize_rows_e4m3's), weight float8_e4m3fn [n, k]
+    (n a multiple of 16, k of 64) with w_scale fp32 [n]."""
+    op = "fp8_linear"
+    checks.on_cuda(op, "xq x_scale weight w_scale", xq, x_scale, weight, w_scale)
+    if xq.dim() != 2 or xq.dtype != torch.float8_e4m3fn or not xq.is_contiguous() or not checks.aligned(xq):
+        checks.fail(op, f"xq must be a contiguous, aligned float8_e4m3fn [m, k], got {xq.dtype} {list(xq.shape)}")
+    m, k = xq.shape
+    if (weight.dim() != 2 or weight.dtype != torch.float8_e4m3fn or weight.shape[1] != k or not weight.is_contiguous()
+            or not checks.aligned(weight)):
+        checks.fail(op, f"weight must be a contiguous, aligned float8_e4m3fn [n, {k}], got {weight.dtype} "
+                        f"{list(weight.shape)}")
+    n = weight.shape[0]
+    if n % 16 or k % 64 or n == 0:
+        checks.fail(op, f"n must be a multiple of 16 and k of 64, got {n} x {k}")
+    if x_scale.dtype != torch.float32 or x_scale.numel() != m or not x_scale.is_contiguous():
+        checks.fail(op, f"x_scale must be a contiguous float32 of {m} elements, got {list(x_scale.shape)}")
+    checks.vector(op, "w_scale", w_scale, n, torch.float32)
+    if bias is not None:
+        checks.on_cuda(op, "xq bias", xq, bias)
+        checks.vector(op, "bias", bias, n, torch.bfloat16)
+    return torch.ops.exlcli.fp8_linear(xq, x_scale, weight, w_scale, bias, STATE.options.pdl)
+
+
 def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bits: int, group: int, n: int,
                  bias: torch.Tensor | None = None, float_out: bool = False, e4m3: bool = False) -> torch.Tensor:
     """x [m, k] bf16 @ w^T (+ bias) for w [n, k] in the packed layout of csrc/quant_linear.cuh

@@ -6,10 +6,11 @@ the layout both of its products read.
   the bf16 activations as they are, each row's sum times its scale; `fused_decode_weights` hands the
   same weights to the fused decode step.
 - More tokens: the activations are quantized per token to e4m3 (csrc/fp8_quant.cu) and multiplied
-  on the tensor cores by cuBLASLt's FP8 matmul (`torch._scaled_mm`, a scale per token and per weight
-  row, fp32 accumulation). Measured on an H200 against the 8-bit tensor-core kernel of
-  quant_linear.cuh (`scripts/fp8_matmul_bench.py`, docs/gpu-results.md run 18): equal at 16 tokens,
-  1.8-2.9x faster at 64, 3-5x at 128 and beyond.
+  on the tensor cores, fp32 accumulation, a scale per token and per weight row: up to MMA_MAX_TOKENS
+  tokens by csrc/fp8_linear.cu (mma.sync over the row-major weights, batch-invariant), beyond by
+  cuBLASLt's FP8 matmul (`torch._scaled_mm`). Measured on an H200, 8B shapes
+  (`scripts/fp8_matmul_bench.py`, docs/gpu-results.md run 18): at 5-16 tokens the kernel is 1.1-1.9x
+  faster than cuBLASLt; at 64 cuBLASLt is up to 2x faster, and its lead grows with the tokens.
 
 Weights with scales per 128 x 128 tile stay in cuda_groups' packed 8-bit layout.
 """
@@ -23,6 +24,8 @@ from exlcli.ops.cuda.limits import DECODE_LINEAR_MAX_ROWS
 from exlcli.ops.formats.base import DecodeWeights, Linear
 
 E4M3_MAX = 448.0  # the largest finite e4m3 value
+MMA_MAX_TOKENS = 16  # beyond, cuBLASLt's FP8 matmul (measured: docs/gpu-results.md run 18)
+MIN_CAPABILITY = (8, 9)  # e4m3 tensor-core products (Ada, Hopper and newer)
 MIN_AMAX = 1e-12  # a row of zeros quantizes with this amax (csrc/fp8_quant.cu's kMinAmax)
 
 
@@ -59,6 +62,9 @@ class Fp8CudaLinear(Linear):
             y = x2.new_empty(0, self.out_features)
         elif x2.shape[0] <= DECODE_LINEAR_MAX_ROWS:
             y = kernels.decode_linear(x2, self.weight, self.bias, self.row_scale)
+        elif x2.shape[0] <= MMA_MAX_TOKENS and self.in_features % 64 == 0:
+            xq, x_scale = kernels.quantize_rows_e4m3(x2)
+            y = kernels.fp8_linear(xq, x_scale, self.weight, self.row_scale, self.bias)
         else:
             xq, x_scale = kernels.quantize_rows_e4m3(x2)
             y = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self._scale_b, bias=self.bias,
@@ -80,8 +86,10 @@ class Fp8CudaLinear(Linear):
 
 def row_scaled_linear(values: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> Linear | None:
     """The linear of e4m3 values [N, K] whose block scales [N, K / 128] are one value per row, or None
-    when they are not (or the shape does not fit)."""
+    when they are not (or the shape does not fit, or the GPU has no e4m3 tensor cores)."""
     if not fits(tuple(values.shape)) or not bool((scales == scales[:, :1]).all()):
+        return None
+    if values.is_cuda and torch.cuda.get_device_capability(values.device) < MIN_CAPABILITY:
         return None
     if bias is not None:
         bias = bias.to(device=values.device, dtype=torch.bfloat16).contiguous()

@@ -1,0 +1,208 @@
+// FP8 x FP8 products for 5 to a few hundred tokens on the tensor cores (mma.sync m16n8k32 e4m3,
+// fp32 accumulate, sm_89+): y = (xq @ w^T) * x_scale[token] * w_scale[row] (+ bias), bf16 out, for
+// activations quantized per token (fp8_quant.cu) and e4m3 weights [n, k] kept row-major with a
+// scale per row (exlcli/ops/formats/cuda_fp8.py).
+//
+// The blocking is quant_linear.cuh's: a block computes RT tiles of 16 rows for up to 8 * NT
+// tokens; its 8 warps split the input features in chunks of 64 (warp w takes chunks w, w + 8, ...)
+// and add their partial sums in a fixed order, so a token's result does not depend on the other
+// tokens of the call. Inside a chunk, thread t of a fragment reads the 16 consecutive features
+// 16 t .. 16 t + 15 of its weight rows (g and g + 8) and of its token, one 16-byte load each; the
+// mma's k order is a permutation of the features, the same for both operands: k-step s (0, 1) of
+// the chunk takes the thread's words 2 s and 2 s + 1 as its columns 4 t .. 4 t + 3 and
+// 16 + 4 t .. 16 + 4 t + 3. So the weights need no repacking: the layout is the checkpoint's.
+#include <ATen/ops/empty.h>
+#include <cuda_runtime.h>
+
+#include "common.cuh"
+#include "ops.h"
+
+namespace exlcli {
+namespace {
+
+constexpr int kTileRows = 16;
+constexpr int kChunk = 64;
+constexpr int kWarps = 8;
+
+struct Fp8Params {
+  const uint8_t* xq;       // [m, k] e4m3, rows 16-byte aligned
+  const float* x_scale;    // [m]
+  const uint8_t* w;        // [n, k] e4m3
+  const float* w_scale;    // [n]
+  const __nv_bfloat16* bias;  // [n] or null
+  __nv_bfloat16* out;      // [m, n]
+  int m, n, k;
+};
+
+__device__ __forceinline__ uint4 load_weights(const uint8_t* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ void mma_e4m3(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+  __trap();  // the Python side runs this kernel only on sm_89 and newer
+#endif
+}
+
+template <int NT, int RT, int UNROLL>
+__global__ void __launch_bounds__(kWarps * 32) fp8_linear_kernel(Fp8Params p) {
+  __shared__ float partial[kWarps][NT][4][32];
+  const int tile0 = blockIdx.x * RT;
+  const int token0 = blockIdx.y * 8 * NT;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int chunks = p.k / kChunk;
+
+  float acc[RT][NT][4];
+#pragma unroll
+  for (int r = 0; r < RT; ++r)
+#pragma unroll
+    for (int j = 0; j < NT; ++j) acc[r][j][0] = acc[r][j][1] = acc[r][j][2] = acc[r][j][3] = 0.0f;
+
+  for (int first = warp; first < chunks; first += kWarps * UNROLL) {
+    uint4 wl[UNROLL][RT][2];  // rows g and g + 8 of each row tile
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int chunk = first + u * kWarps;
+      if (chunk < chunks) {
+#pragma unroll
+        for (int r = 0; r < RT; ++r) {
+          const uint8_t* row = p.w + static_cast<size_t>((tile0 + r) * kTileRows + g) * p.k + chunk * kChunk + 16 * t;
+          wl[u][r][0] = load_weights(row);
+          wl[u][r][1] = load_weights(row + static_cast<size_t>(8) * p.k);
+        }
+      }
+    }
+    if (first == warp) grid_dependency_wait();  // xq is the previous kernel's output
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int chunk = first + u * kWarps;
+      if (chunk >= chunks) break;
+      uint4 xv[NT];
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        const int token = token0 + 8 * j + g;
+        xv[j] = token < p.m ? *reinterpret_cast<const uint4*>(p.xq + static_cast<size_t>(token) * p.k +
+                                                              chunk * kChunk + 16 * t)
+                            : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int r = 0; r < RT; ++r) {
+        const uint4& lo = wl[u][r][0];
+        const uint4& hi = wl[u][r][1];
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          mma_e4m3(acc[r][j], lo.x, hi.x, lo.y, hi.y, xv[j].x, xv[j].y);
+          mma_e4m3(acc[r][j], lo.z, hi.z, lo.w, hi.w, xv[j].z, xv[j].w);
+        }
+      }
+    }
+  }
+
+  grid_dependency_wait();  // (warps without a chunk) before anything is written
+  grid_dependents_launch();
+#pragma unroll
+  for (int r = 0; r < RT; ++r) {
+    if (r > 0) __syncthreads();
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) partial[warp][j][e][lane] = acc[r][j][e];
+    __syncthreads();
+    // accumulator e of lane (g, t) is row g + 8 (e / 2) of the tile and token 2 t + e % 2 of its group of 8
+    for (int i = threadIdx.x; i < NT * 4 * 32; i += kWarps * 32) {
+      const int j = i / 128, e = (i / 32) % 4, l = i % 32;
+      const int token = token0 + 8 * j + 2 * (l & 3) + (e & 1);
+      if (token >= p.m) continue;
+      float sum = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) sum += partial[w][j][e][l];
+      const int row = (tile0 + r) * kTileRows + (l >> 2) + 8 * (e >> 1);
+      float v = sum * (p.x_scale[token] * p.w_scale[row]);
+      if (p.bias != nullptr) v += __bfloat162float(p.bias[row]);
+      p.out[static_cast<size_t>(token) * p.n + row] = __float2bfloat16_rn(v);
+    }
+  }
+}
+
+template <int NT, int RT, int UNROLL>
+void launch_tiles(const Fp8Params& p, cudaStream_t stream, bool pdl) {
+  const dim3 grid(p.n / (kTileRows * RT), (p.m + 8 * NT - 1) / (8 * NT));
+  launch_pdl(fp8_linear_kernel<NT, RT, UNROLL>, grid, dim3(kWarps * 32), 0, stream, pdl, p);
+}
+
+// The smallest token tile that covers m (more blocks in y beyond 64 tokens); up to 16 tokens one row
+// tile a block with 4 chunks in flight per warp, beyond two row tiles sharing each activation load.
+void launch(const Fp8Params& p, cudaStream_t stream, bool pdl) {
+  const bool pairs = (p.n / kTileRows) % 2 == 0;
+  if (p.m <= 8) {
+    launch_tiles<1, 1, 4>(p, stream, pdl);
+  } else if (p.m <= 16) {
+    launch_tiles<2, 1, 4>(p, stream, pdl);
+  } else if (p.m <= 32) {
+    if (pairs) {
+      launch_tiles<4, 2, 2>(p, stream, pdl);
+    } else {
+      launch_tiles<4, 1, 4>(p, stream, pdl);
+    }
+  } else if (pairs) {
+    launch_tiles<8, 2, 2>(p, stream, pdl);
+  } else {
+    launch_tiles<8, 1, 2>(p, stream, pdl);
+  }
+}
+
+}  // namespace
+
+at::Tensor fp8_linear(const at::Tensor& xq, const at::Tensor& x_scale, const at::Tensor& weight,
+                      const at::Tensor& w_scale, const std::optional<at::Tensor>& bias, bool pdl) {
+  EXL_CHECK_CUDA_TENSOR(xq, "fp8 linear: xq");
+  EXL_CHECK_CUDA_TENSOR(weight, "fp8 linear: weight");
+  TORCH_CHECK(xq.dim() == 2 && xq.scalar_type() == at::kFloat8_e4m3fn && xq.is_contiguous() &&
+                  aligned16(xq.data_ptr()),
+              "fp8 linear: xq must be a contiguous, aligned float8_e4m3fn [m, k]");
+  const int64_t m = xq.size(0), k = xq.size(1), n = weight.size(0);
+  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == k && weight.scalar_type() == at::kFloat8_e4m3fn &&
+                  weight.is_contiguous() && aligned16(weight.data_ptr()),
+              "fp8 linear: weight must be a contiguous, aligned float8_e4m3fn [n, ", k, "]");
+  TORCH_CHECK(n % kTileRows == 0 && k % kChunk == 0 && n > 0, "fp8 linear: n must be a multiple of 16 and k of 64");
+  TORCH_CHECK(x_scale.scalar_type() == at::kFloat && x_scale.numel() == m && x_scale.is_contiguous() &&
+                  w_scale.scalar_type() == at::kFloat && w_scale.numel() == n && w_scale.is_contiguous(),
+              "fp8 linear: x_scale and w_scale must be contiguous float32 of m and n elements");
+  TORCH_CHECK(x_scale.device() == xq.device() && w_scale.device() == xq.device() && weight.device() == xq.device(),
+              "fp8 linear: every tensor must be on one device");
+  Fp8Params p{};
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->device() == xq.device() && bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous() &&
+                    bias->scalar_type() == at::kBFloat16,
+                "fp8 linear: bias must be a contiguous bfloat16 [", n, "]");
+    p.bias = static_cast<const __nv_bfloat16*>(bias->data_ptr());
+  }
+  const c10::cuda::CUDAGuard guard(xq.device());
+  at::Tensor out = at::empty({m, n}, xq.options().dtype(at::kBFloat16));
+  if (m == 0) return out;
+  p.xq = static_cast<const uint8_t*>(xq.data_ptr());
+  p.x_scale = x_scale.data_ptr<float>();
+  p.w = static_cast<const uint8_t*>(weight.data_ptr());
+  p.w_scale = w_scale.data_ptr<float>();
+  p.out = static_cast<__nv_bfloat16*>(out.data_ptr());
+  p.m = static_cast<int>(m);
+  p.n = static_cast<int>(n);
+  p.k = static_cast<int>(k);
+  launch(p, current_stream(), pdl);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+}  // namespace exlcli
