@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import torch
 
 
 @pytest.fixture
@@ -21,3 +22,12 @@ def default_model_path() -> str:
     from exlcli.model.default_model import resolve_model_path
 
     return resolve_model_path(None)
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Tiny matmuls: one torch thread is faster than two that fight other processes for the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -25,16 +25,10 @@ from exlcli.model.random_weights import random_config, random_tensors
 from tests.chat.chat_helpers import chat_requests, run_chat
 from tests.engine.grammar_helpers import small_bpe_tokenizer
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 ANSWER = 12  # letters: /format regex [a-z]{12} keeps the answers to text the template spells as sampled
 USAGE = re.compile(r"(\d+) prompt tokens \((\d+) cached\), first token [^,]+, (\d+) tokens at")
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def chat(client, lines: list[str], window: ChatWindow) -> tuple[ChatApp, str]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -33,6 +35,14 @@ def tiny_model() -> CausalLM:
     # bf16, the CPU default: there every row's numbers are independent of the batch (in fp32,
     # torch's matmuls pick kernels by row count, so batch invariance is only approximate)
     return build_model(cfg, random_tensors(cfg), torch.device("cpu"), torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def one_layer_model() -> CausalLM:
+    """fp32 and one layer: a token's K/V depend only on it and its position, so a fresh prefill of the
+    kept tokens is the oracle of a shifted cache (test_context_window.py, test_sessions.py)."""
+    cfg = dataclasses.replace(random_config("tiny"), num_layers=1)
+    return build_model(cfg, random_tensors(cfg), torch.device("cpu"), torch.float32)
 
 
 @pytest.fixture(params=[False, True], ids=["sync", "async"])

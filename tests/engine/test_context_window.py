@@ -8,35 +8,18 @@ this random model with sharp attention (keys of norm ~10) turns into logprob cha
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import pytest
-import torch
 
 from exlcli.engine.engine import Engine, EngineConfig
 from exlcli.engine.request import FinishReason, Request, SamplingParams
 from exlcli.errors import RequestError
-from exlcli.model.architectures import build_model
-from exlcli.model.random_weights import random_config, random_tensors
 from tests.engine.conftest import LetterTokenizer, greedy, random_prompts, tokens_of
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 PAGE = 16
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matmuls: one thread is faster than two that fight other processes for the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def one_layer_model():
-    cfg = dataclasses.replace(random_config("tiny"), num_layers=1)
-    return build_model(cfg, random_tensors(cfg), torch.device("cpu"), torch.float32)
 
 
 def engine_of(model, **options) -> Engine:

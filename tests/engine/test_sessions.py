@@ -4,36 +4,17 @@ same stream of tokens gives in one sequence."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
-import torch
 
 from exlcli.engine.engine import Engine, EngineConfig
 from exlcli.engine.request import Request, SamplingParams
 from exlcli.errors import RequestError
-from exlcli.model.architectures import build_model
-from exlcli.model.random_weights import random_config, random_tensors
 from tests.engine.conftest import LetterTokenizer, greedy, random_prompts, tokens_of
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PAGE = 16
 SINKS = dict(context_overflow="sinks", sink_tokens=4, window=64)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def one_layer_model():
-    """fp32 and one layer: a token's K/V depend only on it and its position, so a fresh prefill of the
-    kept tokens is the oracle of a shifted cache (see test_context_window.py)."""
-    cfg = dataclasses.replace(random_config("tiny"), num_layers=1)
-    return build_model(cfg, random_tensors(cfg), torch.device("cpu"), torch.float32)
 
 
 def turn(engine: Engine, request: Request):
