@@ -202,6 +202,9 @@ class QuantCpuLinear(Linear):
                                      m=ptr(self.m), bias=ptr(self.bias), out_features=self.out_features)
         return self._args
 
+    def cpu_qmatmul_parts(self) -> list[QMatmulArgs] | None:
+        return [self._weight_args()] if available() else None
+
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x: [M, K] bf16 -> [M, N] in out_dtype (bf16 by default; fp32 for logits)."""
         out_dtype = out_dtype or x.dtype
