@@ -18,9 +18,10 @@ typedef struct {
     int32_t y_fp32;     // 1: y is fp32, 0: bf16
     int32_t offsets;    // 1: w = q * d + m; 0: w = q * d (bits 4 always has offsets)
     int32_t scales_per_block;  // 1, or 2: one scale per 16 weights (Q6_K)
+    int32_t half_scales;  // 1: d and m are fp16 (where exl_qmatmul_half_scales_available()), 0: fp32
     const uint8_t *qs;  // the repacked quants
-    const float *d;     // the scales
-    const float *m;     // the offsets (read when there are offsets)
+    const void *d;      // the scales
+    const void *m;      // the offsets (read when there are offsets)
     const uint16_t *bias;  // bf16 [N], or NULL
     int64_t out_features;  // N
     void *y;            // [M, N]

@@ -85,14 +85,28 @@ typedef struct {
     const int8_t *xq;
     const float *dx, *xs;
     int64_t M, K, nb, N;
-    int bits, y_fp32, two_scales, has_off;
+    int bits, y_fp32, two_scales, has_off, half;  // half: d and m are fp16
     const uint8_t *qs;
-    const float *d, *m;
+    const void *d, *m;
     const uint16_t *bias;
     void *y;
 } qmm2_args;
 
 static inline int64_t qbytes_of(int bits) { return bits == 4 ? 256 : 512; }
+
+// Scales and offsets are fp32, or fp16 where they are exact in it (the legacy formats' own fp16
+// values: 2 bytes a block less to read); widened to fp32 on load, so both give the same bits.
+static inline const void *scales_at(const void *base, int64_t i, int half) {
+    return half ? (const void *)((const uint16_t *)base + i) : (const void *)((const float *)base + i);
+}
+
+static inline __attribute__((always_inline)) __m256 scales8(const void *base, int64_t i, int half) {
+#if EXL_QMM_HALF_SCALES
+    if (half) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + i)));
+#endif
+    (void)half;
+    return _mm256_loadu_ps((const float *)base + i);
+}
 
 // acc[r] += float(sum) * (d * dx) (+ m * xs with offsets): one step of the order in the header.
 static inline __attribute__((always_inline)) __m256 add_scaled(__m256 acc, __m256i sum, __m256 d, float dx) {
@@ -102,7 +116,7 @@ static inline __attribute__((always_inline)) __m256 add_scaled(__m256 acc, __m25
 // Rows r0 .. r0 + rows - 1, half h (columns n0 + 8h ..) of one column group of 4-bit weights.
 // q <= 15 and |xq| <= 127: a pair is at most 3,810, so the 8 pairs of a block's 32 k fit int16.
 static inline __attribute__((always_inline)) void group_half_q4(const qmm2_args *a, const uint8_t *gq,
-                                                                 const float *gd, const float *gm, int64_t r0,
+                                                                 const void *gd, const void *gm, int64_t r0,
                                                                  int rows, int h, __m256 acc[RT]) {
     const __m256i ones = _mm256_set1_epi16(1);
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
@@ -120,7 +134,7 @@ static inline __attribute__((always_inline)) void group_half_q4(const qmm2_args 
                 s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(hi, bcast4(x + 4)));
             }
         }
-        __m256 d = _mm256_loadu_ps(gd + b * CG + 8 * h), mv = _mm256_loadu_ps(gm + b * CG + 8 * h);
+        __m256 d = scales8(gd, b * CG + 8 * h, a->half), mv = scales8(gm, b * CG + 8 * h, a->half);
         for (int r = 0; r < rows; r++) {
             int64_t i = (r0 + r) * a->nb + b;
             acc[r] = add_scaled(acc[r], _mm256_madd_epi16(s16[r], ones), d, a->dx[i]);
@@ -132,7 +146,7 @@ static inline __attribute__((always_inline)) void group_half_q4(const qmm2_args 
 // The same for 8-bit weights: |q| <= 128 against x with q's sign, a pair at most 32,512 (int16), each
 // pair widened to int32 at once. With two scales per block the k < 16 sum enters acc before the rest.
 static inline __attribute__((always_inline)) void group_half_q8(const qmm2_args *a, const uint8_t *gq,
-                                                                 const float *gd, const float *gm, int64_t r0,
+                                                                 const void *gd, const void *gm, int64_t r0,
                                                                  int rows, int h, __m256 acc[RT]) {
     const __m256i ones = _mm256_set1_epi16(1);
     int64_t spb = a->two_scales ? 2 : 1;
@@ -140,12 +154,12 @@ static inline __attribute__((always_inline)) void group_half_q8(const qmm2_args 
     for (int64_t b = 0; b < a->nb; b++) {
         const uint8_t *blk = gq + b * 512;
         const int8_t *xb = a->xq + r0 * a->K + b * BLOCK;
-        const float *db = gd + b * spb * CG + 8 * h;
+        const int64_t db = b * spb * CG + 8 * h;
         __m256i s[RT];
         for (int r = 0; r < rows; r++) s[r] = _mm256_setzero_si256();
         for (int p = 0; p < 16; p += 2) {
             if (p == 8 && a->two_scales) {
-                __m256 d0 = _mm256_loadu_ps(db);
+                __m256 d0 = scales8(gd, db, a->half);
                 for (int r = 0; r < rows; r++) {
                     acc[r] = add_scaled(acc[r], s[r], d0, a->dx[(r0 + r) * a->nb + b]);
                     s[r] = _mm256_setzero_si256();
@@ -157,18 +171,18 @@ static inline __attribute__((always_inline)) void group_half_q8(const qmm2_args 
                 s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(prod, ones));
             }
         }
-        __m256 d = _mm256_loadu_ps(db + (a->two_scales ? CG : 0));
+        __m256 d = scales8(gd, db + (a->two_scales ? CG : 0), a->half);
         for (int r = 0; r < rows; r++) {
             int64_t i = (r0 + r) * a->nb + b;
             acc[r] = add_scaled(acc[r], s[r], d, a->dx[i]);
-            if (a->has_off) acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_loadu_ps(gm + b * CG + 8 * h),
+            if (a->has_off) acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(scales8(gm, b * CG + 8 * h, a->half),
                                                                          _mm256_set1_ps(a->xs[i])));
         }
     }
 }
 
-static inline __attribute__((always_inline)) void group_half(const qmm2_args *a, const uint8_t *gq, const float *gd,
-                                                              const float *gm, int64_t r0, int rows, int h,
+static inline __attribute__((always_inline)) void group_half(const qmm2_args *a, const uint8_t *gq, const void *gd,
+                                                              const void *gm, int64_t r0, int rows, int h,
                                                               __m256 acc[RT]) {
     if (a->bits == 4) group_half_q4(a, gq, gd, gm, r0, rows, h, acc);
     else group_half_q8(a, gq, gd, gm, r0, rows, h, acc);
@@ -191,8 +205,8 @@ static void qmm2_groups(void *ctx, int64_t begin, int64_t end) {
     int64_t nb = a->nb, qbytes = qbytes_of(a->bits), spb = a->two_scales ? 2 : 1;
     for (int64_t g = begin; g < end; g++) {
         const uint8_t *gq = a->qs + g * nb * qbytes;  // the group's weights: 4.5 to 24 KB, L1/L2 across tiles
-        const float *gd = a->d + g * nb * spb * CG;
-        const float *gm = a->has_off ? a->m + g * nb * CG : NULL;
+        const void *gd = scales_at(a->d, g * nb * spb * CG, a->half);
+        const void *gm = a->has_off ? scales_at(a->m, g * nb * CG, a->half) : NULL;
         int64_t n0 = g * CG;
         for (int h = 0; h < 2; h++) {
             if (n0 + 8 * h >= a->N) break;
@@ -222,7 +236,7 @@ static int qmatmul_avx2(const exl_qmatmul_args *args, int two_scales, int has_of
     }
     quantize_rows(args->x, M, K, xq, scales, scales + M * nb);
     qmm2_args a = {xq, scales, scales + M * nb, M, K, nb, N, args->bits, args->y_fp32, two_scales, has_off,
-                   args->qs, args->d, args->m, args->bias, args->y};
+                   args->half_scales != 0, args->qs, args->d, args->m, args->bias, args->y};
     exl_parallel_for(qmm2_groups, &a, (N + CG - 1) / CG);
     free(scales);
     free(xq);
