@@ -32,18 +32,18 @@ FORMATS = {"q_proj": "Q4_1", "k_proj": "Q4_1", "v_proj": "Q8_0", "o_proj": "Q4_0
            "up_proj": "Q4_1", "down_proj": "Q5_0"}
 
 
-def quantized_tensors(config: ModelConfig) -> dict:
+def quantized_tensors(config: ModelConfig, formats: dict[str, str]) -> dict:
     tensors = random_tensors(config, seed=1)
     for name, t in tensors.items():
-        fmt = next((f for key, f in FORMATS.items() if f".{key}." in name), None)
+        fmt = next((f for key, f in formats.items() if f".{key}." in name), None)
         if fmt is not None and name.endswith(".weight"):
             tensors[name] = quantize_weight(t, fmt)
     return tensors
 
 
-def models(config: ModelConfig, monkeypatch):
+def models(config: ModelConfig, monkeypatch, formats: dict[str, str] = FORMATS):
     """(layer by layer, one call a layer), from the same weights."""
-    tensors = quantized_tensors(config)
+    tensors = quantized_tensors(config, formats)
     monkeypatch.setenv("EXLCLI_NO_CPU_LAYER_KERNEL", "1")
     by_op = build_model(config, tensors, torch.device("cpu"), torch.bfloat16)
     by_op._cpu_layers = by_op._build_cpu_decoder_layers()
@@ -82,11 +82,12 @@ STEPS = [
 ]
 
 
-@pytest.mark.parametrize("variant", ["llama", "qwen2 biases", "qwen3 q/k norms"])
+@pytest.mark.parametrize("variant", ["llama", "llama, one format", "qwen2 biases", "qwen3 q/k norms"])
 def test_one_call_layers_equal_layer_by_layer_bit_for_bit(variant, monkeypatch):
-    config = {"llama": CONFIG, "qwen2 biases": dataclasses.replace(CONFIG, architecture="qwen2", attention_bias=True),
-              "qwen3 q/k norms": dataclasses.replace(CONFIG, architecture="qwen3", qk_norm=True)}[variant]
-    by_op, fused = models(config, monkeypatch)
+    config = {"qwen2 biases": dataclasses.replace(CONFIG, architecture="qwen2", attention_bias=True),
+              "qwen3 q/k norms": dataclasses.replace(CONFIG, architecture="qwen3", qk_norm=True)}.get(variant, CONFIG)
+    formats = {key: "Q4_1" for key in FORMATS} if variant == "llama, one format" else FORMATS
+    by_op, fused = models(config, monkeypatch, formats)
     kv_op = KVCache(config, 24, PAGE, torch.device("cpu"), torch.bfloat16)
     kv_fused = KVCache(config, 24, PAGE, torch.device("cpu"), torch.bfloat16)
     for i, seqs in enumerate(STEPS):
@@ -95,7 +96,8 @@ def test_one_call_layers_equal_layer_by_layer_bit_for_bit(variant, monkeypatch):
         assert torch.equal(got, expected), f"step {i}"
         assert all(torch.equal(a, b) for a, b in zip(kv_op.k + kv_op.v, kv_fused.k + kv_fused.v)), f"step {i}"
     assert isinstance(fused._cpu_layers, CpuDecoderLayers) and len(fused._cpu_layers) == config.num_layers
-    assert fused._cpu_layers._layers[0].qkv_parts == 3  # q, k (Q4_1) and v (Q8_0) side by side
+    # q, k (Q4_1) and v (Q8_0) side by side, or one q|k|v linear
+    assert fused._cpu_layers._layers[0].qkv_parts == (1 if variant == "llama, one format" else 3)
     # an early exit (self-drafting) runs only the first layers, also in one call each
     batch = step([(0, 40, 1), (1, 10, 1)], config.vocab_size, 99)
     assert torch.equal(fused.forward_layers(batch, kv_fused, 2), by_op.forward_layers(batch, kv_op, 2))

@@ -9,9 +9,10 @@
 //   qkv = x @ Wqkv (its parts side by side); [q, k = per-head rms_norm(q), (k)]; q = rope(q), k and v
 //   written to the cache; a = paged_attention(q); h = a @ Wo; x, residual = fused_add_rms_norm(h,
 //   residual); h = silu_and_mul(x @ Wgate_up) @ Wdown.
-// Scratch, in bf16 elements per token: hidden (x), W = (heads + 2 kv_heads) dim (qkv), heads dim and
-// kv_heads dim (normed q and k), 2 heads dim (rotated q, attention output), 3 inter (gate|up, its
-// activation), max(W, 2 inter, hidden) (a part's output before it joins its neighbours).
+// Scratch, in bf16 elements per token: hidden (x), W = (heads + 2 kv_heads) dim (qkv), 2 heads dim
+// (rotated q, attention output), 3 inter (gate|up, its activation); with q/k norms (heads + kv_heads)
+// dim more (normed q and k); with a projection of several parts, max(W, 2 inter, hidden) more (a
+// part's output before it joins its neighbours).
 
 #include <string.h>
 
@@ -85,11 +86,12 @@ int exl_decoder_layer(const exl_decoder_layer_args *a) {
     if (T == 0) return 0;
     int rc = check_layout(a);
     if (rc) return rc;
-    const int64_t tmp_width = max3(W, 2 * I, H);
-    if (a->scratch_elems < T * (H + W + (heads + kvh) * D + 2 * heads * D + 3 * I + tmp_width)) return 5;
-    uint16_t *x = a->scratch, *qkv = x + T * H, *qn = qkv + T * W, *kn = qn + T * heads * D;
-    uint16_t *qr = kn + T * kvh * D, *att = qr + T * heads * D, *gu = att + T * heads * D, *act = gu + T * 2 * I;
-    uint16_t *tmp = act + T * I;
+    const int multi = a->qkv_parts > 1 || a->o_proj_parts > 1 || a->gate_up_parts > 1 || a->down_parts > 1;
+    const int64_t normed = a->q_norm ? (heads + kvh) * D : 0, tmp_width = multi ? max3(W, 2 * I, H) : 0;
+    if (a->scratch_elems < T * (H + W + 2 * heads * D + 3 * I + normed + tmp_width)) return 5;
+    uint16_t *x = a->scratch, *qkv = x + T * H, *qr = qkv + T * W, *att = qr + T * heads * D;
+    uint16_t *gu = att + T * heads * D, *act = gu + T * 2 * I, *qn = act + T * I, *kn = qn + T * heads * D;
+    uint16_t *tmp = qn + T * normed;
 
     if (a->first) {
         memcpy(a->residual, a->h, sizeof(uint16_t) * (size_t)(T * H));

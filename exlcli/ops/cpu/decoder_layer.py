@@ -60,11 +60,13 @@ class LayerShape:
     eps: float
     scale: float  # attention's
 
-    def scratch_per_token(self) -> int:
-        """bf16 elements of scratch per token (decoder.c's header lists them)."""
+    def scratch_per_token(self, qk_norms: bool, several_parts: bool) -> int:
+        """bf16 elements of scratch per token (decoder.c's header lists them), for a layer with q/k
+        norms or not, and with a projection of several parts or not."""
         h, d, heads, kvh, inter = self.hidden, self.head_dim, self.heads, self.kv_heads, self.inter
         width = (heads + 2 * kvh) * d
-        return h + width + (heads + kvh) * d + 2 * heads * d + 3 * inter + max(width, 2 * inter, h)
+        return (h + width + 2 * heads * d + 3 * inter + ((heads + kvh) * d if qk_norms else 0)
+                + (max(width, 2 * inter, h) if several_parts else 0))
 
 
 def _out_features(parts: list[QMatmulArgs]) -> int:
@@ -116,6 +118,10 @@ class CpuDecoderLayers:
                 q_norm=ptr(layer.q_norm), k_norm=ptr(layer.k_norm), **projections, cos_sin=ptr(self.cos_sin),
                 max_positions=self.cos_sin.shape[0], hidden=shape.hidden, heads=shape.heads,
                 kv_heads=shape.kv_heads, dim=shape.head_dim, inter=shape.inter, eps=shape.eps, scale=shape.scale)
+        self._scratch_per_token = max(
+            shape.scratch_per_token(layer.q_norm is not None,
+                                    any(len(p) > 1 for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)))
+            for layer in layers)
         self._checked_caches: tuple = ()  # the cache pointers last checked
 
     def __len__(self) -> int:
@@ -162,7 +168,7 @@ class CpuDecoderLayers:
         self._check_caches(k_caches, v_caches, pointers)
         num_pages, page_size = k_caches[0].shape[:2]
         residual = torch.empty_like(h)
-        scratch_elems = tokens * self.shape.scratch_per_token()
+        scratch_elems = tokens * self._scratch_per_token
         scratch = torch.empty(scratch_elems, dtype=torch.bfloat16)
         step = DecoderLayerArgs(
             h=h.data_ptr(), residual=residual.data_ptr(), tokens=tokens, positions=positions.data_ptr(),
