@@ -18,9 +18,10 @@ typedef struct {
     int32_t y_fp32;     // 1: y is fp32, 0: bf16
     int32_t offsets;    // 1: w = q * d + m; 0: w = q * d (bits 4 always has offsets)
     int32_t scales_per_block;  // 1, or 2: one scale per 16 weights (Q6_K)
+    int32_t half_scales;  // 1: d and m are fp16 (where exl_qmatmul_half_scales_available()), 0: fp32
     const uint8_t *qs;  // the repacked quants
-    const float *d;     // the scales
-    const float *m;     // the offsets (read when there are offsets)
+    const void *d;      // the scales
+    const void *m;      // the offsets (read when there are offsets)
     const uint16_t *bias;  // bf16 [N], or NULL
     int64_t out_features;  // N
     void *y;            // [M, N]
@@ -121,3 +122,49 @@ typedef struct {
     int64_t rows;
 } exl_silu_and_mul_args;
 int exl_silu_and_mul(const exl_silu_and_mul_args *args);
+
+// One layer of the llama-style decoder (exlcli/model/architectures/decoder.py) in one call, through
+// the kernels above in the order, and with the arguments, of the layer-by-layer path (decoder.c).
+// The step's fields come first: the same for every layer, they are copied over each layer's.
+typedef struct {
+    uint16_t *h;        // bf16 [T, hidden]: in, the layer's input (the embeddings at the first); out, its output
+    uint16_t *residual;  // bf16 [T, hidden]: the residual stream, updated in place (set from h at the first)
+    int64_t tokens;     // T
+    const int64_t *positions;  // [T]
+    const int64_t *slots;  // [T]: the token's K/V slot, page * page_size + offset
+    const int32_t *block_tables;  // [B, max_pages]
+    int64_t max_pages;
+    const int32_t *query_start_loc;  // [B + 1]
+    const int32_t *seq_lens;  // [B]
+    int64_t num_seqs;   // B
+    uint16_t *scratch;  // bf16 scratch of scratch_elems elements (decoder.c says how many it needs)
+    int64_t scratch_elems;
+    int64_t threads;    // how many threads the kernel pool has
+    int64_t first;      // 1 for the first layer: there is no residual stream yet
+    const uint16_t *input_norm;  // bf16 [hidden]
+    const uint16_t *post_norm;  // bf16 [hidden]
+    const uint16_t *q_norm;  // bf16 [dim] per-head norms of q and k, or NULL (both)
+    const uint16_t *k_norm;
+    const exl_qmatmul_args *qkv;  // qkv_parts weights (x, rows, y unset) whose outputs sit side by side
+    int64_t qkv_parts;
+    const exl_qmatmul_args *o_proj;
+    int64_t o_proj_parts;
+    const exl_qmatmul_args *gate_up;
+    int64_t gate_up_parts;
+    const exl_qmatmul_args *down;
+    int64_t down_parts;
+    const float *cos_sin;  // fp32 [max_positions, dim]
+    int64_t max_positions;
+    uint16_t *k_cache;  // bf16 [num_pages, page_size, kv_heads, dim]: this layer's
+    uint16_t *v_cache;
+    int64_t num_pages;
+    int64_t page_size;
+    int64_t hidden;
+    int64_t heads;
+    int64_t kv_heads;
+    int64_t dim;
+    int64_t inter;      // the MLP's width: gate_up makes 2 * inter
+    float eps;
+    float scale;        // attention's, usually dim ** -0.5
+} exl_decoder_layer_args;
+int exl_decoder_layer(const exl_decoder_layer_args *args);

@@ -46,6 +46,13 @@
 #define MT 4       // rows sharing one weight expansion
 #define BLOCK 32
 
+// fp16 scales (half_scales) need F16C's widening loads; only the AVX2 body reads them.
+#if EXL_QMM_AVX2 && defined(__F16C__)
+#define EXL_QMM_HALF_SCALES 1
+#else
+#define EXL_QMM_HALF_SCALES 0
+#endif
+
 #if EXL_QMM_AVX2
 #include "qmatmul_avx2.h"
 #endif
@@ -58,6 +65,9 @@ int exl_qmatmul_available(void) {
     return EXL_QMM;
 #endif
 }
+
+// 1 when the kernel takes fp16 scales and offsets (exl_qmatmul_args.half_scales), 0 when only fp32.
+int exl_qmatmul_half_scales_available(void) { return EXL_QMM_HALF_SCALES; }
 
 #if EXL_QMM
 
@@ -212,6 +222,7 @@ static void qmm_groups(void *ctx, int64_t begin, int64_t end) {
 // The column groups are shared among the pool's threads. Returns 0, or -1 when the kernel is not
 // built or its scratch cannot be had.
 int exl_qmatmul(const exl_qmatmul_args *args) {
+    if (args->half_scales && !EXL_QMM_HALF_SCALES) return -1;
 #if EXL_QMM
     const uint16_t *x = args->x, *bias = args->bias;
     int64_t M = args->rows, K = args->in_features, N = args->out_features;

@@ -23,31 +23,51 @@
 
 #define RT 4  // rows sharing each weight vector
 
-// xq int8 [M, K], dx and xs fp32 [M, nb].
+// xq int8 [M, K], dx and xs fp32 [M, nb]: the rule above, 8 lanes at a time (a max, a product rounded
+// to the nearest integer, ties to even, as rintf does, and an integer sum: the same values as one
+// at a time).
 static void quantize_rows(const uint16_t *x, int64_t M, int64_t K, int8_t *xq, float *dx, float *xs) {
     int64_t nb = K / BLOCK;
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 largest = _mm256_set1_ps(3.40282347e38f);
+    const __m256i q_max = _mm256_set1_epi32(127), q_min = _mm256_set1_epi32(-127);
+    const __m256i dword_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
     for (int64_t r = 0; r < M; r++) {
         for (int64_t b = 0; b < nb; b++) {
             const uint16_t *src = x + r * K + b * BLOCK;
             int8_t *dst = xq + r * K + b * BLOCK;
-            float v[BLOCK], amax = 0.0f;
-            int nan = 0;
-            for (int i = 0; i < BLOCK; i++) {
-                v[i] = bf16_to_f32(src[i]);
-                float a = fabsf(v[i]);
-                if (!(a <= 3.40282347e38f)) nan = 1;  // NaN or infinite
-                else if (a > amax) amax = a;
+            __m256 v[4], amax8 = _mm256_setzero_ps();
+            int finite = 0xff;
+            for (int i = 0; i < 4; i++) {
+                __m128i h = _mm_loadu_si128((const __m128i *)(src + 8 * i));
+                v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+                __m256 a = _mm256_and_ps(v[i], abs_mask);
+                finite &= _mm256_movemask_ps(_mm256_cmp_ps(a, largest, _CMP_LE_OQ));  // NaN compares false
+                amax8 = _mm256_max_ps(amax8, a);
             }
+            if (finite != 0xff) {  // a NaN or an infinity
+                memset(dst, 0, BLOCK);
+                dx[r * nb + b] = xs[r * nb + b] = NAN;
+                continue;
+            }
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
             float scale = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-            int sum = 0;
-            for (int i = 0; i < BLOCK; i++) {
-                int q = nan ? 0 : (int)rintf(v[i] * id);
-                q = q > 127 ? 127 : q < -127 ? -127 : q;
-                dst[i] = (int8_t)q;
-                sum += q;
+            __m256 vid = _mm256_set1_ps(id);
+            __m256i q[4], sum = _mm256_setzero_si256();
+            for (int i = 0; i < 4; i++) {
+                __m256 t = _mm256_round_ps(_mm256_mul_ps(v[i], vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                q[i] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(t), q_max), q_min);
+                sum = _mm256_add_epi32(sum, q[i]);
             }
-            dx[r * nb + b] = nan ? NAN : scale;
-            xs[r * nb + b] = (nan ? NAN : scale) * (float)sum;
+            __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+            _mm256_storeu_si256((__m256i *)dst, _mm256_permutevar8x32_epi32(bytes, dword_order));
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+            dx[r * nb + b] = scale;
+            xs[r * nb + b] = scale * (float)_mm_cvtsi128_si32(s4);
         }
     }
 }
@@ -85,14 +105,28 @@ typedef struct {
     const int8_t *xq;
     const float *dx, *xs;
     int64_t M, K, nb, N;
-    int bits, y_fp32, two_scales, has_off;
+    int bits, y_fp32, two_scales, has_off, half;  // half: d and m are fp16
     const uint8_t *qs;
-    const float *d, *m;
+    const void *d, *m;
     const uint16_t *bias;
     void *y;
 } qmm2_args;
 
 static inline int64_t qbytes_of(int bits) { return bits == 4 ? 256 : 512; }
+
+// Scales and offsets are fp32, or fp16 where they are exact in it (the legacy formats' own fp16
+// values: 2 bytes a block less to read); widened to fp32 on load, so both give the same bits.
+static inline const void *scales_at(const void *base, int64_t i, int half) {
+    return half ? (const void *)((const uint16_t *)base + i) : (const void *)((const float *)base + i);
+}
+
+static inline __attribute__((always_inline)) __m256 scales8(const void *base, int64_t i, int half) {
+#if EXL_QMM_HALF_SCALES
+    if (half) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + i)));
+#endif
+    (void)half;
+    return _mm256_loadu_ps((const float *)base + i);
+}
 
 // acc[r] += float(sum) * (d * dx) (+ m * xs with offsets): one step of the order in the header.
 static inline __attribute__((always_inline)) __m256 add_scaled(__m256 acc, __m256i sum, __m256 d, float dx) {
@@ -102,7 +136,7 @@ static inline __attribute__((always_inline)) __m256 add_scaled(__m256 acc, __m25
 // Rows r0 .. r0 + rows - 1, half h (columns n0 + 8h ..) of one column group of 4-bit weights.
 // q <= 15 and |xq| <= 127: a pair is at most 3,810, so the 8 pairs of a block's 32 k fit int16.
 static inline __attribute__((always_inline)) void group_half_q4(const qmm2_args *a, const uint8_t *gq,
-                                                                 const float *gd, const float *gm, int64_t r0,
+                                                                 const void *gd, const void *gm, int64_t r0,
                                                                  int rows, int h, __m256 acc[RT]) {
     const __m256i ones = _mm256_set1_epi16(1);
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
@@ -120,7 +154,7 @@ static inline __attribute__((always_inline)) void group_half_q4(const qmm2_args 
                 s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(hi, bcast4(x + 4)));
             }
         }
-        __m256 d = _mm256_loadu_ps(gd + b * CG + 8 * h), mv = _mm256_loadu_ps(gm + b * CG + 8 * h);
+        __m256 d = scales8(gd, b * CG + 8 * h, a->half), mv = scales8(gm, b * CG + 8 * h, a->half);
         for (int r = 0; r < rows; r++) {
             int64_t i = (r0 + r) * a->nb + b;
             acc[r] = add_scaled(acc[r], _mm256_madd_epi16(s16[r], ones), d, a->dx[i]);
@@ -132,7 +166,7 @@ static inline __attribute__((always_inline)) void group_half_q4(const qmm2_args 
 // The same for 8-bit weights: |q| <= 128 against x with q's sign, a pair at most 32,512 (int16), each
 // pair widened to int32 at once. With two scales per block the k < 16 sum enters acc before the rest.
 static inline __attribute__((always_inline)) void group_half_q8(const qmm2_args *a, const uint8_t *gq,
-                                                                 const float *gd, const float *gm, int64_t r0,
+                                                                 const void *gd, const void *gm, int64_t r0,
                                                                  int rows, int h, __m256 acc[RT]) {
     const __m256i ones = _mm256_set1_epi16(1);
     int64_t spb = a->two_scales ? 2 : 1;
@@ -140,12 +174,12 @@ static inline __attribute__((always_inline)) void group_half_q8(const qmm2_args 
     for (int64_t b = 0; b < a->nb; b++) {
         const uint8_t *blk = gq + b * 512;
         const int8_t *xb = a->xq + r0 * a->K + b * BLOCK;
-        const float *db = gd + b * spb * CG + 8 * h;
+        const int64_t db = b * spb * CG + 8 * h;
         __m256i s[RT];
         for (int r = 0; r < rows; r++) s[r] = _mm256_setzero_si256();
         for (int p = 0; p < 16; p += 2) {
             if (p == 8 && a->two_scales) {
-                __m256 d0 = _mm256_loadu_ps(db);
+                __m256 d0 = scales8(gd, db, a->half);
                 for (int r = 0; r < rows; r++) {
                     acc[r] = add_scaled(acc[r], s[r], d0, a->dx[(r0 + r) * a->nb + b]);
                     s[r] = _mm256_setzero_si256();
@@ -157,18 +191,18 @@ static inline __attribute__((always_inline)) void group_half_q8(const qmm2_args 
                 s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(prod, ones));
             }
         }
-        __m256 d = _mm256_loadu_ps(db + (a->two_scales ? CG : 0));
+        __m256 d = scales8(gd, db + (a->two_scales ? CG : 0), a->half);
         for (int r = 0; r < rows; r++) {
             int64_t i = (r0 + r) * a->nb + b;
             acc[r] = add_scaled(acc[r], s[r], d, a->dx[i]);
-            if (a->has_off) acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_loadu_ps(gm + b * CG + 8 * h),
+            if (a->has_off) acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(scales8(gm, b * CG + 8 * h, a->half),
                                                                          _mm256_set1_ps(a->xs[i])));
         }
     }
 }
 
-static inline __attribute__((always_inline)) void group_half(const qmm2_args *a, const uint8_t *gq, const float *gd,
-                                                              const float *gm, int64_t r0, int rows, int h,
+static inline __attribute__((always_inline)) void group_half(const qmm2_args *a, const uint8_t *gq, const void *gd,
+                                                              const void *gm, int64_t r0, int rows, int h,
                                                               __m256 acc[RT]) {
     if (a->bits == 4) group_half_q4(a, gq, gd, gm, r0, rows, h, acc);
     else group_half_q8(a, gq, gd, gm, r0, rows, h, acc);
@@ -191,8 +225,8 @@ static void qmm2_groups(void *ctx, int64_t begin, int64_t end) {
     int64_t nb = a->nb, qbytes = qbytes_of(a->bits), spb = a->two_scales ? 2 : 1;
     for (int64_t g = begin; g < end; g++) {
         const uint8_t *gq = a->qs + g * nb * qbytes;  // the group's weights: 4.5 to 24 KB, L1/L2 across tiles
-        const float *gd = a->d + g * nb * spb * CG;
-        const float *gm = a->has_off ? a->m + g * nb * CG : NULL;
+        const void *gd = scales_at(a->d, g * nb * spb * CG, a->half);
+        const void *gm = a->has_off ? scales_at(a->m, g * nb * CG, a->half) : NULL;
         int64_t n0 = g * CG;
         for (int h = 0; h < 2; h++) {
             if (n0 + 8 * h >= a->N) break;
@@ -222,7 +256,7 @@ static int qmatmul_avx2(const exl_qmatmul_args *args, int two_scales, int has_of
     }
     quantize_rows(args->x, M, K, xq, scales, scales + M * nb);
     qmm2_args a = {xq, scales, scales + M * nb, M, K, nb, N, args->bits, args->y_fp32, two_scales, has_off,
-                   args->qs, args->d, args->m, args->bias, args->y};
+                   args->half_scales != 0, args->qs, args->d, args->m, args->bias, args->y};
     exl_parallel_for(qmm2_groups, &a, (N + CG - 1) / CG);
     free(scales);
     free(xq);

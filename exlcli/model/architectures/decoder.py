@@ -19,6 +19,8 @@ from exlcli.model.config import ModelConfig
 from exlcli.model.kv_cache import KVCache
 from exlcli.ops.activation import silu_and_mul
 from exlcli.ops.attention import PagedLayout, paged_attention
+from exlcli.ops.cpu import decoder_layer as cpu_decoder_layer
+from exlcli.ops.cpu.decoder_layer import CpuDecoderLayers
 from exlcli.ops.cpu.loader import use_cpu_kernels
 from exlcli.ops.cuda import kernels
 from exlcli.ops.cuda.limits import HEAD_DIMS
@@ -75,6 +77,7 @@ class DecoderModel:
         self.scale = config.head_dim ** -0.5
         q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
         self._splits = (q, kv, kv)
+        self._cpu_layers: CpuDecoderLayers | None | bool = False  # False: not built yet
 
     def weight_bytes(self) -> int:
         """Bytes of weights read by one decode step (the embedding row read is negligible)."""
@@ -114,7 +117,12 @@ class DecoderModel:
         if not use_kernels(h) and not use_cpu_kernels(h):
             cos_sin_rows = gather_cos_sin(self.cos_sin, batch.positions)
             layout = PagedLayout.build(batch.block_tables, batch.seq_lens, kv.page_size)
-        for i, layer in enumerate(self.layers[:num_layers]):
+        cpu_layers = self._cpu_decoder_layers(h, kv)
+        if cpu_layers is not None:  # all the layers' kernels in one C call a layer
+            h, residual = cpu_layers.run(h, batch.positions, batch.slot_mapping, batch.block_tables,
+                                         _int32(batch.query_start_loc_t, batch.query_start_loc),
+                                         _int32(batch.seq_lens_t, batch.seq_lens), kv.k, kv.v, num_layers)
+        for i, layer in enumerate(self.layers[:num_layers] if cpu_layers is None else ()):
             if residual is None:
                 residual = h
                 x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
@@ -138,6 +146,33 @@ class DecoderModel:
         residual = residual[batch.logits_indices]
         x, _ = fused_add_rms_norm(h, residual, self.norm, cfg.rms_norm_eps)
         return self.lm_head(x, out_dtype=torch.float32)  # fp32 logits (straight from the CPU kernel)
+
+    # -- the CPU kernels' layer in one call ------------------------------------------------------------
+    def _cpu_decoder_layers(self, h: torch.Tensor, kv: KVCache) -> CpuDecoderLayers | None:
+        """The one-call CPU layers (exlcli/ops/cpu/decoder_layer.py) where this step runs the CPU
+        kernels and every layer can take them, else None (layer by layer)."""
+        if not use_cpu_kernels(h) or kv.k[0].dtype != torch.bfloat16:
+            return None
+        if self._cpu_layers is False:
+            self._cpu_layers = self._build_cpu_decoder_layers()
+        return self._cpu_layers
+
+    def _build_cpu_decoder_layers(self) -> CpuDecoderLayers | None:
+        cfg = self.config
+        if environment.flag("EXLCLI_NO_CPU_LAYER_KERNEL") or not cpu_decoder_layer.available():
+            return None
+        if cfg.head_dim % 16 or self.cos_sin.dtype != torch.float32:
+            return None
+        weights = []
+        for layer in self.layers:
+            parts = [getattr(layer, name).cpu_qmatmul_parts() for name in PROJECTIONS]
+            if any(p is None for p in parts):
+                return None
+            weights.append(cpu_decoder_layer.LayerWeights(layer.input_norm, layer.post_norm, layer.q_norm,
+                                                          layer.k_norm, *parts))
+        shape = cpu_decoder_layer.LayerShape(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                             self.layers[0].down.in_features, cfg.rms_norm_eps, self.scale)
+        return CpuDecoderLayers(weights, shape, self.cos_sin)
 
     # -- the fused decode step ----------------------------------------------------------------------
     def fused_decode_unsupported(self) -> str | None:
@@ -184,3 +219,9 @@ class DecoderModel:
             r = kernels.decode_linear(gate_up, *down_w, silu=True, residual=r)
         return kernels.decode_linear(r, *self.lm_head.fused_decode_weights(), norm_weight=self.norm, eps=eps,
                                      float_out=True)
+
+
+def _int32(t: torch.Tensor | None, values: list[int]) -> torch.Tensor:
+    """The step's int32 tensor of `values` (BatchInputs' device copy when it has one)."""
+    return t if t is not None and t.dtype == torch.int32 and t.device.type == "cpu" else torch.tensor(
+        values, dtype=torch.int32)

@@ -22,8 +22,8 @@ class QMatmulArgs(KernelArgs):
     c_name, kernel = "exl_qmatmul_args", "exl_qmatmul"
     _fields_ = [
         ("x", _p), ("rows", _i64), ("in_features", _i64), ("bits", _i32), ("y_fp32", _i32),
-        ("offsets", _i32), ("scales_per_block", _i32), ("qs", _p), ("d", _p), ("m", _p), ("bias", _p),
-        ("out_features", _i64), ("y", _p),
+        ("offsets", _i32), ("scales_per_block", _i32), ("half_scales", _i32), ("qs", _p), ("d", _p), ("m", _p),
+        ("bias", _p), ("out_features", _i64), ("y", _p),
     ]
 
 
@@ -77,5 +77,22 @@ class SiluAndMulArgs(KernelArgs):
     ]
 
 
+class DecoderLayerArgs(KernelArgs):
+    c_name, kernel = "exl_decoder_layer_args", "exl_decoder_layer"
+    _fields_ = [
+        # the step's fields (STEP_FIELDS), the same for every layer
+        ("h", _p), ("residual", _p), ("tokens", _i64), ("positions", _p), ("slots", _p), ("block_tables", _p),
+        ("max_pages", _i64), ("query_start_loc", _p), ("seq_lens", _p), ("num_seqs", _i64), ("scratch", _p),
+        ("scratch_elems", _i64), ("threads", _i64),
+        # the layer's
+        ("first", _i64), ("input_norm", _p), ("post_norm", _p), ("q_norm", _p), ("k_norm", _p),
+        ("qkv", _p), ("qkv_parts", _i64), ("o_proj", _p), ("o_proj_parts", _i64), ("gate_up", _p),
+        ("gate_up_parts", _i64), ("down", _p), ("down_parts", _i64), ("cos_sin", _p), ("max_positions", _i64),
+        ("k_cache", _p), ("v_cache", _p), ("num_pages", _i64), ("page_size", _i64), ("hidden", _i64),
+        ("heads", _i64), ("kv_heads", _i64), ("dim", _i64), ("inter", _i64), ("eps", _f32), ("scale", _f32),
+    ]
+    STEP_FIELDS = 13  # the first 13 fields: the step's
+
+
 ALL = (QMatmulArgs, PagedAttentionArgs, RmsNormArgs, FusedAddRmsNormArgs, MeanSquaresArgs, RopeArgs,
-       SiluAndMulArgs)
+       SiluAndMulArgs, DecoderLayerArgs)

@@ -50,6 +50,12 @@ class Linear:
         part in that step."""
         return None
 
+    def cpu_qmatmul_parts(self) -> list | None:
+        """The CPU matmul kernel's arguments for this linear (QMatmulArgs, x, rows and y unset), one
+        per part whose outputs sit side by side, or None when the kernel does not compute it that way
+        (the one-call CPU decoder layer, exlcli/ops/cpu/decoder_layer.py, then cannot take it)."""
+        return None
+
 
 @dataclass(frozen=True)
 class BlockFormat:

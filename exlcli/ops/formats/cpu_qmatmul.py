@@ -55,6 +55,17 @@ EXACT_PRODUCTS, Q8_ACTIVATIONS = 1, 2  # kernel_mode(): the AVX-512 BF16 and the
 
 
 @functools.cache
+def half_scales_available() -> bool:
+    """Whether the built kernel reads fp16 scales and offsets (the AVX2 build, with F16C)."""
+    cdll = cpu_loader.lib() if available() else None
+    return cdll is not None and bool(cdll.exl_qmatmul_half_scales_available())
+
+
+def _exact_in_fp16(*tensors: torch.Tensor) -> bool:
+    return all(bool(torch.equal(t.half().float(), t)) for t in tensors)
+
+
+@functools.cache
 def kernel_mode() -> int:
     """How the built kernel computes (EXACT_PRODUCTS or Q8_ACTIVATIONS), 0 when there is none."""
     cdll = cpu_loader.lib() if available() else None
@@ -133,12 +144,18 @@ class QuantCpuLinear(Linear):
         if spb == 1:
             self.d = self.d.view(groups, nb, CG)
         self.m = F.pad(offset, (0, 0, 0, pad)).view(groups, CG, nb).permute(0, 2, 1).contiguous()
+        # fp16 where every scale and offset is exact in it (the legacy formats store fp16): the kernel then
+        # reads 4 bytes less per block of 32 (Q4_1: 20 instead of 24), and widens them to the same fp32 values
+        self.half_scales = half_scales_available() and _exact_in_fp16(self.d, self.m)
+        if self.half_scales:
+            self.d, self.m = self.d.half(), self.m.half()
         self.bias = None if bias is None else bias.to(torch.bfloat16).contiguous()
         self._dense: torch.Tensor | None = None
         self._args: QMatmulArgs | None = None
 
     def nbytes(self) -> int:
-        return self.qs.numel() + self.d.numel() * 4 + (self.m.numel() * 4 if self.offsets else 0)
+        size = self.d.element_size()
+        return self.qs.numel() + self.d.numel() * size + (self.m.numel() * size if self.offsets else 0)
 
     def dequantize(self) -> torch.Tensor:
         """The weight as fp32 [N, K], from the repacked groups."""
@@ -162,8 +179,8 @@ class QuantCpuLinear(Linear):
             blocks[..., hi] = (self.qs >> 4).float()
         n, spb = self.out_features, self.scales_per_block
         q = blocks.view(groups, nb, CG, BLOCK).permute(0, 2, 1, 3).reshape(groups * CG, nb, BLOCK)[:n]
-        d = self.d.view(groups, nb, spb, CG).permute(0, 3, 1, 2).reshape(groups * CG, nb, spb)[:n]
-        m = self.m.permute(0, 2, 1).reshape(groups * CG, nb)[:n]
+        d = self.d.float().view(groups, nb, spb, CG).permute(0, 3, 1, 2).reshape(groups * CG, nb, spb)[:n]
+        m = self.m.float().permute(0, 2, 1).reshape(groups * CG, nb)[:n]
         return q, d, m
 
     def emulate_kernel(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -198,9 +215,13 @@ class QuantCpuLinear(Linear):
         if self._args is None:
             ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
             self._args = QMatmulArgs(in_features=self.in_features, bits=self.bits, offsets=self.offsets,
-                                     scales_per_block=self.scales_per_block, qs=ptr(self.qs), d=ptr(self.d),
+                                     scales_per_block=self.scales_per_block, half_scales=self.half_scales,
+                                     qs=ptr(self.qs), d=ptr(self.d),
                                      m=ptr(self.m), bias=ptr(self.bias), out_features=self.out_features)
         return self._args
+
+    def cpu_qmatmul_parts(self) -> list[QMatmulArgs] | None:
+        return [self._weight_args()] if available() else None
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x: [M, K] bf16 -> [M, N] in out_dtype (bf16 by default; fp32 for logits)."""

@@ -42,5 +42,9 @@ class SideBySideLinear(Linear):
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         return torch.cat([p(x, out_dtype) for p in self.parts], dim=-1)
 
+    def cpu_qmatmul_parts(self) -> list | None:
+        parts = [p.cpu_qmatmul_parts() for p in self.parts]
+        return None if any(p is None for p in parts) else [a for p in parts for a in p]
+
     def nbytes(self) -> int:
         return sum(p.nbytes() for p in self.parts)

@@ -5,7 +5,14 @@ import torch
 
 from exlcli.ops import backend
 from exlcli.ops.formats import QuantizedWeight, by_name, q4_0, q4_1, q8_0
-from exlcli.ops.formats.cpu_qmatmul import Q8_ACTIVATIONS, QuantCpuLinear, available, kernel_mode, quantize_activations
+from exlcli.ops.formats.cpu_qmatmul import (
+    Q8_ACTIVATIONS,
+    QuantCpuLinear,
+    available,
+    half_scales_available,
+    kernel_mode,
+    quantize_activations,
+)
 from exlcli.ops.linear import make_linear
 from tests.ops.formats.kernel_contract import check_product
 
@@ -128,14 +135,18 @@ def test_activations_quantize_per_block_with_ties_to_even():
 @pytest.mark.skipif(kernel_mode() != Q8_ACTIVATIONS, reason="the kernel here computes exact products (AVX-512 BF16)")
 @pytest.mark.parametrize("bits,offsets,per16", [(4, True, False), (8, False, False), (8, True, False),
                                                 (8, False, True)])
-def test_int8_activation_kernel_is_its_emulation_bit_for_bit(bits, offsets, per16):
+@pytest.mark.parametrize("fp16_scales", [False, True], ids=["fp32 scales", "scales exact in fp16"])
+def test_int8_activation_kernel_is_its_emulation_bit_for_bit(bits, offsets, per16, fp16_scales):
     gen = torch.Generator().manual_seed(bits * 10 + offsets + per16)
     n, k = 45, 320
     lo, hi = (0, 16) if bits == 4 else (-128, 128)
     q = torch.randint(lo, hi, (n, k), dtype=torch.int32, generator=gen)
     scale = torch.rand(n, k // (16 if per16 else 32), generator=gen) * 0.01
     offset = torch.randn(n, k // 32, generator=gen) * 0.01 if offsets else None
+    if fp16_scales:  # as the legacy formats store them: the kernel then reads them as fp16
+        scale, offset = scale.half().float(), None if offset is None else offset.half().float()
     lin = QuantCpuLinear(q, scale, offset, bits, bias=torch.randn(n, generator=gen))
+    assert lin.half_scales == (fp16_scales and half_scales_available())
     x = (torch.randn(9, k, generator=gen) * 3).bfloat16()
     x[4, 7] = float("nan")
     x[6, 300] = float("-inf")

@@ -1,0 +1,145 @@
+// One layer of the llama-style decoder in one call, for the CPU kernel path of
+// exlcli/model/architectures/decoder.py (driven by exlcli/ops/cpu/decoder_layer.py).
+//
+// A decode step of a small model makes ~270 kernel calls, each of a few microseconds of work at batch
+// 1 but 10-17 us of Python and ctypes around it: a third of the step. Here the layer's kernels are
+// called from C, in the order and with the arguments of the layer-by-layer path, so every value
+// comes out bit for bit as there (and as batch-invariant):
+//   first layer: residual = h; x = rms_norm(h)      else: x, residual = fused_add_rms_norm(h, residual)
+//   qkv = x @ Wqkv (its parts side by side); [q, k = per-head rms_norm(q), (k)]; q = rope(q), k and v
+//   written to the cache; a = paged_attention(q); h = a @ Wo; x, residual = fused_add_rms_norm(h,
+//   residual); h = silu_and_mul(x @ Wgate_up) @ Wdown.
+// Scratch, in bf16 elements per token: hidden (x), W = (heads + 2 kv_heads) dim (qkv), 2 heads dim
+// (rotated q, attention output), 3 inter (gate|up, its activation); with q/k norms (heads + kv_heads)
+// dim more (normed q and k); with a projection of several parts, max(W, 2 inter, hidden) more (a
+// part's output before it joins its neighbours).
+
+#include <string.h>
+
+#include "args.h"
+
+// The kernels it calls are built where the compiler targets AVX2 with FMA (AVX-512 CPUs have both).
+#if defined(__AVX2__) && defined(__FMA__)
+#define EXL_DECODER 1
+#else
+#define EXL_DECODER 0
+#endif
+
+int exl_norm_available(void);
+int exl_rope_available(void);
+int exl_paged_attention_available(void);
+int exl_activation_available(void);
+int exl_qmatmul_available(void);
+
+int exl_decoder_layer_available(void) {
+    return EXL_DECODER && exl_norm_available() && exl_rope_available() && exl_paged_attention_available() &&
+           exl_activation_available() && exl_qmatmul_available();
+}
+
+#if EXL_DECODER
+
+static int64_t max3(int64_t a, int64_t b, int64_t c) {
+    int64_t m = a > b ? a : b;
+    return m > c ? m : c;
+}
+
+// y [rows, width] = x @ W^T for W in parts whose outputs sit side by side (torch.cat of theirs).
+static int project(const exl_qmatmul_args *parts, int64_t n_parts, const uint16_t *x, int64_t rows,
+                   uint16_t *y, int64_t width, uint16_t *tmp) {
+    int64_t col = 0;
+    for (int64_t p = 0; p < n_parts; p++) {
+        exl_qmatmul_args a = parts[p];
+        int64_t n = a.out_features;
+        if (col + n > width) return 6;
+        int direct = n_parts == 1 || rows == 1;  // one row: the part's columns are contiguous in y
+        a.x = x;
+        a.rows = rows;
+        a.y_fp32 = 0;
+        a.y = direct ? (void *)(y + col) : (void *)tmp;
+        if (exl_qmatmul(&a) != 0) return -1;
+        if (!direct)
+            for (int64_t r = 0; r < rows; r++) memcpy(y + r * width + col, tmp + r * n, sizeof(uint16_t) * (size_t)n);
+        col += n;
+    }
+    return col == width ? 0 : 6;
+}
+
+// Every sequence's queries and length against its block table's room (what the Python wrapper of the
+// attention kernel checks per call).
+static int check_layout(const exl_decoder_layer_args *a) {
+    const int32_t *qsl = a->query_start_loc;
+    if (a->num_seqs < 0 || qsl[0] != 0 || qsl[a->num_seqs] != a->tokens) return 4;
+    for (int64_t b = 0; b < a->num_seqs; b++) {
+        int64_t n = qsl[b + 1] - qsl[b], len = a->seq_lens[b];
+        if (n < 0 || len < n || len > a->max_pages * a->page_size) return 4;
+    }
+    return 0;
+}
+
+// Returns 0; -1 out of memory; 1 a block-table entry outside the cache; 2 a position outside the
+// cos/sin cache; 3 a slot outside the KV cache; 4 query_start_loc / seq_lens that do not fit the
+// tokens or the block tables; 5 scratch too small; 6 sizes that do not fit together.
+int exl_decoder_layer(const exl_decoder_layer_args *a) {
+    const int64_t T = a->tokens, H = a->hidden, D = a->dim, heads = a->heads, kvh = a->kv_heads, I = a->inter;
+    const int64_t W = (heads + 2 * kvh) * D;
+    if (T < 0 || H <= 0 || D <= 0 || heads <= 0 || kvh <= 0 || heads % kvh || I <= 0) return 6;
+    if (T == 0) return 0;
+    int rc = check_layout(a);
+    if (rc) return rc;
+    const int multi = a->qkv_parts > 1 || a->o_proj_parts > 1 || a->gate_up_parts > 1 || a->down_parts > 1;
+    const int64_t normed = a->q_norm ? (heads + kvh) * D : 0, tmp_width = multi ? max3(W, 2 * I, H) : 0;
+    if (a->scratch_elems < T * (H + W + 2 * heads * D + 3 * I + normed + tmp_width)) return 5;
+    uint16_t *x = a->scratch, *qkv = x + T * H, *qr = qkv + T * W, *att = qr + T * heads * D;
+    uint16_t *gu = att + T * heads * D, *act = gu + T * 2 * I, *qn = act + T * I, *kn = qn + T * heads * D;
+    uint16_t *tmp = qn + T * normed;
+
+    if (a->first) {
+        memcpy(a->residual, a->h, sizeof(uint16_t) * (size_t)(T * H));
+        exl_rms_norm_args n = {a->h, H, 0, 1, a->input_norm, x, H, a->eps, T};
+        if (exl_rms_norm(&n)) return 6;
+    } else {
+        exl_fused_add_rms_norm_args n = {a->h, a->residual, a->residual, a->input_norm, x, H, a->eps, T};
+        if (exl_fused_add_rms_norm(&n)) return 6;
+    }
+    if ((rc = project(a->qkv, a->qkv_parts, x, T, qkv, W, tmp))) return rc;
+
+    // q, k, v: views into the qkv rows (or the normed q and k, contiguous per token)
+    const uint16_t *q = qkv, *k = qkv + heads * D, *v = qkv + (heads + kvh) * D;
+    int64_t q_stride = W, k_stride = W;
+    if (a->q_norm) {
+        exl_rms_norm_args nq = {q, W, D, heads, a->q_norm, qn, D, a->eps, T * heads};
+        exl_rms_norm_args nk = {k, W, D, kvh, a->k_norm, kn, D, a->eps, T * kvh};
+        if (exl_rms_norm(&nq) || exl_rms_norm(&nk)) return 6;
+        q = qn, q_stride = heads * D;
+        k = kn, k_stride = kvh * D;
+    }
+    exl_rope_and_write_kv_args r = {q, q_stride, D, k, k_stride, D, v, W, D, a->positions, a->cos_sin,
+                                    a->max_positions, a->k_cache, a->v_cache, a->slots,
+                                    a->num_pages * a->page_size, qr, heads, kvh, D, T};
+    rc = exl_rope_and_write_kv(&r);
+    if (rc == -1) return 2;
+    if (rc == -2) return 3;
+    if (rc) return 6;
+
+    exl_paged_attention_args p = {qr, a->k_cache, a->v_cache, a->block_tables, a->max_pages, a->query_start_loc,
+                                  a->seq_lens, 0, a->num_seqs, a->num_pages, a->page_size, heads, kvh, D,
+                                  a->scale, att, a->threads};
+    if (a->num_seqs > 0 && (rc = exl_paged_attention(&p))) return rc == 1 ? 1 : -1;
+    if ((rc = project(a->o_proj, a->o_proj_parts, att, T, a->h, H, tmp))) return rc;
+
+    exl_fused_add_rms_norm_args n2 = {a->h, a->residual, a->residual, a->post_norm, x, H, a->eps, T};
+    if (exl_fused_add_rms_norm(&n2)) return 6;
+    if ((rc = project(a->gate_up, a->gate_up_parts, x, T, gu, 2 * I, tmp))) return rc;
+    exl_silu_and_mul_args s = {gu, 2 * I, act, I, I, T};
+    if (exl_silu_and_mul(&s)) return 6;
+    return project(a->down, a->down_parts, act, T, a->h, H, tmp);
+}
+
+#else
+
+int exl_decoder_layer(const exl_decoder_layer_args *a) {
+    (void)a;
+    return -1;
+}
+
+#endif

@@ -1,0 +1,200 @@
+"""The llama-style decoder layer in one C call on the CPU (csrc/cpu/decoder.c).
+
+Layer by layer, a step of a small model makes about nine kernel calls a layer, each paying 10-17 us
+of Python and ctypes around a few microseconds of work at batch 1: about half of a decode step of
+the 135M default model. exl_decoder_layer calls the same kernels from C, in the same order and with
+the same arguments, so its results are bit for bit those of the layer-by-layer path (which stays,
+with the torch reference under it, for everything this does not take).
+
+`CpuDecoderLayers` holds every layer's arguments, built once from its weights; per step only the
+step's fields (the first DecoderLayerArgs.STEP_FIELDS) and the layer's KV cache pointers change.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from exlcli.ops.cpu import loader as cpu_loader
+from exlcli.ops.cpu.args import DecoderLayerArgs, QMatmulArgs
+from exlcli.ops.errors import KernelInputError
+
+_STEP_BYTES = getattr(DecoderLayerArgs, DecoderLayerArgs._fields_[DecoderLayerArgs.STEP_FIELDS][0]).offset
+
+
+@functools.cache
+def _kernel():
+    """The C function with its signature set, or None when the CPU kernels are unavailable."""
+    return cpu_loader.kernel_function(DecoderLayerArgs, available="exl_decoder_layer_available")
+
+
+def available() -> bool:
+    return _kernel() is not None
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One layer's weights as the kernel reads them: bf16 norms, and each projection as the
+    QMatmulArgs of its parts (Linear.cpu_qmatmul_parts), their outputs side by side."""
+
+    input_norm: torch.Tensor  # [hidden]
+    post_norm: torch.Tensor  # [hidden]
+    q_norm: torch.Tensor | None  # [head_dim], with k_norm, or both None
+    k_norm: torch.Tensor | None
+    qkv: list[QMatmulArgs]
+    o_proj: list[QMatmulArgs]
+    gate_up: list[QMatmulArgs]
+    down: list[QMatmulArgs]
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    inter: int  # the MLP's width (gate_up makes twice this)
+    eps: float
+    scale: float  # attention's
+
+    def scratch_per_token(self, qk_norms: bool, several_parts: bool) -> int:
+        """bf16 elements of scratch per token (decoder.c's header lists them), for a layer with q/k
+        norms or not, and with a projection of several parts or not."""
+        h, d, heads, kvh, inter = self.hidden, self.head_dim, self.heads, self.kv_heads, self.inter
+        width = (heads + 2 * kvh) * d
+        return (h + width + 2 * heads * d + 3 * inter + ((heads + kvh) * d if qk_norms else 0)
+                + (max(width, 2 * inter, h) if several_parts else 0))
+
+
+def _out_features(parts: list[QMatmulArgs]) -> int:
+    return sum(p.out_features for p in parts)
+
+
+def _check_weights(layer: LayerWeights, shape: LayerShape) -> None:
+    s = shape
+    want = {"qkv": (s.hidden, (s.heads + 2 * s.kv_heads) * s.head_dim), "o_proj": (s.heads * s.head_dim, s.hidden),
+            "gate_up": (s.hidden, 2 * s.inter), "down": (s.inter, s.hidden)}
+    for name, (k, n) in want.items():
+        parts = getattr(layer, name)
+        if not parts or any(p.in_features != k for p in parts) or _out_features(parts) != n:
+            raise KernelInputError(f"CPU decoder layer: {name} must take {k} features to {n}")
+    norms = [(layer.input_norm, s.hidden), (layer.post_norm, s.hidden)]
+    if (layer.q_norm is None) != (layer.k_norm is None):
+        raise KernelInputError("CPU decoder layer: q and k norms come together")
+    if layer.q_norm is not None:
+        norms += [(layer.q_norm, s.head_dim), (layer.k_norm, s.head_dim)]
+    for t, n in norms:
+        if t.dtype != torch.bfloat16 or t.device.type != "cpu" or t.shape != (n,) or not t.is_contiguous():
+            raise KernelInputError(f"CPU decoder layer: norm weights must be contiguous bf16 [{n}]")
+
+
+class CpuDecoderLayers:
+    """The arguments of every layer of one model, built once; `run` takes a step through them."""
+
+    def __init__(self, layers: list[LayerWeights], shape: LayerShape, cos_sin: torch.Tensor) -> None:
+        if shape.head_dim % 16 or shape.heads % shape.kv_heads:
+            raise KernelInputError(f"CPU decoder layer: head_dim {shape.head_dim} (a multiple of 16) and "
+                                   f"{shape.heads} heads over {shape.kv_heads} kv heads")
+        if cos_sin.dtype != torch.float32 or cos_sin.dim() != 2 or cos_sin.shape[1] != shape.head_dim:
+            raise KernelInputError(f"CPU decoder layer: cos_sin must be fp32 [positions, {shape.head_dim}]")
+        self.shape = shape
+        self.cos_sin = cos_sin.contiguous()
+        self._keep: list = []  # what the structs point into
+        self._layers = (DecoderLayerArgs * len(layers))()
+        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        for i, layer in enumerate(layers):
+            _check_weights(layer, shape)
+            projections = {}
+            for name in ("qkv", "o_proj", "gate_up", "down"):
+                parts = (QMatmulArgs * len(getattr(layer, name)))(*getattr(layer, name))
+                self._keep.append(parts)
+                projections[name], projections[name + "_parts"] = ctypes.addressof(parts), len(parts)
+            self._keep.append(layer)
+            self._layers[i] = DecoderLayerArgs(
+                first=i == 0, input_norm=ptr(layer.input_norm), post_norm=ptr(layer.post_norm),
+                q_norm=ptr(layer.q_norm), k_norm=ptr(layer.k_norm), **projections, cos_sin=ptr(self.cos_sin),
+                max_positions=self.cos_sin.shape[0], hidden=shape.hidden, heads=shape.heads,
+                kv_heads=shape.kv_heads, dim=shape.head_dim, inter=shape.inter, eps=shape.eps, scale=shape.scale)
+        self._scratch_per_token = max(
+            shape.scratch_per_token(layer.q_norm is not None,
+                                    any(len(p) > 1 for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)))
+            for layer in layers)
+        self._checked_caches: tuple = ()  # the cache pointers last checked
+
+    def __len__(self) -> int:
+        return len(self._layers)
+
+    def _check_caches(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], pointers: tuple) -> None:
+        if pointers == self._checked_caches:
+            return
+        s = self.shape
+        first = k_caches[0]
+        for t in (*k_caches, *v_caches):
+            if (t.dtype != torch.bfloat16 or t.device.type != "cpu" or t.dim() != 4 or t.shape != first.shape
+                    or t.shape[2:] != (s.kv_heads, s.head_dim) or not t.is_contiguous()
+                    or t.shape[0] * t.shape[1] == 0):
+                raise KernelInputError(f"CPU decoder layer: the KV caches must be contiguous bf16 [pages, page_size, "
+                                       f"{s.kv_heads}, {s.head_dim}] of one shape, got {t.dtype} {tuple(t.shape)}")
+        self._checked_caches = pointers
+
+    def run(self, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
+            query_start_loc: torch.Tensor, seq_lens: torch.Tensor, k_caches: list[torch.Tensor],
+            v_caches: list[torch.Tensor], num_layers: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layers 0 .. num_layers - 1 over h (bf16 [T, hidden], the embeddings; overwritten), writing
+        the step's K/V: returns (h, residual), the last layer's output and residual stream.
+        positions, slots: [T] long; block_tables [B, max_pages], query_start_loc [B + 1] and
+        seq_lens [B] int32; k_caches, v_caches: each layer's."""
+        fn = _kernel()
+        tokens = h.shape[0]
+        if h.dtype != torch.bfloat16 or h.shape != (tokens, self.shape.hidden) or not h.is_contiguous():
+            raise KernelInputError(f"CPU decoder layer: h must be contiguous bf16 [tokens, {self.shape.hidden}]")
+        if not 1 <= num_layers <= len(self._layers) or len(k_caches) < num_layers or len(v_caches) < num_layers:
+            raise KernelInputError(f"CPU decoder layer: {num_layers} layers of {len(self._layers)}")
+        num_seqs = seq_lens.shape[0]
+        for name, t, dtype, shape in (("positions", positions, torch.int64, (tokens,)),
+                                      ("slots", slots, torch.int64, (tokens,)),
+                                      ("query_start_loc", query_start_loc, torch.int32, (num_seqs + 1,)),
+                                      ("seq_lens", seq_lens, torch.int32, (num_seqs,))):
+            if t.dtype != dtype or t.shape != shape or not t.is_contiguous():
+                raise KernelInputError(f"CPU decoder layer: {name} must be contiguous {dtype} {shape}")
+        if (block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] < num_seqs
+                or not block_tables.is_contiguous()):
+            raise KernelInputError(f"CPU decoder layer: block_tables must be contiguous int32 [>= {num_seqs}, pages]")
+        k_caches, v_caches = k_caches[:num_layers], v_caches[:num_layers]
+        pointers = tuple(t.data_ptr() for t in k_caches) + tuple(t.data_ptr() for t in v_caches)
+        self._check_caches(k_caches, v_caches, pointers)
+        num_pages, page_size = k_caches[0].shape[:2]
+        residual = torch.empty_like(h)
+        scratch_elems = tokens * self._scratch_per_token
+        scratch = torch.empty(scratch_elems, dtype=torch.bfloat16)
+        step = DecoderLayerArgs(
+            h=h.data_ptr(), residual=residual.data_ptr(), tokens=tokens, positions=positions.data_ptr(),
+            slots=slots.data_ptr(), block_tables=block_tables.data_ptr(), max_pages=block_tables.shape[1],
+            query_start_loc=query_start_loc.data_ptr(), seq_lens=seq_lens.data_ptr(), num_seqs=num_seqs,
+            scratch=scratch.data_ptr(), scratch_elems=scratch_elems, threads=cpu_loader.threads())
+        layers = type(self._layers).from_buffer_copy(self._layers)  # this call's own copy: threads may share a model
+        step_at, size = ctypes.addressof(step), ctypes.sizeof(DecoderLayerArgs)
+        base = ctypes.addressof(layers)
+        for i in range(num_layers):
+            args = layers[i]
+            ctypes.memmove(base + i * size, step_at, _STEP_BYTES)
+            args.k_cache, args.v_cache = pointers[i], pointers[num_layers + i]
+            args.num_pages, args.page_size = num_pages, page_size
+            rc = fn(ctypes.byref(args))
+            if rc:
+                raise _error(rc, i, num_pages, self.cos_sin.shape[0], num_pages * page_size)
+        return h, residual
+
+
+def _error(rc: int, layer: int, num_pages: int, max_positions: int, num_slots: int) -> Exception:
+    if rc == -1:
+        return MemoryError(f"CPU decoder layer {layer}: no memory for a kernel's scratch")
+    why = {1: f"a block table entry is outside the cache's {num_pages} pages",
+           2: f"a position is outside the cos/sin cache [0, {max_positions})",
+           3: f"a slot is outside the KV cache [0, {num_slots})",
+           4: "query_start_loc and seq_lens do not fit the tokens or the block tables",
+           5: "the scratch is too small"}.get(rc, f"the sizes do not fit together (status {rc})")
+    return KernelInputError(f"CPU decoder layer {layer}: {why}")
