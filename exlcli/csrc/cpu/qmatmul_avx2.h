@@ -160,6 +160,7 @@ static inline __attribute__((always_inline)) void group_half_q4(const qmm2_args 
     for (int64_t b = 0; b < a->nb; b++) {
         const uint8_t *blk = gq + b * 256;
         const int8_t *xb = a->xq + r0 * a->K + b * BLOCK;
+        if (h == 0) prefetch_ahead(blk, 256);
         __m256i s16[RT];
         for (int r = 0; r < rows; r++) s16[r] = _mm256_setzero_si256();
         for (int c = 0; c < 4; c++) {
@@ -191,6 +192,7 @@ static inline __attribute__((always_inline)) void group_half_q8(const qmm2_args 
     for (int64_t b = 0; b < a->nb; b++) {
         const uint8_t *blk = gq + b * 512;
         const int8_t *xb = a->xq + r0 * a->K + b * BLOCK;
+        if (h == 0) prefetch_ahead(blk, 512);
         const int64_t db = b * spb * CG + 8 * h;
         __m256i s[RT];
         for (int r = 0; r < rows; r++) s[r] = _mm256_setzero_si256();
