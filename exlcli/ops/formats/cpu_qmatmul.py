@@ -10,9 +10,9 @@ with AVX2 only it quantizes each row's activations to int8 per block of 32 and s
 `emulate_kernel()` reproduces bit for bit with torch ops. The kernel takes any weights of the
 form w = q * scale + offset per block of 32 (q 4-bit in 0..15, or 8-bit signed), or w = q * scale per
 16 weights (8-bit, no offset: Q6_K), as the format modules unpack them. The 5-bit formats stay 5-bit
-for the AVX2 kernel (`bits=5`: the 4-bit layout plus a plane of high bits, merged in registers; Q5_0's
-q - 16 summed as sum(q x) - 16 sum(x), the same integers, so the same bits as at 8 bits); elsewhere,
-and the 6-bit Q6_K everywhere, they run as 8-bit, a byte per weight (1.45x / 1.23x the file's bytes).
+for the AVX2 kernel, and Q6_K 6-bit (`bits=5`, `6`: nibbles plus planes of the high bits, merged in
+registers; Q5_0's q - 16 and Q6_K's q - 32 summed as sum(q x) - 16 (32) sum(x), the same integers, so
+the same bits as at 8 bits); elsewhere they run as 8-bit, a byte per weight (1.45x / 1.23x the file's).
 """
 
 from __future__ import annotations
@@ -120,15 +120,23 @@ def _q5_sources() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return lo.view(-1), lo.view(-1) + 4, plane
 
 
+def _q6_plane_sources() -> torch.Tensor:
+    """[2, 2, 32, 4]: the 6-bit layout's planes (after the same 256 bytes of low four bits): plane v of
+    half h holds in bits 2u, 2u + 1 of its byte i the high two bits of the weight at byte i of chunk
+    2v + u // 2's lo (u even) or hi (u odd), the (c, j) = (2v + u // 2, u % 2) of _q5_sources()'s plane."""
+    return _q5_sources()[2].view(2, 32, 2, 4).permute(0, 2, 1, 3).contiguous()
+
+
 class QuantCpuLinear(Linear):
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, bits: int,
                  bias: torch.Tensor | None = None) -> None:
         """q [N, K] int32 (0..15 for bits 4, -128..127 for bits 8; bits 5: 0..31 with offsets, -16..15
-        without); scale, offset [N, K / 32] fp32, w = q * scale + offset. For bits 5 and 8 an offset that
-        is None or all zeros is left out; for bits 8 scale may be [N, K / 16] (one per 16 weights; then no
-        offset). Bits 5 is for the AVX2 kernel (five_bit_layout())."""
-        if bits not in (4, 5, 8):
-            raise ValueError(f"the CPU matmul kernel takes 4-, 5- or 8-bit weights, not {bits}-bit")
+        without; bits 6: -32..31); scale, offset [N, K / 32] fp32, w = q * scale + offset. For bits 5, 6
+        and 8 an offset that is None or all zeros is left out; for bits 8 scale may be [N, K / 16] (one per
+        16 weights; then no offset), for bits 6 it must. Bits 5 and 6 are for the AVX2 kernel
+        (high_bit_planes())."""
+        if bits not in (4, 5, 6, 8):
+            raise ValueError(f"the CPU matmul kernel takes 4-, 5-, 6- or 8-bit weights, not {bits}-bit")
         self.out_features, self.in_features = q.shape
         self.bits = bits
         n, k = q.shape
@@ -136,17 +144,20 @@ class QuantCpuLinear(Linear):
         if offset is None or (bits != 4 and not offset.any()):
             offset = torch.zeros(n, nb)  # none: the kernel leaves the term out
         self.offsets = bits == 4 or bool(offset.any())
-        self.zero = 16 if bits == 5 and not self.offsets else 0  # Q5_0's q - 16 is held as q (0..31)
-        if bits == 5 and not bool(((q + self.zero >= 0) & (q + self.zero < 32)).all()):
-            raise ValueError("5-bit q must be in 0..31 with offsets, -16..15 without")
-        if bits == 5 and available() and not five_bit_layout():
-            raise ValueError("the 5-bit layout is the AVX2 kernel's; this CPU's kernel takes them as 8-bit")
+        # Q5_0's q - 16 is held as q (0..31), Q6_K's q - 32 as q (0..63)
+        self.zero = 32 if bits == 6 else 16 if bits == 5 and not self.offsets else 0
+        if bits in (5, 6) and not bool(((q + self.zero >= 0) & (q + self.zero < 2**bits)).all()):
+            raise ValueError("5-bit q must be in 0..31 with offsets, -16..15 without; 6-bit q in -32..31")
+        if bits == 6 and (self.offsets or scale.shape[1] != 2 * nb):
+            raise ValueError("6-bit weights take one scale per 16 weights and no offsets (Q6_K)")
+        if bits in (5, 6) and available() and not high_bit_planes():
+            raise ValueError("the 5- and 6-bit layouts are the AVX2 kernel's; this CPU's takes them as 8-bit")
         if offset.shape != (n, nb):
             raise ValueError(f"offsets {tuple(offset.shape)}: expected one per 32 weights, ({n}, {nb})")
         self.scales_per_block = scale.shape[1] // nb
         if self.scales_per_block not in (1, 2) or scale.shape[1] != nb * self.scales_per_block:
             raise ValueError(f"scales [{scale.shape[1]}] per row of {k} weights: expected one per 32 or per 16")
-        if self.scales_per_block == 2 and (bits != 8 or self.offsets):
+        if self.scales_per_block == 2 and (bits in (4, 5) or self.offsets):
             raise ValueError("one scale per 16 weights is for 8-bit weights without offsets")
         self.groups = groups = -(-n // CG)
         pad = groups * CG - n
@@ -158,14 +169,18 @@ class QuantCpuLinear(Linear):
             self.qs = pairs.to(torch.int8).contiguous().view(torch.uint8)
         else:
             lo, hi = _q4_byte_sources()
-            if bits == 5:
+            if bits in (5, 6):
                 lo, hi, plane = _q5_sources()
                 blocks = blocks + self.zero
-                high = (blocks[..., plane] >> 4) << torch.arange(8)  # [G, nb, 2, 32, 8]
+                if bits == 5:  # [G, nb, 2, 32, 8]: bit t of plane h's byte i
+                    high = (blocks[..., plane] >> 4) << torch.arange(8)
+                else:  # [G, nb, 2, 2, 32, 4]: bits 2u, 2u + 1 of plane (h, v)'s byte i
+                    high = (blocks[..., _q6_plane_sources()] >> 4) << (2 * torch.arange(4))
                 blocks = blocks & 0x0F
             self.qs = (blocks[..., lo] | (blocks[..., hi] << 4)).to(torch.uint8)
-            if bits == 5:  # [G, nb, 256 + 64]: the nibbles, then the two planes of high bits
-                self.qs = torch.cat([self.qs, high.sum(-1).view(groups, nb, 64).to(torch.uint8)], dim=-1)
+            if bits in (5, 6):  # [G, nb, 256 + 64 / 128]: the nibbles, then the planes of high bits
+                planes = high.sum(-1).view(groups, nb, 64 * (bits - 4)).to(torch.uint8)
+                self.qs = torch.cat([self.qs, planes], dim=-1)
             self.qs = self.qs.contiguous()
         # [G, nb, CG] fp32, or [G, nb, 2, CG] with two scales per block
         spb = self.scales_per_block
@@ -210,7 +225,10 @@ class QuantCpuLinear(Linear):
             if self.bits == 5:
                 high = (self.qs[..., 256:].view(groups, nb, 2, 32, 1).long() >> torch.arange(8)) & 1
                 blocks[..., _q5_sources()[2].view(-1)] += 16 * high.view(groups, nb, -1).float()
-                blocks -= self.zero
+            elif self.bits == 6:
+                high = (self.qs[..., 256:].view(groups, nb, 2, 2, 32, 1).long() >> (2 * torch.arange(4))) & 3
+                blocks[..., _q6_plane_sources().view(-1)] += 16 * high.view(groups, nb, -1).float()
+            blocks -= self.zero
         n, spb = self.out_features, self.scales_per_block
         q = blocks.view(groups, nb, CG, BLOCK).permute(0, 2, 1, 3).reshape(groups * CG, nb, BLOCK)[:n]
         d = self.d.float().view(groups, nb, spb, CG).permute(0, 3, 1, 2).reshape(groups * CG, nb, spb)[:n]
@@ -271,15 +289,15 @@ class QuantCpuLinear(Linear):
         return y
 
 
-def five_bit_layout() -> bool:
-    """Whether the built kernel reads 5-bit weights as 5 bits (the AVX2 body), else as bytes."""
+def high_bit_planes() -> bool:
+    """Whether the built kernel reads 5- and 6-bit weights as 5 / 6 bits (the AVX2 body), else as bytes."""
     return kernel_mode() == Q8_ACTIVATIONS
 
 
 def byte_per_weight_linear(unpack: Callable[[torch.Tensor], tuple], bits: int = 8) -> MakeLinear:
     """The `cpu_linear` of a format whose blocks `unpack` into (q, scale, offset) with q of more than
-    4 bits (Q5_0, Q5_1, Q5_K: `bits` 5; Q6_K): the kernel's 5-bit layout where it has one
-    (five_bit_layout()), else its 8-bit path, a byte per weight; None where the kernel is not built or
+    4 bits (Q5_0, Q5_1, Q5_K: `bits` 5; Q6_K: 6): the kernel's 5- or 6-bit layout where it has one
+    (high_bit_planes()), else its 8-bit path, a byte per weight; None where the kernel is not built or
     the activations are not bf16 (make_linear then dequantizes)."""
 
     def cpu_linear(weight: QuantizedWeight, bias: torch.Tensor | None, device: torch.device,
@@ -287,7 +305,7 @@ def byte_per_weight_linear(unpack: Callable[[torch.Tensor], tuple], bits: int = 
         if dtype != torch.bfloat16 or not available():
             return None
         q, scale, offset = unpack(weight.blocks)
-        held_bits = 5 if bits == 5 and five_bit_layout() else 8
+        held_bits = bits if bits in (5, 6) and high_bit_planes() else 8
         if held_bits == 5 and offset is not None and not offset.any() and bool((q > 15).any()):
             held_bits = 8  # q in 0..31 with every offset zero: no 5-bit form (without offsets it is q - 16)
         return QuantCpuLinear(q, scale, offset, bits=held_bits, bias=bias)
