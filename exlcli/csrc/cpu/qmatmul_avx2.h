@@ -255,39 +255,34 @@ static inline __attribute__((always_inline)) void chunk_q5(const uint8_t *blk, _
                           _mm256_and_si256(bit_to_4(plane, 2 * c + 1), bit4));
 }
 
-// The 4-bit loop for q in 0..31: a pair is at most 7,874, so four fit int16: two chunks are summed
-// there, then widened to int32; per block sum(q xq) - zero * sum(xq), the order of the header from there.
+// q in 0..31: a pair is at most 7,874, so four fit int16 (two chunks summed there, then widened to int32).
+// The block's eight weight vectors are expanded once, then each row takes them in turn (rows inside: the
+// 4-row tile's sums then fit the 16 registers beside them). Per block sum(q xq) - zero * sum(xq), then
+// the order of the header.
+static inline __attribute__((always_inline)) __m256i dot_q5(const __m256i w[8], const int8_t *x, int c) {
+    __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(w[2 * c], bcast4(x + 8 * c)),
+                                  _mm256_maddubs_epi16(w[2 * c + 1], bcast4(x + 8 * c + 4)));
+    __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(w[2 * c + 2], bcast4(x + 8 * c + 8)),
+                                  _mm256_maddubs_epi16(w[2 * c + 3], bcast4(x + 8 * c + 12)));
+    return _mm256_madd_epi16(_mm256_add_epi16(p0, p1), _mm256_set1_epi16(1));
+}
+
 static inline __attribute__((always_inline)) void group_half_q5(const qmm2_args *a, const uint8_t *gq,
                                                                  const void *gd, const void *gm, int64_t r0,
                                                                  int rows, int h, __m256 acc[RT]) {
-    const __m256i ones = _mm256_set1_epi16(1);
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < a->nb; b++) {
         const uint8_t *blk = gq + b * 320;
         const int8_t *xb = a->xq + r0 * a->K + b * BLOCK;
         const __m256i plane = _mm256_loadu_si256((const __m256i *)(blk + 256 + 32 * h));
         if (h == 0) prefetch_ahead(blk, 320);
-        __m256i s[RT], s16[RT];
-#pragma GCC unroll 4
-        for (int c = 0; c < 4; c++) {
-            __m256i lo, hi;
-            chunk_q5(blk, plane, c, h, &lo, &hi);
-            for (int r = 0; r < rows; r++) {
-                const int8_t *x = xb + r * a->K + 8 * c;
-                __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(x)),
-                                                _mm256_maddubs_epi16(hi, bcast4(x + 4)));
-                if (c % 2 == 0) {
-                    s16[r] = pair;
-                } else {
-                    __m256i wide = _mm256_madd_epi16(_mm256_add_epi16(s16[r], pair), ones);
-                    s[r] = c == 1 ? wide : _mm256_add_epi32(s[r], wide);
-                }
-            }
-        }
+        __m256i w[8];
+        for (int c = 0; c < 4; c++) chunk_q5(blk, plane, c, h, &w[2 * c], &w[2 * c + 1]);
         __m256 d = scales8(gd, b * CG + 8 * h, a->half);
         for (int r = 0; r < rows; r++) {
+            const int8_t *x = xb + r * a->K;
+            __m256i sum = _mm256_add_epi32(dot_q5(w, x, 0), dot_q5(w, x, 2));
             int64_t i = (r0 + r) * a->nb + b;
-            __m256i sum = s[r];
             if (a->zero) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(a->zero * a->xsum[i]));
             acc[r] = add_scaled(acc[r], sum, d, a->dx[i]);
             if (a->has_off) acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(scales8(gm, b * CG + 8 * h, a->half),
