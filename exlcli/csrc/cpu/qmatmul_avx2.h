@@ -167,7 +167,7 @@ static inline __attribute__((always_inline)) void group_half_q4(const qmm2_args 
     for (int64_t b = 0; b < a->nb; b++) {
         const uint8_t *blk = gq + b * 256;
         const int8_t *xb = a->xq + r0 * a->K + b * BLOCK;
-        if (h == 0) prefetch_ahead(blk, 256);
+        if (h == 0 && r0 == 0) prefetch_ahead(blk, 256);
         __m256i s16[RT];
         for (int r = 0; r < rows; r++) s16[r] = _mm256_setzero_si256();
         for (int c = 0; c < 4; c++) {
@@ -199,7 +199,7 @@ static inline __attribute__((always_inline)) void group_half_q8(const qmm2_args 
     for (int64_t b = 0; b < a->nb; b++) {
         const uint8_t *blk = gq + b * 512;
         const int8_t *xb = a->xq + r0 * a->K + b * BLOCK;
-        if (h == 0) prefetch_ahead(blk, 512);
+        if (h == 0 && r0 == 0) prefetch_ahead(blk, 512);
         const int64_t db = b * spb * CG + 8 * h;
         __m256i s[RT];
         for (int r = 0; r < rows; r++) s[r] = _mm256_setzero_si256();
@@ -275,7 +275,7 @@ static inline __attribute__((always_inline)) void group_half_q5(const qmm2_args 
         const uint8_t *blk = gq + b * 320;
         const int8_t *xb = a->xq + r0 * a->K + b * BLOCK;
         const __m256i plane = _mm256_loadu_si256((const __m256i *)(blk + 256 + 32 * h));
-        if (h == 0) prefetch_ahead(blk, 320);
+        if (h == 0 && r0 == 0) prefetch_ahead(blk, 320);
         __m256i w[8];
         for (int c = 0; c < 4; c++) chunk_q5(blk, plane, c, h, &w[2 * c], &w[2 * c + 1]);
         __m256 d = scales8(gd, b * CG + 8 * h, a->half);
@@ -324,7 +324,7 @@ static inline __attribute__((always_inline)) void group_half_q6(const qmm2_args 
     for (int64_t b = 0; b < a->nb; b++) {
         const uint8_t *blk = gq + b * 384;
         const int8_t *xb = a->xq + r0 * a->K + b * BLOCK;
-        if (h == 0) prefetch_ahead(blk, 384);
+        if (h == 0 && r0 == 0) prefetch_ahead(blk, 384);
         __m256i s[RT];
 #pragma GCC unroll 4
         for (int c = 0; c < 4; c++) {
