@@ -219,11 +219,14 @@ static void qmm_groups(void *ctx, int64_t begin, int64_t end) {
 // bits 4: qs [groups][nb][256], d and m fp32 [groups][nb][CG].
 // bits 8: qs [groups][nb][512], d fp32 [groups][nb][CG], m fp32 [groups][nb][CG] read with offsets only.
 // scales_per_block 2: d fp32 [groups][nb][2][CG], the scales of k < 16 and k >= 16 of each block.
+// bits 5 (the AVX2 body only): qs [groups][nb][320], q in 0..31 (qmatmul_avx2.h); without offsets q - 16.
+// bits 6 (the AVX2 body only): qs [groups][nb][384], q - 32 for q in 0..63, two scales per block, no offsets.
 // The column groups are shared among the pool's threads. Returns 0, or -1 when the kernel is not
 // built or its scratch cannot be had.
 int exl_qmatmul(const exl_qmatmul_args *args) {
     if (args->half_scales && !EXL_QMM_HALF_SCALES) return -1;
 #if EXL_QMM
+    if (args->bits == 5 || args->bits == 6) return -1;  // the AVX2 body's layouts (8 bits are held here)
     const uint16_t *x = args->x, *bias = args->bias;
     int64_t M = args->rows, K = args->in_features, N = args->out_features;
     int bits = args->bits, y_fp32 = args->y_fp32;

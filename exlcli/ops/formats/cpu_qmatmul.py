@@ -9,9 +9,10 @@ with AVX2 only it quantizes each row's activations to int8 per block of 32 and s
 (llama.cpp's way on CPUs: 2.4-2.8x faster per call than fp32 products on an AVX2 AMD EPYC), which
 `emulate_kernel()` reproduces bit for bit with torch ops. The kernel takes any weights of the
 form w = q * scale + offset per block of 32 (q 4-bit in 0..15, or 8-bit signed), or w = q * scale per
-16 weights (8-bit, no offset: Q6_K), as the format modules unpack them. The 5- and 6-bit formats run
-as 8-bit: at 8 bits a weight their decode reads 1.45x (5-bit) / 1.23x (6-bit) the file's bytes, but
-the inner loop is the 8-bit one, with no high bits to merge.
+16 weights (8-bit, no offset: Q6_K), as the format modules unpack them. The 5-bit formats stay 5-bit
+for the AVX2 kernel, and Q6_K 6-bit (`bits=5`, `6`: nibbles plus planes of the high bits, merged in
+registers; Q5_0's q - 16 and Q6_K's q - 32 summed as sum(q x) - 16 (32) sum(x), the same integers, so
+the same bits as at 8 bits); elsewhere they run as 8-bit, a byte per weight (1.45x / 1.23x the file's).
 """
 
 from __future__ import annotations
@@ -105,27 +106,58 @@ def _q4_byte_sources() -> tuple[torch.Tensor, torch.Tensor]:
     return lo.view(-1), hi.view(-1)
 
 
+def _q5_sources() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The 5-bit layout of a (group, block), which weight (column * 32 + k) each part holds: lo and hi
+    [256], the low four bits in byte 64c + 32h + i's low and high nibble (column 8h + i // 4, k = 8c + i % 4,
+    and k + 4), and plane [2, 32, 8], the high bit in bit 2c + j of plane h's byte i (j = 0 of lo's
+    weight at byte 64c + 32h + i, j = 1 of hi's); see chunk_q5 in qmatmul_avx2.h."""
+    lo = torch.empty(4, 2, 32, dtype=torch.long)
+    for c in range(4):
+        for h in range(2):
+            for i in range(32):
+                lo[c, h, i] = (8 * h + i // 4) * BLOCK + 8 * c + i % 4
+    plane = torch.stack([lo, lo + 4], dim=-1).permute(1, 2, 0, 3).reshape(2, 32, 8)  # [h, i, (c, j)]
+    return lo.view(-1), lo.view(-1) + 4, plane
+
+
+def _q6_plane_sources() -> torch.Tensor:
+    """[2, 2, 32, 4]: the 6-bit layout's planes (after the same 256 bytes of low four bits): plane v of
+    half h holds in bits 2u, 2u + 1 of its byte i the high two bits of the weight at byte i of chunk
+    2v + u // 2's lo (u even) or hi (u odd), the (c, j) = (2v + u // 2, u % 2) of _q5_sources()'s plane."""
+    return _q5_sources()[2].view(2, 32, 2, 4).permute(0, 2, 1, 3).contiguous()
+
+
 class QuantCpuLinear(Linear):
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, bits: int,
                  bias: torch.Tensor | None = None) -> None:
-        """q [N, K] int32 (0..15 for bits 4, -128..127 for bits 8); scale, offset [N, K / 32] fp32,
-        w = q * scale + offset. For bits 8 an offset that is None or all zeros is left out, and scale
-        may be [N, K / 16] (one per 16 weights; then no offset)."""
-        if bits not in (4, 8):
-            raise ValueError(f"the CPU matmul kernel takes 4- or 8-bit weights, not {bits}-bit")
+        """q [N, K] int32 (0..15 for bits 4, -128..127 for bits 8; bits 5: 0..31 with offsets, -16..15
+        without; bits 6: -32..31); scale, offset [N, K / 32] fp32, w = q * scale + offset. For bits 5, 6
+        and 8 an offset that is None or all zeros is left out; for bits 8 scale may be [N, K / 16] (one per
+        16 weights; then no offset), for bits 6 it must. Bits 5 and 6 are for the AVX2 kernel
+        (high_bit_planes())."""
+        if bits not in (4, 5, 6, 8):
+            raise ValueError(f"the CPU matmul kernel takes 4-, 5-, 6- or 8-bit weights, not {bits}-bit")
         self.out_features, self.in_features = q.shape
         self.bits = bits
         n, k = q.shape
         nb = k // BLOCK
-        if offset is None or (bits == 8 and not offset.any()):
+        if offset is None or (bits != 4 and not offset.any()):
             offset = torch.zeros(n, nb)  # none: the kernel leaves the term out
         self.offsets = bits == 4 or bool(offset.any())
+        # Q5_0's q - 16 is held as q (0..31), Q6_K's q - 32 as q (0..63)
+        self.zero = 32 if bits == 6 else 16 if bits == 5 and not self.offsets else 0
+        if bits in (5, 6) and not bool(((q + self.zero >= 0) & (q + self.zero < 2**bits)).all()):
+            raise ValueError("5-bit q must be in 0..31 with offsets, -16..15 without; 6-bit q in -32..31")
+        if bits == 6 and (self.offsets or scale.shape[1] != 2 * nb):
+            raise ValueError("6-bit weights take one scale per 16 weights and no offsets (Q6_K)")
+        if bits in (5, 6) and available() and not high_bit_planes():
+            raise ValueError("the 5- and 6-bit layouts are the AVX2 kernel's; this CPU's takes them as 8-bit")
         if offset.shape != (n, nb):
             raise ValueError(f"offsets {tuple(offset.shape)}: expected one per 32 weights, ({n}, {nb})")
         self.scales_per_block = scale.shape[1] // nb
         if self.scales_per_block not in (1, 2) or scale.shape[1] != nb * self.scales_per_block:
             raise ValueError(f"scales [{scale.shape[1]}] per row of {k} weights: expected one per 32 or per 16")
-        if self.scales_per_block == 2 and (bits == 4 or self.offsets):
+        if self.scales_per_block == 2 and (bits in (4, 5) or self.offsets):
             raise ValueError("one scale per 16 weights is for 8-bit weights without offsets")
         self.groups = groups = -(-n // CG)
         pad = groups * CG - n
@@ -137,7 +169,19 @@ class QuantCpuLinear(Linear):
             self.qs = pairs.to(torch.int8).contiguous().view(torch.uint8)
         else:
             lo, hi = _q4_byte_sources()
-            self.qs = (blocks[..., lo] | (blocks[..., hi] << 4)).to(torch.uint8).contiguous()
+            if bits in (5, 6):
+                lo, hi, plane = _q5_sources()
+                blocks = blocks + self.zero
+                if bits == 5:  # [G, nb, 2, 32, 8]: bit t of plane h's byte i
+                    high = (blocks[..., plane] >> 4) << torch.arange(8)
+                else:  # [G, nb, 2, 2, 32, 4]: bits 2u, 2u + 1 of plane (h, v)'s byte i
+                    high = (blocks[..., _q6_plane_sources()] >> 4) << (2 * torch.arange(4))
+                blocks = blocks & 0x0F
+            self.qs = (blocks[..., lo] | (blocks[..., hi] << 4)).to(torch.uint8)
+            if bits in (5, 6):  # [G, nb, 256 + 64 / 128]: the nibbles, then the planes of high bits
+                planes = high.sum(-1).view(groups, nb, 64 * (bits - 4)).to(torch.uint8)
+                self.qs = torch.cat([self.qs, planes], dim=-1)
+            self.qs = self.qs.contiguous()
         # [G, nb, CG] fp32, or [G, nb, 2, CG] with two scales per block
         spb = self.scales_per_block
         self.d = F.pad(scale, (0, 0, 0, pad)).view(groups, CG, nb, spb).permute(0, 2, 3, 1).contiguous()
@@ -173,10 +217,18 @@ class QuantCpuLinear(Linear):
             pairs = self.qs.view(torch.int8).view(groups, nb, BLOCK // 2, CG, 2).permute(0, 1, 3, 2, 4)
             blocks = pairs.reshape(groups, nb, CG * BLOCK).float()
         else:
-            lo, hi = _q4_byte_sources()
+            lo, hi = _q4_byte_sources() if self.bits == 4 else _q5_sources()[:2]
+            nibbles = self.qs[..., :256]
             blocks = torch.empty(groups, nb, CG * BLOCK)
-            blocks[..., lo] = (self.qs & 0x0F).float()
-            blocks[..., hi] = (self.qs >> 4).float()
+            blocks[..., lo] = (nibbles & 0x0F).float()
+            blocks[..., hi] = (nibbles >> 4).float()
+            if self.bits == 5:
+                high = (self.qs[..., 256:].view(groups, nb, 2, 32, 1).long() >> torch.arange(8)) & 1
+                blocks[..., _q5_sources()[2].view(-1)] += 16 * high.view(groups, nb, -1).float()
+            elif self.bits == 6:
+                high = (self.qs[..., 256:].view(groups, nb, 2, 2, 32, 1).long() >> (2 * torch.arange(4))) & 3
+                blocks[..., _q6_plane_sources().view(-1)] += 16 * high.view(groups, nb, -1).float()
+            blocks -= self.zero
         n, spb = self.out_features, self.scales_per_block
         q = blocks.view(groups, nb, CG, BLOCK).permute(0, 2, 1, 3).reshape(groups * CG, nb, BLOCK)[:n]
         d = self.d.float().view(groups, nb, spb, CG).permute(0, 3, 1, 2).reshape(groups * CG, nb, spb)[:n]
@@ -237,16 +289,25 @@ class QuantCpuLinear(Linear):
         return y
 
 
-def byte_per_weight_linear(unpack: Callable[[torch.Tensor], tuple]) -> MakeLinear:
+def high_bit_planes() -> bool:
+    """Whether the built kernel reads 5- and 6-bit weights as 5 / 6 bits (the AVX2 body), else as bytes."""
+    return kernel_mode() == Q8_ACTIVATIONS
+
+
+def byte_per_weight_linear(unpack: Callable[[torch.Tensor], tuple], bits: int = 8) -> MakeLinear:
     """The `cpu_linear` of a format whose blocks `unpack` into (q, scale, offset) with q of more than
-    4 bits (Q5_0, Q5_1, Q5_K, Q6_K): the kernel's 8-bit path, a byte per weight; None where the
-    kernel is not built or the activations are not bf16 (make_linear then dequantizes)."""
+    4 bits (Q5_0, Q5_1, Q5_K: `bits` 5; Q6_K: 6): the kernel's 5- or 6-bit layout where it has one
+    (high_bit_planes()), else its 8-bit path, a byte per weight; None where the kernel is not built or
+    the activations are not bf16 (make_linear then dequantizes)."""
 
     def cpu_linear(weight: QuantizedWeight, bias: torch.Tensor | None, device: torch.device,
                    dtype: torch.dtype) -> Linear | None:
         if dtype != torch.bfloat16 or not available():
             return None
         q, scale, offset = unpack(weight.blocks)
-        return QuantCpuLinear(q, scale, offset, bits=8, bias=bias)
+        held_bits = bits if bits in (5, 6) and high_bit_planes() else 8
+        if held_bits == 5 and offset is not None and not offset.any() and bool((q > 15).any()):
+            held_bits = 8  # q in 0..31 with every offset zero: no 5-bit form (without offsets it is q - 16)
+        return QuantCpuLinear(q, scale, offset, bits=held_bits, bias=bias)
 
     return cpu_linear

@@ -3,8 +3,9 @@
 Block (22 bytes): fp16 d | qh, 4 bytes: bit i (little-endian) is the top bit of q[i] |
 qs, 16 bytes: byte j holds the low 4 bits of q[j] (low nibble) and q[j + 16] (high nibble).
 
-On the CPU with bf16 activations it runs quantized through our C kernel's 8-bit path (q - 16 a byte
-each, no offset; see cpu_qmatmul.py).
+On the CPU with bf16 activations it runs quantized through our C kernel: 5 bits a weight on AVX2 (q in
+0..31, the kernel subtracts 16 * sum(x)), elsewhere its 8-bit path (q - 16 a byte each, no offset; see
+cpu_qmatmul.py).
 """
 
 from __future__ import annotations
@@ -45,5 +46,5 @@ def dequantize(blocks: torch.Tensor) -> torch.Tensor:
 
 
 FORMAT = BlockFormat(name="Q5_0", gguf_type=6, block_weights=BLOCK_WEIGHTS, block_bytes=BLOCK_BYTES,
-                     dequantize=dequantize, cpu_linear=cpu_qmatmul.byte_per_weight_linear(unpack),
+                     dequantize=dequantize, cpu_linear=cpu_qmatmul.byte_per_weight_linear(unpack, bits=5),
                      cuda_linear=cuda_groups.cuda_linear(unpack, 8))

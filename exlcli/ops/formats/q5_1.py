@@ -2,8 +2,8 @@
 
 Block (24 bytes): fp16 d | fp16 m | qh, 4 bytes | qs, 16 bytes, both laid out as in Q5_0.
 
-On the CPU with bf16 activations it runs quantized through our C kernel's 8-bit path (q in 0..31 a
-byte each, with its offset; see cpu_qmatmul.py).
+On the CPU with bf16 activations it runs quantized through our C kernel: 5 bits a weight on AVX2,
+elsewhere its 8-bit path (q in 0..31 a byte each, with its offset; see cpu_qmatmul.py).
 """
 
 from __future__ import annotations
@@ -36,5 +36,5 @@ def dequantize(blocks: torch.Tensor) -> torch.Tensor:
 
 
 FORMAT = BlockFormat(name="Q5_1", gguf_type=7, block_weights=BLOCK_WEIGHTS, block_bytes=BLOCK_BYTES,
-                     dequantize=dequantize, cpu_linear=cpu_qmatmul.byte_per_weight_linear(unpack),
+                     dequantize=dequantize, cpu_linear=cpu_qmatmul.byte_per_weight_linear(unpack, bits=5),
                      cuda_linear=cuda_groups.cuda_linear(unpack, 8))

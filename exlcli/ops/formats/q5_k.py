@@ -3,8 +3,9 @@
 Block (176 bytes): fp16 d | fp16 dmin | scales and mins, 12 bytes (kquant_scales) | qh, 32 bytes:
 bit s of byte i is the top bit of weight i of sub-block s | qs, 128 bytes: the low 4 bits, as in Q4_K.
 
-On the CPU with bf16 activations it runs quantized through our C kernel's 8-bit path (q in 0..31 a
-byte each, one (scale, offset) per sub-block of 32; see cpu_qmatmul.py).
+On the CPU with bf16 activations it runs quantized through our C kernel, one (scale, offset) per
+sub-block of 32: 5 bits a weight on AVX2, elsewhere its 8-bit path (q in 0..31 a byte each; see
+cpu_qmatmul.py).
 """
 
 from __future__ import annotations
@@ -38,5 +39,5 @@ def dequantize(blocks: torch.Tensor) -> torch.Tensor:
 
 
 FORMAT = BlockFormat(name="Q5_K", gguf_type=13, block_weights=BLOCK_WEIGHTS, block_bytes=BLOCK_BYTES,
-                     dequantize=dequantize, cpu_linear=cpu_qmatmul.byte_per_weight_linear(unpack),
+                     dequantize=dequantize, cpu_linear=cpu_qmatmul.byte_per_weight_linear(unpack, bits=5),
                      cuda_linear=cuda_groups.cuda_linear(unpack, 8))

@@ -5,8 +5,9 @@ Block (210 bytes): ql, 128 bytes: two halves of 64; byte i of half h holds the l
 q[128 * h + i] (low nibble) and q[128 * h + 64 + i] (high) | qh, 64 bytes: two halves of 32; 2-bit
 field f of byte i in half h is the top 2 bits of q[128 * h + 32 * f + i] | scales, 16 x int8 | fp16 d.
 
-On the CPU with bf16 activations it runs quantized through our C kernel's 8-bit path (q - 32 a byte
-each, one scale per 16 weights, no offset; see cpu_qmatmul.py).
+On the CPU with bf16 activations it runs quantized through our C kernel, one scale per 16 weights, no
+offset: 6 bits a weight on AVX2 (q in 0..63, the kernel subtracts 32 * sum(x) per 16), elsewhere its
+8-bit path (q - 32 a byte each; see cpu_qmatmul.py).
 """
 
 from __future__ import annotations
@@ -46,5 +47,5 @@ def dequantize(blocks: torch.Tensor) -> torch.Tensor:
 
 
 FORMAT = BlockFormat(name="Q6_K", gguf_type=14, block_weights=BLOCK_WEIGHTS, block_bytes=BLOCK_BYTES,
-                     dequantize=dequantize, cpu_linear=cpu_qmatmul.byte_per_weight_linear(unpack),
+                     dequantize=dequantize, cpu_linear=cpu_qmatmul.byte_per_weight_linear(unpack, bits=6),
                      cuda_linear=cuda_groups.cuda_linear(unpack, 8))

@@ -11,7 +11,7 @@ import torch
 
 from exlcli.ops.formats import QuantizedWeight, by_name, q4_k, q5_0, q5_1, q5_k, q6_k
 from exlcli.ops.formats.base import scaled_blocks
-from exlcli.ops.formats.cpu_qmatmul import QuantCpuLinear, available
+from exlcli.ops.formats.cpu_qmatmul import QuantCpuLinear, available, high_bit_planes
 from exlcli.ops.formats.quantize import quantize
 from exlcli.ops.linear import make_linear
 from tests.ops.formats.kernel_contract import check_product
@@ -44,8 +44,11 @@ def test_unpack_is_the_reference_dequantize(qtype):
 def test_repack_round_trips_every_weight(qtype):
     w = random_weight(qtype, 37, 768)
     q, scale, offset = MODULES[qtype].unpack(w.blocks)
-    lin = QuantCpuLinear(q, scale, offset, bits=4 if qtype == "Q4_K" else 8)
-    assert torch.equal(lin.dequantize(), w.dequantize(torch.float32))
+    planes = high_bit_planes() or not available()
+    held = (5,) if qtype.startswith("Q5") and planes else (6,) if qtype == "Q6_K" and planes else ()
+    for bits in (4,) if qtype == "Q4_K" else held + (8,):
+        lin = QuantCpuLinear(q, scale, offset, bits=bits)
+        assert torch.equal(lin.dequantize(), w.dequantize(torch.float32))
     assert lin.scales_per_block == (2 if qtype == "Q6_K" else 1)
     assert lin.offsets == (qtype in ("Q4_K", "Q5_K", "Q5_1"))
 
@@ -105,6 +108,8 @@ def test_make_linear_keeps_them_quantized(qtype):
     lin = make_linear(parts, None, torch.device("cpu"), torch.bfloat16)
     assert isinstance(lin, QuantCpuLinear) and lin.out_features == 64
     assert lin.nbytes() < 64 * 512 * 2  # smaller than the bf16 weight it replaces
+    held = {"Q4_K": 4, "Q6_K": 6}.get(qtype, 5) if high_bit_planes() or qtype == "Q4_K" else 8
+    assert lin.bits == held
     x = torch.randn(3, 512).bfloat16()
     dense = torch.cat([p.dequantize(torch.float64) for p in parts])
     check_product(lin, x, lin(x, out_dtype=torch.float32), x.double() @ dense.T, dense)

@@ -133,13 +133,14 @@ def test_activations_quantize_per_block_with_ties_to_even():
 
 @needs_kernel
 @pytest.mark.skipif(kernel_mode() != Q8_ACTIVATIONS, reason="the kernel here computes exact products (AVX-512 BF16)")
-@pytest.mark.parametrize("bits,offsets,per16", [(4, True, False), (8, False, False), (8, True, False),
+@pytest.mark.parametrize("bits,offsets,per16", [(4, True, False), (5, False, False), (5, True, False),
+                                                (6, False, True), (8, False, False), (8, True, False),
                                                 (8, False, True)])
 @pytest.mark.parametrize("fp16_scales", [False, True], ids=["fp32 scales", "scales exact in fp16"])
 def test_int8_activation_kernel_is_its_emulation_bit_for_bit(bits, offsets, per16, fp16_scales):
     gen = torch.Generator().manual_seed(bits * 10 + offsets + per16)
     n, k = 45, 320
-    lo, hi = (0, 16) if bits == 4 else (-128, 128)
+    lo, hi = {4: (0, 16), 5: (0, 32) if offsets else (-16, 16), 6: (-32, 32), 8: (-128, 128)}[bits]
     q = torch.randint(lo, hi, (n, k), dtype=torch.int32, generator=gen)
     scale = torch.rand(n, k // (16 if per16 else 32), generator=gen) * 0.01
     offset = torch.randn(n, k // 32, generator=gen) * 0.01 if offsets else None
@@ -154,3 +155,35 @@ def test_int8_activation_kernel_is_its_emulation_bit_for_bit(bits, offsets, per1
     assert torch.equal(got.isnan(), want.isnan()) and bool(got[[4, 6]].isnan().all())
     assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0))
     assert torch.equal(lin(x[:3]), got[:3].bfloat16())
+
+
+@needs_kernel
+@pytest.mark.skipif(kernel_mode() != Q8_ACTIVATIONS, reason="the 5- and 6-bit layouts are the AVX2 kernel's")
+@pytest.mark.parametrize("bits,offsets", [(5, False), (5, True), (6, False)],
+                         ids=["q - 16 (Q5_0)", "q + offset (Q5_1, Q5_K)", "q - 32 per 16 (Q6_K)"])
+def test_high_bit_planes_give_the_bits_of_the_byte_per_weight_layout(bits, offsets):
+    # sum(q x) - 16 sum(x) is the integer sum((q - 16) x): the same outputs for 5/8 (6/8) of the bytes
+    gen = torch.Generator().manual_seed(bits + offsets)
+    n, k = 70, 576
+    zero = 0 if offsets else 2 ** (bits - 1)
+    q = torch.randint(0, 2**bits, (n, k), dtype=torch.int32, generator=gen) - zero
+    scale = (torch.rand(n, k // (16 if bits == 6 else 32), generator=gen) * 0.01).half().float()
+    offset = (torch.randn(n, k // 32, generator=gen) * 0.01).half().float() if offsets else None
+    bias = torch.randn(n, generator=gen)
+    held, eight = QuantCpuLinear(q, scale, offset, bits, bias=bias), QuantCpuLinear(q, scale, offset, 8, bias=bias)
+    assert torch.equal(held.dequantize(), eight.dequantize())
+    assert held.qs.numel() == eight.qs.numel() * bits // 8
+    x = (torch.randn(21, k, generator=gen) * 2).bfloat16()
+    for rows in (slice(0, 1), slice(3, 7), slice(0, 21)):
+        assert torch.equal(held(x[rows], out_dtype=torch.float32), eight(x[rows], out_dtype=torch.float32))
+
+
+@pytest.mark.skipif(available() and kernel_mode() != Q8_ACTIVATIONS, reason="the 5- and 6-bit layouts are AVX2's")
+def test_q_out_of_range_of_five_or_six_bits_is_refused():
+    q = torch.full((16, 32), 16, dtype=torch.int32)  # without offsets 5-bit q is -16..15
+    with pytest.raises(ValueError, match="5-bit"):
+        QuantCpuLinear(q, torch.ones(16, 1), None, 5)
+    with pytest.raises(ValueError, match="6-bit"):
+        QuantCpuLinear(q * 2, torch.ones(16, 2), None, 6)
+    with pytest.raises(ValueError, match="per 16"):
+        QuantCpuLinear(q - 16, torch.ones(16, 1), None, 6)
