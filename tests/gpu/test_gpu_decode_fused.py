@@ -7,12 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from gpu_helpers import assert_matches, poison_next_alloc, requires_cuda
+from gpu_helpers import (
+    assert_fused_decode_step_equals_forward,
+    assert_matches,
+    assert_same,
+    poison_next_alloc,
+    requires_cuda,
+)
 
 from exlcli.model.architectures import build_model
-from exlcli.model.batch_inputs import BatchInputs
 from exlcli.model.config import ModelConfig
-from exlcli.model.kv_cache import KVCache
 from exlcli.model.random_weights import random_tensors
 from exlcli.ops.activation import silu_and_mul_ref
 from exlcli.ops.cuda import kernels as ops
@@ -34,11 +38,6 @@ def randn(*shape, dtype=torch.float32) -> torch.Tensor:
 def weights(out_f: int, in_f: int, with_bias: bool, dtype: torch.dtype):
     w = randn(out_f, in_f, dtype=dtype) * in_f ** -0.5
     return w, (randn(out_f, dtype=dtype) if with_bias else None)
-
-
-def assert_same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    assert got.shape == want.shape and got.dtype == want.dtype, what
-    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=f"{what}: not bit for bit")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -138,37 +137,10 @@ MODELS = {
 }
 
 
-def decode_inputs(lens: list[int], pages_each: int, page_size: int, vocab: int) -> BatchInputs:
-    """One decode step of len(lens) sequences; sequence b owns pages b * pages_each ...; its new token
-    sits at position lens[b] - 1."""
-    b = len(lens)
-    tables = torch.arange(b * pages_each, dtype=torch.int32, device="cuda").view(b, pages_each)
-    pos = torch.tensor([n - 1 for n in lens], device="cuda")
-    slots = tables[torch.arange(b, device="cuda"), pos // page_size].long() * page_size + pos % page_size
-    return BatchInputs(input_ids=torch.randint(0, vocab, (b,), device="cuda"), positions=pos, slot_mapping=slots,
-                       block_tables=tables, seq_lens=list(lens), query_start_loc=list(range(b + 1)),
-                       logits_indices=torch.arange(b, device="cuda"),
-                       seq_lens_t=torch.tensor(lens, dtype=torch.int32, device="cuda"),
-                       query_start_loc_t=torch.arange(b + 1, dtype=torch.int32, device="cuda"))
-
-
 @pytest.mark.parametrize("name", sorted(MODELS))
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_decode_step_equals_the_model_forward(name, dtype):
     config = MODELS[name]
     model = build_model(config, random_tensors(config, device="cuda", dtype=dtype, seed=3), torch.device("cuda"), dtype)
     assert model.fused_decode_unsupported() is None
-    page_size, pages_each = 16, 40
-    for lens in ([1], [300, 17], [5, 600, 33, 129]):
-        kv = KVCache(config, len(lens) * pages_each, page_size, model.device, dtype)
-        for c in kv.k + kv.v:
-            c.normal_()  # the earlier tokens' keys and values
-        kv_ref = KVCache(config, len(lens) * pages_each, page_size, model.device, dtype)
-        for c, c_ref in zip(kv.k + kv.v, kv_ref.k + kv_ref.v):
-            c_ref.copy_(c)
-        inputs = decode_inputs(lens, pages_each, page_size, config.vocab_size)
-        got = model.fused_decode_forward(inputs, kv)
-        want = model.forward(inputs, kv_ref)
-        assert_same(got, want, f"{name} logits, lengths {lens}")
-        for c, c_ref in zip(kv.k + kv.v, kv_ref.k + kv_ref.v):
-            assert_same(c, c_ref, "KV cache after the step")
+    assert_fused_decode_step_equals_forward(model, dtype, ([1], [300, 17], [5, 600, 33, 129]), name)

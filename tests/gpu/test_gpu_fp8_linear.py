@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpu_helpers import assert_matches, poison_next_alloc, requires_cuda
-from test_gpu_decode_fused import assert_same, decode_inputs
+from gpu_helpers import (
+    assert_fused_decode_step_equals_forward,
+    assert_matches,
+    assert_same,
+    poison_next_alloc,
+    requires_cuda,
+)
 
 from exlcli.model.architectures import build_model
 from exlcli.model.config import ModelConfig
-from exlcli.model.kv_cache import KVCache
 from exlcli.model.quantize_at_load import quantize_tensors
 from exlcli.model.random_weights import random_tensors
 from exlcli.ops.activation import silu_and_mul_ref
@@ -237,15 +241,4 @@ def test_fused_decode_step_of_an_fp8_model_equals_its_forward(name):
     model = build_model(config, tensors, torch.device("cuda"), torch.bfloat16)
     assert isinstance(model.layers[0].gate_up, cuda_fp8.Fp8CudaLinear)
     assert model.fused_decode_unsupported() is None
-    page_size, pages_each = 16, 40
-    for lens in ([1], [300, 17, 5, 129]):
-        kv = KVCache(config, len(lens) * pages_each, page_size, model.device, torch.bfloat16)
-        for c in kv.k + kv.v:
-            c.normal_()
-        kv_ref = KVCache(config, len(lens) * pages_each, page_size, model.device, torch.bfloat16)
-        for c, c_ref in zip(kv.k + kv.v, kv_ref.k + kv_ref.v):
-            c_ref.copy_(c)
-        inputs = decode_inputs(lens, pages_each, page_size, config.vocab_size)
-        assert_same(model.fused_decode_forward(inputs, kv), model.forward(inputs, kv_ref), f"{name} logits {lens}")
-        for c, c_ref in zip(kv.k + kv.v, kv_ref.k + kv_ref.v):
-            assert_same(c, c_ref, "KV cache after the step")
+    assert_fused_decode_step_equals_forward(model, torch.bfloat16, ([1], [300, 17, 5, 129]), name)
