@@ -214,6 +214,7 @@ class Engine:
                                   context_overflow=config.context_overflow, sink_tokens=config.sink_tokens,
                                   window=config.window or self.max_model_len)
         self._recent_tokens: collections.deque[tuple[float, int]] = collections.deque()
+        self._recent_token_total = 0  # the sum of _recent_tokens' counts (kept, not summed every step)
         self._stats_lock = threading.Lock()
         self._num_prefill_tokens = 0  # prompt tokens computed (neither cached nor resumed)
         self._num_evicted_finished = 0  # tokens finished requests evicted
@@ -715,8 +716,9 @@ class Engine:
         now = time.perf_counter()
         if generated:
             self._recent_tokens.append((now, generated))
+            self._recent_token_total += generated
         while self._recent_tokens and now - self._recent_tokens[0][0] > 5.0:
-            self._recent_tokens.popleft()
+            self._recent_token_total -= self._recent_tokens.popleft()[1]
         window = now - self._recent_tokens[0][0] if len(self._recent_tokens) > 1 else 0.0
         sched = self.scheduler
         with self._stats_lock:
@@ -724,7 +726,7 @@ class Engine:
             s.num_running, s.num_waiting = len(sched.running), len(sched.waiting)
             s.pages_used, s.pages_cached = self.pool.num_used, self.pool.num_cached
             # (empty after 5 s without a token: a prefill step then generates none)
-            recent = sum(n for _, n in self._recent_tokens) - self._recent_tokens[0][1] if self._recent_tokens else 0
+            recent = self._recent_token_total - self._recent_tokens[0][1] if self._recent_tokens else 0
             s.tokens_per_s = recent / window if window > 0 else 0.0
             s.num_preemptions = sched.num_preemptions
             s.prefix_cache_queries, s.prefix_cache_hits = sched.prefix_queries, sched.prefix_hits
