@@ -77,11 +77,17 @@ def main() -> None:
                                     num_draft_tokens=args.num_draft_tokens, draft_layers=args.draft_layers)
     print(f"drafter {args.speculative}" + (f", {client.engine.speculator.drafter.num_layers} layers"
                                            if args.speculative == "self" else ""))
-    measure(client, "Hello", False, 8)  # warm-up
+    workloads = {"editing": EDITING, "chat": CHAT}
+    chosen = [(w, workloads[w]) for w in args.workloads.split(",")]
+    # warm-up: every prompt once each way, untimed, so that no timed run captures a CUDA graph (a verify
+    # step of 1 + k rows replays the decode graph of that many rows; each new size is captured once)
+    for _, prompts in chosen:
+        for prompt in prompts:
+            for speculative in (False, True):
+                measure(client, prompt, speculative, args.max_tokens)
     print(f"{'workload':8} {'prompt':>6} {'tokens':>6} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>7} "
           f"{'accepted':>8} same")
-    workloads = {"editing": EDITING, "chat": CHAT}
-    for name, prompts in ((w, workloads[w]) for w in args.workloads.split(",")):
+    for name, prompts in chosen:
         for i, prompt in enumerate(prompts):
             plain_tps, spec_tps = [], []
             for _ in range(args.repeats):

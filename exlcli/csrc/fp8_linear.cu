@@ -3,7 +3,7 @@
 // activations quantized per token (fp8_quant.cu) and e4m3 weights [n, k] kept row-major with a
 // scale per row (exlcli/ops/formats/cuda_fp8.py).
 //
-// The blocking is quant_linear.cuh's: a block computes RT tiles of 16 rows for up to 8 * NT
+// The blocking, the streaming weight loads and the warps' final sums are quant_linear.cuh's: a block computes RT tiles of 16 rows for up to 8 * NT
 // tokens; its 8 warps split the input features in chunks of 64 (warp w takes chunks w, w + 8, ...)
 // and add their partial sums in a fixed order, so a token's result does not depend on the other
 // tokens of the call. Inside a chunk, thread t of a fragment reads the 16 consecutive features
@@ -16,13 +16,14 @@
 
 #include "common.cuh"
 #include "ops.h"
+#include "quant_linear.cuh"
 
 namespace exlcli {
 namespace {
 
-constexpr int kTileRows = 16;
-constexpr int kChunk = 64;
-constexpr int kWarps = 8;
+using qlinear::kChunk;
+using qlinear::kTileRows;
+using qlinear::kWarps;
 
 struct Fp8Params {
   const uint8_t* xq;       // [m, k] e4m3, rows 16-byte aligned
@@ -33,14 +34,6 @@ struct Fp8Params {
   __nv_bfloat16* out;      // [m, n]
   int m, n, k;
 };
-
-__device__ __forceinline__ uint4 load_weights(const uint8_t* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
 
 __device__ __forceinline__ void mma_e4m3(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                          uint32_t b0, uint32_t b1) {
@@ -79,8 +72,8 @@ __global__ void __launch_bounds__(kWarps * 32) fp8_linear_kernel(Fp8Params p) {
 #pragma unroll
         for (int r = 0; r < RT; ++r) {
           const uint8_t* row = p.w + static_cast<size_t>((tile0 + r) * kTileRows + g) * p.k + chunk * kChunk + 16 * t;
-          wl[u][r][0] = load_weights(row);
-          wl[u][r][1] = load_weights(row + static_cast<size_t>(8) * p.k);
+          wl[u][r][0] = qlinear::load_streaming(reinterpret_cast<const uint4*>(row));
+          wl[u][r][1] = qlinear::load_streaming(reinterpret_cast<const uint4*>(row + static_cast<size_t>(8) * p.k));
         }
       }
     }
@@ -112,28 +105,12 @@ __global__ void __launch_bounds__(kWarps * 32) fp8_linear_kernel(Fp8Params p) {
 
   grid_dependency_wait();  // (warps without a chunk) before anything is written
   grid_dependents_launch();
-#pragma unroll
-  for (int r = 0; r < RT; ++r) {
-    if (r > 0) __syncthreads();
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) partial[warp][j][e][lane] = acc[r][j][e];
-    __syncthreads();
-    // accumulator e of lane (g, t) is row g + 8 (e / 2) of the tile and token 2 t + e % 2 of its group of 8
-    for (int i = threadIdx.x; i < NT * 4 * 32; i += kWarps * 32) {
-      const int j = i / 128, e = (i / 32) % 4, l = i % 32;
-      const int token = token0 + 8 * j + 2 * (l & 3) + (e & 1);
-      if (token >= p.m) continue;
-      float sum = 0.0f;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) sum += partial[w][j][e][l];
-      const int row = (tile0 + r) * kTileRows + (l >> 2) + 8 * (e >> 1);
-      float v = sum * (p.x_scale[token] * p.w_scale[row]);
-      if (p.bias != nullptr) v += __bfloat162float(p.bias[row]);
-      p.out[static_cast<size_t>(token) * p.n + row] = __float2bfloat16_rn(v);
-    }
-  }
+  qlinear::add_warp_partials<RT, NT>(acc, partial, token0, p.m, [&](int token, int r, int row_in_tile, float sum) {
+    const int row = (tile0 + r) * kTileRows + row_in_tile;
+    float v = sum * (p.x_scale[token] * p.w_scale[row]);
+    if (p.bias != nullptr) v += __bfloat162float(p.bias[row]);
+    p.out[static_cast<size_t>(token) * p.n + row] = __float2bfloat16_rn(v);
+  });
 }
 
 template <int NT, int RT, int UNROLL>

@@ -184,6 +184,35 @@ __device__ __forceinline__ void chunk_step(const ChunkLoad<BITS>& c, int step, u
   }
 }
 
+// The end of a tile kernel (here and in fp8_linear.cu): the 8 warps' partial sums of each output,
+// added in warp order (so a token's result does not depend on the call's other tokens), handed to
+// write(token, row tile r, row within the tile, sum) for every token below m. Accumulator e of lane
+// (g, t) is row g + 8 (e / 2) of the tile and token 2 t + e % 2 of its group of 8.
+template <int RT, int NT, typename Write>
+__device__ __forceinline__ void add_warp_partials(const float (&acc)[RT][NT][4], float (&partial)[kWarps][NT][4][32],
+                                                  int token0, int m, Write&& write) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll
+  for (int r = 0; r < RT; ++r) {
+    if (r > 0) __syncthreads();  // the previous row tile's sums are read
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) partial[warp][j][e][lane] = acc[r][j][e];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < NT * 4 * 32; i += kWarps * 32) {
+      const int j = i / 128, e = (i / 32) % 4, l = i % 32;
+      const int token = token0 + 8 * j + 2 * (l & 3) + (e & 1);
+      if (token >= m) continue;
+      float sum = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) sum += partial[w][j][e][l];
+      write(token, r, (l >> 2) + 8 * (e >> 1), sum);
+    }
+  }
+}
+
 // RT row tiles per block share each activation fragment a warp loads (for many tokens the
 // activations, read again for every row tile, otherwise cost more L2 traffic than the weights);
 // UNROLL chunks of each row tile are loaded before they are computed.
@@ -249,34 +278,16 @@ __global__ void __launch_bounds__(kWarps * 32) quant_linear_kernel(Params p) {
 
   grid_dependency_wait();  // (warps without a chunk) before anything is written
   grid_dependents_launch();
-#pragma unroll
-  for (int r = 0; r < RT; ++r) {
-    if (r > 0) __syncthreads();  // the previous row tile's sums are read
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) partial[warp][j][e][lane] = acc[r][j][e];
+  add_warp_partials<RT, NT>(acc, partial, token0, p.m, [&](int token, int r, int row_in_tile, float sum) {
+    const int row = (tile0 + r) * kTileRows + row_in_tile;
+    if (p.bias != nullptr) sum += __bfloat162float(p.bias[row]);
+    const size_t at = static_cast<size_t>(token) * p.n + row;
+    if constexpr (FLOAT_OUT) {
+      static_cast<float*>(p.out)[at] = sum;
+    } else {
+      static_cast<__nv_bfloat16*>(p.out)[at] = __float2bfloat16_rn(sum);
     }
-    __syncthreads();
-    // the warps' partial sums, added in warp order; accumulator e of lane (g, t) is row g + 8 (e / 2)
-    // of the tile and token 2 t + e % 2 of its group of 8
-    for (int i = threadIdx.x; i < NT * 4 * 32; i += kWarps * 32) {
-      const int j = i / 128, e = (i / 32) % 4, l = i % 32;
-      const int token = token0 + 8 * j + 2 * (l & 3) + (e & 1);
-      if (token >= p.m) continue;
-      float sum = 0.0f;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) sum += partial[w][j][e][l];
-      const int row = (tile0 + r) * kTileRows + (l >> 2) + 8 * (e >> 1);
-      if (p.bias != nullptr) sum += __bfloat162float(p.bias[row]);
-      const size_t at = static_cast<size_t>(token) * p.n + row;
-      if constexpr (FLOAT_OUT) {
-        static_cast<float*>(p.out)[at] = sum;
-      } else {
-        static_cast<__nv_bfloat16*>(p.out)[at] = __float2bfloat16_rn(sum);
-      }
-    }
-  }
+  });
 }
 
 // The dense bf16 weight [n, k] of the packed one (for products of many tokens through cuBLAS): one

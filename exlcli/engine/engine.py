@@ -156,9 +156,11 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config = config or EngineConfig()
         device = model.device
-        if config.speculative and not config.force_speculative and not speculation_pays_on(device.type):
-            log.warning("speculative decoding is off on %s: its verify step runs outside the CUDA graphs there and "
-                        "was measured ten times slower than plain decoding", device.type)
+        if (config.speculative and not config.force_speculative
+                and not speculation_pays_on(device.type, config.speculative)):
+            log.warning("speculative decoding with %s is off on %s: its drafts run outside the CUDA graphs there "
+                        "and cost more than they save (prompt lookup, --speculative ngram, does pay)",
+                        getattr(config.speculative, "name", config.speculative), device.type)
             config = self.config = dataclasses.replace(config, speculative=None)
         kv_dtype = model.dtype
         draft_model = resolve_draft_model(config.speculative, model, tokenizer)  # --speculative MODEL
@@ -181,7 +183,8 @@ class Engine:
         budget = config.max_num_batched_tokens or (256 if device.type == "cpu" else 4096)
         self.speculator = (Speculator(build_drafter(config.speculative, model, self.kv, num_pages,
                                                     config.draft_layers, draft_model),
-                                      config.num_draft_tokens, config.speculative_max_batch)
+                                      config.num_draft_tokens, config.speculative_max_batch,
+                                      adapt_k=device.type != "cuda")
                            if config.speculative else None)
         self.sessions = SessionCache(self.pool, config.max_sessions)
         self.scheduler = Scheduler(self.pool, budget, config.max_num_seqs,

@@ -66,7 +66,9 @@ class ModelRunner:
         the tokens in flight come from (device state: it stays on this side of a process boundary)."""
         apply_key_shifts(self.model.config, self.kv, inputs.key_shifts)  # context shifts first
         if self.graphs is not None:
-            logits = self.graphs.run(inputs, prev_ids)  # None unless a decode step fits a graph
+            # a verify step replays the decode graphs as one row per token
+            rows = inputs if inputs.is_decode else inputs.as_decode_rows()
+            logits = self.graphs.run(rows, prev_ids) if rows is not None else None  # None: no graph fits
             if logits is not None:
                 return logits
         return self.model.forward(inputs.to_batch_inputs(self.device, prev_ids), self.kv)

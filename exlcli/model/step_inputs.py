@@ -15,6 +15,7 @@ import torch
 from exlcli.model.batch_inputs import BatchInputs
 from exlcli.model.kv_shift import KeyShift
 from exlcli.model.transfer import to_device
+from exlcli.ops.attention import MAX_DECODE_QUERIES, decode_query_rows
 
 
 @dataclass
@@ -57,6 +58,23 @@ class StepInputs:
     def is_decode(self) -> bool:
         """Every sequence computes one token and wants its logits (what a decode graph replays)."""
         return self.num_seqs > 0 and self.num_tokens == self.num_seqs == len(self.logits_indices)
+
+    def as_decode_rows(self) -> StepInputs | None:
+        """A step in which every token wants its logits (a verify step: the last token and the drafts
+        after it; plain decode rows beside them) as a decode step of one row per token, or None for
+        any other step. Row j of a sequence with k tokens here reads the sequence's block table and
+        its keys up to its own position (the length less k - 1 - j): its K and V, and those of the
+        rows before it, are written earlier in the same layer. So the step can replay a decode CUDA
+        graph, which takes a table and a length per row."""
+        starts, lens = self.query_start_loc, self.seq_lens
+        if self.is_decode or self.logits_indices != list(range(self.num_tokens)):
+            return None
+        if any(not 1 <= starts[b + 1] - starts[b] <= min(MAX_DECODE_QUERIES, lens[b]) for b in range(self.num_seqs)):
+            return None
+        seq_of_row, row_lens = decode_query_rows(starts, lens)
+        return StepInputs(self.input_ids, self.positions, self.slot_mapping,
+                          [self.block_tables[b] for b in seq_of_row], row_lens, list(range(self.num_tokens + 1)),
+                          self.logits_indices, self.in_flight, self.key_shifts)
 
     def to_batch_inputs(self, device: torch.device, prev_ids: torch.Tensor | None = None) -> BatchInputs:
         """The eager path's staging: fresh device tensors. `prev_ids`: the previous step's sampled

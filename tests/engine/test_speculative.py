@@ -19,30 +19,8 @@ from exlcli.engine.request import FinishReason, Request, SamplingParams
 from exlcli.engine.sequence import Sequence
 from exlcli.engine.speculative import NgramDrafter, Speculator, num_accepted
 from tests.engine.conftest import LetterTokenizer, greedy, random_prompts, tokens_of
+from tests.engine.replay_drafter import ReplayDrafter
 from tests.engine.test_async_scheduling import workload
-
-
-class ReplayDrafter:
-    """Proposes the continuation of a recorded run that `token_ids` is a prefix of, with the
-    token at position len(token_ids) % 5 of the proposal changed (so some drafts are rejected)."""
-
-    name = "replay"
-
-    def __init__(self, runs: list[list[int]], vocab: int = 512, corrupt: bool = True) -> None:
-        self.runs = runs
-        self.vocab = vocab
-        self.corrupt = corrupt
-
-    def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:
-        n = len(token_ids)
-        for run in self.runs:
-            if len(run) > n and run[:n] == token_ids:
-                out = run[n:n + max_tokens]
-                bad = n % 5
-                if self.corrupt and bad < len(out):
-                    out[bad] = (out[bad] + 1) % self.vocab
-                return out
-        return []
 
 
 def engine(tiny_model, async_scheduling=False, **options) -> Engine:
@@ -93,6 +71,16 @@ def test_policy_adapts_k_and_pauses_a_sequence_whose_drafts_fail():
     assert c.num_drafted == 3 * 6 + 4 + 20 and c.num_accepted == 3 + 4
     assert num_accepted([1, 2, 3], [1, 2, 4, 9]) == 2 and num_accepted([1, 2], [1, 2, 5]) == 2
     assert num_accepted([1], [3, 1]) == 0
+
+
+def test_without_adaptation_k_stays_and_failing_sequences_keep_drafting():
+    """The GPU policy: a verify step of a few rows a sequence costs a decode step there."""
+    spec = Speculator(NgramDrafter(), num_draft_tokens=6, max_batch=2, adapt_k=False)
+    seq = Sequence(request=greedy("a", REPEATED, n=4), arrival_index=0, max_tokens=40)
+    for _ in range(10):
+        spec.record(seq, 6, 0)
+    assert seq.spec.cooldown == 0 and len(spec.propose(seq, 10)) == 6
+    assert spec.counters.num_drafted == 60 and spec.counters.num_accepted == 0
 
 
 POOLS = {"roomy": {}, "preempting": {"num_pages": 14, "page_size": 4}}

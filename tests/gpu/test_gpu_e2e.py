@@ -14,6 +14,7 @@ from exlcli.model.architectures import build_model
 from exlcli.model.interface import CausalLM
 from exlcli.model.random_weights import SyntheticTokenizer, random_config, random_tensors
 from exlcli.ops.backend import kernels_disabled
+from tests.engine.replay_drafter import ReplayDrafter
 
 pytestmark = [pytest.mark.gpu, requires_cuda, pytest.mark.usefixtures("kernels")]
 
@@ -173,3 +174,25 @@ def test_async_scheduling_equals_synchronous_steps(model_fp32, dtype):
     assert ahead_sync == 0 and ahead >= 4, "async steps should stay one step ahead"
     assert all(len(t) == 24 for t in overlapped)
     assert overlapped == synchronous
+
+
+def test_speculative_verify_steps_replay_the_decode_graphs(model_fp32):
+    """Verify steps (the last token and the drafts after it) run as decode rows in the decode graphs:
+    every step after the prompts' replays one, and the tokens are those of plain decoding."""
+    ps = prompts(4, seed=12)
+    plain = engine_for(model_fp32)
+    handles = [submit(plain, p, f"p-{i}", new_tokens=40) for i, p in enumerate(ps)]
+    plain.run_until_idle()
+    want = [collect(h)[0] for h in handles]
+    drafter = ReplayDrafter([p + t for p, t in zip(ps, want)], vocab=model_fp32.config.vocab_size)
+    engine = Engine(model_fp32, SyntheticTokenizer(model_fp32.config.vocab_size),
+                    EngineConfig(num_pages=512, max_num_seqs=32, speculative=drafter))
+    handles = [submit(engine, p, f"s-{i}", new_tokens=40) for i, p in enumerate(ps)]
+    steps = 0
+    while engine.step():
+        steps += 1
+    assert [collect(h)[0] for h in handles] == want
+    stats = engine.stats()
+    assert stats.spec_accepted_tokens > 0 and stats.spec_verify_steps > 0
+    assert engine.runner.graphs.num_replays >= steps - 3, (engine.runner.graphs.num_replays, steps)
+    assert steps < 40  # several tokens a step
