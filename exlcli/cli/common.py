@@ -78,8 +78,7 @@ SpeculativeOption = Annotated[Optional[str], typer.Option(
                           "token for token). Default: off.")]
 NumDraftTokensOption = Annotated[int, typer.Option(
     "--num-draft-tokens", min=1, max=7, help="Most tokens drafted per sequence and step with --speculative "
-                                             "(on the CPU each sequence's k adapts to its acceptance rate; on a "
-                                             "GPU, where a few more rows to verify cost about nothing, it stays).")]
+                                             "(each sequence's k adapts to its acceptance rate).")]
 DraftLayersOption = Annotated[Optional[int], typer.Option(
     "--draft-layers", min=1, help="Layers the 'self' drafter runs before the LM head. Default: a quarter "
                                   "of the model's.")]

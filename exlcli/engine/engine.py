@@ -183,8 +183,7 @@ class Engine:
         budget = config.max_num_batched_tokens or (256 if device.type == "cpu" else 4096)
         self.speculator = (Speculator(build_drafter(config.speculative, model, self.kv, num_pages,
                                                     config.draft_layers, draft_model),
-                                      config.num_draft_tokens, config.speculative_max_batch,
-                                      adapt_k=device.type != "cuda")
+                                      config.num_draft_tokens, config.speculative_max_batch)
                            if config.speculative else None)
         self.sessions = SessionCache(self.pool, config.max_sessions)
         self.scheduler = Scheduler(self.pool, budget, config.max_num_seqs,

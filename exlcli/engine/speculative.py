@@ -71,9 +71,10 @@ DRAFTERS = {"ngram": NgramDrafter}
 def speculation_pays_on(device_type: str, speculative: object) -> bool:
     """Whether drafting with `speculative` (a drafter's name, a Drafter, a draft model or its spec) can
     save time on this kind of device. On CUDA a verify step replays the decode CUDA graphs, one row per
-    token (ModelRunner.execute), so prompt lookup and other drafters that run no model pay there; the
-    self drafter and a draft model run a forward pass a drafted token outside the graphs, which on a
-    GPU costs more than the verify step saves (docs/gpu-results.md), so the policy keeps them off there."""
+    token (ModelRunner.execute), so prompt lookup and other drafters that run no model pay there
+    (measured on an H200, docs/gpu-results.md run 20). The self drafter and a draft model still run
+    their forward pass a drafted token eagerly, outside the graphs (run 14: 0.06-0.13x of plain decoding
+    with the verify step eager too), so the policy keeps them off there."""
     if device_type != "cuda":
         return True
     return speculative in DRAFTERS if isinstance(speculative, str) else hasattr(speculative, "propose")
@@ -114,16 +115,12 @@ class Speculator:
     MIN_ACCEPTANCE = 0.15  # below it a sequence stops drafting for COOLDOWN_STEPS steps
     COOLDOWN_STEPS = 8
 
-    def __init__(self, drafter: Drafter, num_draft_tokens: int = 4, max_batch: int = 8, adapt_k: bool = True) -> None:
-        """`adapt_k`: k follows each sequence's acceptance and failing sequences pause (where each
-        verified row costs compute: the CPU); else every draft asks for num_draft_tokens (a GPU, where
-        a verify step of a few rows a sequence costs what a decode step does)."""
+    def __init__(self, drafter: Drafter, num_draft_tokens: int = 4, max_batch: int = 8) -> None:
         if not 1 <= num_draft_tokens <= MAX_DRAFT_TOKENS:
             raise ValueError(f"num_draft_tokens must be 1 to {MAX_DRAFT_TOKENS}, got {num_draft_tokens}")
         self.drafter = drafter
         self.num_draft_tokens = num_draft_tokens
         self.max_batch = max_batch
-        self.adapt_k = adapt_k
         self.active = True  # this step's batch is small enough to speculate
         self.counters = SpecCounters()
 
@@ -172,8 +169,6 @@ class Speculator:
             c.accepted_by_position[i] += i < num_accepted
         state = self.state(seq)
         state.acceptance += self.SMOOTHING * (num_accepted / num_drafted - state.acceptance)
-        if not self.adapt_k:
-            return
         state.num_draft_tokens = max(1, min(self.num_draft_tokens, math.ceil(self.num_draft_tokens * state.acceptance)))
         if state.acceptance < self.MIN_ACCEPTANCE:
             state.cooldown = self.COOLDOWN_STEPS

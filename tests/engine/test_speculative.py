@@ -73,16 +73,6 @@ def test_policy_adapts_k_and_pauses_a_sequence_whose_drafts_fail():
     assert num_accepted([1], [3, 1]) == 0
 
 
-def test_without_adaptation_k_stays_and_failing_sequences_keep_drafting():
-    """The GPU policy: a verify step of a few rows a sequence costs a decode step there."""
-    spec = Speculator(NgramDrafter(), num_draft_tokens=6, max_batch=2, adapt_k=False)
-    seq = Sequence(request=greedy("a", REPEATED, n=4), arrival_index=0, max_tokens=40)
-    for _ in range(10):
-        spec.record(seq, 6, 0)
-    assert seq.spec.cooldown == 0 and len(spec.propose(seq, 10)) == 6
-    assert spec.counters.num_drafted == 60 and spec.counters.num_accepted == 0
-
-
 POOLS = {"roomy": {}, "preempting": {"num_pages": 14, "page_size": 4}}
 
 
