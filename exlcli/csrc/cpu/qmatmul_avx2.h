@@ -152,6 +152,7 @@ typedef struct {
     const void *d, *m;
     const uint16_t *bias;
     void *y;
+    int64_t ldy;  // elements from one row of y to the next (N, or wider where parts sit side by side)
 } qmm2_args;
 
 static inline int64_t qbytes_of(int bits) { return bits == 4 ? 256 : bits == 5 ? 320 : bits == 6 ? 384 : 512; }
@@ -509,8 +510,8 @@ static inline void store_half(const qmm2_args *a, int64_t r, int64_t n0, int h, 
     int64_t col = n0 + 8 * h, count = a->N - col < 8 ? a->N - col : 8;
     for (int64_t i = 0; i < count; i++) {
         float v = a->bias ? out[i] + bf16_to_f32(a->bias[col + i]) : out[i];
-        if (a->y_fp32) ((float *)a->y)[r * a->N + col + i] = v;
-        else ((uint16_t *)a->y)[r * a->N + col + i] = f32_to_bf16(v);
+        if (a->y_fp32) ((float *)a->y)[r * a->ldy + col + i] = v;
+        else ((uint16_t *)a->y)[r * a->ldy + col + i] = f32_to_bf16(v);
     }
 }
 
@@ -547,8 +548,35 @@ static void qmm2_groups(void *ctx, int64_t begin, int64_t end) {
     }
 }
 
-static int qmatmul_avx2(const exl_qmatmul_args *args, int two_scales, int has_off) {
-    int64_t M = args->rows, K = args->in_features, N = args->out_features, nb = K / BLOCK;
+// The column groups of several products of one x (a projection's parts, each y at its column of a wide
+// output), shared among the pool's threads as one job: part i's groups are g_first[i] .. g_first[i + 1] - 1.
+typedef struct {
+    const qmm2_args *parts;
+    const int64_t *g_first;
+    int64_t n_parts;
+} qmm2_job;
+
+static void qmm2_job_groups(void *ctx, int64_t begin, int64_t end) {
+    const qmm2_job *j = (const qmm2_job *)ctx;
+    for (int64_t i = 0; i < j->n_parts; i++) {
+        int64_t lo = begin > j->g_first[i] ? begin : j->g_first[i];
+        int64_t hi = end < j->g_first[i + 1] ? end : j->g_first[i + 1];
+        if (lo < hi) qmm2_groups((void *)&j->parts[i], lo - j->g_first[i], hi - j->g_first[i]);
+    }
+}
+
+#define QMM2_MAX_PARTS 8
+
+// y [M, ldy] (y_fp32 or bf16), columns side by side from col 0: the products of x with each part's
+// weights (their x, rows and y fields unused), x quantized once. The same bits as one call per part.
+static int qmatmul_avx2_parts(const exl_qmatmul_args *parts, int64_t n_parts, const uint16_t *x, int64_t M,
+                              void *y, int64_t ldy, int y_fp32) {
+    int64_t K = parts[0].in_features, nb = K / BLOCK, col = 0;
+    for (int64_t i = 0; i < n_parts; i++) {
+        if (parts[i].in_features != K) return 6;
+        col += parts[i].out_features;
+    }
+    if (col > ldy) return 6;
     float *scales = (float *)malloc(sizeof(float) * (size_t)(5 * M * nb + 1));  // dx, xs, sum(xq), its halves
     int8_t *xq = (int8_t *)malloc((size_t)(M * K + 1));
     if (!scales || !xq) {
@@ -557,14 +585,30 @@ static int qmatmul_avx2(const exl_qmatmul_args *args, int two_scales, int has_of
         return -1;
     }
     int32_t *xsum = (int32_t *)(scales + 2 * M * nb);
-    quantize_task q = {args->x, K, xq, scales, scales + M * nb, xsum, xsum + M * nb};
+    quantize_task q = {x, K, xq, scales, scales + M * nb, xsum, xsum + M * nb};
     if (M >= QUANTIZE_PARALLEL_ROWS) exl_parallel_for(quantize_rows_task, &q, M);
     else quantize_rows_task(&q, 0, M);
-    int zero = args->bits == 6 ? 32 : args->bits == 5 && !args->offsets ? 16 : 0;
-    qmm2_args a = {xq, scales, scales + M * nb, M, K, nb, N, xsum, xsum + M * nb, args->bits, args->y_fp32, two_scales,
-                   has_off, args->half_scales != 0, zero, args->qs, args->d, args->m, args->bias, args->y};
-    exl_parallel_for(qmm2_groups, &a, (N + CG - 1) / CG);
+    qmm2_args a[QMM2_MAX_PARTS];
+    int64_t g_first[QMM2_MAX_PARTS + 1] = {0};
+    col = 0;
+    for (int64_t i = 0; i < n_parts; i++) {
+        const exl_qmatmul_args *p = &parts[i];
+        int zero = p->bits == 6 ? 32 : p->bits == 5 && !p->offsets ? 16 : 0;
+        int two_scales = p->scales_per_block == 2, has_off = p->bits == 4 || p->offsets;
+        void *yp = y_fp32 ? (void *)((float *)y + col) : (void *)((uint16_t *)y + col);
+        qmm2_args ai = {xq, scales, scales + M * nb, M, K, nb, p->out_features, xsum, xsum + M * nb, p->bits, y_fp32,
+                        two_scales, has_off, p->half_scales != 0, zero, p->qs, p->d, p->m, p->bias, yp, ldy};
+        a[i] = ai;
+        g_first[i + 1] = g_first[i] + (p->out_features + CG - 1) / CG;
+        col += p->out_features;
+    }
+    qmm2_job job = {a, g_first, n_parts};
+    exl_parallel_for(qmm2_job_groups, &job, g_first[n_parts]);
     free(scales);
     free(xq);
     return 0;
+}
+
+static int qmatmul_avx2(const exl_qmatmul_args *args) {
+    return qmatmul_avx2_parts(args, 1, args->x, args->rows, args->y, args->out_features, args->y_fp32);
 }
