@@ -382,19 +382,29 @@ static inline __attribute__((always_inline)) void group_half_q6(const qmm2_args 
 #define WIDE_MIN_ROWS 8
 #define WIDE_ROWS 2
 
+static inline int64_t wide_bytes(int bits) { return bits == 8 ? 1024 : 512; }  // per block
+
+// 8-bit: |q| in the 512 bytes of the other widths' layout, then q (for the signs) in the next 512.
 static void expand_group(int bits, const uint8_t *gq, int64_t nb, uint8_t *wide) {
     int64_t qbytes = qbytes_of(bits);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = gq + b * qbytes;
+        uint8_t *wb = wide + b * wide_bytes(bits);
         for (int h = 0; h < 2; h++) {
             for (int c = 0; c < 4; c++) {
                 __m256i lo, hi;
                 const uint8_t *plane = blk + 256 + (bits == 5 ? 32 * h : 64 * h + 32 * (c / 2));
                 if (bits == 4) chunk_q4(blk, c, h, &lo, &hi);
                 else if (bits == 5) chunk_q5(blk, _mm256_loadu_si256((const __m256i *)plane), c, h, &lo, &hi);
-                else chunk_q6(blk, _mm256_loadu_si256((const __m256i *)plane), c, h, &lo, &hi);
-                _mm256_storeu_si256((__m256i *)(wide + b * 512 + 64 * (2 * c) + 32 * h), lo);
-                _mm256_storeu_si256((__m256i *)(wide + b * 512 + 64 * (2 * c + 1) + 32 * h), hi);
+                else if (bits == 6) chunk_q6(blk, _mm256_loadu_si256((const __m256i *)plane), c, h, &lo, &hi);
+                else lo = quad_q8(blk, 4 * c, h), hi = quad_q8(blk, 4 * c + 2, h);
+                if (bits == 8) {
+                    _mm256_storeu_si256((__m256i *)(wb + 512 + 64 * (2 * c) + 32 * h), lo);
+                    _mm256_storeu_si256((__m256i *)(wb + 512 + 64 * (2 * c + 1) + 32 * h), hi);
+                    lo = _mm256_abs_epi8(lo), hi = _mm256_abs_epi8(hi);
+                }
+                _mm256_storeu_si256((__m256i *)(wb + 64 * (2 * c) + 32 * h), lo);
+                _mm256_storeu_si256((__m256i *)(wb + 64 * (2 * c + 1) + 32 * h), hi);
             }
         }
     }
@@ -410,24 +420,32 @@ static inline __attribute__((always_inline)) __m256 wide_step(const qmm2_args *a
     return acc;
 }
 
-// bits, zero and has_off are constants once inlined: (4, 0, 1), (5, 16, 0), (5, 0, 1), (6, 32, 0).
+// bits, zero, has_off and two (scales per 16 k) are constants once inlined: (4, 0, 1, 0), (5, 16, 0, 0),
+// (5, 0, 1, 0), (6, 32, 0, 1), (8, 0, 0 or 1, 0), (8, 0, 0, 1). 8-bit: |q| against x with q's sign, as
+// group_half_q8 does.
 static inline __attribute__((always_inline)) void wide_tile(const qmm2_args *a, const uint8_t *wide, const void *gd,
                                                              const void *gm, int64_t r0, int rows, int bits, int zero,
-                                                             int has_off, __m256 acc[WIDE_ROWS][2]) {
+                                                             int has_off, int two, __m256 acc[WIDE_ROWS][2]) {
     const __m256i ones = _mm256_set1_epi16(1);
-    const int per16 = bits == 4 ? 8 : bits == 5 ? 4 : 2;  // x vectors (4 k) whose pairs int16 holds
+    const int per16 = bits == 4 ? 8 : bits == 5 ? 4 : bits == 6 ? 2 : 1;  // x vectors (4 k) whose pairs int16 holds
     for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < a->nb; b++) {
-        const uint8_t *wb = wide + b * 512;
+        const uint8_t *wb = wide + b * wide_bytes(bits);
         const int8_t *xb = a->xq + r0 * a->K + b * BLOCK;
         __m256i s[WIDE_ROWS][2], p[WIDE_ROWS][2];
 #pragma GCC unroll 8
         for (int u = 0; u < 8; u++) {  // x[4u .. 4u + 3] of this block
             const __m256i w0 = _mm256_loadu_si256((const __m256i *)(wb + 64 * u));
             const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wb + 64 * u + 32));
+            __m256i q0 = w0, q1 = w1;
+            if (bits == 8) {
+                q0 = _mm256_loadu_si256((const __m256i *)(wb + 512 + 64 * u));
+                q1 = _mm256_loadu_si256((const __m256i *)(wb + 512 + 64 * u + 32));
+            }
             for (int r = 0; r < rows; r++) {
                 __m256i xv = bcast4(xb + r * a->K + 4 * u);
-                __m256i m0 = _mm256_maddubs_epi16(w0, xv), m1 = _mm256_maddubs_epi16(w1, xv);
+                __m256i m0 = _mm256_maddubs_epi16(w0, bits == 8 ? _mm256_sign_epi8(xv, q0) : xv);
+                __m256i m1 = _mm256_maddubs_epi16(w1, bits == 8 ? _mm256_sign_epi8(xv, q1) : xv);
                 p[r][0] = u % per16 == 0 ? m0 : _mm256_add_epi16(p[r][0], m0);
                 p[r][1] = u % per16 == 0 ? m1 : _mm256_add_epi16(p[r][1], m1);
             }
@@ -435,21 +453,21 @@ static inline __attribute__((always_inline)) void wide_tile(const qmm2_args *a, 
                 for (int r = 0; r < rows; r++)
                     for (int h = 0; h < 2; h++) {
                         __m256i w32 = _mm256_madd_epi16(p[r][h], ones);
-                        int first = bits == 6 ? u % 4 == 1 : u == per16 - 1;  // of the block (6-bit: of 16 k)
+                        int first = two ? u % 4 == per16 - 1 : u == per16 - 1;  // of the block (or of 16 k)
                         s[r][h] = first ? w32 : _mm256_add_epi32(s[r][h], w32);
                     }
             }
-            if (bits == 6 && u % 4 == 3) {  // a scale per 16 k
+            if (two && u % 4 == 3) {  // a scale per 16 k
                 for (int h = 0; h < 2; h++) {
                     __m256 d = scales8(gd, (2 * b + u / 4) * CG + 8 * h, a->half);
                     for (int r = 0; r < rows; r++) {
                         int64_t i = (r0 + r) * a->nb + b;
-                        acc[r][h] = wide_step(a, acc[r][h], s[r][h], 32, a->xsum16[2 * i + u / 4], d, i, 0, gm, 0);
+                        acc[r][h] = wide_step(a, acc[r][h], s[r][h], zero, a->xsum16[2 * i + u / 4], d, i, 0, gm, 0);
                     }
                 }
             }
         }
-        if (bits == 6) continue;
+        if (two) continue;
         for (int h = 0; h < 2; h++) {
             __m256 d = scales8(gd, b * CG + 8 * h, a->half);
             for (int r = 0; r < rows; r++) {
@@ -465,10 +483,13 @@ static void store_half(const qmm2_args *a, int64_t r, int64_t n0, int h, __m256 
 static inline __attribute__((always_inline)) void wide_rows(const qmm2_args *a, const uint8_t *wide, const void *gd,
                                                              const void *gm, int64_t r0, int rows,
                                                              __m256 acc[WIDE_ROWS][2]) {
-    if (a->bits == 4) wide_tile(a, wide, gd, gm, r0, rows, 4, 0, 1, acc);
-    else if (a->bits == 6) wide_tile(a, wide, gd, gm, r0, rows, 6, 32, 0, acc);
-    else if (a->has_off) wide_tile(a, wide, gd, gm, r0, rows, 5, 0, 1, acc);
-    else wide_tile(a, wide, gd, gm, r0, rows, 5, 16, 0, acc);
+    if (a->bits == 4) wide_tile(a, wide, gd, gm, r0, rows, 4, 0, 1, 0, acc);
+    else if (a->bits == 6) wide_tile(a, wide, gd, gm, r0, rows, 6, 32, 0, 1, acc);
+    else if (a->bits == 5 && a->has_off) wide_tile(a, wide, gd, gm, r0, rows, 5, 0, 1, 0, acc);
+    else if (a->bits == 5) wide_tile(a, wide, gd, gm, r0, rows, 5, 16, 0, 0, acc);
+    else if (a->two_scales) wide_tile(a, wide, gd, gm, r0, rows, 8, 0, 0, 1, acc);
+    else if (a->has_off) wide_tile(a, wide, gd, gm, r0, rows, 8, 0, 1, 0, acc);
+    else wide_tile(a, wide, gd, gm, r0, rows, 8, 0, 0, 0, acc);
 }
 
 static void qmm2_groups_wide(const qmm2_args *a, int64_t begin, int64_t end, uint8_t *wide) {
@@ -521,8 +542,8 @@ static inline void store_half(const qmm2_args *a, int64_t r, int64_t n0, int h, 
 
 static void qmm2_groups(void *ctx, int64_t begin, int64_t end) {
     const qmm2_args *a = (const qmm2_args *)ctx;
-    if (a->bits != 8 && a->M >= WIDE_MIN_ROWS) {
-        uint8_t *wide = (uint8_t *)malloc((size_t)(a->nb * 512));
+    if (a->M >= WIDE_MIN_ROWS) {
+        uint8_t *wide = (uint8_t *)malloc((size_t)(a->nb * wide_bytes(a->bits)));
         if (wide) {  // else the tiles below: the same bits
             qmm2_groups_wide(a, begin, end, wide);
             free(wide);
