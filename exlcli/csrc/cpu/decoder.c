@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "args.h"
+#include "qmatmul.h"
 
 // The kernels it calls are built where the compiler targets AVX2 with FMA (AVX-512 CPUs have both).
 #if defined(__AVX2__) && defined(__FMA__)
@@ -47,6 +48,11 @@ static int64_t max3(int64_t a, int64_t b, int64_t c) {
 static int project(const exl_qmatmul_args *parts, int64_t n_parts, const uint16_t *x, int64_t rows,
                    uint16_t *y, int64_t width, uint16_t *tmp) {
     int64_t col = 0;
+    for (int64_t p = 0; p < n_parts; p++) col += parts[p].out_features;
+    if (col != width) return 6;
+    int rc = qmatmul_parts(parts, n_parts, x, rows, y, width);  // x quantized once, one job, y in place
+    if (rc != 1) return rc;
+    col = 0;
     for (int64_t p = 0; p < n_parts; p++) {
         exl_qmatmul_args a = parts[p];
         int64_t n = a.out_features;

@@ -31,6 +31,7 @@
 #include "args.h"
 #include "bf16.h"
 #include "pool.h"
+#include "qmatmul.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VL__)
 #define EXL_QMM 1
@@ -246,9 +247,22 @@ int exl_qmatmul(const exl_qmatmul_args *args) {
     free(sx);
     return 0;
 #elif EXL_QMM_AVX2
-    return qmatmul_avx2(args, args->scales_per_block == 2, args->bits == 4 || args->offsets);
+    return qmatmul_avx2(args);
 #else
     (void)args;
     return -1;
+#endif
+}
+
+int qmatmul_parts(const exl_qmatmul_args *parts, int64_t n_parts, const uint16_t *x, int64_t rows, uint16_t *y,
+                  int64_t ldy) {
+#if EXL_QMM_AVX2
+    if (n_parts < 1 || n_parts > QMM2_MAX_PARTS) return 1;
+    for (int64_t i = 0; i < n_parts; i++)
+        if (parts[i].half_scales && !EXL_QMM_HALF_SCALES) return -1;
+    return qmatmul_avx2_parts(parts, n_parts, x, rows, y, ldy, 0);
+#else
+    (void)parts, (void)n_parts, (void)x, (void)rows, (void)y, (void)ldy;
+    return 1;
 #endif
 }

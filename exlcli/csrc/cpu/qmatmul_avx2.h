@@ -85,6 +85,24 @@ static void quantize_rows(const uint16_t *x, int64_t M, int64_t K, int8_t *xq, f
     }
 }
 
+// Rows begin .. end - 1 of quantize_rows, for the pool: each row's values depend on that row only. From
+// QUANTIZE_PARALLEL_ROWS rows on the pool shares them (512 x 576: ~0.15 ms a call on one thread).
+#define QUANTIZE_PARALLEL_ROWS 64
+typedef struct {
+    const uint16_t *x;
+    int64_t K;
+    int8_t *xq;
+    float *dx, *xs;
+    int32_t *xsum, *xsum16;
+} quantize_task;
+
+static void quantize_rows_task(void *ctx, int64_t begin, int64_t end) {
+    const quantize_task *t = (const quantize_task *)ctx;
+    int64_t nb = t->K / BLOCK;
+    quantize_rows(t->x + begin * t->K, end - begin, t->K, t->xq + begin * t->K, t->dx + begin * nb,
+                  t->xs + begin * nb, t->xsum + begin * nb, t->xsum16 + 2 * begin * nb);
+}
+
 // Software prefetch of the weights PREFETCH_BLOCKS blocks ahead, from the first half's pass (the second
 // reads the same lines). Without it the 5-bit matmul of a cold 1536 x 576 weight ran at 145 us, with it
 // 76-84 us (hot in cache: 64 us), one thread on the 2-core EPYC: the hardware prefetcher alone did
@@ -134,6 +152,7 @@ typedef struct {
     const void *d, *m;
     const uint16_t *bias;
     void *y;
+    int64_t ldy;  // elements from one row of y to the next (N, or wider where parts sit side by side)
 } qmm2_args;
 
 static inline int64_t qbytes_of(int bits) { return bits == 4 ? 256 : bits == 5 ? 320 : bits == 6 ? 384 : 512; }
@@ -350,6 +369,152 @@ static inline __attribute__((always_inline)) void group_half_q6(const qmm2_args 
     }
 }
 
+// Prefill (M >= WIDE_MIN_ROWS), 4-, 5- and 6-bit weights: the group's weights are expanded once per call
+// into bytes q (expand_group: for block b, chunk c, j = 0 (lo) / 1 (hi) and half h, the vector of
+// chunk_q4 / _q5 / _q6 at wide + b * 512 + 64 (2c + j) + 32h), and a tile of WIDE_ROWS rows covers both
+// halves of the group: one broadcast of x serves the 16 columns, and the expansion is not redone per
+// tile of rows. Per 4-bit 32 k, 5-bit 16 k and 6-bit 8 k the pairs are summed in int16 (the bounds of
+// group_half_q4 / _q5 / _q6), then widened; the integer sums and the fp32 steps of each output are those
+// of group_half_*, in the same order, so the outputs are the same bits.
+// Against the 4-row, 8-column tiles (one thread, 512 rows, the 2-core EPYC): 5-bit 1536 x 576 26.1 -> 20.4 ms,
+// 6-bit 576 x 1536 29.6 -> 25.6 ms, 4-bit 576 x 1536 20.2 -> 19.3 ms. Its vpmaddubsw and vpmaddwd take 2 cycles
+// each on its one vector multiply pipe: 40 cycles per 16 columns x 32 k at 5 bits, the bound here.
+#define WIDE_MIN_ROWS 8
+#define WIDE_ROWS 2
+
+static inline int64_t wide_bytes(int bits) { return bits == 8 ? 1024 : 512; }  // per block
+
+// 8-bit: |q| in the 512 bytes of the other widths' layout, then q (for the signs) in the next 512.
+static void expand_group(int bits, const uint8_t *gq, int64_t nb, uint8_t *wide) {
+    int64_t qbytes = qbytes_of(bits);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = gq + b * qbytes;
+        uint8_t *wb = wide + b * wide_bytes(bits);
+        for (int h = 0; h < 2; h++) {
+            for (int c = 0; c < 4; c++) {
+                __m256i lo, hi;
+                const uint8_t *plane = blk + 256 + (bits == 5 ? 32 * h : 64 * h + 32 * (c / 2));
+                if (bits == 4) chunk_q4(blk, c, h, &lo, &hi);
+                else if (bits == 5) chunk_q5(blk, _mm256_loadu_si256((const __m256i *)plane), c, h, &lo, &hi);
+                else if (bits == 6) chunk_q6(blk, _mm256_loadu_si256((const __m256i *)plane), c, h, &lo, &hi);
+                else lo = quad_q8(blk, 4 * c, h), hi = quad_q8(blk, 4 * c + 2, h);
+                if (bits == 8) {
+                    _mm256_storeu_si256((__m256i *)(wb + 512 + 64 * (2 * c) + 32 * h), lo);
+                    _mm256_storeu_si256((__m256i *)(wb + 512 + 64 * (2 * c + 1) + 32 * h), hi);
+                    lo = _mm256_abs_epi8(lo), hi = _mm256_abs_epi8(hi);
+                }
+                _mm256_storeu_si256((__m256i *)(wb + 64 * (2 * c) + 32 * h), lo);
+                _mm256_storeu_si256((__m256i *)(wb + 64 * (2 * c + 1) + 32 * h), hi);
+            }
+        }
+    }
+}
+
+// acc[r][h] += float(sum - zero * xsum) * (d * dx) (+ m * xs): one step of the header's order.
+static inline __attribute__((always_inline)) __m256 wide_step(const qmm2_args *a, __m256 acc, __m256i sum, int zero,
+                                                               int32_t xsum, __m256 d, int64_t i, int has_off,
+                                                               const void *gm, int64_t mi) {
+    if (zero) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(zero * xsum));
+    acc = add_scaled(acc, sum, d, a->dx[i]);
+    if (has_off) acc = _mm256_add_ps(acc, _mm256_mul_ps(scales8(gm, mi, a->half), _mm256_set1_ps(a->xs[i])));
+    return acc;
+}
+
+// bits, zero, has_off and two (scales per 16 k) are constants once inlined: (4, 0, 1, 0), (5, 16, 0, 0),
+// (5, 0, 1, 0), (6, 32, 0, 1), (8, 0, 0 or 1, 0), (8, 0, 0, 1). 8-bit: |q| against x with q's sign, as
+// group_half_q8 does.
+static inline __attribute__((always_inline)) void wide_tile(const qmm2_args *a, const uint8_t *wide, const void *gd,
+                                                             const void *gm, int64_t r0, int rows, int bits, int zero,
+                                                             int has_off, int two, __m256 acc[WIDE_ROWS][2]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int per16 = bits == 4 ? 8 : bits == 5 ? 4 : bits == 6 ? 2 : 1;  // x vectors (4 k) whose pairs int16 holds
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < a->nb; b++) {
+        const uint8_t *wb = wide + b * wide_bytes(bits);
+        const int8_t *xb = a->xq + r0 * a->K + b * BLOCK;
+        __m256i s[WIDE_ROWS][2], p[WIDE_ROWS][2];
+#pragma GCC unroll 8
+        for (int u = 0; u < 8; u++) {  // x[4u .. 4u + 3] of this block
+            const __m256i w0 = _mm256_loadu_si256((const __m256i *)(wb + 64 * u));
+            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wb + 64 * u + 32));
+            __m256i q0 = w0, q1 = w1;
+            if (bits == 8) {
+                q0 = _mm256_loadu_si256((const __m256i *)(wb + 512 + 64 * u));
+                q1 = _mm256_loadu_si256((const __m256i *)(wb + 512 + 64 * u + 32));
+            }
+            for (int r = 0; r < rows; r++) {
+                __m256i xv = bcast4(xb + r * a->K + 4 * u);
+                __m256i m0 = _mm256_maddubs_epi16(w0, bits == 8 ? _mm256_sign_epi8(xv, q0) : xv);
+                __m256i m1 = _mm256_maddubs_epi16(w1, bits == 8 ? _mm256_sign_epi8(xv, q1) : xv);
+                p[r][0] = u % per16 == 0 ? m0 : _mm256_add_epi16(p[r][0], m0);
+                p[r][1] = u % per16 == 0 ? m1 : _mm256_add_epi16(p[r][1], m1);
+            }
+            if (u % per16 == per16 - 1) {
+                for (int r = 0; r < rows; r++)
+                    for (int h = 0; h < 2; h++) {
+                        __m256i w32 = _mm256_madd_epi16(p[r][h], ones);
+                        int first = two ? u % 4 == per16 - 1 : u == per16 - 1;  // of the block (or of 16 k)
+                        s[r][h] = first ? w32 : _mm256_add_epi32(s[r][h], w32);
+                    }
+            }
+            if (two && u % 4 == 3) {  // a scale per 16 k
+                for (int h = 0; h < 2; h++) {
+                    __m256 d = scales8(gd, (2 * b + u / 4) * CG + 8 * h, a->half);
+                    for (int r = 0; r < rows; r++) {
+                        int64_t i = (r0 + r) * a->nb + b;
+                        acc[r][h] = wide_step(a, acc[r][h], s[r][h], zero, a->xsum16[2 * i + u / 4], d, i, 0, gm, 0);
+                    }
+                }
+            }
+        }
+        if (two) continue;
+        for (int h = 0; h < 2; h++) {
+            __m256 d = scales8(gd, b * CG + 8 * h, a->half);
+            for (int r = 0; r < rows; r++) {
+                int64_t i = (r0 + r) * a->nb + b;
+                acc[r][h] = wide_step(a, acc[r][h], s[r][h], zero, a->xsum[i], d, i, has_off, gm, b * CG + 8 * h);
+            }
+        }
+    }
+}
+
+static void store_half(const qmm2_args *a, int64_t r, int64_t n0, int h, __m256 acc);
+
+static inline __attribute__((always_inline)) void wide_rows(const qmm2_args *a, const uint8_t *wide, const void *gd,
+                                                             const void *gm, int64_t r0, int rows,
+                                                             __m256 acc[WIDE_ROWS][2]) {
+    if (a->bits == 4) wide_tile(a, wide, gd, gm, r0, rows, 4, 0, 1, 0, acc);
+    else if (a->bits == 6) wide_tile(a, wide, gd, gm, r0, rows, 6, 32, 0, 1, acc);
+    else if (a->bits == 5 && a->has_off) wide_tile(a, wide, gd, gm, r0, rows, 5, 0, 1, 0, acc);
+    else if (a->bits == 5) wide_tile(a, wide, gd, gm, r0, rows, 5, 16, 0, 0, acc);
+    else if (a->two_scales) wide_tile(a, wide, gd, gm, r0, rows, 8, 0, 0, 1, acc);
+    else if (a->has_off) wide_tile(a, wide, gd, gm, r0, rows, 8, 0, 1, 0, acc);
+    else wide_tile(a, wide, gd, gm, r0, rows, 8, 0, 0, 0, acc);
+}
+
+static void qmm2_groups_wide(const qmm2_args *a, int64_t begin, int64_t end, uint8_t *wide) {
+    int64_t nb = a->nb, spb = a->two_scales ? 2 : 1;
+    for (int64_t g = begin; g < end; g++) {
+        expand_group(a->bits, a->qs + g * nb * qbytes_of(a->bits), nb, wide);
+        const void *gd = scales_at(a->d, g * nb * spb * CG, a->half);
+        const void *gm = a->has_off ? scales_at(a->m, g * nb * CG, a->half) : NULL;
+        int64_t n0 = g * CG;
+        for (int64_t r0 = 0; r0 < a->M; r0 += WIDE_ROWS) {
+            int rows = (int)(a->M - r0 < WIDE_ROWS ? a->M - r0 : WIDE_ROWS);
+            __m256 acc[WIDE_ROWS][2];
+            switch (rows) {  // constant row counts keep the sums in registers
+                case WIDE_ROWS: wide_rows(a, wide, gd, gm, r0, WIDE_ROWS, acc); break;
+#if WIDE_ROWS > 2
+                case 2: wide_rows(a, wide, gd, gm, r0, 2, acc); break;
+#endif
+                default: wide_rows(a, wide, gd, gm, r0, 1, acc); break;
+            }
+            for (int i = 0; i < rows; i++)
+                for (int h = 0; h < 2 && n0 + 8 * h < a->N; h++) store_half(a, r0 + i, n0, h, acc[i][h]);
+        }
+    }
+}
+
 static inline __attribute__((always_inline)) void group_half(const qmm2_args *a, const uint8_t *gq, const void *gd,
                                                               const void *gm, int64_t r0, int rows, int h,
                                                               __m256 acc[RT]) {
@@ -359,20 +524,32 @@ static inline __attribute__((always_inline)) void group_half(const qmm2_args *a,
     else group_half_q8(a, gq, gd, gm, r0, rows, h, acc);
 }
 
-// Output row r, columns n0 + 8h ..: acc + bias, the lanes that exist only.
+// Output row r, columns n0 + 8h ..: acc + bias, the lanes that exist only (8 lanes at a time: the same
+// sums and roundings as one at a time; 1-2% of a 512-row product of 576 inputs went to the scalar loop).
 static inline void store_half(const qmm2_args *a, int64_t r, int64_t n0, int h, __m256 acc) {
-    float out[8];
-    _mm256_storeu_ps(out, acc);
     int64_t col = n0 + 8 * h, count = a->N - col < 8 ? a->N - col : 8;
-    for (int64_t i = 0; i < count; i++) {
-        float v = a->bias ? out[i] + bf16_to_f32(a->bias[col + i]) : out[i];
-        if (a->y_fp32) ((float *)a->y)[r * a->N + col + i] = v;
-        else ((uint16_t *)a->y)[r * a->N + col + i] = f32_to_bf16(v);
+    if (a->bias) acc = _mm256_add_ps(acc, bf16_load8_n(a->bias + col, count));
+    if (!a->y_fp32) {
+        bf16_store8_n((uint16_t *)a->y + r * a->ldy + col, acc, count);
+    } else if (count == 8) {
+        _mm256_storeu_ps((float *)a->y + r * a->ldy + col, acc);
+    } else {
+        float out[8];
+        _mm256_storeu_ps(out, acc);
+        memcpy((float *)a->y + r * a->ldy + col, out, sizeof(float) * (size_t)count);
     }
 }
 
 static void qmm2_groups(void *ctx, int64_t begin, int64_t end) {
     const qmm2_args *a = (const qmm2_args *)ctx;
+    if (a->M >= WIDE_MIN_ROWS) {
+        uint8_t *wide = (uint8_t *)malloc((size_t)(a->nb * wide_bytes(a->bits)));
+        if (wide) {  // else the tiles below: the same bits
+            qmm2_groups_wide(a, begin, end, wide);
+            free(wide);
+            return;
+        }
+    }
     int64_t nb = a->nb, qbytes = qbytes_of(a->bits), spb = a->two_scales ? 2 : 1;
     for (int64_t g = begin; g < end; g++) {
         const uint8_t *gq = a->qs + g * nb * qbytes;  // the group's weights: 4.5 to 24 KB, L1/L2 across tiles
@@ -396,8 +573,35 @@ static void qmm2_groups(void *ctx, int64_t begin, int64_t end) {
     }
 }
 
-static int qmatmul_avx2(const exl_qmatmul_args *args, int two_scales, int has_off) {
-    int64_t M = args->rows, K = args->in_features, N = args->out_features, nb = K / BLOCK;
+// The column groups of several products of one x (a projection's parts, each y at its column of a wide
+// output), shared among the pool's threads as one job: part i's groups are g_first[i] .. g_first[i + 1] - 1.
+typedef struct {
+    const qmm2_args *parts;
+    const int64_t *g_first;
+    int64_t n_parts;
+} qmm2_job;
+
+static void qmm2_job_groups(void *ctx, int64_t begin, int64_t end) {
+    const qmm2_job *j = (const qmm2_job *)ctx;
+    for (int64_t i = 0; i < j->n_parts; i++) {
+        int64_t lo = begin > j->g_first[i] ? begin : j->g_first[i];
+        int64_t hi = end < j->g_first[i + 1] ? end : j->g_first[i + 1];
+        if (lo < hi) qmm2_groups((void *)&j->parts[i], lo - j->g_first[i], hi - j->g_first[i]);
+    }
+}
+
+#define QMM2_MAX_PARTS 8
+
+// y [M, ldy] (y_fp32 or bf16), columns side by side from col 0: the products of x with each part's
+// weights (their x, rows and y fields unused), x quantized once. The same bits as one call per part.
+static int qmatmul_avx2_parts(const exl_qmatmul_args *parts, int64_t n_parts, const uint16_t *x, int64_t M,
+                              void *y, int64_t ldy, int y_fp32) {
+    int64_t K = parts[0].in_features, nb = K / BLOCK, col = 0;
+    for (int64_t i = 0; i < n_parts; i++) {
+        if (parts[i].in_features != K) return 6;
+        col += parts[i].out_features;
+    }
+    if (col > ldy) return 6;
     float *scales = (float *)malloc(sizeof(float) * (size_t)(5 * M * nb + 1));  // dx, xs, sum(xq), its halves
     int8_t *xq = (int8_t *)malloc((size_t)(M * K + 1));
     if (!scales || !xq) {
@@ -406,12 +610,30 @@ static int qmatmul_avx2(const exl_qmatmul_args *args, int two_scales, int has_of
         return -1;
     }
     int32_t *xsum = (int32_t *)(scales + 2 * M * nb);
-    quantize_rows(args->x, M, K, xq, scales, scales + M * nb, xsum, xsum + M * nb);
-    int zero = args->bits == 6 ? 32 : args->bits == 5 && !args->offsets ? 16 : 0;
-    qmm2_args a = {xq, scales, scales + M * nb, M, K, nb, N, xsum, xsum + M * nb, args->bits, args->y_fp32, two_scales,
-                   has_off, args->half_scales != 0, zero, args->qs, args->d, args->m, args->bias, args->y};
-    exl_parallel_for(qmm2_groups, &a, (N + CG - 1) / CG);
+    quantize_task q = {x, K, xq, scales, scales + M * nb, xsum, xsum + M * nb};
+    if (M >= QUANTIZE_PARALLEL_ROWS) exl_parallel_for(quantize_rows_task, &q, M);
+    else quantize_rows_task(&q, 0, M);
+    qmm2_args a[QMM2_MAX_PARTS];
+    int64_t g_first[QMM2_MAX_PARTS + 1] = {0};
+    col = 0;
+    for (int64_t i = 0; i < n_parts; i++) {
+        const exl_qmatmul_args *p = &parts[i];
+        int zero = p->bits == 6 ? 32 : p->bits == 5 && !p->offsets ? 16 : 0;
+        int two_scales = p->scales_per_block == 2, has_off = p->bits == 4 || p->offsets;
+        void *yp = y_fp32 ? (void *)((float *)y + col) : (void *)((uint16_t *)y + col);
+        qmm2_args ai = {xq, scales, scales + M * nb, M, K, nb, p->out_features, xsum, xsum + M * nb, p->bits, y_fp32,
+                        two_scales, has_off, p->half_scales != 0, zero, p->qs, p->d, p->m, p->bias, yp, ldy};
+        a[i] = ai;
+        g_first[i + 1] = g_first[i] + (p->out_features + CG - 1) / CG;
+        col += p->out_features;
+    }
+    qmm2_job job = {a, g_first, n_parts};
+    exl_parallel_for(qmm2_job_groups, &job, g_first[n_parts]);
     free(scales);
     free(xq);
     return 0;
+}
+
+static int qmatmul_avx2(const exl_qmatmul_args *args) {
+    return qmatmul_avx2_parts(args, 1, args->x, args->rows, args->y, args->out_features, args->y_fp32);
 }

@@ -158,6 +158,30 @@ def test_int8_activation_kernel_is_its_emulation_bit_for_bit(bits, offsets, per1
 
 
 @needs_kernel
+@pytest.mark.skipif(kernel_mode() != Q8_ACTIVATIONS, reason="the prefill tiles are the AVX2 kernel's")
+@pytest.mark.parametrize("bits,offsets,per16", [(4, True, False), (5, False, False), (5, True, False),
+                                                (6, False, True), (8, False, False), (8, True, False),
+                                                (8, False, True)])
+def test_prefill_and_decode_tiles_give_the_same_bits(bits, offsets, per16):
+    # from 8 rows on, the AVX2 kernel expands a group's weights once and runs 2-row x 16-column tiles
+    # (qmatmul_avx2.h: wide_tile); below, 4-row x 8-column tiles: the same integer sums and fp32 steps.
+    # From 64 rows on the threads share the activations' quantization.
+    gen = torch.Generator().manual_seed(40 + bits + offsets + per16)
+    n, k = 41, 384
+    lo, hi = {4: (0, 16), 5: (0, 32) if offsets else (-16, 16), 6: (-32, 32), 8: (-128, 128)}[bits]
+    q = torch.randint(lo, hi, (n, k), dtype=torch.int32, generator=gen)
+    scale = torch.rand(n, k // (16 if per16 else 32), generator=gen) * 0.01
+    offset = torch.randn(n, k // 32, generator=gen) * 0.01 if offsets else None
+    lin = QuantCpuLinear(q, scale, offset, bits, bias=torch.randn(n, generator=gen))
+    x = (torch.randn(70, k, generator=gen) * 2).bfloat16()
+    x[12, 40] = float("nan")
+    got, want = lin(x, out_dtype=torch.float32), lin.emulate_kernel(x, torch.float32)
+    assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0)) and bool(got[12].isnan().all())
+    for rows in (slice(0, 1), slice(0, 7), slice(0, 8), slice(3, 12), slice(10, 19), slice(1, 66)):
+        assert torch.equal(lin(x[rows], out_dtype=torch.float32).nan_to_num(0.0), got[rows].nan_to_num(0.0))
+
+
+@needs_kernel
 @pytest.mark.skipif(kernel_mode() != Q8_ACTIVATIONS, reason="the 5- and 6-bit layouts are the AVX2 kernel's")
 @pytest.mark.parametrize("bits,offsets", [(5, False), (5, True), (6, False)],
                          ids=["q - 16 (Q5_0)", "q + offset (Q5_1, Q5_K)", "q - 32 per 16 (Q6_K)"])
