@@ -71,7 +71,8 @@ def dequantized_at_load(tensors: dict, device: torch.device, dtype: torch.dtype)
         if not isinstance(w, QuantizedWeight) or name == "model.embed_tokens.weight":
             continue  # the embedding is a lookup table: dequantized everywhere, and read a row a step
         make = {"cpu": w.fmt.cpu_linear, "cuda": w.fmt.cuda_linear}.get(device.type)
-        if make is None or (device.type == "cpu" and dtype != torch.bfloat16):
+        kept = w.fmt.cpu_kept_quantized
+        if make is None or (device.type == "cpu" and (dtype != torch.bfloat16 or (kept and not kept(dtype)))):
             dense = w.shape[0] * w.shape[1] * torch.tensor([], dtype=dtype).element_size()
             extra[w.fmt.name] = extra.get(w.fmt.name, 0) + dense - w.nbytes()
     if not extra:

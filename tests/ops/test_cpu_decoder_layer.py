@@ -19,7 +19,7 @@ from exlcli.model.random_weights import random_tensors
 from exlcli.ops.cpu import decoder_layer
 from exlcli.ops.cpu.decoder_layer import CpuDecoderLayers
 from exlcli.ops.errors import KernelInputError
-from exlcli.ops.formats import cpu_qmatmul
+from exlcli.ops.formats import cpu_q2_k, cpu_qmatmul
 
 pytestmark = pytest.mark.skipif(not decoder_layer.available() or not cpu_qmatmul.available(),
                                 reason="the CPU kernels are not built here")
@@ -82,11 +82,19 @@ STEPS = [
 ]
 
 
-@pytest.mark.parametrize("variant", ["llama", "llama, one format", "qwen2 biases", "qwen3 q/k norms"])
+# Q2_K needs rows of whole 256-weight super-blocks; v in Q4_K beside it
+Q2_K_CONFIG = dataclasses.replace(CONFIG, hidden_size=256, intermediate_size=256, num_heads=16, num_kv_heads=4)
+Q2_K_FORMATS = {key: "Q4_K" if key == "v_proj" else "Q2_K" for key in FORMATS}
+q2_k_here = pytest.mark.skipif(not cpu_q2_k.kept_quantized(), reason="this CPU's kernel has no 2-bit layout")
+
+
+@pytest.mark.parametrize("variant", ["llama", "llama, one format", "qwen2 biases", "qwen3 q/k norms",
+                                     pytest.param("llama, Q2_K", marks=q2_k_here)])
 def test_one_call_layers_equal_layer_by_layer_bit_for_bit(variant, monkeypatch):
     config = {"qwen2 biases": dataclasses.replace(CONFIG, architecture="qwen2", attention_bias=True),
-              "qwen3 q/k norms": dataclasses.replace(CONFIG, architecture="qwen3", qk_norm=True)}.get(variant, CONFIG)
-    formats = {key: "Q4_1" for key in FORMATS} if variant == "llama, one format" else FORMATS
+              "qwen3 q/k norms": dataclasses.replace(CONFIG, architecture="qwen3", qk_norm=True),
+              "llama, Q2_K": Q2_K_CONFIG}.get(variant, CONFIG)
+    formats = {"llama, one format": {key: "Q4_1" for key in FORMATS}, "llama, Q2_K": Q2_K_FORMATS}.get(variant, FORMATS)
     by_op, fused = models(config, monkeypatch, formats)
     kv_op = KVCache(config, 24, PAGE, torch.device("cpu"), torch.bfloat16)
     kv_fused = KVCache(config, 24, PAGE, torch.device("cpu"), torch.bfloat16)
@@ -98,6 +106,8 @@ def test_one_call_layers_equal_layer_by_layer_bit_for_bit(variant, monkeypatch):
     assert isinstance(fused._cpu_layers, CpuDecoderLayers) and len(fused._cpu_layers) == config.num_layers
     # q, k (Q4_1) and v (Q8_0) side by side, or one q|k|v linear
     assert fused._cpu_layers._layers[0].qkv_parts == (1 if variant == "llama, one format" else 3)
+    if variant == "llama, Q2_K":  # kept at 2 bits, not dequantized
+        assert fused.layers[0].down.bits == 2 and fused.layers[0].gate_up.bits == 2
     # an early exit (self-drafting) runs only the first layers, also in one call each
     batch = step([(0, 40, 1), (1, 10, 1)], config.vocab_size, 99)
     assert torch.equal(fused.forward_layers(batch, kv_fused, 2), by_op.forward_layers(batch, kv_op, 2))

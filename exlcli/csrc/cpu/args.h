@@ -14,14 +14,14 @@ typedef struct {
     const uint16_t *x;  // bf16 [M, K] contiguous
     int64_t rows;       // M
     int64_t in_features;  // K
-    int32_t bits;       // 4 (Q4_0, Q4_1, Q4_K), 5 (Q5_*) and 6 (Q6_K: AVX2 only), or 8 (Q8_0; 5-, 6-bit elsewhere)
+    int32_t bits;       // 4 (Q4_0, Q4_1, Q4_K), 2 (Q2_K), 5 (Q5_*), 6 (Q6_K) (2, 5, 6: AVX2), or 8 (Q8_0, ...)
     int32_t y_fp32;     // 1: y is fp32, 0: bf16
     int32_t offsets;    // 1: w = q * d + m; 0: w = q * d (bits 4 always has offsets; bits 5 without: (q - 16) * d)
     int32_t scales_per_block;  // 1, or 2: one scale per 16 weights (Q6_K)
     int32_t half_scales;  // 1: d and m are fp16 (where exl_qmatmul_half_scales_available()), 0: fp32
     const uint8_t *qs;  // the repacked quants
-    const void *d;      // the scales
-    const void *m;      // the offsets (read when there are offsets)
+    const void *d;      // the scales (bits 2: fp16 d, -dmin per super-block; qmatmul.c)
+    const void *m;      // the offsets (read when there are offsets; bits 2: the bytes sc | m << 4)
     const uint16_t *bias;  // bf16 [N], or NULL
     int64_t out_features;  // N
     void *y;            // [M, N]

@@ -1,5 +1,5 @@
 // y[M, N] = x[M, K] (bf16) @ W[N, K]^T for GGUF block-quantized W (Q4_0, Q4_1, Q8_0, the K-quants
-// Q4_K .. Q6_K, Q5_0, Q5_1), on the CPU.
+// Q2_K .. Q6_K, Q5_0, Q5_1), on the CPU.
 //
 // Weights stay quantized; exlcli/ops/formats/cpu_qmatmul.py repacks them at load into groups of
 // CG = 16 output columns, one column per SIMD lane, so that a group streams through memory in one
@@ -222,12 +222,15 @@ static void qmm_groups(void *ctx, int64_t begin, int64_t end) {
 // scales_per_block 2: d fp32 [groups][nb][2][CG], the scales of k < 16 and k >= 16 of each block.
 // bits 5 (the AVX2 body only): qs [groups][nb][320], q in 0..31 (qmatmul_avx2.h); without offsets q - 16.
 // bits 6 (the AVX2 body only): qs [groups][nb][384], q - 32 for q in 0..63, two scales per block, no offsets.
+// bits 2 (the AVX2 body with F16C only; Q2_K): qs [groups][nb][128], q in 0..3; d fp16 [groups][nb / 8][2][CG]
+// (each super-block's d and -dmin), m uint8 [groups][nb][2][CG] (sc | m << 4 per 16 weights).
+// w = d * sc * q + (-dmin) * m per 16 weights (qmatmul_avx2.h).
 // The column groups are shared among the pool's threads. Returns 0, or -1 when the kernel is not
 // built or its scratch cannot be had.
 int exl_qmatmul(const exl_qmatmul_args *args) {
     if (args->half_scales && !EXL_QMM_HALF_SCALES) return -1;
 #if EXL_QMM
-    if (args->bits == 5 || args->bits == 6) return -1;  // the AVX2 body's layouts (8 bits are held here)
+    if (args->bits == 2 || args->bits == 5 || args->bits == 6) return -1;  // the AVX2 body's layouts
     const uint16_t *x = args->x, *bias = args->bias;
     int64_t M = args->rows, K = args->in_features, N = args->out_features;
     int bits = args->bits, y_fp32 = args->y_fp32;
@@ -247,6 +250,7 @@ int exl_qmatmul(const exl_qmatmul_args *args) {
     free(sx);
     return 0;
 #elif EXL_QMM_AVX2
+    if (args->bits == 2 && !EXL_QMM_HALF_SCALES) return -1;
     return qmatmul_avx2(args);
 #else
     (void)args;
@@ -259,7 +263,7 @@ int qmatmul_parts(const exl_qmatmul_args *parts, int64_t n_parts, const uint16_t
 #if EXL_QMM_AVX2
     if (n_parts < 1 || n_parts > QMM2_MAX_PARTS) return 1;
     for (int64_t i = 0; i < n_parts; i++)
-        if (parts[i].half_scales && !EXL_QMM_HALF_SCALES) return -1;
+        if ((parts[i].half_scales || parts[i].bits == 2) && !EXL_QMM_HALF_SCALES) return -1;
     return qmatmul_avx2_parts(parts, n_parts, x, rows, y, ldy, 0);
 #else
     (void)parts, (void)n_parts, (void)x, (void)rows, (void)y, (void)ldy;

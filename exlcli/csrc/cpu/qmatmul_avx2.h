@@ -155,7 +155,9 @@ typedef struct {
     int64_t ldy;  // elements from one row of y to the next (N, or wider where parts sit side by side)
 } qmm2_args;
 
-static inline int64_t qbytes_of(int bits) { return bits == 4 ? 256 : bits == 5 ? 320 : bits == 6 ? 384 : 512; }
+static inline int64_t qbytes_of(int bits) {
+    return bits == 2 ? 128 : bits == 4 ? 256 : bits == 5 ? 320 : bits == 6 ? 384 : 512;
+}
 
 // Scales and offsets are fp32, or fp16 where they are exact in it (the legacy formats' own fp16
 // values: 2 bytes a block less to read); widened to fp32 on load, so both give the same bits.
@@ -515,9 +517,75 @@ static void qmm2_groups_wide(const qmm2_args *a, int64_t begin, int64_t end, uin
     }
 }
 
+// 2-bit (Q2_K: w = d * sc * q - dmin * m per 16 weights, q in 0..3): a (group, block) is 128 bytes, byte i at
+// 64p + 32h the byte i at 64c + 32h of the 4-bit layout for chunk c = 2p (bits 0-1 and 4-5) and c = 2p + 1
+// (bits 2-3 and 6-7), so chunk_q4's shuffle follows a shift and a mask of two bits.
+static inline __attribute__((always_inline)) void chunk_q2(const uint8_t *blk, int c, int h, __m256i *lo,
+                                                            __m256i *hi) {
+    const __m256i low2 = _mm256_set1_epi8(0x03);
+    const __m256i gather = _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15,
+                                            0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
+    __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 * (c / 2) + 32 * h));
+    if (c % 2) v = _mm256_srli_epi16(v, 2);
+    *lo = _mm256_shuffle_epi8(_mm256_and_si256(v, low2), gather);
+    *hi = _mm256_shuffle_epi8(_mm256_and_si256(_mm256_srli_epi16(v, 4), low2), gather);
+}
+
+// The scales and offsets stay as the file has them: d holds fp16 (d, -dmin) of each column's super-block
+// ([nb / 8][2][CG] per group), m the bytes sc | m << 4 of its sub-blocks ([nb][2][CG]). d * sc and -dmin * m
+// are products of an fp16 and a 4-bit integer, exact in fp32: the values an fp32 copy would hold. Each half
+// block (16 k) enters acc with its own pair: acc + float(sum(q xq)) * (d * sc * dx), then + (-dmin * m) * (dx *
+// float(sum(xq))). q <= 3: a chunk's lo + hi pair is at most 762 (int16), widened at once.
+#if EXL_QMM_HALF_SCALES  // the fp16 (d, -dmin) need F16C; exl_qmatmul refuses bits 2 without it
+static inline __attribute__((always_inline)) void group_half_q2(const qmm2_args *a, const uint8_t *gq,
+                                                                 const void *gd, const void *gm, int64_t r0,
+                                                                 int rows, int h, __m256 acc[RT]) {
+    const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi32(0x0f);
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < a->nb; b++) {
+        const uint8_t *blk = gq + b * 128;
+        const int8_t *xb = a->xq + r0 * a->K + b * BLOCK;
+        if (h == 0 && r0 == 0) prefetch_ahead(blk, 128);
+        const uint16_t *f = (const uint16_t *)gd + (b / 8) * 2 * CG + 8 * h;
+        const __m256 dsup = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)f));
+        const __m256 msup = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(f + CG)));
+        const uint8_t *sm = (const uint8_t *)gm + b * 2 * CG + 8 * h;
+        __m256i s[RT];
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) {
+            __m256i lo, hi;
+            chunk_q2(blk, c, h, &lo, &hi);
+            for (int r = 0; r < rows; r++) {
+                const int8_t *x = xb + r * a->K + 8 * c;
+                __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(x)),
+                                                _mm256_maddubs_epi16(hi, bcast4(x + 4)));
+                __m256i wide = _mm256_madd_epi16(pair, ones);
+                s[r] = c % 2 == 0 ? wide : _mm256_add_epi32(s[r], wide);
+            }
+            if (c % 2 == 1) {
+                int j = c / 2;
+                __m256i packed = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + j * CG)));
+                __m256 d = _mm256_mul_ps(dsup, _mm256_cvtepi32_ps(_mm256_and_si256(packed, low4)));
+                __m256 mv = _mm256_mul_ps(msup, _mm256_cvtepi32_ps(_mm256_srli_epi32(packed, 4)));
+                for (int r = 0; r < rows; r++) {
+                    int64_t i = (r0 + r) * a->nb + b;
+                    acc[r] = add_scaled(acc[r], s[r], d, a->dx[i]);
+                    __m256 xs = _mm256_set1_ps(a->dx[i] * (float)a->xsum16[2 * i + j]);
+                    acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(mv, xs));
+                }
+            }
+        }
+    }
+}
+#endif
+
 static inline __attribute__((always_inline)) void group_half(const qmm2_args *a, const uint8_t *gq, const void *gd,
                                                               const void *gm, int64_t r0, int rows, int h,
                                                               __m256 acc[RT]) {
+#if EXL_QMM_HALF_SCALES
+    if (a->bits == 2) group_half_q2(a, gq, gd, gm, r0, rows, h, acc);
+    else
+#endif
     if (a->bits == 4) group_half_q4(a, gq, gd, gm, r0, rows, h, acc);
     else if (a->bits == 5) group_half_q5(a, gq, gd, gm, r0, rows, h, acc);
     else if (a->bits == 6) group_half_q6(a, gq, gd, r0, rows, h, acc);
@@ -542,7 +610,7 @@ static inline void store_half(const qmm2_args *a, int64_t r, int64_t n0, int h, 
 
 static void qmm2_groups(void *ctx, int64_t begin, int64_t end) {
     const qmm2_args *a = (const qmm2_args *)ctx;
-    if (a->M >= WIDE_MIN_ROWS) {
+    if (a->M >= WIDE_MIN_ROWS && a->bits != 2) {  // (2-bit: no wide layout; its tiles below)
         uint8_t *wide = (uint8_t *)malloc((size_t)(a->nb * wide_bytes(a->bits)));
         if (wide) {  // else the tiles below: the same bits
             qmm2_groups_wide(a, begin, end, wide);
@@ -555,6 +623,10 @@ static void qmm2_groups(void *ctx, int64_t begin, int64_t end) {
         const uint8_t *gq = a->qs + g * nb * qbytes;  // the group's weights: 4.5 to 24 KB, L1/L2 across tiles
         const void *gd = scales_at(a->d, g * nb * spb * CG, a->half);
         const void *gm = a->has_off ? scales_at(a->m, g * nb * CG, a->half) : NULL;
+        if (a->bits == 2) {  // fp16 (d, -dmin) per super-block of 8 blocks, and a byte per sub-block of 16
+            gd = (const uint16_t *)a->d + g * (nb / 8) * 2 * CG;
+            gm = (const uint8_t *)a->m + g * nb * 2 * CG;
+        }
         int64_t n0 = g * CG;
         for (int h = 0; h < 2; h++) {
             if (n0 + 8 * h >= a->N) break;

@@ -66,6 +66,9 @@ class BlockFormat:
     dequantize: Dequantize
     cpu_linear: MakeLinear | None = None
     cuda_linear: MakeLinear | None = None
+    # (activation dtype) -> whether cpu_linear keeps it quantized on this CPU, for a format whose kernel only
+    # some CPUs have (Q2_K); None: wherever there is a cpu_linear (the loader's notice asks this)
+    cpu_kept_quantized: Callable[[torch.dtype], bool] | None = None
 
     @property
     def bits_per_weight(self) -> float:

@@ -13,6 +13,7 @@ form w = q * scale + offset per block of 32 (q 4-bit in 0..15, or 8-bit signed),
 for the AVX2 kernel, and Q6_K 6-bit (`bits=5`, `6`: nibbles plus planes of the high bits, merged in
 registers; Q5_0's q - 16 and Q6_K's q - 32 summed as sum(q x) - 16 (32) sum(x), the same integers, so
 the same bits as at 8 bits); elsewhere they run as 8-bit, a byte per weight (1.45x / 1.23x the file's).
+Q2_K's 2-bit layout, with a (scale, offset) pair per 16 weights, is the AVX2 kernel's too (cpu_q2_k.py).
 """
 
 from __future__ import annotations

@@ -4,16 +4,18 @@ Block (84 bytes): scales, 16 bytes: sub-block s has sc[s] in the low nibble of b
 the high nibble | qs, 64 bytes: two halves of 32 bytes; 2-bit field f of byte i in half h is
 q[128 * h + 32 * f + i] | fp16 d | fp16 dmin.
 
-On CUDA it runs kept quantized in the 4-bit layout with groups of 16. The CPU kernel takes one offset
-per 32 weights, not Q2_K's one per 16: there it is dequantized at load.
+On CUDA it runs kept quantized in the 4-bit layout with groups of 16. On the CPU with bf16 activations
+the AVX2 kernel keeps it at its 2 bits a weight, with the file's scale bytes and fp16 d, dmin
+(cpu_q2_k.py: 2.625 bits a weight held); the AVX-512 BF16 kernel has no layout with an offset per 16
+weights, so there it is dequantized at load (with the loader's notice).
 """
 
 from __future__ import annotations
 
 import torch
 
-from exlcli.ops.formats import cuda_groups
-from exlcli.ops.formats.base import BlockFormat, f16_at
+from exlcli.ops.formats import cpu_q2_k, cpu_qmatmul, cuda_groups
+from exlcli.ops.formats.base import BlockFormat, Linear, QuantizedWeight, f16_at
 from exlcli.ops.formats.bit_fields import blocks_of, rows_of, unpack_fields
 
 BLOCK_WEIGHTS = 256
@@ -45,5 +47,28 @@ def unpack(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return q.to(torch.int32).reshape(rows, -1), step.reshape(rows, -1), -offset.reshape(rows, -1)
 
 
+def kernel_fields(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """blocks uint8 [N, K / 256 * 84] -> (q [N, K] int32 in 0..3, the scale bytes sc | m << 4 uint8 [N, K / 16],
+    d and dmin fp16 [N, K / 256]), the fields as the file holds them."""
+    rows = blocks.shape[0]
+    b = blocks_of(blocks, BLOCK_BYTES)
+    q = _fields(blocks)[0].to(torch.int32).reshape(rows, -1)
+    half = lambda at: b[:, at:at + 2].contiguous().view(torch.float16).reshape(rows, -1)  # noqa: E731
+    return q, b[:, 0:16].reshape(rows, -1), half(80), half(82)
+
+
+def cpu_linear(weight: QuantizedWeight, bias: torch.Tensor | None, device: torch.device,
+               dtype: torch.dtype) -> Linear | None:
+    """The AVX2 kernel's 2-bit linear; None (dequantized at load) elsewhere or for other activations."""
+    if not cpu_kept_quantized(dtype):
+        return None
+    return cpu_q2_k.Q2KCpuLinear(*kernel_fields(weight.blocks), bias=bias)
+
+
+def cpu_kept_quantized(dtype: torch.dtype) -> bool:
+    return dtype == torch.bfloat16 and cpu_qmatmul.available() and cpu_q2_k.kept_quantized()
+
+
 FORMAT = BlockFormat(name="Q2_K", gguf_type=10, block_weights=BLOCK_WEIGHTS, block_bytes=BLOCK_BYTES,
-                     dequantize=dequantize, cuda_linear=cuda_groups.cuda_linear(unpack, 4))
+                     dequantize=dequantize, cpu_linear=cpu_linear, cuda_linear=cuda_groups.cuda_linear(unpack, 4),
+                     cpu_kept_quantized=cpu_kept_quantized)

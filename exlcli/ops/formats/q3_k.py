@@ -4,7 +4,8 @@ whose top bit is stored inverted (a set bit in hmask means no -4), sc signed 6-b
 Block (110 bytes): hmask, 32 bytes: bit f of byte i is the top bit of q[32 * f + i] | qs, 64 bytes:
 the low 2 bits, laid out as in Q2_K | scales, 12 bytes (kquant_scales) | fp16 d.
 
-It runs kept quantized as Q2_K does: the CPU kernel's 8-bit path, the CUDA 4-bit layout in groups of 16.
+It runs kept quantized: on the CPU the kernel's 8-bit path (one scale per 16 weights, as for Q6_K), on CUDA the
+4-bit layout in groups of 16 as Q2_K does.
 """
 
 from __future__ import annotations

@@ -60,8 +60,10 @@ def test_block_size_and_cost(module):
     assert fmt.gguf_type == gguf_type.value
     assert (fmt.block_weights, fmt.block_bytes) == GGML_QUANT_SIZES[gguf_type]
     assert fmt.bits_per_weight == FORMATS[module][1]
-    # kept quantized on the CPU by the qmatmul kernel (test_cpu_kquant_linear.py), but Q2_K (an offset per 16)
-    assert (fmt.cpu_linear is None) == (fmt.name == "Q2_K")
+    # kept quantized on the CPU by the qmatmul kernel (test_cpu_kquant_linear.py); Q2_K only where the
+    # kernel has its 2-bit layout (the AVX2 body), which cpu_kept_quantized says
+    assert fmt.cpu_linear is not None
+    assert (fmt.cpu_kept_quantized is not None) == (fmt.name == "Q2_K")
     # kept quantized on CUDA by quant_linear (tests/gpu/test_gpu_quant_linear.py)
     assert fmt.cuda_linear is not None
 
