@@ -173,9 +173,20 @@ static inline __attribute__((always_inline)) __m256 scales8(const void *base, in
     return _mm256_loadu_ps((const float *)base + i);
 }
 
-// acc[r] += float(sum) * (d * dx) (+ m * xs with offsets): one step of the order in the header.
+// acc + float(sum) * (d * dx): the scaled step of the order in the header.
 static inline __attribute__((always_inline)) __m256 add_scaled(__m256 acc, __m256i sum, __m256 d, float dx) {
     return _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(dx))));
+}
+
+// acc += float(sum - zero * xsum) * (d * dx) (+ m * xs with offsets, m of column mi): a block's step in the
+// header's order, for every width and tile shape.
+static inline __attribute__((always_inline)) __m256 block_step(const qmm2_args *a, __m256 acc, __m256i sum, int zero,
+                                                               int32_t xsum, __m256 d, int64_t i, int has_off,
+                                                               const void *gm, int64_t mi) {
+    if (zero) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(zero * xsum));
+    acc = add_scaled(acc, sum, d, a->dx[i]);
+    if (has_off) acc = _mm256_add_ps(acc, _mm256_mul_ps(scales8(gm, mi, a->half), _mm256_set1_ps(a->xs[i])));
+    return acc;
 }
 
 // Rows r0 .. r0 + rows - 1, half h (columns n0 + 8h ..) of one column group of 4-bit weights.
@@ -241,9 +252,7 @@ static inline __attribute__((always_inline)) void group_half_q8(const qmm2_args 
         __m256 d = scales8(gd, db + (a->two_scales ? CG : 0), a->half);
         for (int r = 0; r < rows; r++) {
             int64_t i = (r0 + r) * a->nb + b;
-            acc[r] = add_scaled(acc[r], s[r], d, a->dx[i]);
-            if (a->has_off) acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(scales8(gm, b * CG + 8 * h, a->half),
-                                                                         _mm256_set1_ps(a->xs[i])));
+            acc[r] = block_step(a, acc[r], s[r], 0, 0, d, i, a->has_off, gm, b * CG + 8 * h);
         }
     }
 }
@@ -304,10 +313,7 @@ static inline __attribute__((always_inline)) void group_half_q5(const qmm2_args 
             const int8_t *x = xb + r * a->K;
             __m256i sum = _mm256_add_epi32(dot_q5(w, x, 0), dot_q5(w, x, 2));
             int64_t i = (r0 + r) * a->nb + b;
-            if (a->zero) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(a->zero * a->xsum[i]));
-            acc[r] = add_scaled(acc[r], sum, d, a->dx[i]);
-            if (a->has_off) acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(scales8(gm, b * CG + 8 * h, a->half),
-                                                                         _mm256_set1_ps(a->xs[i])));
+            acc[r] = block_step(a, acc[r], sum, a->zero, a->xsum[i], d, i, a->has_off, gm, b * CG + 8 * h);
         }
     }
 }
@@ -412,16 +418,6 @@ static void expand_group(int bits, const uint8_t *gq, int64_t nb, uint8_t *wide)
     }
 }
 
-// acc[r][h] += float(sum - zero * xsum) * (d * dx) (+ m * xs): one step of the header's order.
-static inline __attribute__((always_inline)) __m256 wide_step(const qmm2_args *a, __m256 acc, __m256i sum, int zero,
-                                                               int32_t xsum, __m256 d, int64_t i, int has_off,
-                                                               const void *gm, int64_t mi) {
-    if (zero) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(zero * xsum));
-    acc = add_scaled(acc, sum, d, a->dx[i]);
-    if (has_off) acc = _mm256_add_ps(acc, _mm256_mul_ps(scales8(gm, mi, a->half), _mm256_set1_ps(a->xs[i])));
-    return acc;
-}
-
 // bits, zero, has_off and two (scales per 16 k) are constants once inlined: (4, 0, 1, 0), (5, 16, 0, 0),
 // (5, 0, 1, 0), (6, 32, 0, 1), (8, 0, 0 or 1, 0), (8, 0, 0, 1). 8-bit: |q| against x with q's sign, as
 // group_half_q8 does.
@@ -464,7 +460,7 @@ static inline __attribute__((always_inline)) void wide_tile(const qmm2_args *a, 
                     __m256 d = scales8(gd, (2 * b + u / 4) * CG + 8 * h, a->half);
                     for (int r = 0; r < rows; r++) {
                         int64_t i = (r0 + r) * a->nb + b;
-                        acc[r][h] = wide_step(a, acc[r][h], s[r][h], zero, a->xsum16[2 * i + u / 4], d, i, 0, gm, 0);
+                        acc[r][h] = block_step(a, acc[r][h], s[r][h], zero, a->xsum16[2 * i + u / 4], d, i, 0, gm, 0);
                     }
                 }
             }
@@ -474,7 +470,7 @@ static inline __attribute__((always_inline)) void wide_tile(const qmm2_args *a, 
             __m256 d = scales8(gd, b * CG + 8 * h, a->half);
             for (int r = 0; r < rows; r++) {
                 int64_t i = (r0 + r) * a->nb + b;
-                acc[r][h] = wide_step(a, acc[r][h], s[r][h], zero, a->xsum[i], d, i, has_off, gm, b * CG + 8 * h);
+                acc[r][h] = block_step(a, acc[r][h], s[r][h], zero, a->xsum[i], d, i, has_off, gm, b * CG + 8 * h);
             }
         }
     }
