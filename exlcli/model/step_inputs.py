@@ -67,7 +67,8 @@ class StepInputs:
         rows before it, are written earlier in the same layer. So the step can replay a decode CUDA
         graph, which takes a table and a length per row."""
         starts, lens = self.query_start_loc, self.seq_lens
-        if self.is_decode or self.logits_indices != list(range(self.num_tokens)):
+        if (self.is_decode or len(self.logits_indices) != self.num_tokens  # (a prompt chunk: fails here, cheaply)
+                or self.logits_indices != list(range(self.num_tokens))):
             return None
         if any(not 1 <= starts[b + 1] - starts[b] <= min(MAX_DECODE_QUERIES, lens[b]) for b in range(self.num_seqs)):
             return None
