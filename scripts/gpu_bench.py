@@ -39,7 +39,19 @@ TARGETS = {  # issue 8's floors
     "llama8b_offline_out_tok_s": (">=", 15_000),
     "llama8b_prefill2048_tok_s": (">=", 35_000),
     "smollm2_b1_tok_s": (">=", 800),
+    # issue 15's, for the quantized weights (--only q4km,gptq4,fp8)
+    "llama8b_q4km_b1_ms_per_step": ("<=", 1.5),
+    "llama8b_q4km_b64_tok_s": (">=", 10_000),
+    "llama8b_q4km_prefill2048_tok_s": (">=", 25_000),
+    "llama8b_gptq4_b1_ms_per_step": ("<=", 1.5),
+    "llama8b_gptq4_b64_tok_s": (">=", 10_000),
+    "llama8b_gptq4_prefill2048_tok_s": (">=", 25_000),
+    "llama8b_fp8_b1_ms_per_step": ("<=", 2.3),
+    "llama8b_fp8_b64_tok_s": (">=", 18_000),
+    "llama8b_fp8_offline_out_tok_s": (">=", 28_000),
 }
+# what issue 15 measured of the peers on an H200, same random 8B shape (llama.cpp Q4_K; exllamav2 GPTQ)
+QUANT_PEERS = {"q4km": ("3.39 (llama.cpp Q4_K)", "4,508"), "gptq4": ("4.97-5.72 (exllamav2)", "1,276")}
 
 
 def log(msg: str) -> None:
@@ -628,7 +640,21 @@ def table(res: dict) -> str:
         ("smollm2 b1 decode tok/s", fmt(res.get("smollm2_b1_tok_s")), verdict("smollm2_b1_tok_s"),
          fmt(1e3 / res["hf_smollm2_b1_ms_per_step"]) if res.get("hf_smollm2_b1_ms_per_step") else "-"),
     ]
-    head = ("figure", "exlcli", "target", "HF transformers")
+    for kind, (label, _, _) in QUANT_KINDS.items():  # the quantized models that ran
+        key = f"llama8b_{kind}"
+        if res.get(key + "_b1_ms_per_step") is None:
+            continue
+        peer_b1, peer_b64 = QUANT_PEERS.get(kind, ("", ""))
+        rows += [(f"{label} b1 decode ms/step", fmt(res.get(key + "_b1_ms_per_step"), 2),
+                  verdict(key + "_b1_ms_per_step") if key + "_b1_ms_per_step" in TARGETS else "", peer_b1),
+                 (f"{label} b64 decode tok/s", fmt(res.get(key + "_b64_tok_s")),
+                  verdict(key + "_b64_tok_s") if key + "_b64_tok_s" in TARGETS else "", peer_b64),
+                 (f"{label} prefill 2048 tok/s", fmt(res.get(key + "_prefill2048_tok_s")),
+                  verdict(key + "_prefill2048_tok_s") if key + "_prefill2048_tok_s" in TARGETS else "", "")]
+        if res.get(key + "_offline_out_tok_s") is not None:
+            rows.append((f"{label} offline 1024x(128+128) out tok/s", fmt(res.get(key + "_offline_out_tok_s")),
+                         verdict(key + "_offline_out_tok_s"), ""))
+    head = ("figure", "exlcli", "target", "HF transformers / peer")
     widths = [max(len(r[i]) for r in rows + [head]) for i in range(4)]
     line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths))  # noqa: E731
     out = [f"== exlcli GPU results {res.get('date', '')} on {res.get('device', '?')} ==",
