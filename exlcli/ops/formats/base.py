@@ -57,6 +57,25 @@ class Linear:
         return None
 
 
+
+class BfloatRowsLinear(Linear):
+    """A Linear whose kernels take x as contiguous, 16-byte aligned bf16 rows [M, in_features]: the
+    reshaping, the copy where x is not so and the cast of the result are done here once;
+    `rows_product` computes the rows (M may be 0)."""
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        if not x2.is_contiguous() or x2.data_ptr() % 16:
+            x2 = x2.clone(memory_format=torch.contiguous_format)
+        y = self.rows_product(x2, out_dtype).reshape(*lead, self.out_features)
+        want = out_dtype or x.dtype
+        return y if y.dtype == want else y.to(want)
+
+    def rows_product(self, x: torch.Tensor, out_dtype: torch.dtype | None) -> torch.Tensor:
+        """x [M, in_features] bf16 -> [M, out_features] (bf16, or fp32 where the kernel writes it)."""
+        raise NotImplementedError
+
 @dataclass(frozen=True)
 class BlockFormat:
     name: str  # GGUF's name of the type: "Q4_0", "Q4_K", ...

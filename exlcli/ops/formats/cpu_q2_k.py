@@ -52,7 +52,7 @@ class Q2KCpuLinear(QuantCpuLinear):
         nb = k // BLOCK
         q = F.pad(q, (0, 0, 0, groups * CG - n))
         blocks = q.view(groups, CG, nb, BLOCK).permute(0, 2, 1, 3).reshape(groups, nb, CG * BLOCK)
-        lo, hi = cpu_qmatmul._q4_byte_sources()
+        lo, hi = cpu_qmatmul.q4_byte_sources()
         nibbles = (blocks[..., lo] | (blocks[..., hi] << 4)).view(groups, nb, 2, 2, 64)  # [G, nb, pair, c % 2, ...]
         self.qs = (nibbles[:, :, :, 0] | (nibbles[:, :, :, 1] << 2)).to(torch.uint8).reshape(groups, nb, 128)
         # d: [G, K / 256, 2, CG] fp16 (d, -dmin); m: [G, nb, 2, CG] the scale bytes of k < 16 and k >= 16
@@ -70,7 +70,7 @@ class Q2KCpuLinear(QuantCpuLinear):
         groups, nb = self.qs.shape[:2]
         packed = self.qs.view(groups, nb, 2, 1, 64)
         nibbles = torch.cat([packed & 0x33, (packed >> 2) & 0x33], dim=3).view(groups, nb, 256)
-        lo, hi = cpu_qmatmul._q4_byte_sources()
+        lo, hi = cpu_qmatmul.q4_byte_sources()
         blocks = torch.empty(groups, nb, CG * BLOCK)
         blocks[..., lo] = (nibbles & 0x0F).float()
         blocks[..., hi] = (nibbles >> 4).float()

@@ -90,7 +90,7 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     return xq, dx, dx * xq.sum(dim=-1)
 
 
-def _q4_byte_sources() -> tuple[torch.Tensor, torch.Tensor]:
+def q4_byte_sources() -> tuple[torch.Tensor, torch.Tensor]:
     """For the 256 bytes of a (group, block): which weight (column * 32 + k) each byte's low and
     high nibble holds. The C kernel loads 4 vectors of 64 bytes; vector i's low nibbles unpacked
     (bytes 0-7, then 8-15 of each 16-byte lane) become the weight pairs 4i and 4i+1, its high
@@ -169,7 +169,7 @@ class QuantCpuLinear(Linear):
             pairs = blocks.view(groups, nb, CG, BLOCK // 2, 2).permute(0, 1, 3, 2, 4)  # [G, nb, pair, col, 2]
             self.qs = pairs.to(torch.int8).contiguous().view(torch.uint8)
         else:
-            lo, hi = _q4_byte_sources()
+            lo, hi = q4_byte_sources()
             if bits in (5, 6):
                 lo, hi, plane = _q5_sources()
                 blocks = blocks + self.zero
@@ -218,7 +218,7 @@ class QuantCpuLinear(Linear):
             pairs = self.qs.view(torch.int8).view(groups, nb, BLOCK // 2, CG, 2).permute(0, 1, 3, 2, 4)
             blocks = pairs.reshape(groups, nb, CG * BLOCK).float()
         else:
-            lo, hi = _q4_byte_sources() if self.bits == 4 else _q5_sources()[:2]
+            lo, hi = q4_byte_sources() if self.bits == 4 else _q5_sources()[:2]
             nibbles = self.qs[..., :256]
             blocks = torch.empty(groups, nb, CG * BLOCK)
             blocks[..., lo] = (nibbles & 0x0F).float()

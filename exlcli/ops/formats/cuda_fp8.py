@@ -21,7 +21,7 @@ import torch
 
 from exlcli.ops.cuda import kernels
 from exlcli.ops.cuda.limits import DECODE_LINEAR_MAX_ROWS
-from exlcli.ops.formats.base import DecodeWeights, Linear
+from exlcli.ops.formats.base import BfloatRowsLinear, DecodeWeights, Linear
 
 E4M3_MAX = 448.0  # the largest finite e4m3 value
 MMA_MAX_TOKENS = 16  # beyond, cuBLASLt's FP8 matmul (measured: docs/gpu-results.md run 18)
@@ -43,7 +43,7 @@ def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return (xf * (top / amax)).to(torch.float8_e4m3fn), amax / top
 
 
-class Fp8CudaLinear(Linear):
+class Fp8CudaLinear(BfloatRowsLinear):
     """x W^T + b over e4m3 weights [N, K] (row-major) times an fp32 scale per row (bf16 activations)."""
 
     def __init__(self, weight: torch.Tensor, row_scale: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -53,25 +53,16 @@ class Fp8CudaLinear(Linear):
         self.bias = bias
         self.out_features, self.in_features = weight.shape
 
-    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        if not x2.is_contiguous() or x2.data_ptr() % 16:
-            x2 = x2.clone(memory_format=torch.contiguous_format)
-        if x2.shape[0] == 0:
-            y = x2.new_empty(0, self.out_features)
-        elif x2.shape[0] <= DECODE_LINEAR_MAX_ROWS:
-            y = kernels.decode_linear(x2, self.weight, self.bias, self.row_scale)
-        elif x2.shape[0] <= MMA_MAX_TOKENS and self.in_features % 64 == 0:
-            xq, x_scale = kernels.quantize_rows_e4m3(x2)
-            y = kernels.fp8_linear(xq, x_scale, self.weight, self.row_scale, self.bias)
-        else:
-            xq, x_scale = kernels.quantize_rows_e4m3(x2)
-            y = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self._scale_b, bias=self.bias,
-                                 out_dtype=torch.bfloat16)
-        y = y.reshape(*lead, self.out_features)
-        want = out_dtype or x.dtype
-        return y if y.dtype == want else y.to(want)
+    def rows_product(self, x: torch.Tensor, out_dtype: torch.dtype | None) -> torch.Tensor:
+        if x.shape[0] == 0:
+            return x.new_empty(0, self.out_features)
+        if x.shape[0] <= DECODE_LINEAR_MAX_ROWS:
+            return kernels.decode_linear(x, self.weight, self.bias, self.row_scale)
+        xq, x_scale = kernels.quantize_rows_e4m3(x)
+        if x.shape[0] <= MMA_MAX_TOKENS and self.in_features % 64 == 0:
+            return kernels.fp8_linear(xq, x_scale, self.weight, self.row_scale, self.bias)
+        return torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self._scale_b, bias=self.bias,
+                                out_dtype=torch.bfloat16)
 
     def nbytes(self) -> int:
         return self.weight.numel() + self.row_scale.numel() * 4

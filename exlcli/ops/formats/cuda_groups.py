@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from exlcli.ops.cuda import kernels
 from exlcli.ops.cuda import loader as cuda_loader
 from exlcli.ops.cuda.limits import QUANT_BITS, QUANT_CHUNK, QUANT_GROUPS, QUANT_TILE_ROWS
-from exlcli.ops.formats.base import Linear, QuantizedWeight
+from exlcli.ops.formats.base import BfloatRowsLinear, Linear, QuantizedWeight
 from exlcli.ops.formats.input_order import PermutedInputLinear
 
 log = logging.getLogger("exlcli.linear")
@@ -112,7 +112,7 @@ def unpack_packed(qweight: torch.Tensor, scales: torch.Tensor, bits: int, shape:
     return w.reshape(rows, cols)
 
 
-class GroupedCudaLinear(Linear):
+class GroupedCudaLinear(BfloatRowsLinear):
     """x W^T + b over packed weights (bf16 activations)."""
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bits: int, group: int, shape: tuple[int, int],
@@ -121,19 +121,11 @@ class GroupedCudaLinear(Linear):
         self.out_features, self.in_features = shape
         self.bias = bias
 
-    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        if not x2.is_contiguous() or x2.data_ptr() % 16:
-            x2 = x2.clone(memory_format=torch.contiguous_format)
-        if x2.shape[0] <= MAX_KERNEL_TOKENS:
-            y = kernels.quant_linear(x2, self.qweight, self.scales, self.bits, self.group, self.out_features,
-                                     self.bias, float_out=out_dtype == torch.float32, e4m3=self.e4m3)
-        else:
-            y = F.linear(x2, self.dequantized(), self.bias)
-        y = y.reshape(*lead, self.out_features)
-        want = out_dtype or x.dtype
-        return y if y.dtype == want else y.to(want)
+    def rows_product(self, x: torch.Tensor, out_dtype: torch.dtype | None) -> torch.Tensor:
+        if x.shape[0] <= MAX_KERNEL_TOKENS:
+            return kernels.quant_linear(x, self.qweight, self.scales, self.bits, self.group, self.out_features,
+                                        self.bias, float_out=out_dtype == torch.float32, e4m3=self.e4m3)
+        return F.linear(x, self.dequantized(), self.bias)
 
     def nbytes(self) -> int:
         return self.qweight.numel() * 4 + self.scales.numel() * self.scales.element_size()
