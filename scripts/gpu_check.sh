@@ -3,6 +3,7 @@
 #
 #   bash scripts/gpu_check.sh            # everything (about 5 minutes on an H200)
 #   GPU_CHECK_HF=0 bash scripts/gpu_check.sh   # without the Hugging Face comparison
+#   GPU_CHECK_CPU=0 ...                         # without the CPU kernel tests (CI runs them)
 #   GPU_BENCH_ARGS="--variants --profile" ...  # more bench options (see scripts/gpu_bench.py)
 #
 # Logs and results go to $OUT (default ./results-tmp): build.log, tests.log, bench.log,
@@ -55,13 +56,15 @@ summary=$(grep -E "passed|failed|error" "$OUT/tests.log" | tail -n 1)
 echo "tests rc=$tests_rc in $(( $(date +%s) - start )) s: $summary"
 grep -E "^(FAILED|ERROR)|Error|assert" "$OUT/tests.log" | head -n 30
 
-echo "== CPU kernel tests (the C kernels need AVX-512 BF16, which this host's CPU may have and CI's may not)"
-grep -o -m1 "avx512_bf16" /proc/cpuinfo || echo "this CPU has no AVX-512 BF16: the CPU kernel tests skip"
-start=$(date +%s)
-timeout 150 python3 -m pytest tests/ops -p no:cacheprovider --timeout 60 -q -rf >"$OUT/cpu-tests.log" 2>&1
-cpu_rc=$?
-echo "cpu tests rc=$cpu_rc in $(( $(date +%s) - start )) s: $(grep -E "passed|failed|error" "$OUT/cpu-tests.log" | tail -n 1)"
-grep -E "^(FAILED|ERROR)" "$OUT/cpu-tests.log" | head -n 20
+if [ "${GPU_CHECK_CPU:-1}" = "1" ]; then
+  echo "== CPU kernel tests (the C kernels need AVX-512 BF16, which this host's CPU may have and CI's may not)"
+  grep -o -m1 "avx512_bf16" /proc/cpuinfo || echo "this CPU has no AVX-512 BF16: the CPU kernel tests skip"
+  start=$(date +%s)
+  timeout 150 python3 -m pytest tests/ops -p no:cacheprovider --timeout 60 -q -rf >"$OUT/cpu-tests.log" 2>&1
+  cpu_rc=$?
+  echo "cpu tests rc=$cpu_rc in $(( $(date +%s) - start )) s: $(grep -E "passed|failed|error" "$OUT/cpu-tests.log" | tail -n 1)"
+  grep -E "^(FAILED|ERROR)" "$OUT/cpu-tests.log" | head -n 20
+fi
 
 echo "== benchmarks"
 hf_flag=""

@@ -50,6 +50,10 @@ void launch_tiles(const qlinear::Params& p, bool float_out, cudaStream_t stream,
 // The smallest token tile (8 * NT) that covers m, more blocks in y beyond 64 tokens. Up to 16 tokens a
 // block takes one row tile and keeps 4 chunks in flight per warp (decode is bound by the weights'
 // bytes); beyond, two row tiles share each activation fragment (L2 traffic of the activations).
+// 33-64 tokens (docs/gpu-results.md, run 21, 8B shapes at 64 tokens): 4-bit weights take two blocks
+// of 32 tokens in y (126 registers: two blocks an SM, against one of 64 tokens at 182), a 4-bit
+// layer 158 -> 149 us; 8-bit ones 4 chunks in flight (down 53 -> 48 us, the LM head 480 -> 433).
+// Every shape adds a token's products in the same order, so results do not change with it.
 template <int BITS, bool E4M3>
 void launch(const qlinear::Params& p, bool float_out, cudaStream_t stream, bool pdl) {
   const bool pairs = (p.n / qlinear::kTileRows) % 2 == 0;
@@ -63,10 +67,14 @@ void launch(const qlinear::Params& p, bool float_out, cudaStream_t stream, bool 
     } else {
       launch_tiles<BITS, E4M3, 4, 1, 4>(p, float_out, stream, pdl);
     }
-  } else if (pairs) {
+  } else if (!pairs) {
+    launch_tiles<BITS, E4M3, 8, 1, 2>(p, float_out, stream, pdl);
+  } else if constexpr (BITS == 4) {
+    launch_tiles<BITS, E4M3, 4, 2, 2>(p, float_out, stream, pdl);
+  } else if constexpr (E4M3) {
     launch_tiles<BITS, E4M3, 8, 2, 2>(p, float_out, stream, pdl);
   } else {
-    launch_tiles<BITS, E4M3, 8, 1, 2>(p, float_out, stream, pdl);
+    launch_tiles<BITS, E4M3, 8, 2, 4>(p, float_out, stream, pdl);
   }
 }
 
