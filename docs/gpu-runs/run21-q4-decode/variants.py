@@ -1,3 +1,4 @@
+# ruff: noqa: E402, E501, F821  (an experiment record: paths set up before the imports)
 """Run 21 (docs/gpu-results.md): sweep of 4-bit packed decode kernel variants, Llama-8B shapes,
 32 layers of distinct weights in one graph."""
 import os
