@@ -37,4 +37,5 @@ def test_greedy_with_drafts_is_greedy_without(loaded, drafter):
         outputs.append(tokens_of(handle))
     assert engine.stats().spec_drafted_tokens > 0  # drafts were verified
     plain, spec = outputs
-    assert len(plain) == 40 and spec == plain
+    # the answer is about 40 tokens: 40 with the AVX2 kernels, an end of sequence at 38 with the AVX-512 ones
+    assert len(plain) >= 32 and spec == plain
