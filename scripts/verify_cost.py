@@ -4,7 +4,8 @@ is set from. Each engine step is timed whole (forward pass, sampling of n rows, 
 the tokens it computed. The drafter replays the plain run, so every draft is accepted and every verify
 step has 1 + K tokens; the contexts span the same lengths as the plain run's.
 
-    python scripts/verify_cost.py [--model PATH] [--max-tokens 96] [--max-k 7] [--repeats 3] [--threads 1]
+    python scripts/verify_cost.py [--model PATH] [--device cuda] [--max-tokens 96] [--max-k 7] [--repeats 3]
+                                  [--threads 1]
 """
 
 from __future__ import annotations
@@ -66,12 +67,14 @@ def timed_steps(engine: Engine, prompt_ids: list[int], max_tokens: int) -> tuple
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
+    parser.add_argument("--device", default=None)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--max-k", type=int, default=7)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (kernels and torch)")
     args = parser.parse_args()
-    client = LocalClient.from_model(args.model, threaded=False, prefix_cache=False, cpu_threads=args.threads)
+    client = LocalClient.from_model(args.model, device=args.device, threaded=False, prefix_cache=False,
+                                    cpu_threads=args.threads)
     model, tokenizer = client.engine.model, client.tokenizer
     prompts = [client.chat_prompt_ids([{"role": "user", "content": p}]) for p in EDITING + CHAT]
     plain_engine = client.engine
