@@ -19,6 +19,7 @@ from spec_speed import CHAT, EDITING
 from exlcli.client.local import LocalClient
 from exlcli.engine.engine import Engine, EngineConfig
 from exlcli.engine.request import Request, SamplingParams
+from exlcli.engine.verify_cost import VerifyCost
 from exlcli.ops.attention import MAX_DECODE_QUERIES
 
 
@@ -91,6 +92,7 @@ def main() -> None:
     for k in range(1, args.max_k + 1):
         engine = Engine(model, tokenizer, EngineConfig(speculative=oracle, num_draft_tokens=k, force_speculative=True,
                                                        enable_prefix_cache=False))
+        engine.speculator.cost = VerifyCost.linear(0.0)  # draft k every step, whatever the runner's cost model says
         steps: list[float] = []
         for ids, run in zip(prompts, runs):
             for _ in range(args.repeats):

@@ -36,7 +36,8 @@ class VerifyCost:
 
 # scripts/verify_cost.py on the default model (SmolLM2-135M Q4_1), one thread, AVX-512 kernels, a 2-core
 # VM; whole engine steps (forward pass, sampling, acceptance), the mean of two runs that agreed within
-# 0.08: a plain step 12.6-12.8 ms, and a verify step's cost jumps at its 5th token.
+# 0.08 (a third, its plain step 13.1 ms against 12.6-12.8, gave 2 and 3 tokens 0.1 less). A verify step's
+# cost jumps at its 5th token.
 CPU_VERIFY_COST = VerifyCost((1.0, 1.34, 1.45, 1.78, 2.56, 2.83, 3.26, 3.32))
 # docs/gpu-results.md run 20, H200, the default model: a 5-token verify step 1.04 ms, a plain one 0.95 ms
 CUDA_GRAPHS_VERIFY_COST = VerifyCost.linear(0.025)
