@@ -26,7 +26,8 @@ class ModelRunner:
 
             self.graphs = make_decode_graphs(model, kv)
         # what a verify step of n tokens costs against a plain step here (the speculator's cost model):
-        # about one step where it replays the decode graphs, more the more rows on the CPU
+        # about one step where it replays the decode graphs; run eagerly (the CPU, or CUDA with the graphs
+        # off, unmeasured there), the CPU's figures, more the more rows
         self.verify_cost: VerifyCost = CUDA_GRAPHS_VERIFY_COST if self.graphs is not None else CPU_VERIFY_COST
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
