@@ -181,15 +181,15 @@ class Engine:
                        max_model_len=self.max_model_len, page_size=config.page_size)
         # CPU: a 256-token chunk takes ~0.5 s on 2 cores, which bounds the gap other streams see
         budget = config.max_num_batched_tokens or (256 if device.type == "cpu" else 4096)
+        self.runner = ModelRunner(model, self.kv)
         self.speculator = (Speculator(build_drafter(config.speculative, model, self.kv, num_pages,
                                                     config.draft_layers, draft_model),
-                                      config.num_draft_tokens, config.speculative_max_batch)
+                                      self.runner.verify_cost, config.num_draft_tokens, config.speculative_max_batch)
                            if config.speculative else None)
         self.sessions = SessionCache(self.pool, config.max_sessions)
         self.scheduler = Scheduler(self.pool, budget, config.max_num_seqs,
                                    propose=self.speculator.propose if self.speculator else None,
                                    reclaim=self.sessions.reclaim)
-        self.runner = ModelRunner(model, self.kv)
         self.eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or model.config.eos_token_ids)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else device.type == "cuda")

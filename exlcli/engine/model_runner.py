@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from exlcli.engine.scheduler import ScheduledBatch
+from exlcli.engine.verify_cost import CPU_VERIFY_COST, CUDA_GRAPHS_VERIFY_COST, VerifyCost
 from exlcli.model.interface import CausalLM
 from exlcli.model.kv_cache import KVCache
 from exlcli.model.kv_shift import apply_key_shifts
@@ -24,6 +25,10 @@ class ModelRunner:
             from exlcli.model.cuda_graphs import make_decode_graphs
 
             self.graphs = make_decode_graphs(model, kv)
+        # what a verify step of n tokens costs against a plain step here (the speculator's cost model):
+        # about one step where it replays the decode graphs; run eagerly (the CPU, or CUDA with the graphs
+        # off, unmeasured there), the CPU's figures, more the more rows
+        self.verify_cost: VerifyCost = CUDA_GRAPHS_VERIFY_COST if self.graphs is not None else CPU_VERIFY_COST
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         """Host-side inputs of a step: each item's tokens (known, in flight, drafted), positions,

@@ -10,17 +10,21 @@ rejected row's token is distributed as p without the draft, renormalised (the re
 uniforms of rows past the first rejection are given back to the request's generator, so a seeded
 request gets the same tokens with and without speculation.
 
-The policy: speculation is off while more sequences run than `max_batch` (verifying costs more than
-it saves once the step is compute-bound); each sequence's k follows its acceptance rate, and a
-sequence whose drafts keep failing stops drafting for a few steps.
+The policy is cost-aware: each sequence keeps an estimate a of how often a draft is accepted (given
+that the drafts before it were), so k drafts yield 1 + a + ... + a^k tokens, and the runner's cost
+model (verify_cost.py) says what verifying them costs in plain steps. A sequence drafts the k with the
+most tokens per unit of cost, and none when no k beats a plain step (1 token for 1): then it pauses,
+and after the pause tries one draft, since the estimate learns only from verified drafts (pauses
+double while the tries fail). Speculation is off while more sequences run than `max_batch`
+(verifying costs more than it saves once the step is compute-bound).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from exlcli.engine.verify_cost import VerifyCost
 from exlcli.ops.attention import MAX_DECODE_QUERIES
 
 MAX_DRAFT_TOKENS = MAX_DECODE_QUERIES - 1  # the verify step's 1 + k queries fit multi-query decode
@@ -90,13 +94,37 @@ def make_drafter(name: "str | Drafter") -> Drafter:
         raise ValueError(f"unknown drafter {name!r}; known: {', '.join(DRAFTERS)}") from None
 
 
+def expected_tokens(acceptance: float, num_drafts: int) -> float:
+    """Tokens a verify step of `num_drafts` drafts yields on average: draft i is kept when it and
+    every draft before it are (each with probability `acceptance`), and the target adds one."""
+    return sum(acceptance ** i for i in range(num_drafts + 1))
+
+
+def best_num_drafts(acceptance: float, cost: VerifyCost, max_drafts: int) -> int:
+    """The k in 0..max_drafts with the most expected tokens per unit of cost; 0 (a plain step: one
+    token for one step) unless some k does strictly better."""
+    best, best_rate = 0, 1.0
+    for k in range(1, min(max_drafts, MAX_DRAFT_TOKENS) + 1):
+        rate = expected_tokens(acceptance, k) / cost.of(1 + k)
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return best
+
+
 @dataclass
 class SpecState:
-    """One sequence's speculation: its current k and how its drafts have fared."""
+    """One sequence's speculation: how its drafts have fared (counts that decay each verify step)
+    and its pause."""
 
-    num_draft_tokens: int
-    acceptance: float = 1.0  # moving average of accepted / drafted per verify step
+    accepted: float  # drafts accepted
+    tried: float  # drafts checked: the accepted ones and the first rejected one of each step
     cooldown: int = 0  # steps left without drafting
+    next_cooldown: int = 0  # the next pause (doubling, and short again once drafting pays)
+    trying: bool = False  # after a pause: one draft, whatever the estimate
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.tried
 
 
 @dataclass
@@ -109,16 +137,23 @@ class SpecCounters:
 
 
 class Speculator:
-    """The engine's drafter and policy; per-sequence state lives on the sequences."""
+    """The engine's drafter and policy; per-sequence state lives on the sequences. `cost`: what a
+    verify step costs on the runner's device (ModelRunner.verify_cost)."""
 
-    SMOOTHING = 0.3  # weight of the latest verify step in the moving acceptance average
-    MIN_ACCEPTANCE = 0.15  # below it a sequence stops drafting for COOLDOWN_STEPS steps
-    COOLDOWN_STEPS = 8
+    # Set on simulated sequences of known acceptance (tests/engine/test_speculation_cost_policy.py) with
+    # the CPU's costs: a longer memory pauses less often by mistake, shorter pauses catch a sequence's
+    # turn from rewriting to copying sooner, and doubling them keeps what tries cost under 2%.
+    DECAY = 0.8  # weight of a sequence's earlier verify steps in its acceptance estimate, per step
+    PRIOR_ACCEPTANCE = 0.5  # a new sequence's estimate (and one after a pause), worth PRIOR_TRIES drafts
+    PRIOR_TRIES = 1.0
+    COOLDOWN_STEPS = 4  # a sequence for which no k pays waits this long, then tries one draft
+    MAX_COOLDOWN_STEPS = 64  # (the pause doubles after each try that does not make drafting pay)
 
-    def __init__(self, drafter: Drafter, num_draft_tokens: int = 4, max_batch: int = 8) -> None:
+    def __init__(self, drafter: Drafter, cost: VerifyCost, num_draft_tokens: int = 4, max_batch: int = 8) -> None:
         if not 1 <= num_draft_tokens <= MAX_DRAFT_TOKENS:
             raise ValueError(f"num_draft_tokens must be 1 to {MAX_DRAFT_TOKENS}, got {num_draft_tokens}")
         self.drafter = drafter
+        self.cost = cost
         self.num_draft_tokens = num_draft_tokens
         self.max_batch = max_batch
         self.active = True  # this step's batch is small enough to speculate
@@ -132,15 +167,28 @@ class Speculator:
         # a constrained sequence never drafts: its grammar's masks follow one token a step
         return self.active and seq.request.speculative is not False and seq.constraint is None
 
+    def num_drafts(self, seq, max_tokens: int) -> int:
+        """How many tokens seq drafts this step (at most max_tokens); 0 also starts a pause when no
+        k pays at all."""
+        state = self.state(seq)
+        if state.cooldown:
+            state.cooldown -= 1
+            return 0
+        if state.trying:
+            return min(1, max_tokens)
+        if not best_num_drafts(state.acceptance, self.cost, self.num_draft_tokens):
+            state.cooldown, state.trying = state.next_cooldown, True
+            # what the drafts before the pause said is stale after it: the try's outcome decides
+            state.accepted, state.tried = self.PRIOR_ACCEPTANCE * self.PRIOR_TRIES, self.PRIOR_TRIES
+            state.next_cooldown = min(2 * state.next_cooldown, self.MAX_COOLDOWN_STEPS)
+            return 0
+        return best_num_drafts(state.acceptance, self.cost, min(max_tokens, self.num_draft_tokens))
+
     def propose(self, seq, max_tokens: int) -> list[int]:
         """Drafted tokens after seq's known tokens (none while one is in flight)."""
         if not self.enabled(seq) or seq.num_pending:
             return []
-        state = self.state(seq)
-        if state.cooldown:
-            state.cooldown -= 1
-            return []
-        k = min(max_tokens, state.num_draft_tokens, MAX_DRAFT_TOKENS)
+        k = self.num_drafts(seq, max_tokens)
         if k <= 0:
             return []
         propose_for = getattr(self.drafter, "propose_for", None)
@@ -155,11 +203,12 @@ class Speculator:
 
     def state(self, seq) -> SpecState:
         if seq.spec is None:
-            seq.spec = SpecState(self.num_draft_tokens)
+            seq.spec = SpecState(self.PRIOR_ACCEPTANCE * self.PRIOR_TRIES, self.PRIOR_TRIES,
+                                 next_cooldown=self.COOLDOWN_STEPS)
         return seq.spec
 
     def record(self, seq, num_drafted: int, num_accepted: int) -> None:
-        """After a verify step: update the counters and the sequence's k."""
+        """After a verify step: update the counters and the sequence's estimate."""
         c = self.counters
         c.num_verify_steps += 1
         c.num_drafted += num_drafted
@@ -168,11 +217,11 @@ class Speculator:
             c.drafted_by_position[i] += 1
             c.accepted_by_position[i] += i < num_accepted
         state = self.state(seq)
-        state.acceptance += self.SMOOTHING * (num_accepted / num_drafted - state.acceptance)
-        state.num_draft_tokens = max(1, min(self.num_draft_tokens, math.ceil(self.num_draft_tokens * state.acceptance)))
-        if state.acceptance < self.MIN_ACCEPTANCE:
-            state.cooldown = self.COOLDOWN_STEPS
-            state.acceptance = self.MIN_ACCEPTANCE  # back at k = 1 after the pause, not off for good
+        state.accepted = self.DECAY * state.accepted + num_accepted
+        state.tried = self.DECAY * state.tried + num_accepted + (num_accepted < num_drafted)
+        state.trying = False
+        if best_num_drafts(state.acceptance, self.cost, self.num_draft_tokens):
+            state.next_cooldown = self.COOLDOWN_STEPS  # drafting pays again: the next pause is short
 
 
 def num_accepted(drafts: list[int], choices: list[int]) -> int:

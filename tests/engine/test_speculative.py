@@ -17,7 +17,8 @@ from scipy.stats import chi2_contingency
 from exlcli.engine.engine import Engine, EngineConfig
 from exlcli.engine.request import FinishReason, Request, SamplingParams
 from exlcli.engine.sequence import Sequence
-from exlcli.engine.speculative import NgramDrafter, Speculator, num_accepted
+from exlcli.engine.speculative import NgramDrafter, Speculator, best_num_drafts, num_accepted
+from exlcli.engine.verify_cost import VerifyCost
 from tests.engine.conftest import LetterTokenizer, greedy, random_prompts, tokens_of
 from tests.engine.replay_drafter import ReplayDrafter
 from tests.engine.test_async_scheduling import workload
@@ -49,26 +50,35 @@ def test_ngram_drafter_proposes_what_followed_the_latest_longest_match():
 
 
 def test_policy_adapts_k_and_pauses_a_sequence_whose_drafts_fail():
-    spec = Speculator(NgramDrafter(), num_draft_tokens=6, max_batch=2)
+    cost = VerifyCost.linear(0.3)  # a 1 + k token step costs 1 + 0.3 k plain steps
+    spec = Speculator(NgramDrafter(), cost, num_draft_tokens=6, max_batch=2)
     seq = Sequence(request=greedy("a", REPEATED, n=4), arrival_index=0, max_tokens=40)
-    assert spec.propose(seq, 10) == [5, 9, 13, 2, 7, 30]  # the full k at first
-    assert spec.propose(seq, 2) == [5, 9]
+    first = best_num_drafts(Speculator.PRIOR_ACCEPTANCE, cost, 6)
+    assert 1 <= first < 6 and spec.propose(seq, 10) == REPEATED[:first]  # the prior's k
+    assert spec.propose(seq, 1) == [5]  # never past the room the scheduler gives
+    for _ in range(4):
+        spec.record(seq, 3, 3)
+    assert spec.propose(seq, 10) == [5, 9, 13, 2, 7, 30]  # success raises k to the full 6
     for _ in range(3):
-        spec.record(seq, 6, 1)
-    k = seq.spec.num_draft_tokens
-    assert 1 <= k < 6 and len(spec.propose(seq, 10)) == k
-    spec.record(seq, 4, 4)
-    assert seq.spec.num_draft_tokens > k  # success raises k again
+        spec.record(seq, 6, 0)
+    assert 1 <= len(spec.propose(seq, 10)) < 6  # failures lower it
     for _ in range(10):
         spec.record(seq, 2, 0)
-    assert seq.spec.cooldown == Speculator.COOLDOWN_STEPS
-    assert [spec.propose(seq, 10) for _ in range(Speculator.COOLDOWN_STEPS)] == [[]] * Speculator.COOLDOWN_STEPS
-    assert spec.propose(seq, 10) == [5]  # back, at k = 1
+    assert best_num_drafts(seq.spec.acceptance, cost, 6) == 0
+    pause = Speculator.COOLDOWN_STEPS
+    assert [spec.propose(seq, 10) for _ in range(pause + 1)] == [[]] * (pause + 1)  # no k pays: a pause
+    assert spec.propose(seq, 10) == [5] == spec.propose(seq, 10)  # then one draft, until it is verified
+    spec.record(seq, 1, 0)  # the try fails: the next pause is twice as long
+    assert [spec.propose(seq, 10) for _ in range(2 * pause + 1)] == [[]] * (2 * pause + 1)
+    assert spec.propose(seq, 10) == [5]
+    for _ in range(3):
+        spec.record(seq, 1, 1)  # tries that succeed make drafting pay again, and pauses short
+    assert spec.propose(seq, 10) and seq.spec.next_cooldown == pause
     spec.begin_step(3)
     assert spec.propose(seq, 10) == [] and not spec.enabled(seq)  # the batch is too large
     c = spec.counters
-    assert c.drafted_by_position[:2] == [14, 14] and c.accepted_by_position[:4] == [4, 1, 1, 1]
-    assert c.num_drafted == 3 * 6 + 4 + 20 and c.num_accepted == 3 + 4
+    assert c.drafted_by_position[:3] == [21, 17, 7] and c.accepted_by_position[:4] == [7, 4, 4, 0]
+    assert c.num_drafted == 4 * 3 + 3 * 6 + 10 * 2 + 1 + 3 and c.num_accepted == 12 + 3
     assert num_accepted([1, 2, 3], [1, 2, 4, 9]) == 2 and num_accepted([1, 2], [1, 2, 5]) == 2
     assert num_accepted([1], [3, 1]) == 0
 
@@ -207,7 +217,7 @@ def test_sampled_tokens_have_the_distribution_of_plain_sampling(tiny_model):
 
 def test_a_constrained_sequence_never_drafts():
     """Its grammar's mask follows one token a step, so the speculator leaves it alone."""
-    spec = Speculator(NgramDrafter(), num_draft_tokens=4, max_batch=2)
+    spec = Speculator(NgramDrafter(), VerifyCost.linear(0.0), num_draft_tokens=4, max_batch=2)
     seq = Sequence(request=greedy("c", REPEATED, n=4), arrival_index=0, max_tokens=40)
     assert spec.propose(seq, 10)  # the repeated prompt gives drafts...
     seq.constraint = object()  # ...until the sequence carries a grammar matcher
