@@ -1,5 +1,5 @@
-// The AVX2 body of qmatmul.c, for CPUs without AVX-512 BF16; included by qmatmul.c only where the
-// compiler targets AVX2 but not the AVX-512 path. It reads the same repacked layout.
+// The body of qmatmul.c, included where the compiler targets AVX2 (AVX-512 CPUs too). It reads the
+// repacked layout that qmatmul.c describes.
 //
 // Integer dot products, as llama.cpp's CPU kernels do: each row's activations are quantized per
 // block of 32 to int8 (q8 below), and a block's products are exact 8 x 8-bit integer sums

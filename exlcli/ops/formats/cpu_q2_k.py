@@ -5,7 +5,7 @@ super-block of 256 and sc, m 4-bit integers. The pairs are held as the file hold
 sc | m << 4 and the fp16 d, -dmin), and the kernel forms d * sc and -dmin * m in fp32, where they are
 exact: the same values as fp32 pairs, at the file's 2.625 bits a weight instead of 6. The q are the
 4-bit layout of cpu_qmatmul.py with two chunks' nibbles in each byte (qmatmul_avx2.h's chunk_q2).
-The AVX-512 BF16 body has no such layout: there Q2_K is dequantized at load (`kept_quantized()`).
+Without F16C the kernel has no such layout: there Q2_K is dequantized at load (`kept_quantized()`).
 """
 
 from __future__ import annotations

@@ -1,18 +1,18 @@
-"""The CPU linear of block-quantized weights through csrc/cpu/qmatmul.c (AVX-512 BF16, or AVX2).
+"""The CPU linear of block-quantized weights through csrc/cpu/qmatmul.c (AVX2, AVX-512 CPUs included).
 
 The weights are repacked once, at load, into groups of 16 output columns (one per SIMD lane; see the
 C file for the layout and the arithmetic); activations are bf16, results fp32 rounded to bf16 (or
 fp32 logits). `reference()` computes the exact product with torch ops from the repacked groups: the
-oracle of the tests, and what runs inside `kernels_disabled()`. The kernel's arithmetic depends on
-the CPU (`kernel_mode()`): with AVX-512 BF16 its products are exact and only its fp32 sums round;
-with AVX2 only it quantizes each row's activations to int8 per block of 32 and sums integer products
-(llama.cpp's way on CPUs: 2.4-2.8x faster per call than fp32 products on an AVX2 AMD EPYC), which
+oracle of the tests, and what runs inside `kernels_disabled()`. The kernel (`kernel_mode()`, 0 where
+it is not built) quantizes each row's activations to int8 per block of 32 and sums integer products
+(llama.cpp's way on CPUs: 2.4-2.8x faster per call than fp32 products on an AVX2 AMD EPYC, and faster
+than the exact bf16 products of the AVX-512 BF16 body it replaced on an Intel Xeon), which
 `emulate_kernel()` reproduces bit for bit with torch ops. The kernel takes any weights of the
 form w = q * scale + offset per block of 32 (q 4-bit in 0..15, or 8-bit signed), or w = q * scale per
 16 weights (8-bit, no offset: Q6_K), as the format modules unpack them. The 5-bit formats stay 5-bit
-for the AVX2 kernel, and Q6_K 6-bit (`bits=5`, `6`: nibbles plus planes of the high bits, merged in
+for the kernel, and Q6_K 6-bit (`bits=5`, `6`: nibbles plus planes of the high bits, merged in
 registers; Q5_0's q - 16 and Q6_K's q - 32 summed as sum(q x) - 16 (32) sum(x), the same integers, so
-the same bits as at 8 bits); elsewhere they run as 8-bit, a byte per weight (1.45x / 1.23x the file's).
+the same bits as at 8 bits).
 Q2_K's 2-bit layout, with a (scale, offset) pair per 16 weights, is the AVX2 kernel's too (cpu_q2_k.py).
 """
 
@@ -53,7 +53,7 @@ def available() -> bool:
     return _kernel() is not None
 
 
-EXACT_PRODUCTS, Q8_ACTIVATIONS = 1, 2  # kernel_mode(): the AVX-512 BF16 and the AVX2 arithmetic
+Q8_ACTIVATIONS = 2  # kernel_mode() of the built kernel (1 was the exact products of a removed AVX-512 BF16 body)
 
 
 @functools.cache
@@ -69,7 +69,7 @@ def _exact_in_fp16(*tensors: torch.Tensor) -> bool:
 
 @functools.cache
 def kernel_mode() -> int:
-    """How the built kernel computes (EXACT_PRODUCTS or Q8_ACTIVATIONS), 0 when there is none."""
+    """How the built kernel computes (Q8_ACTIVATIONS), 0 when there is none."""
     cdll = cpu_loader.lib() if available() else None
     return int(cdll.exl_qmatmul_available()) if cdll is not None else 0
 

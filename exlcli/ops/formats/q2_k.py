@@ -6,8 +6,8 @@ q[128 * h + 32 * f + i] | fp16 d | fp16 dmin.
 
 On CUDA it runs kept quantized in the 4-bit layout with groups of 16. On the CPU with bf16 activations
 the AVX2 kernel keeps it at its 2 bits a weight, with the file's scale bytes and fp16 d, dmin
-(cpu_q2_k.py: 2.625 bits a weight held); the AVX-512 BF16 kernel has no layout with an offset per 16
-weights, so there it is dequantized at load (with the loader's notice).
+(cpu_q2_k.py: 2.625 bits a weight held); without F16C it has no such layout, and Q2_K is dequantized
+at load there (with the loader's notice).
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """What the CPU quantized matmul kernel promises, by the arithmetic it was built with
-(cpu_qmatmul.kernel_mode()): exact products on AVX-512 BF16 CPUs; on AVX2-only CPUs, int8 activations
-per block of 32, reproduced bit for bit by QuantCpuLinear.emulate_kernel and within the rounding of
-the activations of the exact product."""
+(cpu_qmatmul.kernel_mode()): int8 activations per block of 32, reproduced bit for bit by
+QuantCpuLinear.emulate_kernel and within the rounding of the activations of the exact product."""
 
 from __future__ import annotations
 
@@ -25,8 +24,8 @@ def activation_rounding_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Te
 
 def check_product(lin, x: torch.Tensor, y32: torch.Tensor, exact: torch.Tensor, weight: torch.Tensor) -> None:
     """y32 = lin(x) in fp32 against the exact product `exact` of x and the dense `weight` [N, K]."""
-    if kernel_mode() != Q8_ACTIVATIONS:
-        assert rel_err(y32, exact) < 1e-5  # exact products; only the fp32 sums round
+    if kernel_mode() != Q8_ACTIVATIONS:  # no kernel built here: the torch reference's exact products
+        assert rel_err(y32, exact) < 1e-5  # only the fp32 sums round
         return
     if isinstance(lin, QuantCpuLinear):
         assert torch.equal(y32, lin.emulate_kernel(x, torch.float32))

@@ -157,7 +157,7 @@ def test_q2_k_kernel_takes_nan_blocks_and_extreme_scales():
 
 
 def test_q2_k_is_dequantized_where_the_kernel_lacks_its_layout(monkeypatch):
-    monkeypatch.setattr(cpu_q2_k, "kept_quantized", lambda: False)  # as on an AVX-512 BF16 CPU
+    monkeypatch.setattr(cpu_q2_k, "kept_quantized", lambda: False)  # as on an AVX2 CPU without F16C
     w = random_weight("Q2_K", 16, 256)
     assert cpu_linear(w) is None
     assert not w.fmt.cpu_kept_quantized(torch.bfloat16)

@@ -132,7 +132,6 @@ def test_activations_quantize_per_block_with_ties_to_even():
 
 
 @needs_kernel
-@pytest.mark.skipif(kernel_mode() != Q8_ACTIVATIONS, reason="the kernel here computes exact products (AVX-512 BF16)")
 @pytest.mark.parametrize("bits,offsets,per16", [(4, True, False), (5, False, False), (5, True, False),
                                                 (6, False, True), (8, False, False), (8, True, False),
                                                 (8, False, True)])
