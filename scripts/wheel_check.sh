@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds exlcli's wheel, installs it alone into a fresh venv and checks, from outside the source
 # tree, that the installed package carries every kernel source and that the kernels build from there:
-# the CPU library builds and loads (its kernels run on a CPU with AVX-512 BF16; elsewhere it says
+# the CPU library builds and loads (its kernels run on a CPU with AVX2 and FMA, some only with AVX-512; elsewhere it says
 # why not), and on a CUDA machine the CUDA loader finds its sources. CI runs it before the tests.
 #
 # Usage: bash scripts/wheel_check.sh [extra `pip wheel` options, e.g. --no-build-isolation offline]
