@@ -145,7 +145,7 @@ class Speculator:
     # turn from rewriting to copying sooner, and doubling them keeps what tries cost under 2%.
     DECAY = 0.8  # weight of a sequence's earlier verify steps in its acceptance estimate, per step
     PRIOR_ACCEPTANCE = 0.5  # a new sequence's estimate (and one after a pause), worth PRIOR_TRIES drafts
-    PRIOR_TRIES = 1.0
+    PRIOR_TRIES = 0.5
     COOLDOWN_STEPS = 4  # a sequence for which no k pays waits this long, then tries one draft
     MAX_COOLDOWN_STEPS = 64  # (the pause doubles after each try that does not make drafting pay)
 

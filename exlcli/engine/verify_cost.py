@@ -34,10 +34,10 @@ class VerifyCost:
         return self.step_costs[num_tokens - 1]
 
 
-# scripts/verify_cost.py on the default model (SmolLM2-135M Q4_1), one thread, AVX-512 kernels, a 2-core
-# VM; whole engine steps (forward pass, sampling, acceptance), the mean of two runs that agreed within
-# 0.08 (a third, its plain step 13.1 ms against 12.6-12.8, gave 2 and 3 tokens 0.1 less). A verify step's
-# cost jumps at its 5th token.
-CPU_VERIFY_COST = VerifyCost((1.0, 1.34, 1.45, 1.78, 2.56, 2.83, 3.26, 3.32))
+# scripts/verify_cost.py --threads 1 --repeats 3 on the default model (SmolLM2-135M Q4_1), the int8 CPU
+# kernels and the one-call decoder layer, the 2-core Intel Xeon VM: whole engine steps (forward pass,
+# sampling, acceptance), the median of three runs (plain steps of 8.3-9.4 ms; the runs spread by up to
+# 0.2). A verify step's cost jumps at its 8th token.
+CPU_VERIFY_COST = VerifyCost((1.0, 1.18, 1.33, 1.52, 1.79, 2.05, 2.26, 2.92))
 # docs/gpu-results.md run 20, H200, the default model: a 5-token verify step 1.04 ms, a plain one 0.95 ms
 CUDA_GRAPHS_VERIFY_COST = VerifyCost.linear(0.025)

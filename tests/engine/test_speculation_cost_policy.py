@@ -39,9 +39,11 @@ def test_the_best_k_is_the_most_tokens_per_unit_of_cost():
     cliff = VerifyCost((1.0, 1.1, 1.2, 5.0, 5.0, 5.0, 5.0, 5.0))  # a 4th token costs a new pass
     assert best_num_drafts(1.0, cliff, 7) == 2 and best_num_drafts(1.0, cliff, 1) == 1
     assert expected_tokens(0.5, 0) == 1 and expected_tokens(0.5, 3) == 1 + 0.5 + 0.25 + 0.125
-    # the devices' models: on the CPU one draft must be accepted about a third of the time; with
-    # the CUDA graphs a verify step costs about a plain one, so even rarely accepted drafts pay
-    assert best_num_drafts(0.3, CPU_VERIFY_COST, 4) == 0 < best_num_drafts(0.4, CPU_VERIFY_COST, 4)
+    # the devices' models: on the CPU one draft must be accepted more often than a 2-token step costs
+    # over a plain one (a fifth of the time); with the CUDA graphs a verify step costs about a plain
+    # one, so even rarely accepted drafts pay
+    even = CPU_VERIFY_COST.of(2) - 1
+    assert best_num_drafts(even - 0.01, CPU_VERIFY_COST, 4) == 0 < best_num_drafts(even + 0.01, CPU_VERIFY_COST, 4)
     assert best_num_drafts(0.1, CUDA_GRAPHS_VERIFY_COST, 4) >= 1
     assert best_num_drafts(0.9, CUDA_GRAPHS_VERIFY_COST, 4) == 4
 
@@ -70,17 +72,17 @@ def best_rate(cost: VerifyCost, acceptance: float, num_draft_tokens: int) -> flo
     return max(expected_tokens(acceptance, k) / cost.of(1 + k) for k in range(num_draft_tokens + 1))
 
 
-@pytest.mark.parametrize("acceptance", [0.0, 0.1, 0.2, 0.3])
+@pytest.mark.parametrize("acceptance", [0.0, 0.05, 0.1, 0.15])
 def test_on_the_cpu_rarely_accepted_drafts_are_not_drafted(acceptance):
     """No slower than plain decoding (the tries after each pause cost a little), where drafting the
-    full K would cost 40% of the speed (or more). On a device where verifying costs little, the same
+    full K would cost a third of the speed (or more). On a device where verifying costs little, the same
     drafts are drafted, and gain what they can."""
     rate, drafting = simulate(CPU_VERIFY_COST, acceptance)
     assert rate >= 0.97 and drafting <= 0.05
-    assert expected_tokens(acceptance, 4) / CPU_VERIFY_COST.of(5) < 0.6  # what K = 4 regardless would give
+    assert expected_tokens(acceptance, 4) / CPU_VERIFY_COST.of(5) < 0.67  # what K = 4 regardless would give
     cheap = VerifyCost.linear(0.02)
     cheap_rate, cheap_drafting = simulate(cheap, acceptance)
-    assert acceptance == 0.0 or (cheap_drafting > 0.8 and cheap_rate >= 0.95 * best_rate(cheap, acceptance, 4) > 1)
+    assert acceptance < 0.1 or (cheap_drafting > 0.6 and cheap_rate >= 0.95 * best_rate(cheap, acceptance, 4) > 1)
 
 
 @pytest.mark.parametrize("acceptance", [0.6, 0.8, 0.95])
@@ -140,13 +142,16 @@ def test_on_the_cpu_an_always_wrong_drafter_is_tried_a_few_times_only(tiny_model
     assert outputs == plain and engine.stats().spec_verify_steps > 50 * len(prompts)
 
 
-def test_on_the_cpu_an_always_right_drafter_stops_short_of_the_costly_fifth_token(tiny_model, plain_runs):
-    """With every draft accepted, K = 4 and the CPU's costs, 3 drafts (4 tokens for 1.78 steps) beat 4
-    (5 tokens for 2.56); where a 5th token costs little more, all 4 are drafted."""
+def test_an_always_right_drafter_stops_short_of_a_costly_fifth_token(tiny_model, plain_runs):
+    """With every draft accepted and K = 4: where a 5-token step costs much more than a 4-token one (the
+    CPU's costs with the AVX-512 BF16 matmul: 2.56 against 1.78 steps), 3 drafts (4 tokens for 1.78)
+    beat 4 (5 for 2.56); where a 5th token costs little more, all 4 are drafted; the engine's own
+    model (this CPU's) drafts what best_num_drafts says."""
     prompts, plain = plain_runs
     drafter = ReplayDrafter([p + out for p, out in zip(prompts, plain)], corrupt=False)
-    assert best_num_drafts(1.0, CPU_VERIFY_COST, 4) == 3
-    for cost, k in [(None, 3), (VerifyCost.linear(0.1), 4)]:
+    cliff = VerifyCost((1.0, 1.34, 1.45, 1.78, 2.56, 2.83, 3.26, 3.32))
+    assert best_num_drafts(1.0, cliff, 4) == 3
+    for cost, k in [(cliff, 3), (VerifyCost.linear(0.1), 4), (None, best_num_drafts(1.0, CPU_VERIFY_COST, 4))]:
         outputs, engine = speculate(tiny_model, prompts, drafter, cost)
         assert outputs == plain
         s = engine.stats()
