@@ -23,6 +23,10 @@ from tests.engine.conftest import LetterTokenizer, greedy, random_prompts, token
 from tests.engine.replay_drafter import ReplayDrafter
 from tests.engine.test_async_scheduling import workload
 
+# verifying costs nothing: tests of what verification does (not of when the policy drafts) draft
+# whatever the drafter proposes
+FREE_VERIFY = VerifyCost.linear(0.0)
+
 
 def engine(tiny_model, async_scheduling=False, **options) -> Engine:
     return Engine(tiny_model, LetterTokenizer(), EngineConfig(async_scheduling=async_scheduling, **options))
@@ -131,6 +135,7 @@ def test_accepted_tokens_stream_as_one_delta_and_stop_where_plain_decoding_stops
     text = "".join(o.new_text for o in plain_out)
     replay = ReplayDrafter([REPEATED + tokens], vocab=512)
     eng = make_engine(speculative=replay)
+    eng.speculator.cost = FREE_VERIFY  # the mechanics of accepted runs, whatever this CPU's costs
     outs = list(eng.submit(greedy("s", REPEATED, n=30)))
     assert [t for o in outs for t in o.new_token_ids] == tokens and "".join(o.new_text for o in outs) == text
     assert max(len(o.new_token_ids) for o in outs) > 2 and len(outs) < len(plain_out)
@@ -191,6 +196,8 @@ def test_sampled_tokens_have_the_distribution_of_plain_sampling(tiny_model):
     def sample(speculative, seeds) -> tuple[list[tuple[int, ...]], Engine]:
         eng = engine(tiny_model, speculative=speculative, speculative_max_batch=1000, max_num_seqs=1000,
                      max_num_batched_tokens=8192)
+        if eng.speculator is not None:
+            eng.speculator.cost = FREE_VERIFY  # every proposal verified: the test is of the sampling
         reqs = [Request(f"r{s}", REPEATED, SamplingParams(seed=s, **params), max_new_tokens=4) for s in seeds]
         return [tuple(t) for t in run(eng, reqs)], eng
 
