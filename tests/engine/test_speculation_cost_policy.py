@@ -40,7 +40,7 @@ def test_the_best_k_is_the_most_tokens_per_unit_of_cost():
     assert best_num_drafts(1.0, cliff, 7) == 2 and best_num_drafts(1.0, cliff, 1) == 1
     assert expected_tokens(0.5, 0) == 1 and expected_tokens(0.5, 3) == 1 + 0.5 + 0.25 + 0.125
     # the devices' models: on the CPU one draft must be accepted more often than a 2-token step costs
-    # over a plain one (a fifth of the time); with the CUDA graphs a verify step costs about a plain
+    # over a plain one (a quarter of the time here); with the CUDA graphs a verify step costs about a plain
     # one, so even rarely accepted drafts pay
     even = CPU_VERIFY_COST.of(2) - 1
     assert best_num_drafts(even - 0.01, CPU_VERIFY_COST, 4) == 0 < best_num_drafts(even + 0.01, CPU_VERIFY_COST, 4)
