@@ -176,13 +176,15 @@ class Speculator:
             return 0
         if state.trying:
             return min(1, max_tokens)
-        if not best_num_drafts(state.acceptance, self.cost, self.num_draft_tokens):
+        k = best_num_drafts(state.acceptance, self.cost, self.num_draft_tokens)
+        if not k:
             state.cooldown, state.trying = state.next_cooldown, True
             # what the drafts before the pause said is stale after it: the try's outcome decides
             state.accepted, state.tried = self.PRIOR_ACCEPTANCE * self.PRIOR_TRIES, self.PRIOR_TRIES
             state.next_cooldown = min(2 * state.next_cooldown, self.MAX_COOLDOWN_STEPS)
             return 0
-        return best_num_drafts(state.acceptance, self.cost, min(max_tokens, self.num_draft_tokens))
+        # the best k within max_tokens is the best k itself when it fits (the same search, a shorter range)
+        return k if k <= max_tokens else best_num_drafts(state.acceptance, self.cost, max_tokens)
 
     def propose(self, seq, max_tokens: int) -> list[int]:
         """Drafted tokens after seq's known tokens (none while one is in flight)."""
