@@ -420,6 +420,9 @@ QUANT_KINDS = {  # --only part -> (label, format of each linear: (layer, name, l
     # between, the LM head in Q6_K, the rest Q4_K
     "q4km": ("Q4_K_M", lambda i, name, n: "Q6_K" if name in ("v_proj", "down_proj") and (
         i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2) else "Q4_K", "Q6_K"),
+    # Q5_K_M: the same mix over Q5_K (the 6-bit layout on the GPU, as Q6_K)
+    "q5km": ("Q5_K_M", lambda i, name, n: "Q6_K" if name in ("v_proj", "down_proj") and (
+        i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2) else "Q5_K", "Q6_K"),
     "gptq4": ("GPTQ 4-bit g128", lambda i, name, n: "GPTQ4_G128", None),  # GPTQ keeps the head in bf16
     "q8": ("Q8_0", lambda i, name, n: "Q8_0", "Q8_0"),
     "fp8": ("FP8 e4m3 per tensor", lambda i, name, n: "FP8_E4M3", None),  # FP8 checkpoints keep the head in bf16

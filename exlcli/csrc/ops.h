@@ -43,7 +43,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows_e4m3(const at::Tensor& x, bool 
 at::Tensor fp8_linear(const at::Tensor& xq, const at::Tensor& x_scale, const at::Tensor& weight,
                       const at::Tensor& w_scale, const std::optional<at::Tensor>& bias, bool pdl);
 
-// quant_linear.cu: weights kept quantized in the packed layout of quant_linear.cuh (bits 4 or 8, groups
+// quant_linear.cu: weights kept quantized in the packed layout of quant_linear.cuh (bits 4, 6 or 8, groups
 // of 16 to 128 along k; e4m3: 8-bit FP8 values): y = x @ w^T (+ bias) for bf16 x [m, k] into bf16 (or
 // fp32: float_out) [m, n], and the dense bf16 weight [n, k] (for products of many tokens through cuBLAS).
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t bits,

@@ -16,7 +16,7 @@ qlinear::Params packed_params(const at::Tensor& qweight, const at::Tensor& scale
                               int64_t n, int64_t k) {
   EXL_CHECK_CUDA_TENSOR(qweight, "quant linear: qweight");
   EXL_CHECK_CUDA_TENSOR(scales, "quant linear: scales");
-  TORCH_CHECK(bits == 4 || bits == 8, "quant linear: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "quant linear: bits must be 4, 6 or 8, got ", bits);
   TORCH_CHECK(group == 16 || group == 32 || group == 64 || group == 128,
               "quant linear: group must be 16, 32, 64 or 128, got ", group);
   TORCH_CHECK(n % qlinear::kTileRows == 0 && k % qlinear::kChunk == 0 && n > 0 && k > 0,
@@ -50,7 +50,7 @@ void launch_tiles(const qlinear::Params& p, bool float_out, cudaStream_t stream,
 // The smallest token tile (8 * NT) that covers m, more blocks in y beyond 64 tokens. Up to 16 tokens a
 // block takes one row tile and keeps 4 chunks in flight per warp (decode is bound by the weights'
 // bytes); beyond, two row tiles share each activation fragment (L2 traffic of the activations).
-// 33-64 tokens (docs/gpu-results.md, run 21, 8B shapes at 64 tokens): 4-bit weights take two blocks
+// 33-64 tokens (docs/gpu-results.md, run 21, 8B shapes at 64 tokens): 4-bit (and 6-bit) weights take two blocks
 // of 32 tokens in y (126 registers: two blocks an SM, against one of 64 tokens at 182), a 4-bit
 // layer 158 -> 149 us; 8-bit ones 4 chunks in flight (down 53 -> 48 us, the LM head 480 -> 433).
 // Every shape adds a token's products in the same order, so results do not change with it.
@@ -69,7 +69,7 @@ void launch(const qlinear::Params& p, bool float_out, cudaStream_t stream, bool 
     }
   } else if (!pairs) {
     launch_tiles<BITS, E4M3, 8, 1, 2>(p, float_out, stream, pdl);
-  } else if constexpr (BITS == 4) {
+  } else if constexpr (BITS != 8) {
     launch_tiles<BITS, E4M3, 4, 2, 2>(p, float_out, stream, pdl);
   } else if constexpr (E4M3) {
     launch_tiles<BITS, E4M3, 8, 2, 2>(p, float_out, stream, pdl);
@@ -106,6 +106,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   TORCH_CHECK(!e4m3 || bits == 8, "quant linear: e4m3 weights take the 8-bit layout");
   if (bits == 4) {
     launch<4, false>(p, float_out, stream, pdl);
+  } else if (bits == 6) {
+    launch<6, false>(p, float_out, stream, pdl);
   } else if (e4m3) {
     launch<8, true>(p, float_out, stream, pdl);
   } else {
@@ -126,6 +128,8 @@ at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& scales,
   const dim3 grid((warps + 7) / 8), block(256);
   if (bits == 4) {
     launch_pdl(qlinear::dequantize_kernel<4, false>, grid, block, 0, stream, pdl, p, dense);
+  } else if (bits == 6) {
+    launch_pdl(qlinear::dequantize_kernel<6, false>, grid, block, 0, stream, pdl, p, dense);
   } else if (e4m3) {
     launch_pdl(qlinear::dequantize_kernel<8, true>, grid, block, 0, stream, pdl, p, dense);
   } else {

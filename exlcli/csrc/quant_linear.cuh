@@ -1,4 +1,4 @@
-// Linear layers over weights kept quantized: 4- or 8-bit integers q in groups of G weights along
+// Linear layers over weights kept quantized: 4-, 6- or 8-bit integers q in groups of G weights along
 // each row, w = q * scale + offset per (row, group). Every GGUF and GPTQ/AWQ format of the
 // weight-format table whose weights have that form is repacked into this layout at load
 // (exlcli/ops/formats/cuda_groups.py, which also holds the torch reference of the layout).
@@ -18,9 +18,14 @@
 // - 4-bit: one uint32 per (row tile, chunk, lane, k-step) holding the thread's 8 fragment weights;
 //   fragment register p (0..3: rows g, g + 8, g, g + 8; columns low, low, high, high) takes nibbles
 //   at bits 4 p and 16 + 4 p, so one shift and mask gives a bf16 pair. A chunk is [32 lanes][4 steps].
+// - 6-bit (the 5- and 6-bit GGUF types): the 4-bit words of q's low 4 bits, then a plane of q's top 2
+//   bits: a chunk is [32 lanes][4 steps] low words, then [32 lanes][2 words], word h holding steps 2 h
+//   and 2 h + 1. The 2 bits of the weight that the low word has at bit b = 4 p + 16 e (e: the pair's
+//   half) sit at bit (b + 4 + 2 (step % 2)) mod 32 of it, so rotating the word right by 4 p + 2 (step % 2)
+//   puts them at bits 4-5 of the same half (one shift, one mask, one OR a register of pairs).
 // - 8-bit: two uint32 per (row tile, chunk, lane, k-step), bytes in fragment order (register p's
 //   two weights are bytes 2 p and 2 p + 1). A chunk is [2 halves (steps 0-1, 2-3)][32 lanes][4 words].
-// - Scales: per (row tile, group, row of the tile): (scale, offset) as a bf16 pair for 4-bit
+// - Scales: per (row tile, group, row of the tile): (scale, offset) as a bf16 pair for 4- and 6-bit
 //   weights (the bf16 arithmetic of their dequantization), as an fp16 pair for 8-bit ones (computed
 //   in fp32; fp16 holds the GGUF and GPTQ scales as their files do). FP8 (e4m3) weights take the
 //   8-bit layout with an fp32 scale * 2^120 in the slot (see e4m3_value).
@@ -60,6 +65,12 @@ __device__ __forceinline__ uint4 load_streaming(const uint4* p) {
   return v;
 }
 
+__device__ __forceinline__ uint2 load_streaming(const uint2* p) {
+  uint2 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+
 __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
@@ -88,6 +99,22 @@ __device__ __forceinline__ void dequant4(uint32_t word, const Affine4& lo, const
 #pragma unroll
   for (int p = 0; p < 4; ++p) {
     const uint32_t v = ((word >> (4 * p)) & 0x000F000Fu) | 0x43004300u;
+    const __nv_bfloat162 q = __hsub2(as_bf162(v), magic);
+    const Affine4& r = (p & 1) ? hi : lo;
+    a[p] = as_u32(__hfma2(q, r.scale, r.offset));
+  }
+}
+
+// 6-bit: as 4-bit with q's top 2 bits ORed in at bits 4-5 of each half (0x4300 | q is 128 + q for q < 128).
+// `high` is the step's word of the top-bit plane, rotated by 2 for odd steps (see the layout above).
+template <int STEP_SHIFT>
+__device__ __forceinline__ void dequant6(uint32_t word, uint32_t high, const Affine4& lo, const Affine4& hi,
+                                         uint32_t (&a)[4]) {
+  const __nv_bfloat162 magic = as_bf162(0x43004300u);
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+    const uint32_t top = __funnelshift_r(high, high, 4 * p + STEP_SHIFT) & 0x00300030u;
+    const uint32_t v = ((word >> (4 * p)) & 0x000F000Fu) | top | 0x43004300u;
     const __nv_bfloat162 q = __hsub2(as_bf162(v), magic);
     const Affine4& r = (p & 1) ? hi : lo;
     a[p] = as_u32(__hfma2(q, r.scale, r.offset));
@@ -131,6 +158,13 @@ struct ChunkLoad<4> {
 };
 
 template <>
+struct ChunkLoad<6> {
+  uint4 q;          // the 4 k-steps' low words
+  uint2 top;        // the top-bit words of steps 0-1 and 2-3
+  uint32_t lo, hi;
+};
+
+template <>
 struct ChunkLoad<8> {
   uint4 q0, q1;  // steps 0-1 and 2-3
   uint32_t lo, hi;
@@ -146,6 +180,12 @@ __device__ __forceinline__ void load_chunk(const Params& p, int tile, int chunk,
   if constexpr (BITS == 4) {
     const uint4* q = reinterpret_cast<const uint4*>(p.qweight) + (static_cast<size_t>(tile) * chunks + chunk) * 32;
     c.q = load_streaming(q + lane);
+    c.lo = __ldg(p.scales + scale_at);
+    c.hi = __ldg(p.scales + scale_at + 8);
+  } else if constexpr (BITS == 6) {
+    const uint4* q = reinterpret_cast<const uint4*>(p.qweight) + (static_cast<size_t>(tile) * chunks + chunk) * 48;
+    c.q = load_streaming(q + lane);
+    c.top = load_streaming(reinterpret_cast<const uint2*>(q + 32) + lane);
     c.lo = __ldg(p.scales + scale_at);
     c.hi = __ldg(p.scales + scale_at + 8);
   } else {
@@ -164,6 +204,14 @@ __device__ __forceinline__ void chunk_step(const ChunkLoad<BITS>& c, int step, u
   if constexpr (BITS == 4) {
     const uint32_t word = step == 0 ? c.q.x : step == 1 ? c.q.y : step == 2 ? c.q.z : c.q.w;
     dequant4(word, affine4(c.lo), affine4(c.hi), a);
+  } else if constexpr (BITS == 6) {
+    const uint32_t word = step == 0 ? c.q.x : step == 1 ? c.q.y : step == 2 ? c.q.z : c.q.w;
+    const uint32_t top = step < 2 ? c.top.x : c.top.y;
+    if (step & 1) {
+      dequant6<2>(word, top, affine4(c.lo), affine4(c.hi), a);
+    } else {
+      dequant6<0>(word, top, affine4(c.lo), affine4(c.hi), a);
+    }
   } else if constexpr (E4M3) {
     const uint4& h = step < 2 ? c.q0 : c.q1;
     const float lo = __uint_as_float(c.lo), hi = __uint_as_float(c.hi);

@@ -1,5 +1,5 @@
 """The quantized CUDA linear (csrc/quant_linear.cuh, exlcli/ops/formats/cuda_groups.py) against the
-torch reference of its layout (unpack_packed, float64 product): 4 and 8 bits, every group size,
+torch reference of its layout (unpack_packed, float64 product): 4, 6 and 8 bits, every group size,
 one token to page-sized batches and beyond the kernel's limit (the dequantize + cuBLAS path),
 bias and fp32 output, batch invariance, a CUDA graph; and the formats' CUDA linears through
 make_linear (the weights stay quantized: no dense copy)."""
@@ -34,7 +34,7 @@ CASES = [  # (n, k, group)
 ]
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 6, 8])
 @pytest.mark.parametrize("n,k,group", CASES)
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 33, 64, 65, 300])
 def test_quant_linear_matches_the_reference(bits, n, k, group, m):
@@ -48,7 +48,7 @@ def test_quant_linear_matches_the_reference(bits, n, k, group, m):
     assert_matches(got, ref, torch.bfloat16, f"{bits}-bit {n}x{k} g{group} m{m}")
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 6, 8])
 def test_bias_and_fp32_output(bits):
     n, k, group = 256, 1024, 32
     qweight, scales = packed(n, k, group, bits, seed=7)
@@ -61,7 +61,7 @@ def test_bias_and_fp32_output(bits):
     assert_matches(got, ref, torch.float16, f"{bits}-bit with bias, fp32 out")  # fp32 accumulation
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 6, 8])
 def test_the_dequantized_weight_is_the_reference_layout(bits):
     n, k = 64, 512
     qweight, scales = packed(n, k, 32, bits, seed=3)
@@ -70,7 +70,7 @@ def test_the_dequantized_weight_is_the_reference_layout(bits):
     torch.testing.assert_close(got.float(), want, rtol=2 ** -8, atol=1e-6)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 6, 8])
 def test_a_token_gets_the_same_bits_whatever_the_batch(bits):
     n, k, group = 512, 2048, 32
     qweight, scales = packed(n, k, group, bits, seed=11)
@@ -120,8 +120,9 @@ def test_gguf_formats_stay_quantized_on_cuda(name):
     bias = torch.randn(rows) * 0.1
     lin = make_linear([qw], [bias], torch.device("cuda"), torch.bfloat16)
     assert isinstance(lin, cuda_groups.GroupedCudaLinear), f"{name}: {type(lin).__name__}"
-    # 4-bit: 4 bits and a bf16 pair per group; 8-bit (Q5, Q6, Q8): a byte and an fp16 pair per group
-    bound = 0.35 if name[:2] == "Q4" else 0.45 if name[:2] in ("Q2", "Q3") else 0.7  # groups of 16 for Q2, Q3
+    # 4-bit: 4 bits and a bf16 pair per group; 6-bit (Q5, Q6): 6 bits and a bf16 pair (Q6_K in groups of 16:
+    # 8 bits a weight, against 10 as bytes); 8-bit (Q8): a byte and an fp16 pair per group
+    bound = {"Q4": 0.35, "Q2": 0.45, "Q3": 0.45, "Q5": 0.45, "Q6": 0.51}.get(name[:2], 0.7)
     assert lin.nbytes() < rows * cols * 2 * bound, f"{name}: {lin.nbytes()} bytes is not quantized"
     ref_w = qw.dequantize().double().cuda()
     for m in (1, 12, 100):

@@ -1,8 +1,9 @@
 """Quantized weights on CUDA: every format of the form w = q * scale + offset per group of weights
 along a row (the legacy and K-quant GGUF types, GPTQ, AWQ) is repacked at load into the one layout
 that csrc/quant_linear.cuh reads, and stays quantized there: 4-bit q with a bf16 (scale, offset)
-pair per group, or 8-bit q (the 5- and 6-bit types too) with an fp16 pair; FP8 (e4m3) weights take
-the 8-bit layout with an fp32 scale per group.
+pair per group, 6-bit q (the 5- and 6-bit types: a 4-bit plane and a plane of the top 2 bits) with a
+bf16 pair, or 8-bit q with an fp16 pair; FP8 (e4m3) weights take the 8-bit layout with an fp32 scale
+per group.
 
 The layout follows the tensor-core fragments of the kernel (see the header): rows in tiles of 16,
 input features in chunks of 64 whose features are read in a permuted order that is the same for
@@ -47,11 +48,11 @@ E4M3_SCALE_SHIFT = 2.0 ** 120  # the kernel reads e4m3 bits as a float 2^-120 ti
 
 def pack(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """q [N, K] (0 .. 2**bits - 1), scale and offset [N, K / G] -> (qweight int32 [N * K * bits / 32],
-    scales: bf16 [N / 16, K / G, 16, 2] for 4 bits, fp16 for 8), on q's device."""
+    scales: bf16 [N / 16, K / G, 16, 2] for 4 and 6 bits, fp16 for 8), on q's device."""
     groups = scale.shape[1]
     pairs = torch.stack([scale.float(), offset.float()], dim=-1)  # [N, G, 2]
     pairs = pairs.view(q.shape[0] // QUANT_TILE_ROWS, QUANT_TILE_ROWS, groups, 2).permute(0, 2, 1, 3).contiguous()
-    return pack_quants(q, bits), pairs.to(torch.bfloat16 if bits == 4 else torch.float16)
+    return pack_quants(q, bits), pairs.to(torch.float16 if bits == 8 else torch.bfloat16)
 
 
 def pack_e4m3(values: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,6 +75,13 @@ def pack_quants(q: torch.Tensor, bits: int) -> torch.Tensor:
         words = (v << shifts).sum(dim=(-3, -2, -1))  # disjoint bit fields: the sum is their OR
         words = torch.where(words >= 2 ** 31, words - 2 ** 32, words)
         qweight = words.to(torch.int32).reshape(-1)
+    elif bits == 6:
+        # the 4-bit words of the low 4 bits, then per lane two words of the top 2 bits (see the header)
+        low = pack_quants(q & 0xF, 4).view(tiles, chunks, 32 * 4)
+        v = (q.to(torch.int64) >> 4).view(tiles, 2, 8, chunks, 4, 2, 2, 2, 2).permute(0, 3, 2, 4, 5, 6, 7, 1, 8)
+        words = (v << _top_bit_shifts(q.device)).sum(dim=(-4, -3, -2, -1))  # [T, C, g, t, h]
+        words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32).view(tiles, chunks, 32 * 2)
+        qweight = torch.cat([low, words], dim=2).reshape(-1)
     elif bits == 8:
         # feature = 64 chunk + 16 t + 8 h + 4 s1 + 2 ph + e (step s = 2 h + s1)
         v = q.to(torch.uint8).view(tiles, 2, 8, chunks, 4, 2, 2, 2, 2).permute(0, 3, 5, 2, 4, 6, 7, 1, 8)
@@ -83,16 +91,28 @@ def pack_quants(q: torch.Tensor, bits: int) -> torch.Tensor:
     return qweight.contiguous()
 
 
+def _top_bit_shifts(device: torch.device) -> torch.Tensor:
+    """Where the 6-bit layout keeps the top 2 bits of the weight at (s1, ph, pb, e): bit (4 p + 16 e + 4 + 2 s1)
+    mod 32 of its lane's word, p = 2 ph + pb (the rotation the kernel undoes)."""
+    s1, ph, pb, e = torch.meshgrid(*(torch.arange(2, device=device),) * 4, indexing="ij")
+    return (4 * (2 * ph + pb) + 16 * e + 4 + 2 * s1) % 32
+
+
 def unpack_packed(qweight: torch.Tensor, scales: torch.Tensor, bits: int, shape: tuple[int, int],
                   e4m3: bool = False) -> torch.Tensor:
     """The weight [N, K] in fp32 as the kernel computes it (for 4 bits: q * scale + offset in bf16)."""
     rows, cols = shape
     tiles, chunks = rows // QUANT_TILE_ROWS, cols // QUANT_CHUNK
-    if bits == 4:
+    if bits in (4, 6):
         words = qweight.to(torch.int64) & 0xFFFFFFFF
-        words = words.view(tiles, chunks, 8, 4, 4, 1, 1, 1)  # [T, C, g, t, s] then (ph, pb, e)
+        planes = words.view(tiles, chunks, -1)
+        words = planes[:, :, :128].reshape(tiles, chunks, 8, 4, 4, 1, 1, 1)  # [T, C, g, t, s] then (ph, pb, e)
         ph, pb, e = torch.meshgrid(*(torch.arange(2, device=qweight.device),) * 3, indexing="ij")
         v = (words >> (4 * (2 * ph + pb) + 16 * e)) & 0xF  # [T, C, g, t, s, ph, pb, e]
+        if bits == 6:
+            top = planes[:, :, 128:].reshape(tiles, chunks, 8, 4, 2, 1, 1, 1, 1)  # [T, C, g, t, h] then (s1, ...)
+            top = (top >> _top_bit_shifts(qweight.device)) & 0x3  # [T, C, g, t, h, s1, ph, pb, e]
+            v = v + 16 * top.reshape(v.shape)
         q = v.permute(0, 6, 2, 1, 3, 4, 5, 7).reshape(rows, cols)
     else:
         v = qweight.view(torch.uint8).view(tiles, chunks, 2, 8, 4, 2, 2, 2, 2)  # [T, C, h, g, t, s1, ph, pb, e]
@@ -105,7 +125,7 @@ def unpack_packed(qweight: torch.Tensor, scales: torch.Tensor, bits: int, shape:
         return (values * scale).reshape(rows, cols)
     pairs = scales.permute(0, 2, 1, 3).reshape(rows, groups, 2)
     qg = q.view(rows, groups, group).float()
-    if bits == 4:  # the kernel's one bf16 rounding of q * scale + offset
+    if bits != 8:  # the kernel's one bf16 rounding of q * scale + offset
         w = (qg * pairs[..., :1].float() + pairs[..., 1:].float()).to(torch.bfloat16).float()
     else:
         w = qg * pairs[..., :1].float() + pairs[..., 1:].float()

@@ -37,4 +37,4 @@ def dequantize(blocks: torch.Tensor) -> torch.Tensor:
 
 FORMAT = BlockFormat(name="Q5_1", gguf_type=7, block_weights=BLOCK_WEIGHTS, block_bytes=BLOCK_BYTES,
                      dequantize=dequantize, cpu_linear=cpu_qmatmul.byte_per_weight_linear(unpack, bits=5),
-                     cuda_linear=cuda_groups.cuda_linear(unpack, 8))
+                     cuda_linear=cuda_groups.cuda_linear(unpack, 6))

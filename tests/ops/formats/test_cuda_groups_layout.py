@@ -30,7 +30,7 @@ SHAPES_AND_GROUPS = [(shape, group) for shape in [(16, 128), (48, 256), (32, 576
                      for group in (16, 32, 64, 128) if shape[1] % group == 0]
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 6, 8])
 @pytest.mark.parametrize("shape,group", SHAPES_AND_GROUPS)
 def test_pack_then_unpack_is_the_affine_weight(bits, shape, group):
     rows, cols = shape
@@ -41,7 +41,7 @@ def test_pack_then_unpack_is_the_affine_weight(bits, shape, group):
     want = affine(q, scale, offset)
     if bits == 8:  # fp16 pairs: the scale and offset rounded to fp16 (half an fp16 step of the range each)
         torch.testing.assert_close(got, want, rtol=0, atol=2 ** -10 * want.abs().max().item())
-    else:  # bf16 pairs and one bf16 rounding of the result
+    else:  # 4 and 6 bits: bf16 pairs and one bf16 rounding of the result
         torch.testing.assert_close(got, want, rtol=2 ** -7, atol=2e-3)
 
 
@@ -56,6 +56,30 @@ def test_every_element_lands_once():
     q8 = torch.randint(0, 256, (rows, cols), dtype=torch.int32)
     got8 = cuda_groups.unpack_packed(*cuda_groups.pack(q8, ones, zeros, 8), 8, (rows, cols))
     assert torch.equal(got8, q8.float())
+    q6 = torch.randint(0, 64, (rows, cols), dtype=torch.int32)  # the top-bit plane: a bit out of place shows
+    got6 = cuda_groups.unpack_packed(*cuda_groups.pack(q6, ones, zeros, 6), 6, (rows, cols))
+    assert torch.equal(got6, q6.float())
+
+
+def test_the_6_bit_top_bits_sit_where_the_kernel_rotates_them_from():
+    """The kernel's extraction, bit by bit (csrc/quant_linear.cuh, dequant6): the low word of step s shifted
+    right by 4 p and the top-bit word rotated right by 4 p + 2 (s % 2), masked and ORed, hold the 6-bit q of
+    register p's two weights (rows g or g + 8, features 16 t + 4 s + 2 ph + {0, 1}) in their halves."""
+    q = torch.randint(0, 64, (16, 64), generator=torch.Generator().manual_seed(4), dtype=torch.int32)
+    words = (cuda_groups.pack(q, torch.ones(16, 2), torch.zeros(16, 2), 6)[0].to(torch.int64) & 0xFFFFFFFF).tolist()
+
+    def rotate_right(v: int, n: int) -> int:
+        return ((v >> n) | (v << (32 - n))) & 0xFFFFFFFF if n else v
+
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        for step in range(4):
+            low, top = words[4 * lane + step], words[128 + 2 * lane + step // 2]
+            for p in range(4):
+                v = ((low >> 4 * p) & 0x000F000F) | (rotate_right(top, 4 * p + 2 * (step % 2)) & 0x00300030)
+                for e in range(2):
+                    row, feature = g + 8 * (p & 1), 16 * t + 4 * step + 2 * (p >> 1) + e
+                    assert (v >> 16 * e) & 0xFFFF == q[row, feature], (lane, step, p, e)
 
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
@@ -70,14 +94,14 @@ def test_gguf_formats_repack_to_their_weights(name, monkeypatch):
                         lambda qweight, scales, bits, group, shape, bias: seen.update(
                             qweight=qweight, scales=scales, bits=bits, group=group, shape=shape) or object())
     q, scale, offset = next(_unpacks(fmt))(blocks)
-    bits = 4 if name[:2] in ("Q2", "Q3", "Q4") else 8
+    bits = 4 if name[:2] in ("Q2", "Q3", "Q4") else 6 if name[:2] in ("Q5", "Q6") else 8
     assert cuda_groups.grouped_linear(q, scale, offset, bits, None) is not None
     got = cuda_groups.unpack_packed(seen["qweight"], seen["scales"], seen["bits"], seen["shape"])
-    # 4-bit: the bf16 (scale, offset) pair errs by a few bf16 steps of the group's range, a tenth of one
-    # quantization step at most (its rms adds well under 1% to the quantization noise); 8-bit: fp16 pairs,
-    # as the files hold their scales
+    # 4 and 6 bits: the bf16 (scale, offset) pair and the result's bf16 rounding err by a few bf16 steps of
+    # the group's range, 1.4% of it at most (a tenth of a 4-bit step; their rms adds under 1% to the noise of
+    # even 6-bit quantization); 8-bit: fp16 pairs, as the files hold their scales
     step = (w.abs().max() / 7).item()
-    atol = 0.1 * step if seen["bits"] == 4 else 0.01 * step
+    atol = 0.01 * step if seen["bits"] == 8 else 0.1 * step
     torch.testing.assert_close(got, fmt.dequantize(blocks), rtol=0, atol=atol)
 
 
