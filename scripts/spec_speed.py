@@ -31,9 +31,16 @@ SNIPPET = '''def moving_average(values, window):
     return out
 '''
 
+PARAGRAPH = ("The museum opens at nine in the morning and closes at five in the afternoon. Tickets cost twelve dollars "
+             "for adults and six dollars for children. Guided tours start every hour from the main hall, and the cafe "
+             "on the second floor serves lunch until three.")
+
+# Two code snippets (SmolLM2-135M rewrites these rather than copying them) and two paragraphs (it copies them)
 EDITING = [
     "Repeat this Python function exactly, but rename it to rolling_mean. Reply with the code only.\n\n" + SNIPPET,
     "Rewrite this function with the parameter `window` renamed to `size`; change nothing else.\n\n" + SNIPPET,
+    "Repeat this paragraph exactly, but change nine to ten.\n\n" + PARAGRAPH,
+    "Fix the typo in this paragraph and repeat the rest unchanged: " + PARAGRAPH.replace("afternoon", "afternon"),
 ]
 CHAT = [
     "What is the capital of France, and why is it famous?",
@@ -88,6 +95,7 @@ def main() -> None:
     print(f"{'workload':8} {'prompt':>6} {'tokens':>6} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>7} "
           f"{'accepted':>8} same")
     for name, prompts in chosen:
+        plain_seconds = spec_seconds = 0.0
         for i, prompt in enumerate(prompts):
             plain_tps, spec_tps = [], []
             for _ in range(args.repeats):
@@ -100,8 +108,12 @@ def main() -> None:
             drafted = after.spec_drafted_tokens - before.spec_drafted_tokens
             accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
             p, s = statistics.median(plain_tps), statistics.median(spec_tps)
+            plain_seconds += (len(plain) - 1) / p
+            spec_seconds += (len(plain) - 1) / s
             print(f"{name:8} {i:>6} {len(plain):>6} {p:>11.1f} {s:>10.1f} {s / p:>6.2f}x "
                   f"{accepted:>3}/{drafted:<4} {plain == spec}")
+        print(f"{name:8} {'all':>6} {'':>6} {'':>11} {'':>10} {plain_seconds / spec_seconds:>6.2f}x (time of the "
+              f"workload's prompts, plain over speculative)")
     stats = client.engine.stats()
     print("acceptance by draft position:", [round(r, 2) for r in stats.spec_acceptance_by_position])
     client.close()

@@ -454,7 +454,7 @@ class Engine:
             ready.record()
         for seq, r in zip(seqs, rows):
             seq.add_pending(r[:1])  # a verify step's tokens are read back before anything uses the row
-        speculating = self.speculator is not None and any(self.speculator.enabled(seq) for seq in seqs)
+        speculating = self.speculator is not None and any(self.speculator.drafts_next(seq) for seq in seqs)
         # (a grammar's next mask needs this step's token: the next step reads it back after its
         # forward pass is queued, see _launch)
         keep = (self.async_scheduling and bool(seqs) and logprobs is None and not speculating

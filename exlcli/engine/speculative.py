@@ -121,6 +121,7 @@ class SpecState:
     cooldown: int = 0  # steps left without drafting
     next_cooldown: int = 0  # the next pause (doubling, and short again once drafting pays)
     trying: bool = False  # after a pause: one draft, whatever the estimate
+    quiet_pause: int = 1  # the pause after the drafter had nothing to propose (doubling while it has not)
 
     @property
     def acceptance(self) -> float:
@@ -167,13 +168,15 @@ class Speculator:
         # a constrained sequence never drafts: its grammar's masks follow one token a step
         return self.active and seq.request.speculative is not False and seq.constraint is None
 
+    def drafts_next(self, seq) -> bool:
+        """Whether seq may draft at its next step, which then needs this step's token read back first
+        (the engine keeps stepping ahead of the read-back, async scheduling, only where none may)."""
+        return self.enabled(seq) and not self.state(seq).cooldown
+
     def num_drafts(self, seq, max_tokens: int) -> int:
         """How many tokens seq drafts this step (at most max_tokens); 0 also starts a pause when no
         k pays at all."""
         state = self.state(seq)
-        if state.cooldown:
-            state.cooldown -= 1
-            return 0
         if state.trying:
             return min(1, max_tokens)
         k = best_num_drafts(state.acceptance, self.cost, self.num_draft_tokens)
@@ -188,13 +191,28 @@ class Speculator:
 
     def propose(self, seq, max_tokens: int) -> list[int]:
         """Drafted tokens after seq's known tokens (none while one is in flight)."""
-        if not self.enabled(seq) or seq.num_pending:
+        if not self.enabled(seq):
+            return []
+        state = self.state(seq)
+        if state.cooldown:  # a paused step, whether or not the last token is back yet
+            state.cooldown -= 1
+            return []
+        if seq.num_pending:
             return []
         k = self.num_drafts(seq, max_tokens)
         if k <= 0:
             return []
         propose_for = getattr(self.drafter, "propose_for", None)
-        return propose_for(seq, k) if propose_for is not None else self.drafter.propose(seq.token_ids, k)
+        drafts = propose_for(seq, k) if propose_for is not None else self.drafter.propose(seq.token_ids, k)
+        # Nothing to propose (prompt lookup found no match): a short pause, doubling while it stays so.
+        # Each step that may draft waits for the last token (no async scheduling), which on a GPU costs
+        # a host-bound model more than drafting saves where lookup rarely finds anything (chat).
+        if drafts:
+            state.quiet_pause = 1
+        else:
+            state.cooldown = state.quiet_pause
+            state.quiet_pause = min(2 * state.quiet_pause, self.MAX_COOLDOWN_STEPS)
+        return drafts
 
     def release(self, seq) -> None:
         """seq left the running set (ended or preempted): a drafter with a cache of its own (a draft

@@ -159,3 +159,25 @@ def test_an_always_right_drafter_stops_short_of_a_costly_fifth_token(tiny_model,
         # every verify step drafts k once the prior gives way, except where the generation limit cuts it
         assert s.spec_drafted_by_position[k - 1] >= s.spec_verify_steps - 3 * len(prompts)
         assert k == 4 or s.spec_drafted_by_position[3] == 0
+
+
+def test_a_drafter_with_nothing_to_propose_pauses_longer_each_time_and_steps_stay_async():
+    """Prompt lookup that finds no match: the sequence pauses 1, 2, 4 ... steps, during which it needs no
+    token read back before the next step (async scheduling goes on), and a pause counts down even while
+    the last token is still in flight. A match ends the doubling."""
+    spec = Speculator(NgramDrafter(), CUDA_GRAPHS_VERIFY_COST, num_draft_tokens=4)
+    seq = Sequence(request=greedy("q", list(range(10)), n=4), arrival_index=0, max_tokens=40)  # no repeats
+    assert spec.drafts_next(seq)  # a new sequence may draft: its first step is read back
+    pauses = []
+    for _ in range(4):
+        assert spec.propose(seq, 4) == []  # nothing matches
+        pauses.append(seq.spec.cooldown)
+        seq.add_pending([0])  # its steps run ahead of the read-back while paused
+        while seq.spec.cooldown:
+            assert not spec.drafts_next(seq)
+            assert spec.propose(seq, 4) == []
+        assert spec.drafts_next(seq)
+        seq.pending_read()
+    assert pauses == [1, 2, 4, 8]
+    seq.token_ids[:] = REPEATED  # now lookup finds the continuation
+    assert spec.propose(seq, 4) and seq.spec.quiet_pause == 1
