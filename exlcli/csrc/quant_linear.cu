@@ -50,9 +50,11 @@ void launch_tiles(const qlinear::Params& p, bool float_out, cudaStream_t stream,
 // The smallest token tile (8 * NT) that covers m, more blocks in y beyond 64 tokens. Up to 16 tokens a
 // block takes one row tile and keeps 4 chunks in flight per warp (decode is bound by the weights'
 // bytes); beyond, two row tiles share each activation fragment (L2 traffic of the activations).
-// 33-64 tokens (docs/gpu-results.md, run 21, 8B shapes at 64 tokens): 4-bit (and 6-bit) weights take two blocks
+// 33-64 tokens (docs/gpu-results.md, run 21, 8B shapes at 64 tokens): 4-bit weights take two blocks
 // of 32 tokens in y (126 registers: two blocks an SM, against one of 64 tokens at 182), a 4-bit
 // layer 158 -> 149 us; 8-bit ones 4 chunks in flight (down 53 -> 48 us, the LM head 480 -> 433).
+// 6-bit ones (run 22) take the 8-bit shape there (a Q5_K layer 179 -> 163 us, Q6_K's LM head 409 ->
+// 368 against the 4-bit shape) and 2 chunks in flight at 17-32 tokens (a layer 126 -> 108 us).
 // Every shape adds a token's products in the same order, so results do not change with it.
 template <int BITS, bool E4M3>
 void launch(const qlinear::Params& p, bool float_out, cudaStream_t stream, bool pdl) {
@@ -62,14 +64,16 @@ void launch(const qlinear::Params& p, bool float_out, cudaStream_t stream, bool 
   } else if (p.m <= 16) {
     launch_tiles<BITS, E4M3, 2, 1, 4>(p, float_out, stream, pdl);
   } else if (p.m <= 32) {
-    if (pairs) {
+    if (pairs && BITS == 6) {
+      launch_tiles<BITS, E4M3, 4, 2, 2>(p, float_out, stream, pdl);
+    } else if (pairs) {
       launch_tiles<BITS, E4M3, 4, 2, 4>(p, float_out, stream, pdl);
     } else {
       launch_tiles<BITS, E4M3, 4, 1, 4>(p, float_out, stream, pdl);
     }
   } else if (!pairs) {
     launch_tiles<BITS, E4M3, 8, 1, 2>(p, float_out, stream, pdl);
-  } else if constexpr (BITS != 8) {
+  } else if constexpr (BITS == 4) {
     launch_tiles<BITS, E4M3, 4, 2, 2>(p, float_out, stream, pdl);
   } else if constexpr (E4M3) {
     launch_tiles<BITS, E4M3, 8, 2, 2>(p, float_out, stream, pdl);
