@@ -54,7 +54,8 @@ void launch_tiles(const qlinear::Params& p, bool float_out, cudaStream_t stream,
 // of 32 tokens in y (126 registers: two blocks an SM, against one of 64 tokens at 182), a 4-bit
 // layer 158 -> 149 us; 8-bit ones 4 chunks in flight (down 53 -> 48 us, the LM head 480 -> 433).
 // 6-bit ones (run 22) take the 8-bit shape there (a Q5_K layer 179 -> 163 us, Q6_K's LM head 409 ->
-// 368 against the 4-bit shape) and 2 chunks in flight at 17-32 tokens (a layer 126 -> 108 us).
+// 368 against the 4-bit shape). At 17-32 tokens 4- and 6-bit weights keep 2 chunks in flight, not 4
+// (run 22: a 4-bit layer 120 -> 92 us at 32 tokens, 108 -> 87 at 17; a 6-bit one 126 -> 108).
 // Every shape adds a token's products in the same order, so results do not change with it.
 template <int BITS, bool E4M3>
 void launch(const qlinear::Params& p, bool float_out, cudaStream_t stream, bool pdl) {
@@ -64,7 +65,7 @@ void launch(const qlinear::Params& p, bool float_out, cudaStream_t stream, bool 
   } else if (p.m <= 16) {
     launch_tiles<BITS, E4M3, 2, 1, 4>(p, float_out, stream, pdl);
   } else if (p.m <= 32) {
-    if (pairs && BITS == 6) {
+    if (pairs && BITS != 8) {
       launch_tiles<BITS, E4M3, 4, 2, 2>(p, float_out, stream, pdl);
     } else if (pairs) {
       launch_tiles<BITS, E4M3, 4, 2, 4>(p, float_out, stream, pdl);
