@@ -197,6 +197,7 @@ class Engine:
         self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size, self.eos_ids)
         self.masks = MaskWorker(self.grammars, model.config.vocab_size)
         self._last_resolved = 0.0
+        self._last_kept = False  # whether the step read back last was kept in flight
         self.failures = FailurePolicy(log)
 
         self._lock = threading.Lock()  # guards the inbox and cancellations
@@ -350,6 +351,7 @@ class Engine:
                 self._resolve(prev)
                 return True
             self._publish_stats(None, 0.0)
+            self._last_resolved = 0.0  # idle: the next step's period starts at its launch
             return False
         if self.speculator is not None:
             self.speculator.begin_step(len(self.scheduler.running) + len(self.scheduler.waiting))
@@ -531,9 +533,21 @@ class Engine:
                 log.exception("postprocess failed for %s", seq.request_id)
                 self._finish(seq, FinishReason.ERROR, error=f"{type(e).__name__}: {e}")
         now = time.perf_counter()
+        if self.speculator is not None and self._last_resolved and len(step.seqs) == 1:
+            self._observe_read_back(step, now - self._last_resolved)
+        self._last_kept = step.keep_in_flight
         elapsed = now - max(step.start, self._last_resolved)  # with steps overlapping: the period
         self._last_resolved = now
         self._publish_stats(step.batch, elapsed, generated=generated)
+
+    def _observe_read_back(self, step: LaunchedStep, period: float) -> None:
+        """Feed the speculator's ReadBackPenalty with a batch-1 step's period (since the step before
+        was read back)."""
+        drafts = step.drafts[0]
+        if drafts:
+            self.speculator.read_back.observe_verify(period, self.speculator.cost.of(1 + len(drafts)))
+        elif step.keep_in_flight and self._last_kept:
+            self.speculator.read_back.observe_plain(period)
 
     def _accept(self, seq: Sequence, drafts: list[int], choices: list[int], logprobs: list | None,
                 rng_state) -> tuple[list[int], list | None]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from exlcli.engine.verify_cost import VerifyCost
+from exlcli.engine.verify_cost import ReadBackPenalty, VerifyCost
 from exlcli.ops.attention import MAX_DECODE_QUERIES
 
 MAX_DRAFT_TOKENS = MAX_DECODE_QUERIES - 1  # the verify step's 1 + k queries fit multi-query decode
@@ -100,12 +100,13 @@ def expected_tokens(acceptance: float, num_drafts: int) -> float:
     return sum(acceptance ** i for i in range(num_drafts + 1))
 
 
-def best_num_drafts(acceptance: float, cost: VerifyCost, max_drafts: int) -> int:
-    """The k in 0..max_drafts with the most expected tokens per unit of cost; 0 (a plain step: one
+def best_num_drafts(acceptance: float, cost: VerifyCost, max_drafts: int, read_back: float = 0.0) -> int:
+    """The k in 0..max_drafts with the most expected tokens per unit of cost (a verify step's, plus
+    `read_back`: what waiting for the last token before it costs, ReadBackPenalty); 0 (a plain step: one
     token for one step) unless some k does strictly better."""
     best, best_rate = 0, 1.0
     for k in range(1, min(max_drafts, MAX_DRAFT_TOKENS) + 1):
-        rate = expected_tokens(acceptance, k) / cost.of(1 + k)
+        rate = expected_tokens(acceptance, k) / (cost.of(1 + k) + read_back)
         if rate > best_rate:
             best, best_rate = k, rate
     return best
@@ -159,6 +160,7 @@ class Speculator:
         self.max_batch = max_batch
         self.active = True  # this step's batch is small enough to speculate
         self.counters = SpecCounters()
+        self.read_back = ReadBackPenalty()  # the engine feeds it its steps' periods
 
     def begin_step(self, num_running: int) -> None:
         self.active = num_running <= self.max_batch
@@ -179,7 +181,7 @@ class Speculator:
         state = self.state(seq)
         if state.trying:
             return min(1, max_tokens)
-        k = best_num_drafts(state.acceptance, self.cost, self.num_draft_tokens)
+        k = self.best_k(state.acceptance, self.num_draft_tokens)
         if not k:
             state.cooldown, state.trying = state.next_cooldown, True
             # what the drafts before the pause said is stale after it: the try's outcome decides
@@ -187,7 +189,10 @@ class Speculator:
             state.next_cooldown = min(2 * state.next_cooldown, self.MAX_COOLDOWN_STEPS)
             return 0
         # the best k within max_tokens is the best k itself when it fits (the same search, a shorter range)
-        return k if k <= max_tokens else best_num_drafts(state.acceptance, self.cost, max_tokens)
+        return k if k <= max_tokens else self.best_k(state.acceptance, max_tokens)
+
+    def best_k(self, acceptance: float, max_drafts: int) -> int:
+        return best_num_drafts(acceptance, self.cost, max_drafts, self.read_back.penalty)
 
     def propose(self, seq, max_tokens: int) -> list[int]:
         """Drafted tokens after seq's known tokens (none while one is in flight)."""
@@ -240,7 +245,7 @@ class Speculator:
         state.accepted = self.DECAY * state.accepted + num_accepted
         state.tried = self.DECAY * state.tried + num_accepted + (num_accepted < num_drafted)
         state.trying = False
-        if best_num_drafts(state.acceptance, self.cost, self.num_draft_tokens):
+        if self.best_k(state.acceptance, self.num_draft_tokens):
             state.next_cooldown = self.COOLDOWN_STEPS  # drafting pays again: the next pause is short
 
 

@@ -42,3 +42,44 @@ class VerifyCost:
 CPU_VERIFY_COST = VerifyCost((1.0, 1.24, 1.58, 1.96, 2.31, 2.69, 2.98, 3.89))
 # docs/gpu-results.md run 20, H200, the default model: a 5-token verify step 1.04 ms, a plain one 0.95 ms
 CUDA_GRAPHS_VERIFY_COST = VerifyCost.linear(0.025)
+
+
+class ReadBackPenalty:
+    """What waiting for the last token costs a verify step, in plain decode steps, beyond the verify cost
+    model. With async scheduling the engine schedules the next step while the device runs this one,
+    except before a step that drafts: a draft needs the last token, so the host's scheduling is no
+    longer hidden behind the device. On a host-bound model that is much of a step (the default model on
+    an H200, docs/gpu-results.md run 22: a plain step kept in flight 0.82 ms, a 5-token verify step
+    1.15 ms, against 1.1 plain steps in CUDA_GRAPHS_VERIFY_COST); on a device-bound one it is little.
+    Measured on batch-1 steps: the running mean period of plain steps kept in flight (after one that was
+    too), and of verify steps over it less their cost; 0 until each has SAMPLES, and where no step is
+    kept in flight (the CPU, whose cost table was measured reading every step back)."""
+
+    DECAY = 0.9  # weight of the earlier observations in each running mean, per observation
+    SAMPLES = 8
+
+    def __init__(self) -> None:
+        self.plain_period = 0.0  # seconds, running mean
+        self.num_plain = 0
+        self.excess = 0.0  # verify periods over plain_period, less their cost: running mean
+        self.num_verify = 0
+
+    def observe_plain(self, period: float) -> None:
+        """A batch-1 plain step kept in flight, after a step that was kept in flight too."""
+        self.plain_period = self._mean(self.plain_period, period, self.num_plain)
+        self.num_plain += 1
+
+    def observe_verify(self, period: float, cost: float) -> None:
+        """A batch-1 verify step (read back before it, so its period holds the host's scheduling too),
+        of `cost` plain steps in the verify cost model."""
+        if self.num_plain < self.SAMPLES:
+            return
+        self.excess = self._mean(self.excess, period / self.plain_period - cost, self.num_verify)
+        self.num_verify += 1
+
+    @property
+    def penalty(self) -> float:
+        return max(0.0, self.excess) if self.num_verify >= self.SAMPLES else 0.0
+
+    def _mean(self, mean: float, value: float, count: int) -> float:
+        return value if count == 0 else self.DECAY * mean + (1 - self.DECAY) * value

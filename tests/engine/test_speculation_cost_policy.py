@@ -14,7 +14,7 @@ import pytest
 from exlcli.engine.engine import Engine, EngineConfig
 from exlcli.engine.sequence import Sequence
 from exlcli.engine.speculative import NgramDrafter, Speculator, best_num_drafts, expected_tokens
-from exlcli.engine.verify_cost import CPU_VERIFY_COST, CUDA_GRAPHS_VERIFY_COST, VerifyCost
+from exlcli.engine.verify_cost import CPU_VERIFY_COST, CUDA_GRAPHS_VERIFY_COST, ReadBackPenalty, VerifyCost
 from exlcli.ops.attention import MAX_DECODE_QUERIES
 from tests.engine.conftest import LetterTokenizer, greedy, random_prompts, tokens_of
 from tests.engine.replay_drafter import ReplayDrafter
@@ -181,3 +181,46 @@ def test_a_drafter_with_nothing_to_propose_pauses_longer_each_time_and_steps_sta
     assert pauses == [1, 2, 4, 8]
     seq.token_ids[:] = REPEATED  # now lookup finds the continuation
     assert spec.propose(seq, 4) and seq.spec.quiet_pause == 1
+
+
+def test_the_read_back_penalty_is_what_verify_steps_take_beyond_their_cost():
+    """Measured against plain steps kept in flight; nothing until each kind has its samples, never
+    below 0; a penalty that large turns rarely accepted drafts off even where verifying is cheap."""
+    penalty = ReadBackPenalty()
+    for _ in range(ReadBackPenalty.SAMPLES):
+        penalty.observe_verify(1.6, 1.1)  # before the plain steps' mean exists: not counted
+        penalty.observe_plain(1.0)
+    assert penalty.penalty == 0.0 and penalty.num_verify == 0
+    for _ in range(ReadBackPenalty.SAMPLES - 1):
+        penalty.observe_verify(1.5, 1.1)
+    assert penalty.penalty == 0.0
+    penalty.observe_verify(1.5, 1.1)
+    assert penalty.penalty == pytest.approx(0.4)
+    cheap = ReadBackPenalty()
+    for _ in range(ReadBackPenalty.SAMPLES):
+        cheap.observe_plain(1.0)
+    for _ in range(ReadBackPenalty.SAMPLES):
+        cheap.observe_verify(1.0, 1.1)  # faster than the model says: no negative penalty
+    assert cheap.penalty == 0.0
+    assert best_num_drafts(0.2, CUDA_GRAPHS_VERIFY_COST, 4) >= 1
+    assert best_num_drafts(0.2, CUDA_GRAPHS_VERIFY_COST, 4, read_back=0.4) == 0
+    assert best_num_drafts(0.9, CUDA_GRAPHS_VERIFY_COST, 4, read_back=0.4) == 4
+
+
+def test_with_async_scheduling_the_engine_measures_the_read_back_penalty(tiny_model, plain_runs):
+    """Batch-1 steps feed it: the plain steps kept in flight while an always-wrong drafter pauses, and
+    the verify steps of its tries; the tokens stay those of plain decoding."""
+    prompts, plain = plain_runs
+    drafter = WrongDrafter([p + out for p, out in zip(prompts, plain)])
+    engine = Engine(tiny_model, LetterTokenizer(), EngineConfig(async_scheduling=True, num_pages=128,
+                                                                speculative=drafter, num_draft_tokens=4))
+    outputs = []
+    for i, p in enumerate(prompts):
+        handle = engine.submit(greedy(f"s{i}", p, n=64))
+        engine.run_until_idle()
+        outputs.append(tokens_of(handle))
+    assert outputs == plain
+    read_back = engine.speculator.read_back
+    assert read_back.num_plain >= ReadBackPenalty.SAMPLES and read_back.plain_period > 0
+    assert read_back.num_verify >= 1 and read_back.penalty >= 0.0
+
