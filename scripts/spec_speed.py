@@ -116,6 +116,8 @@ def main() -> None:
               f"workload's prompts, plain over speculative)")
     stats = client.engine.stats()
     print("acceptance by draft position:", [round(r, 2) for r in stats.spec_acceptance_by_position])
+    read_back = client.engine.speculator.read_back
+    print(f"read-back penalty: {read_back.penalty:.2f} plain steps ({read_back.num_verify} verify steps measured)")
     client.close()
 
 
