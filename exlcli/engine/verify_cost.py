@@ -57,6 +57,11 @@ class ReadBackPenalty:
 
     DECAY = 0.9  # weight of the earlier observations in each running mean, per observation
     SAMPLES = 8
+    # Reading back costs at most the host's work, which async scheduling hides behind a device step no
+    # shorter than it: a step, at most. Clipping each observation there keeps an outlier (a verify step
+    # that captures the CUDA graph of a new row count, tens of milliseconds once) from turning drafting
+    # off for the many tries that would take to decay.
+    MAX_PENALTY = 1.0
 
     def __init__(self) -> None:
         self.plain_period = 0.0  # seconds, running mean
@@ -74,7 +79,8 @@ class ReadBackPenalty:
         of `cost` plain steps in the verify cost model."""
         if self.num_plain < self.SAMPLES:
             return
-        self.excess = self._mean(self.excess, period / self.plain_period - cost, self.num_verify)
+        excess = min(period / self.plain_period - cost, self.MAX_PENALTY)
+        self.excess = self._mean(self.excess, excess, self.num_verify)
         self.num_verify += 1
 
     @property

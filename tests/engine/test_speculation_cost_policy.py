@@ -202,6 +202,8 @@ def test_the_read_back_penalty_is_what_verify_steps_take_beyond_their_cost():
     for _ in range(ReadBackPenalty.SAMPLES):
         cheap.observe_verify(1.0, 1.1)  # faster than the model says: no negative penalty
     assert cheap.penalty == 0.0
+    penalty.observe_verify(60.0, 1.1)  # a step that captured a CUDA graph: clipped to one step
+    assert penalty.penalty == pytest.approx(0.9 * 0.4 + 0.1 * ReadBackPenalty.MAX_PENALTY)
     assert best_num_drafts(0.2, CUDA_GRAPHS_VERIFY_COST, 4) >= 1
     assert best_num_drafts(0.2, CUDA_GRAPHS_VERIFY_COST, 4, read_back=0.4) == 0
     assert best_num_drafts(0.9, CUDA_GRAPHS_VERIFY_COST, 4, read_back=0.4) == 4
