@@ -3,7 +3,8 @@
 // warps (each group as one block of quant_linear_kernel); the warps of one k-slot in every group read
 // the same chunks, either through L1 (EXCHANGE false) or sharing them through shared memory (each warp
 // loads 1 / GROUPS of the tokens). Sums in the library's order, so results are bit-identical to it.
-// python3 groups.py [variants] [tokens]; groups4.cu / groups8.cu instantiate the variants per weight width.
+// (What run 22 found: neither is faster; these products are not bound by that L2 traffic.)
+// python3 groups.py [variants] [tokens] [4 | 6].
 #pragma once
 #include <torch/extension.h>
 #include <c10/cuda/CUDAStream.h>
@@ -155,5 +156,30 @@ void grouped(const Params& p, cudaStream_t s) {
   kernel<<<grid, GROUPS * kWarps * 32, bytes, s>>>(p);
 }
 
+// The variants by number (groups.py's argument); groups4/6/8.cu instantiate them, one weight width each,
+// so that the three compile in parallel.
 template <int BITS>
-void pick(int64_t v, const Params& p, cudaStream_t s);
+void pick(int64_t v, const Params& p, cudaStream_t s) {
+  switch (v) {
+    case 0: if constexpr (BITS != 8) go<BITS, 4, 2, 2>(p, s); else go<BITS, 8, 2, 4>(p, s); break;  // today's 33-64
+    case 1: grouped<BITS, 4, 2, 2, 2, false>(p, s); break;
+    case 2: grouped<BITS, 4, 2, 2, 2, true>(p, s); break;
+    case 3: grouped<BITS, 4, 2, 1, 2, true>(p, s); break;
+    case 4: grouped<BITS, 4, 2, 4, 2, true, 1>(p, s); break;
+    case 5: grouped<BITS, 4, 1, 4, 2, true, 1>(p, s); break;
+    case 6: grouped<BITS, 4, 1, 2, 4, true>(p, s); break;
+    case 7: grouped<BITS, 8, 1, 2, 2, true, 1>(p, s); break;
+    case 8: grouped<BITS, 2, 2, 4, 2, true>(p, s); break;
+    case 11: grouped<BITS, 4, 2, 2, 2, true, 1>(p, s); break;
+    case 12: go<BITS, 8, 2, 2>(p, s); break;
+    case 13: go<BITS, 4, 4, 2>(p, s); break;
+    case 14: go<BITS, 8, 2, 4>(p, s); break;
+    case 9: go<BITS, 8, 4, 1>(p, s); break;   // run 21's best LM head shape
+    case 10: go<BITS, 4, 2, 4>(p, s); break;  // today's 17-32 tokens
+    default: TORCH_CHECK(false, "variant");
+  }
+}
+
+extern template void pick<4>(int64_t, const Params&, cudaStream_t);
+extern template void pick<6>(int64_t, const Params&, cudaStream_t);
+extern template void pick<8>(int64_t, const Params&, cudaStream_t);
