@@ -9,6 +9,9 @@ CUDA graphs of 20 calls over copies of the weight that together exceed the L2 ca
   quantized per token inside the timed call (by the path the linear uses for them);
 - `mma_only`: exlcli's FP8 x FP8 kernel (csrc/fp8_linear.cu) with the activations already quantized;
 - `scaled_mm_only`: cuBLASLt's product with the activations already quantized;
+- `swapped_only`: the same product with the operands swapped, (W x^T)^T: the weight rows become the
+  product's long side, so cuBLASLt tiles the output rows rather than the few tokens (tokens padded to
+  16, the result transposed back into a contiguous [tokens, N]);
 - `bf16`: cuBLAS over the dense bf16 weight (twice the bytes; the unquantized model's product).
 Prints microseconds per call and the weight bytes per second each reaches.
 """
@@ -97,6 +100,15 @@ def bench_shape(name: str, tokens: list[int], dev: torch.device) -> list[dict]:
             a = x.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
             return (x.float() * (448 / a)).to(torch.float8_e4m3fn), a / 448
 
+        pad = -m % 16
+        xq_pad = torch.cat([xq, xq.new_zeros(pad, k)]) if pad else xq
+        xs_pad = torch.cat([xs, xs.new_ones(pad, 1)]).view(1, -1) if pad else xs.view(1, -1)
+
+        def swapped(i, xq_pad=xq_pad, xs_pad=xs_pad, m=m):
+            out = torch._scaled_mm(weights[i % copies], xq_pad.t(), scale_a=row_scales[i % copies].view(-1, 1),
+                                   scale_b=xs_pad, out_dtype=torch.bfloat16)
+            return out[:, :m].t().contiguous()
+
         paths = {
             "kernel": lambda i: linears[i % copies](x),
             "scaled_mm": lambda i: torch._scaled_mm(*_pair(quantized_input(), weights[i % copies].t()),
@@ -104,6 +116,7 @@ def bench_shape(name: str, tokens: list[int], dev: torch.device) -> list[dict]:
             "mma_only": lambda i: kernels.fp8_linear(xq, xs, weights[i % copies], row_scales[i % copies].view(-1)),
             "scaled_mm_only": lambda i: torch._scaled_mm(xq, weights[i % copies].t(), scale_a=xs,
                                                          scale_b=row_scales[i % copies], out_dtype=torch.bfloat16),
+            "swapped_only": swapped,
             "scaled_mm_fast": lambda i: torch._scaled_mm(xq, weights[i % copies].t(), scale_a=xs,
                                                          scale_b=row_scales[i % copies], out_dtype=torch.bfloat16,
                                                          use_fast_accum=True),

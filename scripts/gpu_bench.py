@@ -213,8 +213,7 @@ def decode_steps(engine, batch: int, prompt_len: int, new_tokens: int, tag: str)
         start = time.perf_counter()
         if not engine.step():
             break
-        stats = engine.stats()
-        steps.append((time.perf_counter() - start, stats.last_batch_size, stats.last_step_tokens))
+        steps.append((time.perf_counter() - start, *engine.last_step_shape()))
     # steady state: full batch, one token each, after the first few (graph capture, warm-up)
     pure = [s for s, b, t in steps if b == batch and t == batch]
     steady = pure[5:] if len(pure) > 10 else pure
@@ -252,6 +251,25 @@ def graph_replay_ms(engine, batch: int) -> float | None:
 
 def prefill_tok_s(model, num_seqs: int, length: int) -> tuple[float, float]:
     """Model forward over num_seqs fresh prompts of `length` tokens: (tok/s, ms)."""
+    inputs, kv = prefill_inputs(model, num_seqs, length)
+    ms = cuda_time_ms(lambda: model.forward(inputs, kv), reps=8)
+    del kv
+    free_gpu()
+    return num_seqs * length / (ms * 1e-3), ms
+
+
+def profile_prefill(model, num_seqs: int, length: int) -> list:
+    """The 12 kernels with the most GPU time in one forward over num_seqs fresh prompts of `length` tokens."""
+    inputs, kv = prefill_inputs(model, num_seqs, length)
+    rows = profile_rows(lambda: model.forward(inputs, kv), reps=3)
+    del kv
+    free_gpu()
+    log(f"profile prefill {num_seqs}x{length} (kernel, calls per forward, us per forward): {rows}")
+    return rows
+
+
+def prefill_inputs(model, num_seqs: int, length: int):
+    """The inputs and a fresh KV cache of one forward over num_seqs prompts of `length` random tokens."""
     from exlcli.model.batch_inputs import BatchInputs
     from exlcli.model.kv_cache import KVCache
 
@@ -270,10 +288,7 @@ def prefill_tok_s(model, num_seqs: int, length: int) -> tuple[float, float]:
         logits_indices=torch.tensor(starts[1:], device=dev) - 1,
         seq_lens_t=torch.full((num_seqs,), length, dtype=torch.int32, device=dev),
         query_start_loc_t=torch.tensor(starts, dtype=torch.int32, device=dev))
-    ms = cuda_time_ms(lambda: model.forward(inputs, kv), reps=8)
-    del kv
-    free_gpu()
-    return total / (ms * 1e-3), ms
+    return inputs, kv
 
 
 def offline(engine, count: int, prompt_len: int, new_tokens: int) -> dict:
@@ -287,14 +302,24 @@ def offline(engine, count: int, prompt_len: int, new_tokens: int) -> dict:
     torch.cuda.synchronize()
     start = time.perf_counter()
     handles = submit_all(engine, prompts, new_tokens, "offline")
-    engine.run_until_idle()
+    prompt_steps_s = decode_steps_s = 0.0  # steps with prompt tokens in them, and steps of decode rows alone
+    while True:
+        step_start = time.perf_counter()
+        if not engine.step():
+            break
+        seqs, tokens = engine.last_step_shape()
+        if tokens > seqs:
+            prompt_steps_s += time.perf_counter() - step_start
+        else:
+            decode_steps_s += time.perf_counter() - step_start
     elapsed = time.perf_counter() - start
     generated = 0
     for h in handles:
         for out in h:
             generated += len(out.new_token_ids)
     return {"seconds": elapsed, "out_tokens": generated, "out_tok_s": generated / elapsed,
-            "total_tok_s": (generated + count * prompt_len) / elapsed}
+            "total_tok_s": (generated + count * prompt_len) / elapsed,
+            "prompt_steps_s": prompt_steps_s, "decode_steps_s": decode_steps_s}
 
 
 def decode_variants(engine, res: dict, profile: bool = False) -> None:
@@ -326,8 +351,6 @@ def decode_variants(engine, res: dict, profile: bool = False) -> None:
 
 def profile_graph(engine, batch: int) -> list:
     """The 12 kernels with the most GPU time over 10 replays of the decode graph of `batch`."""
-    from torch.profiler import ProfilerActivity, profile
-
     graphs = engine.runner.graphs
     from exlcli.model.cuda_graphs import batch_bucket
 
@@ -335,11 +358,20 @@ def profile_graph(engine, batch: int) -> list:
     if not keys:
         return []
     graph = graphs._graphs[min(keys, key=lambda k: k[1])].graph
-    graph.replay()
+    rows = profile_rows(graph.replay, reps=10)
+    log(f"profile b{batch} (kernel, calls per step, us per step): {rows}")
+    return rows
+
+
+def profile_rows(fn, reps: int) -> list:
+    """[kernel, calls per fn(), us per fn()] of the 12 kernels with the most GPU time over reps calls of fn."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(10):
-            graph.replay()
+        for _ in range(reps):
+            fn()
         torch.cuda.synchronize()
     rows = []
     for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:12]:
@@ -347,8 +379,7 @@ def profile_graph(engine, batch: int) -> list:
         for noise in ("void ", "exlcli::", "gemv::", "(anonymous namespace)::", "at::native::", "(Params)",
                       "(DecodeParams)"):
             name = name.replace(noise, "")
-        rows.append([name.replace("__nv_bfloat16", "bf16")[:64], e.count // 10, round(e.device_time_total / 10, 1)])
-    log(f"profile b{batch} (kernel, calls per step, us per step): {rows}")
+        rows.append([name.replace("__nv_bfloat16", "bf16")[:64], e.count // reps, round(e.device_time_total / reps, 1)])
     return rows
 
 
@@ -514,10 +545,16 @@ def bench_quant(res: dict, kind: str, profile: bool = False) -> None:
     tps, ms = prefill_tok_s(model, 1, 2048)
     res[key + "_prefill2048_tok_s"] = tps
     log(f"{label} prefill 1x2048: {tps:.0f} tok/s ({ms:.1f} ms)")
+    if profile:
+        res[key + "_profile_prefill2048"] = profile_prefill(model, 1, 2048)
     if kind == "fp8":  # the issue's offline figure for FP8
         off = offline(engine, 1024, 128, 128)
         res[key + "_offline_out_tok_s"] = off["out_tok_s"]
+        res[key + "_offline_split_s"] = [off["prompt_steps_s"], off["decode_steps_s"]]
         log(f"{label} offline 1024 x (128 + 128), max_num_seqs 512: {off}")
+        if profile:
+            res[key + "_profile_b512"] = profile_graph(engine, 512)
+            res[key + "_profile_prefill32x128"] = profile_prefill(model, 32, 128)
     del engine, model
     free_gpu()
 

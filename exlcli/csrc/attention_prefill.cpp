@@ -4,7 +4,8 @@
 // decode step, so a sequence's numbers do not change when a prefill shares its step. Chunks go
 // through scaled_dot_product_attention (flash attention where it applies) over their gathered
 // pages, one call per group of chunks of equal (queries, length): a whole batch of equal prompts
-// is one call. This path reads the chunk layout on the host: one device sync per prefill step.
+// is one call. The chunk layout comes from the host's copy (`host_layout`), so nothing here waits
+// for the device: the host queues the layers ahead of it.
 #include <map>
 #include <utility>
 #include <vector>
@@ -19,17 +20,21 @@
 namespace exlcli {
 namespace {
 
+// From pinned memory, copied without waiting (the caching host allocator keeps the buffer until
+// the copy is done).
 at::Tensor index_tensor(const std::vector<int64_t>& values, const at::Device& device) {
-  at::Tensor host = at::empty({static_cast<int64_t>(values.size())}, at::TensorOptions().dtype(at::kLong));
+  at::Tensor host = at::empty({static_cast<int64_t>(values.size())},
+                              at::TensorOptions().dtype(at::kLong).pinned_memory(true));
   std::copy(values.begin(), values.end(), host.data_ptr<int64_t>());
-  return host.to(device);
+  return host.to(at::TensorOptions().device(device), /*non_blocking=*/true);
 }
 
 }  // namespace
 
 at::Tensor paged_attention_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                    const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                                   const at::Tensor& seq_lens, double scale, int64_t version, bool pdl) {
+                                   const at::Tensor& seq_lens, const at::Tensor& host_layout, double scale,
+                                   int64_t version, bool pdl) {
   check_paged_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens);
   TORCH_CHECK(query_start_loc.is_cuda() && query_start_loc.device() == q.device(),
               "paged_attention_prefill: query_start_loc must be on q's device");
@@ -43,9 +48,12 @@ at::Tensor paged_attention_prefill(const at::Tensor& q, const at::Tensor& k_cach
   launch_paged_decode(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc.data_ptr<int>(), scale,
                       version, pdl);
 
-  const at::Tensor starts_h = query_start_loc.cpu(), lens_h = seq_lens.cpu();
-  const int* starts = starts_h.data_ptr<int>();
-  const int* lens = lens_h.data_ptr<int>();
+  TORCH_CHECK(host_layout.device().is_cpu() && host_layout.scalar_type() == at::kInt && host_layout.dim() == 1 &&
+                  host_layout.is_contiguous() && host_layout.size(0) == 2 * num_seqs + 1,
+              "paged_attention_prefill: host_layout must be a contiguous int32 CPU tensor of ", 2 * num_seqs + 1,
+              " entries (query_start_loc, then seq_lens)");
+  const int* starts = host_layout.data_ptr<int>();
+  const int* lens = starts + num_seqs + 1;
   TORCH_CHECK(starts[0] == 0 && starts[num_seqs] == q.size(0),
               "paged_attention_prefill: query_start_loc must run from 0 to the number of query rows");
   std::map<std::pair<int, int>, std::vector<int64_t>> groups;  // (queries, length) -> sequences

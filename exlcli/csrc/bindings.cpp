@@ -26,7 +26,7 @@ TORCH_LIBRARY(exlcli, m) {
   m.def("paged_attention_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, float scale, int version, bool pdl) -> Tensor");
   m.def("paged_attention_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor query_start_loc, Tensor seq_lens, float scale, int version, bool pdl) -> Tensor");
+        "Tensor query_start_loc, Tensor seq_lens, Tensor host_layout, float scale, int version, bool pdl) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(exlcli, CUDA, m) {

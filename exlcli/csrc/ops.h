@@ -79,6 +79,7 @@ void launch_paged_decode(const at::Tensor& out, const at::Tensor& q, const at::T
 // attention_prefill.cpp: its decode tokens go through the decode kernel of `version`.
 at::Tensor paged_attention_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                    const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                                   const at::Tensor& seq_lens, double scale, int64_t version, bool pdl);
+                                   const at::Tensor& seq_lens, const at::Tensor& host_layout, double scale,
+                                   int64_t version, bool pdl);
 
 }  // namespace exlcli

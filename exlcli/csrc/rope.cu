@@ -16,28 +16,33 @@ __device__ __forceinline__ void rotate(const T* src, T* dst, int j, int half, fl
   dst[j + half] = from_float<T>(__fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s)));
 }
 
-// One block per (token, head): blockIdx.y < num_heads rotates a query head, the others rotate one
-// kv head of k and copy the same head of v into the pages (many small blocks: a decode step has
-// only a few tokens). A negative slot (a padded row of a captured decode graph) skips the write.
+constexpr int kHeadsPerBlock = 8;  // a warp per head: fewer, fuller blocks than one per (token, head)
+
+// Warp w of block (t, y) takes head y * kHeadsPerBlock + w of token t: heads below num_heads
+// rotate a query head, the others rotate one kv head of k and copy the same head of v into the
+// pages. A negative slot (a padded row of a captured decode graph) skips the write.
 template <typename T>
-__global__ void rope_and_write_kv_kernel(T* __restrict__ q_out, const T* __restrict__ q, int64_t q_stride,
-                                         const T* __restrict__ k, int64_t k_stride,
-                                         const T* __restrict__ v, int64_t v_stride,
-                                         const int64_t* __restrict__ positions,
-                                         const float* __restrict__ cos_sin, int64_t cs_stride,
-                                         T* __restrict__ k_cache, T* __restrict__ v_cache,
-                                         const int64_t* __restrict__ slots, int num_heads, int num_kv_heads,
-                                         int head_dim) {
+__global__ void __launch_bounds__(32 * kHeadsPerBlock)
+rope_and_write_kv_kernel(T* __restrict__ q_out, const T* __restrict__ q, int64_t q_stride,
+                         const T* __restrict__ k, int64_t k_stride,
+                         const T* __restrict__ v, int64_t v_stride,
+                         const int64_t* __restrict__ positions,
+                         const float* __restrict__ cos_sin, int64_t cs_stride,
+                         T* __restrict__ k_cache, T* __restrict__ v_cache,
+                         const int64_t* __restrict__ slots, int num_heads, int num_kv_heads,
+                         int head_dim) {
   grid_dependency_wait();  // launched with launch_pdl: the previous kernel may still run
   grid_dependents_launch();
   const int64_t t = blockIdx.x;
-  const int head = blockIdx.y;
+  const int head = blockIdx.y * kHeadsPerBlock + threadIdx.y;
+  if (head >= num_heads + num_kv_heads) return;
+  const int lane = threadIdx.x;
   const int half = head_dim / 2;
   const float* cs = cos_sin + positions[t] * cs_stride;  // cos in [0, half), sin in [half, D)
   if (head < num_heads) {
     const T* src = q + t * q_stride + head * head_dim;
     T* dst = q_out + (t * num_heads + head) * head_dim;
-    for (int j = threadIdx.x; j < half; j += blockDim.x) rotate(src, dst, j, half, cs[j], cs[half + j]);
+    for (int j = lane; j < half; j += 32) rotate(src, dst, j, half, cs[j], cs[half + j]);
     return;
   }
   const int64_t slot = slots[t];
@@ -47,8 +52,8 @@ __global__ void rope_and_write_kv_kernel(T* __restrict__ q_out, const T* __restr
   T* vc = v_cache + (slot * num_kv_heads + h) * head_dim;
   const T* ks = k + t * k_stride + h * head_dim;
   const T* vs = v + t * v_stride + h * head_dim;
-  for (int j = threadIdx.x; j < half; j += blockDim.x) rotate(ks, kc, j, half, cs[j], cs[half + j]);
-  for (int i = threadIdx.x; i < head_dim; i += blockDim.x) vc[i] = vs[i];
+  for (int j = lane; j < half; j += 32) rotate(ks, kc, j, half, cs[j], cs[half + j]);
+  for (int i = lane; i < head_dim; i += 32) vc[i] = vs[i];
 }
 
 // [T, heads, D] whose heads and elements are packed (rows may be strided: views of a fused qkv).
@@ -102,8 +107,9 @@ at::Tensor rope_and_write_kv(const at::Tensor& q, const at::Tensor& k, const at:
   if (tokens == 0) return q_out;
   EXL_DISPATCH_FLOAT(q.scalar_type(), "rope_and_write_kv", [&] {
     using T = scalar_t;
-    const dim3 grid(static_cast<unsigned>(tokens), static_cast<unsigned>(q.size(1) + k.size(1)));
-    launch_pdl(rope_and_write_kv_kernel<T>, grid, dim3(64), 0, current_stream(), pdl,
+    const int heads = static_cast<int>(q.size(1) + k.size(1));
+    const dim3 grid(static_cast<unsigned>(tokens), static_cast<unsigned>(ceil_div(heads, kHeadsPerBlock)));
+    launch_pdl(rope_and_write_kv_kernel<T>, grid, dim3(32, kHeadsPerBlock), 0, current_stream(), pdl,
         static_cast<T*>(q_out.data_ptr()), static_cast<const T*>(q.data_ptr()), q.stride(0),
         static_cast<const T*>(k.data_ptr()), k.stride(0), static_cast<const T*>(v.data_ptr()), v.stride(0),
         positions.data_ptr<int64_t>(), cos_sin.data_ptr<float>(), cos_sin.stride(0),

@@ -294,6 +294,12 @@ class Engine:
             c.step_failures, c.requests_failed, c.nonfinite_logits)
         return snap
 
+    def last_step_shape(self) -> tuple[int, int]:
+        """(sequences, tokens) of the step read back last: cheap, where stats() builds a snapshot of
+        every request (benchmarks ask after each step)."""
+        with self._stats_lock:
+            return self._stats.last_batch_size, self._stats.last_step_tokens
+
     @property
     def is_threaded(self) -> bool:
         return self._thread is not None

@@ -178,7 +178,7 @@ def test_decode_linear_of_a_strided_row_block():
 # -- rope + KV write ------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
 @pytest.mark.parametrize("tokens,heads,kv_heads,dim", [(1, 8, 8, 128), (7, 32, 8, 128), (130, 9, 3, 64),
-                                                       (17, 14, 2, 64)])
+                                                       (17, 14, 2, 64), (2048, 32, 8, 128)])
 def test_rope_and_write_kv(tokens, heads, kv_heads, dim, dtype):
     cos_sin = rope_cos_sin_cache(dim, 500000.0, None, 8192, torch.device("cuda"))
     page_size, num_pages = 16, tokens // 16 + 3
