@@ -2,14 +2,17 @@
 //
 // Decode tokens (sequences with one query) go through the decode kernel, exactly as in a pure
 // decode step, so a sequence's numbers do not change when a prefill shares its step. Chunks go
-// through scaled_dot_product_attention (flash attention where it applies) over their gathered
-// pages, one call per group of chunks of equal (queries, length): a whole batch of equal prompts
-// is one call. The chunk layout comes from the host's copy (`host_layout`), so nothing here waits
+// through flash attention (bf16 / fp16; scaled_dot_product_attention for other types) over their
+// gathered pages, one call per group of chunks of equal (queries, length): a whole batch of equal
+// prompts is one call. Flash attention is called by name: on Hopper scaled_dot_product_attention
+// picks cuDNN's, which spends about 1.5 ms of host time a call planning, so a step of prompts was
+// bound by the host, 32 layers of it. The chunk layout comes from the host's copy (`host_layout`), so nothing here waits
 // for the device: the host queues the layers ahead of it.
 #include <map>
 #include <utility>
 #include <vector>
 
+#include <ATen/ops/_scaled_dot_product_flash_attention.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
@@ -68,6 +71,9 @@ at::Tensor paged_attention_prefill(const at::Tensor& q, const at::Tensor& k_cach
   const int64_t heads = q.size(1), head_dim = q.size(2);
   const int64_t kv_heads = k_cache.size(2), page_size = k_cache.size(1), group = heads / kv_heads;
   const at::Device device = q.device();
+  // flash attention takes fewer kv heads as they are (grouped-query attention); the others want them repeated
+  const bool flash =
+      (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf) && head_dim % 8 == 0 && head_dim <= 256;
   for (const auto& [shape, seqs] : groups) {
     const int64_t num_q = shape.first, length = shape.second, count = static_cast<int64_t>(seqs.size());
     const int64_t pages = (length + page_size - 1) / page_size;
@@ -82,22 +88,30 @@ at::Tensor paged_attention_prefill(const at::Tensor& q, const at::Tensor& k_cach
     auto gather = [&](const at::Tensor& cache) {
       at::Tensor kv = cache.index_select(0, tables).view({count, pages * page_size, kv_heads, head_dim})
                           .narrow(1, 0, length);  // [count, length, kv_heads, D]
-      if (group > 1) {
+      if (group > 1 && !flash) {
         kv = kv.unsqueeze(3).expand({count, length, kv_heads, group, head_dim}).reshape({count, length, heads, head_dim});
       }
-      return kv.transpose(1, 2);  // [count, heads, length, D]
+      return kv.transpose(1, 2);  // [count, heads (flash: kv_heads), length, D]
     };
     const at::Tensor keys = gather(k_cache), values = gather(v_cache);
     const at::Tensor queries = q.index_select(0, row_idx).view({count, num_q, heads, head_dim}).transpose(1, 2);
-    std::optional<at::Tensor> mask;
-    const bool causal = num_q == length;  // else: the chunk's queries are the last num_q positions
-    if (!causal) {
-      const auto long_opts = at::TensorOptions().dtype(at::kLong).device(device);
-      const at::Tensor q_pos = at::arange(length - num_q, length, long_opts).unsqueeze(1);
-      const at::Tensor k_pos = at::arange(length, long_opts).unsqueeze(0);
-      mask = k_pos.le(q_pos);  // [num_q, length]
+    at::Tensor o;
+    if (flash) {
+      // with fewer queries than keys, flash attention aligns the causal mask to the last query and
+      // key (bottom right): the chunk's queries are the last num_q positions
+      o = std::get<0>(at::_scaled_dot_product_flash_attention(queries, keys, values, 0.0, /*is_causal=*/true,
+                                                               /*return_debug_mask=*/false, scale));
+    } else {
+      std::optional<at::Tensor> mask;
+      const bool causal = num_q == length;  // else: the chunk's queries are the last num_q positions
+      if (!causal) {
+        const auto long_opts = at::TensorOptions().dtype(at::kLong).device(device);
+        const at::Tensor q_pos = at::arange(length - num_q, length, long_opts).unsqueeze(1);
+        const at::Tensor k_pos = at::arange(length, long_opts).unsqueeze(0);
+        mask = k_pos.le(q_pos);  // [num_q, length]
+      }
+      o = at::scaled_dot_product_attention(queries, keys, values, mask, 0.0, causal, scale);
     }
-    const at::Tensor o = at::scaled_dot_product_attention(queries, keys, values, mask, 0.0, causal, scale);
     out.index_copy_(0, row_idx, o.transpose(1, 2).reshape({count * num_q, heads, head_dim}));
   }
   return out;
