@@ -3,7 +3,9 @@
 Decoding one token at a time is wrong: a character may span several byte tokens, and
 SentencePiece-style decoders change a token's text depending on what precedes it. So each push
 decodes a short window of recent ids twice, with and without the new ones, and emits the
-difference. Text that ends in U+FFFD (half a UTF-8 character) waits for the next token.
+difference. Text that ends in U+FFFD (half a UTF-8 character) waits for the next token. The
+window's text is kept for the next push, so that a push decodes once (the window is cut back to
+a few ids of context only every so often).
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ _MAX_PENDING_TOKENS = 64
 # Ids of already-emitted text kept in front of the window, so that leading-space rules of the
 # decoder see the same context every time.
 _CONTEXT_TOKENS = 4
+# The window is cut back to its context once it is this long: until then each push reuses the
+# text of the window before it (one decode a push, not two), and pushes stay O(new tokens).
+_MAX_WINDOW = 12
 
 
 class _Decoder(Protocol):
@@ -42,13 +47,19 @@ class TextStreamer:
         self._read = len(self._ids)  # ids before this index are already turned into text
         self._sent = 0  # chars of the text of ids[_read:] already passed on (before a half char)
         self._held = ""  # decoded text not yet emitted (a possible stop string start)
+        self._read_text: str | None = None  # the text of ids[:_read], when known
         self.stopped = False
-        self.text = ""  # all text emitted so far
+        self._emitted: list[str] = []
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        return "".join(self._emitted)
 
     def push(self, token_ids: Iterable[int]) -> tuple[str, bool]:
         if self.stopped:
             return "", True
-        self._ids.extend(int(t) for t in token_ids)
+        self._ids.extend(map(int, token_ids))
         new = self._decode_new(final=False)
         return self._emit(new, final=False)
 
@@ -63,7 +74,9 @@ class TextStreamer:
     def _decode_new(self, final: bool) -> str:
         if self._read >= len(self._ids):
             return ""
-        before = self._tok.decode(self._ids[:self._read], skip_special_tokens=self._skip)
+        before = self._read_text
+        if before is None:
+            before = self._read_text = self._tok.decode(self._ids[:self._read], skip_special_tokens=self._skip)
         after = self._tok.decode(self._ids, skip_special_tokens=self._skip)
         # the decoder may rewrite earlier text (rare); then only what is past it counts as new
         if after.startswith(before) or len(after) > len(before):
@@ -77,15 +90,17 @@ class TextStreamer:
             new, self._sent = safe[self._sent:], max(self._sent, len(safe))
             return new
         new, self._sent = fresh[self._sent:], 0
-        # keep a little context, drop the rest: each push stays O(new tokens)
-        if len(self._ids) > _CONTEXT_TOKENS:
+        if len(self._ids) > _MAX_WINDOW:  # keep a little context, drop the rest
             self._ids = self._ids[-_CONTEXT_TOKENS:]
+            self._read_text = None
+        else:
+            self._read_text = after
         self._read = len(self._ids)
         return new
 
     def _emit(self, new: str, final: bool) -> tuple[str, bool]:
         if not self._stops:
-            self.text += new
+            self._emitted.append(new)
             return new, False
         held = self._held + new
         # Generation stops where a stop string is first complete (the earliest end; on a tie the
@@ -98,11 +113,11 @@ class TextStreamer:
         if best is not None:
             cut = best[1]
             out, self._held, self.stopped = held[:cut], "", True
-            self.text += out
+            self._emitted.append(out)
             return out, True
         keep = 0 if final else self._partial_stop_len(held)
         out, self._held = held[:len(held) - keep], held[len(held) - keep:]
-        self.text += out
+        self._emitted.append(out)
         return out, False
 
     def _partial_stop_len(self, text: str) -> int:

@@ -254,9 +254,9 @@ class Scheduler:
         with an overflow policy makes room in its window first (context_window.make_room)."""
         seq.skip_evicted()
         n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-        if seq.num_computed_tokens < seq.evict_start < seq.num_computed_tokens + n and seq.num_evicted:
+        if seq.num_evicted and seq.num_computed_tokens < seq.evict_start < seq.num_computed_tokens + n:
             n = seq.evict_start - seq.num_computed_tokens  # recomputing: the sinks, then the kept tokens
-        if seq.priority > top_priority and n > 1:
+        if n > 1 and seq.priority > top_priority:
             n = min(n, self._background_left)
             self._background_left -= n
         if seq.overflow is not None and n > 0:
@@ -290,12 +290,15 @@ class Scheduler:
     def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """Pages for `n` more tokens of a running seq, preempting from the back of the running
         list as needed. False if `seq` itself had to go."""
-        while not self._can_allocate(self._pages_needed(seq, n)):
+        needed = self._pages_needed(seq, n)
+        while needed and not self._can_allocate(needed):
             victim = self.running[-1]
             self._preempt(victim, batch)
             if victim is seq:
                 return False
-        self._allocate(seq, n)
+            needed = self._pages_needed(seq, n)
+        for _ in range(needed):
+            seq.pages.append(self.pool.allocate())
         return True
 
     def _can_allocate(self, num_pages: int) -> bool:

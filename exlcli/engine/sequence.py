@@ -95,7 +95,7 @@ class Sequence:
     def cache_len(self) -> int:
         """Computed tokens that are in the cache (the position the next token is computed at)."""
         computed = self.num_computed_tokens
-        return computed - self.num_evicted if computed > self.evict_start else computed
+        return computed - self.num_evicted if self.num_evicted and computed > self.evict_start else computed
 
     def skip_evicted(self) -> None:
         """Recomputing after a preemption: at the gap, go on after it (its tokens are not recomputed)."""
