@@ -71,9 +71,10 @@ at::Tensor paged_attention_prefill(const at::Tensor& q, const at::Tensor& k_cach
   const int64_t heads = q.size(1), head_dim = q.size(2);
   const int64_t kv_heads = k_cache.size(2), page_size = k_cache.size(1), group = heads / kv_heads;
   const at::Device device = q.device();
-  // flash attention takes fewer kv heads as they are (grouped-query attention); the others want them repeated
-  const bool flash =
-      (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf) && head_dim % 8 == 0 && head_dim <= 256;
+  // flash attention (Ampere and newer) takes fewer kv heads as they are (grouped-query attention); the
+  // others want them repeated
+  const bool flash = (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf) && head_dim % 8 == 0 &&
+                     head_dim <= 256 && device_has_sm80();
   for (const auto& [shape, seqs] : groups) {
     const int64_t num_q = shape.first, length = shape.second, count = static_cast<int64_t>(seqs.size());
     const int64_t pages = (length + page_size - 1) / page_size;

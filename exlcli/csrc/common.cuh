@@ -119,9 +119,6 @@ inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().
 // Whether the current device can take programmatic dependent launches (sm_90+; cached per device).
 bool device_supports_pdl();
 
-// Whether the current device has cp.async and bf16 mma (sm_80+; cached per device).
-bool device_has_sm80();
-
 // Launches `kernel` on `stream`, as a programmatic dependent launch when the caller asks for one
 // (`pdl`: the op's argument, decided in Python) and the device supports it.
 template <typename Kernel, typename... Args>

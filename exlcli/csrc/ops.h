@@ -12,6 +12,10 @@
 
 namespace exlcli {
 
+// device_info.cu: whether the current device has cp.async, bf16 mma and flash attention (sm_80+;
+// cached per device).
+bool device_has_sm80();
+
 // norm.cu
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool pdl);
 std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,

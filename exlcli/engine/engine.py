@@ -640,8 +640,8 @@ class Engine:
         now = time.perf_counter()
         if seq.first_token_time is None:
             seq.first_token_time = now
-        request = seq.request
-        streamer = self._streamers[seq.request_id]
+        request, request_id = seq.request, seq.request_id
+        streamer = self._streamers[request_id]
         reason = None
         constraint = seq.constraint
         text, taken = "", 0
@@ -667,10 +667,10 @@ class Engine:
                     reason = FinishReason.LENGTH
             if reason is not None:
                 break
-        chosen = [lp for lp in (logprobs or [])[:taken] if lp is not None]
-        out = RequestOutput(seq.request_id, new_token_ids=tokens[:taken], new_text=text, logprobs=chosen or None)
+        chosen = [lp for lp in logprobs[:taken] if lp is not None] if logprobs else None
+        out = RequestOutput(request_id, new_token_ids=tokens[:taken], new_text=text, logprobs=chosen or None)
         if reason is None:
-            self._handles[seq.request_id]._put(out)
+            self._handles[request_id]._put(out)
         else:
             self._finish(seq, reason, last=out)
         return taken
