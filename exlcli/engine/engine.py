@@ -106,15 +106,19 @@ class RequestHandle:
         self.request_id = request_id
         self._engine = engine
         self._items: collections.deque[RequestOutput] = collections.deque()
-        self._cv = threading.Condition()
+        self._lock = threading.RLock()
+        self._cv = threading.Condition(self._lock)
+        self._blocked_readers = 0  # readers waiting on _cv: the engine notifies only when there are some
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
 
     def _put(self, out: RequestOutput) -> None:
-        with self._cv:
+        # once per token of every sequence: the lock taken directly, a notify only for a blocked reader
+        with self._lock:
             self._items.append(out)
-            self._cv.notify_all()
-            waiters = list(self._waiters)
-        for loop, event in waiters:
+            if self._blocked_readers:
+                self._cv.notify_all()
+            waiters = list(self._waiters) if self._waiters else None
+        for loop, event in waiters or ():
             loop.call_soon_threadsafe(event.set)
 
     def cancel(self) -> None:
@@ -126,9 +130,13 @@ class RequestHandle:
                 # No engine thread: the reader drives the loop itself (one-shot use, tests).
                 while not self._items and self._engine.step():
                     pass
-            with self._cv:
+            with self._lock:
                 while not self._items:
-                    self._cv.wait()
+                    self._blocked_readers += 1
+                    try:
+                        self._cv.wait()
+                    finally:
+                        self._blocked_readers -= 1
                 out = self._items.popleft()
             yield out
             if out.finished:
@@ -136,11 +144,11 @@ class RequestHandle:
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         event = asyncio.Event()
-        with self._cv:
+        with self._lock:
             self._waiters.append((asyncio.get_running_loop(), event))
         while True:
             event.clear()
-            with self._cv:
+            with self._lock:
                 out = self._items.popleft() if self._items else None
             if out is None:
                 await event.wait()
