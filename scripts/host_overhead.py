@@ -59,7 +59,8 @@ def main() -> None:
     config = dataclasses.replace(random_config("tiny"), num_layers=1)
     model = build_model(config, random_tensors(config), torch.device("cpu"), torch.float32)
     engine = Engine(model, SyntheticTokenizer(config.vocab_size),
-                    EngineConfig(max_num_seqs=args.seqs, max_num_batched_tokens=max(4096, args.seqs)))
+                    EngineConfig(max_num_seqs=args.seqs, max_num_batched_tokens=max(4096, args.seqs),
+                                 async_scheduling=True))
     gen = torch.Generator().manual_seed(0)
     for i in range(args.seqs):
         prompt = torch.randint(0, config.vocab_size, (128,), generator=gen).tolist()

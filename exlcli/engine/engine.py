@@ -614,8 +614,9 @@ class Engine:
         rows: list[SampleRow] = []
         for s, d in zip(seqs, drafts):
             rows.append(SampleRow(s.request.sampling, s.rng.random(), s.token_ids, s.num_prompt_tokens))
-            rows.extend(SampleRow(s.request.sampling, s.rng.random(), s.token_ids + d[:j], s.num_prompt_tokens)
-                        for j in range(1, len(d) + 1))
+            if d:
+                rows.extend(SampleRow(s.request.sampling, s.rng.random(), s.token_ids + d[:j], s.num_prompt_tokens)
+                            for j in range(1, len(d) + 1))
         want_logprobs = any(r.params.logprobs for r in rows)
         bitmask = masks.result()
         try:
