@@ -423,9 +423,11 @@ class Engine:
             batch, logits = self._run_alone(batch, prev, e)
             if batch is None:
                 return None
-        self._num_prefill_tokens += sum(
-            max(0, min(item.seq.num_computed_tokens + item.num_new_tokens, item.seq.num_prompt_tokens)
-                - item.seq.num_computed_tokens) for item in batch.items)
+        for item in batch.items:  # prompt tokens computed (a decode row has none)
+            seq = item.seq
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                self._num_prefill_tokens += (min(seq.num_computed_tokens + item.num_new_tokens, seq.num_prompt_tokens)
+                                             - seq.num_computed_tokens)
         self.scheduler.commit(batch)
         if masks is None:
             if prev is not None and self._masks_need_tokens_in_flight(batch):
