@@ -49,8 +49,11 @@ class Sequence:
     num_evicted: int = 0
     evicted_before: int = 0  # of those, evicted before this request resumed its session (engine/sessions.py)
     _hashes: list[int] = field(default_factory=list)
+    # the request's class as an int, read several times a step for every sequence (the scheduler's order)
+    priority: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
+        self.priority = int(self.request.priority)
         if not self.token_ids:
             self.token_ids = list(self.request.prompt_ids)
             self.num_prompt_tokens = len(self.token_ids)
@@ -61,9 +64,6 @@ class Sequence:
     def request_id(self) -> str:
         return self.request.request_id
 
-    @property
-    def priority(self) -> int:
-        return int(self.request.priority)
 
     @property
     def sort_key(self) -> tuple[int, int]:
