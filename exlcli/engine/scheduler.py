@@ -153,11 +153,12 @@ class Scheduler:
             if n == 0:
                 self._unmatch(seq)
                 break
-            if not self._can_allocate(self._pages_needed(seq, n)):
+            needed = self._pages_needed(seq, n)
+            if not self._can_allocate(needed):
                 self._unmatch(seq)
                 break
             self.waiting.pop(w)
-            self._allocate(seq, n)
+            self._allocate(seq, needed)
             if self.pool.enable_prefix_cache:
                 in_flight |= self._future_full_pages(seq, n)
             seq.status = SeqStatus.RUNNING
@@ -242,9 +243,12 @@ class Scheduler:
         if seq.overflow is not None:  # never drafts across a context shift: the next step shifts first
             room = min(room, seq.overflow.window - seq.cache_len - n)
         drafts = self.propose(seq, room)[:max(0, room)] if room > 0 else []
-        if drafts and not self.pool.can_allocate(self._pages_needed(seq, n + len(drafts))):
+        if not drafts:
             return []
-        self._allocate(seq, n + len(drafts))
+        needed = self._pages_needed(seq, n + len(drafts))
+        if not self.pool.can_allocate(needed):
+            return []
+        self._allocate(seq, needed)
         return drafts
 
     def _chunk(self, seq: Sequence, budget: int, top_priority: int, batch: ScheduledBatch) -> int:
@@ -283,8 +287,8 @@ class Scheduler:
         total = -(-(seq.cache_len + n) // self.page_size)
         return max(0, total - len(seq.pages))
 
-    def _allocate(self, seq: Sequence, n: int) -> None:
-        for _ in range(self._pages_needed(seq, n)):
+    def _allocate(self, seq: Sequence, num_pages: int) -> None:
+        for _ in range(num_pages):
             seq.pages.append(self.pool.allocate())
 
     def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
@@ -297,8 +301,7 @@ class Scheduler:
             if victim is seq:
                 return False
             needed = self._pages_needed(seq, n)
-        for _ in range(needed):
-            seq.pages.append(self.pool.allocate())
+        self._allocate(seq, needed)
         return True
 
     def _can_allocate(self, num_pages: int) -> bool:
