@@ -109,15 +109,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_tables: torch.Tensor, query_start_loc: list[int], seq_lens: list[int],
                     scale: float, seq_lens_t: torch.Tensor | None = None,
                     query_start_loc_t: torch.Tensor | None = None,
-                    layout: PagedLayout | None = None) -> torch.Tensor:
+                    layout: PagedLayout | None = None,
+                    prefill_layout: cuda_kernels.PrefillLayout | None = None) -> torch.Tensor:
     """Dispatch: the compiled decode / prefill kernels on a GPU, the C kernel for bf16 on the CPU,
-    else the reference."""
+    else the reference. `layout` (the reference's) and `prefill_layout` (the compiled prefill's) are
+    per-step work the caller did once for all layers; each path makes its own when it is missing."""
     decode_only = len(seq_lens) == q.shape[0]
     if use_kernels(q) and q.shape[-1] in HEAD_DIMS:  # others take the reference
         if decode_only:
             return cuda_kernels.paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens_t, scale)
+        if prefill_layout is None:
+            prefill_layout = cuda_kernels.PrefillLayout(query_start_loc, seq_lens)
         return cuda_kernels.paged_attention_prefill(q, k_cache, v_cache, block_tables, query_start_loc_t,
-                                                    seq_lens_t, scale, query_start_loc, seq_lens)
+                                                    seq_lens_t, scale, prefill_layout)
     if use_cpu_kernels_for(q):
         # rope hands q over as a view of its [T, heads + kv_heads, D] result
         return paged_attention_cpu(q.contiguous(), k_cache, v_cache, block_tables, query_start_loc,

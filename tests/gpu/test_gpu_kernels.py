@@ -358,12 +358,12 @@ def test_attention_rejects_bad_input():
     expect_rejected(lambda: decode(q, k, v, tables, lens, 0.1, version=2), "kernel version must be 1 or 3, got 2")
     qsl = torch.tensor([0, 1], dtype=torch.int64, device="cuda")
     expect_rejected(lambda: ops.paged_attention_prefill(q, k, v, tables, qsl, lens, 0.1), "query_start_loc")
-    qsl32 = qsl.int()
-    expect_rejected(lambda: ops.paged_attention_prefill(q, k, v, tables, qsl32, lens, 0.1, [0, 2], [10]),
+    qsl32, prefill = qsl.int(), ops.paged_attention_prefill
+    expect_rejected(lambda: prefill(q, k, v, tables, qsl32, lens, 0.1, ops.PrefillLayout([0, 2], [10])),
                     "query_start_loc must run")
     q2 = randn(2, 4, 64, dtype=torch.bfloat16)
     qsl2 = torch.tensor([0, 2], dtype=torch.int32, device="cuda")
-    expect_rejected(lambda: ops.paged_attention_prefill(q2, k, v, tables, qsl2, lens, 0.1, [0, 2], [40]),
+    expect_rejected(lambda: prefill(q2, k, v, tables, qsl2, lens, 0.1, ops.PrefillLayout([0, 2], [40])),
                     "too narrow")
     cos_sin = torch.zeros(16, 64, device="cuda")
     pos = torch.zeros(1, dtype=torch.long, device="cuda")

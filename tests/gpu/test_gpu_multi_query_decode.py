@@ -45,7 +45,7 @@ def test_multi_query_decode_equals_the_prefill_kernel(dtype, dim):
     got = paged_attention_decode_multi(q, k, v, tables, seq_of_row, row_lens, dim ** -0.5)
     prefill = kernels.paged_attention_prefill(q, k, v, tables, torch.tensor(starts, dtype=torch.int32, device="cuda"),
                                            torch.tensor(lens, dtype=torch.int32, device="cuda"), dim ** -0.5,
-                                           starts, lens)
+                                           kernels.PrefillLayout(starts, lens))
     torch.testing.assert_close(got, prefill, rtol=2e-2, atol=2e-2)
     ref = paged_attention_ref(q.double(), k.double(), v.double(), tables, starts, lens, dim ** -0.5)
     assert_matches(got, ref, dtype, "multi-query decode vs fp64")

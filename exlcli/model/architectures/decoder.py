@@ -112,9 +112,13 @@ class DecoderModel:
         num_tokens = batch.input_ids.shape[0]
         h = F.embedding(batch.input_ids, self.embed)  # [T, H]
         residual = None
-        # Reference path: per-step index work done once here instead of in every layer.
-        cos_sin_rows = layout = None
-        if not use_kernels(h) and not use_cpu_kernels(h):
+        # Per-step index work done once here instead of in every layer: the reference path's, and the
+        # compiled prefill attention's host layout.
+        cos_sin_rows = layout = prefill_layout = None
+        if use_kernels(h):
+            if len(batch.seq_lens) != num_tokens:  # not decode alone
+                prefill_layout = kernels.PrefillLayout(batch.query_start_loc, batch.seq_lens)
+        elif not use_cpu_kernels(h):
             cos_sin_rows = gather_cos_sin(self.cos_sin, batch.positions)
             layout = PagedLayout.build(batch.block_tables, batch.seq_lens, kv.page_size)
         cpu_layers = self._cpu_decoder_layers(h, kv)
@@ -138,7 +142,8 @@ class DecoderModel:
             q = rope_and_write_kv(q, k, v, batch.positions, self.cos_sin, kv.k[i], kv.v[i], batch.slot_mapping,
                                   cos_sin_rows)
             o = paged_attention(q, kv.k[i], kv.v[i], batch.block_tables, batch.query_start_loc,
-                                batch.seq_lens, self.scale, batch.seq_lens_t, batch.query_start_loc_t, layout)
+                                batch.seq_lens, self.scale, batch.seq_lens_t, batch.query_start_loc_t, layout,
+                                prefill_layout)
             h = layer.o_proj(o.reshape(num_tokens, -1))
             x, residual = fused_add_rms_norm(h, residual, layer.post_norm, cfg.rms_norm_eps)
             h = layer.down(silu_and_mul(layer.gate_up(x)))

@@ -5,6 +5,8 @@ arguments. Callers load the library first (loader.use_kernels / loader.load)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from exlcli.ops.cuda import checks
@@ -144,32 +146,42 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                                    options.pdl)
 
 
+@dataclass
+class PrefillLayout:
+    """A step's chunks as the host has them, for paged_attention_prefill: made once a step and passed
+    to every layer, so the layers neither wait for the device nor check and copy the lists again."""
+
+    query_start_loc: list[int]  # [B + 1]
+    seq_lens: list[int]  # [B]
+    host: torch.Tensor = field(init=False)  # [2B + 1] int32 on the CPU: query_start_loc, then seq_lens
+    checked_for: tuple = field(default=(), init=False)  # (query rows, page size, table width) checked
+
+    def __post_init__(self) -> None:
+        self.host = torch.tensor(self.query_start_loc + self.seq_lens, dtype=torch.int32)
+
+
 def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                            scale: float, host_query_start_loc: list[int] | None = None,
-                            host_seq_lens: list[int] | None = None, *, version: int | None = None) -> torch.Tensor:
-    """With the host copies of query_start_loc and seq_lens (the model has them), their values are
-    checked too and nothing waits for the device (without them they are read back from it); the
-    kernel reads the device copies itself. Decode tokens run the decode kernel `version` (as
-    paged_attention_decode)."""
+                            scale: float, layout: PrefillLayout | None = None, *,
+                            version: int | None = None) -> torch.Tensor:
+    """With the host's layout (the model has it), nothing waits for the device; without it the
+    layout is read back from the device. The kernel reads the device copies itself. Decode tokens
+    run the decode kernel `version` (as paged_attention_decode)."""
     op = "paged_attention_prefill"
     checks.paged(op, q, k_cache, v_cache, block_tables, seq_lens)
     checks.on_cuda(op, "q query_start_loc", q, query_start_loc)
     checks.vector(op, "query_start_loc", query_start_loc, seq_lens.shape[0] + 1, torch.int32)
-    if host_query_start_loc is None or host_seq_lens is None:
-        host_query_start_loc, host_seq_lens = query_start_loc.tolist(), seq_lens.tolist()
-    # every layer of a step passes the same lists: check them and make their CPU tensor once
-    key = (host_query_start_loc, host_seq_lens, q.shape[0], k_cache.shape[1], block_tables.shape[1])
-    last = STATE.checked_prefill_layout
-    if not (last and last[0] is key[0] and last[1] is key[1] and last[2:5] == key[2:]):
-        checks.prefill_layout(op, q, k_cache, block_tables, host_query_start_loc, host_seq_lens)
-        layout = torch.tensor(host_query_start_loc + host_seq_lens, dtype=torch.int32)
-        STATE.checked_prefill_layout = last = key + (layout,)
+    if layout is None:
+        layout = PrefillLayout(query_start_loc.tolist(), seq_lens.tolist())
+    shape = (q.shape[0], k_cache.shape[1], block_tables.shape[1])
+    if layout.checked_for != shape:
+        checks.prefill_layout(op, q, k_cache, block_tables, layout.query_start_loc, layout.seq_lens)
+        layout.checked_for = shape
     options = STATE.options
     version = options.decode_attention_version if version is None else version
     checks.decode_attention_version(op, version)
     return torch.ops.exlcli.paged_attention_prefill(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-                                                    last[5], scale, version, options.pdl)
+                                                    layout.host, scale, version, options.pdl)
 
 
 def _packed(op: str, qweight: torch.Tensor, scales: torch.Tensor, bits: int, group: int, n: int, k: int) -> None:

@@ -35,9 +35,6 @@ class KernelState:
         self.reason = ""  # why the kernels are off, when they are
         self.decode_linear_ok = False  # the decode linear kernel passed its check at load
         self.options = LaunchOptions()
-        # paged_attention_prefill's host lists checked last, with their CPU int32 tensor: every layer of
-        # a step passes the same
-        self.checked_prefill_layout: tuple = ()
 
 
 STATE = KernelState()
