@@ -99,6 +99,9 @@ class EngineConfig:
     max_sessions: int = DEFAULT_MAX_SESSIONS
 
 
+_MAX_MERGED_TOKENS = 4096  # an unread delta grows to this many tokens, then a new one starts
+
+
 class RequestHandle:
     """Deltas of one request; iterate it (blocking) or `async for` it, once."""
 
@@ -112,8 +115,16 @@ class RequestHandle:
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
 
     def _put(self, out: RequestOutput) -> None:
-        # once per token of every sequence: the lock taken directly, a notify only for a blocked reader
+        # once per token of every sequence: the lock taken directly, a notify only for a blocked reader.
+        # A reader that has not taken the last delta yet gets this one in it (up to _MAX_MERGED_TOKENS
+        # tokens), already signalled: a reader that lags, or reads at the end, holds one delta per
+        # request, not one per token (at 512 sequences those deltas made the collector's full passes
+        # cost about 130 ms each on the H200's host).
         with self._lock:
+            last = self._items[-1] if self._items else None
+            if last is not None and not last.finished and len(last.new_token_ids) < _MAX_MERGED_TOKENS:
+                last.absorb(out)
+                return
             self._items.append(out)
             if self._blocked_readers:
                 self._cv.notify_all()

@@ -222,3 +222,12 @@ class RequestOutput:
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None
     stats: RequestStats | None = None  # set on the final output
+
+    def absorb(self, later: RequestOutput) -> None:
+        """Take in the delta that follows this one (this one unfinished): one delta of both."""
+        self.new_token_ids.extend(later.new_token_ids)
+        self.new_text += later.new_text
+        if later.logprobs:
+            self.logprobs = (self.logprobs or []) + later.logprobs
+        self.finished, self.finish_reason, self.error, self.stats = (later.finished, later.finish_reason,
+                                                                     later.error, later.stats)

@@ -208,3 +208,27 @@ def test_batch_prefill_moves_in_small_chunks_while_a_chat_runs(make_engine):
     assert min(steps) > 0 and max(steps) <= engine.scheduler.background_chunk < 256
     engine.run_until_idle()
     assert len(tokens_of(chat)) == 40 and len(tokens_of(job)) == 2
+
+
+def test_a_handle_read_late_holds_one_delta_of_everything(make_engine, monkeypatch):
+    from exlcli.engine import engine as engine_module
+
+    prompt = random_prompts(1, seed=21)[0]
+    params = SamplingParams(temperature=0.0, logprobs=2)
+    live_engine = make_engine()
+    live = list(live_engine.submit(Request("live", prompt, params, max_new_tokens=12)))  # read step by step
+    assert [len(o.new_token_ids) for o in live] == [1] * 12  # a delta per token, the last one final
+    late_engine = make_engine()
+    late = late_engine.submit(Request("late", prompt, params, max_new_tokens=12))
+    late_engine.run_until_idle()
+    outs = list(late)
+    assert len(outs) == 1 and outs[0].finished and outs[0].finish_reason is FinishReason.LENGTH
+    assert outs[0].new_token_ids == [t for o in live for t in o.new_token_ids]
+    assert outs[0].new_text == "".join(o.new_text for o in live)
+    assert outs[0].logprobs == [lp for o in live for lp in o.logprobs or []] and len(outs[0].logprobs) == 12
+    assert outs[0].stats.generated_tokens == 12
+    monkeypatch.setattr(engine_module, "_MAX_MERGED_TOKENS", 5)  # an unread delta stops growing at the cap
+    capped_engine = make_engine()
+    capped = capped_engine.submit(Request("capped", prompt, params, max_new_tokens=12))
+    capped_engine.run_until_idle()
+    assert [len(o.new_token_ids) for o in capped] == [5, 5, 2]
