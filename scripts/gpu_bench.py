@@ -186,9 +186,12 @@ def build_model(shape: str, dtype: torch.dtype):
 
 def make_engine(model, tokenizer, max_num_seqs: int, max_num_batched_tokens: int | None = None):
     from exlcli.engine.engine import Engine, EngineConfig
+    from exlcli.engine.heap import freeze_long_lived_objects
 
-    return Engine(model, tokenizer, EngineConfig(max_num_seqs=max_num_seqs,
-                                                 max_num_batched_tokens=max_num_batched_tokens))
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=max_num_seqs,
+                                                   max_num_batched_tokens=max_num_batched_tokens))
+    freeze_long_lived_objects()  # as the front ends do (LocalClient.from_model)
+    return engine
 
 
 def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:

@@ -190,6 +190,7 @@ def make_engine(loaded, max_batch: int, max_len: int, depth: int = 0, ubatch: in
     tg prefill (so every sequence decodes in lockstep and the last N steps are pure decode).
     `speculative`: EngineConfig's speculative fields, for tg with a drafter."""
     from exlcli.engine.engine import Engine, EngineConfig
+    from exlcli.engine.heap import freeze_long_lived_objects
 
     page_size = 16
     pages_per_seq = -(-(max_len + 1) // page_size) + 1
@@ -199,6 +200,7 @@ def make_engine(loaded, max_batch: int, max_len: int, depth: int = 0, ubatch: in
                           max_model_len=min(max_len + 1, loaded.config.context_length),
                           enable_prefix_cache=False, **(speculative or {}))
     engine = Engine(loaded.model, loaded.tokenizer, config)
+    freeze_long_lived_objects()  # as a front end's engine is (LocalClient.from_model)
     need = max_batch * max(1, depth)
     if engine.scheduler.max_num_batched_tokens < need:
         engine.scheduler.max_num_batched_tokens = need

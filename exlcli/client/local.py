@@ -8,6 +8,7 @@ from typing import AsyncIterator, Iterator
 
 from exlcli.client.base import EngineClient, GenerationParams, GenerationStream, TextDelta, Usage
 from exlcli.engine.engine import Engine, EngineConfig, RequestHandle
+from exlcli.engine.heap import freeze_long_lived_objects
 from exlcli.engine.request import Request, RequestOutput
 from exlcli.engine.stats import EngineStats
 from exlcli.errors import ExlcliError, RequestError
@@ -110,8 +111,10 @@ class LocalClient(EngineClient):
         log = sys.stderr if log is None else log  # looked up per call (a test runner swaps it)
         if cpu_threads is not None and not (device or "").startswith("cuda"):
             start_cpu_threads(cpu_threads, log)
-        return cls(load_model(model, device=device, dtype=dtype, log=log, quantize=quantize), config,
-                   threaded=threaded)
+        client = cls(load_model(model, device=device, dtype=dtype, log=log, quantize=quantize), config,
+                     threaded=threaded)
+        freeze_long_lived_objects()  # the model, tokenizer and engine stay as long as the process
+        return client
 
     def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True,
                         tools: list[dict] | None = None) -> list[int]:
