@@ -227,7 +227,9 @@ class RequestOutput:
         """Take in the delta that follows this one (this one unfinished): one delta of both."""
         self.new_token_ids.extend(later.new_token_ids)
         self.new_text += later.new_text
-        if later.logprobs:
-            self.logprobs = (self.logprobs or []) + later.logprobs
+        if later.logprobs:  # (extended in place: a late reader's delta grows a token at a time)
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(later.logprobs)
         self.finished, self.finish_reason, self.error, self.stats = (later.finished, later.finish_reason,
                                                                      later.error, later.stats)
