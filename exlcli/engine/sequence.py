@@ -64,7 +64,6 @@ class Sequence:
     def request_id(self) -> str:
         return self.request.request_id
 
-
     @property
     def sort_key(self) -> tuple[int, int]:
         return (self.priority, self.arrival_index)

@@ -26,7 +26,8 @@ def on_gc(phase, info):
         gc_count[info["generation"]] += 1
 
 
-def main():
+def decoding_engine():
+    """The FP8 8B shape's engine with 512 sequences past their prompts, decoding (handles not read)."""
     model, tok = gb.build_quantized_llama("fp8")
     engine = gb.make_engine(model, tok, max_num_seqs=512)
     gb.decode_steps(engine, 64, 128, 20, "warm")
@@ -39,6 +40,11 @@ def main():
     for _ in range(5):
         engine.step()
     torch.cuda.synchronize()
+    return engine
+
+
+def main():
+    engine = decoding_engine()
     print("gc objects tracked:", len(gc.get_objects()), "thresholds", gc.get_threshold(), "counts", gc.get_count())
     gc.callbacks.append(on_gc)
     totals = collections.Counter()

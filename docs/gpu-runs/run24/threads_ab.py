@@ -9,8 +9,10 @@ import time
 import torch
 
 sys.path.insert(0, "scripts")
-import gpu_bench as gb  # noqa: E402
 import host_overhead as ho  # noqa: E402
+
+sys.path.insert(0, "docs/gpu-runs/run24")
+from gc_probe import decoding_engine  # noqa: E402
 
 
 def py_work(n=200_000):
@@ -30,18 +32,7 @@ def main():
         after = py_work(20_000) * 10
         print(f"threads {threads}: py_work quiet {quiet:.1f} ms, right after a parallel op {after:.1f} ms")
     torch.set_num_threads(16)
-    model, tok = gb.build_quantized_llama("fp8")
-    engine = gb.make_engine(model, tok, max_num_seqs=512)
-    gb.decode_steps(engine, 64, 128, 20, "warm")
-    engine.runner.graphs.capture([512], max_pages=16)
-    prompts = gb.random_prompts(512, 128, model.config.vocab_size, seed=12345)
-    gb.submit_all(engine, prompts, 400, "h")
-    sch = engine.scheduler
-    while sch.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in sch.running):
-        engine.step()
-    for _ in range(5):
-        engine.step()
-    torch.cuda.synchronize()
+    engine = decoding_engine()
     totals = collections.Counter()
     ho.timed_sections(totals)
     walls = collections.defaultdict(list)
