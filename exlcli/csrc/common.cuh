@@ -5,6 +5,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <cstdint>
 #include <type_traits>
 #include <utility>
 
@@ -134,6 +136,45 @@ void launch_pdl(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t 
   config.attrs = attribute;
   config.numAttrs = pdl && device_supports_pdl() ? 1 : 0;
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+
+// Launches `kernel` as launch_pdl does, its blocks in clusters of `cluster` blocks (sm_90+: the caller
+// checks the device); the cluster's blocks run at once and can read each other's shared memory.
+template <typename Kernel, typename... Args>
+void launch_cluster_pdl(Kernel kernel, dim3 grid, dim3 block, dim3 cluster, size_t smem, cudaStream_t stream,
+                        bool pdl, Args&&... args) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[2];
+  attribute[0].id = cudaLaunchAttributeClusterDimension;
+  attribute[0].val.clusterDim.x = cluster.x;
+  attribute[0].val.clusterDim.y = cluster.y;
+  attribute[0].val.clusterDim.z = cluster.z;
+  attribute[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[1].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = pdl && device_supports_pdl() ? 2 : 1;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+
+// Lets `kernel` take `smem` bytes of dynamic shared memory (over the default 48 KiB) with the
+// largest shared-memory carveout: set once per device for each kernel (a cache of what was set on
+// the driver, not a setting). The kernel is a template argument, so each kernel has its own cache.
+template <auto kernel>
+void allow_dynamic_smem(int smem) {
+  static std::atomic<uint64_t> configured{0};  // one bit per device
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  const uint64_t bit = uint64_t{1} << (device & 63);
+  if (!(configured.load(std::memory_order_relaxed) & bit)) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                        cudaSharedmemCarveoutMaxShared));
+    configured.fetch_or(bit, std::memory_order_relaxed);
+  }
 }
 
 // Multiprocessors of the current device (cached per device).

@@ -1,5 +1,5 @@
-// FP8 x FP8 products for 5 to a few hundred tokens on the tensor cores (mma.sync m16n8k32 e4m3,
-// fp32 accumulate, sm_89+): y = (xq @ w^T) * x_scale[token] * w_scale[row] (+ bias), bf16 out, for
+// FP8 x FP8 products for 5 to 16 tokens (on Hopper 5 to 8; fp8_gemm.cu takes more) on the tensor
+// cores (mma.sync m16n8k32 e4m3, fp32 accumulate, sm_89+): y = (xq @ w^T) * x_scale[token] * w_scale[row] (+ bias), bf16 out, for
 // activations quantized per token (fp8_quant.cu) and e4m3 weights [n, k] kept row-major with a
 // scale per row (exlcli/ops/formats/cuda_fp8.py).
 //
@@ -24,6 +24,7 @@ namespace {
 using qlinear::kChunk;
 using qlinear::kTileRows;
 using qlinear::kWarps;
+using qlinear::mma_e4m3;
 
 struct Fp8Params {
   const uint8_t* xq;       // [m, k] e4m3, rows 16-byte aligned
@@ -34,19 +35,6 @@ struct Fp8Params {
   __nv_bfloat16* out;      // [m, n]
   int m, n, k;
 };
-
-__device__ __forceinline__ void mma_e4m3(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  asm volatile(
-      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-#else
-  __trap();  // the Python side runs this kernel only on sm_89 and newer
-#endif
-}
 
 template <int NT, int RT, int UNROLL>
 __global__ void __launch_bounds__(kWarps * 32) fp8_linear_kernel(Fp8Params p) {
