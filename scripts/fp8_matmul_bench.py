@@ -7,7 +7,10 @@ CUDA graphs of 20 calls over copies of the weight that together exceed the L2 ca
 - `kernel`: exlcli's FP8 linear (`fp8.cuda_linear`, what the engine runs), whatever path it takes;
 - `scaled_mm`: `torch._scaled_mm` with a scale per token and per output row, the activations
   quantized per token inside the timed call (by the path the linear uses for them);
-- `mma_only`: exlcli's FP8 x FP8 kernel (csrc/fp8_linear.cu) with the activations already quantized;
+- `mma_only`: exlcli's FP8 x FP8 mma.sync kernel (csrc/fp8_linear.cu, Ada's path) with the
+  activations already quantized;
+- `gemm_only`: exlcli's wgmma kernel (csrc/fp8_gemm.cu, Hopper's path up to 64 tokens) with the
+  activations already quantized, the slices of the input features the linear picks;
 - `scaled_mm_only`: cuBLASLt's product with the activations already quantized;
 - `swapped_only`: the same product with the operands swapped, (W x^T)^T: the weight rows become the
   product's long side, so cuBLASLt tiles the output rows rather than the few tokens (tokens padded to
@@ -76,7 +79,7 @@ def main() -> None:
 
 def bench_shape(name: str, tokens: list[int], dev: torch.device) -> list[dict]:
     from exlcli.ops.cuda import kernels
-    from exlcli.ops.formats import fp8
+    from exlcli.ops.formats import cuda_fp8, fp8
 
     rows_out = []
     n, k = SHAPES[name]
@@ -91,6 +94,7 @@ def bench_shape(name: str, tokens: list[int], dev: torch.device) -> list[dict]:
         row_scales.append(scale.float().reshape(1, n))
         linears.append(fp8.cuda_linear(fp8.from_fp8(q, scale), None, dev, torch.bfloat16))
     dense = [weights[i].to(torch.bfloat16) for i in range(min(copies, max(2, math.ceil(L2_BYTES / (2 * n * k)))))]
+    splits = cuda_fp8.gemm_splits(weights[0]) or 1
     for m in tokens:
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         amax = x.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
@@ -114,6 +118,8 @@ def bench_shape(name: str, tokens: list[int], dev: torch.device) -> list[dict]:
             "scaled_mm": lambda i: torch._scaled_mm(*_pair(quantized_input(), weights[i % copies].t()),
                                                     scale_b=row_scales[i % copies], out_dtype=torch.bfloat16),
             "mma_only": lambda i: kernels.fp8_linear(xq, xs, weights[i % copies], row_scales[i % copies].view(-1)),
+            "gemm_only": lambda i: kernels.fp8_gemm(xq, xs, weights[i % copies], row_scales[i % copies].view(-1),
+                                                    None, splits, 32 if m <= 32 else 64),
             "scaled_mm_only": lambda i: torch._scaled_mm(xq, weights[i % copies].t(), scale_a=xs,
                                                          scale_b=row_scales[i % copies], out_dtype=torch.bfloat16),
             "swapped_only": swapped,

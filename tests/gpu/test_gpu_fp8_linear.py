@@ -13,6 +13,7 @@ from gpu_helpers import (
     assert_matches,
     assert_same,
     poison_next_alloc,
+    rel_err,
     requires_cuda,
 )
 
@@ -153,6 +154,48 @@ def test_fp8_mma_kernel_against_float64_and_batch_invariant(n, k, with_bias):
         assert torch.equal(got, full[:m]), f"rows of {m} tokens differ from the same rows among 256"
 
 
+requires_hopper = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < cuda_fp8.GEMM_CAPABILITY,
+    reason="the wgmma kernel needs sm_90")
+
+
+@requires_hopper
+@pytest.mark.parametrize("n,k,splits,with_bias", [(1536, 4096, 4, False), (256, 512, 1, True),
+                                                  (4096, 14336, 8, False), (384, 1024, 2, True)])
+def test_fp8_wgmma_kernel_against_float64_and_batch_invariant(n, k, splits, with_bias):
+    values, scale = fp8_weight(n, k, seed=n + k + splits)
+    bias = torch.randn(n, device="cuda").bfloat16() if with_bias else None
+    x = torch.randn(200, k, device="cuda").bfloat16() * torch.logspace(-2, 2, 200, device="cuda")[:, None].bfloat16()
+    xq, xs = ops.quantize_rows_e4m3(x)
+    ref = (xq.double() * xs.double()) @ dense(values, scale).t() + (0 if bias is None else bias.double())
+    full = ops.fp8_gemm(xq, xs, values, scale, bias, splits=splits, block_tokens=64)
+    assert_matches(full, ref, torch.bfloat16, f"wgmma fp8 {n}x{k} m200 splits {splits}")
+    # as close as cuBLASLt's product (which also sums the tensor cores' partial sums in fp32)
+    cublas = torch._scaled_mm(xq, values.t(), scale_a=xs, scale_b=scale.view(1, -1), bias=bias,
+                              out_dtype=torch.bfloat16)
+    assert rel_err(full, ref) <= 1.05 * rel_err(cublas, ref) + 1e-6
+    for m in (1, 5, 17, 32, 33, 64, 65, 130):
+        for block_tokens in (32, 64):
+            poison_next_alloc((m, n), torch.bfloat16)
+            got = ops.fp8_gemm(xq[:m].contiguous(), xs[:m].contiguous(), values, scale, bias, splits=splits,
+                               block_tokens=block_tokens)
+            assert torch.equal(got, full[:m]), f"rows of {m} tokens ({block_tokens} a block) differ among 200"
+
+
+@requires_hopper
+def test_fp8_linear_takes_the_wgmma_kernel_on_hopper():
+    values, scale = fp8_weight(1024, 2048, seed=11)
+    lin = cuda_fp8.Fp8CudaLinear(values, scale, None)
+    assert lin._gemm_splits == cuda_fp8.gemm_splits(values) and lin._gemm_splits in (1, 2, 4, 8)
+    x = torch.randn(40, 2048, device="cuda").bfloat16()
+    xq, xs = ops.quantize_rows_e4m3(x)
+    assert torch.equal(lin(x), ops.fp8_gemm(xq, xs, values, scale, None, splits=lin._gemm_splits, block_tokens=64))
+    for m in (5, 8):  # fewer tokens than GEMM_MIN_TOKENS: the mma.sync kernel
+        assert torch.equal(lin(x[:m]), ops.fp8_linear(xq[:m].contiguous(), xs[:m].contiguous(), values, scale))
+    assert cuda_fp8.gemm_splits(values[:, :96].contiguous()) is None  # k not a multiple of 128
+    assert cuda_fp8.gemm_splits(values.cpu()) is None
+
+
 def test_fp8_linear_in_a_cuda_graph():
     values, scale = fp8_weight(1024, 512, seed=9)
     lin = cuda_fp8.Fp8CudaLinear(values, scale, None)
@@ -216,6 +259,9 @@ def test_bad_input_names_the_problem():
         (lambda: ops.fp8_linear(values[:2], scale[:3], values, scale), "x_scale must be a contiguous float32 of 2"),
         (lambda: ops.fp8_linear(values[:2], scale[:2], values[:24], scale[:24]), "multiple of 16"),
         (lambda: ops.quantize_rows_e4m3(torch.randn(2, 12, device="cuda").bfloat16()), "multiple of 8"),
+        (lambda: ops.fp8_gemm(values[:2], scale[:2], values, scale), "n must be a multiple of 128"),
+        (lambda: ops.fp8_gemm(values[:2], scale[:2], values, scale, splits=3), "splits must be 1, 2, 4 or 8"),
+        (lambda: ops.fp8_gemm(values[:2], scale[:2], values, scale, block_tokens=16), "block_tokens 32 or 64"),
     ]
     for call, words in cases:
         with pytest.raises(KernelInputError) as err:

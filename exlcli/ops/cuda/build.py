@@ -27,6 +27,7 @@ SOURCES = (
     "quant_linear.cu",
     "fp8_quant.cu",
     "fp8_linear.cu",
+    "fp8_gemm.cu",
     "attention_decode.cu",
     "attention_decode_v1.cu",
     "attention_decode_v3.cu",

@@ -217,6 +217,29 @@ def fp8_linear(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w_
     float8_e4m3fn [m, k] with x_scale fp32 [m, 1] (quantize_rows_e4m3's), weight float8_e4m3fn [n, k]
     (n a multiple of 16, k of 64) with w_scale fp32 [n]."""
     op = "fp8_linear"
+    n, k = _fp8_operands(op, xq, x_scale, weight, w_scale, bias)
+    if n % 16 or k % 64 or n == 0:
+        checks.fail(op, f"n must be a multiple of 16 and k of 64, got {n} x {k}")
+    return torch.ops.exlcli.fp8_linear(xq, x_scale, weight, w_scale, bias, STATE.options.pdl)
+
+
+def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
+             bias: torch.Tensor | None = None, splits: int = 1, block_tokens: int = 64) -> torch.Tensor:
+    """fp8_linear's product, tiled through shared memory on wgmma for 9 to 64 tokens (sm_90+, see
+    csrc/fp8_gemm.cu): n a multiple of 128, k of 128 * splits; splits 1, 2, 4 or 8, block_tokens 32
+    or 64."""
+    op = "fp8_gemm"
+    n, k = _fp8_operands(op, xq, x_scale, weight, w_scale, bias)
+    if splits not in (1, 2, 4, 8) or block_tokens not in (32, 64):
+        checks.fail(op, f"splits must be 1, 2, 4 or 8 and block_tokens 32 or 64, got {splits}, {block_tokens}")
+    if n % 128 or k % (128 * splits) or n == 0:
+        checks.fail(op, f"n must be a multiple of 128 and k of {128 * splits}, got {n} x {k}")
+    return torch.ops.exlcli.fp8_gemm(xq, x_scale, weight, w_scale, bias, splits, block_tokens, STATE.options.pdl)
+
+
+def _fp8_operands(op: str, xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
+                  bias: torch.Tensor | None) -> tuple[int, int]:
+    """Checks the operands of an FP8 x FP8 product; returns (n, k)."""
     checks.on_cuda(op, "xq x_scale weight w_scale", xq, x_scale, weight, w_scale)
     if xq.dim() != 2 or xq.dtype != torch.float8_e4m3fn or not xq.is_contiguous() or not checks.aligned(xq):
         checks.fail(op, f"xq must be a contiguous, aligned float8_e4m3fn [m, k], got {xq.dtype} {list(xq.shape)}")
@@ -226,15 +249,13 @@ def fp8_linear(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w_
         checks.fail(op, f"weight must be a contiguous, aligned float8_e4m3fn [n, {k}], got {weight.dtype} "
                         f"{list(weight.shape)}")
     n = weight.shape[0]
-    if n % 16 or k % 64 or n == 0:
-        checks.fail(op, f"n must be a multiple of 16 and k of 64, got {n} x {k}")
     if x_scale.dtype != torch.float32 or x_scale.numel() != m or not x_scale.is_contiguous():
         checks.fail(op, f"x_scale must be a contiguous float32 of {m} elements, got {list(x_scale.shape)}")
     checks.vector(op, "w_scale", w_scale, n, torch.float32)
     if bias is not None:
         checks.on_cuda(op, "xq bias", xq, bias)
         checks.vector(op, "bias", bias, n, torch.bfloat16)
-    return torch.ops.exlcli.fp8_linear(xq, x_scale, weight, w_scale, bias, STATE.options.pdl)
+    return n, k
 
 
 def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bits: int, group: int, n: int,

@@ -6,11 +6,15 @@ the layout both of its products read.
   the bf16 activations as they are, each row's sum times its scale; `fused_decode_weights` hands the
   same weights to the fused decode step.
 - More tokens: the activations are quantized per token to e4m3 (csrc/fp8_quant.cu) and multiplied
-  on the tensor cores, fp32 accumulation, a scale per token and per weight row: up to MMA_MAX_TOKENS
-  tokens by csrc/fp8_linear.cu (mma.sync over the row-major weights, batch-invariant), beyond by
-  cuBLASLt's FP8 matmul (`torch._scaled_mm`). Measured on an H200, 8B shapes
-  (`scripts/fp8_matmul_bench.py`, docs/gpu-results.md run 18): at 5-16 tokens the kernel is 1.1-1.9x
-  faster than cuBLASLt; at 64 cuBLASLt is up to 2x faster, and its lead grows with the tokens.
+  on the tensor cores, fp32 accumulation, a scale per token and per weight row: by csrc/fp8_linear.cu
+  (mma.sync over the row-major weights) up to MMA_MAX_TOKENS tokens, on Hopper only up to
+  GEMM_MIN_TOKENS - 1 and then by csrc/fp8_gemm.cu (wgmma over tiles in shared memory, the input
+  features split across a cluster where the weight has few rows) up to GEMM_MAX_TOKENS; beyond, by
+  cuBLASLt's FP8 matmul (`torch._scaled_mm`). Each kernel is batch-invariant over its range. Measured
+  on an H200, 8B shapes (`scripts/fp8_matmul_bench.py`, docs/gpu-results.md runs 18 and 25): the
+  mma.sync kernel is the fastest at 5-8 tokens; from 16 tokens the wgmma one is (Hopper runs
+  mma.sync's e4m3 form as fp16 after a conversion), at 16-64 tokens in 0.54-0.86x cuBLASLt's time;
+  from 128 tokens cuBLASLt is the fastest.
 
 Weights with scales per 128 x 128 tile stay in cuda_groups' packed 8-bit layout.
 """
@@ -24,8 +28,10 @@ from exlcli.ops.cuda.limits import DECODE_LINEAR_MAX_ROWS
 from exlcli.ops.formats.base import BfloatRowsLinear, DecodeWeights, Linear
 
 E4M3_MAX = 448.0  # the largest finite e4m3 value
-MMA_MAX_TOKENS = 16  # beyond, cuBLASLt's FP8 matmul (measured: docs/gpu-results.md run 18)
+MMA_MAX_TOKENS = 16  # without the wgmma kernel: beyond, cuBLASLt's FP8 matmul (docs/gpu-results.md run 18)
+GEMM_MIN_TOKENS, GEMM_MAX_TOKENS = 9, 64  # the wgmma kernel's range (docs/gpu-results.md run 25)
 MIN_CAPABILITY = (8, 9)  # e4m3 tensor-core products (Ada, Hopper and newer)
+GEMM_CAPABILITY = (9, 0)  # wgmma and thread block clusters
 MIN_AMAX = 1e-12  # a row of zeros quantizes with this amax (csrc/fp8_quant.cu's kMinAmax)
 
 
@@ -52,6 +58,7 @@ class Fp8CudaLinear(BfloatRowsLinear):
         self._scale_b = self.row_scale.view(1, -1)  # _scaled_mm's per-column scale of W^T
         self.bias = bias
         self.out_features, self.in_features = weight.shape
+        self._gemm_splits = gemm_splits(self.weight)
 
     def rows_product(self, x: torch.Tensor, out_dtype: torch.dtype | None) -> torch.Tensor:
         if x.shape[0] == 0:
@@ -59,6 +66,9 @@ class Fp8CudaLinear(BfloatRowsLinear):
         if x.shape[0] <= DECODE_LINEAR_MAX_ROWS:
             return kernels.decode_linear(x, self.weight, self.bias, self.row_scale)
         xq, x_scale = kernels.quantize_rows_e4m3(x)
+        if self._gemm_splits is not None and GEMM_MIN_TOKENS <= x.shape[0] <= GEMM_MAX_TOKENS:
+            return kernels.fp8_gemm(xq, x_scale, self.weight, self.row_scale, self.bias, self._gemm_splits,
+                                    32 if x.shape[0] <= 32 else 64)
         if x.shape[0] <= MMA_MAX_TOKENS and self.in_features % 64 == 0:
             return kernels.fp8_linear(xq, x_scale, self.weight, self.row_scale, self.bias)
         return torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self._scale_b, bias=self.bias,
@@ -73,6 +83,25 @@ class Fp8CudaLinear(BfloatRowsLinear):
     def dequantized(self) -> torch.Tensor:
         """The dense bf16 weight [N, K] (tests and tools)."""
         return (self.weight.float() * self.row_scale[:, None]).to(torch.bfloat16)
+
+
+def gemm_splits(weight: torch.Tensor) -> int | None:
+    """How many slices of its input features csrc/fp8_gemm.cu cuts a product with `weight` [N, K]
+    into, or None where that kernel does not run (not Hopper, or N not a multiple of 128, K of 128).
+    The fewest slices (1, 2, 4, 8) that give at least three blocks of 128 rows for every four
+    multiprocessors: on the H200 the 8B shapes' q|k|v (48 row tiles) took 4, o and down (32) 4,
+    gate|up (224) 1, each the fastest of the four."""
+    rows, cols = weight.shape
+    if not weight.is_cuda or torch.cuda.get_device_capability(weight.device) < GEMM_CAPABILITY:
+        return None
+    if rows % 128 or cols % 128:
+        return None
+    tiles = rows // 128
+    sms = torch.cuda.get_device_properties(weight.device).multi_processor_count
+    splits = 1
+    while splits < 8 and 4 * tiles * splits < 3 * sms and cols % (256 * splits) == 0:
+        splits *= 2
+    return splits
 
 
 def row_scaled_linear(values: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> Linear | None:
