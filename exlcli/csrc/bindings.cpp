@@ -9,7 +9,9 @@
 TORCH_LIBRARY(exlcli, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool pdl) -> Tensor");
   m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, bool pdl) -> (Tensor, Tensor)");
+  m.def("rms_norm_e4m3(Tensor x, Tensor? residual, Tensor weight, float eps, bool pdl) -> (Tensor, Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x, bool pdl) -> Tensor");
+  m.def("silu_and_mul_e4m3(Tensor x, bool pdl) -> (Tensor, Tensor)");
   m.def("decode_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? weight_scale, Tensor? norm_weight, float eps, "
         "bool silu, Tensor? residual, bool float_out, bool pdl) -> Tensor");
   m.def("decode_qkv_rope(Tensor x, Tensor weight, Tensor? bias, Tensor? weight_scale, Tensor? norm_weight, float eps, "
@@ -34,7 +36,9 @@ TORCH_LIBRARY(exlcli, m) {
 TORCH_LIBRARY_IMPL(exlcli, CUDA, m) {
   m.impl("rms_norm", &exlcli::rms_norm);
   m.impl("fused_add_rms_norm", &exlcli::fused_add_rms_norm);
+  m.impl("rms_norm_e4m3", &exlcli::rms_norm_e4m3);
   m.impl("silu_and_mul", &exlcli::silu_and_mul);
+  m.impl("silu_and_mul_e4m3", &exlcli::silu_and_mul_e4m3);
   m.impl("decode_linear", &exlcli::decode_linear);
   m.impl("decode_qkv_rope", &exlcli::decode_qkv_rope);
   m.impl("quantize_rows_e4m3", &exlcli::quantize_rows_e4m3);

@@ -1,10 +1,15 @@
-// RMSNorm, alone and fused with the residual add. One block per row; the row stays in registers.
+// RMSNorm, alone and fused with the residual add, writing bf16 rows or (for FP8 products) e4m3 rows
+// with a scale per row (e4m3_rows.cuh). One block per row; the row stays in registers.
 //
 // Rounding follows the torch reference (exlcli/ops/norm.py): the residual sum is rounded to the
 // dtype, the normalised row is rounded to the dtype before the weight multiply.
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+
+#include <type_traits>
 
 #include "common.cuh"
+#include "e4m3_rows.cuh"
 #include "ops.h"
 
 namespace exlcli {
@@ -39,12 +44,15 @@ __device__ __forceinline__ void store_chunk(T* p, const float (&src)[VW]) {
 
 // out[row] = weight * round(r * rsqrt(mean(r^2) + eps)), r = x[row] (+ residual[row], rounded and
 // written to residual_out[row] when ADD). Chunks of VW elements; chunk c of a row goes to thread
-// c % blockDim.x, so the reduction order depends only on the row length.
-template <typename T, int VW, bool ADD>
+// c % blockDim.x, so the reduction order depends only on the row length. With E4M3 (bf16, VW 8) the
+// row, rounded to bf16, is written as e4m3 to q[row] with its scale in q_scale[row] instead of to out.
+template <typename T, int VW, bool ADD, bool E4M3 = false>
 __global__ void rms_norm_kernel(T* __restrict__ out, T* __restrict__ residual_out,
                                 const T* __restrict__ x, int64_t x_stride,
                                 const T* __restrict__ residual, int64_t res_stride,
-                                const T* __restrict__ weight, int hidden, float eps) {
+                                const T* __restrict__ weight, int hidden, float eps,
+                                uint8_t* __restrict__ q, float* __restrict__ q_scale) {
+  static_assert(!E4M3 || (VW == 8 && std::is_same_v<T, __nv_bfloat16>), "e4m3 rows come from bf16 chunks of 8");
   grid_dependency_wait();  // launched with launch_pdl: the previous kernel may still run
   grid_dependents_launch();
   __shared__ float scratch[32];
@@ -70,6 +78,7 @@ __global__ void rms_norm_kernel(T* __restrict__ out, T* __restrict__ residual_ou
   }
   const float total = block_sum(sumsq, scratch);
   const float inv = rsqrtf(total * (1.f / hidden) + eps);
+  float amax = 0.f;
 #pragma unroll
   for (int i = 0; i < kMaxChunksPerThread; ++i) {
     const int c = threadIdx.x + i * blockDim.x;
@@ -79,7 +88,25 @@ __global__ void rms_norm_kernel(T* __restrict__ out, T* __restrict__ residual_ou
       float y[VW];
 #pragma unroll
       for (int e = 0; e < VW; ++e) y[e] = w[e] * round_to<T>(vals[i][e] * inv);
-      store_chunk<T, VW>(out + row * hidden + c * VW, y);
+      if constexpr (E4M3) {
+#pragma unroll
+        for (int e = 0; e < VW; ++e) {
+          vals[i][e] = round_to<T>(y[e]);
+          amax = fmaxf(amax, fabsf(vals[i][e]));
+        }
+      } else {
+        store_chunk<T, VW>(out + row * hidden + c * VW, y);
+      }
+    }
+  }
+  if constexpr (E4M3) {
+    amax = block_max(amax, scratch);
+    const float q_inv = e4m3_inverse_scale(amax);
+    if (threadIdx.x == 0) q_scale[row] = e4m3_scale(amax);
+#pragma unroll
+    for (int i = 0; i < kMaxChunksPerThread; ++i) {
+      const int c = threadIdx.x + i * blockDim.x;
+      if (c < num_chunks) *reinterpret_cast<uint2*>(q + row * hidden + c * VW) = e4m3x8(vals[i], q_inv);
     }
   }
 }
@@ -113,11 +140,33 @@ void launch_rms_norm(const at::Tensor& out, const at::Tensor& residual_out, cons
   const int64_t rs = ADD ? r2.stride(0) : 0;
   if (vec_ok) {
     launch_pdl(rms_norm_kernel<T, VW, ADD>, grid, dim3(threads), 0, current_stream(), pdl, o, ro, x, x2.stride(0), r,
-               rs, w, hidden, static_cast<float>(eps));
+               rs, w, hidden, static_cast<float>(eps), static_cast<uint8_t*>(nullptr), static_cast<float*>(nullptr));
   } else {
     launch_pdl(rms_norm_kernel<T, 1, ADD>, grid, dim3(threads), 0, current_stream(), pdl, o, ro, x, x2.stride(0), r,
-               rs, w, hidden, static_cast<float>(eps));
+               rs, w, hidden, static_cast<float>(eps), static_cast<uint8_t*>(nullptr), static_cast<float*>(nullptr));
   }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The rows of x2 (+ r2 when ADD) normalised into e4m3 q [rows, hidden] and scale [rows] (bf16, hidden
+// a multiple of 8, 16-byte aligned rows: the callers check).
+template <bool ADD>
+void launch_rms_norm_e4m3(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& residual_out,
+                          const at::Tensor& x2, const at::Tensor& r2, const at::Tensor& weight, double eps, bool pdl) {
+  using T = __nv_bfloat16;
+  const int64_t rows = x2.size(0);
+  const int hidden = static_cast<int>(x2.size(1));
+  if (rows == 0) return;
+  const int num_chunks = hidden / 8;
+  const int threads = std::min(1024, std::max(32, ceil_div(num_chunks, 32) * 32));
+  TORCH_CHECK(num_chunks <= threads * kMaxChunksPerThread, "rms_norm: rows of ", hidden,
+              " elements are longer than this kernel supports");
+  launch_pdl(rms_norm_kernel<T, 8, ADD, true>, dim3(static_cast<unsigned>(rows)), dim3(threads), 0, current_stream(),
+             pdl, static_cast<T*>(nullptr), ADD ? static_cast<T*>(residual_out.data_ptr()) : static_cast<T*>(nullptr),
+             static_cast<const T*>(x2.data_ptr()), x2.stride(0),
+             ADD ? static_cast<const T*>(r2.data_ptr()) : static_cast<const T*>(nullptr),
+             ADD ? r2.stride(0) : int64_t{0}, static_cast<const T*>(weight.data_ptr()), hidden,
+             static_cast<float>(eps), static_cast<uint8_t*>(q.data_ptr()), scale.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -163,6 +212,30 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const
     launch_rms_norm<scalar_t, true>(out, residual_out, x2, r2, weight, eps, pdl);
   });
   return {out, residual_out};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_e4m3(const at::Tensor& x,
+                                                            const std::optional<at::Tensor>& residual,
+                                                            const at::Tensor& weight, double eps, bool pdl) {
+  check_norm_inputs(x, weight);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && aligned16(x.data_ptr()) &&
+                  x.size(1) % 8 == 0 && aligned16(weight.data_ptr()),
+              "rms_norm_e4m3: x must be a contiguous, 16-byte aligned bfloat16 [rows, hidden] with hidden a "
+              "multiple of 8");
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor q = at::empty(x.sizes(), x.options().dtype(at::kFloat8_e4m3fn));
+  at::Tensor scale = at::empty({x.size(0), 1}, x.options().dtype(at::kFloat));
+  if (!residual.has_value()) {
+    launch_rms_norm_e4m3<false>(q, scale, x, x, x, weight, eps, pdl);
+    return {q, scale, x};
+  }
+  const at::Tensor& r = *residual;
+  TORCH_CHECK(r.sizes() == x.sizes() && r.scalar_type() == x.scalar_type() && r.device() == x.device() &&
+                  r.is_contiguous() && aligned16(r.data_ptr()),
+              "rms_norm_e4m3: residual must be a contiguous, 16-byte aligned bfloat16 tensor shaped like x");
+  at::Tensor residual_out = at::empty_like(x);
+  launch_rms_norm_e4m3<true>(q, scale, residual_out, x, r, weight, eps, pdl);
+  return {q, scale, residual_out};
 }
 
 }  // namespace exlcli

@@ -20,9 +20,17 @@ bool device_has_sm80();
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool pdl);
 std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
                                                       const at::Tensor& weight, double eps, bool pdl);
+// The normalised rows (of x + residual, when given) as e4m3 for FP8 products: (q [rows, hidden]
+// float8_e4m3fn, scale [rows, 1] fp32, the new residual: x + residual, or x itself without one), the
+// same bytes as quantize_rows_e4m3 of rms_norm / fused_add_rms_norm (bf16 x, hidden a multiple of 8).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_e4m3(const at::Tensor& x,
+                                                            const std::optional<at::Tensor>& residual,
+                                                            const at::Tensor& weight, double eps, bool pdl);
 
 // activation.cu
 at::Tensor silu_and_mul(const at::Tensor& x, bool pdl);
+// The same rows as e4m3 for FP8 products: the bytes of quantize_rows_e4m3(silu_and_mul(x)) (bf16 x).
+std::tuple<at::Tensor, at::Tensor> silu_and_mul_e4m3(const at::Tensor& x, bool pdl);
 
 // linear.cu: y = x @ weight^T (+ bias) for 1 to 4 rows (decode), bf16 / fp16 (or e4m3 weights times
 // weight_scale per row, with bf16 x), with optional fused stages: x normalised first (norm_weight) or x = silu(gate) * up of a [rows, 2k] x (silu); the

@@ -154,6 +154,53 @@ def test_fp8_mma_kernel_against_float64_and_batch_invariant(n, k, with_bias):
         assert torch.equal(got, full[:m]), f"rows of {m} tokens differ from the same rows among 256"
 
 
+@pytest.mark.parametrize("m,hidden", [(1, 512), (9, 4096), (64, 4096), (300, 576), (3, 8192)])
+def test_norm_and_silu_write_e4m3_rows_bit_for_bit(m, hidden):
+    x = (torch.randn(m, hidden, device="cuda") * torch.logspace(-2, 2, m, device="cuda")[:, None]).bfloat16()
+    res = torch.randn(m, hidden, device="cuda").bfloat16()
+    w = (1 + 0.1 * torch.randn(hidden, device="cuda")).bfloat16()
+    if m > 2:
+        x[1], res[1] = 0, 0  # a row of zeros
+    q, scale, same = ops.rms_norm_e4m3(x, None, w, 1e-5)
+    q_ref, scale_ref = ops.quantize_rows_e4m3(ops.rms_norm(x, w, 1e-5))
+    assert same is x
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(scale, scale_ref)
+    q, scale, new_res = ops.rms_norm_e4m3(x, res, w, 1e-5)
+    normed, res_ref = ops.fused_add_rms_norm(x, res, w, 1e-5)
+    q_ref, scale_ref = ops.quantize_rows_e4m3(normed)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(scale, scale_ref)
+    assert torch.equal(new_res, res_ref)
+    gate_up = torch.randn(m, 2 * hidden, device="cuda").bfloat16() * 3
+    q, scale = ops.silu_and_mul_e4m3(gate_up)
+    q_ref, scale_ref = ops.quantize_rows_e4m3(ops.silu_and_mul(gate_up))
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(scale, scale_ref)
+
+
+@pytest.mark.parametrize("m", [2, 5, 9, 40, 100])
+def test_fp8_linear_takes_its_rows_from_the_norm_and_the_silu(m):
+    hidden, inter = 1024, 2048
+    gate_up_w, gate_up_s = fp8_weight(2 * inter, hidden, seed=21)
+    down_w, down_s = fp8_weight(hidden, inter, seed=22)
+    gate_up, down = cuda_fp8.Fp8CudaLinear(gate_up_w, gate_up_s, None), cuda_fp8.Fp8CudaLinear(down_w, down_s, None)
+    h, res = torch.randn(m, hidden, device="cuda").bfloat16(), torch.randn(m, hidden, device="cuda").bfloat16()
+    nw = (1 + 0.1 * torch.randn(hidden, device="cuda")).bfloat16()
+    for residual in (None, res):
+        got, new_res = gate_up.normed_product(h, residual, nw, 1e-5)
+        if residual is None:
+            want, want_res = gate_up(ops.rms_norm(h, nw, 1e-5)), h
+        else:
+            normed, want_res = ops.fused_add_rms_norm(h, residual, nw, 1e-5)
+            want = gate_up(normed)
+        assert_same(got, want, f"norm then gate|up, m {m}")
+        assert_same(new_res, want_res, "the new residual")
+    y = torch.randn(m, 2 * inter, device="cuda").bfloat16()
+    assert_same(down.silu_product(y), down(ops.silu_and_mul(y)), f"silu then down, m {m}")
+    # rows the fused kernels do not take go the unfused way
+    strided = torch.randn(m, 2 * hidden, device="cuda").bfloat16()[:, :hidden]
+    got, _ = gate_up.normed_product(strided, None, nw, 1e-5)
+    assert_same(got, gate_up(ops.rms_norm(strided, nw, 1e-5)), "strided rows")
+
+
 requires_hopper = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < cuda_fp8.GEMM_CAPABILITY,
     reason="the wgmma kernel needs sm_90")
@@ -260,6 +307,9 @@ def test_bad_input_names_the_problem():
         (lambda: ops.fp8_linear(values[:2], scale[:2], values[:24], scale[:24]), "multiple of 16"),
         (lambda: ops.quantize_rows_e4m3(torch.randn(2, 12, device="cuda").bfloat16()), "multiple of 8"),
         (lambda: ops.fp8_gemm(values[:2], scale[:2], values, scale), "n must be a multiple of 128"),
+        (lambda: ops.rms_norm_e4m3(x[:, :60].contiguous(), None, scale[:60].bfloat16(), 1e-5), "multiple of 8"),
+        (lambda: ops.rms_norm_e4m3(x, x[:1], scale.bfloat16(), 1e-5), "residual must be a contiguous"),
+        (lambda: ops.silu_and_mul_e4m3(x[:, :24].contiguous()), "multiple of 16"),
         (lambda: ops.fp8_gemm(values[:2], scale[:2], values, scale, splits=3), "splits must be 1, 2, 4 or 8"),
         (lambda: ops.fp8_gemm(values[:2], scale[:2], values, scale, block_tokens=16), "block_tokens 32 or 64"),
     ]

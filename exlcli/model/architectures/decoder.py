@@ -17,7 +17,6 @@ from exlcli.model.architectures.tensor_names import EMBED, FINAL_NORM, LM_HEAD, 
 from exlcli.model.batch_inputs import BatchInputs
 from exlcli.model.config import ModelConfig
 from exlcli.model.kv_cache import KVCache
-from exlcli.ops.activation import silu_and_mul
 from exlcli.ops.attention import PagedLayout, paged_attention
 from exlcli.ops.cpu import decoder_layer as cpu_decoder_layer
 from exlcli.ops.cpu.decoder_layer import CpuDecoderLayers
@@ -127,12 +126,8 @@ class DecoderModel:
                                          _int32(batch.query_start_loc_t, batch.query_start_loc),
                                          _int32(batch.seq_lens_t, batch.seq_lens), kv.k, kv.v, num_layers)
         for i, layer in enumerate(self.layers[:num_layers] if cpu_layers is None else ()):
-            if residual is None:
-                residual = h
-                x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
-            else:
-                x, residual = fused_add_rms_norm(h, residual, layer.input_norm, cfg.rms_norm_eps)
-            q, k, v = layer.qkv(x).split(self._splits, dim=-1)
+            qkv, residual = layer.qkv.normed_product(h, residual, layer.input_norm, cfg.rms_norm_eps)
+            q, k, v = qkv.split(self._splits, dim=-1)
             q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)
             k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
@@ -145,8 +140,8 @@ class DecoderModel:
                                 batch.seq_lens, self.scale, batch.seq_lens_t, batch.query_start_loc_t, layout,
                                 prefill_layout)
             h = layer.o_proj(o.reshape(num_tokens, -1))
-            x, residual = fused_add_rms_norm(h, residual, layer.post_norm, cfg.rms_norm_eps)
-            h = layer.down(silu_and_mul(layer.gate_up(x)))
+            gate_up, residual = layer.gate_up.normed_product(h, residual, layer.post_norm, cfg.rms_norm_eps)
+            h = layer.down.silu_product(gate_up)
         h = h[batch.logits_indices]
         residual = residual[batch.logits_indices]
         x, _ = fused_add_rms_norm(h, residual, self.norm, cfg.rms_norm_eps)

@@ -39,6 +39,40 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return torch.ops.exlcli.silu_and_mul(x, STATE.options.pdl)
 
 
+def rms_norm_e4m3(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows rms_norm (residual None) or fused_add_rms_norm would give, as e4m3 for FP8 products:
+    (q float8_e4m3fn [m, k], scale fp32 [m, 1], the new residual: x + residual, or x without one),
+    the bytes of quantize_rows_e4m3 of those rows. x: contiguous, aligned bf16 [m, k], k a multiple of 8."""
+    op = "rms_norm_e4m3"
+    checks.norm(op, x, weight)
+    _e4m3_source(op, x, 8)
+    if residual is not None:
+        checks.on_cuda(op, "x residual", x, residual)
+        if residual.shape != x.shape or not residual.is_contiguous() or not checks.aligned(residual):
+            checks.fail(op, f"residual must be a contiguous, aligned tensor shaped like x {list(x.shape)}, got "
+                            f"{list(residual.shape)}")
+        checks.same_dtype(op, "residual", residual, x)
+    return torch.ops.exlcli.rms_norm_e4m3(x, residual, weight, eps, STATE.options.pdl)
+
+
+def silu_and_mul_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu_and_mul's rows as e4m3 for FP8 products: (q float8_e4m3fn [m, k / 2], scale fp32 [m, 1]),
+    the bytes of quantize_rows_e4m3(silu_and_mul(x)). x: contiguous, aligned bf16 [m, k], k a multiple of 16."""
+    op = "silu_and_mul_e4m3"
+    checks.on_cuda(op, "x", x)
+    _e4m3_source(op, x, 16)
+    return torch.ops.exlcli.silu_and_mul_e4m3(x, STATE.options.pdl)
+
+
+def _e4m3_source(op: str, x: torch.Tensor, multiple: int) -> None:
+    """Checks the bf16 rows a kernel quantizes to e4m3 as it computes them."""
+    if (x.dim() != 2 or x.dtype != torch.bfloat16 or not x.is_contiguous() or not checks.aligned(x)
+            or x.shape[1] % 8 or x.shape[1] % multiple):
+        checks.fail(op, f"x must be a contiguous, aligned bfloat16 [m, k] with k a multiple of {max(8, multiple)}, "
+                        f"got {x.dtype} {list(x.shape)}")
+
+
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   weight_scale: torch.Tensor | None = None, *, norm_weight: torch.Tensor | None = None,
                   eps: float = 1e-6, silu: bool = False, residual: torch.Tensor | None = None,

@@ -14,6 +14,9 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
+from exlcli.ops.activation import silu_and_mul
+from exlcli.ops.norm import fused_add_rms_norm, rms_norm
+
 # uint8 blocks [rows, blocks_per_row * block_bytes] -> fp32 weights [rows, blocks_per_row * block_weights]
 Dequantize = Callable[[torch.Tensor], torch.Tensor]
 # (weight, bias or None, device, activation dtype) -> a Linear, or None when this device has no
@@ -41,6 +44,21 @@ class Linear:
         logits, which some kernels write directly)."""
         raise NotImplementedError
 
+    def normed_product(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The product of the RMS-normalised rows of x + residual (of x without a residual) and the new
+        residual (x + residual, or x): a decoder layer's norm and its first projection. A linear whose
+        kernels take their rows in another form (FP8's e4m3 rows) has the norm write them so."""
+        if residual is None:
+            return self(rms_norm(x, norm_weight, eps)), x
+        normed, residual = fused_add_rms_norm(x, residual, norm_weight, eps)
+        return self(normed), residual
+
+    def silu_product(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The product of silu(gate) * up for a fused [M, 2 in_features] gate|up projection (the MLP's
+        down projection); as normed_product, a linear may have the activation write its rows."""
+        return self(silu_and_mul(gate_up))
+
     def nbytes(self) -> int:
         """Bytes of weights read by one use (what a decode step streams)."""
         raise NotImplementedError
@@ -55,7 +73,6 @@ class Linear:
         per part whose outputs sit side by side, or None when the kernel does not compute it that way
         (the one-call CPU decoder layer, exlcli/ops/cpu/decoder_layer.py, then cannot take it)."""
         return None
-
 
 
 class BfloatRowsLinear(Linear):

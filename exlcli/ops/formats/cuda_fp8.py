@@ -5,7 +5,8 @@ the layout both of its products read.
 - 1 to 4 tokens (decode): the decode linear kernel (csrc/decode_gemv.cuh) over the e4m3 rows with
   the bf16 activations as they are, each row's sum times its scale; `fused_decode_weights` hands the
   same weights to the fused decode step.
-- More tokens: the activations are quantized per token to e4m3 (csrc/fp8_quant.cu) and multiplied
+- More tokens: the activations are quantized per token to e4m3 (csrc/fp8_quant.cu; in a decoder
+  layer the norm and the SiLU write them so, through `normed_product` and `silu_product`) and multiplied
   on the tensor cores, fp32 accumulation, a scale per token and per weight row: by csrc/fp8_linear.cu
   (mma.sync over the row-major weights) up to MMA_MAX_TOKENS tokens, on Hopper only up to
   GEMM_MIN_TOKENS - 1 and then by csrc/fp8_gemm.cu (wgmma over tiles in shared memory, the input
@@ -32,6 +33,7 @@ MMA_MAX_TOKENS = 16  # without the wgmma kernel: beyond, cuBLASLt's FP8 matmul (
 GEMM_MIN_TOKENS, GEMM_MAX_TOKENS = 9, 64  # the wgmma kernel's range (docs/gpu-results.md run 25)
 MIN_CAPABILITY = (8, 9)  # e4m3 tensor-core products (Ada, Hopper and newer)
 GEMM_CAPABILITY = (9, 0)  # wgmma and thread block clusters
+FUSED_E4M3_MAX_WIDTH = 16384  # the widest e4m3 rows the SiLU kernel writes (the norm's: 32,768)
 MIN_AMAX = 1e-12  # a row of zeros quantizes with this amax (csrc/fp8_quant.cu's kMinAmax)
 
 
@@ -65,11 +67,35 @@ class Fp8CudaLinear(BfloatRowsLinear):
             return x.new_empty(0, self.out_features)
         if x.shape[0] <= DECODE_LINEAR_MAX_ROWS:
             return kernels.decode_linear(x, self.weight, self.bias, self.row_scale)
-        xq, x_scale = kernels.quantize_rows_e4m3(x)
-        if self._gemm_splits is not None and GEMM_MIN_TOKENS <= x.shape[0] <= GEMM_MAX_TOKENS:
+        return self.e4m3_product(*kernels.quantize_rows_e4m3(x))
+
+    def normed_product(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        if (not self._takes_e4m3_rows(x, self.in_features) or norm_weight.dtype != torch.bfloat16
+                or (residual is not None and not self._takes_e4m3_rows(residual, self.in_features))):
+            return super().normed_product(x, residual, norm_weight, eps)
+        xq, x_scale, residual = kernels.rms_norm_e4m3(x, residual, norm_weight, eps)
+        return self.e4m3_product(xq, x_scale), residual
+
+    def silu_product(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if not self._takes_e4m3_rows(gate_up, 2 * self.in_features):
+            return super().silu_product(gate_up)
+        return self.e4m3_product(*kernels.silu_and_mul_e4m3(gate_up))
+
+    def _takes_e4m3_rows(self, x: torch.Tensor, width: int) -> bool:
+        """Whether x [M, width] goes to the e4m3 products (more rows than the decode kernel takes) in
+        the form the fused kernels write from (contiguous, aligned bf16 rows on this GPU)."""
+        return (x.dim() == 2 and x.shape[0] > DECODE_LINEAR_MAX_ROWS and x.shape[1] == width and width % 16 == 0
+                and width <= 2 * FUSED_E4M3_MAX_WIDTH and x.dtype == torch.bfloat16 and x.is_contiguous()
+                and x.data_ptr() % 16 == 0 and x.device == self.weight.device)
+
+    def e4m3_product(self, xq: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+        """The product of activations already quantized per row: xq e4m3 [M, in], x_scale fp32 [M, 1]."""
+        tokens = xq.shape[0]
+        if self._gemm_splits is not None and GEMM_MIN_TOKENS <= tokens <= GEMM_MAX_TOKENS:
             return kernels.fp8_gemm(xq, x_scale, self.weight, self.row_scale, self.bias, self._gemm_splits,
-                                    32 if x.shape[0] <= 32 else 64)
-        if x.shape[0] <= MMA_MAX_TOKENS and self.in_features % 64 == 0:
+                                    32 if tokens <= 32 else 64)
+        if tokens <= MMA_MAX_TOKENS and self.in_features % 64 == 0:
             return kernels.fp8_linear(xq, x_scale, self.weight, self.row_scale, self.bias)
         return torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self._scale_b, bias=self.bias,
                                 out_dtype=torch.bfloat16)
