@@ -209,3 +209,38 @@ def _word_level_tokenizer(vocab: int) -> str:
     from tokenizers import Tokenizer, models
 
     return Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0")).to_str()
+
+
+def test_the_decoder_takes_each_norm_and_silu_through_its_linear():
+    """The layer asks its first projections for the norm before them and the down projection for the
+    SiLU before it (Linear.normed_product / silu_product, which a format may fuse, as FP8 does on the
+    GPU); the default of each is the unfused sequence."""
+    from exlcli.ops.formats.base import Linear
+
+    class Recording(Linear):
+        def __init__(self, inner: Linear, name: str, calls: list[str]) -> None:
+            self.inner, self.name, self.calls = inner, name, calls
+            self.out_features, self.in_features = inner.out_features, inner.in_features
+
+        def __call__(self, x, out_dtype=None):
+            return self.inner(x, out_dtype)
+
+        def normed_product(self, x, residual, norm_weight, eps):
+            self.calls.append(f"norm+{self.name}")
+            return super().normed_product(x, residual, norm_weight, eps)
+
+        def silu_product(self, gate_up):
+            self.calls.append(f"silu+{self.name}")
+            return super().silu_product(gate_up)
+
+    cfg = config_from_hf(hf_config("LlamaForCausalLM"))
+    tensors = random_tensors(cfg, device="cpu", dtype=torch.float32)
+    plain = build_model(cfg, tensors, torch.device("cpu"), torch.float32)
+    recorded = build_model(cfg, tensors, torch.device("cpu"), torch.float32)
+    calls: list[str] = []
+    for layer in recorded.layers:
+        for name in ("qkv", "gate_up", "down"):
+            setattr(layer, name, Recording(getattr(layer, name), name, calls))
+    ids = [3, 1, 4, 1, 5]
+    assert torch.equal(_prefill_logits(recorded, ids), _prefill_logits(plain, ids))
+    assert calls == ["norm+qkv", "norm+gate_up", "silu+down"] * cfg.num_layers
