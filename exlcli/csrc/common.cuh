@@ -78,6 +78,18 @@ __device__ __forceinline__ float block_sum(float x, float* scratch) {
   return total;
 }
 
+// The largest x over the block; `scratch` holds 32 floats; every thread gets it.
+__device__ __forceinline__ float block_max(float x, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = (blockDim.x + 31) >> 5;
+  x = warp_max(x);
+  __syncthreads();  // scratch may still be read by a previous call
+  if (lane == 0) scratch[warp] = x;
+  __syncthreads();
+  float m = scratch[0];
+  for (int w = 1; w < num_warps; ++w) m = fmaxf(m, scratch[w]);
+  return m;
+}
+
 // SiLU(gate) * up with F.silu(gate) * up's rounding: silu rounded to T, then the product rounded.
 // In 16-bit, a fast exp and division (a few fp32 ulp, far below the rounding to T) keep the fused
 // decode projection, which evaluates this for every chunk it reads, from being bound by arithmetic.
@@ -121,21 +133,42 @@ inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().
 // Whether the current device can take programmatic dependent launches (sm_90+; cached per device).
 bool device_supports_pdl();
 
-// Launches `kernel` on `stream`, as a programmatic dependent launch when the caller asks for one
-// (`pdl`: the op's argument, decided in Python) and the device supports it.
+namespace detail {
+// cudaLaunchKernelEx with the attributes of launch_pdl and launch_cluster_pdl: clusters of
+// `*cluster` blocks when it is given, and a programmatic dependent launch when asked and supported.
 template <typename Kernel, typename... Args>
-void launch_pdl(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl, Args&&... args) {
+void launch_ex(Kernel kernel, dim3 grid, dim3 block, const dim3* cluster, size_t smem, cudaStream_t stream,
+               bool pdl, Args&&... args) {
   cudaLaunchConfig_t config{};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = smem;
   config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attribute[2];
+  unsigned int count = 0;
+  if (cluster != nullptr) {
+    attribute[count].id = cudaLaunchAttributeClusterDimension;
+    attribute[count].val.clusterDim.x = cluster->x;
+    attribute[count].val.clusterDim.y = cluster->y;
+    attribute[count].val.clusterDim.z = cluster->z;
+    ++count;
+  }
+  if (pdl && device_supports_pdl()) {
+    attribute[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute[count].val.programmaticStreamSerializationAllowed = 1;
+    ++count;
+  }
   config.attrs = attribute;
-  config.numAttrs = pdl && device_supports_pdl() ? 1 : 0;
+  config.numAttrs = count;
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+}  // namespace detail
+
+// Launches `kernel` on `stream`, as a programmatic dependent launch when the caller asks for one
+// (`pdl`: the op's argument, decided in Python) and the device supports it.
+template <typename Kernel, typename... Args>
+void launch_pdl(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl, Args&&... args) {
+  detail::launch_ex(kernel, grid, block, nullptr, smem, stream, pdl, std::forward<Args>(args)...);
 }
 
 // Launches `kernel` as launch_pdl does, its blocks in clusters of `cluster` blocks (sm_90+: the caller
@@ -143,21 +176,7 @@ void launch_pdl(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t 
 template <typename Kernel, typename... Args>
 void launch_cluster_pdl(Kernel kernel, dim3 grid, dim3 block, dim3 cluster, size_t smem, cudaStream_t stream,
                         bool pdl, Args&&... args) {
-  cudaLaunchConfig_t config{};
-  config.gridDim = grid;
-  config.blockDim = block;
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute attribute[2];
-  attribute[0].id = cudaLaunchAttributeClusterDimension;
-  attribute[0].val.clusterDim.x = cluster.x;
-  attribute[0].val.clusterDim.y = cluster.y;
-  attribute[0].val.clusterDim.z = cluster.z;
-  attribute[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[1].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
-  config.numAttrs = pdl && device_supports_pdl() ? 2 : 1;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+  detail::launch_ex(kernel, grid, block, &cluster, smem, stream, pdl, std::forward<Args>(args)...);
 }
 
 // Lets `kernel` take `smem` bytes of dynamic shared memory (over the default 48 KiB) with the

@@ -3,7 +3,7 @@
 // saturation; a row of zeros takes amax = kMinAmax, so its scale is not zero. fp8_quant.cu quantizes
 // bf16 rows; norm.cu and activation.cu quantize the rows they compute, each value first rounded to
 // bf16 as their unfused forms would write it, so both give the same bytes. The torch reference is
-// quantize_rows_reference in cuda_fp8.py, bit for bit.
+// quantize_rows_reference in cuda_fp8.py, bit for bit. (block_max, their reduction, is common.cuh's.)
 #pragma once
 
 #include <cuda_fp8.h>
@@ -14,19 +14,6 @@ namespace exlcli {
 
 constexpr float kE4m3Max = 448.0f;
 constexpr float kMinAmax = 1e-12f;  // cuda_fp8.py's MIN_AMAX
-
-// The largest x over the block; `scratch` holds 32 floats; every thread gets it.
-__device__ __forceinline__ float block_max(float x, float* scratch) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = (blockDim.x + 31) >> 5;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
-  __syncthreads();  // scratch may still be read by a previous call
-  if (lane == 0) scratch[warp] = x;
-  __syncthreads();
-  float m = scratch[0];
-  for (int w = 1; w < num_warps; ++w) m = fmaxf(m, scratch[w]);
-  return m;
-}
 
 // 448 / amax for a row whose largest |value| is `amax` (kMinAmax for a row of zeros); the row's
 // scale is then e4m3_scale(amax).

@@ -15,6 +15,7 @@
 #include <cuda_runtime.h>
 
 #include "common.cuh"
+#include "fp8_operands.h"
 #include "ops.h"
 #include "quant_linear.cuh"
 
@@ -132,39 +133,22 @@ void launch(const Fp8Params& p, cudaStream_t stream, bool pdl) {
 
 at::Tensor fp8_linear(const at::Tensor& xq, const at::Tensor& x_scale, const at::Tensor& weight,
                       const at::Tensor& w_scale, const std::optional<at::Tensor>& bias, bool pdl) {
-  EXL_CHECK_CUDA_TENSOR(xq, "fp8 linear: xq");
-  EXL_CHECK_CUDA_TENSOR(weight, "fp8 linear: weight");
-  TORCH_CHECK(xq.dim() == 2 && xq.scalar_type() == at::kFloat8_e4m3fn && xq.is_contiguous() &&
-                  aligned16(xq.data_ptr()),
-              "fp8 linear: xq must be a contiguous, aligned float8_e4m3fn [m, k]");
-  const int64_t m = xq.size(0), k = xq.size(1), n = weight.size(0);
-  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == k && weight.scalar_type() == at::kFloat8_e4m3fn &&
-                  weight.is_contiguous() && aligned16(weight.data_ptr()),
-              "fp8 linear: weight must be a contiguous, aligned float8_e4m3fn [n, ", k, "]");
-  TORCH_CHECK(n % kTileRows == 0 && k % kChunk == 0 && n > 0, "fp8 linear: n must be a multiple of 16 and k of 64");
-  TORCH_CHECK(x_scale.scalar_type() == at::kFloat && x_scale.numel() == m && x_scale.is_contiguous() &&
-                  w_scale.scalar_type() == at::kFloat && w_scale.numel() == n && w_scale.is_contiguous(),
-              "fp8 linear: x_scale and w_scale must be contiguous float32 of m and n elements");
-  TORCH_CHECK(x_scale.device() == xq.device() && w_scale.device() == xq.device() && weight.device() == xq.device(),
-              "fp8 linear: every tensor must be on one device");
+  const Fp8Operands ops = check_fp8_operands("fp8 linear", xq, x_scale, weight, w_scale, bias);
+  TORCH_CHECK(ops.n % kTileRows == 0 && ops.k % kChunk == 0 && ops.n > 0,
+              "fp8 linear: n must be a multiple of 16 and k of 64");
   Fp8Params p{};
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->device() == xq.device() && bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous() &&
-                    bias->scalar_type() == at::kBFloat16,
-                "fp8 linear: bias must be a contiguous bfloat16 [", n, "]");
-    p.bias = static_cast<const __nv_bfloat16*>(bias->data_ptr());
-  }
+  p.bias = ops.bias;
   const c10::cuda::CUDAGuard guard(xq.device());
-  at::Tensor out = at::empty({m, n}, xq.options().dtype(at::kBFloat16));
-  if (m == 0) return out;
+  at::Tensor out = at::empty({ops.m, ops.n}, xq.options().dtype(at::kBFloat16));
+  if (ops.m == 0) return out;
   p.xq = static_cast<const uint8_t*>(xq.data_ptr());
   p.x_scale = x_scale.data_ptr<float>();
   p.w = static_cast<const uint8_t*>(weight.data_ptr());
   p.w_scale = w_scale.data_ptr<float>();
   p.out = static_cast<__nv_bfloat16*>(out.data_ptr());
-  p.m = static_cast<int>(m);
-  p.n = static_cast<int>(n);
-  p.k = static_cast<int>(k);
+  p.m = ops.m;
+  p.n = ops.n;
+  p.k = ops.k;
   launch(p, current_stream(), pdl);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;

@@ -34,7 +34,7 @@ SOURCES = (
     "attention_prefill.cpp",
 )
 HEADERS = ("common.cuh", "pdl.cuh", "e4m3_rows.cuh", "decode_gemv.cuh", "quant_linear.cuh", "attention_decode.cuh",
-           "ops.h")
+           "fp8_operands.h", "ops.h")
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 
 # unwind tables everywhere: an error raised by a check must unwind through our frames
