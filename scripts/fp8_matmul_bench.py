@@ -10,7 +10,7 @@ CUDA graphs of 20 calls over copies of the weight that together exceed the L2 ca
 - `mma_only`: exlcli's FP8 x FP8 mma.sync kernel (csrc/fp8_linear.cu, Ada's path) with the
   activations already quantized;
 - `gemm_only`: exlcli's wgmma kernel (csrc/fp8_gemm.cu, Hopper's path up to 64 tokens) with the
-  activations already quantized, the slices of the input features the linear picks;
+  activations already quantized, in the tiling the linear picks;
 - `scaled_mm_only`: cuBLASLt's product with the activations already quantized;
 - `swapped_only`: the same product with the operands swapped, (W x^T)^T: the weight rows become the
   product's long side, so cuBLASLt tiles the output rows rather than the few tokens (tokens padded to
@@ -94,8 +94,8 @@ def bench_shape(name: str, tokens: list[int], dev: torch.device) -> list[dict]:
         row_scales.append(scale.float().reshape(1, n))
         linears.append(fp8.cuda_linear(fp8.from_fp8(q, scale), None, dev, torch.bfloat16))
     dense = [weights[i].to(torch.bfloat16) for i in range(min(copies, max(2, math.ceil(L2_BYTES / (2 * n * k)))))]
-    splits = cuda_fp8.gemm_splits(weights[0]) or 1
     for m in tokens:
+        tiling = cuda_fp8.gemm_tiling(weights[0], 32 if m <= 32 else 64) or cuda_fp8.GemmTiling(128, 1)
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         amax = x.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
         xq, xs = (x.float() * (448 / amax)).to(torch.float8_e4m3fn), (amax / 448).float()
@@ -119,7 +119,7 @@ def bench_shape(name: str, tokens: list[int], dev: torch.device) -> list[dict]:
                                                     scale_b=row_scales[i % copies], out_dtype=torch.bfloat16),
             "mma_only": lambda i: kernels.fp8_linear(xq, xs, weights[i % copies], row_scales[i % copies].view(-1)),
             "gemm_only": lambda i: kernels.fp8_gemm(xq, xs, weights[i % copies], row_scales[i % copies].view(-1),
-                                                    None, splits, 32 if m <= 32 else 64),
+                                                    None, tiling.splits, 32 if m <= 32 else 64, tiling.rows),
             "scaled_mm_only": lambda i: torch._scaled_mm(xq, weights[i % copies].t(), scale_a=xs,
                                                          scale_b=row_scales[i % copies], out_dtype=torch.bfloat16),
             "swapped_only": swapped,

@@ -20,7 +20,7 @@ TORCH_LIBRARY(exlcli, m) {
   m.def("quantize_rows_e4m3(Tensor x, bool pdl) -> (Tensor, Tensor)");
   m.def("fp8_linear(Tensor xq, Tensor x_scale, Tensor weight, Tensor w_scale, Tensor? bias, bool pdl) -> Tensor");
   m.def("fp8_gemm(Tensor xq, Tensor x_scale, Tensor weight, Tensor w_scale, Tensor? bias, int splits, "
-        "int block_tokens, bool pdl) -> Tensor");
+        "int block_tokens, int block_rows, bool pdl) -> Tensor");
   m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, int bits, bool e4m3, int group, int n, Tensor? bias, "
         "bool float_out, bool pdl) -> Tensor");
   m.def("quant_dequantize(Tensor qweight, Tensor scales, int bits, bool e4m3, int group, int n, int k, bool pdl) "

@@ -25,6 +25,7 @@
 #include <cuda_runtime.h>
 
 #include "common.cuh"
+#include "fp8_operands.h"
 #include "ops.h"
 
 namespace exlcli {
@@ -32,11 +33,19 @@ namespace {
 
 namespace cg = cooperative_groups;
 
-constexpr int kRows = 128;    // weight rows per block
 constexpr int kStep = 128;    // input features (bytes of e4m3) per pipeline stage
-constexpr int kThreads = 256;
 constexpr int kStages = 4;    // pipeline stages (3 and 6 were slower on the H200's 8B shapes)
-constexpr int kPartLd = kRows + 4;  // floats per token row of the partial tile (padded: no bank conflicts)
+
+// A block of ROWS weight rows (64 or 128) has one warpgroup of 128 threads for each 64 of them.
+template <int ROWS>
+constexpr int block_threads() {
+  return ROWS * 2;
+}
+
+template <int ROWS>
+constexpr int part_ld() {  // floats per token row of the partial tile (padded: no bank conflicts)
+  return ROWS + 4;
+}
 
 struct GemmParams {
   const uint8_t* xq;          // [m, k] e4m3
@@ -49,10 +58,10 @@ struct GemmParams {
   int splits;                 // slices of the input features (cluster size along y)
 };
 
-template <int BM>
+template <int ROWS, int BM>
 constexpr int smem_bytes() {
-  constexpr int pipeline = kStages * (kRows + BM) * kStep;
-  constexpr int partial = BM * kPartLd * 4;
+  constexpr int pipeline = kStages * (ROWS + BM) * kStep;
+  constexpr int partial = BM * part_ld<ROWS>() * 4;
   return (pipeline > partial ? pipeline : partial) + 1024;  // + the alignment of the swizzle's atoms
 }
 
@@ -119,17 +128,20 @@ __device__ __forceinline__ void wgmma_e4m3<64>(float (&d)[32], uint64_t a, uint6
 // The byte offset of 16-byte chunk c of row r in a [rows][128 B] tile.
 __device__ __forceinline__ int swizzled(int r, int c) { return r * kStep + ((c ^ (r & 7)) << 4); }
 
-template <int BM>
-__global__ void __launch_bounds__(kThreads) fp8_gemm_kernel(GemmParams p) {
+template <int ROWS, int BM>
+__global__ void __launch_bounds__(block_threads<ROWS>()) fp8_gemm_kernel(GemmParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  static_assert(ROWS == 64 || ROWS == 128, "fp8 gemm: 64 or 128 weight rows a block");
   extern __shared__ uint8_t smem_raw[];
-  constexpr int kWeightBytes = kRows * kStep;
-  constexpr int kStageBytes = (kRows + BM) * kStep;
+  constexpr int kThreads = block_threads<ROWS>();
+  constexpr int kPartLd = part_ld<ROWS>();
+  constexpr int kWeightBytes = ROWS * kStep;
+  constexpr int kStageBytes = (ROWS + BM) * kStep;
   constexpr int kAccs = BM / 2;  // accumulator registers a thread: m64 x BM over 128 threads
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int warpgroup = warp >> 2;  // rows 64 * warpgroup .. + 63 of the tile
-  const int row0 = blockIdx.x * kRows;
+  const int row0 = blockIdx.x * ROWS;
   const int split = blockIdx.y;  // the block's rank in its cluster when splits > 1
   const int token0 = blockIdx.z * BM;
   const int k_slice = p.k / p.splits;
@@ -143,7 +155,7 @@ __global__ void __launch_bounds__(kThreads) fp8_gemm_kernel(GemmParams p) {
     const uint32_t stage = base + (step % kStages) * kStageBytes;
     const uint8_t* src = p.w + static_cast<size_t>(row0) * p.k + k0 + step * kStep;
 #pragma unroll
-    for (int j = 0; j < kRows * 8 / kThreads; ++j) {
+    for (int j = 0; j < ROWS * 8 / kThreads; ++j) {
       const int i = threadIdx.x + j * kThreads, r = i >> 3, c = i & 7;
       cp_async16(stage + swizzled(r, c), src + static_cast<size_t>(r) * p.k + c * 16);
     }
@@ -226,9 +238,9 @@ __global__ void __launch_bounds__(kThreads) fp8_gemm_kernel(GemmParams p) {
 
   // This block's share of the tile's tokens, summed over the blocks' partial tiles in rank order.
   const int share = BM / p.splits;
-  for (int i = threadIdx.x; i < share * (kRows / 2); i += kThreads) {
-    const int local = split * share + i / (kRows / 2);
-    const int r = 2 * (i % (kRows / 2));
+  for (int i = threadIdx.x; i < share * (ROWS / 2); i += kThreads) {
+    const int local = split * share + i / (ROWS / 2);
+    const int r = 2 * (i % (ROWS / 2));
     const int token = token0 + local;
     if (token >= p.m) continue;
     float s0 = 0.0f, s1 = 0.0f;
@@ -254,62 +266,54 @@ __global__ void __launch_bounds__(kThreads) fp8_gemm_kernel(GemmParams p) {
 #endif
 }
 
-template <int BM>
+template <int ROWS, int BM>
 void launch_tiles(const GemmParams& p, cudaStream_t stream, bool pdl) {
-  auto kernel = fp8_gemm_kernel<BM>;
-  constexpr int smem = smem_bytes<BM>();
-  allow_dynamic_smem<fp8_gemm_kernel<BM>>(smem);
-  const dim3 grid(p.n / kRows, p.splits, (p.m + BM - 1) / BM);
-  launch_cluster_pdl(kernel, grid, dim3(kThreads), dim3(1, p.splits, 1), smem, stream, pdl, p);
+  auto kernel = fp8_gemm_kernel<ROWS, BM>;
+  constexpr int smem = smem_bytes<ROWS, BM>();
+  allow_dynamic_smem<fp8_gemm_kernel<ROWS, BM>>(smem);
+  const dim3 grid(p.n / ROWS, p.splits, (p.m + BM - 1) / BM);
+  launch_cluster_pdl(kernel, grid, dim3(block_threads<ROWS>()), dim3(1, p.splits, 1), smem, stream, pdl, p);
+}
+
+template <int ROWS>
+void launch_rows(const GemmParams& p, int block_tokens, cudaStream_t stream, bool pdl) {
+  if (block_tokens == 32) {
+    launch_tiles<ROWS, 32>(p, stream, pdl);
+  } else {
+    launch_tiles<ROWS, 64>(p, stream, pdl);
+  }
 }
 
 }  // namespace
 
 at::Tensor fp8_gemm(const at::Tensor& xq, const at::Tensor& x_scale, const at::Tensor& weight,
                     const at::Tensor& w_scale, const std::optional<at::Tensor>& bias, int64_t splits,
-                    int64_t block_tokens, bool pdl) {
-  EXL_CHECK_CUDA_TENSOR(xq, "fp8 gemm: xq");
-  EXL_CHECK_CUDA_TENSOR(weight, "fp8 gemm: weight");
+                    int64_t block_tokens, int64_t block_rows, bool pdl) {
+  const Fp8Operands ops = check_fp8_operands("fp8 gemm", xq, x_scale, weight, w_scale, bias);
   TORCH_CHECK(device_supports_pdl(), "fp8 gemm: needs thread block clusters (sm_90 or newer)");
-  TORCH_CHECK(xq.dim() == 2 && xq.scalar_type() == at::kFloat8_e4m3fn && xq.is_contiguous() &&
-                  aligned16(xq.data_ptr()),
-              "fp8 gemm: xq must be a contiguous, aligned float8_e4m3fn [m, k]");
-  const int64_t m = xq.size(0), k = xq.size(1), n = weight.size(0);
-  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == k && weight.scalar_type() == at::kFloat8_e4m3fn &&
-                  weight.is_contiguous() && aligned16(weight.data_ptr()),
-              "fp8 gemm: weight must be a contiguous, aligned float8_e4m3fn [n, ", k, "]");
+  TORCH_CHECK(block_rows == 64 || block_rows == 128, "fp8 gemm: block_rows must be 64 or 128");
   TORCH_CHECK(splits == 1 || splits == 2 || splits == 4 || splits == 8, "fp8 gemm: splits must be 1, 2, 4 or 8");
   TORCH_CHECK(block_tokens == 32 || block_tokens == 64, "fp8 gemm: block_tokens must be 32 or 64");
-  TORCH_CHECK(n % kRows == 0 && n > 0 && k % (kStep * splits) == 0,
-              "fp8 gemm: n must be a multiple of 128 and k of 128 * splits, got ", n, " x ", k);
-  TORCH_CHECK(x_scale.scalar_type() == at::kFloat && x_scale.numel() == m && x_scale.is_contiguous() &&
-                  w_scale.scalar_type() == at::kFloat && w_scale.numel() == n && w_scale.is_contiguous(),
-              "fp8 gemm: x_scale and w_scale must be contiguous float32 of m and n elements");
-  TORCH_CHECK(x_scale.device() == xq.device() && w_scale.device() == xq.device() && weight.device() == xq.device(),
-              "fp8 gemm: every tensor must be on one device");
+  TORCH_CHECK(ops.n % block_rows == 0 && ops.n > 0 && ops.k % (kStep * splits) == 0,
+              "fp8 gemm: n must be a multiple of ", block_rows, " and k of 128 * splits, got ", ops.n, " x ", ops.k);
   GemmParams p{};
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->device() == xq.device() && bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous() &&
-                    bias->scalar_type() == at::kBFloat16,
-                "fp8 gemm: bias must be a contiguous bfloat16 [", n, "]");
-    p.bias = static_cast<const __nv_bfloat16*>(bias->data_ptr());
-  }
+  p.bias = ops.bias;
   const c10::cuda::CUDAGuard guard(xq.device());
-  at::Tensor out = at::empty({m, n}, xq.options().dtype(at::kBFloat16));
-  if (m == 0) return out;
+  at::Tensor out = at::empty({ops.m, ops.n}, xq.options().dtype(at::kBFloat16));
+  if (ops.m == 0) return out;
   p.xq = static_cast<const uint8_t*>(xq.data_ptr());
   p.x_scale = x_scale.data_ptr<float>();
   p.w = static_cast<const uint8_t*>(weight.data_ptr());
   p.w_scale = w_scale.data_ptr<float>();
   p.out = static_cast<__nv_bfloat16*>(out.data_ptr());
-  p.m = static_cast<int>(m);
-  p.n = static_cast<int>(n);
-  p.k = static_cast<int>(k);
+  p.m = ops.m;
+  p.n = ops.n;
+  p.k = ops.k;
   p.splits = static_cast<int>(splits);
-  if (block_tokens == 32) {
-    launch_tiles<32>(p, current_stream(), pdl);
+  if (block_rows == 64) {
+    launch_rows<64>(p, static_cast<int>(block_tokens), current_stream(), pdl);
   } else {
-    launch_tiles<64>(p, current_stream(), pdl);
+    launch_rows<128>(p, static_cast<int>(block_tokens), current_stream(), pdl);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;

@@ -56,11 +56,11 @@ at::Tensor fp8_linear(const at::Tensor& xq, const at::Tensor& x_scale, const at:
                       const at::Tensor& w_scale, const std::optional<at::Tensor>& bias, bool pdl);
 
 // fp8_gemm.cu: the same product for 9 to 64 tokens, tiled through shared memory on wgmma (sm_90+):
-// blocks of 128 weight rows x block_tokens (32 or 64) tokens, the input features cut into `splits`
-// (1, 2, 4, 8) slices summed across a cluster; n a multiple of 128, k of 128 * splits.
+// blocks of block_rows (64 or 128) weight rows x block_tokens (32 or 64) tokens, the input features cut
+// into `splits` (1, 2, 4, 8) slices summed across a cluster; n a multiple of block_rows, k of 128 * splits.
 at::Tensor fp8_gemm(const at::Tensor& xq, const at::Tensor& x_scale, const at::Tensor& weight,
                     const at::Tensor& w_scale, const std::optional<at::Tensor>& bias, int64_t splits,
-                    int64_t block_tokens, bool pdl);
+                    int64_t block_tokens, int64_t block_rows, bool pdl);
 
 // quant_linear.cu: weights kept quantized in the packed layout of quant_linear.cuh (bits 4, 6 or 8, groups
 // of 16 to 128 along k; e4m3: 8-bit FP8 values): y = x @ w^T (+ bias) for bf16 x [m, k] into bf16 (or

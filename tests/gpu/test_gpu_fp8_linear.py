@@ -6,6 +6,8 @@ layout; and the fused decode step of an FP8 model against the model's forward, b
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from gpu_helpers import (
@@ -208,39 +210,53 @@ requires_hopper = pytest.mark.skipif(
 
 @requires_hopper
 @pytest.mark.parametrize("n,k,splits,with_bias", [(1536, 4096, 4, False), (256, 512, 1, True),
-                                                  (4096, 14336, 8, False), (384, 1024, 2, True)])
+                                                  (4096, 14336, 8, False), (384, 1024, 2, True),
+                                                  (192, 1024, 2, True)])
 def test_fp8_wgmma_kernel_against_float64_and_batch_invariant(n, k, splits, with_bias):
+    """Blocks of 64 and of 128 weight rows give the same bytes (the same chains of wgmma and fp32
+    additions per output), so the 128-row tiles' checks hold for both (n = 192: 64-row blocks only)."""
+    block_rows = (64, 128) if n % 128 == 0 else (64,)
     values, scale = fp8_weight(n, k, seed=n + k + splits)
     bias = torch.randn(n, device="cuda").bfloat16() if with_bias else None
     x = torch.randn(200, k, device="cuda").bfloat16() * torch.logspace(-2, 2, 200, device="cuda")[:, None].bfloat16()
     xq, xs = ops.quantize_rows_e4m3(x)
     ref = (xq.double() * xs.double()) @ dense(values, scale).t() + (0 if bias is None else bias.double())
-    full = ops.fp8_gemm(xq, xs, values, scale, bias, splits=splits, block_tokens=64)
+    full = ops.fp8_gemm(xq, xs, values, scale, bias, splits=splits, block_tokens=64, block_rows=block_rows[-1])
     assert_matches(full, ref, torch.bfloat16, f"wgmma fp8 {n}x{k} m200 splits {splits}")
     # as close as cuBLASLt's product (which also sums the tensor cores' partial sums in fp32)
     cublas = torch._scaled_mm(xq, values.t(), scale_a=xs, scale_b=scale.view(1, -1), bias=bias,
                               out_dtype=torch.bfloat16)
     assert rel_err(full, ref) <= 1.05 * rel_err(cublas, ref) + 1e-6
-    for m in (1, 5, 17, 32, 33, 64, 65, 130):
-        for block_tokens in (32, 64):
+    for m in (1, 5, 17, 32, 33, 64, 65, 130, 200):
+        for block_tokens, rows in itertools.product((32, 64), block_rows):
             poison_next_alloc((m, n), torch.bfloat16)
             got = ops.fp8_gemm(xq[:m].contiguous(), xs[:m].contiguous(), values, scale, bias, splits=splits,
-                               block_tokens=block_tokens)
-            assert torch.equal(got, full[:m]), f"rows of {m} tokens ({block_tokens} a block) differ among 200"
+                               block_tokens=block_tokens, block_rows=rows)
+            assert torch.equal(got, full[:m]), f"{m} tokens ({block_tokens} x {rows} a block) differ from 200's"
 
 
 @requires_hopper
 def test_fp8_linear_takes_the_wgmma_kernel_on_hopper():
     values, scale = fp8_weight(1024, 2048, seed=11)
     lin = cuda_fp8.Fp8CudaLinear(values, scale, None)
-    assert lin._gemm_splits == cuda_fp8.gemm_splits(values) and lin._gemm_splits in (1, 2, 4, 8)
     x = torch.randn(40, 2048, device="cuda").bfloat16()
     xq, xs = ops.quantize_rows_e4m3(x)
-    assert torch.equal(lin(x), ops.fp8_gemm(xq, xs, values, scale, None, splits=lin._gemm_splits, block_tokens=64))
+    for m, block_tokens in ((40, 64), (20, 32)):
+        tiling = cuda_fp8.gemm_tiling(values, block_tokens)
+        assert lin._gemm[block_tokens] == tiling and tiling.splits in (1, 2, 4, 8) and tiling.rows in (64, 128)
+        want = ops.fp8_gemm(xq[:m].contiguous(), xs[:m].contiguous(), values, scale, None, splits=tiling.splits,
+                            block_tokens=block_tokens, block_rows=tiling.rows)
+        assert torch.equal(lin(x[:m]), want)
+    # the 8B shapes on this GPU: o and down in 64-row blocks with 64 tokens, everything else in 128-row ones
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for n, k in ((4096, 4096), (28672, 4096)):
+        wide = cuda_fp8.gemm_tiling(torch.empty(n, k, device="cuda", dtype=torch.float8_e4m3fn), 64)
+        assert wide.rows == (64 if (n // 64) * wide.splits <= 2 * sms else 128)
+        assert cuda_fp8.gemm_tiling(torch.empty(n, k, device="cuda", dtype=torch.float8_e4m3fn), 32).rows == 128
     for m in (5, 8):  # fewer tokens than GEMM_MIN_TOKENS: the mma.sync kernel
         assert torch.equal(lin(x[:m]), ops.fp8_linear(xq[:m].contiguous(), xs[:m].contiguous(), values, scale))
-    assert cuda_fp8.gemm_splits(values[:, :96].contiguous()) is None  # k not a multiple of 128
-    assert cuda_fp8.gemm_splits(values.cpu()) is None
+    assert cuda_fp8.gemm_tiling(values[:, :96].contiguous()) is None  # k not a multiple of 128
+    assert cuda_fp8.gemm_tiling(values.cpu()) is None
 
 
 def test_fp8_linear_in_a_cuda_graph():
@@ -312,6 +328,7 @@ def test_bad_input_names_the_problem():
         (lambda: ops.silu_and_mul_e4m3(x[:, :24].contiguous()), "multiple of 16"),
         (lambda: ops.fp8_gemm(values[:2], scale[:2], values, scale, splits=3), "splits must be 1, 2, 4 or 8"),
         (lambda: ops.fp8_gemm(values[:2], scale[:2], values, scale, block_tokens=16), "block_tokens 32 or 64"),
+        (lambda: ops.fp8_gemm(values[:2], scale[:2], values, scale, block_rows=32), "block_rows 64 or 128"),
     ]
     for call, words in cases:
         with pytest.raises(KernelInputError) as err:

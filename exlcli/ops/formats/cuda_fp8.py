@@ -10,7 +10,7 @@ the layout both of its products read.
   on the tensor cores, fp32 accumulation, a scale per token and per weight row: by csrc/fp8_linear.cu
   (mma.sync over the row-major weights) up to MMA_MAX_TOKENS tokens, on Hopper only up to
   GEMM_MIN_TOKENS - 1 and then by csrc/fp8_gemm.cu (wgmma over tiles in shared memory, the input
-  features split across a cluster where the weight has few rows) up to GEMM_MAX_TOKENS; beyond, by
+  features split across a cluster where the weight has few rows; `gemm_tiling`) up to GEMM_MAX_TOKENS; beyond, by
   cuBLASLt's FP8 matmul (`torch._scaled_mm`). Each kernel is batch-invariant over its range. Measured
   on an H200, 8B shapes (`scripts/fp8_matmul_bench.py`, docs/gpu-results.md runs 18 and 25): the
   mma.sync kernel is the fastest at 5-8 tokens; from 16 tokens the wgmma one is (Hopper runs
@@ -21,6 +21,8 @@ Weights with scales per 128 x 128 tile stay in cuda_groups' packed 8-bit layout.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -60,7 +62,7 @@ class Fp8CudaLinear(BfloatRowsLinear):
         self._scale_b = self.row_scale.view(1, -1)  # _scaled_mm's per-column scale of W^T
         self.bias = bias
         self.out_features, self.in_features = weight.shape
-        self._gemm_splits = gemm_splits(self.weight)
+        self._gemm = {tokens: gemm_tiling(self.weight, tokens) for tokens in (32, 64)}  # by block_tokens
 
     def rows_product(self, x: torch.Tensor, out_dtype: torch.dtype | None) -> torch.Tensor:
         if x.shape[0] == 0:
@@ -92,9 +94,11 @@ class Fp8CudaLinear(BfloatRowsLinear):
     def e4m3_product(self, xq: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
         """The product of activations already quantized per row: xq e4m3 [M, in], x_scale fp32 [M, 1]."""
         tokens = xq.shape[0]
-        if self._gemm_splits is not None and GEMM_MIN_TOKENS <= tokens <= GEMM_MAX_TOKENS:
-            return kernels.fp8_gemm(xq, x_scale, self.weight, self.row_scale, self.bias, self._gemm_splits,
-                                    32 if tokens <= 32 else 64)
+        block_tokens = 32 if tokens <= 32 else 64
+        tiling = self._gemm[block_tokens]
+        if tiling is not None and GEMM_MIN_TOKENS <= tokens <= GEMM_MAX_TOKENS:
+            return kernels.fp8_gemm(xq, x_scale, self.weight, self.row_scale, self.bias, tiling.splits,
+                                    block_tokens, tiling.rows)
         if tokens <= MMA_MAX_TOKENS and self.in_features % 64 == 0:
             return kernels.fp8_linear(xq, x_scale, self.weight, self.row_scale, self.bias)
         return torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self._scale_b, bias=self.bias,
@@ -111,12 +115,23 @@ class Fp8CudaLinear(BfloatRowsLinear):
         return (self.weight.float() * self.row_scale[:, None]).to(torch.bfloat16)
 
 
-def gemm_splits(weight: torch.Tensor) -> int | None:
-    """How many slices of its input features csrc/fp8_gemm.cu cuts a product with `weight` [N, K]
-    into, or None where that kernel does not run (not Hopper, or N not a multiple of 128, K of 128).
-    The fewest slices (1, 2, 4, 8) that give at least three blocks of 128 rows for every four
-    multiprocessors: on the H200 the 8B shapes' q|k|v (48 row tiles) took 4, o and down (32) 4,
-    gate|up (224) 1, each the fastest of the four."""
+@dataclass(frozen=True)
+class GemmTiling:
+    """How csrc/fp8_gemm.cu tiles the products with one weight, for blocks of a given token count."""
+
+    rows: int  # weight rows a block: 64 or 128
+    splits: int  # slices of the input features, summed across a cluster: 1, 2, 4 or 8
+
+
+def gemm_tiling(weight: torch.Tensor, block_tokens: int = 64) -> GemmTiling | None:
+    """The tiling csrc/fp8_gemm.cu runs a product with `weight` [N, K] in, with blocks of
+    `block_tokens` (32 or 64) tokens, or None where that kernel does not run (not Hopper, or N not a
+    multiple of 128, K of 128). Measured on the H200, 8B shapes (docs/gpu-results.md runs 25, 26):
+    - splits: the fewest (1, 2, 4, 8) that give at least three blocks of 128 rows for every four
+      multiprocessors: q|k|v (48 row tiles) 4, o and down (32) 4, gate|up (224) 1;
+    - rows: with 64-token blocks, 64 where those blocks still fit two to a multiprocessor (o and
+      down at 4 splits: 8.9 and 21.7 us at 64 tokens, against 10.7 and 24.2 in blocks of 128);
+      otherwise, and for 32-token blocks, 128. Both give the same bytes."""
     rows, cols = weight.shape
     if not weight.is_cuda or torch.cuda.get_device_capability(weight.device) < GEMM_CAPABILITY:
         return None
@@ -127,7 +142,8 @@ def gemm_splits(weight: torch.Tensor) -> int | None:
     splits = 1
     while splits < 8 and 4 * tiles * splits < 3 * sms and cols % (256 * splits) == 0:
         splits *= 2
-    return splits
+    narrow = block_tokens == 64 and (rows // 64) * splits <= 2 * sms
+    return GemmTiling(64 if narrow else 128, splits)
 
 
 def row_scaled_linear(values: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> Linear | None:
