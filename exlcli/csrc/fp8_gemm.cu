@@ -8,10 +8,10 @@
 // thread; cuBLASLt's FP8 GEMM reads only 1.2-2.7 TB/s of weights at 64 tokens on the 8B shapes
 // (docs/gpu-results.md, runs 18 and 23).
 //
-// A block takes 128 weight rows and BM (32 or 64) tokens over a slice of the input features. Each
+// A block takes ROWS (64 or 128) weight rows and BM (32 or 64) tokens over a slice of the input features. Each
 // pipeline stage (kStages in flight, cp.async) brings 128 bytes of features of every weight row and
 // token into shared memory, in the layout of wgmma's 128-byte swizzle (16-byte chunk c of row r sits
-// at c ^ (r % 8), 8-row atoms of 1,024 bytes). The block's two warpgroups each multiply 64 of the rows
+// at c ^ (r % 8), 8-row atoms of 1,024 bytes). The block's warpgroups (one or two) each multiply 64 of the rows
 // by the tokens with Hopper's wgmma (m64 x BM x k32, e4m3, fp32 accumulate), both operands read from
 // shared memory: mma.sync's e4m3 form is Ada's and Hopper runs it as fp16 after a conversion (a first
 // version of this kernel on mma.sync took 72 us for the 8B gate|up at 64 tokens, bound by that
@@ -19,7 +19,8 @@
 // that many slices, the blocks of one row tile form a cluster, and after the main loop each block sums
 // a share of the tile's tokens over every block's partial tile (distributed shared memory) in rank
 // order. Every token's sum is thus the same chain of products and additions whatever the other tokens
-// are: the kernel is batch-invariant.
+// are: the kernel is batch-invariant, and blocks of 64 and 128 rows give the same bytes (each row's
+// chain is the same; cuda_fp8.gemm_tiling picks the faster per weight).
 #include <ATen/ops/empty.h>
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
