@@ -1,0 +1,310 @@
+// FP8 x FP8 products for 9 to 64 tokens, tiled through shared memory (sm_90+):
+// y = (xq @ w^T) * x_scale[token] * w_scale[row] (+ bias), bf16 out, for e4m3 activations quantized
+// per token (fp8_quant.cu) and e4m3 weights [n, k] row-major with a scale per row (the layouts of
+// fp8_linear.cu, which serves fewer tokens; exlcli/ops/formats/cuda_fp8.py picks the kernel).
+//
+// Why a second kernel: fp8_linear.cu's warps split the input features and each loads its own
+// activations, which at 64 tokens is twice the weights' bytes again from L2 and 255 registers a
+// thread; cuBLASLt's FP8 GEMM reads only 1.2-2.7 TB/s of weights at 64 tokens on the 8B shapes
+// (docs/gpu-results.md, runs 18 and 23).
+//
+// A block takes ROWS (64 or 128) weight rows and BM (32 or 64) tokens over a slice of the input features. Each
+// pipeline stage (kStages in flight, cp.async) brings 128 bytes of features of every weight row and
+// token into shared memory, in the layout of wgmma's 128-byte swizzle (16-byte chunk c of row r sits
+// at c ^ (r % 8), 8-row atoms of 1,024 bytes). The block's warpgroups (one or two) each multiply 64 of the rows
+// by the tokens with Hopper's wgmma (m64 x BM x k32, e4m3, fp32 accumulate), both operands read from
+// shared memory: mma.sync's e4m3 form is Ada's and Hopper runs it as fp16 after a conversion (a first
+// version of this kernel on mma.sync took 72 us for the 8B gate|up at 64 tokens, bound by that
+// arithmetic; on wgmma it takes 36). With `splits` > 1, the input features are cut into
+// that many slices, the blocks of one row tile form a cluster, and after the main loop each block sums
+// a share of the tile's tokens over every block's partial tile (distributed shared memory) in rank
+// order. Every token's sum is thus the same chain of products and additions whatever the other tokens
+// are: the kernel is batch-invariant, and blocks of 64 and 128 rows give the same bytes (each row's
+// chain is the same; cuda_fp8.gemm_tiling picks the faster per weight).
+#include <ATen/ops/empty.h>
+#include <cooperative_groups.h>
+#include <cuda_runtime.h>
+
+#include "common.cuh"
+#include "fp8_operands.h"
+#include <torch/extension.h>
+
+namespace exlcli {
+namespace {
+
+namespace cg = cooperative_groups;
+
+constexpr int kStep = 128;    // input features (bytes of e4m3) per pipeline stage
+
+// A block of ROWS weight rows (64 or 128) has one warpgroup of 128 threads for each 64 of them.
+template <int ROWS>
+constexpr int block_threads() {
+  return ROWS * 2;
+}
+
+template <int ROWS>
+constexpr int part_ld() {  // floats per token row of the partial tile (padded: no bank conflicts)
+  return ROWS + 4;
+}
+
+struct GemmParams {
+  const uint8_t* xq;          // [m, k] e4m3
+  const float* x_scale;       // [m]
+  const uint8_t* w;           // [n, k] e4m3
+  const float* w_scale;       // [n]
+  const __nv_bfloat16* bias;  // [n] or null
+  __nv_bfloat16* out;         // [m, n]
+  int m, n, k;
+  int splits;                 // slices of the input features (cluster size along y)
+};
+
+template <int ROWS, int BM, int kStages>
+constexpr int smem_bytes() {
+  constexpr int pipeline = kStages * (ROWS + BM) * kStep;
+  constexpr int partial = BM * part_ld<ROWS>() * 4;
+  return (pipeline > partial ? pipeline : partial) + 1024;  // + the alignment of the swizzle's atoms
+}
+
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// wgmma operand descriptor of a K-major tile in shared memory with the 128-byte swizzle: rows of 128
+// bytes, 8-row atoms 1,024 bytes apart (the stride byte offset); the leading byte offset is unused.
+__device__ __forceinline__ uint64_t tile_descriptor(uint32_t address) {
+  return static_cast<uint64_t>((address & 0x3FFFF) >> 4) | (static_cast<uint64_t>(1) << 16) |
+         (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+// cp.async's writes (the generic proxy) made visible to wgmma's reads (the async proxy).
+__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// d = A (64 rows x 32 bytes) * B (N tokens x 32 bytes)^T (+ d when `accumulate`); d: the m64nN
+// accumulator fragment.
+template <int N>
+__device__ __forceinline__ void wgmma_e4m3(float (&d)[N / 2], uint64_t a, uint64_t b, int accumulate);
+
+template <>
+__device__ __forceinline__ void wgmma_e4m3<32>(float (&d)[16], uint64_t a, uint64_t b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+      "}, %16, %17, p, 1, 1;\n}"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "l"(a), "l"(b), "r"(accumulate));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_e4m3<64>(float (&d)[32], uint64_t a, uint64_t b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+      "}, %32, %33, p, 1, 1;\n}"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(a), "l"(b), "r"(accumulate));
+}
+
+// The byte offset of 16-byte chunk c of row r in a [rows][128 B] tile.
+__device__ __forceinline__ int swizzled(int r, int c) { return r * kStep + ((c ^ (r & 7)) << 4); }
+
+template <int ROWS, int BM, int kStages>
+__global__ void __launch_bounds__(block_threads<ROWS>()) fp8_gemm_kernel(GemmParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  static_assert(ROWS == 64 || ROWS == 128, "fp8 gemm: 64 or 128 weight rows a block");
+  extern __shared__ uint8_t smem_raw[];
+  constexpr int kThreads = block_threads<ROWS>();
+  constexpr int kPartLd = part_ld<ROWS>();
+  constexpr int kWeightBytes = ROWS * kStep;
+  constexpr int kStageBytes = (ROWS + BM) * kStep;
+  constexpr int kAccs = BM / 2;  // accumulator registers a thread: m64 x BM over 128 threads
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int warpgroup = warp >> 2;  // rows 64 * warpgroup .. + 63 of the tile
+  const int row0 = blockIdx.x * ROWS;
+  const int split = blockIdx.y;  // the block's rank in its cluster when splits > 1
+  const int token0 = blockIdx.z * BM;
+  const int k_slice = p.k / p.splits;
+  const int k0 = split * k_slice;
+  const int steps = k_slice / kStep;
+  // The swizzle's atoms must start at multiples of 1,024 bytes (smem_bytes() leaves the room).
+  const uint32_t base = (shared_address(smem_raw) + 1023) & ~1023u;
+  uint8_t* smem = smem_raw + (base - shared_address(smem_raw));
+
+  auto load_weights = [&](int step) {
+    const uint32_t stage = base + (step % kStages) * kStageBytes;
+    const uint8_t* src = p.w + static_cast<size_t>(row0) * p.k + k0 + step * kStep;
+#pragma unroll
+    for (int j = 0; j < ROWS * 8 / kThreads; ++j) {
+      const int i = threadIdx.x + j * kThreads, r = i >> 3, c = i & 7;
+      cp_async16(stage + swizzled(r, c), src + static_cast<size_t>(r) * p.k + c * 16);
+    }
+  };
+  // Tokens past m load the last token's row (their sums are never written).
+  auto load_tokens = [&](int step) {
+    const uint32_t stage = base + (step % kStages) * kStageBytes + kWeightBytes;
+#pragma unroll
+    for (int j = 0; j < BM * 8 / kThreads; ++j) {
+      const int i = threadIdx.x + j * kThreads, r = i >> 3, c = i & 7;
+      const int token = min(token0 + r, p.m - 1);
+      cp_async16(stage + swizzled(r, c), p.xq + static_cast<size_t>(token) * p.k + k0 + step * kStep + c * 16);
+    }
+  };
+
+  // The weights of the first stages before waiting for the previous kernel (it writes xq).
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < steps) load_weights(s);
+  }
+  grid_dependency_wait();
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < steps) load_tokens(s);
+    cp_async_commit();
+  }
+
+  // The tensor cores keep fewer bits than fp32 when they add up e4m3 products, so each stage's 128
+  // features are summed by wgmma into `stage_sum` and added to `acc` in fp32 (as cuBLASLt does
+  // unless asked for its fast accumulation).
+  float acc[kAccs], stage_sum[kAccs];
+#pragma unroll
+  for (int i = 0; i < kAccs; ++i) acc[i] = stage_sum[i] = 0.0f;
+
+  for (int step = 0; step < steps; ++step) {
+    cp_async_wait<kStages - 2>();
+    fence_async_shared();
+    __syncthreads();  // this stage is in; every warp is done with the stage the next loads overwrite
+    const int next = step + kStages - 1;
+    if (next < steps) {
+      load_weights(next);
+      load_tokens(next);
+    }
+    cp_async_commit();
+    const uint32_t weights = base + (step % kStages) * kStageBytes + warpgroup * 64 * kStep;
+    const uint32_t tokens = base + (step % kStages) * kStageBytes + kWeightBytes;
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kStep / 32; ++ks) {
+      wgmma_e4m3<BM>(stage_sum, tile_descriptor(weights + 32 * ks), tile_descriptor(tokens + 32 * ks), ks > 0);
+    }
+    wgmma_commit();
+    wgmma_wait_all();
+#pragma unroll
+    for (int i = 0; i < kAccs; ++i) acc[i] += stage_sum[i];
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // the pipeline's buffers become the partial tile
+  grid_dependents_launch();
+
+  // The block's partial tile [BM tokens][128 rows] (fp32). The accumulator of a warp holds rows
+  // 16 (warp % 4) + g and + 8 of its warpgroup's 64, tokens 8 j + 2 t and + 1 (g = lane / 4, t = lane % 4).
+  float* part = reinterpret_cast<float*>(smem);
+  const int g = lane >> 2, t = lane & 3;
+  const int r = warpgroup * 64 + (warp & 3) * 16 + g;
+#pragma unroll
+  for (int j = 0; j < BM / 8; ++j) {
+    const int token = 8 * j + 2 * t;
+    part[token * kPartLd + r] = acc[4 * j];
+    part[(token + 1) * kPartLd + r] = acc[4 * j + 1];
+    part[token * kPartLd + r + 8] = acc[4 * j + 2];
+    part[(token + 1) * kPartLd + r + 8] = acc[4 * j + 3];
+  }
+  cg::cluster_group cluster = cg::this_cluster();
+  if (p.splits > 1) {
+    cluster.sync();  // every block's partial tile is written
+  } else {
+    __syncthreads();
+  }
+
+  // This block's share of the tile's tokens, summed over the blocks' partial tiles in rank order.
+  const int share = BM / p.splits;
+  for (int i = threadIdx.x; i < share * (ROWS / 2); i += kThreads) {
+    const int local = split * share + i / (ROWS / 2);
+    const int r = 2 * (i % (ROWS / 2));
+    const int token = token0 + local;
+    if (token >= p.m) continue;
+    float s0 = 0.0f, s1 = 0.0f;
+    for (int q = 0; q < p.splits; ++q) {
+      const float* src = p.splits > 1 ? cluster.map_shared_rank(part, q) : part;
+      const float2 v = *reinterpret_cast<const float2*>(src + local * kPartLd + r);
+      s0 += v.x;
+      s1 += v.y;
+    }
+    const int row = row0 + r;
+    const float xs = p.x_scale[token];
+    float v0 = s0 * (xs * p.w_scale[row]);
+    float v1 = s1 * (xs * p.w_scale[row + 1]);
+    if (p.bias != nullptr) {
+      v0 += __bfloat162float(p.bias[row]);
+      v1 += __bfloat162float(p.bias[row + 1]);
+    }
+    *reinterpret_cast<__nv_bfloat162*>(p.out + static_cast<size_t>(token) * p.n + row) = __floats2bfloat162_rn(v0, v1);
+  }
+  if (p.splits > 1) cluster.sync();  // no block leaves while another still reads its tile
+#else
+  __trap();  // clusters: the Python side runs this kernel only on sm_90 and newer
+#endif
+}
+
+template <int ROWS, int BM, int S>
+void launch_tiles(const GemmParams& p, cudaStream_t stream) {
+  auto kernel = fp8_gemm_kernel<ROWS, BM, S>;
+  constexpr int smem = smem_bytes<ROWS, BM, S>();
+  allow_dynamic_smem<fp8_gemm_kernel<ROWS, BM, S>>(smem);
+  const dim3 grid(p.n / ROWS, p.splits, (p.m + BM - 1) / BM);
+  launch_cluster_pdl(kernel, grid, dim3(block_threads<ROWS>()), dim3(1, p.splits, 1), smem, stream, true, p);
+}
+
+}  // namespace
+
+at::Tensor gemm(const at::Tensor& xq, const at::Tensor& x_scale, const at::Tensor& weight,
+                const at::Tensor& w_scale, int64_t splits, int64_t block_tokens, int64_t block_rows, int64_t stages) {
+  const Fp8Operands ops = check_fp8_operands("exp gemm", xq, x_scale, weight, w_scale, std::nullopt);
+  GemmParams p{};
+  at::Tensor out = at::empty({ops.m, ops.n}, xq.options().dtype(at::kBFloat16));
+  p.xq = static_cast<const uint8_t*>(xq.data_ptr());
+  p.x_scale = x_scale.data_ptr<float>();
+  p.w = static_cast<const uint8_t*>(weight.data_ptr());
+  p.w_scale = w_scale.data_ptr<float>();
+  p.out = static_cast<__nv_bfloat16*>(out.data_ptr());
+  p.m = ops.m;
+  p.n = ops.n;
+  p.k = ops.k;
+  p.splits = static_cast<int>(splits);
+  auto s = current_stream();
+  const int key = static_cast<int>(block_rows * 10000 + block_tokens * 100 + stages);
+  switch (key) {
+#define CASE(R, B, S) case R * 10000 + B * 100 + S: launch_tiles<R, B, S>(p, s); break;
+    CASE(64, 64, 3) CASE(64, 64, 4) CASE(64, 64, 5) CASE(64, 64, 6) CASE(64, 64, 8)
+    CASE(128, 64, 3) CASE(128, 64, 4) CASE(128, 64, 5)
+    CASE(64, 32, 4) CASE(64, 32, 6) CASE(64, 32, 8) CASE(128, 32, 4) CASE(128, 32, 6)
+#undef CASE
+    default: TORCH_CHECK(false, "no such variant");
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+}  // namespace exlcli
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("gemm", &exlcli::gemm); }
