@@ -1,8 +1,14 @@
 """fp8_gemm's pipeline depth per block height: a copy of the kernel with the stage count as a template
-parameter (stages.cu), against the library's (4 stages), same bytes checked; us per call."""
+parameter (csrc/fp8_gemm.cu with stages.patch applied, built as its own extension), against the
+library's (4 stages), same bytes checked; us per call. Run from the repository root:
+
+    python3 docs/gpu-runs/run26/stages_probe.py
+"""
 
 import math
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -13,19 +19,17 @@ from fp8_matmul_bench import L2_BYTES, SHAPES, time_graph  # noqa: E402
 
 from exlcli.ops.cuda import build, kernels, loader  # noqa: E402
 
+here = Path(__file__).parent
+sys.path.insert(0, str(here))
+from rows_probe import dev, weight  # noqa: E402
+
 assert loader.load(), loader.reason()
-here = Path(__file__).parent  # stages.cu beside this file; run from the repository root
-ext = cpp_extension.load(name="fp8_stages", sources=[str(here / "stages.cu"), str(build.CSRC / "device_info.cu")],
+work = Path(tempfile.mkdtemp())
+subprocess.run(["patch", "-s", "-o", str(work / "stages.cu"), str(build.CSRC / "fp8_gemm.cu"),
+                str(here / "stages.patch")], check=True)
+ext = cpp_extension.load(name="fp8_stages", sources=[str(work / "stages.cu"), str(build.CSRC / "device_info.cu")],
                          extra_include_paths=[str(build.CSRC)], extra_cuda_cflags=build.CUDA_CFLAGS,
-                         extra_ldflags=build.cxx_runtime_ldflags(), build_directory=str(here), verbose=False)
-dev = torch.device("cuda")
-
-
-def weight(n, k, seed):
-    g = torch.Generator(device=dev).manual_seed(seed)
-    w = torch.randn(n, k, device=dev, generator=g) * torch.rand(n, 1, device=dev, generator=g)
-    s = (w.abs().amax(dim=1) / 448).clamp(min=1e-8)
-    return (w / s[:, None]).to(torch.float8_e4m3fn), s.float()
+                         extra_ldflags=build.cxx_runtime_ldflags(), build_directory=str(work), verbose=False)
 
 
 VARIANTS = {64: [(64, 64, 3), (64, 64, 4), (64, 64, 5), (64, 64, 6), (64, 64, 8), (128, 64, 3), (128, 64, 4),
