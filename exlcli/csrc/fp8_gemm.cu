@@ -16,7 +16,7 @@
 // shared memory: mma.sync's e4m3 form is Ada's and Hopper runs it as fp16 after a conversion (a first
 // version of this kernel on mma.sync took 72 us for the 8B gate|up at 64 tokens, bound by that
 // arithmetic; on wgmma it takes 36). With `splits` > 1, the input features are cut into
-// that many slices, the blocks of one row tile form a cluster, and after the main loop each block sums
+// that many slices (1 to 8, of whole pipeline steps, as even as they go), the blocks of one row tile form a cluster, and after the main loop each block sums
 // a share of the tile's tokens over every block's partial tile (distributed shared memory) in rank
 // order. Every token's sum is thus the same chain of products and additions whatever the other tokens
 // are: the kernel is batch-invariant, and blocks of 64 and 128 rows give the same bytes (each row's
@@ -145,9 +145,11 @@ __global__ void __launch_bounds__(block_threads<ROWS>()) fp8_gemm_kernel(GemmPar
   const int row0 = blockIdx.x * ROWS;
   const int split = blockIdx.y;  // the block's rank in its cluster when splits > 1
   const int token0 = blockIdx.z * BM;
-  const int k_slice = p.k / p.splits;
-  const int k0 = split * k_slice;
-  const int steps = k_slice / kStep;
+  // The slice's pipeline steps: as even as the count allows (slices of 3 splits over 32 steps: 10, 11, 11).
+  const int total_steps = p.k / kStep;
+  const int step0 = split * total_steps / p.splits;
+  const int steps = (split + 1) * total_steps / p.splits - step0;
+  const int k0 = step0 * kStep;
   // The swizzle's atoms must start at multiples of 1,024 bytes (smem_bytes() leaves the room).
   const uint32_t base = (shared_address(smem_raw) + 1023) & ~1023u;
   uint8_t* smem = smem_raw + (base - shared_address(smem_raw));
@@ -238,9 +240,10 @@ __global__ void __launch_bounds__(block_threads<ROWS>()) fp8_gemm_kernel(GemmPar
   }
 
   // This block's share of the tile's tokens, summed over the blocks' partial tiles in rank order.
-  const int share = BM / p.splits;
+  const int first = split * BM / p.splits;
+  const int share = (split + 1) * BM / p.splits - first;
   for (int i = threadIdx.x; i < share * (ROWS / 2); i += kThreads) {
-    const int local = split * share + i / (ROWS / 2);
+    const int local = first + i / (ROWS / 2);
     const int r = 2 * (i % (ROWS / 2));
     const int token = token0 + local;
     if (token >= p.m) continue;
@@ -293,10 +296,11 @@ at::Tensor fp8_gemm(const at::Tensor& xq, const at::Tensor& x_scale, const at::T
   const Fp8Operands ops = check_fp8_operands("fp8 gemm", xq, x_scale, weight, w_scale, bias);
   TORCH_CHECK(device_supports_pdl(), "fp8 gemm: needs thread block clusters (sm_90 or newer)");
   TORCH_CHECK(block_rows == 64 || block_rows == 128, "fp8 gemm: block_rows must be 64 or 128");
-  TORCH_CHECK(splits == 1 || splits == 2 || splits == 4 || splits == 8, "fp8 gemm: splits must be 1, 2, 4 or 8");
+  TORCH_CHECK(splits >= 1 && splits <= 8, "fp8 gemm: splits must be 1 to 8");
   TORCH_CHECK(block_tokens == 32 || block_tokens == 64, "fp8 gemm: block_tokens must be 32 or 64");
-  TORCH_CHECK(ops.n % block_rows == 0 && ops.n > 0 && ops.k % (kStep * splits) == 0,
-              "fp8 gemm: n must be a multiple of ", block_rows, " and k of 128 * splits, got ", ops.n, " x ", ops.k);
+  TORCH_CHECK(ops.n % block_rows == 0 && ops.n > 0 && ops.k % kStep == 0 && ops.k / kStep >= splits,
+              "fp8 gemm: n must be a multiple of ", block_rows, " and k of 128, at least 128 * splits, got ", ops.n,
+              " x ", ops.k);
   GemmParams p{};
   p.bias = ops.bias;
   const c10::cuda::CUDAGuard guard(xq.device());

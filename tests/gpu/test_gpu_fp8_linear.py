@@ -211,10 +211,12 @@ requires_hopper = pytest.mark.skipif(
 @requires_hopper
 @pytest.mark.parametrize("n,k,splits,with_bias", [(1536, 4096, 4, False), (256, 512, 1, True),
                                                   (4096, 14336, 8, False), (384, 1024, 2, True),
-                                                  (192, 1024, 2, True)])
+                                                  (192, 1024, 2, True), (1536, 4096, 3, False),
+                                                  (4096, 14336, 6, False), (384, 1024, 5, True)])
 def test_fp8_wgmma_kernel_against_float64_and_batch_invariant(n, k, splits, with_bias):
     """Blocks of 64 and of 128 weight rows give the same bytes (the same chains of wgmma and fp32
-    additions per output), so the 128-row tiles' checks hold for both (n = 192: 64-row blocks only)."""
+    additions per output), so the 128-row tiles' checks hold for both (n = 192: 64-row blocks only).
+    Splits that do not divide the pipeline steps (3 over 32, 6 over 112, 5 over 8) take uneven slices."""
     block_rows = (64, 128) if n % 128 == 0 else (64,)
     values, scale = fp8_weight(n, k, seed=n + k + splits)
     bias = torch.randn(n, device="cuda").bfloat16() if with_bias else None
@@ -243,15 +245,16 @@ def test_fp8_linear_takes_the_wgmma_kernel_on_hopper():
     xq, xs = ops.quantize_rows_e4m3(x)
     for m, block_tokens in ((40, 64), (20, 32)):
         tiling = cuda_fp8.gemm_tiling(values, block_tokens)
-        assert lin._gemm[block_tokens] == tiling and tiling.splits in (1, 2, 4, 8) and tiling.rows in (64, 128)
+        assert lin._gemm[block_tokens] == tiling and 1 <= tiling.splits <= 8 and tiling.rows in (64, 128)
         want = ops.fp8_gemm(xq[:m].contiguous(), xs[:m].contiguous(), values, scale, None, splits=tiling.splits,
                             block_tokens=block_tokens, block_rows=tiling.rows)
         assert torch.equal(lin(x[:m]), want)
-    # the 8B shapes on this GPU: o and down in 64-row blocks with 64 tokens, everything else in 128-row ones
+    # the 8B shapes on this GPU: o and down (5 slices) in 64-row blocks with 64 tokens, the rest in 128-row ones
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for n, k in ((4096, 4096), (28672, 4096)):
+    for n, k in ((4096, 4096), (28672, 4096), (4096, 14336)):
         wide = cuda_fp8.gemm_tiling(torch.empty(n, k, device="cuda", dtype=torch.float8_e4m3fn), 64)
-        assert wide.rows == (64 if (n // 64) * wide.splits <= 2 * sms else 128)
+        assert wide.rows == (64 if 2 * (n // 64) * wide.splits <= 5 * sms else 128)
+        assert -(-k // 128 // wide.splits) <= cuda_fp8.GEMM_MAX_SLICE_STEPS or wide.splits in (1, 8)
         assert cuda_fp8.gemm_tiling(torch.empty(n, k, device="cuda", dtype=torch.float8_e4m3fn), 32).rows == 128
     for m in (5, 8):  # fewer tokens than GEMM_MIN_TOKENS: the mma.sync kernel
         assert torch.equal(lin(x[:m]), ops.fp8_linear(xq[:m].contiguous(), xs[:m].contiguous(), values, scale))
@@ -309,6 +312,7 @@ def test_make_linear_keeps_row_scaled_fp8_row_major(scales):
 
 def test_bad_input_names_the_problem():
     values, scale = fp8_weight(64, 64, seed=3)
+    wide, wide_scale = fp8_weight(256, 256, seed=4)  # k of 2 pipeline steps
     x = torch.randn(2, 64, device="cuda").bfloat16()
     cases = [
         (lambda: ops.decode_linear(x, values, None, scale[:10]), "weight_scale must be a contiguous [64]"),
@@ -326,7 +330,8 @@ def test_bad_input_names_the_problem():
         (lambda: ops.rms_norm_e4m3(x[:, :60].contiguous(), None, scale[:60].bfloat16(), 1e-5), "multiple of 8"),
         (lambda: ops.rms_norm_e4m3(x, x[:1], scale.bfloat16(), 1e-5), "residual must be a contiguous"),
         (lambda: ops.silu_and_mul_e4m3(x[:, :24].contiguous()), "multiple of 16"),
-        (lambda: ops.fp8_gemm(values[:2], scale[:2], values, scale, splits=3), "splits must be 1, 2, 4 or 8"),
+        (lambda: ops.fp8_gemm(values[:2], scale[:2], values, scale, splits=9), "splits must be 1 to 8"),
+        (lambda: ops.fp8_gemm(wide[:2], wide_scale[:2], wide, wide_scale, splits=3), "at least 384"),
         (lambda: ops.fp8_gemm(values[:2], scale[:2], values, scale, block_tokens=16), "block_tokens 32 or 64"),
         (lambda: ops.fp8_gemm(values[:2], scale[:2], values, scale, block_rows=32), "block_rows 64 or 128"),
     ]

@@ -262,15 +262,15 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w_sc
              block_rows: int = 128) -> torch.Tensor:
     """fp8_linear's product, tiled through shared memory on wgmma for 9 to 64 tokens (sm_90+, see
     csrc/fp8_gemm.cu): blocks of block_rows (64 or 128) weight rows and block_tokens (32 or 64) tokens,
-    the input features cut into `splits` (1, 2, 4 or 8) slices; n a multiple of block_rows, k of
-    128 * splits."""
+    the input features cut into `splits` (1 to 8) slices of whole 128-feature steps, as even as they go;
+    n a multiple of block_rows, k of 128 and at least 128 * splits."""
     op = "fp8_gemm"
     n, k = _fp8_operands(op, xq, x_scale, weight, w_scale, bias)
-    if splits not in (1, 2, 4, 8) or block_tokens not in (32, 64) or block_rows not in (128, 64):
-        checks.fail(op, "splits must be 1, 2, 4 or 8, block_tokens 32 or 64 and block_rows 64 or 128, got "
+    if not 1 <= splits <= 8 or block_tokens not in (32, 64) or block_rows not in (128, 64):
+        checks.fail(op, "splits must be 1 to 8, block_tokens 32 or 64 and block_rows 64 or 128, got "
                         f"{splits}, {block_tokens}, {block_rows}")
-    if n % block_rows or k % (128 * splits) or n == 0:
-        checks.fail(op, f"n must be a multiple of {block_rows} and k of {128 * splits}, got {n} x {k}")
+    if n % block_rows or k % 128 or k < 128 * splits or n == 0:
+        checks.fail(op, f"n must be a multiple of {block_rows} and k of 128, at least {128 * splits}, got {n} x {k}")
     return torch.ops.exlcli.fp8_gemm(xq, x_scale, weight, w_scale, bias, splits, block_tokens, block_rows,
                                      STATE.options.pdl)
 

@@ -10,7 +10,7 @@ the layout both of its products read.
   on the tensor cores, fp32 accumulation, a scale per token and per weight row: by csrc/fp8_linear.cu
   (mma.sync over the row-major weights) up to MMA_MAX_TOKENS tokens, on Hopper only up to
   GEMM_MIN_TOKENS - 1 and then by csrc/fp8_gemm.cu (wgmma over tiles in shared memory, the input
-  features split across a cluster where the weight has few rows; `gemm_tiling`) up to GEMM_MAX_TOKENS; beyond, by
+  features split across a cluster where the weight has few rows or long ones; `gemm_tiling`) up to GEMM_MAX_TOKENS; beyond, by
   cuBLASLt's FP8 matmul (`torch._scaled_mm`). Each kernel is batch-invariant over its range. Measured
   on an H200, 8B shapes (`scripts/fp8_matmul_bench.py`, docs/gpu-results.md runs 18 and 25): the
   mma.sync kernel is the fastest at 5-8 tokens; from 16 tokens the wgmma one is (Hopper runs
@@ -120,29 +120,37 @@ class GemmTiling:
     """How csrc/fp8_gemm.cu tiles the products with one weight, for blocks of a given token count."""
 
     rows: int  # weight rows a block: 64 or 128
-    splits: int  # slices of the input features, summed across a cluster: 1, 2, 4 or 8
+    splits: int  # slices of the input features (1 to 8, of whole 128-feature steps), summed across a cluster
+
+
+GEMM_MAX_SLICE_STEPS = 24  # 128-feature pipeline steps a split block runs at most (down_proj: 5 slices, not 4)
 
 
 def gemm_tiling(weight: torch.Tensor, block_tokens: int = 64) -> GemmTiling | None:
     """The tiling csrc/fp8_gemm.cu runs a product with `weight` [N, K] in, with blocks of
     `block_tokens` (32 or 64) tokens, or None where that kernel does not run (not Hopper, or N not a
-    multiple of 128, K of 128). Measured on the H200, 8B shapes (docs/gpu-results.md runs 25, 26):
-    - splits: the fewest (1, 2, 4, 8) that give at least three blocks of 128 rows for every four
-      multiprocessors: q|k|v (48 row tiles) 4, o and down (32) 4, gate|up (224) 1;
-    - rows: with 64-token blocks, 64 where those blocks still fit two to a multiprocessor (o and
-      down at 4 splits: 8.9 and 21.7 us at 64 tokens, against 10.7 and 24.2 in blocks of 128);
-      otherwise, and for 32-token blocks, 128. Both give the same bytes."""
+    multiple of 128, K of 128). Measured on the H200, 8B shapes (docs/gpu-results.md runs 25-27):
+    - splits: the fewest of 1, 2, 4, 8 that give at least three blocks of 128 rows for every four
+      multiprocessors; where that cuts the features at all, then as many more as keep each block to
+      at most GEMM_MAX_SLICE_STEPS steps: q|k|v (48 row tiles) 4, o (32) 4, down (32, 112 steps) 5,
+      gate|up (224) 1. The splits do not depend on block_tokens (the same bytes for any token count);
+    - rows: with 64-token blocks, 64 where there are at most 2.5 such blocks a multiprocessor (o at 4
+      splits and down at 5: 9.1 and 20.7 us at 64 tokens, against 10.5 and 22.0 in blocks of 128;
+      q|k|v's 384 blocks of 64 rows take 16.5 against 10.9); otherwise, and for 32-token blocks, 128.
+      Both give the same bytes."""
     rows, cols = weight.shape
     if not weight.is_cuda or torch.cuda.get_device_capability(weight.device) < GEMM_CAPABILITY:
         return None
     if rows % 128 or cols % 128:
         return None
-    tiles = rows // 128
+    tiles, steps = rows // 128, cols // 128
     sms = torch.cuda.get_device_properties(weight.device).multi_processor_count
     splits = 1
-    while splits < 8 and 4 * tiles * splits < 3 * sms and cols % (256 * splits) == 0:
+    while splits < 8 and 4 * tiles * splits < 3 * sms and 2 * splits <= steps:
         splits *= 2
-    narrow = block_tokens == 64 and (rows // 64) * splits <= 2 * sms
+    while 1 < splits < min(8, steps) and -(-steps // splits) > GEMM_MAX_SLICE_STEPS:
+        splits += 1
+    narrow = block_tokens == 64 and 2 * (rows // 64) * splits <= 5 * sms
     return GemmTiling(64 if narrow else 128, splits)
 
 
