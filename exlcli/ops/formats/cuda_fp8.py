@@ -11,8 +11,8 @@ the layout both of its products read.
   (mma.sync over the row-major weights) up to MMA_MAX_TOKENS tokens, on Hopper only up to
   GEMM_MIN_TOKENS - 1 and then by csrc/fp8_gemm.cu (wgmma over tiles in shared memory, the input
   features split across a cluster where the weight has few rows or long ones; `gemm_tiling`) up to
-  GEMM_MAX_TOKENS; beyond, by cuBLASLt's FP8 matmul (`torch._scaled_mm`). Each kernel is batch-invariant over its range. Measured
-  on an H200, 8B shapes (`scripts/fp8_matmul_bench.py`, docs/gpu-results.md runs 18 and 25): the
+  GEMM_MAX_TOKENS; beyond, by cuBLASLt's FP8 matmul (`torch._scaled_mm`). Each kernel is
+  batch-invariant over its range. Measured on an H200, 8B shapes (`scripts/fp8_matmul_bench.py`, docs/gpu-results.md runs 18 and 25): the
   mma.sync kernel is the fastest at 5-8 tokens; from 16 tokens the wgmma one is (Hopper runs
   mma.sync's e4m3 form as fp16 after a conversion), at 16-64 tokens in 0.54-0.86x cuBLASLt's time;
   from 128 tokens cuBLASLt is the fastest.
