@@ -6,16 +6,17 @@ the layout both of its products read.
   the bf16 activations as they are, each row's sum times its scale; `fused_decode_weights` hands the
   same weights to the fused decode step.
 - More tokens: the activations are quantized per token to e4m3 (csrc/fp8_quant.cu; in a decoder
-  layer the norm and the SiLU write them so, through `normed_product` and `silu_product`) and multiplied
-  on the tensor cores, fp32 accumulation, a scale per token and per weight row: by csrc/fp8_linear.cu
-  (mma.sync over the row-major weights) up to MMA_MAX_TOKENS tokens, on Hopper only up to
-  GEMM_MIN_TOKENS - 1 and then by csrc/fp8_gemm.cu (wgmma over tiles in shared memory, the input
-  features split across a cluster where the weight has few rows or long ones; `gemm_tiling`) up to
-  GEMM_MAX_TOKENS; beyond, by cuBLASLt's FP8 matmul (`torch._scaled_mm`). Each kernel is
-  batch-invariant over its range. Measured on an H200, 8B shapes (`scripts/fp8_matmul_bench.py`, docs/gpu-results.md runs 18 and 25): the
-  mma.sync kernel is the fastest at 5-8 tokens; from 16 tokens the wgmma one is (Hopper runs
-  mma.sync's e4m3 form as fp16 after a conversion), at 16-64 tokens in 0.54-0.86x cuBLASLt's time;
-  from 128 tokens cuBLASLt is the fastest.
+  layer the norm and the SiLU write them so, through `normed_product` and `silu_product`) and
+  multiplied on the tensor cores, fp32 accumulation, a scale per token and per weight row: by
+  csrc/fp8_linear.cu (mma.sync over the row-major weights) up to MMA_MAX_TOKENS tokens, on Hopper
+  only up to GEMM_MIN_TOKENS - 1 and then by csrc/fp8_gemm.cu (wgmma over tiles in shared memory,
+  the input features split across a cluster where the weight has few rows or long ones;
+  `gemm_tiling`) up to GEMM_MAX_TOKENS; beyond, by cuBLASLt's FP8 matmul (`torch._scaled_mm`).
+  Each kernel is batch-invariant over its range. Measured on an H200, 8B shapes
+  (`scripts/fp8_matmul_bench.py`, docs/gpu-results.md runs 18 and 25): the mma.sync kernel is the
+  fastest at 5-8 tokens; from 16 tokens the wgmma one is (Hopper runs mma.sync's e4m3 form as fp16
+  after a conversion), at 16-64 tokens in 0.54-0.86x cuBLASLt's time; from 128 tokens cuBLASLt is
+  the fastest.
 
 Weights with scales per 128 x 128 tile stay in cuda_groups' packed 8-bit layout.
 """
