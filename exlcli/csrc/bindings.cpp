@@ -31,6 +31,7 @@ TORCH_LIBRARY(exlcli, m) {
         "Tensor seq_lens, float scale, int version, bool pdl) -> Tensor");
   m.def("paged_attention_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor query_start_loc, Tensor seq_lens, Tensor host_layout, float scale, int version, bool pdl) -> Tensor");
+  m.def("argmax_rows(Tensor logits, bool pdl) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(exlcli, CUDA, m) {
@@ -49,4 +50,5 @@ TORCH_LIBRARY_IMPL(exlcli, CUDA, m) {
   m.impl("rope_and_write_kv", &exlcli::rope_and_write_kv);
   m.impl("paged_attention_decode", &exlcli::paged_attention_decode);
   m.impl("paged_attention_prefill", &exlcli::paged_attention_prefill);
+  m.impl("argmax_rows", &exlcli::argmax_rows);
 }

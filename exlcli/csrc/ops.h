@@ -57,7 +57,8 @@ at::Tensor fp8_linear(const at::Tensor& xq, const at::Tensor& x_scale, const at:
 
 // fp8_gemm.cu: the same product for 9 to 64 tokens, tiled through shared memory on wgmma (sm_90+):
 // blocks of block_rows (64 or 128) weight rows x block_tokens (32 or 64) tokens, the input features cut
-// into `splits` (1, 2, 4, 8) slices summed across a cluster; n a multiple of block_rows, k of 128 * splits.
+// into `splits` (1 to 8) slices of whole 128-feature steps summed across a cluster; n a multiple of
+// block_rows, k of 128 and at least 128 * splits.
 at::Tensor fp8_gemm(const at::Tensor& xq, const at::Tensor& x_scale, const at::Tensor& weight,
                     const at::Tensor& w_scale, const std::optional<at::Tensor>& bias, int64_t splits,
                     int64_t block_tokens, int64_t block_rows, bool pdl);
@@ -100,5 +101,9 @@ at::Tensor paged_attention_prefill(const at::Tensor& q, const at::Tensor& k_cach
                                    const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                                    const at::Tensor& seq_lens, const at::Tensor& host_layout, double scale,
                                    int64_t version, bool pdl);
+
+// argmax.cu: fp32 logits [rows, vocab] -> int64 [2 rows]: each row's argmax (its first largest value),
+// then 1 for each row with a NaN or +Inf or no finite value, 0 otherwise.
+at::Tensor argmax_rows(const at::Tensor& logits, bool pdl);
 
 }  // namespace exlcli

@@ -21,13 +21,20 @@ from exlcli.engine.context_window import DEFAULT_SINK_TOKENS, check_mode, resolv
 from exlcli.engine.detok import TextStreamer
 from exlcli.engine.draft_model_drafter import DraftModel
 from exlcli.engine.drafters import build_drafter, num_drafter_pages, resolve_draft_model
-from exlcli.engine.failure_policy import FailurePolicy, nonfinite_rows
+from exlcli.engine.failure_policy import FailurePolicy
 from exlcli.engine.grammar_masks import MaskWorker, StepMasks
 from exlcli.engine.memory_budget import GPU_MEMORY_UTILIZATION, DeviceMemory, model_kv_budget
 from exlcli.engine.model_runner import ModelRunner
 from exlcli.engine.page_pool import PagePool
 from exlcli.engine.request import FinishReason, Request, RequestOutput, RequestStats
-from exlcli.engine.sampler import SampleRow, needs_history, sample_ids, top_logprobs
+from exlcli.engine.sampler import (
+    SampleRow,
+    needs_history,
+    sample_ids,
+    sample_ids_and_flags,
+    top_logprobs,
+    with_nonfinite_flags,
+)
 from exlcli.engine.scheduler import ScheduledBatch, Scheduler
 from exlcli.engine.sequence import SeqStatus, Sequence
 from exlcli.engine.sessions import DEFAULT_MAX_SESSIONS, SessionCache
@@ -468,16 +475,16 @@ class Engine:
         drafts = [item.draft_tokens for item in items]
         rng_states = [seq.rng.getstate() if d else None for seq, d in zip(seqs, drafts)]
         logits = self._sampled_logits_rows(batch, logits)
-        ids, logprobs = self._sample(seqs, drafts, logits, masks) if seqs else (None, None)
+        # read back as one: the ids, then a flag per row for NaN/Inf logits
+        flagged, logprobs = self._sample(seqs, drafts, logits, masks) if seqs else (None, None)
         rows, first = [], 0
         for d in drafts:
             rows.append(list(range(first, first + 1 + len(d))))
             first += 1 + len(d)
-        host_ids, ready = ids, None
-        if ids is not None:  # read back as one: the ids, then a flag per row for NaN/Inf logits
-            host_ids = torch.cat([ids, nonfinite_rows(logits).to(ids.dtype)])
-        if ids is not None and ids.device.type != "cpu":
-            flagged, host_ids = host_ids, torch.empty(host_ids.shape, dtype=ids.dtype, pin_memory=True)
+        ids = flagged[:first] if flagged is not None else None
+        host_ids, ready = flagged, None
+        if flagged is not None and flagged.device.type != "cpu":
+            host_ids = torch.empty(flagged.shape, dtype=flagged.dtype, pin_memory=True)
             host_ids.copy_(flagged, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
@@ -620,10 +627,11 @@ class Engine:
 
     def _sample(self, seqs: list[Sequence], drafts: list[list[int]], logits: torch.Tensor,
                 masks: StepMasks) -> tuple[torch.Tensor, list | None]:
-        """Sampled ids on the device (1 + len(drafts) rows per sequence), and the logprobs when a
-        request asks for them (reading those waits for the device). Row j of a verifying sequence
-        is drawn as plain decoding would draw it after the first j drafted tokens: the same
-        history (for penalties) and the generator's next draw."""
+        """Sampled ids on the device (1 + len(drafts) rows per sequence) followed by a flag per row
+        for NaN/Inf logits (sampler.sample_ids_and_flags), and the logprobs when a request asks for
+        them (reading those waits for the device). Row j of a verifying sequence is drawn as plain
+        decoding would draw it after the first j drafted tokens: the same history (for penalties)
+        and the generator's next draw."""
         rows: list[SampleRow] = []
         for s, d in zip(seqs, drafts):
             rows.append(SampleRow(s.request.sampling, s.rng.random(), s.token_ids, s.num_prompt_tokens))
@@ -633,8 +641,8 @@ class Engine:
         want_logprobs = any(r.params.logprobs for r in rows)
         bitmask = masks.result()
         try:
-            ids = sample_ids(logits, rows, bitmask)
-            return ids, (top_logprobs(logits, ids.tolist(), rows) if want_logprobs else None)
+            flagged = sample_ids_and_flags(logits, rows, bitmask)
+            return flagged, (top_logprobs(logits, flagged[:len(rows)].tolist(), rows) if want_logprobs else None)
         except Exception:
             pass
         # Find the sequence that broke the batch; the others go on (a failed row's id is never read).
@@ -651,7 +659,7 @@ class Engine:
                 self._finish(seq, FinishReason.ERROR, error=f"sampling failed: {type(e).__name__}: {e}")
                 ids_list.append(torch.zeros(1 + len(d), dtype=torch.long, device=logits.device))
                 logprobs.extend([None] * (1 + len(d)))
-        return torch.cat(ids_list), logprobs
+        return with_nonfinite_flags(torch.cat(ids_list), logits), logprobs
 
     def _append_tokens(self, seq: Sequence, tokens: list[int], logprobs: list | None) -> int:
         """Appends a step's tokens one by one (stop tokens, stop strings and the length limit end

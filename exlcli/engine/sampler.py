@@ -13,6 +13,7 @@ import torch
 
 from exlcli.engine.request import SamplingParams, TokenLogprob
 from exlcli.model.transfer import to_device
+from exlcli.ops.argmax import argmax_and_nonfinite, nonfinite_rows
 
 
 @dataclass
@@ -113,6 +114,22 @@ def sample_ids(logits: torch.Tensor, rows: list[SampleRow], bitmask: torch.Tenso
     if any(greedy):
         drawn = torch.where(to_device(greedy, torch.bool, logits.device), logits.argmax(-1), drawn)
     return drawn
+
+
+def sample_ids_and_flags(logits: torch.Tensor, rows: list[SampleRow],
+                         bitmask: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 [2B]: sample_ids' ids, then 1 for each row whose raw logits cannot be sampled from
+    (nonfinite_rows), in one tensor that is read back at once. Plain greedy rows (no grammar, no
+    penalty) take both from one pass over the logits."""
+    if bitmask is None and all(r.params.greedy and not needs_history(r.params) for r in rows):
+        return argmax_and_nonfinite(logits)
+    ids = sample_ids(logits, rows, bitmask)
+    return with_nonfinite_flags(ids, logits)
+
+
+def with_nonfinite_flags(ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """ids [B], then nonfinite_rows(logits) [B] as ids' dtype."""
+    return torch.cat([ids, nonfinite_rows(logits).to(ids.dtype)])
 
 
 def needs_history(params: SamplingParams) -> bool:

@@ -152,14 +152,16 @@ def test_a_failing_request_does_not_hurt_the_others(make_engine, monkeypatch):
     bad = engine.submit(greedy("bad", [4, 5, 6], n=10))
     import exlcli.engine.engine as engine_module
 
-    real_sample = engine_module.sample_ids
+    def flaky(real):
+        def sample(logits, rows, bitmask=None):
+            if any(r.prompt_ids == [4, 5, 6] for r in rows):
+                raise RuntimeError("broken logits")
+            return real(logits, rows, bitmask)
+        return sample
 
-    def flaky(logits, rows, bitmask=None):
-        if any(r.prompt_ids == [4, 5, 6] for r in rows):
-            raise RuntimeError("broken logits")
-        return real_sample(logits, rows, bitmask)
-
-    monkeypatch.setattr(engine_module, "sample_ids", flaky)
+    # the batch's sampling, then each sequence's alone
+    monkeypatch.setattr(engine_module, "sample_ids_and_flags", flaky(engine_module.sample_ids_and_flags))
+    monkeypatch.setattr(engine_module, "sample_ids", flaky(engine_module.sample_ids))
     engine.run_until_idle()
     bad_outs = list(bad)
     assert bad_outs[-1].finish_reason is FinishReason.ERROR and "broken logits" in bad_outs[-1].error

@@ -11,8 +11,9 @@ import threading
 import pytest
 import torch
 
-from exlcli.engine.failure_policy import FailureLog, FailurePolicy, nonfinite_rows
+from exlcli.engine.failure_policy import FailureLog, FailurePolicy
 from exlcli.engine.request import FinishReason, Request, SamplingParams
+from exlcli.ops.argmax import nonfinite_rows
 from tests.engine.conftest import greedy, random_prompts, tokens_of
 
 

@@ -17,6 +17,7 @@ import torch
 from gpu_helpers import TOLERANCE, assert_matches, poison_next_alloc, rel_err, requires_cuda
 
 from exlcli.ops.activation import silu_and_mul_ref
+from exlcli.ops.argmax import argmax_and_nonfinite_ref
 from exlcli.ops.attention import paged_attention_decode_ref, paged_attention_ref
 from exlcli.ops.cuda import kernels as ops  # the checked wrappers: the only way exlcli calls the compiled ops
 from exlcli.ops.cuda.limits import DECODE_ATTENTION_VERSIONS
@@ -412,3 +413,46 @@ def test_reference_tolerances_are_tight_enough_to_catch_a_wrong_scale():
     out = ops.paged_attention_decode(q, k, v, tables, lens, 128 ** -0.5)
     wrong = paged_attention_decode_ref(q.double(), k_ref.double(), v_ref.double(), tables, lens, 0.9 * 128 ** -0.5)
     assert rel_err(out, wrong) > TOLERANCE[torch.bfloat16]
+
+
+# -- greedy picks -----------------------------------------------------------------------------------
+def picky_logits(rows: int, vocab: int, misaligned: bool = False) -> torch.Tensor:
+    """Logits with ties (few distinct values), masked tokens, -0 beside +0, and rows with a NaN, a
+    +Inf and nothing finite."""
+    storage = torch.empty(rows * vocab + 1, device="cuda")
+    x = (storage[1:] if misaligned else storage[:-1]).view(rows, vocab)
+    x.copy_(torch.randint(-4, 4, (rows, vocab), device="cuda").float() / 2)
+    x[torch.rand(rows, vocab, device="cuda") < 0.2] = -math.inf
+    x[x == 0] = -0.0
+    x[0, vocab // 2] = 0.0
+    if rows > 3:
+        x[1, vocab // 3] = math.nan
+        x[2, vocab - 1] = math.inf
+        x[3] = -math.inf
+    return x
+
+
+@pytest.mark.parametrize("rows,vocab,misaligned", [(1, 128256, False), (64, 128256, False), (5, 49152, True),
+                                                   (4, 50257, False), (130, 1000, False), (2, 7, False),
+                                                   (1, 1, False), (300, 151936, False)])
+def test_argmax_rows_is_the_reference(rows, vocab, misaligned):
+    x = picky_logits(rows, vocab, misaligned)
+    if vocab == 1:
+        x.fill_(-0.0)
+    got, want = ops.argmax_rows(x), argmax_and_nonfinite_ref(x)
+    assert got.dtype == torch.int64 and got.shape == (2 * rows,)
+    assert torch.equal(got[rows:], want[rows:]), "the flags"
+    fit = want[rows:] == 0  # a flagged row's id is never read
+    assert torch.equal(got[:rows][fit], want[:rows][fit]), "the ids"
+    if rows > 3:
+        assert want[rows + 1:rows + 4].tolist() == [1, 1, 1]
+
+
+def test_argmax_rows_rejects_bad_input():
+    for bad, words in [(torch.zeros(2, 8, device="cuda", dtype=torch.bfloat16), "float32"),
+                       (torch.zeros(2, 8, device="cuda")[:, :4], "contiguous"),
+                       (torch.zeros(2, 0, device="cuda"), "0 < vocab"),
+                       (torch.zeros(8, device="cuda"), "[rows, vocab]")]:
+        with pytest.raises(KernelInputError) as err:
+            ops.argmax_rows(bad)
+        assert words in str(err.value)

@@ -32,6 +32,7 @@ SOURCES = (
     "attention_decode_v1.cu",
     "attention_decode_v3.cu",
     "attention_prefill.cpp",
+    "argmax.cu",
 )
 HEADERS = ("common.cuh", "pdl.cuh", "e4m3_rows.cuh", "decode_gemv.cuh", "quant_linear.cuh", "attention_decode.cuh",
            "fp8_operands.h", "ops.h")

@@ -323,3 +323,16 @@ def quant_dequantize(qweight: torch.Tensor, scales: torch.Tensor, bits: int, gro
     if e4m3 and bits != 8:
         checks.fail("quant_dequantize", "e4m3 weights take the 8-bit layout")
     return torch.ops.exlcli.quant_dequantize(qweight, scales, bits, e4m3, group, n, k, STATE.options.pdl)
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """fp32 logits [rows, vocab] -> int64 [2 rows] in one pass (csrc/argmax.cu): each row's argmax (the
+    first index of its largest value, as torch.argmax), then 1 for each row with a NaN or +Inf or no
+    finite value. The bytes of exlcli.ops.argmax.argmax_and_nonfinite_ref."""
+    op = "argmax_rows"
+    checks.on_cuda(op, "logits", logits)
+    if (logits.dim() != 2 or logits.dtype != torch.float32 or not logits.is_contiguous()
+            or not 0 < logits.shape[1] < 2 ** 31 or logits.shape[0] >= 65536):
+        checks.fail(op, f"logits must be a contiguous float32 [rows, vocab], fewer than 65,536 rows and "
+                        f"0 < vocab < 2^31, got {logits.dtype} {list(logits.shape)}")
+    return torch.ops.exlcli.argmax_rows(logits, STATE.options.pdl)
