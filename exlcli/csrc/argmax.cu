@@ -17,6 +17,8 @@ namespace exlcli {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr int kLoads = 4;        // 16-byte loads a thread issues before it compares
+constexpr int kBlocksPerSm = 4;  // blocks to aim for (the rows' chunks): enough loads in flight
 constexpr int kMinChunk = 2048;  // logits a block reads at least
 constexpr int kMaxChunks = 64;   // chunks a row is cut into at most
 
@@ -65,12 +67,24 @@ __global__ void __launch_bounds__(kThreads) argmax_chunks_kernel(const float* __
   const int begin = c * chunk, end = min(vocab, begin + chunk);
   Pick pick;
   if constexpr (VEC) {  // chunk and vocab multiples of 4, rows 16-byte aligned
-    for (int i = begin + 4 * threadIdx.x; i < end; i += 4 * kThreads) {
-      const float4 v = *reinterpret_cast<const float4*>(x + i);
-      pick.add(v.x, i);
-      pick.add(v.y, i + 1);
-      pick.add(v.z, i + 2);
-      pick.add(v.w, i + 3);
+    constexpr int kStride = 4 * kThreads;
+    for (int first = begin + 4 * threadIdx.x; first < end; first += kLoads * kStride) {
+      float4 v[kLoads];  // all loads first: a thread keeps kLoads * 16 bytes in flight
+#pragma unroll
+      for (int u = 0; u < kLoads; ++u) {
+        const int i = first + u * kStride;
+        if (i < end) v[u] = *reinterpret_cast<const float4*>(x + i);
+      }
+#pragma unroll
+      for (int u = 0; u < kLoads; ++u) {
+        const int i = first + u * kStride;
+        if (i < end) {
+          pick.add(v[u].x, i);
+          pick.add(v[u].y, i + 1);
+          pick.add(v[u].z, i + 2);
+          pick.add(v[u].w, i + 3);
+        }
+      }
     }
   } else {
     for (int i = begin + threadIdx.x; i < end; i += kThreads) pick.add(x[i], i);
@@ -118,8 +132,8 @@ at::Tensor argmax_rows(const at::Tensor& logits, bool pdl) {
   at::Tensor out = at::empty({2 * rows}, logits.options().dtype(at::kLong));
   if (rows == 0) return out;
   TORCH_CHECK(rows < 65536, "argmax_rows: at most 65,535 rows, got ", rows);
-  // Enough blocks for two a multiprocessor, in chunks of at least kMinChunk (a multiple of 4).
-  const int wanted = ceil_div(2 * num_sms(), static_cast<int>(rows));
+  // kBlocksPerSm blocks a multiprocessor, in chunks of at least kMinChunk (a multiple of 4).
+  const int wanted = ceil_div(kBlocksPerSm * num_sms(), static_cast<int>(rows));
   const int most = std::min(kMaxChunks, ceil_div(vocab, kMinChunk));
   const int chunks = std::max(1, std::min(wanted, most));
   const int chunk = ceil_div(ceil_div(vocab, chunks), 4) * 4;

@@ -96,10 +96,13 @@ class StepInputs:
         )
 
 
-def take_in_flight(input_ids: torch.Tensor, rows: list[tuple[int, int]], prev_ids: torch.Tensor | None) -> None:
-    """input_ids[row] = prev_ids[src] for each (row, src), on the device without waiting for it."""
+def take_in_flight(input_ids: torch.Tensor, rows: list[tuple[int, int]], prev_ids: torch.Tensor | None,
+                   index: torch.Tensor | None = None) -> None:
+    """input_ids[row] = prev_ids[src] for each (row, src), on the device without waiting for it.
+    `index`: the rows and sources already on the device as int64 [2, len(rows)] (the graphs stage them)."""
     if prev_ids is None:
         raise RuntimeError("a token in flight has no sampled ids to come from")
-    dst, src = zip(*rows)
-    index = to_device([dst, src], torch.long, input_ids.device)
+    if index is None:
+        dst, src = zip(*rows)
+        index = to_device([dst, src], torch.long, input_ids.device)
     input_ids.index_copy_(0, index[0], prev_ids.index_select(0, index[1]))
