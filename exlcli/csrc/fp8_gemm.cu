@@ -48,15 +48,9 @@ constexpr int part_ld() {  // floats per token row of the partial tile (padded: 
   return ROWS + 4;
 }
 
-struct GemmParams {
-  const uint8_t* xq;          // [m, k] e4m3
-  const float* x_scale;       // [m]
-  const uint8_t* w;           // [n, k] e4m3
-  const float* w_scale;       // [n]
-  const __nv_bfloat16* bias;  // [n] or null
-  __nv_bfloat16* out;         // [m, n]
-  int m, n, k;
-  int splits;                 // slices of the input features (cluster size along y)
+struct GemmParams : Fp8Operands {
+  __nv_bfloat16* out;  // [m, n]
+  int splits;          // slices of the input features (cluster size along y)
 };
 
 template <int ROWS, int BM>
@@ -301,20 +295,10 @@ at::Tensor fp8_gemm(const at::Tensor& xq, const at::Tensor& x_scale, const at::T
   TORCH_CHECK(ops.n % block_rows == 0 && ops.n > 0 && ops.k % kStep == 0 && ops.k / kStep >= splits,
               "fp8 gemm: n must be a multiple of ", block_rows, " and k of 128, at least 128 * splits, got ", ops.n,
               " x ", ops.k);
-  GemmParams p{};
-  p.bias = ops.bias;
   const c10::cuda::CUDAGuard guard(xq.device());
   at::Tensor out = at::empty({ops.m, ops.n}, xq.options().dtype(at::kBFloat16));
   if (ops.m == 0) return out;
-  p.xq = static_cast<const uint8_t*>(xq.data_ptr());
-  p.x_scale = x_scale.data_ptr<float>();
-  p.w = static_cast<const uint8_t*>(weight.data_ptr());
-  p.w_scale = w_scale.data_ptr<float>();
-  p.out = static_cast<__nv_bfloat16*>(out.data_ptr());
-  p.m = ops.m;
-  p.n = ops.n;
-  p.k = ops.k;
-  p.splits = static_cast<int>(splits);
+  const GemmParams p{ops, static_cast<__nv_bfloat16*>(out.data_ptr()), static_cast<int>(splits)};
   if (block_rows == 64) {
     launch_rows<64>(p, static_cast<int>(block_tokens), current_stream(), pdl);
   } else {

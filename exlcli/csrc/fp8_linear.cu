@@ -27,14 +27,8 @@ using qlinear::kTileRows;
 using qlinear::kWarps;
 using qlinear::mma_e4m3;
 
-struct Fp8Params {
-  const uint8_t* xq;       // [m, k] e4m3, rows 16-byte aligned
-  const float* x_scale;    // [m]
-  const uint8_t* w;        // [n, k] e4m3
-  const float* w_scale;    // [n]
-  const __nv_bfloat16* bias;  // [n] or null
-  __nv_bfloat16* out;      // [m, n]
-  int m, n, k;
+struct Fp8Params : Fp8Operands {
+  __nv_bfloat16* out;  // [m, n]
 };
 
 template <int NT, int RT, int UNROLL>
@@ -136,19 +130,10 @@ at::Tensor fp8_linear(const at::Tensor& xq, const at::Tensor& x_scale, const at:
   const Fp8Operands ops = check_fp8_operands("fp8 linear", xq, x_scale, weight, w_scale, bias);
   TORCH_CHECK(ops.n % kTileRows == 0 && ops.k % kChunk == 0 && ops.n > 0,
               "fp8 linear: n must be a multiple of 16 and k of 64");
-  Fp8Params p{};
-  p.bias = ops.bias;
   const c10::cuda::CUDAGuard guard(xq.device());
   at::Tensor out = at::empty({ops.m, ops.n}, xq.options().dtype(at::kBFloat16));
   if (ops.m == 0) return out;
-  p.xq = static_cast<const uint8_t*>(xq.data_ptr());
-  p.x_scale = x_scale.data_ptr<float>();
-  p.w = static_cast<const uint8_t*>(weight.data_ptr());
-  p.w_scale = w_scale.data_ptr<float>();
-  p.out = static_cast<__nv_bfloat16*>(out.data_ptr());
-  p.m = ops.m;
-  p.n = ops.n;
-  p.k = ops.k;
+  Fp8Params p{ops, static_cast<__nv_bfloat16*>(out.data_ptr())};
   launch(p, current_stream(), pdl);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;

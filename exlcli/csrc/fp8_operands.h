@@ -4,15 +4,21 @@
 // (kernels._fp8_operands), so these guard direct calls of the ops.
 #pragma once
 
+#include <cstdint>
 #include <optional>
 
 #include "common.cuh"
 
 namespace exlcli {
 
+// The checked operands, as the products' kernel parameters start (they derive from it).
 struct Fp8Operands {
+  const uint8_t* xq;          // [m, k] e4m3, rows 16-byte aligned
+  const float* x_scale;       // [m]
+  const uint8_t* w;           // [n, k] e4m3
+  const float* w_scale;       // [n]
+  const __nv_bfloat16* bias;  // [n] or null
   int m, n, k;
-  const __nv_bfloat16* bias;  // or null
 };
 
 inline Fp8Operands check_fp8_operands(const char* op, const at::Tensor& xq, const at::Tensor& x_scale,
@@ -33,7 +39,9 @@ inline Fp8Operands check_fp8_operands(const char* op, const at::Tensor& xq, cons
               op, ": x_scale and w_scale must be contiguous float32 of m and n elements");
   TORCH_CHECK(x_scale.device() == xq.device() && w_scale.device() == xq.device() && weight.device() == xq.device(),
               op, ": every tensor must be on one device");
-  Fp8Operands operands{static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), nullptr};
+  Fp8Operands operands{static_cast<const uint8_t*>(xq.data_ptr()), x_scale.data_ptr<float>(),
+                       static_cast<const uint8_t*>(weight.data_ptr()), w_scale.data_ptr<float>(), nullptr,
+                       static_cast<int>(m), static_cast<int>(n), static_cast<int>(k)};
   if (bias.has_value()) {
     TORCH_CHECK(bias->device() == xq.device() && bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous() &&
                     bias->scalar_type() == at::kBFloat16,
