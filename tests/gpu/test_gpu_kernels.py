@@ -456,3 +456,24 @@ def test_argmax_rows_rejects_bad_input():
         with pytest.raises(KernelInputError) as err:
             ops.argmax_rows(bad)
         assert words in str(err.value)
+
+
+# -- dense products -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dense_fp32_products_are_written_by_cublas_in_fp32(dtype):
+    """More rows than the decode kernel takes, fp32 out, no bias: the product's fp32 sums as they are
+    (closer to float64 than a 16-bit product widened after); with a bias, the widened product."""
+    from exlcli.ops.formats.dense import CudaDenseLinear
+
+    w = randn(1000, 512, dtype=dtype) * 0.05
+    lin, biased = CudaDenseLinear(w), CudaDenseLinear(w, randn(1000, dtype=dtype))
+    for m in (5, 64, 300):
+        x = randn(m, 512, dtype=dtype)
+        got = lin(x, out_dtype=torch.float32)
+        ref = x.double() @ w.double().t()
+        widened = torch.nn.functional.linear(x, w).float()
+        assert got.dtype == torch.float32 and torch.equal(got, torch.mm(x, w.t(), out_dtype=torch.float32))
+        assert rel_err(got, ref) < 0.1 * rel_err(widened, ref)
+        assert torch.equal(lin(x), torch.nn.functional.linear(x, w))  # 16-bit out: unchanged
+        assert torch.equal(biased(x, out_dtype=torch.float32),
+                           torch.nn.functional.linear(x, w, biased.bias).float())

@@ -3,7 +3,11 @@
 On the CPU, and for more than 4 rows on CUDA, the product is torch's (`F.linear`). On CUDA, products
 of 1 to 4 rows (decode steps) of an aligned bf16 / fp16 weight run the decode_linear kernel: cuBLAS
 reaches only 1.1 to 3.3 TB/s on those shapes on an H200. Those weights are also the ones the fused
-decode step reads (`fused_decode_weights`).
+decode step reads (`fused_decode_weights`). fp32 products of more rows from a bf16 / fp16 weight
+without a bias (the LM head's logits) have cuBLAS write fp32 itself (`torch.mm`'s out_dtype), not a
+16-bit product widened after: the 8B head at 64 rows took 289 us instead of 309 on an H200, at 1,024
+rows 1,611 instead of 1,875, with the fp32 sums' error instead of a 16-bit rounding
+(docs/gpu-results.md, run 27).
 """
 
 from __future__ import annotations
@@ -43,6 +47,9 @@ class CudaDenseLinear(DenseLinear):
         if (self._skinny and x.dim() == 2 and 1 <= x.shape[0] <= DECODE_LINEAR_MAX_ROWS and x.dtype == self.weight.dtype
                 and cuda_loader.use_kernels(x) and cuda_loader.decode_linear_ok()):
             return _as(kernels.decode_linear(x, self.weight, self.bias), out_dtype)
+        if (out_dtype == torch.float32 and self.bias is None and x.dim() == 2 and x.dtype == self.weight.dtype
+                and x.dtype in (torch.bfloat16, torch.float16) and x.is_cuda):
+            return torch.mm(x, self.weight.t(), out_dtype=torch.float32)
         return _as(F.linear(x, self.weight, self.bias), out_dtype)
 
     def fused_decode_weights(self) -> DecodeWeights | None:
