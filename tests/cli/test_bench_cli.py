@@ -83,7 +83,10 @@ def test_serve_workload_makes_exact_lengths_in_process(runner):
     for r in rows:
         assert (r["completed"], r["failed"]) == (4, 0)
         assert (r["input_tokens"], r["output_tokens"]) == (64, 20)  # ignore_eos: exactly as asked
-        assert r["ttft_ms_p50"] > 0 and r["tpot_ms_p50"] > 0 and r["itl_ms_p99"] >= r["itl_ms_p50"]
+        assert r["ttft_ms_p50"] > 0 and r["tpot_ms_p50"] > 0
+        # Deltas that a slow reader has not taken yet merge, so on a loaded machine every request may
+        # stream its tokens as one delta, leaving no gap between deltas to measure (CI saw it once).
+        assert r["itl_ms_p50"] is None or r["itl_ms_p99"] >= r["itl_ms_p50"] > 0
         assert r["model"] == "random:tiny" and r["engine"] == "local"
     assert "concurrency 2: 4 done" in result.stderr
 
