@@ -16,25 +16,29 @@ import collections
 import dataclasses
 import functools
 import time
+from typing import Callable
 
 import torch
 
-SECTIONS = (("engine", "Engine", "_resolve"), ("engine", "Engine", "_append_tokens"),
-            ("engine", "Engine", "_sample_launched"), ("scheduler", "Scheduler", "schedule"),
-            ("scheduler", "Scheduler", "commit"), ("model_runner", "ModelRunner", "prepare"),
-            ("model_runner", "ModelRunner", "execute"), ("engine", "Engine", "step"))
+SECTIONS = (("exlcli.engine.engine", "Engine", "_resolve"), ("exlcli.engine.engine", "Engine", "_append_tokens"),
+            ("exlcli.engine.engine", "Engine", "_sample_launched"),
+            ("exlcli.engine.scheduler", "Scheduler", "schedule"), ("exlcli.engine.scheduler", "Scheduler", "commit"),
+            ("exlcli.engine.model_runner", "ModelRunner", "prepare"),
+            ("exlcli.engine.model_runner", "ModelRunner", "execute"), ("exlcli.engine.engine", "Engine", "step"))
 
 
-def timed_sections(totals: collections.Counter) -> None:
-    """Wrap each method of SECTIONS so that its wall time adds up in totals[name]."""
+def timed_sections(totals: collections.Counter, sections=SECTIONS) -> Callable[[], None]:
+    """Wrap each method of `sections` ((module, class, method), or with a fourth entry, the name to
+    count it under) so that its wall time adds up in totals[name]. Returns what undoes the wrapping."""
     import importlib
 
-    for module, cls_name, name in SECTIONS:
-        cls = getattr(importlib.import_module(f"exlcli.engine.{module}"), cls_name)
+    undo = []
+    for module, cls_name, name, *label in sections:
+        cls = getattr(importlib.import_module(module), cls_name)
         method = getattr(cls, name)
 
         @functools.wraps(method)
-        def timed(*args, _method=method, _name=name, **kwargs):
+        def timed(*args, _method=method, _name=label[0] if label else name, **kwargs):
             start = time.perf_counter()
             try:
                 return _method(*args, **kwargs)
@@ -42,6 +46,12 @@ def timed_sections(totals: collections.Counter) -> None:
                 totals[_name] += time.perf_counter() - start
 
         setattr(cls, name, timed)
+        undo.append((cls, name, method))
+
+    def restore() -> None:
+        for cls, name, method in reversed(undo):
+            setattr(cls, name, method)
+    return restore
 
 
 def main() -> None:

@@ -10,25 +10,18 @@ import torch
 
 sys.path.insert(0, "scripts")
 import gpu_bench as gb  # noqa: E402
+import host_overhead as ho  # noqa: E402
 
-from exlcli.engine import engine as engine_mod  # noqa: E402
 from exlcli.ops.cuda import loader  # noqa: E402
 
 assert loader.load(), loader.reason()
 model, tok = gb.build_quantized_llama("fp8")
-
-
-def timed(cls, name, acc):
-    fn = getattr(cls, name)
-
-    def wrapper(*a, **k):
-        t = time.perf_counter()
-        try:
-            return fn(*a, **k)
-        finally:
-            acc[name] += time.perf_counter() - t
-    setattr(cls, name, wrapper)
-    return fn
+PHASES = (tuple(("exlcli.engine.engine", "Engine", name) for name in ("_take_inbox", "_launch", "_resolve",
+                                                                       "_publish_stats"))
+          + (("exlcli.engine.scheduler", "Scheduler", "schedule"),
+             ("exlcli.engine.model_runner", "ModelRunner", "prepare"),
+             ("exlcli.engine.model_runner", "ModelRunner", "execute"),
+             ("torch.cuda", "Event", "synchronize", "event_wait")))  # the wait for the device
 
 
 for seqs in (64, 1024):
@@ -37,28 +30,7 @@ for seqs in (64, 1024):
     gb.decode_figures(res, f"fp8_b64_seqs{seqs}", engine, 64, 96)
     # phases over one more run of the same steps
     acc = collections.Counter()
-    originals = {n: timed(engine_mod.Engine, n, acc) for n in ("_take_inbox", "_launch", "_resolve", "_publish_stats")}
-    sched = engine.scheduler.schedule
-    runner_prepare, runner_execute = engine.runner.prepare, engine.runner.execute
-
-    def wrap_obj(obj, name, fn):
-        def w(*a, **k):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                acc[name] += time.perf_counter() - t
-        setattr(obj, name, w)
-    wrap_obj(engine.scheduler, "schedule", sched)
-    wrap_obj(engine.runner, "prepare", runner_prepare)
-    wrap_obj(engine.runner, "execute", runner_execute)
-    orig_sync = torch.cuda.Event.synchronize
-
-    def ev_sync(self):
-        t = time.perf_counter()
-        orig_sync(self)
-        acc["event_wait"] += time.perf_counter() - t
-    torch.cuda.Event.synchronize = ev_sync
+    restore = ho.timed_sections(acc, PHASES)
     gb.submit_all(engine, gb.random_prompts(64, 128, model.config.vocab_size, seed=7), 96, "phases")
     walls = []
     while True:
@@ -67,16 +39,12 @@ for seqs in (64, 1024):
             break
         if engine.last_step_shape() == (64, 64):
             walls.append(time.perf_counter() - t)
-        else:
-            acc.clear() if not walls else None
+        elif not walls:  # (the steps before the batch is whole are not counted)
+            acc.clear()
     n = len(walls)
     print(f"seqs={seqs}: {n} steady steps, wall {1e3 * sum(walls) / n:.3f} ms/step; per step ms:",
           {k: round(1e3 * v / n, 3) for k, v in acc.items()})
-    torch.cuda.Event.synchronize = orig_sync
-    for name, fn in originals.items():
-        setattr(engine_mod.Engine, name, fn)
-    for obj, name in ((engine.scheduler, "schedule"), (engine.runner, "prepare"), (engine.runner, "execute")):
-        delattr(obj, name)
+    restore()
     # the profiler over steady steps
     from torch.profiler import ProfilerActivity, profile
     gb.submit_all(engine, gb.random_prompts(64, 128, model.config.vocab_size, seed=8), 60, "prof")

@@ -4,50 +4,24 @@ the wait for the device, so a step with little of it is bound by the host)."""
 
 import collections
 import sys
-import time
-
-import torch
 
 sys.path.insert(0, "scripts")
 import gpu_bench as gb  # noqa: E402
+import host_overhead as ho  # noqa: E402
 
-from exlcli.engine import engine as engine_mod  # noqa: E402
 from exlcli.ops.cuda import loader  # noqa: E402
 
 assert loader.load(), loader.reason()
 model, tok = gb.build_quantized_llama("fp8")
 engine = gb.make_engine(model, tok, max_num_seqs=1024)
 acc = collections.Counter()
-
-
-def timed(obj, name):
-    fn = getattr(obj, name)
-
-    def wrapper(*a, **k):
-        t = time.perf_counter()
-        try:
-            return fn(*a, **k)
-        finally:
-            acc[name] += time.perf_counter() - t
-    setattr(obj, name, wrapper)
-
-
-for name in ("_take_inbox", "_launch", "_resolve", "_publish_stats", "_sample_launched"):
-    timed(engine_mod.Engine, name)
-timed(engine.scheduler, "schedule")
-timed(engine.runner, "prepare")
-timed(engine.runner, "execute")
-timed(engine.runner.graphs, "_stage")
-orig_sync = torch.cuda.Event.synchronize
-
-
-def ev_sync(self):
-    t = time.perf_counter()
-    orig_sync(self)
-    acc["event_wait"] += time.perf_counter() - t
-
-
-torch.cuda.Event.synchronize = ev_sync
+ho.timed_sections(acc, tuple(("exlcli.engine.engine", "Engine", name) for name in
+                             ("_take_inbox", "_launch", "_resolve", "_publish_stats", "_sample_launched"))
+                  + (("exlcli.engine.scheduler", "Scheduler", "schedule"),
+                     ("exlcli.engine.model_runner", "ModelRunner", "prepare"),
+                     ("exlcli.engine.model_runner", "ModelRunner", "execute"),
+                     ("exlcli.model.cuda_graphs", "DecodeGraphs", "_stage"),
+                     ("torch.cuda", "Event", "synchronize", "event_wait")))  # the wait for the device
 for rep in range(2):
     acc.clear()
     off = gb.offline(engine, 1024, 128, 128)
