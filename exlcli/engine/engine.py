@@ -27,14 +27,7 @@ from exlcli.engine.memory_budget import GPU_MEMORY_UTILIZATION, DeviceMemory, mo
 from exlcli.engine.model_runner import ModelRunner
 from exlcli.engine.page_pool import PagePool
 from exlcli.engine.request import FinishReason, Request, RequestOutput, RequestStats
-from exlcli.engine.sampler import (
-    SampleRow,
-    needs_history,
-    sample_ids,
-    sample_ids_and_flags,
-    top_logprobs,
-    with_nonfinite_flags,
-)
+from exlcli.engine.sampler import SampleRow, needs_history, sample_ids, sample_ids_and_flags, top_logprobs
 from exlcli.engine.scheduler import ScheduledBatch, Scheduler
 from exlcli.engine.sequence import SeqStatus, Sequence
 from exlcli.engine.sessions import DEFAULT_MAX_SESSIONS, SessionCache
@@ -44,6 +37,7 @@ from exlcli.errors import RequestError
 from exlcli.model.interface import CausalLM
 from exlcli.model.kv_cache import KVCache
 from exlcli.model.transfer import to_device
+from exlcli.ops.argmax import with_nonfinite_flags
 
 log = logging.getLogger("exlcli.engine")
 

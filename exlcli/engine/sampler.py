@@ -13,7 +13,7 @@ import torch
 
 from exlcli.engine.request import SamplingParams, TokenLogprob
 from exlcli.model.transfer import to_device
-from exlcli.ops.argmax import argmax_and_nonfinite, nonfinite_rows
+from exlcli.ops.argmax import argmax_and_nonfinite, with_nonfinite_flags
 
 
 @dataclass
@@ -125,11 +125,6 @@ def sample_ids_and_flags(logits: torch.Tensor, rows: list[SampleRow],
         return argmax_and_nonfinite(logits)
     ids = sample_ids(logits, rows, bitmask)
     return with_nonfinite_flags(ids, logits)
-
-
-def with_nonfinite_flags(ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """ids [B], then nonfinite_rows(logits) [B] as ids' dtype."""
-    return torch.cat([ids, nonfinite_rows(logits).to(ids.dtype)])
 
 
 def needs_history(params: SamplingParams) -> bool:

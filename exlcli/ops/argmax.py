@@ -18,9 +18,14 @@ def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
     return ~torch.isfinite(logits.amax(-1))
 
 
+def with_nonfinite_flags(ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """ids [S], then nonfinite_rows(logits) [S] as 0/1 of ids' dtype: one tensor to read back."""
+    return torch.cat([ids, nonfinite_rows(logits).to(ids.dtype)])
+
+
 def argmax_and_nonfinite_ref(logits: torch.Tensor) -> torch.Tensor:
     """int64 [2 S]: the rows' argmax (the first index of the largest value), then nonfinite_rows as 0/1."""
-    return torch.cat([logits.argmax(-1), nonfinite_rows(logits).long()])
+    return with_nonfinite_flags(logits.argmax(-1), logits)
 
 
 def argmax_and_nonfinite(logits: torch.Tensor) -> torch.Tensor:

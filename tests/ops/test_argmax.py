@@ -8,8 +8,8 @@ import math
 import torch
 
 from exlcli.engine.request import SamplingParams
-from exlcli.engine.sampler import SampleRow, sample_ids, sample_ids_and_flags, with_nonfinite_flags
-from exlcli.ops.argmax import argmax_and_nonfinite, argmax_and_nonfinite_ref
+from exlcli.engine.sampler import SampleRow, sample_ids, sample_ids_and_flags
+from exlcli.ops.argmax import argmax_and_nonfinite, argmax_and_nonfinite_ref, with_nonfinite_flags
 
 
 def test_the_reference_takes_the_first_maximum_and_flags_rows_unfit_to_sample():
