@@ -1,6 +1,7 @@
 // Run 28 probe (docs/gpu-results.md): fp8_gemm.cu (at 2339858) with its weights read from a tiled layout
 // (64-row tiles, each pipeline step 8 KB in one piece) against row-major, and loads-only variants of both;
-// then (variants 4, 5) its operands brought in by the bulk tensor copy engine, and (6) its weights alone so.
+// then (variants 4, 5) its operands brought in by the bulk tensor copy engine, and (6) its weights alone so;
+// (7-9) the kernel letting the next one in at its start (7, 8) and with 3 stages (8, 9).
 #include <ATen/ops/empty.h>
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
@@ -35,9 +36,9 @@ struct GemmParams : Fp8Operands {
   int splits;          // slices of the input features (cluster size along y)
 };
 
-template <int ROWS, int BM>
+template <int ROWS, int BM, int STAGES = kStages>
 constexpr int smem_bytes() {
-  constexpr int pipeline = kStages * (ROWS + BM) * kStep;
+  constexpr int pipeline = STAGES * (ROWS + BM) * kStep;
   constexpr int partial = BM * part_ld<ROWS>() * 4;
   return (pipeline > partial ? pipeline : partial) + 1024;  // + the alignment of the swizzle's atoms
 }
@@ -105,7 +106,7 @@ __device__ __forceinline__ void wgmma_e4m3<64>(float (&d)[32], uint64_t a, uint6
 // The byte offset of 16-byte chunk c of row r in a [rows][128 B] tile.
 __device__ __forceinline__ int swizzled(int r, int c) { return r * kStep + ((c ^ (r & 7)) << 4); }
 
-template <int ROWS, int BM, int LAYOUT, bool LOADS_ONLY>
+template <int ROWS, int BM, int LAYOUT, bool LOADS_ONLY, int STAGES = kStages, bool EARLY = false>
 __global__ void __launch_bounds__(block_threads<ROWS>()) fp8_gemm_kernel(GemmParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   static_assert(ROWS == 64 || ROWS == 128, "fp8 gemm: 64 or 128 weight rows a block");
@@ -131,7 +132,7 @@ __global__ void __launch_bounds__(block_threads<ROWS>()) fp8_gemm_kernel(GemmPar
   uint8_t* smem = smem_raw + (base - shared_address(smem_raw));
 
   auto load_weights = [&](int step) {
-    const uint32_t stage = base + (step % kStages) * kStageBytes;
+    const uint32_t stage = base + (step % STAGES) * kStageBytes;
     if constexpr (LAYOUT == 0) {
       const uint8_t* src = p.w + static_cast<size_t>(row0) * p.k + k0 + step * kStep;
 #pragma unroll
@@ -152,7 +153,7 @@ __global__ void __launch_bounds__(block_threads<ROWS>()) fp8_gemm_kernel(GemmPar
   };
   // Tokens past m load the last token's row (their sums are never written).
   auto load_tokens = [&](int step) {
-    const uint32_t stage = base + (step % kStages) * kStageBytes + kWeightBytes;
+    const uint32_t stage = base + (step % STAGES) * kStageBytes + kWeightBytes;
 #pragma unroll
     for (int j = 0; j < BM * 8 / kThreads; ++j) {
       const int i = threadIdx.x + j * kThreads, r = i >> 3, c = i & 7;
@@ -163,12 +164,13 @@ __global__ void __launch_bounds__(block_threads<ROWS>()) fp8_gemm_kernel(GemmPar
 
   // The weights of the first stages before waiting for the previous kernel (it writes xq).
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
+  for (int s = 0; s < STAGES - 1; ++s) {
     if (s < steps) load_weights(s);
   }
   grid_dependency_wait();
+  if (EARLY) grid_dependents_launch();  // the next kernel's blocks may come in (its wait still waits for all of this)
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
+  for (int s = 0; s < STAGES - 1; ++s) {
     if (s < steps) load_tokens(s);
     cp_async_commit();
   }
@@ -181,17 +183,17 @@ __global__ void __launch_bounds__(block_threads<ROWS>()) fp8_gemm_kernel(GemmPar
   for (int i = 0; i < kAccs; ++i) acc[i] = stage_sum[i] = 0.0f;
 
   for (int step = 0; step < steps; ++step) {
-    cp_async_wait<kStages - 2>();
+    cp_async_wait<STAGES - 2>();
     fence_async_shared();
     __syncthreads();  // this stage is in; every warp is done with the stage the next loads overwrite
-    const int next = step + kStages - 1;
+    const int next = step + STAGES - 1;
     if (next < steps) {
       load_weights(next);
       load_tokens(next);
     }
     cp_async_commit();
-    const uint32_t weights = base + (step % kStages) * kStageBytes + warpgroup * 64 * kStep;
-    const uint32_t tokens = base + (step % kStages) * kStageBytes + kWeightBytes;
+    const uint32_t weights = base + (step % STAGES) * kStageBytes + warpgroup * 64 * kStep;
+    const uint32_t tokens = base + (step % STAGES) * kStageBytes + kWeightBytes;
     if constexpr (LOADS_ONLY) {
       stage_sum[0] = smem[(weights - base) + threadIdx.x] + smem[(tokens - base) + threadIdx.x];
     } else {
@@ -208,7 +210,7 @@ __global__ void __launch_bounds__(block_threads<ROWS>()) fp8_gemm_kernel(GemmPar
   }
   cp_async_wait<0>();
   __syncthreads();  // the pipeline's buffers become the partial tile
-  grid_dependents_launch();
+  if (!EARLY) grid_dependents_launch();
 
   // The block's partial tile [BM tokens][128 rows] (fp32). The accumulator of a warp holds rows
   // 16 (warp % 4) + g and + 8 of its warpgroup's 64, tokens 8 j + 2 t and + 1 (g = lane / 4, t = lane % 4).
@@ -431,11 +433,11 @@ void launch_tma(const GemmParams& p, cudaStream_t stream) {
                      p);
 }
 
-template <int ROWS, int BM, int LAYOUT, bool LO>
+template <int ROWS, int BM, int LAYOUT, bool LO, int STAGES = kStages, bool EARLY = false>
 void launch_tiles(const GemmParams& p, cudaStream_t stream) {
-  auto kernel = fp8_gemm_kernel<ROWS, BM, LAYOUT, LO>;
-  constexpr int smem = smem_bytes<ROWS, BM>();
-  allow_dynamic_smem<fp8_gemm_kernel<ROWS, BM, LAYOUT, LO>>(smem);
+  auto kernel = fp8_gemm_kernel<ROWS, BM, LAYOUT, LO, STAGES, EARLY>;
+  constexpr int smem = smem_bytes<ROWS, BM, STAGES>();
+  allow_dynamic_smem<fp8_gemm_kernel<ROWS, BM, LAYOUT, LO, STAGES, EARLY>>(smem);
   const dim3 grid(p.n / ROWS, p.splits, (p.m + BM - 1) / BM);
   launch_cluster_pdl(kernel, grid, dim3(block_threads<ROWS>()), dim3(1, p.splits, 1), smem, stream, true, p);
 }
@@ -453,6 +455,9 @@ void launch_var(const GemmParams& p, int bm, int variant, cudaStream_t s) {
     case 2: launch_bm<ROWS, 0, true>(p, bm, s); break;
     case 3: launch_bm<ROWS, 1, true>(p, bm, s); break;
     case 4: if (bm == 32) launch_tma<ROWS, 32, false>(p, s); else launch_tma<ROWS, 64, false>(p, s); break;
+    case 7: if (bm == 32) launch_tiles<ROWS, 32, 0, false, 4, true>(p, s); else launch_tiles<ROWS, 64, 0, false, 4, true>(p, s); break;
+    case 8: if (bm == 32) launch_tiles<ROWS, 32, 0, false, 3, true>(p, s); else launch_tiles<ROWS, 64, 0, false, 3, true>(p, s); break;
+    case 9: if (bm == 32) launch_tiles<ROWS, 32, 0, false, 3, false>(p, s); else launch_tiles<ROWS, 64, 0, false, 3, false>(p, s); break;
     case 5: if (bm == 32) launch_tma<ROWS, 32, true>(p, s); else launch_tma<ROWS, 64, true>(p, s); break;
     default: if (bm == 32) launch_tma<ROWS, 32, true, true>(p, s); else launch_tma<ROWS, 64, true, true>(p, s); break;
   }

@@ -66,7 +66,8 @@ def run(xq, xs, w, ws, n, splits, bm, rows, variant):
     return out
 
 
-NAMES = ["rowmajor", "tiled", "loads-rm", "loads-tiled", "tma", "loads-tma", "weights-tma"]
+NAMES = ["rowmajor", "tiled", "loads-rm", "loads-tiled", "tma", "loads-tma", "weights-tma", "early", "early-3st",
+         "late-3st"]
 
 
 def main(variants=(0, 1, 2, 3, 4, 5)):
