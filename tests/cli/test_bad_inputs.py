@@ -133,8 +133,8 @@ def test_unsupported_rope_scaling(tmp_path):
     assert_one_line_error(run_cli("-m", str(folder), "hello"), "rope_scaling", "yarn")
 
 
-def _write_iq4_nl_gguf(path) -> None:
-    """A llama GGUF whose first tensor is IQ4_NL, a type exlcli does not run."""
+def _write_i8_gguf(path) -> None:
+    """A llama GGUF whose first tensor is I8, a type exlcli does not read."""
     import gguf
 
     w = gguf.GGUFWriter(str(path), "llama")
@@ -148,9 +148,7 @@ def _write_iq4_nl_gguf(path) -> None:
     w.add_tokenizer_model("gpt2")
     w.add_token_list([chr(33 + n) for n in range(64)])
     w.add_token_types([1] * 64)
-    # [512, 256]: 512 rows of eight 32-element IQ4_NL blocks (18 bytes each)
-    w.add_tensor("blk.0.ffn_up.weight", np.zeros((512, 144), dtype=np.uint8),
-                 raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
+    w.add_tensor("blk.0.ffn_up.weight", np.zeros((512, 256), dtype=np.int8), raw_dtype=gguf.GGMLQuantizationType.I8)
     w.add_tensor("token_embd.weight", np.zeros((64, 256), dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -159,9 +157,9 @@ def _write_iq4_nl_gguf(path) -> None:
 
 
 def test_unsupported_tensor_type(tmp_path):
-    path = tmp_path / "iq4_nl.gguf"
-    _write_iq4_nl_gguf(path)
-    assert_one_line_error(run_cli("-m", str(path), "hello"), "blk.0.ffn_up.weight", "IQ4_NL")
+    path = tmp_path / "i8.gguf"
+    _write_i8_gguf(path)
+    assert_one_line_error(run_cli("-m", str(path), "hello"), "blk.0.ffn_up.weight", "I8")
 
 
 def test_prompt_longer_than_the_context(tmp_path):

@@ -20,7 +20,7 @@ import torch
 from exlcli.ops.formats.quantize import quantize
 
 # llama.cpp's types for rows that are not whole 256-weight super-blocks (IQ4_NL, its choice for
-# Q2_K / Q3_K, is none of ours: Q4_0 instead)
+# Q2_K / Q3_K, has no kernel of ours: Q4_0 instead)
 FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 
 TypeOf = Callable[[str, np.ndarray], str]  # (gguf tensor name, fp32 data) -> GGUF type name

@@ -208,12 +208,12 @@ def test_quantized_tensors_load_as_their_blocks_say(tmp_path, hf_models, qtype):
 def test_unsupported_tensor_type_names_tensor_and_type(tmp_path, hf_models):
     import gguf
 
-    path = tmp_path / "iq4nl.gguf"
-    # [96, 64]: 96 rows of 2 blocks of 32 elements, 18 bytes each (a type exlcli does not read)
-    iq4 = {"blk.1.ffn_up.weight": (np.zeros((96, 36), dtype=np.uint8), gguf.GGMLQuantizationType.IQ4_NL)}
-    write_gguf(path, hf_models["llama"], "llama", raw=iq4)
+    path = tmp_path / "i8.gguf"
+    # [96, 64] of I8, a type exlcli does not read (the i-quants it dequantizes: test_gguf_dequantized_types.py)
+    i8 = {"blk.1.ffn_up.weight": (np.zeros((96, 64), dtype=np.int8), gguf.GGMLQuantizationType.I8)}
+    write_gguf(path, hf_models["llama"], "llama", raw=i8)
     reader = open_gguf(path)
-    with pytest.raises(UnsupportedTensorTypeError, match=r"blk\.1\.ffn_up\.weight.*IQ4_NL"):
+    with pytest.raises(UnsupportedTensorTypeError, match=r"blk\.1\.ffn_up\.weight.*I8"):
         load_gguf_tensors(reader, metadata_from_reader(reader))
 
 

@@ -5,13 +5,29 @@ formats of the form w = q * scale + offset, the `unpack` that the CPU repack rea
 constructors of its CPU and CUDA linears, all in one `FORMAT = BlockFormat(...)` (see base.py).
 Adding a format is that module, its tests, and one entry in FORMATS below. Dense weights (F32, F16,
 BF16) are plain torch tensors and run through dense.py. The GPTQ, AWQ and FP8 formats are not GGUF's:
-the HF loader repacks those checkpoints into them (gptq.py, awq.py, fp8.py).
+the HF loader repacks those checkpoints into them (gptq.py, awq.py, fp8.py). The i-quants and ternary
+types (gguf_dequantized.py) have no linear: they are read, and dequantized at load.
 """
 
 from __future__ import annotations
 
 from exlcli.errors import UnsupportedTensorTypeError
-from exlcli.ops.formats import awq, fp8, gptq, q2_k, q3_k, q4_0, q4_1, q4_k, q5_0, q5_1, q5_k, q6_k, q8_0
+from exlcli.ops.formats import (
+    awq,
+    fp8,
+    gguf_dequantized,
+    gptq,
+    q2_k,
+    q3_k,
+    q4_0,
+    q4_1,
+    q4_k,
+    q5_0,
+    q5_1,
+    q5_k,
+    q6_k,
+    q8_0,
+)
 from exlcli.ops.formats.base import BlockFormat, QuantizedWeight
 
 FORMATS: tuple[BlockFormat, ...] = (
@@ -19,6 +35,8 @@ FORMATS: tuple[BlockFormat, ...] = (
     q2_k.FORMAT, q3_k.FORMAT, q4_k.FORMAT, q5_k.FORMAT, q6_k.FORMAT,
     # Hugging Face quantized checkpoints, repacked at load (gguf_type None)
     *gptq.FORMATS.values(), *awq.FORMATS.values(), fp8.FORMAT,
+    # read through the gguf package and dequantized at load (no kernel)
+    *gguf_dequantized.FORMATS.values(),
 )
 
 _BY_NAME = {f.name: f for f in FORMATS}
