@@ -78,3 +78,15 @@ def test_dequantized_type_runs_as_its_f32_twin_and_says_so(tmp_path, model, qtyp
 def test_bits_per_weight_are_the_blocks():
     assert by_name("IQ4_XS").bits_per_weight == 4.25 and by_name("IQ2_XXS").bits_per_weight == 2.0625
     assert by_name("IQ4_NL").bits_per_weight == 4.5 and by_name("TQ2_0").bits_per_weight == 2.0625
+
+
+@pytest.mark.parametrize("qtype", ["IQ4_XS", "IQ3_XXS"])
+def test_dequantized_in_row_chunks_as_in_one_pass(monkeypatch, qtype):
+    import gguf
+
+    from exlcli.ops.formats import gguf_dequantized
+
+    blocks = random_blocks(qtype, 37, 512, seed=3)
+    theirs = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[qtype]))
+    monkeypatch.setattr(gguf_dequantized, "CHUNK_WEIGHTS", 5 * 512)  # 5 rows a pass, the last pass 2
+    assert torch.equal(by_name(qtype).dequantize(torch.from_numpy(blocks)), theirs)

@@ -24,22 +24,33 @@ TYPES = {
 }
 
 
-def _dequantizer(name: str):
+CHUNK_WEIGHTS = 1 << 24  # rows dequantized at a time: gguf's numpy passes hold several arrays of a chunk's size
+
+
+def _dequantizer(name: str, block_weights: int, block_bytes: int):
     def dequantize(blocks: torch.Tensor) -> torch.Tensor:
         import gguf
 
+        rows = blocks.shape[0]
+        cols = blocks.shape[1] // block_bytes * block_weights
+        out = torch.empty(rows, cols, dtype=torch.float32)
+        step = max(1, CHUNK_WEIGHTS // max(cols, 1))
+        data = blocks.contiguous().numpy()
         try:
-            with np.errstate(all="ignore"):  # a block of bad bytes reads as inf / nan, as in llama.cpp
-                values = gguf.quants.dequantize(blocks.contiguous().numpy(), gguf.GGMLQuantizationType[name])
+            qtype = gguf.GGMLQuantizationType[name]
+            for start in range(0, rows, step):
+                with np.errstate(all="ignore"):  # a block of bad bytes reads as inf / nan, as in llama.cpp
+                    values = gguf.quants.dequantize(data[start:start + step], qtype)
+                out[start:start + step] = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
         except (KeyError, NotImplementedError):  # an older gguf package than pyproject asks for
             raise UnsupportedTensorTypeError(
                 f"the installed gguf package ({getattr(gguf, '__version__', 'unknown version')}) cannot read "
                 f"{name} blocks; upgrade it (pip install -U gguf)") from None
-        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+        return out
 
     return dequantize
 
 
 FORMATS = {name: BlockFormat(name, gguf_type=gtype, block_weights=weights, block_bytes=nbytes,
-                             dequantize=_dequantizer(name))
+                             dequantize=_dequantizer(name, weights, nbytes))
            for name, (gtype, weights, nbytes) in TYPES.items()}
