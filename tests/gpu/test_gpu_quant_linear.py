@@ -131,6 +131,25 @@ def test_gguf_formats_stay_quantized_on_cuda(name):
         assert_matches(lin(x), ref, torch.bfloat16, f"{name} m{m}")
 
 
+@pytest.mark.parametrize("name", ["IQ4_NL", "IQ4_XS"])
+def test_iq4_stays_quantized_on_cuda_in_the_8_bit_layout(name):
+    """IQ4_NL / IQ4_XS (a 16-entry int8 table) run as 8-bit q with an fp16 pair per 32 weights."""
+    fmt = formats.by_name(name)
+    rows, cols = 256, 1024
+    gen = torch.Generator().manual_seed(7)
+    blocks = torch.randint(0, 256, (rows, fmt.row_bytes(cols)), dtype=torch.uint8, generator=gen)
+    d = torch.full((1,), 1e-3, dtype=torch.float16).view(torch.uint8)
+    blocks.view(rows, -1, fmt.block_bytes)[..., 0:2] = d  # every block's fp16 d
+    qw = formats.QuantizedWeight(fmt, (rows, cols), blocks)
+    lin = make_linear([qw], None, torch.device("cuda"), torch.bfloat16)
+    assert isinstance(lin, cuda_groups.GroupedCudaLinear) and lin.bits == 8, f"{name}: {type(lin).__name__}"
+    assert lin.nbytes() < rows * cols * 2 * 0.6
+    ref_w = qw.dequantize().double().cuda()
+    for m in (1, 12, 100):
+        x = torch.randn(m, cols, device="cuda").to(torch.bfloat16)
+        assert_matches(lin(x), x.double() @ ref_w.t(), torch.bfloat16, f"{name} m{m}")
+
+
 def test_gptq_act_order_runs_quantized_with_its_permutation():
     from exlcli.ops.formats import gptq
     from exlcli.ops.formats.input_order import PermutedInputLinear

@@ -5,8 +5,9 @@ formats of the form w = q * scale + offset, the `unpack` that the CPU repack rea
 constructors of its CPU and CUDA linears, all in one `FORMAT = BlockFormat(...)` (see base.py).
 Adding a format is that module, its tests, and one entry in FORMATS below. Dense weights (F32, F16,
 BF16) are plain torch tensors and run through dense.py. The GPTQ, AWQ and FP8 formats are not GGUF's:
-the HF loader repacks those checkpoints into them (gptq.py, awq.py, fp8.py). The i-quants and ternary
-types (gguf_dequantized.py) have no linear: they are read, and dequantized at load.
+the HF loader repacks those checkpoints into them (gptq.py, awq.py, fp8.py). IQ4_NL and IQ4_XS run on
+the 8-bit kernels (iq4.py); the other i-quants and the ternary types (gguf_dequantized.py) have no
+linear: they are read, and dequantized at load.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from exlcli.ops.formats import (
     fp8,
     gguf_dequantized,
     gptq,
+    iq4,
     q2_k,
     q3_k,
     q4_0,
@@ -32,7 +34,7 @@ from exlcli.ops.formats.base import BlockFormat, QuantizedWeight
 
 FORMATS: tuple[BlockFormat, ...] = (
     q4_0.FORMAT, q4_1.FORMAT, q5_0.FORMAT, q5_1.FORMAT, q8_0.FORMAT,
-    q2_k.FORMAT, q3_k.FORMAT, q4_k.FORMAT, q5_k.FORMAT, q6_k.FORMAT,
+    q2_k.FORMAT, q3_k.FORMAT, q4_k.FORMAT, q5_k.FORMAT, q6_k.FORMAT, iq4.IQ4_NL, iq4.IQ4_XS,
     # Hugging Face quantized checkpoints, repacked at load (gguf_type None)
     *gptq.FORMATS.values(), *awq.FORMATS.values(), fp8.FORMAT,
     # read through the gguf package and dequantized at load (no kernel)

@@ -1,5 +1,6 @@
-"""The GGUF types exlcli reads but has no kernel for: the i-quants (IQ1_S ... IQ4_XS, grids of
-codebook vectors with block scales) and the ternary TQ1_0 / TQ2_0. Their blocks are dequantized by
+"""The GGUF types exlcli reads but has no kernel for: the i-quants of codebook grids (IQ1_S ... IQ3_S,
+vectors of a fixed grid with block scales) and the ternary TQ1_0 / TQ2_0 (IQ4_NL and IQ4_XS, whose
+values are int8, run on the 8-bit kernels: iq4.py). Their blocks are dequantized by
 the `gguf` package's own `gguf.quants.dequantize` (the reference llama.cpp's Python tools use), so
 every such weight becomes a dense one at load: make_linear finds no linear here and dequantizes it,
 and the loader says so in one line with the memory it costs (loader.dequantized_at_load).
@@ -19,8 +20,8 @@ from exlcli.ops.formats.base import BlockFormat
 # name: (GGUF type id, weights a block, bytes a block)
 TYPES = {
     "IQ2_XXS": (16, 256, 66), "IQ2_XS": (17, 256, 74), "IQ3_XXS": (18, 256, 98), "IQ1_S": (19, 256, 50),
-    "IQ4_NL": (20, 32, 18), "IQ3_S": (21, 256, 110), "IQ2_S": (22, 256, 82), "IQ4_XS": (23, 256, 136),
-    "IQ1_M": (29, 256, 56), "TQ1_0": (34, 256, 54), "TQ2_0": (35, 256, 66),
+    "IQ3_S": (21, 256, 110), "IQ2_S": (22, 256, 82), "IQ1_M": (29, 256, 56), "TQ1_0": (34, 256, 54),
+    "TQ2_0": (35, 256, 66),
 }
 
 
