@@ -53,7 +53,7 @@ def unpack_xs(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return q.reshape(rows, -1), scale, torch.zeros_like(scale)
 
 
-def _formats(unpack):
+def _format(name: str, gguf_type: int, block_weights: int, block_bytes: int, unpack) -> BlockFormat:
     def dequantize(blocks: torch.Tensor) -> torch.Tensor:
         return scaled_blocks(*unpack(blocks))
 
@@ -64,11 +64,9 @@ def _formats(unpack):
         q, scale, offset = unpack(weight.blocks)
         return QuantCpuLinear(q, scale, offset, bits=8, bias=bias)
 
-    return dequantize, cpu_linear, cuda_groups.cuda_linear(unpack, 8)
+    return BlockFormat(name, gguf_type=gguf_type, block_weights=block_weights, block_bytes=block_bytes,
+                       dequantize=dequantize, cpu_linear=cpu_linear, cuda_linear=cuda_groups.cuda_linear(unpack, 8))
 
 
-_nl, _xs = _formats(unpack_nl), _formats(unpack_xs)
-IQ4_NL = BlockFormat("IQ4_NL", gguf_type=20, block_weights=32, block_bytes=NL_BLOCK_BYTES, dequantize=_nl[0],
-                     cpu_linear=_nl[1], cuda_linear=_nl[2])
-IQ4_XS = BlockFormat("IQ4_XS", gguf_type=23, block_weights=256, block_bytes=XS_BLOCK_BYTES, dequantize=_xs[0],
-                     cpu_linear=_xs[1], cuda_linear=_xs[2])
+IQ4_NL = _format("IQ4_NL", 20, 32, NL_BLOCK_BYTES, unpack_nl)
+IQ4_XS = _format("IQ4_XS", 23, 256, XS_BLOCK_BYTES, unpack_xs)
