@@ -162,8 +162,9 @@ def test_int8_activation_kernel_is_its_emulation_bit_for_bit(bits, offsets, per1
                                                 (6, False, True), (8, False, False), (8, True, False),
                                                 (8, False, True)])
 def test_prefill_and_decode_tiles_give_the_same_bits(bits, offsets, per16):
-    # from 8 rows on, the AVX2 kernel expands a group's weights once and runs 2-row x 16-column tiles
-    # (qmatmul_avx2.h: wide_tile); below, 4-row x 8-column tiles: the same integer sums and fp32 steps.
+    # from 8 rows on, the kernel expands a group's weights once and runs 2-row x 16-column tiles
+    # (qmatmul_avx2.h: wide_tile), or with AVX-512 VNNI 8-, 4-, 2- and 1-row tiles of 16 columns
+    # (qmatmul_vnni512.h); below, 4-row x 8-column tiles: the same integer sums and fp32 steps.
     # From 64 rows on the threads share the activations' quantization.
     gen = torch.Generator().manual_seed(40 + bits + offsets + per16)
     n, k = 41, 384
@@ -176,8 +177,31 @@ def test_prefill_and_decode_tiles_give_the_same_bits(bits, offsets, per16):
     x[12, 40] = float("nan")
     got, want = lin(x, out_dtype=torch.float32), lin.emulate_kernel(x, torch.float32)
     assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0)) and bool(got[12].isnan().all())
-    for rows in (slice(0, 1), slice(0, 7), slice(0, 8), slice(3, 12), slice(10, 19), slice(1, 66)):
+    for rows in (slice(0, 1), slice(0, 7), slice(0, 8), slice(3, 12), slice(10, 19), slice(0, 14), slice(1, 16),
+                 slice(1, 66)):
         assert torch.equal(lin(x[rows], out_dtype=torch.float32).nan_to_num(0.0), got[rows].nan_to_num(0.0))
+
+
+@needs_kernel
+@pytest.mark.skipif(kernel_mode() != Q8_ACTIVATIONS, reason="the prefill tiles are the AVX2 kernel's")
+@pytest.mark.parametrize("bits,offsets,per16", [(4, True, False), (5, False, False), (6, False, True),
+                                                (8, False, False), (8, True, False), (8, False, True)])
+def test_extreme_weights_and_activations_give_exact_integer_sums(bits, offsets, per16):
+    # every weight at an end of its range against activations of one sign at +-127: the largest block
+    # sums either tile can meet (8-bit: q + 128 reaches 255 in the VNNI tiles), still the emulation's bits
+    n, k = 32, 256
+    lo, hi = {4: (0, 15), 5: (-16, 15), 6: (-32, 31), 8: (-128, 127)}[bits]
+    ends = torch.tensor([lo, hi], dtype=torch.int32)
+    q = ends[torch.arange(n * k).reshape(n, k) // k % 2]  # rows alternately all lo, all hi
+    scale = torch.full((n, k // (16 if per16 else 32)), 0.01)
+    offset = torch.full((n, k // 32), -0.5) if offsets else None
+    lin = QuantCpuLinear(q, scale, offset, bits)
+    x = torch.full((12, k), 3.0).bfloat16()
+    x[6:] = -3.0
+    got, want = lin(x, out_dtype=torch.float32), lin.emulate_kernel(x, torch.float32)
+    assert torch.equal(got, want)
+    exact = x.double() @ lin.dequantize().double().T
+    assert torch.allclose(got.double(), exact, rtol=1e-5)
 
 
 @needs_kernel
