@@ -619,14 +619,18 @@ static inline void store_half(const qmm2_args *a, int64_t r, int64_t n0, int h, 
 
 static void qmm2_groups(void *ctx, int64_t begin, int64_t end) {
     const qmm2_args *a = (const qmm2_args *)ctx;
+#if EXL_QMM_VNNI512
+    if (a->bits != 2) {  // (2-bit: the AVX2 tiles below)
+        uint8_t *wide = a->M >= WIDE512_MIN_ROWS ? (uint8_t *)malloc((size_t)(a->nb * 512)) : NULL;
+        qmm2_groups512(a, begin, end, wide);  // without wide, the packed blocks: the same bits
+        free(wide);
+        return;
+    }
+#endif
     if (a->M >= WIDE_MIN_ROWS && a->bits != 2) {  // (2-bit: no wide layout; its tiles below)
         uint8_t *wide = (uint8_t *)malloc((size_t)(a->nb * wide_bytes(a->bits)));
         if (wide) {  // else the tiles below: the same bits
-#if EXL_QMM_VNNI512
-            qmm2_groups_wide512(a, begin, end, wide);
-#else
             qmm2_groups_wide(a, begin, end, wide);
-#endif
             free(wide);
             return;
         }

@@ -162,10 +162,11 @@ def test_int8_activation_kernel_is_its_emulation_bit_for_bit(bits, offsets, per1
                                                 (6, False, True), (8, False, False), (8, True, False),
                                                 (8, False, True)])
 def test_prefill_and_decode_tiles_give_the_same_bits(bits, offsets, per16):
-    # from 8 rows on, the kernel expands a group's weights once and runs 2-row x 16-column tiles
-    # (qmatmul_avx2.h: wide_tile), or with AVX-512 VNNI 8-, 4-, 2- and 1-row tiles of 16 columns
-    # (qmatmul_vnni512.h); below, 4-row x 8-column tiles: the same integer sums and fp32 steps.
-    # From 64 rows on the threads share the activations' quantization.
+    # AVX2: from 8 rows on the kernel expands a group's weights once and runs 2-row x 16-column tiles
+    # (qmatmul_avx2.h: wide_tile); below, 4-row x 8-column tiles. AVX-512 VNNI (qmatmul_vnni512.h): tiles of
+    # 1 to 8 rows x 16 columns expanding each block in registers, from 32 rows on 8-, 4-, 2- and 1-row tiles
+    # over the group's expansion. All give the same integer sums and fp32 steps. From 64 rows on the
+    # threads share the activations' quantization.
     gen = torch.Generator().manual_seed(40 + bits + offsets + per16)
     n, k = 41, 384
     lo, hi = {4: (0, 16), 5: (0, 32) if offsets else (-16, 16), 6: (-32, 32), 8: (-128, 128)}[bits]
@@ -177,7 +178,8 @@ def test_prefill_and_decode_tiles_give_the_same_bits(bits, offsets, per16):
     x[12, 40] = float("nan")
     got, want = lin(x, out_dtype=torch.float32), lin.emulate_kernel(x, torch.float32)
     assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0)) and bool(got[12].isnan().all())
-    for rows in (slice(0, 1), slice(0, 7), slice(0, 8), slice(3, 12), slice(10, 19), slice(0, 14), slice(1, 16),
+    for rows in (slice(0, 1), slice(0, 2), slice(0, 3), slice(1, 5), slice(0, 5), slice(0, 7), slice(0, 8),
+                 slice(3, 12), slice(20, 30), slice(0, 14), slice(1, 16), slice(0, 31), slice(0, 33), slice(2, 38),
                  slice(1, 66)):
         assert torch.equal(lin(x[rows], out_dtype=torch.float32).nan_to_num(0.0), got[rows].nan_to_num(0.0))
 
