@@ -22,6 +22,7 @@ typedef struct {
     const uint8_t *qs;  // the repacked quants
     const void *d;      // the scales (bits 2: fp16 d, -dmin per super-block; qmatmul.c)
     const void *m;      // the offsets (read when there are offsets; bits 2: the bytes sc | m << 4)
+    const int8_t *table;  // bits 4: NULL, or 16 values, w = table[q] * d without offsets (IQ4_NL, IQ4_XS)
     const uint16_t *bias;  // bf16 [N], or NULL
     int64_t out_features;  // N
     void *y;            // [M, N]

@@ -150,6 +150,7 @@ typedef struct {
     int zero;  // 5- and 6-bit: what q is stored above its value (16 for Q5_0's q - 16, 32 for Q6_K's, else 0)
     const uint8_t *qs;
     const void *d, *m;
+    const int8_t *table;  // 4-bit: NULL, or the 16 values q indexes (then 8-bit arithmetic: |w| x sign(xq, w))
     const uint16_t *bias;
     void *y;
     int64_t ldy;  // elements from one row of y to the next (N, or wider where parts sit side by side)
@@ -216,6 +217,44 @@ static inline __attribute__((always_inline)) void group_half_q4(const qmm2_args 
             int64_t i = (r0 + r) * a->nb + b;
             acc[r] = add_scaled(acc[r], _mm256_madd_epi16(s16[r], ones), d, a->dx[i]);
             acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(mv, _mm256_set1_ps(a->xs[i])));
+        }
+    }
+}
+
+// 4-bit indices into a table of 16 int8 values (IQ4): chunk_q4's nibbles looked up (one byte shuffle),
+// then the 8-bit path's |w| against x with w's sign. |w| <= 128: a pair is at most 32,512, so each is widened
+// to int32 at once (the 4-bit path's int16 sums would overflow). The block's steps: group_half_q8's.
+static inline __attribute__((always_inline)) __m256i table_lookup(const int8_t *table) {
+    return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)table));
+}
+
+static inline __attribute__((always_inline)) void group_half_q4t(const qmm2_args *a, const uint8_t *gq,
+                                                                  const void *gd, int64_t r0, int rows, int h,
+                                                                  __m256 acc[RT]) {
+    const __m256i ones = _mm256_set1_epi16(1), lut = table_lookup(a->table);
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < a->nb; b++) {
+        const uint8_t *blk = gq + b * 256;
+        const int8_t *xb = a->xq + r0 * a->K + b * BLOCK;
+        if (h == 0 && r0 == 0) prefetch_ahead(blk, 256);
+        __m256i s[RT];
+        for (int r = 0; r < rows; r++) s[r] = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            __m256i lo, hi;
+            chunk_q4(blk, c, h, &lo, &hi);
+            lo = _mm256_shuffle_epi8(lut, lo), hi = _mm256_shuffle_epi8(lut, hi);
+            const __m256i lo_abs = _mm256_abs_epi8(lo), hi_abs = _mm256_abs_epi8(hi);
+            for (int r = 0; r < rows; r++) {
+                const int8_t *x = xb + r * a->K + 8 * c;
+                __m256i p0 = _mm256_maddubs_epi16(lo_abs, _mm256_sign_epi8(bcast4(x), lo));
+                __m256i p1 = _mm256_maddubs_epi16(hi_abs, _mm256_sign_epi8(bcast4(x + 4), hi));
+                s[r] = _mm256_add_epi32(s[r], _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones)));
+            }
+        }
+        __m256 d = scales8(gd, b * CG + 8 * h, a->half);
+        for (int r = 0; r < rows; r++) {
+            int64_t i = (r0 + r) * a->nb + b;
+            acc[r] = block_step(a, acc[r], s[r], 0, 0, d, i, 0, NULL, 0);
         }
     }
 }
@@ -390,29 +429,34 @@ static inline __attribute__((always_inline)) void group_half_q6(const qmm2_args 
 #define WIDE_MIN_ROWS 8
 #define WIDE_ROWS 2
 
-static inline int64_t wide_bytes(int bits) { return bits == 8 ? 1024 : 512; }  // per block
+// Per block; 4-bit with a table is expanded as 8-bit (the values, not the indices).
+static inline int64_t wide_bytes(int bits) { return bits == 8 ? 1024 : 512; }
 
 // The expansion reads its weights once, with little work per byte, so it prefetches further ahead than
 // the tiles (PREFETCH_BLOCKS): 16 rows of 5-bit weights in 30 layers' worth of cold SmolLM2 products, 2
 // threads, the Zen 5 VM: 529 us a layer without, 355 at 8 blocks ahead, 217-276 at 4 to 16 KB (noise).
 #define EXPAND_PREFETCH_BYTES 8192
 
-// 8-bit: |q| in the 512 bytes of the other widths' layout, then q (for the signs) in the next 512.
-static void expand_group(int bits, const uint8_t *gq, int64_t nb, uint8_t *wide) {
+// 8-bit (and 4-bit with a table: its values): |q| in the 512 bytes of the other widths' layout, then q (for
+// the signs) in the next 512.
+static void expand_group(int bits, const int8_t *table, const uint8_t *gq, int64_t nb, uint8_t *wide) {
     int64_t qbytes = qbytes_of(bits);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = gq + b * qbytes;
-        uint8_t *wb = wide + b * wide_bytes(bits);
+        uint8_t *wb = wide + b * wide_bytes(table ? 8 : bits);
         for (int64_t l = 0; l < qbytes; l += 64) _mm_prefetch((const char *)(blk + EXPAND_PREFETCH_BYTES + l), _MM_HINT_T0);
         for (int h = 0; h < 2; h++) {
             for (int c = 0; c < 4; c++) {
                 __m256i lo, hi;
                 const uint8_t *plane = blk + 256 + (bits == 5 ? 32 * h : 64 * h + 32 * (c / 2));
-                if (bits == 4) chunk_q4(blk, c, h, &lo, &hi);
-                else if (bits == 5) chunk_q5(blk, _mm256_loadu_si256((const __m256i *)plane), c, h, &lo, &hi);
+                if (bits == 4) {
+                    chunk_q4(blk, c, h, &lo, &hi);
+                    if (table) lo = _mm256_shuffle_epi8(table_lookup(table), lo),
+                               hi = _mm256_shuffle_epi8(table_lookup(table), hi);
+                } else if (bits == 5) chunk_q5(blk, _mm256_loadu_si256((const __m256i *)plane), c, h, &lo, &hi);
                 else if (bits == 6) chunk_q6(blk, _mm256_loadu_si256((const __m256i *)plane), c, h, &lo, &hi);
                 else lo = quad_q8(blk, 4 * c, h), hi = quad_q8(blk, 4 * c + 2, h);
-                if (bits == 8) {
+                if (bits == 8 || table) {
                     _mm256_storeu_si256((__m256i *)(wb + 512 + 64 * (2 * c) + 32 * h), lo);
                     _mm256_storeu_si256((__m256i *)(wb + 512 + 64 * (2 * c + 1) + 32 * h), hi);
                     lo = _mm256_abs_epi8(lo), hi = _mm256_abs_epi8(hi);
@@ -487,7 +531,8 @@ static void store_half(const qmm2_args *a, int64_t r, int64_t n0, int h, __m256 
 static inline __attribute__((always_inline)) void wide_rows(const qmm2_args *a, const uint8_t *wide, const void *gd,
                                                              const void *gm, int64_t r0, int rows,
                                                              __m256 acc[WIDE_ROWS][2]) {
-    if (a->bits == 4) wide_tile(a, wide, gd, gm, r0, rows, 4, 0, 1, 0, acc);
+    if (a->table) wide_tile(a, wide, gd, gm, r0, rows, 8, 0, 0, 0, acc);
+    else if (a->bits == 4) wide_tile(a, wide, gd, gm, r0, rows, 4, 0, 1, 0, acc);
     else if (a->bits == 6) wide_tile(a, wide, gd, gm, r0, rows, 6, 32, 0, 1, acc);
     else if (a->bits == 5 && a->has_off) wide_tile(a, wide, gd, gm, r0, rows, 5, 0, 1, 0, acc);
     else if (a->bits == 5) wide_tile(a, wide, gd, gm, r0, rows, 5, 16, 0, 0, acc);
@@ -499,7 +544,7 @@ static inline __attribute__((always_inline)) void wide_rows(const qmm2_args *a, 
 static void qmm2_groups_wide(const qmm2_args *a, int64_t begin, int64_t end, uint8_t *wide) {
     int64_t nb = a->nb, spb = a->two_scales ? 2 : 1;
     for (int64_t g = begin; g < end; g++) {
-        expand_group(a->bits, a->qs + g * nb * qbytes_of(a->bits), nb, wide);
+        expand_group(a->bits, a->table, a->qs + g * nb * qbytes_of(a->bits), nb, wide);
         const void *gd = scales_at(a->d, g * nb * spb * CG, a->half);
         const void *gm = a->has_off ? scales_at(a->m, g * nb * CG, a->half) : NULL;
         int64_t n0 = g * CG;
@@ -588,7 +633,8 @@ static inline __attribute__((always_inline)) void group_half(const qmm2_args *a,
     if (a->bits == 2) group_half_q2(a, gq, gd, gm, r0, rows, h, acc);
     else
 #endif
-    if (a->bits == 4) group_half_q4(a, gq, gd, gm, r0, rows, h, acc);
+    if (a->table) group_half_q4t(a, gq, gd, r0, rows, h, acc);
+    else if (a->bits == 4) group_half_q4(a, gq, gd, gm, r0, rows, h, acc);
     else if (a->bits == 5) group_half_q5(a, gq, gd, gm, r0, rows, h, acc);
     else if (a->bits == 6) group_half_q6(a, gq, gd, r0, rows, h, acc);
     else group_half_q8(a, gq, gd, gm, r0, rows, h, acc);
@@ -628,7 +674,7 @@ static void qmm2_groups(void *ctx, int64_t begin, int64_t end) {
     }
 #endif
     if (a->M >= WIDE_MIN_ROWS && a->bits != 2) {  // (2-bit: no wide layout; its tiles below)
-        uint8_t *wide = (uint8_t *)malloc((size_t)(a->nb * wide_bytes(a->bits)));
+        uint8_t *wide = (uint8_t *)malloc((size_t)(a->nb * wide_bytes(a->table ? 8 : a->bits)));
         if (wide) {  // else the tiles below: the same bits
             qmm2_groups_wide(a, begin, end, wide);
             free(wide);
@@ -708,10 +754,11 @@ static int qmatmul_avx2_parts(const exl_qmatmul_args *parts, int64_t n_parts, co
     for (int64_t i = 0; i < n_parts; i++) {
         const exl_qmatmul_args *p = &parts[i];
         int zero = p->bits == 6 ? 32 : p->bits == 5 && !p->offsets ? 16 : 0;
-        int two_scales = p->scales_per_block == 2, has_off = p->bits == 4 || p->offsets;
+        const int8_t *table = p->bits == 4 ? p->table : NULL;
+        int two_scales = p->scales_per_block == 2, has_off = (p->bits == 4 && !table) || p->offsets;
         void *yp = y_fp32 ? (void *)((float *)y + col) : (void *)((uint16_t *)y + col);
         qmm2_args ai = {xq, scales, scales + M * nb, M, K, nb, p->out_features, xsum, xsum + M * nb, p->bits, y_fp32,
-                        two_scales, has_off, p->half_scales != 0, zero, p->qs, p->d, p->m, p->bias, yp, ldy};
+                        two_scales, has_off, p->half_scales != 0, zero, p->qs, p->d, p->m, table, p->bias, yp, ldy};
         a[i] = ai;
         g_first[i + 1] = g_first[i] + (p->out_features + CG - 1) / CG;
         col += p->out_features;

@@ -56,7 +56,13 @@ static inline __attribute__((always_inline)) __m512i halves512(__m256i h0, __m25
     return _mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1);
 }
 
-static inline __attribute__((always_inline)) void block16_from_packed(int bits, const uint8_t *blk, __m512i w[8]) {
+// table: 4-bit indices looked up in lut, the 16 values + 128 in each 128-bit lane (table_u8).
+static inline __attribute__((always_inline)) __m512i table_u8(const int8_t *table) {
+    return _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)table)), _mm512_set1_epi8((char)0x80));
+}
+
+static inline __attribute__((always_inline)) void block16_from_packed(int bits, int table, __m512i lut,
+                                                                       const uint8_t *blk, __m512i w[8]) {
     const __m512i low4 = _mm512_set1_epi8(0x0f);
     if (bits == 8) {
         const __m512i flip = _mm512_set1_epi8((char)0x80);
@@ -73,6 +79,7 @@ static inline __attribute__((always_inline)) void block16_from_packed(int bits, 
         __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
         if (bits == 4) {
             lo = _mm512_shuffle_epi8(lo, gather), hi = _mm512_shuffle_epi8(hi, gather);
+            if (table) lo = _mm512_shuffle_epi8(lut, lo), hi = _mm512_shuffle_epi8(lut, hi);
         } else if (bits == 5) {
             const __m512i bit4 = _mm512_set1_epi8(0x10);
             lo = _mm512_or_si512(lo, _mm512_and_si512(bit_to_4_512(plane5, 2 * c), bit4));
@@ -126,16 +133,17 @@ static inline __attribute__((always_inline)) void block16_step(const qmm2_args *
 // by the tile of rows 0 as group_half_* do).
 static inline __attribute__((always_inline)) void tile16(const qmm2_args *a, const uint8_t *src, int packed,
                                                           const void *gd, const void *gm, int64_t r0, int rows,
-                                                          int bits, int zero, int has_off, int two,
+                                                          int bits, int table, int zero, int has_off, int two,
                                                           __m512 acc[W512_ROWS]) {
     const int64_t qbytes = qbytes_of(bits);
+    const __m512i lut = table && packed ? table_u8(a->table) : _mm512_setzero_si512();
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < a->nb; b++) {
         __m512i w[8];
         if (packed) {
             const uint8_t *blk = src + b * qbytes;
             if (r0 == 0) prefetch_ahead(blk, qbytes);
-            block16_from_packed(bits, blk, w);
+            block16_from_packed(bits, table, lut, blk, w);
         } else {
             block16_from_wide(src + b * 512, w);
         }
@@ -146,32 +154,35 @@ static inline __attribute__((always_inline)) void tile16(const qmm2_args *a, con
 static inline __attribute__((always_inline)) void tile16_rows(const qmm2_args *a, const uint8_t *src, int packed,
                                                                const void *gd, const void *gm, int64_t r0, int rows,
                                                                __m512 acc[W512_ROWS]) {
-    if (a->bits == 4) tile16(a, src, packed, gd, gm, r0, rows, 4, 0, 1, 0, acc);
-    else if (a->bits == 6) tile16(a, src, packed, gd, gm, r0, rows, 6, 32, 0, 1, acc);
-    else if (a->bits == 5 && a->has_off) tile16(a, src, packed, gd, gm, r0, rows, 5, 0, 1, 0, acc);
-    else if (a->bits == 5) tile16(a, src, packed, gd, gm, r0, rows, 5, 16, 0, 0, acc);
-    else if (a->two_scales) tile16(a, src, packed, gd, gm, r0, rows, 8, 128, 0, 1, acc);
-    else if (a->has_off) tile16(a, src, packed, gd, gm, r0, rows, 8, 128, 1, 0, acc);
-    else tile16(a, src, packed, gd, gm, r0, rows, 8, 128, 0, 0, acc);
+    if (a->table) tile16(a, src, packed, gd, gm, r0, rows, 4, 1, 128, 0, 0, acc);
+    else if (a->bits == 4) tile16(a, src, packed, gd, gm, r0, rows, 4, 0, 0, 1, 0, acc);
+    else if (a->bits == 6) tile16(a, src, packed, gd, gm, r0, rows, 6, 0, 32, 0, 1, acc);
+    else if (a->bits == 5 && a->has_off) tile16(a, src, packed, gd, gm, r0, rows, 5, 0, 0, 1, 0, acc);
+    else if (a->bits == 5) tile16(a, src, packed, gd, gm, r0, rows, 5, 0, 16, 0, 0, acc);
+    else if (a->two_scales) tile16(a, src, packed, gd, gm, r0, rows, 8, 0, 128, 0, 1, acc);
+    else if (a->has_off) tile16(a, src, packed, gd, gm, r0, rows, 8, 0, 128, 1, 0, acc);
+    else tile16(a, src, packed, gd, gm, r0, rows, 8, 0, 128, 0, 0, acc);
 }
 
-// The 8-bit expansion as unsigned bytes q + 128 (the other widths: expand_group's first 512 bytes as they are).
-static void expand_group_u8(int bits, const uint8_t *gq, int64_t nb, uint8_t *wide) {
-    if (bits != 8) {
-        expand_group(bits, gq, nb, wide);
-        return;
-    }
-    const __m256i flip = _mm256_set1_epi8((char)0x80);
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = gq + b * 512;
-        uint8_t *wb = wide + b * 512;
-        for (int64_t l = 0; l < 512; l += 64) _mm_prefetch((const char *)(blk + EXPAND_PREFETCH_BYTES + l), _MM_HINT_T0);
-        for (int h = 0; h < 2; h++)
-            for (int c = 0; c < 4; c++) {
-                _mm256_storeu_si256((__m256i *)(wb + 64 * (2 * c) + 32 * h), _mm256_xor_si256(quad_q8(blk, 4 * c, h), flip));
-                _mm256_storeu_si256((__m256i *)(wb + 64 * (2 * c + 1) + 32 * h),
-                                    _mm256_xor_si256(quad_q8(blk, 4 * c + 2, h), flip));
-            }
+// A group's expansion into memory: each block's vectors of block16_from_packed (the same bytes as
+// expand_group's first 512 for 4-, 5- and 6-bit weights; 8-bit ones and tables' values + 128).
+static void expand_group_u8(const qmm2_args *a, const uint8_t *gq, uint8_t *wide) {
+    const int64_t qbytes = qbytes_of(a->bits);
+    const __m512i lut = a->table ? table_u8(a->table) : _mm512_setzero_si512();
+    for (int64_t b = 0; b < a->nb; b++) {
+        const uint8_t *blk = gq + b * qbytes;
+        for (int64_t l = 0; l < qbytes; l += 64) _mm_prefetch((const char *)(blk + EXPAND_PREFETCH_BYTES + l), _MM_HINT_T0);
+        __m512i w[8];
+        switch (a->bits) {  // constant widths for block16_from_packed
+            case 4:
+                if (a->table) block16_from_packed(4, 1, lut, blk, w);
+                else block16_from_packed(4, 0, lut, blk, w);
+                break;
+            case 5: block16_from_packed(5, 0, lut, blk, w); break;
+            case 6: block16_from_packed(6, 0, lut, blk, w); break;
+            default: block16_from_packed(8, 0, lut, blk, w); break;
+        }
+        for (int u = 0; u < 8; u++) _mm512_storeu_si512((void *)(wide + b * 512 + 64 * u), w[u]);
     }
 }
 
@@ -188,7 +199,7 @@ static void qmm2_groups512(const qmm2_args *a, int64_t begin, int64_t end, uint8
     int64_t nb = a->nb, spb = a->two_scales ? 2 : 1;
     for (int64_t g = begin; g < end; g++) {
         const uint8_t *gq = a->qs + g * nb * qbytes_of(a->bits);
-        if (wide) expand_group_u8(a->bits, gq, nb, wide);
+        if (wide) expand_group_u8(a, gq, wide);
         const void *gd = scales_at(a->d, g * nb * spb * CG, a->half);
         const void *gm = a->has_off ? scales_at(a->m, g * nb * CG, a->half) : NULL;
         int64_t n0 = g * CG;

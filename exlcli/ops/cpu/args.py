@@ -23,7 +23,7 @@ class QMatmulArgs(KernelArgs):
     _fields_ = [
         ("x", _p), ("rows", _i64), ("in_features", _i64), ("bits", _i32), ("y_fp32", _i32),
         ("offsets", _i32), ("scales_per_block", _i32), ("half_scales", _i32), ("qs", _p), ("d", _p), ("m", _p),
-        ("bias", _p), ("out_features", _i64), ("y", _p),
+        ("table", _p), ("bias", _p), ("out_features", _i64), ("y", _p),
     ]
 
 

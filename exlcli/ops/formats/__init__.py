@@ -6,8 +6,8 @@ constructors of its CPU and CUDA linears, all in one `FORMAT = BlockFormat(...)`
 Adding a format is that module, its tests, and one entry in FORMATS below. Dense weights (F32, F16,
 BF16) are plain torch tensors and run through dense.py. The GPTQ, AWQ and FP8 formats are not GGUF's:
 the HF loader repacks those checkpoints into them (gptq.py, awq.py, fp8.py). IQ4_NL and IQ4_XS run on
-the 8-bit kernels (iq4.py); the other i-quants and the ternary types (gguf_dequantized.py) have no
-linear: they are read, and dequantized at load.
+the CPU's 4-bit layout with a table and on CUDA's 8-bit kernel (iq4.py); the other i-quants and the
+ternary types (gguf_dequantized.py) have no linear: they are read, and dequantized at load.
 """
 
 from __future__ import annotations

@@ -48,6 +48,7 @@ class Q2KCpuLinear(QuantCpuLinear):
             raise ValueError("Q2_K's d and dmin are fp16, its scales uint8")
         self.out_features, self.in_features = n, k
         self.bits, self.offsets, self.scales_per_block, self.half_scales, self.zero = 2, True, 2, True, 0
+        self.table = None
         self.groups = groups = -(-n // CG)
         nb = k // BLOCK
         q = F.pad(q, (0, 0, 0, groups * CG - n))

@@ -130,21 +130,29 @@ def _q6_plane_sources() -> torch.Tensor:
 
 class QuantCpuLinear(Linear):
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, bits: int,
-                 bias: torch.Tensor | None = None) -> None:
+                 bias: torch.Tensor | None = None, table: tuple[int, ...] | None = None) -> None:
         """q [N, K] int32 (0..15 for bits 4, -128..127 for bits 8; bits 5: 0..31 with offsets, -16..15
         without; bits 6: -32..31); scale, offset [N, K / 32] fp32, w = q * scale + offset. For bits 5, 6
         and 8 an offset that is None or all zeros is left out; for bits 8 scale may be [N, K / 16] (one per
         16 weights; then no offset), for bits 6 it must. Bits 5 and 6 are for the AVX2 kernel
-        (high_bit_planes())."""
+        (high_bit_planes()). `table` (bits 4 only, no offsets): 16 values in -128..127 that q indexes,
+        w = table[q] * scale (IQ4_NL, IQ4_XS: 4 bits a weight held, 8-bit arithmetic)."""
         if bits not in (4, 5, 6, 8):
             raise ValueError(f"the CPU matmul kernel takes 4-, 5-, 6- or 8-bit weights, not {bits}-bit")
+        if table is not None:
+            if bits != 4 or len(table) != 16 or not all(-128 <= v <= 127 for v in table):
+                raise ValueError("a table is 16 values in -128..127 that 4-bit q indexes")
+            if offset is not None and bool(offset.any()):
+                raise ValueError("4-bit weights with a table take no offsets")
+            offset = None
+        self.table = None if table is None else torch.tensor(table, dtype=torch.int8)
         self.out_features, self.in_features = q.shape
         self.bits = bits
         n, k = q.shape
         nb = k // BLOCK
         if offset is None or (bits != 4 and not offset.any()):
             offset = torch.zeros(n, nb)  # none: the kernel leaves the term out
-        self.offsets = bits == 4 or bool(offset.any())
+        self.offsets = (bits == 4 and table is None) or bool(offset.any())
         # Q5_0's q - 16 is held as q (0..31), Q6_K's q - 32 as q (0..63)
         self.zero = 32 if bits == 6 else 16 if bits == 5 and not self.offsets else 0
         if bits in (5, 6) and not bool(((q + self.zero >= 0) & (q + self.zero < 2**bits)).all()):
@@ -200,7 +208,8 @@ class QuantCpuLinear(Linear):
 
     def nbytes(self) -> int:
         size = self.d.element_size()
-        return self.qs.numel() + self.d.numel() * size + (self.m.numel() * size if self.offsets else 0)
+        table = 0 if self.table is None else self.table.numel()
+        return self.qs.numel() + self.d.numel() * size + (self.m.numel() * size if self.offsets else 0) + table
 
     def dequantize(self) -> torch.Tensor:
         """The weight as fp32 [N, K], from the repacked groups."""
@@ -223,6 +232,8 @@ class QuantCpuLinear(Linear):
             blocks = torch.empty(groups, nb, CG * BLOCK)
             blocks[..., lo] = (nibbles & 0x0F).float()
             blocks[..., hi] = (nibbles >> 4).float()
+            if self.table is not None:
+                blocks = self.table.float()[blocks.long()]
             if self.bits == 5:
                 high = (self.qs[..., 256:].view(groups, nb, 2, 32, 1).long() >> torch.arange(8)) & 1
                 blocks[..., _q5_sources()[2].view(-1)] += 16 * high.view(groups, nb, -1).float()
@@ -270,7 +281,8 @@ class QuantCpuLinear(Linear):
             self._args = QMatmulArgs(in_features=self.in_features, bits=self.bits, offsets=self.offsets,
                                      scales_per_block=self.scales_per_block, half_scales=self.half_scales,
                                      qs=ptr(self.qs), d=ptr(self.d),
-                                     m=ptr(self.m), bias=ptr(self.bias), out_features=self.out_features)
+                                     m=ptr(self.m), table=ptr(self.table), bias=ptr(self.bias),
+                                     out_features=self.out_features)
         return self._args
 
     def cpu_qmatmul_parts(self) -> list[QMatmulArgs] | None:

@@ -1,6 +1,6 @@
 """The GGUF types exlcli reads but has no kernel for: the i-quants of codebook grids (IQ1_S ... IQ3_S,
 vectors of a fixed grid with block scales) and the ternary TQ1_0 / TQ2_0 (IQ4_NL and IQ4_XS, whose
-values are int8, run on the 8-bit kernels: iq4.py). Their blocks are dequantized by
+values are int8, have kernels: iq4.py). Their blocks are dequantized by
 the `gguf` package's own `gguf.quants.dequantize` (the reference llama.cpp's Python tools use), so
 every such weight becomes a dense one at load: make_linear finds no linear here and dequantizes it,
 and the loader says so in one line with the memory it costs (loader.dequantized_at_load).

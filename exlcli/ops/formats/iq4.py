@@ -7,10 +7,11 @@ w = kvalue[q] * scale, scale per 32 weights.
   (sub-block i at bits 2 i), 4 bytes of their low 4 bits (sub-block i in byte i / 2, low nibble for even
   i), then 8 x 16 bytes of nibbles as IQ4_NL's; sub-block i's scale = d * (its 6 bits - 32).
 
-The table is not affine, so the 4-bit layouts cannot hold these weights; the table's values are int8,
-so q = kvalue[index] is an exact 8-bit weight with the block's scale and no offset: both devices run
-them on their 8-bit kernels (Q8_0's form), a byte a weight plus a scale per 32, instead of a dense
-weight. The torch reference (`dequantize`) equals gguf's `gguf.quants.dequantize` (a test holds it to it).
+The table is not affine, but its values are int8, so q = kvalue[index] is an exact 8-bit weight with the
+block's scale and no offset. The CPU kernel holds the indices in its 4-bit layout with the table beside
+them (QuantCpuLinear's `table`: looked up in registers, then 8-bit arithmetic); CUDA runs them on its 8-bit
+kernel (Q8_0's form), a byte a weight plus a scale per 32, as its 4-bit layouts are affine. The torch
+reference (`dequantize`) equals gguf's `gguf.quants.dequantize` (a test holds it to it).
 """
 
 from __future__ import annotations
@@ -30,16 +31,15 @@ def _values(nibbles: torch.Tensor) -> torch.Tensor:
     return torch.tensor(KVALUES, dtype=torch.int32, device=nibbles.device)[nibbles.long()]
 
 
-def unpack_nl(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """IQ4_NL blocks uint8 [N, K / 32 * 18] -> (q [N, K] int32, scale [N, K / 32] fp32, offset zeros)."""
+def indices_nl(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """IQ4_NL blocks uint8 [N, K / 32 * 18] -> (table indices [N, K] in 0..15, scale [N, K / 32] fp32)."""
     rows = blocks.shape[0]
     b = blocks.view(rows, -1, NL_BLOCK_BYTES)
-    d = f16_at(b, 0)
-    return _values(low_high_nibbles(b[..., 2:])).reshape(rows, -1), d, torch.zeros_like(d)
+    return low_high_nibbles(b[..., 2:]).reshape(rows, -1), f16_at(b, 0)
 
 
-def unpack_xs(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """IQ4_XS blocks uint8 [N, K / 256 * 136] -> (q [N, K] int32, scale [N, K / 32] fp32, offset zeros)."""
+def indices_xs(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """IQ4_XS blocks uint8 [N, K / 256 * 136] -> (table indices [N, K] in 0..15, scale [N, K / 32] fp32)."""
     rows = blocks.shape[0]
     b = blocks.view(rows, -1, XS_BLOCK_BYTES)
     d = f16_at(b, 0)
@@ -48,12 +48,16 @@ def unpack_xs(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     low = (b[..., 4:8].to(torch.int32)[..., sub // 2] >> (4 * (sub % 2))) & 0x0F  # [N, S, 8]
     bits = low | (((high[..., None] >> (2 * sub)) & 0x03) << 4)
     scale = d[..., None] * (bits - 32).float()  # [N, S, 8]
-    q = _values(low_high_nibbles(b[..., 8:].reshape(rows, -1, 8, 16)))  # [N, S, 8, 32]
-    scale = scale.reshape(rows, -1)
-    return q.reshape(rows, -1), scale, torch.zeros_like(scale)
+    indices = low_high_nibbles(b[..., 8:].reshape(rows, -1, 8, 16))  # [N, S, 8, 32]
+    return indices.reshape(rows, -1), scale.reshape(rows, -1)
 
 
-def _format(name: str, gguf_type: int, block_weights: int, block_bytes: int, unpack) -> BlockFormat:
+def _format(name: str, gguf_type: int, block_weights: int, block_bytes: int, indices) -> BlockFormat:
+    def unpack(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> (q [N, K] int32 the table's values, scale [N, K / 32] fp32, offset zeros)."""
+        index, scale = indices(blocks)
+        return _values(index), scale, torch.zeros_like(scale)
+
     def dequantize(blocks: torch.Tensor) -> torch.Tensor:
         return scaled_blocks(*unpack(blocks))
 
@@ -61,12 +65,12 @@ def _format(name: str, gguf_type: int, block_weights: int, block_bytes: int, unp
                    dtype: torch.dtype) -> Linear | None:
         if dtype != torch.bfloat16 or not cpu_qmatmul.available():
             return None
-        q, scale, offset = unpack(weight.blocks)
-        return QuantCpuLinear(q, scale, offset, bits=8, bias=bias)
+        index, scale = indices(weight.blocks)
+        return QuantCpuLinear(index.to(torch.int32), scale, None, bits=4, bias=bias, table=KVALUES)
 
     return BlockFormat(name, gguf_type=gguf_type, block_weights=block_weights, block_bytes=block_bytes,
                        dequantize=dequantize, cpu_linear=cpu_linear, cuda_linear=cuda_groups.cuda_linear(unpack, 8))
 
 
-IQ4_NL = _format("IQ4_NL", 20, 32, NL_BLOCK_BYTES, unpack_nl)
-IQ4_XS = _format("IQ4_XS", 23, 256, XS_BLOCK_BYTES, unpack_xs)
+IQ4_NL = _format("IQ4_NL", 20, 32, NL_BLOCK_BYTES, indices_nl)
+IQ4_XS = _format("IQ4_XS", 23, 256, XS_BLOCK_BYTES, indices_xs)

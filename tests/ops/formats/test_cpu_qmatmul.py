@@ -236,3 +236,40 @@ def test_q_out_of_range_of_five_or_six_bits_is_refused():
         QuantCpuLinear(q * 2, torch.ones(16, 2), None, 6)
     with pytest.raises(ValueError, match="per 16"):
         QuantCpuLinear(q - 16, torch.ones(16, 1), None, 6)
+
+
+@needs_kernel
+@pytest.mark.parametrize("table", [(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113),
+                                   (-128, 127, 0, -1, 1, -127, 64, -64, 5, -5, 100, -100, 2, -2, 126, -126)],
+                         ids=["IQ4's values", "the int8 ends"])
+def test_a_table_of_4_bit_indices_gives_the_bits_of_its_values_at_8_bits(table):
+    # w = table[q] * scale: the indices in the 4-bit layout, looked up in registers, give the same integer
+    # sums, so the same outputs, as the values held a byte each; with every tile (1 to 70 rows)
+    gen = torch.Generator().manual_seed(len(set(table)))
+    n, k = 41, 384
+    q = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen)
+    scale = torch.rand(n, k // 32, generator=gen) * 0.01
+    bias = torch.randn(n, generator=gen)
+    held = QuantCpuLinear(q, scale, None, 4, bias=bias, table=table)
+    eight = QuantCpuLinear(torch.tensor(table, dtype=torch.int32)[q], scale, None, 8, bias=bias)
+    assert torch.equal(held.dequantize(), eight.dequantize())
+    assert held.nbytes() < 0.6 * eight.nbytes()
+    x = (torch.randn(70, k, generator=gen) * 2).bfloat16()
+    x[5, :32] = 3.0  # a block at +-127 after quantization against the table's ends
+    x[9, 40] = float("nan")
+    got = held(x, out_dtype=torch.float32)
+    assert torch.equal(got.nan_to_num(0.0), held.emulate_kernel(x, torch.float32).nan_to_num(0.0))
+    for rows in (slice(0, 1), slice(0, 3), slice(0, 7), slice(0, 12), slice(1, 31), slice(0, 40), slice(0, 70)):
+        assert torch.equal(held(x[rows], out_dtype=torch.float32).nan_to_num(0.0),
+                           eight(x[rows], out_dtype=torch.float32).nan_to_num(0.0))
+        assert torch.equal(held(x[rows], out_dtype=torch.float32).nan_to_num(0.0), got[rows].nan_to_num(0.0))
+
+
+def test_a_table_is_for_4_bit_indices_without_offsets():
+    q = torch.zeros(16, 32, dtype=torch.int32)
+    with pytest.raises(ValueError, match="16 values"):
+        QuantCpuLinear(q, torch.ones(16, 1), None, 8, table=tuple(range(16)))
+    with pytest.raises(ValueError, match="16 values"):
+        QuantCpuLinear(q, torch.ones(16, 1), None, 4, table=(1, 2, 3))
+    with pytest.raises(ValueError, match="no offsets"):
+        QuantCpuLinear(q, torch.ones(16, 1), torch.ones(16, 1), 4, table=tuple(range(16)))
