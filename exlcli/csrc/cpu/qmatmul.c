@@ -12,8 +12,8 @@
 //
 // The dot products (qmatmul_avx2.h, whose arithmetic is written there) are integer ones over the
 // activations quantized to int8 per block of 32, as llama.cpp's CPU kernels do: 256-bit AVX2, on AVX-512
-// CPUs too, but for the tiles of 8 rows or more, which take 512-bit vpdpbusd where the CPU has AVX-512
-// VNNI (qmatmul_vnni512.h: the same integer sums). (An AVX-512 BF16 body of exact bf16 products ran the default model 1.8-2.1x slower than this
+// CPUs too, except where the CPU has AVX-512 VNNI: there 512-bit vpdpbusd (qmatmul_vnni512.h: the same
+// integer sums, so the same bits). (An AVX-512 BF16 body of exact bf16 products ran the default model 1.8-2.1x slower than this
 // one on the 2-core Intel Xeon VM, README "Against llama.cpp"; it was removed.)
 //
 // Batch invariance: every output is made by the same sequence of operations whatever M is and
@@ -56,12 +56,13 @@ int exl_qmatmul_available(void) { return EXL_QMM_AVX2 ? 2 : 0; }
 int exl_qmatmul_half_scales_available(void) { return EXL_QMM_HALF_SCALES; }
 
 // x: bf16 [M, K]; bias: bf16 [N] or NULL; y: [M, N], fp32 when y_fp32 else bf16.
-// bits 4: qs [groups][nb][256], d and m fp32 [groups][nb][CG].
+// bits 4: qs [groups][nb][256], d and m fp32 [groups][nb][CG]; with a table (IQ4), q indexes its 16 int8 values,
+// w = table[q] * d, no m.
 // bits 8: qs [groups][nb][512], d fp32 [groups][nb][CG], m fp32 [groups][nb][CG] read with offsets only.
 // scales_per_block 2: d fp32 [groups][nb][2][CG], the scales of k < 16 and k >= 16 of each block.
 // bits 5 (the AVX2 body only): qs [groups][nb][320], q in 0..31 (qmatmul_avx2.h); without offsets q - 16.
 // bits 6 (the AVX2 body only): qs [groups][nb][384], q - 32 for q in 0..63, two scales per block, no offsets.
-// bits 2 (the AVX2 body with F16C only; Q2_K): qs [groups][nb][128], q in 0..3; d fp16 [groups][nb / 8][2][CG]
+// bits 2 (with F16C only; Q2_K): qs [groups][nb][128], q in 0..3; d fp16 [groups][nb / 8][2][CG]
 // (each super-block's d and -dmin), m uint8 [groups][nb][2][CG] (sc | m << 4 per 16 weights).
 // w = d * sc * q + (-dmin) * m per 16 weights (qmatmul_avx2.h).
 // The column groups are shared among the pool's threads. Returns 0, or -1 when the kernel is not

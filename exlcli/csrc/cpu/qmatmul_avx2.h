@@ -666,8 +666,8 @@ static inline void store_half(const qmm2_args *a, int64_t r, int64_t n0, int h, 
 static void qmm2_groups(void *ctx, int64_t begin, int64_t end) {
     const qmm2_args *a = (const qmm2_args *)ctx;
 #if EXL_QMM_VNNI512
-    if (a->bits != 2) {  // (2-bit: the AVX2 tiles below)
-        uint8_t *wide = a->M >= WIDE512_MIN_ROWS ? (uint8_t *)malloc((size_t)(a->nb * 512)) : NULL;
+    if (a->bits != 2 || EXL_QMM_HALF_SCALES) {  // (2-bit: packed tiles only, with F16C)
+        uint8_t *wide = a->M >= WIDE512_MIN_ROWS && a->bits != 2 ? (uint8_t *)malloc((size_t)(a->nb * 512)) : NULL;
         qmm2_groups512(a, begin, end, wide);  // without wide, the packed blocks: the same bits
         free(wide);
         return;

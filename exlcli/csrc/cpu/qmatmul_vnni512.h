@@ -1,4 +1,4 @@
-// The body for CPUs with AVX-512 VNNI (every width but 2-bit), included by qmatmul_avx2.h. One 512-bit
+// The body for CPUs with AVX-512 VNNI (every width; 2-bit with F16C), included by qmatmul_avx2.h. One 512-bit
 // vector holds a group's 16 columns x 4 k as bytes q (the layout of expand_group's wide bytes; 8-bit as
 // q + 128, below), and one vpdpbusd per row and 4 k adds those 64 products into the row's 16 int32 sums.
 // (The AVX2 tiles take a vpmaddubsw per 8 columns x 4 k, an int16 add, and a vpmaddwd per few of those.)
@@ -164,6 +164,67 @@ static inline __attribute__((always_inline)) void tile16_rows(const qmm2_args *a
     else tile16(a, src, packed, gd, gm, r0, rows, 8, 0, 128, 0, 0, acc);
 }
 
+// 2-bit (Q2_K, qmatmul_avx2.h's group_half_q2): each block expanded in registers (chunk_q2 of both halves:
+// vectors u = 0..3 hold k < 16, 4..7 k >= 16), and each half block's step is group_half_q2's, 16 columns at
+// once: acc + float(sum(q xq)) * (d * sc * dx), then + (-dmin * m) * (dx * float(sum(xq))).
+#if EXL_QMM_HALF_SCALES
+static inline __attribute__((always_inline)) void tile16_q2(const qmm2_args *a, const uint8_t *gq, const void *gd,
+                                                             const void *gm, int64_t r0, int rows,
+                                                             __m512 acc[W512_ROWS]) {
+    const __m512i low2 = _mm512_set1_epi8(0x03), low4 = _mm512_set1_epi32(0x0f);
+    const __m512i gather = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15));
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < a->nb; b++) {
+        const uint8_t *blk = gq + b * 128;
+        if (r0 == 0) prefetch_ahead(blk, 128);
+        __m512i w[8];
+        for (int c = 0; c < 4; c++) {
+            __m512i v = _mm512_loadu_si512((const void *)(blk + 64 * (c / 2)));
+            if (c % 2) v = _mm512_srli_epi16(v, 2);
+            w[2 * c] = _mm512_shuffle_epi8(_mm512_and_si512(v, low2), gather);
+            w[2 * c + 1] = _mm512_shuffle_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), low2), gather);
+        }
+        const uint16_t *f = (const uint16_t *)gd + (b / 8) * 2 * CG;
+        const __m512 dsup = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)f));
+        const __m512 msup = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(f + CG)));
+        const uint8_t *sm = (const uint8_t *)gm + b * 2 * CG;
+        const int8_t *xb = a->xq + r0 * a->K + b * BLOCK;
+        for (int j = 0; j < 2; j++) {
+            __m512i s[W512_ROWS];
+            for (int r = 0; r < rows; r++) s[r] = _mm512_setzero_si512();
+            for (int u = 4 * j; u < 4 * j + 4; u++)
+                for (int r = 0; r < rows; r++) {
+                    int32_t x4;
+                    memcpy(&x4, xb + r * a->K + 4 * u, 4);
+                    s[r] = _mm512_dpbusd_epi32(s[r], w[u], _mm512_set1_epi32(x4));
+                }
+            __m512i packed = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sm + j * CG)));
+            __m512 d = _mm512_mul_ps(dsup, _mm512_cvtepi32_ps(_mm512_and_si512(packed, low4)));
+            __m512 mv = _mm512_mul_ps(msup, _mm512_cvtepi32_ps(_mm512_srli_epi32(packed, 4)));
+            for (int r = 0; r < rows; r++) {
+                int64_t i = (r0 + r) * a->nb + b;
+                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(s[r]),
+                                                             _mm512_mul_ps(d, _mm512_set1_ps(a->dx[i]))));
+                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(mv, _mm512_set1_ps(a->dx[i] * (float)a->xsum16[2 * i + j])));
+            }
+        }
+    }
+}
+#endif
+
+// A tile of rows from the packed blocks, every width.
+static inline __attribute__((always_inline)) void packed_rows(const qmm2_args *a, const uint8_t *gq, const void *gd,
+                                                               const void *gm, int64_t r0, int rows,
+                                                               __m512 acc[W512_ROWS]) {
+#if EXL_QMM_HALF_SCALES
+    if (a->bits == 2) {
+        tile16_q2(a, gq, gd, gm, r0, rows, acc);
+        return;
+    }
+#endif
+    tile16_rows(a, gq, 1, gd, gm, r0, rows, acc);
+}
+
 // A group's expansion into memory: each block's vectors of block16_from_packed (the same bytes as
 // expand_group's first 512 for 4-, 5- and 6-bit weights; 8-bit ones and tables' values + 128).
 static void expand_group_u8(const qmm2_args *a, const uint8_t *gq, uint8_t *wide) {
@@ -202,6 +263,10 @@ static void qmm2_groups512(const qmm2_args *a, int64_t begin, int64_t end, uint8
         if (wide) expand_group_u8(a, gq, wide);
         const void *gd = scales_at(a->d, g * nb * spb * CG, a->half);
         const void *gm = a->has_off ? scales_at(a->m, g * nb * CG, a->half) : NULL;
+        if (a->bits == 2) {  // fp16 (d, -dmin) per super-block of 8 blocks, and a byte per sub-block of 16
+            gd = (const uint16_t *)a->d + g * (nb / 8) * 2 * CG;
+            gm = (const uint8_t *)a->m + g * nb * 2 * CG;
+        }
         int64_t n0 = g * CG;
         for (int64_t r0 = 0; r0 < a->M;) {
             int64_t left = a->M - r0;
@@ -218,14 +283,14 @@ static void qmm2_groups512(const qmm2_args *a, int64_t begin, int64_t end, uint8
             } else {
                 rows = left >= 8 ? 8 : (int)left;
                 switch (rows) {
-                    case 8: tile16_rows(a, gq, 1, gd, gm, r0, 8, acc); break;
-                    case 7: tile16_rows(a, gq, 1, gd, gm, r0, 7, acc); break;
-                    case 6: tile16_rows(a, gq, 1, gd, gm, r0, 6, acc); break;
-                    case 5: tile16_rows(a, gq, 1, gd, gm, r0, 5, acc); break;
-                    case 4: tile16_rows(a, gq, 1, gd, gm, r0, 4, acc); break;
-                    case 3: tile16_rows(a, gq, 1, gd, gm, r0, 3, acc); break;
-                    case 2: tile16_rows(a, gq, 1, gd, gm, r0, 2, acc); break;
-                    default: tile16_rows(a, gq, 1, gd, gm, r0, 1, acc); break;
+                    case 8: packed_rows(a, gq, gd, gm, r0, 8, acc); break;
+                    case 7: packed_rows(a, gq, gd, gm, r0, 7, acc); break;
+                    case 6: packed_rows(a, gq, gd, gm, r0, 6, acc); break;
+                    case 5: packed_rows(a, gq, gd, gm, r0, 5, acc); break;
+                    case 4: packed_rows(a, gq, gd, gm, r0, 4, acc); break;
+                    case 3: packed_rows(a, gq, gd, gm, r0, 3, acc); break;
+                    case 2: packed_rows(a, gq, gd, gm, r0, 2, acc); break;
+                    default: packed_rows(a, gq, gd, gm, r0, 1, acc); break;
                 }
             }
             for (int i = 0; i < rows; i++) store16(a, r0 + i, n0, acc[i]);

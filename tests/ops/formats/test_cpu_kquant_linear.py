@@ -156,6 +156,19 @@ def test_q2_k_kernel_takes_nan_blocks_and_extreme_scales():
     assert float(y[others, :3].abs().max()) > 1e3  # the large d reached the product (d * sc is exact in fp32)
 
 
+@needs_kernel
+@pytest.mark.skipif(not cpu_q2_k.kept_quantized(), reason="this CPU's kernel has no 2-bit layout")
+def test_q2_k_kernel_is_its_emulation_in_every_tile_of_rows():
+    # AVX2: 4-row x 8-column tiles; AVX-512 VNNI: 1- to 8-row tiles of 16 columns (qmatmul_vnni512.h)
+    w = random_weight("Q2_K", 45, 768, seed=9)
+    lin = cpu_linear(w, bias=torch.randn(45))
+    x = torch.randn(40, 768, generator=torch.Generator().manual_seed(4)).bfloat16()
+    together = lin(x, out_dtype=torch.float32)
+    assert torch.equal(together, lin.emulate_kernel(x, torch.float32))
+    for rows in (slice(0, 1), slice(0, 3), slice(2, 9), slice(0, 8), slice(1, 14), slice(3, 36)):
+        assert torch.equal(lin(x[rows], out_dtype=torch.float32), together[rows])
+
+
 def test_q2_k_is_dequantized_where_the_kernel_lacks_its_layout(monkeypatch):
     monkeypatch.setattr(cpu_q2_k, "kept_quantized", lambda: False)  # as on an AVX2 CPU without F16C
     w = random_weight("Q2_K", 16, 256)
