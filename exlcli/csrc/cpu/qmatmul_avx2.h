@@ -223,7 +223,8 @@ static inline __attribute__((always_inline)) void group_half_q4(const qmm2_args 
 
 // 4-bit indices into a table of 16 int8 values (IQ4): chunk_q4's nibbles looked up (one byte shuffle),
 // then the 8-bit path's |w| against x with w's sign. |w| <= 128: a pair is at most 32,512, so each is widened
-// to int32 at once (the 4-bit path's int16 sums would overflow). The block's steps: group_half_q8's.
+// to int32 at once (the 4-bit path's int16 sums would overflow). The block's steps: group_half_q8's, with one
+// scale or two (per 16 k: Q3_K).
 static inline __attribute__((always_inline)) __m256i table_lookup(const int8_t *table) {
     return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)table));
 }
@@ -232,14 +233,23 @@ static inline __attribute__((always_inline)) void group_half_q4t(const qmm2_args
                                                                   const void *gd, int64_t r0, int rows, int h,
                                                                   __m256 acc[RT]) {
     const __m256i ones = _mm256_set1_epi16(1), lut = table_lookup(a->table);
+    const int64_t spb = a->two_scales ? 2 : 1;
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < a->nb; b++) {
         const uint8_t *blk = gq + b * 256;
         const int8_t *xb = a->xq + r0 * a->K + b * BLOCK;
+        const int64_t db = b * spb * CG + 8 * h;
         if (h == 0 && r0 == 0) prefetch_ahead(blk, 256);
         __m256i s[RT];
         for (int r = 0; r < rows; r++) s[r] = _mm256_setzero_si256();
         for (int c = 0; c < 4; c++) {
+            if (c == 2 && a->two_scales) {  // k < 16 enters acc with its own scale
+                __m256 d0 = scales8(gd, db, a->half);
+                for (int r = 0; r < rows; r++) {
+                    acc[r] = add_scaled(acc[r], s[r], d0, a->dx[(r0 + r) * a->nb + b]);
+                    s[r] = _mm256_setzero_si256();
+                }
+            }
             __m256i lo, hi;
             chunk_q4(blk, c, h, &lo, &hi);
             lo = _mm256_shuffle_epi8(lut, lo), hi = _mm256_shuffle_epi8(lut, hi);
@@ -251,7 +261,7 @@ static inline __attribute__((always_inline)) void group_half_q4t(const qmm2_args
                 s[r] = _mm256_add_epi32(s[r], _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones)));
             }
         }
-        __m256 d = scales8(gd, b * CG + 8 * h, a->half);
+        __m256 d = scales8(gd, db + (a->two_scales ? CG : 0), a->half);
         for (int r = 0; r < rows; r++) {
             int64_t i = (r0 + r) * a->nb + b;
             acc[r] = block_step(a, acc[r], s[r], 0, 0, d, i, 0, NULL, 0);
@@ -531,7 +541,8 @@ static void store_half(const qmm2_args *a, int64_t r, int64_t n0, int h, __m256 
 static inline __attribute__((always_inline)) void wide_rows(const qmm2_args *a, const uint8_t *wide, const void *gd,
                                                              const void *gm, int64_t r0, int rows,
                                                              __m256 acc[WIDE_ROWS][2]) {
-    if (a->table) wide_tile(a, wide, gd, gm, r0, rows, 8, 0, 0, 0, acc);
+    if (a->table && a->two_scales) wide_tile(a, wide, gd, gm, r0, rows, 8, 0, 0, 1, acc);
+    else if (a->table) wide_tile(a, wide, gd, gm, r0, rows, 8, 0, 0, 0, acc);
     else if (a->bits == 4) wide_tile(a, wide, gd, gm, r0, rows, 4, 0, 1, 0, acc);
     else if (a->bits == 6) wide_tile(a, wide, gd, gm, r0, rows, 6, 32, 0, 1, acc);
     else if (a->bits == 5 && a->has_off) wide_tile(a, wide, gd, gm, r0, rows, 5, 0, 1, 0, acc);

@@ -154,7 +154,8 @@ static inline __attribute__((always_inline)) void tile16(const qmm2_args *a, con
 static inline __attribute__((always_inline)) void tile16_rows(const qmm2_args *a, const uint8_t *src, int packed,
                                                                const void *gd, const void *gm, int64_t r0, int rows,
                                                                __m512 acc[W512_ROWS]) {
-    if (a->table) tile16(a, src, packed, gd, gm, r0, rows, 4, 1, 128, 0, 0, acc);
+    if (a->table && a->two_scales) tile16(a, src, packed, gd, gm, r0, rows, 4, 1, 128, 0, 1, acc);
+    else if (a->table) tile16(a, src, packed, gd, gm, r0, rows, 4, 1, 128, 0, 0, acc);
     else if (a->bits == 4) tile16(a, src, packed, gd, gm, r0, rows, 4, 0, 0, 1, 0, acc);
     else if (a->bits == 6) tile16(a, src, packed, gd, gm, r0, rows, 6, 0, 32, 0, 1, acc);
     else if (a->bits == 5 && a->has_off) tile16(a, src, packed, gd, gm, r0, rows, 5, 0, 0, 1, 0, acc);

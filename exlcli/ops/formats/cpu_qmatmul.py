@@ -136,7 +136,8 @@ class QuantCpuLinear(Linear):
         and 8 an offset that is None or all zeros is left out; for bits 8 scale may be [N, K / 16] (one per
         16 weights; then no offset), for bits 6 it must. Bits 5 and 6 are for the AVX2 kernel
         (high_bit_planes()). `table` (bits 4 only, no offsets): 16 values in -128..127 that q indexes,
-        w = table[q] * scale (IQ4_NL, IQ4_XS: 4 bits a weight held, 8-bit arithmetic)."""
+        w = table[q] * scale, scale per 32 or per 16 weights (IQ4_NL, IQ4_XS; Q3_K: 4 bits a weight held,
+        8-bit arithmetic)."""
         if bits not in (4, 5, 6, 8):
             raise ValueError(f"the CPU matmul kernel takes 4-, 5-, 6- or 8-bit weights, not {bits}-bit")
         if table is not None:
@@ -166,8 +167,9 @@ class QuantCpuLinear(Linear):
         self.scales_per_block = scale.shape[1] // nb
         if self.scales_per_block not in (1, 2) or scale.shape[1] != nb * self.scales_per_block:
             raise ValueError(f"scales [{scale.shape[1]}] per row of {k} weights: expected one per 32 or per 16")
-        if self.scales_per_block == 2 and (bits in (4, 5) or self.offsets):
-            raise ValueError("one scale per 16 weights is for 8-bit weights without offsets")
+        if self.scales_per_block == 2 and ((bits in (4, 5) and table is None) or self.offsets):
+            raise ValueError("one scale per 16 weights is for 8-bit weights, or 4-bit ones with a table, without "
+                             "offsets")
         self.groups = groups = -(-n // CG)
         pad = groups * CG - n
         q = F.pad(q, (0, 0, 0, pad))

@@ -4,8 +4,9 @@ whose top bit is stored inverted (a set bit in hmask means no -4), sc signed 6-b
 Block (110 bytes): hmask, 32 bytes: bit f of byte i is the top bit of q[32 * f + i] | qs, 64 bytes:
 the low 2 bits, laid out as in Q2_K | scales, 12 bytes (kquant_scales) | fp16 d.
 
-It runs kept quantized: on the CPU the kernel's 8-bit path (one scale per 16 weights, as for Q6_K), on CUDA the
-4-bit layout in groups of 16 as Q2_K does.
+It runs kept quantized: on the CPU the kernel's 4-bit layout with a table (q + 4 indexes -4..3, one scale
+per 16 weights: 6 bits a weight held, the values then summed as 8-bit ones), on CUDA the 4-bit layout in
+groups of 16 as Q2_K does.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from exlcli.ops.formats import cpu_qmatmul, cuda_groups
-from exlcli.ops.formats.base import BlockFormat, f16_at
+from exlcli.ops.formats.base import BlockFormat, Linear, QuantizedWeight, f16_at
 from exlcli.ops.formats.bit_fields import blocks_of, rows_of, unpack_fields
 from exlcli.ops.formats.kquant_scales import unpack_scales_q3_k
 
@@ -45,6 +46,18 @@ def unpack(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return q.reshape(rows, -1), step, torch.zeros_like(step)
 
 
+# q + 4 in 0..7 indexes the values -4..3 (the other eight entries are never indexed)
+TABLE = (-4, -3, -2, -1, 0, 1, 2, 3) + (0,) * 8
+
+
+def cpu_linear(weight: QuantizedWeight, bias: torch.Tensor | None, device: torch.device,
+               dtype: torch.dtype) -> Linear | None:
+    if dtype != torch.bfloat16 or not cpu_qmatmul.available():
+        return None
+    q, scale, _ = unpack(weight.blocks)
+    return cpu_qmatmul.QuantCpuLinear(q + 4, scale, None, bits=4, bias=bias, table=TABLE)
+
+
 FORMAT = BlockFormat(name="Q3_K", gguf_type=11, block_weights=BLOCK_WEIGHTS, block_bytes=BLOCK_BYTES,
-                     dequantize=dequantize, cpu_linear=cpu_qmatmul.byte_per_weight_linear(unpack),
+                     dequantize=dequantize, cpu_linear=cpu_linear,
                      cuda_linear=cuda_groups.cuda_linear(unpack, 4))

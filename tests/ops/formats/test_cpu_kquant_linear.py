@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from exlcli.ops.formats import QuantizedWeight, by_name, cpu_q2_k, q2_k, q4_k, q5_0, q5_1, q5_k, q6_k
+from exlcli.ops.formats import QuantizedWeight, by_name, cpu_q2_k, q2_k, q3_k, q4_k, q5_0, q5_1, q5_k, q6_k
 from exlcli.ops.formats.base import scaled_blocks
 from exlcli.ops.formats.cpu_q2_k import Q2KCpuLinear
 from exlcli.ops.formats.cpu_qmatmul import QuantCpuLinear, available, high_bit_planes
@@ -18,7 +18,7 @@ from exlcli.ops.linear import make_linear
 from tests.ops.formats.kernel_contract import check_product
 
 needs_kernel = pytest.mark.skipif(not available(), reason="CPU matmul kernel not built here")
-MODULES = {"Q4_K": q4_k, "Q5_K": q5_k, "Q6_K": q6_k, "Q5_0": q5_0, "Q5_1": q5_1, "Q2_K": q2_k}
+MODULES = {"Q4_K": q4_k, "Q5_K": q5_k, "Q6_K": q6_k, "Q5_0": q5_0, "Q5_1": q5_1, "Q2_K": q2_k, "Q3_K": q3_k}
 # Q2_K only where the kernel has its 2-bit layout (AVX2); elsewhere it is dequantized at load
 KERNEL_QTYPES = tuple(q for q in MODULES if q != "Q2_K" or not available() or cpu_q2_k.kept_quantized())
 QTYPES = tuple(MODULES)
@@ -52,7 +52,11 @@ def test_repack_round_trips_every_weight(qtype):
     for bits in (4,) if qtype == "Q4_K" else held + (8,):
         lin = QuantCpuLinear(q, scale, offset, bits=bits)
         assert torch.equal(lin.dequantize(), w.dequantize(torch.float32))
-    assert lin.scales_per_block == (2 if qtype == "Q6_K" else 1)
+    if qtype == "Q3_K":  # the table form its cpu_linear holds: 4-bit indices q + 4
+        table = QuantCpuLinear(q + 4, scale, None, bits=4, table=q3_k.TABLE)
+        assert torch.equal(table.dequantize(), w.dequantize(torch.float32))
+        assert table.nbytes() < 0.65 * lin.nbytes()
+    assert lin.scales_per_block == (2 if qtype in ("Q6_K", "Q3_K") else 1)
     assert lin.offsets == (qtype in ("Q4_K", "Q5_K", "Q5_1"))
 
 
@@ -112,7 +116,7 @@ def test_make_linear_keeps_them_quantized(qtype):
     assert isinstance(lin, QuantCpuLinear) and lin.out_features == 64
     assert lin.nbytes() < 64 * 512 * 2  # smaller than the bf16 weight it replaces
     held = {"Q4_K": 4, "Q6_K": 6, "Q2_K": 2}.get(qtype, 5) if high_bit_planes() or qtype == "Q4_K" else 8
-    assert lin.bits == held
+    assert lin.bits == (4 if qtype == "Q3_K" else held) and (lin.table is not None) == (qtype == "Q3_K")
     x = torch.randn(3, 512).bfloat16()
     dense = torch.cat([p.dequantize(torch.float64) for p in parts])
     check_product(lin, x, lin(x, out_dtype=torch.float32), x.double() @ dense.T, dense)
