@@ -1,5 +1,9 @@
 """The CPU quantized matmul kernel (exlcli/csrc/cpu/qmatmul.c) against the exact dequantized product."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -17,6 +21,7 @@ from exlcli.ops.linear import make_linear
 from tests.ops.formats.kernel_contract import check_product
 
 needs_kernel = pytest.mark.skipif(not available(), reason="CPU matmul kernel not built here")
+REPO = Path(__file__).resolve().parents[3]
 QTYPES = ("Q4_0", "Q4_1", "Q8_0")
 MODULES = {"Q4_0": q4_0, "Q4_1": q4_1, "Q8_0": q8_0}
 
@@ -274,3 +279,58 @@ def test_a_table_is_for_4_bit_indices_without_offsets():
         QuantCpuLinear(q, torch.ones(16, 1), None, 4, table=(1, 2, 3))
     with pytest.raises(ValueError, match="no offsets"):
         QuantCpuLinear(q, torch.ones(16, 1), torch.ones(16, 1), 4, table=tuple(range(16)))
+
+
+_BODY_PROGRAM = """
+import sys, torch
+from exlcli.ops.cpu import loader
+loader.CFLAGS = loader.CFLAGS + tuple(sys.argv[2].split())  # before the library is first built and loaded
+sys.path.insert(0, sys.argv[1])
+from tests.ops.formats.test_cpu_qmatmul import body_outputs
+torch.save(body_outputs(), sys.argv[3])
+"""
+
+
+def body_outputs() -> dict[str, torch.Tensor]:
+    """Every width's outputs at 1 to 40 rows (so every tile of every body), fp32: the same on every body."""
+    from exlcli.ops.formats import q2_k
+    from tests.ops.formats.test_cpu_kquant_linear import cpu_linear
+    from tests.ops.formats.test_cpu_kquant_linear import random_weight as kquant_weight
+
+    gen = torch.Generator().manual_seed(7)
+    n, k = 37, 512
+    x = (torch.randn(40, k, generator=gen) * 2).bfloat16()
+    lins = {}
+    for bits, offsets, per16 in [(4, True, False), (5, False, False), (5, True, False), (6, False, True),
+                                 (8, False, False), (8, True, False), (8, False, True)]:
+        lo, hi = {4: (0, 16), 5: (0, 32) if offsets else (-16, 16), 6: (-32, 32), 8: (-128, 128)}[bits]
+        q = torch.randint(lo, hi, (n, k), dtype=torch.int32, generator=gen)
+        scale = torch.rand(n, k // (16 if per16 else 32), generator=gen) * 0.01
+        offset = torch.randn(n, k // 32, generator=gen) * 0.01 if offsets else None
+        lins[f"{bits}-bit offsets={offsets} per16={per16}"] = QuantCpuLinear(q, scale, offset, bits)
+    for per16 in (False, True):
+        q = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen)
+        scale = torch.rand(n, k // (16 if per16 else 32), generator=gen) * 0.01
+        lins[f"table per16={per16}"] = QuantCpuLinear(q, scale, None, 4, table=tuple(range(-100, 60, 10)))
+    if q2_k.FORMAT.cpu_linear is not None:
+        lins["Q2_K"] = cpu_linear(kquant_weight("Q2_K", n, k, seed=3))
+    out = {}
+    for name, lin in lins.items():
+        if lin is None:
+            continue
+        for m in (1, 3, 8, 13, 40):
+            out[f"{name} rows={m}"] = lin(x[:m], out_dtype=torch.float32)
+    return out
+
+
+@needs_kernel
+@pytest.mark.skipif("avx512f" not in open("/proc/cpuinfo").read(), reason="no AVX-512: the AVX2 body is the one built")
+def test_the_avx2_body_gives_the_bits_of_this_cpus_body(tmp_path):
+    # CI's CPU builds one body (AVX-512 VNNI where it has it); the AVX2 body, built here without AVX-512 in
+    # another process, must give the same bits on every width and tile
+    out = tmp_path / "avx2.pt"
+    subprocess.run([sys.executable, "-c", _BODY_PROGRAM, str(REPO), "-mno-avx512f", str(out)], check=True, cwd=REPO)
+    theirs, ours = torch.load(out), body_outputs()
+    assert theirs.keys() == ours.keys() and len(ours) >= 50
+    for key in ours:
+        assert torch.equal(theirs[key], ours[key]), key
