@@ -141,6 +141,34 @@ static inline __m256i bcast4(const int8_t *p) {
     return _mm256_set1_epi32(v);
 }
 
+// With AVX-VNNI (Intel's client cores from Alder Lake on; AMD's Zen 4 and 5, which take the AVX-512 body)
+// one vpdpbusd adds four u8 x s8 products into each int32 lane, exactly: the integer sums of vpmaddubsw
+// then vpmaddwd, without their int16 step. The tiles below take it where it is built.
+#if defined(__AVXVNNI__)
+#define EXL_QMM_AVXVNNI 1
+#else
+#define EXL_QMM_AVXVNNI 0
+#endif
+
+// acc + the int32 sums of u (unsigned bytes) times s (signed bytes), four a lane.
+static inline __attribute__((always_inline)) __m256i dot_add(__m256i acc, __m256i u, __m256i s) {
+#if EXL_QMM_AVXVNNI
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+// The int32 sums of u0 s0 + u1 s1 where each lane's pair of vpmaddubsw pairs fits int16 (the callers' bounds).
+static inline __attribute__((always_inline)) __m256i pair_dot(__m256i u0, __m256i s0, __m256i u1, __m256i s1) {
+#if EXL_QMM_AVXVNNI
+    return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u0, s0), u1, s1);
+#else
+    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1)),
+                             _mm256_set1_epi16(1));
+#endif
+}
+
 typedef struct {
     const int8_t *xq;
     const float *dx, *xs;
@@ -208,14 +236,18 @@ static inline __attribute__((always_inline)) void group_half_q4(const qmm2_args 
             chunk_q4(blk, c, h, &lo, &hi);
             for (int r = 0; r < rows; r++) {
                 const int8_t *x = xb + r * a->K + 8 * c;
+#if EXL_QMM_AVXVNNI  // int32 sums in s16
+                s16[r] = dot_add(dot_add(s16[r], lo, bcast4(x)), hi, bcast4(x + 4));
+#else
                 s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, bcast4(x)));
                 s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(hi, bcast4(x + 4)));
+#endif
             }
         }
         __m256 d = scales8(gd, b * CG + 8 * h, a->half), mv = scales8(gm, b * CG + 8 * h, a->half);
         for (int r = 0; r < rows; r++) {
             int64_t i = (r0 + r) * a->nb + b;
-            acc[r] = add_scaled(acc[r], _mm256_madd_epi16(s16[r], ones), d, a->dx[i]);
+            acc[r] = add_scaled(acc[r], EXL_QMM_AVXVNNI ? s16[r] : _mm256_madd_epi16(s16[r], ones), d, a->dx[i]);
             acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(mv, _mm256_set1_ps(a->xs[i])));
         }
     }
@@ -232,7 +264,7 @@ static inline __attribute__((always_inline)) __m256i table_lookup(const int8_t *
 static inline __attribute__((always_inline)) void group_half_q4t(const qmm2_args *a, const uint8_t *gq,
                                                                   const void *gd, int64_t r0, int rows, int h,
                                                                   __m256 acc[RT]) {
-    const __m256i ones = _mm256_set1_epi16(1), lut = table_lookup(a->table);
+    const __m256i lut = table_lookup(a->table);
     const int64_t spb = a->two_scales ? 2 : 1;
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < a->nb; b++) {
@@ -256,9 +288,8 @@ static inline __attribute__((always_inline)) void group_half_q4t(const qmm2_args
             const __m256i lo_abs = _mm256_abs_epi8(lo), hi_abs = _mm256_abs_epi8(hi);
             for (int r = 0; r < rows; r++) {
                 const int8_t *x = xb + r * a->K + 8 * c;
-                __m256i p0 = _mm256_maddubs_epi16(lo_abs, _mm256_sign_epi8(bcast4(x), lo));
-                __m256i p1 = _mm256_maddubs_epi16(hi_abs, _mm256_sign_epi8(bcast4(x + 4), hi));
-                s[r] = _mm256_add_epi32(s[r], _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones)));
+                s[r] = dot_add(dot_add(s[r], lo_abs, _mm256_sign_epi8(bcast4(x), lo)), hi_abs,
+                               _mm256_sign_epi8(bcast4(x + 4), hi));
             }
         }
         __m256 d = scales8(gd, db + (a->two_scales ? CG : 0), a->half);
@@ -274,7 +305,6 @@ static inline __attribute__((always_inline)) void group_half_q4t(const qmm2_args
 static inline __attribute__((always_inline)) void group_half_q8(const qmm2_args *a, const uint8_t *gq,
                                                                  const void *gd, const void *gm, int64_t r0,
                                                                  int rows, int h, __m256 acc[RT]) {
-    const __m256i ones = _mm256_set1_epi16(1);
     int64_t spb = a->two_scales ? 2 : 1;
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < a->nb; b++) {
@@ -294,8 +324,7 @@ static inline __attribute__((always_inline)) void group_half_q8(const qmm2_args 
             }
             __m256i w = quad_q8(blk, p, h), wabs = _mm256_abs_epi8(w);
             for (int r = 0; r < rows; r++) {
-                __m256i prod = _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(bcast4(xb + r * a->K + 2 * p), w));
-                s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(prod, ones));
+                s[r] = dot_add(s[r], wabs, _mm256_sign_epi8(bcast4(xb + r * a->K + 2 * p), w));
             }
         }
         __m256 d = scales8(gd, db + (a->two_scales ? CG : 0), a->half);
@@ -339,11 +368,16 @@ static inline __attribute__((always_inline)) void chunk_q5(const uint8_t *blk, _
 // 4-row tile's sums then fit the 16 registers beside them). Per block sum(q xq) - zero * sum(xq), then
 // the order of the header.
 static inline __attribute__((always_inline)) __m256i dot_q5(const __m256i w[8], const int8_t *x, int c) {
+#if EXL_QMM_AVXVNNI
+    __m256i s = pair_dot(w[2 * c], bcast4(x + 8 * c), w[2 * c + 1], bcast4(x + 8 * c + 4));
+    return dot_add(dot_add(s, w[2 * c + 2], bcast4(x + 8 * c + 8)), w[2 * c + 3], bcast4(x + 8 * c + 12));
+#else
     __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(w[2 * c], bcast4(x + 8 * c)),
                                   _mm256_maddubs_epi16(w[2 * c + 1], bcast4(x + 8 * c + 4)));
     __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(w[2 * c + 2], bcast4(x + 8 * c + 8)),
                                   _mm256_maddubs_epi16(w[2 * c + 3], bcast4(x + 8 * c + 12)));
     return _mm256_madd_epi16(_mm256_add_epi16(p0, p1), _mm256_set1_epi16(1));
+#endif
 }
 
 static inline __attribute__((always_inline)) void group_half_q5(const qmm2_args *a, const uint8_t *gq,
@@ -395,7 +429,6 @@ static inline __attribute__((always_inline)) void chunk_q6(const uint8_t *blk, _
 static inline __attribute__((always_inline)) void group_half_q6(const qmm2_args *a, const uint8_t *gq,
                                                                  const void *gd, int64_t r0, int rows, int h,
                                                                  __m256 acc[RT]) {
-    const __m256i ones = _mm256_set1_epi16(1);
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < a->nb; b++) {
         const uint8_t *blk = gq + b * 384;
@@ -409,9 +442,7 @@ static inline __attribute__((always_inline)) void group_half_q6(const qmm2_args 
             chunk_q6(blk, plane, c, h, &lo, &hi);
             for (int r = 0; r < rows; r++) {
                 const int8_t *x = xb + r * a->K + 8 * c;
-                __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(x)),
-                                                _mm256_maddubs_epi16(hi, bcast4(x + 4)));
-                __m256i wide = _mm256_madd_epi16(pair, ones);
+                __m256i wide = pair_dot(lo, bcast4(x), hi, bcast4(x + 4));
                 s[r] = c % 2 == 0 ? wide : _mm256_add_epi32(s[r], wide);
             }
             if (c % 2 == 1) {
@@ -500,6 +531,18 @@ static inline __attribute__((always_inline)) void wide_tile(const qmm2_args *a, 
                 q0 = _mm256_loadu_si256((const __m256i *)(wb + 512 + 64 * u));
                 q1 = _mm256_loadu_si256((const __m256i *)(wb + 512 + 64 * u + 32));
             }
+#if EXL_QMM_AVXVNNI  // straight into s, from zero at the block's (or the 16 k's) first u
+            for (int r = 0; r < rows; r++) {
+                __m256i xv = bcast4(xb + r * a->K + 4 * u);
+                int first = two ? u % 4 == 0 : u == 0;
+                for (int h = 0; h < 2; h++) {
+                    __m256i from = first ? _mm256_setzero_si256() : s[r][h];
+                    __m256i sx = bits == 8 ? _mm256_sign_epi8(xv, h ? q1 : q0) : xv;
+                    s[r][h] = dot_add(from, h ? w1 : w0, sx);
+                }
+            }
+            (void)p, (void)ones, (void)per16;
+#else
             for (int r = 0; r < rows; r++) {
                 __m256i xv = bcast4(xb + r * a->K + 4 * u);
                 __m256i m0 = _mm256_maddubs_epi16(w0, bits == 8 ? _mm256_sign_epi8(xv, q0) : xv);
@@ -515,6 +558,7 @@ static inline __attribute__((always_inline)) void wide_tile(const qmm2_args *a, 
                         s[r][h] = first ? w32 : _mm256_add_epi32(s[r][h], w32);
                     }
             }
+#endif
             if (two && u % 4 == 3) {  // a scale per 16 k
                 for (int h = 0; h < 2; h++) {
                     __m256 d = scales8(gd, (2 * b + u / 4) * CG + 8 * h, a->half);
@@ -598,7 +642,7 @@ static inline __attribute__((always_inline)) void chunk_q2(const uint8_t *blk, i
 static inline __attribute__((always_inline)) void group_half_q2(const qmm2_args *a, const uint8_t *gq,
                                                                  const void *gd, const void *gm, int64_t r0,
                                                                  int rows, int h, __m256 acc[RT]) {
-    const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi32(0x0f);
+    const __m256i low4 = _mm256_set1_epi32(0x0f);
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < a->nb; b++) {
         const uint8_t *blk = gq + b * 128;
@@ -615,9 +659,7 @@ static inline __attribute__((always_inline)) void group_half_q2(const qmm2_args 
             chunk_q2(blk, c, h, &lo, &hi);
             for (int r = 0; r < rows; r++) {
                 const int8_t *x = xb + r * a->K + 8 * c;
-                __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(x)),
-                                                _mm256_maddubs_epi16(hi, bcast4(x + 4)));
-                __m256i wide = _mm256_madd_epi16(pair, ones);
+                __m256i wide = pair_dot(lo, bcast4(x), hi, bcast4(x + 4));
                 s[r] = c % 2 == 0 ? wide : _mm256_add_epi32(s[r], wide);
             }
             if (c % 2 == 1) {
