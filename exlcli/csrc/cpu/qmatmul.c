@@ -14,8 +14,9 @@
 // activations quantized to int8 per block of 32, as llama.cpp's CPU kernels do: 256-bit AVX2, on AVX-512
 // CPUs too, except where the CPU has AVX-512 VNNI: there 512-bit vpdpbusd (qmatmul_vnni512.h: the same
 // integer sums, so the same bits). With AVX-VNNI and no AVX-512 (Intel's client cores) the AVX2 tiles take
-// 256-bit vpdpbusd in place of vpmaddubsw + vpmaddwd (again the same sums). (An AVX-512 BF16 body of exact bf16 products ran the default model 1.8-2.1x slower than this
-// one on the 2-core Intel Xeon VM, README "Against llama.cpp"; it was removed.)
+// 256-bit vpdpbusd in place of vpmaddubsw + vpmaddwd (again the same sums). (An AVX-512 BF16 body of exact
+// bf16 products ran the default model 1.8-2.1x slower than the int8 one on the 2-core Intel Xeon VM, README
+// "Against llama.cpp"; it was removed.)
 //
 // Batch invariance: every output is made by the same sequence of operations whatever M is and
 // wherever its row sits in a tile; tiles of rows only share the weight expansion.

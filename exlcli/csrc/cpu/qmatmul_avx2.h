@@ -485,7 +485,8 @@ static void expand_group(int bits, const int8_t *table, const uint8_t *gq, int64
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = gq + b * qbytes;
         uint8_t *wb = wide + b * wide_bytes(table ? 8 : bits);
-        for (int64_t l = 0; l < qbytes; l += 64) _mm_prefetch((const char *)(blk + EXPAND_PREFETCH_BYTES + l), _MM_HINT_T0);
+        for (int64_t l = 0; l < qbytes; l += 64)
+            _mm_prefetch((const char *)(blk + EXPAND_PREFETCH_BYTES + l), _MM_HINT_T0);
         for (int h = 0; h < 2; h++) {
             for (int c = 0; c < 4; c++) {
                 __m256i lo, hi;

@@ -9,7 +9,8 @@
 // The integer sums are exact either way (vpdpbusd adds four u8 x s8 products into int32 without
 // saturating; a block's sum is below 2^21), and the fp32 steps of each output are block_step's, in the
 // header's order, one lane per column: so this gives the same bits as the AVX2 tiles, and batch
-// invariance holds across the two (tests/ops/test_cpu_qmatmul.py compares both with the torch emulation).
+// invariance holds across the two (tests/ops/formats/test_cpu_qmatmul.py compares each body with the torch
+// emulation and with the others).
 //
 // 8-bit weights: vpdpbusd takes unsigned bytes, so the expansion holds q + 128 (q ^ 0x80, in 0..255) and
 // each block (or half block, with two scales) subtracts 128 * sum(xq): sum((q + 128) xq) - 128 sum(xq) =
@@ -58,7 +59,8 @@ static inline __attribute__((always_inline)) __m512i halves512(__m256i h0, __m25
 
 // table: 4-bit indices looked up in lut, the 16 values + 128 in each 128-bit lane (table_u8).
 static inline __attribute__((always_inline)) __m512i table_u8(const int8_t *table) {
-    return _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)table)), _mm512_set1_epi8((char)0x80));
+    const __m512i values = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)table));
+    return _mm512_xor_si512(values, _mm512_set1_epi8((char)0x80));
 }
 
 static inline __attribute__((always_inline)) void block16_from_packed(int bits, int table, __m512i lut,
@@ -87,7 +89,8 @@ static inline __attribute__((always_inline)) void block16_from_packed(int bits, 
         } else {  // 6
             const __m512i bits45 = _mm512_set1_epi8(0x30);
             const uint8_t *p = blk + 256 + 32 * (c / 2);
-            __m512i plane = halves512(_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)(p + 64)));
+            __m512i plane = halves512(_mm256_loadu_si256((const __m256i *)p),
+                                      _mm256_loadu_si256((const __m256i *)(p + 64)));
             int u = 2 * (c % 2);
             lo = _mm512_or_si512(lo, _mm512_and_si512(bits_to_45_512(plane, u), bits45));
             hi = _mm512_or_si512(hi, _mm512_and_si512(bits_to_45_512(plane, u + 1), bits45));
@@ -206,7 +209,8 @@ static inline __attribute__((always_inline)) void tile16_q2(const qmm2_args *a, 
                 int64_t i = (r0 + r) * a->nb + b;
                 acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(s[r]),
                                                              _mm512_mul_ps(d, _mm512_set1_ps(a->dx[i]))));
-                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(mv, _mm512_set1_ps(a->dx[i] * (float)a->xsum16[2 * i + j])));
+                __m512 xs = _mm512_set1_ps(a->dx[i] * (float)a->xsum16[2 * i + j]);
+                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(mv, xs));
             }
         }
     }
@@ -228,12 +232,13 @@ static inline __attribute__((always_inline)) void packed_rows(const qmm2_args *a
 
 // A group's expansion into memory: each block's vectors of block16_from_packed (the same bytes as
 // expand_group's first 512 for 4-, 5- and 6-bit weights; 8-bit ones and tables' values + 128).
-static void expand_group_u8(const qmm2_args *a, const uint8_t *gq, uint8_t *wide) {
+static void expand_group16(const qmm2_args *a, const uint8_t *gq, uint8_t *wide) {
     const int64_t qbytes = qbytes_of(a->bits);
     const __m512i lut = a->table ? table_u8(a->table) : _mm512_setzero_si512();
     for (int64_t b = 0; b < a->nb; b++) {
         const uint8_t *blk = gq + b * qbytes;
-        for (int64_t l = 0; l < qbytes; l += 64) _mm_prefetch((const char *)(blk + EXPAND_PREFETCH_BYTES + l), _MM_HINT_T0);
+        for (int64_t l = 0; l < qbytes; l += 64)
+            _mm_prefetch((const char *)(blk + EXPAND_PREFETCH_BYTES + l), _MM_HINT_T0);
         __m512i w[8];
         switch (a->bits) {  // constant widths for block16_from_packed
             case 4:
@@ -255,13 +260,13 @@ static inline void store16(const qmm2_args *a, int64_t r, int64_t n0, __m512 acc
 }
 
 // The groups begin .. end - 1 for every row: from 8 rows on from each group's expansion (wide: 512 bytes a
-// block, expand_group_u8) in tiles of 8, 4, 2 and 1 rows; below, or without wide, from the packed blocks,
+// block, expand_group16) in tiles of 8, 4, 2 and 1 rows; below, or without wide, from the packed blocks,
 // all rows in one tile (so each block is expanded once per group either way, up to 8 rows).
 static void qmm2_groups512(const qmm2_args *a, int64_t begin, int64_t end, uint8_t *wide) {
     int64_t nb = a->nb, spb = a->two_scales ? 2 : 1;
     for (int64_t g = begin; g < end; g++) {
         const uint8_t *gq = a->qs + g * nb * qbytes_of(a->bits);
-        if (wide) expand_group_u8(a, gq, wide);
+        if (wide) expand_group16(a, gq, wide);
         const void *gd = scales_at(a->d, g * nb * spb * CG, a->half);
         const void *gm = a->has_off ? scales_at(a->m, g * nb * CG, a->half) : NULL;
         if (a->bits == 2) {  // fp16 (d, -dmin) per super-block of 8 blocks, and a byte per sub-block of 16
