@@ -309,6 +309,21 @@ def high_bit_planes() -> bool:
     return kernel_mode() == Q8_ACTIVATIONS
 
 
+def table_linear(indices: Callable[[torch.Tensor], tuple], table: tuple[int, ...]) -> MakeLinear:
+    """The `cpu_linear` of a format whose blocks give (`indices` [N, K] in 0..15 into `table`, scale per 32 or
+    16 weights): the kernel's 4-bit layout with the table (IQ4_NL, IQ4_XS, Q3_K); None where the kernel is not
+    built or the activations are not bf16 (make_linear then dequantizes)."""
+
+    def cpu_linear(weight: QuantizedWeight, bias: torch.Tensor | None, device: torch.device,
+                   dtype: torch.dtype) -> Linear | None:
+        if dtype != torch.bfloat16 or not available():
+            return None
+        index, scale = indices(weight.blocks)
+        return QuantCpuLinear(index.to(torch.int32), scale, None, bits=4, bias=bias, table=table)
+
+    return cpu_linear
+
+
 def byte_per_weight_linear(unpack: Callable[[torch.Tensor], tuple], bits: int = 8) -> MakeLinear:
     """The `cpu_linear` of a format whose blocks `unpack` into (q, scale, offset) with q of more than
     4 bits (Q5_0, Q5_1, Q5_K: `bits` 5; Q6_K: 6): the kernel's 5- or 6-bit layout where it has one

@@ -19,8 +19,7 @@ from __future__ import annotations
 import torch
 
 from exlcli.ops.formats import cpu_qmatmul, cuda_groups
-from exlcli.ops.formats.base import BlockFormat, Linear, QuantizedWeight, f16_at, low_high_nibbles, scaled_blocks
-from exlcli.ops.formats.cpu_qmatmul import QuantCpuLinear
+from exlcli.ops.formats.base import BlockFormat, f16_at, low_high_nibbles, scaled_blocks
 
 KVALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 NL_BLOCK_BYTES = 18
@@ -61,15 +60,9 @@ def _format(name: str, gguf_type: int, block_weights: int, block_bytes: int, ind
     def dequantize(blocks: torch.Tensor) -> torch.Tensor:
         return scaled_blocks(*unpack(blocks))
 
-    def cpu_linear(weight: QuantizedWeight, bias: torch.Tensor | None, device: torch.device,
-                   dtype: torch.dtype) -> Linear | None:
-        if dtype != torch.bfloat16 or not cpu_qmatmul.available():
-            return None
-        index, scale = indices(weight.blocks)
-        return QuantCpuLinear(index.to(torch.int32), scale, None, bits=4, bias=bias, table=KVALUES)
-
     return BlockFormat(name, gguf_type=gguf_type, block_weights=block_weights, block_bytes=block_bytes,
-                       dequantize=dequantize, cpu_linear=cpu_linear, cuda_linear=cuda_groups.cuda_linear(unpack, 8))
+                       dequantize=dequantize, cpu_linear=cpu_qmatmul.table_linear(indices, KVALUES),
+                       cuda_linear=cuda_groups.cuda_linear(unpack, 8))
 
 
 IQ4_NL = _format("IQ4_NL", 20, 32, NL_BLOCK_BYTES, indices_nl)

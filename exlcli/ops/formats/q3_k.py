@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from exlcli.ops.formats import cpu_qmatmul, cuda_groups
-from exlcli.ops.formats.base import BlockFormat, Linear, QuantizedWeight, f16_at
+from exlcli.ops.formats.base import BlockFormat, f16_at
 from exlcli.ops.formats.bit_fields import blocks_of, rows_of, unpack_fields
 from exlcli.ops.formats.kquant_scales import unpack_scales_q3_k
 
@@ -50,14 +50,11 @@ def unpack(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 TABLE = (-4, -3, -2, -1, 0, 1, 2, 3) + (0,) * 8
 
 
-def cpu_linear(weight: QuantizedWeight, bias: torch.Tensor | None, device: torch.device,
-               dtype: torch.dtype) -> Linear | None:
-    if dtype != torch.bfloat16 or not cpu_qmatmul.available():
-        return None
-    q, scale, _ = unpack(weight.blocks)
-    return cpu_qmatmul.QuantCpuLinear(q + 4, scale, None, bits=4, bias=bias, table=TABLE)
+def _table_indices(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    q, scale, _ = unpack(blocks)
+    return q + 4, scale
 
 
 FORMAT = BlockFormat(name="Q3_K", gguf_type=11, block_weights=BLOCK_WEIGHTS, block_bytes=BLOCK_BYTES,
-                     dequantize=dequantize, cpu_linear=cpu_linear,
+                     dequantize=dequantize, cpu_linear=cpu_qmatmul.table_linear(_table_indices, TABLE),
                      cuda_linear=cuda_groups.cuda_linear(unpack, 4))
