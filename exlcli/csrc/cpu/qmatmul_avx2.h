@@ -202,6 +202,19 @@ static inline __attribute__((always_inline)) __m256 scales8(const void *base, in
     return _mm256_loadu_ps((const float *)base + i);
 }
 
+// Group g's scales (gd) and offsets (gm, NULL without offsets) in a's layout: [nb][scales per block][CG]
+// and [nb][CG], fp32 or fp16; 2-bit: fp16 (d, -dmin) per super-block of 8 blocks, a byte per sub-block of 16.
+static inline void group_scales(const qmm2_args *a, int64_t g, const void **gd, const void **gm) {
+    const int64_t nb = a->nb, spb = a->two_scales ? 2 : 1;
+    if (a->bits == 2) {
+        *gd = (const uint16_t *)a->d + g * (nb / 8) * 2 * CG;
+        *gm = (const uint8_t *)a->m + g * nb * 2 * CG;
+        return;
+    }
+    *gd = scales_at(a->d, g * nb * spb * CG, a->half);
+    *gm = a->has_off ? scales_at(a->m, g * nb * CG, a->half) : NULL;
+}
+
 // acc + float(sum) * (d * dx): the scaled step of the order in the header.
 static inline __attribute__((always_inline)) __m256 add_scaled(__m256 acc, __m256i sum, __m256 d, float dx) {
     return _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(dx))));
@@ -598,11 +611,11 @@ static inline __attribute__((always_inline)) void wide_rows(const qmm2_args *a, 
 }
 
 static void qmm2_groups_wide(const qmm2_args *a, int64_t begin, int64_t end, uint8_t *wide) {
-    int64_t nb = a->nb, spb = a->two_scales ? 2 : 1;
+    int64_t nb = a->nb;
     for (int64_t g = begin; g < end; g++) {
         expand_group(a->bits, a->table, a->qs + g * nb * qbytes_of(a->bits), nb, wide);
-        const void *gd = scales_at(a->d, g * nb * spb * CG, a->half);
-        const void *gm = a->has_off ? scales_at(a->m, g * nb * CG, a->half) : NULL;
+        const void *gd, *gm;
+        group_scales(a, g, &gd, &gm);
         int64_t n0 = g * CG;
         for (int64_t r0 = 0; r0 < a->M; r0 += WIDE_ROWS) {
             int rows = (int)(a->M - r0 < WIDE_ROWS ? a->M - r0 : WIDE_ROWS);
@@ -735,15 +748,11 @@ static void qmm2_groups(void *ctx, int64_t begin, int64_t end) {
             return;
         }
     }
-    int64_t nb = a->nb, qbytes = qbytes_of(a->bits), spb = a->two_scales ? 2 : 1;
+    int64_t nb = a->nb, qbytes = qbytes_of(a->bits);
     for (int64_t g = begin; g < end; g++) {
         const uint8_t *gq = a->qs + g * nb * qbytes;  // the group's weights: 4.5 to 24 KB, L1/L2 across tiles
-        const void *gd = scales_at(a->d, g * nb * spb * CG, a->half);
-        const void *gm = a->has_off ? scales_at(a->m, g * nb * CG, a->half) : NULL;
-        if (a->bits == 2) {  // fp16 (d, -dmin) per super-block of 8 blocks, and a byte per sub-block of 16
-            gd = (const uint16_t *)a->d + g * (nb / 8) * 2 * CG;
-            gm = (const uint8_t *)a->m + g * nb * 2 * CG;
-        }
+        const void *gd, *gm;
+        group_scales(a, g, &gd, &gm);
         int64_t n0 = g * CG;
         for (int h = 0; h < 2; h++) {
             if (n0 + 8 * h >= a->N) break;

@@ -263,16 +263,12 @@ static inline void store16(const qmm2_args *a, int64_t r, int64_t n0, __m512 acc
 // block, expand_group16) in tiles of 8, 4, 2 and 1 rows; below, or without wide, from the packed blocks,
 // all rows in one tile (so each block is expanded once per group either way, up to 8 rows).
 static void qmm2_groups512(const qmm2_args *a, int64_t begin, int64_t end, uint8_t *wide) {
-    int64_t nb = a->nb, spb = a->two_scales ? 2 : 1;
+    int64_t nb = a->nb;
     for (int64_t g = begin; g < end; g++) {
         const uint8_t *gq = a->qs + g * nb * qbytes_of(a->bits);
         if (wide) expand_group16(a, gq, wide);
-        const void *gd = scales_at(a->d, g * nb * spb * CG, a->half);
-        const void *gm = a->has_off ? scales_at(a->m, g * nb * CG, a->half) : NULL;
-        if (a->bits == 2) {  // fp16 (d, -dmin) per super-block of 8 blocks, and a byte per sub-block of 16
-            gd = (const uint16_t *)a->d + g * (nb / 8) * 2 * CG;
-            gm = (const uint8_t *)a->m + g * nb * 2 * CG;
-        }
+        const void *gd, *gm;
+        group_scales(a, g, &gd, &gm);
         int64_t n0 = g * CG;
         for (int64_t r0 = 0; r0 < a->M;) {
             int64_t left = a->M - r0;
