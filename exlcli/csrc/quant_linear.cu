@@ -1,5 +1,6 @@
 // The torch-facing ops over quantized weights in the packed layout of quant_linear.cuh:
-// quant_linear (the product, on the tensor cores) and quant_dequantize (the dense bf16 weight, for
+// quant_linear (the product: on the tensor cores, or for 1 or 2 tokens over integer weights on the
+// CUDA cores with int8 activations, quant_gemv_dp4a.cuh) and quant_dequantize (the dense bf16 weight, for
 // products of many tokens through cuBLAS). Python checks the inputs first
 // (exlcli/ops/cuda/kernels.py); the checks here only guard against a call that bypasses it.
 #include <ATen/ops/empty.h>
@@ -7,6 +8,7 @@
 
 #include "common.cuh"
 #include "ops.h"
+#include "quant_gemv_dp4a.cuh"
 #include "quant_linear.cuh"
 
 namespace exlcli {
@@ -83,6 +85,38 @@ void launch(const qlinear::Params& p, bool float_out, cudaStream_t stream, bool 
   }
 }
 
+// 1 or 2 tokens over integer weights (not e4m3), where x's int8 blocks fit 44 KiB of shared memory (the
+// default 48 less the kernel's own partial sums; k up to 15,018 at two tokens, 30,037 at one): the dp4a
+// kernel. Run 30 (docs/gpu-results.md; the four
+// products of an 8B layer, weights past L2): 4-bit 55.7 -> 43.9 us at one token and 57.6 -> 53.3 at
+// two, 6-bit 78.2 -> 62.9 and 80.9 -> 69.3; at four tokens the tensor-core kernel is faster (58.2 us
+// against 76.9). One row tile a block and 4 chunks in flight a warp were the fastest of seven tilings.
+bool takes_dp4a(const qlinear::Params& p, bool e4m3) {
+  return !e4m3 && p.m <= qlinear::kDp4aMaxTokens &&
+         qlinear::dp4a_smem_bytes(p.m, p.k) <= 44 * 1024;
+}
+
+template <int BITS, int M>
+void launch_dp4a_tokens(const qlinear::Params& p, bool float_out, cudaStream_t stream, bool pdl) {
+  const dim3 grid(p.n / qlinear::kTileRows), block(qlinear::kWarps * 32);
+  const size_t smem = qlinear::dp4a_smem_bytes(M, p.k);
+  if (float_out) {
+    launch_pdl(qlinear::quant_gemv_dp4a_kernel<BITS, M, 1, 4, true>, grid, block, smem, stream, pdl, p);
+  } else {
+    launch_pdl(qlinear::quant_gemv_dp4a_kernel<BITS, M, 1, 4, false>, grid, block, smem, stream, pdl, p);
+  }
+}
+
+template <int BITS>
+void launch_dp4a(const qlinear::Params& p, bool float_out, cudaStream_t stream, bool pdl) {
+  static_assert(qlinear::kDp4aMaxTokens == 2, "one instantiation for each token count");
+  if (p.m == 1) {
+    launch_dp4a_tokens<BITS, 1>(p, float_out, stream, pdl);
+  } else {
+    launch_dp4a_tokens<BITS, 2>(p, float_out, stream, pdl);
+  }
+}
+
 }  // namespace
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t bits,
@@ -109,7 +143,15 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   p.m = static_cast<int>(x.size(0));
   const cudaStream_t stream = current_stream();
   TORCH_CHECK(!e4m3 || bits == 8, "quant linear: e4m3 weights take the 8-bit layout");
-  if (bits == 4) {
+  if (takes_dp4a(p, e4m3)) {
+    if (bits == 4) {
+      launch_dp4a<4>(p, float_out, stream, pdl);
+    } else if (bits == 6) {
+      launch_dp4a<6>(p, float_out, stream, pdl);
+    } else {
+      launch_dp4a<8>(p, float_out, stream, pdl);
+    }
+  } else if (bits == 4) {
     launch<4, false>(p, float_out, stream, pdl);
   } else if (bits == 6) {
     launch<6, false>(p, float_out, stream, pdl);

@@ -1,14 +1,15 @@
 """The quantized CUDA linear (csrc/quant_linear.cuh, exlcli/ops/formats/cuda_groups.py) against the
 torch reference of its layout (unpack_packed, float64 product): 4, 6 and 8 bits, every group size,
 one token to page-sized batches and beyond the kernel's limit (the dequantize + cuBLAS path),
-bias and fp32 output, batch invariance, a CUDA graph; and the formats' CUDA linears through
-make_linear (the weights stay quantized: no dense copy)."""
+bias and fp32 output, batch invariance, a CUDA graph; the dp4a kernel of 1 or 2 tokens
+(csrc/quant_gemv_dp4a.cuh) against its int8 product in float64, with non-finite inputs; and the
+formats' CUDA linears through make_linear (the weights stay quantized: no dense copy)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from gpu_helpers import assert_matches, poison_next_alloc, requires_cuda
+from gpu_helpers import assert_matches, poison_next_alloc, rel_err, requires_cuda
 
 from exlcli.ops import formats
 from exlcli.ops.cuda import kernels as ops
@@ -20,17 +21,45 @@ from exlcli.ops.linear import make_linear
 pytestmark = [pytest.mark.gpu, requires_cuda, pytest.mark.usefixtures("kernels")]
 
 
-def packed(rows: int, cols: int, group: int, bits: int, seed: int):
+def weights(rows: int, cols: int, group: int, bits: int, seed: int):
+    """q [rows, cols] (0 .. 2**bits - 1), scale and offset [rows, cols / group], on the GPU."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 2 ** bits, (rows, cols), generator=gen, dtype=torch.int32)
     scale = (torch.rand(rows, cols // group, generator=gen) * 0.02 + 1e-3) / 2 ** (bits - 4)
     offset = -scale * (2 ** (bits - 1)) + (torch.rand(rows, cols // group, generator=gen) - 0.5) * 0.01
-    qweight, scales = cuda_groups.pack(q.cuda(), scale.cuda(), offset.cuda(), bits)
-    return qweight, scales
+    return q.cuda(), scale.cuda(), offset.cuda()
+
+
+def packed(rows: int, cols: int, group: int, bits: int, seed: int):
+    return cuda_groups.pack(*weights(rows, cols, group, bits, seed), bits)
+
+
+def int8_product(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+                 bits: int) -> torch.Tensor:
+    """What the dp4a kernel (csrc/quant_gemv_dp4a.cuh) computes, in float64: x rounded to int8 per block of
+    16 features with fp32 steps as the kernel's (xq = round(x * (127 / amax)), d = amax / 127), the weights'
+    scale and offset as their packed pairs (bf16, fp16 for 8 bits), each block's
+    d * (scale * sum(q xq) + offset * sum(xq))."""
+    pair = torch.float16 if bits == 8 else torch.bfloat16
+    m, k = x.shape
+    n, groups = scale.shape
+    xf = x.double().view(m, k // 16, 16)
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    # each fp32 step correctly rounded, through float64 (exact for one division or product); torch's own
+    # fp32 `127.0 / amax` multiplies by a rounded reciprocal, which moves ties such as x = amax / 2
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax)).float().double()
+    xq = torch.round((xf * inv).float()).double()
+    d = (amax / 127.0).float().double().squeeze(-1)  # [m, blocks]
+    per_block = (k // groups) // 16
+    s = scale.to(pair).double().repeat_interleave(per_block, dim=1)  # [n, blocks]
+    o = offset.to(pair).double().repeat_interleave(per_block, dim=1)
+    dots = torch.einsum("mbj,nbj->mnb", xq, q.double().view(n, k // 16, 16))
+    return (d[:, None, :] * (s[None] * dots + o[None] * xq.sum(dim=-1)[:, None, :])).sum(dim=-1)
 
 
 CASES = [  # (n, k, group)
     (16, 64, 16), (48, 192, 64), (64, 576, 32), (128, 640, 128), (4096, 4096, 32), (1536, 4096, 128), (256, 14336, 32),
+    (32, 16384, 64),  # two tokens' int8 blocks do not fit the dp4a kernel's shared memory: the tensor-core kernel
 ]
 
 
@@ -72,14 +101,52 @@ def test_the_dequantized_weight_is_the_reference_layout(bits):
 
 @pytest.mark.parametrize("bits", [4, 6, 8])
 def test_a_token_gets_the_same_bits_whatever_the_batch(bits):
+    """Within each kernel's range of tokens: the dp4a kernel for 1 or 2 tokens, the tensor-core kernel for 3
+    to 64."""
     n, k, group = 512, 2048, 32
     qweight, scales = packed(n, k, group, bits, seed=11)
     x = torch.randn(64, k, device="cuda").to(torch.bfloat16)
     full = ops.quant_linear(x, qweight, scales, bits, group, n)
-    for m in (1, 2, 7, 8, 9, 17, 40, 64):
+    small = 2
+    for m in (1, 2, 3, 7, 8, 9, 17, 40, 64):
         part = ops.quant_linear(x[:m].contiguous(), qweight, scales, bits, group, n)
-        assert torch.equal(part, full[:m]), f"{bits}-bit: the first {m} rows differ from the batch of 64"
-    assert torch.equal(ops.quant_linear(x[5:6].contiguous(), qweight, scales, bits, group, n), full[5:6])
+        want = full[:m] if m > small else ops.quant_linear(x[:small].contiguous(), qweight, scales, bits, group,
+                                                           n)[:m]
+        assert torch.equal(part, want), f"{bits}-bit: the first {m} rows differ from a batch of the same kernel"
+    assert torch.equal(ops.quant_linear(x[5:8].contiguous(), qweight, scales, bits, group, n), full[5:8])
+    pair = ops.quant_linear(x[5:7].contiguous(), qweight, scales, bits, group, n)
+    assert torch.equal(ops.quant_linear(x[6:7].contiguous(), qweight, scales, bits, group, n), pair[1:])
+
+
+@pytest.mark.parametrize("bits", [4, 6, 8])
+@pytest.mark.parametrize("n,k,group", [(16, 64, 16), (64, 576, 32), (128, 640, 128), (1536, 4096, 16),
+                                       (256, 14336, 64)])
+@pytest.mark.parametrize("m", [1, 2])
+def test_one_or_two_tokens_are_the_int8_product(bits, n, k, group, m):
+    q, scale, offset = weights(n, k, group, bits, seed=n + k + m)
+    qweight, scales = cuda_groups.pack(q, scale, offset, bits)
+    x = (torch.randn(m, k, device="cuda") * torch.rand(m, k // 16, 1, device="cuda").repeat_interleave(16, 1)
+         .view(m, k) * 4).to(torch.bfloat16)  # blocks of different ranges
+    x[0, :16] = 0  # a block of zeros (no scale)
+    got = ops.quant_linear(x, qweight, scales, bits, group, n, float_out=True)
+    want = int8_product(x, q, scale, offset, bits)
+    assert_matches(got, want, torch.float32, f"{bits}-bit {n}x{k} g{group} m{m} against its int8 product")
+    exact = x.double() @ cuda_groups.unpack_packed(qweight, scales, bits, (n, k)).double().t()
+    err = rel_err(got, exact)
+    assert 1e-4 < err < 1e-2, f"{bits}-bit m{m}: {err:.1e} from the exact product: not the int8 kernel, or wrong"
+
+
+@pytest.mark.parametrize("bits", [4, 6, 8])
+def test_a_nan_or_inf_in_the_activations_reaches_the_outputs(bits):
+    n, k, group = 256, 1024, 32
+    qweight, scales = packed(n, k, group, bits, seed=2)
+    x = torch.randn(2, k, device="cuda").to(torch.bfloat16)
+    x[0, 100] = float("nan")
+    x[1, 700] = float("inf")
+    got = ops.quant_linear(x, qweight, scales, bits, group, n)
+    assert not torch.isfinite(got).any(), f"{bits}-bit: a non-finite input gave finite outputs"
+    zero = ops.quant_linear(torch.zeros(1, k, device="cuda", dtype=torch.bfloat16), qweight, scales, bits, group, n)
+    assert torch.equal(zero, torch.zeros_like(zero)), "zero activations must give zero outputs"
 
 
 def test_the_linear_runs_in_a_cuda_graph():
