@@ -87,10 +87,10 @@ void launch(const qlinear::Params& p, bool float_out, cudaStream_t stream, bool 
 
 // 1 or 2 tokens over integer weights (not e4m3), where x's int8 blocks fit 44 KiB of shared memory (the
 // default 48 less the kernel's own partial sums; k up to 15,018 at two tokens, 30,037 at one): the dp4a
-// kernel. Run 30 (docs/gpu-results.md; the four products of an 8B layer, weights past L2): 4-bit 55.7 -> 43.9 us at one token and 57.6 -> 53.3 at
-// two, 6-bit 78.2 -> 62.9 and 80.9 -> 69.3, 8-bit 88.7 -> 66.7 and 89.2 -> 72.9; at four tokens the
-// tensor-core kernel is faster (4-bit 57.7 us against 76.4). One row tile a block and 4 chunks in flight
-// a warp were the fastest of seven tilings.
+// kernel. Run 30 (docs/gpu-results.md; the four products of an 8B layer, weights past L2): 4-bit 55.7 ->
+// 43.9 us at one token and 57.6 -> 53.3 at two, 6-bit 78.2 -> 62.9 and 80.9 -> 69.3, 8-bit 88.7 -> 66.7
+// and 89.2 -> 72.9; at four tokens the tensor-core kernel is faster (4-bit 57.7 us against 76.4). One
+// row tile a block and 4 chunks in flight a warp were the fastest of seven tilings.
 bool takes_dp4a(const qlinear::Params& p, bool e4m3) {
   return !e4m3 && p.m <= qlinear::kDp4aMaxTokens &&
          qlinear::dp4a_smem_bytes(p.m, p.k) <= 44 * 1024;
