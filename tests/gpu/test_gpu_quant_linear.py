@@ -132,8 +132,8 @@ def test_one_or_two_tokens_are_the_int8_product(bits, n, k, group, m):
     want = int8_product(x, q, scale, offset, bits)
     assert_matches(got, want, torch.float32, f"{bits}-bit {n}x{k} g{group} m{m} against its int8 product")
     exact = x.double() @ cuda_groups.unpack_packed(qweight, scales, bits, (n, k)).double().t()
-    err = rel_err(got, exact)
-    assert 1e-4 < err < 1e-2, f"{bits}-bit m{m}: {err:.1e} from the exact product: not the int8 kernel, or wrong"
+    err = rel_err(got, exact)  # the int8 rounding of x: about 5e-3 (1.4e-2 seen over 64 features)
+    assert 1e-4 < err < 3e-2, f"{bits}-bit m{m}: {err:.1e} from the exact product: not the int8 kernel, or wrong"
 
 
 @pytest.mark.parametrize("bits", [4, 6, 8])
