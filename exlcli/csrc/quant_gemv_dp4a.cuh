@@ -126,13 +126,14 @@ __device__ __forceinline__ float2 row_affine(uint32_t pair) {
   }
 }
 
-// RT row tiles a block share the activations a warp reads from shared memory; UNROLL chunks of each
-// warp's are in flight (a ring: a chunk's slot is loaded again right after it is computed).
-template <int BITS, int M, int RT, int UNROLL, bool FLOAT_OUT>
-__global__ void __launch_bounds__(kWarps * 32) quant_gemv_dp4a_kernel(Params p) {
+// RT row tiles a block share the activations a warp reads from shared memory; WARPS warps split a row
+// tile's chunks, UNROLL chunks of each warp's in flight (a ring: a chunk's slot is loaded again right
+// after it is computed).
+template <int BITS, int M, int RT, int UNROLL, bool FLOAT_OUT, int WARPS = kWarps>
+__global__ void __launch_bounds__(WARPS * 32) quant_gemv_dp4a_kernel(Params p) {
   static_assert(BITS == 4 || BITS == 6 || BITS == 8, "the integer layouts (not e4m3)");
   extern __shared__ uint4 s_x[];
-  __shared__ float partial[kWarps][RT][M][kTileRows];
+  __shared__ float partial[WARPS][RT][M][kTileRows];
   const int blocks = p.k / kXBlock;
   uint4* xq = s_x;
   float2* xs = reinterpret_cast<float2*>(s_x + M * blocks);
@@ -140,14 +141,14 @@ __global__ void __launch_bounds__(kWarps * 32) quant_gemv_dp4a_kernel(Params p) 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   const int chunks = p.k / kChunk;
-  const int mine = (chunks - warp + kWarps - 1) / kWarps;  // this warp's chunks: warp, warp + 8, ...
+  const int mine = (chunks - warp + WARPS - 1) / WARPS;  // this warp's chunks: warp, warp + WARPS, ...
 
   ChunkLoad<BITS> ring[UNROLL][RT];
 #pragma unroll
   for (int u = 0; u < UNROLL; ++u) {
     if (u < mine) {
 #pragma unroll
-      for (int r = 0; r < RT; ++r) load_chunk<BITS>(p, tile0 + r, warp + u * kWarps, lane, ring[u][r]);
+      for (int r = 0; r < RT; ++r) load_chunk<BITS>(p, tile0 + r, warp + u * WARPS, lane, ring[u][r]);
     }
   }
   grid_dependency_wait();  // x is the previous kernel's output
@@ -165,7 +166,7 @@ __global__ void __launch_bounds__(kWarps * 32) quant_gemv_dp4a_kernel(Params p) 
     for (int u = 0; u < UNROLL; ++u) {
       const int i = base + u;
       if (i >= mine) break;
-      const int chunk = warp + i * kWarps;
+      const int chunk = warp + i * WARPS;
       const int b = chunk * (kChunk / kXBlock) + t;  // the lane's 16 features
       uint4 xw[M];
       float2 ds[M];
@@ -199,7 +200,7 @@ __global__ void __launch_bounds__(kWarps * 32) quant_gemv_dp4a_kernel(Params p) 
       }
       if (i + UNROLL < mine) {
 #pragma unroll
-        for (int r = 0; r < RT; ++r) load_chunk<BITS>(p, tile0 + r, chunk + UNROLL * kWarps, lane, ring[u][r]);
+        for (int r = 0; r < RT; ++r) load_chunk<BITS>(p, tile0 + r, chunk + UNROLL * WARPS, lane, ring[u][r]);
       }
     }
   }
@@ -220,11 +221,11 @@ __global__ void __launch_bounds__(kWarps * 32) quant_gemv_dp4a_kernel(Params p) 
     }
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < RT * M * kTileRows; i += kWarps * 32) {
+  for (int i = threadIdx.x; i < RT * M * kTileRows; i += WARPS * 32) {
     const int r = i / (M * kTileRows), m = (i / kTileRows) % M, row_in_tile = i % kTileRows;
     float sum = 0.0f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) sum += partial[w][r][m][row_in_tile];
+    for (int w = 0; w < WARPS; ++w) sum += partial[w][r][m][row_in_tile];
     const int row = (tile0 + r) * kTileRows + row_in_tile;
     if (p.bias != nullptr) sum += __bfloat162float(p.bias[row]);
     const size_t at = static_cast<size_t>(m) * p.n + row;

@@ -6,12 +6,12 @@
 
 using namespace exlcli::qlinear;
 
-template <int BITS, int M, int RT, int UNROLL>
+template <int BITS, int M, int RT, int UNROLL, int WARPS = kWarps>
 void dp4a(const Params& p, cudaStream_t s) {
-  auto kern = quant_gemv_dp4a_kernel<BITS, M, RT, UNROLL, false>;
+  auto kern = quant_gemv_dp4a_kernel<BITS, M, RT, UNROLL, false, WARPS>;
   const size_t smem = dp4a_smem_bytes(M, p.k);
   cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-  kern<<<p.n / (kTileRows * RT), kWarps * 32, smem, s>>>(p);
+  kern<<<p.n / (kTileRows * RT), WARPS * 32, smem, s>>>(p);
 }
 
 template <int BITS, int M>
@@ -19,12 +19,17 @@ void variant(int v, const Params& p, cudaStream_t s) {
   switch (v) {
     case 0: quant_linear_kernel<BITS, false, 1, 1, 4, false><<<p.n / kTileRows, kWarps * 32, 0, s>>>(p); break;
     case 1: dp4a<BITS, M, 1, 4>(p, s); break;
+#ifndef WARPS_SWEEP  // (the second sweep compiles only the variants it runs)
     case 2: dp4a<BITS, M, 1, 8>(p, s); break;
     case 3: dp4a<BITS, M, 2, 4>(p, s); break;
     case 4: dp4a<BITS, M, 4, 2>(p, s); break;
     case 5: dp4a<BITS, M, 4, 4>(p, s); break;
     case 6: dp4a<BITS, M, 2, 2>(p, s); break;
     case 7: dp4a<BITS, M, 1, 2>(p, s); break;
+#endif
+    case 8: dp4a<BITS, M, 1, 4, 16>(p, s); break;
+    case 9: dp4a<BITS, M, 1, 2, 16>(p, s); break;
+    case 10: dp4a<BITS, M, 1, 8, 16>(p, s); break;
     default: TORCH_CHECK(false, "no variant ", v);
   }
 }
@@ -34,7 +39,9 @@ void by_m(int v, const Params& p, cudaStream_t s) {
   switch (p.m) {
     case 1: variant<BITS, 1>(v, p, s); break;
     case 2: variant<BITS, 2>(v, p, s); break;
+#ifndef WARPS_SWEEP
     case 4: variant<BITS, 4>(v, p, s); break;
+#endif
     default: TORCH_CHECK(false, "m ", p.m);
   }
 }
