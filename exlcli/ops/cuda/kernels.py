@@ -300,7 +300,8 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, b
                  bias: torch.Tensor | None = None, float_out: bool = False, e4m3: bool = False) -> torch.Tensor:
     """x [m, k] bf16 @ w^T (+ bias) for w [n, k] in the packed layout of csrc/quant_linear.cuh
     (exlcli/ops/formats/cuda_groups.py packs it; e4m3: FP8 values in the 8-bit layout): bf16 [m, n],
-    or fp32 with float_out."""
+    or fp32 with float_out. One or two rows of integer weights run on dp4a over x rounded to int8 per 16
+    features (csrc/quant_gemv_dp4a.cuh), more on the tensor cores over x as it is."""
     op = "quant_linear"
     checks.on_cuda(op, "x", x)
     if x.dim() != 2 or x.dtype != torch.bfloat16 or not x.is_contiguous() or not checks.aligned(x):
