@@ -226,14 +226,7 @@ __global__ void __launch_bounds__(WARPS * 32) quant_gemv_dp4a_kernel(Params p) {
     float sum = 0.0f;
 #pragma unroll
     for (int w = 0; w < WARPS; ++w) sum += partial[w][r][m][row_in_tile];
-    const int row = (tile0 + r) * kTileRows + row_in_tile;
-    if (p.bias != nullptr) sum += __bfloat162float(p.bias[row]);
-    const size_t at = static_cast<size_t>(m) * p.n + row;
-    if constexpr (FLOAT_OUT) {
-      static_cast<float*>(p.out)[at] = sum;
-    } else {
-      static_cast<__nv_bfloat16*>(p.out)[at] = __float2bfloat16_rn(sum);
-    }
+    store_output<FLOAT_OUT>(p, m, (tile0 + r) * kTileRows + row_in_tile, sum);
   }
 }
 

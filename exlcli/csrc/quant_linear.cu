@@ -90,20 +90,30 @@ void launch(const qlinear::Params& p, bool float_out, cudaStream_t stream, bool 
 // kernel. Run 30 (docs/gpu-results.md; the four products of an 8B layer, weights past L2): 4-bit 55.7 ->
 // 43.9 us at one token and 57.6 -> 53.3 at two, 6-bit 78.2 -> 62.9 and 80.9 -> 69.3, 8-bit 88.7 -> 66.7
 // and 89.2 -> 72.9; at four tokens the tensor-core kernel is faster (4-bit 57.7 us against 76.4). One
-// row tile a block and 4 chunks in flight a warp were the fastest of seven tilings.
+// row tile a block was the fastest of seven tilings.
 bool takes_dp4a(const qlinear::Params& p, bool e4m3) {
   return !e4m3 && p.m <= qlinear::kDp4aMaxTokens &&
          qlinear::dp4a_smem_bytes(p.m, p.k) <= 44 * 1024;
 }
 
+// Weights of at most this many row tiles (o and down of the 8B shape: 4096 rows) take blocks of 16 warps
+// with 2 chunks in flight each, the others 8 warps with 4. Run 30's sweep (docs/gpu-runs/run30/
+// dp4a-warps.txt, variant 9 against 1): down 13.8 -> 12.4 us and o 5.3 -> 5.2 at one 4-bit token, 18.6 ->
+// 16.9 and 7.3 -> 6.7 at 6 bits, 19.2 -> 18.0 and 6.9 -> 6.2 at 8, likewise at two tokens; the wider
+// weights (q|k|v, gate|up) were slower so. Either adds a token's products in one fixed order.
+constexpr int kDp4aWideMaxTiles = 256;
+
 template <int BITS, int M>
 void launch_dp4a_tokens(const qlinear::Params& p, bool float_out, cudaStream_t stream, bool pdl) {
-  const dim3 grid(p.n / qlinear::kTileRows), block(qlinear::kWarps * 32);
+  using qlinear::quant_gemv_dp4a_kernel;
+  const int tiles = p.n / qlinear::kTileRows;
   const size_t smem = qlinear::dp4a_smem_bytes(M, p.k);
-  if (float_out) {
-    launch_pdl(qlinear::quant_gemv_dp4a_kernel<BITS, M, 1, 4, true>, grid, block, smem, stream, pdl, p);
+  if (float_out) {  // the LM head: many row tiles
+    launch_pdl(quant_gemv_dp4a_kernel<BITS, M, 1, 4, true, 8>, dim3(tiles), dim3(8 * 32), smem, stream, pdl, p);
+  } else if (tiles <= kDp4aWideMaxTiles) {
+    launch_pdl(quant_gemv_dp4a_kernel<BITS, M, 1, 2, false, 16>, dim3(tiles), dim3(16 * 32), smem, stream, pdl, p);
   } else {
-    launch_pdl(qlinear::quant_gemv_dp4a_kernel<BITS, M, 1, 4, false>, grid, block, smem, stream, pdl, p);
+    launch_pdl(quant_gemv_dp4a_kernel<BITS, M, 1, 4, false, 8>, dim3(tiles), dim3(8 * 32), smem, stream, pdl, p);
   }
 }
 

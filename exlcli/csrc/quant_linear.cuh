@@ -57,6 +57,18 @@ struct Params {
   int group_log2;           // log2 of the group size (4 .. 7)
 };
 
+// Output `row` of `token`: the sum plus the bias, as bf16 or (FLOAT_OUT) fp32.
+template <bool FLOAT_OUT>
+__device__ __forceinline__ void store_output(const Params& p, int token, int row, float sum) {
+  if (p.bias != nullptr) sum += __bfloat162float(p.bias[row]);
+  const size_t at = static_cast<size_t>(token) * p.n + row;
+  if constexpr (FLOAT_OUT) {
+    static_cast<float*>(p.out)[at] = sum;
+  } else {
+    static_cast<__nv_bfloat16*>(p.out)[at] = __float2bfloat16_rn(sum);
+  }
+}
+
 __device__ __forceinline__ uint4 load_streaming(const uint4* p) {
   uint4 v;
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -341,14 +353,7 @@ __global__ void __launch_bounds__(kWarps * 32) quant_linear_kernel(Params p) {
   grid_dependency_wait();  // (warps without a chunk) before anything is written
   grid_dependents_launch();
   add_warp_partials<RT, NT>(acc, partial, token0, p.m, [&](int token, int r, int row_in_tile, float sum) {
-    const int row = (tile0 + r) * kTileRows + row_in_tile;
-    if (p.bias != nullptr) sum += __bfloat162float(p.bias[row]);
-    const size_t at = static_cast<size_t>(token) * p.n + row;
-    if constexpr (FLOAT_OUT) {
-      static_cast<float*>(p.out)[at] = sum;
-    } else {
-      static_cast<__nv_bfloat16*>(p.out)[at] = __float2bfloat16_rn(sum);
-    }
+    store_output<FLOAT_OUT>(p, token, (tile0 + r) * kTileRows + row_in_tile, sum);
   });
 }
 
