@@ -17,10 +17,13 @@
 // per-channel scales; exlcli/ops/formats/cuda_fp8.py).
 //
 // Work is split in row groups of kRows weight rows; each group is read by `warps_per_group` warps
-// that split K between them (16-byte loads, kUnroll passes in flight per row), so even a 4096-row
-// matrix gives every multiprocessor several groups. The grid is persistent (two blocks per SM). The
-// kernel is launched as a programmatic dependent launch: the first weights are loaded before it
-// waits for the previous kernel (whose output is x).
+// that split K between them (16-byte loads, unroll_of<W>() passes in flight per row), so even a
+// 4096-row matrix gives every multiprocessor several groups. Over e4m3 rows a pass's registers are
+// loaded again (the row group's next chunks, or the next row group's first) as soon as its products
+// are done, so the loads stay in flight through the products, the warps' sums and the epilogue. The
+// grid is persistent (blocks_per_sm<W, M>() a multiprocessor). The kernel is launched as a
+// programmatic dependent launch: the first weights are loaded before it waits for the previous
+// kernel (whose output is x).
 #pragma once
 
 #include <cuda_fp8.h>
@@ -36,7 +39,6 @@ enum class Out { kPlain, kResidual, kFloat, kRopeKV };
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kRows = 8;  // weight rows per row group (4 rotation pairs in kRopeKV)
-constexpr int kUnroll = 2;  // 16-byte chunks of each row in flight per thread
 constexpr int kNormMaxThreads = 1024;  // norm.cu's block size limit, whose summation order we follow
 constexpr int kNormChunksPerThread = 4;
 
@@ -72,6 +74,25 @@ __device__ __forceinline__ uint4 load_cached(const void* p) { return __ldg(stati
 template <typename W>
 constexpr int chunk_weights() {
   return 16 / static_cast<int>(sizeof(W));
+}
+
+// The kernel's shape for weights of W and M token rows. An e4m3 chunk takes twice the instructions
+// of a bf16 one (16 weights, each converted), so e4m3 rows keep one chunk a row in flight per thread
+// instead of two and, at one token, run 3 blocks a multiprocessor instead of 2 (the same registers
+// in flight, more warps to hide the products): 8B shapes at one token, the four products of a layer
+// 74.6 -> 68.5 us on the H200 (docs/gpu-results.md, run 32). More tokens keep 2 blocks, whose
+// registers hold their sums without spilling. The passes in flight set how the warps split a row
+// (warps_per_group), so they depend on W alone: a token's sums do not depend on M. bf16 / fp16 rows
+// gained less so (116.1 -> 112.2-113.6 us, not at every shape) and keep 2 blocks and 2 chunks,
+// loaded at the start of each pass over their row group (the rolling loads measured the same for them,
+// and made their 4-token kernels spill).
+template <typename W>
+constexpr int unroll_of() {  // 16-byte chunks of each row in flight per thread
+  return sizeof(W) == 1 ? 1 : 2;
+}
+template <typename W, int M>
+constexpr int blocks_per_sm() {
+  return sizeof(W) == 1 && M == 1 ? 3 : 2;
 }
 
 // 16 e4m3 weights times two chunks of 8 activations of T, the products added in order.
@@ -266,8 +287,10 @@ __device__ __forceinline__ void store_rope_pair(const Params& p, int ra, int m, 
 }
 
 template <typename T, typename W, int M, In IN, Out OUT>
-__global__ void __launch_bounds__(kThreads, 2) decode_gemv_kernel(const Params p) {
+__global__ void __launch_bounds__(kThreads, blocks_per_sm<W, M>()) decode_gemv_kernel(const Params p) {
   constexpr int kPer = chunk_weights<W>();
+  constexpr int kUnroll = unroll_of<W>();
+  constexpr bool kRolling = sizeof(W) == 1;  // loads issued right after the products they replace
   constexpr bool kScaled = sizeof(W) == 1;
   __shared__ float s_red[kWarps][kRows][M];
   __shared__ float s_scratch[M][32];
@@ -281,20 +304,25 @@ __global__ void __launch_bounds__(kThreads, 2) decode_gemv_kernel(const Params p
   const W* w = static_cast<const W*>(p.w);
 
   uint4 wv[kUnroll][kRows];
+  // chunk c of weight row `row`, zeros past the matrix (row -1)
+  auto weight_chunk = [&](int row, int c) {
+    return row >= 0 && c < chunks
+               ? __ldcs(reinterpret_cast<const uint4*>(w + static_cast<int64_t>(row) * p.k + c * kPer))
+               : make_uint4(0, 0, 0, 0);
+  };
+  // every pass of (unit, c0), row by row
   auto load_weights = [&](int unit, int c0) {
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const int row = unit_row<OUT>(p, unit, r);
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int c = c0 + u * step;
-        if (row >= 0 && c < chunks) {
-          wv[u][r] = __ldcs(reinterpret_cast<const uint4*>(w + static_cast<int64_t>(row) * p.k + c * kPer));
-        } else {
-          wv[u][r] = make_uint4(0, 0, 0, 0);
-        }
-      }
+      for (int u = 0; u < kUnroll; ++u) wv[u][r] = weight_chunk(row, c0 + u * step);
     }
+  };
+  // (rolling) pass u of (unit, c0)
+  auto load_pass = [&](int u, int unit, int c0) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) wv[u][r] = weight_chunk(unit_row<OUT>(p, unit, r), c0 + u * step);
   };
 
   // Weights depend on no earlier kernel: start loading them before waiting for it.
@@ -314,7 +342,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_gemv_kernel(const Params p
   const int64_t position = OUT == Out::kRopeKV && finisher && em < p.rows ? p.positions[em] : 0;
   const int64_t slot = OUT == Out::kRopeKV && finisher && em < p.rows ? p.slots[em] : -1;
 
-  bool loaded = true;
+  bool loaded = true;  // (not rolling) wv holds this pass's chunks
   for (int base = first; base < p.num_units; base += gridDim.x * groups) {
     const int unit = base + group;
     const int out_row = finisher ? unit_row<OUT>(p, unit, er) : -1;
@@ -327,8 +355,14 @@ __global__ void __launch_bounds__(kThreads, 2) decode_gemv_kernel(const Params p
 #pragma unroll
       for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
     for (int c0 = gt; c0 < chunks; c0 += step * kUnroll) {
-      if (!loaded) load_weights(unit, c0);
+      if (!kRolling && !loaded) load_weights(unit, c0);
       loaded = false;
+      // (rolling) where this thread's loads go next: the group's next chunks, or the next group's first
+      int next_unit = unit, next_c0 = c0 + step * kUnroll;
+      if (next_c0 >= chunks) {
+        next_unit = unit + gridDim.x * groups;
+        next_c0 = gt;
+      }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int c = c0 + u * step;
@@ -348,6 +382,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_gemv_kernel(const Params p
             }
           }
         }
+        if constexpr (kRolling) load_pass(u, next_unit, next_c0);
       }
     }
     loaded = false;
@@ -377,23 +412,23 @@ __global__ void __launch_bounds__(kThreads, 2) decode_gemv_kernel(const Params p
   }
 }
 
-// Warps per row group for rows of `chunks` 16-byte chunks: enough for kUnroll passes per thread.
-inline int warps_per_group(int chunks) {
+// Warps per row group for rows of `chunks` 16-byte chunks: enough for `unroll` passes per thread.
+inline int warps_per_group(int chunks, int unroll) {
   for (int wg = kWarps; wg > 1; wg /= 2)
-    if (chunks >= wg * 32 * kUnroll) return wg;
+    if (chunks >= wg * 32 * unroll) return wg;
   return 1;
 }
 
 template <typename T, typename W, int M, In IN, Out OUT>
 void launch(Params p, cudaStream_t stream, bool pdl) {
-  p.warps_per_group = warps_per_group(p.k / chunk_weights<W>());
+  p.warps_per_group = warps_per_group(p.k / chunk_weights<W>(), unroll_of<W>());
   if (OUT == Out::kRopeKV) {
     p.num_units = (p.num_heads + 2 * p.num_kv_heads) * ((p.head_dim / 2) / (kRows / 2));
   } else {
     p.num_units = ceil_div(p.n, kRows);
   }
   const int groups = kWarps / p.warps_per_group;
-  const int grid = std::max(1, std::min(ceil_div(p.num_units, groups), 2 * num_sms()));
+  const int grid = std::max(1, std::min(ceil_div(p.num_units, groups), blocks_per_sm<W, M>() * num_sms()));
   launch_pdl(decode_gemv_kernel<T, W, M, IN, OUT>, dim3(grid), dim3(kThreads), 0, stream, pdl, p);
 }
 
