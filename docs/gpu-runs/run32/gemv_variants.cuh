@@ -1,0 +1,475 @@
+// The decode linear kernel: y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for M <= 4 token rows, bf16 /
+// fp16, streaming W once at close to the memory bandwidth, with optional fused stages:
+//
+//   prologue (what x is):  kPlain  x as given
+//                          kNorm   rms_norm(r, norm_weight) of the given r, computed in the kernel
+//                                  with the rounding and the summation order of norm.cu
+//                          kSilu   silu(gate) * up of a fused [M, 2K] gate|up, as activation.cu
+//   epilogue (what is written):
+//                          kPlain     y, rounded to the dtype
+//                          kResidual  round(round(y) + residual): the residual stream after this layer
+//                          kFloat     round(y) as fp32 (the logits)
+//                          kRopeKV    rows are q|k|v heads: q is rotated into q_out, k rotated and v
+//                                     written into their KV pages, as rope.cu does
+//
+// Weights (W) are of the activations' dtype, or FP8 e4m3 (bf16 activations only) with an fp32 scale
+// per row that multiplies the row's sum before the epilogue (FP8 checkpoints' per-tensor and
+// per-channel scales; exlcli/ops/formats/cuda_fp8.py).
+//
+// Work is split in row groups of kRows weight rows; each group is read by `warps_per_group` warps
+// that split K between them (16-byte loads, kUnroll passes in flight per row), so even a 4096-row
+// matrix gives every multiprocessor several groups. The grid is persistent (two blocks per SM). The
+// kernel is launched as a programmatic dependent launch: the first weights are loaded before it
+// waits for the previous kernel (whose output is x).
+#pragma once
+
+#include <cuda_fp8.h>
+
+#include "common.cuh"
+
+namespace exlcli {
+namespace gemv_probe {
+
+enum class In { kPlain, kNorm, kSilu };
+enum class Out { kPlain, kResidual, kFloat, kRopeKV };
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+#ifndef PROBE_ROWS
+#define PROBE_ROWS 8
+#define PROBE_UNROLL 2
+#define PROBE_MINB 2
+#endif
+constexpr int kRows = PROBE_ROWS;  // weight rows per row group (4 rotation pairs in kRopeKV)
+constexpr int kUnroll = PROBE_UNROLL;  // 16-byte chunks of each row in flight per thread
+constexpr int kNormMaxThreads = 1024;  // norm.cu's block size limit, whose summation order we follow
+constexpr int kNormChunksPerThread = 4;
+
+struct Params {
+  const void* w;  // [n, k]
+  const void* bias;  // [n] or nullptr
+  const float* w_scale;  // e4m3 weights: [n], the scale of each row
+  int n, k;
+  const void* x;  // kPlain, kNorm: [rows, k]; kSilu: [rows, 2k]; rows x_stride apart
+  int64_t x_stride;
+  int rows;  // 1 .. M
+  const void* norm_w;  // kNorm: [k]
+  float eps;
+  void* y;  // [rows, n] contiguous (fp32 for kFloat)
+  const void* residual;  // kResidual: [rows, n], rows res_stride apart
+  int64_t res_stride;
+  // kRopeKV: rows of w are num_heads q heads, then num_kv_heads k heads, then as many v heads
+  void* q_out;  // [rows, num_heads, head_dim] contiguous
+  const int64_t* positions;  // [rows]
+  const float* cos_sin;  // [positions, head_dim]: cos | sin
+  int64_t cs_stride;
+  void* k_cache;  // [pages, page_size, num_kv_heads, head_dim] contiguous
+  void* v_cache;
+  const int64_t* slots;  // [rows]; negative: write nothing
+  int num_heads, num_kv_heads, head_dim;
+  int warps_per_group;  // 1, 2, 4 or 8
+  int num_units;  // row groups
+};
+
+__device__ __forceinline__ uint4 load_cached(const void* p) { return __ldg(static_cast<const uint4*>(p)); }
+
+// Weights in one 16-byte chunk of a weight row: 8 of bf16 / fp16, 16 of e4m3.
+template <typename W>
+constexpr int chunk_weights() {
+  return 16 / static_cast<int>(sizeof(W));
+}
+
+// 16 e4m3 weights times two chunks of 8 activations of T, the products added in order.
+// V0: the hardware conversion e4m3x2 -> f16x2, then f16 -> f32 (the library's today).
+// V1: each byte placed into fp32 bits by integer ops (w * 2^-120, e4m3 subnormals as fp32 ones);
+//     x times 2^100, so the sum is the true one times 2^-20 (exact unless |w x| < 2^-106).
+// V2: the hardware conversion to f16x2, then each f16 placed into fp32 bits (w * 2^-112; every
+//     e4m3 value is a normal f16); x times 2^100, the sum times 2^-12.
+template <int V> constexpr float kUnscale = V == 1 ? 0x1p20f : V == 2 ? 0x1p12f : 1.f;
+
+template <typename T, int V>
+__device__ __forceinline__ float dot16_e4m3(const uint4& a, const uint4& b0, const uint4& b1, float acc) {
+  if constexpr (V == 0) {
+    const __nv_fp8x2_storage_t* w = reinterpret_cast<const __nv_fp8x2_storage_t*>(&a);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const T* y = reinterpret_cast<const T*>(half == 0 ? &b0 : &b1);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(w[4 * half + e], __NV_E4M3);
+        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+        acc = fmaf(f.x, to_float(y[2 * e]), acc);
+        acc = fmaf(f.y, to_float(y[2 * e + 1]), acc);
+      }
+    }
+  } else if constexpr (V == 1) {
+    const uint32_t* wd = reinterpret_cast<const uint32_t*>(&a);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const T* y = reinterpret_cast<const T*>(j < 2 ? &b0 : &b1) + 4 * (j & 1);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int32_t t = static_cast<int32_t>(wd[j] << (8 * (3 - i)));
+        const float f = __int_as_float((t >> 4) & 0x87f00000);
+        acc = fmaf(f, to_float(y[i]) * 0x1p100f, acc);
+      }
+    }
+  } else if constexpr (V == 3 || V == 4) {
+    // words of 4 weights: the last (V3) or last two (V4) by integer ops, times 2^120 (exact), the
+    // others by the hardware conversions; one sum in V0's order, so V0's bytes
+    const uint32_t* wd = reinterpret_cast<const uint32_t*>(&a);
+    const __nv_fp8x2_storage_t* w2 = reinterpret_cast<const __nv_fp8x2_storage_t*>(&a);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const T* y = reinterpret_cast<const T*>(j < 2 ? &b0 : &b1) + 4 * (j & 1);
+      if (j >= (V == 3 ? 3 : 2)) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int32_t t = static_cast<int32_t>(wd[j] << (8 * (3 - i)));
+          const float f = __int_as_float((t >> 4) & 0x87f00000) * 0x1p120f;
+          acc = fmaf(f, to_float(y[i]), acc);
+        }
+      } else {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(w2[2 * j + e], __NV_E4M3);
+          const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+          acc = fmaf(f.x, to_float(y[2 * e]), acc);
+          acc = fmaf(f.y, to_float(y[2 * e + 1]), acc);
+        }
+      }
+    }
+  } else {
+    const __nv_fp8x2_storage_t* w = reinterpret_cast<const __nv_fp8x2_storage_t*>(&a);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const T* y = reinterpret_cast<const T*>(half == 0 ? &b0 : &b1);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(w[4 * half + e], __NV_E4M3);
+        const uint32_t hb = static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+        const float lo = __uint_as_float(((hb << 16) & 0x80000000u) | ((hb << 13) & 0x0fffe000u));
+        const float hi = __uint_as_float((hb & 0x80000000u) | ((hb >> 3) & 0x0fffe000u));
+        acc = fmaf(lo, to_float(y[2 * e]) * 0x1p100f, acc);
+        acc = fmaf(hi, to_float(y[2 * e + 1]) * 0x1p100f, acc);
+      }
+    }
+  }
+  return acc;
+}
+
+template <typename T>
+__device__ __forceinline__ float dot8(const uint4& a, const uint4& b, float acc) {
+  const T* x = reinterpret_cast<const T*>(&a);
+  const T* y = reinterpret_cast<const T*>(&b);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) acc = fmaf(to_float(x[e]), to_float(y[e]), acc);
+  return acc;
+}
+
+// Weight row `r` of row group `unit`, or -1 past the matrix.
+template <Out OUT>
+__device__ __forceinline__ int unit_row(const Params& p, int unit, int r) {
+  if (unit >= p.num_units) return -1;
+  if constexpr (OUT == Out::kRopeKV) {
+    // a group is kRows/2 rotation pairs (j, j + half) of one head
+    const int half = p.head_dim / 2, per_head = half / (kRows / 2);
+    const int head = unit / per_head, j0 = (unit % per_head) * (kRows / 2);
+    return head * p.head_dim + j0 + (r < kRows / 2 ? r : r - kRows / 2 + half);
+  } else {
+    const int row = unit * kRows + r;
+    return row < p.n ? row : -1;
+  }
+}
+
+// rms_norm's 1 / rms of each x row, summed in the order of norm.cu's kernel (a block of V threads,
+// thread t summing chunks t, t + V, ...; warp sums; warps in order) so the normalised row matches it
+// bit for bit. Every thread of the block must call this.
+template <typename T, int M>
+__device__ void norm_inverse(const Params& p, float (*s_scratch)[32], float* s_inv) {
+  constexpr int kVirtual = kNormMaxThreads / kThreads;  // norm.cu threads this thread stands for
+  const int chunks = p.k / 8;
+  const int v = min(kNormMaxThreads, max(32, ceil_div(chunks, 32) * 32));
+  const int lane = threadIdx.x & 31;
+  float part[M][kVirtual];
+#pragma unroll
+  for (int m = 0; m < M; ++m) {  // every load first, so they are in flight together
+    const T* x = static_cast<const T*>(p.x) + m * p.x_stride;
+#pragma unroll
+    for (int j = 0; j < kVirtual; ++j) {
+      const int vt = threadIdx.x + j * kThreads;
+      part[m][j] = 0.f;
+      if (m < p.rows && vt < v) {
+#pragma unroll
+        for (int i = 0; i < kNormChunksPerThread; ++i) {
+          const int c = vt + i * v;
+          if (c < chunks) {
+            const Vec<T> r = load_vec(x + c * 8);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) part[m][j] = fmaf(to_float(r.v[e]), to_float(r.v[e]), part[m][j]);
+          }
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int j = 0; j < kVirtual; ++j) {
+      const float sum = warp_sum(part[m][j]);
+      const int vt = threadIdx.x + j * kThreads;
+      if (lane == 0 && vt < v && m < p.rows) s_scratch[m][vt >> 5] = sum;
+    }
+  __syncthreads();
+  if (threadIdx.x < M && threadIdx.x < p.rows) {
+    float total = 0.f;
+    for (int w = 0; w < v / 32; ++w) total += s_scratch[threadIdx.x][w];
+    s_inv[threadIdx.x] = rsqrtf(total * (1.f / p.k) + p.eps);
+  }
+  __syncthreads();
+}
+
+// Chunk c (8 elements) of x row m, as 8 packed T.
+template <typename T, In IN>
+__device__ __forceinline__ uint4 x_chunk(const Params& p, int m, int c, float inv) {
+  const T* x = static_cast<const T*>(p.x) + m * p.x_stride;
+  if constexpr (IN == In::kPlain) {
+    return load_cached(x + c * 8);
+  } else if constexpr (IN == In::kNorm) {
+    const uint4 rv = load_cached(x + c * 8), wv = load_cached(static_cast<const T*>(p.norm_w) + c * 8);
+    const T* r = reinterpret_cast<const T*>(&rv);
+    const T* w = reinterpret_cast<const T*>(&wv);
+    uint4 out;
+    T* o = reinterpret_cast<T*>(&out);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) o[e] = from_float<T>(to_float(w[e]) * round_to<T>(to_float(r[e]) * inv));
+    return out;
+  } else {
+    const uint4 gv = load_cached(x + c * 8), uv = load_cached(x + p.k + c * 8);
+    const T* g = reinterpret_cast<const T*>(&gv);
+    const T* u = reinterpret_cast<const T*>(&uv);
+    uint4 out;
+    T* o = reinterpret_cast<T*>(&out);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) o[e] = silu_mul(g[e], u[e]);
+    return out;
+  }
+}
+
+// What a thread's epilogue reads besides the sums (bias, residual, cos and sin), loaded when a row
+// group starts so the loads are done by the time the sums are.
+struct EpilogueInputs {
+  float a = 0.f, b = 0.f;  // bias of the row (pair)
+  float res = 0.f;  // kResidual: the residual element
+  float c = 1.f, s = 0.f;  // kRopeKV: cos and sin of the pair's frequency at the token's position
+  float scale_a = 1.f, scale_b = 1.f;  // e4m3 weights: the scales of the row (pair)
+};
+
+template <typename T, Out OUT>
+__device__ __forceinline__ EpilogueInputs epilogue_inputs(const Params& p, int row, int m, int64_t position) {
+  EpilogueInputs in;
+  const T* bias = static_cast<const T*>(p.bias);
+  if constexpr (OUT == Out::kRopeKV) {
+    const int d = p.head_dim, half = d / 2, head = row / d, j = row % d;
+    if (p.w_scale != nullptr) {
+      in.scale_a = p.w_scale[row];
+      in.scale_b = p.w_scale[row + half];
+    }
+    if (bias != nullptr) {
+      in.a = to_float(bias[row]);
+      in.b = to_float(bias[row + half]);
+    }
+    if (head < p.num_heads + p.num_kv_heads) {
+      const float* cs = p.cos_sin + position * p.cs_stride;
+      in.c = cs[j];
+      in.s = cs[half + j];
+    }
+  } else {
+    if (p.w_scale != nullptr) in.scale_a = p.w_scale[row];
+    if (bias != nullptr) in.a = to_float(bias[row]);
+    if constexpr (OUT == Out::kResidual) in.res = to_float(static_cast<const T*>(p.residual)[m * p.res_stride + row]);
+  }
+  return in;
+}
+
+template <typename T, Out OUT>
+__device__ __forceinline__ void store_row(const Params& p, int row, int m, float s, const EpilogueInputs& in) {
+  const float v = s + in.a;
+  const int64_t at = static_cast<int64_t>(m) * p.n + row;
+  if constexpr (OUT == Out::kPlain) {
+    static_cast<T*>(p.y)[at] = from_float<T>(v);
+  } else if constexpr (OUT == Out::kResidual) {
+    static_cast<T*>(p.y)[at] = from_float<T>(round_to<T>(v) + in.res);
+  } else {
+    static_cast<float*>(p.y)[at] = round_to<T>(v);
+  }
+}
+
+// Rows ra = head * D + j and ra + D/2 of token m: rotate (q, k) and store, or store (v).
+template <typename T>
+__device__ __forceinline__ void store_rope_pair(const Params& p, int ra, int m, float sa, float sb, int64_t slot,
+                                                const EpilogueInputs& in) {
+  const int d = p.head_dim, half = d / 2;
+  const int head = ra / d, j = ra % d;
+  const float xa = round_to<T>(sa + in.a), xb = round_to<T>(sb + in.b);
+  const int qk_heads = p.num_heads + p.num_kv_heads;
+  float oa = xa, ob = xb;
+  if (head < qk_heads) {  // the same products and roundings as rope.cu's rotate()
+    oa = __fsub_rn(__fmul_rn(xa, in.c), __fmul_rn(xb, in.s));
+    ob = __fadd_rn(__fmul_rn(xb, in.c), __fmul_rn(xa, in.s));
+  }
+  T* dst;
+  if (head < p.num_heads) {
+    dst = static_cast<T*>(p.q_out) + (static_cast<int64_t>(m) * p.num_heads + head) * d;
+  } else {
+    if (slot < 0) return;  // a padded row of a captured graph
+    T* cache = static_cast<T*>(head < qk_heads ? p.k_cache : p.v_cache);
+    const int kv_head = head < qk_heads ? head - p.num_heads : head - qk_heads;
+    dst = cache + (slot * p.num_kv_heads + kv_head) * d;
+  }
+  dst[j] = from_float<T>(oa);
+  dst[j + half] = from_float<T>(ob);
+}
+
+template <typename T, typename W, int M, In IN, Out OUT, int V>
+__global__ void __launch_bounds__(kThreads, PROBE_MINB) decode_gemv_kernel(const Params p) {
+  constexpr int kPer = chunk_weights<W>();
+  constexpr bool kScaled = sizeof(W) == 1;
+  __shared__ float s_red[kWarps][kRows][M];
+  __shared__ float s_scratch[M][32];
+  __shared__ float s_inv[M];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int wg = p.warps_per_group, groups = kWarps / wg;
+  const int group = warp / wg;
+  const int gt = threadIdx.x - group * wg * 32;  // thread within the row group
+  const int step = wg * 32;
+  const int chunks = p.k / kPer;
+  const W* w = static_cast<const W*>(p.w);
+
+  uint4 wv[kUnroll][kRows];
+  auto load_weights = [&](int unit, int c0) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int row = unit_row<OUT>(p, unit, r);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int c = c0 + u * step;
+        if (row >= 0 && c < chunks) {
+          wv[u][r] = __ldcs(reinterpret_cast<const uint4*>(w + static_cast<int64_t>(row) * p.k + c * kPer));
+        } else {
+          wv[u][r] = make_uint4(0, 0, 0, 0);
+        }
+      }
+    }
+  };
+
+  // V >= 10: the next (unit, c0)'s pass u is loaded as soon as pass u of this one is used
+  constexpr bool kRoll = V >= 10;
+  constexpr int kDot = V % 10;
+  auto load_pass = [&](int u, int unit, int c0) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int row = unit_row<OUT>(p, unit, r);
+      const int c = c0 + u * step;
+      if (row >= 0 && c < chunks) {
+        wv[u][r] = __ldcs(reinterpret_cast<const uint4*>(w + static_cast<int64_t>(row) * p.k + c * kPer));
+      } else {
+        wv[u][r] = make_uint4(0, 0, 0, 0);
+      }
+    }
+  };
+  // Weights depend on no earlier kernel: start loading them before waiting for it.
+  const int first = blockIdx.x * groups;
+  load_weights(first + group, gt);
+  grid_dependency_wait();
+  grid_dependents_launch();
+  if constexpr (IN == In::kNorm) norm_inverse<T, M>(p, s_scratch, s_inv);
+  float inv[M];
+#pragma unroll
+  for (int m = 0; m < M; ++m) inv[m] = IN == In::kNorm && m < p.rows ? s_inv[m] : 1.f;
+
+  // The output this thread finishes in each row group: row (pair) er of token em.
+  constexpr int kOutputs = (OUT == Out::kRopeKV ? kRows / 2 : kRows) * M;
+  const bool finisher = gt < kOutputs;
+  const int er = gt / M, em = gt % M;
+  const int64_t position = OUT == Out::kRopeKV && finisher && em < p.rows ? p.positions[em] : 0;
+  const int64_t slot = OUT == Out::kRopeKV && finisher && em < p.rows ? p.slots[em] : -1;
+
+  bool loaded = true;
+  for (int base = first; base < p.num_units; base += gridDim.x * groups) {
+    const int unit = base + group;
+    const int out_row = finisher ? unit_row<OUT>(p, unit, er) : -1;
+    const bool finishes = out_row >= 0 && em < p.rows;
+    EpilogueInputs ein;
+    if (finishes) ein = epilogue_inputs<T, OUT>(p, out_row, em, position);
+    float acc[kRows][M];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+#pragma unroll
+      for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
+    for (int c0 = gt; c0 < chunks; c0 += step * kUnroll) {
+      if (!kRoll && !loaded) load_weights(unit, c0);
+      loaded = false;
+      int next_unit = unit, next_c0 = c0 + step * kUnroll;
+      if (next_c0 >= chunks) {
+        next_unit = unit + gridDim.x * groups;
+        next_c0 = gt;
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int c = c0 + u * step;
+        if (c < chunks) {
+#pragma unroll
+          for (int m = 0; m < M; ++m) {
+            if (m < p.rows) {
+              if constexpr (kPer == 8) {
+                const uint4 xv = x_chunk<T, IN>(p, m, c, inv[m]);
+#pragma unroll
+                for (int r = 0; r < kRows; ++r) acc[r][m] = dot8<T>(wv[u][r], xv, acc[r][m]);
+              } else {
+                const uint4 x0 = x_chunk<T, IN>(p, m, 2 * c, inv[m]), x1 = x_chunk<T, IN>(p, m, 2 * c + 1, inv[m]);
+#pragma unroll
+                for (int r = 0; r < kRows; ++r) acc[r][m] = dot16_e4m3<T, kDot>(wv[u][r], x0, x1, acc[r][m]);
+              }
+            }
+          }
+        }
+        if constexpr (kRoll) load_pass(u, next_unit, next_c0);
+      }
+    }
+    loaded = false;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        const float v = warp_sum(acc[r][m]);
+        if (lane == 0) s_red[warp][r][m] = v;
+      }
+    __syncthreads();
+    if (finishes) {
+      float sa = 0.f;
+      for (int i = 0; i < wg; ++i) sa += s_red[group * wg + i][er][em];
+      // __fmul_rn: never contracted into an FMA with the bias, so every epilogue rounds alike
+      if constexpr (kScaled) sa = __fmul_rn(sa * kUnscale<kDot>, ein.scale_a);
+      if constexpr (OUT == Out::kRopeKV) {
+        float sb = 0.f;
+        for (int i = 0; i < wg; ++i) sb += s_red[group * wg + i][er + kRows / 2][em];
+        if constexpr (kScaled) sb = __fmul_rn(sb * kUnscale<kDot>, ein.scale_b);
+        store_rope_pair<T>(p, out_row, em, sa, sb, slot, ein);
+      } else {
+        store_row<T, OUT>(p, out_row, em, sa, ein);
+      }
+    }
+    __syncthreads();  // s_red is reused by the next unit
+  }
+}
+
+// Warps per row group for rows of `chunks` 16-byte chunks: enough for kUnroll passes per thread.
+inline int warps_per_group(int chunks) {
+  for (int wg = kWarps; wg > 1; wg /= 2)
+    if (chunks >= wg * 32 * kUnroll) return wg;
+  return 1;
+}
+
+}  // namespace gemv_probe
+}  // namespace exlcli
