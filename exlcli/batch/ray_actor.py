@@ -43,13 +43,15 @@ class EngineSpec:
     max_model_len: int | None = None
     cpu_threads: int | None = None
     fake_delay: float = 0.002  # the fake engine's default delay per token, as the local batch uses
+    kv_cache_dtype: str = "auto"
 
     def open(self) -> EngineClient:
         from exlcli.client.factory import open_client
 
         return open_client(self.model, local=True, quiet=True, device=self.device, dtype=self.dtype,
                            kv_memory=self.kv_memory, prefix_cache=self.prefix_cache, fake_delay=self.fake_delay,
-                           max_model_len=self.max_model_len, cpu_threads=self.cpu_threads)
+                           max_model_len=self.max_model_len, cpu_threads=self.cpu_threads,
+                           kv_cache_dtype=self.kv_cache_dtype)
 
 
 @dataclass

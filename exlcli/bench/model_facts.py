@@ -30,8 +30,8 @@ class ModelFacts:
         return self.stored_weight_bytes or self.weight_bytes
 
     @classmethod
-    def of(cls, loaded) -> "ModelFacts":
-        """From an exlcli.model.loader.LoadedModel."""
+    def of(cls, loaded, kv_dtype=None) -> "ModelFacts":
+        """From an exlcli.model.loader.LoadedModel; `kv_dtype`: its KV cache's (default the model's)."""
         from exlcli.model.kv_cache import KVCache
 
         cfg, model = loaded.config, loaded.model
@@ -43,5 +43,5 @@ class ModelFacts:
             device=str(model.device), weight_bytes=model.weight_bytes(), num_params=cfg.num_params,
             linear_params=per_layer * cfg.num_layers, head_params=cfg.vocab_size * h,
             num_layers=cfg.num_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim,
-            kv_bytes_per_token=KVCache.bytes_per_page(cfg, 1, model.dtype), vocab_size=cfg.vocab_size,
+            kv_bytes_per_token=KVCache.bytes_per_page(cfg, 1, kv_dtype or model.dtype), vocab_size=cfg.vocab_size,
             context_length=cfg.context_length, stored_weight_bytes=getattr(loaded, "step_weight_bytes", None))

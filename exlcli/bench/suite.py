@@ -32,6 +32,7 @@ class SuiteOptions:
     speculative: str | None = None  # a drafter for the tg tests' decode ("ngram", "self")
     num_draft_tokens: int = 4
     draft_layers: int | None = None
+    kv_cache_dtype: str = "auto"  # --kv-cache-dtype
 
     def validate(self) -> None:
         for name, values in (("-p", self.prompt_lens), ("-n", self.gen_lens), ("-b", self.batches)):
@@ -45,6 +46,9 @@ class SuiteOptions:
             raise ExlcliError("--warmup and --depth must not be negative")
         if self.ubatch is not None and self.ubatch < 1:
             raise ExlcliError(f"--ubatch must be at least 1, got {self.ubatch}")
+        from exlcli.model.kv_cache import check_kv_cache_dtype
+
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if not plan_tests(list(self.prompt_lens), list(self.gen_lens), list(self.batches)):
             raise ExlcliError("nothing to run: every -p and -n value is 0")
 
@@ -56,15 +60,16 @@ def run_suite(options: SuiteOptions) -> list[dict]:
     tests = plan_tests(list(options.prompt_lens), list(options.gen_lens), list(options.batches))
     loaded = load_model(options.model, device=options.device, dtype=options.dtype, log=sys.stderr,
                         quantize=options.quantize)
-    facts = ModelFacts.of(loaded)
     device = loaded.model.device
-    log(f"{facts.name} ({facts.weights}, {facts.step_weight_bytes / 2**20:.1f} MiB of weights per step as stored, "
-        f"{facts.weight_bytes / 2**20:.1f} MiB as the kernels hold them) on {device}, loaded in "
-        f"{loaded.load_time_s:.1f} s")
     max_len = max([max(1, options.depth) + t.n + 1 if t.kind == "tg" else t.n for t in tests])
     engine = make_engine(loaded, max(t.batch for t in tests), max_len, options.depth, options.ubatch,
                          speculative=dict(speculative=options.speculative, num_draft_tokens=options.num_draft_tokens,
-                                          draft_layers=options.draft_layers) if options.speculative else None)
+                                          draft_layers=options.draft_layers) if options.speculative else None,
+                         kv_cache_dtype=options.kv_cache_dtype)
+    facts = ModelFacts.of(loaded, engine.kv.k[0].dtype)
+    log(f"{facts.name} ({facts.weights}, {facts.step_weight_bytes / 2**20:.1f} MiB of weights per step as stored, "
+        f"{facts.weight_bytes / 2**20:.1f} MiB as the kernels hold them) on {device}, loaded in "
+        f"{loaded.load_time_s:.1f} s; KV cache {str(engine.kv.k[0].dtype).removeprefix('torch.')}")
     copy_bw = None
     if options.measure_copy:
         copy_bw = copy_bandwidth(device)

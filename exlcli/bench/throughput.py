@@ -184,7 +184,7 @@ class ThroughputRunner:
 
 
 def make_engine(loaded, max_batch: int, max_len: int, depth: int = 0, ubatch: int | None = None,
-                speculative: dict | None = None):
+                speculative: dict | None = None, kv_cache_dtype: str = "auto"):
     """An engine for benchmarking: a KV pool just big enough for `max_batch` sequences of
     `max_len` tokens, no prefix cache, a step budget that fits a whole decode batch and a whole
     tg prefill (so every sequence decodes in lockstep and the last N steps are pure decode).
@@ -198,7 +198,7 @@ def make_engine(loaded, max_batch: int, max_len: int, depth: int = 0, ubatch: in
                           max_num_batched_tokens=ubatch, max_num_seqs=max(max_batch, 1),
                           # never past the model's own context (the engine takes this value as is)
                           max_model_len=min(max_len + 1, loaded.config.context_length),
-                          enable_prefix_cache=False, **(speculative or {}))
+                          enable_prefix_cache=False, kv_cache_dtype=kv_cache_dtype, **(speculative or {}))
     engine = Engine(loaded.model, loaded.tokenizer, config)
     freeze_long_lived_objects()  # as a front end's engine is (LocalClient.from_model)
     need = max_batch * max(1, depth)

@@ -54,14 +54,15 @@ def start_chat(*, model: str | None, system: str | None = None, system_file: str
                prefix_cache: bool = True, max_model_len: int | None = None, cpu_threads: int | None = None,
                io: ChatIO | None = None, speculative: str | None = None, num_draft_tokens: int = 4,
                draft_layers: int | None = None, quantize: str | None = None,
-               window: ChatWindow | None = None) -> ChatApp:
+               window: ChatWindow | None = None, kv_cache_dtype: str = "auto") -> ChatApp:
     overrides = overrides or {}
     system_prompt = read_system_prompt(system, system_file)
     settings = make_settings(overrides)
     client = open_chat_client(model, server=server, local=local, device=device, dtype=dtype,
                               kv_memory=kv_memory, prefix_cache=prefix_cache, max_model_len=max_model_len,
                               cpu_threads=cpu_threads, speculative=speculative,
-                              num_draft_tokens=num_draft_tokens, draft_layers=draft_layers, quantize=quantize)
+                              num_draft_tokens=num_draft_tokens, draft_layers=draft_layers, quantize=quantize,
+                              kv_cache_dtype=kv_cache_dtype)
     with client:
         try:
             fit_max_tokens(settings, client.context_length, explicit=overrides.get("max_tokens") is not None)

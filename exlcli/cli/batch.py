@@ -24,6 +24,7 @@ from exlcli.cli.common import (
     DeviceOption,
     DraftLayersOption,
     DtypeOption,
+    KvCacheDtypeOption,
     KvMemoryOption,
     LocalOption,
     MinPOption,
@@ -55,13 +56,14 @@ def open_batch_client(model: str | None, server: str | None, local: bool, device
                       dtype: str | None, kv_memory: str | None = None, prefix_cache: bool = True,
                       max_model_len: int | None = None, cpu_threads: int | None = None,
                       speculative: str | None = None, num_draft_tokens: int = 4,
-                      draft_layers: int | None = None, quantize: str | None = None) -> EngineClient:
+                      draft_layers: int | None = None, quantize: str | None = None,
+                      kv_cache_dtype: str = "auto") -> EngineClient:
     from exlcli.client.factory import open_client
 
     return open_client(model, server=server, local=local, device=device, dtype=dtype, kv_memory=kv_memory,
                        prefix_cache=prefix_cache, fake_delay=0.002, max_model_len=max_model_len,
                        cpu_threads=cpu_threads, speculative=speculative, num_draft_tokens=num_draft_tokens,
-                       draft_layers=draft_layers, quantize=quantize)
+                       draft_layers=draft_layers, quantize=quantize, kv_cache_dtype=kv_cache_dtype)
 
 
 def resume_command(input_path: Path, output_path: Path) -> str:
@@ -109,6 +111,7 @@ def register(app: typer.Typer) -> None:
         server: ServerOption = None,
         local: LocalOption = False,
         kv_memory: KvMemoryOption = None,
+        kv_cache_dtype: KvCacheDtypeOption = "auto",
         prefix_cache: PrefixCacheOption = True,
         device: DeviceOption = None,
         dtype: DtypeOption = None,
@@ -168,11 +171,12 @@ def register(app: typer.Typer) -> None:
         try:
             if ray is not None:
                 client = open_ray_client(ray, model, device, dtype, kv_memory, prefix_cache, ctx_size, threads,
-                                         ray_actors, gpus_per_actor, max_in_flight)
+                                         ray_actors, gpus_per_actor, max_in_flight, kv_cache_dtype)
                 options.max_in_flight = client.capacity  # the pool hands lines on to its actors
             else:
                 client = open_batch_client(model, server, local, device, dtype, kv_memory, prefix_cache, ctx_size,
-                                           threads, speculative, num_draft_tokens, draft_layers, quantize)
+                                           threads, speculative, num_draft_tokens, draft_layers, quantize,
+                                           kv_cache_dtype)
             try:
                 print(f"batch: {input_path} -> {output_path} on {client.model_name} ({client.kind})",
                       file=sys.stderr)

@@ -12,6 +12,7 @@ from exlcli.cli.common import (
     DeviceOption,
     DraftLayersOption,
     DtypeOption,
+    KvCacheDtypeOption,
     KvMemoryOption,
     ModelOption,
     NumDraftTokensOption,
@@ -159,6 +160,7 @@ def register(app: typer.Typer) -> None:
         speculative: SpeculativeOption = None,
         num_draft_tokens: NumDraftTokensOption = 4,
         draft_layers: DraftLayersOption = None,
+        kv_cache_dtype: KvCacheDtypeOption = "auto",
         fmt: FormatOption = "table",
         save: SaveOption = None,
         plot: PlotOption = None,
@@ -185,7 +187,8 @@ def register(app: typer.Typer) -> None:
                                prompt_lens=parse_int_list(n_prompt, "-p"), gen_lens=parse_int_list(n_gen, "-n"),
                                batches=parse_int_list(parallel, "-np"), reps=reps, warmup=warmup, depth=depth,
                                ubatch=ubatch, seed=seed, speculative=speculative,
-                               num_draft_tokens=num_draft_tokens, draft_layers=draft_layers)
+                               num_draft_tokens=num_draft_tokens, draft_layers=draft_layers,
+                               kv_cache_dtype=kv_cache_dtype)
         options.validate()
         check_format(fmt)
         check_plot(plot)

@@ -13,6 +13,7 @@ from exlcli.cli.common import (
     DeviceOption,
     DraftLayersOption,
     DtypeOption,
+    KvCacheDtypeOption,
     KvMemoryOption,
     LocalOption,
     MinPOption,
@@ -61,6 +62,7 @@ def register(app: typer.Typer) -> None:
         dtype: DtypeOption = None,
         quantize: QuantizeOption = None,
         kv_memory: KvMemoryOption = None,
+        kv_cache_dtype: KvCacheDtypeOption = "auto",
         prefix_cache: PrefixCacheOption = True,
         speculative: SpeculativeOption = None,
         num_draft_tokens: NumDraftTokensOption = 4,
@@ -79,7 +81,8 @@ def register(app: typer.Typer) -> None:
         from exlcli.chat.window import ChatWindow
 
         start_chat(model=model, system=system, system_file=system_file, server=server, local=local,
-                   device=device, dtype=dtype, kv_memory=kv_memory, prefix_cache=prefix_cache,
+                   device=device, dtype=dtype, kv_memory=kv_memory, kv_cache_dtype=kv_cache_dtype,
+                   prefix_cache=prefix_cache,
                    max_model_len=ctx_size, cpu_threads=threads, speculative=speculative,
                    num_draft_tokens=num_draft_tokens, draft_layers=draft_layers, quantize=quantize,
                    window=ChatWindow(context_overflow, sink_tokens, window), overrides=dict(

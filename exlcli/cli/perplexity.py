@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from exlcli.cli.common import DeviceOption, DtypeOption, ModelOption, QuantizeOption, user_errors
+from exlcli.cli.common import DeviceOption, DtypeOption, KvCacheDtypeOption, ModelOption, QuantizeOption, user_errors
 
 
 def register(app: typer.Typer) -> None:
@@ -22,6 +22,7 @@ def register(app: typer.Typer) -> None:
         device: DeviceOption = None,
         dtype: DtypeOption = None,
         quantize: QuantizeOption = None,
+        kv_cache_dtype: KvCacheDtypeOption = "auto",
         ctx_size: Annotated[Optional[int], typer.Option(
             "--ctx-size", "-c", help="Tokens per chunk; the second half of each is scored. Default: 512, "
             "or the --kl-divergence file's.", show_default=False)] = None,
@@ -60,4 +61,4 @@ def register(app: typer.Typer) -> None:
                                          device=device, dtype=dtype, save_logits=save_logits,
                                          kl_divergence=kl_divergence, quantize=quantize,
                                          context_overflow=context_overflow, sink_tokens=sink_tokens,
-                                         stride=stride))
+                                         stride=stride, kv_cache_dtype=kv_cache_dtype))

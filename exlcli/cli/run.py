@@ -14,6 +14,7 @@ from exlcli.cli.common import (
     DeviceOption,
     DraftLayersOption,
     DtypeOption,
+    KvCacheDtypeOption,
     ModelOption,
     NumDraftTokensOption,
     QuantizeOption,
@@ -99,6 +100,7 @@ def register(app: typer.Typer) -> None:
         device: DeviceOption = None,
         dtype: DtypeOption = None,
         quantize: QuantizeOption = None,
+        kv_cache_dtype: KvCacheDtypeOption = "auto",
         json_schema: Annotated[Optional[str], typer.Option(
             "--json-schema", metavar="FILE", help="The answer is JSON valid under this JSON Schema file.")] = None,
         regex: Annotated[Optional[str], typer.Option(
@@ -125,7 +127,8 @@ def register(app: typer.Typer) -> None:
         client = LocalClient.from_model(model, device=device, dtype=dtype, threaded=False, cpu_threads=threads,
                                         max_model_len=ctx_size, speculative=speculative,
                                         num_draft_tokens=num_draft_tokens, draft_layers=draft_layers,
-                                        quantize=quantize, **overflow_options(context_overflow, sink_tokens, window))
+                                        quantize=quantize, kv_cache_dtype=kv_cache_dtype,
+                                        **overflow_options(context_overflow, sink_tokens, window))
         try:
             if raw:
                 stream = client.complete(text, params)

@@ -12,6 +12,7 @@ from exlcli.cli.common import (
     DeviceOption,
     DraftLayersOption,
     DtypeOption,
+    KvCacheDtypeOption,
     KvMemoryOption,
     ModelOption,
     NumDraftTokensOption,
@@ -80,6 +81,7 @@ def register(app: typer.Typer) -> None:
         dtype: DtypeOption = None,
         quantize: QuantizeOption = None,
         kv_memory: KvMemoryOption = None,
+        kv_cache_dtype: KvCacheDtypeOption = "auto",
         prefix_cache: PrefixCacheOption = True,
         ctx_size: CtxSizeOption = None,
         threads: ThreadsOption = None,
@@ -130,7 +132,7 @@ def register(app: typer.Typer) -> None:
         try:
             client = _open_engine(model, device, dtype, kv_memory, prefix_cache, ctx_size, threads,
                                   speculative, num_draft_tokens, draft_layers, quantize,
-                                  overflow_options(context_overflow, sink_tokens, window))
+                                  overflow_options(context_overflow, sink_tokens, window), kv_cache_dtype)
             aliases: tuple[str, ...] = ()
             if served_model_name:
                 aliases = (client.model_name,)  # the model's own name keeps working
@@ -149,10 +151,11 @@ def register(app: typer.Typer) -> None:
 
 def _open_engine(model, device, dtype, kv_memory, prefix_cache, max_model_len=None, cpu_threads=None,
                  speculative=None, num_draft_tokens=4, draft_layers=None, quantize=None,
-                 overflow: dict | None = None) -> EngineClient:
+                 overflow: dict | None = None, kv_cache_dtype: str = "auto") -> EngineClient:
     from exlcli.client.factory import open_client
 
     return open_client(model, local=True, device=device, dtype=dtype, kv_memory=kv_memory,
                        prefix_cache=prefix_cache, fake_delay=0.0, max_model_len=max_model_len,
                        cpu_threads=cpu_threads, speculative=speculative, num_draft_tokens=num_draft_tokens,
-                       draft_layers=draft_layers, quantize=quantize, engine_options=overflow)
+                       draft_layers=draft_layers, quantize=quantize, kv_cache_dtype=kv_cache_dtype,
+                       engine_options=overflow)

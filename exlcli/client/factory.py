@@ -28,7 +28,8 @@ def open_client(model: str | None = None, *, server: str | None = None, local: b
                 fake_delay: float = 0.05, max_model_len: int | None = None,
                 cpu_threads: int | None = None, speculative: str | None = None,
                 num_draft_tokens: int = 4, draft_layers: int | None = None,
-                quantize: str | None = None, engine_options: dict | None = None) -> EngineClient:
+                quantize: str | None = None, kv_cache_dtype: str = "auto",
+                engine_options: dict | None = None) -> EngineClient:
     """`server` names one; else a running `exlcli serve` is used unless `local`; else in-process.
     `fake:echo[:DELAY[:CONTEXT]]` is the echo engine, for demos and tests. `max_model_len`
     (`--ctx-size`), `cpu_threads` (`--threads`) and the speculative options shape an in-process
@@ -51,4 +52,5 @@ def open_client(model: str | None = None, *, server: str | None = None, local: b
     return LocalClient.from_model(model, device=device, dtype=dtype, kv_memory=kv_memory,
                                   prefix_cache=prefix_cache, cpu_threads=cpu_threads, max_model_len=max_model_len,
                                   speculative=speculative, num_draft_tokens=num_draft_tokens,
-                                  draft_layers=draft_layers, quantize=quantize, **(engine_options or {}))
+                                  draft_layers=draft_layers, quantize=quantize, kv_cache_dtype=kv_cache_dtype,
+                                  **(engine_options or {}))

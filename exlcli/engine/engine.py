@@ -35,7 +35,7 @@ from exlcli.engine.speculative import Drafter, Speculator, num_accepted, specula
 from exlcli.engine.stats import STEP_TIME_BUCKETS, ActiveRequestInfo, EngineStats, FinishedRequestInfo
 from exlcli.errors import RequestError
 from exlcli.model.interface import CausalLM
-from exlcli.model.kv_cache import KVCache
+from exlcli.model.kv_cache import KVCache, check_kv_cache_dtype, kv_cache_dtype
 from exlcli.model.transfer import to_device
 from exlcli.ops.argmax import with_nonfinite_flags
 
@@ -98,6 +98,11 @@ class EngineConfig:
     # Continuations (sessions.py): finished requests of a session keep their cache for its next one;
     # at most this many are kept (their pages are reclaimed before anyone is preempted)
     max_sessions: int = DEFAULT_MAX_SESSIONS
+    # K and V in the activations' dtype ("auto") or as e4m3 ("fp8": half the bytes; kv_cache.py)
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        check_kv_cache_dtype(self.kv_cache_dtype)  # made before the model loads: a typo fails at once
 
 
 _MAX_MERGED_TOKENS = 4096  # an unread delta grows to this many tokens, then a new one starts
@@ -182,7 +187,7 @@ class Engine:
                         "and cost more than they save (prompt lookup, --speculative ngram, does pay)",
                         getattr(config.speculative, "name", config.speculative), device.type)
             config = self.config = dataclasses.replace(config, speculative=None)
-        kv_dtype = model.dtype
+        kv_dtype = kv_cache_dtype(config.kv_cache_dtype, model.dtype, device)
         draft_model = resolve_draft_model(config.speculative, model, tokenizer)  # --speculative MODEL
         per_page = KVCache.bytes_per_page(model.config, config.page_size, kv_dtype)
         if draft_model is not None:  # its own pool, as many pages as the target's, from the same budget

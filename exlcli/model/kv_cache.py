@@ -4,7 +4,31 @@ from __future__ import annotations
 
 import torch
 
+from exlcli.errors import ExlcliError
 from exlcli.model.config import ModelConfig
+from exlcli.ops.kv_store import FP8_CACHE_DTYPE
+
+# --kv-cache-dtype: vLLM's names. "auto" keeps K and V in the activations' dtype; "fp8" (e4m3, no
+# scale: ops/kv_store.py) halves their bytes, so a pool of the same memory holds twice the tokens
+# and decode attention reads half as much.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
+def check_kv_cache_dtype(name: str) -> None:
+    """A one-line error for a name --kv-cache-dtype does not know (before a model loads)."""
+    if name not in KV_CACHE_DTYPES:
+        raise ExlcliError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+
+
+def kv_cache_dtype(name: str, activations: torch.dtype, device: torch.device) -> torch.dtype:
+    """The cache's dtype for --kv-cache-dtype `name` beside a model computing in `activations`."""
+    check_kv_cache_dtype(name)
+    if name == "auto":
+        return activations
+    if device.type == "cuda" and activations not in (torch.bfloat16, torch.float16):
+        raise ExlcliError(f"--kv-cache-dtype {name} on a GPU needs bf16 or fp16 activations (--dtype), not "
+                          f"{str(activations).removeprefix('torch.')}")
+    return FP8_CACHE_DTYPE
 
 
 class KVCache:

@@ -12,6 +12,7 @@ import torch
 from exlcli.model.config import ModelConfig
 from exlcli.model.kv_cache import KVCache
 from exlcli.model.transfer import to_device
+from exlcli.ops.kv_store import read_rows, write_rows
 from exlcli.ops.rope import rope_inv_freq, rotate_cached_keys
 
 
@@ -35,7 +36,7 @@ def apply_key_shifts(config: ModelConfig, kv: KVCache, shifts: list[KeyShift]) -
         if shift.copies:
             src, dst = to_device([[s for s, _ in shift.copies], [d for _, d in shift.copies]], torch.long, device)
             for cache in (*kv.k, *kv.v):
-                cache.index_copy_(0, dst, cache.index_select(0, src))
+                write_rows(cache, dst, read_rows(cache, src))
         pages = to_device(shift.pages, torch.long, device)
         for k_cache in kv.k:
             rotate_cached_keys(k_cache, pages, shift.delta, inv_freq)

@@ -28,6 +28,7 @@ from exlcli.ops.cuda import kernels as cuda_kernels
 from exlcli.ops.cuda.limits import HEAD_DIMS
 from exlcli.ops.cuda.loader import use_kernels
 from exlcli.ops.errors import KernelInputError
+from exlcli.ops.kv_store import read_rows
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
@@ -57,7 +58,7 @@ def _gather(cache_flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """[num_slots, kv_heads, D] view of a cache -> one sequence's keys or values as a contiguous
     [kv_heads, L, D] (index_select on whole rows, then one transpose copy: several times faster
     on CPU than advanced indexing on the strided head-first view)."""
-    return cache_flat.index_select(0, slots).transpose(0, 1).contiguous()
+    return read_rows(cache_flat, slots).transpose(0, 1).contiguous()
 
 
 def _slots(pages: torch.Tensor, seq_len: int, page_size: int) -> torch.Tensor:
@@ -122,7 +123,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             prefill_layout = cuda_kernels.PrefillLayout(query_start_loc, seq_lens)
         return cuda_kernels.paged_attention_prefill(q, k_cache, v_cache, block_tables, query_start_loc_t,
                                                     seq_lens_t, scale, prefill_layout)
-    if use_cpu_kernels_for(q):
+    if use_cpu_kernels_for(q, k_cache):
         # rope hands q over as a view of its [T, heads + kv_heads, D] result
         return paged_attention_cpu(q.contiguous(), k_cache, v_cache, block_tables, query_start_loc,
                                    seq_lens, scale)
@@ -161,7 +162,7 @@ def paged_attention_decode_multi(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     if use_kernels(q) and q.shape[-1] in HEAD_DIMS:
         return cuda_kernels.paged_attention_decode(q, k_cache, v_cache, tables, row_lens, scale)
     lens = row_lens.tolist()
-    if use_cpu_kernels_for(q):
+    if use_cpu_kernels_for(q, k_cache):
         return paged_attention_cpu(q.contiguous(), k_cache, v_cache, tables, list(range(len(lens) + 1)), lens, scale)
     return paged_attention_decode_ref(q, k_cache, v_cache, tables, lens, scale)
 
@@ -184,10 +185,11 @@ def cpu_kernel_available() -> bool:
     return _cpu_kernel() is not None
 
 
-def use_cpu_kernels_for(q: torch.Tensor) -> bool:
-    """True when `paged_attention` runs the C kernel for this q (bf16 on the CPU, head_dim a
-    multiple of 16, kernels on)."""
-    return q.shape[-1] % 16 == 0 and cpu_loader.use_cpu_kernels(q) and _cpu_kernel() is not None
+def use_cpu_kernels_for(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """True when `paged_attention` runs the C kernel for this q and cache (bf16 on the CPU, head_dim a
+    multiple of 16, kernels on; an fp8 cache takes the reference)."""
+    return (q.shape[-1] % 16 == 0 and k_cache.dtype == torch.bfloat16 and cpu_loader.use_cpu_kernels(q)
+            and _cpu_kernel() is not None)
 
 
 def _check_cpu_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -14,6 +14,7 @@ from exlcli.ops.cpu.args import RopeArgs
 from exlcli.ops.cuda import kernels as cuda_kernels
 from exlcli.ops.cuda.loader import use_kernels
 from exlcli.ops.errors import KernelInputError
+from exlcli.ops.kv_store import read_rows, write_rows
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: Mapping[str, Any] | None = None) -> torch.Tensor:
@@ -79,8 +80,8 @@ def rope_and_write_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos
     heads = q.shape[1]
     qk = apply_rope_ref(torch.cat([q, k], dim=1), cos, sin)  # one rotation for both
     kv_heads, dim = k_cache.shape[-2:]
-    k_cache.view(-1, kv_heads, dim).index_copy_(0, slot_mapping, qk[:, heads:].to(k_cache.dtype))
-    v_cache.view(-1, kv_heads, dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    write_rows(k_cache.view(-1, kv_heads, dim), slot_mapping, qk[:, heads:])
+    write_rows(v_cache.view(-1, kv_heads, dim), slot_mapping, v)
     return qk[:, :heads]
 
 
@@ -183,7 +184,7 @@ def rotate_cached_keys(k_cache: torch.Tensor, pages: torch.Tensor, delta: int, i
         return
     angle = inv_freq.double().to(k_cache.device) * float(delta)  # fp64: delta * theta stays exact enough
     cos, sin = angle.cos().float(), angle.sin().float()  # [D/2]
-    k = k_cache.index_select(0, pages).float()  # [n, page_size, kv_heads, D]
+    k = read_rows(k_cache, pages).float()  # [n, page_size, kv_heads, D]
     k1, k2 = k.chunk(2, dim=-1)
     rotated = torch.cat([k1 * cos - k2 * sin, k2 * cos + k1 * sin], dim=-1)
-    k_cache.index_copy_(0, pages, rotated.to(k_cache.dtype))
+    write_rows(k_cache, pages, rotated)

@@ -183,3 +183,11 @@ def test_real_process_prints_one_line_and_exits_1(tmp_path, default_model_path):
     assert proc.returncode == 1
     assert proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: ") and "truncated" in proc.stderr
+
+
+def test_an_unknown_kv_cache_dtype_and_a_tiny_folder_on_an_fp8_cache(tmp_path):
+    write_tiny_hf(tmp_path / "m")
+    assert_one_line_error(run_cli("hi", "-m", str(tmp_path / "m"), "--kv-cache-dtype", "q4"),
+                          "--kv-cache-dtype", "'q4'")
+    result = run_cli("hello world", "-m", str(tmp_path / "m"), "-n", "4", "--temp", "0", "--kv-cache-dtype", "fp8")
+    assert result.exit_code == 0, result.output

@@ -18,13 +18,14 @@ class ChunkRunner:
     """Runs chunks of up to n_ctx tokens; the KV pages are made once and reused by every chunk (a
     chunk writes each slot before any of its queries reads it, so nothing of the last chunk leaks)."""
 
-    def __init__(self, model: CausalLM, n_ctx: int, ubatch: int) -> None:
+    def __init__(self, model: CausalLM, n_ctx: int, ubatch: int, kv_dtype: torch.dtype | None = None) -> None:
+        """`kv_dtype`: the KV cache's (kv_cache.kv_cache_dtype), default the model's."""
         if ubatch < 1:
             raise ValueError("ubatch must be at least 1")
         self.model = model
         self.ubatch = ubatch
         num_pages = -(-n_ctx // PAGE_SIZE)
-        self.kv = KVCache(model.config, num_pages, PAGE_SIZE, model.device, model.dtype)
+        self.kv = KVCache(model.config, num_pages, PAGE_SIZE, model.device, kv_dtype or model.dtype)
         self.block_table = torch.arange(num_pages, dtype=torch.int32, device=model.device)[None, :]
 
     def logits(self, ids: list[int], first: int, last: int) -> Iterator[torch.Tensor]:

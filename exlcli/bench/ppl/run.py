@@ -35,12 +35,16 @@ class PerplexityOptions:
     # the in-window baseline of a stream (window_recompute.py): the stream's tokens, each block of `stride`
     # predicted by a fresh pass over the --ctx-size tokens ending with it
     stride: int | None = None
+    kv_cache_dtype: str = "auto"  # --kv-cache-dtype (model/kv_cache.py)
 
     @property
     def streams(self) -> bool:
         return self.context_overflow in ("shift", "sinks")
 
     def validate(self) -> None:
+        from exlcli.model.kv_cache import check_kv_cache_dtype
+
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.context_overflow not in (None, "stop", "shift", "sinks"):
             raise ExlcliError(f"--context-overflow must be stop, shift or sinks, got {self.context_overflow!r}")
         if self.streams and (self.save_logits is not None or self.kl_divergence is not None):
@@ -131,10 +135,13 @@ def run_perplexity(options: PerplexityOptions, out: TextIO | None = None, log: T
 
         loaded = load_model(options.model, device=options.device, dtype=options.dtype, log=log,
                             quantize=options.quantize)
+    from exlcli.model.kv_cache import kv_cache_dtype
+
+    kv_dtype = kv_cache_dtype(options.kv_cache_dtype, loaded.model.dtype, loaded.model.device)
     if options.streams:
-        return _run_stream(options, loaded, out, log)
+        return _run_stream(options, loaded, kv_dtype, out, log)
     if options.stride is not None:
-        return _run_recompute(options, loaded, out, log)
+        return _run_recompute(options, loaded, kv_dtype, out, log)
     plan = _plan(options, loaded, reference, log)
     print(f"perplexity: {loaded.name} ({loaded.quantization}), {plan.num_chunks} chunks of {plan.n_ctx} tokens, "
           f"{plan.scored_per_chunk} scored in each, pieces of {options.ubatch}", file=log)
@@ -143,7 +150,7 @@ def run_perplexity(options: PerplexityOptions, out: TextIO | None = None, log: T
         header = LogitsHeader(plan.n_ctx, loaded.config.vocab_size, plan.num_chunks, loaded.name, loaded.quantization)
         writer = LogitsWriter(options.save_logits, header, plan.used_tokens())
     try:
-        result = _score(plan, loaded, options.ubatch, writer, reference, out, log)
+        result = _score(plan, loaded, options.ubatch, kv_dtype, writer, reference, out, log)
     except BaseException:
         if writer is not None:
             writer.discard()  # a half-written file must not pass for a reference
@@ -155,13 +162,13 @@ def run_perplexity(options: PerplexityOptions, out: TextIO | None = None, log: T
     return result
 
 
-def _score(plan: ChunkPlan, loaded, ubatch: int, writer: LogitsWriter | None, reference: LogitsReader | None,
-           out: TextIO, log: TextIO) -> PerplexityResult:
+def _score(plan: ChunkPlan, loaded, ubatch: int, kv_dtype, writer: LogitsWriter | None,
+           reference: LogitsReader | None, out: TextIO, log: TextIO) -> PerplexityResult:
     import torch
 
     from exlcli.bench.ppl.forward import ChunkRunner
 
-    runner = ChunkRunner(loaded.model, plan.n_ctx, ubatch)
+    runner = ChunkRunner(loaded.model, plan.n_ctx, ubatch, kv_dtype)
     stats, kld = PerplexityStats(), KldStats() if reference is not None else None
     first, last = plan.first_scored, plan.n_ctx - 2
     started = time.perf_counter()
@@ -200,7 +207,7 @@ def _score(plan: ChunkPlan, loaded, ubatch: int, writer: LogitsWriter | None, re
 
 
 
-def _run_stream(options: PerplexityOptions, loaded, out: TextIO, log: TextIO):
+def _run_stream(options: PerplexityOptions, loaded, kv_dtype, out: TextIO, log: TextIO):
     from exlcli.bench.ppl.stream import PAGE_SIZE, STREAM_PIECE, score_stream
     from exlcli.engine.context_window import resolve_policy
 
@@ -212,14 +219,14 @@ def _run_stream(options: PerplexityOptions, loaded, out: TextIO, log: TextIO):
     print(f"perplexity: {loaded.name} ({loaded.quantization}), {len(tokens)} tokens as one stream through a window "
           f"of {window} ({policy.mode}, {policy.sink_tokens} sink tokens, kept as {policy.sink_pages} page(s) of "
           f"{PAGE_SIZE}), pieces of {STREAM_PIECE}", file=log)
-    result = score_stream(loaded.model, tokens, policy, STREAM_PIECE, out)
+    result = score_stream(loaded.model, tokens, policy, STREAM_PIECE, out, kv_dtype)
     print(final_estimate(result.stats), file=out)
     print(f"perplexity: {result.stats.count} scored tokens, {result.evicted_tokens} evicted, "
           f"in {result.seconds:.1f} s", file=log)
     return result
 
 
-def _run_recompute(options: PerplexityOptions, loaded, out: TextIO, log: TextIO):
+def _run_recompute(options: PerplexityOptions, loaded, kv_dtype, out: TextIO, log: TextIO):
     from exlcli.bench.ppl.window_recompute import score_recompute
 
     window = options.ctx_size or DEFAULT_CTX
@@ -230,7 +237,8 @@ def _run_recompute(options: PerplexityOptions, loaded, out: TextIO, log: TextIO)
     print(f"perplexity: {loaded.name} ({loaded.quantization}), {len(tokens)} tokens, the in-window baseline of a "
           f"stream through {window}: blocks of {options.stride} predicted by a fresh pass over the {window} tokens "
           f"ending with each", file=log)
-    result = score_recompute(loaded.model, tokens, window, options.stride, out, ubatch=options.ubatch)
+    result = score_recompute(loaded.model, tokens, window, options.stride, out, ubatch=options.ubatch,
+                             kv_dtype=kv_dtype)
     print(final_estimate(result.stats), file=out)
     print(f"perplexity: {result.stats.count} scored tokens in {result.seconds:.1f} s", file=log)
     return result

@@ -50,15 +50,16 @@ class StreamResult:
     nlls: torch.Tensor | None = None  # every scored token's NLL, in order (to compare runs token by token)
 
 
-def score_stream(model, tokens: list[int], policy: ContextPolicy, piece: int, out: TextIO) -> StreamResult:
+def score_stream(model, tokens: list[int], policy: ContextPolicy, piece: int, out: TextIO,
+                 kv_dtype: torch.dtype | None = None) -> StreamResult:
     """NLL of tokens[n_ctx/2 + 1:], each predicted with the window the policy leaves; pieces of at
-    most `piece` tokens per forward pass."""
+    most `piece` tokens per forward pass; K and V in `kv_dtype` (default the model's)."""
     window = policy.window
     if len(tokens) < 2 * window:
         raise ExlcliError(f"you need at least {2 * window} tokens to stream a window of {window}; "
                           f"the text tokenizes to only {len(tokens)} tokens")
     pool = PagePool(window // PAGE_SIZE + 2, PAGE_SIZE, enable_prefix_cache=False)
-    kv = KVCache(model.config, pool.num_pages, PAGE_SIZE, model.device, model.dtype)
+    kv = KVCache(model.config, pool.num_pages, PAGE_SIZE, model.device, kv_dtype or model.dtype)
     seq = Sequence(request=Request("perplexity", tokens), arrival_index=0, max_tokens=len(tokens), overflow=policy)
     device = model.device
     total, segments, nlls = PerplexityStats(), [], []

@@ -21,7 +21,8 @@ from exlcli.bench.ppl.stream import Segment, StreamResult, print_segment
 from exlcli.errors import ExlcliError
 
 
-def score_recompute(model, tokens: list[int], window: int, stride: int, out: TextIO, ubatch: int = 512) -> StreamResult:
+def score_recompute(model, tokens: list[int], window: int, stride: int, out: TextIO, ubatch: int = 512,
+                    kv_dtype=None) -> StreamResult:
     """NLL of tokens[window/2 + 1:], block by block of `stride` predictions, each block from a fresh
     pass over the `window` tokens ending with it; printed per segment of `window` tokens as the
     stream does."""
@@ -30,7 +31,7 @@ def score_recompute(model, tokens: list[int], window: int, stride: int, out: Tex
     if len(tokens) < 2 * window:
         raise ExlcliError(f"you need at least {2 * window} tokens to score a window of {window}; "
                           f"the text tokenizes to only {len(tokens)} tokens")
-    runner = ChunkRunner(model, window, ubatch)
+    runner = ChunkRunner(model, window, ubatch, kv_dtype)
     total, segments, nlls = PerplexityStats(), [], []
     started = time.perf_counter()
     for first in range(window // 2, len(tokens) - 1, stride):  # positions first .. last predict the next token
