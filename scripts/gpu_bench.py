@@ -49,6 +49,10 @@ TARGETS = {  # issue 8's floors
     "llama8b_fp8_b1_ms_per_step": ("<=", 2.3),
     "llama8b_fp8_b64_tok_s": (">=", 18_000),
     "llama8b_fp8_offline_out_tok_s": (">=", 28_000),
+    # the same FP8 model on --kv-cache-dtype fp8 (--only fp8kv)
+    "llama8b_fp8kv_b1_ms_per_step": ("<=", 2.3),
+    "llama8b_fp8kv_b64_tok_s": (">=", 18_000),
+    "llama8b_fp8kv_offline_out_tok_s": (">=", 28_000),
 }
 # what issue 15 measured of the peers on an H200, same random 8B shape (llama.cpp Q4_K; exllamav2 GPTQ)
 QUANT_PEERS = {"q4km": ("3.39 (llama.cpp Q4_K)", "4,508"), "gptq4": ("4.97-5.72 (exllamav2)", "1,276")}
@@ -184,11 +188,12 @@ def build_model(shape: str, dtype: torch.dtype):
     return model, SyntheticTokenizer(config.vocab_size)
 
 
-def make_engine(model, tokenizer, max_num_seqs: int, max_num_batched_tokens: int | None = None):
+def make_engine(model, tokenizer, max_num_seqs: int, max_num_batched_tokens: int | None = None,
+                kv_cache_dtype: str = "auto"):
     from exlcli.engine.engine import Engine, EngineConfig
     from exlcli.engine.heap import freeze_long_lived_objects
 
-    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=max_num_seqs,
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=max_num_seqs, kv_cache_dtype=kv_cache_dtype,
                                                    max_num_batched_tokens=max_num_batched_tokens))
     freeze_long_lived_objects()  # as the front ends do (LocalClient.from_model)
     return engine
@@ -466,7 +471,10 @@ QUANT_KINDS = {  # --only part -> (label, format of each linear: (layer, name, l
     "gptq4": ("GPTQ 4-bit g128", lambda i, name, n: "GPTQ4_G128", None),  # GPTQ keeps the head in bf16
     "q8": ("Q8_0", lambda i, name, n: "Q8_0", "Q8_0"),
     "fp8": ("FP8 e4m3 per tensor", lambda i, name, n: "FP8_E4M3", None),  # FP8 checkpoints keep the head in bf16
+    "fp8kv": ("FP8 e4m3, fp8 KV cache", lambda i, name, n: "FP8_E4M3", None),  # the same on --kv-cache-dtype fp8
 }
+KV_CACHE_OF = {"fp8kv": "fp8"}  # the parts whose engine runs another --kv-cache-dtype than auto
+OFFLINE_KINDS = ("fp8", "fp8kv")  # the parts with the issue's offline figure
 
 
 def random_blocks(fmt_name: str, rows: int, cols: int) -> "QuantizedWeight":
@@ -541,7 +549,8 @@ def bench_quant(res: dict, kind: str, offline_seqs: list[int], profile: bool = F
     res[key + "_gpu_gb"] = torch.cuda.memory_allocated() / 1e9
     log(f"{label}: {res[key + '_weight_gb']:.2f} GB of weights read per step, "
         f"{res[key + '_gpu_gb']:.2f} GB allocated")
-    engine = make_engine(model, tok, max_num_seqs=max(offline_seqs) if kind == "fp8" else 64)
+    engine = make_engine(model, tok, max_num_seqs=max(offline_seqs) if kind in OFFLINE_KINDS else 64,
+                         kv_cache_dtype=KV_CACHE_OF.get(kind, "auto"))
     replay = decode_figures(res, key + "_b1", engine, 1, 160)
     if replay:
         res[key + "_b1_graph_tb_s"] = model.weight_bytes() / (replay * 1e-3) / 1e12
@@ -556,7 +565,7 @@ def bench_quant(res: dict, kind: str, offline_seqs: list[int], profile: bool = F
     log(f"{label} prefill 1x2048: {tps:.0f} tok/s ({ms:.1f} ms)")
     if profile:
         res[key + "_profile_prefill2048"] = profile_prefill(model, 1, 2048)
-    if kind == "fp8":  # the issue's offline figure for FP8, the best over offline_seqs as for bf16
+    if kind in OFFLINE_KINDS:  # the issue's offline figure for FP8, the best over offline_seqs as for bf16
         best, runs = offline_runs(engine, offline_seqs, label)
         res[key + "_offline_out_tok_s"] = runs[best]["out_tok_s"]
         res[key + "_offline_split_s"] = [runs[best]["prompt_steps_s"], runs[best]["decode_steps_s"]]

@@ -40,12 +40,15 @@ __global__ void __launch_bounds__(D) paged_decode_combine_kernel(const DecodePar
 
 // The partitions in the caller's kernel version (1 or 3; fp32 and devices before sm_80 run
 // version 1), then their combine when there is more than one.
-void launch(const DecodeParams& p, at::ScalarType dtype, int head_dim, int gmax, int num_seqs, int64_t version,
-            bool pdl, cudaStream_t stream) {
+// An e4m3 cache is read by version 3 alone.
+void launch(const DecodeParams& p, at::ScalarType dtype, bool e4m3_cache, int head_dim, int gmax, int num_seqs,
+            int64_t version, bool pdl, cudaStream_t stream) {
   const dim3 grid(p.num_kv_heads * p.head_chunks, num_seqs, p.max_parts);
   if (version == 3 && (dtype == at::kFloat || !device_has_sm80())) version = 1;
+  TORCH_CHECK(version == 3 || !e4m3_cache, "paged attention: an fp8 (e4m3) KV cache needs decode attention "
+              "version 3, which takes bf16 / fp16 queries on sm_80+ GPUs");
   if (version == 3) {
-    launch_v3(p, dtype, head_dim, gmax, grid, stream, pdl);
+    launch_v3(p, dtype, e4m3_cache, head_dim, gmax, grid, stream, pdl);
   } else {
     launch_v1(p, dtype, head_dim, gmax, grid, stream, pdl);
   }
@@ -82,10 +85,12 @@ void check_paged_attention_inputs(const at::Tensor& q, const at::Tensor& k_cache
     TORCH_CHECK(c->dim() == 4 && c->size(3) == head_dim, "paged attention: caches must be [pages, page_size, "
                 "kv_heads, ", head_dim, "], got ", c->sizes());
     TORCH_CHECK(c->is_contiguous(), "paged attention: caches must be contiguous");
-    TORCH_CHECK(c->scalar_type() == q.scalar_type(), "paged attention: cache dtype ", c->scalar_type(),
-                " differs from q dtype ", q.scalar_type());
+    TORCH_CHECK(c->scalar_type() == q.scalar_type() || (is_e4m3_cache(*c) && q.scalar_type() != at::kFloat),
+                "paged attention: cache dtype ", c->scalar_type(), " is neither q's dtype ", q.scalar_type(),
+                " nor e4m3 beside 16-bit q");
   }
-  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "paged attention: k_cache and v_cache differ in shape");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "paged attention: k_cache and v_cache differ in shape or dtype");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "paged attention: ", q.size(1), " query heads are not a multiple of ",
               k_cache.size(2), " kv heads");
   EXL_CHECK_DTYPE(block_tables, at::kInt, "paged attention: block_tables");
@@ -134,8 +139,8 @@ void launch_paged_decode(const at::Tensor& out, const at::Tensor& q, const at::T
   p.seq_lens = seq_lens.data_ptr<int>();
   p.query_start_loc = query_start_loc;
   p.scale = static_cast<float>(scale);
-  decode_attention::launch(p, q.scalar_type(), static_cast<int>(head_dim), gmax, num_seqs, version, pdl,
-                           current_stream());
+  decode_attention::launch(p, q.scalar_type(), is_e4m3_cache(k_cache), static_cast<int>(head_dim), gmax, num_seqs,
+                           version, pdl, current_stream());
 }
 
 at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,

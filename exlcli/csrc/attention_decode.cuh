@@ -86,11 +86,12 @@ struct DecodeBlock {
 
 // Launch one version's partition kernel over grid (kv heads x head chunks, sequences, partitions)
 // for query heads of `head_dim` (64 or 128) in GQA groups of at most gmax (1, 2, 4 or 8) heads.
-// Version 1 takes every float type, version 3 bf16 and fp16 on sm_80+.
+// Version 1 takes every float type, version 3 bf16 and fp16 on sm_80+, over caches of that type
+// or (e4m3_cache) of e4m3 bytes.
 void launch_v1(const DecodeParams& p, at::ScalarType dtype, int head_dim, int gmax, const dim3& grid,
                cudaStream_t stream, bool pdl);
-void launch_v3(const DecodeParams& p, at::ScalarType dtype, int head_dim, int gmax, const dim3& grid,
-               cudaStream_t stream, bool pdl);
+void launch_v3(const DecodeParams& p, at::ScalarType dtype, bool e4m3_cache, int head_dim, int gmax,
+               const dim3& grid, cudaStream_t stream, bool pdl);
 
 }  // namespace decode_attention
 }  // namespace exlcli

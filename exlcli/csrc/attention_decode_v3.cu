@@ -1,9 +1,10 @@
 // Decode attention, version 3 (the default): tensor cores, K/V staged in shared memory by
 // cp.async. On the H200: 17 us at 64 x 208 tokens against 46 us for version 1, and faster at
-// every measured shape. bf16 / fp16 on sm_80+ only.
+// every measured shape. bf16 / fp16 on sm_80+ only, over a cache of that type or of e4m3 bytes.
 #include <cstdint>
 
 #include "attention_decode.cuh"
+#include "kv_e4m3.cuh"
 
 namespace exlcli {
 namespace decode_attention {
@@ -30,12 +31,28 @@ constexpr int kTileV3 = 64;  // tokens per tile: 16 per warp
 // 512 blocks is resident at once). On the H200, 4 slots (64 KB, 3 blocks an SM) took 23.7 us instead
 // of 17.7 at 64 x 208 tokens and were no faster elsewhere.
 constexpr int kSlotsV3 = 3;
+// An e4m3 cache: 4 slots of 16 rows of bytes and the row block of T they are converted into take
+// the same 12 KB a warp (D = 128) as the 16-bit ring.
+constexpr int kSlotsV3E4m3 = 4;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-template <int D, int SLOTS>
-constexpr int v3_smem_bytes() {  // per block: kWarps x SLOTS x 16 rows x D x 2 bytes
-  return kWarps * SLOTS * 16 * D * 2;
+template <typename C>
+constexpr int v3_slots() {
+  return sizeof(C) == 1 ? kSlotsV3E4m3 : kSlotsV3;
+}
+
+// One warp's shared memory: its ring of SLOTS slots of 16 K or V rows as the cache holds them (C),
+// and for an e4m3 cache one block of 16 rows of 16-bit values, which each slot is converted into
+// before the mma reads it.
+template <typename C, int D, int SLOTS>
+constexpr int v3_warp_bytes() {
+  return SLOTS * 16 * D * static_cast<int>(sizeof(C)) + (sizeof(C) == 1 ? 16 * D * 2 : 0);
+}
+
+template <typename C, int D, int SLOTS>
+constexpr int v3_smem_bytes() {  // per block
+  return kWarps * v3_warp_bytes<C, D, SLOTS>();
 }
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -108,16 +125,20 @@ __device__ __forceinline__ uint32_t pack_round(float lo, float hi, float& sum) {
   return bits16(a) | (bits16(b) << 16);
 }
 
-template <typename T, int D, int GMAX, int SLOTS>
+// C: the cache's element, T or uint8_t (e4m3 bytes).
+template <typename T, typename C, int D, int GMAX, int SLOTS>
 __global__ void __launch_bounds__(kThreads, 4) paged_decode_v3_kernel(const DecodeParams p) {
   grid_dependency_wait();  // launched with launch_pdl: the previous kernel may still run
   // No grid_dependents_launch() here: it comes at the end (see launch_kernel).
+  constexpr bool kE4m3 = sizeof(C) == 1;
+  constexpr int kWarpBytes = v3_warp_bytes<C, D, SLOTS>();
   static_assert(sizeof(T) == 2 && GMAX <= 8 && D % 16 == 0, "version 3: 16-bit types, at most 8 heads");
-  static_assert(SLOTS >= 3 && SLOTS * 16 * D * 2 >= GMAX * D * 4, "version 3: the ring also holds the warp's result");
-  constexpr int CPR = D * 2 / 16;  // 16-byte chunks per K or V row
+  static_assert(kE4m3 || std::is_same_v<C, T>, "version 3: a cache of T or of e4m3 bytes");
+  static_assert(SLOTS >= 3 && kWarpBytes >= GMAX * D * 4, "version 3: the ring also holds the warp's result");
+  constexpr int CPR = D * static_cast<int>(sizeof(C)) / 16;  // 16-byte chunks per K or V row of the cache
   constexpr int KSTEPS = D / 16;  // mma steps over the head dim (scores), and row blocks of O^T
   constexpr int ROWS = 16;  // tokens per warp per tile
-  constexpr int SLOT = ROWS * D;  // elements of one slot
+  constexpr int SLOT = ROWS * D;  // elements (C) of one slot
 
   extern __shared__ __align__(128) unsigned char v3_smem[];
   __shared__ int64_t s_slot[kPartitionTokens];
@@ -143,33 +164,59 @@ __global__ void __launch_bounds__(kThreads, 4) paged_decode_v3_kernel(const Deco
   }
   fill_slots(s_slot, p.block_tables + b * p.bt_stride, start, n, p.page_size);  // ends with a barrier
 
-  T* const ring = reinterpret_cast<T*>(v3_smem) + warp * (SLOTS * SLOT);
+  unsigned char* const warp_smem = v3_smem + warp * kWarpBytes;
+  C* const ring = reinterpret_cast<C*>(warp_smem);
+  T* const rows16 = reinterpret_cast<T*>(warp_smem + SLOTS * SLOT * sizeof(C));  // e4m3: the converted slot
   const int64_t slot_stride = static_cast<int64_t>(p.num_kv_heads) * D;
-  const T* const k_head = static_cast<const T*>(p.k_cache) + static_cast<int64_t>(blk.kvh) * D;
-  const T* const v_head = static_cast<const T*>(p.v_cache) + static_cast<int64_t>(blk.kvh) * D;
+  const C* const k_head = static_cast<const C*>(p.k_cache) + static_cast<int64_t>(blk.kvh) * D;
+  const C* const v_head = static_cast<const C*>(p.v_cache) + static_cast<int64_t>(blk.kvh) * D;
   const int first = warp * ROWS;  // this warp's first token in every tile
   const int tiles = n > first ? ceil_div(n - first, kTileV3) : 0;
 
   // Load number j of the warp: the 16 K rows (j even) or V rows (j odd) of tile j / 2, into slot
-  // j % SLOTS. Chunk x of row r lands at chunk x ^ (r & 7), so ldmatrix's 8 rows of one chunk
-  // column hit 8 distinct banks. Tokens past the sequence are zeros.
+  // j % SLOTS. 16-bit chunk x of row r lands at chunk x ^ (r & 7), so ldmatrix's 8 rows of one
+  // chunk column hit 8 distinct banks (e4m3 rows land as they are: ready() places their chunks).
+  // Tokens past the sequence are zeros.
   auto issue = [&](int j) {
     const int i = j >> 1;
     if (i < tiles) {
-      T* const dst_slot = ring + (j % SLOTS) * SLOT;
-      const T* const src = (j & 1) ? v_head : k_head;
+      C* const dst_slot = ring + (j % SLOTS) * SLOT;
+      const C* const src = (j & 1) ? v_head : k_head;
       const int base = i * kTileV3 + first;
 #pragma unroll
       for (int u = 0; u < ROWS * CPR / 32; ++u) {
         const int chunk = lane + 32 * u, r = chunk / CPR, col = chunk % CPR;
         const bool valid = base + r < n;
-        const int64_t off = valid ? s_slot[base + r] * slot_stride + col * 8 : 0;
-        cp_async16(smem_addr(dst_slot + r * D + ((col ^ (r & 7)) * 8)), src + off, valid ? 16 : 0);
+        const int64_t off = valid ? s_slot[base + r] * slot_stride + col * (16 / sizeof(C)) : 0;
+        const int at = kE4m3 ? r * D + col * 16 : r * D + ((col ^ (r & 7)) * 8);
+        cp_async16(smem_addr(dst_slot + at), src + off, valid ? 16 : 0);
       }
     }
     cp_async_commit();  // an empty group past the end keeps the wait counts uniform
   };
-  auto slot_of = [&](int j) { return ring + (j % SLOTS) * SLOT; };
+  // Load j, once waited for, as 16 rows of T for ldmatrix. An e4m3 slot is converted into rows16,
+  // each lane taking the chunks it loaded itself (its own cp.async bytes are visible to it after the
+  // wait); every lane must be done reading rows16's previous load (the loop's __syncwarp()s).
+  auto ready = [&](int j) -> const T* {
+    if constexpr (kE4m3) {
+      const uint8_t* const stage = ring + (j % SLOTS) * SLOT;
+#pragma unroll
+      for (int u = 0; u < ROWS * CPR / 32; ++u) {
+        const int chunk = lane + 32 * u, r = chunk / CPR, col = chunk % CPR;
+        const uint4 bytes = *reinterpret_cast<const uint4*>(stage + r * D + col * 16);
+        const uint4 lo = make_uint4(e4m3x2_as<T>(bytes.x & 0xffffu), e4m3x2_as<T>(bytes.x >> 16),
+                                    e4m3x2_as<T>(bytes.y & 0xffffu), e4m3x2_as<T>(bytes.y >> 16));
+        const uint4 hi = make_uint4(e4m3x2_as<T>(bytes.z & 0xffffu), e4m3x2_as<T>(bytes.z >> 16),
+                                    e4m3x2_as<T>(bytes.w & 0xffffu), e4m3x2_as<T>(bytes.w >> 16));
+        *reinterpret_cast<uint4*>(rows16 + r * D + (((2 * col) ^ (r & 7)) * 8)) = lo;
+        *reinterpret_cast<uint4*>(rows16 + r * D + (((2 * col + 1) ^ (r & 7)) * 8)) = hi;
+      }
+      __syncwarp();  // rows16 is whole for every lane
+      return rows16;
+    } else {
+      return ring + (j % SLOTS) * SLOT;
+    }
+  };
 
   const float sc2 = p.scale * kLog2e;
   float m = -INFINITY, l = 0.f;  // head g's running max (base 2) and this lane's sum of weights
@@ -191,7 +238,7 @@ __global__ void __launch_bounds__(kThreads, 4) paged_decode_v3_kernel(const Deco
     // S = Q K^T for 16 tokens: s[0] tokens 2c, 2c+1; s[1] tokens 8+2c, 9+2c (head g, and the
     // zero rows g + 8 in s[.][2..3]).
     float s[2][4] = {};
-    const T* const ks = slot_of(2 * i);
+    const T* const ks = ready(2 * i);
 #pragma unroll
     for (int k = 0; k < KSTEPS; ++k) {
       uint32_t kb[4];  // tokens 0-7: d 0-7, d 8-15; tokens 8-15: d 0-7, d 8-15
@@ -224,7 +271,7 @@ __global__ void __launch_bounds__(kThreads, 4) paged_decode_v3_kernel(const Deco
     const float alpha_hi = __shfl_sync(0xffffffffu, alpha, 8 * c + 4);
     cp_async_wait<SLOTS - 1>();  // load 2i + 1 (V of tile i) is done
     __syncwarp();
-    const T* const vs = slot_of(2 * i + 1);
+    const T* const vs = ready(2 * i + 1);
 #pragma unroll
     for (int k = 0; k < KSTEPS; ++k) {
       uint32_t va[4];  // d 0-7 x tokens 0-7, d 8-15 x tokens 0-7, d 0-7 x tokens 8-15, d 8-15 x tokens 8-15
@@ -275,7 +322,7 @@ __global__ void __launch_bounds__(kThreads, 4) paged_decode_v3_kernel(const Deco
     for (int w = 0; w < kWarps; ++w) {
       if (s_wm[w][h] == -INFINITY) continue;
       const float scale = exp2f(s_wm[w][h] - mb);
-      const float* const wred = reinterpret_cast<const float*>(v3_smem) + w * (SLOTS * SLOT / 2);
+      const float* const wred = reinterpret_cast<const float*>(v3_smem + w * kWarpBytes);
       o = fmaf(wred[h * D + d], scale, o);
       lb = fmaf(s_wl[w][h], scale, lb);
     }
@@ -293,11 +340,11 @@ __global__ void __launch_bounds__(kThreads, 4) paged_decode_v3_kernel(const Deco
   grid_dependents_launch();  // only now: see launch_kernel
 }
 
-template <typename T, int D, int GMAX, int SLOTS = kSlotsV3>
+template <typename T, typename C, int D, int GMAX, int SLOTS = v3_slots<C>()>
 void launch_kernel(const DecodeParams& p, const dim3& grid, cudaStream_t stream, bool pdl) {
-  constexpr int smem = v3_smem_bytes<D, SLOTS>();
-  auto kernel = paged_decode_v3_kernel<T, D, GMAX, SLOTS>;
-  allow_dynamic_smem<paged_decode_v3_kernel<T, D, GMAX, SLOTS>>(smem);
+  constexpr int smem = v3_smem_bytes<C, D, SLOTS>();
+  auto kernel = paged_decode_v3_kernel<T, C, D, GMAX, SLOTS>;
+  allow_dynamic_smem<paged_decode_v3_kernel<T, C, D, GMAX, SLOTS>>(smem);
   // Unlike the other kernels, this one lets the next kernel start only at its end: the o_proj
   // projection's blocks, started early beside it, made the batch-1 decode graph of Llama-8B on the
   // H200 take 5.34 ms instead of 4.40 (measured with the trigger at the start, at the end, and
@@ -305,33 +352,43 @@ void launch_kernel(const DecodeParams& p, const dim3& grid, cudaStream_t stream,
   launch_pdl(kernel, grid, dim3(kThreads), smem, stream, pdl, p);
 }
 
-template <typename T, int D>
+template <typename T, typename C, int D>
 void launch_group(const DecodeParams& p, int gmax, const dim3& grid, cudaStream_t stream, bool pdl) {
   switch (gmax) {
-    case 1: launch_kernel<T, D, 1>(p, grid, stream, pdl); break;
-    case 2: launch_kernel<T, D, 2>(p, grid, stream, pdl); break;
-    case 4: launch_kernel<T, D, 4>(p, grid, stream, pdl); break;
-    default: launch_kernel<T, D, 8>(p, grid, stream, pdl); break;
+    case 1: launch_kernel<T, C, D, 1>(p, grid, stream, pdl); break;
+    case 2: launch_kernel<T, C, D, 2>(p, grid, stream, pdl); break;
+    case 4: launch_kernel<T, C, D, 4>(p, grid, stream, pdl); break;
+    default: launch_kernel<T, C, D, 8>(p, grid, stream, pdl); break;
+  }
+}
+
+template <typename T, typename C>
+void launch_dims(const DecodeParams& p, int head_dim, int gmax, const dim3& grid, cudaStream_t stream, bool pdl) {
+  if (head_dim == 64) {
+    launch_group<T, C, 64>(p, gmax, grid, stream, pdl);
+  } else {
+    launch_group<T, C, 128>(p, gmax, grid, stream, pdl);
   }
 }
 
 template <typename T>
-void launch_dims(const DecodeParams& p, int head_dim, int gmax, const dim3& grid, cudaStream_t stream, bool pdl) {
-  if (head_dim == 64) {
-    launch_group<T, 64>(p, gmax, grid, stream, pdl);
+void launch_cache(const DecodeParams& p, bool e4m3_cache, int head_dim, int gmax, const dim3& grid,
+                  cudaStream_t stream, bool pdl) {
+  if (e4m3_cache) {
+    launch_dims<T, uint8_t>(p, head_dim, gmax, grid, stream, pdl);
   } else {
-    launch_group<T, 128>(p, gmax, grid, stream, pdl);
+    launch_dims<T, T>(p, head_dim, gmax, grid, stream, pdl);
   }
 }
 
 }  // namespace
 
-void launch_v3(const DecodeParams& p, at::ScalarType dtype, int head_dim, int gmax, const dim3& grid,
-               cudaStream_t stream, bool pdl) {
+void launch_v3(const DecodeParams& p, at::ScalarType dtype, bool e4m3_cache, int head_dim, int gmax,
+               const dim3& grid, cudaStream_t stream, bool pdl) {
   if (dtype == at::kBFloat16) {
-    launch_dims<__nv_bfloat16>(p, head_dim, gmax, grid, stream, pdl);
+    launch_cache<__nv_bfloat16>(p, e4m3_cache, head_dim, gmax, grid, stream, pdl);
   } else if (dtype == at::kHalf) {
-    launch_dims<__half>(p, head_dim, gmax, grid, stream, pdl);
+    launch_cache<__half>(p, e4m3_cache, head_dim, gmax, grid, stream, pdl);
   } else {
     TORCH_CHECK(false, "paged attention: version 3 takes bfloat16 or float16, got ", dtype);
   }

@@ -87,8 +87,11 @@ at::Tensor paged_attention_prefill(const at::Tensor& q, const at::Tensor& k_cach
     const at::Tensor row_idx = index_tensor(rows, device);
     const at::Tensor tables = block_tables.index_select(0, seq_idx).narrow(1, 0, pages).to(at::kLong).reshape({-1});
     auto gather = [&](const at::Tensor& cache) {
-      at::Tensor kv = cache.index_select(0, tables).view({count, pages * page_size, kv_heads, head_dim})
+      // an e4m3 cache is gathered as bytes, then read as q's dtype (exactly)
+      const at::Tensor rows = is_e4m3_cache(cache) ? cache.view(at::kByte) : cache;
+      at::Tensor kv = rows.index_select(0, tables).view({count, pages * page_size, kv_heads, head_dim})
                           .narrow(1, 0, length);  // [count, length, kv_heads, D]
+      if (is_e4m3_cache(cache)) kv = kv.view(cache.scalar_type()).to(q.scalar_type());
       if (group > 1 && !flash) {
         kv = kv.unsqueeze(3).expand({count, length, kv_heads, group, head_dim}).reshape({count, length, heads, head_dim});
       }

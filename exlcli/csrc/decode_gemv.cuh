@@ -29,6 +29,7 @@
 #include <cuda_fp8.h>
 
 #include "common.cuh"
+#include "kv_e4m3.cuh"
 
 namespace exlcli {
 namespace gemv {
@@ -62,6 +63,7 @@ struct Params {
   int64_t cs_stride;
   void* k_cache;  // [pages, page_size, num_kv_heads, head_dim] contiguous
   void* v_cache;
+  bool cache_e4m3;  // the caches hold e4m3 bytes (kv_e4m3.cuh), not T
   const int64_t* slots;  // [rows]; negative: write nothing
   int num_heads, num_kv_heads, head_dim;
   int warps_per_group;  // 1, 2, 4 or 8
@@ -273,17 +275,25 @@ __device__ __forceinline__ void store_rope_pair(const Params& p, int ra, int m, 
     oa = __fsub_rn(__fmul_rn(xa, in.c), __fmul_rn(xb, in.s));
     ob = __fadd_rn(__fmul_rn(xb, in.c), __fmul_rn(xa, in.s));
   }
-  T* dst;
   if (head < p.num_heads) {
-    dst = static_cast<T*>(p.q_out) + (static_cast<int64_t>(m) * p.num_heads + head) * d;
-  } else {
-    if (slot < 0) return;  // a padded row of a captured graph
-    T* cache = static_cast<T*>(head < qk_heads ? p.k_cache : p.v_cache);
-    const int kv_head = head < qk_heads ? head - p.num_heads : head - qk_heads;
-    dst = cache + (slot * p.num_kv_heads + kv_head) * d;
+    T* const dst = static_cast<T*>(p.q_out) + (static_cast<int64_t>(m) * p.num_heads + head) * d;
+    dst[j] = from_float<T>(oa);
+    dst[j + half] = from_float<T>(ob);
+    return;
   }
-  dst[j] = from_float<T>(oa);
-  dst[j + half] = from_float<T>(ob);
+  if (slot < 0) return;  // a padded row of a captured graph
+  void* const cache = head < qk_heads ? p.k_cache : p.v_cache;
+  const int kv_head = head < qk_heads ? head - p.num_heads : head - qk_heads;
+  const int64_t at = (slot * p.num_kv_heads + kv_head) * d;
+  if (p.cache_e4m3) {
+    uint8_t* const dst = static_cast<uint8_t*>(cache) + at;
+    dst[j] = e4m3_of(from_float<T>(oa));
+    dst[j + half] = e4m3_of(from_float<T>(ob));
+  } else {
+    T* const dst = static_cast<T*>(cache) + at;
+    dst[j] = from_float<T>(oa);
+    dst[j + half] = from_float<T>(ob);
+  }
 }
 
 template <typename T, typename W, int M, In IN, Out OUT>

@@ -150,9 +150,10 @@ at::Tensor decode_qkv_rope(const at::Tensor& x, const at::Tensor& weight, const 
   const int64_t k = x.size(1);
   check_weight(x, weight, bias, weight_scale, k);
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
-                  v_cache.is_contiguous() && k_cache.scalar_type() == x.scalar_type() &&
-                  v_cache.scalar_type() == x.scalar_type(),
-              "decode_qkv_rope: caches must be contiguous [pages, page_size, kv_heads, head_dim] of x's dtype");
+                  v_cache.is_contiguous() && v_cache.scalar_type() == k_cache.scalar_type() &&
+                  (k_cache.scalar_type() == x.scalar_type() || is_e4m3_cache(k_cache)),
+              "decode_qkv_rope: caches must be contiguous [pages, page_size, kv_heads, head_dim] of x's dtype "
+              "or e4m3");
   const int64_t kv_heads = k_cache.size(2), head_dim = k_cache.size(3);
   TORCH_CHECK((head_dim == 64 || head_dim == 128) && weight.size(0) == (num_heads + 2 * kv_heads) * head_dim,
               "decode_qkv_rope: weight rows must be (num_heads + 2 kv_heads) * head_dim");
@@ -183,6 +184,7 @@ at::Tensor decode_qkv_rope(const at::Tensor& x, const at::Tensor& weight, const 
   p.cs_stride = cos_sin.stride(0);
   p.k_cache = k_cache.data_ptr();
   p.v_cache = v_cache.data_ptr();
+  p.cache_e4m3 = is_e4m3_cache(k_cache);
   p.slots = slot_mapping.data_ptr<int64_t>();
   p.num_heads = static_cast<int>(num_heads);
   p.num_kv_heads = static_cast<int>(kv_heads);

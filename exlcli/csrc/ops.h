@@ -16,6 +16,10 @@ namespace exlcli {
 // cached per device).
 bool device_has_sm80();
 
+// True when a KV cache tensor holds e4m3 bytes (--kv-cache-dtype fp8, kv_e4m3.cuh), not the
+// activations' dtype.
+inline bool is_e4m3_cache(const at::Tensor& cache) { return cache.scalar_type() == at::kFloat8_e4m3fn; }
+
 // norm.cu
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool pdl);
 std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,

@@ -38,6 +38,9 @@ def assert_matches(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, wha
 
 def assert_same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert got.shape == want.shape and got.dtype == want.dtype, what
+    if got.element_size() == 1:  # e4m3 (an fp8 KV cache): its bytes
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), f"{what}: not byte for byte"
+        return
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=f"{what}: not bit for bit")
 
 
@@ -55,15 +58,18 @@ def decode_inputs(lens: list[int], pages_each: int, page_size: int, vocab: int) 
                        query_start_loc_t=torch.arange(b + 1, dtype=torch.int32, device="cuda"))
 
 
-def assert_fused_decode_step_equals_forward(model, dtype: torch.dtype, lengths, what: str) -> None:
+def assert_fused_decode_step_equals_forward(model, dtype: torch.dtype, lengths, what: str,
+                                            kv_dtype: torch.dtype | None = None) -> None:
     """model.fused_decode_forward against model.forward, bit for bit (logits and the KV caches after),
-    for one decode step of sequences of each list of `lengths`, over caches of random earlier K/V."""
+    for one decode step of sequences of each list of `lengths`, over caches (of `kv_dtype`, default
+    `dtype`) of random earlier K/V."""
     config, page_size, pages_each = model.config, 16, 40
+    kv_dtype = kv_dtype or dtype
     for lens in lengths:
-        kv = KVCache(config, len(lens) * pages_each, page_size, model.device, dtype)
-        for c in kv.k + kv.v:
-            c.normal_()  # the earlier tokens' keys and values
-        kv_ref = KVCache(config, len(lens) * pages_each, page_size, model.device, dtype)
+        kv = KVCache(config, len(lens) * pages_each, page_size, model.device, kv_dtype)
+        for c in kv.k + kv.v:  # the earlier tokens' keys and values
+            c.copy_(torch.randn(c.shape, device=c.device)) if c.element_size() == 1 else c.normal_()
+        kv_ref = KVCache(config, len(lens) * pages_each, page_size, model.device, kv_dtype)
         for c, c_ref in zip(kv.k + kv.v, kv_ref.k + kv_ref.v):
             c_ref.copy_(c)
         inputs = decode_inputs(lens, pages_each, page_size, config.vocab_size)

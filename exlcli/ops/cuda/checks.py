@@ -8,6 +8,7 @@ import torch
 
 from exlcli.ops.cuda.limits import DECODE_ATTENTION_VERSIONS, DECODE_LINEAR_MAX_ROWS, HEAD_DIMS
 from exlcli.ops.errors import KernelInputError
+from exlcli.ops.kv_store import FP8_CACHE_DTYPE
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 HALVES = (torch.float16, torch.bfloat16)
@@ -63,10 +64,12 @@ def head_dim(op: str, dim: int) -> None:
         fail(op, f"head_dim must be {' or '.join(str(d) for d in HEAD_DIMS)}, got {dim}")
 
 
-def decode_attention_version(op: str, version: int) -> None:
+def decode_attention_version(op: str, version: int, k_cache: torch.Tensor) -> None:
     if version not in DECODE_ATTENTION_VERSIONS:
         fail(op, f"the kernel version must be {' or '.join(str(v) for v in DECODE_ATTENTION_VERSIONS)}, "
                  f"got {version}")
+    if k_cache.dtype == FP8_CACHE_DTYPE and version != 3:
+        fail(op, f"an fp8 (e4m3) KV cache is read by decode attention version 3 only, not {version}")
 
 
 def norm(op: str, x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -126,10 +129,12 @@ def cache_pair(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: tor
             fail(op, f"{name} must be [pages, page_size, {heads}, {dim}], got {list(c.shape)}")
         if not c.is_contiguous():
             fail(op, f"{name} must be contiguous")
-        if c.dtype != dtype:
-            fail(op, f"{name} dtype {_name(c.dtype)} differs from {_name(dtype)}")
-    if k_cache.shape != v_cache.shape:
-        fail(op, f"k_cache {list(k_cache.shape)} and v_cache {list(v_cache.shape)} differ in shape")
+        if c.dtype != dtype and not (c.dtype == FP8_CACHE_DTYPE and dtype in (torch.bfloat16, torch.float16)):
+            fail(op, f"{name} dtype {_name(c.dtype)} is neither {_name(dtype)} nor float8_e4m3fn beside "
+                     f"bf16 / fp16")
+    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+        fail(op, f"k_cache {_name(k_cache.dtype)} {list(k_cache.shape)} and v_cache {_name(v_cache.dtype)} "
+                 f"{list(v_cache.shape)} differ in shape or dtype")
 
 
 def rope_inputs(op: str, tokens: int, dim: int, positions: torch.Tensor, cos_sin: torch.Tensor,

@@ -175,7 +175,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         checks.fail(op, f"one query per sequence: q has {q.shape[0]} rows for {seq_lens.shape[0]} sequences")
     options = STATE.options
     version = options.decode_attention_version if version is None else version
-    checks.decode_attention_version(op, version)
+    checks.decode_attention_version(op, version, k_cache)
     return torch.ops.exlcli.paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, version,
                                                    options.pdl)
 
@@ -213,7 +213,7 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         layout.checked_for = shape
     options = STATE.options
     version = options.decode_attention_version if version is None else version
-    checks.decode_attention_version(op, version)
+    checks.decode_attention_version(op, version, k_cache)
     return torch.ops.exlcli.paged_attention_prefill(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
                                                     layout.host, scale, version, options.pdl)
 
