@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
@@ -94,6 +95,36 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
     if k_cache.dtype == torch.bfloat16 and cpu_loader.use_cpu_kernels(q) and _cpu_kernel() is not None:
         return rope_and_write_kv_cpu(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
     return rope_and_write_kv_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, cos_sin_rows)
+
+
+@dataclass(frozen=True)
+class RopeWrite:
+    """A decoder layer's rope step, less its q|k|v: the tokens' positions, the cos|sin table, the
+    layer's KV caches ([pages, page_size, kv_heads, D], which give kv_heads and D) and each token's
+    slot in them, and the number of query heads. A q|k|v projection may do this step in its own
+    epilogue (Linear.normed_rope_product). `cos_sin_rows`: gather_cos_sin(cos_sin, positions), where
+    the caller has it already."""
+
+    positions: torch.Tensor
+    cos_sin: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    num_heads: int
+    cos_sin_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A fused q|k|v [T, (heads + 2 kv_heads) * D] as q [T, heads, D], k and v [T, kv_heads, D] (views)."""
+        kv_heads, dim = self.k_cache.shape[-2:]
+        tokens = qkv.shape[0]
+        q, k, v = qkv.split((self.num_heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
+        return (q.reshape(tokens, self.num_heads, dim), k.reshape(tokens, kv_heads, dim),
+                v.reshape(tokens, kv_heads, dim))
+
+    def write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """rope_and_write_kv of these heads: returns the rotated q."""
+        return rope_and_write_kv(q, k, v, self.positions, self.cos_sin, self.k_cache, self.v_cache,
+                                 self.slot_mapping, self.cos_sin_rows)
 
 
 # --- CPU kernel (csrc/cpu/rope.c): bitwise the same as the reference above ------------------------

@@ -212,9 +212,10 @@ def _word_level_tokenizer(vocab: int) -> str:
 
 
 def test_the_decoder_takes_each_norm_and_silu_through_its_linear():
-    """The layer asks its first projections for the norm before them and the down projection for the
-    SiLU before it (Linear.normed_product / silu_product, which a format may fuse, as FP8 does on the
-    GPU); the default of each is the unfused sequence."""
+    """The layer asks its first projections for the norm before them (q|k|v also for the rope step
+    after it) and the down projection for the SiLU before it (Linear.normed_product /
+    normed_rope_product / silu_product, which a format may fuse, as FP8 does on the GPU); the default
+    of each is the unfused sequence."""
     from exlcli.ops.formats.base import Linear
 
     class Recording(Linear):
@@ -228,6 +229,10 @@ def test_the_decoder_takes_each_norm_and_silu_through_its_linear():
         def normed_product(self, x, residual, norm_weight, eps):
             self.calls.append(f"norm+{self.name}")
             return super().normed_product(x, residual, norm_weight, eps)
+
+        def normed_rope_product(self, x, residual, norm_weight, eps, rope):
+            self.calls.append(f"rope+{self.name}")
+            return super().normed_rope_product(x, residual, norm_weight, eps, rope)
 
         def silu_product(self, gate_up):
             self.calls.append(f"silu+{self.name}")
@@ -243,4 +248,4 @@ def test_the_decoder_takes_each_norm_and_silu_through_its_linear():
             setattr(layer, name, Recording(getattr(layer, name), name, calls))
     ids = [3, 1, 4, 1, 5]
     assert torch.equal(_prefill_logits(recorded, ids), _prefill_logits(plain, ids))
-    assert calls == ["norm+qkv", "norm+gate_up", "silu+down"] * cfg.num_layers
+    assert calls == ["rope+qkv", "norm+qkv", "norm+gate_up", "silu+down"] * cfg.num_layers

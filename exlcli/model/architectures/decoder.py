@@ -27,7 +27,7 @@ from exlcli.ops.cuda.loader import use_kernels
 from exlcli.ops.formats import QuantizedWeight
 from exlcli.ops.linear import Linear, dense_weight, make_linear
 from exlcli.ops.norm import fused_add_rms_norm, rms_norm
-from exlcli.ops.rope import gather_cos_sin, rope_and_write_kv, rope_cos_sin_cache
+from exlcli.ops.rope import RopeWrite, gather_cos_sin, rope_cos_sin_cache
 
 PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")  # the Linear attributes of a DecoderLayer
 
@@ -74,8 +74,6 @@ class DecoderModel:
         self.cos_sin = rope_cos_sin_cache(config.head_dim, config.rope_theta, config.rope_scaling,
                                           config.max_position_embeddings, device)
         self.scale = config.head_dim ** -0.5
-        q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-        self._splits = (q, kv, kv)
         self._cpu_layers: CpuDecoderLayers | None | bool = False  # False: not built yet
 
     def weight_bytes(self) -> int:
@@ -126,16 +124,15 @@ class DecoderModel:
                                          _int32(batch.query_start_loc_t, batch.query_start_loc),
                                          _int32(batch.seq_lens_t, batch.seq_lens), kv.k, kv.v, num_layers)
         for i, layer in enumerate(self.layers[:num_layers] if cpu_layers is None else ()):
-            qkv, residual = layer.qkv.normed_product(h, residual, layer.input_norm, cfg.rms_norm_eps)
-            q, k, v = qkv.split(self._splits, dim=-1)
-            q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)
-            k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-            v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-            if layer.q_norm is not None:
-                q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
-                k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-            q = rope_and_write_kv(q, k, v, batch.positions, self.cos_sin, kv.k[i], kv.v[i], batch.slot_mapping,
-                                  cos_sin_rows)
+            rope = RopeWrite(batch.positions, self.cos_sin, kv.k[i], kv.v[i], batch.slot_mapping, cfg.num_heads,
+                             cos_sin_rows)
+            if layer.q_norm is None:
+                q, residual = layer.qkv.normed_rope_product(h, residual, layer.input_norm, cfg.rms_norm_eps, rope)
+            else:
+                qkv, residual = layer.qkv.normed_product(h, residual, layer.input_norm, cfg.rms_norm_eps)
+                q, k, v = rope.heads(qkv)
+                q = rope.write(rms_norm(q, layer.q_norm, cfg.rms_norm_eps), rms_norm(k, layer.k_norm, cfg.rms_norm_eps),
+                               v)
             o = paged_attention(q, kv.k[i], kv.v[i], batch.block_tables, batch.query_start_loc,
                                 batch.seq_lens, self.scale, batch.seq_lens_t, batch.query_start_loc_t, layout,
                                 prefill_layout)

@@ -16,6 +16,7 @@ import torch
 
 from exlcli.ops.activation import silu_and_mul
 from exlcli.ops.norm import fused_add_rms_norm, rms_norm
+from exlcli.ops.rope import RopeWrite
 
 # uint8 blocks [rows, blocks_per_row * block_bytes] -> fp32 weights [rows, blocks_per_row * block_weights]
 Dequantize = Callable[[torch.Tensor], torch.Tensor]
@@ -53,6 +54,14 @@ class Linear:
             return self(rms_norm(x, norm_weight, eps)), x
         normed, residual = fused_add_rms_norm(x, residual, norm_weight, eps)
         return self(normed), residual
+
+    def normed_rope_product(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                            eps: float, rope: RopeWrite) -> tuple[torch.Tensor, torch.Tensor]:
+        """normed_product of a fused q|k|v projection, then its rope step: returns the rotated q
+        [T, heads, D] (k and v written into their pages) and the new residual. A linear may rotate and
+        write the rows in its product's epilogue (FP8's products of 9-64 tokens)."""
+        qkv, residual = self.normed_product(x, residual, norm_weight, eps)
+        return rope.write(*rope.heads(qkv)), residual
 
     def silu_product(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The product of silu(gate) * up for a fused [M, 2 in_features] gate|up projection (the MLP's
