@@ -14,6 +14,7 @@ from gpu_helpers import (
     assert_fused_decode_step_equals_forward,
     assert_matches,
     assert_same,
+    decode_inputs,
     poison_next_alloc,
     rel_err,
     requires_cuda,
@@ -21,6 +22,7 @@ from gpu_helpers import (
 
 from exlcli.model.architectures import build_model
 from exlcli.model.config import ModelConfig
+from exlcli.model.kv_cache import KVCache
 from exlcli.model.quantize_at_load import quantize_tensors
 from exlcli.model.random_weights import random_tensors
 from exlcli.ops.activation import silu_and_mul_ref
@@ -434,3 +436,33 @@ def test_fused_decode_step_of_an_fp8_model_equals_its_forward(name):
     assert isinstance(model.layers[0].gate_up, cuda_fp8.Fp8CudaLinear)
     assert model.fused_decode_unsupported() is None
     assert_fused_decode_step_equals_forward(model, torch.bfloat16, ([1], [300, 17, 5, 129]), name)
+
+
+@requires_hopper
+@pytest.mark.parametrize("name", sorted(FP8_MODELS))
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_an_fp8_models_decode_steps_rotate_in_the_product(name, kv_dtype, monkeypatch):
+    """A decode step of 9-64 sequences through the model: the q|k|v products' rope epilogue gives the
+    logits and KV caches of the product followed by the rope kernel, bit for bit."""
+    from exlcli.ops.formats.base import Linear
+    config = FP8_MODELS[name]
+    tensors = random_tensors(config, device="cpu", dtype=torch.bfloat16, seed=6)
+    quantize_tensors(tensors, config, "fp8")
+    model = build_model(config, tensors, torch.device("cuda"), torch.bfloat16)
+    page_size, pages_each = 16, 20
+    for lens in ([37 + 5 * b for b in range(9)], [1 + 4 * b for b in range(40)], [300] * 64):
+        kvs = [KVCache(config, len(lens) * pages_each, page_size, model.device, kv_dtype) for _ in range(2)]
+        for c, c_ref in zip(kvs[0].k + kvs[0].v, kvs[1].k + kvs[1].v):
+            c.copy_(torch.randn(c.shape, device=c.device)) if c.element_size() == 1 else c.normal_()
+            c_ref.copy_(c)
+        inputs = decode_inputs(lens, pages_each, page_size, config.vocab_size)
+        calls, epilogue = [], ops.fp8_gemm_qkv_rope
+        with monkeypatch.context() as m:  # count the epilogue's calls: one a layer
+            m.setattr(ops, "fp8_gemm_qkv_rope", lambda *a: calls.append(1) or epilogue(*a))
+            logits = model.forward(inputs, kvs[0])
+        assert len(calls) == config.num_layers
+        with monkeypatch.context() as m:
+            m.setattr(cuda_fp8.Fp8CudaLinear, "normed_rope_product", Linear.normed_rope_product)
+            assert_same(logits, model.forward(inputs, kvs[1]), f"{name} logits, {len(lens)} sequences")
+        for c, c_ref in zip(kvs[0].k + kvs[0].v, kvs[1].k + kvs[1].v):
+            assert_same(c, c_ref, "KV cache after the step")
