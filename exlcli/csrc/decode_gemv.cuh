@@ -254,7 +254,8 @@ template <typename T>
 __device__ __forceinline__ void store_rope_pair(const Params& p, int ra, int m, float sa, float sb, int64_t slot,
                                                 const EpilogueInputs& in) {
   const int d = p.rope.head_dim;
-  store_rope_pair<T>(p.rope, ra / d, ra % d, m, round_to<T>(sa + in.a), round_to<T>(sb + in.b), in.angle, slot);
+  exlcli::store_rope_pair<T>(p.rope, ra / d, ra % d, m, round_to<T>(sa + in.a), round_to<T>(sb + in.b), in.angle,
+                             slot);
 }
 
 template <typename T, typename W, int M, In IN, Out OUT>
