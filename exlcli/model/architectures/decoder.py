@@ -131,8 +131,8 @@ class DecoderModel:
             else:
                 qkv, residual = layer.qkv.normed_product(h, residual, layer.input_norm, cfg.rms_norm_eps)
                 q, k, v = rope.heads(qkv)
-                q = rope.write(rms_norm(q, layer.q_norm, cfg.rms_norm_eps), rms_norm(k, layer.k_norm, cfg.rms_norm_eps),
-                               v)
+                q, k = rms_norm(q, layer.q_norm, cfg.rms_norm_eps), rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+                q = rope.write(q, k, v)
             o = paged_attention(q, kv.k[i], kv.v[i], batch.block_tables, batch.query_start_loc,
                                 batch.seq_lens, self.scale, batch.seq_lens_t, batch.query_start_loc_t, layout,
                                 prefill_layout)
