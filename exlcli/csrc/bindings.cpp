@@ -21,6 +21,9 @@ TORCH_LIBRARY(exlcli, m) {
   m.def("fp8_linear(Tensor xq, Tensor x_scale, Tensor weight, Tensor w_scale, Tensor? bias, bool pdl) -> Tensor");
   m.def("fp8_gemm(Tensor xq, Tensor x_scale, Tensor weight, Tensor w_scale, Tensor? bias, int splits, "
         "int block_tokens, int block_rows, bool pdl) -> Tensor");
+  m.def("fp8_gemm_qkv_rope(Tensor xq, Tensor x_scale, Tensor weight, Tensor w_scale, Tensor? bias, int splits, "
+        "int block_tokens, Tensor positions, Tensor cos_sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor slot_mapping, int num_heads, bool pdl) -> Tensor");
   m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, int bits, bool e4m3, int group, int n, Tensor? bias, "
         "bool float_out, bool pdl) -> Tensor");
   m.def("quant_dequantize(Tensor qweight, Tensor scales, int bits, bool e4m3, int group, int n, int k, bool pdl) "
@@ -45,6 +48,7 @@ TORCH_LIBRARY_IMPL(exlcli, CUDA, m) {
   m.impl("quantize_rows_e4m3", &exlcli::quantize_rows_e4m3);
   m.impl("fp8_linear", &exlcli::fp8_linear);
   m.impl("fp8_gemm", &exlcli::fp8_gemm);
+  m.impl("fp8_gemm_qkv_rope", &exlcli::fp8_gemm_qkv_rope);
   m.impl("quant_linear", &exlcli::quant_linear);
   m.impl("quant_dequantize", &exlcli::quant_dequantize);
   m.impl("rope_and_write_kv", &exlcli::rope_and_write_kv);

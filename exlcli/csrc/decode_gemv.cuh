@@ -29,7 +29,7 @@
 #include <cuda_fp8.h>
 
 #include "common.cuh"
-#include "kv_e4m3.cuh"
+#include "rope_kv.cuh"
 
 namespace exlcli {
 namespace gemv {
@@ -56,16 +56,7 @@ struct Params {
   void* y;  // [rows, n] contiguous (fp32 for kFloat)
   const void* residual;  // kResidual: [rows, n], rows res_stride apart
   int64_t res_stride;
-  // kRopeKV: rows of w are num_heads q heads, then num_kv_heads k heads, then as many v heads
-  void* q_out;  // [rows, num_heads, head_dim] contiguous
-  const int64_t* positions;  // [rows]
-  const float* cos_sin;  // [positions, head_dim]: cos | sin
-  int64_t cs_stride;
-  void* k_cache;  // [pages, page_size, num_kv_heads, head_dim] contiguous
-  void* v_cache;
-  bool cache_e4m3;  // the caches hold e4m3 bytes (kv_e4m3.cuh), not T
-  const int64_t* slots;  // [rows]; negative: write nothing
-  int num_heads, num_kv_heads, head_dim;
+  RopeKV rope;  // kRopeKV: where the q|k|v rows go (rope_kv.cuh)
   int warps_per_group;  // 1, 2, 4 or 8
   int num_units;  // row groups
 };
@@ -130,9 +121,9 @@ __device__ __forceinline__ int unit_row(const Params& p, int unit, int r) {
   if (unit >= p.num_units) return -1;
   if constexpr (OUT == Out::kRopeKV) {
     // a group is kRows/2 rotation pairs (j, j + half) of one head
-    const int half = p.head_dim / 2, per_head = half / (kRows / 2);
+    const int half = p.rope.head_dim / 2, per_head = half / (kRows / 2);
     const int head = unit / per_head, j0 = (unit % per_head) * (kRows / 2);
-    return head * p.head_dim + j0 + (r < kRows / 2 ? r : r - kRows / 2 + half);
+    return head * p.rope.head_dim + j0 + (r < kRows / 2 ? r : r - kRows / 2 + half);
   } else {
     const int row = unit * kRows + r;
     return row < p.n ? row : -1;
@@ -218,7 +209,7 @@ __device__ __forceinline__ uint4 x_chunk(const Params& p, int m, int c, float in
 struct EpilogueInputs {
   float a = 0.f, b = 0.f;  // bias of the row (pair)
   float res = 0.f;  // kResidual: the residual element
-  float c = 1.f, s = 0.f;  // kRopeKV: cos and sin of the pair's frequency at the token's position
+  RopeAngle angle;  // kRopeKV: cos and sin of the pair's frequency at the token's position
   float scale_a = 1.f, scale_b = 1.f;  // e4m3 weights: the scales of the row (pair)
 };
 
@@ -227,7 +218,7 @@ __device__ __forceinline__ EpilogueInputs epilogue_inputs(const Params& p, int r
   EpilogueInputs in;
   const T* bias = static_cast<const T*>(p.bias);
   if constexpr (OUT == Out::kRopeKV) {
-    const int d = p.head_dim, half = d / 2, head = row / d, j = row % d;
+    const int d = p.rope.head_dim, half = d / 2;
     if (p.w_scale != nullptr) {
       in.scale_a = p.w_scale[row];
       in.scale_b = p.w_scale[row + half];
@@ -236,11 +227,7 @@ __device__ __forceinline__ EpilogueInputs epilogue_inputs(const Params& p, int r
       in.a = to_float(bias[row]);
       in.b = to_float(bias[row + half]);
     }
-    if (head < p.num_heads + p.num_kv_heads) {
-      const float* cs = p.cos_sin + position * p.cs_stride;
-      in.c = cs[j];
-      in.s = cs[half + j];
-    }
+    in.angle = rope_angle(p.rope, row / d, row % d, position);
   } else {
     if (p.w_scale != nullptr) in.scale_a = p.w_scale[row];
     if (bias != nullptr) in.a = to_float(bias[row]);
@@ -266,34 +253,9 @@ __device__ __forceinline__ void store_row(const Params& p, int row, int m, float
 template <typename T>
 __device__ __forceinline__ void store_rope_pair(const Params& p, int ra, int m, float sa, float sb, int64_t slot,
                                                 const EpilogueInputs& in) {
-  const int d = p.head_dim, half = d / 2;
-  const int head = ra / d, j = ra % d;
-  const float xa = round_to<T>(sa + in.a), xb = round_to<T>(sb + in.b);
-  const int qk_heads = p.num_heads + p.num_kv_heads;
-  float oa = xa, ob = xb;
-  if (head < qk_heads) {  // the same products and roundings as rope.cu's rotate()
-    oa = __fsub_rn(__fmul_rn(xa, in.c), __fmul_rn(xb, in.s));
-    ob = __fadd_rn(__fmul_rn(xb, in.c), __fmul_rn(xa, in.s));
-  }
-  if (head < p.num_heads) {
-    T* const dst = static_cast<T*>(p.q_out) + (static_cast<int64_t>(m) * p.num_heads + head) * d;
-    dst[j] = from_float<T>(oa);
-    dst[j + half] = from_float<T>(ob);
-    return;
-  }
-  if (slot < 0) return;  // a padded row of a captured graph
-  void* const cache = head < qk_heads ? p.k_cache : p.v_cache;
-  const int kv_head = head < qk_heads ? head - p.num_heads : head - qk_heads;
-  const int64_t at = (slot * p.num_kv_heads + kv_head) * d;
-  if (p.cache_e4m3) {
-    uint8_t* const dst = static_cast<uint8_t*>(cache) + at;
-    dst[j] = e4m3_of(from_float<T>(oa));
-    dst[j + half] = e4m3_of(from_float<T>(ob));
-  } else {
-    T* const dst = static_cast<T*>(cache) + at;
-    dst[j] = from_float<T>(oa);
-    dst[j + half] = from_float<T>(ob);
-  }
+  const int d = p.rope.head_dim;
+  exlcli::store_rope_pair<T>(p.rope, ra / d, ra % d, m, round_to<T>(sa + in.a), round_to<T>(sb + in.b), in.angle,
+                             slot);
 }
 
 template <typename T, typename W, int M, In IN, Out OUT>
@@ -349,8 +311,8 @@ __global__ void __launch_bounds__(kThreads, blocks_per_sm<W, M>()) decode_gemv_k
   constexpr int kOutputs = (OUT == Out::kRopeKV ? kRows / 2 : kRows) * M;
   const bool finisher = gt < kOutputs;
   const int er = gt / M, em = gt % M;
-  const int64_t position = OUT == Out::kRopeKV && finisher && em < p.rows ? p.positions[em] : 0;
-  const int64_t slot = OUT == Out::kRopeKV && finisher && em < p.rows ? p.slots[em] : -1;
+  const int64_t position = OUT == Out::kRopeKV && finisher && em < p.rows ? p.rope.positions[em] : 0;
+  const int64_t slot = OUT == Out::kRopeKV && finisher && em < p.rows ? p.rope.slots[em] : -1;
 
   bool loaded = true;  // (not rolling) wv holds this pass's chunks
   for (int base = first; base < p.num_units; base += gridDim.x * groups) {
@@ -433,7 +395,7 @@ template <typename T, typename W, int M, In IN, Out OUT>
 void launch(Params p, cudaStream_t stream, bool pdl) {
   p.warps_per_group = warps_per_group(p.k / chunk_weights<W>(), unroll_of<W>());
   if (OUT == Out::kRopeKV) {
-    p.num_units = (p.num_heads + 2 * p.num_kv_heads) * ((p.head_dim / 2) / (kRows / 2));
+    p.num_units = (p.rope.num_heads + 2 * p.rope.num_kv_heads) * ((p.rope.head_dim / 2) / (kRows / 2));
   } else {
     p.num_units = ceil_div(p.n, kRows);
   }

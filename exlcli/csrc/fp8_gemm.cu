@@ -21,6 +21,11 @@
 // order. Every token's sum is thus the same chain of products and additions whatever the other tokens
 // are: the kernel is batch-invariant, and blocks of 64 and 128 rows give the same bytes (each row's
 // chain is the same; cuda_fp8.gemm_tiling picks the faster per weight).
+//
+// fp8_gemm_qkv_rope is the same product for a q|k|v projection in blocks of 128 rows (whole heads of
+// 64 or 128): its epilogue pairs rows j and j + D/2 of a head, rounds them to bf16 as the product would
+// write them, and rotates and stores them as rope.cu does (rope_kv.cuh), so a decoder layer needs no
+// rope kernel between its q|k|v product and attention.
 #include <ATen/ops/empty.h>
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
@@ -28,6 +33,7 @@
 #include "common.cuh"
 #include "fp8_operands.h"
 #include "ops.h"
+#include "rope_kv.cuh"
 
 namespace exlcli {
 namespace {
@@ -49,9 +55,17 @@ constexpr int part_ld() {  // floats per token row of the partial tile (padded: 
 }
 
 struct GemmParams : Fp8Operands {
-  __nv_bfloat16* out;  // [m, n]
+  __nv_bfloat16* out;  // [m, n]; unused with the rope epilogue
   int splits;          // slices of the input features (cluster size along y)
+  RopeKV rope;         // the rope epilogue: where the q|k|v rows go
 };
+
+// Output `row` of a token whose sum over the input features is s and whose scale is xs: the scales and
+// the bias, each rounding explicit, so the plain and the rope epilogues compute the same value.
+__device__ __forceinline__ float output_value(const GemmParams& p, float s, float xs, int row) {
+  const float scale = __fmul_rn(xs, p.w_scale[row]);
+  return p.bias != nullptr ? __fmaf_rn(s, scale, __bfloat162float(p.bias[row])) : __fmul_rn(s, scale);
+}
 
 template <int ROWS, int BM>
 constexpr int smem_bytes() {
@@ -123,10 +137,13 @@ __device__ __forceinline__ void wgmma_e4m3<64>(float (&d)[32], uint64_t a, uint6
 // The byte offset of 16-byte chunk c of row r in a [rows][128 B] tile.
 __device__ __forceinline__ int swizzled(int r, int c) { return r * kStep + ((c ^ (r & 7)) << 4); }
 
-template <int ROWS, int BM>
+// ROPE: the weight is a q|k|v projection whose heads (of 64 or 128 rows) tile the block's 128 rows;
+// the epilogue rotates and writes them as rope.cu does (rope_kv.cuh) instead of writing out.
+template <int ROWS, int BM, bool ROPE>
 __global__ void __launch_bounds__(block_threads<ROWS>()) fp8_gemm_kernel(GemmParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   static_assert(ROWS == 64 || ROWS == 128, "fp8 gemm: 64 or 128 weight rows a block");
+  static_assert(!ROPE || ROWS == 128, "fp8 gemm: the rope epilogue takes blocks of 128 rows");
   extern __shared__ uint8_t smem_raw[];
   constexpr int kThreads = block_threads<ROWS>();
   constexpr int kPartLd = part_ld<ROWS>();
@@ -233,30 +250,35 @@ __global__ void __launch_bounds__(block_threads<ROWS>()) fp8_gemm_kernel(GemmPar
     __syncthreads();
   }
 
-  // This block's share of the tile's tokens, summed over the blocks' partial tiles in rank order.
+  // This block's share of the tile's tokens, summed over the blocks' partial tiles in rank order: two
+  // rows a thread, r and r + 1 (or with ROPE, j and j + D/2 of a head).
   const int first = split * BM / p.splits;
   const int share = (split + 1) * BM / p.splits - first;
+  const int half = ROPE ? p.rope.head_dim / 2 : 1;
   for (int i = threadIdx.x; i < share * (ROWS / 2); i += kThreads) {
     const int local = first + i / (ROWS / 2);
-    const int r = 2 * (i % (ROWS / 2));
+    const int pair = i % (ROWS / 2);
+    const int r = ROPE ? (pair / half) * 2 * half + pair % half : 2 * pair;
     const int token = token0 + local;
     if (token >= p.m) continue;
     float s0 = 0.0f, s1 = 0.0f;
     for (int q = 0; q < p.splits; ++q) {
-      const float* src = p.splits > 1 ? cluster.map_shared_rank(part, q) : part;
-      const float2 v = *reinterpret_cast<const float2*>(src + local * kPartLd + r);
-      s0 += v.x;
-      s1 += v.y;
+      const float* src = (p.splits > 1 ? cluster.map_shared_rank(part, q) : part) + local * kPartLd + r;
+      s0 += src[0];
+      s1 += src[half];
     }
     const int row = row0 + r;
     const float xs = p.x_scale[token];
-    float v0 = s0 * (xs * p.w_scale[row]);
-    float v1 = s1 * (xs * p.w_scale[row + 1]);
-    if (p.bias != nullptr) {
-      v0 += __bfloat162float(p.bias[row]);
-      v1 += __bfloat162float(p.bias[row + 1]);
+    const float v0 = output_value(p, s0, xs, row), v1 = output_value(p, s1, xs, row + half);
+    if constexpr (ROPE) {
+      const int head = row / (2 * half), j = row % (2 * half);
+      const RopeAngle angle = rope_angle(p.rope, head, j, p.rope.positions[token]);
+      store_rope_pair<__nv_bfloat16>(p.rope, head, j, token, round_to<__nv_bfloat16>(v0),
+                                     round_to<__nv_bfloat16>(v1), angle, p.rope.slots[token]);
+    } else {
+      *reinterpret_cast<__nv_bfloat162*>(p.out + static_cast<size_t>(token) * p.n + row) =
+          __floats2bfloat162_rn(v0, v1);
     }
-    *reinterpret_cast<__nv_bfloat162*>(p.out + static_cast<size_t>(token) * p.n + row) = __floats2bfloat162_rn(v0, v1);
   }
   if (p.splits > 1) cluster.sync();  // no block leaves while another still reads its tile
 #else
@@ -264,22 +286,33 @@ __global__ void __launch_bounds__(block_threads<ROWS>()) fp8_gemm_kernel(GemmPar
 #endif
 }
 
-template <int ROWS, int BM>
+template <int ROWS, int BM, bool ROPE>
 void launch_tiles(const GemmParams& p, cudaStream_t stream, bool pdl) {
-  auto kernel = fp8_gemm_kernel<ROWS, BM>;
+  auto kernel = fp8_gemm_kernel<ROWS, BM, ROPE>;
   constexpr int smem = smem_bytes<ROWS, BM>();
-  allow_dynamic_smem<fp8_gemm_kernel<ROWS, BM>>(smem);
+  allow_dynamic_smem<fp8_gemm_kernel<ROWS, BM, ROPE>>(smem);
   const dim3 grid(p.n / ROWS, p.splits, (p.m + BM - 1) / BM);
   launch_cluster_pdl(kernel, grid, dim3(block_threads<ROWS>()), dim3(1, p.splits, 1), smem, stream, pdl, p);
 }
 
-template <int ROWS>
+template <int ROWS, bool ROPE = false>
 void launch_rows(const GemmParams& p, int block_tokens, cudaStream_t stream, bool pdl) {
   if (block_tokens == 32) {
-    launch_tiles<ROWS, 32>(p, stream, pdl);
+    launch_tiles<ROWS, 32, ROPE>(p, stream, pdl);
   } else {
-    launch_tiles<ROWS, 64>(p, stream, pdl);
+    launch_tiles<ROWS, 64, ROPE>(p, stream, pdl);
   }
+}
+
+// The checks both ops make beyond the operands'.
+void check_tiling(const char* op, const Fp8Operands& ops, int64_t splits, int64_t block_tokens, int64_t block_rows) {
+  TORCH_CHECK(device_supports_pdl(), op, ": needs thread block clusters (sm_90 or newer)");
+  TORCH_CHECK(block_rows == 64 || block_rows == 128, op, ": block_rows must be 64 or 128");
+  TORCH_CHECK(splits >= 1 && splits <= 8, op, ": splits must be 1 to 8");
+  TORCH_CHECK(block_tokens == 32 || block_tokens == 64, op, ": block_tokens must be 32 or 64");
+  TORCH_CHECK(ops.n % block_rows == 0 && ops.n > 0 && ops.k % kStep == 0 && ops.k / kStep >= splits,
+              op, ": n must be a multiple of ", block_rows, " and k of 128, at least 128 * splits, got ", ops.n,
+              " x ", ops.k);
 }
 
 }  // namespace
@@ -288,17 +321,11 @@ at::Tensor fp8_gemm(const at::Tensor& xq, const at::Tensor& x_scale, const at::T
                     const at::Tensor& w_scale, const std::optional<at::Tensor>& bias, int64_t splits,
                     int64_t block_tokens, int64_t block_rows, bool pdl) {
   const Fp8Operands ops = check_fp8_operands("fp8 gemm", xq, x_scale, weight, w_scale, bias);
-  TORCH_CHECK(device_supports_pdl(), "fp8 gemm: needs thread block clusters (sm_90 or newer)");
-  TORCH_CHECK(block_rows == 64 || block_rows == 128, "fp8 gemm: block_rows must be 64 or 128");
-  TORCH_CHECK(splits >= 1 && splits <= 8, "fp8 gemm: splits must be 1 to 8");
-  TORCH_CHECK(block_tokens == 32 || block_tokens == 64, "fp8 gemm: block_tokens must be 32 or 64");
-  TORCH_CHECK(ops.n % block_rows == 0 && ops.n > 0 && ops.k % kStep == 0 && ops.k / kStep >= splits,
-              "fp8 gemm: n must be a multiple of ", block_rows, " and k of 128, at least 128 * splits, got ", ops.n,
-              " x ", ops.k);
+  check_tiling("fp8 gemm", ops, splits, block_tokens, block_rows);
   const c10::cuda::CUDAGuard guard(xq.device());
   at::Tensor out = at::empty({ops.m, ops.n}, xq.options().dtype(at::kBFloat16));
   if (ops.m == 0) return out;
-  const GemmParams p{ops, static_cast<__nv_bfloat16*>(out.data_ptr()), static_cast<int>(splits)};
+  const GemmParams p{ops, static_cast<__nv_bfloat16*>(out.data_ptr()), static_cast<int>(splits), RopeKV{}};
   if (block_rows == 64) {
     launch_rows<64>(p, static_cast<int>(block_tokens), current_stream(), pdl);
   } else {
@@ -306,6 +333,25 @@ at::Tensor fp8_gemm(const at::Tensor& xq, const at::Tensor& x_scale, const at::T
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
+}
+
+at::Tensor fp8_gemm_qkv_rope(const at::Tensor& xq, const at::Tensor& x_scale, const at::Tensor& weight,
+                             const at::Tensor& w_scale, const std::optional<at::Tensor>& bias, int64_t splits,
+                             int64_t block_tokens, const at::Tensor& positions, const at::Tensor& cos_sin,
+                             const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                             int64_t num_heads, bool pdl) {
+  const char* op = "fp8_gemm_qkv_rope";
+  const Fp8Operands ops = check_fp8_operands(op, xq, x_scale, weight, w_scale, bias);
+  check_tiling(op, ops, splits, block_tokens, 128);
+  const c10::cuda::CUDAGuard guard(xq.device());
+  at::Tensor q_out;
+  const RopeKV rope = rope_kv_params(op, ops.m, xq.options().dtype(at::kBFloat16), ops.n, positions, cos_sin,
+                                     k_cache, v_cache, slot_mapping, num_heads, q_out);
+  if (ops.m == 0) return q_out;
+  const GemmParams p{ops, nullptr, static_cast<int>(splits), rope};
+  launch_rows<128, true>(p, static_cast<int>(block_tokens), current_stream(), pdl);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return q_out;
 }
 
 }  // namespace exlcli

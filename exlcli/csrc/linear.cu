@@ -149,23 +149,10 @@ at::Tensor decode_qkv_rope(const at::Tensor& x, const at::Tensor& weight, const 
   TORCH_CHECK(x.dim() == 2, "decode_qkv_rope: x must be [rows, features]");
   const int64_t k = x.size(1);
   check_weight(x, weight, bias, weight_scale, k);
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
-                  v_cache.is_contiguous() && v_cache.scalar_type() == k_cache.scalar_type() &&
-                  (k_cache.scalar_type() == x.scalar_type() || is_e4m3_cache(k_cache)),
-              "decode_qkv_rope: caches must be contiguous [pages, page_size, kv_heads, head_dim] of x's dtype "
-              "or e4m3");
-  const int64_t kv_heads = k_cache.size(2), head_dim = k_cache.size(3);
-  TORCH_CHECK((head_dim == 64 || head_dim == 128) && weight.size(0) == (num_heads + 2 * kv_heads) * head_dim,
-              "decode_qkv_rope: weight rows must be (num_heads + 2 kv_heads) * head_dim");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == x.size(0) && positions.is_contiguous() &&
-                  slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == x.size(0) &&
-                  slot_mapping.is_contiguous(),
-              "decode_qkv_rope: positions and slot_mapping must be contiguous int64 [rows]");
-  TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.dim() == 2 && cos_sin.size(1) == head_dim &&
-                  cos_sin.stride(1) == 1,
-              "decode_qkv_rope: cos_sin must be fp32 [positions, head_dim]");
   const c10::cuda::CUDAGuard guard(x.device());
-  at::Tensor q_out = at::empty({x.size(0), num_heads, head_dim}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor q_out;
+  const RopeKV rope = rope_kv_params("decode_qkv_rope", x.size(0), x.options(), weight.size(0), positions, cos_sin,
+                                     k_cache, v_cache, slot_mapping, num_heads, q_out);
   const at::Tensor xc = loadable_rows(x);
   gemv::Params p = base_params(xc, weight, bias, weight_scale, k);
   gemv::In in = gemv::In::kPlain;
@@ -178,17 +165,7 @@ at::Tensor decode_qkv_rope(const at::Tensor& x, const at::Tensor& weight, const 
     p.eps = static_cast<float>(eps);
     in = gemv::In::kNorm;
   }
-  p.q_out = q_out.data_ptr();
-  p.positions = positions.data_ptr<int64_t>();
-  p.cos_sin = cos_sin.data_ptr<float>();
-  p.cs_stride = cos_sin.stride(0);
-  p.k_cache = k_cache.data_ptr();
-  p.v_cache = v_cache.data_ptr();
-  p.cache_e4m3 = is_e4m3_cache(k_cache);
-  p.slots = slot_mapping.data_ptr<int64_t>();
-  p.num_heads = static_cast<int>(num_heads);
-  p.num_kv_heads = static_cast<int>(kv_heads);
-  p.head_dim = static_cast<int>(head_dim);
+  p.rope = rope;
   run(p, x.scalar_type(), in, gemv::Out::kRopeKV, pdl);
   return q_out;
 }

@@ -66,6 +66,13 @@ at::Tensor fp8_linear(const at::Tensor& xq, const at::Tensor& x_scale, const at:
 at::Tensor fp8_gemm(const at::Tensor& xq, const at::Tensor& x_scale, const at::Tensor& weight,
                     const at::Tensor& w_scale, const std::optional<at::Tensor>& bias, int64_t splits,
                     int64_t block_tokens, int64_t block_rows, bool pdl);
+// And for a q|k|v projection (blocks of 128 rows): its rows rotated and written as rope_and_write_kv
+// does, q returned as [m, num_heads, head_dim] bf16, k and v written into the caches at slot_mapping.
+at::Tensor fp8_gemm_qkv_rope(const at::Tensor& xq, const at::Tensor& x_scale, const at::Tensor& weight,
+                             const at::Tensor& w_scale, const std::optional<at::Tensor>& bias, int64_t splits,
+                             int64_t block_tokens, const at::Tensor& positions, const at::Tensor& cos_sin,
+                             const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                             int64_t num_heads, bool pdl);
 
 // quant_linear.cu: weights kept quantized in the packed layout of quant_linear.cuh (bits 4, 6 or 8, groups
 // of 16 to 128 along k; e4m3: 8-bit FP8 values): y = x @ w^T (+ bias) for bf16 x [m, k] into bf16 (or

@@ -14,6 +14,7 @@ from gpu_helpers import (
     assert_fused_decode_step_equals_forward,
     assert_matches,
     assert_same,
+    decode_inputs,
     poison_next_alloc,
     rel_err,
     requires_cuda,
@@ -21,6 +22,7 @@ from gpu_helpers import (
 
 from exlcli.model.architectures import build_model
 from exlcli.model.config import ModelConfig
+from exlcli.model.kv_cache import KVCache
 from exlcli.model.quantize_at_load import quantize_tensors
 from exlcli.model.random_weights import random_tensors
 from exlcli.ops.activation import silu_and_mul_ref
@@ -262,6 +264,73 @@ def test_fp8_linear_takes_the_wgmma_kernel_on_hopper():
     assert cuda_fp8.gemm_tiling(values.cpu()) is None
 
 
+def qkv_rope_case(tokens: int, heads: int, kv_heads: int, dim: int, hidden: int, cache_dtype: torch.dtype, seed: int):
+    """A q|k|v weight of e4m3 rows, e4m3 activations, and the rope step's inputs over poisoned caches
+    (two pairs: one for the fused op, one for the product then rope)."""
+    from exlcli.ops.rope import RopeWrite, rope_cos_sin_cache
+    values, scale = fp8_weight((heads + 2 * kv_heads) * dim, hidden, seed=seed)
+    x = torch.randn(tokens, hidden, device="cuda").bfloat16() * 4
+    cos_sin = rope_cos_sin_cache(dim, 500000.0, None, 8192, torch.device("cuda"))
+    positions = torch.randint(0, 8192, (tokens,), device="cuda")
+    page_size, pages = 16, tokens // 16 + 3
+    slots = torch.randperm(pages * page_size, device="cuda")[:tokens]
+    slots[tokens // 2] = -1  # a padded graph row: no K/V written
+    ropes = []
+    for _ in range(2):
+        caches = [torch.empty(pages, page_size, kv_heads, dim, dtype=cache_dtype, device="cuda") for _ in range(2)]
+        for c in caches:  # NaN: a slot nothing writes stays so
+            c.view(torch.uint8).fill_(0x7F) if c.element_size() == 1 else c.fill_(float("nan"))
+        ropes.append(RopeWrite(positions, cos_sin, caches[0], caches[1], slots, heads))
+    return values, scale, x, ropes
+
+
+@requires_hopper
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("heads,kv_heads,dim,hidden,splits,with_bias", [(32, 8, 128, 4096, 4, False),
+                                                                       (8, 2, 64, 512, 1, True),
+                                                                       (12, 2, 128, 1024, 3, True)])
+def test_fp8_gemm_qkv_rope_is_the_product_then_rope(heads, kv_heads, dim, hidden, splits, with_bias, cache_dtype):
+    """The rope epilogue writes, bit for bit, what fp8_gemm then rope_and_write_kv write, at every
+    token count and block size (one padded row writes nothing)."""
+    for tokens in (9, 17, 32, 33, 64):
+        values, scale, x, (fused, unfused) = qkv_rope_case(tokens, heads, kv_heads, dim, hidden, cache_dtype,
+                                                            seed=tokens + heads)
+        bias = torch.randn(values.shape[0], device="cuda").bfloat16() if with_bias else None
+        xq, xs = ops.quantize_rows_e4m3(x)
+        for block_tokens in (32, 64):
+            poison_next_alloc((tokens, heads, dim), torch.bfloat16)
+            q = ops.fp8_gemm_qkv_rope(xq, xs, values, scale, bias, splits, block_tokens, fused.positions,
+                                      fused.cos_sin, fused.k_cache, fused.v_cache, fused.slot_mapping, heads)
+            qkv = ops.fp8_gemm(xq, xs, values, scale, bias, splits=splits, block_tokens=block_tokens)
+            what = f"{tokens} tokens, blocks of {block_tokens}"
+            assert_same(q, unfused.write(*unfused.heads(qkv)), f"rotated q, {what}")
+            assert_same(fused.k_cache, unfused.k_cache, f"k cache, {what}")
+            assert_same(fused.v_cache, unfused.v_cache, f"v cache, {what}")
+        written = fused.k_cache.view(-1, kv_heads * dim)[fused.slot_mapping[fused.slot_mapping >= 0]]
+        assert not written.float().isnan().any(), "every kept row's k was written"
+
+
+@requires_hopper
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_fp8_linear_rotates_its_qkv_rows_in_the_product(cache_dtype):
+    """Fp8CudaLinear.normed_rope_product: the wgmma kernel's epilogue for 33-64 tokens, the norm, the
+    product and rope_and_write_kv elsewhere; each gives Linear's unfused sequence bit for bit."""
+    from exlcli.ops.formats.base import Linear
+    heads, kv_heads, dim, hidden = 16, 4, 128, 2048
+    nw = (1 + 0.1 * torch.randn(hidden, device="cuda")).bfloat16()
+    for tokens in (5, 9, 40, 64, 65):
+        values, scale, x, (fused, unfused) = qkv_rope_case(tokens, heads, kv_heads, dim, hidden, cache_dtype,
+                                                            seed=tokens)
+        lin = cuda_fp8.Fp8CudaLinear(values, scale, None)
+        residual = torch.randn_like(x)
+        q, new_residual = lin.normed_rope_product(x, residual, nw, 1e-5, fused)
+        q_ref, residual_ref = Linear.normed_rope_product(lin, x, residual, nw, 1e-5, unfused)
+        assert_same(q, q_ref, f"q, {tokens} tokens")
+        assert_same(new_residual, residual_ref, f"residual, {tokens} tokens")
+        assert_same(fused.k_cache, unfused.k_cache, f"k cache, {tokens} tokens")
+        assert_same(fused.v_cache, unfused.v_cache, f"v cache, {tokens} tokens")
+
+
 def test_fp8_linear_in_a_cuda_graph():
     values, scale = fp8_weight(1024, 512, seed=9)
     lin = cuda_fp8.Fp8CudaLinear(values, scale, None)
@@ -314,6 +383,9 @@ def test_bad_input_names_the_problem():
     values, scale = fp8_weight(64, 64, seed=3)
     wide, wide_scale = fp8_weight(256, 256, seed=4)  # k of 2 pipeline steps
     x = torch.randn(2, 64, device="cuda").bfloat16()
+    caches = [torch.zeros(2, 16, 2, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    rope_args = (torch.zeros(2, dtype=torch.long, device="cuda"), torch.zeros(16, 128, device="cuda"), *caches,
+                 torch.zeros(2, dtype=torch.long, device="cuda"), 2)
     cases = [
         (lambda: ops.decode_linear(x, values, None, scale[:10]), "weight_scale must be a contiguous [64]"),
         (lambda: ops.decode_linear(x.half(), values, None, scale), "float8_e4m3fn weights and bfloat16 x"),
@@ -334,6 +406,10 @@ def test_bad_input_names_the_problem():
         (lambda: ops.fp8_gemm(wide[:2], wide_scale[:2], wide, wide_scale, splits=3), "at least 384"),
         (lambda: ops.fp8_gemm(values[:2], scale[:2], values, scale, block_tokens=16), "block_tokens 32 or 64"),
         (lambda: ops.fp8_gemm(values[:2], scale[:2], values, scale, block_rows=32), "block_rows 64 or 128"),
+        (lambda: ops.fp8_gemm_qkv_rope(wide[:2], wide_scale[:2], wide, wide_scale, None, 1, 64, *rope_args),
+         "weight must have (num_heads + 2 * kv_heads) * head_dim = 768 rows, got 256"),
+        (lambda: ops.fp8_gemm_qkv_rope(wide[:2], wide_scale[:2], wide, wide_scale, None, 1, 48, *rope_args),
+         "block_tokens 32 or 64"),
     ]
     for call, words in cases:
         with pytest.raises(KernelInputError) as err:
@@ -360,3 +436,34 @@ def test_fused_decode_step_of_an_fp8_model_equals_its_forward(name):
     assert isinstance(model.layers[0].gate_up, cuda_fp8.Fp8CudaLinear)
     assert model.fused_decode_unsupported() is None
     assert_fused_decode_step_equals_forward(model, torch.bfloat16, ([1], [300, 17, 5, 129]), name)
+
+
+@requires_hopper
+@pytest.mark.parametrize("name", sorted(FP8_MODELS))
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_an_fp8_models_decode_steps_rotate_in_the_product(name, kv_dtype, monkeypatch):
+    """A decode step of 9-64 sequences through the model: the q|k|v products' rope epilogue (from
+    ROPE_EPILOGUE_MIN_TOKENS) gives the logits and KV caches of the product followed by the rope
+    kernel, bit for bit."""
+    from exlcli.ops.formats.base import Linear
+    config = FP8_MODELS[name]
+    tensors = random_tensors(config, device="cpu", dtype=torch.bfloat16, seed=6)
+    quantize_tensors(tensors, config, "fp8")
+    model = build_model(config, tensors, torch.device("cuda"), torch.bfloat16)
+    page_size, pages_each = 16, 20
+    for lens in ([37 + 5 * b for b in range(9)], [1 + 4 * b for b in range(40)], [300] * 64):
+        kvs = [KVCache(config, len(lens) * pages_each, page_size, model.device, kv_dtype) for _ in range(2)]
+        for c, c_ref in zip(kvs[0].k + kvs[0].v, kvs[1].k + kvs[1].v):
+            c.copy_(torch.randn(c.shape, device=c.device)) if c.element_size() == 1 else c.normal_()
+            c_ref.copy_(c)
+        inputs = decode_inputs(lens, pages_each, page_size, config.vocab_size)
+        calls, epilogue = [], ops.fp8_gemm_qkv_rope
+        with monkeypatch.context() as m:  # count the epilogue's calls: one a layer
+            m.setattr(ops, "fp8_gemm_qkv_rope", lambda *a: calls.append(1) or epilogue(*a))
+            logits = model.forward(inputs, kvs[0])
+        assert len(calls) == (config.num_layers if len(lens) >= cuda_fp8.ROPE_EPILOGUE_MIN_TOKENS else 0)
+        with monkeypatch.context() as m:
+            m.setattr(cuda_fp8.Fp8CudaLinear, "normed_rope_product", Linear.normed_rope_product)
+            assert_same(logits, model.forward(inputs, kvs[1]), f"{name} logits, {len(lens)} sequences")
+        for c, c_ref in zip(kvs[0].k + kvs[0].v, kvs[1].k + kvs[1].v):
+            assert_same(c, c_ref, "KV cache after the step")

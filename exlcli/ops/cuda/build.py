@@ -35,7 +35,7 @@ SOURCES = (
     "argmax.cu",
 )
 HEADERS = ("common.cuh", "pdl.cuh", "e4m3_rows.cuh", "kv_e4m3.cuh", "decode_gemv.cuh", "quant_linear.cuh",
-           "quant_gemv_dp4a.cuh", "attention_decode.cuh", "fp8_operands.h", "ops.h")
+           "quant_gemv_dp4a.cuh", "attention_decode.cuh", "fp8_operands.h", "rope_kv.cuh", "ops.h")
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 
 # unwind tables everywhere: an error raised by a check must unwind through our frames

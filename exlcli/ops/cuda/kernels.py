@@ -275,6 +275,33 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w_sc
                                      STATE.options.pdl)
 
 
+def fp8_gemm_qkv_rope(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
+                      bias: torch.Tensor | None, splits: int, block_tokens: int, positions: torch.Tensor,
+                      cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """fp8_gemm's product with a q|k|v weight (blocks of 128 rows), its rows rotated as rope_and_write_kv
+    rotates them, k and v written at slot_mapping of the caches; returns q [m, num_heads, D] bf16."""
+    op = "fp8_gemm_qkv_rope"
+    n, k = _fp8_operands(op, xq, x_scale, weight, w_scale, bias)
+    if not 1 <= splits <= 8 or block_tokens not in (32, 64):
+        checks.fail(op, f"splits must be 1 to 8 and block_tokens 32 or 64, got {splits}, {block_tokens}")
+    if n % 128 or k % 128 or k < 128 * splits:
+        checks.fail(op, f"n must be a multiple of 128 and k of 128, at least {128 * splits}, got {n} x {k}")
+    checks.on_cuda(op, "xq positions cos_sin k_cache v_cache slot_mapping", xq, positions, cos_sin, k_cache,
+                   v_cache, slot_mapping)
+    if k_cache.dim() != 4:
+        checks.fail(op, f"k_cache must be [pages, page_size, kv_heads, head_dim], got {list(k_cache.shape)}")
+    kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
+    checks.head_dim(op, dim)
+    checks.cache_pair(op, k_cache, v_cache, torch.bfloat16, kv_heads, dim)
+    if num_heads < 1 or n != (num_heads + 2 * kv_heads) * dim:
+        checks.fail(op, f"weight must have (num_heads + 2 * kv_heads) * head_dim = {(num_heads + 2 * kv_heads) * dim} "
+                        f"rows, got {n}")
+    checks.rope_inputs(op, xq.shape[0], dim, positions, cos_sin, slot_mapping)
+    return torch.ops.exlcli.fp8_gemm_qkv_rope(xq, x_scale, weight, w_scale, bias, splits, block_tokens, positions,
+                                              cos_sin, k_cache, v_cache, slot_mapping, num_heads, STATE.options.pdl)
+
+
 def _fp8_operands(op: str, xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
                   bias: torch.Tensor | None) -> tuple[int, int]:
     """Checks the operands of an FP8 x FP8 product; returns (n, k)."""

@@ -11,7 +11,10 @@ the layout both of its products read.
   csrc/fp8_linear.cu (mma.sync over the row-major weights) up to MMA_MAX_TOKENS tokens, on Hopper
   only up to GEMM_MIN_TOKENS - 1 and then by csrc/fp8_gemm.cu (wgmma over tiles in shared memory,
   the input features split across a cluster where the weight has few rows or long ones;
-  `gemm_tiling`) up to GEMM_MAX_TOKENS; beyond, by cuBLASLt's FP8 matmul (`torch._scaled_mm`).
+  `gemm_tiling`) up to GEMM_MAX_TOKENS, which for a q|k|v projection of ROPE_EPILOGUE_MIN_TOKENS or
+  more also rotates its rows and writes k and v into their pages in its epilogue
+  (`normed_rope_product`); beyond, by cuBLASLt's FP8 matmul
+  (`torch._scaled_mm`).
   Each kernel is batch-invariant over its range. Measured on an H200, 8B shapes
   (`scripts/fp8_matmul_bench.py`, docs/gpu-results.md runs 18 and 25): the mma.sync kernel is the
   fastest at 5-8 tokens; from 16 tokens the wgmma one is (Hopper runs mma.sync's e4m3 form as fp16
@@ -28,12 +31,17 @@ from dataclasses import dataclass
 import torch
 
 from exlcli.ops.cuda import kernels
-from exlcli.ops.cuda.limits import DECODE_LINEAR_MAX_ROWS
+from exlcli.ops.cuda.limits import DECODE_LINEAR_MAX_ROWS, HEAD_DIMS
 from exlcli.ops.formats.base import BfloatRowsLinear, DecodeWeights, Linear
+from exlcli.ops.rope import RopeWrite
 
 E4M3_MAX = 448.0  # the largest finite e4m3 value
 MMA_MAX_TOKENS = 16  # without the wgmma kernel: beyond, cuBLASLt's FP8 matmul (docs/gpu-results.md run 18)
 GEMM_MIN_TOKENS, GEMM_MAX_TOKENS = 9, 64  # the wgmma kernel's range (docs/gpu-results.md run 25)
+# The q|k|v product's rope epilogue in 64-token blocks only: on an H100 the 8B FP8 decode graph at
+# batch 64 took 4.58 against 4.66 ms with it, at batch 16 (32-token blocks) 4.16 against 4.10
+# (docs/gpu-runs/run35).
+ROPE_EPILOGUE_MIN_TOKENS = 33
 MIN_CAPABILITY = (8, 9)  # e4m3 tensor-core products (Ada, Hopper and newer)
 GEMM_CAPABILITY = (9, 0)  # wgmma and thread block clusters
 FUSED_E4M3_MAX_WIDTH = 16384  # the widest e4m3 rows the SiLU kernel writes (the norm's: 32,768)
@@ -74,11 +82,39 @@ class Fp8CudaLinear(BfloatRowsLinear):
 
     def normed_product(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        xq, x_scale, new_residual = self._normed_e4m3_rows(x, residual, norm_weight, eps)
+        if xq is None:
+            return super().normed_product(x, residual, norm_weight, eps)
+        return self.e4m3_product(xq, x_scale), new_residual
+
+    def _normed_e4m3_rows(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                          eps: float) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """The norm writing this linear's e4m3 rows (xq, x_scale, the new residual), or three Nones where
+        the rows do not go to the e4m3 products in a form the fused norm writes from."""
         if (not self._takes_e4m3_rows(x, self.in_features) or norm_weight.dtype != torch.bfloat16
                 or (residual is not None and not self._takes_e4m3_rows(residual, self.in_features))):
-            return super().normed_product(x, residual, norm_weight, eps)
-        xq, x_scale, residual = kernels.rms_norm_e4m3(x, residual, norm_weight, eps)
-        return self.e4m3_product(xq, x_scale), residual
+            return None, None, None
+        return kernels.rms_norm_e4m3(x, residual, norm_weight, eps)
+
+    def normed_rope_product(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                            eps: float, rope: RopeWrite) -> tuple[torch.Tensor, torch.Tensor]:
+        """Products of ROPE_EPILOGUE_MIN_TOKENS to GEMM_MAX_TOKENS tokens rotate and write their rows in
+        the wgmma kernel's epilogue (one kernel fewer a layer; the same bytes as the product then rope)."""
+        tokens = x.shape[0] if x.dim() == 2 else 0
+        block_tokens = 32 if tokens <= 32 else 64
+        tiling = self._gemm[block_tokens]
+        kv_heads, dim = rope.k_cache.shape[-2:]
+        if (tiling is None or not ROPE_EPILOGUE_MIN_TOKENS <= tokens <= GEMM_MAX_TOKENS or dim not in HEAD_DIMS
+                or self.out_features != (rope.num_heads + 2 * kv_heads) * dim
+                or rope.k_cache.dtype not in (torch.bfloat16, torch.float8_e4m3fn)):
+            return super().normed_rope_product(x, residual, norm_weight, eps, rope)
+        xq, x_scale, new_residual = self._normed_e4m3_rows(x, residual, norm_weight, eps)
+        if xq is None:
+            return super().normed_rope_product(x, residual, norm_weight, eps, rope)
+        q = kernels.fp8_gemm_qkv_rope(xq, x_scale, self.weight, self.row_scale, self.bias, tiling.splits,
+                                      block_tokens, rope.positions, rope.cos_sin, rope.k_cache, rope.v_cache,
+                                      rope.slot_mapping, rope.num_heads)
+        return q, new_residual
 
     def silu_product(self, gate_up: torch.Tensor) -> torch.Tensor:
         if not self._takes_e4m3_rows(gate_up, 2 * self.in_features):
