@@ -1,0 +1,77 @@
+"""Run 35: FP8 decode steps of the random 8B model with the fusions of issue 15's batch-64 work on
+and off, alternating in one process on one build:
+- rope: the q|k|v product's rope epilogue (Fp8CudaLinear.normed_rope_product, from --rope-min tokens;
+  off: the product, then the rope kernel);
+- attn, with attention-e4m3-rows.patch applied only: the attention kernel writing the o projection's
+  e4m3 rows (Fp8CudaLinear.attended_product; off: attention's bf16 rows, then the quantization).
+Optionally the top kernels of the batch-64 graph with all on (programmatic dependent launch off, so
+the kernels' times do not overlap).
+
+    python3 docs/gpu-runs/run35/fusion_probe.py [--kv fp8] [--batches 16,32,48,64] [--reps 2]
+        [--variants rope,none] [--rope-min 9] [--profile]"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts"))
+import gpu_bench as gb  # noqa: E402
+
+from exlcli.ops.cuda import loader  # noqa: E402
+from exlcli.ops.cuda.state import launch_options  # noqa: E402
+from exlcli.ops.formats import cuda_fp8  # noqa: E402
+from exlcli.ops.formats.base import Linear  # noqa: E402
+from exlcli.ops.formats.cuda_fp8 import Fp8CudaLinear  # noqa: E402
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--kv", default="fp8")
+parser.add_argument("--batches", default="16,32,48,64")
+parser.add_argument("--reps", type=int, default=2)
+parser.add_argument("--variants", default="rope,none", help="comma list of: both, rope, attn, none")
+parser.add_argument("--rope-min", type=int, default=9, help="the rope epilogue from this many tokens")
+parser.add_argument("--profile", action="store_true")
+args = parser.parse_args()
+batches = [int(b) for b in args.batches.split(",")]
+
+assert loader.load(), loader.reason()
+cuda_fp8.ROPE_EPILOGUE_MIN_TOKENS = args.rope_min
+FUSED = {name: getattr(Fp8CudaLinear, name) for name in ("normed_rope_product", "attended_product")
+         if name in vars(Fp8CudaLinear)}  # attended_product: with the patch only
+ON = {"both": ("normed_rope_product", "attended_product"), "rope": ("normed_rope_product",),
+      "attn": ("attended_product",), "none": ()}
+
+
+def use(variant: str) -> None:
+    for name, method in FUSED.items():
+        setattr(Fp8CudaLinear, name, method if name in ON[variant] else getattr(Linear, name))
+
+
+model, tok = gb.build_quantized_llama("fp8")
+variants = args.variants.split(",")
+for kv in args.kv.split(","):
+    res: dict = {}
+    for rep in range(args.reps):
+        for variant in variants:
+            use(variant)
+            engine = gb.make_engine(model, tok, max_num_seqs=64, kv_cache_dtype=kv)
+            for batch in batches:
+                gb.decode_figures(res, f"{variant}{rep}_b{batch}", engine, batch, 64)
+            del engine
+            gb.free_gpu()
+    use("both" if "attended_product" in FUSED else "rope")
+    if args.profile:
+        with launch_options(pdl=False):
+            engine = gb.make_engine(model, tok, max_num_seqs=64, kv_cache_dtype=kv)
+            gb.decode_figures(res, "nopdl_b64", engine, 64, 48)
+            res["nopdl_profile_b64"] = gb.profile_graph(engine, 64)
+            del engine
+            gb.free_gpu()
+    print("RESULT", kv, json.dumps(res))
+    for batch in batches:
+        print(f"kv {kv}, b{batch} tok/s:", *(f"{v}{r}={res[f'{v}{r}_b{batch}_tok_s']:.0f}"
+                                             for r in range(args.reps) for v in variants), flush=True)
+        print(f"kv {kv}, b{batch} graph ms:", *(f"{v}{r}={res.get(f'{v}{r}_b{batch}_graph_ms') or 0:.3f}"
+                                                for r in range(args.reps) for v in variants), flush=True)
