@@ -13,8 +13,7 @@ the layout both of its products read.
   the input features split across a cluster where the weight has few rows or long ones;
   `gemm_tiling`) up to GEMM_MAX_TOKENS, which for a q|k|v projection of ROPE_EPILOGUE_MIN_TOKENS or
   more also rotates its rows and writes k and v into their pages in its epilogue
-  (`normed_rope_product`); beyond, by cuBLASLt's FP8 matmul
-  (`torch._scaled_mm`).
+  (`normed_rope_product`); beyond, by cuBLASLt's FP8 matmul (`torch._scaled_mm`).
   Each kernel is batch-invariant over its range. Measured on an H200, 8B shapes
   (`scripts/fp8_matmul_bench.py`, docs/gpu-results.md runs 18 and 25): the mma.sync kernel is the
   fastest at 5-8 tokens; from 16 tokens the wgmma one is (Hopper runs mma.sync's e4m3 form as fp16
@@ -38,9 +37,9 @@ from exlcli.ops.rope import RopeWrite
 E4M3_MAX = 448.0  # the largest finite e4m3 value
 MMA_MAX_TOKENS = 16  # without the wgmma kernel: beyond, cuBLASLt's FP8 matmul (docs/gpu-results.md run 18)
 GEMM_MIN_TOKENS, GEMM_MAX_TOKENS = 9, 64  # the wgmma kernel's range (docs/gpu-results.md run 25)
-# The q|k|v product's rope epilogue in 64-token blocks only: on an H100 the 8B FP8 decode graph at
-# batch 64 took 4.58 against 4.66 ms with it, at batch 16 (32-token blocks) 4.16 against 4.10
-# (docs/gpu-runs/run35).
+# The q|k|v product's rope epilogue in 64-token blocks only: on an H100 the 8B FP8 decode graph took
+# 4.59 against 4.69-4.71 ms with it at batch 64 and 4.65-4.68 against 4.73-4.75 at 48, but in 32-token
+# blocks 4.18-4.21 against 4.10 at batch 16 and 4.21-4.25 against 4.20 at 32 (docs/gpu-runs/run35).
 ROPE_EPILOGUE_MIN_TOKENS = 33
 MIN_CAPABILITY = (8, 9)  # e4m3 tensor-core products (Ada, Hopper and newer)
 GEMM_CAPABILITY = (9, 0)  # wgmma and thread block clusters
