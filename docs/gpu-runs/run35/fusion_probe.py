@@ -4,8 +4,8 @@ and off, alternating in one process on one build:
   off: the product, then the rope kernel);
 - attn, with attention-e4m3-rows.patch applied only: the attention kernel writing the o projection's
   e4m3 rows (Fp8CudaLinear.attended_product; off: attention's bf16 rows, then the quantization).
-Optionally the top kernels of the batch-64 graph with all on (programmatic dependent launch off, so
-the kernels' times do not overlap).
+Optionally (--profile) the top kernels of each variant's batch-64 graph, programmatic dependent launch
+off so that the kernels' times do not overlap.
 
     python3 docs/gpu-runs/run35/fusion_probe.py [--kv fp8] [--batches 16,32,48,64] [--reps 2]
         [--variants rope,none] [--rope-min 9] [--profile]"""
@@ -61,14 +61,15 @@ for kv in args.kv.split(","):
                 gb.decode_figures(res, f"{variant}{rep}_b{batch}", engine, batch, 64)
             del engine
             gb.free_gpu()
-    use("both" if "attended_product" in FUSED else "rope")
-    if args.profile:
+    for variant in variants if args.profile else ():  # each kernel's time, side by side
+        use(variant)
         with launch_options(pdl=False):
             engine = gb.make_engine(model, tok, max_num_seqs=64, kv_cache_dtype=kv)
-            gb.decode_figures(res, "nopdl_b64", engine, 64, 48)
-            res["nopdl_profile_b64"] = gb.profile_graph(engine, 64)
+            gb.decode_figures(res, f"{variant}_nopdl_b64", engine, 64, 48)
+            res[f"{variant}_nopdl_profile_b64"] = gb.profile_graph(engine, 64)
             del engine
             gb.free_gpu()
+    use("both")
     print("RESULT", kv, json.dumps(res))
     for batch in batches:
         print(f"kv {kv}, b{batch} tok/s:", *(f"{v}{r}={res[f'{v}{r}_b{batch}_tok_s']:.0f}"
