@@ -266,11 +266,7 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w_sc
     n a multiple of block_rows, k of 128 and at least 128 * splits."""
     op = "fp8_gemm"
     n, k = _fp8_operands(op, xq, x_scale, weight, w_scale, bias)
-    if not 1 <= splits <= 8 or block_tokens not in (32, 64) or block_rows not in (128, 64):
-        checks.fail(op, "splits must be 1 to 8, block_tokens 32 or 64 and block_rows 64 or 128, got "
-                        f"{splits}, {block_tokens}, {block_rows}")
-    if n % block_rows or k % 128 or k < 128 * splits or n == 0:
-        checks.fail(op, f"n must be a multiple of {block_rows} and k of 128, at least {128 * splits}, got {n} x {k}")
+    _gemm_tiling(op, n, k, splits, block_tokens, block_rows)
     return torch.ops.exlcli.fp8_gemm(xq, x_scale, weight, w_scale, bias, splits, block_tokens, block_rows,
                                      STATE.options.pdl)
 
@@ -283,10 +279,7 @@ def fp8_gemm_qkv_rope(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Ten
     rotates them, k and v written at slot_mapping of the caches; returns q [m, num_heads, D] bf16."""
     op = "fp8_gemm_qkv_rope"
     n, k = _fp8_operands(op, xq, x_scale, weight, w_scale, bias)
-    if not 1 <= splits <= 8 or block_tokens not in (32, 64):
-        checks.fail(op, f"splits must be 1 to 8 and block_tokens 32 or 64, got {splits}, {block_tokens}")
-    if n % 128 or k % 128 or k < 128 * splits:
-        checks.fail(op, f"n must be a multiple of 128 and k of 128, at least {128 * splits}, got {n} x {k}")
+    _gemm_tiling(op, n, k, splits, block_tokens, 128)
     checks.on_cuda(op, "xq positions cos_sin k_cache v_cache slot_mapping", xq, positions, cos_sin, k_cache,
                    v_cache, slot_mapping)
     if k_cache.dim() != 4:
@@ -300,6 +293,15 @@ def fp8_gemm_qkv_rope(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Ten
     checks.rope_inputs(op, xq.shape[0], dim, positions, cos_sin, slot_mapping)
     return torch.ops.exlcli.fp8_gemm_qkv_rope(xq, x_scale, weight, w_scale, bias, splits, block_tokens, positions,
                                               cos_sin, k_cache, v_cache, slot_mapping, num_heads, STATE.options.pdl)
+
+
+def _gemm_tiling(op: str, n: int, k: int, splits: int, block_tokens: int, block_rows: int) -> None:
+    """The checks of fp8_gemm.cu's tiling that both of its ops make (csrc's check_tiling)."""
+    if not 1 <= splits <= 8 or block_tokens not in (32, 64) or block_rows not in (128, 64):
+        checks.fail(op, "splits must be 1 to 8, block_tokens 32 or 64 and block_rows 64 or 128, got "
+                        f"{splits}, {block_tokens}, {block_rows}")
+    if n % block_rows or k % 128 or k < 128 * splits or n == 0:
+        checks.fail(op, f"n must be a multiple of {block_rows} and k of 128, at least {128 * splits}, got {n} x {k}")
 
 
 def _fp8_operands(op: str, xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,

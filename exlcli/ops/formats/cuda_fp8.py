@@ -100,8 +100,7 @@ class Fp8CudaLinear(BfloatRowsLinear):
         """Products of ROPE_EPILOGUE_MIN_TOKENS to GEMM_MAX_TOKENS tokens rotate and write their rows in
         the wgmma kernel's epilogue (one kernel fewer a layer; the same bytes as the product then rope)."""
         tokens = x.shape[0] if x.dim() == 2 else 0
-        block_tokens = 32 if tokens <= 32 else 64
-        tiling = self._gemm[block_tokens]
+        block_tokens, tiling = self._gemm_blocks(tokens)
         kv_heads, dim = rope.k_cache.shape[-2:]
         if (tiling is None or not ROPE_EPILOGUE_MIN_TOKENS <= tokens <= GEMM_MAX_TOKENS or dim not in HEAD_DIMS
                 or self.out_features != (rope.num_heads + 2 * kv_heads) * dim
@@ -130,8 +129,7 @@ class Fp8CudaLinear(BfloatRowsLinear):
     def e4m3_product(self, xq: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
         """The product of activations already quantized per row: xq e4m3 [M, in], x_scale fp32 [M, 1]."""
         tokens = xq.shape[0]
-        block_tokens = 32 if tokens <= 32 else 64
-        tiling = self._gemm[block_tokens]
+        block_tokens, tiling = self._gemm_blocks(tokens)
         if tiling is not None and GEMM_MIN_TOKENS <= tokens <= GEMM_MAX_TOKENS:
             return kernels.fp8_gemm(xq, x_scale, self.weight, self.row_scale, self.bias, tiling.splits,
                                     block_tokens, tiling.rows)
@@ -139,6 +137,12 @@ class Fp8CudaLinear(BfloatRowsLinear):
             return kernels.fp8_linear(xq, x_scale, self.weight, self.row_scale, self.bias)
         return torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self._scale_b, bias=self.bias,
                                 out_dtype=torch.bfloat16)
+
+    def _gemm_blocks(self, tokens: int) -> tuple[int, GemmTiling | None]:
+        """The wgmma kernel's token block (32 or 64) for a product of `tokens` and this weight's tiling
+        for it (None where that kernel does not run)."""
+        block_tokens = 32 if tokens <= 32 else 64
+        return block_tokens, self._gemm[block_tokens]
 
     def nbytes(self) -> int:
         return self.weight.numel() + self.row_scale.numel() * 4
