@@ -22,12 +22,13 @@
 #define MAX_WORKERS 31
 #define SPIN_NS 300000        // how long an idle worker spins before it sleeps
 #define CHUNKS_PER_THREAD 4
+_Static_assert((MAX_WORKERS + 1) * CHUNKS_PER_THREAD < 0x10000, "a job's chunks fit 16 bits of the claim word");
 
 static int n_workers;
 static pthread_mutex_t busy = PTHREAD_MUTEX_INITIALIZER;  // one job at a time
 static pthread_mutex_t sleep_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
-static atomic_uint_fast64_t claim;  // (job sequence << 32) | next chunk
+static atomic_uint_fast64_t claim;  // (job sequence << 32) | (the job's chunks << 16) | next chunk
 static atomic_long done;            // chunks of the current job finished
 static atomic_int sleepers;
 
@@ -42,15 +43,21 @@ static int64_t now_ns(void) {
 }
 
 // Claims and runs chunks of job `seq` until none is left (or the job is no longer `seq`).
+// The chunk count comes from the claim word, not from job_chunks: once a job's last chunk is claimed
+// and done, the caller may return and post the next job, rewriting job_chunks (and job_n, job_task)
+// before it publishes the new sequence. A worker comparing its stale word's chunk index with the new
+// count could then claim a chunk of a finished job, run it with the next job's task, and count it as
+// done for that job, which then returned with a chunk still running. A successful claim of chunk c <
+// chunks of job seq means seq is not finished, so its fields stay put until this chunk is counted.
 static void run_chunks(uint64_t seq) {
     for (;;) {
         uint64_t v = atomic_load_explicit(&claim, memory_order_acquire);
-        if ((v >> 32) != seq || (int64_t)(v & 0xffffffffu) >= job_chunks) return;
+        int64_t c = (int64_t)(v & 0xffffu), chunks = (int64_t)((v >> 16) & 0xffffu);
+        if ((v >> 32) != seq || c >= chunks) return;
         if (!atomic_compare_exchange_weak_explicit(&claim, &v, v + 1, memory_order_acq_rel,
                                                    memory_order_relaxed))
             continue;
-        int64_t c = (int64_t)(v & 0xffffffffu);
-        int64_t begin = job_n * c / job_chunks, end = job_n * (c + 1) / job_chunks;
+        int64_t begin = job_n * c / chunks, end = job_n * (c + 1) / chunks;
         if (begin < end) job_task(job_ctx, begin, end);
         atomic_fetch_add_explicit(&done, 1, memory_order_release);
     }
@@ -102,14 +109,15 @@ void exl_parallel_for(exl_task_fn task, void *ctx, int64_t n) {
         task(ctx, 0, n);
         return;
     }
-    int64_t chunks = (int64_t)(n_workers + 1) * CHUNKS_PER_THREAD;
+    int64_t chunks = (int64_t)(n_workers + 1) * CHUNKS_PER_THREAD;  // at most 128: 16 bits of the claim word
     job_task = task;
     job_ctx = ctx;
     job_n = n;
     job_chunks = chunks < n ? chunks : n;
     atomic_store(&done, 0);
     uint64_t seq = (atomic_load(&claim) >> 32) + 1;
-    atomic_store(&claim, seq << 32);  // seq_cst, then the load below: a worker going to sleep sees it
+    // seq_cst, then the load below: a worker going to sleep sees it
+    atomic_store(&claim, (seq << 32) | ((uint64_t)job_chunks << 16));
     if (atomic_load(&sleepers) > 0) {
         pthread_mutex_lock(&sleep_mu);
         pthread_cond_broadcast(&wake);
