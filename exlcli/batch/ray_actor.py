@@ -44,6 +44,10 @@ class EngineSpec:
     cpu_threads: int | None = None
     fake_delay: float = 0.002  # the fake engine's default delay per token, as the local batch uses
     kv_cache_dtype: str = "auto"
+    quantize: str | None = None  # --quantize: each actor quantizes its copy at load
+    speculative: str | None = None  # --speculative and its options, as the local engine takes them
+    num_draft_tokens: int = 4
+    draft_layers: int | None = None
 
     def open(self) -> EngineClient:
         from exlcli.client.factory import open_client
@@ -51,7 +55,8 @@ class EngineSpec:
         return open_client(self.model, local=True, quiet=True, device=self.device, dtype=self.dtype,
                            kv_memory=self.kv_memory, prefix_cache=self.prefix_cache, fake_delay=self.fake_delay,
                            max_model_len=self.max_model_len, cpu_threads=self.cpu_threads,
-                           kv_cache_dtype=self.kv_cache_dtype)
+                           kv_cache_dtype=self.kv_cache_dtype, quantize=self.quantize, speculative=self.speculative,
+                           num_draft_tokens=self.num_draft_tokens, draft_layers=self.draft_layers)
 
 
 @dataclass

@@ -170,8 +170,14 @@ def register(app: typer.Typer) -> None:
             raise io_failure(e, input_path, output_path) from None
         try:
             if ray is not None:
-                client = open_ray_client(ray, model, device, dtype, kv_memory, prefix_cache, ctx_size, threads,
-                                         ray_actors, gpus_per_actor, max_in_flight, kv_cache_dtype)
+                from exlcli.batch.ray_actor import EngineSpec
+                from exlcli.model.quantize_at_load import check_target
+
+                check_target(quantize)  # here, once, rather than in every actor
+                spec = EngineSpec(model, device, dtype, kv_memory, prefix_cache, ctx_size, threads,
+                                  kv_cache_dtype=kv_cache_dtype, quantize=quantize, speculative=speculative,
+                                  num_draft_tokens=num_draft_tokens, draft_layers=draft_layers)
+                client = open_ray_client(ray, spec, ray_actors, gpus_per_actor, max_in_flight)
                 options.max_in_flight = client.capacity  # the pool hands lines on to its actors
             else:
                 client = open_batch_client(model, server, local, device, dtype, kv_memory, prefix_cache, ctx_size,

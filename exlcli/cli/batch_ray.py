@@ -4,12 +4,16 @@
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 from typer.core import TyperCommand
 
 from exlcli.batch.ray_plan import LOCAL, require_ray
 from exlcli.client.base import EngineClient
 from exlcli.errors import ExlcliError
+
+if TYPE_CHECKING:
+    from exlcli.batch.ray_actor import EngineSpec
 
 RAY_FLAG = "--ray"
 
@@ -50,17 +54,13 @@ def check_ray_options(address: str | None, server: str | None, local: bool, acto
     require_ray()
 
 
-def open_ray_client(address: str, model: str | None, device: str | None, dtype: str | None,
-                    kv_memory: str | None, prefix_cache: bool, max_model_len: int | None,
-                    cpu_threads: int | None, actors: int | None, gpus_per_actor: float | None,
-                    max_in_flight: int, kv_cache_dtype: str = "auto") -> EngineClient:
-    from exlcli.batch.ray_actor import EngineSpec
+def open_ray_client(address: str, spec: EngineSpec, actors: int | None, gpus_per_actor: float | None,
+                    max_in_flight: int) -> EngineClient:
+    """A pool of actors on the cluster at `address`, each opening the engine `spec` describes."""
     from exlcli.batch.ray_pool import PoolSettings, RayPool
 
     print(f"batch: starting Ray actors ({'a local Ray instance' if address == LOCAL else address}) ...",
           file=sys.stderr)
-    spec = EngineSpec(model, device, dtype, kv_memory, prefix_cache, max_model_len, cpu_threads,
-                      kv_cache_dtype=kv_cache_dtype)
     settings = PoolSettings(address=None if address == LOCAL else address, num_actors=actors,
                             gpus_per_actor=gpus_per_actor, max_in_flight=max_in_flight)
     pool = RayPool(spec, settings)

@@ -80,8 +80,8 @@ def comparable(record):
     return ("native", record["id"], record["line"], record["text"], record["finish_reason"], usage)
 
 
-def ray_pool(model, **settings):
-    return RayPool(EngineSpec(model=model), PoolSettings(**settings))
+def ray_pool(model, quantize=None, **settings):
+    return RayPool(EngineSpec(model=model, quantize=quantize), PoolSettings(**settings))
 
 
 def test_2000_lines_with_bad_lines_over_two_actors_equal_the_local_runner(cluster, tmp_path, write_jsonl,
@@ -190,14 +190,21 @@ def test_with_every_actor_killed_the_job_stops_and_a_rerun_writes_the_rest_once(
 @pytest.mark.slow
 def test_a_tiny_random_model_over_two_actors_gives_the_local_runners_texts(cluster, tmp_path, write_jsonl,
                                                                          read_jsonl):
+    # quantized at load in each actor as in the local engine (--quantize reaches the actors), so every
+    # product runs the CPU kernels, batch-invariant on any CPU; torch's bf16 matmul, which dense weights
+    # would take, may sum a row differently with the row count on some CPUs
     from exlcli.client.local import LocalClient
 
     rows = [{"id": f"t{i}", "prompt": f"tell me {i} things", "max_tokens": 1 + i % 8} for i in range(40)]
     rows.append({"id": "long", "prompt": "x " * 5000})  # longer than the context of 4096: refused in the actor
     inp = write_jsonl(rows)
-    with LocalClient.from_model("random:tiny") as local:
+    with LocalClient.from_model("random:tiny", quantize="q8_0") as local:
         run_batch(local, inp, tmp_path / "local.jsonl", GREEDY, BatchOptions())
-    pool = ray_pool("random:tiny")
+    with LocalClient.from_model("random:tiny") as dense:  # what the actors would give without --quantize
+        run_batch(dense, inp, tmp_path / "dense.jsonl", GREEDY, BatchOptions())
+    assert sorted(map(comparable, read_jsonl(tmp_path / "dense.jsonl")), key=repr) != sorted(
+        map(comparable, read_jsonl(tmp_path / "local.jsonl")), key=repr)
+    pool = ray_pool("random:tiny", quantize="q8_0")
     try:
         summary = run_batch(pool, inp, tmp_path / "ray.jsonl", GREEDY, BatchOptions(max_in_flight=pool.capacity))
         actors = pool.throughput()
@@ -219,6 +226,16 @@ def test_the_driver_killed_then_rerun_writes_every_id_once(cluster, tmp_path):
     assert len(report.kills) == 1 and report.kills[0].lines_after < 200
     out = [json.loads(line) for line in (tmp_path / "kill_out.jsonl").read_text().splitlines()]
     assert sorted(r["id"] for r in out) == sorted(f"k{i}" for i in range(200))
+
+
+def test_a_bad_quantize_is_refused_before_any_actor_starts(cluster, tmp_path, write_jsonl):
+    inp = write_jsonl([{"id": "a", "prompt": "hi"}])
+    args = ["batch", str(inp), "-o", str(tmp_path / "out.jsonl"), "--model", "random:tiny", "--quantize", "q3",
+            "--ray"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code != 0
+    assert "unknown --quantize 'q3'" in result.stderr and "Traceback" not in result.output
+    assert "starting Ray actors" not in result.stderr
 
 
 def test_the_command_line_runs_on_the_cluster_and_resumes(cluster, tmp_path, write_jsonl, read_jsonl):
