@@ -219,6 +219,9 @@ class Engine:
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else device.type == "cuda")
         self._in_flight: LaunchedStep | None = None
+        # the sampled ids go to the host on a stream of their own: the next step's inputs need not wait
+        # for that copy (nor the copy engine's hand-overs) on the device (docs/gpu-results.md, run 37)
+        self._readback = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size, self.eos_ids)
         self.masks = MaskWorker(self.grammars, model.config.vocab_size)
         self._last_resolved = 0.0
@@ -481,12 +484,7 @@ class Engine:
             rows.append(list(range(first, first + 1 + len(d))))
             first += 1 + len(d)
         ids = flagged[:first] if flagged is not None else None
-        host_ids, ready = flagged, None
-        if flagged is not None and flagged.device.type != "cpu":
-            host_ids = torch.empty(flagged.shape, dtype=flagged.dtype, pin_memory=True)
-            host_ids.copy_(flagged, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
+        host_ids, ready = self._read_back(flagged)
         for seq, r in zip(seqs, rows):
             seq.add_pending(r[:1])  # a verify step's tokens are read back before anything uses the row
         speculating = self.speculator is not None and any(self.speculator.drafts_next(seq) for seq in seqs)
@@ -495,6 +493,20 @@ class Engine:
         keep = (self.async_scheduling and bool(seqs) and logprobs is None and not speculating
                 and not any(needs_history(seq.request.sampling) for seq in seqs))
         return LaunchedStep(batch, seqs, rows, drafts, rng_states, ids, host_ids, ready, logprobs, start, keep)
+
+    def _read_back(self, flagged: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.cuda.Event | None]:
+        """The sampled ids (and flags) queued for the host: (a pinned copy, the event that says it is
+        there), on the readback stream after everything queued so far; (flagged, None) on the CPU."""
+        if flagged is None or self._readback is None:
+            return flagged, None
+        host_ids = torch.empty(flagged.shape, dtype=flagged.dtype, pin_memory=True)
+        ready = torch.cuda.Event()
+        self._readback.wait_stream(torch.cuda.current_stream(flagged.device))
+        with torch.cuda.stream(self._readback):
+            host_ids.copy_(flagged, non_blocking=True)
+            ready.record(self._readback)
+        flagged.record_stream(self._readback)  # the allocator keeps it until the copy is done
+        return host_ids, ready
 
     def _run_alone(self, batch: ScheduledBatch, prev: LaunchedStep | None,
                    error: Exception) -> tuple[ScheduledBatch | None, torch.Tensor | None]:

@@ -4,7 +4,9 @@ A decode step (StepInputs.is_decode: every sequence computes one token and wants
 sequences runs the graph of the smallest bucket >= n; the rows past n are padding: token 0 at
 position 0, KV slot -1 (the rope kernel writes nothing) and length 0 (attention writes zeros).
 Inputs reach the graph's static buffers through one host-to-device copy from pinned memory
-(`_Staging`); the only wait on the device in a step is the sampler reading the token ids.
+(`_Staging`), on a stream of its own that starts it as soon as the last replay is done with those
+buffers, so it runs beside the previous step's sampling; the only wait on the device in a step is the
+sampler reading the token ids.
 
 Graphs are captured lazily, the first time a bucket is needed (or ahead with `capture`), all in one
 memory pool. They need the compiled kernels: the reference ops read lengths on the host, which a
@@ -102,8 +104,10 @@ class DecodeGraphs:
         self._staging: dict[int, _Staging] = {}
         self._qsl = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self._rows = torch.arange(n, dtype=torch.long, device=dev)
-        self._copied = torch.cuda.Event()
+        self._copier = torch.cuda.Stream(dev)  # the staging copies (see _stage)
+        self._copied = torch.cuda.Event()  # the last staging copy is done
         self._copied.record()
+        self._replayed = torch.cuda.Event()  # the last replay is done (with the static inputs too)
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle()
         self.fused_unsupported = model.fused_decode_unsupported()  # None: buckets <= 4 use it
@@ -128,6 +132,7 @@ class DecodeGraphs:
                 return None
         self._stage(inputs, bucket, width, prev_ids)
         graph.graph.replay()
+        self._replayed.record()
         self.num_replays += 1
         return graph.logits[:n]
 
@@ -197,6 +202,7 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 logits = forward(inputs, self.kv)
+            self._replayed.record()  # the warm-up read the static inputs too: the next copy waits for it
         log.debug("captured decode graph: batch %d, width %d pages", bucket, width)
         return _Graph(graph, logits)
 
@@ -218,8 +224,13 @@ class DecodeGraphs:
         flying = len(inputs.in_flight)
         if flying:
             st.host_flight[:, :flying] = list(zip(*inputs.in_flight))
-        st.copy_rows(bucket)
-        self._copied.record()
+        # The copy waits for the last replay only, not for what the stream queued after it (the
+        # sampling of that step), and this step's graph waits for the copy.
+        self._copier.wait_event(self._replayed)
+        with torch.cuda.stream(self._copier):
+            st.copy_rows(bucket)
+            self._copied.record(self._copier)
+        torch.cuda.current_stream(self.device).wait_event(self._copied)
         if flying:
             take_in_flight(st.longs[0], inputs.in_flight, prev_ids, index=st.flight[:, :flying])
 
