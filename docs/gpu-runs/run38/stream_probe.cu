@@ -156,7 +156,9 @@ __device__ __forceinline__ StageShape stage_shape(const Params& p, int s) {
 __device__ __forceinline__ uint32_t seg_scale_bytes(int glog) { return (kSegChunks * kChunk >> glog) * kTileRows * 4; }
 
 // ---- the input of a stage, in shared memory ------------------------------------------------------
-// xb: bf16 [k] built by the consumers; then rounded to int8 blocks as quant_gemv_dp4a.cuh's quantize_x16.
+// xb: bf16 [k] built by the consumers; then rounded to int8 blocks by this copy of quant_gemv_dp4a.cuh's
+// quantize_x16 for one token. The copy strides by the consumer threads: the library's strides by blockDim.x,
+// which here counts the producer warp too, and a probe should not change the library it is compared with.
 __device__ void quantize_consumers(const __nv_bfloat16* xb, int k, uint4* xq, float2* xs) {
   const int blocks = k / kXBlock;
   for (int i = threadIdx.x; i < blocks; i += kConsumerThreads) {
