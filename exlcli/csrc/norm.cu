@@ -16,6 +16,7 @@ namespace exlcli {
 namespace {
 
 constexpr int kMaxChunksPerThread = 4;
+constexpr int kPrefetchWeightRows = 4;  // the rows up to which a block prefetches the weight (see the kernel)
 
 template <typename T, int VW>
 __device__ __forceinline__ void load_chunk(const T* p, float (&dst)[VW]) {
@@ -51,13 +52,26 @@ __global__ void rms_norm_kernel(T* __restrict__ out, T* __restrict__ residual_ou
                                 const T* __restrict__ x, int64_t x_stride,
                                 const T* __restrict__ residual, int64_t res_stride,
                                 const T* __restrict__ weight, int hidden, float eps,
-                                uint8_t* __restrict__ q, float* __restrict__ q_scale) {
+                                uint8_t* __restrict__ q, float* __restrict__ q_scale, bool prefetch_weight) {
   static_assert(!E4M3 || (VW == 8 && std::is_same_v<T, __nv_bfloat16>), "e4m3 rows come from bf16 chunks of 8");
+  const int num_chunks = hidden / VW;
+  // The weight does not depend on the previous kernel, so with few rows L1 is asked for it before
+  // waiting for that kernel: it has usually left L2 since the last step, and its load would otherwise
+  // wait for memory after the sum of squares. A 32-layer chain of 4-bit products at one token took
+  // 1.613-1.614 ms instead of 1.633-1.637 on an H100 (docs/gpu-results.md, run 39). With 64 rows every
+  // block asking for the same lines made that chain 0.3-0.9% slower (run 38), hence the row limit.
+  // (Holding the weight in registers instead spilled: 54 -> 64+ registers.)
+  if (prefetch_weight) {
+#pragma unroll
+    for (int i = 0; i < kMaxChunksPerThread; ++i) {
+      const int c = threadIdx.x + i * blockDim.x;
+      if (c < num_chunks) asm volatile("prefetch.global.L1 [%0];" ::"l"(weight + c * VW));
+    }
+  }
   grid_dependency_wait();  // launched with launch_pdl: the previous kernel may still run
   grid_dependents_launch();
   __shared__ float scratch[32];
   const int64_t row = blockIdx.x;
-  const int num_chunks = hidden / VW;
   float vals[kMaxChunksPerThread][VW];
   float sumsq = 0.f;
 #pragma unroll
@@ -140,10 +154,12 @@ void launch_rms_norm(const at::Tensor& out, const at::Tensor& residual_out, cons
   const int64_t rs = ADD ? r2.stride(0) : 0;
   if (vec_ok) {
     launch_pdl(rms_norm_kernel<T, VW, ADD>, grid, dim3(threads), 0, current_stream(), pdl, o, ro, x, x2.stride(0), r,
-               rs, w, hidden, static_cast<float>(eps), static_cast<uint8_t*>(nullptr), static_cast<float*>(nullptr));
+               rs, w, hidden, static_cast<float>(eps), static_cast<uint8_t*>(nullptr), static_cast<float*>(nullptr),
+               rows <= kPrefetchWeightRows);
   } else {
     launch_pdl(rms_norm_kernel<T, 1, ADD>, grid, dim3(threads), 0, current_stream(), pdl, o, ro, x, x2.stride(0), r,
-               rs, w, hidden, static_cast<float>(eps), static_cast<uint8_t*>(nullptr), static_cast<float*>(nullptr));
+               rs, w, hidden, static_cast<float>(eps), static_cast<uint8_t*>(nullptr), static_cast<float*>(nullptr),
+               rows <= kPrefetchWeightRows);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -166,7 +182,8 @@ void launch_rms_norm_e4m3(const at::Tensor& q, const at::Tensor& scale, const at
              static_cast<const T*>(x2.data_ptr()), x2.stride(0),
              ADD ? static_cast<const T*>(r2.data_ptr()) : static_cast<const T*>(nullptr),
              ADD ? r2.stride(0) : int64_t{0}, static_cast<const T*>(weight.data_ptr()), hidden,
-             static_cast<float>(eps), static_cast<uint8_t*>(q.data_ptr()), scale.data_ptr<float>());
+             static_cast<float>(eps), static_cast<uint8_t*>(q.data_ptr()), scale.data_ptr<float>(),
+             rows <= kPrefetchWeightRows);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
