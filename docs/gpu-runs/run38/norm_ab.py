@@ -2,7 +2,7 @@
 """Run 38: the chain of a layer's 4-bit products with their norms and SiLU (GPTQ g128 layout, Llama-8B shape,
 32 layers of separate weights), through the library's kernels in one CUDA graph with programmatic dependent
 launch, at 1 and 64 tokens. Run once per build of the library to compare two builds (the norm kernel with
-and without the L1 prefetch of its weight): python3 norm_ab.py LABEL"""
+and without the L1 prefetch of its weight): python3 norm_ab.py LABEL [TOKENS, default 1,64]"""
 import sys
 from pathlib import Path
 
@@ -47,7 +47,7 @@ def chain(h):
     return h, r
 
 
-for m in (1, 64):
+for m in (int(t) for t in (sys.argv[2] if len(sys.argv) > 2 else "1,64").split(",")):
     x0 = (torch.randn(m, HIDDEN, device="cuda") * 0.5).bfloat16()
     out = chain(x0)[0]
     t = min(time_graph(lambda i: chain(x0), calls=5) for _ in range(3))
