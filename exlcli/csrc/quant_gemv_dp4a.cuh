@@ -126,18 +126,34 @@ __device__ __forceinline__ float2 row_affine(uint32_t pair) {
   }
 }
 
+// Block b takes row tiles b RT .. b RT + RT - 1 and stores their rows as they are (store_output).
+template <int RT>
+struct ConsecutiveTiles {
+  __device__ __forceinline__ int tile(int r) const { return blockIdx.x * RT + r; }
+
+  template <bool FLOAT_OUT, int WARPS, int M>
+  __device__ __forceinline__ void store(const Params& p, const float (&partial)[WARPS][RT][M][kTileRows]) const {
+    for (int i = threadIdx.x; i < RT * M * kTileRows; i += WARPS * 32) {
+      const int r = i / (M * kTileRows), m = (i / kTileRows) % M, row_in_tile = i % kTileRows;
+      float sum = 0.0f;
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) sum += partial[w][r][m][row_in_tile];
+      store_output<FLOAT_OUT>(p, m, tile(r) * kTileRows + row_in_tile, sum);
+    }
+  }
+};
+
 // RT row tiles a block share the activations a warp reads from shared memory; WARPS warps split a row
 // tile's chunks, UNROLL chunks of each warp's in flight (a ring: a chunk's slot is loaded again right
 // after it is computed).
-template <int BITS, int M, int RT, int UNROLL, bool FLOAT_OUT, int WARPS = kWarps>
-__global__ void __launch_bounds__(WARPS * 32) quant_gemv_dp4a_kernel(Params p) {
+template <int BITS, int M, int RT, int UNROLL, bool FLOAT_OUT, int WARPS = kWarps, typename Tiles = ConsecutiveTiles<RT>>
+__global__ void __launch_bounds__(WARPS * 32) quant_gemv_dp4a_kernel(Params p, Tiles tiles) {
   static_assert(BITS == 4 || BITS == 6 || BITS == 8, "the integer layouts (not e4m3)");
   extern __shared__ uint4 s_x[];
   __shared__ float partial[WARPS][RT][M][kTileRows];
   const int blocks = p.k / kXBlock;
   uint4* xq = s_x;
   float2* xs = reinterpret_cast<float2*>(s_x + M * blocks);
-  const int tile0 = blockIdx.x * RT;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   const int chunks = p.k / kChunk;
@@ -148,7 +164,7 @@ __global__ void __launch_bounds__(WARPS * 32) quant_gemv_dp4a_kernel(Params p) {
   for (int u = 0; u < UNROLL; ++u) {
     if (u < mine) {
 #pragma unroll
-      for (int r = 0; r < RT; ++r) load_chunk<BITS>(p, tile0 + r, warp + u * WARPS, lane, ring[u][r]);
+      for (int r = 0; r < RT; ++r) load_chunk<BITS>(p, tiles.tile(r), warp + u * WARPS, lane, ring[u][r]);
     }
   }
   grid_dependency_wait();  // x is the previous kernel's output
@@ -200,7 +216,7 @@ __global__ void __launch_bounds__(WARPS * 32) quant_gemv_dp4a_kernel(Params p) {
       }
       if (i + UNROLL < mine) {
 #pragma unroll
-        for (int r = 0; r < RT; ++r) load_chunk<BITS>(p, tile0 + r, chunk + UNROLL * WARPS, lane, ring[u][r]);
+        for (int r = 0; r < RT; ++r) load_chunk<BITS>(p, tiles.tile(r), chunk + UNROLL * WARPS, lane, ring[u][r]);
       }
     }
   }
@@ -221,13 +237,7 @@ __global__ void __launch_bounds__(WARPS * 32) quant_gemv_dp4a_kernel(Params p) {
     }
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < RT * M * kTileRows; i += WARPS * 32) {
-    const int r = i / (M * kTileRows), m = (i / kTileRows) % M, row_in_tile = i % kTileRows;
-    float sum = 0.0f;
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) sum += partial[w][r][m][row_in_tile];
-    store_output<FLOAT_OUT>(p, m, (tile0 + r) * kTileRows + row_in_tile, sum);
-  }
+  tiles.template store<FLOAT_OUT>(p, partial);
 }
 
 }  // namespace qlinear

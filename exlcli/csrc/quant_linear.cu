@@ -1,7 +1,8 @@
 // The torch-facing ops over quantized weights in the packed layout of quant_linear.cuh:
 // quant_linear (the product: on the tensor cores, or for 1 or 2 tokens over integer weights on the
-// CUDA cores with int8 activations, quant_gemv_dp4a.cuh) and quant_dequantize (the dense bf16 weight, for
-// products of many tokens through cuBLAS). Python checks the inputs first
+// CUDA cores with int8 activations, quant_gemv_dp4a.cuh), quant_qkv_rope (a q|k|v product and rope.cu's
+// step, in the dp4a kernel's epilogue where that kernel runs) and quant_dequantize (the dense bf16 weight,
+// for products of many tokens through cuBLAS). Python checks the inputs first
 // (exlcli/ops/cuda/kernels.py); the checks here only guard against a call that bypasses it.
 #include <ATen/ops/empty.h>
 #include <cuda_runtime.h>
@@ -10,6 +11,7 @@
 #include "ops.h"
 #include "quant_gemv_dp4a.cuh"
 #include "quant_linear.cuh"
+#include "rope_kv.cuh"
 
 namespace exlcli {
 namespace {
@@ -109,11 +111,14 @@ void launch_dp4a_tokens(const qlinear::Params& p, bool float_out, cudaStream_t s
   const int tiles = p.n / qlinear::kTileRows;
   const size_t smem = qlinear::dp4a_smem_bytes(M, p.k);
   if (float_out) {  // the LM head: many row tiles
-    launch_pdl(quant_gemv_dp4a_kernel<BITS, M, 1, 4, true, 8>, dim3(tiles), dim3(8 * 32), smem, stream, pdl, p);
+    launch_pdl(quant_gemv_dp4a_kernel<BITS, M, 1, 4, true, 8>, dim3(tiles), dim3(8 * 32), smem, stream, pdl, p,
+               qlinear::ConsecutiveTiles<1>{});
   } else if (tiles <= kDp4aWideMaxTiles) {
-    launch_pdl(quant_gemv_dp4a_kernel<BITS, M, 1, 2, false, 16>, dim3(tiles), dim3(16 * 32), smem, stream, pdl, p);
+    launch_pdl(quant_gemv_dp4a_kernel<BITS, M, 1, 2, false, 16>, dim3(tiles), dim3(16 * 32), smem, stream, pdl, p,
+               qlinear::ConsecutiveTiles<1>{});
   } else {
-    launch_pdl(quant_gemv_dp4a_kernel<BITS, M, 1, 4, false, 8>, dim3(tiles), dim3(8 * 32), smem, stream, pdl, p);
+    launch_pdl(quant_gemv_dp4a_kernel<BITS, M, 1, 4, false, 8>, dim3(tiles), dim3(8 * 32), smem, stream, pdl, p,
+               qlinear::ConsecutiveTiles<1>{});
   }
 }
 
@@ -127,30 +132,99 @@ void launch_dp4a(const qlinear::Params& p, bool float_out, cudaStream_t stream, 
   }
 }
 
+// A q|k|v weight's rows with rope.cu's step in the epilogue: block b takes the two row tiles of rows j and
+// j + D/2 (j in 16 i .. 16 i + 15) of one head, so it holds both rows of every rotation pair. Each row's sum
+// is the plain kernel's (the same warps and order), rounded to bf16 as that kernel stores it, then rotated
+// and stored by rope_kv.cuh as rope.cu would: the same bytes as quant_linear then rope_and_write_kv.
+struct RopePairTiles {
+  RopeKV rope;
+  int pair_tiles;  // head_dim / 32: the tile pairs of a head
+
+  __device__ __forceinline__ int tile(int r) const {
+    const int head = blockIdx.x / pair_tiles;
+    return head * 2 * pair_tiles + (blockIdx.x - head * pair_tiles) + r * pair_tiles;
+  }
+
+  template <bool FLOAT_OUT, int WARPS, int M>
+  __device__ __forceinline__ void store(const qlinear::Params& p,
+                                        const float (&partial)[WARPS][2][M][qlinear::kTileRows]) const {
+    static_assert(!FLOAT_OUT, "rows rotated into bf16");
+    for (int i = threadIdx.x; i < M * qlinear::kTileRows; i += WARPS * 32) {
+      const int m = i / qlinear::kTileRows, row_in_tile = i % qlinear::kTileRows;
+      const int ra = tile(0) * qlinear::kTileRows + row_in_tile, rb = tile(1) * qlinear::kTileRows + row_in_tile;
+      float sa = 0.0f, sb = 0.0f;
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) {
+        sa += partial[w][0][m][row_in_tile];
+        sb += partial[w][1][m][row_in_tile];
+      }
+      if (p.bias != nullptr) {
+        sa += __bfloat162float(p.bias[ra]);
+        sb += __bfloat162float(p.bias[rb]);
+      }
+      const int head = ra / rope.head_dim, j = ra - head * rope.head_dim;
+      store_rope_pair<__nv_bfloat16>(rope, head, j, m, round_to<__nv_bfloat16>(sa), round_to<__nv_bfloat16>(sb),
+                                     rope_angle(rope, head, j, rope.positions[m]), rope.slots[m]);
+    }
+  }
+};
+
+template <int BITS, int M>
+void launch_dp4a_rope(const qlinear::Params& p, const RopeKV& rope, cudaStream_t stream, bool pdl) {
+  // The warps of the plain kernel for this weight (launch_dp4a_tokens), so that each row's sum is the same chain
+  // of additions; two row tiles a block (run 30's sweep: 6.3 -> 6.7 us for the 8B q|k|v at one 4-bit token).
+  const RopePairTiles tiles{rope, rope.head_dim / 32};
+  const dim3 grid(p.n / (2 * qlinear::kTileRows));
+  const size_t smem = qlinear::dp4a_smem_bytes(M, p.k);
+  if (p.n / qlinear::kTileRows <= kDp4aWideMaxTiles) {
+    launch_pdl(qlinear::quant_gemv_dp4a_kernel<BITS, M, 2, 2, false, 16, RopePairTiles>, grid, dim3(16 * 32), smem,
+               stream, pdl, p, tiles);
+  } else {
+    launch_pdl(qlinear::quant_gemv_dp4a_kernel<BITS, M, 2, 4, false, 8, RopePairTiles>, grid, dim3(8 * 32), smem,
+               stream, pdl, p, tiles);
+  }
+}
+
+template <int BITS>
+void launch_dp4a_rope_bits(const qlinear::Params& p, const RopeKV& rope, cudaStream_t stream, bool pdl) {
+  if (p.m == 1) {
+    launch_dp4a_rope<BITS, 1>(p, rope, stream, pdl);
+  } else {
+    launch_dp4a_rope<BITS, 2>(p, rope, stream, pdl);
+  }
+}
+
+// The checks and Params of a product of x [m, k] bf16 by n packed rows (the output pointer unset).
+qlinear::Params product_params(const char* op, const at::Tensor& x, const at::Tensor& qweight,
+                               const at::Tensor& scales, int64_t bits, int64_t group, int64_t n,
+                               const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.is_cuda(), op, ": x must be a CUDA tensor, got ", x.device());
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && aligned16(x.data_ptr()),
+              op, ": x must be a contiguous, 16-byte aligned bfloat16 [m, k]");
+  qlinear::Params p = packed_params(qweight, scales, bits, group, n, x.size(1));
+  TORCH_CHECK(x.device() == qweight.device() && x.device() == scales.device(),
+              op, ": x, qweight and scales must be on one device");
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->is_cuda() && bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous() &&
+                    bias->scalar_type() == at::kBFloat16,
+                op, ": bias must be a contiguous bfloat16 [", n, "]");
+    p.bias = static_cast<const __nv_bfloat16*>(bias->data_ptr());
+  }
+  p.x = static_cast<const __nv_bfloat16*>(x.data_ptr());
+  p.m = static_cast<int>(x.size(0));
+  return p;
+}
+
 }  // namespace
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t bits,
                         bool e4m3, int64_t group, int64_t n, const std::optional<at::Tensor>& bias, bool float_out,
                         bool pdl) {
-  EXL_CHECK_CUDA_TENSOR(x, "quant linear: x");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && aligned16(x.data_ptr()),
-              "quant linear: x must be a contiguous, 16-byte aligned bfloat16 [m, k]");
-  const int64_t k = x.size(1);
-  qlinear::Params p = packed_params(qweight, scales, bits, group, n, k);
-  TORCH_CHECK(x.device() == qweight.device() && x.device() == scales.device(),
-              "quant linear: x, qweight and scales must be on one device");
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->is_cuda() && bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous() &&
-                    bias->scalar_type() == at::kBFloat16,
-                "quant linear: bias must be a contiguous bfloat16 [", n, "]");
-    p.bias = static_cast<const __nv_bfloat16*>(bias->data_ptr());
-  }
+  qlinear::Params p = product_params("quant linear", x, qweight, scales, bits, group, n, bias);
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = at::empty({x.size(0), n}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
   if (x.size(0) == 0) return out;
-  p.x = static_cast<const __nv_bfloat16*>(x.data_ptr());
   p.out = out.data_ptr();
-  p.m = static_cast<int>(x.size(0));
   const cudaStream_t stream = current_stream();
   TORCH_CHECK(!e4m3 || bits == 8, "quant linear: e4m3 weights take the 8-bit layout");
   if (takes_dp4a(p, e4m3)) {
@@ -171,6 +245,37 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
     launch<8, false>(p, float_out, stream, pdl);
   }
   return out;
+}
+
+at::Tensor quant_qkv_rope(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t bits,
+                          int64_t group, const std::optional<at::Tensor>& bias, const at::Tensor& positions,
+                          const at::Tensor& cos_sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& slot_mapping, int64_t num_heads, bool pdl) {
+  TORCH_CHECK(k_cache.dim() == 4, "quant_qkv_rope: caches must be [pages, page_size, kv_heads, head_dim]");
+  const int64_t n = (num_heads + 2 * k_cache.size(2)) * k_cache.size(3);  // the q|k|v rows (checked below)
+  qlinear::Params p = product_params("quant_qkv_rope", x, qweight, scales, bits, group, n, bias);
+  const c10::cuda::CUDAGuard guard(x.device());
+  if (!takes_dp4a(p, false)) {  // the product, then rope.cu's kernel
+    const at::Tensor qkv = quant_linear(x, qweight, scales, bits, false, group, n, bias, false, pdl);
+    const int64_t kv_heads = k_cache.size(2), dim = k_cache.size(3), tokens = x.size(0);
+    const auto parts = qkv.split_with_sizes({num_heads * dim, kv_heads * dim, kv_heads * dim}, 1);
+    return rope_and_write_kv(parts[0].view({tokens, num_heads, dim}), parts[1].view({tokens, kv_heads, dim}),
+                             parts[2].view({tokens, kv_heads, dim}), positions, cos_sin, k_cache, v_cache,
+                             slot_mapping, pdl);
+  }
+  at::Tensor q_out;
+  const RopeKV rope = rope_kv_params("quant_qkv_rope", x.size(0), x.options(), n, positions, cos_sin, k_cache,
+                                     v_cache, slot_mapping, num_heads, q_out);
+  if (x.size(0) == 0) return q_out;
+  const cudaStream_t stream = current_stream();
+  if (bits == 4) {
+    launch_dp4a_rope_bits<4>(p, rope, stream, pdl);
+  } else if (bits == 6) {
+    launch_dp4a_rope_bits<6>(p, rope, stream, pdl);
+  } else {
+    launch_dp4a_rope_bits<8>(p, rope, stream, pdl);
+  }
+  return q_out;
 }
 
 at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& scales, int64_t bits, bool e4m3,

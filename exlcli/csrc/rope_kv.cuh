@@ -1,7 +1,8 @@
 // Where a q|k|v projection's epilogue puts its rows when it also does rope.cu's work: q heads rotated
 // (rotate-half form) into q_out, k heads rotated and v heads copied into their KV pages. The decode
-// linear kernel (decode_gemv.cuh, kRopeKV) and the FP8 products of 9-64 tokens (fp8_gemm.cu) store
-// through store_rope_pair, with rope.cu's products and roundings, so all three write the same bytes.
+// linear kernel (decode_gemv.cuh, kRopeKV), the FP8 products of 9-64 tokens (fp8_gemm.cu) and the dp4a
+// products of 1-2 tokens over packed integer weights (quant_linear.cu, RopePairTiles) store through
+// store_rope_pair, with rope.cu's products and roundings, so all of them write rope.cu's bytes.
 #pragma once
 
 #include <cstdint>

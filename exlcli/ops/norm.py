@@ -46,6 +46,15 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     return fused_add_rms_norm_ref(x, residual, weight, eps)
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoder layer's norm: (rms_norm(x + residual), x + residual), or (rms_norm(x), x) without a
+    residual (the first layer)."""
+    if residual is None:
+        return rms_norm(x, weight, eps), x
+    return fused_add_rms_norm(x, residual, weight, eps)
+
+
 # --- CPU kernels (csrc/cpu/norm.c): bitwise the same as the references above -------------------
 
 

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpu_helpers import assert_matches, poison_next_alloc, rel_err, requires_cuda
+from gpu_helpers import assert_matches, assert_same, poison_next_alloc, rel_err, requires_cuda
 
 from exlcli.ops import formats
 from exlcli.ops.cuda import kernels as ops
 from exlcli.ops.errors import KernelInputError
 from exlcli.ops.formats import cuda_groups
+from exlcli.ops.formats.base import Linear
 from exlcli.ops.formats.quantize import quantize
 from exlcli.ops.linear import make_linear
+from exlcli.ops.rope import RopeWrite, rope_and_write_kv, rope_cos_sin_cache
 
 pytestmark = [pytest.mark.gpu, requires_cuda, pytest.mark.usefixtures("kernels")]
 
@@ -254,3 +256,119 @@ def test_fp8_weights_with_tile_scales_stay_fp8_on_cuda():
         x = torch.randn(m, cols, device="cuda").to(torch.bfloat16)
         ref = x.double() @ ref_w.t() + bias.double().cuda()
         assert_matches(lin(x), ref, torch.bfloat16, f"FP8 (tile scales) m{m}")
+
+
+def qkv_rope_inputs(tokens: int, heads: int, kv_heads: int, dim: int, cache_dtype: torch.dtype, seed: int):
+    """The rope step's inputs over two pairs of poisoned caches (one for the fused op, one for the product
+    then rope), one padded row (slot -1) where there are two or more tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    cos_sin = rope_cos_sin_cache(dim, 500000.0, None, 8192, torch.device("cuda"))
+    positions = torch.randint(0, 8192, (tokens,), generator=gen).cuda()
+    page_size, pages = 16, tokens // 16 + 3
+    slots = torch.randperm(pages * page_size, generator=gen)[:tokens].cuda()
+    if tokens > 1:
+        slots[tokens // 2] = -1  # a padded graph row: no K/V written
+    ropes = []
+    for _ in range(2):
+        caches = [torch.empty(pages, page_size, kv_heads, dim, dtype=cache_dtype, device="cuda") for _ in range(2)]
+        for c in caches:  # NaN: a slot nothing writes stays so
+            c.view(torch.uint8).fill_(0x7F) if c.element_size() == 1 else c.fill_(float("nan"))
+        ropes.append(RopeWrite(positions, cos_sin, caches[0], caches[1], slots, heads))
+    return ropes
+
+
+@pytest.mark.parametrize("bits", [4, 6, 8])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("heads,kv_heads,dim,hidden,group,with_bias", [(32, 8, 128, 4096, 128, False),
+                                                                       (8, 2, 64, 512, 32, True),
+                                                                       (4, 2, 128, 16384, 64, False)])
+def test_quant_qkv_rope_is_the_product_then_rope(bits, cache_dtype, heads, kv_heads, dim, hidden, group, with_bias):
+    """quant_qkv_rope writes, bit for bit, what quant_linear then rope_and_write_kv write: in the dp4a kernel's
+    epilogue at one and two tokens (at 16,384 features two tokens do not fit it: the product then rope), the
+    two kernels beyond."""
+    n = (heads + 2 * kv_heads) * dim
+    qweight, scales = packed(n, hidden, group, bits, seed=bits + heads)
+    bias = torch.randn(n, device="cuda").bfloat16() if with_bias else None
+    # a sum added in another order than the plain kernel's differs in its bf16 rounding about once in 10^4 to
+    # 10^5 values: 8 draws of one or two tokens make such a difference all but certain to show
+    for tokens, seed in [(1, s) for s in range(8)] + [(2, s) for s in range(8)] + [(3, 0), (17, 0)]:
+        fused, unfused = qkv_rope_inputs(tokens, heads, kv_heads, dim, cache_dtype, seed=seed)
+        x = (torch.randn(tokens, hidden, device="cuda") * 2).bfloat16()
+        poison_next_alloc((tokens, heads, dim), torch.bfloat16)
+        q = ops.quant_qkv_rope(x, qweight, scales, bits, group, bias, fused.positions, fused.cos_sin,
+                               fused.k_cache, fused.v_cache, fused.slot_mapping, heads)
+        qkv = ops.quant_linear(x, qweight, scales, bits, group, n, bias)
+        q_ref = rope_and_write_kv(*unfused.heads(qkv), unfused.positions, unfused.cos_sin, unfused.k_cache,
+                                  unfused.v_cache, unfused.slot_mapping)
+        what = f"{bits}-bit, {tokens} tokens, draw {seed}"
+        assert_same(q, q_ref, f"rotated q, {what}")
+        assert_same(fused.k_cache, unfused.k_cache, f"k cache, {what}")
+        assert_same(fused.v_cache, unfused.v_cache, f"v cache, {what}")
+        kept = fused.slot_mapping[fused.slot_mapping >= 0]
+        for name, cache in (("k", fused.k_cache), ("v", fused.v_cache)):
+            written = cache.view(-1, kv_heads * dim)[kept]
+            assert not written.float().isnan().any(), f"every kept row's {name} was written, {what}"
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_grouped_linear_rotates_its_qkv_rows_in_the_product(cache_dtype):
+    """GroupedCudaLinear.normed_rope_product (quant_qkv_rope up to 64 tokens, Linear's sequence beyond)
+    gives Linear's unfused sequence bit for bit, with and without a residual."""
+    heads, kv_heads, dim, hidden, group = 16, 4, 128, 2048, 128
+    n = (heads + 2 * kv_heads) * dim
+    lin = cuda_groups.GroupedCudaLinear(*packed(n, hidden, group, 4, seed=3), 4, group, (n, hidden), None)
+    nw = (1 + 0.1 * torch.randn(hidden, device="cuda")).bfloat16()
+    for tokens in (1, 2, 9, 65):
+        fused, unfused = qkv_rope_inputs(tokens, heads, kv_heads, dim, cache_dtype, seed=tokens)
+        x = torch.randn(tokens, hidden, device="cuda").bfloat16()
+        for residual in (None, torch.randn_like(x)):
+            q, new_residual = lin.normed_rope_product(x, residual, nw, 1e-5, fused)
+            q_ref, residual_ref = Linear.normed_rope_product(lin, x, residual, nw, 1e-5, unfused)
+            what = f"{tokens} tokens, {'a' if residual is not None else 'no'} residual"
+            assert_same(q, q_ref, f"q, {what}")
+            assert_same(new_residual, residual_ref, f"residual, {what}")
+            assert_same(fused.k_cache, unfused.k_cache, f"k cache, {what}")
+            assert_same(fused.v_cache, unfused.v_cache, f"v cache, {what}")
+
+
+def test_quant_qkv_rope_runs_in_a_cuda_graph():
+    heads, kv_heads, dim, hidden, group, bits = 8, 2, 128, 1024, 32, 4
+    n = (heads + 2 * kv_heads) * dim
+    qweight, scales = packed(n, hidden, group, bits, seed=6)
+    rope, _ = qkv_rope_inputs(1, heads, kv_heads, dim, torch.bfloat16, seed=1)
+    x = torch.randn(1, hidden, device="cuda").bfloat16()
+
+    def step():
+        return ops.quant_qkv_rope(x, qweight, scales, bits, group, None, rope.positions, rope.cos_sin,
+                                  rope.k_cache, rope.v_cache, rope.slot_mapping, heads)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm up
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    x.copy_(torch.randn_like(x))
+    rope.positions.add_(1)
+    graph.replay()
+    k_after = rope.k_cache.clone()
+    assert_same(out, step(), "q of the replay and of an eager call")
+    assert_same(rope.k_cache, k_after, "the k cache after the replay and after an eager call")
+    assert not k_after[rope.slot_mapping // 16, rope.slot_mapping % 16].isnan().any()
+
+
+def test_quant_qkv_rope_refuses_bad_inputs_with_the_op_named():
+    heads, kv_heads, dim, hidden, group = 4, 2, 128, 256, 32
+    n = (heads + 2 * kv_heads) * dim
+    qweight, scales = packed(n, hidden, group, 4, seed=2)
+    rope, _ = qkv_rope_inputs(2, heads, kv_heads, dim, torch.bfloat16, seed=2)
+    x = torch.randn(2, hidden, device="cuda").bfloat16()
+    args = (rope.positions, rope.cos_sin, rope.k_cache, rope.v_cache, rope.slot_mapping)
+    with pytest.raises(KernelInputError, match="quant_qkv_rope"):
+        ops.quant_qkv_rope(x, qweight, scales, 4, group, None, *args, heads + 1)  # rows are not the heads'
+    with pytest.raises(KernelInputError, match="quant_qkv_rope"):
+        ops.quant_qkv_rope(x.float(), qweight, scales, 4, group, None, *args, heads)
+    with pytest.raises(KernelInputError, match="quant_qkv_rope"):
+        ops.quant_qkv_rope(x[:1], qweight, scales, 4, group, None, *args, heads)  # 2 positions for 1 token

@@ -15,7 +15,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from exlcli.ops.activation import silu_and_mul
-from exlcli.ops.norm import fused_add_rms_norm, rms_norm
+from exlcli.ops.norm import add_rms_norm
 from exlcli.ops.rope import RopeWrite
 
 # uint8 blocks [rows, blocks_per_row * block_bytes] -> fp32 weights [rows, blocks_per_row * block_weights]
@@ -50,9 +50,7 @@ class Linear:
         """The product of the RMS-normalised rows of x + residual (of x without a residual) and the new
         residual (x + residual, or x): a decoder layer's norm and its first projection. A linear whose
         kernels take their rows in another form (FP8's e4m3 rows) has the norm write them so."""
-        if residual is None:
-            return self(rms_norm(x, norm_weight, eps)), x
-        normed, residual = fused_add_rms_norm(x, residual, norm_weight, eps)
+        normed, residual = add_rms_norm(x, residual, norm_weight, eps)
         return self(normed), residual
 
     def normed_rope_product(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,

@@ -10,7 +10,9 @@ input features in chunks of 64 whose features are read in a permuted order that 
 weights and activations. `pack` writes it with torch ops (on the weight's device), `unpack_packed`
 reads it back (the torch reference of the layout, which the CPU tests run), and `GroupedCudaLinear`
 runs it: the quant_linear kernel for up to MAX_KERNEL_TOKENS tokens, and beyond, the weight
-dequantized into a scratch bf16 matrix for cuBLAS (a long prefill is compute-bound there).
+dequantized into a scratch bf16 matrix for cuBLAS (a long prefill is compute-bound there). A q|k|v
+projection's rope step runs in the same op (quant_qkv_rope; at one or two tokens in the dp4a kernel's
+epilogue: `normed_rope_product`).
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ import torch.nn.functional as F
 
 from exlcli.ops.cuda import kernels
 from exlcli.ops.cuda import loader as cuda_loader
-from exlcli.ops.cuda.limits import QUANT_BITS, QUANT_CHUNK, QUANT_GROUPS, QUANT_TILE_ROWS
+from exlcli.ops.cuda.limits import HEAD_DIMS, QUANT_BITS, QUANT_CHUNK, QUANT_GROUPS, QUANT_TILE_ROWS
 from exlcli.ops.formats.base import BfloatRowsLinear, Linear, QuantizedWeight
 from exlcli.ops.formats.input_order import PermutedInputLinear
+from exlcli.ops.norm import add_rms_norm
+from exlcli.ops.rope import RopeWrite
 
 log = logging.getLogger("exlcli.linear")
 
@@ -146,6 +150,23 @@ class GroupedCudaLinear(BfloatRowsLinear):
             return kernels.quant_linear(x, self.qweight, self.scales, self.bits, self.group, self.out_features,
                                         self.bias, float_out=out_dtype == torch.float32, e4m3=self.e4m3)
         return F.linear(x, self.dequantized(), self.bias)
+
+    def normed_rope_product(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                            eps: float, rope: RopeWrite) -> tuple[torch.Tensor, torch.Tensor]:
+        """A q|k|v product of up to MAX_KERNEL_TOKENS tokens and its rope step in one op: at one or two
+        tokens the dp4a kernel rotates and writes the rows in its epilogue (a kernel fewer a layer), beyond
+        it runs the product then rope's kernel; the same bytes as Linear's sequence."""
+        normed, new_residual = add_rms_norm(x, residual, norm_weight, eps)
+        kv_heads, dim = rope.k_cache.shape[-2:]
+        if (self.e4m3 or normed.dim() != 2 or not 1 <= normed.shape[0] <= MAX_KERNEL_TOKENS
+                or normed.dtype != torch.bfloat16 or not normed.is_contiguous() or normed.data_ptr() % 16
+                or dim not in HEAD_DIMS or self.out_features != (rope.num_heads + 2 * kv_heads) * dim
+                or rope.k_cache.dtype not in (torch.bfloat16, torch.float8_e4m3fn)):
+            return rope.write(*rope.heads(self(normed))), new_residual
+        q = kernels.quant_qkv_rope(normed, self.qweight, self.scales, self.bits, self.group, self.bias,
+                                   rope.positions, rope.cos_sin, rope.k_cache, rope.v_cache, rope.slot_mapping,
+                                   rope.num_heads)
+        return q, new_residual
 
     def nbytes(self) -> int:
         return self.qweight.numel() * 4 + self.scales.numel() * self.scales.element_size()
