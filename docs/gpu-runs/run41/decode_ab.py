@@ -29,7 +29,7 @@ for run in args.runs.split(","):
     for batch in batches:
         res: dict = {}
         gb.decode_figures(res, "x", engine, batch, 96)
-        print(f"{args.label} {kind} b{batch}: {res['x_ms_per_step']:.3f} ms/step, graph {res.get('x_graph_ms') or 0:.3f} ms",
-              flush=True)
+        graph_ms = res.get("x_graph_ms") or 0
+        print(f"{args.label} {kind} b{batch}: {res['x_ms_per_step']:.3f} ms/step, graph {graph_ms:.3f} ms", flush=True)
     del engine, model, tok
     gb.free_gpu()
