@@ -28,6 +28,9 @@ TORCH_LIBRARY(exlcli, m) {
         "bool float_out, bool pdl) -> Tensor");
   m.def("quant_qkv_rope(Tensor x, Tensor qweight, Tensor scales, int bits, int group, Tensor? bias, Tensor positions, "
         "Tensor cos_sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, int num_heads, bool pdl) -> Tensor");
+  m.def("quant_heads_rope(Tensor x, Tensor qweight, Tensor scales, int bits, int group, int n, Tensor? bias, "
+        "Tensor positions, Tensor cos_sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, int num_heads, "
+        "int first_head, Tensor(c!) q_out, bool pdl) -> ()");
   m.def("quant_dequantize(Tensor qweight, Tensor scales, int bits, bool e4m3, int group, int n, int k, bool pdl) "
         "-> Tensor");
   m.def("rope_and_write_kv(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor cos_sin, "
@@ -53,6 +56,7 @@ TORCH_LIBRARY_IMPL(exlcli, CUDA, m) {
   m.impl("fp8_gemm_qkv_rope", &exlcli::fp8_gemm_qkv_rope);
   m.impl("quant_linear", &exlcli::quant_linear);
   m.impl("quant_qkv_rope", &exlcli::quant_qkv_rope);
+  m.impl("quant_heads_rope", &exlcli::quant_heads_rope);
   m.impl("quant_dequantize", &exlcli::quant_dequantize);
   m.impl("rope_and_write_kv", &exlcli::rope_and_write_kv);
   m.impl("paged_attention_decode", &exlcli::paged_attention_decode);

@@ -135,10 +135,12 @@ void launch_dp4a(const qlinear::Params& p, bool float_out, cudaStream_t stream, 
 // A q|k|v weight's rows with rope.cu's step in the epilogue: block b takes the two row tiles of rows j and
 // j + D/2 (j in 16 i .. 16 i + 15) of one head, so it holds both rows of every rotation pair. Each row's sum
 // is the plain kernel's (the same warps and order), rounded to bf16 as that kernel stores it, then rotated
-// and stored by rope_kv.cuh as rope.cu would: the same bytes as quant_linear then rope_and_write_kv.
+// and stored by rope_kv.cuh as rope.cu would: the same bytes as quant_linear then rope_and_write_kv. The
+// weight may be a part of the q|k|v rows: whole heads from first_head on.
 struct RopePairTiles {
   RopeKV rope;
   int pair_tiles;  // head_dim / 32: the tile pairs of a head
+  int first_head;  // the q|k|v head of the weight's first rows
 
   __device__ __forceinline__ int tile(int r) const {
     const int head = blockIdx.x / pair_tiles;
@@ -162,7 +164,7 @@ struct RopePairTiles {
         sa += __bfloat162float(p.bias[ra]);
         sb += __bfloat162float(p.bias[rb]);
       }
-      const int head = ra / rope.head_dim, j = ra - head * rope.head_dim;
+      const int local = ra / rope.head_dim, head = first_head + local, j = ra - local * rope.head_dim;
       store_rope_pair<__nv_bfloat16>(rope, head, j, m, round_to<__nv_bfloat16>(sa), round_to<__nv_bfloat16>(sb),
                                      rope_angle(rope, head, j, rope.positions[m]), rope.slots[m]);
     }
@@ -170,10 +172,10 @@ struct RopePairTiles {
 };
 
 template <int BITS, int M>
-void launch_dp4a_rope(const qlinear::Params& p, const RopeKV& rope, cudaStream_t stream, bool pdl) {
+void launch_dp4a_rope(const qlinear::Params& p, const RopeKV& rope, int first_head, cudaStream_t stream, bool pdl) {
   // The warps of the plain kernel for this weight (launch_dp4a_tokens), so that each row's sum is the same chain
   // of additions; two row tiles a block (run 30's sweep: 6.3 -> 6.7 us for the 8B q|k|v at one 4-bit token).
-  const RopePairTiles tiles{rope, rope.head_dim / 32};
+  const RopePairTiles tiles{rope, rope.head_dim / 32, first_head};
   const dim3 grid(p.n / (2 * qlinear::kTileRows));
   const size_t smem = qlinear::dp4a_smem_bytes(M, p.k);
   if (p.n / qlinear::kTileRows <= kDp4aWideMaxTiles) {
@@ -186,11 +188,23 @@ void launch_dp4a_rope(const qlinear::Params& p, const RopeKV& rope, cudaStream_t
 }
 
 template <int BITS>
-void launch_dp4a_rope_bits(const qlinear::Params& p, const RopeKV& rope, cudaStream_t stream, bool pdl) {
+void launch_dp4a_rope_bits(const qlinear::Params& p, const RopeKV& rope, int first_head, cudaStream_t stream,
+                           bool pdl) {
   if (p.m == 1) {
-    launch_dp4a_rope<BITS, 1>(p, rope, stream, pdl);
+    launch_dp4a_rope<BITS, 1>(p, rope, first_head, stream, pdl);
   } else {
-    launch_dp4a_rope<BITS, 2>(p, rope, stream, pdl);
+    launch_dp4a_rope<BITS, 2>(p, rope, first_head, stream, pdl);
+  }
+}
+
+void launch_dp4a_rope_any(const qlinear::Params& p, const RopeKV& rope, int first_head, int64_t bits, bool pdl) {
+  const cudaStream_t stream = current_stream();
+  if (bits == 4) {
+    launch_dp4a_rope_bits<4>(p, rope, first_head, stream, pdl);
+  } else if (bits == 6) {
+    launch_dp4a_rope_bits<6>(p, rope, first_head, stream, pdl);
+  } else {
+    launch_dp4a_rope_bits<8>(p, rope, first_head, stream, pdl);
   }
 }
 
@@ -252,12 +266,12 @@ at::Tensor quant_qkv_rope(const at::Tensor& x, const at::Tensor& qweight, const 
                           const at::Tensor& cos_sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
                           const at::Tensor& slot_mapping, int64_t num_heads, bool pdl) {
   TORCH_CHECK(k_cache.dim() == 4, "quant_qkv_rope: caches must be [pages, page_size, kv_heads, head_dim]");
-  const int64_t n = (num_heads + 2 * k_cache.size(2)) * k_cache.size(3);  // the q|k|v rows (checked below)
+  const int64_t kv_heads = k_cache.size(2), dim = k_cache.size(3), n = (num_heads + 2 * kv_heads) * dim;
   qlinear::Params p = product_params("quant_qkv_rope", x, qweight, scales, bits, group, n, bias);
   const c10::cuda::CUDAGuard guard(x.device());
   if (!takes_dp4a(p, false)) {  // the product, then rope.cu's kernel
     const at::Tensor qkv = quant_linear(x, qweight, scales, bits, false, group, n, bias, false, pdl);
-    const int64_t kv_heads = k_cache.size(2), dim = k_cache.size(3), tokens = x.size(0);
+    const int64_t tokens = x.size(0);
     const auto parts = qkv.split_with_sizes({num_heads * dim, kv_heads * dim, kv_heads * dim}, 1);
     return rope_and_write_kv(parts[0].view({tokens, num_heads, dim}), parts[1].view({tokens, kv_heads, dim}),
                              parts[2].view({tokens, kv_heads, dim}), positions, cos_sin, k_cache, v_cache,
@@ -266,16 +280,27 @@ at::Tensor quant_qkv_rope(const at::Tensor& x, const at::Tensor& qweight, const 
   at::Tensor q_out;
   const RopeKV rope = rope_kv_params("quant_qkv_rope", x.size(0), x.options(), n, positions, cos_sin, k_cache,
                                      v_cache, slot_mapping, num_heads, q_out);
-  if (x.size(0) == 0) return q_out;
-  const cudaStream_t stream = current_stream();
-  if (bits == 4) {
-    launch_dp4a_rope_bits<4>(p, rope, stream, pdl);
-  } else if (bits == 6) {
-    launch_dp4a_rope_bits<6>(p, rope, stream, pdl);
-  } else {
-    launch_dp4a_rope_bits<8>(p, rope, stream, pdl);
-  }
+  if (x.size(0) > 0) launch_dp4a_rope_any(p, rope, 0, bits, pdl);
   return q_out;
+}
+
+void quant_heads_rope(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t bits,
+                      int64_t group, int64_t n, const std::optional<at::Tensor>& bias, const at::Tensor& positions,
+                      const at::Tensor& cos_sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& slot_mapping, int64_t num_heads, int64_t first_head, const at::Tensor& q_out,
+                      bool pdl) {
+  const char* op = "quant_heads_rope";
+  TORCH_CHECK(k_cache.dim() == 4, op, ": caches must be [pages, page_size, kv_heads, head_dim]");
+  const int64_t dim = k_cache.size(3), all_rows = (num_heads + 2 * k_cache.size(2)) * dim;
+  TORCH_CHECK(dim > 0 && first_head >= 0 && n % dim == 0 && first_head * dim + n <= all_rows, op,
+              ": the weight's rows must be whole heads of the q|k|v rows");
+  qlinear::Params p = product_params(op, x, qweight, scales, bits, group, n, bias);
+  TORCH_CHECK(takes_dp4a(p, false), op, ": 1 or 2 tokens whose int8 blocks fit the dp4a kernel's shared memory");
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor q = q_out;
+  const RopeKV rope = rope_kv_params(op, x.size(0), x.options(), all_rows, positions, cos_sin, k_cache, v_cache,
+                                     slot_mapping, num_heads, q);
+  if (x.size(0) > 0) launch_dp4a_rope_any(p, rope, static_cast<int>(first_head), bits, pdl);
 }
 
 at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& scales, int64_t bits, bool e4m3,

@@ -77,8 +77,8 @@ __device__ __forceinline__ void store_rope_pair(const RopeKV& r, int head, int j
 }
 
 // The checked RopeKV of an op that rotates and writes, as rope.cu does, the q|k|v rows (weight_rows of
-// them) of `tokens` tokens whose activations have `options` (dtype, device); q_out is allocated here
-// ([tokens, num_heads, head_dim] of that dtype).
+// them) of `tokens` tokens whose activations have `options` (dtype, device); q_out ([tokens, num_heads,
+// head_dim] of that dtype, contiguous) is allocated here unless the caller gives one.
 inline RopeKV rope_kv_params(const char* op, int64_t tokens, const at::TensorOptions& options, int64_t weight_rows,
                              const at::Tensor& positions, const at::Tensor& cos_sin, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& slot_mapping, int64_t num_heads,
@@ -102,7 +102,13 @@ inline RopeKV rope_kv_params(const char* op, int64_t tokens, const at::TensorOpt
   for (const at::Tensor* t : {&positions, &cos_sin, &k_cache, &v_cache, &slot_mapping}) {
     TORCH_CHECK(t->device() == options.device(), op, ": every tensor must be on one device");
   }
-  q_out = at::empty({tokens, num_heads, head_dim}, options.memory_format(at::MemoryFormat::Contiguous));
+  if (q_out.defined()) {
+    TORCH_CHECK(q_out.sizes() == at::IntArrayRef({tokens, num_heads, head_dim}) && q_out.scalar_type() == dtype &&
+                    q_out.is_contiguous() && q_out.device() == options.device(),
+                op, ": q_out must be a contiguous [tokens, num_heads, head_dim] tensor of the activations' dtype");
+  } else {
+    q_out = at::empty({tokens, num_heads, head_dim}, options.memory_format(at::MemoryFormat::Contiguous));
+  }
   RopeKV r{};
   r.q_out = q_out.data_ptr();
   r.positions = positions.data_ptr<int64_t>();

@@ -331,6 +331,56 @@ def test_grouped_linear_rotates_its_qkv_rows_in_the_product(cache_dtype):
             assert_same(fused.v_cache, unfused.v_cache, f"v cache, {what}")
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_quant_heads_rope_writes_each_part_as_the_product_then_rope(cache_dtype):
+    """q|k|v kept as parts of two widths (a Q4_K_M file's 4-bit q and k, 6-bit v): quant_heads_rope over each
+    part gives, bit for bit, the parts' products concatenated then rope_and_write_kv."""
+    heads, kv_heads, dim, hidden, group = 8, 2, 128, 2048, 32
+    parts = [(heads * dim, 4, True), (kv_heads * dim, 4, False), (kv_heads * dim, 6, True)]  # rows, bits, bias
+    weights = [(*packed(rows, hidden, group, bits, seed=rows + bits), bits,
+                torch.randn(rows, device="cuda").bfloat16() if with_bias else None) for rows, bits, with_bias in parts]
+    for tokens, seed in [(1, s) for s in range(4)] + [(2, s) for s in range(4)]:
+        fused, unfused = qkv_rope_inputs(tokens, heads, kv_heads, dim, cache_dtype, seed=seed)
+        x = (torch.randn(tokens, hidden, device="cuda") * 2).bfloat16()
+        q = torch.full((tokens, heads, dim), float("nan"), dtype=torch.bfloat16, device="cuda")
+        first = 0
+        for (qweight, scales, bits, bias), (rows, _, _) in zip(weights, parts):
+            ops.quant_heads_rope(x, qweight, scales, bits, group, bias, fused.positions, fused.cos_sin, fused.k_cache,
+                                 fused.v_cache, fused.slot_mapping, heads, first, q)
+            first += rows // dim
+        qkv = torch.cat([ops.quant_linear(x, qweight, scales, bits, group, rows, bias)
+                         for (qweight, scales, bits, bias), (rows, _, _) in zip(weights, parts)], dim=1)
+        q_ref = rope_and_write_kv(*unfused.heads(qkv), unfused.positions, unfused.cos_sin, unfused.k_cache,
+                                  unfused.v_cache, unfused.slot_mapping)
+        what = f"{tokens} tokens, draw {seed}"
+        assert_same(q, q_ref, f"rotated q, {what}")
+        assert_same(fused.k_cache, unfused.k_cache, f"k cache, {what}")
+        assert_same(fused.v_cache, unfused.v_cache, f"v cache, {what}")
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_side_by_side_qkv_rotates_in_its_parts(cache_dtype):
+    """SideBySideLinear.normed_rope_product over GroupedCudaLinear parts of two widths (quant_heads_rope at one
+    and two tokens, the concatenation then rope beyond) gives Linear's unfused sequence bit for bit."""
+    from exlcli.ops.formats.input_order import SideBySideLinear
+    heads, kv_heads, dim, hidden, group = 8, 2, 64, 1024, 32
+    parts = [(heads * dim, 4), (kv_heads * dim, 4), (kv_heads * dim, 6)]
+    lin = SideBySideLinear([cuda_groups.GroupedCudaLinear(*packed(rows, hidden, group, bits, seed=rows), bits, group,
+                                                          (rows, hidden), None) for rows, bits in parts])
+    nw = (1 + 0.1 * torch.randn(hidden, device="cuda")).bfloat16()
+    for tokens in (1, 2, 3):
+        fused, unfused = qkv_rope_inputs(tokens, heads, kv_heads, dim, cache_dtype, seed=tokens)
+        x = torch.randn(tokens, hidden, device="cuda").bfloat16()
+        for residual in (None, torch.randn_like(x)):
+            q, new_residual = lin.normed_rope_product(x, residual, nw, 1e-5, fused)
+            q_ref, residual_ref = Linear.normed_rope_product(lin, x, residual, nw, 1e-5, unfused)
+            what = f"{tokens} tokens, {'a' if residual is not None else 'no'} residual"
+            assert_same(q, q_ref, f"q, {what}")
+            assert_same(new_residual, residual_ref, f"residual, {what}")
+            assert_same(fused.k_cache, unfused.k_cache, f"k cache, {what}")
+            assert_same(fused.v_cache, unfused.v_cache, f"v cache, {what}")
+
+
 def test_quant_qkv_rope_runs_in_a_cuda_graph():
     heads, kv_heads, dim, hidden, group, bits = 8, 2, 128, 1024, 32, 4
     n = (heads + 2 * kv_heads) * dim
@@ -372,3 +422,10 @@ def test_quant_qkv_rope_refuses_bad_inputs_with_the_op_named():
         ops.quant_qkv_rope(x.float(), qweight, scales, 4, group, None, *args, heads)
     with pytest.raises(KernelInputError, match="quant_qkv_rope"):
         ops.quant_qkv_rope(x[:1], qweight, scales, 4, group, None, *args, heads)  # 2 positions for 1 token
+    q = torch.empty(2, heads, dim, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(KernelInputError, match="quant_heads_rope.*whole heads"):
+        ops.quant_heads_rope(x, qweight, scales, 4, group, None, *args, heads, 1, q)  # past the last head
+    x3 = torch.randn(3, hidden, device="cuda").bfloat16()
+    args3 = (rope.positions[:1].repeat(3), rope.cos_sin, rope.k_cache, rope.v_cache, rope.slot_mapping[:1].repeat(3))
+    with pytest.raises(KernelInputError, match="quant_heads_rope.*tokens"):
+        ops.quant_heads_rope(x3, qweight, scales, 4, group, None, *args3, heads, 0, q)

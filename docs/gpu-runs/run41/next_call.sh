@@ -4,7 +4,7 @@
 # then carry build/ab and .whl. On the device it:
 # 1. builds the tree (new: quant_qkv_rope) and the old tree at once;
 # 2. runs every GPU test on the tree;
-# 3. runs decode_ab.py on both trees, alternating twice (GPTQ b1 and b2, Q4_K_M b1).
+# 3. runs decode_ab.py on both trees, alternating twice (GPTQ b1 and b2, Q4_K_M b1; DECODE_RUNS: others).
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
 OUT=${OUT:-results-tmp}
@@ -23,7 +23,7 @@ grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -n 20
 ab=docs/gpu-runs/run41/decode_ab.py
 for _ in 1 2; do
   [ "$SECONDS" -gt 430 ] && break  # a round takes about a minute or two: stay in the call's 600 s
-  timeout 120 python3 $ab new
-  (cd /tmp/old && EXLCLI_KERNEL_CACHE=/tmp/old/build/kernels timeout 120 python3 $ab old)
+  timeout 120 python3 $ab new --runs "${DECODE_RUNS:-gptq4:1+2,q4km:1}"
+  (cd /tmp/old && EXLCLI_KERNEL_CACHE=/tmp/old/build/kernels timeout 120 python3 $ab old --runs "${DECODE_RUNS:-gptq4:1+2,q4km:1}")
 done 2>&1 | grep -E "^(new|old) |Error|error" | tee "$OUT/decode_ab.txt"
 echo "done at $SECONDS s"

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from exlcli.ops.cuda import checks
-from exlcli.ops.cuda.limits import QUANT_BITS, QUANT_CHUNK, QUANT_GROUPS, QUANT_TILE_ROWS
+from exlcli.ops.cuda.limits import DP4A_MAX_TOKENS, QUANT_BITS, QUANT_CHUNK, QUANT_GROUPS, QUANT_TILE_ROWS, dp4a_takes
 from exlcli.ops.cuda.state import STATE
 
 
@@ -374,6 +374,42 @@ def quant_qkv_rope(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     checks.rope_inputs(op, x.shape[0], dim, positions, cos_sin, slot_mapping)
     return torch.ops.exlcli.quant_qkv_rope(x, qweight, scales, bits, group, bias, positions, cos_sin, k_cache,
                                            v_cache, slot_mapping, num_heads, STATE.options.pdl)
+
+
+def quant_heads_rope(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bits: int, group: int,
+                     bias: torch.Tensor | None, positions: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, first_head: int,
+                     q_out: torch.Tensor) -> None:
+    """quant_qkv_rope for a part of a q|k|v projection's rows (whole heads from first_head on, n of them
+    the weight's rows): its q heads rotated into q_out [m, num_heads, D], its k heads rotated and its v heads
+    copied into their pages. One or two tokens whose int8 blocks fit the dp4a kernel only (dp4a_takes)."""
+    op = "quant_heads_rope"
+    checks.on_cuda(op, "x positions cos_sin k_cache v_cache slot_mapping q_out", x, positions, cos_sin, k_cache,
+                   v_cache, slot_mapping, q_out)
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or not x.is_contiguous() or not checks.aligned(x):
+        checks.fail(op, f"x must be a contiguous, aligned bfloat16 [m, k], got {x.dtype} {list(x.shape)}")
+    if not dp4a_takes(x.shape[0], x.shape[1]):
+        checks.fail(op, f"takes 1 to {DP4A_MAX_TOKENS} tokens whose int8 blocks fit the dp4a kernel, got "
+                        f"{list(x.shape)}")
+    if k_cache.dim() != 4:
+        checks.fail(op, f"k_cache must be [pages, page_size, kv_heads, head_dim], got {list(k_cache.shape)}")
+    kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
+    checks.head_dim(op, dim)
+    checks.cache_pair(op, k_cache, v_cache, torch.bfloat16, kv_heads, dim)
+    n = qweight.numel() * 32 // (bits * x.shape[1]) if bits in QUANT_BITS else 0
+    if num_heads < 1 or first_head < 0 or n % dim or first_head * dim + n > (num_heads + 2 * kv_heads) * dim:
+        checks.fail(op, f"the weight's {n} rows must be whole heads of {dim} within the q|k|v rows "
+                        f"({num_heads} + 2 * {kv_heads} heads) from head {first_head} on")
+    _packed(op, qweight, scales, bits, group, n, x.shape[1])
+    if bias is not None:
+        checks.on_cuda(op, "x bias", x, bias)
+        checks.vector(op, "bias", bias, n, torch.bfloat16)
+    if q_out.shape != (x.shape[0], num_heads, dim) or q_out.dtype != torch.bfloat16 or not q_out.is_contiguous():
+        checks.fail(op, f"q_out must be a contiguous bfloat16 [{x.shape[0]}, {num_heads}, {dim}], got "
+                        f"{q_out.dtype} {list(q_out.shape)}")
+    checks.rope_inputs(op, x.shape[0], dim, positions, cos_sin, slot_mapping)
+    torch.ops.exlcli.quant_heads_rope(x, qweight, scales, bits, group, n, bias, positions, cos_sin, k_cache, v_cache,
+                                      slot_mapping, num_heads, first_head, q_out, STATE.options.pdl)
 
 
 def quant_dequantize(qweight: torch.Tensor, scales: torch.Tensor, bits: int, group: int, n: int,

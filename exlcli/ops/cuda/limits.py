@@ -11,3 +11,11 @@ QUANT_BITS = (4, 6, 8)  # quant_linear.cu's integer widths (6: the 5- and 6-bit 
 QUANT_GROUPS = (16, 32, 64, 128)  # its group sizes (weights per scale along a row)
 QUANT_TILE_ROWS = 16  # output features per row tile of its packed layout
 QUANT_CHUNK = 64  # input features per chunk of its packed layout
+DP4A_MAX_TOKENS = 2  # quant_gemv_dp4a.cuh: the products of 1 or 2 tokens over integer weights
+DP4A_MAX_SHARED = 44 * 1024  # where their int8 blocks of x (24 bytes per 16 features a token) fit
+
+
+def dp4a_takes(tokens: int, in_features: int) -> bool:
+    """Whether a product of `tokens` tokens over packed integer weights runs on the dp4a kernel
+    (quant_linear.cu's takes_dp4a)."""
+    return 1 <= tokens <= DP4A_MAX_TOKENS and tokens * (in_features // 16) * 24 <= DP4A_MAX_SHARED

@@ -61,6 +61,14 @@ class Linear:
         qkv, residual = self.normed_product(x, residual, norm_weight, eps)
         return rope.write(*rope.heads(qkv)), residual
 
+    def heads_rope(self, normed: torch.Tensor, rope: RopeWrite,
+                   first_head: int) -> Callable[[torch.Tensor], None] | None:
+        """For a linear holding whole heads of a q|k|v projection from first_head on (a part of one that
+        keeps its parts side by side): a function that computes its rows of `normed` and does the rope step
+        on them in its own kernel (q heads rotated into the q [T, heads, D] it is given, k and v written into
+        their pages), or None where it has no such kernel for these rows."""
+        return None
+
     def silu_product(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The product of silu(gate) * up for a fused [M, 2 in_features] gate|up projection (the MLP's
         down projection); as normed_product, a linear may have the activation write its rows."""

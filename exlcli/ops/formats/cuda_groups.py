@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from exlcli.ops.cuda import kernels
 from exlcli.ops.cuda import loader as cuda_loader
-from exlcli.ops.cuda.limits import HEAD_DIMS, QUANT_BITS, QUANT_CHUNK, QUANT_GROUPS, QUANT_TILE_ROWS
+from exlcli.ops.cuda.limits import HEAD_DIMS, QUANT_BITS, QUANT_CHUNK, QUANT_GROUPS, QUANT_TILE_ROWS, dp4a_takes
 from exlcli.ops.formats.base import BfloatRowsLinear, Linear, QuantizedWeight
 from exlcli.ops.formats.input_order import PermutedInputLinear
 from exlcli.ops.norm import add_rms_norm
@@ -167,6 +167,19 @@ class GroupedCudaLinear(BfloatRowsLinear):
                                    rope.positions, rope.cos_sin, rope.k_cache, rope.v_cache, rope.slot_mapping,
                                    rope.num_heads)
         return q, new_residual
+
+    def heads_rope(self, normed: torch.Tensor, rope: RopeWrite,
+                   first_head: int) -> Callable[[torch.Tensor], None] | None:
+        """At one or two tokens on the dp4a kernel: its epilogue rotates and writes the rows (quant_heads_rope)."""
+        dim = rope.k_cache.shape[-1]
+        if (self.e4m3 or normed.dim() != 2 or not dp4a_takes(normed.shape[0], self.in_features)
+                or normed.dtype != torch.bfloat16 or not normed.is_contiguous() or normed.data_ptr() % 16
+                or dim not in HEAD_DIMS or self.out_features % dim
+                or rope.k_cache.dtype not in (torch.bfloat16, torch.float8_e4m3fn)):
+            return None
+        return lambda q: kernels.quant_heads_rope(normed, self.qweight, self.scales, self.bits, self.group, self.bias,
+                                                  rope.positions, rope.cos_sin, rope.k_cache, rope.v_cache,
+                                                  rope.slot_mapping, rope.num_heads, first_head, q)
 
     def nbytes(self) -> int:
         return self.qweight.numel() * 4 + self.scales.numel() * self.scales.element_size()

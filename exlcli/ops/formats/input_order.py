@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 
 from exlcli.ops.formats.base import Linear
+from exlcli.ops.norm import add_rms_norm
+from exlcli.ops.rope import RopeWrite
 
 
 class PermutedInputLinear(Linear):
@@ -41,6 +43,25 @@ class SideBySideLinear(Linear):
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         return torch.cat([p(x, out_dtype) for p in self.parts], dim=-1)
+
+    def normed_rope_product(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                            eps: float, rope: RopeWrite) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where every part does the rope step on its own rows in its kernel (`heads_rope`: a Q4_K_M file's
+        Q4_K q and k and Q6_K v at one or two tokens), one kernel a part; else the parts' products
+        concatenated, then rope's kernel."""
+        normed, new_residual = add_rms_norm(x, residual, norm_weight, eps)
+        kv_heads, dim = rope.k_cache.shape[-2:]
+        writers, first_row = [], 0
+        if self.out_features == (rope.num_heads + 2 * kv_heads) * dim:
+            for part in self.parts:
+                writers.append(part.heads_rope(normed, rope, first_row // dim) if first_row % dim == 0 else None)
+                first_row += part.out_features
+        if not writers or any(w is None for w in writers):
+            return rope.write(*rope.heads(self(normed))), new_residual
+        q = normed.new_empty(normed.shape[0], rope.num_heads, dim)
+        for write in writers:
+            write(q)
+        return q, new_residual
 
     def cpu_qmatmul_parts(self) -> list | None:
         parts = [p.cpu_qmatmul_parts() for p in self.parts]
