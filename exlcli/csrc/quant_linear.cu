@@ -1,8 +1,8 @@
 // The torch-facing ops over quantized weights in the packed layout of quant_linear.cuh:
 // quant_linear (the product: on the tensor cores, or for 1 or 2 tokens over integer weights on the
 // CUDA cores with int8 activations, quant_gemv_dp4a.cuh), quant_qkv_rope (a q|k|v product and rope.cu's
-// step, in the dp4a kernel's epilogue where that kernel runs) and quant_dequantize (the dense bf16 weight,
-// for products of many tokens through cuBLAS). Python checks the inputs first
+// step, in the dp4a kernel's epilogue where that kernel runs; quant_heads_rope the same for a part of the
+// q|k|v rows) and quant_dequantize (the dense bf16 weight, for products of many tokens through cuBLAS). Python checks the inputs first
 // (exlcli/ops/cuda/kernels.py); the checks here only guard against a call that bypasses it.
 #include <ATen/ops/empty.h>
 #include <cuda_runtime.h>
@@ -93,6 +93,7 @@ void launch(const qlinear::Params& p, bool float_out, cudaStream_t stream, bool 
 // 43.9 us at one token and 57.6 -> 53.3 at two, 6-bit 78.2 -> 62.9 and 80.9 -> 69.3, 8-bit 88.7 -> 66.7
 // and 89.2 -> 72.9; at four tokens the tensor-core kernel is faster (4-bit 57.7 us against 76.4). One
 // row tile a block was the fastest of seven tilings.
+// (exlcli/ops/cuda/limits.py's dp4a_takes is this rule for Python, which picks quant_heads_rope by it.)
 bool takes_dp4a(const qlinear::Params& p, bool e4m3) {
   return !e4m3 && p.m <= qlinear::kDp4aMaxTokens &&
          qlinear::dp4a_smem_bytes(p.m, p.k) <= 44 * 1024;
