@@ -1,5 +1,6 @@
-"""GPU test helpers: the CUDA skip mark, output poisoning, error norms, bit-for-bit comparison, and the
-check that a model's fused decode step is its forward."""
+"""GPU test helpers: the CUDA skip mark, output poisoning, error norms, bit-for-bit comparison, the rope
+step's inputs and the check that a q|k|v linear's fused rope step is Linear's sequence, and the check that a
+model's fused decode step is its forward."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import torch
 
 from exlcli.model.batch_inputs import BatchInputs
 from exlcli.model.kv_cache import KVCache
+from exlcli.ops.formats.base import Linear
+from exlcli.ops.rope import RopeWrite, rope_cos_sin_cache
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -42,6 +45,45 @@ def assert_same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), f"{what}: not byte for byte"
         return
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=f"{what}: not bit for bit")
+
+
+def rope_writes(tokens: int, heads: int, kv_heads: int, dim: int, cache_dtype: torch.dtype,
+                seed: int) -> tuple[RopeWrite, RopeWrite]:
+    """The rope step's inputs over two pairs of poisoned caches (one for the fused op, one for the sequence it
+    stands for): random positions and slots, one padded row (slot -1) where there are two or more tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    cos_sin = rope_cos_sin_cache(dim, 500000.0, None, 8192, torch.device("cuda"))
+    positions = torch.randint(0, 8192, (tokens,), generator=gen).cuda()
+    page_size, pages = 16, tokens // 16 + 3
+    slots = torch.randperm(pages * page_size, generator=gen)[:tokens].cuda()
+    if tokens > 1:
+        slots[tokens // 2] = -1  # a padded graph row: no K/V written
+    ropes = []
+    for _ in range(2):
+        caches = [torch.empty(pages, page_size, kv_heads, dim, dtype=cache_dtype, device="cuda") for _ in range(2)]
+        for c in caches:  # NaN: a slot nothing writes stays so
+            c.view(torch.uint8).fill_(0x7F) if c.element_size() == 1 else c.fill_(float("nan"))
+        ropes.append(RopeWrite(positions, cos_sin, caches[0], caches[1], slots, heads))
+    return ropes[0], ropes[1]
+
+
+def assert_rope_product_is_linears(lin: Linear, heads: int, kv_heads: int, dim: int, cache_dtype: torch.dtype,
+                                   token_counts: tuple[int, ...], with_residual: tuple[bool, ...] = (False, True),
+                                   scale: float = 1.0) -> None:
+    """lin.normed_rope_product (a q|k|v linear over `heads` + 2 `kv_heads` heads of `dim`) writes q, the new
+    residual and the pages bit for bit as Linear's sequence does (the norm, the product, rope_and_write_kv)."""
+    nw = (1 + 0.1 * torch.randn(lin.in_features, device="cuda")).bfloat16()
+    for tokens in token_counts:
+        fused, unfused = rope_writes(tokens, heads, kv_heads, dim, cache_dtype, seed=tokens)
+        x = (torch.randn(tokens, lin.in_features, device="cuda") * scale).bfloat16()
+        for residual in (torch.randn_like(x) if r else None for r in with_residual):
+            q, new_residual = lin.normed_rope_product(x, residual, nw, 1e-5, fused)
+            q_ref, residual_ref = Linear.normed_rope_product(lin, x, residual, nw, 1e-5, unfused)
+            what = f"{tokens} tokens, {'a' if residual is not None else 'no'} residual"
+            assert_same(q, q_ref, f"q, {what}")
+            assert_same(new_residual, residual_ref, f"residual, {what}")
+            assert_same(fused.k_cache, unfused.k_cache, f"k cache, {what}")
+            assert_same(fused.v_cache, unfused.v_cache, f"v cache, {what}")
 
 
 def decode_inputs(lens: list[int], pages_each: int, page_size: int, vocab: int) -> BatchInputs:

@@ -13,11 +13,13 @@ import torch
 from gpu_helpers import (
     assert_fused_decode_step_equals_forward,
     assert_matches,
+    assert_rope_product_is_linears,
     assert_same,
     decode_inputs,
     poison_next_alloc,
     rel_err,
     requires_cuda,
+    rope_writes,
 )
 
 from exlcli.model.architectures import build_model
@@ -267,21 +269,9 @@ def test_fp8_linear_takes_the_wgmma_kernel_on_hopper():
 def qkv_rope_case(tokens: int, heads: int, kv_heads: int, dim: int, hidden: int, cache_dtype: torch.dtype, seed: int):
     """A q|k|v weight of e4m3 rows, e4m3 activations, and the rope step's inputs over poisoned caches
     (two pairs: one for the fused op, one for the product then rope)."""
-    from exlcli.ops.rope import RopeWrite, rope_cos_sin_cache
     values, scale = fp8_weight((heads + 2 * kv_heads) * dim, hidden, seed=seed)
     x = torch.randn(tokens, hidden, device="cuda").bfloat16() * 4
-    cos_sin = rope_cos_sin_cache(dim, 500000.0, None, 8192, torch.device("cuda"))
-    positions = torch.randint(0, 8192, (tokens,), device="cuda")
-    page_size, pages = 16, tokens // 16 + 3
-    slots = torch.randperm(pages * page_size, device="cuda")[:tokens]
-    slots[tokens // 2] = -1  # a padded graph row: no K/V written
-    ropes = []
-    for _ in range(2):
-        caches = [torch.empty(pages, page_size, kv_heads, dim, dtype=cache_dtype, device="cuda") for _ in range(2)]
-        for c in caches:  # NaN: a slot nothing writes stays so
-            c.view(torch.uint8).fill_(0x7F) if c.element_size() == 1 else c.fill_(float("nan"))
-        ropes.append(RopeWrite(positions, cos_sin, caches[0], caches[1], slots, heads))
-    return values, scale, x, ropes
+    return values, scale, x, rope_writes(tokens, heads, kv_heads, dim, cache_dtype, seed)
 
 
 @requires_hopper
@@ -315,20 +305,10 @@ def test_fp8_gemm_qkv_rope_is_the_product_then_rope(heads, kv_heads, dim, hidden
 def test_fp8_linear_rotates_its_qkv_rows_in_the_product(cache_dtype):
     """Fp8CudaLinear.normed_rope_product: the wgmma kernel's epilogue for 33-64 tokens, the norm, the
     product and rope_and_write_kv elsewhere; each gives Linear's unfused sequence bit for bit."""
-    from exlcli.ops.formats.base import Linear
     heads, kv_heads, dim, hidden = 16, 4, 128, 2048
-    nw = (1 + 0.1 * torch.randn(hidden, device="cuda")).bfloat16()
-    for tokens in (5, 9, 40, 64, 65):
-        values, scale, x, (fused, unfused) = qkv_rope_case(tokens, heads, kv_heads, dim, hidden, cache_dtype,
-                                                            seed=tokens)
-        lin = cuda_fp8.Fp8CudaLinear(values, scale, None)
-        residual = torch.randn_like(x)
-        q, new_residual = lin.normed_rope_product(x, residual, nw, 1e-5, fused)
-        q_ref, residual_ref = Linear.normed_rope_product(lin, x, residual, nw, 1e-5, unfused)
-        assert_same(q, q_ref, f"q, {tokens} tokens")
-        assert_same(new_residual, residual_ref, f"residual, {tokens} tokens")
-        assert_same(fused.k_cache, unfused.k_cache, f"k cache, {tokens} tokens")
-        assert_same(fused.v_cache, unfused.v_cache, f"v cache, {tokens} tokens")
+    values, scale = fp8_weight((heads + 2 * kv_heads) * dim, hidden, seed=1)
+    assert_rope_product_is_linears(cuda_fp8.Fp8CudaLinear(values, scale, None), heads, kv_heads, dim, cache_dtype,
+                                   (5, 9, 40, 64, 65), with_residual=(True,), scale=4.0)
 
 
 def test_fp8_linear_in_a_cuda_graph():

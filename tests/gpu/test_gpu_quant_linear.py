@@ -9,16 +9,23 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpu_helpers import assert_matches, assert_same, poison_next_alloc, rel_err, requires_cuda
+from gpu_helpers import (
+    assert_matches,
+    assert_rope_product_is_linears,
+    assert_same,
+    poison_next_alloc,
+    rel_err,
+    requires_cuda,
+    rope_writes,
+)
 
 from exlcli.ops import formats
 from exlcli.ops.cuda import kernels as ops
 from exlcli.ops.errors import KernelInputError
 from exlcli.ops.formats import cuda_groups
-from exlcli.ops.formats.base import Linear
 from exlcli.ops.formats.quantize import quantize
 from exlcli.ops.linear import make_linear
-from exlcli.ops.rope import RopeWrite, rope_and_write_kv, rope_cos_sin_cache
+from exlcli.ops.rope import RopeWrite, rope_and_write_kv
 
 pytestmark = [pytest.mark.gpu, requires_cuda, pytest.mark.usefixtures("kernels")]
 
@@ -258,23 +265,14 @@ def test_fp8_weights_with_tile_scales_stay_fp8_on_cuda():
         assert_matches(lin(x), ref, torch.bfloat16, f"FP8 (tile scales) m{m}")
 
 
-def qkv_rope_inputs(tokens: int, heads: int, kv_heads: int, dim: int, cache_dtype: torch.dtype, seed: int):
-    """The rope step's inputs over two pairs of poisoned caches (one for the fused op, one for the product
-    then rope), one padded row (slot -1) where there are two or more tokens."""
-    gen = torch.Generator().manual_seed(seed)
-    cos_sin = rope_cos_sin_cache(dim, 500000.0, None, 8192, torch.device("cuda"))
-    positions = torch.randint(0, 8192, (tokens,), generator=gen).cuda()
-    page_size, pages = 16, tokens // 16 + 3
-    slots = torch.randperm(pages * page_size, generator=gen)[:tokens].cuda()
-    if tokens > 1:
-        slots[tokens // 2] = -1  # a padded graph row: no K/V written
-    ropes = []
-    for _ in range(2):
-        caches = [torch.empty(pages, page_size, kv_heads, dim, dtype=cache_dtype, device="cuda") for _ in range(2)]
-        for c in caches:  # NaN: a slot nothing writes stays so
-            c.view(torch.uint8).fill_(0x7F) if c.element_size() == 1 else c.fill_(float("nan"))
-        ropes.append(RopeWrite(positions, cos_sin, caches[0], caches[1], slots, heads))
-    return ropes
+def assert_wrote_the_product_then_rope(q: torch.Tensor, qkv: torch.Tensor, fused: RopeWrite, unfused: RopeWrite,
+                                       what: str) -> None:
+    """q and fused's pages are what rope_and_write_kv of the product qkv writes into unfused's, bit for bit."""
+    q_ref = rope_and_write_kv(*unfused.heads(qkv), unfused.positions, unfused.cos_sin, unfused.k_cache,
+                              unfused.v_cache, unfused.slot_mapping)
+    assert_same(q, q_ref, f"rotated q, {what}")
+    assert_same(fused.k_cache, unfused.k_cache, f"k cache, {what}")
+    assert_same(fused.v_cache, unfused.v_cache, f"v cache, {what}")
 
 
 @pytest.mark.parametrize("bits", [4, 6, 8])
@@ -292,18 +290,14 @@ def test_quant_qkv_rope_is_the_product_then_rope(bits, cache_dtype, heads, kv_he
     # a sum added in another order than the plain kernel's differs in its bf16 rounding about once in 10^4 to
     # 10^5 values: 8 draws of one or two tokens make such a difference all but certain to show
     for tokens, seed in [(1, s) for s in range(8)] + [(2, s) for s in range(8)] + [(3, 0), (17, 0)]:
-        fused, unfused = qkv_rope_inputs(tokens, heads, kv_heads, dim, cache_dtype, seed=seed)
+        fused, unfused = rope_writes(tokens, heads, kv_heads, dim, cache_dtype, seed=seed)
         x = (torch.randn(tokens, hidden, device="cuda") * 2).bfloat16()
         poison_next_alloc((tokens, heads, dim), torch.bfloat16)
         q = ops.quant_qkv_rope(x, qweight, scales, bits, group, bias, fused.positions, fused.cos_sin,
                                fused.k_cache, fused.v_cache, fused.slot_mapping, heads)
-        qkv = ops.quant_linear(x, qweight, scales, bits, group, n, bias)
-        q_ref = rope_and_write_kv(*unfused.heads(qkv), unfused.positions, unfused.cos_sin, unfused.k_cache,
-                                  unfused.v_cache, unfused.slot_mapping)
         what = f"{bits}-bit, {tokens} tokens, draw {seed}"
-        assert_same(q, q_ref, f"rotated q, {what}")
-        assert_same(fused.k_cache, unfused.k_cache, f"k cache, {what}")
-        assert_same(fused.v_cache, unfused.v_cache, f"v cache, {what}")
+        assert_wrote_the_product_then_rope(q, ops.quant_linear(x, qweight, scales, bits, group, n, bias), fused,
+                                           unfused, what)
         kept = fused.slot_mapping[fused.slot_mapping >= 0]
         for name, cache in (("k", fused.k_cache), ("v", fused.v_cache)):
             written = cache.view(-1, kv_heads * dim)[kept]
@@ -317,18 +311,7 @@ def test_grouped_linear_rotates_its_qkv_rows_in_the_product(cache_dtype):
     heads, kv_heads, dim, hidden, group = 16, 4, 128, 2048, 128
     n = (heads + 2 * kv_heads) * dim
     lin = cuda_groups.GroupedCudaLinear(*packed(n, hidden, group, 4, seed=3), 4, group, (n, hidden), None)
-    nw = (1 + 0.1 * torch.randn(hidden, device="cuda")).bfloat16()
-    for tokens in (1, 2, 9, 65):
-        fused, unfused = qkv_rope_inputs(tokens, heads, kv_heads, dim, cache_dtype, seed=tokens)
-        x = torch.randn(tokens, hidden, device="cuda").bfloat16()
-        for residual in (None, torch.randn_like(x)):
-            q, new_residual = lin.normed_rope_product(x, residual, nw, 1e-5, fused)
-            q_ref, residual_ref = Linear.normed_rope_product(lin, x, residual, nw, 1e-5, unfused)
-            what = f"{tokens} tokens, {'a' if residual is not None else 'no'} residual"
-            assert_same(q, q_ref, f"q, {what}")
-            assert_same(new_residual, residual_ref, f"residual, {what}")
-            assert_same(fused.k_cache, unfused.k_cache, f"k cache, {what}")
-            assert_same(fused.v_cache, unfused.v_cache, f"v cache, {what}")
+    assert_rope_product_is_linears(lin, heads, kv_heads, dim, cache_dtype, (1, 2, 9, 65))
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
@@ -340,7 +323,7 @@ def test_quant_heads_rope_writes_each_part_as_the_product_then_rope(cache_dtype)
     weights = [(*packed(rows, hidden, group, bits, seed=rows + bits), bits,
                 torch.randn(rows, device="cuda").bfloat16() if with_bias else None) for rows, bits, with_bias in parts]
     for tokens, seed in [(1, s) for s in range(4)] + [(2, s) for s in range(4)]:
-        fused, unfused = qkv_rope_inputs(tokens, heads, kv_heads, dim, cache_dtype, seed=seed)
+        fused, unfused = rope_writes(tokens, heads, kv_heads, dim, cache_dtype, seed=seed)
         x = (torch.randn(tokens, hidden, device="cuda") * 2).bfloat16()
         q = torch.full((tokens, heads, dim), float("nan"), dtype=torch.bfloat16, device="cuda")
         first = 0
@@ -350,12 +333,7 @@ def test_quant_heads_rope_writes_each_part_as_the_product_then_rope(cache_dtype)
             first += rows // dim
         qkv = torch.cat([ops.quant_linear(x, qweight, scales, bits, group, rows, bias)
                          for (qweight, scales, bits, bias), (rows, _, _) in zip(weights, parts)], dim=1)
-        q_ref = rope_and_write_kv(*unfused.heads(qkv), unfused.positions, unfused.cos_sin, unfused.k_cache,
-                                  unfused.v_cache, unfused.slot_mapping)
-        what = f"{tokens} tokens, draw {seed}"
-        assert_same(q, q_ref, f"rotated q, {what}")
-        assert_same(fused.k_cache, unfused.k_cache, f"k cache, {what}")
-        assert_same(fused.v_cache, unfused.v_cache, f"v cache, {what}")
+        assert_wrote_the_product_then_rope(q, qkv, fused, unfused, f"{tokens} tokens, draw {seed}")
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
@@ -367,25 +345,14 @@ def test_side_by_side_qkv_rotates_in_its_parts(cache_dtype):
     parts = [(heads * dim, 4), (kv_heads * dim, 4), (kv_heads * dim, 6)]
     lin = SideBySideLinear([cuda_groups.GroupedCudaLinear(*packed(rows, hidden, group, bits, seed=rows), bits, group,
                                                           (rows, hidden), None) for rows, bits in parts])
-    nw = (1 + 0.1 * torch.randn(hidden, device="cuda")).bfloat16()
-    for tokens in (1, 2, 3):
-        fused, unfused = qkv_rope_inputs(tokens, heads, kv_heads, dim, cache_dtype, seed=tokens)
-        x = torch.randn(tokens, hidden, device="cuda").bfloat16()
-        for residual in (None, torch.randn_like(x)):
-            q, new_residual = lin.normed_rope_product(x, residual, nw, 1e-5, fused)
-            q_ref, residual_ref = Linear.normed_rope_product(lin, x, residual, nw, 1e-5, unfused)
-            what = f"{tokens} tokens, {'a' if residual is not None else 'no'} residual"
-            assert_same(q, q_ref, f"q, {what}")
-            assert_same(new_residual, residual_ref, f"residual, {what}")
-            assert_same(fused.k_cache, unfused.k_cache, f"k cache, {what}")
-            assert_same(fused.v_cache, unfused.v_cache, f"v cache, {what}")
+    assert_rope_product_is_linears(lin, heads, kv_heads, dim, cache_dtype, (1, 2, 3))
 
 
 def test_quant_qkv_rope_runs_in_a_cuda_graph():
     heads, kv_heads, dim, hidden, group, bits = 8, 2, 128, 1024, 32, 4
     n = (heads + 2 * kv_heads) * dim
     qweight, scales = packed(n, hidden, group, bits, seed=6)
-    rope, _ = qkv_rope_inputs(1, heads, kv_heads, dim, torch.bfloat16, seed=1)
+    rope, _ = rope_writes(1, heads, kv_heads, dim, torch.bfloat16, seed=1)
     x = torch.randn(1, hidden, device="cuda").bfloat16()
 
     def step():
@@ -413,7 +380,7 @@ def test_quant_qkv_rope_refuses_bad_inputs_with_the_op_named():
     heads, kv_heads, dim, hidden, group = 4, 2, 128, 256, 32
     n = (heads + 2 * kv_heads) * dim
     qweight, scales = packed(n, hidden, group, 4, seed=2)
-    rope, _ = qkv_rope_inputs(2, heads, kv_heads, dim, torch.bfloat16, seed=2)
+    rope, _ = rope_writes(2, heads, kv_heads, dim, torch.bfloat16, seed=2)
     x = torch.randn(2, hidden, device="cuda").bfloat16()
     args = (rope.positions, rope.cos_sin, rope.k_cache, rope.v_cache, rope.slot_mapping)
     with pytest.raises(KernelInputError, match="quant_qkv_rope"):
