@@ -26,8 +26,6 @@ TORCH_LIBRARY(exlcli, m) {
         "Tensor slot_mapping, int num_heads, bool pdl) -> Tensor");
   m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, int bits, bool e4m3, int group, int n, Tensor? bias, "
         "bool float_out, bool pdl) -> Tensor");
-  m.def("quant_qkv_rope(Tensor x, Tensor qweight, Tensor scales, int bits, int group, Tensor? bias, Tensor positions, "
-        "Tensor cos_sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, int num_heads, bool pdl) -> Tensor");
   m.def("quant_heads_rope(Tensor x, Tensor qweight, Tensor scales, int bits, int group, int n, Tensor? bias, "
         "Tensor positions, Tensor cos_sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, int num_heads, "
         "int first_head, Tensor(c!) q_out, bool pdl) -> ()");
@@ -55,7 +53,6 @@ TORCH_LIBRARY_IMPL(exlcli, CUDA, m) {
   m.impl("fp8_gemm", &exlcli::fp8_gemm);
   m.impl("fp8_gemm_qkv_rope", &exlcli::fp8_gemm_qkv_rope);
   m.impl("quant_linear", &exlcli::quant_linear);
-  m.impl("quant_qkv_rope", &exlcli::quant_qkv_rope);
   m.impl("quant_heads_rope", &exlcli::quant_heads_rope);
   m.impl("quant_dequantize", &exlcli::quant_dequantize);
   m.impl("rope_and_write_kv", &exlcli::rope_and_write_kv);

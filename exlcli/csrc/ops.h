@@ -80,14 +80,9 @@ at::Tensor fp8_gemm_qkv_rope(const at::Tensor& xq, const at::Tensor& x_scale, co
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t bits,
                         bool e4m3, int64_t group, int64_t n, const std::optional<at::Tensor>& bias, bool float_out,
                         bool pdl);
-// And for a q|k|v projection over integer weights (not e4m3; n = (num_heads + 2 kv_heads) * head_dim): its rows
-// rotated and written as rope_and_write_kv does, in the dp4a kernel's epilogue for 1 or 2 tokens (elsewhere the
-// product, then rope.cu's kernel); q returned as [m, num_heads, head_dim] bf16. quant_heads_rope: the same for a
-// part of those rows (n of them, whole heads from first_head on; 1 or 2 tokens only), its q heads written into q_out.
-at::Tensor quant_qkv_rope(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t bits,
-                          int64_t group, const std::optional<at::Tensor>& bias, const at::Tensor& positions,
-                          const at::Tensor& cos_sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                          const at::Tensor& slot_mapping, int64_t num_heads, bool pdl);
+// And for a q|k|v weight over integer weights (not e4m3), or whole heads of one from first_head on (n rows):
+// the product of 1 or 2 tokens on the dp4a kernel, its rows rotated and written as rope_and_write_kv does in
+// the kernel's epilogue (q heads into q_out [m, num_heads, head_dim] bf16, k and v into their pages).
 void quant_heads_rope(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t bits,
                       int64_t group, int64_t n, const std::optional<at::Tensor>& bias, const at::Tensor& positions,
                       const at::Tensor& cos_sin, const at::Tensor& k_cache, const at::Tensor& v_cache,

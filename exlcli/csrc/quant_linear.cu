@@ -1,8 +1,8 @@
 // The torch-facing ops over quantized weights in the packed layout of quant_linear.cuh:
 // quant_linear (the product: on the tensor cores, or for 1 or 2 tokens over integer weights on the
-// CUDA cores with int8 activations, quant_gemv_dp4a.cuh), quant_qkv_rope (a q|k|v product and rope.cu's
-// step, in the dp4a kernel's epilogue where that kernel runs; quant_heads_rope the same for a part of the
-// q|k|v rows) and quant_dequantize (the dense bf16 weight, for products of many tokens through cuBLAS). Python checks the inputs first
+// CUDA cores with int8 activations, quant_gemv_dp4a.cuh), quant_heads_rope (the product of a q|k|v weight,
+// or of whole heads of one, with rope.cu's step in the dp4a kernel's epilogue) and quant_dequantize (the
+// dense bf16 weight, for products of many tokens through cuBLAS). Python checks the inputs first
 // (exlcli/ops/cuda/kernels.py); the checks here only guard against a call that bypasses it.
 #include <ATen/ops/empty.h>
 #include <cuda_runtime.h>
@@ -93,7 +93,7 @@ void launch(const qlinear::Params& p, bool float_out, cudaStream_t stream, bool 
 // 43.9 us at one token and 57.6 -> 53.3 at two, 6-bit 78.2 -> 62.9 and 80.9 -> 69.3, 8-bit 88.7 -> 66.7
 // and 89.2 -> 72.9; at four tokens the tensor-core kernel is faster (4-bit 57.7 us against 76.4). One
 // row tile a block was the fastest of seven tilings.
-// (exlcli/ops/cuda/limits.py's dp4a_takes is this rule for Python, which picks quant_heads_rope by it.)
+// (exlcli/ops/cuda/limits.py's dp4a_takes is this rule for Python, which calls quant_heads_rope by it.)
 bool takes_dp4a(const qlinear::Params& p, bool e4m3) {
   return !e4m3 && p.m <= qlinear::kDp4aMaxTokens &&
          qlinear::dp4a_smem_bytes(p.m, p.k) <= 44 * 1024;
@@ -260,29 +260,6 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
     launch<8, false>(p, float_out, stream, pdl);
   }
   return out;
-}
-
-at::Tensor quant_qkv_rope(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t bits,
-                          int64_t group, const std::optional<at::Tensor>& bias, const at::Tensor& positions,
-                          const at::Tensor& cos_sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                          const at::Tensor& slot_mapping, int64_t num_heads, bool pdl) {
-  TORCH_CHECK(k_cache.dim() == 4, "quant_qkv_rope: caches must be [pages, page_size, kv_heads, head_dim]");
-  const int64_t kv_heads = k_cache.size(2), dim = k_cache.size(3), n = (num_heads + 2 * kv_heads) * dim;
-  qlinear::Params p = product_params("quant_qkv_rope", x, qweight, scales, bits, group, n, bias);
-  const c10::cuda::CUDAGuard guard(x.device());
-  if (!takes_dp4a(p, false)) {  // the product, then rope.cu's kernel
-    const at::Tensor qkv = quant_linear(x, qweight, scales, bits, false, group, n, bias, false, pdl);
-    const int64_t tokens = x.size(0);
-    const auto parts = qkv.split_with_sizes({num_heads * dim, kv_heads * dim, kv_heads * dim}, 1);
-    return rope_and_write_kv(parts[0].view({tokens, num_heads, dim}), parts[1].view({tokens, kv_heads, dim}),
-                             parts[2].view({tokens, kv_heads, dim}), positions, cos_sin, k_cache, v_cache,
-                             slot_mapping, pdl);
-  }
-  at::Tensor q_out;
-  const RopeKV rope = rope_kv_params("quant_qkv_rope", x.size(0), x.options(), n, positions, cos_sin, k_cache,
-                                     v_cache, slot_mapping, num_heads, q_out);
-  if (x.size(0) > 0) launch_dp4a_rope_any(p, rope, 0, bits, pdl);
-  return q_out;
 }
 
 void quant_heads_rope(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t bits,

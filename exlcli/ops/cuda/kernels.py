@@ -346,43 +346,14 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, b
                                          STATE.options.pdl)
 
 
-def quant_qkv_rope(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bits: int, group: int,
-                   bias: torch.Tensor | None, positions: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """quant_linear's product with a q|k|v weight of integer values (not e4m3), its rows rotated as
-    rope_and_write_kv rotates them and k and v written at slot_mapping of the caches: in the dp4a kernel's
-    epilogue for one or two tokens, as the product then rope's kernel for more (the same bytes either way);
-    returns q [m, num_heads, D] bf16."""
-    op = "quant_qkv_rope"
-    checks.on_cuda(op, "x positions cos_sin k_cache v_cache slot_mapping", x, positions, cos_sin, k_cache, v_cache,
-                   slot_mapping)
-    if x.dim() != 2 or x.dtype != torch.bfloat16 or not x.is_contiguous() or not checks.aligned(x):
-        checks.fail(op, f"x must be a contiguous, aligned bfloat16 [m, k], got {x.dtype} {list(x.shape)}")
-    if k_cache.dim() != 4:
-        checks.fail(op, f"k_cache must be [pages, page_size, kv_heads, head_dim], got {list(k_cache.shape)}")
-    kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
-    checks.head_dim(op, dim)
-    checks.cache_pair(op, k_cache, v_cache, torch.bfloat16, kv_heads, dim)
-    if num_heads < 1:
-        checks.fail(op, f"num_heads must be positive, got {num_heads}")
-    n = (num_heads + 2 * kv_heads) * dim
-    _packed(op, qweight, scales, bits, group, n, x.shape[1])
-    checks.on_cuda(op, "x qweight", x, qweight)
-    if bias is not None:
-        checks.on_cuda(op, "x bias", x, bias)
-        checks.vector(op, "bias", bias, n, torch.bfloat16)
-    checks.rope_inputs(op, x.shape[0], dim, positions, cos_sin, slot_mapping)
-    return torch.ops.exlcli.quant_qkv_rope(x, qweight, scales, bits, group, bias, positions, cos_sin, k_cache,
-                                           v_cache, slot_mapping, num_heads, STATE.options.pdl)
-
-
 def quant_heads_rope(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bits: int, group: int,
                      bias: torch.Tensor | None, positions: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, first_head: int,
                      q_out: torch.Tensor) -> None:
-    """quant_qkv_rope for a part of a q|k|v projection's rows (whole heads from first_head on, n of them
-    the weight's rows): its q heads rotated into q_out [m, num_heads, D], its k heads rotated and its v heads
-    copied into their pages. One or two tokens whose int8 blocks fit the dp4a kernel only (dp4a_takes)."""
+    """quant_linear's product of a q|k|v weight of integer values (not e4m3), or of whole heads of one from
+    first_head on (the weight's rows), with rope_and_write_kv's step in the dp4a kernel's epilogue: q heads
+    rotated into q_out [m, num_heads, D], k heads rotated and v heads copied into their pages; the bytes of
+    the product then rope. One or two tokens whose int8 blocks fit that kernel only (dp4a_takes)."""
     op = "quant_heads_rope"
     checks.on_cuda(op, "x positions cos_sin k_cache v_cache slot_mapping q_out", x, positions, cos_sin, k_cache,
                    v_cache, slot_mapping, q_out)

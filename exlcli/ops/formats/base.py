@@ -90,6 +90,20 @@ class Linear:
         return None
 
 
+def normed_rope_by_heads(lin: Linear, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                         eps: float, rope: RopeWrite) -> tuple[torch.Tensor, torch.Tensor]:
+    """normed_rope_product for a linear whose kernels may do the rope step on their own rows (`heads_rope`):
+    they do where they can, else the product then rope's kernel."""
+    normed, new_residual = add_rms_norm(x, residual, norm_weight, eps)
+    kv_heads, dim = rope.k_cache.shape[-2:]
+    write = lin.heads_rope(normed, rope, 0) if lin.out_features == (rope.num_heads + 2 * kv_heads) * dim else None
+    if write is None:
+        return rope.write(*rope.heads(lin(normed))), new_residual
+    q = normed.new_empty(normed.shape[0], rope.num_heads, dim)
+    write(q)
+    return q, new_residual
+
+
 class BfloatRowsLinear(Linear):
     """A Linear whose kernels take x as contiguous, 16-byte aligned bf16 rows [M, in_features]: the
     reshaping, the copy where x is not so and the cast of the result are done here once;

@@ -10,9 +10,9 @@ input features in chunks of 64 whose features are read in a permuted order that 
 weights and activations. `pack` writes it with torch ops (on the weight's device), `unpack_packed`
 reads it back (the torch reference of the layout, which the CPU tests run), and `GroupedCudaLinear`
 runs it: the quant_linear kernel for up to MAX_KERNEL_TOKENS tokens, and beyond, the weight
-dequantized into a scratch bf16 matrix for cuBLAS (a long prefill is compute-bound there). A q|k|v
-projection's rope step runs in the same op (quant_qkv_rope; at one or two tokens in the dp4a kernel's
-epilogue: `normed_rope_product`).
+dequantized into a scratch bf16 matrix for cuBLAS (a long prefill is compute-bound there). At one or
+two tokens a q|k|v projection's rope step runs in the dp4a kernel's epilogue (quant_heads_rope:
+`normed_rope_product`, and `heads_rope` for a part of one kept side by side).
 """
 
 from __future__ import annotations
@@ -26,9 +26,8 @@ import torch.nn.functional as F
 from exlcli.ops.cuda import kernels
 from exlcli.ops.cuda import loader as cuda_loader
 from exlcli.ops.cuda.limits import HEAD_DIMS, QUANT_BITS, QUANT_CHUNK, QUANT_GROUPS, QUANT_TILE_ROWS, dp4a_takes
-from exlcli.ops.formats.base import BfloatRowsLinear, Linear, QuantizedWeight
+from exlcli.ops.formats.base import BfloatRowsLinear, Linear, QuantizedWeight, normed_rope_by_heads
 from exlcli.ops.formats.input_order import PermutedInputLinear
-from exlcli.ops.norm import add_rms_norm
 from exlcli.ops.rope import RopeWrite
 
 log = logging.getLogger("exlcli.linear")
@@ -153,20 +152,9 @@ class GroupedCudaLinear(BfloatRowsLinear):
 
     def normed_rope_product(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                             eps: float, rope: RopeWrite) -> tuple[torch.Tensor, torch.Tensor]:
-        """A q|k|v product of up to MAX_KERNEL_TOKENS tokens and its rope step in one op: at one or two
-        tokens the dp4a kernel rotates and writes the rows in its epilogue (a kernel fewer a layer), beyond
-        it runs the product then rope's kernel; the same bytes as Linear's sequence."""
-        normed, new_residual = add_rms_norm(x, residual, norm_weight, eps)
-        kv_heads, dim = rope.k_cache.shape[-2:]
-        if (self.e4m3 or normed.dim() != 2 or not 1 <= normed.shape[0] <= MAX_KERNEL_TOKENS
-                or normed.dtype != torch.bfloat16 or not normed.is_contiguous() or normed.data_ptr() % 16
-                or dim not in HEAD_DIMS or self.out_features != (rope.num_heads + 2 * kv_heads) * dim
-                or rope.k_cache.dtype not in (torch.bfloat16, torch.float8_e4m3fn)):
-            return rope.write(*rope.heads(self(normed))), new_residual
-        q = kernels.quant_qkv_rope(normed, self.qweight, self.scales, self.bits, self.group, self.bias,
-                                   rope.positions, rope.cos_sin, rope.k_cache, rope.v_cache, rope.slot_mapping,
-                                   rope.num_heads)
-        return q, new_residual
+        """At one or two tokens the dp4a kernel rotates and writes the q|k|v rows in its epilogue (a kernel
+        fewer a layer); elsewhere Linear's sequence. The same bytes either way."""
+        return normed_rope_by_heads(self, x, residual, norm_weight, eps, rope)
 
     def heads_rope(self, normed: torch.Tensor, rope: RopeWrite,
                    first_head: int) -> Callable[[torch.Tensor], None] | None:

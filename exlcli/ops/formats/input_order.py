@@ -9,10 +9,11 @@ permuted them differently, each keeps its own linear and `SideBySideLinear` join
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
-from exlcli.ops.formats.base import Linear
-from exlcli.ops.norm import add_rms_norm
+from exlcli.ops.formats.base import Linear, normed_rope_by_heads
 from exlcli.ops.rope import RopeWrite
 
 
@@ -46,22 +47,27 @@ class SideBySideLinear(Linear):
 
     def normed_rope_product(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                             eps: float, rope: RopeWrite) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where every part does the rope step on its own rows in its kernel (`heads_rope`: a Q4_K_M file's
-        Q4_K q and k and Q6_K v at one or two tokens), one kernel a part; else the parts' products
-        concatenated, then rope's kernel."""
-        normed, new_residual = add_rms_norm(x, residual, norm_weight, eps)
-        kv_heads, dim = rope.k_cache.shape[-2:]
-        writers, first_row = [], 0
-        if self.out_features == (rope.num_heads + 2 * kv_heads) * dim:
-            for part in self.parts:
-                writers.append(part.heads_rope(normed, rope, first_row // dim) if first_row % dim == 0 else None)
-                first_row += part.out_features
-        if not writers or any(w is None for w in writers):
-            return rope.write(*rope.heads(self(normed))), new_residual
-        q = normed.new_empty(normed.shape[0], rope.num_heads, dim)
-        for write in writers:
-            write(q)
-        return q, new_residual
+        """Where every part does the rope step on its own heads in its kernel (a Q4_K_M file's Q4_K q and k
+        and Q6_K v at one or two tokens), one kernel a part; else the parts' products concatenated, then
+        rope's kernel."""
+        return normed_rope_by_heads(self, x, residual, norm_weight, eps, rope)
+
+    def heads_rope(self, normed: torch.Tensor, rope: RopeWrite,
+                   first_head: int) -> Callable[[torch.Tensor], None] | None:
+        dim = rope.k_cache.shape[-1]
+        writers, head = [], first_head
+        for part in self.parts:
+            write = part.heads_rope(normed, rope, head) if part.out_features % dim == 0 else None
+            if write is None:
+                return None
+            writers.append(write)
+            head += part.out_features // dim
+
+        def write_all(q: torch.Tensor) -> None:
+            for write in writers:
+                write(q)
+
+        return write_all
 
     def cpu_qmatmul_parts(self) -> list | None:
         parts = [p.cpu_qmatmul_parts() for p in self.parts]
