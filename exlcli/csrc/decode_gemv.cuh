@@ -14,7 +14,7 @@
 //
 // Weights (W) are of the activations' dtype, or FP8 e4m3 (bf16 activations only) with an fp32 scale
 // per row that multiplies the row's sum before the epilogue (FP8 checkpoints' per-tensor and
-// per-channel scales; exlcli/ops/formats/cuda_fp8.py).
+// per-channel scales; exlcli/ops/formats/cuda_fp8.py); their products run on fp16 pairs (dot16_e4m3).
 //
 // Work is split in row groups of kRows weight rows; each group is read by `warps_per_group` warps
 // that split K between them (16-byte loads, unroll_of<W>() passes in flight per row), so even a
@@ -69,8 +69,8 @@ constexpr int chunk_weights() {
   return 16 / static_cast<int>(sizeof(W));
 }
 
-// The kernel's shape for weights of W and M token rows. An e4m3 chunk takes twice the instructions
-// of a bf16 one (16 weights, each converted), so e4m3 rows keep one chunk a row in flight per thread
+// The kernel's shape for weights of W and M token rows. An e4m3 chunk took twice the instructions
+// of a bf16 one (16 weights, each converted to fp32) when this was measured, so e4m3 rows keep one chunk a row in flight per thread
 // instead of two and, at one token, run 3 blocks a multiprocessor instead of 2 (the same registers
 // in flight, more warps to hide the products): 8B shapes at one token, the four products of a layer
 // 74.6 -> 68.5 us on the H200 (docs/gpu-results.md, run 32). More tokens keep 2 blocks, whose
@@ -88,22 +88,39 @@ constexpr int blocks_per_sm() {
   return sizeof(W) == 1 && M == 1 ? 3 : 2;
 }
 
-// 16 e4m3 weights times two chunks of 8 activations of T, the products added in order.
+// e4m3 rows multiply fp16 pairs: a chunk's 16 activations are converted once into 8 fp16 pairs, scaled
+// by 2^-8 (so that 8 products of |w| <= 448 stay in fp16 range for |x| up to about 4,600, and about
+// 37,000 for one such x among them; the row's sum is multiplied back by 2^8, exactly), and each row
+// takes 8 HFMA2 into one fp16 pair, which is then added to the row's fp32 sum. Against the fp32
+// products of run 32 (an e4m3 pair to fp16, then to fp32, then FMA: 40 instructions a row's chunk
+// against 20) this halves the work a weight; the fp16 sums of 8 products cost less precision than the
+// bf16 rounding of the output (docs/gpu-runs/run44).
+constexpr float kE4m3ActivationScale = 1.f / 256.f;
+constexpr float kE4m3SumScale = 256.f;
+
 template <typename T>
-__device__ __forceinline__ float dot16_e4m3(const uint4& a, const uint4& b0, const uint4& b1, float acc) {
-  const __nv_fp8x2_storage_t* w = reinterpret_cast<const __nv_fp8x2_storage_t*>(&a);
+__device__ __forceinline__ void scaled_halves(const uint4& b0, const uint4& b1, __half2 (&xh)[8]) {
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const T* y = reinterpret_cast<const T*>(half == 0 ? &b0 : &b1);
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(w[4 * half + e], __NV_E4M3);
-      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
-      acc = fmaf(f.x, to_float(y[2 * e]), acc);
-      acc = fmaf(f.y, to_float(y[2 * e + 1]), acc);
-    }
+    for (int e = 0; e < 4; ++e)
+      xh[4 * half + e] = __floats2half2_rn(to_float(y[2 * e]) * kE4m3ActivationScale,
+                                           to_float(y[2 * e + 1]) * kE4m3ActivationScale);
   }
-  return acc;
+}
+
+// 16 e4m3 weights times the chunk's 16 scaled activations (scaled_halves), added to acc.
+__device__ __forceinline__ float dot16_e4m3(const uint4& a, const __half2 (&xh)[8], float acc) {
+  const __nv_fp8x2_storage_t* w = reinterpret_cast<const __nv_fp8x2_storage_t*>(&a);
+  __half2 s = __float2half2_rn(0.f);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(w[e], __NV_E4M3);
+    s = __hfma2(*reinterpret_cast<const __half2*>(&h), xh[e], s);
+  }
+  const float2 f = __half22float2(s);
+  return acc + f.x + f.y;
 }
 
 template <typename T>
@@ -348,8 +365,10 @@ __global__ void __launch_bounds__(kThreads, blocks_per_sm<W, M>()) decode_gemv_k
                 for (int r = 0; r < kRows; ++r) acc[r][m] = dot8<T>(wv[u][r], xv, acc[r][m]);
               } else {
                 const uint4 x0 = x_chunk<T, IN>(p, m, 2 * c, inv[m]), x1 = x_chunk<T, IN>(p, m, 2 * c + 1, inv[m]);
+                __half2 xh[8];
+                scaled_halves<T>(x0, x1, xh);
 #pragma unroll
-                for (int r = 0; r < kRows; ++r) acc[r][m] = dot16_e4m3<T>(wv[u][r], x0, x1, acc[r][m]);
+                for (int r = 0; r < kRows; ++r) acc[r][m] = dot16_e4m3(wv[u][r], xh, acc[r][m]);
               }
             }
           }
@@ -370,11 +389,11 @@ __global__ void __launch_bounds__(kThreads, blocks_per_sm<W, M>()) decode_gemv_k
       float sa = 0.f;
       for (int i = 0; i < wg; ++i) sa += s_red[group * wg + i][er][em];
       // __fmul_rn: never contracted into an FMA with the bias, so every epilogue rounds alike
-      if constexpr (kScaled) sa = __fmul_rn(sa, ein.scale_a);
+      if constexpr (kScaled) sa = __fmul_rn(sa * kE4m3SumScale, ein.scale_a);
       if constexpr (OUT == Out::kRopeKV) {
         float sb = 0.f;
         for (int i = 0; i < wg; ++i) sb += s_red[group * wg + i][er + kRows / 2][em];
-        if constexpr (kScaled) sb = __fmul_rn(sb, ein.scale_b);
+        if constexpr (kScaled) sb = __fmul_rn(sb * kE4m3SumScale, ein.scale_b);
         store_rope_pair<T>(p, out_row, em, sa, sb, slot, ein);
       } else {
         store_row<T, OUT>(p, out_row, em, sa, ein);

@@ -3,7 +3,8 @@ checkpoints are written): the e4m3 matrix [N, K] stays row-major as the checkpoi
 the layout both of its products read.
 
 - 1 to 4 tokens (decode): the decode linear kernel (csrc/decode_gemv.cuh) over the e4m3 rows with
-  the bf16 activations as they are, each row's sum times its scale; `fused_decode_weights` hands the
+  the bf16 activations as fp16 (times 2^-8, exactly, for range), each 8 products summed in fp16 and
+  those sums in fp32, each row's sum times its scale; `fused_decode_weights` hands the
   same weights to the fused decode step.
 - More tokens: the activations are quantized per token to e4m3 (csrc/fp8_quant.cu; in a decoder
   layer the norm and the SiLU write them so, through `normed_product` and `silu_product`) and
