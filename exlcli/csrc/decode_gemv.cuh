@@ -70,7 +70,8 @@ constexpr int chunk_weights() {
 }
 
 // The kernel's shape for weights of W and M token rows. An e4m3 chunk took twice the instructions
-// of a bf16 one (16 weights, each converted to fp32) when this was measured, so e4m3 rows keep one chunk a row in flight per thread
+// of a bf16 one when this was measured (each weight converted to fp32; run 44 halved that, and two
+// chunks in flight were still slower then), so e4m3 rows keep one chunk a row in flight per thread
 // instead of two and, at one token, run 3 blocks a multiprocessor instead of 2 (the same registers
 // in flight, more warps to hide the products): 8B shapes at one token, the four products of a layer
 // 74.6 -> 68.5 us on the H200 (docs/gpu-results.md, run 32). More tokens keep 2 blocks, whose
@@ -421,7 +422,7 @@ void launch(Params p, cudaStream_t stream, bool pdl) {
   // As many rounds of the persistent loop as the resident blocks need, with no more blocks a
   // multiprocessor than those rounds take: 512 units on 3 x 132 blocks leave a second round of 116
   // blocks, too few loads in flight to keep memory busy, where 2 x 132 blocks keep it busy to the end
-  // (e4m3 down of the 8B shape at one token 24.0 -> 22.6 us on an H100, run 43). Every multiprocessor
+  // (e4m3 down of the 8B shape at one token 23.8-24.0 -> 22.8 us on an H100, run 43). Every multiprocessor
   // gets the same number of blocks: with 2 on some and 3 on others, the slower ones set the time.
   const int tasks = ceil_div(p.num_units, kWarps / p.warps_per_group);
   const int sms = num_sms(), rounds = ceil_div(tasks, blocks_per_sm<W, M>() * sms);
