@@ -131,7 +131,7 @@ def test_quantize_at_load_hf_folder(tmp_path, dense, unquantized, target):
     assert relative_error(prefill_logits(quant, IDS), base_bf16) <= tolerance + 0.03
     types = {t.name: t.tensors for t in quant.tensor_types.types}
     assert types == dict(Counter([layer_fmt] * len(projections) + [head_fmt or "BF16"] + ["BF16"] * 6))
-    if layer_fmt != "FP8_E4M3" and cpu_qmatmul.available():
+    if cpu_qmatmul.available():  # FP8 too: int8 blocks on the CPU kernel
         assert quant.model.weight_bytes() < 0.75 * base_bytes
 
 

@@ -7,8 +7,12 @@ holds the three scale shapes the tools write: per tensor (llm-compressor / compr
 fbgemm_fp8) and per 128 x 128 tile (DeepSeek-style `weight_block_size: [128, 128]`,
 `strategy: block`): the scale is repeated over the blocks it covers.
 
-Its CPU linear is a reference that dequantizes (128 rows of weights at a time) on every call: the
-weights stay fp8 in memory, the product is exact in fp32, but it is not fast (no FP8 kernel yet).
+On the CPU with bf16 activations the weights run on the quantized matmul kernel (cpu_qmatmul.py) in its
+8-bit layout (what a llama.cpp user gets by converting an FP8 checkpoint to Q8_0, but closer to the
+file): `int8_blocks` writes each e4m3 value as an int8 times its block's scale and a power of two per 32
+weights, which keeps every value that is a multiple of that step exactly (most of a tensor's) and
+rounds the smaller ones to it. Elsewhere (fp32 activations, or no kernel built) the CPU linear is a reference that
+dequantizes (128 rows of weights at a time) on every call: exact in fp32, not fast.
 On CUDA the weights stay e4m3. With one scale per row (per tensor, per channel) they stay row-major
 (cuda_fp8.py): the decode linear kernel for 1 to 4 tokens and the fused decode step, cuBLASLt's FP8
 matmul with activations quantized per token beyond. With scales per tile they take the 8-bit layout of
@@ -22,12 +26,16 @@ import torch
 import torch.nn.functional as F
 
 from exlcli.ops.cuda import loader as cuda_loader
-from exlcli.ops.formats import cuda_fp8, cuda_groups
+from exlcli.ops.formats import cpu_qmatmul, cuda_fp8, cuda_groups
 from exlcli.ops.formats.base import BlockFormat, Linear, QuantizedWeight
+from exlcli.ops.formats.cpu_qmatmul import QuantCpuLinear
 
 BLOCK_WEIGHTS = 128
 BLOCK_BYTES = 4 + BLOCK_WEIGHTS
 ROWS_PER_STEP = 128  # rows dequantized at once by the reference linear (bounds its scratch memory)
+INT8_BLOCK = cpu_qmatmul.BLOCK  # weights per scale of the CPU kernel's 8-bit layout
+INT8_MAX = 127
+E4M3_STEP_EXPONENT = -9  # every e4m3 value is a multiple of 2^-9 (the smallest subnormal)
 
 
 def unpack(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,8 +110,28 @@ class Fp8ReferenceLinear(Linear):
         return self.blocks.numel()
 
 
+def int8_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8_E4M3 blocks -> (q [N, K] int32 in -127..127, scale [N, K / 32] fp32), w ~ q * scale: per 32
+    weights the step d = 2^j is the smallest power of two with max|e| / d <= 127 (at least 2^-9, where
+    every e4m3 value is a multiple of it), q = round(e / d) and scale = the block's scale times d. So
+    a value e is kept exactly when it is a multiple of d (every |e| >= 8 d), else rounded to one."""
+    values, block_scale = unpack(blocks)
+    rows, cols = values.shape
+    v = values.view(rows, -1, INT8_BLOCK)
+    amax = v.abs().amax(dim=-1)
+    _, j = torch.frexp(amax / INT8_MAX)  # amax / 127 <= 2^j
+    j = torch.where(amax <= torch.ldexp(torch.full_like(amax, INT8_MAX), j - 1), j - 1, j)  # the smallest j
+    j = j.clamp(min=E4M3_STEP_EXPONENT)
+    q = torch.round(torch.ldexp(v, -j[..., None]))  # e / 2^j: exact, then rounded half to even
+    per_weight_scale = block_scale.repeat_interleave(BLOCK_WEIGHTS // INT8_BLOCK, dim=1)
+    return q.reshape(rows, cols).to(torch.int32), torch.ldexp(per_weight_scale, j)
+
+
 def cpu_linear(weight: QuantizedWeight, bias: torch.Tensor | None, device: torch.device,
                dtype: torch.dtype) -> Linear | None:
+    if dtype == torch.bfloat16 and cpu_qmatmul.available():
+        q, scale = int8_blocks(weight.blocks)
+        return QuantCpuLinear(q, scale, None, bits=8, bias=bias)
     return Fp8ReferenceLinear(weight, bias)
 
 

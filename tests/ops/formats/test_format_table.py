@@ -11,6 +11,7 @@ from exlcli.errors import UnsupportedTensorTypeError
 from exlcli.ops import formats
 from exlcli.ops.formats import FORMATS, BlockFormat, QuantizedWeight
 from exlcli.ops.formats.base import Linear
+from exlcli.ops.formats.cpu_qmatmul import QuantCpuLinear
 from exlcli.ops.formats.dense import DenseLinear
 from exlcli.ops.linear import make_linear
 
@@ -89,7 +90,10 @@ def test_make_linear_runs_the_format_s_cpu_linear_or_its_dequantized_weight(fmt)
     assert lin.out_features == 32 and lin.in_features == cols
     y = lin(x, out_dtype=torch.float32)
     assert y.dtype == torch.float32 and y.shape == (3, 32)
-    assert float((y.double() - want).norm() / want.norm()) < 1e-2
+    # FP8 on the CPU kernel: its values also rounded to int8 steps (fp8.int8_blocks); these random codes span
+    # e4m3's whole range, the worst case for those steps (0.85% of the weights' norm, 1.3% of the product)
+    bound = 2e-2 if fmt.name == "FP8_E4M3" and isinstance(own, QuantCpuLinear) else 1e-2
+    assert float((y.double() - want).norm() / want.norm()) < bound
     assert lin(x).dtype == torch.bfloat16
     assert lin.fused_decode_weights() is None  # the fused decode step is CUDA's
     if own is not None:

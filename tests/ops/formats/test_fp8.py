@@ -1,6 +1,7 @@
 """FP8 e4m3 weights with per-tensor, per-channel and 128 x 128 tile scales, as the FP8 checkpoint
 tools write them, held as FP8_E4M3 blocks: dequantize equals their reconstruction bit for bit in
-fp32, and the (reference) CPU linear computes its product."""
+fp32; the reference CPU linear computes its product exactly, and with bf16 activations the CPU's int8
+kernel takes the e4m3 values as int8 blocks (exactly where they are multiples of their step)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from exlcli.ops import formats
-from exlcli.ops.formats import fp8
+from exlcli.ops.formats import cpu_qmatmul, fp8
 from exlcli.ops.linear import make_linear
 from tests.ops.formats import hf_quant_writers as writers
+from tests.ops.formats.kernel_contract import check_product, rel_err
 
 CPU = torch.device("cpu")
 
@@ -57,9 +59,9 @@ def test_what_does_not_fit_is_named():
         fp8.from_fp8(weight.to(torch.float8_e5m2), scale)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,m", [(37, 1), (300, 5)])
-def test_cpu_linear_stays_fp8_and_computes_the_product(dtype, n, m):
+def test_cpu_linear_of_fp32_stays_fp8_and_computes_the_exact_product(n, m):
+    dtype = torch.float32
     weight, scale, want = writers.fp8(dense(n, 256, n), "channel")
     w = fp8.from_fp8(weight, scale)
     bias = torch.randn(n)
@@ -70,6 +72,46 @@ def test_cpu_linear_stays_fp8_and_computes_the_product(dtype, n, m):
     exact = F.linear(x.double(), want.double(), bias.to(dtype).double())  # make_linear holds the bias in dtype
     assert y.shape == (m, n) and float((y.double() - exact).norm() / exact.norm()) < 1e-6
     assert lin(x).dtype == dtype
+
+
+@pytest.mark.parametrize("n,m", [(37, 1), (300, 5)])
+def test_cpu_linear_of_bf16_runs_the_int8_kernel_over_the_e4m3_values(n, m):
+    weight, scale, want = writers.fp8(dense(n, 256, n), "channel")
+    w = fp8.from_fp8(weight, scale)
+    bias = torch.randn(n)
+    lin = make_linear([w], [bias], CPU, torch.bfloat16)
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).bfloat16()
+    y = lin(x, out_dtype=torch.float32)
+    fp8_product = F.linear(x.double(), want.double(), bias.bfloat16().double())
+    if not cpu_qmatmul.available():  # no kernel built: the exact reference
+        assert isinstance(lin, fp8.Fp8ReferenceLinear) and rel_err(y, fp8_product) < 1e-6
+        return
+    assert isinstance(lin, cpu_qmatmul.QuantCpuLinear) and lin.bits == 8
+    rows = -(-n // 16) * 16  # the kernel's groups of 16 output columns
+    assert lin.nbytes() == rows * 256 + rows * 256 // 32 * 4  # an int8 a weight and an fp32 scale per 32
+    q, step = fp8.int8_blocks(w.blocks)
+    held = (q.view(n, -1, 32).float() * step[..., None]).reshape(n, 256)
+    check_product(lin, x, y, F.linear(x.double(), held.double(), bias.bfloat16().double()), held)
+    assert rel_err(y, fp8_product) < 2e-2 and lin(x).dtype == torch.bfloat16
+
+
+def test_int8_blocks_keep_each_e4m3_value_that_is_a_multiple_of_its_step():
+    weight, scale, _ = writers.fp8(dense(64, 512, 5), "channel")
+    weight[3, :32] = (torch.arange(32) % 8 * 2.0 ** -9).to(torch.float8_e4m3fn)  # a block of subnormals
+    weight[4, :32] = 0  # a block of zeros
+    q, step = fp8.int8_blocks(fp8.from_fp8(weight, scale).blocks)
+    assert q.dtype == torch.int32 and int(q.abs().max()) <= 127
+    ratio = step / scale.reshape(64, 1)  # the step in e4m3 units: a power of two
+    mantissa, _ = torch.frexp(ratio)
+    assert bool((mantissa == 0.5).all())
+    e = weight.float().view(64, -1, 32)
+    got = q.view(64, -1, 32).float() * ratio[..., None]  # exact: q <= 127 times a power of two
+    assert bool(((got - e).abs() <= ratio[..., None] / 2).all())  # each value rounded to its step
+    big = e.abs() >= 8 * ratio[..., None]  # 4 significant bits above the step: a multiple of it
+    assert torch.equal(got[big], e[big]) and float(big.double().mean()) > 0.7
+    assert torch.equal(got[3, 0], e[3, 0]) and torch.equal(got[4, 0], e[4, 0])
+    top = q.view(64, -1, 32).abs().amax(dim=-1)  # the smallest step that holds the block in 127 of them
+    assert bool(((top > 63) | (ratio == 2.0 ** -9) | (top == 0)).all())
 
 
 def test_per_token_activation_quantization_reference():
