@@ -114,17 +114,21 @@ def int8_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8_E4M3 blocks -> (q [N, K] int32 in -127..127, scale [N, K / 32] fp32), w ~ q * scale: per 32
     weights the step d = 2^j is the smallest power of two with max|e| / d <= 127 (at least 2^-9, where
     every e4m3 value is a multiple of it), q = round(e / d) and scale = the block's scale times d. So
-    a value e is kept exactly when it is a multiple of d (every |e| >= 8 d), else rounded to one."""
+    a value e is kept exactly when it is a multiple of d (every |e| >= 8 d), else rounded to one. A block
+    holding an e4m3 NaN gets q = 0 and a NaN scale, so its products are NaN as the reference's are."""
     values, block_scale = unpack(blocks)
     rows, cols = values.shape
     v = values.view(rows, -1, INT8_BLOCK)
+    nan = v.isnan().any(dim=-1)
+    v = torch.where(nan[..., None], torch.zeros_like(v), v)
     amax = v.abs().amax(dim=-1)
     _, j = torch.frexp(amax / INT8_MAX)  # amax / 127 <= 2^j
     j = torch.where(amax <= torch.ldexp(torch.full_like(amax, INT8_MAX), j - 1), j - 1, j)  # the smallest j
     j = j.clamp(min=E4M3_STEP_EXPONENT)
     q = torch.round(torch.ldexp(v, -j[..., None]))  # e / 2^j: exact, then rounded half to even
     per_weight_scale = block_scale.repeat_interleave(BLOCK_WEIGHTS // INT8_BLOCK, dim=1)
-    return q.reshape(rows, cols).to(torch.int32), torch.ldexp(per_weight_scale, j)
+    scale = torch.where(nan, torch.full_like(per_weight_scale, float("nan")), torch.ldexp(per_weight_scale, j))
+    return q.reshape(rows, cols).to(torch.int32), scale
 
 
 def cpu_linear(weight: QuantizedWeight, bias: torch.Tensor | None, device: torch.device,

@@ -114,6 +114,15 @@ def test_int8_blocks_keep_each_e4m3_value_that_is_a_multiple_of_its_step():
     assert bool(((top > 63) | (ratio == 2.0 ** -9) | (top == 0)).all())
 
 
+def test_int8_blocks_give_a_block_with_a_nan_code_nan_products():
+    weight, scale, _ = writers.fp8(dense(4, 128, 6), "channel")
+    weight[2, 40] = float("nan")
+    q, step = fp8.int8_blocks(fp8.from_fp8(weight, scale).blocks)
+    assert bool(step[2, 1].isnan()) and int(step.isnan().sum()) == 1 and not bool(q[2, 32:64].any())
+    y = cpu_qmatmul.QuantCpuLinear(q, step, None, bits=8).reference(torch.ones(1, 128))
+    assert bool(y[0, 2].isnan()) and int(y.isnan().sum()) == 1
+
+
 def test_per_token_activation_quantization_reference():
     """cuda_fp8.quantize_rows_reference (the oracle of csrc/fp8_quant.cu): each row's largest magnitude
     maps to 448, a row of zeros keeps a finite scale, and q * scale is x within e4m3's rounding."""
