@@ -11,8 +11,8 @@ On the CPU with bf16 activations the weights run on the quantized matmul kernel 
 8-bit layout (what a llama.cpp user gets by converting an FP8 checkpoint to Q8_0, but closer to the
 file): `int8_blocks` writes each e4m3 value as an int8 times its block's scale and a power of two per 32
 weights, which keeps every value that is a multiple of that step exactly (most of a tensor's) and
-rounds the smaller ones to it. Elsewhere (fp32 activations, or no kernel built) the CPU linear is a reference that
-dequantizes (128 rows of weights at a time) on every call: exact in fp32, not fast.
+rounds the smaller ones to it. Elsewhere (fp32 activations, or no kernel built) the CPU linear is a
+reference that dequantizes (128 rows of weights at a time) on every call: exact in fp32, not fast.
 On CUDA the weights stay e4m3. With one scale per row (per tensor, per channel) they stay row-major
 (cuda_fp8.py): the decode linear kernel for 1 to 4 tokens and the fused decode step, cuBLASLt's FP8
 matmul with activations quantized per token beyond. With scales per tile they take the 8-bit layout of
@@ -126,8 +126,8 @@ def int8_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     j = torch.where(amax <= torch.ldexp(torch.full_like(amax, INT8_MAX), j - 1), j - 1, j)  # the smallest j
     j = j.clamp(min=E4M3_STEP_EXPONENT)
     q = torch.round(torch.ldexp(v, -j[..., None]))  # e / 2^j: exact, then rounded half to even
-    per_weight_scale = block_scale.repeat_interleave(BLOCK_WEIGHTS // INT8_BLOCK, dim=1)
-    scale = torch.where(nan, torch.full_like(per_weight_scale, float("nan")), torch.ldexp(per_weight_scale, j))
+    scale_per_32 = block_scale.repeat_interleave(BLOCK_WEIGHTS // INT8_BLOCK, dim=1)
+    scale = torch.where(nan, torch.full_like(scale_per_32, float("nan")), torch.ldexp(scale_per_32, j))
     return q.reshape(rows, cols).to(torch.int32), scale
 
 
