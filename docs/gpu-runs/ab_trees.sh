@@ -2,7 +2,10 @@
 # it ("old": build/ab/old.tar, made here with `git archive <rev> exlcli scripts > build/ab/old.tar`, carried
 # with build/ab). ab_build extracts the old tree to /tmp/old and builds both libraries at once; both_trees
 # LIMIT SCRIPT ARGS runs a python SCRIPT with "new", then in the old tree with "old", each in its own
-# process, the repository root first on PYTHONPATH and its own kernel cache.
+# process, the repository root first on PYTHONPATH and its own kernel cache. decode_ab ROWS_BY DECODE_BY: run
+# 43's A/B, twice each while the call is younger than ROWS_BY / DECODE_BY seconds: run 32's decode_rows.py (the
+# decode linear alone, 1-4 rows, e4m3 and bf16, PDL off; rows.txt), then run 41's decode_ab.py (DECODE_RUNS,
+# default FP8 batch 1 and 2 through the Engine; decode_ab.txt).
 OUT=${OUT:-results-tmp}
 mkdir -p "$OUT"
 export EXLCLI_KERNEL_CACHE=$PWD/build/kernels
@@ -23,4 +26,18 @@ both_trees() {
   PYTHONPATH=$PWD:${PYTHONPATH:-} timeout "$limit" python3 "$script" new "$@"
   (cd /tmp/old && PYTHONPATH=/tmp/old:${PYTHONPATH:-} EXLCLI_KERNEL_CACHE=/tmp/old/build/kernels \
      timeout "$limit" python3 "$script" old "$@")
+}
+
+decode_ab() {
+  local rows_by=$1 decode_by=$2
+  for _ in 1 2; do
+    [ "$SECONDS" -gt "$rows_by" ] && break
+    both_trees 90 docs/gpu-runs/run32/decode_rows.py
+  done 2>&1 | grep -E "^(new|old) |Error|error" | tee "$OUT/rows.txt"
+  echo "rows at $SECONDS s"
+  for _ in 1 2; do
+    [ "$SECONDS" -gt "$decode_by" ] && break
+    both_trees 100 docs/gpu-runs/run41/decode_ab.py --runs "${DECODE_RUNS:-fp8:1+2}"
+  done 2>&1 | grep -E "^(new|old) |Error|error" | tee "$OUT/decode_ab.txt"
+  echo "done at $SECONDS s"
 }

@@ -7,13 +7,4 @@ set -uo pipefail
 cd "$(dirname "$0")/../../.."
 source docs/gpu-runs/ab_trees.sh
 ab_build
-for _ in 1 2; do
-  [ "$SECONDS" -gt 400 ] && break
-  both_trees 90 docs/gpu-runs/run32/decode_rows.py
-done 2>&1 | grep -E "^(new|old) |Error|error" | tee "$OUT/rows.txt"
-echo "rows at $SECONDS s"
-for _ in 1 2; do
-  [ "$SECONDS" -gt 480 ] && break
-  both_trees 100 docs/gpu-runs/run41/decode_ab.py --runs "${DECODE_RUNS:-fp8:1+2}"
-done 2>&1 | grep -E "^(new|old) |Error|error" | tee "$OUT/decode_ab.txt"
-echo "done at $SECONDS s"
+decode_ab 400 480

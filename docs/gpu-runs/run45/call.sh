@@ -18,13 +18,4 @@ case "$(nvidia-smi --query-gpu=name --format=csv,noheader)" in
        --json "$OUT/main-bench.json" 2>&1 | tee "$OUT/main-bench.log" | tail -n 40)
     exit 0 ;;
 esac
-for _ in 1 2; do
-  [ "$SECONDS" -gt 420 ] && break
-  both_trees 90 docs/gpu-runs/run32/decode_rows.py
-done 2>&1 | grep -E "^(new|old) |Error|error" | tee "$OUT/rows.txt"
-echo "rows at $SECONDS s"
-for _ in 1 2; do
-  [ "$SECONDS" -gt 490 ] && break
-  both_trees 100 docs/gpu-runs/run41/decode_ab.py --runs "${DECODE_RUNS:-fp8:1+2}"
-done 2>&1 | grep -E "^(new|old) |Error|error" | tee "$OUT/decode_ab.txt"
-echo "done at $SECONDS s"
+decode_ab 420 490
