@@ -1,13 +1,5 @@
 #!/usr/bin/env bash
 # With little device time left: on an H200 only, build and bench issue 15's FP8 batch-64 figure on the e4m3
-# cache (gpu_bench.py --only fp8kv); on another card, nothing.
-set -uo pipefail
-cd "$(dirname "$0")/../../.."
-OUT=${OUT:-results-tmp}
-mkdir -p "$OUT"
-name=$(nvidia-smi --query-gpu=name --format=csv,noheader)
-echo "$name"
-case "$name" in *H200*) ;; *) echo "not an H200: nothing run"; exit 0 ;; esac
-export EXLCLI_KERNEL_CACHE=$PWD/build/kernels
-timeout 150 python3 -c 'from exlcli.ops.cuda import loader; print(loader.load(), loader.reason())' 2>&1 | tail -n 1
-timeout $((330 - SECONDS)) python3 scripts/gpu_bench.py --only fp8kv --json "$OUT/fp8kv-bench.json" 2>&1 | tail -n 25
+# cache (gpu_bench.py --only fp8kv); on another card, nothing. Run 44's h200_fp8.sh does it, with its parts named.
+cd "$(dirname "$0")/../../.." || exit
+BENCH_ONLY=fp8kv exec bash docs/gpu-runs/run44/h200_fp8.sh
