@@ -36,9 +36,9 @@ ARRAY_SCHEMA = {"type": "array", "items": SCHEMA, "minItems": 4}
 
 def load_tokenizer(path: str | None):
     """A GGUF file, an HF folder (tokenizer.json + tokenizer_config.json), or the default model's."""
-    from exlcli.model.default_model import resolve_model_path
+    from exlcli.hub.default_model import resolve_model_path
     from exlcli.model.gguf_meta import read_gguf_metadata
-    from exlcli.model.tokenizer import Tokenizer
+    from exlcli.text.tokenizer import Tokenizer
 
     if path and os.path.isdir(path):
         return Tokenizer.from_hf_folder(path)

@@ -71,9 +71,9 @@ def documents(count: int, seed: int) -> list[str]:
 
 
 def load_tokenizer(path: str | None):
-    from exlcli.model.default_model import resolve_model_path
+    from exlcli.hub.default_model import resolve_model_path
     from exlcli.model.gguf_meta import read_gguf_metadata
-    from exlcli.model.tokenizer import Tokenizer
+    from exlcli.text.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf_metadata(read_gguf_metadata(resolve_model_path(path)))
 

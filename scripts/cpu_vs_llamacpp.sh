@@ -27,7 +27,7 @@ EXLCLI=(python3 -m exlcli)
 
 files=("$@")
 if [ ${#files[@]} -eq 0 ]; then
-    default=$(python3 -c "from exlcli.model.default_model import resolve_model_path; print(resolve_model_path(None))")
+    default=$(python3 -c "from exlcli.hub.default_model import resolve_model_path; print(resolve_model_path(None))")
     q4km="$WORK/$(basename "${default%.Q4_1.gguf}").Q4_K_M.gguf"
     if [ ! -f "$q4km" ]; then
         say "llama-quantize --allow-requantize $default -> $q4km (Q4_K_M)"

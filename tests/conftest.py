@@ -19,7 +19,7 @@ def private_runtime_dir(tmp_path, monkeypatch) -> Path:
 @pytest.fixture(scope="session")
 def default_model_path() -> str:
     """The default GGUF (SmolLM2-135M-Instruct Q4_1), fetched into the user cache once."""
-    from exlcli.model.default_model import resolve_model_path
+    from exlcli.hub.default_model import resolve_model_path
 
     return resolve_model_path(None)
 

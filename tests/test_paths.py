@@ -8,7 +8,7 @@ import pytest
 from exlcli import paths
 from exlcli.chat.paths import history_path
 from exlcli.client.runtime_file import runtime_path
-from exlcli.model.default_model import models_dir
+from exlcli.hub.default_model import models_dir
 from exlcli.ops.backend import kernel_cache_root
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the XDG layout is Linux's")

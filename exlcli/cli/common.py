@@ -13,7 +13,7 @@ from exlcli.errors import ExlcliError
 
 def complete_model(incomplete: str) -> list[str]:
     """Shell completion of --model: the names in the cache folder (files and folders complete as paths)."""
-    from exlcli.model.default_model import list_cached_models
+    from exlcli.hub.default_model import list_cached_models
 
     return [name for name, _, _ in list_cached_models() if name.startswith(incomplete)]
 

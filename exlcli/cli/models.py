@@ -30,7 +30,7 @@ def list_lines() -> list[str]:
     """`exlcli ls`: NAME, SIZE, MODIFIED and PATH of each model in the cache folder."""
     import datetime
 
-    from exlcli.model.default_model import DEFAULT_MODEL_NAME, list_cached_models
+    from exlcli.hub.default_model import DEFAULT_MODEL_NAME, list_cached_models
 
     rows = [("NAME", "SIZE", "MODIFIED", "PATH")]
     for name, path, size in list_cached_models():
@@ -43,8 +43,8 @@ def list_lines() -> list[str]:
 def remove_model(name: str) -> str:
     """Delete one model of the cache folder (and what an unfinished pull of it left); never a path
     outside it."""
-    from exlcli.model.default_model import list_cached_models, models_dir
-    from exlcli.model.hub import DOWNLOADS
+    from exlcli.hub.default_model import list_cached_models, models_dir
+    from exlcli.hub.pull import DOWNLOADS
 
     if not name or name in (".", "..") or "/" in name or "\\" in name:
         raise ExlcliError(f"{name!r} is not a model name; `exlcli ls` lists them")
@@ -66,7 +66,7 @@ def register(app: typer.Typer) -> None:
     @user_errors
     def models() -> None:
         """List the default model and the models in the cache folder."""
-        from exlcli.model.default_model import default_model_file, list_cached_models
+        from exlcli.hub.default_model import default_model_file, list_cached_models
 
         default = default_model_file()
         where = f"cached at {default}" if default.exists() else "not downloaded yet; provisioned on first use"
@@ -100,7 +100,7 @@ def register(app: typer.Typer) -> None:
 
         Uses HF_TOKEN for private and gated repositories and HF_ENDPOINT for a mirror. Examples:
         exlcli pull Qwen/Qwen2.5-0.5B-Instruct-GGUF:q4_k_m, exlcli pull Qwen/Qwen2.5-0.5B-Instruct"""
-        from exlcli.model.hub import pull as pull_model
+        from exlcli.hub.pull import pull as pull_model
 
         try:
             path = pull_model(spec)

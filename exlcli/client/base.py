@@ -12,7 +12,7 @@ from typing import AsyncIterator, Iterator
 
 from exlcli.engine.request import GrammarSpec, Priority, SamplingParams
 from exlcli.engine.stats import EngineStats
-from exlcli.model.tool_formats import HermesFormat, ToolFormat
+from exlcli.text.tool_formats import HermesFormat, ToolFormat
 
 
 @dataclass

@@ -13,7 +13,7 @@ from exlcli.engine.request import Request, RequestOutput
 from exlcli.engine.stats import EngineStats
 from exlcli.errors import ExlcliError, RequestError
 from exlcli.model.loader import LoadedModel, load_model
-from exlcli.model.tool_formats import ToolFormat, detect_tool_format, prompt_messages, tool_texts
+from exlcli.text.tool_formats import ToolFormat, detect_tool_format, prompt_messages, tool_texts
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}

@@ -18,7 +18,6 @@ import torch
 
 from exlcli.engine.constraints import GrammarCompiler
 from exlcli.engine.context_window import DEFAULT_SINK_TOKENS, check_mode, resolve_policy
-from exlcli.engine.detok import TextStreamer
 from exlcli.engine.draft_model_drafter import DraftModel
 from exlcli.engine.drafters import build_drafter, num_drafter_pages, resolve_draft_model
 from exlcli.engine.failure_policy import FailurePolicy
@@ -38,6 +37,7 @@ from exlcli.model.interface import CausalLM
 from exlcli.model.kv_cache import KVCache, check_kv_cache_dtype, kv_cache_dtype
 from exlcli.model.transfer import to_device
 from exlcli.ops.argmax import with_nonfinite_flags
+from exlcli.text.detok import TextStreamer
 
 log = logging.getLogger("exlcli.engine")
 

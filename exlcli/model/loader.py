@@ -13,11 +13,11 @@ import torch
 from exlcli.errors import ModelLoadError
 from exlcli.model.architectures import build_model, config_from_hf
 from exlcli.model.architectures.tensor_names import EMBED, LM_HEAD
-from exlcli.model.chat_template import ChatTemplate
 from exlcli.model.config import ModelConfig
 from exlcli.model.interface import CausalLM
 from exlcli.model.tensor_types import TensorTypes, count_types, decode_step_bytes
 from exlcli.ops.formats import QuantizedWeight
+from exlcli.text.chat_template import ChatTemplate
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -29,7 +29,7 @@ class LoadedModel:
     path: str
     config: ModelConfig
     model: CausalLM
-    tokenizer: object  # exlcli.model.tokenizer.Tokenizer or SyntheticTokenizer
+    tokenizer: object  # exlcli.text.tokenizer.Tokenizer or SyntheticTokenizer
     chat_template: ChatTemplate
     quantization: str  # e.g. "Q4_1", "bf16", "random bf16"
     load_time_s: float
@@ -88,7 +88,7 @@ def load_model(spec: str | None = None, device: str | None = None, dtype: str | 
     (exlcli/model/quantize_at_load.py). Notices go to `log`, sys.stderr by default (looked up per
     call: a test runner swaps it, and a default bound at import may be a closed one)."""
     log = sys.stderr if log is None else log
-    from exlcli.model.default_model import resolve_model_path
+    from exlcli.hub.default_model import resolve_model_path
     from exlcli.model.quantize_at_load import check_target
 
     start = time.perf_counter()
@@ -106,7 +106,7 @@ def load_model(spec: str | None = None, device: str | None = None, dtype: str | 
         quant = f"random {str(dt).removeprefix('torch.')}"
     elif os.path.isdir(path):
         from exlcli.model.hf_loader import load_hf_tensors, read_hf_config
-        from exlcli.model.tokenizer import Tokenizer
+        from exlcli.text.tokenizer import Tokenizer
 
         config = config_from_hf(read_hf_config(path))
         tokenizer = Tokenizer.from_hf_folder(path)
@@ -116,7 +116,7 @@ def load_model(spec: str | None = None, device: str | None = None, dtype: str | 
     else:
         from exlcli.model.gguf_loader import load_gguf_tensors
         from exlcli.model.gguf_meta import metadata_from_reader, open_gguf
-        from exlcli.model.tokenizer import Tokenizer
+        from exlcli.text.tokenizer import Tokenizer
 
         reader = open_gguf(path)
         meta = metadata_from_reader(reader)

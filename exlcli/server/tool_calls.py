@@ -18,7 +18,7 @@ from exlcli.client.base import GenerationParams
 from exlcli.engine.constraints import check_json_schema
 from exlcli.engine.request import GrammarSpec
 from exlcli.errors import RequestError
-from exlcli.model.tool_formats import ParsedAnswer, ToolCall, ToolFormat
+from exlcli.text.tool_formats import ParsedAnswer, ToolCall, ToolFormat
 
 MAX_TOOLS = 128
 FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for function names

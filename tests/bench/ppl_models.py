@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 
 from exlcli.model.architectures import build_model
-from exlcli.model.chat_template import ChatTemplate
 from exlcli.model.loader import LoadedModel
 from exlcli.model.random_weights import SyntheticTokenizer, random_config, random_tensors
+from exlcli.text.chat_template import ChatTemplate
 
 TEXT = "".join(chr(32 + (i * 7919 + (i // 13) ** 2) % 95) for i in range(700))  # 700 printable bytes: 700 tokens
 

@@ -15,9 +15,9 @@ from exlcli.client.local import LocalClient
 from exlcli.engine.engine import EngineConfig
 from exlcli.engine.request import GrammarSpec
 from exlcli.model.architectures import build_model
-from exlcli.model.chat_template import ChatTemplate
 from exlcli.model.loader import LoadedModel
 from exlcli.model.random_weights import random_config, random_tensors
+from exlcli.text.chat_template import ChatTemplate
 from tests.engine.grammar_helpers import SCHEMAS, small_bpe_tokenizer
 
 

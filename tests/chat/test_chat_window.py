@@ -19,9 +19,9 @@ from exlcli.client.local import LocalClient
 from exlcli.engine.engine import EngineConfig
 from exlcli.errors import RequestError
 from exlcli.model.architectures import build_model
-from exlcli.model.chat_template import ChatTemplate
 from exlcli.model.loader import LoadedModel
 from exlcli.model.random_weights import random_config, random_tensors
+from exlcli.text.chat_template import ChatTemplate
 from tests.chat.chat_helpers import chat_requests, run_chat
 from tests.engine.grammar_helpers import small_bpe_tokenizer
 

@@ -16,7 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from exlcli.cli.app import app
-from exlcli.model.hub import PullSpec, RemoteFile, parse_spec, plan_pull
+from exlcli.hub.pull import PullSpec, RemoteFile, parse_spec, plan_pull
 from tests.cli.mock_hub import running_hub
 
 REPO = Path(__file__).resolve().parents[2]

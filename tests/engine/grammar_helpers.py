@@ -3,7 +3,7 @@ of JSON schemas for structured-output tests."""
 
 from __future__ import annotations
 
-from exlcli.model.tokenizer import Tokenizer, _HFBackend
+from exlcli.text.tokenizer import Tokenizer, _HFBackend
 
 CORPUS = [
     '{"name": "Ada", "age": 36, "tags": ["math", "code"], "ok": true, "score": -1.5e3}',

@@ -18,9 +18,9 @@ from exlcli.engine.engine import EngineConfig
 from exlcli.engine.request import GrammarSpec, grammar_from_response_format, response_format_of
 from exlcli.errors import RequestError
 from exlcli.model.architectures import build_model
-from exlcli.model.chat_template import ChatTemplate
 from exlcli.model.loader import LoadedModel
 from exlcli.model.random_weights import random_config, random_tensors
+from exlcli.text.chat_template import ChatTemplate
 from tests.engine.grammar_helpers import SCHEMAS, small_bpe_tokenizer
 
 SPECS = [GrammarSpec("json_object"), GrammarSpec("json_schema", SCHEMAS["enum"], strict=True),

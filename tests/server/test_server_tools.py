@@ -18,11 +18,11 @@ from test_server_openai_sdk import sdk
 from exlcli.client.local import LocalClient
 from exlcli.engine.engine import EngineConfig
 from exlcli.model.architectures import build_model
-from exlcli.model.chat_template import ChatTemplate
 from exlcli.model.loader import LoadedModel
 from exlcli.model.random_weights import random_config, random_tensors
+from exlcli.text.chat_template import ChatTemplate
 from tests.engine.grammar_helpers import small_bpe_tokenizer
-from tests.model.tool_templates import LLAMA31, MISTRAL_V03, QWEN25, TIME_TOOL, WEATHER_TOOL
+from tests.text.tool_templates import LLAMA31, MISTRAL_V03, QWEN25, TIME_TOOL, WEATHER_TOOL
 
 TOOLS = [WEATHER_TOOL, TIME_TOOL]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from exlcli.engine.detok import TextStreamer
+from exlcli.text.detok import TextStreamer
 
 
 def _byte_alphabet() -> dict[int, str]:

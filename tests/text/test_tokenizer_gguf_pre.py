@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from exlcli.model.tokenizer import Tokenizer
+from exlcli.text.tokenizer import Tokenizer
 
 TEXT = "I'M here 1234567 times\n\n  ok"
 
@@ -96,7 +96,7 @@ FAMILY_TEXT = "HelloWorld I'M 1234567 日本語, ok?\n\n  x"
 def _family_words(pre: str) -> list[str]:
     from tokenizers import decoders
 
-    from exlcli.model.gguf_vocab import _pre_tokenizer
+    from exlcli.text.gguf_vocab import _pre_tokenizer
 
     seen: list[str] = []
     words = [w for w, _ in _pre_tokenizer(pre, seen.append).pre_tokenize_str(FAMILY_TEXT)]

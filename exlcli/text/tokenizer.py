@@ -12,7 +12,7 @@ import re
 from typing import Any, Iterable
 
 from exlcli.errors import ModelLoadError
-from exlcli.model import gguf_vocab
+from exlcli.text import gguf_vocab
 
 # Tokens that end a turn in common chat formats: they stop generation when the template uses them.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>",

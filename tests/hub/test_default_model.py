@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from exlcli.errors import ModelLoadError
-from exlcli.model import default_model
+from exlcli.hub import default_model
 
 FAKE_GGUF = b"GGUF" + bytes(range(256)) * 64
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from exlcli.errors import ModelLoadError, RequestError
 
 if TYPE_CHECKING:
-    from exlcli.model.tokenizer import Tokenizer
+    from exlcli.text.tokenizer import Tokenizer
 
 # Used when a checkpoint ships no template.
 CHATML_TEMPLATE = (
@@ -108,7 +108,7 @@ class ChatTemplate:
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                tools: list[dict[str, Any]] | None = None) -> str:
-        """`tools`: OpenAI tool objects, for templates that describe them (see model/tool_formats.py)."""
+        """`tools`: OpenAI tool objects, for templates that describe them (see text/tool_formats.py)."""
         import jinja2
 
         checked = _checked_messages(messages)

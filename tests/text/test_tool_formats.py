@@ -12,10 +12,10 @@ import pytest
 
 from exlcli.engine.constraints import GrammarCompiler, new_bitmask
 from exlcli.engine.request import GrammarSpec
-from exlcli.model.chat_template import CHATML_TEMPLATE, ChatTemplate
-from exlcli.model.tool_formats import HermesFormat, Llama3JsonFormat, MistralFormat, detect_tool_format, prompt_messages
+from exlcli.text.chat_template import CHATML_TEMPLATE, ChatTemplate
+from exlcli.text.tool_formats import HermesFormat, Llama3JsonFormat, MistralFormat, detect_tool_format, prompt_messages
 from tests.engine.grammar_helpers import small_bpe_tokenizer
-from tests.model.tool_templates import LLAMA31, MISTRAL_V03, QWEN25, TIME_TOOL, WEATHER_TOOL
+from tests.text.tool_templates import LLAMA31, MISTRAL_V03, QWEN25, TIME_TOOL, WEATHER_TOOL
 
 TOOLS = [WEATHER_TOOL, TIME_TOOL]
 NAMES = {"get_weather", "get_time"}

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from exlcli.errors import ModelLoadError
-from exlcli.model.tokenizer import Tokenizer
+from exlcli.text.tokenizer import Tokenizer
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

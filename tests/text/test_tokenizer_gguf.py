@@ -9,10 +9,10 @@ import random
 
 import pytest
 
-from exlcli.engine.detok import TextStreamer
-from exlcli.model.chat_template import ChatTemplate
 from exlcli.model.gguf_meta import read_gguf_metadata
-from exlcli.model.tokenizer import Tokenizer
+from exlcli.text.chat_template import ChatTemplate
+from exlcli.text.detok import TextStreamer
+from exlcli.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 

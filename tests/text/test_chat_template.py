@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from exlcli.errors import ModelLoadError, RequestError
-from exlcli.model.chat_template import CHATML_TEMPLATE, ChatTemplate
+from exlcli.text.chat_template import CHATML_TEMPLATE, ChatTemplate
 
 LLAMA3_LIKE = (
     "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set sys = messages[0]['content'] %}"
