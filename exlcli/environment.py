@@ -1,7 +1,7 @@
 """Every EXLCLI_* environment variable exlcli reads, in one typed table.
 
 Code reads a variable only through `flag`, `text` or `number` with its name from this table, so a
-misspelt name fails at once instead of silently reading nothing. The README's tables of variables are
+misspelt name fails at once instead of silently reading nothing. The table in docs/configuration.md is
 checked against this one (tests/test_environment.py). The variables are read by Python alone: what
 the compiled kernels must know reaches them as arguments, never through the environment.
 """
@@ -75,7 +75,7 @@ def number(name: str) -> int | None:
 
 
 def markdown_table() -> str:
-    """The README's table of variables (tests/test_environment.py keeps the two equal)."""
+    """docs/configuration.md's table of variables (tests/test_environment.py keeps the two equal)."""
     kinds = {"flag": "`=1`", "text": "text", "number": "number"}
     rows = ["| variable | value | effect |", "| --- | --- | --- |"]
     rows += [f"| `{v.name}` | {kinds[v.kind]} | {v.doc} |" for v in VARIABLES.values()]

@@ -1,5 +1,5 @@
-"""exlcli/environment.py is the one list of EXLCLI_* variables: the code names no other, the README
-shows exactly its table, and the accessors refuse names and kinds it does not list."""
+"""exlcli/environment.py is the one list of EXLCLI_* variables: the code names no other,
+docs/configuration.md shows exactly its table, and the accessors refuse names and kinds it does not list."""
 
 from __future__ import annotations
 
@@ -23,13 +23,17 @@ def test_every_variable_named_in_the_code_is_in_the_table():
     assert set(environment.VARIABLES) - named == set(), "listed in exlcli/environment.py but read nowhere"
 
 
-def test_readme_shows_the_table():
-    readme = (ROOT / "README.md").read_text()
+def test_the_configuration_page_shows_the_table():
+    page = (ROOT / "docs" / "configuration.md").read_text()
     begin, end = "<!-- environment table: python3 -m exlcli.environment -->", "<!-- end of environment table -->"
-    assert begin in readme and end in readme, "the README lost the markers around the variables table"
-    shown = readme.split(begin, 1)[1].split(end, 1)[0].strip()
+    assert begin in page and end in page, "docs/configuration.md lost the markers around the variables table"
+    shown = page.split(begin, 1)[1].split(end, 1)[0].strip()
     assert shown == environment.markdown_table()
-    assert set(NAME.findall(readme)) <= set(environment.VARIABLES)
+
+
+def test_the_docs_name_only_listed_variables():
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        assert set(NAME.findall(path.read_text())) <= set(environment.VARIABLES), path.name
 
 
 def test_accessors(monkeypatch):
