@@ -14,9 +14,9 @@
 // activations quantized to int8 per block of 32, as llama.cpp's CPU kernels do: 256-bit AVX2, on AVX-512
 // CPUs too, except where the CPU has AVX-512 VNNI: there 512-bit vpdpbusd (qmatmul_vnni512.h: the same
 // integer sums, so the same bits). With AVX-VNNI and no AVX-512 (Intel's client cores) the AVX2 tiles take
-// 256-bit vpdpbusd in place of vpmaddubsw + vpmaddwd (again the same sums). (An AVX-512 BF16 body of exact
-// bf16 products ran the default model 1.8-2.1x slower than the int8 one on the 2-core Intel Xeon VM, README
-// "Against llama.cpp"; it was removed.)
+// 256-bit vpdpbusd in place of vpmaddubsw + vpmaddwd (again the same sums). There is no body of exact bf16
+// products on AVX-512 BF16 CPUs: one runs the default model 1.8-2.1x slower than the int8 body on a 2-core
+// Intel Xeon.
 //
 // Batch invariance: every output is made by the same sequence of operations whatever M is and
 // wherever its row sits in a tile; tiles of rows only share the weight expansion.
@@ -50,8 +50,8 @@
 #include "qmatmul_avx2.h"
 #endif
 
-// Which arithmetic the kernel was built with: 2 q8 activations (the AVX2 body), 0 none. (1 was the exact
-// bf16 products of an AVX-512 BF16 body, removed: the int8 body ran faster on those CPUs too.)
+// Which arithmetic the kernel is built with: 2 q8 activations (the AVX2 body), 0 none. (1 is not used: it
+// would name exact bf16 products, which no body makes; the int8 body is the faster on AVX-512 BF16 CPUs too.)
 int exl_qmatmul_available(void) { return EXL_QMM_AVX2 ? 2 : 0; }
 
 // 1 when the kernel takes fp16 scales and offsets (exl_qmatmul_args.half_scales), 0 when only fp32.

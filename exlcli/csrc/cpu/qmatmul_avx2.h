@@ -3,8 +3,8 @@
 //
 // Integer dot products, as llama.cpp's CPU kernels do: each row's activations are quantized per
 // block of 32 to int8 (q8 below), and a block's products are exact 8 x 8-bit integer sums
-// (vpmaddubsw + vpmaddwd), one float scale per block. An fp32 product per weight (this file's first
-// version) was compute-bound, 2.4-2.8x slower per call on an AVX2 AMD EPYC.
+// (vpmaddubsw + vpmaddwd), one float scale per block. An fp32 product per weight is compute-bound:
+// 2.4-2.8x slower per call on an AVX2 AMD EPYC.
 //
 // Activations, per row and block of 32 (v = the bf16 values as fp32):
 //   amax = max |v|; dx = amax / 127; xq = rint(v * (amax > 0 ? 127 / amax : 0)) (nearest, ties to
@@ -104,8 +104,8 @@ static void quantize_rows_task(void *ctx, int64_t begin, int64_t end) {
 }
 
 // Software prefetch of the weights PREFETCH_BLOCKS blocks ahead, from the first half's pass (the second
-// reads the same lines). Without it the 5-bit matmul of a cold 1536 x 576 weight ran at 145 us, with it
-// 76-84 us (hot in cache: 64 us), one thread on the 2-core EPYC: the hardware prefetcher alone did
+// reads the same lines). Without it the 5-bit matmul of a cold 1536 x 576 weight runs at 145 us, with it
+// 76-84 us (hot in cache: 64 us), one thread on the 2-core EPYC: the hardware prefetcher alone does
 // not keep up with a stream this dense in compute.
 static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *blk, int64_t block_bytes) {
     for (int64_t l = 0; l < block_bytes; l += 64)
@@ -477,9 +477,9 @@ static inline __attribute__((always_inline)) void group_half_q6(const qmm2_args 
 // tile of rows. Per 4-bit 32 k, 5-bit 16 k and 6-bit 8 k the pairs are summed in int16 (the bounds of
 // group_half_q4 / _q5 / _q6), then widened; the integer sums and the fp32 steps of each output are those
 // of group_half_*, in the same order, so the outputs are the same bits.
-// Against the 4-row, 8-column tiles (one thread, 512 rows, the 2-core EPYC): 5-bit 1536 x 576 26.1 -> 20.4 ms,
-// 6-bit 576 x 1536 29.6 -> 25.6 ms, 4-bit 576 x 1536 20.2 -> 19.3 ms. Its vpmaddubsw and vpmaddwd take 2 cycles
-// each on its one vector multiply pipe: 40 cycles per 16 columns x 32 k at 5 bits, the bound here.
+// Against the 4-row, 8-column tiles (one thread, 512 rows, the 2-core EPYC): 5-bit 1536 x 576 20.4 ms against
+// 26.1, 6-bit 576 x 1536 25.6 against 29.6, 4-bit 576 x 1536 19.3 against 20.2. Its vpmaddubsw and vpmaddwd take
+// 2 cycles each on its one vector multiply pipe: 40 cycles per 16 columns x 32 k at 5 bits, the bound here.
 #define WIDE_MIN_ROWS 8
 #define WIDE_ROWS 2
 
