@@ -36,7 +36,7 @@ __global__ void silu_and_mul_kernel(T* __restrict__ out, const T* __restrict__ x
   }
 }
 
-// 1,024 threads a row: with 256 (7 chunks a thread at the 8B width) a row of 64 took 5.3 us on the
+// 1,024 threads a row: with 256 (7 chunks a thread at the 8B width) a row of 64 takes 5.3 us on the
 // H200, its 64 blocks too few warps to hide the loads' latency. Bytes do not depend on the block size.
 constexpr int kE4m3Threads = 1024;
 constexpr int kE4m3MaxChunks = 2;  // chunks of 8 a thread: rows of up to 16,384 outputs

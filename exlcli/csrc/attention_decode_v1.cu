@@ -7,7 +7,7 @@ namespace exlcli {
 namespace decode_attention {
 namespace {
 
-constexpr int kWarpsV1 = 8;  // warps per block: 4 made the batch-1 Llama-8B decode graph slower on the H200
+constexpr int kWarpsV1 = 8;  // warps per block: 4 make the batch-1 Llama-8B decode graph slower on the H200
 constexpr int kUnroll = 8;  // token passes whose loads are in flight together
 
 template <typename T, int D, int GMAX, int WARPS>

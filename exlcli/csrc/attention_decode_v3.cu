@@ -28,8 +28,8 @@ constexpr int kThreads = kWarps * 32;
 // Nothing depends on the batch: the tiles sit at fixed offsets of the fixed partitions.
 constexpr int kTileV3 = 64;  // tokens per tile: 16 per warp
 // 16-row K or V slots per warp: 48 KB a block at D = 128, so 4 blocks an SM (the batch-64 grid of
-// 512 blocks is resident at once). On the H200, 4 slots (64 KB, 3 blocks an SM) took 23.7 us instead
-// of 17.7 at 64 x 208 tokens and were no faster elsewhere.
+// 512 blocks is resident at once). On the H200, 4 slots (64 KB, 3 blocks an SM) take 23.7 us instead
+// of 17.7 at 64 x 208 tokens and are no faster elsewhere.
 constexpr int kSlotsV3 = 3;
 // An e4m3 cache: 4 slots of 16 rows of bytes and the row block of T they are converted into take
 // the same 12 KB a warp (D = 128) as the 16-bit ring.
@@ -346,9 +346,9 @@ void launch_kernel(const DecodeParams& p, const dim3& grid, cudaStream_t stream,
   auto kernel = paged_decode_v3_kernel<T, C, D, GMAX, SLOTS>;
   allow_dynamic_smem<paged_decode_v3_kernel<T, C, D, GMAX, SLOTS>>(smem);
   // Unlike the other kernels, this one lets the next kernel start only at its end: the o_proj
-  // projection's blocks, started early beside it, made the batch-1 decode graph of Llama-8B on the
-  // H200 take 5.34 ms instead of 4.40 (measured with the trigger at the start, at the end, and
-  // nowhere: 5.34 / 4.40 / 4.41; the carveout and a plain launch made no difference).
+  // projection's blocks, started early beside it, make the batch-1 decode graph of Llama-8B on the
+  // H200 take 5.34 ms instead of 4.40 (with the trigger at the start, at the end, and nowhere:
+  // 5.34 / 4.40 / 4.41; the carveout and a plain launch make no difference).
   launch_pdl(kernel, grid, dim3(kThreads), smem, stream, pdl, p);
 }
 

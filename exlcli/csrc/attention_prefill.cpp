@@ -5,7 +5,7 @@
 // through flash attention (bf16 / fp16; scaled_dot_product_attention for other types) over their
 // gathered pages, one call per group of chunks of equal (queries, length): a whole batch of equal
 // prompts is one call. Flash attention is called by name: on Hopper scaled_dot_product_attention
-// picks cuDNN's, which spends about 1.5 ms of host time a call planning, so a step of prompts was
+// picks cuDNN's, which spends about 1.5 ms of host time a call planning, so a step of prompts would be
 // bound by the host, 32 layers of it. The chunk layout comes from the host's copy (`host_layout`), so nothing here waits
 // for the device: the host queues the layers ahead of it.
 #include <map>

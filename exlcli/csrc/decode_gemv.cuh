@@ -69,17 +69,17 @@ constexpr int chunk_weights() {
   return 16 / static_cast<int>(sizeof(W));
 }
 
-// The kernel's shape for weights of W and M token rows. An e4m3 chunk took twice the instructions
-// of a bf16 one when this was measured (each weight converted to fp32; run 44 halved that, and two
-// chunks in flight were still slower then), so e4m3 rows keep one chunk a row in flight per thread
+// The kernel's shape for weights of W and M token rows. An e4m3 chunk carries twice the weights of a
+// bf16 one, and so more products per load, so e4m3 rows keep one chunk a row in flight per thread
 // instead of two and, at one token, run 3 blocks a multiprocessor instead of 2 (the same registers
 // in flight, more warps to hide the products): 8B shapes at one token, the four products of a layer
-// 74.6 -> 68.5 us on the H200 (docs/gpu-results.md, run 32). More tokens keep 2 blocks, whose
+// take 68.5 us against 74.6 with two chunks and 2 blocks (H200, with the products in fp32), and two
+// chunks in flight are slower with the fp16 products below too. More tokens keep 2 blocks, whose
 // registers hold their sums without spilling. The passes in flight set how the warps split a row
 // (warps_per_group), so they depend on W alone: a token's sums do not depend on M. bf16 / fp16 rows
-// gained less so (116.1 -> 112.2-113.6 us, not at every shape) and keep 2 blocks and 2 chunks,
-// loaded at the start of each pass over their row group (the rolling loads measured the same for them,
-// and made their 4-token kernels spill).
+// gain less so (112.2-113.6 us against 116.1, not at every shape) and keep 2 blocks and 2 chunks,
+// loaded at the start of each pass over their row group (rolling loads measure the same for them,
+// and make their 4-token kernels spill).
 template <typename W>
 constexpr int unroll_of() {  // 16-byte chunks of each row in flight per thread
   return sizeof(W) == 1 ? 1 : 2;
@@ -92,10 +92,10 @@ constexpr int blocks_per_sm() {
 // e4m3 rows multiply fp16 pairs: a chunk's 16 activations are converted once into 8 fp16 pairs, scaled
 // by 2^-8 (so that 8 products of |w| <= 448 stay in fp16 range for |x| up to about 4,600, and about
 // 37,000 for one such x among them; the row's sum is multiplied back by 2^8, exactly), and each row
-// takes 8 HFMA2 into one fp16 pair, which is then added to the row's fp32 sum. Against the fp32
-// products of run 32 (an e4m3 pair to fp16, then to fp32, then FMA: 40 instructions a row's chunk
-// against 20) this halves the work a weight; the fp16 sums of 8 products cost less precision than the
-// bf16 rounding of the output (docs/gpu-runs/run44).
+// takes 8 HFMA2 into one fp16 pair, which is then added to the row's fp32 sum. Against fp32 products
+// (an e4m3 pair to fp16, then to fp32, then FMA: 40 instructions a row's chunk against 20) this halves
+// the work a weight; the fp16 sums of 8 products cost less precision than the bf16 rounding of the
+// output.
 constexpr float kE4m3ActivationScale = 1.f / 256.f;
 constexpr float kE4m3SumScale = 256.f;
 
@@ -422,7 +422,7 @@ void launch(Params p, cudaStream_t stream, bool pdl) {
   // As many rounds of the persistent loop as the resident blocks need, with no more blocks a
   // multiprocessor than those rounds take: 512 units on 3 x 132 blocks leave a second round of 116
   // blocks, too few loads in flight to keep memory busy, where 2 x 132 blocks keep it busy to the end
-  // (e4m3 down of the 8B shape at one token 23.8-24.0 -> 22.8 us on an H100, run 43). Every multiprocessor
+  // (e4m3 down of the 8B shape at one token: 22.8 us against 23.8-24.0 on an H100). Every multiprocessor
   // gets the same number of blocks: with 2 on some and 3 on others, the slower ones set the time.
   const int tasks = ceil_div(p.num_units, kWarps / p.warps_per_group);
   const int sms = num_sms(), rounds = ceil_div(tasks, blocks_per_sm<W, M>() * sms);

@@ -5,17 +5,16 @@
 //
 // Why a second kernel: fp8_linear.cu's warps split the input features and each loads its own
 // activations, which at 64 tokens is twice the weights' bytes again from L2 and 255 registers a
-// thread; cuBLASLt's FP8 GEMM reads only 1.2-2.7 TB/s of weights at 64 tokens on the 8B shapes
-// (docs/gpu-results.md, runs 18 and 23).
+// thread; cuBLASLt's FP8 GEMM reads only 1.2-2.7 TB/s of weights at 64 tokens on the 8B shapes (H200).
 //
 // A block takes ROWS (64 or 128) weight rows and BM (32 or 64) tokens over a slice of the input features. Each
 // pipeline stage (kStages in flight, cp.async) brings 128 bytes of features of every weight row and
 // token into shared memory, in the layout of wgmma's 128-byte swizzle (16-byte chunk c of row r sits
 // at c ^ (r % 8), 8-row atoms of 1,024 bytes). The block's warpgroups (one or two) each multiply 64 of the rows
 // by the tokens with Hopper's wgmma (m64 x BM x k32, e4m3, fp32 accumulate), both operands read from
-// shared memory: mma.sync's e4m3 form is Ada's and Hopper runs it as fp16 after a conversion (a first
-// version of this kernel on mma.sync took 72 us for the 8B gate|up at 64 tokens, bound by that
-// arithmetic; on wgmma it takes 36). With `splits` > 1, the input features are cut into
+// shared memory: mma.sync's e4m3 form is Ada's and Hopper runs it as fp16 after a conversion (this
+// tiling on mma.sync takes 72 us for the 8B gate|up at 64 tokens, bound by that arithmetic; on wgmma
+// it takes 36). With `splits` > 1, the input features are cut into
 // that many slices (1 to 8, of whole pipeline steps, as even as they go), the blocks of one row tile form a cluster, and after the main loop each block sums
 // a share of the tile's tokens over every block's partial tile (distributed shared memory) in rank
 // order. Every token's sum is thus the same chain of products and additions whatever the other tokens
@@ -41,7 +40,7 @@ namespace {
 namespace cg = cooperative_groups;
 
 constexpr int kStep = 128;    // input features (bytes of e4m3) per pipeline stage
-constexpr int kStages = 4;    // pipeline stages (3 and 6 were slower on the H200's 8B shapes)
+constexpr int kStages = 4;    // pipeline stages (3 and 6 are slower on the H200's 8B shapes)
 
 // A block of ROWS weight rows (64 or 128) has one warpgroup of 128 threads for each 64 of them.
 template <int ROWS>

@@ -57,10 +57,10 @@ __global__ void rms_norm_kernel(T* __restrict__ out, T* __restrict__ residual_ou
   const int num_chunks = hidden / VW;
   // The weight does not depend on the previous kernel, so with few rows L1 is asked for it before
   // waiting for that kernel: it has usually left L2 since the last step, and its load would otherwise
-  // wait for memory after the sum of squares. A 32-layer chain of 4-bit products at one token took
-  // 1.613-1.614 ms instead of 1.633-1.637 on an H100 (docs/gpu-results.md, run 39). With 64 rows every
-  // block asking for the same lines made that chain 0.3-0.9% slower (run 38), hence the row limit.
-  // (Holding the weight in registers instead spilled: 54 -> 64+ registers.)
+  // wait for memory after the sum of squares. A 32-layer chain of 4-bit products at one token takes
+  // 1.613-1.614 ms instead of 1.633-1.637 on an H100. With 64 rows every block asking for the same
+  // lines makes that chain 0.3-0.9% slower, hence the row limit. (The weight is not held in registers
+  // across the wait: that takes 64+ registers a thread instead of 54, and spills.)
   if (prefetch_weight) {
 #pragma unroll
     for (int i = 0; i < kMaxChunksPerThread; ++i) {

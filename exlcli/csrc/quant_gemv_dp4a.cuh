@@ -4,7 +4,7 @@
 //
 // Why: at one token the tensor-core kernel uses one token column of the mma's eight and spends about
 // two instructions a weight making bf16 pairs, so it is bound by issue, not by its loads
-// (docs/gpu-results.md, run 21: 56 us a layer of the 8B shape against 39 us for its loads alone).
+// (on an H200, 56 us a layer of the 8B shape against 39 us for its loads alone).
 // Here 4 weights take a mask and a dp4a: a 32-bit word of the layout holds 4 weights of row g and 4 of
 // row g + 8, and its low nibbles (w & 0x0F0F0F0F) are row g's in the byte order of features
 // 16 t + 4 s + {0, 2, 1, 3}, its high nibbles row g + 8's in the same order. 6-bit words add the top
@@ -30,7 +30,7 @@
 namespace exlcli {
 namespace qlinear {
 
-constexpr int kDp4aMaxTokens = 2;  // where it is faster than the tensor-core kernel (run 30)
+constexpr int kDp4aMaxTokens = 2;  // where it is faster than the tensor-core kernel (quant_linear.cu's takes_dp4a)
 constexpr int kXBlock = 16;  // features per int8 activation block
 
 // Shared memory of a block for M tokens of k features: the int8 blocks, then each block's (d, sum xq).

@@ -54,12 +54,12 @@ void launch_tiles(const qlinear::Params& p, bool float_out, cudaStream_t stream,
 // The smallest token tile (8 * NT) that covers m, more blocks in y beyond 64 tokens. Up to 16 tokens a
 // block takes one row tile and keeps 4 chunks in flight per warp (decode is bound by the weights'
 // bytes); beyond, two row tiles share each activation fragment (L2 traffic of the activations).
-// 33-64 tokens (docs/gpu-results.md, run 21, 8B shapes at 64 tokens): 4-bit weights take two blocks
-// of 32 tokens in y (126 registers: two blocks an SM, against one of 64 tokens at 182), a 4-bit
-// layer 158 -> 149 us; 8-bit ones 4 chunks in flight (down 53 -> 48 us, the LM head 480 -> 433).
-// 6-bit ones (run 22) take the 8-bit shape there (a Q5_K layer 179 -> 163 us, Q6_K's LM head 409 ->
-// 368 against the 4-bit shape). At 17-32 tokens 4- and 6-bit weights keep 2 chunks in flight, not 4
-// (run 22: a 4-bit layer 120 -> 92 us at 32 tokens, 108 -> 87 at 17; a 6-bit one 126 -> 108).
+// At 33-64 tokens (8B shapes at 64 tokens, H200): 4-bit weights take two blocks of 32 tokens in y (126
+// registers: two blocks an SM, against one of 64 tokens at 182), a 4-bit layer 149 us against 158;
+// 8-bit ones 4 chunks in flight (down 48 us against 53, the LM head 433 against 480). 6-bit ones take
+// the 8-bit shape there (a Q5_K layer 163 us against 179 in the 4-bit shape, Q6_K's LM head 368 against
+// 409). At 17-32 tokens 4- and 6-bit weights keep 2 chunks in flight, not 4 (a 4-bit layer 92 us against
+// 120 at 32 tokens, 87 against 108 at 17; a 6-bit one 108 against 126).
 // Every shape adds a token's products in the same order, so results do not change with it.
 template <int BITS, bool E4M3>
 void launch(const qlinear::Params& p, bool float_out, cudaStream_t stream, bool pdl) {
@@ -89,10 +89,10 @@ void launch(const qlinear::Params& p, bool float_out, cudaStream_t stream, bool 
 
 // 1 or 2 tokens over integer weights (not e4m3), where x's int8 blocks fit 44 KiB of shared memory (the
 // default 48 less the kernel's own partial sums; k up to 15,018 at two tokens, 30,037 at one): the dp4a
-// kernel. Run 30 (docs/gpu-results.md; the four products of an 8B layer, weights past L2): 4-bit 55.7 ->
-// 43.9 us at one token and 57.6 -> 53.3 at two, 6-bit 78.2 -> 62.9 and 80.9 -> 69.3, 8-bit 88.7 -> 66.7
-// and 89.2 -> 72.9; at four tokens the tensor-core kernel is faster (4-bit 57.7 us against 76.4). One
-// row tile a block was the fastest of seven tilings.
+// kernel. The four products of an 8B layer, weights past L2, on an H200, dp4a against the tensor-core
+// kernel: 4-bit 43.9 against 55.7 us at one token and 53.3 against 57.6 at two, 6-bit 62.9 against 78.2
+// and 69.3 against 80.9, 8-bit 66.7 against 88.7 and 72.9 against 89.2; at four tokens the tensor-core
+// kernel is faster (4-bit 57.7 us against 76.4). One row tile a block is the fastest of seven tilings.
 // (exlcli/ops/cuda/limits.py's dp4a_takes is this rule for Python, which calls quant_heads_rope by it.)
 bool takes_dp4a(const qlinear::Params& p, bool e4m3) {
   return !e4m3 && p.m <= qlinear::kDp4aMaxTokens &&
@@ -100,10 +100,10 @@ bool takes_dp4a(const qlinear::Params& p, bool e4m3) {
 }
 
 // Weights of at most this many row tiles (o and down of the 8B shape: 4096 rows) take blocks of 16 warps
-// with 2 chunks in flight each, the others 8 warps with 4. Run 30's sweep (docs/gpu-runs/run30/
-// dp4a-warps.txt, variant 9 against 1): down 13.8 -> 12.4 us and o 5.3 -> 5.2 at one 4-bit token, 18.6 ->
-// 16.9 and 7.3 -> 6.7 at 6 bits, 19.2 -> 18.0 and 6.9 -> 6.2 at 8, likewise at two tokens; the wider
-// weights (q|k|v, gate|up) were slower so. Either adds a token's products in one fixed order.
+// with 2 chunks in flight each, the others 8 warps with 4. 16 warps against 8 (H200): down 12.4 us against
+// 13.8 and o 5.2 against 5.3 at one 4-bit token, 16.9 against 18.6 and 6.7 against 7.3 at 6 bits, 18.0
+// against 19.2 and 6.2 against 6.9 at 8, likewise at two tokens; the wider weights (q|k|v, gate|up) are
+// slower so. Either adds a token's products in one fixed order.
 constexpr int kDp4aWideMaxTiles = 256;
 
 template <int BITS, int M>
@@ -175,7 +175,8 @@ struct RopePairTiles {
 template <int BITS, int M>
 void launch_dp4a_rope(const qlinear::Params& p, const RopeKV& rope, int first_head, cudaStream_t stream, bool pdl) {
   // The warps of the plain kernel for this weight (launch_dp4a_tokens), so that each row's sum is the same chain
-  // of additions; two row tiles a block (run 30's sweep: 6.3 -> 6.7 us for the 8B q|k|v at one 4-bit token).
+  // of additions; two row tiles a block, the rows j and j + D/2 of a head that the rotation pairs (the 8B
+  // q|k|v at one 4-bit token: 6.7 us against 6.3 for one row tile a block, less than a rope kernel costs).
   const RopePairTiles tiles{rope, rope.head_dim / 32, first_head};
   const dim3 grid(p.n / (2 * qlinear::kTileRows));
   const size_t smem = qlinear::dp4a_smem_bytes(M, p.k);

@@ -4,7 +4,7 @@ The weights are counted by what they take as loaded (the model's `resident_bytes
 nbytes, so a 4-bit model counts its blocks, not a dense size), and the KV cache gets the rest of
 `gpu_memory_utilization` of the device's memory after them, the other processes' use, and a reserve
 for one step's activations. So a 4-bit model leaves all the memory its weights save to the cache
-(the earlier rule, half the memory free after load, left half of it unused).
+(a rule such as half the memory free after load would leave half of it unused).
 
 Other processes' use is what the device has in use beyond what torch's allocator holds for this
 process: memory the allocator cached during the load and freed since is reused for K/V.

@@ -22,7 +22,8 @@ from exlcli.model.step_inputs import StepInputs
 
 
 def default_draft_layers(num_layers: int) -> int:
-    """A quarter of the layers (at least one): measured on SmolLM2-135M in the README."""
+    """A quarter of the layers (at least one), so that a draft costs a fraction of a step; --draft-layers
+    sets another count."""
     return max(1, num_layers // 4)
 
 

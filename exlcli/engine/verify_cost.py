@@ -37,10 +37,10 @@ class VerifyCost:
 # scripts/verify_cost.py --threads 1 --repeats 3 on the default model (SmolLM2-135M Q4_1), the int8 CPU
 # kernels and the one-call decoder layer, the 2-core Intel Xeon VM at rest (a plain step 6.1 ms): whole
 # engine steps (forward pass, sampling, acceptance), the median of three runs (they spread by up to 0.2).
-# Measured while the VM ran slower (plain steps of 8.3-9.4 ms) they were 1.18-2.92: the plain step is
+# On the same VM under load (plain steps of 8.3-9.4 ms) they are 1.18-2.92: the plain step is
 # the one that slows, so a loaded machine would draft a little more often than it pays.
 CPU_VERIFY_COST = VerifyCost((1.0, 1.24, 1.58, 1.96, 2.31, 2.69, 2.98, 3.89))
-# docs/gpu-results.md run 20, H200, the default model: a 5-token verify step 1.04 ms, a plain one 0.95 ms
+# An H200, the default model, the decode CUDA graphs: a 5-token verify step 1.04 ms, a plain one 0.95 ms
 CUDA_GRAPHS_VERIFY_COST = VerifyCost.linear(0.025)
 
 
@@ -49,7 +49,7 @@ class ReadBackPenalty:
     model. With async scheduling the engine schedules the next step while the device runs this one,
     except before a step that drafts: a draft needs the last token, so the host's scheduling is no
     longer hidden behind the device. On a host-bound model that is much of a step (the default model on
-    an H200, docs/gpu-results.md run 22: a plain step kept in flight 0.82 ms, a 5-token verify step
+    an H200: a plain step kept in flight 0.82 ms, a 5-token verify step
     1.15 ms, against 1.1 plain steps in CUDA_GRAPHS_VERIFY_COST); on a device-bound one it is little.
     Measured on batch-1 steps: the running mean period of plain steps kept in flight (after one that was
     too), and of verify steps over it less their cost; 0 until each has SAMPLES, and where no step is

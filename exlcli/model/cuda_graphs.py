@@ -68,7 +68,8 @@ class _Staging:
     """The static inputs of the graphs of one block-table width, in one int64 device buffer that one
     copy from its pinned twin fills each step: token ids, positions and slots [3, N]; the in-flight
     tokens' (input row, row of the previous step's ids) [2, N]; then as int32 the lengths [N] and
-    the block tables [N, width]. One copy a step instead of four (docs/gpu-results.md, run 27)."""
+    the block tables [N, width]. One copy a step, not one per kind of input: each copy is a launch on
+    the path between a step's LM head and the next step's first kernel."""
 
     def __init__(self, rows: int, width: int, device: torch.device) -> None:
         self.rows, self.width = rows, width

@@ -112,9 +112,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     query_start_loc_t: torch.Tensor | None = None,
                     layout: PagedLayout | None = None,
                     prefill_layout: cuda_kernels.PrefillLayout | None = None) -> torch.Tensor:
-    """Dispatch: the compiled decode / prefill kernels on a GPU, the C kernel for bf16 on the CPU,
-    else the reference. `layout` (the reference's) and `prefill_layout` (the compiled prefill's) are
-    per-step work the caller did once for all layers; each path makes its own when it is missing."""
+    """Dispatch: on a GPU with the compiled kernels, a step of decode rows alone (one query per
+    sequence: decode steps, and verify steps as decode rows) runs `cuda_kernels.paged_attention_decode`,
+    any other step `cuda_kernels.paged_attention_prefill` (whose decode rows take the same decode
+    kernel); on the CPU, bf16 runs the C kernel (`paged_attention_cpu`), else the reference
+    (`paged_attention_decode_ref` for decode rows alone). `layout` (the reference's) and `prefill_layout`
+    (the compiled prefill's) are per-step work the caller did once for all layers; each path makes its
+    own when it is missing."""
     decode_only = len(seq_lens) == q.shape[0]
     if use_kernels(q) and q.shape[-1] in HEAD_DIMS:  # others take the reference
         if decode_only:
@@ -133,8 +137,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 # --- decode with several queries per sequence (verifying drafted tokens) --------------------------
+# A step that verifies drafted tokens runs as a decode step of one row per token (the model's
+# StepInputs.as_decode_rows): row j of a sequence with k queries gets the sequence's block table and its
+# own length, so `paged_attention` (and the decode CUDA graphs) take it as plain decode rows.
 
-MAX_DECODE_QUERIES = 8  # queries per sequence a multi-query decode step takes
+MAX_DECODE_QUERIES = 8  # queries per sequence a verify step may have as decode rows
 
 
 def decode_query_rows(query_start_loc: list[int], seq_lens: list[int]) -> tuple[list[int], list[int]]:
@@ -149,22 +156,6 @@ def decode_query_rows(query_start_loc: list[int], seq_lens: list[int]) -> tuple[
         seq_of_row += [b] * k
         row_lens += range(length - k + 1, length + 1)
     return seq_of_row, row_lens
-
-
-def paged_attention_decode_multi(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                 block_tables: torch.Tensor, seq_of_row: torch.Tensor, row_lens: torch.Tensor,
-                                 scale: float) -> torch.Tensor:
-    """Up to MAX_DECODE_QUERIES queries per sequence as one-query decode rows: q [R, heads, D], row r
-    reads the table row of sequence seq_of_row[r] ([R] long) and its own length row_lens[r] ([R]
-    int32). The tables are gathered on the device and nothing is read back on a GPU, so a step
-    can be captured in a graph. Rows of length 0 (graph padding) come out as zeros."""
-    tables = block_tables.index_select(0, seq_of_row)  # [R, max_pages]
-    if use_kernels(q) and q.shape[-1] in HEAD_DIMS:
-        return cuda_kernels.paged_attention_decode(q, k_cache, v_cache, tables, row_lens, scale)
-    lens = row_lens.tolist()
-    if use_cpu_kernels_for(q, k_cache):
-        return paged_attention_cpu(q.contiguous(), k_cache, v_cache, tables, list(range(len(lens) + 1)), lens, scale)
-    return paged_attention_decode_ref(q, k_cache, v_cache, tables, lens, scale)
 
 
 # --- CPU kernel (csrc/cpu/attention.c) -------------------------------------------------------------

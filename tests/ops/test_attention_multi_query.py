@@ -1,27 +1,26 @@
 """Decode attention with several queries per sequence (the form a step verifying drafted tokens
-takes): each query row as a one-query decode row with its own length equals the prefill attention
-of the same chunk, and plain causal attention in float64."""
+takes): each query row as a one-query decode row with its sequence's table and its own length (as
+StepInputs.as_decode_rows hands the step to the model) equals the prefill attention of the same
+chunk, and plain causal attention in float64."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from exlcli.ops.attention import (
-    MAX_DECODE_QUERIES,
-    decode_query_rows,
-    paged_attention_decode_multi,
-    paged_attention_ref,
-)
+from exlcli.ops.attention import MAX_DECODE_QUERIES, decode_query_rows, paged_attention, paged_attention_ref
 from exlcli.ops.backend import kernels_disabled
 from tests.ops.test_attention import GQA, PagedBatch
 
 
 def run_multi(batch: PagedBatch, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The chunks as decode rows: row r takes its sequence's table row and its own length."""
     seq_of_row, row_lens = decode_query_rows(batch.query_start_loc, batch.seq_lens)
-    return paged_attention_decode_multi(batch.q.to(dtype), batch.k_cache.to(dtype), batch.v_cache.to(dtype),
-                                        batch.block_tables, torch.tensor(seq_of_row),
-                                        torch.tensor(row_lens, dtype=torch.int32), batch.scale)
+    tables = batch.block_tables.index_select(0, torch.tensor(seq_of_row))
+    rows = list(range(len(row_lens) + 1))
+    return paged_attention(batch.q.to(dtype), batch.k_cache.to(dtype), batch.v_cache.to(dtype), tables, rows,
+                           row_lens, batch.scale, seq_lens_t=torch.tensor(row_lens, dtype=torch.int32),
+                           query_start_loc_t=torch.tensor(rows, dtype=torch.int32))
 
 
 def run_prefill(batch: PagedBatch, dtype: torch.dtype = torch.float32) -> torch.Tensor:

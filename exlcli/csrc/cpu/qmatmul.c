@@ -14,9 +14,9 @@
 // activations quantized to int8 per block of 32, as llama.cpp's CPU kernels do: 256-bit AVX2, on AVX-512
 // CPUs too, except where the CPU has AVX-512 VNNI: there 512-bit vpdpbusd (qmatmul_vnni512.h: the same
 // integer sums, so the same bits). With AVX-VNNI and no AVX-512 (Intel's client cores) the AVX2 tiles take
-// 256-bit vpdpbusd in place of vpmaddubsw + vpmaddwd (again the same sums). (An AVX-512 BF16 body of exact
-// bf16 products ran the default model 1.8-2.1x slower than the int8 one on the 2-core Intel Xeon VM, README
-// "Against llama.cpp"; it was removed.)
+// 256-bit vpdpbusd in place of vpmaddubsw + vpmaddwd (again the same sums). There is no body of exact bf16
+// products on AVX-512 BF16 CPUs: one runs the default model 1.8-2.1x slower than the int8 body on a 2-core
+// Intel Xeon.
 //
 // Batch invariance: every output is made by the same sequence of operations whatever M is and
 // wherever its row sits in a tile; tiles of rows only share the weight expansion.
@@ -30,28 +30,98 @@
 #include "pool.h"
 #include "qmatmul.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
-#define EXL_QMM_AVX2 1  // qmatmul_avx2.h: int8 dot products
-#else
-#define EXL_QMM_AVX2 0
-#endif
-
-#define CG 16      // output columns per group: one per fp32 lane
-#define BLOCK 32
-
-// fp16 scales (half_scales) need F16C's widening loads; only the AVX2 body reads them.
-#if EXL_QMM_AVX2 && defined(__F16C__)
-#define EXL_QMM_HALF_SCALES 1
-#else
-#define EXL_QMM_HALF_SCALES 0
-#endif
-
+#include "qmatmul_common.h"  // CG, BLOCK, the build's switches (EXL_QMM_*), what both bodies share
 #if EXL_QMM_AVX2
 #include "qmatmul_avx2.h"
 #endif
+#if EXL_QMM_VNNI512
+#include "qmatmul_vnni512.h"
+#endif
 
-// Which arithmetic the kernel was built with: 2 q8 activations (the AVX2 body), 0 none. (1 was the exact
-// bf16 products of an AVX-512 BF16 body, removed: the int8 body ran faster on those CPUs too.)
+#if EXL_QMM_AVX2
+// The column groups begin .. end - 1 of one product (ctx: its qmm2_args), on the widest body built.
+static void qmm2_groups(void *ctx, int64_t begin, int64_t end) {
+    const qmm2_args *a = (const qmm2_args *)ctx;
+#if EXL_QMM_VNNI512
+    if (a->bits != 2 || EXL_QMM_HALF_SCALES) {  // (2-bit: packed tiles only, with F16C)
+        uint8_t *wide = a->M >= WIDE512_MIN_ROWS && a->bits != 2 ? (uint8_t *)malloc((size_t)(a->nb * 512)) : NULL;
+        qmm2_groups512(a, begin, end, wide);  // without wide, the packed blocks: the same bits
+        free(wide);
+        return;
+    }
+#endif
+    qmm2_groups256(a, begin, end);
+}
+
+// The column groups of several products of one x (a projection's parts, each y at its column of a wide
+// output), shared among the pool's threads as one job: part i's groups are g_first[i] .. g_first[i + 1] - 1.
+typedef struct {
+    const qmm2_args *parts;
+    const int64_t *g_first;
+    int64_t n_parts;
+} qmm2_job;
+
+static void qmm2_job_groups(void *ctx, int64_t begin, int64_t end) {
+    const qmm2_job *j = (const qmm2_job *)ctx;
+    for (int64_t i = 0; i < j->n_parts; i++) {
+        int64_t lo = begin > j->g_first[i] ? begin : j->g_first[i];
+        int64_t hi = end < j->g_first[i + 1] ? end : j->g_first[i + 1];
+        if (lo < hi) qmm2_groups((void *)&j->parts[i], lo - j->g_first[i], hi - j->g_first[i]);
+    }
+}
+
+#define QMM2_MAX_PARTS 8
+
+// y [M, ldy] (y_fp32 or bf16), columns side by side from col 0: the products of x with each part's
+// weights (their x, rows and y fields unused), x quantized once. The same bits as one call per part.
+static int qmatmul_avx2_parts(const exl_qmatmul_args *parts, int64_t n_parts, const uint16_t *x, int64_t M,
+                              void *y, int64_t ldy, int y_fp32) {
+    int64_t K = parts[0].in_features, nb = K / BLOCK, col = 0;
+    for (int64_t i = 0; i < n_parts; i++) {
+        if (parts[i].in_features != K) return 6;
+        col += parts[i].out_features;
+    }
+    if (col > ldy) return 6;
+    float *scales = (float *)malloc(sizeof(float) * (size_t)(5 * M * nb + 1));  // dx, xs, sum(xq), its halves
+    int8_t *xq = (int8_t *)malloc((size_t)(M * K + 1));
+    if (!scales || !xq) {
+        free(scales);
+        free(xq);
+        return -1;
+    }
+    int32_t *xsum = (int32_t *)(scales + 2 * M * nb);
+    quantize_task q = {x, K, xq, scales, scales + M * nb, xsum, xsum + M * nb};
+    if (M >= QUANTIZE_PARALLEL_ROWS) exl_parallel_for(quantize_rows_task, &q, M);
+    else quantize_rows_task(&q, 0, M);
+    qmm2_args a[QMM2_MAX_PARTS];
+    int64_t g_first[QMM2_MAX_PARTS + 1] = {0};
+    col = 0;
+    for (int64_t i = 0; i < n_parts; i++) {
+        const exl_qmatmul_args *p = &parts[i];
+        int zero = p->bits == 6 ? 32 : p->bits == 5 && !p->offsets ? 16 : 0;
+        const int8_t *table = p->bits == 4 ? p->table : NULL;
+        int two_scales = p->scales_per_block == 2, has_off = (p->bits == 4 && !table) || p->offsets;
+        void *yp = y_fp32 ? (void *)((float *)y + col) : (void *)((uint16_t *)y + col);
+        qmm2_args ai = {xq, scales, scales + M * nb, M, K, nb, p->out_features, xsum, xsum + M * nb, p->bits, y_fp32,
+                        two_scales, has_off, p->half_scales != 0, zero, p->qs, p->d, p->m, table, p->bias, yp, ldy};
+        a[i] = ai;
+        g_first[i + 1] = g_first[i] + (p->out_features + CG - 1) / CG;
+        col += p->out_features;
+    }
+    qmm2_job job = {a, g_first, n_parts};
+    exl_parallel_for(qmm2_job_groups, &job, g_first[n_parts]);
+    free(scales);
+    free(xq);
+    return 0;
+}
+
+static int qmatmul_avx2(const exl_qmatmul_args *args) {
+    return qmatmul_avx2_parts(args, 1, args->x, args->rows, args->y, args->out_features, args->y_fp32);
+}
+#endif  // EXL_QMM_AVX2
+
+// Which arithmetic the kernel is built with: 2 q8 activations (the AVX2 body), 0 none. (1 is not used: it
+// would name exact bf16 products, which no body makes; the int8 body is the faster on AVX-512 BF16 CPUs too.)
 int exl_qmatmul_available(void) { return EXL_QMM_AVX2 ? 2 : 0; }
 
 // 1 when the kernel takes fp16 scales and offsets (exl_qmatmul_args.half_scales), 0 when only fp32.

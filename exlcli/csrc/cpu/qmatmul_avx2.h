@@ -1,10 +1,11 @@
-// The body of qmatmul.c, included where the compiler targets AVX2 (AVX-512 CPUs too). It reads the
-// repacked layout that qmatmul.c describes.
+// The AVX2 body of qmatmul.c, included once from it where the compiler targets AVX2 (AVX-512 CPUs too):
+// the activations' int8 quantization and the 256-bit tiles (qmm2_groups256). It reads the repacked layout
+// that qmatmul.c describes, through the pieces it shares with the AVX-512 VNNI body (qmatmul_common.h).
 //
 // Integer dot products, as llama.cpp's CPU kernels do: each row's activations are quantized per
 // block of 32 to int8 (q8 below), and a block's products are exact 8 x 8-bit integer sums
-// (vpmaddubsw + vpmaddwd), one float scale per block. An fp32 product per weight (this file's first
-// version) was compute-bound, 2.4-2.8x slower per call on an AVX2 AMD EPYC.
+// (vpmaddubsw + vpmaddwd), one float scale per block. An fp32 product per weight is compute-bound:
+// 2.4-2.8x slower per call on an AVX2 AMD EPYC.
 //
 // Activations, per row and block of 32 (v = the bf16 values as fp32):
 //   amax = max |v|; dx = amax / 127; xq = rint(v * (amax > 0 ? 127 / amax : 0)) (nearest, ties to
@@ -21,11 +22,15 @@
 // The integer sums are exact (|sum| < 2^24, so float() is too). Every output is made by the same
 // operations whatever M is and wherever its row sits, so rows are the same in any batch.
 
+#pragma once
 #include <immintrin.h>
 #include <math.h>
+#include <stdlib.h>
+
+#include "pool.h"
+#include "qmatmul_common.h"
 
 #define RT 4  // rows sharing each weight vector
-#define PREFETCH_BLOCKS 8  // blocks ahead of the first half's pass: the group's next (or the next group's)
 
 // xq int8 [M, K], dx and xs fp32 [M, nb]: the rule above, 8 lanes at a time (a max, a product rounded
 // to the nearest integer, ties to even, as rintf does, and an integer sum: the same values as one
@@ -103,14 +108,6 @@ static void quantize_rows_task(void *ctx, int64_t begin, int64_t end) {
                   t->xs + begin * nb, t->xsum + begin * nb, t->xsum16 + 2 * begin * nb);
 }
 
-// Software prefetch of the weights PREFETCH_BLOCKS blocks ahead, from the first half's pass (the second
-// reads the same lines). Without it the 5-bit matmul of a cold 1536 x 576 weight ran at 145 us, with it
-// 76-84 us (hot in cache: 64 us), one thread on the 2-core EPYC: the hardware prefetcher alone did
-// not keep up with a stream this dense in compute.
-static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *blk, int64_t block_bytes) {
-    for (int64_t l = 0; l < block_bytes; l += 64)
-        _mm_prefetch((const char *)(blk + PREFETCH_BLOCKS * block_bytes + l), _MM_HINT_T0);
-}
 
 // One (group, block, chunk c, half h) of 4-bit weights as two vectors of 8 columns x 4 k, one column
 // per 32-bit lane: lo holds k = 8c + 0..3, hi k = 8c + 4..7 (q in 0..15, as unsigned bytes). The 32
@@ -127,13 +124,6 @@ static inline __attribute__((always_inline)) void chunk_q4(const uint8_t *blk, i
     *hi = _mm256_shuffle_epi8(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), gather);
 }
 
-// 8-bit: pair p (k = 2p, 2p + 1) of columns 8h..8h+7 is 16 bytes at 32p + 16h, a column's pair per
-// two bytes. Pairs p and p + 1 interleaved by 16-bit elements give each column's k = 2p .. 2p + 3.
-static inline __attribute__((always_inline)) __m256i quad_q8(const uint8_t *blk, int p, int h) {
-    __m128i a = _mm_loadu_si128((const __m128i *)(blk + 32 * p + 16 * h));
-    __m128i b = _mm_loadu_si128((const __m128i *)(blk + 32 * (p + 1) + 16 * h));
-    return _mm256_set_m128i(_mm_unpackhi_epi16(a, b), _mm_unpacklo_epi16(a, b));
-}
 
 static inline __m256i bcast4(const int8_t *p) {
     int32_t v;
@@ -169,31 +159,10 @@ static inline __attribute__((always_inline)) __m256i pair_dot(__m256i u0, __m256
 #endif
 }
 
-typedef struct {
-    const int8_t *xq;
-    const float *dx, *xs;
-    int64_t M, K, nb, N;
-    const int32_t *xsum, *xsum16;  // sum(xq) per row and block, and per its halves k < 16, k >= 16
-    int bits, y_fp32, two_scales, has_off, half;  // half: d and m are fp16
-    int zero;  // 5- and 6-bit: what q is stored above its value (16 for Q5_0's q - 16, 32 for Q6_K's, else 0)
-    const uint8_t *qs;
-    const void *d, *m;
-    const int8_t *table;  // 4-bit: NULL, or the 16 values q indexes (then 8-bit arithmetic: |w| x sign(xq, w))
-    const uint16_t *bias;
-    void *y;
-    int64_t ldy;  // elements from one row of y to the next (N, or wider where parts sit side by side)
-} qmm2_args;
 
-static inline int64_t qbytes_of(int bits) {
-    return bits == 2 ? 128 : bits == 4 ? 256 : bits == 5 ? 320 : bits == 6 ? 384 : 512;
-}
 
-// Scales and offsets are fp32, or fp16 where they are exact in it (the legacy formats' own fp16
-// values: 2 bytes a block less to read); widened to fp32 on load, so both give the same bits.
-static inline const void *scales_at(const void *base, int64_t i, int half) {
-    return half ? (const void *)((const uint16_t *)base + i) : (const void *)((const float *)base + i);
-}
 
+// 8 columns' scales or offsets from scales_at's base, widened to fp32.
 static inline __attribute__((always_inline)) __m256 scales8(const void *base, int64_t i, int half) {
 #if EXL_QMM_HALF_SCALES
     if (half) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + i)));
@@ -202,18 +171,6 @@ static inline __attribute__((always_inline)) __m256 scales8(const void *base, in
     return _mm256_loadu_ps((const float *)base + i);
 }
 
-// Group g's scales (gd) and offsets (gm, NULL without offsets) in a's layout: [nb][scales per block][CG]
-// and [nb][CG], fp32 or fp16; 2-bit: fp16 (d, -dmin) per super-block of 8 blocks, a byte per sub-block of 16.
-static inline void group_scales(const qmm2_args *a, int64_t g, const void **gd, const void **gm) {
-    const int64_t nb = a->nb, spb = a->two_scales ? 2 : 1;
-    if (a->bits == 2) {
-        *gd = (const uint16_t *)a->d + g * (nb / 8) * 2 * CG;
-        *gm = (const uint8_t *)a->m + g * nb * 2 * CG;
-        return;
-    }
-    *gd = scales_at(a->d, g * nb * spb * CG, a->half);
-    *gm = a->has_off ? scales_at(a->m, g * nb * CG, a->half) : NULL;
-}
 
 // acc + float(sum) * (d * dx): the scaled step of the order in the header.
 static inline __attribute__((always_inline)) __m256 add_scaled(__m256 acc, __m256i sum, __m256 d, float dx) {
@@ -477,19 +434,15 @@ static inline __attribute__((always_inline)) void group_half_q6(const qmm2_args 
 // tile of rows. Per 4-bit 32 k, 5-bit 16 k and 6-bit 8 k the pairs are summed in int16 (the bounds of
 // group_half_q4 / _q5 / _q6), then widened; the integer sums and the fp32 steps of each output are those
 // of group_half_*, in the same order, so the outputs are the same bits.
-// Against the 4-row, 8-column tiles (one thread, 512 rows, the 2-core EPYC): 5-bit 1536 x 576 26.1 -> 20.4 ms,
-// 6-bit 576 x 1536 29.6 -> 25.6 ms, 4-bit 576 x 1536 20.2 -> 19.3 ms. Its vpmaddubsw and vpmaddwd take 2 cycles
-// each on its one vector multiply pipe: 40 cycles per 16 columns x 32 k at 5 bits, the bound here.
+// Against the 4-row, 8-column tiles (one thread, 512 rows, the 2-core EPYC): 5-bit 1536 x 576 20.4 ms against
+// 26.1, 6-bit 576 x 1536 25.6 against 29.6, 4-bit 576 x 1536 19.3 against 20.2. Its vpmaddubsw and vpmaddwd take
+// 2 cycles each on its one vector multiply pipe: 40 cycles per 16 columns x 32 k at 5 bits, the bound here.
 #define WIDE_MIN_ROWS 8
 #define WIDE_ROWS 2
 
 // Per block; 4-bit with a table is expanded as 8-bit (the values, not the indices).
 static inline int64_t wide_bytes(int bits) { return bits == 8 ? 1024 : 512; }
 
-// The expansion reads its weights once, with little work per byte, so it prefetches further ahead than
-// the tiles (PREFETCH_BLOCKS): 16 rows of 5-bit weights in 30 layers' worth of cold SmolLM2 products, 2
-// threads, the Zen 5 VM: 529 us a layer without, 355 at 8 blocks ahead, 217-276 at 4 to 16 KB (noise).
-#define EXPAND_PREFETCH_BYTES 8192
 
 // 8-bit (and 4-bit with a table: its values): |q| in the 512 bytes of the other widths' layout, then q (for
 // the signs) in the next 512.
@@ -593,8 +546,6 @@ static inline __attribute__((always_inline)) void wide_tile(const qmm2_args *a, 
         }
     }
 }
-
-static void store_half(const qmm2_args *a, int64_t r, int64_t n0, int h, __m256 acc);
 
 static inline __attribute__((always_inline)) void wide_rows(const qmm2_args *a, const uint8_t *wide, const void *gd,
                                                              const void *gm, int64_t r0, int rows,
@@ -707,39 +658,9 @@ static inline __attribute__((always_inline)) void group_half(const qmm2_args *a,
     else group_half_q8(a, gq, gd, gm, r0, rows, h, acc);
 }
 
-// Output row r, columns n0 + 8h ..: acc + bias, the lanes that exist only (8 lanes at a time: the same
-// sums and roundings as one at a time; 1-2% of a 512-row product of 576 inputs went to the scalar loop).
-static inline void store_half(const qmm2_args *a, int64_t r, int64_t n0, int h, __m256 acc) {
-    int64_t col = n0 + 8 * h, count = a->N - col < 8 ? a->N - col : 8;
-    if (a->bias) acc = _mm256_add_ps(acc, bf16_load8_n(a->bias + col, count));
-    if (!a->y_fp32) {
-        bf16_store8_n((uint16_t *)a->y + r * a->ldy + col, acc, count);
-    } else if (count == 8) {
-        _mm256_storeu_ps((float *)a->y + r * a->ldy + col, acc);
-    } else {
-        float out[8];
-        _mm256_storeu_ps(out, acc);
-        memcpy((float *)a->y + r * a->ldy + col, out, sizeof(float) * (size_t)count);
-    }
-}
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define EXL_QMM_VNNI512 1
-#include "qmatmul_vnni512.h"
-#else
-#define EXL_QMM_VNNI512 0
-#endif
-
-static void qmm2_groups(void *ctx, int64_t begin, int64_t end) {
-    const qmm2_args *a = (const qmm2_args *)ctx;
-#if EXL_QMM_VNNI512
-    if (a->bits != 2 || EXL_QMM_HALF_SCALES) {  // (2-bit: packed tiles only, with F16C)
-        uint8_t *wide = a->M >= WIDE512_MIN_ROWS && a->bits != 2 ? (uint8_t *)malloc((size_t)(a->nb * 512)) : NULL;
-        qmm2_groups512(a, begin, end, wide);  // without wide, the packed blocks: the same bits
-        free(wide);
-        return;
-    }
-#endif
+// The column groups begin .. end - 1 of one product on the AVX2 tiles: from WIDE_MIN_ROWS rows each group
+// expanded once (qmm2_groups_wide), below (or without memory for the expansion) the 4-row tiles.
+static void qmm2_groups256(const qmm2_args *a, int64_t begin, int64_t end) {
     if (a->M >= WIDE_MIN_ROWS && a->bits != 2) {  // (2-bit: no wide layout; its tiles below)
         uint8_t *wide = (uint8_t *)malloc((size_t)(a->nb * wide_bytes(a->table ? 8 : a->bits)));
         if (wide) {  // else the tiles below: the same bits
@@ -769,70 +690,4 @@ static void qmm2_groups(void *ctx, int64_t begin, int64_t end) {
             }
         }
     }
-}
-
-// The column groups of several products of one x (a projection's parts, each y at its column of a wide
-// output), shared among the pool's threads as one job: part i's groups are g_first[i] .. g_first[i + 1] - 1.
-typedef struct {
-    const qmm2_args *parts;
-    const int64_t *g_first;
-    int64_t n_parts;
-} qmm2_job;
-
-static void qmm2_job_groups(void *ctx, int64_t begin, int64_t end) {
-    const qmm2_job *j = (const qmm2_job *)ctx;
-    for (int64_t i = 0; i < j->n_parts; i++) {
-        int64_t lo = begin > j->g_first[i] ? begin : j->g_first[i];
-        int64_t hi = end < j->g_first[i + 1] ? end : j->g_first[i + 1];
-        if (lo < hi) qmm2_groups((void *)&j->parts[i], lo - j->g_first[i], hi - j->g_first[i]);
-    }
-}
-
-#define QMM2_MAX_PARTS 8
-
-// y [M, ldy] (y_fp32 or bf16), columns side by side from col 0: the products of x with each part's
-// weights (their x, rows and y fields unused), x quantized once. The same bits as one call per part.
-static int qmatmul_avx2_parts(const exl_qmatmul_args *parts, int64_t n_parts, const uint16_t *x, int64_t M,
-                              void *y, int64_t ldy, int y_fp32) {
-    int64_t K = parts[0].in_features, nb = K / BLOCK, col = 0;
-    for (int64_t i = 0; i < n_parts; i++) {
-        if (parts[i].in_features != K) return 6;
-        col += parts[i].out_features;
-    }
-    if (col > ldy) return 6;
-    float *scales = (float *)malloc(sizeof(float) * (size_t)(5 * M * nb + 1));  // dx, xs, sum(xq), its halves
-    int8_t *xq = (int8_t *)malloc((size_t)(M * K + 1));
-    if (!scales || !xq) {
-        free(scales);
-        free(xq);
-        return -1;
-    }
-    int32_t *xsum = (int32_t *)(scales + 2 * M * nb);
-    quantize_task q = {x, K, xq, scales, scales + M * nb, xsum, xsum + M * nb};
-    if (M >= QUANTIZE_PARALLEL_ROWS) exl_parallel_for(quantize_rows_task, &q, M);
-    else quantize_rows_task(&q, 0, M);
-    qmm2_args a[QMM2_MAX_PARTS];
-    int64_t g_first[QMM2_MAX_PARTS + 1] = {0};
-    col = 0;
-    for (int64_t i = 0; i < n_parts; i++) {
-        const exl_qmatmul_args *p = &parts[i];
-        int zero = p->bits == 6 ? 32 : p->bits == 5 && !p->offsets ? 16 : 0;
-        const int8_t *table = p->bits == 4 ? p->table : NULL;
-        int two_scales = p->scales_per_block == 2, has_off = (p->bits == 4 && !table) || p->offsets;
-        void *yp = y_fp32 ? (void *)((float *)y + col) : (void *)((uint16_t *)y + col);
-        qmm2_args ai = {xq, scales, scales + M * nb, M, K, nb, p->out_features, xsum, xsum + M * nb, p->bits, y_fp32,
-                        two_scales, has_off, p->half_scales != 0, zero, p->qs, p->d, p->m, table, p->bias, yp, ldy};
-        a[i] = ai;
-        g_first[i + 1] = g_first[i] + (p->out_features + CG - 1) / CG;
-        col += p->out_features;
-    }
-    qmm2_job job = {a, g_first, n_parts};
-    exl_parallel_for(qmm2_job_groups, &job, g_first[n_parts]);
-    free(scales);
-    free(xq);
-    return 0;
-}
-
-static int qmatmul_avx2(const exl_qmatmul_args *args) {
-    return qmatmul_avx2_parts(args, 1, args->x, args->rows, args->y, args->out_features, args->y_fp32);
 }

@@ -1,4 +1,4 @@
-// The body for CPUs with AVX-512 VNNI (every width; 2-bit with F16C), included by qmatmul_avx2.h. One 512-bit
+// The body for CPUs with AVX-512 VNNI (every width; 2-bit with F16C), included once from qmatmul.c. One 512-bit
 // vector holds a group's 16 columns x 4 k as bytes q (the layout of expand_group's wide bytes; 8-bit as
 // q + 128, below), and one vpdpbusd per row and 4 k adds those 64 products into the row's 16 int32 sums.
 // (The AVX2 tiles take a vpmaddubsw per 8 columns x 4 k, an int16 add, and a vpmaddwd per few of those.)
@@ -15,6 +15,13 @@
 // 8-bit weights: vpdpbusd takes unsigned bytes, so the expansion holds q + 128 (q ^ 0x80, in 0..255) and
 // each block (or half block, with two scales) subtracts 128 * sum(xq): sum((q + 128) xq) - 128 sum(xq) =
 // sum(q xq), the integer of the AVX2 path's |q| x sign(xq, q).
+
+#pragma once
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "qmatmul_common.h"
 
 #define W512_ROWS 8  // rows per tile: their int32 sums and fp32 accumulators take 16 of the 32 registers
 // From this many rows a group's blocks are expanded once into memory (wide) and read back by each tile of

@@ -57,7 +57,7 @@ class Linear:
                             eps: float, rope: RopeWrite) -> tuple[torch.Tensor, torch.Tensor]:
         """normed_product of a fused q|k|v projection, then its rope step: returns the rotated q
         [T, heads, D] (k and v written into their pages) and the new residual. A linear may rotate and
-        write the rows in its product's epilogue (docs/gpu-runs/run35: FP8's products of 33-64 tokens)."""
+        write the rows in its product's epilogue (FP8's from cuda_fp8.ROPE_EPILOGUE_MIN_TOKENS tokens)."""
         qkv, residual = self.normed_product(x, residual, norm_weight, eps)
         return rope.write(*rope.heads(qkv)), residual
 

@@ -6,7 +6,7 @@ fp32 logits). `reference()` computes the exact product with torch ops from the r
 oracle of the tests, and what runs inside `kernels_disabled()`. The kernel (`kernel_mode()`, 0 where
 it is not built) quantizes each row's activations to int8 per block of 32 and sums integer products
 (llama.cpp's way on CPUs: 2.4-2.8x faster per call than fp32 products on an AVX2 AMD EPYC, and faster
-than the exact bf16 products of the AVX-512 BF16 body it replaced on an Intel Xeon), which
+than exact bf16 products on an AVX-512 BF16 Intel Xeon), which
 `emulate_kernel()` reproduces bit for bit with torch ops. The kernel takes any weights of the
 form w = q * scale + offset per block of 32 (q 4-bit in 0..15, or 8-bit signed), or w = q * scale per
 16 weights (8-bit, no offset: Q6_K), as the format modules unpack them. The 5-bit formats stay 5-bit
@@ -53,7 +53,7 @@ def available() -> bool:
     return _kernel() is not None
 
 
-Q8_ACTIVATIONS = 2  # kernel_mode() of the built kernel (1 was the exact products of a removed AVX-512 BF16 body)
+Q8_ACTIVATIONS = 2  # kernel_mode() of the built kernel: int8 activations (qmatmul.c's exl_qmatmul_available)
 
 
 @functools.cache

@@ -16,7 +16,7 @@ the layout both of its products read.
   more also rotates its rows and writes k and v into their pages in its epilogue
   (`normed_rope_product`); beyond, by cuBLASLt's FP8 matmul (`torch._scaled_mm`).
   Each kernel is batch-invariant over its range. Measured on an H200, 8B shapes
-  (`scripts/fp8_matmul_bench.py`, docs/gpu-results.md runs 18 and 25): the mma.sync kernel is the
+  (`scripts/fp8_matmul_bench.py`): the mma.sync kernel is the
   fastest at 5-8 tokens; from 16 tokens the wgmma one is (Hopper runs mma.sync's e4m3 form as fp16
   after a conversion), at 16-64 tokens in 0.54-0.86x cuBLASLt's time; from 128 tokens cuBLASLt is
   the fastest.
@@ -36,11 +36,13 @@ from exlcli.ops.formats.base import BfloatRowsLinear, DecodeWeights, Linear
 from exlcli.ops.rope import RopeWrite
 
 E4M3_MAX = 448.0  # the largest finite e4m3 value
-MMA_MAX_TOKENS = 16  # without the wgmma kernel: beyond, cuBLASLt's FP8 matmul (docs/gpu-results.md run 18)
-GEMM_MIN_TOKENS, GEMM_MAX_TOKENS = 9, 64  # the wgmma kernel's range (docs/gpu-results.md run 25)
-# The q|k|v product's rope epilogue in 64-token blocks only: on an H100 the 8B FP8 decode graph took
+# Without the wgmma kernel the mma.sync one serves up to 16 tokens, where it beats cuBLASLt's FP8 matmul on
+# every 8B shape; at 64 tokens cuBLASLt is faster (H200).
+MMA_MAX_TOKENS = 16
+GEMM_MIN_TOKENS, GEMM_MAX_TOKENS = 9, 64  # the wgmma kernel's range: see the module docstring
+# The q|k|v product's rope epilogue in 64-token blocks only: on an H100 the 8B FP8 decode graph takes
 # 4.59 against 4.69-4.71 ms with it at batch 64 and 4.65-4.68 against 4.73-4.75 at 48, but in 32-token
-# blocks 4.18-4.21 against 4.10 at batch 16 and 4.21-4.25 against 4.20 at 32 (docs/gpu-runs/run35).
+# blocks 4.18-4.21 against 4.10 at batch 16 and 4.21-4.25 against 4.20 at 32.
 ROPE_EPILOGUE_MIN_TOKENS = 33
 MIN_CAPABILITY = (8, 9)  # e4m3 tensor-core products (Ada, Hopper and newer)
 GEMM_CAPABILITY = (9, 0)  # wgmma and thread block clusters
@@ -170,7 +172,7 @@ GEMM_MAX_SLICE_STEPS = 24  # 128-feature pipeline steps a split block runs at mo
 def gemm_tiling(weight: torch.Tensor, block_tokens: int = 64) -> GemmTiling | None:
     """The tiling csrc/fp8_gemm.cu runs a product with `weight` [N, K] in, with blocks of
     `block_tokens` (32 or 64) tokens, or None where that kernel does not run (not Hopper, or N not a
-    multiple of 128, K of 128). Measured on the H200, 8B shapes (docs/gpu-results.md runs 25-27):
+    multiple of 128, K of 128). Measured on the H200, 8B shapes:
     - splits: the fewest of 1, 2, 4, 8 that give at least three blocks of 128 rows for every four
       multiprocessors; where that cuts the features at all, then as many more as keep each block to
       at most GEMM_MAX_SLICE_STEPS steps: q|k|v (48 row tiles) 4, o (32) 4, down (32, 112 steps) 5,

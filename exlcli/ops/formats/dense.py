@@ -5,9 +5,8 @@ of 1 to 4 rows (decode steps) of an aligned bf16 / fp16 weight run the decode_li
 reaches only 1.1 to 3.3 TB/s on those shapes on an H200. Those weights are also the ones the fused
 decode step reads (`fused_decode_weights`). fp32 products of more rows from a bf16 / fp16 weight
 without a bias (the LM head's logits) have cuBLAS write fp32 itself (`torch.mm`'s out_dtype), not a
-16-bit product widened after: the 8B head at 64 rows took 289 us instead of 309 on an H200, at 1,024
-rows 1,611 instead of 1,875, with the fp32 sums' error instead of a 16-bit rounding
-(docs/gpu-results.md, run 27).
+16-bit product widened after: the 8B head at 64 rows takes 289 us instead of 309 on an H200, at 1,024
+rows 1,611 instead of 1,875, with the fp32 sums' error instead of a 16-bit rounding.
 """
 
 from __future__ import annotations
