@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import make_dataclass
+from typing import Any
 
 from exlcli.client.base import GenerationParams
 from exlcli.engine.sampling import NUMBER, PARAMS, Param, ParamError
@@ -30,15 +31,16 @@ def _chat_name(name: str) -> str:
     return CHAT_NAMES.get(name, name)
 
 
-def _setting_field(name: str) -> tuple[str, type, dataclasses.Field]:
+def _setting_field(name: str) -> tuple[str, Any, dataclasses.Field]:
     param = PARAMS[name]
     kind = param.python_type | None if param.nullable else param.python_type
     return _chat_name(name), kind, dataclasses.field(default=CHAT_DEFAULTS.get(name, param.default))
 
 
-class ChatSettings(make_dataclass("_ChatSettingFields", [_setting_field(name) for name in SETTINGS])):
-    """temperature, top_p, top_k, min_p, repeat_penalty, presence_penalty, frequency_penalty,
-    max_tokens and seed, as fields (see SETTINGS)."""
+class ChatSettings(make_dataclass("_ChatSettingFields", [_setting_field(name) for name in SETTINGS])):  # type: ignore[misc]
+    """One field per parameter in SETTINGS, spelled as the chat shows it (CHAT_NAMES), starting from
+    CHAT_DEFAULTS or else the engine's default: made from the declarations, so each parameter's type
+    and default stay in exlcli.engine.sampling."""
 
     def params(self, seed: int | None = None) -> GenerationParams:
         """Parameters for one chat request; `seed` overrides the setting (used by /n)."""

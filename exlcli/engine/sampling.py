@@ -102,7 +102,7 @@ class Param:
             raise ParamError(name, self.rule(), value, INVALID_VALUE)
         return clean
 
-    def api_bounds(self) -> dict[str, float]:
+    def api_bounds(self) -> dict[str, Any]:
         """The HTTP API's bounds as pydantic Field arguments (ge, gt, le): OpenAI's range where it
         has one, else the parameter's own, and 64 bits for an integer with no other bound."""
         low, low_open = (self.api_low, False) if self.api_low is not None else (self.low, self.low_open)
@@ -112,7 +112,7 @@ class Param:
         if self.kind != NUMBER:
             low = INT64_MIN if low is None else low
             high = INT64_MAX if high is None else high
-        bounds: dict[str, float] = {}
+        bounds: dict[str, Any] = {}
         if low is not None:
             bounds["gt" if low_open else "ge"] = low
         if high is not None:
