@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import math
-from typing import Any
+from typing import Any, Callable
 
 from exlcli.batch.failures import LineError
 from exlcli.engine.context_window import OVERFLOW_MODES
 from exlcli.engine.request import GrammarSpec, grammar_from_response_format
+from exlcli.engine.sampling import API_PARAMS, MAX_TOKENS, Param, ParamError, is_int64
 from exlcli.errors import RequestError
-
-INT_LIMIT = 2 ** 63  # integers must fit in 64 bits: the engine, the server and JSON readers all assume so
 
 
 def preview(value: Any, limit: int = 60) -> str:
@@ -27,31 +25,14 @@ def wrong_type(name: str, want: str, value: Any) -> LineError:
     return LineError("invalid_type", f"{name} must be {want}, got {preview(value)}")
 
 
-def is_int(value: Any) -> bool:
-    """An integer that fits in 64 bits (not a bool)."""
-    return isinstance(value, int) and not isinstance(value, bool) and -INT_LIMIT <= value < INT_LIMIT
-
-
-def _number(name: str, value: Any) -> float:
-    if not (is_int(value) or (isinstance(value, float) and math.isfinite(value))):
-        raise wrong_type(name, "a finite number", value)
-    return float(value)
-
-
-def _integer(name: str, value: Any) -> int:
-    if not is_int(value):
-        raise wrong_type(name, "an integer of at most 64 bits", value)
-    return value
-
-
-def _max_tokens(name: str, value: Any) -> int:
-    if not is_int(value) or value < 1:
-        raise wrong_type(name, "a positive integer of at most 64 bits", value)
-    return value
-
-
-def _seed(name: str, value: Any) -> int | None:
-    return None if value is None else _integer(name, value)
+def _param(param: Param) -> Callable[[str, Any], Any]:
+    """A check through the parameter's own rule (exlcli.engine.sampling), the value shown as JSON."""
+    def check(name: str, value: Any) -> Any:
+        try:
+            return param.check(value, name)
+        except ParamError as e:
+            raise LineError(e.code, f"{name} must be {e.rule}, got {preview(value)}") from None
+    return check
 
 
 def _stop(name: str, value: Any) -> list[str]:
@@ -94,21 +75,17 @@ def _context_overflow(name: str, value: Any) -> str | None:
 
 
 def _count(name: str, value: Any) -> int | None:
-    if value is not None and (not is_int(value) or value < 0):
+    if value is not None and (not is_int64(value) or value < 0):
         raise wrong_type(name, "an integer >= 0", value)
     return value
 
 
 GRAMMAR_KEYS = ("json_schema", "regex", "grammar", "response_format")
 
-# line key -> (GenerationParams field, check)
+# line key -> (GenerationParams field, check). The generation parameters are all read by their own
+# names (logprobs aside: batch output has no place for them, see lines.UNSUPPORTED_BODY_KEYS).
 PARAM_FIELDS = {
-    "max_tokens": ("max_tokens", _max_tokens),
-    "temperature": ("temperature", _number),
-    "top_p": ("top_p", _number),
-    "top_k": ("top_k", _integer),
-    "min_p": ("min_p", _number),
-    "seed": ("seed", _seed),
+    **{p.name: (p.name, _param(p)) for p in API_PARAMS},
     "stop": ("stop", _stop),
     **{key: ("grammar", _grammar) for key in GRAMMAR_KEYS},
     "speculative": ("speculative", _speculative),
@@ -117,8 +94,5 @@ PARAM_FIELDS = {
     "window": ("window", _count),
 }
 OPENAI_EXTRA_PARAM_FIELDS = {
-    "max_completion_tokens": ("max_tokens", _max_tokens),
-    "presence_penalty": ("presence_penalty", _number),
-    "frequency_penalty": ("frequency_penalty", _number),
-    "repetition_penalty": ("repetition_penalty", _number),
+    "max_completion_tokens": ("max_tokens", _param(MAX_TOKENS)),
 }

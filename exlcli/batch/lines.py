@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from exlcli.batch.failures import LineError, io_errors, line_error
-from exlcli.batch.fields import GRAMMAR_KEYS, OPENAI_EXTRA_PARAM_FIELDS, PARAM_FIELDS, is_int, preview, wrong_type
+from exlcli.batch.fields import GRAMMAR_KEYS, OPENAI_EXTRA_PARAM_FIELDS, PARAM_FIELDS, preview, wrong_type
 from exlcli.batch.jsonl import dump_line, load_line
 from exlcli.client.base import GenerationParams
+from exlcli.engine.sampling import is_int64
 from exlcli.errors import RequestError
 
 NATIVE = "native"
@@ -91,10 +92,8 @@ def _params(obj: dict, fields: dict, defaults: GenerationParams) -> GenerationPa
     for key, (attr, check) in fields.items():
         if key in obj:
             changes[attr] = check(key, obj[key])
-    params = dataclasses.replace(defaults, **changes)
-    params.client, params.priority = "batch", "batch"
     try:
-        params.sampling()  # ranges (top_p in (0, 1], temperature >= 0, ...)
+        params = dataclasses.replace(defaults, **changes, client="batch", priority="batch")  # checks the ranges
     except RequestError as e:
         raise LineError("invalid_value", str(e)) from None
     return params
@@ -191,7 +190,7 @@ def _line_id(obj: dict, shape: str) -> str | None:
     value = obj.get(key)
     if value is None:
         return None
-    if is_int(value):
+    if is_int64(value):
         return str(value)
     if isinstance(value, str) and value:
         dump_line(value)  # an id with a lone surrogate could never be written: the line gets line-N

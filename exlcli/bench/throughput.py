@@ -17,7 +17,8 @@ from typing import Callable, Iterable, Protocol
 
 from exlcli.bench.model_facts import ModelFacts
 from exlcli.bench.stats import Summary, decode_bytes, prefill_flops
-from exlcli.engine.request import Request, RequestOutput, SamplingParams
+from exlcli.engine.request import Request, RequestOutput
+from exlcli.engine.sampling import SamplingParams
 from exlcli.errors import ExlcliError
 
 Clock = Callable[[], float]

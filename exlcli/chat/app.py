@@ -5,43 +5,18 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from dataclasses import dataclass, field
 
+from exlcli.chat.commands import run_command
 from exlcli.chat.generate import Answer, StreamSet
 from exlcli.chat.io import NEWLINE_KEY, ChatIO
 from exlcli.chat.render import LiveAnswer, PlainAnswer, answer_view, stats_line
 from exlcli.chat.session import Conversation
 from exlcli.chat.settings import ChatSettings
+from exlcli.chat.totals import SessionTotals
 from exlcli.chat.window import ChatWindow, new_session_id
 from exlcli.client.base import EngineClient
 from exlcli.engine.request import GrammarSpec
 from exlcli.errors import ExlcliError
-
-
-@dataclass
-class SessionTotals:
-    answers: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    generated_tokens: int = 0
-    decode_seconds: float = 0.0  # time after each answer's first token, to average tok/s
-    ttfts: list[float] = field(default_factory=list)
-    dropped_turns: int = 0
-    evicted_tokens: int = 0  # tokens that left the window by context shifts
-
-    def add(self, answer: Answer) -> None:
-        usage = answer.usage
-        if usage is None:
-            return
-        self.answers += 1
-        self.prompt_tokens += usage.prompt_tokens
-        self.cached_tokens += usage.cached_tokens
-        self.generated_tokens += usage.completion_tokens
-        self.evicted_tokens += usage.evicted_tokens
-        if usage.ttft is not None:
-            self.ttfts.append(usage.ttft)
-            if usage.decode_tps > 0:
-                self.decode_seconds += max(usage.completion_tokens - 1, 0) / usage.decode_tps
 
 
 class ChatApp:
@@ -62,8 +37,6 @@ class ChatApp:
     # ---- the loop -----------------------------------------------------------------------------
 
     def run(self) -> None:
-        from exlcli.chat.commands import run_command
-
         if self.io.interactive:
             self.io.notice(
                 f"exlcli chat: {self.model_label} ({self.client.kind} engine, context "

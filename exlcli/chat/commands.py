@@ -1,21 +1,18 @@
-"""Slash commands. Each handler gets the app and the text after the command name; bad input gets
-one clear line and the chat goes on."""
+"""Slash commands. Each handler gets the running chat (a ChatHost) and the text after the command
+name; bad input gets one clear line and the chat goes on."""
 
 from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
+from exlcli.chat.host import ChatHost
 from exlcli.chat.output_format import describe, parse_format
 from exlcli.chat.persist import load_conversation, save_conversation
 from exlcli.chat.render import format_seconds
-from exlcli.chat.settings import apply_setting
+from exlcli.chat.settings import apply_setting, setting_names
 from exlcli.errors import ExlcliError
-
-if TYPE_CHECKING:
-    from exlcli.chat.app import ChatApp
-
 
 MAX_N = 16  # answers one /n may ask for at once
 
@@ -29,7 +26,7 @@ class Command:
     name: str
     usage: str
     help: str
-    run: Callable[["ChatApp", str], None]
+    run: Callable[[ChatHost, str], None]
     aliases: tuple[str, ...] = ()
 
 
@@ -37,7 +34,7 @@ COMMANDS: list[Command] = []
 
 
 def command(name: str, usage: str, help: str, aliases: tuple[str, ...] = ()):
-    def register(fn: Callable[["ChatApp", str], None]) -> Callable[["ChatApp", str], None]:
+    def register(fn: Callable[[ChatHost, str], None]) -> Callable[[ChatHost, str], None]:
         COMMANDS.append(Command(name, usage, help, fn, aliases))
         return fn
     return register
@@ -48,7 +45,7 @@ def find_command(name: str) -> Command | None:
     return next((c for c in COMMANDS if name == c.name or name in c.aliases), None)
 
 
-def run_command(app: "ChatApp", line: str) -> None:
+def run_command(app: ChatHost, line: str) -> None:
     name, _, arg = line[1:].strip().partition(" ")
     found = find_command(name)
     if found is None:
@@ -63,7 +60,7 @@ def run_command(app: "ChatApp", line: str) -> None:
 # ---- conversation -----------------------------------------------------------------------------
 
 @command("help", "/help", "list the commands", aliases=("?", "h"))
-def _help(app: "ChatApp", arg: str) -> None:
+def _help(app: ChatHost, arg: str) -> None:
     width = max(len(c.usage) for c in COMMANDS)
     lines = [f"  {c.usage.ljust(width)}  {c.help}" for c in COMMANDS]
     lines.append('Multi-line: Alt-Enter (or Esc then Enter) for a new line, or wrap the text in """.')
@@ -72,14 +69,14 @@ def _help(app: "ChatApp", arg: str) -> None:
 
 
 @command("clear", "/clear", "forget the conversation (the system prompt stays)")
-def _clear(app: "ChatApp", arg: str) -> None:
+def _clear(app: ChatHost, arg: str) -> None:
     count = app.conversation.clear()
     app.new_session()
     app.io.say(f"cleared {count} turn{'s' if count != 1 else ''}")
 
 
 @command("system", "/system [TEXT]", "show or set the system prompt (/system --clear removes it)")
-def _system(app: "ChatApp", arg: str) -> None:
+def _system(app: ChatHost, arg: str) -> None:
     if not arg:
         app.io.say(f"system prompt: {app.conversation.system!r}" if app.conversation.system
                    else "no system prompt")
@@ -93,14 +90,14 @@ def _system(app: "ChatApp", arg: str) -> None:
 
 
 @command("retry", "/retry", "answer the last message again")
-def _retry(app: "ChatApp", arg: str) -> None:
+def _retry(app: ChatHost, arg: str) -> None:
     turn = app.conversation.pop()
     if turn is None:
         raise CommandError("nothing to retry yet")
     _answer_again(app, turn, 1)
 
 
-def _answer_again(app: "ChatApp", turn, n: int) -> None:
+def _answer_again(app: ChatHost, turn, n: int) -> None:
     before = len(app.conversation.turns)
     app.send(turn.user, n=n)
     if len(app.conversation.turns) == before:  # no new answer was kept: keep the old one
@@ -108,7 +105,7 @@ def _answer_again(app: "ChatApp", turn, n: int) -> None:
 
 
 @command("undo", "/undo", "forget the last message and its answer")
-def _undo(app: "ChatApp", arg: str) -> None:
+def _undo(app: ChatHost, arg: str) -> None:
     turn = app.conversation.pop()
     if turn is None:
         raise CommandError("nothing to undo")
@@ -116,7 +113,7 @@ def _undo(app: "ChatApp", arg: str) -> None:
 
 
 @command("n", "/n K [TEXT]", "K answers at once, in one batch, to TEXT (or again to the last message)")
-def _n(app: "ChatApp", arg: str) -> None:
+def _n(app: ChatHost, arg: str) -> None:
 
     count, _, text = arg.partition(" ")
     try:
@@ -136,7 +133,7 @@ def _n(app: "ChatApp", arg: str) -> None:
 
 
 @command("pick", "/pick N", "keep answer N of the last /n in the conversation")
-def _pick(app: "ChatApp", arg: str) -> None:
+def _pick(app: ChatHost, arg: str) -> None:
     turns = app.conversation.turns
     if not turns or not turns[-1].alternatives:
         raise CommandError("/pick chooses among the answers of the last /n, and there are none")
@@ -155,9 +152,8 @@ def _pick(app: "ChatApp", arg: str) -> None:
 
 # ---- settings and state -----------------------------------------------------------------------
 
-@command("set", "/set [KEY VALUE]", "show the settings or change one (temperature, top_p, top_k, min_p, "
-         "repeat_penalty, presence_penalty, frequency_penalty, max_tokens, seed)")
-def _set(app: "ChatApp", arg: str) -> None:
+@command("set", "/set [KEY VALUE]", f"show the settings or change one ({', '.join(setting_names())})")
+def _set(app: ChatHost, arg: str) -> None:
     if not arg:
         app.io.say(_settings_text(app))
         return
@@ -168,14 +164,14 @@ def _set(app: "ChatApp", arg: str) -> None:
 
 @command("format", "/format [KIND]", "hold the answers to: json, schema FILE (a JSON Schema), regex R, grammar "
          "FILE (Lark or GBNF); off frees them")
-def _format(app: "ChatApp", arg: str) -> None:
+def _format(app: ChatHost, arg: str) -> None:
     if arg:
         app.output_format = parse_format(arg)
     app.io.say(f"answers: {describe(app.output_format)}")
 
 
 @command("show", "/show", "model, settings, system prompt and context used")
-def _show(app: "ChatApp", arg: str) -> None:
+def _show(app: ChatHost, arg: str) -> None:
     conv = app.conversation
     used = app.context_used()
     lines = [
@@ -194,7 +190,7 @@ def _show(app: "ChatApp", arg: str) -> None:
 
 
 @command("stats", "/stats", "token counts and speed for this chat, and the engine's state")
-def _stats(app: "ChatApp", arg: str) -> None:
+def _stats(app: ChatHost, arg: str) -> None:
     t = app.totals
     tps = (t.generated_tokens - len(t.ttfts)) / t.decode_seconds if t.decode_seconds > 0 else 0.0
     lines = [f"this chat: {t.answers} answers, {t.prompt_tokens} prompt tokens ({t.cached_tokens} cached), "
@@ -215,7 +211,7 @@ def _stats(app: "ChatApp", arg: str) -> None:
 # ---- files ------------------------------------------------------------------------------------
 
 @command("save", "/save FILE", "save the conversation as JSON")
-def _save(app: "ChatApp", arg: str) -> None:
+def _save(app: ChatHost, arg: str) -> None:
     if not arg:
         raise CommandError("/save needs a file name, like /save chat.json")
     path = save_conversation(arg, app.conversation, app.model_label, app.settings.as_dict())
@@ -223,7 +219,7 @@ def _save(app: "ChatApp", arg: str) -> None:
 
 
 @command("load", "/load FILE", "load a conversation saved with /save (or a JSON list of messages)")
-def _load(app: "ChatApp", arg: str) -> None:
+def _load(app: ChatHost, arg: str) -> None:
     if not arg:
         raise CommandError("/load needs a file name, like /load chat.json")
     loaded = load_conversation(arg)
@@ -234,18 +230,18 @@ def _load(app: "ChatApp", arg: str) -> None:
 
 
 @command("bye", "/bye", "leave (Ctrl-D works too)", aliases=("exit", "quit", "q"))
-def _bye(app: "ChatApp", arg: str) -> None:
+def _bye(app: ChatHost, arg: str) -> None:
     app.running = False
 
 
-def _engine_stats(app: "ChatApp"):
+def _engine_stats(app: ChatHost):
     try:
         return app.client.stats()
     except ExlcliError:
         return None
 
 
-def _settings_text(app: "ChatApp") -> str:
+def _settings_text(app: ChatHost) -> str:
     pairs = [f"{k}={'random' if v is None else v}" for k, v in app.settings.as_dict().items()]
     return "settings: " + " ".join(pairs)
 

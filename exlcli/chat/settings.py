@@ -1,103 +1,107 @@
-"""The chat's sampling settings: defaults, `/set KEY VALUE` parsing, and the GenerationParams they make."""
+"""The chat's sampling settings: defaults, `/set KEY VALUE` parsing, and the GenerationParams they make.
+
+The settings are the engine's generation parameters (exlcli.engine.sampling), checked by the same
+rules, under the names the chat shows and with the chat's own defaults.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import make_dataclass
+from typing import Any
 
 from exlcli.client.base import GenerationParams
-from exlcli.errors import ExlcliError, RequestError
+from exlcli.engine.sampling import NUMBER, PARAMS, Param, ParamError
+from exlcli.errors import ExlcliError
 
 DEFAULT_MAX_TOKENS = 1024
+
+# The settings in the order /set lists them, by the engine's names.
+SETTINGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+            "frequency_penalty", "max_tokens", "seed")
+CHAT_NAMES = {"repetition_penalty": "repeat_penalty"}  # llama.cpp's and ollama's spelling, which the chat shows
+CHAT_DEFAULTS = {"temperature": 0.7, "max_tokens": DEFAULT_MAX_TOKENS}
 
 
 class SettingError(ExlcliError):
     """A `/set` (or command-line option) the chat cannot use."""
 
 
-@dataclass
-class ChatSettings:
-    temperature: float = 0.7
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repeat_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    max_tokens: int = DEFAULT_MAX_TOKENS
-    seed: int | None = None
+def _chat_name(name: str) -> str:
+    return CHAT_NAMES.get(name, name)
+
+
+def _setting_field(name: str) -> tuple[str, Any, dataclasses.Field]:
+    param = PARAMS[name]
+    kind = param.python_type | None if param.nullable else param.python_type
+    return _chat_name(name), kind, dataclasses.field(default=CHAT_DEFAULTS.get(name, param.default))
+
+
+class ChatSettings(make_dataclass("_ChatSettingFields", [_setting_field(name) for name in SETTINGS])):  # type: ignore[misc]
+    """One field per parameter in SETTINGS, spelled as the chat shows it (CHAT_NAMES), starting from
+    CHAT_DEFAULTS or else the engine's default: made from the declarations, so each parameter's type
+    and default stay in exlcli.engine.sampling."""
 
     def params(self, seed: int | None = None) -> GenerationParams:
         """Parameters for one chat request; `seed` overrides the setting (used by /n)."""
-        return GenerationParams(
-            max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-            top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repeat_penalty,
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            seed=self.seed if seed is None else seed, client="chat", priority="interactive")
+        values = {name: getattr(self, _chat_name(name)) for name in SETTINGS}
+        if seed is not None:
+            values["seed"] = seed
+        return GenerationParams(**values, client="chat", priority="interactive")
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     def check(self, context_length: int) -> "ChatSettings":
         """Raise SettingError naming the first value the engine would refuse."""
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise SettingError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.max_tokens >= context_length:
-            raise SettingError(
-                f"max_tokens must be below the model's context of {context_length} tokens, "
-                f"got {self.max_tokens}")
-        try:
-            self.params().sampling()
-        except RequestError as e:
-            raise SettingError(_user_names(str(e))) from None
+        names = ("max_tokens", *(name for name in SETTINGS if name != "max_tokens"))
+        for name in names:
+            try:
+                PARAMS[name].check(getattr(self, _chat_name(name)), _chat_name(name))
+            except ParamError as e:
+                raise SettingError(str(e)) from None
+            if name == "max_tokens" and self.max_tokens >= context_length:
+                raise SettingError(
+                    f"max_tokens must be below the model's context of {context_length} tokens, "
+                    f"got {self.max_tokens}")
         return self
 
 
-# `/set` names -> field; both the ollama-ish and the OpenAI-ish spellings work.
+# `/set` names -> the engine's name; both the ollama-ish and the OpenAI-ish spellings work.
 ALIASES = {
     "temp": "temperature",
-    "repetition_penalty": "repeat_penalty",
+    "repeat_penalty": "repetition_penalty",
     "max_new_tokens": "max_tokens",
     "num_predict": "max_tokens",
 }
-_FIELDS = {f.name: f for f in dataclasses.fields(ChatSettings)}
-
-
-def _user_names(message: str) -> str:
-    """The engine says repetition_penalty; the chat calls it repeat_penalty."""
-    return message.replace("repetition_penalty", "repeat_penalty")
 
 
 def setting_names() -> list[str]:
-    return list(_FIELDS)
+    return [_chat_name(name) for name in SETTINGS]
 
 
 def parse_setting(key: str, raw: str) -> tuple[str, object]:
-    """`/set KEY VALUE` -> (field name, typed value), or SettingError with one clear line."""
+    """`/set KEY VALUE` -> (setting name, typed value), or SettingError with one clear line. The value
+    is typed here; its range is checked by apply_setting."""
     name = key.strip().lower().replace("-", "_")
     name = ALIASES.get(name, name)
-    if name not in _FIELDS:
+    if name not in SETTINGS:
         raise SettingError(f"unknown setting '{key}'; settings: {', '.join(setting_names())}")
+    param, shown = PARAMS[name], _chat_name(name)
     raw = raw.strip()
     if not raw:
-        raise SettingError(f"/set {name} needs a value")
-    if name == "seed":
-        if raw.lower() in ("none", "random", "off"):
-            return name, None
-        return name, _parse_int(name, raw)
-    if name in ("top_k", "max_tokens"):
-        return name, _parse_int(name, raw)
-    try:
-        return name, float(raw)
-    except ValueError:
-        raise SettingError(f"{name} must be a number, got '{raw}'") from None
+        raise SettingError(f"/set {shown} needs a value")
+    if param.nullable and raw.lower() in ("none", "random", "off"):
+        return shown, None
+    return shown, _parse(param, shown, raw)
 
 
-def _parse_int(name: str, raw: str) -> int:
+def _parse(param: Param, shown: str, raw: str) -> float | int:
+    kind = "a number" if param.kind == NUMBER else "an integer"
     try:
-        return int(raw)
+        return float(raw) if param.kind == NUMBER else int(raw)
     except ValueError:
-        raise SettingError(f"{name} must be an integer, got '{raw}'") from None
+        raise SettingError(f"{shown} must be {kind}, got '{raw}'") from None
 
 
 def apply_setting(settings: ChatSettings, key: str, raw: str, context_length: int) -> tuple[str, object]:
@@ -107,3 +111,4 @@ def apply_setting(settings: ChatSettings, key: str, raw: str, context_length: in
     candidate.check(context_length)
     setattr(settings, name, value)
     return name, value
+

@@ -10,25 +10,21 @@ import abc
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator
 
-from exlcli.engine.request import GrammarSpec, Priority, SamplingParams
+from exlcli.engine.request import GrammarSpec, Priority
+from exlcli.engine.sampling import SAMPLING_PARAMS, SamplingParams
 from exlcli.engine.stats import EngineStats
 from exlcli.text.tool_formats import HermesFormat, ToolFormat
 
 
 @dataclass
-class GenerationParams:
+class GenerationParams(SamplingParams):
+    """One generation as a front end asks for it: the sampling parameters (checked when made, see
+    exlcli.engine.sampling) and what goes around them."""
+
+    temperature: float = 0.7  # front ends start a little cooler than the engine's neutral 1.0
     max_tokens: int = 512
-    temperature: float = 0.7  # 0 means greedy
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
     stop: list[str] = field(default_factory=list)
     priority: str = "interactive"  # or "batch"
-    logprobs: int = 0
     client: str = "api"  # chat / batch / bench / api, for the live display
     grammar: GrammarSpec | None = None  # structured output (JSON schema, regex, grammar)
     speculative: bool | None = None  # False: no speculative decoding for this request (None: the engine's)
@@ -41,11 +37,8 @@ class GenerationParams:
     session: str | None = None
 
     def sampling(self) -> SamplingParams:
-        return SamplingParams(
-            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, seed=self.seed, logprobs=self.logprobs,
-        ).validate()
+        """The engine's part, checked again (a field may have been set since these were made)."""
+        return SamplingParams(**{p.name: getattr(self, p.name) for p in SAMPLING_PARAMS})
 
     def priority_class(self) -> Priority:
         return Priority.parse(self.priority)

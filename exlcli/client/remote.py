@@ -19,6 +19,7 @@ from exlcli import environment
 from exlcli.client.base import EngineClient, GenerationParams, GenerationStream, TextDelta, Usage
 from exlcli.client.runtime_file import api_key_for, http_client_options
 from exlcli.engine.request import TokenLogprob, response_format_of
+from exlcli.engine.sampling import API_PARAMS
 from exlcli.engine.stats import ActiveRequestInfo, EngineStats, FinishedRequestInfo
 from exlcli.errors import ExlcliError, RequestError
 
@@ -128,10 +129,8 @@ class RemoteClient(EngineClient):
     @staticmethod
     def _sampling_body(params: GenerationParams) -> dict:
         return {
-            "max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p,
-            "top_k": params.top_k, "min_p": params.min_p, "repetition_penalty": params.repetition_penalty,
-            "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
-            "seed": params.seed, "stop": list(params.stop), "priority": params.priority,
+            **{p.name: getattr(params, p.name) for p in API_PARAMS},  # the server reads them by these names
+            "stop": list(params.stop), "priority": params.priority,
             "client": params.client, "stream": True, "stream_options": {"include_usage": True},
             "return_token_ids": True, "response_format": response_format_of(params.grammar),
             **{k: v for k, v in (("context_overflow", params.context_overflow), ("sink_tokens", params.sink_tokens),

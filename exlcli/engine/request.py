@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import enum
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from exlcli.engine.sampling import MAX_TOKENS, SamplingParams
 from exlcli.errors import RequestError
 
 
@@ -35,48 +35,6 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"
     CANCELLED = "cancelled"
     ERROR = "error"
-
-
-@dataclass
-class SamplingParams:
-    temperature: float = 1.0  # 0 means greedy
-    top_k: int = 0  # 0 means off
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    logprobs: int = 0  # top-n logprobs per generated token; 0 means none
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    def validate(self) -> "SamplingParams":
-        def bad(name: str, rule: str) -> RequestError:
-            return RequestError(f"{name} must be {rule}, got {getattr(self, name)!r}")
-
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
-                     "presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-                raise bad(name, "a finite number")
-        if self.temperature < 0:
-            raise bad("temperature", ">= 0")
-        if not 0 < self.top_p <= 1:
-            raise bad("top_p", "in (0, 1]")
-        if not 0 <= self.min_p <= 1:
-            raise bad("min_p", "in [0, 1]")
-        if self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", "> 0")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            raise bad("top_k", "an integer >= 0")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise bad("seed", "an integer")
-        if not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20:
-            raise bad("logprobs", "an integer in [0, 20]")
-        return self
 
 
 GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "grammar")
@@ -155,7 +113,7 @@ class Request:
     request_id: str
     prompt_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    max_new_tokens: int = 256
+    max_new_tokens: int = MAX_TOKENS.default
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     priority: Priority = Priority.INTERACTIVE
@@ -174,8 +132,7 @@ class Request:
     def __post_init__(self) -> None:
         if not self.prompt_ids:
             raise RequestError("the prompt is empty")
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise RequestError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        MAX_TOKENS.check(self.max_new_tokens, "max_new_tokens")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise RequestError("every stop string must be a non-empty string")
         self.sampling.validate()

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from exlcli.engine.request import SamplingParams, TokenLogprob
+from exlcli.engine.request import TokenLogprob
+from exlcli.engine.sampling import SamplingParams
 from exlcli.model.transfer import to_device
 from exlcli.ops.argmax import argmax_and_nonfinite, with_nonfinite_flags
 

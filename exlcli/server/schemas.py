@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from exlcli.client.base import GenerationParams
 from exlcli.engine.request import GrammarSpec, grammar_from_response_format
+from exlcli.engine.sampling import API_PARAMS, INT64_MIN, MAX_TOKENS, PARAMS, Param
 from exlcli.errors import RequestError
 from exlcli.server.tool_calls import (
     MAX_TOOLS,
@@ -27,9 +28,6 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_MESSAGES = 4096
 MAX_PROMPTS = 64  # a list `prompt` in /v1/completions
-MAX_TOP_LOGPROBS = 20
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
-TOP_K_MAX = 2**31 - 1  # larger values overflow the sampler's int32 arithmetic
 
 
 class ParamError(ValueError):
@@ -94,19 +92,21 @@ def _grammar_spec(response_format: dict | None) -> GrammarSpec | None:
         raise ValueError(str(e)) from None
 
 
-class _SamplingBody(_Body):
+def _api_field(param: Param) -> Any:
+    """The parameter's field in a body: optional (None means the default), within the API's bounds."""
+    return Field(None, description=param.doc, **param.api_bounds())
+
+
+# The generation parameters (exlcli.engine.sampling) as body fields under their own names.
+_GenerationFields = create_model(
+    "_GenerationFields", __base__=_Body,
+    **{p.name: (p.python_type | None, _api_field(p)) for p in API_PARAMS})  # type: ignore[call-overload]
+
+
+class _SamplingBody(_GenerationFields):  # type: ignore[valid-type,misc]
     """Fields shared by chat and text completions. None means "the default"."""
 
     model: Text | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0, le=TOP_K_MAX)
-    min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0, le=10)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: Text | list[Text] | None = None
     n: int | None = Field(None, ge=1, le=MAX_CHOICES)
     stream: bool | None = None
@@ -182,18 +182,13 @@ class _SamplingBody(_Body):
         """Parameters for choice `index`; each choice of a seeded request gets its own seed."""
         seed = self.seed
         if seed is not None and index:
-            seed = (seed + index - SEED_MIN) % 2**64 + SEED_MIN  # wrap within int64
+            seed = (seed + index - INT64_MIN) % 2**64 + INT64_MIN  # wrap within int64
         max_tokens = self._max_tokens()
+        # A field left out takes the engine's default (not GenerationParams', which is a front end's).
+        values = {p.name: p.default if getattr(self, p.name) is None else getattr(self, p.name) for p in API_PARAMS}
+        values.update(max_tokens=max_tokens if max_tokens is not None else default_max_tokens, seed=seed)
         return GenerationParams(
-            max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0,
-            seed=seed,
+            **values,
             stop=list(self.stop or []),
             priority=self.priority or "interactive",
             logprobs=self._num_logprobs(),
@@ -209,9 +204,9 @@ class _SamplingBody(_Body):
 
 class ChatCompletionRequest(_SamplingBody):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = _api_field(MAX_TOKENS)
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: int | None = _api_field(PARAMS["logprobs"])
     tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -251,7 +246,7 @@ class ChatCompletionRequest(_SamplingBody):
 
 class CompletionRequest(_SamplingBody):
     prompt: Text | list[Any]
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    logprobs: int | None = _api_field(PARAMS["logprobs"])
     echo: bool | None = None
     suffix: Text | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)

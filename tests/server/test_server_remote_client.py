@@ -39,8 +39,8 @@ def test_remote_client_matches_the_engine_behind_it(fake_server):
 
 def test_remote_errors_are_one_line_exlcli_errors(fake_server):
     remote = RemoteClient(fake_server.url + "/v1/")  # an OpenAI-style base URL works too
-    with pytest.raises(RequestError, match="temperature"):
-        remote.chat([{"role": "user", "content": "x"}], GenerationParams(temperature=-1))
+    with pytest.raises(RequestError, match="temperature"):  # the engine takes 2.5; the API keeps OpenAI's <= 2
+        remote.chat([{"role": "user", "content": "x"}], GenerationParams(temperature=2.5))
     with pytest.raises(RequestError, match="context"):
         remote.complete("w " * 5000, GenerationParams())
     remote.close()
