@@ -20,8 +20,9 @@ from typing import Callable
 
 import torch
 
-SECTIONS = (("exlcli.engine.engine", "Engine", "_resolve"), ("exlcli.engine.engine", "Engine", "_append_tokens"),
-            ("exlcli.engine.engine", "Engine", "_sample_launched"),
+SECTIONS = (("exlcli.engine.step_readback", "StepReadback", "resolve"),
+            ("exlcli.engine.outputs", "OutputProcessor", "append_tokens"),
+            ("exlcli.engine.step_launch", "StepLauncher", "_sample_launched"),
             ("exlcli.engine.scheduler", "Scheduler", "schedule"), ("exlcli.engine.scheduler", "Scheduler", "commit"),
             ("exlcli.engine.model_runner", "ModelRunner", "prepare"),
             ("exlcli.engine.model_runner", "ModelRunner", "execute"), ("exlcli.engine.engine", "Engine", "step"))

@@ -9,7 +9,7 @@ can overlap it. llguidance drops the GIL while it computes a mask (LLMatcher / L
 
 Under async scheduling (the GPU default) step t is launched before step t - 1's token is read
 back, so the engine queues step t's forward pass, reads step t - 1 back, then computes the masks
-on its own thread (`inline`) while the device runs step t (Engine._launch).
+on its own thread (`inline`) while the device runs step t (StepLauncher.launch).
 
 Between `start` and `result` the matchers belong to the worker: the engine's thread does not touch
 them (tokens are accepted when a step is resolved, after its masks were taken).

@@ -150,7 +150,7 @@ def test_a_failing_request_does_not_hurt_the_others(make_engine, monkeypatch):
     engine = make_engine()
     good = engine.submit(greedy("good", [1, 2, 3], n=10))
     bad = engine.submit(greedy("bad", [4, 5, 6], n=10))
-    import exlcli.engine.engine as engine_module
+    import exlcli.engine.step_launch as step_launch
 
     def flaky(real):
         def sample(logits, rows, bitmask=None):
@@ -160,8 +160,8 @@ def test_a_failing_request_does_not_hurt_the_others(make_engine, monkeypatch):
         return sample
 
     # the batch's sampling, then each sequence's alone
-    monkeypatch.setattr(engine_module, "sample_ids_and_flags", flaky(engine_module.sample_ids_and_flags))
-    monkeypatch.setattr(engine_module, "sample_ids", flaky(engine_module.sample_ids))
+    monkeypatch.setattr(step_launch, "sample_ids_and_flags", flaky(step_launch.sample_ids_and_flags))
+    monkeypatch.setattr(step_launch, "sample_ids", flaky(step_launch.sample_ids))
     engine.run_until_idle()
     bad_outs = list(bad)
     assert bad_outs[-1].finish_reason is FinishReason.ERROR and "broken logits" in bad_outs[-1].error
@@ -213,7 +213,7 @@ def test_batch_prefill_moves_in_small_chunks_while_a_chat_runs(make_engine):
 
 
 def test_a_handle_read_late_holds_one_delta_of_everything(make_engine, monkeypatch):
-    from exlcli.engine import engine as engine_module
+    from exlcli.engine import handles
 
     prompt = random_prompts(1, seed=21)[0]
     params = SamplingParams(temperature=0.0, logprobs=2)
@@ -229,7 +229,7 @@ def test_a_handle_read_late_holds_one_delta_of_everything(make_engine, monkeypat
     assert outs[0].new_text == "".join(o.new_text for o in live)
     assert outs[0].logprobs == [lp for o in live for lp in o.logprobs or []] and len(outs[0].logprobs) == 12
     assert outs[0].stats.generated_tokens == 12
-    monkeypatch.setattr(engine_module, "_MAX_MERGED_TOKENS", 5)  # an unread delta stops growing at the cap
+    monkeypatch.setattr(handles, "_MAX_MERGED_TOKENS", 5)  # an unread delta stops growing at the cap
     capped_engine = make_engine()
     capped = capped_engine.submit(Request("capped", prompt, params, max_new_tokens=12))
     capped_engine.run_until_idle()

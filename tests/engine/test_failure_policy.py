@@ -59,7 +59,7 @@ def finals(handles):
 def assert_clean(engine):
     engine.pool.check()
     assert engine.pool.num_free == engine.pool.num_pages
-    assert not engine.scheduler.has_work() and not engine._seqs and not engine._handles
+    assert not engine.scheduler.has_work() and not engine.outputs.seqs and not engine.outputs.handles
 
 
 def test_a_poisoned_request_fails_alone_and_the_batch_goes_on(make_engine):
@@ -157,7 +157,7 @@ def test_a_persistent_schedule_failure_backs_off_fails_what_is_stuck_and_logs_li
 def test_a_failure_after_commit_leaves_nothing_hanging_on_the_engine_thread(make_engine):
     engine = make_engine()
     engine.failures.sleep = lambda s: None
-    sample, calls = engine._sample, [0]
+    sample, calls = engine.launcher._sample, [0]
 
     def once(*args):
         calls[0] += 1
@@ -165,7 +165,7 @@ def test_a_failure_after_commit_leaves_nothing_hanging_on_the_engine_thread(make
             raise RuntimeError("injected: lost after commit")
         return sample(*args)
 
-    engine._sample = once
+    engine.launcher._sample = once
     engine.start()
     try:
         handles = [engine.submit(greedy(f"r{i}", p, n=6)) for i, p in enumerate(random_prompts(3, seed=15))]

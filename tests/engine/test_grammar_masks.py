@@ -93,7 +93,7 @@ def test_masks_are_computed_while_the_forward_pass_runs(tiny_model, bpe):
 def test_the_overlapped_masks_are_those_of_the_sampled_state(make_engine, monkeypatch):
     """At sampling time the mask thread's bitmask equals one computed then from the same matchers."""
     engine = make_engine()
-    real_sample = engine._sample
+    real_sample = engine.launcher._sample
     compared = []
 
     def checking_sample(seqs, drafts, logits, masks):
@@ -105,7 +105,7 @@ def test_the_overlapped_masks_are_those_of_the_sampled_state(make_engine, monkey
             compared.append(torch.equal(got, want) and bool((got != -1).any()))
         return real_sample(seqs, drafts, logits, masks)
 
-    monkeypatch.setattr(engine, "_sample", checking_sample)
+    monkeypatch.setattr(engine.launcher, "_sample", checking_sample)
     outputs(engine, schema_requests(n=16))
     assert len(compared) >= 16 and all(compared)
 
@@ -166,7 +166,7 @@ def test_async_scheduling_keeps_constrained_steps_in_flight(tiny_model, bpe):
     computed after they are (and before it samples)."""
     engine = Engine(tiny_model, bpe, EngineConfig(async_scheduling=True))
     events = []
-    execute, resolve, fill = engine.runner.execute, engine._resolve, engine.grammars.fill_masks
+    execute, resolve, fill = engine.runner.execute, engine.readback.resolve, engine.grammars.fill_masks
 
     def logged_execute(inputs, prev_ids=None):
         events.append("forward")
@@ -181,7 +181,8 @@ def test_async_scheduling_keeps_constrained_steps_in_flight(tiny_model, bpe):
         events.append("masks")
         fill(constraints, rows, bitmask)
 
-    engine.runner.execute, engine._resolve, engine.grammars.fill_masks = logged_execute, logged_resolve, logged_fill
+    engine.runner.execute, engine.grammars.fill_masks = logged_execute, logged_fill
+    engine.readback.resolve = logged_resolve
     results = outputs(engine, schema_requests(n=12))
     assert all(tokens for tokens, _ in results)
     assert events.count("read") == events.count("forward")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 
-from exlcli.engine import engine as engine_module
+from exlcli.engine import setup as engine_setup
 from exlcli.engine.engine import Engine, EngineConfig
 from exlcli.engine.speculative import NgramDrafter, speculation_pays_on
 from tests.engine.conftest import LetterTokenizer
@@ -20,7 +20,7 @@ def test_every_drafter_pays_on_the_cpu_and_only_those_without_a_model_on_cuda():
 
 
 def test_an_engine_where_drafting_does_not_pay_runs_plain_and_says_so(tiny_model, monkeypatch, caplog):
-    monkeypatch.setattr(engine_module, "speculation_pays_on", lambda device_type, speculative: False)
+    monkeypatch.setattr(engine_setup, "speculation_pays_on", lambda device_type, speculative: False)
     with caplog.at_level(logging.WARNING, logger="exlcli.engine"):
         plain = Engine(tiny_model, LetterTokenizer(), EngineConfig(speculative="ngram", num_pages=64))
     assert plain.speculator is None and plain.config.speculative is None

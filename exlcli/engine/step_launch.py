@@ -1,0 +1,210 @@
+"""The first half of a step: a scheduled batch's forward pass, its grammar masks and its sampling,
+queued on the device, and the sampled ids' copy to the host queued behind them. What comes out is a
+`LaunchedStep`, which step_readback.py reads back, at once or while the next step runs."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from exlcli.engine.request import FinishReason
+from exlcli.engine.sampler import SampleRow, needs_history, sample_ids, sample_ids_and_flags, top_logprobs
+from exlcli.engine.scheduler import ScheduledBatch
+from exlcli.model.transfer import to_device
+from exlcli.ops.argmax import with_nonfinite_flags
+
+if TYPE_CHECKING:
+    from exlcli.engine.failure_policy import FailurePolicy
+    from exlcli.engine.grammar_masks import MaskWorker, StepMasks
+    from exlcli.engine.model_runner import ModelRunner
+    from exlcli.engine.outputs import OutputProcessor
+    from exlcli.engine.scheduler import Scheduler
+    from exlcli.engine.sequence import Sequence
+    from exlcli.engine.speculative import Speculator
+    from exlcli.engine.stats_publisher import StatsPublisher
+    from exlcli.engine.step_readback import StepReadback
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward pass and sampling are queued on the device; `StepReadback.resolve`
+    reads its tokens back and streams them."""
+    batch: ScheduledBatch
+    seqs: list[Sequence]  # the sequences that sample
+    rows: list[list[int]]  # each one's rows of `ids`: one, or 1 + k when verifying k drafted tokens
+    drafts: list[list[int]]  # each one's drafted tokens
+    rng_states: list  # each drafting one's generator state before its rows' draws (None: no drafts)
+    ids: torch.Tensor | None  # sampled ids on the device
+    host_ids: torch.Tensor | None  # their copy in host memory (pinned on a GPU)
+    ready: torch.cuda.Event | None  # recorded after the copy (None on CPU)
+    logprobs: list | None  # computed at launch when a request asks for them
+    start: float
+    keep_in_flight: bool  # may stay unread while the next step is scheduled
+    resolved: bool = False  # its tokens were read back (by StepReadback.resolve, once)
+
+
+class StepLauncher:
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, masks: MaskWorker, speculator: Speculator | None,
+                 failures: FailurePolicy, outputs: OutputProcessor, readback: StepReadback, stats: StatsPublisher,
+                 async_scheduling: bool, device: torch.device) -> None:
+        self.runner = runner  # the engine's (a test may swap it for a faulty one)
+        self._scheduler = scheduler
+        self._masks = masks
+        self._speculator = speculator
+        self._failures = failures
+        self._outputs = outputs
+        self._readback = readback
+        self._stats = stats
+        self.async_scheduling = async_scheduling  # may change between steps (benchmarks compare both)
+        # The sampled ids go to the host on a stream of their own, so the next step's inputs wait on
+        # the device neither for that copy nor for the copy engine's hand-overs.
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def launch(self, batch: ScheduledBatch, prev: LaunchedStep | None) -> LaunchedStep | None:
+        """Queues the forward pass and the sampling of `batch`; None if the forward pass failed."""
+        start = time.perf_counter()
+        masks = None
+        try:
+            inputs = self.runner.prepare(batch)
+            if not self._masks_need_tokens_in_flight(batch):
+                masks = self._start_masks(batch)  # on the mask thread while the forward pass runs
+            logits = self.runner.execute(inputs, prev.ids if prev is not None else None)
+        except Exception as e:  # e.g. out of memory, or one bad sequence: retry each alone
+            if masks is not None:
+                masks.wait()
+                masks = None
+            batch, logits = self._run_alone(batch, prev, e)
+            if batch is None:
+                return None
+        self._stats.count_prefill(batch)
+        self._scheduler.commit(batch)
+        if masks is None:
+            if prev is not None and self._masks_need_tokens_in_flight(batch):
+                # async scheduling: a grammar's mask needs the token of the step before, read
+                # back now; the device runs this step's forward pass meanwhile
+                self._readback.resolve(prev)
+            masks = self._start_masks(batch, inline=True)
+        try:
+            return self._sample_launched(batch, logits, masks, start)
+        finally:
+            masks.wait()  # the matchers are the mask thread's until it is done with them
+
+    @staticmethod
+    def _masks_need_tokens_in_flight(batch: ScheduledBatch) -> bool:
+        return any(item.num_logits and item.seq.constraint is not None and item.seq.num_pending
+                   for item in batch.items)
+
+    def _start_masks(self, batch: ScheduledBatch, inline: bool = False) -> StepMasks:
+        items = [item for item in batch.items if item.num_logits]
+        return self._masks.start([item.seq for item in items], [item.draft_tokens for item in items], inline)
+
+    def _sample_launched(self, batch: ScheduledBatch, logits: torch.Tensor, masks: StepMasks,
+                         start: float) -> LaunchedStep:
+        """Queues the sampling of a committed step whose forward pass is queued."""
+        items = [item for item in batch.items if item.num_logits]
+        seqs = [item.seq for item in items]
+        drafts = [item.draft_tokens for item in items]
+        rng_states = [seq.rng.getstate() if d else None for seq, d in zip(seqs, drafts)]
+        logits = self._sampled_logits_rows(batch, logits)
+        # read back as one: the ids, then a flag per row for NaN/Inf logits
+        flagged, logprobs = self._sample(seqs, drafts, logits, masks) if seqs else (None, None)
+        rows, first = [], 0
+        for d in drafts:
+            rows.append(list(range(first, first + 1 + len(d))))
+            first += 1 + len(d)
+        ids = flagged[:first] if flagged is not None else None
+        host_ids, ready = self._queue_read_back(flagged)
+        for seq, r in zip(seqs, rows):
+            seq.add_pending(r[:1])  # a verify step's tokens are read back before anything uses the row
+        speculating = self._speculator is not None and any(self._speculator.drafts_next(seq) for seq in seqs)
+        # (a grammar's next mask needs this step's token: the next step reads it back after its
+        # forward pass is queued, see launch)
+        keep = (self.async_scheduling and bool(seqs) and logprobs is None and not speculating
+                and not any(needs_history(seq.request.sampling) for seq in seqs))
+        return LaunchedStep(batch, seqs, rows, drafts, rng_states, ids, host_ids, ready, logprobs, start, keep)
+
+    def _sample(self, seqs: list[Sequence], drafts: list[list[int]], logits: torch.Tensor,
+                masks: StepMasks) -> tuple[torch.Tensor, list | None]:
+        """Sampled ids on the device (1 + len(drafts) rows per sequence) followed by a flag per row
+        for NaN/Inf logits (sampler.sample_ids_and_flags), and the logprobs when a request asks for
+        them (reading those waits for the device). Row j of a verifying sequence is drawn as plain
+        decoding would draw it after the first j drafted tokens: the same history (for penalties)
+        and the generator's next draw."""
+        rows: list[SampleRow] = []
+        for s, d in zip(seqs, drafts):
+            rows.append(SampleRow(s.request.sampling, s.rng.random(), s.token_ids, s.num_prompt_tokens))
+            if d:
+                rows.extend(SampleRow(s.request.sampling, s.rng.random(), s.token_ids + d[:j], s.num_prompt_tokens)
+                            for j in range(1, len(d) + 1))
+        want_logprobs = any(r.params.logprobs for r in rows)
+        bitmask = masks.result()
+        try:
+            flagged = sample_ids_and_flags(logits, rows, bitmask)
+            return flagged, (top_logprobs(logits, flagged[:len(rows)].tolist(), rows) if want_logprobs else None)
+        except Exception:
+            pass
+        # Find the sequence that broke the batch; the others go on (a failed row's id is never read).
+        ids_list, logprobs, first = [], [], 0
+        for seq, d in zip(seqs, drafts):
+            span = slice(first, first + 1 + len(d))
+            first = span.stop
+            try:
+                mask = bitmask[span] if bitmask is not None else None
+                some = sample_ids(logits[span], rows[span], mask)
+                logprobs.extend(top_logprobs(logits[span], some.tolist(), rows[span]))
+                ids_list.append(some)
+            except Exception as e:
+                self._outputs.finish(seq, FinishReason.ERROR, error=f"sampling failed: {type(e).__name__}: {e}")
+                ids_list.append(torch.zeros(1 + len(d), dtype=torch.long, device=logits.device))
+                logprobs.extend([None] * (1 + len(d)))
+        return with_nonfinite_flags(torch.cat(ids_list), logits), logprobs
+
+    def _queue_read_back(self, flagged: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.cuda.Event | None]:
+        """The sampled ids (and flags) queued for the host: (a pinned copy, the event that says it is
+        there), on the copy stream after everything queued so far; (flagged, None) on the CPU."""
+        if flagged is None or self._copy_stream is None:
+            return flagged, None
+        host_ids = torch.empty(flagged.shape, dtype=flagged.dtype, pin_memory=True)
+        ready = torch.cuda.Event()
+        self._copy_stream.wait_stream(torch.cuda.current_stream(flagged.device))
+        with torch.cuda.stream(self._copy_stream):
+            host_ids.copy_(flagged, non_blocking=True)
+            ready.record(self._copy_stream)
+        flagged.record_stream(self._copy_stream)  # the allocator keeps it until the copy is done
+        return host_ids, ready
+
+    def _run_alone(self, batch: ScheduledBatch, prev: LaunchedStep | None,
+                   error: Exception) -> tuple[ScheduledBatch | None, torch.Tensor | None]:
+        """A forward pass over `batch` failed: run each sequence alone, once; those that fail
+        again are failed, the rest go on with their logits rows (in batch order). A batch of one
+        is not retried: the blame is clear."""
+        self._failures.step_failed("forward pass failed", error)
+        prev_ids = prev.ids if prev is not None else None
+
+        def run(item):
+            return self.runner.execute(self.runner.prepare(ScheduledBatch([item])), prev_ids)
+
+        done, failed = (self._failures.run_alone(batch.items, run) if len(batch.items) > 1
+                        else ([], [(batch.items[0], error)]))
+        for item, e in failed:
+            self._outputs.finish(item.seq, FinishReason.ERROR, error=f"forward pass failed: {type(e).__name__}: {e}")
+        if not done:
+            return None, None
+        return ScheduledBatch([item for item, _ in done], batch.preempted), torch.cat([lg for _, lg in done])
+
+    @staticmethod
+    def _sampled_logits_rows(batch: ScheduledBatch, logits: torch.Tensor) -> torch.Tensor:
+        """The rows each sampling sequence draws from: the last 1 + len(draft_tokens) of its
+        num_logits rows (each drafted token is checked by the row before it, and the last row gives
+        the token after them)."""
+        items = [item for item in batch.items if item.num_logits]
+        if all(item.num_logits == 1 for item in items):
+            return logits
+        keep, end = [], 0
+        for item in items:
+            end += item.num_logits
+            keep.extend(range(end - 1 - len(item.draft_tokens), end))
+        return logits.index_select(0, to_device(keep, torch.long, logits.device))
