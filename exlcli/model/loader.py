@@ -16,7 +16,7 @@ from exlcli.model.architectures.tensor_names import EMBED, LM_HEAD
 from exlcli.model.config import ModelConfig
 from exlcli.model.interface import CausalLM
 from exlcli.model.tensor_types import TensorTypes, count_types, decode_step_bytes
-from exlcli.ops.formats import QuantizedWeight
+from exlcli.ops.formats import QuantizedWeight, exl3
 from exlcli.text.chat_template import ChatTemplate
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -135,9 +135,9 @@ def load_model(spec: str | None = None, device: str | None = None, dtype: str | 
     types = count_types(tensors)
     tied = config.tie_word_embeddings or LM_HEAD not in tensors  # as the decoder picks its output layer
     step_bytes = decode_step_bytes(tensors, (LM_HEAD,) if tied else (EMBED,))
-    notice = dequantized_at_load(tensors, dev, dt)
-    if notice:
-        print(notice, file=log, flush=True)
+    for notice in (dequantized_at_load(tensors, dev, dt), exl3.cpu_transcode_notice(tensors, dev, dt)):
+        if notice:
+            print(notice, file=log, flush=True)
     try:
         model = build_model(config, tensors, dev, dt)
     except (KeyError, AttributeError) as e:
