@@ -160,7 +160,8 @@ def load_hf_tensors(folder: str | os.PathLike,
 def _looks_quantized(name: str, dtype: "torch.dtype") -> bool:
     """A tensor GPTQ, AWQ, FP8, EXL2 or EXL3 checkpoints have (a folder that lost its quantization_config)."""
     suffix = name.rsplit(".", 1)[-1]
-    return suffix in ("qweight", "qzeros", "g_idx", "q_weight", "q_groups", "trellis") \
+    return suffix in ("qweight", "qzeros", "g_idx", "q_weight", "q_scale", "q_groups", "q_invperm", "q_perm",
+                      "trellis", "su", "sv", "mcg", "mul1") \
         or str(dtype).startswith("torch.float8")
 
 

@@ -64,9 +64,10 @@ def groups_of(q_groups: torch.Tensor, word_rows: int, in_features: int) -> list[
         rows = words * 32 // bits
         out.append(Group(bits, row, rows, starts[i], words))
         row += rows
-    if starts[0] != 0 or row != in_features:
-        raise ValueError(f"q_groups cover {row} input features from q_weight row {starts[0]}, "
-                         f"the weight has {in_features}")
+    if starts[0] != 0:
+        raise ValueError(f"q_groups' first group starts at q_weight row {starts[0]}, not 0")
+    if row != in_features:
+        raise ValueError(f"q_groups and q_weight hold {row} input features, the permutation {in_features}")
     return out
 
 

@@ -1,0 +1,245 @@
+"""Whole EXL2 and EXL3 model folders, written here as exllamav2 0.3.2 and exllamav3 write them (config.json's
+quantization_config as they spell it, exllamav3's sidecar quantization_config.json, the linears by
+tests/ops/formats/exllama_writers.py), loaded with load_model: the linears load in their formats, dequantize
+to the writers' reconstruction, and the logits equal those of the same model with those weights dense;
+`exlcli info` lists their types; folders that disagree with their config are one clear error."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from exlcli.errors import ExlcliError, UnsupportedTensorTypeError
+from exlcli.model.architectures import config_from_hf
+from exlcli.model.hf_loader import expected_tensor_names, load_hf_tensors
+from exlcli.model.hf_quantization import read_quantization
+from exlcli.model.loader import load_model
+from exlcli.ops.formats import QuantizedWeight, cpu_qmatmul
+from tests.model.test_hf_quantized_loader import prefill_logits
+from tests.ops.formats import exllama_writers as writers
+
+EXL2_QC = {"quant_method": "exl2", "version": "0.3.2", "bits": 4.0, "head_bits": 8,
+           "calibration": {"rows": 115, "length": 2048, "dataset": "(default)"}}
+EXL3_QC = {"quant_method": "exl3", "version": "0.0.18", "bits": 4.0, "head_bits": 6,
+           "calibration": {"rows": 250, "cols": 2048}, "out_scales": "auto", "codebook": "mul1"}
+
+
+def llama_config(hidden: int, intermediate: int, kv_heads: int, vocab: int) -> dict:
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
+            "hidden_size": hidden, "intermediate_size": intermediate, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": kv_heads, "max_position_embeddings": 256,
+            "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "float16"}
+
+
+# EXL2: the GPTQ tests' shapes (k and v of 64 rows); EXL3 pads to 128, so its model is 128-wide throughout
+EXL2_CONFIG = llama_config(128, 256, 2, 96)
+EXL3_CONFIG = llama_config(256, 384, 2, 128)
+
+
+def dense_tensors(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name in expected_tensor_names(config_from_hf(config)):
+        if name.endswith("norm.weight"):
+            out[name] = (1 + 0.2 * torch.randn(config["hidden_size"], generator=g)).half()
+        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+            out[name] = (0.08 * torch.randn(config["vocab_size"], config["hidden_size"], generator=g)).half()
+    return out
+
+
+def linear_shapes(config: dict) -> dict[str, tuple[int, int]]:
+    """Each quantized linear (the head too, as both tools quantize it) -> (out, in)."""
+    h, i = config["hidden_size"], config["intermediate_size"]
+    kv = config["num_key_value_heads"] * h // config["num_attention_heads"]
+    per_layer = {"self_attn.q_proj": (h, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+                 "self_attn.o_proj": (h, h), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
+    shapes = {f"model.layers.{n}.{k}": s for n in range(config["num_hidden_layers"]) for k, s in per_layer.items()}
+    return {**shapes, "lm_head": (config["vocab_size"], h)}
+
+
+def write_folder(folder, config: dict, tensors: dict, quantization_config: dict | None = None,
+                 sidecar: dict | None = None):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    os.makedirs(folder, exist_ok=True)
+    cfg = dict(config, **({"quantization_config": quantization_config} if quantization_config else {}))
+    (folder / "config.json").write_text(json.dumps(cfg))
+    if sidecar is not None:
+        (folder / "quantization_config.json").write_text(json.dumps(sidecar))
+    save_file(tensors, str(folder / "model.safetensors"))
+    vocab = config["vocab_size"]
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def exl2_layout(in_features: int, seed: int) -> list[tuple[int, int]]:
+    """Groups as exllamav2 mixes them: a few wide groups, then narrower ones, widest first."""
+    layouts = [[(8, 32), (6, 32), (4, in_features - 64)],
+               [(4, in_features // 2), (3, in_features // 4), (2, in_features // 4)],
+               [(5, 64), (4, in_features - 64)]]
+    return layouts[seed % len(layouts)]
+
+
+def exl2_folder(tmp_path) -> tuple:
+    saved, recon = dense_tensors(EXL2_CONFIG), {}
+    for i, (module, (out, cols)) in enumerate(linear_shapes(EXL2_CONFIG).items()):
+        w = 0.08 * torch.randn(out, cols, generator=torch.Generator().manual_seed(i))
+        layout = [(8, cols)] if module == "lm_head" else exl2_layout(cols, i)
+        t, recon[f"{module}.weight"] = writers.exl2(w, layout, act_order=module != "lm_head", seed=i)
+        saved.update({f"{module}.{k}": v for k, v in t.items()})
+    qfolder = write_folder(tmp_path / "exl2", EXL2_CONFIG, saved, EXL2_QC)
+    dense = {**dense_tensors(EXL2_CONFIG), **recon}
+    return qfolder, write_folder(tmp_path / "exl2-dense", EXL2_CONFIG, dense), recon
+
+
+def exl3_linears(codebook: str, bits_of=lambda i: 4) -> tuple[dict, dict, dict]:
+    """(the tensors, the sidecar's tensor_storage, the reconstructions) of EXL3_CONFIG's linears."""
+    saved, storage, recon = {}, {}, {}
+    for i, (module, (out, cols)) in enumerate(linear_shapes(EXL3_CONFIG).items()):
+        k = 6 if module == "lm_head" else bits_of(i)
+        t, _, recon[f"{module}.weight"] = writers.exl3(out, cols, k, codebook, seed=i)
+        saved.update({f"{module}.{key}": v for key, v in t.items()})
+        entry = {"stored_tensors": {f"{module}.{key}": {"shape": list(v.shape)} for key, v in t.items()},
+                 "quant_format": "exl3", "bits_per_weight": k}
+        if codebook != "3INST":
+            entry[f"{codebook.lower()}_multiplier"] = getattr(writers, codebook)
+        storage[module] = entry
+    return saved, storage, recon
+
+
+def exl3_folder(tmp_path, codebook: str, bits_of=lambda i: 4) -> tuple:
+    saved, storage, recon = exl3_linears(codebook, bits_of)
+    qc = {**EXL3_QC, "codebook": codebook.lower()}
+    qfolder = write_folder(tmp_path / "exl3", EXL3_CONFIG, {**dense_tensors(EXL3_CONFIG), **saved}, qc,
+                           sidecar={**qc, "tensor_storage": storage})
+    dense = {**dense_tensors(EXL3_CONFIG), **recon}
+    return qfolder, write_folder(tmp_path / "exl3-dense", EXL3_CONFIG, dense), recon
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max())
+
+
+def check_logits(qfolder, dfolder, ids: list[int], bf16_bound: float) -> None:
+    quant, ref = load_model(str(qfolder), device="cpu", dtype="float32"), load_model(str(dfolder), device="cpu",
+                                                                                     dtype="float32")
+    got, want = prefill_logits(quant, ids), prefill_logits(ref, ids)
+    assert want.std() > 0.1 and _relative(got, want) <= 1e-5
+    quant, ref = load_model(str(qfolder), device="cpu", dtype="bfloat16"), load_model(str(dfolder), device="cpu",
+                                                                                      dtype="bfloat16")
+    assert _relative(prefill_logits(quant, ids), prefill_logits(ref, ids)) <= bf16_bound
+
+
+def test_exl2_folder_loads_repacked_and_equals_the_dense_reconstruction(tmp_path):
+    qfolder, dfolder, recon = exl2_folder(tmp_path)
+    tensors = load_hf_tensors(qfolder, config_from_hf(EXL2_CONFIG))
+    assert set(tensors) == set(expected_tensor_names(config_from_hf(EXL2_CONFIG)))
+    for name, want in recon.items():
+        w = tensors[name]
+        assert isinstance(w, QuantizedWeight) and w.qtype.startswith("EXL2_Q"), name
+        assert torch.equal(w.dequantize(), want), name  # bit for bit in fp32
+    # groups of at most 4 bits in the 4-bit layout, wider ones in the 8-bit one; the head (8-bit, one group)
+    assert tensors["model.layers.0.self_attn.q_proj.weight"].qtype == "EXL2_Q8_G32"
+    assert tensors["model.layers.0.self_attn.k_proj.weight"].qtype == "EXL2_Q4_G32"
+    assert tensors["lm_head.weight"].qtype == "EXL2_Q8_G128" and tensors["lm_head.weight"].input_order is None
+    ids = torch.randint(0, 96, (11,), generator=torch.Generator().manual_seed(1)).tolist()
+    # bf16: every linear, the head included, on the C kernel's int8 activations (3.05e-2 measured)
+    check_logits(qfolder, dfolder, ids, 4e-2)
+
+
+@pytest.mark.parametrize("codebook,bits_of", [("MUL1", lambda i: 4), ("3INST", lambda i: 1 + i % 8),
+                                              ("MCG", lambda i: 2 + i % 3)], ids=["mul1-4bit", "3inst-1to8", "mcg"])
+def test_exl3_folder_loads_and_equals_the_dense_reconstruction(tmp_path, codebook, bits_of, capsys):
+    qfolder, dfolder, recon = exl3_folder(tmp_path, codebook, bits_of)
+    tensors = load_hf_tensors(qfolder, config_from_hf(EXL3_CONFIG))
+    assert set(tensors) == set(expected_tensor_names(config_from_hf(EXL3_CONFIG)))
+    for name, want in recon.items():
+        w = tensors[name]
+        assert isinstance(w, QuantizedWeight) and w.qtype.startswith("EXL3_K") and w.qtype.endswith(codebook)
+        torch.testing.assert_close(w.dequantize(), want, rtol=1e-5, atol=1e-6)
+    ids = torch.randint(0, 128, (11,), generator=torch.Generator().manual_seed(2)).tolist()
+    # bf16: Q8_0 weights (within half a step of 1/127 of a block's largest) and int8 activations in every linear
+    check_logits(qfolder, dfolder, ids, 4e-2)
+    err = capsys.readouterr().err
+    if cpu_qmatmul.available():  # bf16 on the C kernel: transcoded to Q8_0, said once a load
+        assert "EXL3 weights have no CPU kernel yet: transcoded at load to Q8_0 (8.5 bits a weight" in err
+    assert re.search(r"EXL3_K\S+ weights have no CPU float32 kernel yet: dequantized at load", err)
+
+
+def test_info_lists_exl2_and_exl3_types_with_their_bits(tmp_path, private_runtime_dir):
+    from tests.model.test_tensor_types import info_types
+
+    types, _ = info_types(str(exl3_folder(tmp_path, "MUL1")[0]))
+    assert types["EXL3_K4_MUL1"] == (14, 4.25) and types["EXL3_K6_MUL1"] == (1, 6.25)
+    types, _ = info_types(str(exl2_folder(tmp_path)[0]))
+    # the act-order linears also hold their permutation (8 bytes an input feature), the head none
+    assert types["EXL2_Q8_G128"] == (1, 8.25) and 9.0 < types["EXL2_Q8_G32"][1] < 10
+    assert set(types) == {"EXL2_Q8_G32", "EXL2_Q4_G32", "EXL2_Q4_G64", "EXL2_Q8_G64", "EXL2_Q8_G128", "F16"}
+
+
+def _fails(folder, message: str) -> None:
+    with pytest.raises(ExlcliError, match=message) as e:
+        load_model(str(folder), device="cpu")
+    assert "\n" not in str(e.value)
+
+
+def test_exl3_folders_that_disagree_with_their_config_are_one_clear_error(tmp_path):
+    saved, storage, _ = exl3_linears("MUL1")
+    dense = dense_tensors(EXL3_CONFIG)
+    module = "model.layers.1.mlp.up_proj"
+
+    lying = {**storage, module: {**storage[module], "bits_per_weight": 3}}
+    folder = write_folder(tmp_path / "a", EXL3_CONFIG, {**dense, **saved}, EXL3_QC,
+                          sidecar={**EXL3_QC, "tensor_storage": lying})
+    _fails(folder, f"EXL3 linear {module}: its trellis holds 4-bit weights, quantization_config.json says 3")
+
+    lying = {**storage, module: {**storage[module], "mul1_multiplier": 12345}}
+    folder = write_folder(tmp_path / "b", EXL3_CONFIG, {**dense, **saved}, EXL3_QC,
+                          sidecar={**EXL3_QC, "tensor_storage": lying})
+    _fails(folder, f"EXL3 linear {module}: quantization_config.json's mul1_multiplier 12345 disagrees")
+
+    odd = {**saved, f"{module}.mul1": torch.tensor(7, dtype=torch.int32)}
+    folder = write_folder(tmp_path / "c", EXL3_CONFIG, {**dense, **odd}, EXL3_QC)
+    _fails(folder, f"EXL3 linear {module}: unknown codebook: mul1 multiplier 0x00000007")
+
+    cut = {**saved, f"{module}.svh": saved[f"{module}.svh"][:128]}
+    folder = write_folder(tmp_path / "d", EXL3_CONFIG, {**dense, **cut}, EXL3_QC)
+    _fails(folder, f"EXL3 linear {module}: svh holds 128 .* for 384 features")
+
+    folder = write_folder(tmp_path / "e", EXL3_CONFIG, {**dense, **saved})  # no quantization_config
+    _fails(folder, "has dtype int(16|32); .* it looks quantized, but config.json has no quantization_config")
+
+
+def test_exl2_folders_that_disagree_with_their_config_are_one_clear_error(tmp_path):
+    qfolder, _, _ = exl2_folder(tmp_path)
+    from safetensors.torch import load_file
+
+    saved = load_file(str(qfolder / "model.safetensors"))
+    module = "model.layers.0.mlp.down_proj"
+    broken = {**saved, f"{module}.q_groups": torch.tensor([4, 0, 7, 16], dtype=torch.int16)}
+    _fails(write_folder(tmp_path / "a", EXL2_CONFIG, broken, EXL2_QC), f"EXL2 linear {module}: group 1 has 7-bit")
+    broken = dict(saved)
+    del broken[f"{module}.q_scale"]
+    _fails(write_folder(tmp_path / "b", EXL2_CONFIG, broken, EXL2_QC), f"EXL2 linear {module} has no q_scale")
+    broken = {**saved, f"{module}.q_weight": saved[f"{module}.q_weight"][:-4]}
+    _fails(write_folder(tmp_path / "c", EXL2_CONFIG, broken, EXL2_QC),
+           f"EXL2 linear {module}: q_groups and q_weight hold 224 input features, the permutation 256")
+
+
+@pytest.mark.parametrize("qc,message", [
+    ({**EXL2_QC, "version": "1.0.0"}, "EXL2 version 1.0.0 is not supported"),
+    ({**EXL3_QC, "version": "2.0.0"}, "EXL3 version 2.0.0 is not supported"),
+    ({**EXL3_QC, "version": "next"}, "EXL3 version 'next' is not a version number"),
+    ({**EXL3_QC, "codebook": "2mad"}, "EXL3 codebook '2mad' is not supported"),
+])
+def test_unknown_exllama_versions_and_codebooks_are_one_line_naming_them(qc, message):
+    with pytest.raises(UnsupportedTensorTypeError, match=message) as e:
+        read_quantization(qc)
+    assert "\n" not in str(e.value)
