@@ -145,9 +145,11 @@ def test_exl2_folder_loads_repacked_and_equals_the_dense_reconstruction(tmp_path
         w = tensors[name]
         assert isinstance(w, QuantizedWeight) and w.qtype.startswith("EXL2_Q"), name
         assert torch.equal(w.dequantize(), want), name  # bit for bit in fp32
-    # groups of at most 4 bits in the 4-bit layout, wider ones in the 8-bit one; the head (8-bit, one group)
+    # groups of at most 4 bits in the 4-bit layout, of at most 6 in the 6-bit one, wider ones in the 8-bit one;
+    # the head (8-bit, one group)
     assert tensors["model.layers.0.self_attn.q_proj.weight"].qtype == "EXL2_Q8_G32"
     assert tensors["model.layers.0.self_attn.k_proj.weight"].qtype == "EXL2_Q4_G32"
+    assert tensors["model.layers.0.self_attn.v_proj.weight"].qtype == "EXL2_Q6_G64"
     assert tensors["lm_head.weight"].qtype == "EXL2_Q8_G128" and tensors["lm_head.weight"].input_order is None
     ids = torch.randint(0, 96, (11,), generator=torch.Generator().manual_seed(1)).tolist()
     # bf16: every linear, the head included, on the C kernel's int8 activations (3.05e-2 measured)
@@ -181,7 +183,7 @@ def test_info_lists_exl2_and_exl3_types_with_their_bits(tmp_path, private_runtim
     types, _ = info_types(str(exl2_folder(tmp_path)[0]))
     # the act-order linears also hold their permutation (8 bytes an input feature), the head none
     assert types["EXL2_Q8_G128"] == (1, 8.25) and 9.0 < types["EXL2_Q8_G32"][1] < 10
-    assert set(types) == {"EXL2_Q8_G32", "EXL2_Q4_G32", "EXL2_Q4_G64", "EXL2_Q8_G64", "EXL2_Q8_G128", "F16"}
+    assert set(types) == {"EXL2_Q8_G32", "EXL2_Q4_G32", "EXL2_Q4_G64", "EXL2_Q6_G64", "EXL2_Q8_G128", "F16"}
 
 
 def _fails(folder, message: str) -> None:

@@ -17,10 +17,11 @@ computes it in half precision: m = fp16(q_scale_max / 256), scale = fp16(s * s *
 subnormal, and is kept one). exllamav2's kernels then round each weight to fp16; the reference here
 keeps the exact fp32 product, which that rounding maps onto exllamav2's weight bit for bit.
 
-The repack: matrices whose groups are all of at most 4 bits go into the 4-bit layout (q and zero fit
-a nibble), the others into the 8-bit one, in blocks of the largest of 128, 64 and 32 that divides
-every group, each block taking its group's scale and zero 2**(bits - 1). Both are exact, and run on
-the CPU and CUDA kernels of the grouped formats, the permutation as the weight's input order.
+The repack: matrices whose groups are all of at most 4 bits go into the 4-bit layout of int_groups.py
+(q and zero fit a nibble), those of at most 6 bits into the 6-bit one of int6_groups.py (q - 2**(bits - 1)
+held as q - 32), the others into the 8-bit one, in blocks of the largest of 128, 64 and 32 that divides
+every group, each block taking its group's fp16 scale. All are exact, and run on the CPU and CUDA
+kernels of the grouped formats, the permutation as the weight's input order.
 """
 
 from __future__ import annotations
@@ -29,13 +30,17 @@ from dataclasses import dataclass
 
 import torch
 
-from exlcli.ops.formats.base import QuantizedWeight
-from exlcli.ops.formats.int_groups import GROUPS, GroupFormat, group_format, pack
+from exlcli.ops.formats import int6_groups, int_groups
+from exlcli.ops.formats.base import BlockFormat, QuantizedWeight
+from exlcli.ops.formats.int_groups import GROUPS
 
 BITS = (2, 3, 4, 5, 6, 8)
 SCALE_BITS = 4
-FORMATS: dict[tuple[int, int], GroupFormat] = {
-    (bits, group): group_format(f"EXL2_Q{bits}_G{group}", bits, group) for bits in (4, 8) for group in GROUPS}
+LAYOUT_BITS = (4, 6, 8)  # the repacked layouts; a matrix takes the narrowest that holds its widest group
+FORMATS: dict[tuple[int, int], BlockFormat] = {
+    **{(bits, group): int_groups.group_format(f"EXL2_Q{bits}_G{group}", bits, group)
+       for bits in (4, 8) for group in GROUPS},
+    **{(6, group): int6_groups.group_format(f"EXL2_Q6_G{group}", group) for group in GROUPS}}
 
 
 @dataclass(frozen=True)
@@ -175,15 +180,17 @@ def repack_group(m: Exl2Matrix) -> int:
 
 
 def repack(m: Exl2Matrix) -> QuantizedWeight:
-    """The exact QuantizedWeight [out, in] of the grouped layout: 4-bit when every group has at most 4
-    bits, else 8-bit; the permutation becomes its input order."""
-    bits = 4 if max(g.bits for g in m.groups) <= 4 else 8
+    """The exact QuantizedWeight [out, in] of a grouped layout: 4-bit when every group has at most 4 bits,
+    6-bit (q - 2**(bits - 1) held as q - 32) up to 6, else 8-bit; the permutation becomes its input order."""
+    bits = next(b for b in LAYOUT_BITS if b >= max(g.bits for g in m.groups))
     size = repack_group(m)
     fmt = FORMATS[(bits, size)]
     per_block = torch.arange(0, m.q.shape[0], size)  # each block's first stored row
     scale = m.row_scales()[per_block].t()  # [out, blocks]
-    zero = m.zeros()[per_block].expand(m.q.shape[1], -1)
-    return pack(fmt, m.q.t(), scale, zero, m.perm)
+    zero = m.zeros()[per_block]
+    if bits == 6:
+        return int6_groups.pack(fmt, (m.q - m.zeros().unsqueeze(1)).t(), scale, m.perm)
+    return int_groups.pack(fmt, m.q.t(), scale, zero.expand(m.q.shape[1], -1), m.perm)
 
 
 def from_exl2(q_weight: torch.Tensor, q_scale: torch.Tensor, q_scale_max: torch.Tensor, q_groups: torch.Tensor,

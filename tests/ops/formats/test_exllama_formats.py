@@ -19,6 +19,7 @@ CPU = torch.device("cpu")
 EXL2_CASES = {
     "4-bit": (64, 128, [(4, 128)]),
     "2-3-4 mixed": (32, 256, [(4, 64), (3, 128), (2, 64)]),
+    "6-5-4-3 mixed": (48, 256, [(6, 64), (5, 64), (4, 64), (3, 64)]),
     "8-6-5-4 mixed": (96, 256, [(8, 32), (6, 64), (5, 32), (4, 128)]),
     "all widths, groups of 32": (40, 192, [(8, 32), (6, 32), (5, 32), (4, 32), (3, 32), (2, 32)]),
 }
@@ -37,7 +38,7 @@ def test_exl2_dequantizes_to_the_tool_s_weights_and_repacks_exactly(case, act_or
     assert [(g.bits, g.rows) for g in m.groups] == layout
     assert torch.equal(exl2.dequantize(m), recon)  # bit for bit in fp32
     w = exl2.repack(m)
-    bits = 4 if max(b for b, _ in layout) <= 4 else 8
+    bits = next(b for b in (4, 6, 8) if b >= max(b for b, _ in layout))
     group = max(g for g in (32, 64, 128) if all(r % g == 0 for _, r in layout))
     assert w.qtype == f"EXL2_Q{bits}_G{group}" and w.shape == (out, cols)
     assert (w.input_order is None) == (not act_order)
