@@ -90,11 +90,12 @@ def tile_positions() -> torch.Tensor:
 def states(trellis: torch.Tensor, bits: int) -> torch.Tensor:
     """int16 [..., 16 K] tiles -> int64 [..., 256]: the 16-bit state each value is decoded from."""
     words = trellis.shape[-1]
-    stream = (trellis.to(torch.int64) & 0xFFFF)[..., torch.arange(words) ^ 1]  # 16-bit words, stream order
+    stream = (trellis.to(torch.int32) & 0xFFFF)[..., torch.arange(words) ^ 1]  # 16-bit words, stream order
     start = (torch.arange(256) * bits + bits - 16) % (256 * bits)
-    word, offset = start // 16, start % 16
+    word, offset = start // 16, (start % 16).to(torch.int32)
+    # int32 arithmetic: the pair's top bit may land in the sign, which the shift and mask drop again
     pair = (stream[..., word] << 16) | stream[..., (word + 1) % words]
-    return (pair >> (16 - offset)) & 0xFFFF
+    return ((pair >> (16 - offset)) & 0xFFFF).to(torch.int64)
 
 
 def _fp16_bits(x: torch.Tensor) -> torch.Tensor:
@@ -121,10 +122,16 @@ def decode(state: torch.Tensor, codebook: str) -> torch.Tensor:
     return (_fp16_bits(x & 0xFFFF) + _fp16_bits(x >> 16)).half()
 
 
+@functools.cache
+def codebook_table(codebook: str) -> torch.Tensor:
+    """fp32 [65536]: the value of every state (a lookup is the decode of a whole matrix at load)."""
+    return decode(torch.arange(1 << 16), codebook).float()
+
+
 def inner_weight(trellis: torch.Tensor, codebook: str) -> torch.Tensor:
     """trellis int16 [in / 16, out / 16, 16 K] -> W0, fp32 [in, out] (values of fp16)."""
     tk, tn, words = trellis.shape
-    values = decode(states(trellis, words // 16), codebook).float()  # [tk, tn, 256]
+    values = codebook_table(codebook)[states(trellis, words // 16)]  # [tk, tn, 256]
     tiles = torch.empty_like(values)
     tiles[..., tile_positions()] = values
     return tiles.view(tk, tn, TILE, TILE).permute(0, 2, 1, 3).reshape(tk * TILE, tn * TILE)

@@ -153,3 +153,24 @@ def test_exl3_tensors_that_disagree_are_named(change, message):
     change(t)
     with pytest.raises(ValueError, match=message):
         exl3.from_exl3(t["trellis"], t.get("suh"), t.get("svh"), mcg=t.get("mcg"), mul1=t.get("mul1"))
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int6_groups_hold_every_q_and_fp16_scale_and_fit_cuda_s_6_bit_layout(group):
+    from exlcli.ops.formats import cuda_groups, int6_groups
+
+    gen = torch.Generator().manual_seed(group)
+    rows, cols = 32, 256
+    q = torch.randint(-32, 32, (rows, cols), generator=gen, dtype=torch.int32)
+    q[0, :2] = torch.tensor([-32, 31])  # both ends of the range
+    scale = (0.01 * torch.rand(rows, cols // group, generator=gen) + 1e-6).half()
+    fmt = exl2.FORMATS[(6, group)]
+    w = int6_groups.pack(fmt, q, scale)
+    assert w.qtype == f"EXL2_Q6_G{group}" and w.nbytes() * 8 == rows * cols * (6 + 16 / group)
+    want = (q.view(rows, -1, group).double() * scale.double()[..., None]).reshape(rows, cols)
+    assert torch.equal(w.dequantize().double(), want)
+    # what CUDA's grouped kernel reads back from its 6-bit layout (its one bf16 rounding of each weight)
+    q_, s_, o_ = int6_groups.affine_unpack(w.blocks, group)
+    qweight, scales = cuda_groups.pack(q_ + 32, s_, o_ - 32 * s_, 6)
+    back = cuda_groups.unpack_packed(qweight, scales, 6, (rows, cols))
+    torch.testing.assert_close(back, want.float().bfloat16().float(), rtol=1e-2, atol=1e-6)
