@@ -81,8 +81,20 @@ def read_quantization_config(folder: str | os.PathLike) -> dict[str, Any] | None
     return None
 
 
-def _weight_files(folder: str) -> dict[str, list[str] | None]:
-    """Each safetensors file -> the tensor names the index promises in it (None: whatever it has)."""
+def _every_safetensors_file(folder: str) -> dict[str, list[str] | None]:
+    files = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder}: no .safetensors files")
+    return {os.path.join(folder, n): None for n in files}
+
+
+def _weight_files(folder: str, every_file: bool = False) -> dict[str, list[str] | None]:
+    """Each safetensors file -> the tensor names the index promises in it (None: whatever it has).
+    every_file: all the folder's .safetensors files, whatever an index says (exllamav2 writes
+    output.safetensors or output-0000N-of-0000M.safetensors, and copies the source model's index beside
+    them unchanged, naming files it did not write)."""
+    if every_file:
+        return _every_safetensors_file(folder)
     single = os.path.join(folder, SINGLE_FILE)
     index = os.path.join(folder, INDEX_FILE)
     if os.path.isfile(index):
@@ -113,14 +125,14 @@ def load_hf_tensors(folder: str | os.PathLike,
     import torch
     from safetensors import SafetensorError, safe_open
 
-    from exlcli.model.hf_quantization import quantize_tensors, read_quantization
+    from exlcli.model.hf_quantization import EXL2, quantize_tensors, read_quantization
 
     dense = (torch.bfloat16, torch.float16, torch.float32)
     path = _folder(folder)
     quantization = read_quantization(read_quantization_config(path))
     allowed = dense + (quantization.stored_dtypes if quantization else ())
     tensors: dict[str, Any] = {}
-    files = _weight_files(path)
+    files = _weight_files(path, every_file=quantization is not None and quantization.kind == EXL2)
     for file in files:  # all shards present before reading any
         if not os.path.isfile(file):
             raise ModelLoadError(f"{path}: shard {os.path.basename(file)} named in {INDEX_FILE} is missing")

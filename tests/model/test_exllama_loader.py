@@ -64,6 +64,9 @@ def linear_shapes(config: dict) -> dict[str, tuple[int, int]]:
 
 def write_folder(folder, config: dict, tensors: dict, quantization_config: dict | None = None,
                  sidecar: dict | None = None):
+    """A folder as the tools leave it: exllamav3's model.safetensors and sidecar; exllamav2's shards
+    output-0000N-of-0000M.safetensors beside the source model's index, copied unchanged (naming model-*
+    files it did not write); a dense one as transformers writes it."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     os.makedirs(folder, exist_ok=True)
@@ -71,7 +74,15 @@ def write_folder(folder, config: dict, tensors: dict, quantization_config: dict 
     (folder / "config.json").write_text(json.dumps(cfg))
     if sidecar is not None:
         (folder / "quantization_config.json").write_text(json.dumps(sidecar))
-    save_file(tensors, str(folder / "model.safetensors"))
+    if (quantization_config or {}).get("quant_method") == "exl2":
+        names = sorted(tensors)
+        halves = (names[:len(names) // 2], names[len(names) // 2:])
+        for i, part in enumerate(halves):
+            save_file({n: tensors[n] for n in part}, str(folder / f"output-{i + 1:05}-of-00002.safetensors"))
+        stale = {"weight_map": {n: "model-00001-of-00002.safetensors" for n in names if n.endswith(".weight")}}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(stale))
+    else:
+        save_file(tensors, str(folder / "model.safetensors"))
     vocab = config["vocab_size"]
     tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -223,7 +234,7 @@ def test_exl2_folders_that_disagree_with_their_config_are_one_clear_error(tmp_pa
     qfolder, _, _ = exl2_folder(tmp_path)
     from safetensors.torch import load_file
 
-    saved = load_file(str(qfolder / "model.safetensors"))
+    saved = {k: v for f in sorted(qfolder.glob("output-*.safetensors")) for k, v in load_file(str(f)).items()}
     module = "model.layers.0.mlp.down_proj"
     broken = {**saved, f"{module}.q_groups": torch.tensor([4, 0, 7, 16], dtype=torch.int16)}
     _fails(write_folder(tmp_path / "a", EXL2_CONFIG, broken, EXL2_QC), f"EXL2 linear {module}: group 1 has 7-bit")
