@@ -255,6 +255,9 @@ def _exl3_agrees(module: str, weight: Any, storage: Mapping[str, Any] | None) ->
 def _exl3_linears(out: dict[str, Any], storage: Mapping[str, Any] | None) -> None:
     for module in [n.removesuffix(".trellis") for n in list(out) if n.endswith(".trellis")]:
         parts = {s: out.pop(f"{module}.{s}", None) for s in EXL3_SUFFIXES}
+        if f"{module}.scale" in out:
+            raise UnsupportedTensorTypeError(f"EXL3 linear {module} has a `scale` tensor: an early EXL3 layout "
+                                             f"exllamav3 itself no longer reads; convert the model again")
         try:
             weight = exl3.from_exl3(parts["trellis"], parts["suh"], parts["svh"], parts["su"], parts["sv"],
                                     parts["mcg"], parts["mul1"])

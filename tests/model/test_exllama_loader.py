@@ -226,6 +226,10 @@ def test_exl3_folders_that_disagree_with_their_config_are_one_clear_error(tmp_pa
     folder = write_folder(tmp_path / "d", EXL3_CONFIG, {**dense, **cut}, EXL3_QC)
     _fails(folder, f"EXL3 linear {module}: svh holds 128 .* for 384 features")
 
+    early = {**saved, f"{module}.scale": torch.ones(1)}
+    folder = write_folder(tmp_path / "f", EXL3_CONFIG, {**dense, **early}, EXL3_QC)
+    _fails(folder, f"EXL3 linear {module} has a `scale` tensor: an early EXL3 layout")
+
     folder = write_folder(tmp_path / "e", EXL3_CONFIG, {**dense, **saved})  # no quantization_config
     _fails(folder, "has dtype int(16|32); .* it looks quantized, but config.json has no quantization_config")
 
