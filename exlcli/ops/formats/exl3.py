@@ -29,7 +29,9 @@ and gate|up projections concatenate as rows like any other format): bytes 0-1 sv
 suh[128 j + n % 128] for block j (every 128 rows carry their matrix's whole suh), then the trellis
 bytes. K + 0.25 bits a weight. The torch reference `dequantize` decodes it. The CPU has no trellis
 kernel: its linear transcodes the dequantized weight to Q8_0 blocks at load (the loader names the
-cost, `cpu_transcode_notice`); CUDA has none yet either, so make_linear dequantizes there.
+cost, `cpu_transcode_notice`). CUDA has none yet either: a format's `cuda_linear` (exl3_format) is where
+trellis kernels take these blocks (`unpack_blocks` gives back the trellis, suh and svh); until then
+make_linear dequantizes there, and the loader says so.
 """
 
 from __future__ import annotations
