@@ -260,3 +260,28 @@ def test_unknown_exllama_versions_and_codebooks_are_one_line_naming_them(qc, mes
     with pytest.raises(UnsupportedTensorTypeError, match=message) as e:
         read_quantization(qc)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("kind", ["exl2", "exl3"])
+def test_perplexity_kl_divergence_against_the_dense_reconstruction(tmp_path, kind):
+    """`exlcli perplexity --save-logits` on the dense folder, then `--kl-divergence` on the quantized one: the
+    same model, so the same top token everywhere and a KLD of about 0."""
+    from typer.testing import CliRunner
+
+    from exlcli.cli.app import app
+
+    qfolder, dfolder, _ = exl2_folder(tmp_path) if kind == "exl2" else exl3_folder(tmp_path, "MUL1")
+    vocab = (EXL2_CONFIG if kind == "exl2" else EXL3_CONFIG)["vocab_size"]
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"w{(i * 37) % vocab}" for i in range(400)))  # 6 chunks of 64: 186 scored
+    saved = tmp_path / "dense.bin"
+
+    def perplexity(folder, *args: str):
+        result = CliRunner().invoke(app, ["perplexity", str(text), "-m", str(folder), "--dtype", "float32", *args])
+        assert result.exit_code == 0, result.output
+        return result.stdout
+
+    perplexity(dfolder, "-c", "64", "--save-logits", str(saved))
+    out = perplexity(qfolder, "--kl-divergence", str(saved))
+    assert "Same top p: 100.000 ± 0.000 %" in out
+    assert re.search(r"Mean    KLD: +-?0\.0000\d\d ±", out), out
