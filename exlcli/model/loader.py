@@ -106,11 +106,18 @@ def load_model(spec: str | None = None, device: str | None = None, dtype: str | 
         quant = f"random {str(dt).removeprefix('torch.')}"
     elif os.path.isdir(path):
         from exlcli.model.hf_loader import load_hf_tensors, read_hf_config
+        from exlcli.model.padded_linears import fit_padded_linears
         from exlcli.text.tokenizer import Tokenizer
 
         config = config_from_hf(read_hf_config(path))
         tokenizer = Tokenizer.from_hf_folder(path)
         tensors = load_hf_tensors(path)
+        try:
+            padded = fit_padded_linears(tensors, config)
+        except ValueError as e:
+            raise ModelLoadError(f"{path}: {e}") from None
+        if padded:
+            print(padded, file=log, flush=True)
         template = ChatTemplate.for_tokenizer(tokenizer)
         quant = _quantization(tensors)
     else:

@@ -285,3 +285,30 @@ def test_perplexity_kl_divergence_against_the_dense_reconstruction(tmp_path, kin
     out = perplexity(qfolder, "--kl-divergence", str(saved))
     assert "Same top p: 100.000 ± 0.000 %" in out
     assert re.search(r"Mean    KLD: +-?0\.0000\d\d ±", out), out
+
+
+def test_exl3_linears_padded_to_128_are_cut_to_the_model(tmp_path, capsys):
+    """exllamav3 pads every linear to multiples of 128 (SmolLM2-135M's 576 and 192): the model takes the
+    stored weight's top-left block, here in fp16 as exllamav3 reconstructs it."""
+    config = {**llama_config(192, 256, 1, 128), "num_attention_heads": 3}  # q 192, k / v 64: padded to 256, 128
+    saved, recon = dense_tensors(config), {}
+    for i, (module, (out, cols)) in enumerate(linear_shapes(config).items()):
+        padded = (-(-out // 128) * 128, -(-cols // 128) * 128)
+        t, _, w = writers.exl3(*padded, 4, "MUL1", seed=40 + i)
+        saved.update({f"{module}.{k}": v for k, v in t.items()})
+        recon[f"{module}.weight"] = w[:out, :cols].half()
+    qfolder = write_folder(tmp_path / "q", config, saved, EXL3_QC)
+    dfolder = write_folder(tmp_path / "d", config, {**dense_tensors(config), **recon})
+    ids = torch.randint(0, 128, (11,), generator=torch.Generator().manual_seed(3)).tolist()
+    quant, ref = load_model(str(qfolder), device="cpu", dtype="float32"), load_model(str(dfolder), device="cpu",
+                                                                                     dtype="float32")
+    got, want = prefill_logits(quant, ids), prefill_logits(ref, ids)
+    assert want.std() > 0.1 and _relative(got, want) <= 1e-3  # fp16 weights both: a rounding may differ
+    err = capsys.readouterr().err
+    assert ("exlcli: 15 EXL3 linears are padded to multiples of 128 (e.g. model.layers.0.self_attn.q_proj "
+            "256 x 256 for 192 x 192): dequantized at load to fp16 and cut") in err
+
+    wide = {**saved, "lm_head.trellis": saved["lm_head.trellis"].repeat(1, 2, 1),
+            "lm_head.svh": saved["lm_head.svh"].repeat(2)}
+    _fails(write_folder(tmp_path / "w", config, wide, EXL3_QC),
+           "EXL3 linear lm_head is 256 x 256; the model's is 128 x 192 \\(128 x 256 padded\\)")
