@@ -105,13 +105,14 @@ def load_model(spec: str | None = None, device: str | None = None, dtype: str | 
         template = ChatTemplate(None)
         quant = f"random {str(dt).removeprefix('torch.')}"
     elif os.path.isdir(path):
+        from exlcli.model.exllama_folders import fit_padded_linears, untie_stored_head
         from exlcli.model.hf_loader import load_hf_tensors, read_hf_config
-        from exlcli.model.padded_linears import fit_padded_linears
         from exlcli.text.tokenizer import Tokenizer
 
         config = config_from_hf(read_hf_config(path))
         tokenizer = Tokenizer.from_hf_folder(path)
         tensors = load_hf_tensors(path)
+        config = untie_stored_head(tensors, config)
         try:
             padded = fit_padded_linears(tensors, config)
         except ValueError as e:

@@ -312,3 +312,22 @@ def test_exl3_linears_padded_to_128_are_cut_to_the_model(tmp_path, capsys):
             "lm_head.svh": saved["lm_head.svh"].repeat(2)}
     _fails(write_folder(tmp_path / "w", config, wide, EXL3_QC),
            "EXL3 linear lm_head is 256 x 256; the model's is 128 x 192 \\(128 x 256 padded\\)")
+
+
+@pytest.mark.parametrize("kind", ["exl2", "exl3"])
+def test_a_tied_model_s_stored_exllama_head_is_the_one_run(tmp_path, kind):
+    """Both converters quantize the head of a model with tie_word_embeddings (SmolLM2), and run it."""
+    if kind == "exl2":
+        qfolder, dfolder, _ = exl2_folder(tmp_path)
+        config, vocab = EXL2_CONFIG, 96
+    else:
+        qfolder, dfolder, _ = exl3_folder(tmp_path, "MUL1")
+        config, vocab = EXL3_CONFIG, 128
+    cfg = json.loads((qfolder / "config.json").read_text())
+    (qfolder / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    ids = torch.randint(0, vocab, (9,), generator=torch.Generator().manual_seed(4)).tolist()
+    quant = load_model(str(qfolder), device="cpu", dtype="float32")
+    assert not quant.config.tie_word_embeddings and config["tie_word_embeddings"] is False
+    got = prefill_logits(quant, ids)
+    want = prefill_logits(load_model(str(dfolder), device="cpu", dtype="float32"), ids)
+    assert _relative(got, want) <= 1e-5

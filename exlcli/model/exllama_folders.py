@@ -1,19 +1,26 @@
-"""Linears stored wider than the model: exllamav3 pads every quantized linear to multiples of 128 on both
-sides (zero weights, zero-extended inputs, outputs cut off again), so an EXL3 file of a model whose
-widths are not (SmolLM2-135M: 576 hidden, k and v of 192) holds q_proj as 640 x 640. The model needs
-the weight itself: the top-left block of the stored one. EXL3's layout keeps whole 128-wide blocks, so
-such a linear is dequantized at load, cut, and kept in fp16 (exllamav3's own reconstruction is fp16),
-with one notice line.
+"""What exllama's converters leave in a folder that its config.json does not say.
+
+Padding: exllamav3 pads every quantized linear to multiples of 128 on both sides (zero weights,
+zero-extended inputs, outputs cut off again), so an EXL3 file of a model whose widths are not
+(SmolLM2-135M: 576 hidden, k and v of 192) holds q_proj as 640 x 640. The model needs the weight
+itself: the top-left block of the stored one. EXL3's layout keeps whole 128-wide blocks, so such a
+linear is dequantized at load, cut, and kept in fp16 (exllamav3's own reconstruction is fp16), with one
+notice line.
+
+The head: both converters quantize the output layer (at `head_bits`) even where the model ties it to the
+embedding, and both then run the stored head, as exlcli does (the model's config is untied).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 
+from exlcli.model.architectures.tensor_names import LM_HEAD
 from exlcli.model.config import ModelConfig
-from exlcli.ops.formats import QuantizedWeight
+from exlcli.ops.formats import QuantizedWeight, exl2
 from exlcli.ops.formats.exl3 import Exl3Format
 
 
@@ -53,3 +60,15 @@ def fit_padded_linears(tensors: dict[str, Any], config: ModelConfig) -> str | No
     module, stored, want = cut[0]
     return (f"exlcli: {len(cut)} EXL3 linears are padded to multiples of 128 (e.g. {module} {stored[0]} x "
             f"{stored[1]} for {want[0]} x {want[1]}): dequantized at load to fp16 and cut (+{extra / 2**20:,.1f} MiB)")
+
+
+def is_exllama(weight: Any) -> bool:
+    return isinstance(weight, QuantizedWeight) and (isinstance(weight.fmt, Exl3Format)
+                                                    or any(weight.fmt is f for f in exl2.FORMATS.values()))
+
+
+def untie_stored_head(tensors: dict[str, Any], config: ModelConfig) -> ModelConfig:
+    """The config with its own output layer where a tied model's folder holds an EXL2 / EXL3 head."""
+    if config.tie_word_embeddings and is_exllama(tensors.get(LM_HEAD)):
+        return dataclasses.replace(config, tie_word_embeddings=False)
+    return config
