@@ -239,6 +239,9 @@ def _exl3_agrees(module: str, weight: Any, storage: Mapping[str, Any] | None) ->
     if not isinstance(entry, dict):
         return
     fmt = weight.fmt
+    if entry.get("quant_format", "exl3") != "exl3":
+        raise UnsupportedTensorTypeError(f"EXL3 linear {module}: quantization_config.json stores it as "
+                                         f"{entry['quant_format']!r}, its tensors as exl3")
     bits = entry.get("bits_per_weight")
     if bits is not None and bits != fmt.bits:
         raise UnsupportedTensorTypeError(f"EXL3 linear {module}: its trellis holds {fmt.bits}-bit weights, "

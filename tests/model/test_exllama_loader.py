@@ -218,6 +218,11 @@ def test_exl3_folders_that_disagree_with_their_config_are_one_clear_error(tmp_pa
                           sidecar={**EXL3_QC, "tensor_storage": lying})
     _fails(folder, f"EXL3 linear {module}: quantization_config.json's mul1_multiplier 12345 disagrees")
 
+    lying = {**storage, module: {**storage[module], "quant_format": "fp16"}}
+    folder = write_folder(tmp_path / "g", EXL3_CONFIG, {**dense, **saved}, EXL3_QC,
+                          sidecar={**EXL3_QC, "tensor_storage": lying})
+    _fails(folder, f"EXL3 linear {module}: quantization_config.json stores it as 'fp16', its tensors as exl3")
+
     odd = {**saved, f"{module}.mul1": torch.tensor(7, dtype=torch.int32)}
     folder = write_folder(tmp_path / "c", EXL3_CONFIG, {**dense, **odd}, EXL3_QC)
     _fails(folder, f"EXL3 linear {module}: unknown codebook: mul1 multiplier 0x00000007")
