@@ -111,10 +111,6 @@ class Exl2Matrix:
     scales: torch.Tensor
     perm: torch.Tensor | None
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.q.shape[1], self.q.shape[0]
-
     def zeros(self) -> torch.Tensor:
         """int64 [in]: each stored row's zero point, 2**(bits - 1) of its group."""
         return torch.cat([torch.full((g.rows,), 1 << (g.bits - 1), dtype=torch.int64) for g in self.groups])
