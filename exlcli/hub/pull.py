@@ -83,13 +83,20 @@ def plan_pull(spec: PullSpec, files: list[RemoteFile]) -> PullPlan:
     names = {f.path for f in top}
     if "config.json" in names and any(n.endswith(".safetensors") for n in names):
         wanted = tuple(f for f in top if any(fnmatch.fnmatch(f.path, p) for p in FOLDER_FILES))
-        return PullPlan(spec.repo.split("/")[1], wanted, folder=True)
+        return PullPlan(folder_name(spec), wanted, folder=True)
     if len(ggufs) == 1:
         return PullPlan(ggufs[0].path.rsplit("/", 1)[-1], (ggufs[0],), folder=False)
     if ggufs:
         raise ModelLoadError(f"{spec.repo} has {len(ggufs)} GGUF files; name one as {spec.repo}:FILE "
                              f"(a part of the name such as q4_k_m will do): {_names(ggufs)}")
     raise ModelLoadError(f"{spec.repo} has no .gguf file and no safetensors folder (config.json + *.safetensors)")
+
+
+def folder_name(spec: PullSpec) -> str:
+    """A folder model's name in the cache: the repository's, and its branch where not main (EXL2 and EXL3
+    repositories keep each bitrate on a branch, user/model-exl2@4.0bpw -> model-exl2-4.0bpw)."""
+    name = spec.repo.split("/")[1]
+    return name if spec.revision == "main" else f"{name}-{spec.revision.replace('/', '-')}"
 
 
 def _names(files: list[RemoteFile]) -> str:

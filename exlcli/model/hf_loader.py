@@ -2,7 +2,7 @@
 
 Tensors are read one at a time through safetensors' memory map, so the process never holds the
 checkpoint twice: each tensor is copied out of the mapped file once, in its stored dtype. A folder
-whose config.json has a `quantization_config` (GPTQ, AWQ, FP8) has its quantized linears repacked
+whose config.json has a `quantization_config` (GPTQ, AWQ, FP8, EXL2, EXL3) has its quantized linears repacked
 into QuantizedWeights (hf_quantization.py), kept quantized.
 """
 
@@ -24,6 +24,8 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # where older AutoGPTQ / AutoAWQ folders keep their quantization, config.json having none
 LEGACY_QUANT_FILES = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
+# exllamav3's sidecar: config.json's quantization_config plus `tensor_storage`, each linear's bits and codebook
+EXL3_SIDECAR = "quantization_config.json"
 
 
 def _folder(folder: str | os.PathLike) -> str:
@@ -50,27 +52,49 @@ def read_hf_config(folder: str | os.PathLike) -> dict[str, Any]:
     return cfg
 
 
+def _read_json(file: str) -> Any:
+    try:
+        with open(file, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ModelLoadError(f"{file}: not valid JSON ({e})") from None
+
+
 def read_quantization_config(folder: str | os.PathLike) -> dict[str, Any] | None:
-    """The folder's quantization_config (config.json's, else an older tool's own file), or None."""
+    """The folder's quantization_config (config.json's, else an older tool's own file), or None. An EXL3
+    folder's also takes its sidecar's `tensor_storage`."""
     path = _folder(folder)
     if os.path.isfile(os.path.join(path, "config.json")):
         qc = read_hf_config(path).get("quantization_config")
+        sidecar = os.path.join(path, EXL3_SIDECAR)
+        if isinstance(qc, dict) and str(qc.get("quant_method")).lower() == "exl3" and os.path.isfile(sidecar):
+            storage = _read_json(sidecar)
+            storage = storage.get("tensor_storage") if isinstance(storage, dict) else storage
+            return {**qc, "tensor_storage": storage}
         if qc is not None:
             return qc
     for name, method in LEGACY_QUANT_FILES.items():
         file = os.path.join(path, name)
         if os.path.isfile(file):
-            try:
-                with open(file, encoding="utf-8") as f:
-                    qc = json.load(f)
-            except (OSError, UnicodeDecodeError, ValueError) as e:
-                raise ModelLoadError(f"{file}: not valid JSON ({e})") from None
+            qc = _read_json(file)
             return {"quant_method": method, **qc} if isinstance(qc, dict) else qc
     return None
 
 
-def _weight_files(folder: str) -> dict[str, list[str] | None]:
-    """Each safetensors file -> the tensor names the index promises in it (None: whatever it has)."""
+def _every_safetensors_file(folder: str) -> dict[str, list[str] | None]:
+    files = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder}: no .safetensors files")
+    return {os.path.join(folder, n): None for n in files}
+
+
+def _weight_files(folder: str, every_file: bool = False) -> dict[str, list[str] | None]:
+    """Each safetensors file -> the tensor names the index promises in it (None: whatever it has).
+    every_file: all the folder's .safetensors files, whatever an index says (exllamav2 writes
+    output.safetensors or output-0000N-of-0000M.safetensors, and copies the source model's index beside
+    them unchanged, naming files it did not write)."""
+    if every_file:
+        return _every_safetensors_file(folder)
     single = os.path.join(folder, SINGLE_FILE)
     index = os.path.join(folder, INDEX_FILE)
     if os.path.isfile(index):
@@ -101,14 +125,14 @@ def load_hf_tensors(folder: str | os.PathLike,
     import torch
     from safetensors import SafetensorError, safe_open
 
-    from exlcli.model.hf_quantization import quantize_tensors, read_quantization
+    from exlcli.model.hf_quantization import EXL2, quantize_tensors, read_quantization
 
     dense = (torch.bfloat16, torch.float16, torch.float32)
     path = _folder(folder)
     quantization = read_quantization(read_quantization_config(path))
     allowed = dense + (quantization.stored_dtypes if quantization else ())
     tensors: dict[str, Any] = {}
-    files = _weight_files(path)
+    files = _weight_files(path, every_file=quantization is not None and quantization.kind == EXL2)
     for file in files:  # all shards present before reading any
         if not os.path.isfile(file):
             raise ModelLoadError(f"{path}: shard {os.path.basename(file)} named in {INDEX_FILE} is missing")
@@ -146,8 +170,11 @@ def load_hf_tensors(folder: str | os.PathLike,
 
 
 def _looks_quantized(name: str, dtype: "torch.dtype") -> bool:
-    """A tensor GPTQ, AWQ or FP8 checkpoints have (a folder that lost its quantization_config)."""
-    return name.rsplit(".", 1)[-1] in ("qweight", "qzeros", "g_idx") or str(dtype).startswith("torch.float8")
+    """A tensor GPTQ, AWQ, FP8, EXL2 or EXL3 checkpoints have (a folder that lost its quantization_config)."""
+    suffix = name.rsplit(".", 1)[-1]
+    return suffix in ("qweight", "qzeros", "g_idx", "q_weight", "q_scale", "q_groups", "q_invperm", "q_perm",
+                      "trellis", "su", "sv", "mcg", "mul1") \
+        or str(dtype).startswith("torch.float8")
 
 
 def _dtype_name(dtype: "torch.dtype") -> str:

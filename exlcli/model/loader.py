@@ -16,7 +16,7 @@ from exlcli.model.architectures.tensor_names import EMBED, LM_HEAD
 from exlcli.model.config import ModelConfig
 from exlcli.model.interface import CausalLM
 from exlcli.model.tensor_types import TensorTypes, count_types, decode_step_bytes
-from exlcli.ops.formats import QuantizedWeight
+from exlcli.ops.formats import QuantizedWeight, exl3
 from exlcli.text.chat_template import ChatTemplate
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -105,12 +105,20 @@ def load_model(spec: str | None = None, device: str | None = None, dtype: str | 
         template = ChatTemplate(None)
         quant = f"random {str(dt).removeprefix('torch.')}"
     elif os.path.isdir(path):
+        from exlcli.model.exllama_folders import fit_padded_linears, untie_stored_head
         from exlcli.model.hf_loader import load_hf_tensors, read_hf_config
         from exlcli.text.tokenizer import Tokenizer
 
         config = config_from_hf(read_hf_config(path))
         tokenizer = Tokenizer.from_hf_folder(path)
         tensors = load_hf_tensors(path)
+        config = untie_stored_head(tensors, config)
+        try:
+            padded = fit_padded_linears(tensors, config)
+        except ValueError as e:
+            raise ModelLoadError(f"{path}: {e}") from None
+        if padded:
+            print(padded, file=log, flush=True)
         template = ChatTemplate.for_tokenizer(tokenizer)
         quant = _quantization(tensors)
     else:
@@ -135,9 +143,9 @@ def load_model(spec: str | None = None, device: str | None = None, dtype: str | 
     types = count_types(tensors)
     tied = config.tie_word_embeddings or LM_HEAD not in tensors  # as the decoder picks its output layer
     step_bytes = decode_step_bytes(tensors, (LM_HEAD,) if tied else (EMBED,))
-    notice = dequantized_at_load(tensors, dev, dt)
-    if notice:
-        print(notice, file=log, flush=True)
+    for notice in (dequantized_at_load(tensors, dev, dt), exl3.cpu_transcode_notice(tensors, dev, dt)):
+        if notice:
+            print(notice, file=log, flush=True)
     try:
         model = build_model(config, tensors, dev, dt)
     except (KeyError, AttributeError) as e:

@@ -187,3 +187,17 @@ def test_spec_forms():
     assert parse_spec("hf.co/a/b") == PullSpec("a/b")
     files = [RemoteFile("sub/m.Q4_0.gguf", 1)]
     assert plan_pull(PullSpec("a/b"), files).name == "m.Q4_0.gguf"  # the only GGUF, wherever it lies
+
+
+def test_a_folder_on_a_branch_is_named_with_it():
+    """EXL2 / EXL3 repositories keep each bitrate on a branch: repo@4.0bpw and repo@6.0bpw are two models."""
+    files = [RemoteFile(n, 1) for n in ("config.json", "quantization_config.json", "model.safetensors",
+                                        "tokenizer.json", "README.md")]
+    plan = plan_pull(parse_spec("turboderp/Llama-3.1-8B-Instruct-exl3@4.0bpw"), files)
+    assert plan.folder and plan.name == "Llama-3.1-8B-Instruct-exl3-4.0bpw"
+    assert {f.path for f in plan.files} == {"config.json", "quantization_config.json", "model.safetensors",
+                                            "tokenizer.json"}
+    assert plan_pull(parse_spec("turboderp/Llama-3.1-8B-Instruct-exl3"), files).name == "Llama-3.1-8B-Instruct-exl3"
+    exl2_files = [RemoteFile(n, 1) for n in ("config.json", "output-00001-of-00002.safetensors",
+                                             "output-00002-of-00002.safetensors", "measurement.json")]
+    assert plan_pull(parse_spec("a/b-exl2@refs/pr/3"), exl2_files).name == "b-exl2-refs-pr-3"

@@ -4,10 +4,11 @@ A format is one module here holding its block layout, a torch reference `dequant
 formats of the form w = q * scale + offset, the `unpack` that the CPU repack reads), and the
 constructors of its CPU and CUDA linears, all in one `FORMAT = BlockFormat(...)` (see base.py).
 Adding a format is that module, its tests, and one entry in FORMATS below. Dense weights (F32, F16,
-BF16) are plain torch tensors and run through dense.py. The GPTQ, AWQ and FP8 formats are not GGUF's:
-the HF loader repacks those checkpoints into them (gptq.py, awq.py, fp8.py). IQ4_NL and IQ4_XS run on
-the CPU's 4-bit layout with a table and on CUDA's 8-bit kernel (iq4.py); the other i-quants and the
-ternary types (gguf_dequantized.py) have no linear: they are read, and dequantized at load.
+BF16) are plain torch tensors and run through dense.py. The GPTQ, AWQ, FP8, EXL2 and EXL3 formats are
+not GGUF's: the HF loader repacks those checkpoints into them (gptq.py, awq.py, fp8.py, exl2.py,
+exl3.py). IQ4_NL and IQ4_XS run on the CPU's 4-bit layout with a table and on CUDA's 8-bit kernel
+(iq4.py); the other i-quants and the ternary types (gguf_dequantized.py) have no linear: they are read,
+and dequantized at load.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 from exlcli.errors import UnsupportedTensorTypeError
 from exlcli.ops.formats import (
     awq,
+    exl2,
     fp8,
     gguf_dequantized,
     gptq,
@@ -37,6 +39,9 @@ FORMATS: tuple[BlockFormat, ...] = (
     q2_k.FORMAT, q3_k.FORMAT, q4_k.FORMAT, q5_k.FORMAT, q6_k.FORMAT, iq4.IQ4_NL, iq4.IQ4_XS,
     # Hugging Face quantized checkpoints, repacked at load (gguf_type None)
     *gptq.FORMATS.values(), *awq.FORMATS.values(), fp8.FORMAT,
+    # exllama's EXL2, repacked into the grouped integer layout (EXL3's formats, exl3.FORMATS, hold whole
+    # 128-row slices of a matrix, so they are made by the HF loader and are not looked up here)
+    *exl2.FORMATS.values(),
     # read through the gguf package and dequantized at load (no kernel)
     *gguf_dequantized.FORMATS.values(),
 )
