@@ -190,3 +190,14 @@ def test_routers_against_their_definitions():
     kept = group_best.topk(2).indices
     assert all(int(e) // 2 in kept[t].tolist() for t in range(7) for e in ids[t])
     assert torch.allclose(w.sum(-1), torch.full((7,), 2.5))
+
+
+def test_info_shows_the_experts():
+    from typer.testing import CliRunner
+
+    from exlcli.cli.app import app
+
+    done = CliRunner().invoke(app, ["info", "random:tiny-moe"])
+    assert done.exit_code == 0, done.output
+    assert "experts            8 of 32 wide, 2 used a token (softmax_topk)" in done.output
+    assert "active parameters  83.3K a token" in done.output and "parameters         157.1K" in done.output
