@@ -6,8 +6,9 @@ constructors of its CPU and CUDA linears, all in one `FORMAT = BlockFormat(...)`
 Adding a format is that module, its tests, and one entry in FORMATS below. Dense weights (F32, F16,
 BF16) are plain torch tensors and run through dense.py. The GPTQ, AWQ and FP8 formats are not GGUF's:
 the HF loader repacks those checkpoints into them (gptq.py, awq.py, fp8.py). IQ4_NL and IQ4_XS run on
-the CPU's 4-bit layout with a table and on CUDA's 8-bit kernel (iq4.py); the other i-quants and the
-ternary types (gguf_dequantized.py) have no linear: they are read, and dequantized at load.
+the CPU's 4-bit layout with a table and on CUDA's 8-bit kernel (iq4.py), and so does MXFP4
+(mxfp4.py); the other i-quants and the ternary types (gguf_dequantized.py) have no linear: they are
+read, and dequantized at load.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from exlcli.ops.formats import (
     gguf_dequantized,
     gptq,
     iq4,
+    mxfp4,
     q2_k,
     q3_k,
     q4_0,
@@ -35,6 +37,7 @@ from exlcli.ops.formats.base import BlockFormat, QuantizedWeight
 FORMATS: tuple[BlockFormat, ...] = (
     q4_0.FORMAT, q4_1.FORMAT, q5_0.FORMAT, q5_1.FORMAT, q8_0.FORMAT,
     q2_k.FORMAT, q3_k.FORMAT, q4_k.FORMAT, q5_k.FORMAT, q6_k.FORMAT, iq4.IQ4_NL, iq4.IQ4_XS,
+    mxfp4.FORMAT,
     # Hugging Face quantized checkpoints, repacked at load (gguf_type None)
     *gptq.FORMATS.values(), *awq.FORMATS.values(), fp8.FORMAT,
     # read through the gguf package and dequantized at load (no kernel)
