@@ -131,6 +131,12 @@ def register(app: typer.Typer) -> None:
             ("chat template", "built-in ChatML fallback" if loaded.chat_template.is_fallback
              else f"{len(loaded.chat_template.source)} chars from the checkpoint"),
         ]
+        if c.moe is not None:
+            m = c.moe
+            shared = f", a shared expert {m.shared_expert_size} wide" if m.shared_expert_size else ""
+            rows.insert(4, ("experts", f"{m.num_experts} of {m.expert_size} wide, {m.num_experts_used} used a token "
+                                       f"({m.router}){shared}"))
+            rows.insert(5, ("active parameters", f"{_human(c.num_active_params)} a token"))
         types = loaded.tensor_types
         if types is not None:
             rows.append(("weights", f"{types.nbytes / 2**20:,.2f} MiB, {types.bits_per_weight:.2f} bits per weight "

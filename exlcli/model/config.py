@@ -11,6 +11,39 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from exlcli.errors import ModelLoadError
+from exlcli.ops.moe import ROUTERS
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """The experts of a mixture-of-experts model (exlcli/ops/moe.py runs them)."""
+    num_experts: int
+    num_experts_used: int  # k, per token
+    expert_size: int  # each expert's intermediate width
+    router: str = "softmax_topk"  # one of ops.moe.ROUTERS
+    normalize: bool = True  # rescale the k weights to sum to 1
+    shared_expert_size: int = 0  # 0: no shared expert
+    shared_expert_gate: bool = False  # a sigmoid gate on the shared expert's output (Qwen2-MoE)
+    dense_layers: tuple[int, ...] = ()  # layers with a plain feed-forward (intermediate_size) instead
+    num_groups: int = 1  # sigmoid_group routers
+    topk_groups: int = 1
+    scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.router not in ROUTERS:
+            raise ModelLoadError(f"model config: router kind '{self.router}' is not one of {', '.join(ROUTERS)}")
+        for name in ("num_experts", "num_experts_used", "expert_size"):
+            if getattr(self, name) <= 0:
+                raise ModelLoadError(f"model config: {name} must be positive, got {getattr(self, name)}")
+        if self.num_experts_used > self.num_experts:
+            raise ModelLoadError(f"model config: experts used per token ({self.num_experts_used}) exceeds the "
+                                 f"expert count ({self.num_experts})")
+        if self.num_experts % self.num_groups or not 1 <= self.topk_groups <= self.num_groups:
+            raise ModelLoadError(f"model config: {self.num_experts} experts cannot form {self.num_groups} groups "
+                                 f"of which {self.topk_groups} are kept")
+
+    def expert_params(self, hidden: int) -> int:
+        return 3 * hidden * self.expert_size
 
 
 @dataclass(frozen=True)
@@ -35,6 +68,7 @@ class ModelConfig:
     qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    moe: MoeConfig | None = None  # set by the architecture module of a mixture-of-experts model
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -50,9 +84,20 @@ class ModelConfig:
     def context_length(self) -> int:
         return self.max_position_embeddings
 
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and layer not in self.moe.dense_layers
+
     @property
     def num_params(self) -> int:
-        """Parameter count (embeddings counted once when tied)."""
+        """Parameter count (embeddings counted once when tied; every expert)."""
+        return self._params(active=False)
+
+    @property
+    def num_active_params(self) -> int:
+        """Parameters one token reads: as num_params with only the k routed experts a layer."""
+        return self._params(active=True)
+
+    def _params(self, active: bool) -> int:
         h, i, kv = self.hidden_size, self.intermediate_size, self.num_kv_heads * self.head_dim
         q = self.num_heads * self.head_dim
         attn = h * q + 2 * h * kv + q * h
@@ -60,9 +105,18 @@ class ModelConfig:
             attn += q + 2 * kv
         if self.qk_norm:
             attn += 2 * self.head_dim
-        per_layer = attn + 3 * h * i + 2 * h
+        total = 0
+        for layer in range(self.num_layers):
+            if self.is_moe_layer(layer):
+                moe = self.moe
+                experts = moe.num_experts_used if active else moe.num_experts
+                ffn = experts * moe.expert_params(h) + h * moe.num_experts
+                ffn += 3 * h * moe.shared_expert_size + (h if moe.shared_expert_gate else 0)
+            else:
+                ffn = 3 * h * i
+            total += attn + ffn + 2 * h
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + embed + h
+        return total + embed + h
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], architecture: str, **fields: Any) -> "ModelConfig":

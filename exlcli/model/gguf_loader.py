@@ -44,10 +44,24 @@ def _tensor(t: Any) -> "torch.Tensor | QuantizedWeight":
     if kind not in formats.names():
         raise UnsupportedTensorTypeError(
             f"tensor {t.name} has type {kind}, which exlcli cannot run; supported: {', '.join(SUPPORTED_TYPES)}")
+    if len(dims) == 3:  # a layer's experts [experts, rows, columns]: their rows one after another
+        dims = [dims[0] * dims[1], dims[2]]
     if len(dims) != 2:
         raise UnsupportedTensorTypeError(f"tensor {t.name}: {kind} with {len(dims)} dims is not supported")
     return QuantizedWeight(formats.by_name(kind), (dims[0], dims[1]),
                            torch.from_numpy(data.copy()).reshape(dims[0], -1))
+
+
+def _experts(t: Any, value: "torch.Tensor | QuantizedWeight", num_experts: int) -> list:
+    """A 3-D expert tensor split into one weight per expert (each expert's rows are contiguous)."""
+    if len(t.shape) != 3 or int(t.shape[2]) != num_experts:
+        raise ModelLoadError(f"tensor {t.name} has shape {[int(x) for x in reversed(t.shape.tolist())]}; "
+                             f"expected [{num_experts}, rows, columns] (expert_count is {num_experts})")
+    if isinstance(value, QuantizedWeight):
+        rows = value.shape[0] // num_experts
+        return [QuantizedWeight(value.fmt, (rows, value.shape[1]), value.blocks[j * rows:(j + 1) * rows])
+                for j in range(num_experts)]
+    return list(value.reshape(num_experts, -1, value.shape[-1]).unbind(0))
 
 
 def load_gguf_tensors(reader: Any, meta: dict[str, Any]) -> tuple[ModelConfig, dict[str, Any]]:
@@ -67,6 +81,11 @@ def load_gguf_tensors(reader: Any, meta: dict[str, Any]) -> tuple[ModelConfig, d
             value = _tensor(t)
         except (ValueError, RuntimeError) as e:
             raise ModelLoadError(f"tensor {t.name}: unreadable data ({e}); is the file truncated?") from None
+        if "{}" in name:  # one tensor per expert
+            experts = config.moe.num_experts if config.moe is not None else 0
+            for j, part in enumerate(_experts(t, value, experts)):
+                tensors[name.format(j)] = part
+            continue
         if arch.gguf_qk_interleaved and (".q_proj." in name or ".k_proj." in name):
             heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
             order = unpermute_rope_rows(value.shape[0], heads)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from exlcli.errors import ModelLoadError
-from exlcli.model.config import ModelConfig
+from exlcli.model.config import ModelConfig, MoeConfig
 
 SHAPES: dict[str, ModelConfig] = {
     "tiny": ModelConfig("llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -30,6 +30,18 @@ SHAPES: dict[str, ModelConfig] = {
                               num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
                               rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=32768,
                               attention_bias=True),
+    # mixtures of experts
+    "tiny-moe": ModelConfig("qwen3_moe", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+                            num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=4096, qk_norm=True,
+                            tie_word_embeddings=True, moe=MoeConfig(num_experts=8, num_experts_used=2, expert_size=32)),
+    "qwen3-30b-a3b": ModelConfig("qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                 num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128, rope_theta=1000000.0,
+                                 max_position_embeddings=40960, qk_norm=True,
+                                 moe=MoeConfig(num_experts=128, num_experts_used=8, expert_size=768)),
+    "mixtral-8x7b": ModelConfig("mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                                num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
+                                rope_theta=1000000.0, max_position_embeddings=32768,
+                                moe=MoeConfig(num_experts=8, num_experts_used=2, expert_size=14336)),
 }
 SHAPES["llama3.1-8b"] = SHAPES["llama3-8b"]
 
@@ -64,9 +76,18 @@ def random_tensors(config: ModelConfig, device: torch.device | str = "cpu",
         p = f"model.layers.{n}."
         t.update({p + "input_layernorm.weight": ones(h), p + "post_attention_layernorm.weight": ones(h),
                   p + "self_attn.q_proj.weight": w(q, h), p + "self_attn.k_proj.weight": w(kv, h),
-                  p + "self_attn.v_proj.weight": w(kv, h), p + "self_attn.o_proj.weight": w(h, q),
-                  p + "mlp.gate_proj.weight": w(i, h), p + "mlp.up_proj.weight": w(i, h),
-                  p + "mlp.down_proj.weight": w(h, i)})
+                  p + "self_attn.v_proj.weight": w(kv, h), p + "self_attn.o_proj.weight": w(h, q)})
+        if config.is_moe_layer(n):
+            moe = config.moe
+            e = moe.expert_size
+            t[p + "mlp.gate.weight"] = w(moe.num_experts, h)
+            for j in range(moe.num_experts):
+                t.update({p + f"mlp.experts.{j}.gate_proj.weight": w(e, h),
+                          p + f"mlp.experts.{j}.up_proj.weight": w(e, h),
+                          p + f"mlp.experts.{j}.down_proj.weight": w(h, e)})
+        else:
+            t.update({p + "mlp.gate_proj.weight": w(i, h), p + "mlp.up_proj.weight": w(i, h),
+                      p + "mlp.down_proj.weight": w(h, i)})
         if config.attention_bias:
             for name, n_out in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
                 t[p + f"self_attn.{name}.bias"] = 0.1 * torch.randn(n_out, generator=gen, device=device, dtype=dtype)

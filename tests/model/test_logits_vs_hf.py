@@ -36,7 +36,17 @@ CASES = {
     "mistral": ("MistralConfig", {"rope_theta": 20000.0}),
     "qwen2": ("Qwen2Config", {"num_key_value_heads": 1}),  # q/k/v bias
     "qwen3": ("Qwen3Config", {"head_dim": 24}),  # q/k RMSNorm, head_dim != hidden / heads
+    # mixtures of experts: 4 experts, 2 a token; one dense layer (mlp_only_layers) beside an MoE one
+    "qwen3-moe": ("Qwen3MoeConfig", {"head_dim": 24, "num_experts": 4, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 64, "norm_topk_prob": True, "mlp_only_layers": [1]}),
+    "qwen3-moe-all": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                                         "norm_topk_prob": True}),  # every layer's: as llama.cpp runs qwen3moe
+    "qwen3-moe-unnormed": ("Qwen3MoeConfig", {"num_experts": 6, "num_experts_per_tok": 3,
+                                              "moe_intermediate_size": 32, "norm_topk_prob": False}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "rope_theta": 1e6}),
 }
+ARCHITECTURE_OF = {"mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3-moe": "qwen3_moe",
+                   "qwen3-moe-all": "qwen3_moe", "qwen3-moe-unnormed": "qwen3_moe", "mixtral": "mixtral"}
 
 
 def write_hf_folder(folder, case: str, seed: int = 0):
@@ -103,7 +113,7 @@ def test_logits_equal_transformers(tmp_path, case):
     hf = write_hf_folder(tmp_path, case)
     saved = json.loads((tmp_path / "config.json").read_text())
     loaded = load_model(str(tmp_path), device="cpu", dtype="float32")
-    assert loaded.config.architecture == {"mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}.get(case, "llama")
+    assert loaded.config.architecture == ARCHITECTURE_OF.get(case, "llama")
     assert loaded.config.num_kv_heads == saved["num_key_value_heads"]
     if case == "llama-tied":
         from safetensors import safe_open

@@ -1,9 +1,10 @@
 """The architecture table: one module per architecture, one row each.
 
-A module (llama.py, mistral.py, qwen2.py, qwen3.py) states in one `Architecture` (base.py) the HF
-`architectures` names and GGUF `general.architecture` it serves, the config fields it reads beyond
-the shared ones (config.py), its HF and GGUF tensor names, its model build and the fused paths it
-supports. What they share, the llama-style decoder, is decoder.py with tensor_names.py.
+A module (llama.py, mistral.py, qwen2.py, qwen3.py, qwen3_moe.py, mixtral.py) states in one
+`Architecture` (base.py) the HF `architectures` names and GGUF `general.architecture` it serves,
+the config fields it reads beyond the shared ones (config.py), its HF and GGUF tensor names, its
+model build and the fused paths it supports. What they share, the llama-style decoder, is
+decoder.py with tensor_names.py; the experts of the mixture-of-experts ones, exlcli/ops/moe.py.
 
 A new architecture is one module here and one row in ARCHITECTURES (plus its tests); the loader,
 engine, runner and graph runner only see the CausalLM it builds (exlcli/model/interface.py).
@@ -16,7 +17,7 @@ from typing import Any, Mapping
 import torch
 
 from exlcli.errors import UnsupportedArchitectureError
-from exlcli.model.architectures import llama, mistral, qwen2, qwen3
+from exlcli.model.architectures import llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
 from exlcli.model.architectures.base import Architecture
 from exlcli.model.config import ModelConfig
 from exlcli.model.interface import CausalLM
@@ -26,6 +27,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     mistral.ARCHITECTURE,
     qwen2.ARCHITECTURE,
     qwen3.ARCHITECTURE,
+    qwen3_moe.ARCHITECTURE,
+    mixtral.ARCHITECTURE,
 )
 
 

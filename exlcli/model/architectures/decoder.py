@@ -1,9 +1,10 @@
-"""The llama-style decoder that llama, mistral, qwen2 and qwen3 share, over a flat batch of tokens
-from many sequences: the layer, the model (a CausalLM, exlcli/model/interface.py) and its fused
-decode path. Its tensor names are in tensor_names.py.
+"""The llama-style decoder that llama, mistral, qwen2, qwen3 and their mixture-of-experts kin share,
+over a flat batch of tokens from many sequences: the layer, the model (a CausalLM,
+exlcli/model/interface.py) and its fused decode path. Its tensor names are in tensor_names.py.
 
 Per layer: RMSNorm, q|k|v (a bias when the checkpoint has one; per-head q/k RMSNorm when
-config.qk_norm), RoPE with the KV write, paged attention, o_proj, RMSNorm, SiLU(gate) * up, down.
+config.qk_norm), RoPE with the KV write, paged attention, o_proj, RMSNorm, then SiLU(gate) * up and down,
+or in a mixture-of-experts layer (config.moe) the routed experts of exlcli/ops/moe.py.
 """
 
 from __future__ import annotations
@@ -13,7 +14,15 @@ import torch.nn.functional as F
 
 from exlcli import environment
 from exlcli.model.architectures.base import FUSED_DECODE
-from exlcli.model.architectures.tensor_names import EMBED, FINAL_NORM, LM_HEAD, layer_prefix
+from exlcli.model.architectures.tensor_names import (
+    EMBED,
+    FINAL_NORM,
+    LM_HEAD,
+    ROUTER,
+    SHARED_EXPERT_GATE,
+    expert_name,
+    layer_prefix,
+)
 from exlcli.model.batch_inputs import BatchInputs
 from exlcli.model.config import ModelConfig
 from exlcli.model.kv_cache import KVCache
@@ -26,6 +35,7 @@ from exlcli.ops.cuda.limits import HEAD_DIMS
 from exlcli.ops.cuda.loader import use_kernels
 from exlcli.ops.formats import QuantizedWeight
 from exlcli.ops.linear import Linear, dense_weight, make_linear
+from exlcli.ops.moe import Expert, MoeFeedForward, RouterSpec
 from exlcli.ops.norm import fused_add_rms_norm, rms_norm
 from exlcli.ops.rope import RopeWrite, gather_cos_sin, rope_cos_sin_cache
 
@@ -44,10 +54,38 @@ class DecoderLayer:
             [get("self_attn.q_proj.bias"), get("self_attn.k_proj.bias"), get("self_attn.v_proj.bias")],
             device, dtype)
         self.o_proj = make_linear([get("self_attn.o_proj.weight")], None, device, dtype)
-        self.gate_up = make_linear([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")], None, device, dtype)
-        self.down = make_linear([get("mlp.down_proj.weight")], None, device, dtype)
+        # a layer has a plain feed-forward (gate_up, down) or experts (moe), never both
+        self.gate_up: Linear | None = None
+        self.down: Linear | None = None
+        self.moe: MoeFeedForward | None = None
+        if config.is_moe_layer(i):
+            self.moe = _moe_feed_forward(config, get, device, dtype)
+        else:
+            self.gate_up = make_linear([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")], None, device, dtype)
+            self.down = make_linear([get("mlp.down_proj.weight")], None, device, dtype)
         self.q_norm = norm("self_attn.q_norm.weight") if config.qk_norm else None
         self.k_norm = norm("self_attn.k_norm.weight") if config.qk_norm else None
+
+
+def _moe_feed_forward(config: ModelConfig, get, device: torch.device, dtype: torch.dtype) -> MoeFeedForward:
+    moe = config.moe
+
+    def expert(prefix: str) -> Expert:
+        return Expert(make_linear([get(f"{prefix}gate_proj.weight"), get(f"{prefix}up_proj.weight")], None, device,
+                                  dtype),
+                      make_linear([get(f"{prefix}down_proj.weight")], None, device, dtype))
+
+    experts = [expert(expert_name(j, "gate").removesuffix("gate_proj.weight")) for j in range(moe.num_experts)]
+    shared = expert("mlp.shared_expert.") if moe.shared_expert_size else None
+    shared_gate = make_linear([get(SHARED_EXPERT_GATE)], None, device, dtype) if moe.shared_expert_gate else None
+    spec = RouterSpec(moe.router, moe.num_experts_used, moe.normalize, moe.num_groups, moe.topk_groups, moe.scale)
+    return MoeFeedForward(make_linear([get(ROUTER)], None, device, dtype), spec, experts, shared, shared_gate)
+
+
+def _feed_forward_bytes(layer: DecoderLayer, active: bool) -> int:
+    if layer.moe is not None:
+        return layer.moe.active_bytes() if active else layer.moe.resident_bytes()
+    return layer.gate_up.nbytes() + layer.down.nbytes()
 
 
 class DecoderModel:
@@ -77,9 +115,13 @@ class DecoderModel:
         self._cpu_layers: CpuDecoderLayers | None | bool = False  # False: not built yet
 
     def weight_bytes(self) -> int:
-        """Bytes of weights read by one decode step (the embedding row read is negligible)."""
-        total = sum(getattr(layer, name).nbytes() for layer in self.layers for name in PROJECTIONS)
-        return total + self.lm_head.nbytes()
+        """Bytes of weights read by one decode step of one token (the embedding row read is negligible;
+        of a mixture of experts, the k experts a token uses, at their average size)."""
+        return self._linear_bytes(active=True)
+
+    def _linear_bytes(self, active: bool) -> int:
+        attention = sum(layer.qkv.nbytes() + layer.o_proj.nbytes() for layer in self.layers)
+        return attention + sum(_feed_forward_bytes(layer, active) for layer in self.layers) + self.lm_head.nbytes()
 
     def resident_bytes(self) -> int:
         """Bytes the weights take on the device: what a step reads (the linears' nbytes, so a quantized
@@ -89,7 +131,8 @@ class DecoderModel:
 
         norms = sum(size(layer.input_norm) + size(layer.post_norm) + size(layer.q_norm) + size(layer.k_norm)
                     for layer in self.layers)
-        return self.weight_bytes() + (0 if self._head_is_embed else size(self.embed)) + norms + size(self.norm)
+        return (self._linear_bytes(active=False) + (0 if self._head_is_embed else size(self.embed)) + norms
+                + size(self.norm))
 
     @torch.inference_mode()
     def forward(self, batch: BatchInputs, kv: KVCache) -> torch.Tensor:
@@ -137,8 +180,12 @@ class DecoderModel:
                                 batch.seq_lens, self.scale, batch.seq_lens_t, batch.query_start_loc_t, layout,
                                 prefill_layout)
             h = layer.o_proj(o.reshape(num_tokens, -1))
-            gate_up, residual = layer.gate_up.normed_product(h, residual, layer.post_norm, cfg.rms_norm_eps)
-            h = layer.down.silu_product(gate_up)
+            if layer.moe is not None:
+                x, residual = fused_add_rms_norm(h, residual, layer.post_norm, cfg.rms_norm_eps)
+                h = layer.moe(x)
+            else:
+                gate_up, residual = layer.gate_up.normed_product(h, residual, layer.post_norm, cfg.rms_norm_eps)
+                h = layer.down.silu_product(gate_up)
         h = h[batch.logits_indices]
         residual = residual[batch.logits_indices]
         x, _ = fused_add_rms_norm(h, residual, self.norm, cfg.rms_norm_eps)
@@ -158,7 +205,7 @@ class DecoderModel:
         cfg = self.config
         if environment.flag("EXLCLI_NO_CPU_LAYER_KERNEL") or not cpu_decoder_layer.available():
             return None
-        if cfg.head_dim % 16 or self.cos_sin.dtype != torch.float32:
+        if cfg.head_dim % 16 or self.cos_sin.dtype != torch.float32 or cfg.moe is not None:
             return None
         weights = []
         for layer in self.layers:
@@ -177,6 +224,8 @@ class DecoderModel:
         if environment.flag("EXLCLI_NO_FUSED_DECODE"):
             return "EXLCLI_NO_FUSED_DECODE=1"
         cfg = self.config
+        if cfg.moe is not None:
+            return "a mixture-of-experts feed-forward (the fused step has no expert kernels)"
         if FUSED_DECODE not in self.fused_paths:
             return f"the {cfg.architecture} architecture has no fused decode path"
         if self.dtype not in (torch.bfloat16, torch.float16):

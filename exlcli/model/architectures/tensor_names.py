@@ -24,6 +24,25 @@ GGUF_LAYER_NAMES = {  # blk.{i}.<key>.{weight,bias} -> model.layers.{i}.<value>.
     "ffn_down": "mlp.down_proj",
 }
 GGUF_QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# A mixture-of-experts layer's (as Qwen-MoE names them in HF). "{}" stands for the expert: GGUF holds a
+# layer's experts as one 3-D tensor [experts, rows, columns], which the loader splits into one per expert.
+GGUF_MOE_NAMES = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.{}.gate_proj",
+    "ffn_up_exps": "mlp.experts.{}.up_proj",
+    "ffn_down_exps": "mlp.experts.{}.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+ROUTER = "mlp.gate.weight"
+SHARED_EXPERT_GATE = "mlp.shared_expert_gate.weight"
+
+
+def expert_name(j: int, proj: str) -> str:
+    """An expert's tensor under a layer's prefix: proj is gate, up or down."""
+    return f"mlp.experts.{j}.{proj}_proj.weight"
 
 
 def layer_prefix(i: int) -> str:
@@ -39,7 +58,16 @@ def hf_tensor_names(config: ModelConfig) -> list[str]:
         p = layer_prefix(i)
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
         names += [f"{p}self_attn.{x}_proj.weight" for x in "qkvo"]
-        names += [f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+        if config.is_moe_layer(i):
+            moe = config.moe
+            names.append(p + ROUTER)
+            names += [p + expert_name(j, x) for j in range(moe.num_experts) for x in ("gate", "up", "down")]
+            if moe.shared_expert_size:
+                names += [f"{p}mlp.shared_expert.{x}_proj.weight" for x in ("gate", "up", "down")]
+            if moe.shared_expert_gate:
+                names.append(p + SHARED_EXPERT_GATE)
+        else:
+            names += [f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
         if config.attention_bias:
             names += [f"{p}self_attn.{x}_proj.bias" for x in "qkv"]
         if config.qk_norm:

@@ -7,8 +7,8 @@ Adding a format is that module, its tests, and one entry in FORMATS below. Dense
 BF16) are plain torch tensors and run through dense.py. The GPTQ, AWQ, FP8, EXL2 and EXL3 formats are
 not GGUF's: the HF loader repacks those checkpoints into them (gptq.py, awq.py, fp8.py, exl2.py,
 exl3.py). IQ4_NL and IQ4_XS run on the CPU's 4-bit layout with a table and on CUDA's 8-bit kernel
-(iq4.py); the other i-quants and the ternary types (gguf_dequantized.py) have no linear: they are read,
-and dequantized at load.
+(iq4.py), and so does MXFP4 (mxfp4.py); the other i-quants and the ternary types (gguf_dequantized.py)
+have no linear: they are read, and dequantized at load.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from exlcli.ops.formats import (
     gguf_dequantized,
     gptq,
     iq4,
+    mxfp4,
     q2_k,
     q3_k,
     q4_0,
@@ -37,6 +38,7 @@ from exlcli.ops.formats.base import BlockFormat, QuantizedWeight
 FORMATS: tuple[BlockFormat, ...] = (
     q4_0.FORMAT, q4_1.FORMAT, q5_0.FORMAT, q5_1.FORMAT, q8_0.FORMAT,
     q2_k.FORMAT, q3_k.FORMAT, q4_k.FORMAT, q5_k.FORMAT, q6_k.FORMAT, iq4.IQ4_NL, iq4.IQ4_XS,
+    mxfp4.FORMAT,
     # Hugging Face quantized checkpoints, repacked at load (gguf_type None)
     *gptq.FORMATS.values(), *awq.FORMATS.values(), fp8.FORMAT,
     # exllama's EXL2, repacked into the grouped integer layout (EXL3's formats, exl3.FORMATS, hold whole

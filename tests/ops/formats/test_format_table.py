@@ -57,11 +57,11 @@ def test_lookup_by_name_and_gguf_type(fmt):
 
 
 def test_unknown_types_are_named_in_the_error():
-    # MXFP4 (GGUF type 39, gpt-oss's experts) is a type exlcli does not read
-    with pytest.raises(UnsupportedTensorTypeError, match="MXFP4.*Q4_0"):
-        formats.by_name("MXFP4")
-    with pytest.raises(UnsupportedTensorTypeError, match=r"MXFP4 \(GGUF type 39\)"):
-        formats.by_gguf_type(39, "MXFP4")
+    # NVFP4 (GGUF type 40) is a type exlcli does not read
+    with pytest.raises(UnsupportedTensorTypeError, match="NVFP4.*Q4_0"):
+        formats.by_name("NVFP4")
+    with pytest.raises(UnsupportedTensorTypeError, match=r"NVFP4 \(GGUF type 40\)"):
+        formats.by_gguf_type(40, "NVFP4")
 
 
 @pytest.mark.parametrize("fmt", GGUF_FORMATS, ids=GGUF_IDS)
@@ -92,7 +92,9 @@ def test_make_linear_runs_the_format_s_cpu_linear_or_its_dequantized_weight(fmt)
     assert y.dtype == torch.float32 and y.shape == (3, 32)
     # FP8 on the CPU kernel: its values also rounded to int8 steps (fp8.int8_blocks); these random codes span
     # e4m3's whole range, the worst case for those steps (0.85% of the weights' norm, 1.3% of the product)
-    bound = 2e-2 if fmt.name == "FP8_E4M3" and isinstance(own, QuantCpuLinear) else 1e-2
+    # MXFP4: random E8M0 bytes put a few blocks' scales 2^100 above the rest, so one block's int8
+    # activations decide a row's product (1.02% measured)
+    bound = 2e-2 if fmt.name in ("FP8_E4M3", "MXFP4") and isinstance(own, QuantCpuLinear) else 1e-2
     assert float((y.double() - want).norm() / want.norm()) < bound
     assert lin(x).dtype == torch.bfloat16
     assert lin.fused_decode_weights() is None  # the fused decode step is CUDA's

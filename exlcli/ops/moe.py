@@ -1,0 +1,163 @@
+"""The mixture-of-experts feed-forward: a router picks k experts a token with their weights, each
+chosen expert runs its gated feed-forward on the tokens routed to it, and the outputs are summed
+with those weights (plus the shared experts' output, where a model has them).
+
+Routers (ROUTERS):
+- `softmax_topk`: softmax over every expert, then the top k; `normalize` rescales the k weights to
+  sum to 1 (Mixtral always, Qwen3-MoE by `norm_topk_prob`).
+- `topk_softmax`: the top k logits, then a softmax over those k (gpt-oss).
+- `sigmoid_group`: sigmoid scores; a correction bias added for the choice only; the experts are
+  split into groups, the best `topk_groups` groups (by the sum of each group's two best scores)
+  are kept, then the top k of their experts; the weights are the unbiased scores, normalized when
+  `normalize`, times `scale` (DeepSeek-V3, GLM-4.5).
+
+Activations (ACTIVATIONS): `silu` (SiLU(gate) * up) and `swiglu_clamped` (gpt-oss: gate clamped
+above at `limit`, up to [-limit, limit], gate * sigmoid(alpha * gate) * (up + 1)).
+
+Routing is plain tensor work with no host synchronisation; the expert products here group the
+tokens of each expert on the host (this is the reference path and the CPU path: each active
+expert's weights are read once for all of its tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from exlcli.ops.linear import Linear
+
+ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_group")
+ACTIVATIONS = ("silu", "swiglu_clamped")
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    kind: str
+    top_k: int
+    normalize: bool = False
+    num_groups: int = 1  # sigmoid_group only
+    topk_groups: int = 1
+    scale: float = 1.0  # routed_scaling_factor
+
+    def __post_init__(self) -> None:
+        if self.kind not in ROUTERS:
+            raise ValueError(f"router kind '{self.kind}' is not one of {', '.join(ROUTERS)}")
+
+
+def route(logits: torch.Tensor, spec: RouterSpec, bias: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] -> (weights [T, k] fp32, expert ids [T, k] int64). Ties go to the lower id,
+    as torch.topk gives them, so a token's choice does not depend on the batch around it."""
+    logits = logits.float()
+    k = spec.top_k
+    if spec.kind == "softmax_topk":
+        probs = torch.softmax(logits, dim=-1)
+        weights, ids = torch.topk(probs, k, dim=-1)
+        if spec.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+    if spec.kind == "topk_softmax":
+        top, ids = torch.topk(logits, k, dim=-1)
+        return torch.softmax(top, dim=-1), ids
+    scores = torch.sigmoid(logits)
+    choice = scores if bias is None else scores + bias.float()
+    if spec.num_groups > 1:
+        t, e = choice.shape
+        groups = choice.view(t, spec.num_groups, e // spec.num_groups)
+        group_scores = groups.topk(min(2, groups.shape[-1]), dim=-1).values.sum(dim=-1)  # [T, G]
+        keep = torch.topk(group_scores, spec.topk_groups, dim=-1).indices
+        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        choice = choice.masked_fill(~mask.repeat_interleave(e // spec.num_groups, dim=1), float("-inf"))
+    ids = torch.topk(choice, k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if spec.normalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * spec.scale, ids
+
+
+def swiglu_clamped(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """gpt-oss's gated unit over [gate | up] halves: gate <= limit, |up| <= limit."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (gate * torch.sigmoid(alpha * gate) * (up + 1)).to(gate_up.dtype)
+
+
+@dataclass
+class Expert:
+    """One expert's gated feed-forward: gate|up rows in one linear (gate first), then down."""
+    gate_up: Linear
+    down: Linear
+
+    def nbytes(self) -> int:
+        return self.gate_up.nbytes() + self.down.nbytes()
+
+
+class MoeFeedForward:
+    """Routed experts (and optional shared experts, always on) of one layer."""
+
+    def __init__(self, router: Linear, spec: RouterSpec, experts: list[Expert], shared: Expert | None = None,
+                 shared_gate: Linear | None = None, router_bias: torch.Tensor | None = None,
+                 activation: str = "silu", limit: float = 7.0, alpha: float = 1.702) -> None:
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"expert activation '{activation}' is not one of {', '.join(ACTIVATIONS)}")
+        if not 1 <= spec.top_k <= len(experts):
+            raise ValueError(f"experts used per token ({spec.top_k}) must be 1 to the expert count ({len(experts)})")
+        self.router = router
+        self.spec = spec
+        self.experts = experts
+        self.shared = shared
+        self.shared_gate = shared_gate
+        self.router_bias = router_bias
+        self.activation = activation
+        self.limit = limit
+        self.alpha = alpha
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.experts)
+
+    def expert_bytes(self) -> int:
+        return sum(e.nbytes() for e in self.experts)
+
+    def active_bytes(self) -> int:
+        """Bytes one token reads: k routed experts (of the average size), the shared ones, the router."""
+        routed = self.expert_bytes() * self.spec.top_k // max(1, self.num_experts)
+        shared = 0 if self.shared is None else self.shared.nbytes()
+        gate = 0 if self.shared_gate is None else self.shared_gate.nbytes()
+        return routed + shared + gate + self.router.nbytes()
+
+    def resident_bytes(self) -> int:
+        shared = 0 if self.shared is None else self.shared.nbytes()
+        gate = 0 if self.shared_gate is None else self.shared_gate.nbytes()
+        return self.expert_bytes() + shared + gate + self.router.nbytes()
+
+    def _expert(self, expert: Expert, x: torch.Tensor) -> torch.Tensor:
+        if self.activation == "silu":
+            return expert.down.silu_product(expert.gate_up(x))
+        return expert.down(swiglu_clamped(expert.gate_up(x), self.limit, self.alpha))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] (normed) -> [T, H] in x's dtype."""
+        weights, ids = route(self.router(x, out_dtype=torch.float32), self.spec, self.router_bias)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        flat_ids = ids.reshape(-1)
+        order = torch.argsort(flat_ids, stable=True)  # token slots grouped by expert, in token order
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        tokens = order // self.spec.top_k
+        slot_weights = weights.reshape(-1)[order]
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            rows = tokens[start:start + n]
+            y = self._expert(self.experts[e], x.index_select(0, rows)).float()
+            out.index_add_(0, rows, y * slot_weights[start:start + n, None])
+            start += n
+        if self.shared is not None:
+            y = self._expert(self.shared, x).float()
+            if self.shared_gate is not None:
+                y = y * torch.sigmoid(self.shared_gate(x, out_dtype=torch.float32))
+            out += y
+        return out.to(x.dtype)
