@@ -13,7 +13,6 @@ import uuid
 from dataclasses import dataclass
 
 from exlcli.client.base import GenerationParams
-from exlcli.engine.context_window import check_mode
 from exlcli.engine.stats import EngineStats
 
 CHAT_DEFAULT_OVERFLOW = "sinks"  # `exlcli chat`'s default: an endless conversation
@@ -33,6 +32,9 @@ class ChatWindow:
 
     def __post_init__(self) -> None:
         if self.context_overflow is not None:
+            # imported here: the engine's window module needs torch, and `exlcli chat -h` reads this module
+            from exlcli.engine.context_window import check_mode
+
             check_mode(self.context_overflow, "--context-overflow")
 
     def streams(self) -> bool:

@@ -1,4 +1,7 @@
-"""The `exlcli` command: one Typer app; each command lives in its own module and registers itself."""
+"""The `exlcli` command: one Typer app; each command lives in its own module and registers itself.
+
+The command modules import no torch and no engine at the top (their bodies do), so `--version`,
+`-h` and the commands that load no model answer at once."""
 
 from __future__ import annotations
 
@@ -8,11 +11,12 @@ from typing import Annotated
 import typer
 
 from exlcli.cli import batch, bench, chat, config, models, perplexity, ps, run, serve
-from exlcli.cli.common import user_errors
+from exlcli.cli.common import OneLineErrorsGroup, user_errors
 from exlcli.cli.config_file import default_map
 
 app = typer.Typer(
     name="exlcli",
+    cls=OneLineErrorsGroup,
     help="A fast local LLM engine with a terminal front end.",
     context_settings={"help_option_names": ["-h", "--help"]},
     no_args_is_help=True,
