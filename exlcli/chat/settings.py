@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from exlcli.client.base import GenerationParams
 from exlcli.errors import ExlcliError, RequestError
+
+if TYPE_CHECKING:  # `exlcli chat -h` reads ChatSettings' defaults: this module stays light
+    from exlcli.client.base import GenerationParams
 
 DEFAULT_MAX_TOKENS = 1024
 
@@ -29,6 +32,8 @@ class ChatSettings:
 
     def params(self, seed: int | None = None) -> GenerationParams:
         """Parameters for one chat request; `seed` overrides the setting (used by /n)."""
+        from exlcli.client.base import GenerationParams
+
         return GenerationParams(
             max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
             top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repeat_penalty,

@@ -5,7 +5,6 @@ The command modules import no torch and no engine at the top (their bodies do), 
 
 from __future__ import annotations
 
-from importlib import metadata
 from typing import Annotated
 
 import typer
@@ -27,6 +26,8 @@ app = typer.Typer(
 
 
 def version() -> str:
+    from importlib import metadata  # here: reading the installed metadata costs every other command
+
     try:
         return metadata.version("exlcli")
     except metadata.PackageNotFoundError:
