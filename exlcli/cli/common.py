@@ -168,8 +168,8 @@ class EngineFlags:
                 **({"engine_options": overflow} if overflow else {})}
 
     def check_model(self) -> None:
-        """A --model that names nothing fails here, before the engine's imports (torch) load; for an
-        engine in this process only (a server runs its own model)."""
+        """A --model that is not there fails here, before the engine's imports (torch) load. For an
+        engine in this process only: a running server ignores --model (it runs its own)."""
         from exlcli.client.fake import is_fake
         from exlcli.hub.default_model import resolve_model_path
 
