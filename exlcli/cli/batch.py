@@ -1,7 +1,5 @@
 """`exlcli batch prompts.jsonl`: run a file of prompts beside any chats, durably; rerun to resume."""
 
-from __future__ import annotations
-
 import shlex
 import signal
 import sys
@@ -52,7 +50,7 @@ def default_output(input_path: Path) -> Path:
     return input_path.with_name(f"{input_path.stem}.results.jsonl")
 
 
-def open_batch_client(flags: EngineFlags) -> EngineClient:
+def open_batch_client(flags: EngineFlags) -> "EngineClient":
     from exlcli.client.factory import open_client
 
     return open_client(**flags.client_options(), fake_delay=0.002)
@@ -76,7 +74,7 @@ def has_results(output_path: Path) -> bool:
         return False
 
 
-def io_failure(error: BatchIOError, input_path: Path, output_path: Path) -> typer.Exit:
+def io_failure(error: "BatchIOError", input_path: Path, output_path: Path) -> typer.Exit:
     """An I/O error before anything ran: one line, and the command that resumes once it is fixed
     when an earlier run left results to resume from."""
     print(f"error: {error}", file=sys.stderr)
@@ -85,7 +83,7 @@ def io_failure(error: BatchIOError, input_path: Path, output_path: Path) -> type
     return typer.Exit(1)
 
 
-def report(summary: BatchSummary, output_path: Path, input_path: Path) -> int:
+def report(summary: "BatchSummary", output_path: Path, input_path: Path) -> int:
     """Print the summary (and how to resume when something is left); return the exit code."""
     print(f"batch: {summary.describe()} -> {output_path}", file=sys.stderr)
     if summary.failure:

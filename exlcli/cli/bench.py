@@ -1,8 +1,6 @@
 """`exlcli bench` (pp/tg throughput), `exlcli bench serve` (a serving workload) and
 `exlcli bench mixed` (chat beside a batch job). Progress on stderr, results on stdout."""
 
-from __future__ import annotations
-
 import dataclasses
 from pathlib import Path
 from typing import Annotated, Callable, Optional

@@ -1,7 +1,5 @@
 """`exlcli chat`: options in, exlcli.chat.launch does the rest."""
 
-from __future__ import annotations
-
 import dataclasses
 from typing import Annotated, Optional
 

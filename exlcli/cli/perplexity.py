@@ -1,8 +1,6 @@
 """`exlcli perplexity FILE`: perplexity of a text as llama-perplexity computes it; --save-logits and
 --kl-divergence compare a model (a quantized one) with a reference run."""
 
-from __future__ import annotations
-
 from pathlib import Path
 from typing import Annotated, Optional
 

@@ -1,7 +1,5 @@
 """`exlcli run [PROMPT]`: one-shot generation; only the completion goes to stdout."""
 
-from __future__ import annotations
-
 import sys
 from typing import TYPE_CHECKING, Annotated, Optional
 
@@ -44,7 +42,7 @@ def read_prompt(prompt: str | None) -> str:
     return prompt
 
 
-def grammar_from_flags(json_schema: str | None, regex: str | None, grammar: str | None) -> GrammarSpec | None:
+def grammar_from_flags(json_schema: str | None, regex: str | None, grammar: str | None) -> "GrammarSpec | None":
     """--json-schema FILE | --regex R | --grammar FILE (one at most) as the engine's GrammarSpec."""
     from exlcli.engine.request import GrammarSpec
 

@@ -1,7 +1,5 @@
 """`exlcli serve`: one shared engine for many terminals and OpenAI clients, with a live display."""
 
-from __future__ import annotations
-
 from typing import Annotated, Optional
 
 import typer
