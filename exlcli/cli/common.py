@@ -213,6 +213,9 @@ def user_errors(fn: F) -> F:
 ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
 
 
+COMPLETION_FLAGS = ("install_completion", "show_completion")
+
+
 class OneLineError(ClickException):  # type: ignore[misc,valid-type]
     """A command-line mistake click found (unknown option, bad value, missing argument), shown as
     every other error is: one line, `error: ...`, instead of click's usage block."""
@@ -242,6 +245,9 @@ class OneLineErrorsGroup(TyperGroup):
     command or a command group under it) reaches the user as one line."""
 
     def make_context(self, *args, **kwargs):
+        for param in self.params:  # (Typer adds these two after making the group)
+            if param.name in COMPLETION_FLAGS:
+                not_coerced(param)
         try:
             return super().make_context(*args, **kwargs)
         except ClickException as e:
@@ -252,6 +258,20 @@ class OneLineErrorsGroup(TyperGroup):
             return super().invoke(ctx)
         except ClickException as e:
             raise _as_one_line(e) from None
+
+    def get_help_option(self, ctx):
+        option = super().get_help_option(ctx)
+        if option is not None:
+            not_coerced(option)
+        return option
+
+
+def not_coerced(flag) -> None:
+    """The root's own flags (-h, --install-completion, --show-completion) default to None, and Typer
+    coerces a None through pydantic, imported for it: a tenth of a second of `exlcli run -h` before
+    anything else. False means the same to their callbacks and, a bool already, is not coerced."""
+    if flag.default is None and getattr(flag, "is_flag", False):
+        flag.default = False
 
 
 def _as_one_line(e):
