@@ -55,7 +55,8 @@ def line_error(e: BaseException, fallback_code: str, subject: str = "line") -> L
         return LineError("invalid_unicode", f"{subject} has a string that is not valid Unicode "
                                             "(a lone surrogate such as \\ud800)")
     if isinstance(e, json.JSONDecodeError):
-        return LineError("invalid_json", f"line is not valid JSON ({e.msg} at column {e.colno})")
+        # json's messages may end with "at" ("Unterminated string starting at"): one "at" before the column
+        return LineError("invalid_json", f"line is not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno})")
     if isinstance(e, RecursionError):
         return LineError("invalid_json", f"{subject} is nested too deeply")
     return LineError(fallback_code, safe_text(f"{type(e).__name__}: {e}")[:MAX_MESSAGE])

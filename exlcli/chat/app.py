@@ -129,7 +129,8 @@ class ChatApp:
             if answer.error:
                 self.io.error(f"the engine failed: {answer.error}")
             else:
-                self.io.notice(stats_line(answer.usage, answer.finish_reason))
+                self.io.notice(stats_line(answer.usage, answer.finish_reason, self.settings.max_tokens,
+                                          self.client.context_length))
 
         try:
             open_view(0)

@@ -56,8 +56,9 @@ def load_conversation(path: str | os.PathLike) -> Conversation:
     try:
         body = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ConversationFileError(
-            f"cannot load {source}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+        raise ConversationFileError(  # json's message may end with "at": one "at" before the place
+            f"cannot load {source}: not valid JSON ({e.msg.removesuffix(' at')} at line {e.lineno}, "
+            f"column {e.colno})") from None
     try:
         return conversation_from_messages(body["messages"] if isinstance(body, dict) else body)
     except KeyError:

@@ -28,8 +28,10 @@ def format_seconds(seconds: float | None) -> str:
     return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
-def stats_line(usage: Usage | None, finish_reason: str | None) -> str:
-    """'12 prompt tokens (8 cached), first token 45 ms, 34 tokens at 56.2 tok/s'"""
+def stats_line(usage: Usage | None, finish_reason: str | None, max_tokens: int | None = None,
+               context_length: int | None = None) -> str:
+    """'12 prompt tokens (8 cached), first token 45 ms, 34 tokens at 56.2 tok/s'; an answer that
+    ended short of `max_tokens` with "length" ended at the end of the context, and says so."""
     if usage is None:
         text = "no usage reported"
     else:
@@ -38,7 +40,9 @@ def stats_line(usage: Usage | None, finish_reason: str | None) -> str:
                 f"{usage.completion_tokens} tokens at {usage.decode_tps:.1f} tok/s")
         if usage.evicted_tokens:  # the window overflowed and shifted (context_overflow shift / sinks)
             text += f", {usage.evicted_tokens} tokens left the window"
-    if finish_reason == "length":
+    if finish_reason == "length" and usage is not None and max_tokens and usage.completion_tokens < max_tokens:
+        text += f", stopped at the end of the context ({context_length} tokens)"
+    elif finish_reason == "length":
         text += ", stopped at max_tokens"
     elif finish_reason == "cancelled":
         text += ", stopped"

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import make_dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from exlcli.client.base import GenerationParams
 from exlcli.engine.sampling import NUMBER, PARAMS, Param, ParamError
 from exlcli.errors import ExlcliError
+
+if TYPE_CHECKING:  # `exlcli chat -h` reads ChatSettings' defaults: this module stays light
+    from exlcli.client.base import GenerationParams
 
 DEFAULT_MAX_TOKENS = 1024
 
@@ -44,6 +46,8 @@ class ChatSettings(make_dataclass("_ChatSettingFields", [_setting_field(name) fo
 
     def params(self, seed: int | None = None) -> GenerationParams:
         """Parameters for one chat request; `seed` overrides the setting (used by /n)."""
+        from exlcli.client.base import GenerationParams
+
         values = {name: getattr(self, _chat_name(name)) for name in SETTINGS}
         if seed is not None:
             values["seed"] = seed

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from exlcli.client.base import GenerationParams
-from exlcli.engine.context_window import check_mode
-from exlcli.engine.stats import EngineStats
+if TYPE_CHECKING:  # `exlcli chat -h` reads CHAT_DEFAULT_OVERFLOW: this module stays light
+    from exlcli.client.base import GenerationParams
+    from exlcli.engine.stats import EngineStats
 
 CHAT_DEFAULT_OVERFLOW = "sinks"  # `exlcli chat`'s default: an endless conversation
 
@@ -33,6 +34,8 @@ class ChatWindow:
 
     def __post_init__(self) -> None:
         if self.context_overflow is not None:
+            from exlcli.engine.context_window import check_mode  # (it needs torch)
+
             check_mode(self.context_overflow, "--context-overflow")
 
     def streams(self) -> bool:

@@ -1,18 +1,21 @@
-"""The `exlcli` command: one Typer app; each command lives in its own module and registers itself."""
+"""The `exlcli` command: one Typer app; each command lives in its own module and registers itself.
 
-from __future__ import annotations
+The command modules import no torch and no engine at the top (their bodies do), so `--version`,
+`-h` and the commands that load no model answer at once. They also go without `from __future__ import
+annotations`: Typer reads every command's parameters at each start, and string annotations would be
+evaluated there each time (about a tenth of `exlcli run -h`)."""
 
-from importlib import metadata
 from typing import Annotated
 
 import typer
 
 from exlcli.cli import batch, bench, chat, config, models, perplexity, ps, run, serve
-from exlcli.cli.common import user_errors
+from exlcli.cli.common import OneLineErrorsGroup, user_errors
 from exlcli.cli.config_file import default_map
 
 app = typer.Typer(
     name="exlcli",
+    cls=OneLineErrorsGroup,
     help="A fast local LLM engine with a terminal front end.",
     context_settings={"help_option_names": ["-h", "--help"]},
     no_args_is_help=True,
@@ -23,6 +26,8 @@ app = typer.Typer(
 
 
 def version() -> str:
+    from importlib import metadata  # here: reading the installed metadata costs every other command
+
     try:
         return metadata.version("exlcli")
     except metadata.PackageNotFoundError:

@@ -1,29 +1,23 @@
 """`exlcli batch prompts.jsonl`: run a file of prompts beside any chats, durably; rerun to resume."""
 
-from __future__ import annotations
-
 import shlex
 import signal
 import sys
 from pathlib import Path
-from typing import Annotated, List, Optional
+from typing import TYPE_CHECKING, Annotated, List, Optional
 
 import typer
 
-from exlcli.batch.failures import BatchIOError
-from exlcli.batch.lines import LineDefaults, check_input
-from exlcli.batch.lock import OutputLock
-from exlcli.batch.output import check_output_path
-from exlcli.batch.progress import make_progress
-from exlcli.batch.runner import BatchOptions, run_batch
-from exlcli.batch.stopping import StopControl
-from exlcli.batch.summary import BatchSummary
-from exlcli.cli.batch_ray import BatchCommand, attach_progress, check_ray_options, open_ray_client, report_actors
+from exlcli.cli.batch_ray import BatchCommand
 from exlcli.cli.common import (
+    KV_CACHE_DTYPE,
+    NUM_DRAFT_TOKENS,
+    PREFIX_CACHE,
     CtxSizeOption,
     DeviceOption,
     DraftLayersOption,
     DtypeOption,
+    EngineFlags,
     KvCacheDtypeOption,
     KvMemoryOption,
     LocalOption,
@@ -42,8 +36,12 @@ from exlcli.cli.common import (
     TopPOption,
     user_errors,
 )
-from exlcli.client.base import EngineClient, GenerationParams
 from exlcli.errors import ExlcliError
+
+if TYPE_CHECKING:
+    from exlcli.batch.failures import BatchIOError
+    from exlcli.batch.summary import BatchSummary
+    from exlcli.client.base import EngineClient
 
 EXIT_CODES = {"SIGINT": 130, "SIGTERM": 128 + signal.SIGTERM}
 
@@ -52,18 +50,10 @@ def default_output(input_path: Path) -> Path:
     return input_path.with_name(f"{input_path.stem}.results.jsonl")
 
 
-def open_batch_client(model: str | None, server: str | None, local: bool, device: str | None,
-                      dtype: str | None, kv_memory: str | None = None, prefix_cache: bool = True,
-                      max_model_len: int | None = None, cpu_threads: int | None = None,
-                      speculative: str | None = None, num_draft_tokens: int = 4,
-                      draft_layers: int | None = None, quantize: str | None = None,
-                      kv_cache_dtype: str = "auto") -> EngineClient:
+def open_batch_client(flags: EngineFlags) -> "EngineClient":
     from exlcli.client.factory import open_client
 
-    return open_client(model, server=server, local=local, device=device, dtype=dtype, kv_memory=kv_memory,
-                       prefix_cache=prefix_cache, fake_delay=0.002, max_model_len=max_model_len,
-                       cpu_threads=cpu_threads, speculative=speculative, num_draft_tokens=num_draft_tokens,
-                       draft_layers=draft_layers, quantize=quantize, kv_cache_dtype=kv_cache_dtype)
+    return open_client(**flags.client_options(), fake_delay=0.002)
 
 
 def resume_command(input_path: Path, output_path: Path) -> str:
@@ -76,14 +66,24 @@ def resume_command(input_path: Path, output_path: Path) -> str:
     return f"exlcli batch {shlex.quote(str(input_path))} -o {shlex.quote(str(output_path))} (same options)"
 
 
-def io_failure(error: BatchIOError, input_path: Path, output_path: Path) -> typer.Exit:
-    """An I/O error before anything ran: one line, and the command to run once it is fixed."""
+def has_results(output_path: Path) -> bool:
+    """Whether an earlier run left results in the output file: then there is a job to resume."""
+    try:
+        return output_path.is_file() and output_path.stat().st_size > 0
+    except OSError:
+        return False
+
+
+def io_failure(error: "BatchIOError", input_path: Path, output_path: Path) -> typer.Exit:
+    """An I/O error before anything ran: one line, and the command that resumes once it is fixed
+    when an earlier run left results to resume from."""
     print(f"error: {error}", file=sys.stderr)
-    print(f"batch: to resume, run: {resume_command(input_path, output_path)}", file=sys.stderr)
+    if has_results(output_path):
+        print(f"batch: to resume, run: {resume_command(input_path, output_path)}", file=sys.stderr)
     return typer.Exit(1)
 
 
-def report(summary: BatchSummary, output_path: Path, input_path: Path) -> int:
+def report(summary: "BatchSummary", output_path: Path, input_path: Path) -> int:
     """Print the summary (and how to resume when something is left); return the exit code."""
     print(f"batch: {summary.describe()} -> {output_path}", file=sys.stderr)
     if summary.failure:
@@ -111,8 +111,8 @@ def register(app: typer.Typer) -> None:
         server: ServerOption = None,
         local: LocalOption = False,
         kv_memory: KvMemoryOption = None,
-        kv_cache_dtype: KvCacheDtypeOption = "auto",
-        prefix_cache: PrefixCacheOption = True,
+        kv_cache_dtype: KvCacheDtypeOption = KV_CACHE_DTYPE,
+        prefix_cache: PrefixCacheOption = PREFIX_CACHE,
         device: DeviceOption = None,
         dtype: DtypeOption = None,
         quantize: QuantizeOption = None,
@@ -127,7 +127,7 @@ def register(app: typer.Typer) -> None:
         ctx_size: CtxSizeOption = None,
         threads: ThreadsOption = None,
         speculative: SpeculativeOption = None,
-        num_draft_tokens: NumDraftTokensOption = 4,
+        num_draft_tokens: NumDraftTokensOption = NUM_DRAFT_TOKENS,
         draft_layers: DraftLayersOption = None,
         max_in_flight: Annotated[int, typer.Option(
             "--max-in-flight", help="Requests handed to the engine at once.")] = 64,
@@ -152,9 +152,20 @@ def register(app: typer.Typer) -> None:
         Ctrl-C stops submitting and finishes what is in flight (Ctrl-C again, or SIGTERM, cancels
         it); rerun the same command to resume where it stopped.
         """
+        flags = EngineFlags.of(locals())
         output_path = output or default_output(input_path)
         if output_path.resolve() == input_path.resolve():
             raise ExlcliError("the output file must not be the input file")
+        from exlcli.batch.failures import BatchIOError
+        from exlcli.batch.lines import LineDefaults, check_input
+        from exlcli.batch.lock import OutputLock
+        from exlcli.batch.output import check_output_path
+        from exlcli.batch.progress import make_progress
+        from exlcli.batch.runner import BatchOptions, run_batch
+        from exlcli.batch.stopping import StopControl
+        from exlcli.cli.batch_ray import attach_progress, check_ray_options, open_ray_client, report_actors
+        from exlcli.client.base import GenerationParams
+
         params = GenerationParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                   min_p=min_p, seed=seed, stop=list(stop or []), priority="batch", client="batch")
         params.sampling()  # bad defaults fail here, once, not on every line
@@ -169,20 +180,18 @@ def register(app: typer.Typer) -> None:
         except BatchIOError as e:
             raise io_failure(e, input_path, output_path) from None
         try:
+            if flags.local:
+                flags.check_model()
             if ray is not None:
                 from exlcli.batch.ray_actor import EngineSpec
                 from exlcli.model.quantize_at_load import check_target
 
                 check_target(quantize)  # here, once, rather than in every actor
-                spec = EngineSpec(model, device, dtype, kv_memory, prefix_cache, ctx_size, threads,
-                                  kv_cache_dtype=kv_cache_dtype, quantize=quantize, speculative=speculative,
-                                  num_draft_tokens=num_draft_tokens, draft_layers=draft_layers)
+                spec = EngineSpec(flags.model, **flags.engine_options())
                 client = open_ray_client(ray, spec, ray_actors, gpus_per_actor, max_in_flight)
                 options.max_in_flight = client.capacity  # the pool hands lines on to its actors
             else:
-                client = open_batch_client(model, server, local, device, dtype, kv_memory, prefix_cache, ctx_size,
-                                           threads, speculative, num_draft_tokens, draft_layers, quantize,
-                                           kv_cache_dtype)
+                client = open_batch_client(flags)
             try:
                 print(f"batch: {input_path} -> {output_path} on {client.model_name} ({client.kind})",
                       file=sys.stderr)

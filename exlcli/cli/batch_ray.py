@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING
 from typer.core import TyperCommand
 
 from exlcli.batch.ray_plan import LOCAL, require_ray
-from exlcli.client.base import EngineClient
 from exlcli.errors import ExlcliError
 
 if TYPE_CHECKING:
     from exlcli.batch.ray_actor import EngineSpec
+    from exlcli.client.base import EngineClient
 
 RAY_FLAG = "--ray"
 

@@ -1,17 +1,19 @@
 """`exlcli bench` (pp/tg throughput), `exlcli bench serve` (a serving workload) and
 `exlcli bench mixed` (chat beside a batch job). Progress on stderr, results on stdout."""
 
-from __future__ import annotations
-
+import dataclasses
 from pathlib import Path
 from typing import Annotated, Callable, Optional
 
 import typer
 
 from exlcli.cli.common import (
+    KV_CACHE_DTYPE,
+    NUM_DRAFT_TOKENS,
     DeviceOption,
     DraftLayersOption,
     DtypeOption,
+    EngineFlags,
     KvCacheDtypeOption,
     KvMemoryOption,
     ModelOption,
@@ -91,13 +93,15 @@ def check_plot(plot: Path | None) -> None:
         raise ExlcliError(f"--plot {plot}: no folder {plot.parent}")
 
 
-def open_bench_client(model, server, device, dtype, kv_memory, max_model_len=None, speculative=None,
-                      num_draft_tokens=4, draft_layers=None, quantize=None):
+def open_bench_client(flags: EngineFlags):
+    """The engine a workload measures: the --server named, else one in this process (never a server
+    found running, which would measure something else than asked)."""
     from exlcli.client.factory import open_client
 
-    return open_client(model, server=server, local=not server, device=device, dtype=dtype, kv_memory=kv_memory,
-                       max_model_len=max_model_len, speculative=speculative, num_draft_tokens=num_draft_tokens,
-                       draft_layers=draft_layers, quantize=quantize)
+    flags = dataclasses.replace(flags, local=not flags.server)
+    if flags.local:
+        flags.check_model()
+    return open_client(**flags.client_options())
 
 
 def client_facts(client) -> dict:
@@ -158,9 +162,9 @@ def register(app: typer.Typer) -> None:
             "--ubatch", "-ub", "--ubatch-size",
             help="Most tokens per engine step (prefill chunk). Default: the engine's.")] = None,
         speculative: SpeculativeOption = None,
-        num_draft_tokens: NumDraftTokensOption = 4,
+        num_draft_tokens: NumDraftTokensOption = NUM_DRAFT_TOKENS,
         draft_layers: DraftLayersOption = None,
-        kv_cache_dtype: KvCacheDtypeOption = "auto",
+        kv_cache_dtype: KvCacheDtypeOption = KV_CACHE_DTYPE,
         fmt: FormatOption = "table",
         save: SaveOption = None,
         plot: PlotOption = None,
@@ -174,6 +178,8 @@ def register(app: typer.Typer) -> None:
         Example: exlcli bench -p 512 -n 128 -np 1,8,32 -t 2 --format md --plot tps.png"""
         if ctx.invoked_subcommand is not None:
             return
+        flags = EngineFlags.of(locals())
+        flags.check_model()
         from exlcli.bench.suite import SuiteOptions, run_suite
         from exlcli.bench.throughput import COLUMNS
         from exlcli.client.local import start_cpu_threads
@@ -218,7 +224,7 @@ def register(app: typer.Typer) -> None:
         warmup: Annotated[int, typer.Option(
             "--warmup", help="Untimed rounds of `concurrency` requests before each level.")] = 1,
         speculative: SpeculativeOption = None,
-        num_draft_tokens: NumDraftTokensOption = 4,
+        num_draft_tokens: NumDraftTokensOption = NUM_DRAFT_TOKENS,
         draft_layers: DraftLayersOption = None,
         fmt: FormatOption = "table",
         save: SaveOption = None,
@@ -230,6 +236,7 @@ def register(app: typer.Typer) -> None:
         Reports requests/s, output tok/s, TTFT, TPOT and ITL percentiles at each level; runs the
         engine in process, or against a running server with --server URL.
         Example: exlcli bench serve -N 64 --max-concurrency 1,4,16,64 --plot load.png"""
+        flags = EngineFlags.of(locals())
         from exlcli.bench.machine import log
         from exlcli.bench.serve_load import COLUMNS, run_serve
         from exlcli.bench.workload import make_requests, vocab_size_of
@@ -257,8 +264,7 @@ def register(app: typer.Typer) -> None:
                 f"~{input_len} in / ~{output_len} out")
             return run_serve(client, specs_for, list(levels), warmup=warmup, progress=log)
 
-        client = open_bench_client(model, server, device, dtype, kv_memory, ctx_size, speculative, num_draft_tokens,
-                                   draft_layers, quantize)
+        client = open_bench_client(flags)
         rows = run_on_client(client, f"prompt + output of up to {longest} tokens", longest, workload, hint)
         emit(rows, COLUMNS, fmt, save, plot)
 
@@ -290,6 +296,7 @@ def register(app: typer.Typer) -> None:
         A saturating batch-priority job plus a chat request every --chat-every seconds: the chats'
         TTFT and ITL percentiles and the batch throughput, in three phases (chat alone, batch
         alone, both)."""
+        flags = EngineFlags.of(locals())
         from exlcli.bench.machine import log
         from exlcli.bench.mixed import COLUMNS, MixedOptions, MixedRunner
         from exlcli.bench.workload import vocab_size_of
@@ -305,7 +312,7 @@ def register(app: typer.Typer) -> None:
                 f"a chat every {chat_every:g} s, {duration:g} s per phase")
             return MixedRunner(client, options, vocab_size_of(client), progress=log).run()
 
-        client = open_bench_client(model, server, device, dtype, kv_memory, quantize=quantize)
+        client = open_bench_client(flags)
         emit(run_on_client(client, f"requests of {longest} tokens", longest, workload), COLUMNS, fmt, save)
 
     @bench_app.command("compare")

@@ -1,7 +1,6 @@
 """`exlcli chat`: options in, exlcli.chat.launch does the rest."""
 
-from __future__ import annotations
-
+import dataclasses
 from typing import Annotated, Optional
 
 import typer
@@ -9,10 +8,14 @@ import typer
 from exlcli.chat.settings import ChatSettings
 from exlcli.chat.window import CHAT_DEFAULT_OVERFLOW
 from exlcli.cli.common import (
+    KV_CACHE_DTYPE,
+    NUM_DRAFT_TOKENS,
+    PREFIX_CACHE,
     CtxSizeOption,
     DeviceOption,
     DraftLayersOption,
     DtypeOption,
+    EngineFlags,
     KvCacheDtypeOption,
     KvMemoryOption,
     LocalOption,
@@ -62,10 +65,10 @@ def register(app: typer.Typer) -> None:
         dtype: DtypeOption = None,
         quantize: QuantizeOption = None,
         kv_memory: KvMemoryOption = None,
-        kv_cache_dtype: KvCacheDtypeOption = "auto",
-        prefix_cache: PrefixCacheOption = True,
+        kv_cache_dtype: KvCacheDtypeOption = KV_CACHE_DTYPE,
+        prefix_cache: PrefixCacheOption = PREFIX_CACHE,
         speculative: SpeculativeOption = None,
-        num_draft_tokens: NumDraftTokensOption = 4,
+        num_draft_tokens: NumDraftTokensOption = NUM_DRAFT_TOKENS,
         draft_layers: DraftLayersOption = None,
         context_overflow: Annotated[str, typer.Option(
             "--context-overflow", help="When the conversation fills the window: sinks (StreamingLLM: the sink "
@@ -77,14 +80,15 @@ def register(app: typer.Typer) -> None:
         """Chat with a model in the terminal. /help inside lists the commands; Alt-Enter or \"\"\" for
         multi-line input; Ctrl-C stops an answer; Ctrl-D or /bye leaves. Without a terminal it reads
         one message per line and writes the answers to stdout."""
+        flags = EngineFlags.of(locals())
+        if flags.local:
+            flags.check_model()
         from exlcli.chat.launch import start_chat
         from exlcli.chat.window import ChatWindow
 
-        start_chat(model=model, system=system, system_file=system_file, server=server, local=local,
-                   device=device, dtype=dtype, kv_memory=kv_memory, kv_cache_dtype=kv_cache_dtype,
-                   prefix_cache=prefix_cache,
-                   max_model_len=ctx_size, cpu_threads=threads, speculative=speculative,
-                   num_draft_tokens=num_draft_tokens, draft_layers=draft_layers, quantize=quantize,
-                   window=ChatWindow(context_overflow, sink_tokens, window), overrides=dict(
+        # the chat asks for its window per request (exlcli/chat/window.py), not as the engine's default
+        engine = dataclasses.replace(flags, context_overflow=None, sink_tokens=None, window=None)
+        start_chat(**engine.client_options(), system=system, system_file=system_file,
+                   window=ChatWindow(flags.context_overflow, flags.sink_tokens, flags.window), overrides=dict(
                        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                        repeat_penalty=repeat_penalty, max_tokens=max_tokens, seed=seed))

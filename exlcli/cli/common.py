@@ -1,12 +1,18 @@
-"""Pieces every command shares: option types, the one-line error rule, making a client."""
+"""Pieces every command shares: the engine options (declared here once, as Annotated types, and
+gathered into EngineFlags), the one-line error rule, making a client.
+
+Nothing here imports torch or the engine: `-h`, `--version` and the commands that load no model
+answer without them (the engine's modules are imported inside the command bodies)."""
 
 from __future__ import annotations
 
 import functools
 import sys
-from typing import Annotated, Callable, Optional, TypeVar
+from dataclasses import dataclass, fields
+from typing import Annotated, Callable, Mapping, Optional, TypeVar
 
 import typer
+from typer.core import TyperGroup
 
 from exlcli.errors import ExlcliError
 
@@ -41,8 +47,6 @@ KvCacheDtypeOption = Annotated[str, typer.Option(
                              "in decode attention; fp8_e4m3 is the same).")]
 PrefixCacheOption = Annotated[bool, typer.Option(
     "--prefix-cache/--no-prefix-cache", help="Share the KV pages of common prompt prefixes.")]
-
-
 
 def whole_number(least: int | None, hint: str) -> Callable[[str], int]:
     """A parser of whole numbers >= `least`, whose error adds a hint for a spelling that meant
@@ -103,14 +107,74 @@ TopPOption = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mas
 TopKOption = Annotated[int, typer.Option("--top-k", help="Keep the K likeliest tokens; 0 is off.")]
 MinPOption = Annotated[float, typer.Option("--min-p", help="Drop tokens below min_p x the top probability; 0 is off.")]
 
+# The defaults of the engine options that have one (the others default to None: the engine's choice)
+KV_CACHE_DTYPE = "auto"
+PREFIX_CACHE = True
+NUM_DRAFT_TOKENS = 4
+
 F = TypeVar("F", bound=Callable)
 T = TypeVar("T")
 
+OVERFLOW_FIELDS = ("context_overflow", "sink_tokens", "window")
 
-def overflow_options(context_overflow: str | None, sink_tokens: int | None, window: int | None) -> dict:
-    """The EngineConfig fields --context-overflow, --sink-tokens and --window set (checked by the engine)."""
-    given = {"context_overflow": context_overflow, "sink_tokens": sink_tokens, "window": window}
-    return {k: v for k, v in given.items() if v is not None}
+
+@dataclass(frozen=True)
+class EngineFlags:
+    """The engine options of one command line, under the names of the options above. A command
+    takes the ones it offers as parameters of those names and gathers them with `EngineFlags.of(locals())`."""
+
+    model: str | None = None
+    server: str | None = None  # --server: a running `exlcli serve` instead of an engine here
+    local: bool = False  # --local: an engine here even when a server is running
+    device: str | None = None
+    dtype: str | None = None
+    quantize: str | None = None
+    kv_memory: str | None = None
+    kv_cache_dtype: str = KV_CACHE_DTYPE
+    prefix_cache: bool = PREFIX_CACHE
+    ctx_size: int | None = None
+    threads: int | None = None
+    speculative: str | None = None
+    num_draft_tokens: int = NUM_DRAFT_TOKENS
+    draft_layers: int | None = None
+    context_overflow: str | None = None
+    sink_tokens: int | None = None
+    window: int | None = None
+
+    @classmethod
+    def of(cls, values: Mapping[str, object], **overrides: object) -> "EngineFlags":
+        """The fields found in `values` (a command's parameters), then `overrides`."""
+        given = {f.name: values[f.name] for f in fields(cls) if f.name in values}
+        return cls(**{**given, **overrides})  # type: ignore[arg-type]
+
+    def engine_options(self) -> dict:
+        """How an in-process engine loads and runs: LocalClient.from_model's keyword arguments (and
+        EngineSpec's), the model aside. The overflow fields are there only when given (the engine
+        checks them)."""
+        options = {"device": self.device, "dtype": self.dtype, "quantize": self.quantize,
+                   "kv_memory": self.kv_memory, "kv_cache_dtype": self.kv_cache_dtype,
+                   "prefix_cache": self.prefix_cache, "max_model_len": self.ctx_size, "cpu_threads": self.threads,
+                   "speculative": self.speculative, "num_draft_tokens": self.num_draft_tokens,
+                   "draft_layers": self.draft_layers}
+        overflow = {name: getattr(self, name) for name in OVERFLOW_FIELDS}
+        return {**options, **{k: v for k, v in overflow.items() if v is not None}}
+
+    def client_options(self) -> dict:
+        """open_client's keyword arguments: the model, where it runs, and the engine options, the
+        overflow fields among open_client's `engine_options` (left out when none is given)."""
+        options = self.engine_options()
+        overflow = {name: options.pop(name) for name in OVERFLOW_FIELDS if name in options}
+        return {"model": self.model, "server": self.server, "local": self.local, **options,
+                **({"engine_options": overflow} if overflow else {})}
+
+    def check_model(self) -> None:
+        """A --model that is not there fails here, before the engine's imports (torch) load. For an
+        engine in this process only: a running server ignores --model (it runs its own)."""
+        from exlcli.client.fake import is_fake
+        from exlcli.hub.default_model import resolve_model_path
+
+        if self.model and not self.server and not is_fake(self.model):
+            resolve_model_path(self.model)
 
 
 def renamed(old: str, new: str, value: T | None, current: T) -> T:
@@ -142,3 +206,76 @@ def user_errors(fn: F) -> F:
 
     return wrapper  # type: ignore[return-value]
 
+
+
+# click's own exception base. Typer carries its own copy of click in newer releases and uses click
+# itself in older ones: found through the public typer.BadParameter, it is the one Typer catches.
+ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+
+
+COMPLETION_FLAGS = ("install_completion", "show_completion")
+
+
+class OneLineError(ClickException):  # type: ignore[misc,valid-type]
+    """A command-line mistake click found (unknown option, bad value, missing argument), shown as
+    every other error is: one line, `error: ...`, instead of click's usage block."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+    def show(self, file=None) -> None:
+        print(f"error: {self.message}", file=sys.stderr)
+
+
+def one_line(e) -> OneLineError:
+    """click's exception as one line: its message (lower case first, as ours are; without pydantic's
+    'Value error, ' in front of a parser's own message) and where to read the usage."""
+    message = e.format_message().replace(": Value error, ", ": ").strip().removesuffix(".")
+    if message[:2].istitle():
+        message = message[0].lower() + message[1:]
+    ctx = getattr(e, "ctx", None)
+    if ctx is not None and ctx.help_option_names:
+        message += f" (see {ctx.command_path} {ctx.help_option_names[0]})"
+    return OneLineError(message, e.exit_code)
+
+
+class OneLineErrorsGroup(TyperGroup):
+    """The root command: whatever click raises while parsing the command line (at the root, in a
+    command or a command group under it) reaches the user as one line."""
+
+    def make_context(self, *args, **kwargs):
+        for param in self.params:  # (Typer adds these two after making the group)
+            if param.name in COMPLETION_FLAGS:
+                not_coerced(param)
+        try:
+            return super().make_context(*args, **kwargs)
+        except ClickException as e:
+            raise _as_one_line(e) from None
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except ClickException as e:
+            raise _as_one_line(e) from None
+
+    def get_help_option(self, ctx):
+        option = super().get_help_option(ctx)
+        if option is not None:
+            not_coerced(option)
+        return option
+
+
+def not_coerced(flag) -> None:
+    """The root's own flags (-h, --install-completion, --show-completion) default to None, and Typer
+    coerces a None through pydantic, imported for it: a tenth of a second of `exlcli run -h` before
+    anything else. False means the same to their callbacks and, a bool already, is not coerced."""
+    if flag.default is None and getattr(flag, "is_flag", False):
+        flag.default = False
+
+
+def _as_one_line(e):
+    # `exlcli` alone shows the help (NoArgsIsHelpError); the name, as Typer itself tells it apart
+    if isinstance(e, OneLineError) or type(e).__name__ == "NoArgsIsHelpError":
+        return e
+    return one_line(e)

@@ -1,7 +1,5 @@
 """`exlcli config`: the config file, and every default it or the environment sets."""
 
-from __future__ import annotations
-
 import os
 from typing import Annotated
 

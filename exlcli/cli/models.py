@@ -1,7 +1,5 @@
 """`exlcli models`, `ls`, `rm`, `pull` and `info [MODEL]`: the models in the cache folder."""
 
-from __future__ import annotations
-
 import os
 import shutil
 import sys

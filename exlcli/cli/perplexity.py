@@ -1,14 +1,22 @@
 """`exlcli perplexity FILE`: perplexity of a text as llama-perplexity computes it; --save-logits and
 --kl-divergence compare a model (a quantized one) with a reference run."""
 
-from __future__ import annotations
-
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from exlcli.cli.common import DeviceOption, DtypeOption, KvCacheDtypeOption, ModelOption, QuantizeOption, user_errors
+from exlcli.cli.common import (
+    KV_CACHE_DTYPE,
+    DeviceOption,
+    DtypeOption,
+    EngineFlags,
+    KvCacheDtypeOption,
+    ModelOption,
+    QuantizeOption,
+    fail,
+    user_errors,
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -18,11 +26,14 @@ def register(app: typer.Typer) -> None:
         text: Annotated[Optional[Path], typer.Argument(metavar="FILE",
             help="UTF-8 text to score. May be left out with --kl-divergence (the saved tokens are used).",
             show_default=False)] = None,
+        text_file: Annotated[Optional[Path], typer.Option(
+            "--file", "-f", metavar="FILE", help="The text to score, as llama-perplexity's -f (the same as FILE).",
+            show_default=False)] = None,
         model: ModelOption = None,
         device: DeviceOption = None,
         dtype: DtypeOption = None,
         quantize: QuantizeOption = None,
-        kv_cache_dtype: KvCacheDtypeOption = "auto",
+        kv_cache_dtype: KvCacheDtypeOption = KV_CACHE_DTYPE,
         ctx_size: Annotated[Optional[int], typer.Option(
             "--ctx-size", "-c", help="Tokens per chunk; the second half of each is scored. Default: 512, "
             "or the --kl-divergence file's.", show_default=False)] = None,
@@ -52,9 +63,13 @@ def register(app: typer.Typer) -> None:
         """Perplexity of FILE, computed as llama.cpp's llama-perplexity does (chunks of --ctx-size tokens,
         the second half of each scored), printed per chunk and as a final estimate with its error.
 
-        Example: exlcli perplexity wiki.test.raw -c 512 --chunks 8
+        Example: exlcli perplexity wiki.test.raw -c 512 --chunks 8 (or -f wiki.test.raw, as llama-perplexity)
         Compare a quant: exlcli perplexity T -m ref.gguf --save-logits ref.bin, then
         exlcli perplexity T -m quant.gguf --kl-divergence ref.bin"""
+        if text is not None and text_file is not None and text != text_file:
+            raise fail(f"two texts: {str(text)!r} and -f {str(text_file)!r}; give one")
+        text = text or text_file
+        EngineFlags(model=model).check_model()
         from exlcli.bench.ppl.run import PerplexityOptions, run_perplexity
 
         run_perplexity(PerplexityOptions(text=text, model=model, ctx_size=ctx_size, max_chunks=chunks, ubatch=ubatch,

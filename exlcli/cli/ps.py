@@ -1,8 +1,6 @@
 """`exlcli ps`: what a running `exlcli serve` has loaded and is doing, from its HTTP endpoints
 (/health, /v1/models and /stats, through exlcli/client/)."""
 
-from __future__ import annotations
-
 import time
 from typing import Annotated, Optional
 

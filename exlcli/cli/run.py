@@ -1,19 +1,20 @@
 """`exlcli run [PROMPT]`: one-shot generation; only the completion goes to stdout."""
 
-from __future__ import annotations
-
 import sys
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
 from exlcli.cli.common import (
+    KV_CACHE_DTYPE,
+    NUM_DRAFT_TOKENS,
     TEMP_NAMES,
     ContextOverflowOption,
     CtxSizeOption,
     DeviceOption,
     DraftLayersOption,
     DtypeOption,
+    EngineFlags,
     KvCacheDtypeOption,
     ModelOption,
     NumDraftTokensOption,
@@ -26,11 +27,11 @@ from exlcli.cli.common import (
     TopPOption,
     WindowOption,
     fail,
-    overflow_options,
     user_errors,
 )
-from exlcli.client.base import GenerationParams
-from exlcli.engine.request import GrammarSpec
+
+if TYPE_CHECKING:
+    from exlcli.engine.request import GrammarSpec
 
 
 def read_prompt(prompt: str | None) -> str:
@@ -41,8 +42,10 @@ def read_prompt(prompt: str | None) -> str:
     return prompt
 
 
-def grammar_from_flags(json_schema: str | None, regex: str | None, grammar: str | None) -> GrammarSpec | None:
+def grammar_from_flags(json_schema: str | None, regex: str | None, grammar: str | None) -> "GrammarSpec | None":
     """--json-schema FILE | --regex R | --grammar FILE (one at most) as the engine's GrammarSpec."""
+    from exlcli.engine.request import GrammarSpec
+
     given = [name for name, v in (("--json-schema", json_schema), ("--regex", regex), ("--grammar", grammar)) if v]
     if len(given) > 1:
         raise fail(f"{' and '.join(given)} cannot be used together: pick one constraint")
@@ -64,6 +67,16 @@ def grammar_from_flags(json_schema: str | None, regex: str | None, grammar: str 
         except ValueError as e:
             raise fail(f"{path} is not JSON: {e}") from None
     return GrammarSpec("grammar", text)
+
+
+def cut_by_context(finish_reason: str | None, usage, max_tokens: int) -> bool:
+    """Whether a generation ended at the end of the context window rather than at its max_tokens."""
+    return finish_reason == "length" and usage is not None and usage.completion_tokens < max_tokens
+
+
+def context_cut_note(context_length: int | None, max_tokens: int) -> str:
+    return (f"the answer stopped at the end of the context ({context_length} tokens, prompt included), "
+            f"before -n {max_tokens}: a larger -c/--ctx-size or --context-overflow shift lets it go on")
 
 
 def verbose_summary(usage, stats) -> str:
@@ -100,7 +113,7 @@ def register(app: typer.Typer) -> None:
         device: DeviceOption = None,
         dtype: DtypeOption = None,
         quantize: QuantizeOption = None,
-        kv_cache_dtype: KvCacheDtypeOption = "auto",
+        kv_cache_dtype: KvCacheDtypeOption = KV_CACHE_DTYPE,
         json_schema: Annotated[Optional[str], typer.Option(
             "--json-schema", metavar="FILE", help="The answer is JSON valid under this JSON Schema file.")] = None,
         regex: Annotated[Optional[str], typer.Option(
@@ -108,7 +121,7 @@ def register(app: typer.Typer) -> None:
         grammar: Annotated[Optional[str], typer.Option(
             "--grammar", metavar="FILE", help="The answer follows this Lark or GBNF grammar file.")] = None,
         speculative: SpeculativeOption = None,
-        num_draft_tokens: NumDraftTokensOption = 4,
+        num_draft_tokens: NumDraftTokensOption = NUM_DRAFT_TOKENS,
         draft_layers: DraftLayersOption = None,
         verbose: Annotated[bool, typer.Option(
             "--verbose", "-v",
@@ -118,17 +131,16 @@ def register(app: typer.Typer) -> None:
         window: WindowOption = None,
     ) -> None:
         """Generate one answer and print only the completion."""
-        from exlcli.client.local import LocalClient
-
+        flags = EngineFlags.of(locals())
         constraint = grammar_from_flags(json_schema, regex, grammar)
         text = read_prompt(prompt)
+        flags.check_model()
+        from exlcli.client.base import GenerationParams
+        from exlcli.client.local import LocalClient
+
         params = GenerationParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                   top_k=top_k, seed=seed, client="run", grammar=constraint)
-        client = LocalClient.from_model(model, device=device, dtype=dtype, threaded=False, cpu_threads=threads,
-                                        max_model_len=ctx_size, speculative=speculative,
-                                        num_draft_tokens=num_draft_tokens, draft_layers=draft_layers,
-                                        quantize=quantize, kv_cache_dtype=kv_cache_dtype,
-                                        **overflow_options(context_overflow, sink_tokens, window))
+        client = LocalClient.from_model(flags.model, threaded=False, **flags.engine_options())
         try:
             if raw:
                 stream = client.complete(text, params)
@@ -142,6 +154,8 @@ def register(app: typer.Typer) -> None:
                 sys.stdout.flush()
                 last = delta
             sys.stdout.write("\n")
+            if last is not None and cut_by_context(last.finish_reason, last.usage, max_tokens):
+                print(f"run: {context_cut_note(client.context_length, max_tokens)}", file=sys.stderr)
             if verbose and last is not None:
                 print(verbose_summary(last.usage, client.stats()), file=sys.stderr)
             if last is not None and last.finish_reason == "error":

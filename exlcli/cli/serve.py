@@ -1,17 +1,19 @@
 """`exlcli serve`: one shared engine for many terminals and OpenAI clients, with a live display."""
 
-from __future__ import annotations
-
 from typing import Annotated, Optional
 
 import typer
 
 from exlcli.cli.common import (
+    KV_CACHE_DTYPE,
+    NUM_DRAFT_TOKENS,
+    PREFIX_CACHE,
     ContextOverflowOption,
     CtxSizeOption,
     DeviceOption,
     DraftLayersOption,
     DtypeOption,
+    EngineFlags,
     KvCacheDtypeOption,
     KvMemoryOption,
     ModelOption,
@@ -23,11 +25,9 @@ from exlcli.cli.common import (
     ThreadsOption,
     WindowOption,
     fail,
-    overflow_options,
     renamed,
     user_errors,
 )
-from exlcli.client.base import EngineClient
 
 DEFAULT_PORT = 8000
 
@@ -81,12 +81,12 @@ def register(app: typer.Typer) -> None:
         dtype: DtypeOption = None,
         quantize: QuantizeOption = None,
         kv_memory: KvMemoryOption = None,
-        kv_cache_dtype: KvCacheDtypeOption = "auto",
-        prefix_cache: PrefixCacheOption = True,
+        kv_cache_dtype: KvCacheDtypeOption = KV_CACHE_DTYPE,
+        prefix_cache: PrefixCacheOption = PREFIX_CACHE,
         ctx_size: CtxSizeOption = None,
         threads: ThreadsOption = None,
         speculative: SpeculativeOption = None,
-        num_draft_tokens: NumDraftTokensOption = 4,
+        num_draft_tokens: NumDraftTokensOption = NUM_DRAFT_TOKENS,
         draft_layers: DraftLayersOption = None,
         context_overflow: ContextOverflowOption = None,
         sink_tokens: SinkTokensOption = None,
@@ -98,15 +98,10 @@ def register(app: typer.Typer) -> None:
 
         `exlcli chat`, `batch` and `bench` attach to it automatically.
         """
-        from exlcli.server.app import ServerConfig
-        from exlcli.server.connections import ConnectionLimits
-        from exlcli.server.runner import bind_socket, serve
-        from exlcli.server.security import check_bind_allowed
-
         port = renamed("-p", "--port", port_old, port)
         if model_arg and model and model_arg != model:
             raise fail(f"two models: {model_arg!r} and --model {model!r}; give one")
-        model = model_arg or model
+        flags = EngineFlags.of(locals(), model=model_arg or model, local=True)  # its own engine, never a server's
         if served_model_name is not None and not served_model_name.strip():
             raise fail("--served-model-name must not be empty")
         if not 0 <= port <= 65535:
@@ -125,14 +120,20 @@ def register(app: typer.Typer) -> None:
             raise fail(f"--max-connections must be at least 1, got {max_connections}")
         if max_prompt_kb is not None and max_prompt_kb <= 0:
             raise fail(f"--max-prompt-kb must be positive, got {max_prompt_kb}")
+        flags.check_model()
+        from exlcli.server.app import ServerConfig
+        from exlcli.server.connections import ConnectionLimits
+        from exlcli.server.runner import bind_socket, serve
+        from exlcli.server.security import check_bind_allowed
+
         check_bind_allowed(host, api_key)
         limits = ConnectionLimits(max_connections, header_timeout, keep_alive_timeout, drain_timeout)
         sock = bind_socket(host, port)  # before the model loads, so a busy port fails fast
         port = sock.getsockname()[1]
         try:
-            client = _open_engine(model, device, dtype, kv_memory, prefix_cache, ctx_size, threads,
-                                  speculative, num_draft_tokens, draft_layers, quantize,
-                                  overflow_options(context_overflow, sink_tokens, window), kv_cache_dtype)
+            from exlcli.client.factory import open_client
+
+            client = open_client(**flags.client_options(), fake_delay=0.0)
             aliases: tuple[str, ...] = ()
             if served_model_name:
                 aliases = (client.model_name,)  # the model's own name keeps working
@@ -148,14 +149,3 @@ def register(app: typer.Typer) -> None:
         with client:
             serve(client, sock, host, port, config, live_display=display, limits=limits)
 
-
-def _open_engine(model, device, dtype, kv_memory, prefix_cache, max_model_len=None, cpu_threads=None,
-                 speculative=None, num_draft_tokens=4, draft_layers=None, quantize=None,
-                 overflow: dict | None = None, kv_cache_dtype: str = "auto") -> EngineClient:
-    from exlcli.client.factory import open_client
-
-    return open_client(model, local=True, device=device, dtype=dtype, kv_memory=kv_memory,
-                       prefix_cache=prefix_cache, fake_delay=0.0, max_model_len=max_model_len,
-                       cpu_threads=cpu_threads, speculative=speculative, num_draft_tokens=num_draft_tokens,
-                       draft_layers=draft_layers, quantize=quantize, kv_cache_dtype=kv_cache_dtype,
-                       engine_options=overflow)

@@ -83,6 +83,16 @@ class LocalStream(GenerationStream):
             yield delta_from_output(out)
 
 
+def context_cap_note(asked: int | None, model_context: int, granted: int) -> str | None:
+    """What `--ctx-size N` got when it got less than N (the model's context or the KV cache is smaller)."""
+    if asked is None or granted >= asked:
+        return None
+    if granted >= model_context:
+        return f"--ctx-size {asked} is more than the model's context: the context is its {granted} tokens"
+    return (f"--ctx-size {asked} is more than the KV cache holds: the context is {granted} tokens "
+            f"(--kv-memory makes the cache larger)")
+
+
 class LocalClient(EngineClient):
     kind = "local"
 
@@ -113,6 +123,9 @@ class LocalClient(EngineClient):
             start_cpu_threads(cpu_threads, log)
         client = cls(load_model(model, device=device, dtype=dtype, log=log, quantize=quantize), config,
                      threaded=threaded)
+        note = context_cap_note(config.max_model_len, client.loaded.config.context_length, client.context_length)
+        if note:
+            print(f"exlcli: {note}", file=log)
         freeze_long_lived_objects()  # the model, tokenizer and engine stay as long as the process
         return client
 

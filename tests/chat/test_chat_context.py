@@ -79,3 +79,14 @@ def test_the_stats_line_says_when_tokens_left_the_window():
     assert "left the window" not in stats_line(usage, "stop")
     usage.evicted_tokens = 256
     assert stats_line(usage, "stop").endswith("700 tokens at 20.0 tok/s, 256 tokens left the window")
+
+
+def test_the_stats_line_tells_the_end_of_the_context_from_max_tokens():
+    from exlcli.chat.render import stats_line
+    from exlcli.client.base import Usage
+
+    usage = Usage(prompt_tokens=40, completion_tokens=24, ttft=0.1, decode_tps=20.0)
+    assert stats_line(usage, "length", 100, 64).endswith(", stopped at the end of the context (64 tokens)")
+    usage.completion_tokens = 100
+    assert stats_line(usage, "length", 100, 4096).endswith(", stopped at max_tokens")
+    assert "stopped" not in stats_line(usage, "stop", 100, 4096)

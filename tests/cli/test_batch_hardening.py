@@ -1,5 +1,6 @@
 """`exlcli batch` against hostile lines, a second process, a full disk and wrong paths: each ends in
-error lines or one clear message with the resume command, never a traceback or a damaged file."""
+error lines or one clear message (with the resume command when there are results to go on from), never a
+traceback or a damaged file."""
 
 import errno
 import json
@@ -129,15 +130,13 @@ def test_a_write_error_mid_job_is_one_line_plus_the_resume_command_and_the_file_
     assert sorted(r["id"] for r in read(out)) == sorted(r["id"] for r in rows)
 
 
-def test_an_output_path_that_is_a_folder_is_one_line_plus_the_resume_command(tmp_path):
+def test_an_output_path_that_is_a_folder_is_one_line_with_nothing_to_resume(tmp_path):
     inp, folder = tmp_path / "in.jsonl", tmp_path / "results"
     inp.write_text('{"prompt": "x"}\n')
     folder.mkdir()
     result = invoke(inp, "-o", folder, *FAKE)
     assert result.exit_code == 1 and result.stdout == ""
-    assert result.stderr.splitlines() == [
-        f"error: cannot write {folder}: it is a folder; give -o a file path",
-        f"batch: to resume, run: exlcli batch {inp} -o {folder} (same options)"]
+    assert result.stderr.splitlines() == [f"error: cannot write {folder}: it is a folder; give -o a file path"]
     assert list(folder.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "results"]
 
 
@@ -145,12 +144,22 @@ def test_an_output_path_that_is_a_folder_is_one_line_plus_the_resume_command(tmp
     (lambda p: None, "No such file or directory"),
     (lambda p: p.mkdir(), "Is a directory"),
 ], ids=["missing", "folder"])
-def test_an_input_that_cannot_be_read_is_one_line_plus_the_resume_command(tmp_path, make, reason):
+def test_an_input_that_cannot_be_read_is_one_line_with_nothing_to_resume(tmp_path, make, reason):
     inp = tmp_path / "jobs.jsonl"
     make(inp)
     result = invoke(inp, "-o", tmp_path / "out.jsonl", *FAKE)
     assert result.exit_code == 1 and "Traceback" not in result.output
-    assert result.stderr.splitlines() == [
-        f"error: cannot read {inp}: {reason}",
-        f"batch: to resume, run: exlcli batch {inp} -o {tmp_path / 'out.jsonl'} (same options)"]
+    assert result.stderr.splitlines() == [f"error: cannot read {inp}: {reason}"]
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_an_input_gone_after_a_run_left_results_is_one_line_plus_the_resume_command(tmp_path):
+    inp, out = tmp_path / "jobs.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"id": f"r{i}", "prompt": f"p {i}"}) + "\n" for i in range(3)))
+    assert invoke(inp, "-o", out, *FAKE).exit_code == 0 and len(read(out)) == 3
+    inp.rename(tmp_path / "moved.jsonl")
+    result = invoke(inp, "-o", out, *FAKE)
+    assert result.exit_code == 1
+    assert result.stderr.splitlines() == [
+        f"error: cannot read {inp}: No such file or directory",
+        f"batch: to resume, run: exlcli batch {inp} -o {out} (same options)"]  # the results are there to go on from

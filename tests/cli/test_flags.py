@@ -76,7 +76,7 @@ def test_old_spellings_work_with_a_notice(config_home):
 
 
 @pytest.mark.parametrize("args, fragment", [
-    (["-t", "0.7"], "Invalid value for '--threads' / '-t'"),
+    (["-t", "0.7"], "error: invalid value for '--threads' / '-t'"),
     (["-t", "0.7"], "temperature is --temp (-t was --temperature in earlier releases)"),
     (["-t", "0"], "at least 1, got 0"),
     (["-s", "You are terse."], "the system prompt is --system (-sys; -s was --system in earlier releases)"),
@@ -86,6 +86,7 @@ def test_moved_short_flags_explain_themselves(args, fragment, config_home):
     result = invoke("run", "-m", "fake:echo", *args, "hi")
     assert result.exit_code == 2
     assert fragment in " ".join(result.output.split())
+    assert len(result.stderr.splitlines()) == 1 and result.stderr.startswith("error: ")  # no usage block
 
 
 def test_ctx_size_caps_the_context(config_home):

