@@ -13,8 +13,10 @@ What is an error line and what is not: a line that can't be read, that the engin
 is submitted (too long, a prompt the tokenizer or chat template rejects, any exception but "the
 engine is unreachable"), whose result can't be written, or that ends with finish_reason "error"
 gets an error line, kept on resume unless --retry-errors; all go through failures.line_error. A
-stream that breaks (connection lost) is not written at all, so a plain rerun retries it; an engine
-that can't be reached at all stops the job the same way.
+stream that breaks (it raises, ends without a last delta, or ends with an error marked `lost`: the
+server's connection cut off, as when the server dies) is the transport's failure, not the line's:
+it is not written at all, so a plain rerun retries it; an engine that can't be reached at all stops
+the job the same way.
 
 The whole run holds the output's lock (lock.py). An I/O error (full disk, a folder as output,
 no permission, the input gone) stops the job: the lines in flight are cancelled, the file keeps
@@ -261,10 +263,10 @@ class BatchRun:
             self._emit(o.seq, job, error_record(job.id, job.line_no, job.shape, o.refused.code, o.refused.message),
                        error=True)
             return
-        if o.failure is not None or last is None:
+        if o.failure is not None or last is None or last.lost:
             self.summary.lost += 1
-            self._message(f"line {job.line_no} ({job.id}): {o.failure or 'the stream ended early'}; "
-                          "not written, a rerun retries it")
+            why = o.failure or (last.error if last is not None and last.lost else None) or "the stream ended early"
+            self._message(f"line {job.line_no} ({job.id}): {why}; not written, a rerun retries it")
             self._emit(o.seq, job, None)
             return
         if last.usage is not None:

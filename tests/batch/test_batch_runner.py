@@ -48,6 +48,10 @@ class ErrorStream(GenerationStream):
         yield TextDelta(text="partial")
         if self.mode == "raise":
             raise RuntimeError("connection dropped")
+        if self.mode == "lost":  # as RemoteStream reports a server that died mid-stream
+            yield TextDelta(finish_reason="error", error="lost the server stream (RemoteProtocolError: peer closed)",
+                            lost=True)
+            return
         yield TextDelta(finish_reason="error", error="engine fell over", usage=Usage())
 
     def __aiter__(self):
@@ -68,8 +72,9 @@ class ScriptedClient(FakeClient):
         self.submitted += 1
         if self.on_submit:
             self.on_submit(self.submitted)
-        if "FAIL" in text or "RAISE" in text:
-            return ErrorStream("raise" if "RAISE" in text else "error")
+        for word, mode in (("RAISE", "raise"), ("LOST", "lost"), ("FAIL", "error")):
+            if word in text:
+                return ErrorStream(mode)
         return CountingStream(start(), self)
 
     def complete(self, prompt, params):
@@ -142,6 +147,31 @@ def test_rejected_and_failing_requests_become_error_lines_and_the_rest_run(tmp_p
     again = run(FakeClient(context_length=50), inp, out)
     assert (again.done, again.skipped) == (1, 8)
     assert {r["id"]: r for r in read_jsonl(out)}["r"]["text"] == "echo: RAISE"
+
+
+def test_a_stream_whose_transport_broke_is_not_written_and_a_plain_rerun_answers_it(tmp_path, write_jsonl,
+                                                                                   read_jsonl):
+    rows = prompts(4) + [{"id": "cut", "prompt": "LOST on the way"}, {"id": "bad", "prompt": "FAIL"}]
+    inp, out = write_jsonl(rows), tmp_path / "out.jsonl"
+    messages = []
+
+    class Progress:
+        def message(self, text):
+            messages.append(text)
+
+        def update(self, snapshot):
+            pass
+
+    summary = run_batch(ScriptedClient(), inp, out, GREEDY, BatchOptions(max_in_flight=2), progress=Progress())
+    assert (summary.done, summary.errors, summary.lost) == (4, 1, 1)
+    by_id = {r["id"]: r for r in read_jsonl(out)}
+    assert "cut" not in by_id  # the connection's failure, not the line's: left for the rerun
+    assert by_id["bad"]["error"]["code"] == "engine_error"  # the request's own error stays an error line
+    assert any(m.startswith("line 5 (cut): lost the server stream") and m.endswith("a rerun retries it")
+               for m in messages)
+    again = run(FakeClient(), inp, out)
+    assert (again.done, again.errors, again.skipped) == (1, 0, 5)
+    assert {r["id"]: r for r in read_jsonl(out)}["cut"]["text"] == "echo: LOST on the way"
 
 
 def test_an_unreachable_engine_stops_the_job_and_a_rerun_finishes_it(tmp_path, write_jsonl, read_jsonl):
