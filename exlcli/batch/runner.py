@@ -18,7 +18,8 @@ server's connection cut off, as when the server dies) is the transport's failure
 it is not written at all, so a plain rerun retries it; an engine that can't be reached at all stops
 the job the same way.
 
-The whole run holds the output's lock (lock.py). An I/O error (full disk, a folder as output,
+The whole run holds the output's lock (lock.py), a lock on the file itself (device and inode), and
+every read and write of the output checks it is that file. An I/O error (full disk, a folder as output,
 no permission, the input gone) stops the job: the lines in flight are cancelled, the file keeps
 only whole lines, and the summary's failure says what happened so the CLI prints the resume command.
 """
@@ -34,7 +35,7 @@ from pathlib import Path
 from exlcli.batch.failures import BatchIOError, LineError, RefusedLine, line_error
 from exlcli.batch.jsonl import dump_line
 from exlcli.batch.lines import BadLine, InputScan, Job, LineDefaults, read_jobs, scan_input
-from exlcli.batch.lock import OutputLock, lock_path
+from exlcli.batch.lock import OutputLock
 from exlcli.batch.output import DoneState, ResultWriter, check_output_path, load_done
 from exlcli.batch.progress import Snapshot, StreamedTokens
 from exlcli.batch.records import Finished, bad_line_record, error_record, result_record
@@ -119,14 +120,14 @@ class BatchRun:
     def run(self) -> BatchSummary:
         self._start = time.perf_counter()
         try:
-            check_output_path(self.output_path)  # before a lock file is made beside it
+            check_output_path(self.output_path)  # before the lock makes a missing output
             if self.lock is not None:
-                if not self.lock.held or self.lock.path != lock_path(self.output_path):
+                if not self.lock.covers(self.output_path):
                     raise ExlcliError(f"the lock passed in is not held for {self.output_path}")
-                self._run_locked()
+                self._run_locked(self.lock)
             else:
-                with OutputLock(self.output_path):
-                    self._run_locked()
+                with OutputLock(self.output_path) as lock:
+                    self._run_locked(lock)
         except BatchIOError as e:
             self.summary.failure = str(e)
         finally:
@@ -136,12 +137,14 @@ class BatchRun:
             self._tick(force=True)
         return self.summary
 
-    def _run_locked(self) -> None:
+    def _run_locked(self, lock: OutputLock) -> None:
+        if lock.covers(self.input_path):  # by any name: the same path, a symlink or a hard link
+            raise ExlcliError("the output file must not be the input file")
         scan = scan_input(self.input_path)
-        state = load_done(self.output_path, drop_errors=self.options.retry_errors)
+        state = load_done(self.output_path, drop_errors=self.options.retry_errors, lock=lock)
         self.summary.torn_bytes, self.summary.dropped_errors = state.torn_bytes, state.dropped_errors
         self.expected = max(0, scan.num_lines - state.num_written)
-        self.writer = ResultWriter(self.output_path)
+        self.writer = ResultWriter(self.output_path, lock=lock)
         try:
             try:
                 self._submit_all(state, scan)

@@ -13,7 +13,7 @@ import typer
 from exlcli.batch.failures import BatchIOError
 from exlcli.batch.lines import LineDefaults, check_input
 from exlcli.batch.lock import OutputLock
-from exlcli.batch.output import check_output_path
+from exlcli.batch.output import check_output_path, same_file
 from exlcli.batch.progress import make_progress
 from exlcli.batch.runner import BatchOptions, run_batch
 from exlcli.batch.stopping import StopControl
@@ -153,7 +153,7 @@ def register(app: typer.Typer) -> None:
         it); rerun the same command to resume where it stopped.
         """
         output_path = output or default_output(input_path)
-        if output_path.resolve() == input_path.resolve():
+        if same_file(output_path, input_path):  # by any name: a symlink or a hard link too
             raise ExlcliError("the output file must not be the input file")
         params = GenerationParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                   min_p=min_p, seed=seed, stop=list(stop or []), priority="batch", client="batch")

@@ -67,36 +67,63 @@ def test_a_file_of_hostile_lines_finishes_every_line_is_run_or_an_error_line_and
     assert len(read(out)) == 11
 
 
-def test_a_second_batch_process_on_the_same_output_refuses_at_once_and_the_first_is_unharmed(tmp_path):
+@pytest.mark.parametrize("name", ["same", "symlink", "hardlink"])
+def test_a_second_batch_process_on_the_same_output_refuses_at_once_and_the_first_is_unharmed(tmp_path, name):
     rows = [{"id": f"c{i}", "prompt": "w1 w2 w3 w4 w5"} for i in range(200)]
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cmd = [sys.executable, "-m", "exlcli", "batch", str(inp), "-o", str(out), "--max-in-flight", "2"]
     first = subprocess.Popen(cmd + ["--model", "fake:echo:0.02"], env=ENV, stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True)
+    other = out if name == "same" else tmp_path / "link.jsonl"  # the same file by another name
     try:
-        lock = tmp_path / "out.jsonl.lock"
         deadline = time.monotonic() + 30
-        while not (lock.exists() and lock.read_text().strip() == str(first.pid) and out.exists()
-                   and out.read_bytes().count(b"\n") >= 1):  # holding the lock and writing
+        while not (out.exists() and out.read_bytes().count(b"\n") >= 1):  # holding the lock and writing
             assert time.monotonic() < deadline and first.poll() is None, "the first run never got going"
             time.sleep(0.05)
-        second = subprocess.run(cmd + FAKE, env=ENV, capture_output=True, text=True, timeout=60)
+        if name == "symlink":
+            other.symlink_to(out)
+        elif name == "hardlink":
+            os.link(out, other)
+        second = subprocess.run(cmd[:6] + [str(other)] + cmd[7:] + FAKE, env=ENV, capture_output=True, text=True,
+                                timeout=60)
         assert first.poll() is None, "the first run ended before the second was tried: make it longer"
     finally:
         first.send_signal(signal.SIGINT)  # stop: the lines in flight finish and are written
         _, first_err = first.communicate(timeout=60)
     assert second.returncode == 1 and second.stdout == ""
     assert second.stderr.splitlines() == [
-        f"error: {out} is being written by another exlcli batch (pid {first.pid}); "
+        f"error: {other} is being written by another exlcli batch (pid {first.pid}); "
         "wait for it to finish, or stop it first"]
     assert first.returncode == 130 and "Traceback" not in first_err
     ids = [r["id"] for r in read(out)]
     assert len(ids) == len(set(ids)) and 0 < len(ids) < 200  # one writer: no id twice
-    assert not lock.exists()
-    rest = subprocess.run(cmd + FAKE, env=ENV, capture_output=True, text=True, timeout=60)
+    assert not (tmp_path / "out.jsonl.lock").exists() and not (tmp_path / "link.jsonl.lock").exists()
+    rest = subprocess.run(cmd[:6] + [str(other)] + cmd[7:] + FAKE, env=ENV, capture_output=True, text=True,
+                          timeout=60)
     assert rest.returncode == 0, rest.stderr
     assert sorted(r["id"] for r in read(out)) == sorted(r["id"] for r in rows)  # now each id exactly once
+
+
+@pytest.mark.parametrize("link", ["symlink", "hardlink"])
+def test_a_link_to_the_input_as_output_is_refused_before_anything_runs(tmp_path, link):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text('{"id": "a", "prompt": "x"}\n')
+    out.symlink_to(inp) if link == "symlink" else os.link(inp, out)
+    result = invoke(inp, "-o", out, *FAKE)
+    assert result.exit_code == 1 and result.stdout == ""
+    assert result.stderr.splitlines() == ["error: the output file must not be the input file"]
+    assert inp.read_text() == '{"id": "a", "prompt": "x"}\n'
+
+
+def test_an_unrelated_file_as_output_is_refused_and_not_a_byte_is_cut(tmp_path):
+    inp, notes = tmp_path / "in.jsonl", tmp_path / "notes.md"
+    inp.write_text('{"id": "a", "prompt": "x"}\n')
+    notes.write_bytes(b"# notes\nthe last line has no newline")
+    result = invoke(inp, "-o", notes, *FAKE)
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert f"error: {notes} line 1 is not a batch result line; is -o the right file?" in result.stderr.splitlines()
+    assert notes.read_bytes() == b"# notes\nthe last line has no newline"
 
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO, errno.EACCES], ids=["ENOSPC", "EIO", "EACCES"])
