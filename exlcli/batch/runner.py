@@ -12,7 +12,8 @@ does them again). Either way the output holds only whole lines, and a rerun resu
 What is an error line and what is not: a line that can't be read, that the engine refuses when it
 is submitted (too long, a prompt the tokenizer or chat template rejects, any exception but "the
 engine is unreachable"), whose result can't be written, or that ends with finish_reason "error"
-gets an error line, kept on resume unless --retry-errors; all go through failures.line_error. A
+gets an error line, kept on resume unless --retry-errors (a half-written last line is not one of
+them: it is left for the rerun, see lines.py); all go through failures.line_error. A
 stream that breaks (it raises, ends without a last delta, or ends with an error marked `lost`: the
 server's connection cut off, as when the server dies) is the transport's failure, not the line's:
 it is not written at all, so a plain rerun retries it; an engine that can't be reached at all stops
@@ -34,7 +35,7 @@ from pathlib import Path
 
 from exlcli.batch.failures import BatchIOError, LineError, RefusedLine, line_error
 from exlcli.batch.jsonl import dump_line
-from exlcli.batch.lines import BadLine, InputScan, Job, LineDefaults, read_jobs, scan_input
+from exlcli.batch.lines import BadLine, InputScan, Job, LineDefaults, UnfinishedLine, read_jobs, scan_input
 from exlcli.batch.lock import OutputLock
 from exlcli.batch.output import DoneState, ResultWriter, check_output_path, load_done
 from exlcli.batch.progress import Snapshot, StreamedTokens
@@ -173,6 +174,11 @@ class BatchRun:
             if self._halted():
                 self.summary.input_left = True
                 return
+            if isinstance(item, UnfinishedLine):
+                self.summary.unfinished += 1
+                self._message(f"line {item.line_no} has no newline and is not whole JSON: taken as still being "
+                              "written, not run; rerun once it is complete")
+                continue
             if state.already_written(item):
                 self.summary.skipped += 1
                 continue

@@ -91,11 +91,11 @@ def report(summary: BatchSummary, output_path: Path, input_path: Path) -> int:
     if summary.stopped_by:
         left = "the rest of the input was not started" if summary.input_left else "all input was started"
         print(f"batch: stopped by {summary.stopped_by}; {left}.", file=sys.stderr)
-    if summary.stopped_by or summary.failure or summary.lost or summary.cancelled:
+    if summary.stopped_by or summary.failure or summary.lost or summary.cancelled or summary.unfinished:
         print(f"batch: to resume, run: {resume_command(input_path, output_path)}", file=sys.stderr)
     if summary.stopped_by:
         return EXIT_CODES.get(summary.stopped_by, 1)
-    return 1 if summary.failure or summary.lost else 0
+    return 1 if summary.failure or summary.lost or summary.unfinished else 0
 
 
 def register(app: typer.Typer) -> None:

@@ -374,3 +374,26 @@ def test_an_input_that_vanishes_or_an_output_folder_is_a_failure_not_a_traceback
     missing = tmp_path / "gone.jsonl"
     summary = run(ScriptedClient(), missing, tmp_path / "out.jsonl")
     assert summary.failure == f"cannot read {missing}: No such file or directory"
+
+
+def test_a_half_written_last_line_is_left_for_the_rerun_not_made_a_lasting_error(tmp_path, read_jsonl):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_bytes(b'{"id": "a", "prompt": "first"}\n{"id": "b", "prompt": "sec')  # a writer mid-line
+    summary = run(FakeClient(), inp, out)
+    assert [r["id"] for r in read_jsonl(out)] == ["a"]  # no error line for b
+    assert (summary.done, summary.errors, summary.unfinished) == (1, 0, 1)
+    with open(inp, "ab") as f:  # the writer finishes the line
+        f.write(b'ond"}\n')
+    again = run(FakeClient(), inp, out)
+    assert (again.done, again.errors, again.skipped, again.unfinished) == (1, 0, 1, 0)
+    assert {r["id"]: r["text"] for r in read_jsonl(out)} == {"a": "echo: first", "b": "echo: second"}
+
+
+def test_a_last_line_without_newline_that_is_whole_json_runs_or_is_its_error_as_usual(tmp_path, read_jsonl):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_bytes(b'{"id": "a", "prompt": "x"}\n{"id": "b", "prompt": "no newline"}')
+    assert (run(FakeClient(), inp, out).done, read_jsonl(out)[-1]["text"]) == (2, "echo: no newline")
+    inp.write_bytes(b'{"id": "c", "prompt": "x"}\n[1, 2]')
+    summary = run(FakeClient(), inp, tmp_path / "out2.jsonl")
+    assert (summary.done, summary.errors) == (1, 1)
+    assert read_jsonl(tmp_path / "out2.jsonl")[-1]["error"]["code"] == "invalid_type"

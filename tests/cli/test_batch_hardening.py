@@ -181,3 +181,14 @@ def test_an_input_that_cannot_be_read_is_one_line_plus_the_resume_command(tmp_pa
         f"error: cannot read {inp}: {reason}",
         f"batch: to resume, run: exlcli batch {inp} -o {tmp_path / 'out.jsonl'} (same options)"]
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_a_half_written_last_line_is_named_and_the_job_says_how_to_resume(tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_bytes(b'{"id": "a", "prompt": "x"}\n{"id": "b", "pro')
+    result = invoke(inp, "-o", out, *FAKE, "--progress-every", "0")
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "line 2 has no newline and is not whole JSON: taken as still being written, not run" in result.stderr
+    assert "done 1, errors 0, skipped 0, unfinished 1" in result.stderr
+    assert result.stderr.splitlines()[-1].startswith("batch: to resume, run: exlcli batch ")
+    assert [r["id"] for r in read(out)] == ["a"]
