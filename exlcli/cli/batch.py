@@ -16,7 +16,7 @@ from exlcli.batch.lock import OutputLock
 from exlcli.batch.output import check_output_path, same_file
 from exlcli.batch.progress import make_progress
 from exlcli.batch.runner import BatchOptions, run_batch
-from exlcli.batch.stopping import StopControl
+from exlcli.batch.stopping import StopControl, Terminated, terminable
 from exlcli.batch.summary import BatchSummary
 from exlcli.cli.batch_ray import BatchCommand, attach_progress, check_ray_options, open_ray_client, report_actors
 from exlcli.cli.common import (
@@ -177,12 +177,12 @@ def register(app: typer.Typer) -> None:
                 spec = EngineSpec(model, device, dtype, kv_memory, prefix_cache, ctx_size, threads,
                                   kv_cache_dtype=kv_cache_dtype, quantize=quantize, speculative=speculative,
                                   num_draft_tokens=num_draft_tokens, draft_layers=draft_layers)
-                client = open_ray_client(ray, spec, ray_actors, gpus_per_actor, max_in_flight)
+                client = terminable(open_ray_client, ray, spec, ray_actors, gpus_per_actor, max_in_flight)
                 options.max_in_flight = client.capacity  # the pool hands lines on to its actors
             else:
-                client = open_batch_client(model, server, local, device, dtype, kv_memory, prefix_cache, ctx_size,
-                                           threads, speculative, num_draft_tokens, draft_layers, quantize,
-                                           kv_cache_dtype)
+                client = terminable(open_batch_client, model, server, local, device, dtype, kv_memory, prefix_cache,
+                                    ctx_size, threads, speculative, num_draft_tokens, draft_layers, quantize,
+                                    kv_cache_dtype)
             try:
                 print(f"batch: {input_path} -> {output_path} on {client.model_name} ({client.kind})",
                       file=sys.stderr)
@@ -197,6 +197,9 @@ def register(app: typer.Typer) -> None:
                     progress.close()
             finally:
                 client.close()
+        except Terminated:  # the model was loading: nothing ran, nothing to resume from
+            print("batch: stopped by SIGTERM while the model was loading; no line was run", file=sys.stderr)
+            raise typer.Exit(EXIT_CODES["SIGTERM"]) from None
         finally:
             lock.release()
         if summary.torn_bytes:

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -192,3 +193,32 @@ def test_a_half_written_last_line_is_named_and_the_job_says_how_to_resume(tmp_pa
     assert "done 1, errors 0, skipped 0, unfinished 1" in result.stderr
     assert result.stderr.splitlines()[-1].startswith("batch: to resume, run: exlcli batch ")
     assert [r["id"] for r in read(out)] == ["a"]
+
+
+def test_sigterm_while_the_model_loads_is_one_line_and_the_exit_code_of_a_terminated_job(tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text('{"id": "a", "prompt": "x"}\n')
+    driver = textwrap.dedent(f"""
+        import sys, time
+        import exlcli.client.factory as factory
+
+        def slow_load(*args, **kwargs):  # a model that takes long to load
+            print("loading", file=sys.stderr, flush=True)
+            time.sleep(60)
+
+        factory.open_client = slow_load
+        from exlcli.cli.app import app
+        app(["batch", {str(inp)!r}, "-o", {str(out)!r}, "--model", "fake:echo:0"])
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", driver], env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr.readline().strip() == "loading"
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert stdout == "" and stderr.splitlines() == [
+        "batch: stopped by SIGTERM while the model was loading; no line was run"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]  # no output made, no lock left
