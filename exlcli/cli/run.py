@@ -31,6 +31,7 @@ from exlcli.cli.common import (
 )
 from exlcli.client.base import GenerationParams
 from exlcli.engine.request import GrammarSpec
+from exlcli.text.terminal_safe import TerminalFilter
 
 
 def read_prompt(prompt: str | None) -> str:
@@ -137,11 +138,12 @@ def register(app: typer.Typer) -> None:
                     {"role": "user", "content": text}]
                 stream = client.chat(messages, params)
             last = None
+            safe = TerminalFilter.for_stream(sys.stdout)  # a terminal gets no control sequence from the model
             for delta in stream:
-                sys.stdout.write(delta.text)
+                sys.stdout.write(safe.feed(delta.text))
                 sys.stdout.flush()
                 last = delta
-            sys.stdout.write("\n")
+            sys.stdout.write(safe.flush() + "\n")
             if verbose and last is not None:
                 print(verbose_summary(last.usage, client.stats()), file=sys.stderr)
             if last is not None and last.finish_reason == "error":
