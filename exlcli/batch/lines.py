@@ -11,6 +11,14 @@ Automatic ids: a line without one gets `line-N`, unless some line of the file cl
 its own id; then it gets `line-N-auto` (or `line-N-auto2`, ...), the first name nobody claims. A
 first pass over the file (scan_input) finds the claims, so an automatic id never collides with a
 user's id, and the same file always gives the same ids: a resume is exact.
+
+A half-written last line: the file's last line, when it has no newline and is not whole JSON, is
+taken as still being written (a producer appending to the file while the job reads it). It becomes
+an UnfinishedLine: not run, not written as an error line, left out of the count, so the rerun
+after the writer finishes answers it. A last line without a newline that is whole JSON runs as
+usual (editors often leave the newline off), and one that is whole JSON but wrong is its error
+line as anywhere else. A file that really ends in a broken line without a newline is reported by
+every run, never turned into a lasting error: adding the newline (or fixing the line) settles it.
 """
 
 from __future__ import annotations
@@ -65,6 +73,13 @@ class BadLine:
     shape: str
     code: str
     message: str
+
+
+@dataclass
+class UnfinishedLine:
+    """The last line of the input, without its newline and not whole JSON: still being written."""
+
+    line_no: int
 
 
 AUTO_PREFIX = "line-"
@@ -238,22 +253,32 @@ def check_input(path: Path) -> None:
         f.read(1)
 
 
-def _numbered_lines(path: Path) -> Iterator[tuple[int, bytes]]:
-    """(1-based line number, line without its end) for each non-blank line, streamed."""
+def _numbered_lines(path: Path) -> Iterator[tuple[int, bytes, bool]]:
+    """(1-based line number, line without its end, whether it is unfinished) for each non-blank
+    line, streamed. Unfinished: the last line, with no newline and not whole JSON (see above)."""
     with io_errors("read", path), open(path, "rb") as f:
         for line_no, raw in enumerate(f, start=1):
+            ended = raw.endswith(b"\n")
             raw = raw.rstrip(b"\r\n")
             if line_no == 1 and raw.startswith(UTF8_BOM):  # some editors start a file with one
                 raw = raw[len(UTF8_BOM):]
             if raw.strip():
-                yield line_no, raw
+                yield line_no, raw, not ended and not _whole_json(raw)
+
+
+def _whole_json(raw: bytes) -> bool:
+    try:
+        load_line(raw)
+    except Exception:  # noqa: BLE001 - whatever stops it parsing: not whole yet
+        return False
+    return True
 
 
 @dataclass(frozen=True)
 class InputScan:
     """One cheap pass over the input before the run."""
 
-    num_lines: int  # non-blank lines: the progress bar's total
+    num_lines: int  # non-blank lines, an unfinished last one left out: the progress bar's total
     shape: str  # of the first line that parses: the shape of error lines for unparsable ones
     claimed: frozenset[str]  # users' own ids that look automatic ("line-..."), which auto ids avoid
 
@@ -270,7 +295,9 @@ def _own_id(raw: bytes) -> tuple[str | None, str | None]:
 
 def scan_input(path: Path) -> InputScan:
     num_lines, shape, claimed = 0, None, set()
-    for _, raw in _numbered_lines(path):
+    for _, raw, unfinished in _numbered_lines(path):
+        if unfinished:
+            continue
         num_lines += 1
         if shape is None or AUTO_PREFIX.encode() in raw or b"\\u" in raw:  # only these lines can claim
             line_shape, own = _own_id(raw)
@@ -288,11 +315,16 @@ def detect_shape(path: Path) -> str:
     return scan_input(path).shape
 
 
-def read_jobs(path: Path, defaults: LineDefaults, scan: InputScan | None = None) -> Iterator[Job | BadLine]:
-    """Every non-blank line of `path` in order; a repeated id becomes a BadLine (the first runs)."""
+def read_jobs(path: Path, defaults: LineDefaults,
+              scan: InputScan | None = None) -> Iterator[Job | BadLine | UnfinishedLine]:
+    """Every non-blank line of `path` in order; a repeated id becomes a BadLine (the first runs), a
+    half-written last line an UnfinishedLine."""
     scan = scan or scan_input(path)
     first_line: dict[str, int] = {}
-    for line_no, raw in _numbered_lines(path):
+    for line_no, raw, unfinished in _numbered_lines(path):
+        if unfinished:
+            yield UnfinishedLine(line_no)
+            continue
         item = parse_line(raw, line_no, defaults, scan.shape, scan.claimed)
         if item.id in first_line:
             yield BadLine(item.id, line_no, item.shape, "duplicate_id",

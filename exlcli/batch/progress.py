@@ -1,4 +1,8 @@
-"""Progress on stderr: a Rich bar on a terminal, plain periodic lines otherwise. stdout is untouched."""
+"""Progress on stderr: a Rich bar on a terminal, plain periodic lines otherwise. stdout is untouched.
+
+Messages and the last error quote what a line or a server said, so they pass text.terminal_safe:
+no control sequence from them reaches the terminal.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,8 @@ from typing import TextIO
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 from rich.text import Text
+
+from exlcli.text.terminal_safe import terminal_safe
 
 
 @dataclass
@@ -89,10 +95,10 @@ class PlainProgress:
         now = time.monotonic()
         if now - self._last >= self.interval:
             self._last = now
-            print(plain_line(snap), file=self.stream, flush=True)
+            print(terminal_safe(plain_line(snap)), file=self.stream, flush=True)
 
     def message(self, text: str) -> None:
-        print(text, file=self.stream, flush=True)
+        print(terminal_safe(text), file=self.stream, flush=True)
 
     def close(self) -> None:
         pass
@@ -129,13 +135,13 @@ class RichProgress:
         self._progress.start()
 
     def update(self, snap: Snapshot) -> None:
-        self._progress.last_error = snap.last_error
+        self._progress.last_error = terminal_safe(snap.last_error) if snap.last_error else None
         self._progress.update(self._task, completed=snap.done, total=max(snap.total, snap.done, 1),
                               errors=snap.errors, tps=snap.tokens_per_s, eta=format_duration(snap.eta_s),
                               in_flight=snap.in_flight, batch=snap.batch_size)
 
     def message(self, text: str) -> None:
-        self._progress.console.print(text, markup=False, highlight=False)
+        self._progress.console.print(terminal_safe(text), markup=False, highlight=False)
 
     def close(self) -> None:
         self._progress.stop()

@@ -12,11 +12,15 @@ does them again). Either way the output holds only whole lines, and a rerun resu
 What is an error line and what is not: a line that can't be read, that the engine refuses when it
 is submitted (too long, a prompt the tokenizer or chat template rejects, any exception but "the
 engine is unreachable"), whose result can't be written, or that ends with finish_reason "error"
-gets an error line, kept on resume unless --retry-errors; all go through failures.line_error. A
-stream that breaks (connection lost) is not written at all, so a plain rerun retries it; an engine
-that can't be reached at all stops the job the same way.
+gets an error line, kept on resume unless --retry-errors (a half-written last line is not one of
+them: it is left for the rerun, see lines.py); all go through failures.line_error. A
+stream that breaks (it raises, ends without a last delta, or ends with an error marked `lost`: the
+server's connection cut off, as when the server dies) is the transport's failure, not the line's:
+it is not written at all, so a plain rerun retries it; an engine that can't be reached at all stops
+the job the same way.
 
-The whole run holds the output's lock (lock.py). An I/O error (full disk, a folder as output,
+The whole run holds the output's lock (lock.py), a lock on the file itself (device and inode), and
+every read and write of the output checks it is that file. An I/O error (full disk, a folder as output,
 no permission, the input gone) stops the job: the lines in flight are cancelled, the file keeps
 only whole lines, and the summary's failure says what happened so the CLI prints the resume command.
 """
@@ -31,8 +35,8 @@ from pathlib import Path
 
 from exlcli.batch.failures import BatchIOError, LineError, RefusedLine, line_error
 from exlcli.batch.jsonl import dump_line
-from exlcli.batch.lines import BadLine, InputScan, Job, LineDefaults, read_jobs, scan_input
-from exlcli.batch.lock import OutputLock, lock_path
+from exlcli.batch.lines import BadLine, InputScan, Job, LineDefaults, UnfinishedLine, read_jobs, scan_input
+from exlcli.batch.lock import OutputLock
 from exlcli.batch.output import DoneState, ResultWriter, check_output_path, load_done
 from exlcli.batch.progress import Snapshot, StreamedTokens
 from exlcli.batch.records import Finished, bad_line_record, error_record, result_record
@@ -117,14 +121,14 @@ class BatchRun:
     def run(self) -> BatchSummary:
         self._start = time.perf_counter()
         try:
-            check_output_path(self.output_path)  # before a lock file is made beside it
+            check_output_path(self.output_path)  # before the lock makes a missing output
             if self.lock is not None:
-                if not self.lock.held or self.lock.path != lock_path(self.output_path):
+                if not self.lock.covers(self.output_path):
                     raise ExlcliError(f"the lock passed in is not held for {self.output_path}")
-                self._run_locked()
+                self._run_locked(self.lock)
             else:
-                with OutputLock(self.output_path):
-                    self._run_locked()
+                with OutputLock(self.output_path) as lock:
+                    self._run_locked(lock)
         except BatchIOError as e:
             self.summary.failure = str(e)
         finally:
@@ -134,12 +138,14 @@ class BatchRun:
             self._tick(force=True)
         return self.summary
 
-    def _run_locked(self) -> None:
+    def _run_locked(self, lock: OutputLock) -> None:
+        if lock.covers(self.input_path):  # by any name: the same path, a symlink or a hard link
+            raise ExlcliError("the output file must not be the input file")
         scan = scan_input(self.input_path)
-        state = load_done(self.output_path, drop_errors=self.options.retry_errors)
+        state = load_done(self.output_path, drop_errors=self.options.retry_errors, lock=lock)
         self.summary.torn_bytes, self.summary.dropped_errors = state.torn_bytes, state.dropped_errors
         self.expected = max(0, scan.num_lines - state.num_written)
-        self.writer = ResultWriter(self.output_path)
+        self.writer = ResultWriter(self.output_path, lock=lock)
         try:
             try:
                 self._submit_all(state, scan)
@@ -168,6 +174,11 @@ class BatchRun:
             if self._halted():
                 self.summary.input_left = True
                 return
+            if isinstance(item, UnfinishedLine):
+                self.summary.unfinished += 1
+                self._message(f"line {item.line_no} has no newline and is not whole JSON: taken as still being "
+                              "written, not run; rerun once it is complete")
+                continue
             if state.already_written(item):
                 self.summary.skipped += 1
                 continue
@@ -261,10 +272,10 @@ class BatchRun:
             self._emit(o.seq, job, error_record(job.id, job.line_no, job.shape, o.refused.code, o.refused.message),
                        error=True)
             return
-        if o.failure is not None or last is None:
+        if o.failure is not None or last is None or last.lost:
             self.summary.lost += 1
-            self._message(f"line {job.line_no} ({job.id}): {o.failure or 'the stream ended early'}; "
-                          "not written, a rerun retries it")
+            why = o.failure or (last.error if last is not None and last.lost else None) or "the stream ended early"
+            self._message(f"line {job.line_no} ({job.id}): {why}; not written, a rerun retries it")
             self._emit(o.seq, job, None)
             return
         if last.usage is not None:

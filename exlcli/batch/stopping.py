@@ -2,6 +2,10 @@
 
 First Ctrl-C: stop submitting, let what is in flight finish and be written. Second Ctrl-C, or
 SIGTERM (a service manager wants the process gone soon): cancel what is in flight too.
+
+Before the loop runs (the model loading), there is nothing to finish: `sigterm_raises` turns a
+SIGTERM there into Terminated, so the CLI releases the output's lock and says so in one line with
+the exit code of a terminated job, instead of dying silently by the signal.
 """
 
 from __future__ import annotations
@@ -9,7 +13,9 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from typing import Iterator
+from typing import Callable, Iterator, TypeVar
+
+T = TypeVar("T")
 
 
 class StopControl:
@@ -43,3 +49,31 @@ class StopControl:
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived while nothing could be stopped gracefully (the model loading). A
+    BaseException, as KeyboardInterrupt is: no `except Exception` on the way swallows it."""
+
+
+def _raise_terminated(_signum: int, _frame: object) -> None:
+    raise Terminated()
+
+
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """Inside, SIGTERM raises Terminated in the main thread (elsewhere a no-op)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def terminable(load: Callable[..., T], *args: object, **kwargs: object) -> T:
+    """`load(*args, **kwargs)` (opening the engine: the model loads) with SIGTERM raising Terminated."""
+    with sigterm_raises():
+        return load(*args, **kwargs)

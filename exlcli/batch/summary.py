@@ -12,6 +12,7 @@ class BatchSummary:
     skipped: int = 0  # already in the output from an earlier run
     cancelled: int = 0  # in flight when stopped; not written, a rerun does them
     lost: int = 0  # streams that broke (not the request's fault); not written, a rerun does them
+    unfinished: int = 0  # a half-written last input line (lines.UnfinishedLine); not run, a rerun does it
     failure: str | None = None  # why the job stopped early on its own (engine unreachable)
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -31,6 +32,8 @@ class BatchSummary:
             parts.append(f"cancelled {self.cancelled}")
         if self.lost:
             parts.append(f"lost {self.lost}")
+        if self.unfinished:
+            parts.append(f"unfinished {self.unfinished}")
         parts.append(f"tokens {self.prompt_tokens} in / {self.completion_tokens} out")
         parts.append(f"wall {self.wall_s:.1f}s")
         parts.append(f"{self.tokens_per_s:.1f} tok/s")

@@ -16,6 +16,7 @@ from rich.console import Console, RenderableType
 from rich.text import Text
 
 from exlcli.chat.paths import history_path
+from exlcli.text.terminal_safe import terminal_safe
 
 PROMPT = ">>> "
 CONTINUATION = "... "
@@ -86,9 +87,10 @@ class ChatIO:
     # ---- output -------------------------------------------------------------------------------
 
     def say(self, message: RenderableType, style: str | None = None) -> None:
-        """A line for the user that is not answer text: command output, notices (stderr)."""
+        """A line for the user that is not answer text: command output, notices (stderr). Text is made
+        terminal-safe: it may quote a server's error or a saved conversation."""
         if isinstance(message, str):
-            message = Text(message, style=style or "")
+            message = Text(terminal_safe(message), style=style or "")
         self.err.print(message)
 
     def notice(self, message: str) -> None:

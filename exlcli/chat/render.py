@@ -3,6 +3,10 @@
 On a terminal the answer is rendered as Markdown while it streams (code blocks highlighted), in a
 live area at most a screen tall: lines that scroll above it are printed for good, so a long answer
 never duplicates or gets cropped. Off a terminal the text is written as it comes, nothing else.
+
+Both ways the answer passes text.terminal_safe first: a model's text may hold escape sequences (a
+clipboard write, a window title, a cleared screen) and none may reach the terminal; the styling
+is Rich's, added after.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from rich.text import Text
 
 from exlcli.chat.io import ChatIO
 from exlcli.client.base import Usage
+from exlcli.text.terminal_safe import TerminalFilter, terminal_safe
 
 REFRESH_INTERVAL = 1 / 20  # seconds between live redraws while tokens arrive
 
@@ -111,7 +116,7 @@ class LiveAnswer:
     def _draw(self, final: bool = False) -> None:
         self._drawn = len(self.text)
         lines = [_trim_padding(line) for line in
-                 self.console.render_lines(Markdown(self.text), self.console.options, pad=False)]
+                 self.console.render_lines(Markdown(terminal_safe(self.text)), self.console.options, pad=False)]
         keep = 0 if final else self._window()
         split = max(self._committed, len(lines) - keep)
         if split > self._committed:  # printed above the live area, for good
@@ -131,16 +136,17 @@ class PlainAnswer:
     def __init__(self, io: ChatIO) -> None:
         self.io = io
         self.text = ""
+        self._safe = TerminalFilter()  # plain output is read by people too, often on a terminal
 
     def feed(self, text: str) -> None:
         self.text += text
-        self.io.write_answer(text)
+        self.io.write_answer(self._safe.feed(text))
 
     def tick(self) -> None:
         pass
 
     def finish(self) -> None:
-        self.io.write_answer("\n")
+        self.io.write_answer(self._safe.flush() + "\n")
 
 
 def answer_view(io: ChatIO) -> "LiveAnswer | PlainAnswer":

@@ -91,11 +91,11 @@ def report(summary: "BatchSummary", output_path: Path, input_path: Path) -> int:
     if summary.stopped_by:
         left = "the rest of the input was not started" if summary.input_left else "all input was started"
         print(f"batch: stopped by {summary.stopped_by}; {left}.", file=sys.stderr)
-    if summary.stopped_by or summary.failure or summary.lost or summary.cancelled:
+    if summary.stopped_by or summary.failure or summary.lost or summary.cancelled or summary.unfinished:
         print(f"batch: to resume, run: {resume_command(input_path, output_path)}", file=sys.stderr)
     if summary.stopped_by:
         return EXIT_CODES.get(summary.stopped_by, 1)
-    return 1 if summary.failure or summary.lost else 0
+    return 1 if summary.failure or summary.lost or summary.unfinished else 0
 
 
 def register(app: typer.Typer) -> None:
@@ -154,15 +154,16 @@ def register(app: typer.Typer) -> None:
         """
         flags = EngineFlags.of(locals())
         output_path = output or default_output(input_path)
-        if output_path.resolve() == input_path.resolve():
+        from exlcli.batch.output import check_output_path, same_file
+
+        if same_file(output_path, input_path):  # by any name: a symlink or a hard link too
             raise ExlcliError("the output file must not be the input file")
         from exlcli.batch.failures import BatchIOError
         from exlcli.batch.lines import LineDefaults, check_input
         from exlcli.batch.lock import OutputLock
-        from exlcli.batch.output import check_output_path
         from exlcli.batch.progress import make_progress
         from exlcli.batch.runner import BatchOptions, run_batch
-        from exlcli.batch.stopping import StopControl
+        from exlcli.batch.stopping import StopControl, Terminated, terminable
         from exlcli.cli.batch_ray import attach_progress, check_ray_options, open_ray_client, report_actors
         from exlcli.client.base import GenerationParams
 
@@ -188,10 +189,10 @@ def register(app: typer.Typer) -> None:
 
                 check_target(quantize)  # here, once, rather than in every actor
                 spec = EngineSpec(flags.model, **flags.engine_options())
-                client = open_ray_client(ray, spec, ray_actors, gpus_per_actor, max_in_flight)
+                client = terminable(open_ray_client, ray, spec, ray_actors, gpus_per_actor, max_in_flight)
                 options.max_in_flight = client.capacity  # the pool hands lines on to its actors
             else:
-                client = open_batch_client(flags)
+                client = terminable(open_batch_client, flags)
             try:
                 print(f"batch: {input_path} -> {output_path} on {client.model_name} ({client.kind})",
                       file=sys.stderr)
@@ -206,6 +207,9 @@ def register(app: typer.Typer) -> None:
                     progress.close()
             finally:
                 client.close()
+        except Terminated:  # the model was loading: nothing ran, nothing to resume from
+            print("batch: stopped by SIGTERM while the model was loading; no line was run", file=sys.stderr)
+            raise typer.Exit(EXIT_CODES["SIGTERM"]) from None
         finally:
             lock.release()
         if summary.torn_bytes:

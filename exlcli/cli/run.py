@@ -137,6 +137,7 @@ def register(app: typer.Typer) -> None:
         flags.check_model()
         from exlcli.client.base import GenerationParams
         from exlcli.client.local import LocalClient
+        from exlcli.text.terminal_safe import TerminalFilter
 
         params = GenerationParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                   top_k=top_k, seed=seed, client="run", grammar=constraint)
@@ -149,11 +150,12 @@ def register(app: typer.Typer) -> None:
                     {"role": "user", "content": text}]
                 stream = client.chat(messages, params)
             last = None
+            safe = TerminalFilter.for_stream(sys.stdout)  # a terminal gets no control sequence from the model
             for delta in stream:
-                sys.stdout.write(delta.text)
+                sys.stdout.write(safe.feed(delta.text))
                 sys.stdout.flush()
                 last = delta
-            sys.stdout.write("\n")
+            sys.stdout.write(safe.flush() + "\n")
             if last is not None and cut_by_context(last.finish_reason, last.usage, max_tokens):
                 print(f"run: {context_cut_note(client.context_length, max_tokens)}", file=sys.stderr)
             if verbose and last is not None:

@@ -64,6 +64,9 @@ class TextDelta:
     error: str | None = None
     usage: Usage | None = None  # on the last delta
     logprobs: list | None = None  # list[exlcli.engine.request.TokenLogprob] when asked for
+    # with finish_reason "error": the transport to the engine broke (a server stream cut off), not the
+    # request; the same request may well succeed when asked again (batch leaves the line for a rerun)
+    lost: bool = False
 
     @property
     def finished(self) -> bool:

@@ -221,7 +221,8 @@ class RemoteStream(GenerationStream):
                     finish_reason = choice.get("finish_reason") or finish_reason
         except (httpx.HTTPError, OSError, ValueError, RuntimeError) as e:
             if not self._cancelled.is_set():
-                yield TextDelta(finish_reason="error", error=f"lost the server stream ({type(e).__name__}: {e})")
+                yield TextDelta(finish_reason="error", error=f"lost the server stream ({type(e).__name__}: {e})",
+                                lost=True)
                 return
         finally:
             self._response.close()
@@ -230,7 +231,7 @@ class RemoteStream(GenerationStream):
         elif finish_reason is not None:
             yield TextDelta(finish_reason=finish_reason)
         else:
-            yield TextDelta(finish_reason="error", error="the server closed the stream early")
+            yield TextDelta(finish_reason="error", error="the server closed the stream early", lost=True)
 
     def _choice_delta(self, choice: dict) -> TextDelta:
         text = (choice.get("delta") or {}).get("content") or "" if self._chat else choice.get("text") or ""

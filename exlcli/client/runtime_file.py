@@ -11,6 +11,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import secrets
 import stat
 import time
 from dataclasses import asdict, dataclass, field
@@ -79,11 +80,18 @@ def secure_runtime_dir() -> str | None:
 def write_record(record: ServerRecord) -> Path:
     path = runtime_path()
     secure_runtime_dir()
-    tmp = path.with_name(f".{FILE_NAME}.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(asdict(record), f)
-    os.replace(tmp, path)  # atomic: a reader sees the old file or the new one, never half
+    # A new file of our own under an unguessable name: O_EXCL never reuses a file or a planted
+    # link there, and O_NOFOLLOW refuses a link even where O_EXCL alone would not be enough.
+    tmp = path.with_name(f".{FILE_NAME}.{os.getpid()}.{secrets.token_hex(8)}")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(tmp, flags, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(asdict(record), f)
+        os.replace(tmp, path)  # atomic: a reader sees the old file or the new one, never half
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
 
 

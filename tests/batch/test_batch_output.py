@@ -199,3 +199,15 @@ def test_read_back_refuses_lines_that_are_not_ours_without_a_traceback(tmp_path)
     path.write_bytes(dump_line(OK_A) + b"[" * 100_000 + b"\n")  # nested too deeply for json
     with pytest.raises(ExlcliError, match="line 2 is not a batch result line"):
         load_done(path)
+
+
+def test_retry_errors_rewrites_through_a_new_file_of_its_own_never_a_planted_link(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    path = tmp_path / "out.jsonl"
+    write_lines(path, [OK_A, ERR_B])
+    (tmp_path / "out.jsonl.tmp").symlink_to(victim)  # the name a fixed temporary would have
+    assert load_done(path, drop_errors=True).dropped_errors == 1
+    assert victim.read_text() == "precious\n"
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [OK_A]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl", "out.jsonl.tmp", "victim.txt"]

@@ -48,6 +48,10 @@ class ErrorStream(GenerationStream):
         yield TextDelta(text="partial")
         if self.mode == "raise":
             raise RuntimeError("connection dropped")
+        if self.mode == "lost":  # as RemoteStream reports a server that died mid-stream
+            yield TextDelta(finish_reason="error", error="lost the server stream (RemoteProtocolError: peer closed)",
+                            lost=True)
+            return
         yield TextDelta(finish_reason="error", error="engine fell over", usage=Usage())
 
     def __aiter__(self):
@@ -68,8 +72,9 @@ class ScriptedClient(FakeClient):
         self.submitted += 1
         if self.on_submit:
             self.on_submit(self.submitted)
-        if "FAIL" in text or "RAISE" in text:
-            return ErrorStream("raise" if "RAISE" in text else "error")
+        for word, mode in (("RAISE", "raise"), ("LOST", "lost"), ("FAIL", "error")):
+            if word in text:
+                return ErrorStream(mode)
         return CountingStream(start(), self)
 
     def complete(self, prompt, params):
@@ -142,6 +147,31 @@ def test_rejected_and_failing_requests_become_error_lines_and_the_rest_run(tmp_p
     again = run(FakeClient(context_length=50), inp, out)
     assert (again.done, again.skipped) == (1, 8)
     assert {r["id"]: r for r in read_jsonl(out)}["r"]["text"] == "echo: RAISE"
+
+
+def test_a_stream_whose_transport_broke_is_not_written_and_a_plain_rerun_answers_it(tmp_path, write_jsonl,
+                                                                                   read_jsonl):
+    rows = prompts(4) + [{"id": "cut", "prompt": "LOST on the way"}, {"id": "bad", "prompt": "FAIL"}]
+    inp, out = write_jsonl(rows), tmp_path / "out.jsonl"
+    messages = []
+
+    class Progress:
+        def message(self, text):
+            messages.append(text)
+
+        def update(self, snapshot):
+            pass
+
+    summary = run_batch(ScriptedClient(), inp, out, GREEDY, BatchOptions(max_in_flight=2), progress=Progress())
+    assert (summary.done, summary.errors, summary.lost) == (4, 1, 1)
+    by_id = {r["id"]: r for r in read_jsonl(out)}
+    assert "cut" not in by_id  # the connection's failure, not the line's: left for the rerun
+    assert by_id["bad"]["error"]["code"] == "engine_error"  # the request's own error stays an error line
+    assert any(m.startswith("line 5 (cut): lost the server stream") and m.endswith("a rerun retries it")
+               for m in messages)
+    again = run(FakeClient(), inp, out)
+    assert (again.done, again.errors, again.skipped) == (1, 0, 5)
+    assert {r["id"]: r for r in read_jsonl(out)}["cut"]["text"] == "echo: LOST on the way"
 
 
 def test_an_unreachable_engine_stops_the_job_and_a_rerun_finishes_it(tmp_path, write_jsonl, read_jsonl):
@@ -344,3 +374,26 @@ def test_an_input_that_vanishes_or_an_output_folder_is_a_failure_not_a_traceback
     missing = tmp_path / "gone.jsonl"
     summary = run(ScriptedClient(), missing, tmp_path / "out.jsonl")
     assert summary.failure == f"cannot read {missing}: No such file or directory"
+
+
+def test_a_half_written_last_line_is_left_for_the_rerun_not_made_a_lasting_error(tmp_path, read_jsonl):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_bytes(b'{"id": "a", "prompt": "first"}\n{"id": "b", "prompt": "sec')  # a writer mid-line
+    summary = run(FakeClient(), inp, out)
+    assert [r["id"] for r in read_jsonl(out)] == ["a"]  # no error line for b
+    assert (summary.done, summary.errors, summary.unfinished) == (1, 0, 1)
+    with open(inp, "ab") as f:  # the writer finishes the line
+        f.write(b'ond"}\n')
+    again = run(FakeClient(), inp, out)
+    assert (again.done, again.errors, again.skipped, again.unfinished) == (1, 0, 1, 0)
+    assert {r["id"]: r["text"] for r in read_jsonl(out)} == {"a": "echo: first", "b": "echo: second"}
+
+
+def test_a_last_line_without_newline_that_is_whole_json_runs_or_is_its_error_as_usual(tmp_path, read_jsonl):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_bytes(b'{"id": "a", "prompt": "x"}\n{"id": "b", "prompt": "no newline"}')
+    assert (run(FakeClient(), inp, out).done, read_jsonl(out)[-1]["text"]) == (2, "echo: no newline")
+    inp.write_bytes(b'{"id": "c", "prompt": "x"}\n[1, 2]')
+    summary = run(FakeClient(), inp, tmp_path / "out2.jsonl")
+    assert (summary.done, summary.errors) == (1, 1)
+    assert read_jsonl(tmp_path / "out2.jsonl")[-1]["error"]["code"] == "invalid_type"

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -68,36 +69,64 @@ def test_a_file_of_hostile_lines_finishes_every_line_is_run_or_an_error_line_and
     assert len(read(out)) == 11
 
 
-def test_a_second_batch_process_on_the_same_output_refuses_at_once_and_the_first_is_unharmed(tmp_path):
-    rows = [{"id": f"c{i}", "prompt": "w1 w2 w3 w4 w5"} for i in range(200)]
+@pytest.mark.parametrize("name", ["same", "symlink", "hardlink"])
+def test_a_second_batch_process_on_the_same_output_refuses_at_once_and_the_first_is_unharmed(tmp_path, name):
+    # long enough (about a minute) that the first is still writing when the second has started, on a busy machine
+    rows = [{"id": f"c{i}", "prompt": "w1 w2 w3 w4 w5"} for i in range(1000)]
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cmd = [sys.executable, "-m", "exlcli", "batch", str(inp), "-o", str(out), "--max-in-flight", "2"]
     first = subprocess.Popen(cmd + ["--model", "fake:echo:0.02"], env=ENV, stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True)
+    other = out if name == "same" else tmp_path / "link.jsonl"  # the same file by another name
     try:
-        lock = tmp_path / "out.jsonl.lock"
         deadline = time.monotonic() + 30
-        while not (lock.exists() and lock.read_text().strip() == str(first.pid) and out.exists()
-                   and out.read_bytes().count(b"\n") >= 1):  # holding the lock and writing
+        while not (out.exists() and out.read_bytes().count(b"\n") >= 1):  # holding the lock and writing
             assert time.monotonic() < deadline and first.poll() is None, "the first run never got going"
             time.sleep(0.05)
-        second = subprocess.run(cmd + FAKE, env=ENV, capture_output=True, text=True, timeout=60)
+        if name == "symlink":
+            other.symlink_to(out)
+        elif name == "hardlink":
+            os.link(out, other)
+        second = subprocess.run(cmd[:6] + [str(other)] + cmd[7:] + FAKE, env=ENV, capture_output=True, text=True,
+                                timeout=60)
         assert first.poll() is None, "the first run ended before the second was tried: make it longer"
     finally:
         first.send_signal(signal.SIGINT)  # stop: the lines in flight finish and are written
         _, first_err = first.communicate(timeout=60)
     assert second.returncode == 1 and second.stdout == ""
     assert second.stderr.splitlines() == [
-        f"error: {out} is being written by another exlcli batch (pid {first.pid}); "
+        f"error: {other} is being written by another exlcli batch (pid {first.pid}); "
         "wait for it to finish, or stop it first"]
     assert first.returncode == 130 and "Traceback" not in first_err
     ids = [r["id"] for r in read(out)]
-    assert len(ids) == len(set(ids)) and 0 < len(ids) < 200  # one writer: no id twice
-    assert not lock.exists()
-    rest = subprocess.run(cmd + FAKE, env=ENV, capture_output=True, text=True, timeout=60)
+    assert len(ids) == len(set(ids)) and 0 < len(ids) < len(rows)  # one writer: no id twice
+    assert not (tmp_path / "out.jsonl.lock").exists() and not (tmp_path / "link.jsonl.lock").exists()
+    rest = subprocess.run(cmd[:6] + [str(other)] + cmd[7:] + FAKE, env=ENV, capture_output=True, text=True,
+                          timeout=60)
     assert rest.returncode == 0, rest.stderr
     assert sorted(r["id"] for r in read(out)) == sorted(r["id"] for r in rows)  # now each id exactly once
+
+
+@pytest.mark.parametrize("link", ["symlink", "hardlink"])
+def test_a_link_to_the_input_as_output_is_refused_before_anything_runs(tmp_path, link):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text('{"id": "a", "prompt": "x"}\n')
+    out.symlink_to(inp) if link == "symlink" else os.link(inp, out)
+    result = invoke(inp, "-o", out, *FAKE)
+    assert result.exit_code == 1 and result.stdout == ""
+    assert result.stderr.splitlines() == ["error: the output file must not be the input file"]
+    assert inp.read_text() == '{"id": "a", "prompt": "x"}\n'
+
+
+def test_an_unrelated_file_as_output_is_refused_and_not_a_byte_is_cut(tmp_path):
+    inp, notes = tmp_path / "in.jsonl", tmp_path / "notes.md"
+    inp.write_text('{"id": "a", "prompt": "x"}\n')
+    notes.write_bytes(b"# notes\nthe last line has no newline")
+    result = invoke(inp, "-o", notes, *FAKE)
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert f"error: {notes} line 1 is not a batch result line; is -o the right file?" in result.stderr.splitlines()
+    assert notes.read_bytes() == b"# notes\nthe last line has no newline"
 
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO, errno.EACCES], ids=["ENOSPC", "EIO", "EACCES"])
@@ -163,3 +192,43 @@ def test_an_input_gone_after_a_run_left_results_is_one_line_plus_the_resume_comm
     assert result.stderr.splitlines() == [
         f"error: cannot read {inp}: No such file or directory",
         f"batch: to resume, run: exlcli batch {inp} -o {out} (same options)"]  # the results are there to go on from
+
+
+def test_a_half_written_last_line_is_named_and_the_job_says_how_to_resume(tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_bytes(b'{"id": "a", "prompt": "x"}\n{"id": "b", "pro')
+    result = invoke(inp, "-o", out, *FAKE, "--progress-every", "0")
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "line 2 has no newline and is not whole JSON: taken as still being written, not run" in result.stderr
+    assert "done 1, errors 0, skipped 0, unfinished 1" in result.stderr
+    assert result.stderr.splitlines()[-1].startswith("batch: to resume, run: exlcli batch ")
+    assert [r["id"] for r in read(out)] == ["a"]
+
+
+def test_sigterm_while_the_model_loads_is_one_line_and_the_exit_code_of_a_terminated_job(tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text('{"id": "a", "prompt": "x"}\n')
+    driver = textwrap.dedent(f"""
+        import sys, time
+        import exlcli.client.factory as factory
+
+        def slow_load(*args, **kwargs):  # a model that takes long to load
+            print("loading", file=sys.stderr, flush=True)
+            time.sleep(60)
+
+        factory.open_client = slow_load
+        from exlcli.cli.app import app
+        app(["batch", {str(inp)!r}, "-o", {str(out)!r}, "--model", "fake:echo:0"])
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", driver], env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr.readline().strip() == "loading"
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert stdout == "" and stderr.splitlines() == [
+        "batch: stopped by SIGTERM while the model was loading; no line was run"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]  # no output made, no lock left

@@ -4,12 +4,18 @@ the runtime file) at batch priority."""
 import contextlib
 import json
 import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 from typer.testing import CliRunner
 
 from exlcli.cli.app import app
 from exlcli.client.fake import FakeClient
-from exlcli.client.runtime_file import ServerRecord, write_record
+from exlcli.client.runtime_file import ServerRecord, server_answers, write_record
 from tests.server.server_helpers import running_server
 
 
@@ -56,3 +62,63 @@ def test_batch_finds_a_running_server_without_being_told(tmp_path, private_runti
     assert result.exit_code == 0, result.output
     assert f"using the running exlcli server at {url}" in result.stderr
     check_results(out, engine)
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_process(env, delay: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "exlcli", "serve", "--model", f"fake:echo:{delay}",
+                             "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while not server_answers(url, 0.2):
+        assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    return proc, url
+
+
+def test_a_server_killed_mid_job_leaves_its_in_flight_lines_unwritten_and_a_plain_rerun_answers_every_line(
+        tmp_path, private_runtime_dir):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "NO_COLOR": "1"}
+    rows = [{"id": f"k{i}", "prompt": " ".join(["w"] * 30)} for i in range(60)]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    server, url = serve_process(env, "0.01")
+    try:
+        batch = subprocess.Popen([sys.executable, "-m", "exlcli", "batch", str(inp), "-o", str(out), "--server", url,
+                                  "--max-in-flight", "8"], env=env, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while not (out.exists() and out.read_bytes().count(b"\n") >= 8):  # 8 written, 8 more in flight
+            assert batch.poll() is None and time.monotonic() < deadline, "the job never got going"
+            time.sleep(0.02)
+    finally:
+        server.send_signal(signal.SIGKILL)  # the transport breaks under every stream in flight
+        server.wait()
+    _, err = batch.communicate(timeout=60)
+    assert batch.returncode == 1 and "Traceback" not in err
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    assert 8 <= len(written) < 60
+    assert [r for r in written if "error" in r] == []  # a broken stream is not the line's error
+    assert "not written, a rerun retries it" in err and "batch: to resume, run: exlcli batch" in err
+
+    server, url = serve_process(env, "0")
+    try:
+        rerun = subprocess.run([sys.executable, "-m", "exlcli", "batch", str(inp), "-o", str(out), "--server", url],
+                               env=env, capture_output=True, text=True, timeout=120)
+    finally:
+        server.send_signal(signal.SIGKILL)
+        server.wait()
+    assert rerun.returncode == 0, rerun.stderr
+    assert f"skipped {len(written)}" in rerun.stderr
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["id"] for r in records) == sorted(r["id"] for r in rows)  # every line once, none lost
+    assert all(r.get("text") == "echo: " + " ".join(["w"] * 30) for r in records)
