@@ -66,9 +66,10 @@ def grammar_from_flags(json_schema: str | None, regex: str | None, grammar: str 
     return GrammarSpec("grammar", text)
 
 
-def verbose_summary(usage, stats) -> str:
-    """`run --verbose`: the request's tokens and speeds, and the engine's speculative counters."""
-    parts = []
+def verbose_summary(usage, stats, startup: str | None = None) -> str:
+    """`run --verbose`: the process's start (`startup`: load and load-to-first-token), the request's tokens
+    and speeds, and the engine's speculative counters."""
+    parts = [startup] if startup else []
     if usage is not None:
         parts.append(f"{usage.prompt_tokens} prompt tokens ({usage.cached_tokens} cached), "
                      f"{usage.completion_tokens} generated")
@@ -118,6 +119,7 @@ def register(app: typer.Typer) -> None:
         window: WindowOption = None,
     ) -> None:
         """Generate one answer and print only the completion."""
+        from exlcli.bench.startup import process_age, startup_summary
         from exlcli.client.local import LocalClient
 
         constraint = grammar_from_flags(json_schema, regex, grammar)
@@ -136,14 +138,17 @@ def register(app: typer.Typer) -> None:
                 messages = ([{"role": "system", "content": system}] if system else []) + [
                     {"role": "user", "content": text}]
                 stream = client.chat(messages, params)
-            last = None
+            last = first_token_age = None
             for delta in stream:
+                if first_token_age is None and delta.token_ids:
+                    first_token_age = process_age()
                 sys.stdout.write(delta.text)
                 sys.stdout.flush()
                 last = delta
             sys.stdout.write("\n")
             if verbose and last is not None:
-                print(verbose_summary(last.usage, client.stats()), file=sys.stderr)
+                startup = startup_summary(client.loaded.load_time_s, first_token_age)
+                print(verbose_summary(last.usage, client.stats(), startup), file=sys.stderr)
             if last is not None and last.finish_reason == "error":
                 raise fail(last.error or "generation failed")
         finally:

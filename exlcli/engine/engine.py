@@ -37,6 +37,7 @@ from exlcli.model.interface import CausalLM
 from exlcli.model.kv_cache import KVCache, check_kv_cache_dtype, kv_cache_dtype
 from exlcli.model.transfer import to_device
 from exlcli.ops.argmax import with_nonfinite_flags
+from exlcli.ops.cpu import loader as cpu_loader
 from exlcli.text.detok import TextStreamer
 
 log = logging.getLogger("exlcli.engine")
@@ -353,8 +354,8 @@ class Engine:
         after each small op, only take cores from it (measured on 2 cores: 36 vs 24 tok/s at batch 1
         on the engine's thread; 48 vs 41 on the caller's thread with the AVX2 kernels), so torch
         computes single-threaded wherever the engine steps."""
-        if self.model.device.type == "cpu" and torch.get_num_threads() != 1:
-            torch.set_num_threads(1)
+        if self.model.device.type == "cpu":
+            cpu_loader.single_threaded_torch()
 
     def _loop(self) -> None:
         while True:
