@@ -46,8 +46,10 @@ def _tensor(t: Any) -> "torch.Tensor | QuantizedWeight":
             f"tensor {t.name} has type {kind}, which exlcli cannot run; supported: {', '.join(SUPPORTED_TYPES)}")
     if len(dims) != 2:
         raise UnsupportedTensorTypeError(f"tensor {t.name}: {kind} with {len(dims)} dims is not supported")
-    return QuantizedWeight(formats.by_name(kind), (dims[0], dims[1]),
-                           torch.from_numpy(data.copy()).reshape(dims[0], -1))
+    # the blocks stay in the file's memory map (copied where the reader's arrays are read-only): the CPU repack
+    # reads them there
+    blocks = torch.from_numpy(data if data.flags.writeable else data.copy())
+    return QuantizedWeight(formats.by_name(kind), (dims[0], dims[1]), blocks.reshape(dims[0], -1))
 
 
 def load_gguf_tensors(reader: Any, meta: dict[str, Any]) -> tuple[ModelConfig, dict[str, Any]]:

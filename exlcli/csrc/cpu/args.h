@@ -48,6 +48,19 @@ typedef struct {
 } exl_repack_args;
 int exl_repack(const exl_repack_args *args);
 
+// A weight's values from GGUF blocks, as the format's dequantize() computes them, then rounded to bf16 (to
+// nearest even) or kept fp32 (repack.c: the formats of exl_repack_args). Returns 0, or 2 for another format.
+typedef struct {
+    const uint8_t *src;  // the blocks of row r at src + r * row_bytes
+    int64_t row_bytes;
+    int64_t rows;
+    int64_t in_features;
+    int32_t format;     // GGML type, as exl_repack_args.format
+    int32_t bf16;       // 1: out is bf16, 0: fp32
+    void *out;          // [rows, in_features] contiguous
+} exl_dequantize_args;
+int exl_dequantize(const exl_dequantize_args *args);
+
 // Paged attention over decode rows and prefill chunks of many sequences (attention.c).
 typedef struct {
     const uint16_t *q;  // bf16 [T, heads, dim]

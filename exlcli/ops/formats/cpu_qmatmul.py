@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from exlcli.ops.cpu import loader as cpu_loader
-from exlcli.ops.cpu.args import QMatmulArgs, RepackArgs
+from exlcli.ops.cpu.args import DequantizeArgs, QMatmulArgs, RepackArgs
 from exlcli.ops.formats.base import Linear, MakeLinear, QuantizedWeight
 
 BLOCK = 32  # weights per (scale, offset) pair, as in the C file
@@ -43,6 +43,25 @@ def _kernel():
 def _repack():
     """The C repack (repack.c) with its signature set, or None without the CPU kernels."""
     return cpu_loader.kernel_function(RepackArgs, available="exl_repack_available")
+
+
+@functools.cache
+def _dequantize():
+    return cpu_loader.kernel_function(DequantizeArgs, available="exl_repack_available")
+
+
+def dequantized(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """weight.dequantize(dtype), computed by the C code (repack.c, on the kernel pool) where it reads the format
+    and dtype is bf16 or fp32: the same values, the same bits (a model's quantized embedding, at load)."""
+    blocks = weight.blocks
+    if (weight.fmt.name not in C_REPACKED or weight.input_order is not None or blocks.stride(-1) != 1
+            or dtype not in (torch.bfloat16, torch.float32) or _dequantize() is None):
+        return weight.dequantize(dtype)
+    out = torch.empty(weight.shape, dtype=dtype)
+    args = DequantizeArgs(src=blocks.data_ptr(), row_bytes=blocks.stride(0), rows=weight.shape[0],
+                          in_features=weight.shape[1], format=weight.fmt.gguf_type, bf16=dtype == torch.bfloat16,
+                          out=out.data_ptr())
+    return out if _dequantize()(ctypes.byref(args)) == 0 else weight.dequantize(dtype)
 
 
 # the formats whose blocks the C repack reads (repack.c), by GGUF name

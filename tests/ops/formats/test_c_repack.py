@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from exlcli.ops.formats import QuantizedWeight, by_name, q4_0, q4_1, q4_k, q5_0, q5_1, q5_k, q6_k, q8_0
-from exlcli.ops.formats.cpu_qmatmul import C_REPACKED, QuantCpuLinear, available, high_bit_planes
+from exlcli.ops.formats.cpu_qmatmul import C_REPACKED, QuantCpuLinear, available, dequantized, high_bit_planes
+from exlcli.ops.linear import dense_weight
 
 pytestmark = pytest.mark.skipif(not available(), reason="CPU kernels not built here")
 
@@ -113,3 +114,18 @@ def test_rows_of_a_strided_view_are_read_in_place():
     part = QuantizedWeight(big.fmt, (13, 512), big.blocks[5:18])
     c = QuantCpuLinear.from_blocks(part, 4)
     assert_same_layout(c, QuantCpuLinear(*q4_1.unpack(big.blocks[5:18]), bits=4))
+
+
+@pytest.mark.parametrize("qtype", sorted(C_REPACKED))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_c_dequantize_equals_the_format_dequantize(qtype, dtype):
+    w = random_blocks(qtype, 17, 512, seed=6)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(dequantized(w, dtype).view(bits), w.dequantize(dtype).view(bits))
+
+
+def test_a_cpu_models_quantized_embedding_is_dequantized_by_the_c_code(monkeypatch):
+    w = random_blocks("Q8_0", 9, 256, seed=7)
+    monkeypatch.setattr(QuantizedWeight, "dequantize", lambda *a: pytest.fail("dequantized in torch"))
+    dense = dense_weight(w, torch.bfloat16, torch.device("cpu"))
+    assert dense.shape == (9, 256) and dense.dtype == torch.bfloat16
