@@ -264,8 +264,14 @@ static int fits_blocks(int f, int64_t in_features) {
     return in_features % ((f == Q4_K || f == Q5_K || f == Q6_K) ? 256 : BLOCK) == 0;
 }
 
+// The bits of the format's q: a layout of fewer would drop some, one of more (other than 8) has no such q.
+static int q_bits(int f) {
+    return (f == Q4_0 || f == Q4_1 || f == Q4_K) ? 4 : (f == Q5_0 || f == Q5_1 || f == Q5_K) ? 5 : f == Q6_K ? 6 : 8;
+}
+
 int exl_repack(const exl_repack_args *args) {
     const int f = args->format, bits = args->bits;
+    if (bits != 8 && bits != q_bits(f)) return 2;
     if (!known_format(f) || !fits_blocks(f, args->in_features) || (bits != 4 && bits != 5 && bits != 6 && bits != 8) || args->in_features % BLOCK ||
         args->scales_per_block != (f == Q6_K ? 2 : 1))
         return 2;

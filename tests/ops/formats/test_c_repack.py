@@ -129,3 +129,10 @@ def test_a_cpu_models_quantized_embedding_is_dequantized_by_the_c_code(monkeypat
     monkeypatch.setattr(QuantizedWeight, "dequantize", lambda *a: pytest.fail("dequantized in torch"))
     dense = dense_weight(w, torch.bfloat16, torch.device("cpu"))
     assert dense.shape == (9, 256) and dense.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(("qtype", "bits"), [("Q8_0", 4), ("Q6_K", 5), ("Q5_0", 4), ("Q4_K", 5)])
+def test_a_layout_that_does_not_fit_the_formats_q_is_refused(qtype, bits):
+    if bits in (5, 6) and not high_bit_planes():
+        pytest.skip("no 5- and 6-bit layouts on this CPU's kernel")
+    assert QuantCpuLinear.from_blocks(random_blocks(qtype, 16, 256, seed=8), bits) is None
