@@ -1,10 +1,12 @@
 """The CPU linear of block-quantized weights through csrc/cpu/qmatmul.c (AVX2, AVX-512 CPUs included).
 
-The weights are repacked once, at load, into groups of 16 output columns (one per SIMD lane; see the
-C file for the layout and the arithmetic); activations are bf16, results fp32 rounded to bf16 (or
-fp32 logits). `reference()` computes the exact product with torch ops from the repacked groups: the
-oracle of the tests, and what runs inside `kernels_disabled()`. The kernel (`kernel_mode()`, 0 where
-it is not built) quantizes each row's activations to int8 per block of 32 and sums integer products
+The weights are repacked once, at load, into groups of 16 output columns (one per SIMD lane; see the C
+file for the layout and the arithmetic): by csrc/cpu/repack.c straight from the file's blocks on the
+kernel pool (`QuantCpuLinear.from_blocks`), else by this module's torch ops, the C repack's oracle.
+Activations are bf16, results fp32 rounded to bf16 (or fp32 logits). `reference()` computes the exact
+product with torch ops from the repacked groups: the oracle of the tests, and what runs inside
+`kernels_disabled()`. The kernel (`kernel_mode()`, 0 where it is not built) quantizes each row's
+activations to int8 per block of 32 and sums integer products
 (llama.cpp's way on CPUs: 2.4-2.8x faster per call than fp32 products on an AVX2 AMD EPYC, and faster
 than the exact bf16 products of the AVX-512 BF16 body it replaced on an Intel Xeon), which
 `emulate_kernel()` reproduces bit for bit with torch ops. The kernel takes any weights of the
