@@ -97,10 +97,13 @@ def test_five_bits_without_offsets_are_left_to_the_python_repack(qtype):
     assert not c.offsets
 
 
-def test_the_cpu_linear_of_a_format_goes_through_the_c_repack():
-    w = random_blocks("Q4_K", 17, 512, seed=3)
+@pytest.mark.parametrize("qtype", sorted(C_REPACKED))
+def test_the_cpu_linear_of_a_format_goes_through_the_c_repack(qtype, monkeypatch):
+    w = random_blocks(qtype, 17, 512, seed=3)
+    expected = QuantCpuLinear(*MODULES[qtype].unpack(w.blocks), bits=held_bits(qtype)[0])
+    monkeypatch.setattr(QuantCpuLinear, "__init__", lambda *a, **k: pytest.fail("repacked in Python"))
     lin = w.fmt.cpu_linear(w, None, torch.device("cpu"), torch.bfloat16)
-    assert_same_layout(lin, QuantCpuLinear(*q4_k.unpack(w.blocks), bits=4))
+    assert_same_layout(lin, expected)
 
 
 def test_a_format_it_does_not_read_is_left_to_python():
