@@ -169,6 +169,9 @@ def register(app: typer.Typer) -> None:
         save: SaveOption = None,
         plot: PlotOption = None,
         seed: SeedOption = 0,
+        cold: Annotated[bool, typer.Option(
+            "--cold", help="Instead: load-to-first-token of fresh processes (import, load, first token), median "
+                           "of --reps, with the model file in the page cache and evicted from it.")] = False,
     ) -> None:
         """Prefill (pp) and decode (tg) tokens/s, llama-bench style; `serve` and `mixed` below.
 
@@ -198,6 +201,11 @@ def register(app: typer.Typer) -> None:
         options.validate()
         check_format(fmt)
         check_plot(plot)
+        if cold:
+            from exlcli.bench import cold as cold_start
+
+            emit(cold_start.run_cold(model, device, dtype, threads, quantize, reps), cold_start.COLUMNS, fmt, save)
+            return
         if threads is not None and not (device or "").startswith("cuda"):
             start_cpu_threads(threads)
         emit(run_suite(options), COLUMNS, fmt, save, plot)

@@ -79,9 +79,10 @@ def context_cut_note(context_length: int | None, max_tokens: int) -> str:
             f"before -n {max_tokens}: a larger -c/--ctx-size or --context-overflow shift lets it go on")
 
 
-def verbose_summary(usage, stats) -> str:
-    """`run --verbose`: the request's tokens and speeds, and the engine's speculative counters."""
-    parts = []
+def verbose_summary(usage, stats, startup: str | None = None) -> str:
+    """`run --verbose`: the process's start (`startup`: load and load-to-first-token), the request's tokens
+    and speeds, and the engine's speculative counters."""
+    parts = [startup] if startup else []
     if usage is not None:
         parts.append(f"{usage.prompt_tokens} prompt tokens ({usage.cached_tokens} cached), "
                      f"{usage.completion_tokens} generated")
@@ -135,6 +136,7 @@ def register(app: typer.Typer) -> None:
         constraint = grammar_from_flags(json_schema, regex, grammar)
         text = read_prompt(prompt)
         flags.check_model()
+        from exlcli.bench.startup import process_age, startup_summary
         from exlcli.client.base import GenerationParams
         from exlcli.client.local import LocalClient
         from exlcli.text.terminal_safe import TerminalFilter
@@ -149,9 +151,11 @@ def register(app: typer.Typer) -> None:
                 messages = ([{"role": "system", "content": system}] if system else []) + [
                     {"role": "user", "content": text}]
                 stream = client.chat(messages, params)
-            last = None
+            last = first_token_age = None
             safe = TerminalFilter.for_stream(sys.stdout)  # a terminal gets no control sequence from the model
             for delta in stream:
+                if first_token_age is None and delta.token_ids:
+                    first_token_age = process_age()
                 sys.stdout.write(safe.feed(delta.text))
                 sys.stdout.flush()
                 last = delta
@@ -159,7 +163,8 @@ def register(app: typer.Typer) -> None:
             if last is not None and cut_by_context(last.finish_reason, last.usage, max_tokens):
                 print(f"run: {context_cut_note(client.context_length, max_tokens)}", file=sys.stderr)
             if verbose and last is not None:
-                print(verbose_summary(last.usage, client.stats()), file=sys.stderr)
+                startup = startup_summary(client.loaded.load_time_s, first_token_age)
+                print(verbose_summary(last.usage, client.stats(), startup), file=sys.stderr)
             if last is not None and last.finish_reason == "error":
                 raise fail(last.error or "generation failed")
         finally:

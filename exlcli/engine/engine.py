@@ -13,8 +13,6 @@ import logging
 import threading
 import time
 
-import torch
-
 from exlcli.engine.context_window import resolve_policy
 from exlcli.engine.failure_policy import FailurePolicy
 from exlcli.engine.handles import RequestHandle
@@ -30,6 +28,7 @@ from exlcli.engine.step_launch import LaunchedStep, StepLauncher
 from exlcli.engine.step_readback import StepReadback
 from exlcli.errors import RequestError
 from exlcli.model.interface import CausalLM
+from exlcli.ops.cpu import loader as cpu_loader
 
 __all__ = ["Engine", "EngineConfig", "RequestHandle"]
 
@@ -170,8 +169,8 @@ class Engine:
         after each small op, only take cores from it (measured on 2 cores: 36 vs 24 tok/s at batch 1
         on the engine's thread; 48 vs 41 on the caller's thread with the AVX2 kernels), so torch
         computes single-threaded wherever the engine steps."""
-        if self.model.device.type == "cpu" and torch.get_num_threads() != 1:
-            torch.set_num_threads(1)
+        if self.model.device.type == "cpu":
+            cpu_loader.single_threaded_torch()
 
     def _loop(self) -> None:
         while True:

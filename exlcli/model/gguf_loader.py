@@ -48,8 +48,10 @@ def _tensor(t: Any) -> "torch.Tensor | QuantizedWeight":
         dims = [dims[0] * dims[1], dims[2]]
     if len(dims) != 2:
         raise UnsupportedTensorTypeError(f"tensor {t.name}: {kind} with {len(dims)} dims is not supported")
-    return QuantizedWeight(formats.by_name(kind), (dims[0], dims[1]),
-                           torch.from_numpy(data.copy()).reshape(dims[0], -1))
+    # the blocks stay in the file's memory map (copied where the reader's arrays are read-only): the CPU repack
+    # reads them there
+    blocks = torch.from_numpy(data if data.flags.writeable else data.copy())
+    return QuantizedWeight(formats.by_name(kind), (dims[0], dims[1]), blocks.reshape(dims[0], -1))
 
 
 def _experts(t: Any, value: "torch.Tensor | QuantizedWeight", num_experts: int) -> list:

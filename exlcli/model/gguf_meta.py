@@ -106,7 +106,9 @@ class GGUFFile:
 
         self.path = path
         with open(path, "rb") as f:
-            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            # a private mapping: its pages are the page cache's until written (nothing writes them), and arrays
+            # of it are writable, so the loader's tensors view the file's bytes instead of copying them
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         buf = memoryview(self._map)
         c = _Cursor(buf)
         if bytes(buf[:4]) != GGUF_MAGIC:

@@ -95,6 +95,10 @@ def load_model(spec: str | None = None, device: str | None = None, dtype: str | 
     quantize = check_target(quantize)
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
+    if dev.type == "cpu":
+        from exlcli.ops.cpu.loader import single_threaded_torch
+
+        single_threaded_torch()  # the repack runs on the kernels' pool: torch's threads would only contend
     path = resolve_model_path(spec, log=log)
     if path.startswith("random:"):
         from exlcli.model.random_weights import SyntheticTokenizer, random_config, random_tensors

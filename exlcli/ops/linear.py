@@ -12,6 +12,7 @@ import logging
 
 import torch
 
+from exlcli.ops.formats import cpu_qmatmul
 from exlcli.ops.formats.base import Linear, QuantizedWeight
 from exlcli.ops.formats.dense import dense_linear
 from exlcli.ops.formats.input_order import SideBySideLinear
@@ -23,9 +24,13 @@ Weight = "torch.Tensor | QuantizedWeight"
 __all__ = ["Linear", "Weight", "dense_weight", "make_linear"]
 
 
-def dense_weight(w: "torch.Tensor | QuantizedWeight", dtype: torch.dtype) -> torch.Tensor:
-    """The weight as a dense tensor of `dtype` (dequantized if it is quantized)."""
-    return w.dequantize(dtype) if isinstance(w, QuantizedWeight) else w.to(dtype)
+def dense_weight(w: "torch.Tensor | QuantizedWeight", dtype: torch.dtype,
+                 device: torch.device | None = None) -> torch.Tensor:
+    """The weight as a dense tensor of `dtype` (dequantized if it is quantized: by the CPU kernels' C code for a
+    model on the CPU, which builds them anyway)."""
+    if not isinstance(w, QuantizedWeight):
+        return w.to(dtype)
+    return cpu_qmatmul.dequantized(w, dtype) if device is not None and device.type == "cpu" else w.dequantize(dtype)
 
 
 def make_linear(weights: list, biases: list | None, device: torch.device, dtype: torch.dtype) -> Linear:
@@ -47,6 +52,6 @@ def make_linear(weights: list, biases: list | None, device: torch.device, dtype:
             return lin
         log.debug("no %s linear for %s weights in %s: dequantized", device.type, fmt.name, dtype)
     # one dense weight is taken as it is (no copy: a tied head shares the embedding)
-    parts = [dense_weight(w, dtype) for w in weights]
+    parts = [dense_weight(w, dtype, device) for w in weights]
     dense = torch.cat(parts) if len(parts) > 1 else parts[0]
     return dense_linear(dense.to(device).contiguous(), bias)

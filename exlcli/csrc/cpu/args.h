@@ -29,6 +29,38 @@ typedef struct {
 } exl_qmatmul_args;
 int exl_qmatmul(const exl_qmatmul_args *args);
 
+// qmatmul's layout of GGUF blocks (qs, d, m of exl_qmatmul_args) built from the file's rows (repack.c):
+// the same bytes as cpu_qmatmul.py's QuantCpuLinear makes of the format's unpack(). Returns 0, or 2 for a
+// format or layout it does not build (then Python repacks).
+typedef struct {
+    const uint8_t *src;  // the blocks of row r at src + r * row_bytes (a memory map of the file)
+    int64_t row_bytes;
+    int64_t rows;       // N
+    int64_t in_features;  // K
+    int32_t format;     // GGML type: 2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K
+    int32_t bits;       // the layout: 4, 5, 6 or 8 (exl_qmatmul_args.bits)
+    int32_t zero;       // added to q before it is held (Q5_0's q - 16 held as q: 16; Q6_K: 32)
+    int32_t scales_per_block;  // 1, or 2 (Q6_K)
+    uint8_t *qs;        // out: [G, K / 32, bytes per block of the layout], G = ceil(N / 16)
+    float *d;           // out: fp32 [G, K / 32, scales_per_block, 16]
+    float *m;           // out: fp32 [G, K / 32, 16]
+    int32_t *found;     // out: bit 0 some offset is not zero, bit 1 every d and m is exact in fp16
+} exl_repack_args;
+int exl_repack(const exl_repack_args *args);
+
+// A weight's values from GGUF blocks, as the format's dequantize() computes them, then rounded to bf16 (to
+// nearest even) or kept fp32 (repack.c: the formats of exl_repack_args). Returns 0, or 2 for another format.
+typedef struct {
+    const uint8_t *src;  // the blocks of row r at src + r * row_bytes
+    int64_t row_bytes;
+    int64_t rows;
+    int64_t in_features;
+    int32_t format;     // GGML type, as exl_repack_args.format
+    int32_t bf16;       // 1: out is bf16, 0: fp32
+    void *out;          // [rows, in_features] contiguous
+} exl_dequantize_args;
+int exl_dequantize(const exl_dequantize_args *args);
+
 // Paged attention over decode rows and prefill chunks of many sequences (attention.c).
 typedef struct {
     const uint16_t *q;  // bf16 [T, heads, dim]

@@ -99,7 +99,7 @@ class DecoderModel:
         self.dtype = dtype
         self.fused_paths = fused_paths
         embed = tensors[EMBED]
-        self.embed = dense_weight(embed, dtype).to(device)  # [V, H]
+        self.embed = dense_weight(embed, dtype, device).to(device)  # [V, H]
         self.layers = [DecoderLayer(config, tensors, i, device, dtype) for i in range(config.num_layers)]
         self.norm = tensors[FINAL_NORM].to(device=device, dtype=dtype)
         head = tensors.get(LM_HEAD)

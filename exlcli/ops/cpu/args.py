@@ -27,6 +27,22 @@ class QMatmulArgs(KernelArgs):
     ]
 
 
+class RepackArgs(KernelArgs):
+    c_name, kernel = "exl_repack_args", "exl_repack"
+    _fields_ = [
+        ("src", _p), ("row_bytes", _i64), ("rows", _i64), ("in_features", _i64), ("format", _i32), ("bits", _i32),
+        ("zero", _i32), ("scales_per_block", _i32), ("qs", _p), ("d", _p), ("m", _p), ("found", _p),
+    ]
+
+
+class DequantizeArgs(KernelArgs):
+    c_name, kernel = "exl_dequantize_args", "exl_dequantize"
+    _fields_ = [
+        ("src", _p), ("row_bytes", _i64), ("rows", _i64), ("in_features", _i64), ("format", _i32), ("bf16", _i32),
+        ("out", _p),
+    ]
+
+
 class PagedAttentionArgs(KernelArgs):
     c_name, kernel = "exl_paged_attention_args", "exl_paged_attention"
     _fields_ = [
@@ -94,5 +110,5 @@ class DecoderLayerArgs(KernelArgs):
     STEP_FIELDS = 13  # the first 13 fields: the step's
 
 
-ALL = (QMatmulArgs, PagedAttentionArgs, RmsNormArgs, FusedAddRmsNormArgs, MeanSquaresArgs, RopeArgs,
-       SiluAndMulArgs, DecoderLayerArgs)
+ALL = (QMatmulArgs, RepackArgs, DequantizeArgs, PagedAttentionArgs, RmsNormArgs, FusedAddRmsNormArgs, MeanSquaresArgs,
+       RopeArgs, SiluAndMulArgs, DecoderLayerArgs)

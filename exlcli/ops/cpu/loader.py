@@ -177,6 +177,15 @@ def default_threads() -> int:
         return os.cpu_count() or 1
 
 
+def single_threaded_torch() -> None:
+    """torch computes on the calling thread only (its intra-op threads for this thread set to 1): on the CPU the
+    kernels' pool does the parallel work, and torch's OpenMP threads, which spin after each op, would take the
+    pool's cores, at load (the repack's copies) and in steps alike; on a machine busy with other processes
+    both pools spinning made a load tens of times slower. Call it on each thread that runs the model."""
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
 def reason() -> str:
     """Why the library is not loaded ("" when it is)."""
     return library().reason

@@ -180,7 +180,7 @@ class QuantizedWeight:
         return w.to(dtype)
 
     def permute_rows(self, order: torch.Tensor) -> "QuantizedWeight":
-        return QuantizedWeight(self.fmt, self.shape, self.blocks[order].contiguous(), self.input_order)
+        return QuantizedWeight(self.fmt, self.shape, self.blocks.index_select(0, order), self.input_order)
 
     @staticmethod
     def same_input_order(parts: list["QuantizedWeight"]) -> bool:

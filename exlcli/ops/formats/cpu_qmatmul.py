@@ -1,10 +1,12 @@
 """The CPU linear of block-quantized weights through csrc/cpu/qmatmul.c (AVX2, AVX-512 CPUs included).
 
-The weights are repacked once, at load, into groups of 16 output columns (one per SIMD lane; see the
-C file for the layout and the arithmetic); activations are bf16, results fp32 rounded to bf16 (or
-fp32 logits). `reference()` computes the exact product with torch ops from the repacked groups: the
-oracle of the tests, and what runs inside `kernels_disabled()`. The kernel (`kernel_mode()`, 0 where
-it is not built) quantizes each row's activations to int8 per block of 32 and sums integer products
+The weights are repacked once, at load, into groups of 16 output columns (one per SIMD lane; see the C
+file for the layout and the arithmetic): by csrc/cpu/repack.c straight from the file's blocks on the
+kernel pool (`QuantCpuLinear.from_blocks`), else by this module's torch ops, the C repack's oracle.
+Activations are bf16, results fp32 rounded to bf16 (or fp32 logits). `reference()` computes the exact
+product with torch ops from the repacked groups: the oracle of the tests, and what runs inside
+`kernels_disabled()`. The kernel (`kernel_mode()`, 0 where it is not built) quantizes each row's
+activations to int8 per block of 32 and sums integer products
 (llama.cpp's way on CPUs: 2.4-2.8x faster per call than fp32 products on an AVX2 AMD EPYC, and faster
 than exact bf16 products on an AVX-512 BF16 Intel Xeon), which
 `emulate_kernel()` reproduces bit for bit with torch ops. The kernel takes any weights of the
@@ -26,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from exlcli.ops.cpu import loader as cpu_loader
-from exlcli.ops.cpu.args import QMatmulArgs
+from exlcli.ops.cpu.args import DequantizeArgs, QMatmulArgs, RepackArgs
 from exlcli.ops.formats.base import Linear, MakeLinear, QuantizedWeight
 
 BLOCK = 32  # weights per (scale, offset) pair, as in the C file
@@ -37,6 +39,35 @@ CG = 16  # output columns per group, as in the C file
 def _kernel():
     """The C function with its signature set, or None when the CPU kernels are unavailable."""
     return cpu_loader.kernel_function(QMatmulArgs, available="exl_qmatmul_available")
+
+
+@functools.cache
+def _repack():
+    """The C repack (repack.c) with its signature set, or None without the CPU kernels."""
+    return cpu_loader.kernel_function(RepackArgs, available="exl_repack_available")
+
+
+@functools.cache
+def _dequantize():
+    return cpu_loader.kernel_function(DequantizeArgs, available="exl_repack_available")
+
+
+def dequantized(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """weight.dequantize(dtype), computed by the C code (repack.c, on the kernel pool) where it reads the format
+    and dtype is bf16 or fp32: the same values, the same bits (a model's quantized embedding, at load)."""
+    blocks = weight.blocks
+    if (weight.fmt.name not in C_REPACKED or weight.input_order is not None or blocks.stride(-1) != 1
+            or dtype not in (torch.bfloat16, torch.float32) or _dequantize() is None):
+        return weight.dequantize(dtype)
+    out = torch.empty(weight.shape, dtype=dtype)
+    args = DequantizeArgs(src=blocks.data_ptr(), row_bytes=blocks.stride(0), rows=weight.shape[0],
+                          in_features=weight.shape[1], format=weight.fmt.gguf_type, bf16=dtype == torch.bfloat16,
+                          out=out.data_ptr())
+    return out if _dequantize()(ctypes.byref(args)) == 0 else weight.dequantize(dtype)
+
+
+# the formats whose blocks the C repack reads (repack.c), by GGUF name
+C_REPACKED = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"})
 
 
 def _qmatmul(x: torch.Tensor, y: torch.Tensor, weight_args: QMatmulArgs) -> int:
@@ -195,18 +226,60 @@ class QuantCpuLinear(Linear):
             self.qs = self.qs.contiguous()
         # [G, nb, CG] fp32, or [G, nb, 2, CG] with two scales per block
         spb = self.scales_per_block
-        self.d = F.pad(scale, (0, 0, 0, pad)).view(groups, CG, nb, spb).permute(0, 2, 3, 1).contiguous()
-        if spb == 1:
-            self.d = self.d.view(groups, nb, CG)
-        self.m = F.pad(offset, (0, 0, 0, pad)).view(groups, CG, nb).permute(0, 2, 1).contiguous()
+        d = F.pad(scale, (0, 0, 0, pad)).view(groups, CG, nb, spb).permute(0, 2, 3, 1).contiguous()
+        m = F.pad(offset, (0, 0, 0, pad)).view(groups, CG, nb).permute(0, 2, 1).contiguous()
+        self._set_scales(d, m, _exact_in_fp16(d, m), bias)
+
+    def _set_scales(self, d: torch.Tensor, m: torch.Tensor, exact_in_fp16: bool, bias: torch.Tensor | None) -> None:
+        """d [G, nb, spb, CG] and m [G, nb, CG] fp32, as the kernel reads them; the bias."""
+        self.d = d.view(d.shape[0], d.shape[1], CG) if self.scales_per_block == 1 else d
+        self.m = m
         # fp16 where every scale and offset is exact in it (the legacy formats store fp16): the kernel then
         # reads 4 bytes less per block of 32 (Q4_1: 20 instead of 24), and widens them to the same fp32 values
-        self.half_scales = half_scales_available() and _exact_in_fp16(self.d, self.m)
+        self.half_scales = half_scales_available() and exact_in_fp16
         if self.half_scales:
             self.d, self.m = self.d.half(), self.m.half()
         self.bias = None if bias is None else bias.to(torch.bfloat16).contiguous()
         self._dense: torch.Tensor | None = None
         self._args: QMatmulArgs | None = None
+
+    @classmethod
+    def from_blocks(cls, weight: QuantizedWeight, bits: int, bias: torch.Tensor | None = None) -> QuantCpuLinear | None:
+        """The linear of `weight` held as `bits` (4, 5, 6 or 8), its layout built by the C repack (repack.c)
+        straight from the blocks: the same as QuantCpuLinear(*unpack(weight.blocks), bits) bit for bit. None
+        where the C repack does not take this format or layout (then the caller repacks in Python)."""
+        fmt, (n, k) = weight.fmt, weight.shape
+        blocks = weight.blocks
+        if _repack() is None or fmt.name not in C_REPACKED or weight.input_order is not None or blocks.stride(-1) != 1:
+            return None
+        spb = 2 if fmt.name == "Q6_K" else 1
+        has_offsets = fmt.name in ("Q4_0", "Q4_1", "Q4_K", "Q5_1", "Q5_K")
+        if bits in (5, 6) and not high_bit_planes():
+            return None
+        zero = 32 if bits == 6 else 16 if bits == 5 and not has_offsets else 0
+        groups, nb = -(-n // CG), k // BLOCK
+        self = cls.__new__(cls)
+        self.out_features, self.in_features, self.bits, self.table = n, k, bits, None
+        self.scales_per_block, self.zero, self.groups = spb, zero, groups
+        self.qs = torch.empty(groups, nb, 512 if bits == 8 else 256 + 64 * (bits - 4), dtype=torch.uint8)
+        d = torch.empty(groups, nb, spb, CG)
+        m = torch.empty(groups, nb, CG)
+        found = ctypes.c_int32(0)
+        args = RepackArgs(src=blocks.data_ptr(), row_bytes=blocks.stride(0), rows=n, in_features=k,
+                          format=fmt.gguf_type, bits=bits, zero=zero, scales_per_block=spb, qs=self.qs.data_ptr(),
+                          d=d.data_ptr(), m=m.data_ptr(), found=ctypes.addressof(found))
+        if _repack()(ctypes.byref(args)) != 0:
+            return None
+        if bits == 8:  # the shape the Python repack gives it: [G, nb, pair, column, 2]
+            self.qs = self.qs.view(groups, nb, BLOCK // 2, CG, 2)
+        any_offset = bool(found.value & 1)
+        self.offsets = bits == 4 or any_offset
+        if bits == 5 and has_offsets and not any_offset:
+            return None  # every offset zero: held otherwise (byte_per_weight_linear's unpack path decides how)
+        if not self.offsets:
+            m.zero_()  # as QuantCpuLinear holds no offsets: +0.0 (an unpacked -(dmin * 0) is -0.0)
+        self._set_scales(d, m, bool(found.value & 2), bias)
+        return self
 
     def nbytes(self) -> int:
         size = self.d.element_size()
@@ -334,8 +407,11 @@ def byte_per_weight_linear(unpack: Callable[[torch.Tensor], tuple], bits: int = 
                    dtype: torch.dtype) -> Linear | None:
         if dtype != torch.bfloat16 or not available():
             return None
-        q, scale, offset = unpack(weight.blocks)
         held_bits = bits if bits in (5, 6) and high_bit_planes() else 8
+        built = QuantCpuLinear.from_blocks(weight, held_bits, bias)
+        if built is not None:
+            return built
+        q, scale, offset = unpack(weight.blocks)
         if held_bits == 5 and offset is not None and not offset.any() and bool((q > 15).any()):
             held_bits = 8  # q in 0..31 with every offset zero: no 5-bit form (without offsets it is q - 16)
         return QuantCpuLinear(q, scale, offset, bits=held_bits, bias=bias)

@@ -58,6 +58,10 @@ def cpu_linear(weight: QuantizedWeight, bias: torch.Tensor | None, device: torch
                dtype: torch.dtype) -> Linear | None:
     if dtype != torch.bfloat16:
         return None
+    if cpu_qmatmul.available():
+        built = QuantCpuLinear.from_blocks(weight, 4, bias)
+        if built is not None:
+            return built
     q, scale, offset = unpack(weight.blocks)
     if cpu_qmatmul.available():
         return QuantCpuLinear(q, scale, offset, bits=4, bias=bias)
