@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from exlcli.errors import UnsupportedArchitectureError
+from exlcli.errors import ModelLoadError, UnsupportedArchitectureError
 from exlcli.model import architectures, config
 from exlcli.model.architectures import (
     ARCHITECTURES,
@@ -24,8 +24,10 @@ from exlcli.model.architectures import (
     for_hf_config,
     llama,
     mistral,
+    mixtral,
     qwen2,
     qwen3,
+    qwen3_moe,
 )
 from exlcli.model.architectures.base import FUSED_DECODE
 from exlcli.model.architectures.decoder import PROJECTIONS
@@ -35,7 +37,8 @@ from exlcli.model.kv_cache import KVCache
 from exlcli.model.random_weights import random_tensors
 from exlcli.ops.formats.dense import CudaDenseLinear
 
-MODULES = {"llama": llama, "mistral": mistral, "qwen2": qwen2, "qwen3": qwen3}
+MODULES = {"llama": llama, "mistral": mistral, "qwen2": qwen2, "qwen3": qwen3, "qwen3_moe": qwen3_moe,
+           "mixtral": mixtral}
 HF_CLASSES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
               "Qwen3ForCausalLM": "qwen3"}
 # head_dim 64, hidden % 8 == 0: shapes the fused decode path takes
@@ -55,7 +58,7 @@ def gguf_meta(arch: str, **extra) -> dict:
 
 def test_the_table_lists_each_architecture_once():
     names = [a.name for a in ARCHITECTURES]
-    assert sorted(names) == ["llama", "mistral", "qwen2", "qwen3"]
+    assert sorted(names) == ["llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe"]
     for field in ("name", "hf_model_type", "gguf_name"):
         values = [getattr(a, field) for a in ARCHITECTURES]
         assert len(set(values)) == len(values), field
@@ -80,8 +83,13 @@ def test_each_hf_name_maps_to_its_module(hf_class):
 def test_each_gguf_name_maps_to_its_module(name):
     arch = MODULES[name].ARCHITECTURE
     assert for_gguf(arch.gguf_name) is arch
-    cfg = config_from_gguf(gguf_meta(arch.gguf_name), has_output_tensor=False)
+    experts = {f"{arch.gguf_name}.expert_count": 4, f"{arch.gguf_name}.expert_used_count": 2}
+    cfg = config_from_gguf(gguf_meta(arch.gguf_name, **(experts if name == "qwen3_moe" else {})),
+                           has_output_tensor=False)
     assert cfg.architecture == name and cfg.hidden_size == 64 and cfg.tie_word_embeddings
+    if name == "qwen3_moe":
+        with pytest.raises(ModelLoadError, match="'qwen3moe.expert_count' is missing"):
+            config_from_gguf(gguf_meta(arch.gguf_name), has_output_tensor=False)
 
 
 @pytest.mark.parametrize("lookup", [
@@ -96,7 +104,7 @@ def test_an_unknown_architecture_is_one_clear_error(lookup):
         lookup()
     message = str(e.value)
     assert "unsupported architecture" in message and ("GPT2LMHeadModel" in message or "gpt2" in message)
-    assert message.endswith("supported: llama, mistral, qwen2, qwen3")
+    assert message.endswith("supported: llama, mistral, qwen2, qwen3, qwen3_moe, mixtral")
 
 
 def test_build_refuses_an_unknown_architecture():
@@ -141,7 +149,15 @@ def test_tensor_names_per_architecture():
     assert llama.ARCHITECTURE.hf_name("blk.0.attn_q_norm.weight") is None
     assert qwen3.ARCHITECTURE.hf_name("blk.2.attn_q_norm.weight") == "model.layers.2.self_attn.q_norm.weight"
     assert qwen2.ARCHITECTURE.hf_name("blk.1.attn_v.bias") == "model.layers.1.self_attn.v_proj.bias"
-    assert {a.name for a in ARCHITECTURES if a.gguf_qk_interleaved} == {"llama", "mistral"}
+    assert {a.name for a in ARCHITECTURES if a.gguf_qk_interleaved} == {"llama", "mistral", "mixtral"}
+    # experts: the router and each expert's three projections instead of the plain feed-forward
+    moe = {"num_local_experts": 3, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    qwen_moe = set(qwen3_moe.ARCHITECTURE.hf_tensor_names(config_from_hf(hf_config("Qwen3MoeForCausalLM", **moe))))
+    assert {"model.layers.1.mlp.gate.weight", "model.layers.1.mlp.experts.2.down_proj.weight"} <= qwen_moe
+    assert "model.layers.1.mlp.down_proj.weight" not in qwen_moe
+    mix = set(mixtral.ARCHITECTURE.hf_tensor_names(config_from_hf(hf_config("MixtralForCausalLM", **moe))))
+    assert {"model.layers.0.block_sparse_moe.gate.weight", "model.layers.0.block_sparse_moe.experts.2.w2.weight"} <= mix
+    assert llama.ARCHITECTURE.hf_name("blk.3.ffn_up_exps.weight") == "model.layers.3.mlp.experts.{}.up_proj.weight"
 
 
 def _tiny(hf_class: str, dtype: torch.dtype = torch.bfloat16) -> CausalLM:
