@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
+import time
 from typing import Any
 
 WORKER_NICENESS = 10
@@ -68,10 +70,19 @@ def first_problem(checks: list) -> str | None:
     return None
 
 
+def _exit_with_parent(parent: int) -> None:
+    # A check can run for minutes (its server kills it past the budget); should the server die
+    # first, nothing else would. llguidance lets go of the GIL while it works, so this thread runs.
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
 def main() -> None:
     # A check is background work for the server that runs it: below its priority, so a pathological
     # one costs a core's spare time, not the server's answers.
     os.nice(WORKER_NICENESS)
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     for line in sys.stdin:
         try:
             checks = json.loads(line)["checks"]

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,6 +92,8 @@ class GrammarWorkers:
         self._all: set[_Worker] = set()
         self._lock = threading.Lock()
         self._closed = False
+        # An app dropped without its shutdown (a test's) still ends its workers.
+        weakref.finalize(self, _kill_all, self._all)
 
     async def check(self, checks: list[GrammarCheck]) -> None:
         """GrammarRejected naming the field of the first grammar that does not compile, or of the
@@ -152,6 +155,11 @@ class GrammarWorkers:
             self._all.clear()
         for worker in workers:
             worker.kill()
+
+
+def _kill_all(workers: set[_Worker]) -> None:
+    for worker in list(workers):
+        worker.kill()
 
 
 def _common_param(checks: list[GrammarCheck]) -> str:

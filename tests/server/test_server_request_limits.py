@@ -329,3 +329,27 @@ def test_sessions_are_scoped_to_the_api_key():
     sessions = [params.session for _, _, params in client.requests]
     assert sessions[0] == sessions[1] != "talk" and sessions[0].endswith("/talk") and key not in sessions[0]
     assert [params.session for _, _, params in open_client.requests] == ["talk"]  # no key: the name as sent
+
+
+def test_a_check_over_its_budget_ends_with_its_worker_process():
+    import asyncio
+    import os
+
+    from exlcli.server.grammar_workers import GrammarCheck, GrammarRejected, GrammarWorkers
+
+    workers = GrammarWorkers(max_at_once=1, budget_ms=300)
+
+    async def run() -> tuple[list[int], str]:
+        ok = asyncio.create_task(workers.check([GrammarCheck("response_format", "regex", "[a-z]+")]))
+        await ok  # a worker is started and kept
+        pids = [w.proc.pid for w in workers._all]
+        with pytest.raises(GrammarRejected) as e:
+            await workers.check([GrammarCheck("tools.0.function.parameters", "json_schema", PATHOLOGICAL)])
+        return pids, str(e.value)
+
+    try:
+        pids, message = asyncio.run(run())
+    finally:
+        workers.close()
+    assert "300 ms" in message
+    assert len(pids) == 1 and not os.path.exists(f"/proc/{pids[0]}")  # killed and reaped, not left running
