@@ -7,8 +7,9 @@ Python: the server runs these checks in worker processes it kills when a check i
 (exlcli/server/grammar_workers.py). This module imports nothing heavy, so a worker starts in a
 fraction of a second.
 
-Protocol: one JSON line in, `{"checks": [[label, kind, value, strict], ...]}`; one JSON line out,
-`{"error": null}` or `{"error": "<label>: <message>"}` for the first check that fails.
+Protocol: the worker's first line is READY; then one JSON line in,
+`{"checks": [[label, kind, value, strict], ...]}`, and one JSON line out, `{"error": null}` or
+`{"error": "<label>: <message>"}` for the first check that fails.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import time
 from typing import Any
 
 WORKER_NICENESS = 10
+READY = '{"ready": true}'  # the worker's first line, once it can take checks
 GRAMMAR_NAMES = {"json_object": "JSON object format", "json_schema": "JSON schema", "regex": "regex",
           "grammar": "grammar"}
 
@@ -83,6 +85,10 @@ def main() -> None:
     # one costs a core's spare time, not the server's answers.
     os.nice(WORKER_NICENESS)
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    import llguidance  # noqa: F401  (loaded before "ready": a check's budget is for the check alone)
+
+    sys.stdout.write(READY + "\n")
+    sys.stdout.flush()
     for line in sys.stdin:
         try:
             checks = json.loads(line)["checks"]

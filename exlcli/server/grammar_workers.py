@@ -25,6 +25,7 @@ import exlcli
 
 DEFAULT_GRAMMAR_BUDGET_MS = 2000
 DEFAULT_MAX_GRAMMAR_CHECKS = 2
+WORKER_START_TIMEOUT_S = 60.0  # python and llguidance loading, on a busy machine; not the check's budget
 
 
 @dataclass(frozen=True)
@@ -50,12 +51,19 @@ class _Worker:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen([sys.executable, "-m", "exlcli.engine.grammar_check"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, bufsize=0)
+        if self._read_line(WORKER_START_TIMEOUT_S) is None:
+            self.kill()
+            raise RuntimeError("the grammar check worker did not start")
 
     def ask(self, line: bytes, timeout_s: float) -> bytes | None:
         """The worker's answer line, or None if none came within `timeout_s` (or it died)."""
-        assert self.proc.stdin is not None and self.proc.stdout is not None
+        assert self.proc.stdin is not None
         self.proc.stdin.write(line)
         self.proc.stdin.flush()
+        return self._read_line(timeout_s)
+
+    def _read_line(self, timeout_s: float) -> bytes | None:
+        assert self.proc.stdout is not None
         fd = self.proc.stdout.fileno()
         deadline = time.monotonic() + timeout_s
         buffer = b""
@@ -137,7 +145,7 @@ class GrammarWorkers:
                 raise RuntimeError("the grammar workers are closed")
             if self._idle:
                 return self._idle.pop()
-        worker = _Worker()  # started before the budget's clock runs
+        worker = _Worker()  # started (llguidance loaded) before the budget's clock runs
         with self._lock:
             self._all.add(worker)
         return worker

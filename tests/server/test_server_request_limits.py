@@ -57,10 +57,12 @@ def slow_body_connections(port: int, count: int) -> list[socket.socket]:
     return socks
 
 
-def test_health_and_a_running_stream_keep_answering_under_schema_tool_and_slow_body_attacks():
-    config = ServerConfig(grammar_budget_ms=1500)
-    with running_server(FakeClient(token_delay=0.05), config) as live:
-        url, port = live.url, port_of(live.url)
+def test_health_and_a_running_stream_keep_answering_under_schema_tool_and_slow_body_attacks(private_runtime_dir):
+    proc = start_server()  # `exlcli serve --model fake:echo:0.05` in its own process, as deployed
+    try:
+        assert wait_until(lambda: runtime_file.find_running_server() is not None or proc.poll() is not None, 30)
+        url = runtime_file.find_running_server()
+        port = port_of(url)
         chunk_times: list[float] = []
         first = threading.Event()
 
@@ -74,23 +76,26 @@ def test_health_and_a_running_stream_keep_answering_under_schema_tool_and_slow_b
 
         results: dict[str, httpx.Response] = {}
 
-        def post(name: str, body: dict) -> None:
-            results[name] = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+        def post(name: str, body: bytes) -> None:
+            results[name] = httpx.post(url + "/v1/chat/completions", content=body, timeout=60,
+                                       headers={"Content-Type": "application/json"})
 
         streamer = threading.Thread(target=stream)
         streamer.start()
         assert first.wait(10)
-        attacks = [threading.Thread(target=post, args=args) for args in (
+        # encoded up front, so the probes' timings are the server's, not this process's JSON work
+        attacks = [threading.Thread(target=post, args=(name, json.dumps(body).encode())) for name, body in (
             ("tool_schema", chat(tools=[tool(parameters=PATHOLOGICAL)])),
             ("response_format", chat(response_format=schema_format(PATHOLOGICAL))),
             ("big_description", chat(tools=[tool(description="d" * 4_000_000)])))]
         slow = slow_body_connections(port, 64)
         try:
-            start = time.monotonic()
-            for t in attacks:
-                t.start()
             latencies = []
             with httpx.Client(timeout=10) as http:
+                assert http.get(url + "/health").status_code == 200  # connected
+                start = time.monotonic()
+                for t in attacks:
+                    t.start()
                 while time.monotonic() - start < 3.0:  # the attacks are in flight meanwhile
                     t0 = time.monotonic()
                     assert http.get(url + "/health").status_code == 200
@@ -103,12 +108,15 @@ def test_health_and_a_running_stream_keep_answering_under_schema_tool_and_slow_b
             for s in slow:
                 s.close()
         streamer.join(30)
+    finally:
+        proc.kill()
+        proc.wait()
     assert len(latencies) >= 10 and max(latencies) < 0.5, latencies
     during = [b - a for a, b in zip(chunk_times, chunk_times[1:]) if start <= b <= end]
     assert len(during) >= 10 and max(during) < 0.5, during
     for name in ("tool_schema", "response_format"):
         error = results[name].json()["error"]
-        assert results[name].status_code == 400 and "1500 ms" in error["message"], error
+        assert results[name].status_code == 400 and "2000 ms" in error["message"], error
     assert results["tool_schema"].json()["error"]["param"] == "tools.0.function.parameters"
     assert results["response_format"].json()["error"]["param"] == "response_format"
     big = results["big_description"]
