@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
+from exlcli.engine.grammar_check import GRAMMAR_NAMES, grammar_problem, grammar_text, one_line
 from exlcli.errors import RequestError
 
 if TYPE_CHECKING:
@@ -45,25 +46,12 @@ def _check_host_bitmask(bitmask: torch.Tensor) -> None:
         raise ValueError("a token bitmask is a contiguous int32 [rows, words] tensor in host memory")
 
 
-def _one_line(message: str) -> str:
-    """llguidance's messages span lines (the source line, a caret); keep the words."""
-    lines = [ln.strip() for ln in message.strip().splitlines()]
-    keep = [ln for ln in lines if ln and set(ln) != {"^"} and not ln.split("|")[0].strip().isdigit()]
-    return " ".join(" ".join(keep).split()) or "rejected"
-
-
 def check_json_schema(schema: dict, strict: bool = False) -> None:
     """RequestError naming the problem if llguidance cannot compile `schema` (no tokenizer needed:
     a tool's parameter schema is checked when the request comes, before any grammar is built)."""
-    import llguidance
-
-    try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides={"lenient": not strict})
-    except (ValueError, TypeError) as e:
-        raise RequestError(f"invalid JSON schema: {_one_line(str(e))}") from None
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
-    if is_error:
-        raise RequestError(f"invalid JSON schema: {_one_line(messages[0])}")
+    problem = grammar_problem("json_schema", schema, strict)
+    if problem is not None:
+        raise RequestError(problem)
 
 
 class TokenConstraint:
@@ -144,29 +132,20 @@ class GrammarCompiler:
         try:
             grammar = self._grammar(spec)
         except (ValueError, TypeError) as e:
-            raise RequestError(f"invalid {_NAMES[spec.kind]}: {_one_line(str(e))}") from None
+            raise RequestError(f"invalid {GRAMMAR_NAMES[spec.kind]}: {one_line(str(e))}") from None
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, lltok)
         if is_error:
-            raise RequestError(f"invalid {_NAMES[spec.kind]}: {_one_line(messages[0])}")
+            raise RequestError(f"invalid {GRAMMAR_NAMES[spec.kind]}: {one_line(messages[0])}")
         matcher = llguidance.LLMatcher(lltok, grammar, log_level=0)
         if matcher.is_error():
-            raise RequestError(f"invalid {_NAMES[spec.kind]}: {_one_line(matcher.get_error())}")
+            raise RequestError(f"invalid {GRAMMAR_NAMES[spec.kind]}: {one_line(matcher.get_error())}")
         return TokenConstraint(matcher)
 
     @staticmethod
     def _grammar(spec: "GrammarSpec") -> str:
-        import llguidance
-
         # Compact JSON (no free whitespace): a small model in JSON mode otherwise loops on newlines.
         # strict: a keyword llguidance cannot enforce is an error; else it is ignored.
-        options = {"whitespace_flexible": False, "lenient": not spec.strict}
-        if spec.kind == "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=options)
-        if spec.kind == "json_schema":
-            return llguidance.LLMatcher.grammar_from_json_schema(spec.value, overrides=options)
-        if spec.kind == "regex":
-            return llguidance.LLMatcher.grammar_from_regex(spec.value)
-        return llguidance.grammar_from("grammar", spec.value)  # Lark, or GBNF (converted)
+        return grammar_text(spec.kind, spec.value, spec.strict, {"whitespace_flexible": False})
 
     def fill_masks(self, constraints: list[TokenConstraint], rows: list[int], bitmask: torch.Tensor) -> None:
         """The next-token masks of `constraints` into those rows of `bitmask`."""
@@ -177,7 +156,3 @@ class GrammarCompiler:
             return
         for c, row in zip(constraints, rows):
             c.fill_mask(bitmask, row)
-
-
-_NAMES = {"json_object": "JSON object format", "json_schema": "JSON schema", "regex": "regex",
-          "grammar": "grammar"}

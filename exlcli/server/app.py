@@ -19,17 +19,33 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
-from exlcli.client.base import EngineClient
+from exlcli.client.base import EngineClient, GenerationParams, GenerationStream
+from exlcli.engine.request import grammar_from_response_format
 from exlcli.server import openai_format as fmt
+from exlcli.server.bounded_work import DEFAULT_START_BUDGET_MS, OverBudget, run_bounded
 from exlcli.server.events import chat_events, completion_events
 from exlcli.server.generations import ChoiceResult, EngineFailure, GenerationGroup, Starter
+from exlcli.server.grammar_workers import (
+    DEFAULT_GRAMMAR_BUDGET_MS,
+    DEFAULT_MAX_GRAMMAR_CHECKS,
+    GrammarCheck,
+    GrammarRejected,
+    GrammarWorkers,
+)
 from exlcli.server.http_errors import APIError, install_error_handlers
 from exlcli.server.metrics import EngineCollector, ResponseCounter, render_metrics
 from exlcli.server.rates import EngineRates
 from exlcli.server.schemas import ChatCompletionRequest, CompletionRequest, TokenizeRequest
-from exlcli.server.security import DEFAULT_MAX_BODY_BYTES, APIKeyGate, BodySizeLimit, HostAllowList
+from exlcli.server.security import (
+    DEFAULT_MAX_BODY_BYTES,
+    APIKeyGate,
+    BodySizeLimit,
+    HostAllowList,
+    bearer_token,
+    scoped_session,
+)
 from exlcli.server.sse import DEFAULT_PING_S, EventStreamResponse
-from exlcli.server.tool_calls import ToolPlan, rewrite_completion
+from exlcli.server.tool_calls import ToolDef, ToolPlan, rewrite_completion
 from exlcli.server.tracker import RequestTracker
 
 # Engine streams are iterated in worker threads by some clients; the default pool (cpu + 4 threads)
@@ -54,6 +70,9 @@ class ServerConfig:
     cors_origins: tuple[str, ...] = ()  # browser origins allowed by CORS (none: CORS off)
     max_prompt_bytes: int | None = None  # refused before tokenising; None: PROMPT_BYTES_PER_TOKEN x context
     max_tokenizing: int = 2  # prompts tokenised at once, in worker threads
+    start_budget_ms: int = DEFAULT_START_BUDGET_MS  # a start (template, tokenising) past this is a 400
+    max_grammar_checks: int = DEFAULT_MAX_GRAMMAR_CHECKS  # grammar checks at once, in worker processes
+    grammar_budget_ms: int = DEFAULT_GRAMMAR_BUDGET_MS  # a request's grammar checks past this are a 400
     request_timeout_s: float | None = 600.0  # a generation still running after this is cancelled
 
 
@@ -67,9 +86,11 @@ class ServerState:
     num_starting: int = 0  # admitted, streams being started: counted as waiting
     rates: EngineRates = field(default_factory=EngineRates)  # tok/s and batch size that fall to 0 when idle
     tokenizing: asyncio.Semaphore = field(init=False)  # bounds prompts tokenised at once
+    grammars: GrammarWorkers = field(init=False)  # grammar checks, with slots of their own
 
     def __post_init__(self) -> None:
         self.tokenizing = asyncio.Semaphore(self.config.max_tokenizing)
+        self.grammars = GrammarWorkers(self.config.max_grammar_checks, self.config.grammar_budget_ms)
 
     def num_waiting(self) -> int:
         return self.tracker.num_waiting(self.client.stats()) + self.num_starting
@@ -89,7 +110,7 @@ class ServerState:
                            f"{self.config.max_queue}); retry later", "server_error", code="queue_full",
                            headers={"Retry-After": str(self.config.retry_after_s)})
 
-    def check(self, body: ChatCompletionRequest | CompletionRequest, prompt_param: str) -> None:
+    def check(self, body: ChatCompletionRequest | CompletionRequest) -> None:
         """What the schema cannot know: the served model's names, its context, the prompt cap."""
         names = (self.client.model_name, *self.config.model_aliases)
         if body.model is not None and body.model not in names:
@@ -100,10 +121,32 @@ class ServerState:
         if body.max_tokens_param in body.model_fields_set and max_tokens > context:
             raise APIError(400, f"{body.max_tokens_param} is {max_tokens}, more than the model's context of "
                            f"{context} tokens", param=body.max_tokens_param)
+        self.check_prompt_size(body.prompt_parts())
+
+    def check_prompt_size(self, parts: dict[str, int]) -> None:
+        """Every field that reaches the template or the tokenizer counts (messages, tool calls and
+        their arguments, tool descriptions and schemas), before any rendering or tokenising."""
+        context = self.client.context_length
         limit = self.config.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * context
-        if body.prompt_bytes() > limit:
-            raise APIError(400, f"the prompt is {body.prompt_bytes()} bytes; more than {limit} bytes cannot fit the "
-                           f"model's context of {context} tokens", param=prompt_param, code="context_length_exceeded")
+        total = sum(parts.values())
+        if total > limit:
+            param = max(parts, key=lambda k: parts[k])
+            raise APIError(400, f"the prompt is {total} bytes ({param}: {parts[param]}); more than {limit} bytes "
+                           f"cannot fit the model's context of {context} tokens", param=param,
+                           code="context_length_exceeded")
+
+    def params(self, body: ChatCompletionRequest | CompletionRequest, index: int, request: Request) -> GenerationParams:
+        """Choice `index`'s parameters; with an API key, its session is the key's (scoped_session)."""
+        params = body.generation_params(index, self.config.default_max_tokens)
+        if params.session is not None and self.config.api_key is not None:
+            params.session = scoped_session(bearer_token(request.headers.get("authorization")), params.session)
+        return params
+
+    async def check_grammars(self, checks: list[GrammarCheck]) -> None:
+        try:
+            await self.grammars.check(checks)
+        except GrammarRejected as e:
+            raise APIError(400, str(e), param=e.param) from None
 
     def token_text(self, token_id: int) -> str:
         # EngineClient has no detokeniser; an in-process client exposes its tokenizer, a fake has
@@ -129,6 +172,7 @@ def create_app(client: EngineClient, config: ServerConfig | None = None,
         pool = ThreadPoolExecutor(MAX_WORKER_THREADS, thread_name_prefix="exlcli-stream")
         loop.set_default_executor(pool)
         yield
+        state.grammars.close()
         pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="exlcli", version="0.1", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -168,8 +212,9 @@ def create_app(client: EngineClient, config: ServerConfig | None = None,
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
-        async with state.tokenizing:
-            count = await asyncio.to_thread(client.count_chat_tokens, body.message_dicts(), body.add_generation_prompt)
+        state.check_prompt_size(body.prompt_parts())
+        count = await _bounded(state, "tokenizing", partial(client.count_chat_tokens, body.message_dicts(),
+                                                            body.add_generation_prompt))
         return {"count": count, "max_model_len": client.context_length}
 
     @app.post("/cancel/{response_id}")
@@ -182,11 +227,15 @@ def create_app(client: EngineClient, config: ServerConfig | None = None,
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        state.check(body, "messages")
-        messages, max_tokens = body.message_dicts(), config.default_max_tokens
+        state.check(body)
+        await state.check_grammars(grammar_checks(body.response_format, body.tools))
+        messages = body.message_dicts()
         tools = ToolPlan.for_request(body.tools, body.tool_choice, body.parallel_tool_calls, client.tool_format())
-        starters = [Starter(i, 0, partial(client.chat, messages, tools.apply(body.generation_params(i, max_tokens))))
-                    for i in range(body.num_choices)]
+
+        def start(i: int) -> GenerationStream:  # in a worker thread: the forcing grammar is built here
+            return client.chat(messages, tools.apply(state.params(body, i, request)))
+
+        starters = [Starter(i, 0, partial(start, i)) for i in range(body.num_choices)]
         group = await _start(state, "chat", body.client or "api", body.priority or "interactive", starters)
         if body.streaming:
             return _event_stream(state, group, chat_events(group, body, client.model_name, state.token_text, tools))
@@ -200,9 +249,10 @@ def create_app(client: EngineClient, config: ServerConfig | None = None,
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        state.check(body, "prompt")
-        n, max_tokens = body.num_choices, config.default_max_tokens
-        starters = [Starter(p * n + j, p, partial(client.complete, prompt, body.generation_params(j, max_tokens)))
+        state.check(body)
+        await state.check_grammars(grammar_checks(body.response_format, None))
+        n = body.num_choices
+        starters = [Starter(p * n + j, p, partial(client.complete, prompt, state.params(body, j, request)))
                     for p, prompt in enumerate(body.prompts()) for j in range(n)]
         group = await _start(state, "completions", body.client or "api", body.priority or "interactive", starters)
         if body.streaming:
@@ -232,13 +282,35 @@ async def _start(state: ServerState, endpoint: str, label: str, priority: str,
     group = GenerationGroup(fmt.new_id(prefix), endpoint, label, priority, state.tracker)
     state.num_starting += len(starters)
     try:
-        await group.start(starters, state.tokenizing)
+        await group.start(starters, state.tokenizing, state.config.start_budget_ms)
+    except OverBudget as e:
+        raise APIError(400, f"starting the request (chat template, tokenising) took longer than the limit of "
+                       f"{e.budget_ms} ms", code="over_budget") from None
     finally:
         state.num_starting -= len(starters)
     if state.config.request_timeout_s is not None:
         group.timer = asyncio.get_running_loop().call_later(state.config.request_timeout_s, group.cancel)
     state.groups[group.response_id] = group
     return group
+
+
+async def _bounded(state: ServerState, what: str, fn):
+    try:
+        return await run_bounded(state.tokenizing, fn, state.config.start_budget_ms)
+    except OverBudget as e:
+        raise APIError(400, f"{what} took longer than the limit of {e.budget_ms} ms", code="over_budget") from None
+
+
+def grammar_checks(response_format: dict | None, tools: list[ToolDef] | None) -> list[GrammarCheck]:
+    """The grammars a request brings: its response_format and each tool's parameter schema."""
+    checks = []
+    spec = grammar_from_response_format(response_format)  # its shape was checked with the body
+    if spec is not None and spec.kind != "json_object":
+        checks.append(GrammarCheck("response_format", spec.kind, spec.value, spec.strict))
+    for i, tool in enumerate(tools or []):
+        if tool.function.parameters is not None:
+            checks.append(GrammarCheck(f"tools.{i}.function.parameters", "json_schema", tool.function.parameters))
+    return checks
 
 
 def _event_stream(state: ServerState, group: GenerationGroup,

@@ -9,6 +9,7 @@ from typing import AsyncIterator, Callable
 
 from exlcli.client.base import GenerationStream, TextDelta
 from exlcli.engine.request import TokenLogprob
+from exlcli.server.bounded_work import run_bounded
 from exlcli.server.openai_format import ChoiceResult
 from exlcli.server.tracker import Generation, RequestTracker
 
@@ -47,14 +48,15 @@ class GenerationGroup:
     choices: list[Choice] = field(default_factory=list)
     timer: asyncio.TimerHandle | None = None  # the request's time limit, cancelled when it ends
 
-    async def start(self, starters: list[Starter], tokenizing: asyncio.Semaphore) -> None:
-        """Start every choice; if one is refused (RequestError) cancel those already started."""
+    async def start(self, starters: list[Starter], tokenizing: asyncio.Semaphore, budget_ms: int) -> None:
+        """Start every choice; if one is refused (RequestError, or OverBudget past `budget_ms`)
+        cancel those already started."""
         try:
             for s in starters:
-                # Off the event loop, and a few at a time: starting tokenises the prompt, which can
-                # take a while and a lot of memory.
-                async with tokenizing:
-                    stream = await asyncio.to_thread(s.start)
+                # Off the event loop, and a few at a time: starting renders the template and
+                # tokenises the prompt, which can take a while and a lot of memory. A stream that
+                # starts after its request gave up is cancelled at once.
+                stream = await run_bounded(tokenizing, s.start, budget_ms, late=lambda late: late.cancel())
                 gen = self.tracker.start(stream.request_id, self.client_label, self.priority, self.endpoint,
                                          self.response_id, s.index if len(starters) > 1 else None)
                 self.choices.append(Choice(s.index, s.prompt_index, stream, gen))

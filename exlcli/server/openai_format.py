@@ -86,14 +86,36 @@ def chat_logprobs(tokens: list[TokenLogprob], token_text: TokenText, num_top: in
 def completion_logprobs(tokens: list[TokenLogprob], token_text: TokenText, num_top: int,
                         offsets: list[int]) -> dict:
     """`offsets`: where each token's text starts in the choice's text (the start of the delta
-    that carried it; exact when a delta holds one token, as it does while decoding)."""
+    that carried it; exact when a delta holds one token, as it does while decoding).
+
+    As OpenAI's legacy completions: `top_logprobs` holds the `num_top` best tokens and the sampled
+    one (up to num_top + 1, so `logprobs: 0` gives the sampled token's). Its keys are texts, and two
+    tokens may share one (a byte-level piece and its merged twin): the key keeps the more likely
+    token, and the exlcli extra `top_tokens` lists every entry by id, best first."""
+    tops = [_top_with_sampled(t, num_top) for t in tokens]
     return {
         "tokens": [token_text(t.token_id) for t in tokens],
         "token_logprobs": [t.logprob for t in tokens],
-        "top_logprobs": [{token_text(i): lp for i, lp in t.top[:num_top]} for t in tokens],
+        "top_logprobs": [_by_text(top, token_text) for top in tops],
         "text_offset": list(offsets),
         "token_ids": [t.token_id for t in tokens],  # exlcli extra, for RemoteClient
+        "top_tokens": [[_token_entry(i, token_text(i), lp) for i, lp in top] for top in tops],  # exlcli extra
     }
+
+
+def _top_with_sampled(t: TokenLogprob, num_top: int) -> list[tuple[int, float]]:
+    top = list(t.top[:num_top])
+    if all(i != t.token_id for i, _ in top):
+        top.append((t.token_id, t.logprob))
+        top.sort(key=lambda e: -e[1])
+    return top
+
+
+def _by_text(top: list[tuple[int, float]], token_text: TokenText) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for token_id, lp in top:  # best first: a text already there keeps its better logprob
+        out.setdefault(token_text(token_id), lp)
+    return out
 
 
 # ---- whole answers ----------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from exlcli.client.runtime_file import (
 )
 from exlcli.errors import ExlcliError
 from exlcli.server.app import ServerConfig, ServerState, create_app
-from exlcli.server.connections import ConnectionLimits, LimitedConfig
+from exlcli.server.connections import ConnectionLimits, LimitedConfig, fit_fd_limit
 from exlcli.server.dashboard import LiveDashboard, LogDashboard
 from exlcli.server.logs import DropCancelledTracebacks, RepeatLimiter
 from exlcli.server.security import allowed_host_names, check_bind_allowed
@@ -60,6 +60,10 @@ def url_for(host: str, port: int) -> str:
     return f"http://{host}:{port}"
 
 
+# uvicorn's shutdown sleeps this long after asking connections to close, before its timeout runs.
+UVICORN_SHUTDOWN_PAUSE_S = 0.1
+
+
 class DrainingServer(uvicorn.Server):
     """uvicorn, plus: the display runs for the server's whole life (drain included), and a
     signal first puts the app in draining mode (new requests get 503) while uvicorn waits for the
@@ -76,11 +80,22 @@ class DrainingServer(uvicorn.Server):
         self._display_task = asyncio.create_task(self.display.run(self.state))
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        # The drain: still listening while the running generations finish, so /health answers 503
+        # and new requests get a 503 (draining) instead of a refused connection. uvicorn's own
+        # shutdown then stops listening and waits for the rest, within what is left of the timeout.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.timeout_graceful_shutdown
+        while self._generating() and not self.force_exit and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        self.config.timeout_graceful_shutdown = max(0.05, deadline - loop.time() - UVICORN_SHUTDOWN_PAUSE_S)
         await super().shutdown(sockets)
         if self._display_task is not None:
             self._display_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._display_task
+
+    def _generating(self) -> bool:
+        return bool(self.state.tracker.live or self.state.num_starting or self.state.groups)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Unlike uvicorn's own handler, the signal is not re-raised after shutdown: a drained
@@ -116,7 +131,8 @@ def _configure_logging(console: Console | None) -> None:
 
 
 def uvicorn_config(app, limits: ConnectionLimits) -> LimitedConfig:
-    return LimitedConfig(app, limits, log_config=None, access_log=False, lifespan="on", ws="none", server_header=False)
+    return LimitedConfig(app, limits, app.state.exlcli.config.max_body_bytes, log_config=None, access_log=False,
+                         lifespan="on", ws="none", server_header=False)
 
 
 def serve(client: EngineClient, sock: socket.socket, host: str, port: int, config: ServerConfig,
@@ -134,7 +150,10 @@ def serve(client: EngineClient, sock: socket.socket, host: str, port: int, confi
     _configure_logging(console if live_display else None)
     tracker = RequestTracker(on_finish=display.on_finish, model_name=client.model_name)
     app = create_app(client, config, tracker)
-    server = DrainingServer(uvicorn_config(app, limits or ConnectionLimits()), app.state.exlcli, display)
+    limits, fd_note = fit_fd_limit(limits or ConnectionLimits())
+    if fd_note:
+        display.note(fd_note)
+    server = DrainingServer(uvicorn_config(app, limits), app.state.exlcli, display)
     fixed = secure_runtime_dir()
     if fixed:
         display.note(fixed)

@@ -21,6 +21,7 @@ from exlcli.server.tool_calls import (
     ToolDef,
     check_tool_choice,
     history_message,
+    tools_bytes,
 )
 
 MAX_CHOICES = 16  # `n`
@@ -78,6 +79,11 @@ class ChatMessage(_Body):
                 raise ValueError("only text content parts ({\"type\": \"text\", \"text\": ...}) are supported")
             texts.append(_valid_unicode(part["text"]))
         return "".join(texts)
+
+    def text_bytes(self) -> int:
+        """UTF-8 size of what the chat template writes of this message (calls and ids included)."""
+        return sum(len(t.encode()) for t in (self.content, self.name, self.tool_call_id) if isinstance(t, str)) \
+            + sum(c.text_bytes() for c in self.tool_calls or [])
 
     def as_dict(self) -> dict:
         # Chat templates know system / user / assistant; OpenAI's newer "developer" is a system turn.
@@ -173,7 +179,11 @@ class _SamplingBody(_GenerationFields):  # type: ignore[valid-type,misc]
 
     def prompt_bytes(self) -> int:
         """UTF-8 size of the text to tokenise, known before any tokenising."""
-        return 0
+        return sum(self.prompt_parts().values())
+
+    def prompt_parts(self) -> dict[str, int]:
+        """prompt_bytes by the field that holds them (the largest is named when it is too much)."""
+        return {}
 
     def _num_logprobs(self) -> int:
         return 0
@@ -240,8 +250,8 @@ class ChatCompletionRequest(_SamplingBody):
     def message_dicts(self) -> list[dict]:
         return [m.as_dict() for m in self.messages]
 
-    def prompt_bytes(self) -> int:
-        return sum(len((m.content or "").encode()) for m in self.messages)
+    def prompt_parts(self) -> dict[str, int]:
+        return {"messages": sum(m.text_bytes() for m in self.messages), "tools": tools_bytes(self.tools)}
 
 
 class CompletionRequest(_SamplingBody):
@@ -275,10 +285,12 @@ class CompletionRequest(_SamplingBody):
         return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
 
     def _num_logprobs(self) -> int:
-        return self.logprobs or 0
+        # `logprobs: 0` still asks for the sampled tokens' logprobs, which the engine reports only
+        # alongside a top-n list: at least one, trimmed back in the response.
+        return max(self.logprobs, 1) if self.logprobs is not None else 0
 
-    def prompt_bytes(self) -> int:
-        return max(len(p.encode()) for p in self.prompts())  # each prompt is tokenised on its own
+    def prompt_parts(self) -> dict[str, int]:
+        return {"prompt": max(len(p.encode()) for p in self.prompts())}  # each prompt is tokenised on its own
 
     @model_validator(mode="after")
     def _best_of_is_n(self) -> "CompletionRequest":
@@ -290,6 +302,9 @@ class CompletionRequest(_SamplingBody):
 class TokenizeRequest(_Body):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     add_generation_prompt: bool = True
+
+    def prompt_parts(self) -> dict[str, int]:
+        return {"messages": sum(m.text_bytes() for m in self.messages)}
 
     def message_dicts(self) -> list[dict]:
         return [m.as_dict() for m in self.messages]

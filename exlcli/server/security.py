@@ -4,6 +4,7 @@ read, and a cap on request body size enforced before the body is read into memor
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 
@@ -15,9 +16,6 @@ from exlcli.errors import ExlcliError
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 MIN_PUBLIC_KEY_CHARS = 16
-# A body over the limit is still read (and dropped) up to this size before the 413, so the client,
-# still sending, reads the answer instead of a connection reset.
-MAX_DISCARD_BYTES = 64 * 1024 * 1024
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
 
@@ -105,6 +103,15 @@ def key_matches(given: str | None, expected: str) -> bool:
     return hmac.compare_digest((given or "").encode("utf-8", "replace"), expected.encode("utf-8"))
 
 
+def scoped_session(api_key: str | None, session: str) -> str:
+    """The engine's name for a request's session: with an API key, the name lives under that key
+    (a digest of it), so the same name sent with another key is another session, and the engine's
+    names never hold a key."""
+    if not api_key:
+        return session
+    return hashlib.sha256(api_key.encode("utf-8", "replace")).hexdigest()[:16] + "/" + session
+
+
 def bearer_token(authorization: str | None) -> str | None:
     if not authorization:
         return None
@@ -113,8 +120,10 @@ def bearer_token(authorization: str | None) -> str | None:
 
 
 class BodySizeLimit:
-    """ASGI middleware: 413 for a body over `max_bytes`, judged by Content-Length up front and by
-    counting while it streams in (a chunked body has no length)."""
+    """ASGI middleware: 413 for a body over `max_bytes`, judged by Content-Length up front (at once,
+    whatever the length says, 10**20 included) and by counting while it streams in (a chunked body
+    has no length). The answer does not wait for the rest of the body: the connection
+    (connections.py) reads and drops it, for a short while, so the client still reads the 413."""
 
     def __init__(self, app: ASGIApp, max_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
         self.app = app
@@ -158,21 +167,9 @@ class BodySizeLimit:
                 await self._reject(receive, send)
 
     async def _reject(self, receive: Receive, send: Send) -> None:
-        await _discard_body(receive, MAX_DISCARD_BYTES)
         for message in _error(413, f"request body is larger than the limit of {self.max_bytes} bytes",
-                              "request_too_large", [(b"connection", b"close")]):
+                              "request_too_large"):
             await send(message)
-
-
-async def _discard_body(receive: Receive, max_bytes: int) -> None:
-    """Read what is left of the body and drop it: closing a socket with unread bytes resets the
-    connection, and the client would lose the response."""
-    dropped = 0
-    while dropped <= max_bytes:
-        message = await receive()
-        if message["type"] != "http.request" or not message.get("more_body", False):
-            return
-        dropped += len(message.get("body", b""))
 
 
 class _BodyTooLarge(HTTPException):

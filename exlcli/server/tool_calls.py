@@ -9,15 +9,14 @@ parsed out of the answer), "required" (the grammar forces one or more calls to a
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from exlcli.client.base import GenerationParams
-from exlcli.engine.constraints import check_json_schema
 from exlcli.engine.request import GrammarSpec
-from exlcli.errors import RequestError
 from exlcli.text.tool_formats import ParsedAnswer, ToolCall, ToolFormat
 
 MAX_TOOLS = 128
@@ -41,11 +40,7 @@ class FunctionDef(_Body):
             return None
         if value.get("type", "object") != "object":
             raise ValueError("must be a JSON Schema of type \"object\" (a function's named arguments)")
-        try:
-            check_json_schema(value)
-        except RequestError as e:
-            raise ValueError(str(e)) from None
-        return value
+        return value  # whether it compiles is checked off the event loop (grammar_workers.py)
 
 
 class ToolDef(_Body):
@@ -74,6 +69,25 @@ class AssistantToolCall(_Body):
     id: str = Field(min_length=1, max_length=256)
     type: Literal["function"] = "function"
     function: CalledFunction
+
+    def text_bytes(self) -> int:
+        """UTF-8 size of what the chat template writes of this call."""
+        return _utf8_len(self.id) + _utf8_len(self.function.name) + _utf8_len(self.function.arguments)
+
+
+def _utf8_len(text: str | None) -> int:
+    return len(text.encode("utf-8", "replace")) if text else 0
+
+
+def tools_bytes(tools: list[ToolDef] | None) -> int:
+    """UTF-8 size of the tools as the template describes them (name, description, parameter schema)."""
+    total = 0
+    for tool in tools or []:
+        f = tool.function
+        total += _utf8_len(f.name) + _utf8_len(f.description)
+        if f.parameters is not None:
+            total += len(json.dumps(f.parameters, ensure_ascii=False).encode("utf-8", "replace"))
+    return total
 
 
 def tool_dicts(tools: list[ToolDef] | None) -> list[dict] | None:

@@ -58,18 +58,52 @@ def _json_block(schema: dict, strict: bool) -> str:
 
 def _call_schema(tools: list[dict], forced: str | None, args_key: str) -> tuple[dict, bool]:
     """One call object `{"name": <const>, <args_key>: <parameters>}` per allowed tool (anyOf when
-    several), and whether every one of them asks for strict schemas."""
+    several), and whether every one of them asks for strict schemas.
+
+    Each tool's parameter schema goes whole into the wrapper's `$defs` and its arguments refer to it
+    there, its own `$ref`s rewritten to point inside it: a `$ref` is resolved against the document's
+    root, which is now the wrapper (`#/$defs/Address` of a pydantic tool, or `#` itself)."""
     options = []
+    defs = {}
     strict = True
-    for tool in tools:
+    for i, tool in enumerate(tools):
         function = tool_function(tool)
         if forced is not None and function.get("name") != forced:
             continue
         strict = strict and bool(function.get("strict"))
+        name = f"tool_{i}"
+        defs[name] = _rebase_refs(parameters_schema(function), f"#/$defs/{name}")
         options.append({"type": "object", "properties": {"name": {"const": function["name"]},
-                                                         args_key: parameters_schema(function)},
+                                                         args_key: {"$ref": f"#/$defs/{name}"}},
                         "required": ["name", args_key], "additionalProperties": False})
-    return (options[0] if len(options) == 1 else {"anyOf": options}), strict
+    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    return {**schema, "$defs": defs}, strict
+
+
+# Keywords whose values are data, not schemas: a "$ref" key inside them is not a reference.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples", "example"})
+# Keywords whose values map names (any, "enum" too) to schemas.
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def _rebase_refs(schema: Any, base: str) -> Any:
+    """`schema` with every local `$ref` ("#...") made relative to `base`, the pointer where the
+    schema now sits inside a larger document."""
+    if isinstance(schema, list):
+        return [_rebase_refs(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = base + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: _rebase_refs(sub, base) for name, sub in value.items()}
+        else:
+            out[key] = _rebase_refs(value, base)
+    return out
 
 
 def _lark_string(text: str) -> str:
@@ -215,7 +249,8 @@ class MistralFormat(_WholeAnswerFormat):
 
     def grammar(self, tools: list[dict], forced: str | None, parallel: bool) -> str:
         call, strict = _call_schema(tools, forced, self.args_key)
-        array = {"type": "array", "items": call, "minItems": 1}
+        defs = call.pop("$defs")  # at the root, where the calls' `$ref`s point
+        array = {"type": "array", "items": call, "minItems": 1, "$defs": defs}
         if forced is not None or not parallel:
             array["maxItems"] = 1
         return f"start: {self._start_token(self.call_start)} {_json_block(array, strict)}\n"

@@ -145,18 +145,49 @@ def test_slow_headers_are_dropped_while_normal_requests_answer_fast():
             assert closed_after is not None and 0.4 < closed_after < 2.0
 
 
-def test_connections_beyond_the_cap_are_closed_at_accept():
-    with running_server(FakeClient(), limits=ConnectionLimits(max_connections=3, header_timeout_s=0.5)) as live:
+def _stream_request(port: int, words: int) -> socket.socket:
+    """A socket whose streamed completion runs (slowly) while nobody reads it."""
+    body = json.dumps({"prompt": "w " * words, "stream": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    return sock
+
+
+def test_connections_beyond_the_cap_are_closed_at_accept_when_all_are_busy():
+    limits = ConnectionLimits(max_connections=3, header_timeout_s=0.5)
+    with running_server(FakeClient(token_delay=0.05), limits=limits) as live:
         port = int(live.url.rsplit(":", 1)[1])
-        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+        busy = [_stream_request(port, 400) for _ in range(3)]  # 20 s of tokens each
         try:
-            assert wait_until(lambda: len(live.server.server_state.connections) == 3)
+            assert wait_until(lambda: len(live.tracker.live) == 3)
             with pytest.raises(httpx.TransportError):
                 httpx.get(live.url + "/v1/models", timeout=2)
         finally:
-            for s in idle:
+            for s in busy:
                 s.close()
         assert wait_until(lambda: httpx.get(live.url + "/v1/models", timeout=2).status_code == 200)
+
+
+def test_at_the_cap_a_new_connection_takes_the_place_of_the_longest_waiting_one():
+    limits = ConnectionLimits(max_connections=3, header_timeout_s=30, body_timeout_s=30)
+    with running_server(FakeClient(), limits=limits) as live:
+        port = int(live.url.rsplit(":", 1)[1])
+        idle = socket.create_connection(("127.0.0.1", port))  # sends nothing
+        time.sleep(0.05)
+        slow = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
+        for s in slow:  # headers, then a body that never comes
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\n{")
+        try:
+            assert wait_until(lambda: len(live.server.server_state.connections) == 3)
+            with httpx.Client(timeout=2) as http:
+                for _ in range(4):  # each new connection pushes out the one waiting longest on its client
+                    assert http.get(live.url + "/v1/models", headers={"Connection": "close"}).status_code == 200
+            idle.settimeout(2)
+            assert idle.recv(1) == b""  # the oldest, pushed out first
+        finally:
+            for s in [idle, *slow]:
+                s.close()
 
 
 def test_a_request_past_its_time_limit_is_cancelled():

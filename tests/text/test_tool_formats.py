@@ -172,3 +172,32 @@ def test_forcing_grammars_allow_only_valid_calls(compiler, fmt, forced, parallel
 def test_a_special_marker_token_is_forced_by_id():
     grammar = MistralFormat(special_id=lambda text: 5 if text == "[TOOL_CALLS]" else None).grammar(TOOLS, None, True)
     assert grammar.startswith("start: <[5]> %json ")
+
+
+ADDRESS_TOOL = {"type": "function", "function": {"name": "ship", "parameters": {
+    # as openai.pydantic_function_tool writes a model with a nested model
+    "$defs": {"Address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+                          "required": ["city"], "additionalProperties": False}},
+    "type": "object", "properties": {"to": {"$ref": "#/$defs/Address"}},
+    "required": ["to"], "additionalProperties": False}}}
+TREE_TOOL = {"type": "function", "function": {"name": "tree", "parameters": {
+    "type": "object", "properties": {"label": {"type": "string", "maxLength": 4},
+                                     "kids": {"type": "array", "maxItems": 2, "items": {"$ref": "#"}}},
+    "required": ["label"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("fmt", [HermesFormat(), Llama3JsonFormat(), MistralFormat()], ids=lambda f: f.name)
+@pytest.mark.parametrize("tool", [ADDRESS_TOOL, TREE_TOOL], ids=["defs", "root"])
+@pytest.mark.parametrize("forced", [True, False], ids=["named", "required"])
+def test_forced_calls_resolve_refs_against_the_tools_own_schema(compiler, fmt, tool, forced):
+    name, schema = tool["function"]["name"], tool["function"]["parameters"]
+    grammar = fmt.grammar([WEATHER_TOOL, tool], name if forced else None, False)
+    seen = 0
+    for seed in range(8):
+        parsed = fmt.parse(walk(compiler, grammar, seed, max_tokens=600), NAMES | {name})
+        assert len(parsed.calls) == 1
+        call = parsed.calls[0]
+        schemas = {name: schema, WEATHER_TOOL["function"]["name"]: WEATHER_TOOL["function"]["parameters"]}
+        jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+        seen += call.name == name
+    assert seen >= 1
