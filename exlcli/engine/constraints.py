@@ -25,6 +25,8 @@ import torch
 from exlcli.errors import RequestError
 
 if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # a TypedDict of llguidance's stubs only
+
     from exlcli.engine.request import GrammarSpec
 
 
@@ -159,14 +161,17 @@ class GrammarCompiler:
 
         # Compact JSON (no free whitespace): a small model in JSON mode otherwise loops on newlines.
         # strict: a keyword llguidance cannot enforce is an error; else it is ignored.
-        options = {"whitespace_flexible": False, "lenient": not spec.strict}
+        options: JsonCompileOptions = {"whitespace_flexible": False, "lenient": not spec.strict}
+        value = spec.value
         if spec.kind == "json_object":
             return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=options)
         if spec.kind == "json_schema":
-            return llguidance.LLMatcher.grammar_from_json_schema(spec.value, overrides=options)
+            assert value is not None  # GrammarSpec.__post_init__: the schema
+            return llguidance.LLMatcher.grammar_from_json_schema(value, overrides=options)
+        assert isinstance(value, str)  # GrammarSpec.__post_init__: regex and grammar take a string
         if spec.kind == "regex":
-            return llguidance.LLMatcher.grammar_from_regex(spec.value)
-        return llguidance.grammar_from("grammar", spec.value)  # Lark, or GBNF (converted)
+            return llguidance.LLMatcher.grammar_from_regex(value)
+        return llguidance.grammar_from("grammar", value)  # Lark, or GBNF (converted)
 
     def fill_masks(self, constraints: list[TokenConstraint], rows: list[int], bitmask: torch.Tensor) -> None:
         """The next-token masks of `constraints` into those rows of `bitmask`."""
