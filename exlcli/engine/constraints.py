@@ -26,6 +26,7 @@ from exlcli.engine.grammar_check import GRAMMAR_NAMES, grammar_problem, grammar_
 from exlcli.errors import RequestError
 
 if TYPE_CHECKING:
+
     from exlcli.engine.request import GrammarSpec
 
 

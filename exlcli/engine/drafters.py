@@ -40,4 +40,5 @@ def build_drafter(speculative: "str | Drafter | DraftModel", model: CausalLM, kv
     if speculative == "self":
         scratch = list(range(first_scratch_page, first_scratch_page + num_drafter_pages("self", kv.page_size)))
         return SelfDrafter(model, kv, draft_layers, scratch)
+    assert not isinstance(speculative, DraftModel)  # resolve_draft_model gave it as draft_model
     return make_drafter(speculative)

@@ -259,6 +259,6 @@ class Engine:
                     self.scheduler.prefix_hits += resumed
             self.scheduler.add(seq)
         for request_id in cancels:
-            seq = self.outputs.seqs.get(request_id)
-            if seq is not None:
-                self.outputs.finish(seq, FinishReason.CANCELLED)
+            cancelled = self.outputs.seqs.get(request_id)
+            if cancelled is not None:
+                self.outputs.finish(cancelled, FinishReason.CANCELLED)

@@ -42,7 +42,7 @@ class FailureLog:
             return
         self._last[what] = now
         repeats = self._suppressed.pop(what, 0)
-        more = f" ({repeats} more like it in the last {now - last:.0f} s)" if repeats else ""
+        more = f" ({repeats} more like it in the last {now - last:.0f} s)" if repeats and last is not None else ""
         self.log.error("%s: %s: %s%s", what, type(error).__name__, error, more,
                        exc_info=(type(error), error, error.__traceback__) if not repeats else None)
 
@@ -97,7 +97,8 @@ class FailurePolicy:
                   ) -> tuple[list[tuple[Item, Result]], list[tuple[Item, BaseException]]]:
         """After a step over `items` failed: run each alone, once. -> (those that ran with their
         results, in order; those that failed again with their errors)."""
-        done, failed = [], []
+        done: list[tuple[Item, Result]] = []
+        failed: list[tuple[Item, BaseException]] = []
         for item in items:
             try:
                 done.append((item, run(item)))

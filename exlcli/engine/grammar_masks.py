@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from exlcli.engine.constraints import GrammarCompiler, new_bitmask
+from exlcli.engine.constraints import GrammarCompiler, TokenConstraint, new_bitmask
 from exlcli.engine.sequence import SeqStatus
 
 if TYPE_CHECKING:
@@ -48,10 +48,12 @@ def step_masks(grammars: GrammarCompiler, seqs: list["Sequence"], output_ids: li
     seq_rows = [i for i, ids in enumerate(output_ids) if ids is not None]
     if not seq_rows:
         return None
-    constraints = []
+    constraints: list[TokenConstraint] = []
     for i in seq_rows:
-        seqs[i].constraint.follow(output_ids[i])  # a no-op unless tokens were dropped
-        constraints.append(seqs[i].constraint)
+        constraint, ids = seqs[i].constraint, output_ids[i]
+        assert constraint is not None and ids is not None  # constrained_outputs: ids of constrained rows only
+        constraint.follow(ids)  # a no-op unless tokens were dropped
+        constraints.append(constraint)
     bitmask = new_bitmask(firsts[-1], vocab_size)
     grammars.fill_masks(constraints, [firsts[i] for i in seq_rows], bitmask)
     return bitmask

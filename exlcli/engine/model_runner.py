@@ -60,6 +60,7 @@ class ModelRunner:
             slots.extend(seq.pages[p // page_size] * page_size + p % page_size for p in span)
             seq_lens.append(cached + n)
             starts.append(starts[-1] + n)
+            assert item.num_logits is not None  # ScheduledSeq.__post_init__ sets it
             logits_rows.extend(range(starts[-1] - item.num_logits, starts[-1]))
             tables.append(seq.pages + [0] * (max_pages - len(seq.pages)))
         return StepInputs(ids, positions, slots, tables, seq_lens, starts, logits_rows, in_flight,

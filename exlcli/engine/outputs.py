@@ -109,7 +109,7 @@ class OutputProcessor:
         self._scheduler.remove(seq)
         if self._speculator is not None:
             self._speculator.release(seq)
-        if parked is not None:
+        if session is not None and parked is not None:  # parked only with a session
             self._sessions.park(session, seq, parked)
         self.seqs.pop(seq.request_id, None)
         self._streamers.pop(seq.request_id, None)

@@ -64,8 +64,8 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
         counts = torch.zeros(batch, vocab, dtype=torch.float32, device=device)
         for i, r in enumerate(rows):
             if r.output_ids:
-                ids = torch.tensor(r.output_ids, device=device)
-                counts[i].index_add_(0, ids, torch.ones(len(r.output_ids), device=device))
+                out_ids = torch.tensor(r.output_ids, device=device)
+                counts[i].index_add_(0, out_ids, torch.ones(len(r.output_ids), device=device))
         logits = (logits - _column(rows, "frequency_penalty", device)[:, None] * counts
                   - _column(rows, "presence_penalty", device)[:, None] * (counts > 0).float())
     return logits
@@ -142,8 +142,8 @@ def top_logprobs(logits: torch.Tensor, token_ids: list[int], rows: list[SampleRo
     logp = logits.log_softmax(-1).clamp_min(-9999.0)  # a masked token's -inf as OpenAI writes it (JSON has no -inf)
     top_vals, top_ids = logp.topk(max(want), dim=-1)
     chosen = logp.gather(1, torch.tensor(token_ids, device=logits.device)[:, None]).squeeze(1).tolist()
-    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    vals, ids = top_vals.tolist(), top_ids.tolist()
     out: list[TokenLogprob | None] = []
     for i, n in enumerate(want):
-        out.append(TokenLogprob(token_ids[i], chosen[i], list(zip(top_ids[i][:n], top_vals[i][:n]))) if n else None)
+        out.append(TokenLogprob(token_ids[i], chosen[i], list(zip(ids[i][:n], vals[i][:n]))) if n else None)
     return out

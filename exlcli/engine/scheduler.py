@@ -46,6 +46,7 @@ class ScheduledSeq:
     @property
     def samples(self) -> bool:
         """The step yields next-token logits for this sequence."""
+        assert self.num_logits is not None  # __post_init__ sets it
         return self.num_logits > 0
 
 

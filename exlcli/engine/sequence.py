@@ -6,10 +6,14 @@ import enum
 import random
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from exlcli.engine.constraints import TokenConstraint
 from exlcli.engine.page_pool import page_hash
 from exlcli.engine.request import Request
+
+if TYPE_CHECKING:
+    from exlcli.engine.context_window import ContextPolicy
 
 
 class SeqStatus(enum.Enum):
@@ -45,7 +49,7 @@ class Sequence:
     # Past the window (context_window.py): the policy (None: stop at the context), and how many
     # tokens after the sinks left the cache. Tokens [evict_start, evict_start + num_evicted) are
     # not in the cache; the computed point never lies inside that gap.
-    overflow: object | None = None  # context_window.ContextPolicy
+    overflow: ContextPolicy | None = None
     num_evicted: int = 0
     evicted_before: int = 0  # of those, evicted before this request resumed its session (engine/sessions.py)
     _hashes: list[int] = field(default_factory=list)

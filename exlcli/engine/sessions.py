@@ -21,9 +21,13 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from exlcli.engine.page_pool import PagePool
 from exlcli.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from exlcli.engine.context_window import ContextPolicy
 
 DEFAULT_MAX_SESSIONS = 16
 
@@ -34,7 +38,7 @@ class ParkedSession:
     num_computed_tokens: int  # never past len(token_ids)
     pages: list[int]
     num_evicted: int
-    overflow: object | None  # the policy the gap was made under (context_window.ContextPolicy)
+    overflow: ContextPolicy | None  # the policy the gap was made under
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -112,6 +116,7 @@ class SessionCache:
         num_common = common_prefix(parked.token_ids[:parked.num_computed_tokens], seq.token_ids[:-1])
         evicted = parked.num_evicted
         if evicted:
+            assert parked.overflow is not None  # tokens leave the cache only under a policy
             gap_end = parked.overflow.evict_start + evicted
             if seq.overflow != parked.overflow or num_common < gap_end:
                 self.pool.release_all(parked.pages)

@@ -35,7 +35,8 @@ class Drafter(Protocol):
     instead, with the scheduled sequence (its pages cover its known tokens; none in flight), and
     `release(seq)`, called when the sequence ends or is preempted."""
 
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:
         """Up to `max_tokens` guesses of the tokens that follow `token_ids` (possibly none)."""

@@ -76,9 +76,10 @@ class StepLauncher:
             if masks is not None:
                 masks.wait()
                 masks = None
-            batch, logits = self._run_alone(batch, prev, e)
-            if batch is None:
+            alone, alone_logits = self._run_alone(batch, prev, e)
+            if alone is None or alone_logits is None:  # both or neither
                 return None
+            batch, logits = alone, alone_logits
         self._stats.count_prefill(batch)
         self._scheduler.commit(batch)
         if masks is None:
@@ -203,8 +204,10 @@ class StepLauncher:
         items = [item for item in batch.items if item.num_logits]
         if all(item.num_logits == 1 for item in items):
             return logits
-        keep, end = [], 0
+        keep: list[int] = []
+        end = 0
         for item in items:
+            assert item.num_logits is not None  # ScheduledSeq.__post_init__ sets it
             end += item.num_logits
             keep.extend(range(end - 1 - len(item.draft_tokens), end))
         return logits.index_select(0, to_device(keep, torch.long, logits.device))

@@ -87,11 +87,13 @@ class StepReadback:
     def _observe_read_back(self, step: LaunchedStep, period: float) -> None:
         """Feed the speculator's ReadBackPenalty with a batch-1 step's period (since the step before
         was read back)."""
+        speculator = self._speculator
+        assert speculator is not None  # observed only with a speculator
         drafts = step.drafts[0]
         if drafts:
-            self._speculator.read_back.observe_verify(period, self._speculator.cost.of(1 + len(drafts)))
+            speculator.read_back.observe_verify(period, speculator.cost.of(1 + len(drafts)))
         elif step.keep_in_flight and self._last_kept:
-            self._speculator.read_back.observe_plain(period)
+            speculator.read_back.observe_plain(period)
 
     def _accept(self, seq: Sequence, drafts: list[int], choices: list[int], logprobs: list | None,
                 rng_state) -> tuple[list[int], list | None]:
@@ -99,6 +101,7 @@ class StepReadback:
         the target's token at the first disagreement (or after the last draft). The rejected drafts
         are rolled back (before anything is appended, see Scheduler.rollback) and the generator
         draws of the rows past the first disagreement are given back."""
+        assert self._speculator is not None  # drafts come from the speculator
         accepted = num_accepted(drafts, choices)
         self._scheduler.rollback(seq, len(drafts) - accepted)
         seq.rng.setstate(rng_state)

@@ -84,8 +84,12 @@ class ModelConfig:
     def context_length(self) -> int:
         return self.max_position_embeddings
 
+    def layer_moe(self, layer: int) -> MoeConfig | None:
+        """The experts of `layer`, or None where it has a plain feed-forward."""
+        return self.moe if self.moe is not None and layer not in self.moe.dense_layers else None
+
     def is_moe_layer(self, layer: int) -> bool:
-        return self.moe is not None and layer not in self.moe.dense_layers
+        return self.layer_moe(layer) is not None
 
     @property
     def num_params(self) -> int:
@@ -107,8 +111,7 @@ class ModelConfig:
             attn += 2 * self.head_dim
         total = 0
         for layer in range(self.num_layers):
-            if self.is_moe_layer(layer):
-                moe = self.moe
+            if (moe := self.layer_moe(layer)) is not None:
                 experts = moe.num_experts_used if active else moe.num_experts
                 ffn = experts * moe.expert_params(h) + h * moe.num_experts
                 ffn += 3 * h * moe.shared_expert_size + (h if moe.shared_expert_gate else 0)

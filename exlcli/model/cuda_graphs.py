@@ -142,7 +142,7 @@ class DecodeGraphs:
         sequence will use (benchmarks; servers at start). Returns how many exist afterwards."""
         if cuda_loader.kernels_available():
             width = width_bucket(max_pages)
-            for n in sorted({batch_bucket(n) for n in batch_sizes if batch_bucket(n)}, reverse=True):
+            for n in sorted({bucket for n in batch_sizes if (bucket := batch_bucket(n))}, reverse=True):
                 if (n, width) not in self._graphs and self._capture_or_disable(n, width) is None:
                     break
         return len(self._graphs)
@@ -184,6 +184,7 @@ class DecodeGraphs:
 
     def _capture(self, bucket: int, width: int) -> _Graph:
         inputs = self._inputs(bucket, width)
+        assert inputs.seq_lens_t is not None  # _inputs gives the staged lengths
         forward = self.model.forward
         if self.use_fused and bucket <= FUSED_MAX_ROWS:
             forward = self.model.fused_decode_forward

@@ -7,6 +7,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -18,6 +19,10 @@ from exlcli.model.interface import CausalLM
 from exlcli.model.tensor_types import TensorTypes, count_types, decode_step_bytes
 from exlcli.ops.formats import QuantizedWeight, exl3
 from exlcli.text.chat_template import ChatTemplate
+
+if TYPE_CHECKING:
+    from exlcli.model.random_weights import SyntheticTokenizer
+    from exlcli.text.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -100,6 +105,8 @@ def load_model(spec: str | None = None, device: str | None = None, dtype: str | 
 
         single_threaded_torch()  # the repack runs on the kernels' pool: torch's threads would only contend
     path = resolve_model_path(spec, log=log)
+    tokenizer: Tokenizer | SyntheticTokenizer
+    tensors: dict[str, Any]  # torch.Tensor or QuantizedWeight by name (quantize_tensors swaps them in place)
     if path.startswith("random:"):
         from exlcli.model.random_weights import SyntheticTokenizer, random_config, random_tensors
 

@@ -77,8 +77,7 @@ def random_tensors(config: ModelConfig, device: torch.device | str = "cpu",
         t.update({p + "input_layernorm.weight": ones(h), p + "post_attention_layernorm.weight": ones(h),
                   p + "self_attn.q_proj.weight": w(q, h), p + "self_attn.k_proj.weight": w(kv, h),
                   p + "self_attn.v_proj.weight": w(kv, h), p + "self_attn.o_proj.weight": w(h, q)})
-        if config.is_moe_layer(n):
-            moe = config.moe
+        if (moe := config.layer_moe(n)) is not None:
             e = moe.expert_size
             t[p + "mlp.gate.weight"] = w(moe.num_experts, h)
             for j in range(moe.num_experts):

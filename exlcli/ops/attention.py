@@ -79,7 +79,7 @@ class PagedLayout:
 
 
 def paged_attention_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                               block_tables: torch.Tensor, seq_lens: torch.Tensor | list[int],
                                scale: float, layout: PagedLayout | None = None) -> torch.Tensor:
     """One query per sequence. q: [B, heads, D] -> [B, heads, D]."""
     lens = seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else list(seq_lens)
@@ -121,10 +121,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     own when it is missing."""
     decode_only = len(seq_lens) == q.shape[0]
     if use_kernels(q) and q.shape[-1] in HEAD_DIMS:  # others take the reference
+        assert seq_lens_t is not None, "the compiled kernels read the lengths' device copy"
         if decode_only:
             return cuda_kernels.paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens_t, scale)
         if prefill_layout is None:
             prefill_layout = cuda_kernels.PrefillLayout(query_start_loc, seq_lens)
+        assert query_start_loc_t is not None, "the compiled prefill reads the query starts' device copy"
         return cuda_kernels.paged_attention_prefill(q, k_cache, v_cache, block_tables, query_start_loc_t,
                                                     seq_lens_t, scale, prefill_layout)
     if use_cpu_kernels_for(q, k_cache):
@@ -147,7 +149,8 @@ MAX_DECODE_QUERIES = 8  # queries per sequence a verify step may have as decode 
 def decode_query_rows(query_start_loc: list[int], seq_lens: list[int]) -> tuple[list[int], list[int]]:
     """Host side: for each query row, its sequence and the keys it sees. Row j of a sequence whose
     k queries sit at positions p..p+k-1 sees keys 0..p+j, so its own length is p+j+1."""
-    seq_of_row, row_lens = [], []
+    seq_of_row: list[int] = []
+    row_lens: list[int] = []
     for b, length in enumerate(seq_lens):
         k = query_start_loc[b + 1] - query_start_loc[b]
         if not 1 <= k <= min(MAX_DECODE_QUERIES, length):

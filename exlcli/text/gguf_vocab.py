@@ -188,13 +188,13 @@ def build_sentencepiece_bpe(meta: dict[str, Any]):
     space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
     # SentencePiece writes spaces as U+2581 and puts one in front of the text (and, like
     # llama.cpp, of each piece of text that follows a special token), even if it starts with one.
-    steps = [normalizers.Replace(" ", "\u2581")]
+    normalize: list[normalizers.Normalizer] = [normalizers.Replace(" ", "\u2581")]
     if space_prefix:
-        steps.insert(0, normalizers.Prepend("\u2581"))
-    tok.normalizer = normalizers.Sequence(steps)
-    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+        normalize.insert(0, normalizers.Prepend("\u2581"))
+    tok.normalizer = normalizers.Sequence(normalize)
+    decode: list[decoders.Decoder] = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     if space_prefix:
-        steps.append(decoders.Strip(" ", 1, 0))
-    tok.decoder = decoders.Sequence(steps)
+        decode.append(decoders.Strip(" ", 1, 0))
+    tok.decoder = decoders.Sequence(decode)
     _add_marked_tokens(tok, tokens, types, (CONTROL, UNKNOWN))
     return tok

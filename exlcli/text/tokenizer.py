@@ -71,6 +71,7 @@ class Tokenizer:
             raise TypeError(f"encode() takes a str, got {type(text).__name__}")
         ids = self._backend.encode(text, add_special_tokens and self._backend_adds_bos)
         if add_special_tokens and self.add_bos and (not ids or ids[0] != self.bos_token_id):
+            assert self.bos_token_id is not None  # add_bos holds only with a BOS token
             ids.insert(0, self.bos_token_id)
         return ids
 
@@ -142,6 +143,7 @@ class Tokenizer:
 
         tj = os.path.join(folder, "tokenizer.json")
         sp = os.path.join(folder, "tokenizer.model")
+        backend: _Backend
         if os.path.isfile(tj):
             backend = _HFBackend.from_file(tj, tok_cfg)
             kind = f"tokenizer.json ({backend.model_type})"
@@ -230,10 +232,10 @@ class _Backend:
     vocab_size: int
     special_token_ids: set[int]
 
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]: ...
-    def decode(self, ids: list[int], skip_special_tokens: bool) -> str: ...
-    def token_to_id(self, token: str) -> int | None: ...
-    def id_to_token(self, token_id: int) -> str | None: ...
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]: raise NotImplementedError
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> str: raise NotImplementedError
+    def token_to_id(self, token: str) -> int | None: raise NotImplementedError
+    def id_to_token(self, token_id: int) -> str | None: raise NotImplementedError
     def post_processor_adds(self, token_id: int) -> bool: return False
     # The whole text with special-token strings left as characters, where the backend can: None if not.
     def encode_ordinary(self, text: str) -> list[int] | None: return None
@@ -258,13 +260,13 @@ class _HFBackend(_Backend):
         except Exception as e:
             raise ModelLoadError(f"{path}: cannot read tokenizer ({e})") from None
         # tokenizer_config.json may declare special tokens the tokenizer.json does not
-        extra = []
+        extra: list[str] = []
         for key, value in tok_cfg.items():
-            if key.endswith("_token") and _token_text(value):
-                extra.append(_token_text(value))
+            if key.endswith("_token") and (text := _token_text(value)):
+                extra.append(text)
         for value in (tok_cfg.get("added_tokens_decoder") or {}).values():
-            if isinstance(value, dict) and value.get("special") and _token_text(value):
-                extra.append(_token_text(value))
+            if isinstance(value, dict) and value.get("special") and (text := _token_text(value)):
+                extra.append(text)
         known = {t.content for t in tok.get_added_tokens_decoder().values()}
         new = [AddedToken(t, special=True, normalized=False) for t in dict.fromkeys(extra)
                if t not in known and tok.token_to_id(t) is not None]
@@ -304,8 +306,8 @@ class _SPBackend(_Backend):
         self.special_token_ids = {i for i in range(n) if self.sp.is_control(i)}
         for value in list(tok_cfg.values()) + list((tok_cfg.get("added_tokens_decoder") or {}).values()):
             text = _token_text(value)
-            if text and self.token_to_id(text) is not None:
-                self.special_token_ids.add(self.token_to_id(text))
+            if text and (token_id := self.token_to_id(text)) is not None:
+                self.special_token_ids.add(token_id)
         specials = sorted((self.sp.id_to_piece(i) for i in self.special_token_ids), key=len, reverse=True)
         self._split = re.compile("(" + "|".join(map(re.escape, specials)) + ")") if specials else None
 
@@ -325,7 +327,8 @@ class _SPBackend(_Backend):
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
-        out, run = [], []
+        out: list[str] = []
+        run: list[int] = []
         for i in ids:
             if i in self.special_token_ids:
                 if run:

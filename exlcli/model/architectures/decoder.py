@@ -9,6 +9,8 @@ or in a mixture-of-experts layer (config.moe) the routed experts of exlcli/ops/m
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 
@@ -24,7 +26,7 @@ from exlcli.model.architectures.tensor_names import (
     layer_prefix,
 )
 from exlcli.model.batch_inputs import BatchInputs
-from exlcli.model.config import ModelConfig
+from exlcli.model.config import ModelConfig, MoeConfig
 from exlcli.model.kv_cache import KVCache
 from exlcli.ops.attention import PagedLayout, paged_attention
 from exlcli.ops.cpu import decoder_layer as cpu_decoder_layer
@@ -34,6 +36,7 @@ from exlcli.ops.cuda import kernels
 from exlcli.ops.cuda.limits import HEAD_DIMS
 from exlcli.ops.cuda.loader import use_kernels
 from exlcli.ops.formats import QuantizedWeight
+from exlcli.ops.formats.base import DecodeWeights
 from exlcli.ops.linear import Linear, dense_weight, make_linear
 from exlcli.ops.moe import Expert, MoeFeedForward, RouterSpec
 from exlcli.ops.norm import fused_add_rms_norm, rms_norm
@@ -46,7 +49,13 @@ class DecoderLayer:
     def __init__(self, config: ModelConfig, t: dict, i: int, device: torch.device, dtype: torch.dtype):
         p = layer_prefix(i)
         get = lambda name: t.get(p + name)  # noqa: E731
-        norm = lambda name: get(name).to(device=device, dtype=dtype)  # noqa: E731
+
+        def norm(name: str) -> torch.Tensor:
+            weight = get(name)
+            if weight is None:  # build_model's caller reports it as a missing tensor
+                raise KeyError(p + name)
+            return weight.to(device=device, dtype=dtype)
+
         self.input_norm = norm("input_layernorm.weight")
         self.post_norm = norm("post_attention_layernorm.weight")
         self.qkv: Linear = make_linear(
@@ -58,8 +67,8 @@ class DecoderLayer:
         self.gate_up: Linear | None = None
         self.down: Linear | None = None
         self.moe: MoeFeedForward | None = None
-        if config.is_moe_layer(i):
-            self.moe = _moe_feed_forward(config, get, device, dtype)
+        if (moe := config.layer_moe(i)) is not None:
+            self.moe = _moe_feed_forward(moe, get, device, dtype)
         else:
             self.gate_up = make_linear([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")], None, device, dtype)
             self.down = make_linear([get("mlp.down_proj.weight")], None, device, dtype)
@@ -67,9 +76,7 @@ class DecoderLayer:
         self.k_norm = norm("self_attn.k_norm.weight") if config.qk_norm else None
 
 
-def _moe_feed_forward(config: ModelConfig, get, device: torch.device, dtype: torch.dtype) -> MoeFeedForward:
-    moe = config.moe
-
+def _moe_feed_forward(moe: MoeConfig, get, device: torch.device, dtype: torch.dtype) -> MoeFeedForward:
     def expert(prefix: str) -> Expert:
         return Expert(make_linear([get(f"{prefix}gate_proj.weight"), get(f"{prefix}up_proj.weight")], None, device,
                                   dtype),
@@ -85,6 +92,7 @@ def _moe_feed_forward(config: ModelConfig, get, device: torch.device, dtype: tor
 def _feed_forward_bytes(layer: DecoderLayer, active: bool) -> int:
     if layer.moe is not None:
         return layer.moe.active_bytes() if active else layer.moe.resident_bytes()
+    assert layer.gate_up is not None and layer.down is not None  # a layer without experts has them
     return layer.gate_up.nbytes() + layer.down.nbytes()
 
 
@@ -112,7 +120,7 @@ class DecoderModel:
         self.cos_sin = rope_cos_sin_cache(config.head_dim, config.rope_theta, config.rope_scaling,
                                           config.max_position_embeddings, device)
         self.scale = config.head_dim ** -0.5
-        self._cpu_layers: CpuDecoderLayers | None | bool = False  # False: not built yet
+        self._cpu_layers: CpuDecoderLayers | None | Literal[False] = False  # False: not built yet
 
     def weight_bytes(self) -> int:
         """Bytes of weights read by one decode step of one token (the embedding row read is negligible;
@@ -174,6 +182,7 @@ class DecoderModel:
             else:
                 qkv, residual = layer.qkv.normed_product(h, residual, layer.input_norm, cfg.rms_norm_eps)
                 q, k, v = rope.heads(qkv)
+                assert layer.k_norm is not None  # q and k norms come together (config.qk_norm)
                 q, k = rms_norm(q, layer.q_norm, cfg.rms_norm_eps), rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
                 q = rope.write(q, k, v)
             o = paged_attention(q, kv.k[i], kv.v[i], batch.block_tables, batch.query_start_loc,
@@ -184,8 +193,10 @@ class DecoderModel:
                 x, residual = fused_add_rms_norm(h, residual, layer.post_norm, cfg.rms_norm_eps)
                 h = layer.moe(x)
             else:
+                assert layer.gate_up is not None and layer.down is not None  # a layer without experts has them
                 gate_up, residual = layer.gate_up.normed_product(h, residual, layer.post_norm, cfg.rms_norm_eps)
                 h = layer.down.silu_product(gate_up)
+        assert residual is not None  # every layer (num_layers >= 1) adds into it
         h = h[batch.logits_indices]
         residual = residual[batch.logits_indices]
         x, _ = fused_add_rms_norm(h, residual, self.norm, cfg.rms_norm_eps)
@@ -214,8 +225,10 @@ class DecoderModel:
                 return None
             weights.append(cpu_decoder_layer.LayerWeights(layer.input_norm, layer.post_norm, layer.q_norm,
                                                           layer.k_norm, *parts))
+        down = self.layers[0].down
+        assert down is not None  # no experts (cfg.moe is None above)
         shape = cpu_decoder_layer.LayerShape(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                             self.layers[0].down.in_features, cfg.rms_norm_eps, self.scale)
+                                             down.in_features, cfg.rms_norm_eps, self.scale)
         return CpuDecoderLayers(weights, shape, self.cos_sin)
 
     # -- the fused decode step ----------------------------------------------------------------------
@@ -250,11 +263,11 @@ class DecoderModel:
         cfg = self.config
         eps = cfg.rms_norm_eps
         rows = batch.input_ids.shape[0]
+        assert batch.seq_lens_t is not None  # a GPU step's inputs carry their device copies
         r = F.embedding(batch.input_ids, self.embed)  # the residual stream
         for i, layer in enumerate(self.layers):
-            # the weights each projection hands over (fused_decode_unsupported checked they exist)
-            qkv_w, o_w = layer.qkv.fused_decode_weights(), layer.o_proj.fused_decode_weights()
-            gate_up_w, down_w = layer.gate_up.fused_decode_weights(), layer.down.fused_decode_weights()
+            qkv_w, o_w = _decode_weights(layer.qkv), _decode_weights(layer.o_proj)
+            gate_up_w, down_w = _decode_weights(layer.gate_up), _decode_weights(layer.down)
             # e4m3 rows stream twice as fast as bf16 ones: there the norms and SiLU run as kernels of
             # their own rather than again in every row group's prologue (8B FP8 on an H200: a graph
             # step of 3.18 ms against 3.24 with the prologues). Both round alike.
@@ -272,8 +285,15 @@ class DecoderModel:
             else:
                 gate_up = kernels.decode_linear(r, *gate_up_w, norm_weight=layer.post_norm, eps=eps)
                 r = kernels.decode_linear(gate_up, *down_w, silu=True, residual=r)
-        return kernels.decode_linear(r, *self.lm_head.fused_decode_weights(), norm_weight=self.norm, eps=eps,
+        return kernels.decode_linear(r, *_decode_weights(self.lm_head), norm_weight=self.norm, eps=eps,
                                      float_out=True)
+
+
+def _decode_weights(linear: Linear | None) -> DecodeWeights:
+    """The weights a projection hands the fused decode kernels (fused_decode_unsupported checked they exist)."""
+    weights = None if linear is None else linear.fused_decode_weights()
+    assert weights is not None
+    return weights
 
 
 def _int32(t: torch.Tensor | None, values: list[int]) -> torch.Tensor:

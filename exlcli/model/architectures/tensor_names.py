@@ -58,8 +58,7 @@ def hf_tensor_names(config: ModelConfig) -> list[str]:
         p = layer_prefix(i)
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
         names += [f"{p}self_attn.{x}_proj.weight" for x in "qkvo"]
-        if config.is_moe_layer(i):
-            moe = config.moe
+        if (moe := config.layer_moe(i)) is not None:
             names.append(p + ROUTER)
             names += [p + expert_name(j, x) for j in range(moe.num_experts) for x in ("gate", "up", "down")]
             if moe.shared_expert_size:

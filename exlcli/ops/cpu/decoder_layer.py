@@ -84,7 +84,7 @@ def _check_weights(layer: LayerWeights, shape: LayerShape) -> None:
     norms = [(layer.input_norm, s.hidden), (layer.post_norm, s.hidden)]
     if (layer.q_norm is None) != (layer.k_norm is None):
         raise KernelInputError("CPU decoder layer: q and k norms come together")
-    if layer.q_norm is not None:
+    if layer.q_norm is not None and layer.k_norm is not None:  # both or neither (checked above)
         norms += [(layer.q_norm, s.head_dim), (layer.k_norm, s.head_dim)]
     for t, n in norms:
         if t.dtype != torch.bfloat16 or t.device.type != "cpu" or t.shape != (n,) or not t.is_contiguous():

@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from _ctypes import CFuncPtr  # the type ctypes calls _CFuncPtr, which its stubs do not export
 from pathlib import Path
 
 import torch
@@ -102,7 +103,7 @@ class CpuKernelLibrary:
     def __init__(self, cdll: ctypes.CDLL | None, reason: str = "") -> None:
         self.cdll = cdll
         self.reason = reason
-        self._functions: dict[str, ctypes._CFuncPtr | None] = {}
+        self._functions: dict[str, CFuncPtr | None] = {}
         self.pool_threads = 0  # threads of the kernels' pool, once started
 
     def start_pool(self, num_threads: int) -> None:
@@ -110,7 +111,7 @@ class CpuKernelLibrary:
         if self.cdll is not None and not self.pool_threads:
             self.pool_threads = self.cdll.exl_pool_start(num_threads)
 
-    def function(self, args: type[KernelArgs], available: str) -> ctypes._CFuncPtr | None:
+    def function(self, args: type[KernelArgs], available: str) -> CFuncPtr | None:
         """`args.kernel` taking a pointer to `args`, or None when the library is not loaded or its C
         file's `available` function (exl_<x>_available) returns 0 (built without the instructions it
         needs). Looked up once per kernel: ctypes shares one function object per name, so its
@@ -191,7 +192,7 @@ def reason() -> str:
     return library().reason
 
 
-def kernel_function(args: type[KernelArgs], *, available: str) -> ctypes._CFuncPtr | None:
+def kernel_function(args: type[KernelArgs], *, available: str) -> CFuncPtr | None:
     """The kernel that takes a pointer to an `args` struct (see CpuKernelLibrary.function)."""
     return library().function(args, available)
 

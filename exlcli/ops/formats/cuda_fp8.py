@@ -50,7 +50,7 @@ FUSED_E4M3_MAX_WIDTH = 16384  # the widest e4m3 rows the SiLU kernel writes (the
 MIN_AMAX = 1e-12  # a row of zeros quantizes with this amax (csrc/fp8_quant.cu's kMinAmax)
 
 
-def fits(shape: tuple[int, int]) -> bool:
+def fits(shape: tuple[int, ...]) -> bool:
     """Whether an e4m3 weight [N, K] can run here (cuBLASLt's FP8 matmul wants both multiples of 16)."""
     rows, cols = shape
     return rows > 0 and rows % 16 == 0 and cols % 16 == 0
@@ -84,18 +84,19 @@ class Fp8CudaLinear(BfloatRowsLinear):
 
     def normed_product(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        xq, x_scale, new_residual = self._normed_e4m3_rows(x, residual, norm_weight, eps)
-        if xq is None:
+        rows = self._normed_e4m3_rows(x, residual, norm_weight, eps)
+        if rows is None:
             return super().normed_product(x, residual, norm_weight, eps)
+        xq, x_scale, new_residual = rows
         return self.e4m3_product(xq, x_scale), new_residual
 
     def _normed_e4m3_rows(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                          eps: float) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """The norm writing this linear's e4m3 rows (xq, x_scale, the new residual), or three Nones where
+                          eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The norm writing this linear's e4m3 rows (xq, x_scale, the new residual), or None where
         the rows do not go to the e4m3 products in a form the fused norm writes from."""
         if (not self._takes_e4m3_rows(x, self.in_features) or norm_weight.dtype != torch.bfloat16
                 or (residual is not None and not self._takes_e4m3_rows(residual, self.in_features))):
-            return None, None, None
+            return None
         return kernels.rms_norm_e4m3(x, residual, norm_weight, eps)
 
     def normed_rope_product(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
@@ -109,9 +110,10 @@ class Fp8CudaLinear(BfloatRowsLinear):
                 or self.out_features != (rope.num_heads + 2 * kv_heads) * dim
                 or rope.k_cache.dtype not in (torch.bfloat16, torch.float8_e4m3fn)):
             return super().normed_rope_product(x, residual, norm_weight, eps, rope)
-        xq, x_scale, new_residual = self._normed_e4m3_rows(x, residual, norm_weight, eps)
-        if xq is None:
+        rows = self._normed_e4m3_rows(x, residual, norm_weight, eps)
+        if rows is None:
             return super().normed_rope_product(x, residual, norm_weight, eps, rope)
+        xq, x_scale, new_residual = rows
         q = kernels.fp8_gemm_qkv_rope(xq, x_scale, self.weight, self.row_scale, self.bias, tiling.splits,
                                       block_tokens, rope.positions, rope.cos_sin, rope.k_cache, rope.v_cache,
                                       rope.slot_mapping, rope.num_heads)

@@ -130,6 +130,7 @@ def _permutation(q_invperm: torch.Tensor | None, q_perm: torch.Tensor | None, in
                               or not torch.equal(torch.sort(p).values, torch.arange(in_features))):
             raise ValueError(f"{name} is not a permutation of the {in_features} input features")
     if perm is None:
+        assert inv is not None  # one of the two is given (returned above when neither is)
         perm = torch.argsort(inv)
     elif inv is not None and not torch.equal(perm[inv], torch.arange(in_features)):
         raise ValueError("q_perm and q_invperm are not inverses of each other")
@@ -185,7 +186,9 @@ def repack(m: Exl2Matrix) -> QuantizedWeight:
     scale = m.row_scales()[per_block].t()  # [out, blocks]
     zero = m.zeros()[per_block]
     if bits == 6:
+        assert isinstance(fmt, int6_groups.Int6GroupFormat)
         return int6_groups.pack(fmt, (m.q - m.zeros().unsqueeze(1)).t(), scale, m.perm)
+    assert isinstance(fmt, int_groups.GroupFormat)
     return int_groups.pack(fmt, m.q.t(), scale, zero.expand(m.q.shape[1], -1), m.perm)
 
 

@@ -268,9 +268,12 @@ def from_exl3(trellis: torch.Tensor, suh: torch.Tensor | None, svh: torch.Tensor
     codebook = codebook_of(mcg, mul1)
     scales = []
     for name, full, signs, n in (("suh", suh, su, in_features), ("svh", svh, sv, out_features)):
-        if full is None and signs is None:
+        if full is not None:
+            s = full
+        elif signs is not None:
+            s = unpack_signs(signs)
+        else:
             raise ValueError(f"has no {name} (nor {name[:2]})")
-        s = full if full is not None else unpack_signs(signs)
         if s.dtype != torch.float16 or s.numel() != n:
             raise ValueError(f"{name if full is not None else name[:2]} holds {s.numel()} {s.dtype} values "
                              f"for {n} features")

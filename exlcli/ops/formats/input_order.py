@@ -71,7 +71,12 @@ class SideBySideLinear(Linear):
 
     def cpu_qmatmul_parts(self) -> list | None:
         parts = [p.cpu_qmatmul_parts() for p in self.parts]
-        return None if any(p is None for p in parts) else [a for p in parts for a in p]
+        joined: list = []
+        for args in parts:
+            if args is None:
+                return None
+            joined += args
+        return joined
 
     def nbytes(self) -> int:
         return sum(p.nbytes() for p in self.parts)
