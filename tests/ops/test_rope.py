@@ -68,8 +68,8 @@ def test_linear_inv_freq_matches_transformers():
 
 
 def test_unknown_scaling_type_is_refused():
-    with pytest.raises(ValueError, match="yarn"):
-        rope_inv_freq(*_rope(scaling={"rope_type": "yarn", "factor": 4.0}))
+    with pytest.raises(ValueError, match="dynamic"):
+        rope_inv_freq(*_rope(scaling={"rope_type": "dynamic", "factor": 4.0}))
 
 
 @pytest.mark.parametrize("scaling", [None, LLAMA3])
