@@ -1,0 +1,172 @@
+"""Models of several attention kinds (Gemma 2, Gemma 3, gpt-oss, Phi-3, windowed Mistral) against
+transformers on prompts longer than their windows (8 tokens) and past LongRoPE's switch (16), through
+every step kind the engine runs: a flat prefill of two sequences, a prefill chunk on top of cached
+pages (its keys start inside the window), a decode step and a verify step of several rows. Then:
+each kind changes the logits (the tests above could fail), the model states its specs, and bad
+configs fail in one line naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_logits_vs_hf import (
+    MAX_REL_ERR,
+    VOCAB,
+    _batch,
+    _hf_logits,
+    _kv_for,
+    _pages_for,
+    relative_error,
+    write_hf_folder,
+)
+
+from exlcli.errors import ModelLoadError
+from exlcli.model.attention_spec import layer_specs
+from exlcli.model.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from exlcli.model.loader import load_model
+
+KIND_CASES = ("gemma2", "gemma3", "gpt-oss", "phi3", "phi3-longrope", "phi3-partial", "mistral-window")
+LENGTHS = (23, 18)
+PAGE = 4
+
+
+def _seqs(n_extra: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(0, VOCAB, (n + n_extra,), generator=g).tolist() for n in LENGTHS]
+
+
+def _forward(loaded, seqs, starts, tables, kv, all_logits=True):
+    return loaded.model.forward(_batch(seqs, starts, tables, PAGE, all_logits=all_logits), kv)
+
+
+@pytest.mark.parametrize("case", KIND_CASES)
+def test_past_the_window_logits_equal_transformers(tmp_path, case):
+    hf = write_hf_folder(tmp_path, case, seed=2)
+    loaded = load_model(str(tmp_path), device="cpu", dtype="float32")
+    full = _seqs(n_extra=9)  # the prompts, then 5 tokens of a chunk, 1 of a decode step, 3 verified
+    tables = _pages_for([len(s) for s in full], PAGE)
+    kv = _kv_for(loaded, tables, PAGE)
+    theirs = [_hf_logits(hf, s) for s in full]
+
+    # 1. prefill, both prompts in one flat batch
+    prompts = [s[:n] for s, n in zip(full, LENGTHS)]
+    ours = _forward(loaded, prompts, [0, 0], tables, kv)
+    for got, want in zip(ours.split(list(LENGTHS)), theirs):
+        assert relative_error(got, want[:len(got)]) <= MAX_REL_ERR
+    # 2. a prefill chunk of 5 on the cached pages, 3. one decode step, 4. a verify step of 3 rows each
+    done = list(LENGTHS)
+    for step in (5, 1, 3):
+        seqs = [s[:n + step] for s, n in zip(full, done)]
+        ours = _forward(loaded, seqs, done, tables, kv)
+        for got, want, n in zip(ours.split([step, step]), theirs, done):
+            assert relative_error(got, want[n:n + step]) <= MAX_REL_ERR, f"a step of {step}"
+        done = [n + step for n in done]
+
+
+def _edited(tmp_path, case, edit) -> tuple:
+    """(transformers' model, ours with config.json edited by `edit`) on one prompt past the window."""
+    hf = write_hf_folder(tmp_path, case, seed=2)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    edit(cfg)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    loaded = load_model(str(tmp_path), device="cpu", dtype="float32")
+    seq = _seqs()[0]
+    tables = _pages_for([len(seq)], PAGE)
+    return _hf_logits(hf, seq), _forward(loaded, [seq], [0], tables, _kv_for(loaded, tables, PAGE))
+
+
+@pytest.mark.parametrize("case,edit", [
+    ("mistral-window", lambda c: c.update(sliding_window=None)),
+    ("gemma2", lambda c: c.update(layer_types=["full_attention"] * 2)),
+    ("gemma2", lambda c: c.update(attn_logit_softcapping=None)),
+    ("gemma2", lambda c: c.update(final_logit_softcapping=None)),
+    ("gemma3", lambda c: c["rope_parameters"]["sliding_attention"].update(rope_theta=1e5)),
+], ids=["window", "layer-kinds", "attn-softcap", "final-softcap", "local-rope"])
+def test_each_kind_changes_the_logits(tmp_path, case, edit):
+    """Guards the comparisons above: without the window, the soft-caps or the local rope, ours differ."""
+    theirs, ours = _edited(tmp_path, case, edit)
+    assert relative_error(ours, theirs) > 20 * MAX_REL_ERR
+
+
+def test_sinks_change_the_logits(tmp_path):
+    hf = write_hf_folder(tmp_path, "gpt-oss", seed=2)
+    loaded = load_model(str(tmp_path), device="cpu", dtype="float32")
+    seq = _seqs()[0]
+    tables = _pages_for([len(seq)], PAGE)
+    with_sinks = _forward(loaded, [seq], [0], tables, _kv_for(loaded, tables, PAGE))
+    assert relative_error(with_sinks, _hf_logits(hf, seq)) <= MAX_REL_ERR
+    for i, spec in enumerate(loaded.model.specs):
+        loaded.model.specs[i] = type(spec)(**{**spec.__dict__, "sinks": None})
+    without = _forward(loaded, [seq], [0], tables, _kv_for(loaded, tables, PAGE))
+    assert relative_error(without, with_sinks) > 20 * MAX_REL_ERR
+
+
+def test_the_model_states_its_attention_specs(tmp_path):
+    write_hf_folder(tmp_path / "g3", "gemma3")
+    model = load_model(str(tmp_path / "g3"), device="cpu", dtype="float32").model
+    specs = model.attention_specs()
+    assert [s.kind for s in specs] == [SLIDING_ATTENTION, FULL_ATTENTION, SLIDING_ATTENTION]
+    assert [s.window for s in specs] == [8, None, 8]
+    assert [s.rope_theta for s in specs] == [1e3, 1e5, 1e3]
+    assert specs[1].rope_scaling["rope_type"] == "linear" and specs[0].rope_scaling is None
+    assert all(s.scale == pytest.approx(12 ** -0.5) for s in specs)
+    assert model.rope_tables[0] is model.rope_tables[2] and model.rope_tables[0] is not model.rope_tables[1]
+    assert "sliding window" in model.fused_decode_unsupported()
+
+    write_hf_folder(tmp_path / "oss", "gpt-oss")
+    specs = load_model(str(tmp_path / "oss"), device="cpu", dtype="float32").model.attention_specs()
+    assert [s.window for s in specs] == [8, None] and all(s.sinks.shape == (4,) for s in specs)
+    assert specs[0].rope_scaling["rope_type"] == "yarn"
+
+
+# --- bad input: one line naming the field -----------------------------------------------------------
+
+def _config(**fields) -> ModelConfig:
+    base = dict(architecture="gemma2", vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2,
+                num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256)
+    return ModelConfig(**{**base, **fields})
+
+
+@pytest.mark.parametrize("fields,field", [
+    ({"sliding_window": 512}, "sliding_window"),
+    ({"sliding_window": 0}, "sliding_window"),
+    ({"sliding_window": 8, "layer_types": ("sliding_attention",)}, "layer_types"),
+    ({"sliding_window": 8, "layer_types": ("sliding_attention", "chunked_attention")}, "layer_types"),
+    ({"layer_types": ("sliding_attention", "full_attention")}, "sliding_window"),
+    ({"attn_logit_softcap": -1.0}, "attn_logit_softcap"),
+    ({"final_logit_softcap": 0.0}, "final_logit_softcap"),
+    ({"attn_logit_softcap": 50.0, "attention_sinks": True}, "attn_logit_softcap"),
+    ({"partial_rotary_factor": 1.5}, "partial_rotary_factor"),
+])
+def test_bad_attention_fields_are_one_line_errors(fields, field):
+    with pytest.raises(ModelLoadError, match=field) as err:
+        _config(**fields)
+    assert "\n" not in str(err.value)
+
+
+def test_a_window_larger_than_the_context_is_refused_at_load(tmp_path):
+    write_hf_folder(tmp_path, "gemma2")
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["sliding_window"] = 4096
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=r"sliding_window \(4096\).*context") as err:
+        load_model(str(tmp_path), device="cpu", dtype="float32")
+    assert "\n" not in str(err.value)
+
+
+def test_a_sink_tensor_of_the_wrong_shape_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    write_hf_folder(tmp_path, "gpt-oss")
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    tensors["model.layers.1.self_attn.sinks"] = torch.zeros(2)
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.1\.self_attn\.sinks .*\(2,\).*\(4,\)") as err:
+        load_model(str(tmp_path), device="cpu", dtype="float32")
+    assert "\n" not in str(err.value)
+    with pytest.raises(ModelLoadError, match="sinks is missing"):
+        layer_specs(_config(architecture="gpt_oss", attention_sinks=True), [None, None])
+
