@@ -84,9 +84,11 @@ def _edited(tmp_path, case, edit) -> tuple:
     ("gemma2", lambda c: c.update(attn_logit_softcapping=None)),
     ("gemma2", lambda c: c.update(final_logit_softcapping=None)),
     ("gemma3", lambda c: c["rope_parameters"]["sliding_attention"].update(rope_theta=1e5)),
-], ids=["window", "layer-kinds", "attn-softcap", "final-softcap", "local-rope"])
+    ("phi3-longrope", lambda c: c["rope_parameters"].update(long_factor=c["rope_parameters"]["short_factor"])),
+], ids=["window", "layer-kinds", "attn-softcap", "final-softcap", "local-rope", "longrope-factors"])
 def test_each_kind_changes_the_logits(tmp_path, case, edit):
-    """Guards the comparisons above: without the window, the soft-caps or the local rope, ours differ."""
+    """Guards the comparisons above: without the window, the soft-caps, the local rope or LongRoPE's
+    long factors (which prompts past 16 tokens take), ours differ."""
     theirs, ours = _edited(tmp_path, case, edit)
     assert relative_error(ours, theirs) > 20 * MAX_REL_ERR
 
@@ -108,12 +110,12 @@ def test_the_model_states_its_attention_specs(tmp_path):
     write_hf_folder(tmp_path / "g3", "gemma3")
     model = load_model(str(tmp_path / "g3"), device="cpu", dtype="float32").model
     specs = model.attention_specs()
-    assert [s.kind for s in specs] == [SLIDING_ATTENTION, FULL_ATTENTION, SLIDING_ATTENTION]
-    assert [s.window for s in specs] == [8, None, 8]
-    assert [s.rope_theta for s in specs] == [1e3, 1e5, 1e3]
-    assert specs[1].rope_scaling["rope_type"] == "linear" and specs[0].rope_scaling is None
-    assert all(s.scale == pytest.approx(12 ** -0.5) for s in specs)
-    assert model.rope_tables[0] is model.rope_tables[2] and model.rope_tables[0] is not model.rope_tables[1]
+    assert [s.kind for s in specs] == [SLIDING_ATTENTION] * 5 + [FULL_ATTENTION]
+    assert [s.window for s in specs] == [8] * 5 + [None]
+    assert [s.rope_theta for s in specs] == [1e3] * 5 + [1e5]
+    assert specs[5].rope_scaling["rope_type"] == "linear" and specs[0].rope_scaling is None
+    assert all(s.scale == pytest.approx(16 ** -0.5) for s in specs)
+    assert model.rope_tables[0] is model.rope_tables[4] and model.rope_tables[0] is not model.rope_tables[5]
     assert "sliding window" in model.fused_decode_unsupported()
 
     write_hf_folder(tmp_path / "oss", "gpt-oss")

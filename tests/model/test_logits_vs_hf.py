@@ -48,9 +48,9 @@ CASES = {
     # sliding windows of 8, soft-caps small enough to bend the scores, sinks, YaRN, LongRoPE
     "gemma2": ("Gemma2Config", {"sliding_window": 8, "head_dim": 16, "query_pre_attn_scalar": 24,
                                 "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0}),
-    "gemma3": ("Gemma3TextConfig", {"sliding_window": 8, "head_dim": 16, "num_hidden_layers": 3,
-                                    "query_pre_attn_scalar": 12,
-                                    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+    # Gemma 3's own pattern (five sliding layers, one full), which llama.cpp's GGUF implies
+    "gemma3": ("Gemma3TextConfig", {"sliding_window": 8, "head_dim": 16, "num_hidden_layers": 6,
+                                    "query_pre_attn_scalar": 16, "intermediate_size": 48,
                                     "rope_parameters": {
                                         "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e5},
                                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e3}}}),
@@ -61,11 +61,12 @@ CASES = {
                                                      "rope_theta": 150000.0, "truncate": False}}),
     # plain rope, a window; LongRoPE (a case of LONG_PROMPT_CASES: its factors switch at 16 tokens)
     "phi3": ("Phi3Config", {"sliding_window": 8, "pad_token_id": 0}),
-    "phi3-longrope": ("Phi3Config", {"sliding_window": 8, "pad_token_id": 0, "rope_parameters": {
+    "phi3-longrope": ("Phi3Config", {"sliding_window": 8, "pad_token_id": 0, "original_max_position_embeddings": 16,
+                                     "rope_parameters": {
         "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16,
         "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [1.0 + 0.5 * i for i in range(8)]}}),
     # Phi-4-mini's shape: rope on three quarters of each head, LongRoPE
-    "phi3-partial": ("Phi3Config", {"pad_token_id": 0, "rope_parameters": {
+    "phi3-partial": ("Phi3Config", {"pad_token_id": 0, "original_max_position_embeddings": 16, "rope_parameters": {
         "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16,
         "partial_rotary_factor": 0.75, "short_factor": [1.0 + 0.1 * i for i in range(6)],
         "long_factor": [1.0 + 0.5 * i for i in range(6)]}}),

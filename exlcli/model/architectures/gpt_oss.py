@@ -115,11 +115,6 @@ def _decoder_tensors(config: ModelConfig, tensors: dict) -> dict:
                 t[e + "up_proj.weight"] = gate_up[j][:, 1::2].t().contiguous()
                 t[e + "gate_proj.bias"], t[e + "up_proj.bias"] = gate_up_bias[j][0::2], gate_up_bias[j][1::2]
                 t[e + "down_proj.weight"], t[e + "down_proj.bias"] = down[j].t().contiguous(), down_bias[j]
-        for j in range(config.moe.num_experts):  # GGUF's per-expert biases come split as [1, rows]
-            for proj in ("gate", "up", "down"):
-                key = f"{p}{EXPERTS}{j}.{proj}_proj.bias"
-                if key in t:
-                    t[key] = t[key].reshape(-1)
     return t
 
 

@@ -120,4 +120,6 @@ ARCHITECTURE = Architecture(
     gguf_qk_interleaved=False,
     build=build,
     fused_paths=FUSED_PATHS,
+    gguf_rope_factor_tensors=ROPE_FACTOR_TENSORS,
+    gguf_rope_scaling=gguf_rope_scaling,
 )
