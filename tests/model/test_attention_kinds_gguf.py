@@ -39,3 +39,53 @@ def test_converted_gguf_logits_equal_transformers(tmp_path, case):
     seqs = [torch.randint(0, WORDS, (n,), generator=g).tolist() for n in (23, 18)]  # past windows of 8
     for got, seq in zip(_logits(loaded, seqs), seqs):
         assert relative_error(got, _hf_logits(hf, seq)) <= MAX_REL_ERR
+
+
+def _rewrite(source, target, convert) -> None:
+    """`source` rewritten with each tensor's data passed through convert(name, fp32 array) ->
+    (array, raw GGML type or None)."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(str(source))
+    writer = gguf.GGUFWriter(str(target), reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if key.startswith(("GGUF.", "general.architecture")):
+            continue
+        sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
+    for t in reader.tensors:
+        data = np.asarray(t.data, dtype=np.float32).reshape(tuple(int(n) for n in reversed(t.shape)))
+        out, raw = convert(t.name, data)
+        writer.add_tensor(t.name, out, raw_dtype=raw)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gpt_oss_mxfp4_experts_equal_their_dequantized_values(tmp_path):
+    """gpt-oss ships its experts in MXFP4: such a GGUF loads with the experts kept MXFP4, and its
+    logits equal those of the same file with the experts stored as their dequantized fp32 values."""
+    import gguf
+
+    _, path = _hf_and_gguf(tmp_path, "gpt-oss", seed=2)
+    mx = gguf.GGMLQuantizationType.MXFP4
+
+    def quantized(name, data):
+        return (gguf.quants.quantize(data, mx), mx) if "_exps.weight" in name else (data, None)
+
+    def dequantized(name, data):
+        return (gguf.quants.dequantize(gguf.quants.quantize(data, mx), mx), None) if "_exps.weight" in name \
+            else (data, None)
+
+    _rewrite(path, tmp_path / "mxfp4.gguf", quantized)
+    _rewrite(path, tmp_path / "dequantized.gguf", dequantized)
+    four = load_model(str(tmp_path / "mxfp4.gguf"), device="cpu", dtype="float32")
+    assert "MXFP4" in four.quantization
+    plain = load_model(str(tmp_path / "dequantized.gguf"), device="cpu", dtype="float32")
+    seqs = [list(range(3, 26)), list(range(40, 58))]
+    for a, b in zip(_logits(four, seqs), _logits(plain, seqs)):
+        assert relative_error(a, b) <= 1e-4
+    original = load_model(str(path), device="cpu", dtype="float32")
+    assert relative_error(_logits(four, seqs)[0], _logits(original, seqs)[0]) > 1e-3  # the experts did change
