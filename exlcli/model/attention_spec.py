@@ -20,6 +20,7 @@ import torch
 
 from exlcli.errors import ModelLoadError
 from exlcli.model.config import SLIDING_ATTENTION, ModelConfig
+from exlcli.ops.rope import rope_inv_freq
 
 
 @dataclass(frozen=True, eq=False)
@@ -62,14 +63,35 @@ def layer_specs(config: ModelConfig, sinks: list[torch.Tensor | None] | None = N
                 raise ModelLoadError(f"model.layers.{i}.self_attn.sinks is {got}; expected ({config.num_heads},), "
                                      f"one sink logit per query head")
             layer_sinks = layer_sinks.float()
-        local_rope = sliding and config.rope_local_theta is not None
+        theta, scaling = _layer_rope(config, kind)
         specs.append(AttentionSpec(
-            kind=kind, scale=config.query_scale,
-            rope_theta=config.rope_local_theta if local_rope else config.rope_theta,
-            rope_scaling=config.rope_local_scaling if local_rope else config.rope_scaling,
+            kind=kind, scale=config.query_scale, rope_theta=theta, rope_scaling=scaling,
             window=config.sliding_window if sliding else None, softcap=config.attn_logit_softcap,
             sinks=layer_sinks, rotary_fraction=config.partial_rotary_factor))
     return specs
+
+
+def _layer_rope(config: ModelConfig, kind: str) -> tuple[float, Mapping[str, Any] | None]:
+    """(theta, scaling) of a layer of this kind: the sliding layers' own where the config has one."""
+    if kind == SLIDING_ATTENTION and config.rope_local_theta is not None:
+        return config.rope_local_theta, config.rope_local_scaling
+    return config.rope_theta, config.rope_scaling
+
+
+def layer_inv_freqs(config: ModelConfig) -> list[torch.Tensor]:
+    """Each layer's rope frequencies over a whole head ([head_dim / 2] fp32; 0 for the dims partial
+    rotary leaves alone, in the order partial_rotary_order gives them), e.g. to rotate cached keys."""
+    rot = rotary_dim(config.head_dim, config.partial_rotary_factor)
+    out: dict[tuple, torch.Tensor] = {}
+    freqs = []
+    for kind in config.attention_layer_kinds():
+        theta, scaling = _layer_rope(config, kind)
+        key = (theta, tuple(sorted((k, str(v)) for k, v in (scaling or {}).items())))
+        if key not in out:
+            inv = rope_inv_freq(rot, theta, scaling)
+            out[key] = torch.cat([inv, torch.zeros(config.head_dim // 2 - inv.numel())])
+        freqs.append(out[key])
+    return freqs
 
 
 def rotary_dim(head_dim: int, fraction: float) -> int:

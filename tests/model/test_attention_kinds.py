@@ -172,3 +172,37 @@ def test_a_sink_tensor_of_the_wrong_shape_is_refused(tmp_path):
     with pytest.raises(ModelLoadError, match="sinks is missing"):
         layer_specs(_config(architecture="gpt_oss", attention_sinks=True), [None, None])
 
+
+
+@pytest.mark.parametrize("case", ["gemma3", "phi3-partial", "gpt-oss"])
+def test_context_shift_rotates_each_layer_by_its_own_rope(tmp_path, case):
+    """Keys cached at positions 30.. and shifted 30 back give the logits of keys cached at 0.. (Gemma 3's
+    local and global ropes differ; Phi-4-mini's rope turns part of each head; gpt-oss's is YaRN)."""
+    from exlcli.model.batch_inputs import BatchInputs
+    from exlcli.model.kv_shift import KeyShift, apply_key_shifts
+
+    write_hf_folder(tmp_path, case, seed=2)
+    loaded = load_model(str(tmp_path), device="cpu", dtype="float32")
+    seq = _seqs()[0]
+    n, offset = len(seq), 30
+    pages = _pages_for([n], PAGE)[0]
+
+    def step(ids, first_pos, start, kv):
+        span = range(start, len(ids))
+        return loaded.model.forward(BatchInputs(
+            input_ids=torch.tensor(ids[start:]), positions=torch.tensor([first_pos + p for p in span]),
+            slot_mapping=torch.tensor([pages[p // PAGE] * PAGE + p % PAGE for p in span]),
+            block_tables=torch.tensor([pages], dtype=torch.int32), seq_lens=[len(ids)],
+            query_start_loc=[0, len(span)], logits_indices=torch.tensor([len(span) - 1]),
+            seq_lens_t=torch.tensor([len(ids)], dtype=torch.int32)), kv)
+
+    fresh, shifted = _kv_for(loaded, [pages], PAGE), _kv_for(loaded, [pages], PAGE)
+    step(seq[:-1], 0, 0, fresh)
+    step(seq[:-1], offset, 0, shifted)
+    apply_key_shifts(loaded.config, shifted, [KeyShift(pages=sorted(pages), delta=-offset)])
+    want = step(seq, 0, n - 1, fresh)
+    got = step(seq, 0, n - 1, shifted)
+    assert relative_error(got, want) <= MAX_REL_ERR
+    unshifted = _kv_for(loaded, [pages], PAGE)
+    step(seq[:-1], offset, 0, unshifted)
+    assert relative_error(step(seq, 0, n - 1, unshifted), want) > 20 * MAX_REL_ERR  # the shift mattered
