@@ -206,3 +206,48 @@ def test_context_shift_rotates_each_layer_by_its_own_rope(tmp_path, case):
     unshifted = _kv_for(loaded, [pages], PAGE)
     step(seq[:-1], offset, 0, unshifted)
     assert relative_error(step(seq, 0, n - 1, unshifted), want) > 20 * MAX_REL_ERR  # the shift mattered
+
+
+def _gguf_meta(arch: str, **extra) -> dict:
+    keys = {"embedding_length": 64, "attention.head_count": 4, "attention.head_count_kv": 2, "feed_forward_length": 96,
+            "block_count": 4, "vocab_size": 32, "context_length": 128, "attention.key_length": 16}
+    return {"general.architecture": arch, **{f"{arch}.{k}": v for k, v in keys.items()}, **extra}
+
+
+def test_gemma_gguf_metadata_as_llama_cpp_reads_it():
+    from exlcli.model.architectures import config_from_gguf
+
+    g2 = config_from_gguf(_gguf_meta("gemma2", **{"gemma2.attn_logit_softcapping": 50.0,
+                                                  "gemma2.final_logit_softcapping": 30.0,
+                                                  "gemma2.attention.sliding_window": 16}), False)
+    assert g2.layer_types == (SLIDING_ATTENTION, FULL_ATTENTION) * 2 and g2.sliding_window == 16
+    assert (g2.attn_logit_softcap, g2.final_logit_softcap, g2.query_scale) == (50.0, 30.0, 16 ** -0.5)
+    assert g2.norm_offset == 0.0 and g2.embed_scale == 8.0  # the converter stored 1 + w
+    g3 = config_from_gguf(_gguf_meta("gemma3", **{"gemma3.attention.sliding_window": 16,
+                                                  "gemma3.attention.sliding_window_pattern": [True, False, True, True],
+                                                  "gemma3.rope.freq_base": 1e6}), False)
+    assert g3.layer_types == (SLIDING_ATTENTION, FULL_ATTENTION, SLIDING_ATTENTION, SLIDING_ATTENTION)
+    assert (g3.rope_theta, g3.rope_local_theta, g3.qk_norm) == (1e6, 10000.0, True)
+    no_window = config_from_gguf(_gguf_meta("gemma3"), False)
+    assert no_window.sliding_window is None and no_window.attention_layer_kinds() == (FULL_ATTENTION,) * 4
+    with pytest.raises(ModelLoadError, match="sliding_window_pattern names 3 layers"):
+        config_from_gguf(_gguf_meta("gemma3", **{"gemma3.attention.sliding_window": 16,
+                                                 "gemma3.attention.sliding_window_pattern": [True] * 3}), False)
+
+
+def test_gemma3_config_in_the_older_form():
+    """Gemma 3 checkpoints written before transformers 5: rope_theta + rope_scaling for the global
+    layers, rope_local_base_freq for the sliding ones, sliding_window_pattern for which slide."""
+    from exlcli.model.architectures import config_from_hf
+
+    cfg = config_from_hf({"architectures": ["Gemma3ForCausalLM"], "vocab_size": 96, "hidden_size": 64,
+                          "intermediate_size": 96, "num_hidden_layers": 7, "num_attention_heads": 4,
+                          "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 4096,
+                          "rope_theta": 1e6, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+                          "rope_local_base_freq": 1e4, "sliding_window": 512, "sliding_window_pattern": 6,
+                          "query_pre_attn_scalar": 256})
+    assert cfg.attention_layer_kinds() == (SLIDING_ATTENTION,) * 5 + (FULL_ATTENTION, SLIDING_ATTENTION)
+    specs = layer_specs(cfg)
+    assert (specs[0].rope_theta, specs[0].rope_scaling) == (1e4, None)
+    assert (specs[5].rope_theta, specs[5].rope_scaling["factor"]) == (1e6, 8.0)
+    assert cfg.tie_word_embeddings and cfg.query_scale == 256 ** -0.5
