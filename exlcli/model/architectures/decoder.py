@@ -71,7 +71,8 @@ class DecoderLayer:
             device, dtype)
         self.o_proj = make_linear([get("self_attn.o_proj.weight")], [get("self_attn.o_proj.bias")], device, dtype)
         self.o_bias = get("self_attn.o_proj.bias") is not None  # gpt-oss
-        self.sinks: torch.Tensor | None = get("self_attn.sinks") if config.attention_sinks else None
+        sinks = get("self_attn.sinks") if config.attention_sinks else None  # fp32 on the device, as the scores
+        self.sinks: torch.Tensor | None = None if sinks is None else sinks.to(device=device, dtype=torch.float32)
         # a layer has a plain feed-forward (gate_up, down) or experts (moe), never both
         self.gate_up: Linear | None = None
         self.down: Linear | None = None
@@ -139,7 +140,8 @@ class DecoderModel:
                     rotary_dim(config.head_dim, spec.rotary_fraction))
         self.rope_tables = [tables[spec.rope_key()] for spec in self.specs]
         self.cos_sin = self.rope_tables[0]
-        self.rope_order = partial_rotary_order(config.head_dim, config.partial_rotary_factor)
+        order = partial_rotary_order(config.head_dim, config.partial_rotary_factor)
+        self.rope_order = None if order is None else order.to(device)
         self.scale = config.query_scale
         self._cpu_layers: CpuDecoderLayers | None | bool = False  # False: not built yet
 
