@@ -11,7 +11,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from exlcli.errors import ModelLoadError
+from exlcli.ops.moe import ACTIVATIONS as EXPERT_ACTIVATIONS
 from exlcli.ops.moe import ROUTERS
+
+# the attention kinds of a layer (ModelConfig.layer_types; exlcli/model/attention_spec.py)
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+ACTIVATIONS = ("silu", "gelu_tanh")  # the gated feed-forward's: SiLU(gate) * up, GELU-tanh(gate) * up
 
 
 @dataclass(frozen=True)
@@ -28,8 +33,14 @@ class MoeConfig:
     num_groups: int = 1  # sigmoid_group routers
     topk_groups: int = 1
     scale: float = 1.0
+    activation: str = "silu"  # one of ops.moe.ACTIVATIONS; swiglu_clamped takes the limit and alpha
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self) -> None:
+        if self.activation not in EXPERT_ACTIVATIONS:
+            raise ModelLoadError(f"model config: expert activation '{self.activation}' is not one of "
+                                 f"{', '.join(EXPERT_ACTIVATIONS)}")
         if self.router not in ROUTERS:
             raise ModelLoadError(f"model config: router kind '{self.router}' is not one of {', '.join(ROUTERS)}")
         for name in ("num_experts", "num_experts_used", "expert_size"):
@@ -69,6 +80,25 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     moe: MoeConfig | None = None  # set by the architecture module of a mixture-of-experts model
+    # attention kinds (read per layer by exlcli/model/attention_spec.py): a sliding window, on the
+    # layers `layer_types` names sliding (every layer when layer_types is None); soft-caps of the
+    # attention scores and the final logits; the query scale's base (None: head_dim); the sliding
+    # layers' own rope (Gemma 3); the rotated fraction of a head; learned sink logits (gpt-oss)
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    query_pre_attn_scalar: float | None = None
+    rope_local_theta: float | None = None
+    rope_local_scaling: dict[str, Any] | None = None
+    partial_rotary_factor: float = 1.0
+    attention_sinks: bool = False
+    # decoder variants (Gemma): norms scale by (norm_offset + w); norms on the attention and
+    # feed-forward outputs as well; the gated unit's activation; embeddings times embed_scale
+    norm_offset: float = 0.0
+    sandwich_norms: bool = False
+    activation: str = "silu"
+    embed_scale: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -79,6 +109,46 @@ class ModelConfig:
             raise ModelLoadError(
                 f"model config: num_heads ({self.num_heads}) is not a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})")
+        self._check_attention_kinds()
+
+    def _check_attention_kinds(self) -> None:
+        if self.sliding_window is not None and not 0 < self.sliding_window <= self.max_position_embeddings:
+            raise ModelLoadError(f"model config: sliding_window ({self.sliding_window}) must be 1 to the context "
+                                 f"length (max_position_embeddings {self.max_position_embeddings})")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise ModelLoadError(f"model config: layer_types names {len(self.layer_types)} layers, the model "
+                                     f"has {self.num_layers}")
+            unknown = sorted(set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION})
+            if unknown:
+                raise ModelLoadError(f"model config: layer_types has the unsupported kind '{unknown[0]}' (supported: "
+                                     f"{FULL_ATTENTION}, {SLIDING_ATTENTION})")
+            if SLIDING_ATTENTION in self.layer_types and self.sliding_window is None:
+                raise ModelLoadError("model config: layer_types names sliding_attention layers but sliding_window "
+                                     "is not set")
+        for name in ("attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value < float("inf"):
+                raise ModelLoadError(f"model config: {name} must be a positive number, got {value}")
+        if self.attn_logit_softcap is not None and self.attention_sinks:
+            # no model defines the pair, and whether the sink logit is capped too is nowhere stated
+            raise ModelLoadError("model config: attn_logit_softcap on layers with sink logits (attention_sinks) "
+                                 "is not supported")
+        if not 0 < self.partial_rotary_factor <= 1:
+            raise ModelLoadError(f"model config: partial_rotary_factor must be in (0, 1], got "
+                                 f"{self.partial_rotary_factor}")
+        if self.activation not in ACTIVATIONS:
+            raise ModelLoadError(f"model config: activation '{self.activation}' is not one of {', '.join(ACTIVATIONS)}")
+
+    def attention_layer_kinds(self) -> tuple[str, ...]:
+        """Each layer's attention kind: layer_types, else sliding everywhere when a window is set."""
+        if self.layer_types is not None:
+            return self.layer_types
+        return (SLIDING_ATTENTION if self.sliding_window is not None else FULL_ATTENTION,) * self.num_layers
+
+    @property
+    def query_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def context_length(self) -> int:
@@ -117,7 +187,7 @@ class ModelConfig:
                 ffn += 3 * h * moe.shared_expert_size + (h if moe.shared_expert_gate else 0)
             else:
                 ffn = 3 * h * i
-            total += attn + ffn + 2 * h
+            total += attn + ffn + (4 if self.sandwich_norms else 2) * h
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return total + embed + h
 

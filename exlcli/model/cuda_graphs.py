@@ -10,7 +10,8 @@ sampler reading the token ids.
 
 Graphs are captured lazily, the first time a bucket is needed (or ahead with `capture`), all in one
 memory pool. They need the compiled kernels: the reference ops read lengths on the host, which a
-graph cannot do. Set EXLCLI_NO_CUDA_GRAPHS=1 to run every step eagerly.
+graph cannot do (so a model whose attention has a window, sinks or a soft-cap has no graphs yet).
+Set EXLCLI_NO_CUDA_GRAPHS=1 to run every step eagerly.
 
 Buckets of 1 to 4 sequences capture the model's `fused_decode_forward` (exlcli/model/interface.py):
 for the llama-style decoder, five kernels a layer instead of nine (the norms, rope with the KV
@@ -240,6 +241,10 @@ class DecodeGraphs:
 def make_decode_graphs(model: CausalLM, kv: KVCache) -> DecodeGraphs | None:
     """Graphs for a model on a CUDA device, unless EXLCLI_NO_CUDA_GRAPHS=1."""
     if model.device.type != "cuda" or environment.flag("EXLCLI_NO_CUDA_GRAPHS"):
+        return None
+    if not all(spec.plain for spec in model.attention_specs()):
+        # windows, sinks and soft-caps run the reference attention, which reads lengths on the host
+        log.info("no CUDA graphs: a layer's attention has a window, sinks or a soft-cap")
         return None
     return DecodeGraphs(model, kv)
 

@@ -55,7 +55,10 @@ def _tensor(t: Any) -> "torch.Tensor | QuantizedWeight":
 
 
 def _experts(t: Any, value: "torch.Tensor | QuantizedWeight", num_experts: int) -> list:
-    """A 3-D expert tensor split into one weight per expert (each expert's rows are contiguous)."""
+    """A 3-D expert tensor split into one weight per expert (each expert's rows are contiguous); a
+    2-D expert bias [experts, rows] (gpt-oss) into one bias per expert."""
+    if t.name.endswith(".bias") and len(t.shape) == 2 and int(t.shape[1]) == num_experts:
+        return list(value.reshape(num_experts, -1).unbind(0))
     if len(t.shape) != 3 or int(t.shape[2]) != num_experts:
         raise ModelLoadError(f"tensor {t.name} has shape {[int(x) for x in reversed(t.shape.tolist())]}; "
                              f"expected [{num_experts}, rows, columns] (expert_count is {num_experts})")
@@ -71,10 +74,15 @@ def load_gguf_tensors(reader: Any, meta: dict[str, Any]) -> tuple[ModelConfig, d
     config = config_from_gguf(meta, has_output_tensor="output.weight" in names)
     arch = architecture(config.architecture)
     tensors: dict[str, Any] = {}
+    rope_factors: dict[str, list[float]] = {}
     for t in reader.tensors:
         if t.name == ROPE_FACTORS:
             factors = [float(f) for f in np.asarray(t.data, dtype=np.float32).reshape(-1)]
             config = dataclasses.replace(config, rope_scaling={"rope_type": "freq_factors", "factors": factors})
+            continue
+        if t.name in arch.gguf_rope_factor_tensors:
+            rope_factors[arch.gguf_rope_factor_tensors[t.name]] = [
+                float(f) for f in np.asarray(t.data, dtype=np.float32).reshape(-1)]
             continue
         name = arch.hf_name(t.name)
         if name is None:
@@ -93,4 +101,6 @@ def load_gguf_tensors(reader: Any, meta: dict[str, Any]) -> tuple[ModelConfig, d
             order = unpermute_rope_rows(value.shape[0], heads)
             value = value.permute_rows(order) if isinstance(value, QuantizedWeight) else value[order]
         tensors[name] = value
+    if rope_factors and arch.gguf_rope_scaling is not None:
+        config = dataclasses.replace(config, rope_scaling=arch.gguf_rope_scaling(meta, rope_factors))
     return config, tensors

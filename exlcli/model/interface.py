@@ -10,6 +10,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from exlcli.model.attention_spec import AttentionSpec
 from exlcli.model.batch_inputs import BatchInputs
 from exlcli.model.config import ModelConfig
 from exlcli.model.kv_cache import KVCache
@@ -28,6 +29,11 @@ class CausalLM(Protocol):
     def forward_layers(self, batch: BatchInputs, kv: KVCache, num_layers: int) -> torch.Tensor:
         """forward() through the first `num_layers` layers, then the final norm and LM head (early
         exit: what a self-drafter proposes from); writes the K/V of those layers only."""
+        ...
+
+    def attention_specs(self) -> list[AttentionSpec]:
+        """Each layer's kind of attention (window, sinks, soft-cap, query scale, rope): what the
+        engine sizes a layer's cache by, and what the compiled attention kernels must support."""
         ...
 
     def weight_bytes(self) -> int:

@@ -9,11 +9,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from exlcli.model.attention_spec import layer_inv_freqs
 from exlcli.model.config import ModelConfig
 from exlcli.model.kv_cache import KVCache
 from exlcli.model.transfer import to_device
 from exlcli.ops.kv_store import read_rows, write_rows
-from exlcli.ops.rope import rope_inv_freq, rotate_cached_keys
+from exlcli.ops.rope import rotate_cached_keys
 
 
 @dataclass(frozen=True)
@@ -31,12 +32,12 @@ def apply_key_shifts(config: ModelConfig, kv: KVCache, shifts: list[KeyShift]) -
     if not shifts:
         return
     device = kv.k[0].device
-    inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+    inv_freqs = layer_inv_freqs(config)  # a layer kind may have a rope of its own (Gemma 3)
     for shift in shifts:
         if shift.copies:
             src, dst = to_device([[s for s, _ in shift.copies], [d for _, d in shift.copies]], torch.long, device)
             for cache in (*kv.k, *kv.v):
                 write_rows(cache, dst, read_rows(cache, src))
         pages = to_device(shift.pages, torch.long, device)
-        for k_cache in kv.k:
+        for k_cache, inv_freq in zip(kv.k, inv_freqs):
             rotate_cached_keys(k_cache, pages, shift.delta, inv_freq)

@@ -2,7 +2,12 @@
 
 Sequence b owns queries q[query_start_loc[b]:query_start_loc[b+1]]; they are the last tokens of its
 seq_lens[b] tokens, whose K/V sit in the pages block_tables[b] (already written for this step).
-Attention is causal: a query at position p sees keys 0..p.
+Attention is causal: a query at position p sees keys 0..p. A layer's attention kind narrows or
+reshapes that (all optional, all per call): a sliding `window` W lets it see keys at positions
+> p - W only; `sinks` ([heads] fp32, gpt-oss) add one learned logit per head to the softmax's
+denominator, with no value; `softcap` c maps each score s to c * tanh(s / c) before the mask
+(Gemma 2). The compiled CUDA and C kernels run plain causal attention; other kinds take the
+reference path here (`is_plain`).
 
 The reference path attends sequence by sequence over exactly its own keys. A padded, vectorised
 batch would be faster on CPU, but torch's kernels then round differently depending on the padded
@@ -31,8 +36,11 @@ from exlcli.ops.errors import KernelInputError
 from exlcli.ops.kv_store import read_rows
 
 
-def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-    """One sequence. q: [n, heads, D] (its last n tokens); keys, values: [kv_heads, L, D].
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+            window: int | None = None, sinks: torch.Tensor | None = None, softcap: float | None = None,
+            ) -> torch.Tensor:
+    """One sequence. q: [n, heads, D] (the last n tokens of the keys' span); keys, values:
+    [kv_heads, L, D], the keys the first query's window starts at (all of them without a window).
 
     Written out as matmul, fp32 softmax, matmul (Hugging Face's eager form) rather than SDPA:
     in bf16, each query row's result then does not depend on how many rows are computed with it.
@@ -45,13 +53,33 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: fl
     # [kv_heads, n * group, D]: the query heads that share a KV head, token-major
     qg = q.view(num_q, kv_heads, group, dim).transpose(0, 1).reshape(kv_heads, num_q * group, dim)
     scores = torch.bmm(qg, keys.to(q.dtype).transpose(1, 2)).float() * scale  # [kvh, n*g, L]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if num_q > 1:
         pos = torch.arange(seq_len - num_q, seq_len, device=q.device).repeat_interleave(group)
-        future = torch.arange(seq_len, device=q.device)[None, :] > pos[:, None]  # [n*g, L]
-        scores = scores.masked_fill(future, float("-inf"))
-    probs = scores.softmax(-1).to(q.dtype)
+        key_pos = torch.arange(seq_len, device=q.device)[None, :]
+        hidden = key_pos > pos[:, None]  # [n*g, L]: the future
+        if window is not None:
+            hidden |= key_pos <= pos[:, None] - window  # and what left the window
+        scores = scores.masked_fill(hidden, float("-inf"))
+    if sinks is None:
+        probs = scores.softmax(-1).to(q.dtype)
+    else:  # one more logit a head, whose probability is dropped: it only takes mass from the keys
+        sink = sinks.float().view(kv_heads, 1, group, 1).expand(kv_heads, num_q, group, 1)
+        scores = torch.cat([scores, sink.reshape(kv_heads, num_q * group, 1)], dim=-1)
+        probs = scores.softmax(-1)[..., :-1].to(q.dtype)
     out = torch.bmm(probs, values.to(q.dtype))  # [kvh, n*g, D]
     return out.view(kv_heads, num_q, group, dim).transpose(0, 1).reshape(num_q, heads, dim)
+
+
+def is_plain(window: int | None, sinks: torch.Tensor | None, softcap: float | None) -> bool:
+    """Plain causal attention: what the compiled kernels run."""
+    return window is None and sinks is None and softcap is None
+
+
+def _first_key(length: int, num_q: int, window: int | None) -> int:
+    """The first key the first of a sequence's last `num_q` queries (of `length` tokens) sees."""
+    return 0 if window is None else max(0, length - num_q + 1 - window)
 
 
 def _gather(cache_flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -80,16 +108,20 @@ class PagedLayout:
 
 def paged_attention_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor | list[int],
-                               scale: float, layout: PagedLayout | None = None) -> torch.Tensor:
+                               scale: float, layout: PagedLayout | None = None, window: int | None = None,
+                               sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """One query per sequence. q: [B, heads, D] -> [B, heads, D]."""
     lens = seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else list(seq_lens)
-    return paged_attention_ref(q, k_cache, v_cache, block_tables, list(range(len(lens) + 1)), lens, scale, layout)
+    return paged_attention_ref(q, k_cache, v_cache, block_tables, list(range(len(lens) + 1)), lens, scale, layout,
+                               window, sinks, softcap)
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, query_start_loc: list[int], seq_lens: list[int],
-                        scale: float, layout: PagedLayout | None = None) -> torch.Tensor:
-    """q: [T, heads, D] -> [T, heads, D]; query_start_loc and seq_lens are host lists."""
+                        scale: float, layout: PagedLayout | None = None, window: int | None = None,
+                        sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
+    """q: [T, heads, D] -> [T, heads, D]; query_start_loc and seq_lens are host lists. `window`,
+    `sinks`, `softcap`: the layer's attention kind (module docstring)."""
     page_size, kv_heads, dim = k_cache.shape[1:]
     layout = layout or PagedLayout.build(block_tables, seq_lens, page_size)
     k_flat, v_flat = k_cache.view(-1, kv_heads, dim), v_cache.view(-1, kv_heads, dim)
@@ -99,10 +131,14 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         if 1 < end - start <= MAX_DECODE_QUERIES:  # decode rows, bit for bit (module docstring)
             first = len(slots) - (end - start)
             for r in range(start, end):
-                own = slots[:first + r - start + 1]
-                out[r:r + 1] = _attend(q[r:r + 1], _gather(k_flat, own), _gather(v_flat, own), scale)
+                length = first + r - start + 1
+                own = slots[_first_key(length, 1, window):length]
+                out[r:r + 1] = _attend(q[r:r + 1], _gather(k_flat, own), _gather(v_flat, own), scale, window,
+                                       sinks, softcap)
         else:
-            out[start:end] = _attend(q[start:end], _gather(k_flat, slots), _gather(v_flat, slots), scale)
+            seen = slots[_first_key(len(slots), end - start, window):]
+            out[start:end] = _attend(q[start:end], _gather(k_flat, seen), _gather(v_flat, seen), scale, window,
+                                     sinks, softcap)
     return out
 
 
@@ -111,16 +147,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     scale: float, seq_lens_t: torch.Tensor | None = None,
                     query_start_loc_t: torch.Tensor | None = None,
                     layout: PagedLayout | None = None,
-                    prefill_layout: cuda_kernels.PrefillLayout | None = None) -> torch.Tensor:
+                    prefill_layout: cuda_kernels.PrefillLayout | None = None, window: int | None = None,
+                    sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """Dispatch: on a GPU with the compiled kernels, a step of decode rows alone (one query per
     sequence: decode steps, and verify steps as decode rows) runs `cuda_kernels.paged_attention_decode`,
     any other step `cuda_kernels.paged_attention_prefill` (whose decode rows take the same decode
     kernel); on the CPU, bf16 runs the C kernel (`paged_attention_cpu`), else the reference
     (`paged_attention_decode_ref` for decode rows alone). `layout` (the reference's) and `prefill_layout`
     (the compiled prefill's) are per-step work the caller did once for all layers; each path makes its
-    own when it is missing."""
+    own when it is missing. A window, sinks or a soft-cap (`is_plain`) take the reference on either device."""
     decode_only = len(seq_lens) == q.shape[0]
-    if use_kernels(q) and q.shape[-1] in HEAD_DIMS:  # others take the reference
+    plain = is_plain(window, sinks, softcap)
+    if plain and use_kernels(q) and q.shape[-1] in HEAD_DIMS:  # others take the reference
         assert seq_lens_t is not None, "the compiled kernels read the lengths' device copy"
         if decode_only:
             return cuda_kernels.paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens_t, scale)
@@ -129,13 +167,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         assert query_start_loc_t is not None, "the compiled prefill reads the query starts' device copy"
         return cuda_kernels.paged_attention_prefill(q, k_cache, v_cache, block_tables, query_start_loc_t,
                                                     seq_lens_t, scale, prefill_layout)
-    if use_cpu_kernels_for(q, k_cache):
+    if plain and use_cpu_kernels_for(q, k_cache):
         # rope hands q over as a view of its [T, heads + kv_heads, D] result
         return paged_attention_cpu(q.contiguous(), k_cache, v_cache, block_tables, query_start_loc,
                                    seq_lens, scale)
     if decode_only:
-        return paged_attention_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, layout)
-    return paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, layout)
+        return paged_attention_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, layout, window,
+                                          sinks, softcap)
+    return paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, layout,
+                               window, sinks, softcap)
 
 
 # --- decode with several queries per sequence (verifying drafted tokens) --------------------------

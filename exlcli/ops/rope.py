@@ -42,18 +42,82 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Mapping[str, Any] | None
         inv_freq = inv_freq / factors
     elif kind == "linear":
         inv_freq = inv_freq / float(scaling["factor"])
+    elif kind == "yarn":
+        inv_freq = _yarn_inv_freq(inv_freq, dim, theta, scaling)
+    elif kind in ("longrope", "su"):
+        factors = torch.tensor(scaling[_longrope_factors_key(scaling)], dtype=torch.float64)
+        if factors.numel() != inv_freq.numel():
+            raise ValueError(f"longrope has {factors.numel()} factors, expected {inv_freq.numel()}")
+        inv_freq = inv_freq / factors
     elif kind is not None:
         raise ValueError(f"unsupported rope_scaling type {kind!r}")
     return inv_freq.float()
 
 
+def _yarn_inv_freq(inv_freq: torch.Tensor, dim: int, theta: float, scaling: Mapping[str, Any]) -> torch.Tensor:
+    """YaRN: the fast-turning dims keep their frequency, the slow ones are divided by `factor`, with
+    a linear ramp between the dims that turn beta_fast and beta_slow times over the original context."""
+    factor = float(scaling["factor"])
+    old_len = float(scaling.get("original_max_position_embeddings", 4096))
+    beta_fast, beta_slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+    def dim_of(turns: float) -> float:  # the dim that turns `turns` times over old_len
+        return dim * math.log(old_len / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
+def _longrope_factors_key(scaling: Mapping[str, Any]) -> str:
+    """LongRoPE's long factors serve a context past the original one, the short factors the rest.
+    The context is the model's whole trained one (`max_position_embeddings` beside the scaling, as
+    llama.cpp decides by its context size); a rope table cannot switch per sequence length."""
+    longer = float(scaling.get("max_position_embeddings", 0)) > float(scaling["original_max_position_embeddings"])
+    return "long_factor" if longer else "short_factor"
+
+
+def rope_attention_factor(scaling: Mapping[str, Any] | None) -> float:
+    """The factor cos and sin are multiplied by (YaRN's and LongRoPE's attention scaling); 1 otherwise."""
+    scaling = scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind not in ("yarn", "longrope", "su"):
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    if kind == "yarn":
+        factor = float(scaling["factor"])
+        mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+
+        def yarn_mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        if mscale and mscale_all:
+            return yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(mscale_all))
+        return yarn_mscale(factor)
+    factor = float(scaling.get("factor") or float(scaling.get("max_position_embeddings", old_len)) / old_len)
+    return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old_len))
+
+
 def rope_cos_sin_cache(head_dim: int, theta: float, scaling: Mapping[str, Any] | None, max_positions: int,
-                       device: torch.device) -> torch.Tensor:
-    """[max_positions, head_dim]: cos in the first half, sin in the second, fp32."""
-    inv_freq = rope_inv_freq(head_dim, theta, scaling)
-    t = torch.arange(max_positions, dtype=torch.float32)
-    freqs = torch.outer(t, inv_freq)  # [P, D/2]
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
+                       device: torch.device, rotary_dim: int | None = None) -> torch.Tensor:
+    """[max_positions, head_dim]: cos in the first half, sin in the second, fp32, times the scaling's
+    attention factor. `rotary_dim` < head_dim: frequencies of a rotary_dim-wide rope in the first
+    rotary_dim / 2 pairs, the other pairs unrotated (cos 1, sin 0; attention_spec.partial_rotary_order
+    moves a partially rotated head's dims to match)."""
+    inv_freq = rope_inv_freq(rotary_dim or head_dim, theta, scaling)
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # [P, R/2]
+    factor = rope_attention_factor(scaling)
+    rest = head_dim // 2 - inv_freq.numel()
+    cos = torch.cat([freqs.cos() * factor, torch.ones(max_positions, rest)], dim=-1)
+    sin = torch.cat([freqs.sin() * factor, torch.zeros(max_positions, rest)], dim=-1)
+    return torch.cat([cos, sin], dim=-1).to(device)
 
 
 def gather_cos_sin(cos_sin: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,11 +24,14 @@ MOE_CASES = ("qwen3-moe-all", "mixtral")  # llama.cpp runs qwen3moe with experts
 WORDS = VOCAB - 8  # the converter's tokenizer adds special tokens after these; all must fit the vocabulary
 
 
-def _hf_and_gguf(tmp_path, case: str):
+def _hf_and_gguf(tmp_path, case: str, seed: int = 0, files: dict[str, str] | None = None):
+    """`files`: more files for the folder (name -> text), e.g. a tokenizer_config.json."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     folder = tmp_path / "hf"
-    hf = write_hf_folder(folder, case)
+    hf = write_hf_folder(folder, case, seed=seed)
+    for name, text in (files or {}).items():
+        (folder / name).write_text(text)
     # a byte-level BPE (what the converter writes as a gpt2 vocabulary) of printable characters and one merge
     chars = [chr(c) for c in range(ord("A"), ord("A") + WORDS - 1)]
     vocab = {c: i for i, c in enumerate(chars)} | {"AB": WORDS - 1}

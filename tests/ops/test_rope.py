@@ -68,8 +68,8 @@ def test_linear_inv_freq_matches_transformers():
 
 
 def test_unknown_scaling_type_is_refused():
-    with pytest.raises(ValueError, match="yarn"):
-        rope_inv_freq(*_rope(scaling={"rope_type": "yarn", "factor": 4.0}))
+    with pytest.raises(ValueError, match="dynamic"):
+        rope_inv_freq(*_rope(scaling={"rope_type": "dynamic", "factor": 4.0}))
 
 
 @pytest.mark.parametrize("scaling", [None, LLAMA3])
@@ -145,3 +145,63 @@ def test_rope_imports_nothing_from_the_model_layer():
     modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     modules |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert not [m for m in modules if m and m.startswith("exlcli.model")]
+
+
+# --- YaRN and LongRoPE against transformers' own init functions ------------------------------------
+
+YARN = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+        "original_max_position_embeddings": 4096}
+
+
+@pytest.mark.parametrize("truncate", [True, False])
+@pytest.mark.parametrize("head_dim,theta", [(64, 150000.0), (128, 10000.0)])
+def test_yarn_inv_freq_and_attention_factor_match_transformers(head_dim, theta, truncate):
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from exlcli.ops.rope import rope_attention_factor
+
+    scaling = {**YARN, "truncate": truncate}
+    cfg = LlamaConfig(hidden_size=4 * head_dim, num_attention_heads=4, head_dim=head_dim,
+                      max_position_embeddings=131072, rope_parameters={**scaling, "rope_theta": theta})
+    want, factor = ROPE_INIT_FUNCTIONS["yarn"](cfg, "cpu")
+    got = rope_inv_freq(head_dim, theta, scaling)
+    torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=0)
+    assert rope_attention_factor(scaling) == pytest.approx(factor, rel=1e-9)
+    plain = rope_inv_freq(head_dim, theta)
+    assert got[0] == plain[0] and got[-1] == pytest.approx(plain[-1] / 32)  # kept fast dims, scaled slow ones
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.75])
+def test_longrope_inv_freq_and_attention_factor_match_transformers(fraction):
+    from transformers import Phi3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from exlcli.ops.rope import rope_attention_factor
+
+    head_dim = 32
+    rot = int(head_dim * fraction)
+    long = [1.0 + 0.3 * i for i in range(rot // 2)]
+    short = [1.0 + 0.01 * i for i in range(rot // 2)]
+    params = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 4096,
+              "long_factor": long, "short_factor": short, "partial_rotary_factor": fraction}
+    cfg = Phi3Config(hidden_size=4 * head_dim, num_attention_heads=4, max_position_embeddings=131072,
+                     pad_token_id=0, rope_parameters=params)
+    for seq_len, key, context in ((8192, "long_factor", 131072), (100, "short_factor", 4096)):
+        want, factor = ROPE_INIT_FUNCTIONS["longrope"](cfg, "cpu", seq_len=seq_len)
+        scaling = {"rope_type": "longrope", "original_max_position_embeddings": 4096, "long_factor": long,
+                   "short_factor": short, "max_position_embeddings": context}
+        got = rope_inv_freq(rot, 10000.0, scaling)
+        torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=0, msg=key)
+    assert rope_attention_factor({**scaling, "max_position_embeddings": 131072}) == pytest.approx(factor)
+
+
+def test_partial_rotary_table_leaves_the_rest_of_the_head_alone():
+    """rope_cos_sin_cache with rotary_dim: cos 1 and sin 0 past the rotated pairs, and YaRN's
+    attention factor on the rotated ones only."""
+    table = rope_cos_sin_cache(16, 10000.0, YARN, 40, torch.device("cpu"), rotary_dim=8)
+    cos, sin = table[:, :8], table[:, 8:]
+    assert torch.equal(cos[:, 4:], torch.ones(40, 4)) and torch.equal(sin[:, 4:], torch.zeros(40, 4))
+    from exlcli.ops.rope import rope_attention_factor
+
+    assert cos[0, 0] == pytest.approx(rope_attention_factor(YARN)) and rope_attention_factor(YARN) > 1.3

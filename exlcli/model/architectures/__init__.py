@@ -1,6 +1,7 @@
 """The architecture table: one module per architecture, one row each.
 
-A module (llama.py, mistral.py, qwen2.py, qwen3.py, qwen3_moe.py, mixtral.py) states in one
+A module (llama.py, mistral.py, qwen2.py, qwen3.py, qwen3_moe.py, mixtral.py, gemma2.py, gemma3.py,
+gpt_oss.py, phi3.py) states in one
 `Architecture` (base.py) the HF `architectures` names and GGUF `general.architecture` it serves,
 the config fields it reads beyond the shared ones (config.py), its HF and GGUF tensor names, its
 model build and the fused paths it supports. What they share, the llama-style decoder, is
@@ -17,7 +18,7 @@ from typing import Any, Mapping
 import torch
 
 from exlcli.errors import UnsupportedArchitectureError
-from exlcli.model.architectures import llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
+from exlcli.model.architectures import gemma2, gemma3, gpt_oss, llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe
 from exlcli.model.architectures.base import Architecture
 from exlcli.model.config import ModelConfig
 from exlcli.model.interface import CausalLM
@@ -29,6 +30,10 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     qwen3.ARCHITECTURE,
     qwen3_moe.ARCHITECTURE,
     mixtral.ARCHITECTURE,
+    gemma2.ARCHITECTURE,
+    gemma3.ARCHITECTURE,
+    gpt_oss.ARCHITECTURE,
+    phi3.ARCHITECTURE,
 )
 
 

@@ -34,6 +34,10 @@ class Architecture:
     gguf_qk_interleaved: bool
     build: Callable[[ModelConfig, dict, torch.device, torch.dtype], CausalLM]  # (config, HF-named tensors, ...)
     fused_paths: tuple[str, ...] = field(default=(FUSED_DECODE,))
+    # GGUF tensors that hold rope factors rather than weights (Phi-3's LongRoPE): name -> the key its
+    # values take, and (metadata, {key: factors}) -> the config's rope_scaling
+    gguf_rope_factor_tensors: Mapping[str, str] = field(default_factory=dict)
+    gguf_rope_scaling: Callable[[Mapping[str, Any], dict[str, list[float]]], dict[str, Any]] | None = None
 
     def hf_name(self, gguf_name: str) -> str | None:
         """The HF name of a GGUF tensor of this architecture (None: not one of its tensors)."""

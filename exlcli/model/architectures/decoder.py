@@ -5,6 +5,13 @@ exlcli/model/interface.py) and its fused decode path. Its tensor names are in te
 Per layer: RMSNorm, q|k|v (a bias when the checkpoint has one; per-head q/k RMSNorm when
 config.qk_norm), RoPE with the KV write, paged attention, o_proj, RMSNorm, then SiLU(gate) * up and down,
 or in a mixture-of-experts layer (config.moe) the routed experts of exlcli/ops/moe.py.
+
+Each layer attends as its AttentionSpec says (exlcli/model/attention_spec.py: a sliding window,
+sink logits, a soft-cap, its own rope table). Gemma's variants are config switches too: norms
+scaled by (norm_offset + w) (folded into the weights at load), embeddings times embed_scale,
+sandwich norms (the attention and feed-forward outputs normed before their residual add, the
+pre-feed-forward norm read from pre_feedforward_layernorm), GELU-tanh gating, a final logit
+soft-cap. A model using any of these runs layer by layer (no one-call CPU layers, no fused decode).
 """
 
 from __future__ import annotations
@@ -17,14 +24,19 @@ import torch.nn.functional as F
 from exlcli import environment
 from exlcli.model.architectures.base import FUSED_DECODE
 from exlcli.model.architectures.tensor_names import (
+    ATTN_OUT_NORM,
     EMBED,
+    FFN_OUT_NORM,
     FINAL_NORM,
     LM_HEAD,
+    PRE_FFN_NORM,
     ROUTER,
+    ROUTER_BIAS,
     SHARED_EXPERT_GATE,
     expert_name,
     layer_prefix,
 )
+from exlcli.model.attention_spec import AttentionSpec, layer_specs, partial_rotary_order, rotary_dim
 from exlcli.model.batch_inputs import BatchInputs
 from exlcli.model.config import ModelConfig, MoeConfig
 from exlcli.model.kv_cache import KVCache
@@ -54,15 +66,21 @@ class DecoderLayer:
             weight = get(name)
             if weight is None:  # build_model's caller reports it as a missing tensor
                 raise KeyError(p + name)
-            return weight.to(device=device, dtype=dtype)
+            return (weight.float() + config.norm_offset).to(device=device, dtype=dtype)  # (offset + w) in fp32
 
         self.input_norm = norm("input_layernorm.weight")
-        self.post_norm = norm("post_attention_layernorm.weight")
+        # the pre-feed-forward norm; with sandwich norms, post_attention_layernorm norms the attention output
+        self.post_norm = norm(PRE_FFN_NORM if config.sandwich_norms else "post_attention_layernorm.weight")
+        self.attn_out_norm = norm(ATTN_OUT_NORM) if config.sandwich_norms else None
+        self.ffn_out_norm = norm(FFN_OUT_NORM) if config.sandwich_norms else None
         self.qkv: Linear = make_linear(
             [get("self_attn.q_proj.weight"), get("self_attn.k_proj.weight"), get("self_attn.v_proj.weight")],
             [get("self_attn.q_proj.bias"), get("self_attn.k_proj.bias"), get("self_attn.v_proj.bias")],
             device, dtype)
-        self.o_proj = make_linear([get("self_attn.o_proj.weight")], None, device, dtype)
+        self.o_proj = make_linear([get("self_attn.o_proj.weight")], [get("self_attn.o_proj.bias")], device, dtype)
+        self.o_bias = get("self_attn.o_proj.bias") is not None  # gpt-oss
+        sinks = get("self_attn.sinks") if config.attention_sinks else None  # fp32 on the device, as the scores
+        self.sinks: torch.Tensor | None = None if sinks is None else sinks.to(device=device, dtype=torch.float32)
         # a layer has a plain feed-forward (gate_up, down) or experts (moe), never both
         self.gate_up: Linear | None = None
         self.down: Linear | None = None
@@ -77,16 +95,18 @@ class DecoderLayer:
 
 
 def _moe_feed_forward(moe: MoeConfig, get, device: torch.device, dtype: torch.dtype) -> MoeFeedForward:
-    def expert(prefix: str) -> Expert:
-        return Expert(make_linear([get(f"{prefix}gate_proj.weight"), get(f"{prefix}up_proj.weight")], None, device,
-                                  dtype),
-                      make_linear([get(f"{prefix}down_proj.weight")], None, device, dtype))
+    def expert(prefix: str) -> Expert:  # biases where the checkpoint has them (gpt-oss)
+        return Expert(make_linear([get(f"{prefix}gate_proj.weight"), get(f"{prefix}up_proj.weight")],
+                                  [get(f"{prefix}gate_proj.bias"), get(f"{prefix}up_proj.bias")], device, dtype),
+                      make_linear([get(f"{prefix}down_proj.weight")], [get(f"{prefix}down_proj.bias")], device, dtype))
 
     experts = [expert(expert_name(j, "gate").removesuffix("gate_proj.weight")) for j in range(moe.num_experts)]
     shared = expert("mlp.shared_expert.") if moe.shared_expert_size else None
     shared_gate = make_linear([get(SHARED_EXPERT_GATE)], None, device, dtype) if moe.shared_expert_gate else None
     spec = RouterSpec(moe.router, moe.num_experts_used, moe.normalize, moe.num_groups, moe.topk_groups, moe.scale)
-    return MoeFeedForward(make_linear([get(ROUTER)], None, device, dtype), spec, experts, shared, shared_gate)
+    router = make_linear([get(ROUTER)], [get(ROUTER_BIAS)], device, dtype)
+    return MoeFeedForward(router, spec, experts, shared, shared_gate, activation=moe.activation,
+                          limit=moe.swiglu_limit, alpha=moe.swiglu_alpha)
 
 
 def _feed_forward_bytes(layer: DecoderLayer, active: bool) -> int:
@@ -109,7 +129,7 @@ class DecoderModel:
         embed = tensors[EMBED]
         self.embed = dense_weight(embed, dtype, device).to(device)  # [V, H]
         self.layers = [DecoderLayer(config, tensors, i, device, dtype) for i in range(config.num_layers)]
-        self.norm = tensors[FINAL_NORM].to(device=device, dtype=dtype)
+        self.norm = (tensors[FINAL_NORM].float() + config.norm_offset).to(device=device, dtype=dtype)
         head = tensors.get(LM_HEAD)
         if head is None or config.tie_word_embeddings:
             # a quantized embedding stays quantized in the output layer; a dense one is shared
@@ -117,10 +137,38 @@ class DecoderModel:
             head = stored if isinstance(stored, QuantizedWeight) else self.embed
         self._head_is_embed = head is self.embed  # one tensor: counted once in resident_bytes
         self.lm_head: Linear = make_linear([head], None, device, dtype)
-        self.cos_sin = rope_cos_sin_cache(config.head_dim, config.rope_theta, config.rope_scaling,
-                                          config.max_position_embeddings, device)
-        self.scale = config.head_dim ** -0.5
+        self.specs: list[AttentionSpec] = layer_specs(config, [layer.sinks for layer in self.layers])
+        # one cos|sin table per rope the layers use; self.cos_sin is the first layer's
+        tables: dict[tuple, torch.Tensor] = {}
+        for spec in self.specs:
+            if spec.rope_key() not in tables:
+                tables[spec.rope_key()] = rope_cos_sin_cache(
+                    config.head_dim, spec.rope_theta, spec.rope_scaling, config.max_position_embeddings, device,
+                    rotary_dim(config.head_dim, spec.rotary_fraction))
+        self.rope_tables = [tables[spec.rope_key()] for spec in self.specs]
+        self.cos_sin = self.rope_tables[0]
+        order = partial_rotary_order(config.head_dim, config.partial_rotary_factor)
+        self.rope_order = None if order is None else order.to(device)
+        self.scale = config.query_scale
         self._cpu_layers: CpuDecoderLayers | None | Literal[False] = False  # False: not built yet
+
+    def attention_specs(self) -> list[AttentionSpec]:
+        """Each layer's kind of attention."""
+        return list(self.specs)
+
+    def variant(self) -> str | None:
+        """What this model does beyond the plain llama-style layer (None: nothing); such a model runs
+        layer by layer, with neither the one-call CPU layers nor the fused decode step."""
+        cfg = self.config
+        if not all(spec.plain for spec in self.specs):
+            return "attention with a sliding window, sink logits or a soft-cap"
+        if len({id(t) for t in self.rope_tables}) > 1 or self.rope_order is not None:
+            return "rope of more than one kind, or on part of each head"
+        if cfg.sandwich_norms or cfg.activation != "silu" or cfg.embed_scale or cfg.final_logit_softcap:
+            return "Gemma's sandwich norms, GELU gating, embedding scale or final soft-cap"
+        if any(layer.o_bias for layer in self.layers):
+            return "an o_proj bias"
+        return None
 
     def weight_bytes(self) -> int:
         """Bytes of weights read by one decode step of one token (the embedding row read is negligible;
@@ -159,6 +207,8 @@ class DecoderModel:
         cfg = self.config
         num_tokens = batch.input_ids.shape[0]
         h = F.embedding(batch.input_ids, self.embed)  # [T, H]
+        if cfg.embed_scale is not None:  # (the factor rounded to the activations' dtype, as Gemma does)
+            h = h * torch.tensor(cfg.embed_scale, dtype=h.dtype)
         residual = None
         # Per-step index work done once here instead of in every layer: the reference path's, and the
         # compiled prefill attention's host layout.
@@ -167,7 +217,7 @@ class DecoderModel:
             if len(batch.seq_lens) != num_tokens:  # not decode alone
                 prefill_layout = kernels.PrefillLayout(batch.query_start_loc, batch.seq_lens)
         elif not use_cpu_kernels(h):
-            cos_sin_rows = gather_cos_sin(self.cos_sin, batch.positions)
+            cos_sin_rows = {id(t): gather_cos_sin(t, batch.positions) for t in self.rope_tables}
             layout = PagedLayout.build(batch.block_tables, batch.seq_lens, kv.page_size)
         cpu_layers = self._cpu_decoder_layers(h, kv)
         if cpu_layers is not None:  # all the layers' kernels in one C call a layer
@@ -175,32 +225,47 @@ class DecoderModel:
                                          _int32(batch.query_start_loc_t, batch.query_start_loc),
                                          _int32(batch.seq_lens_t, batch.seq_lens), kv.k, kv.v, num_layers)
         for i, layer in enumerate(self.layers[:num_layers] if cpu_layers is None else ()):
-            rope = RopeWrite(batch.positions, self.cos_sin, kv.k[i], kv.v[i], batch.slot_mapping, cfg.num_heads,
-                             cos_sin_rows)
-            if layer.q_norm is None:
+            spec, table = self.specs[i], self.rope_tables[i]
+            rope = RopeWrite(batch.positions, table, kv.k[i], kv.v[i], batch.slot_mapping, cfg.num_heads,
+                             None if cos_sin_rows is None else cos_sin_rows[id(table)])
+            if layer.q_norm is None and self.rope_order is None:
                 q, residual = layer.qkv.normed_rope_product(h, residual, layer.input_norm, cfg.rms_norm_eps, rope)
             else:
                 qkv, residual = layer.qkv.normed_product(h, residual, layer.input_norm, cfg.rms_norm_eps)
                 q, k, v = rope.heads(qkv)
-                assert layer.k_norm is not None  # q and k norms come together (config.qk_norm)
-                q, k = rms_norm(q, layer.q_norm, cfg.rms_norm_eps), rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+                if layer.q_norm is not None:
+                    assert layer.k_norm is not None  # q and k norms come together (config.qk_norm)
+                    q, k = rms_norm(q, layer.q_norm, cfg.rms_norm_eps), rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+                if self.rope_order is not None:  # partial rotary as full-width rope (attention_spec)
+                    q, k = q[..., self.rope_order], k[..., self.rope_order]
                 q = rope.write(q, k, v)
             o = paged_attention(q, kv.k[i], kv.v[i], batch.block_tables, batch.query_start_loc,
                                 batch.seq_lens, self.scale, batch.seq_lens_t, batch.query_start_loc_t, layout,
-                                prefill_layout)
+                                prefill_layout, window=spec.window, sinks=spec.sinks, softcap=spec.softcap)
             h = layer.o_proj(o.reshape(num_tokens, -1))
+            if layer.attn_out_norm is not None:
+                h = rms_norm(h, layer.attn_out_norm, cfg.rms_norm_eps)
             if layer.moe is not None:
                 x, residual = fused_add_rms_norm(h, residual, layer.post_norm, cfg.rms_norm_eps)
                 h = layer.moe(x)
             else:
                 assert layer.gate_up is not None and layer.down is not None  # a layer without experts has them
                 gate_up, residual = layer.gate_up.normed_product(h, residual, layer.post_norm, cfg.rms_norm_eps)
-                h = layer.down.silu_product(gate_up)
+                if cfg.activation == "silu":
+                    h = layer.down.silu_product(gate_up)
+                else:
+                    gate, up = gate_up.chunk(2, dim=-1)
+                    h = layer.down(F.gelu(gate, approximate="tanh") * up)
+            if layer.ffn_out_norm is not None:
+                h = rms_norm(h, layer.ffn_out_norm, cfg.rms_norm_eps)
         assert residual is not None  # every layer (num_layers >= 1) adds into it
         h = h[batch.logits_indices]
         residual = residual[batch.logits_indices]
         x, _ = fused_add_rms_norm(h, residual, self.norm, cfg.rms_norm_eps)
-        return self.lm_head(x, out_dtype=torch.float32)  # fp32 logits (straight from the CPU kernel)
+        logits = self.lm_head(x, out_dtype=torch.float32)  # fp32 logits (straight from the CPU kernel)
+        if cfg.final_logit_softcap is not None:
+            logits = torch.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
+        return logits
 
     # -- the CPU kernels' layer in one call ------------------------------------------------------------
     def _cpu_decoder_layers(self, h: torch.Tensor, kv: KVCache) -> CpuDecoderLayers | None:
@@ -216,7 +281,7 @@ class DecoderModel:
         cfg = self.config
         if environment.flag("EXLCLI_NO_CPU_LAYER_KERNEL") or not cpu_decoder_layer.available():
             return None
-        if cfg.head_dim % 16 or self.cos_sin.dtype != torch.float32 or cfg.moe is not None:
+        if cfg.head_dim % 16 or self.cos_sin.dtype != torch.float32 or cfg.moe is not None or self.variant():
             return None
         weights = []
         for layer in self.layers:
@@ -239,6 +304,8 @@ class DecoderModel:
         cfg = self.config
         if cfg.moe is not None:
             return "a mixture-of-experts feed-forward (the fused step has no expert kernels)"
+        if self.variant() is not None:
+            return f"{self.variant()} (the fused step runs plain llama-style layers)"
         if FUSED_DECODE not in self.fused_paths:
             return f"the {cfg.architecture} architecture has no fused decode path"
         if self.dtype not in (torch.bfloat16, torch.float16):

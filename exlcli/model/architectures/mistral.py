@@ -1,8 +1,9 @@
-"""Mistral: llama's decoder under another name.
+"""Mistral: llama's decoder under another name, with a sliding window on every layer where set.
 
-Config fields of its own: `attention_bias` as llama (off unless set). `sliding_window` is not
-read: attention spans the whole context, as it always has here (exact for prompts shorter than the
-window). Tensors: the decoder's. GGUF: Q and K rows interleaved by llama.cpp. Fused paths: decode.
+Config fields of its own: `attention_bias` as llama (off unless set); `sliding_window` (Mistral
+7B v0.1's 4,096; null in later ones; a window covering the whole context is plain full attention).
+GGUF: `mistral.attention.sliding_window` where present. Tensors: the decoder's. GGUF: Q and K rows
+interleaved by llama.cpp. Fused paths: decode (the fused step refuses a windowed model).
 """
 
 from __future__ import annotations
@@ -14,17 +15,21 @@ import torch
 from exlcli.model.architectures import tensor_names as names
 from exlcli.model.architectures.base import FUSED_DECODE, Architecture
 from exlcli.model.architectures.decoder import DecoderModel
+from exlcli.model.architectures.windows import whole_context_window
 from exlcli.model.config import ModelConfig
 
 FUSED_PATHS = (FUSED_DECODE,)
 
 
 def hf_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    return {"attention_bias": bool(cfg.get("attention_bias", False))}
+    return {"attention_bias": bool(cfg.get("attention_bias", False)),
+            "sliding_window": whole_context_window(cfg.get("sliding_window"),
+                                                   int(cfg.get("max_position_embeddings", 4096)))}
 
 
 def gguf_fields(meta: Mapping[str, Any]) -> dict[str, Any]:
-    return {}
+    return {"sliding_window": whole_context_window(meta.get("mistral.attention.sliding_window"),
+                                                   int(meta.get("mistral.context_length") or 4096))}
 
 
 def build(config: ModelConfig, tensors: dict, device: torch.device, dtype: torch.dtype) -> DecoderModel:

@@ -37,6 +37,11 @@ GGUF_MOE_NAMES = {
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 ROUTER = "mlp.gate.weight"
+ROUTER_BIAS = "mlp.gate.bias"
+# Gemma's sandwich norms: the attention output's, the feed-forward input's and output's
+ATTN_OUT_NORM = "post_attention_layernorm.weight"
+PRE_FFN_NORM = "pre_feedforward_layernorm.weight"
+FFN_OUT_NORM = "post_feedforward_layernorm.weight"
 SHARED_EXPERT_GATE = "mlp.shared_expert_gate.weight"
 
 
