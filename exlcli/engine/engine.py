@@ -20,7 +20,7 @@ from exlcli.engine.model_runner import ModelRunner
 from exlcli.engine.outputs import OutputProcessor
 from exlcli.engine.request import FinishReason, Request
 from exlcli.engine.scheduler import ScheduledBatch
-from exlcli.engine.sequence import Sequence
+from exlcli.engine.sequence import SeqStatus, Sequence
 from exlcli.engine.setup import EngineConfig, build_parts
 from exlcli.engine.stats import EngineStats
 from exlcli.engine.stats_publisher import StatsPublisher
@@ -207,33 +207,20 @@ class Engine:
             self.speculator.begin_step(len(self.scheduler.running) + len(self.scheduler.waiting))
         try:
             batch = self.scheduler.schedule()
-        except Exception as e:  # nothing scheduled; if it persists, the stall below fails what is stuck
+        except Exception as e:  # nothing scheduled; if it persists, the stall below finds whom it is due to
             self.failures.step_failed("scheduling failed", e)
             batch = ScheduledBatch()
-        if self.speculator is not None:
-            for seq in batch.preempted:  # recomputed later: a draft model's cache of it too
-                self.speculator.release(seq)
-        now = time.perf_counter()
-        for item in batch.items:
-            if item.seq.first_scheduled_time is None:
-                item.seq.first_scheduled_time = now
+        self._scheduled(batch)
         if not batch.items:  # e.g. every running sequence waits for its last token to be read
             if prev is not None:
                 self.readback.resolve(prev)
             else:
                 self.stats_publisher.publish(batch, 0.0)
-                if self.failures.stalled():  # work, yet nothing ran nor is in flight: back off, then fail it
-                    for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
-                        self.outputs.finish(seq, FinishReason.ERROR, error=self.failures.stall_message())
+                if self.failures.stalled():  # work, yet nothing ran nor is in flight: back off, then isolate
+                    self._step_each_alone()
             return True
         self.failures.progressed()
-        try:
-            launched = self.launcher.launch(batch, prev)
-        except Exception as e:  # after commit: these sequences' tokens are lost, so they end here
-            self.failures.step_failed("sampling failed", e)
-            for item in batch.items:
-                self.outputs.finish(item.seq, FinishReason.ERROR, error=f"sampling failed: {type(e).__name__}: {e}")
-            launched = None
+        launched = self._launch(batch, prev)
         if prev is not None:
             self.readback.resolve(prev)  # overlaps the device's work on this step (done already if its masks needed it)
         if launched is not None:
@@ -242,6 +229,55 @@ class Engine:
             else:
                 self.readback.resolve(launched)
         return True
+
+    def _scheduled(self, batch: ScheduledBatch) -> None:
+        if self.speculator is not None:
+            for seq in batch.preempted:  # recomputed later: a draft model's cache of it too
+                self.speculator.release(seq)
+        now = time.perf_counter()
+        for item in batch.items:
+            if item.seq.first_scheduled_time is None:
+                item.seq.first_scheduled_time = now
+
+    def _launch(self, batch: ScheduledBatch, prev: LaunchedStep | None) -> LaunchedStep | None:
+        try:
+            return self.launcher.launch(batch, prev)
+        except Exception as e:
+            # The launcher retries a failed forward pass or sampling per sequence; a failure past
+            # that (its commit, the copy of the ids) leaves these sequences' progress unknown.
+            self.failures.step_failed("launching the step failed", e)
+            for item in batch.items:
+                self.outputs.finish(item.seq, FinishReason.ERROR,
+                                    error=f"launching the step failed: {type(e).__name__}: {e}")
+            return None
+
+    def _step_each_alone(self) -> None:
+        """The loop stalled `max_stalled_steps` times in a row (scheduling raised, or scheduled
+        nothing with nothing in flight): each sequence is scheduled alone. One whose scheduling
+        raises alone ends with that error; one that gets a chunk runs it in a step of its own; the
+        others wait, since what they wait for may come now. Only when none ran nor ended is what is
+        left really stuck: it ends."""
+        ran = ended = False
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            if seq.status is SeqStatus.FINISHED:
+                continue  # ended during an earlier one's step
+            try:
+                batch = self.scheduler.schedule_alone(seq)
+            except Exception as e:
+                self.outputs.finish(seq, FinishReason.ERROR, error=f"scheduling failed: {type(e).__name__}: {e}")
+                ended = True
+                continue
+            self._scheduled(batch)
+            if batch.items:
+                launched = self._launch(batch, None)
+                if launched is not None:
+                    self.readback.resolve(launched)
+                ran = True
+        if ran:
+            self.failures.progressed()
+        elif not ended:
+            for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+                self.outputs.finish(seq, FinishReason.ERROR, error=self.failures.stall_message())
 
     def _take_inbox(self) -> None:
         with self._lock:

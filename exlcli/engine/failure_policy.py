@@ -1,8 +1,9 @@
-"""What the engine does when a step fails: blame only the requests it can (a failed forward pass is
-retried once with each sequence alone), end a request whose logits are NaN or infinite, and never
-spin: a loop that makes no progress backs off, then fails what is stuck. Failures are counted (for
-/metrics) and logged at a readable rate: the first of a kind with its traceback, then one summary
-line per interval."""
+"""What the engine does when a step fails: blame only the requests it can (a failed forward pass or
+sampling is retried once with each sequence alone, see step_launch.py; a loop that keeps failing to
+schedule schedules each sequence alone, see Engine._step_each_alone), end a request whose logits are
+NaN or infinite, and never spin: a loop that makes no progress backs off, then isolates, and fails
+only what is really stuck. Failures are counted (for /metrics) and logged at a readable rate: the
+first of a kind with its traceback, then one summary line per interval."""
 
 from __future__ import annotations
 
@@ -80,7 +81,8 @@ class FailurePolicy:
     def stalled(self) -> bool:
         """A step had work but scheduled nothing and had nothing in flight (schedule() raised, or
         every sequence waits on something no step will bring). Backs off; True once it has
-        happened `max_stalled_steps` times in a row: the caller then fails what is stuck."""
+        happened `max_stalled_steps` times in a row: the caller then schedules each sequence alone
+        and fails those that fail alone, or what is left when none moves."""
         self._stalled += 1
         if self._stalled >= self.max_stalled_steps:
             self._stalled = 0

@@ -71,6 +71,14 @@ class StepMasks:
         future.set_result(bitmask)
         return cls(future)
 
+    @classmethod
+    def failed(cls, error: BaseException) -> "StepMasks":
+        """Masks that could not be computed: `result` raises `error` (sampling then finds out which
+        sequence it belongs to, see StepLauncher)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_exception(error)
+        return cls(future)
+
     def result(self) -> torch.Tensor | None:
         """The bitmask (waits for the worker); raises what computing it raised."""
         return self._future.result()
@@ -98,9 +106,7 @@ class MaskWorker:
             return StepMasks.done()
         pending = [s.request_id for s, ids in zip(seqs, output_ids) if ids is not None and s.num_pending]
         if pending:
-            future: concurrent.futures.Future = concurrent.futures.Future()
-            future.set_exception(RuntimeError(f"{pending[0]}: a constrained sequence has tokens in flight"))
-            return StepMasks(future)
+            return StepMasks.failed(RuntimeError(f"{pending[0]}: a constrained sequence has tokens in flight"))
         if inline:
             return StepMasks.done(step_masks(self.grammars, seqs, output_ids, drafts, self.vocab_size))
         return StepMasks(self._pool().submit(step_masks, self.grammars, list(seqs), output_ids,

@@ -134,6 +134,21 @@ class Scheduler:
             budget = self._admit(cls, budget, top, batch, in_flight)
         return batch
 
+    def schedule_alone(self, seq: Sequence) -> ScheduledBatch:
+        """Plans a step for `seq` alone, to find out which sequence makes scheduling fail: the others
+        keep their places, pages and progress (none is preempted for it), and `seq` is admitted only
+        to a slot the running set has free."""
+        running, waiting = self.running, self.waiting
+        others = len(running) - (seq in running)
+        self.running, self.waiting = [s for s in running if s is seq], [s for s in waiting if s is seq]
+        max_num_seqs, self.max_num_seqs = self.max_num_seqs, self.max_num_seqs - others
+        try:
+            return self.schedule()
+        finally:
+            self.max_num_seqs = max_num_seqs
+            self.running = sorted([s for s in running if s is not seq] + self.running, key=lambda s: s.sort_key)
+            self.waiting = sorted([s for s in waiting if s is not seq] + self.waiting, key=lambda s: s.sort_key)
+
     def _admit(self, cls: int, budget: int, top: int, batch: ScheduledBatch, in_flight: set[int]) -> int:
         """Move waiting sequences of class `cls` into the running set while budget, sequence
         slots and pages allow; returns the budget left."""

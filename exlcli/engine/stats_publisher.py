@@ -51,8 +51,12 @@ class StatsPublisher:
                                              - seq.num_computed_tokens)
 
     def record_finished(self, seq: Sequence, reason: FinishReason, stats: RequestStats) -> None:
+        """Called once `seq` is out of the scheduler and its pages are freed or parked: the gauges
+        are set here too, so they are exact as soon as a request ends, even one that a failure ends
+        on an engine that then steps no more (idle, on its own thread)."""
         with self._lock:
             s = self._stats
+            self._set_gauges(s)
             s.total_requests += 1
             s.total_prompt_tokens += stats.prompt_tokens
             s.total_generated_tokens += stats.generated_tokens
@@ -73,8 +77,7 @@ class StatsPublisher:
         sched, pool, sessions = self._scheduler, self._pool, self._sessions
         with self._lock:
             s = self._stats
-            s.num_running, s.num_waiting = len(sched.running), len(sched.waiting)
-            s.pages_used, s.pages_cached = pool.num_used, pool.num_cached
+            self._set_gauges(s)
             # (empty after 5 s without a token: a prefill step then generates none)
             recent = self._recent_token_total - self._recent_tokens[0][1] if self._recent_tokens else 0
             s.tokens_per_s = recent / window if window > 0 else 0.0
@@ -82,7 +85,6 @@ class StatsPublisher:
             s.prefix_cache_queries, s.prefix_cache_hits = sched.prefix_queries, sched.prefix_hits
             s.prefix_cache_evictions = pool.num_evictions
             s.prefill_tokens, s.evicted_tokens = self._num_prefill_tokens, self._num_evicted_finished
-            s.sessions_parked, s.session_pages = len(sessions), sessions.num_pages
             s.sessions_resumed, s.session_resumed_tokens = sessions.num_resumed, sessions.num_resumed_tokens
             if self._speculator is not None:
                 c = self._speculator.counters
@@ -97,6 +99,13 @@ class StatsPublisher:
                 s.step_time_sum_s += elapsed
                 bucket = next((i for i, b in enumerate(STEP_TIME_BUCKETS) if elapsed <= b), len(STEP_TIME_BUCKETS))
                 s.step_time_bucket_counts[bucket] += 1
+
+    def _set_gauges(self, s: EngineStats) -> None:
+        """What is in the engine now: requests running and waiting, pages used, parked sessions."""
+        sched, pool, sessions = self._scheduler, self._pool, self._sessions
+        s.num_running, s.num_waiting = len(sched.running), len(sched.waiting)
+        s.pages_used, s.pages_cached = pool.num_used, pool.num_cached
+        s.sessions_parked, s.session_pages = len(sessions), sessions.num_pages
 
     def snapshot(self) -> EngineStats:
         """A copy: the engine's thread goes on updating its own."""

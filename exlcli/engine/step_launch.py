@@ -4,21 +4,22 @@ queued on the device, and the sampled ids' copy to the host queued behind them. 
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from exlcli.engine.grammar_masks import StepMasks
 from exlcli.engine.request import FinishReason
-from exlcli.engine.sampler import SampleRow, needs_history, sample_ids, sample_ids_and_flags, top_logprobs
-from exlcli.engine.scheduler import ScheduledBatch
+from exlcli.engine.sampler import SampleRow, needs_history, sample_ids_and_flags, top_logprobs
+from exlcli.engine.scheduler import ScheduledBatch, ScheduledSeq
 from exlcli.model.transfer import to_device
-from exlcli.ops.argmax import with_nonfinite_flags
 
 if TYPE_CHECKING:
     from exlcli.engine.failure_policy import FailurePolicy
-    from exlcli.engine.grammar_masks import MaskWorker, StepMasks
+    from exlcli.engine.grammar_masks import MaskWorker
     from exlcli.engine.model_runner import ModelRunner
     from exlcli.engine.outputs import OutputProcessor
     from exlcli.engine.scheduler import Scheduler
@@ -70,7 +71,7 @@ class StepLauncher:
         try:
             inputs = self.runner.prepare(batch)
             if not self._masks_need_tokens_in_flight(batch):
-                masks = self._start_masks(batch)  # on the mask thread while the forward pass runs
+                masks = self._start_masks(batch.items)  # on the mask thread while the forward pass runs
             logits = self.runner.execute(inputs, prev.ids if prev is not None else None)
         except Exception as e:  # e.g. out of memory, or one bad sequence: retry each alone
             if masks is not None:
@@ -87,7 +88,7 @@ class StepLauncher:
                 # async scheduling: a grammar's mask needs the token of the step before, read
                 # back now; the device runs this step's forward pass meanwhile
                 self._readback.resolve(prev)
-            masks = self._start_masks(batch, inline=True)
+            masks = self._start_masks(batch.items, inline=True)
         try:
             return self._sample_launched(batch, logits, masks, start)
         finally:
@@ -98,9 +99,14 @@ class StepLauncher:
         return any(item.num_logits and item.seq.constraint is not None and item.seq.num_pending
                    for item in batch.items)
 
-    def _start_masks(self, batch: ScheduledBatch, inline: bool = False) -> StepMasks:
-        items = [item for item in batch.items if item.num_logits]
-        return self._masks.start([item.seq for item in items], [item.draft_tokens for item in items], inline)
+    def _start_masks(self, items: list[ScheduledSeq], inline: bool = False) -> StepMasks:
+        """The masks of the sampling ones among `items`. Never raises: masks that cannot be computed
+        raise when sampling takes them, where the sequence they fail for is found (_sample_isolating)."""
+        items = [item for item in items if item.num_logits]
+        try:
+            return self._masks.start([item.seq for item in items], [item.draft_tokens for item in items], inline)
+        except Exception as e:
+            return StepMasks.failed(e)
 
     def _sample_launched(self, batch: ScheduledBatch, logits: torch.Tensor, masks: StepMasks,
                          start: float) -> LaunchedStep:
@@ -109,9 +115,8 @@ class StepLauncher:
         seqs = [item.seq for item in items]
         drafts = [item.draft_tokens for item in items]
         rng_states = [seq.rng.getstate() if d else None for seq, d in zip(seqs, drafts)]
-        logits = self._sampled_logits_rows(batch, logits)
         # read back as one: the ids, then a flag per row for NaN/Inf logits
-        flagged, logprobs = self._sample(seqs, drafts, logits, masks) if seqs else (None, None)
+        flagged, logprobs = self._sample_isolating(items, logits, masks) if seqs else (None, None)
         rows, first = [], 0
         for d in drafts:
             rows.append(list(range(first, first + 1 + len(d))))
@@ -127,41 +132,66 @@ class StepLauncher:
                 and not any(needs_history(seq.request.sampling) for seq in seqs))
         return LaunchedStep(batch, seqs, rows, drafts, rng_states, ids, host_ids, ready, logprobs, start, keep)
 
-    def _sample(self, seqs: list[Sequence], drafts: list[list[int]], logits: torch.Tensor,
-                masks: StepMasks) -> tuple[torch.Tensor, list | None]:
-        """Sampled ids on the device (1 + len(drafts) rows per sequence) followed by a flag per row
-        for NaN/Inf logits (sampler.sample_ids_and_flags), and the logprobs when a request asks for
-        them (reading those waits for the device). Row j of a verifying sequence is drawn as plain
-        decoding would draw it after the first j drafted tokens: the same history (for penalties)
-        and the generator's next draw."""
+    def _sample_isolating(self, items: list[ScheduledSeq], logits: torch.Tensor,
+                          masks: StepMasks) -> tuple[torch.Tensor, list | None]:
+        """Samples the step's rows as one; when that raises, samples each sequence alone (with the
+        same generator draws, and its mask computed alone) and ends only those that fail alone. The
+        step is committed: the model has computed up to each sequence's last token, so one whose
+        token is lost cannot go on, while the others keep their progress and get their tokens. An
+        ended sequence's rows hold id 0, never read (it is finished when the step is read back)."""
+        seqs = [item.seq for item in items]
+        drafts = [item.draft_tokens for item in items]
+        rows = self._sample_rows(seqs, drafts)
+        try:
+            return self._sample(seqs, drafts, self._sampled_logits_rows(items, logits), masks, rows)
+        except Exception as e:
+            error = e
+        self._failures.step_failed("sampling failed", error)
+        masks.wait()  # the matchers are the mask thread's until it is done with them
+        firsts = list(itertools.accumulate((item.num_logits for item in items), initial=0))
+        row_firsts = list(itertools.accumulate((1 + len(d) for d in drafts), initial=0))
+
+        def run(i: int) -> tuple[torch.Tensor, list | None]:
+            item = items[i]
+            return self._sample([item.seq], [item.draft_tokens],
+                                self._sampled_logits_rows([item], logits[firsts[i]:firsts[i + 1]]),
+                                self._start_masks([item], inline=True), rows[row_firsts[i]:row_firsts[i + 1]])
+
+        done, failed = (self._failures.run_alone(range(len(items)), run) if len(items) > 1
+                        else ([], [(0, error)]))
+        for i, e in failed:
+            self._outputs.finish(items[i].seq, FinishReason.ERROR, error=f"sampling failed: {type(e).__name__}: {e}")
+        results = dict(done)
+        ids, flags, logprobs = [], [], []
+        for i, item in enumerate(items):
+            k = 1 + len(item.draft_tokens)
+            some, some_logprobs = results.get(i, (torch.zeros(2 * k, dtype=torch.long, device=logits.device), None))
+            ids.append(some[:k])
+            flags.append(some[k:])
+            logprobs.extend(some_logprobs or [None] * k)
+        return torch.cat(ids + flags), (logprobs if any(lp is not None for lp in logprobs) else None)
+
+    @staticmethod
+    def _sample_rows(seqs: list[Sequence], drafts: list[list[int]]) -> list[SampleRow]:
+        """1 + len(drafts) rows per sequence, each with its draw from the sequence's generator. Row j
+        of a verifying sequence is drawn as plain decoding would draw it after the first j drafted
+        tokens: the same history (for penalties) and the generator's next draw."""
         rows: list[SampleRow] = []
         for s, d in zip(seqs, drafts):
             rows.append(SampleRow(s.request.sampling, s.rng.random(), s.token_ids, s.num_prompt_tokens))
             if d:
                 rows.extend(SampleRow(s.request.sampling, s.rng.random(), s.token_ids + d[:j], s.num_prompt_tokens)
                             for j in range(1, len(d) + 1))
+        return rows
+
+    def _sample(self, seqs: list[Sequence], drafts: list[list[int]], logits: torch.Tensor, masks: StepMasks,
+                rows: list[SampleRow]) -> tuple[torch.Tensor, list | None]:
+        """Sampled ids on the device (the `rows` of `seqs`: 1 + len(drafts) per sequence) followed by
+        a flag per row for NaN/Inf logits (sampler.sample_ids_and_flags), and the logprobs when a
+        request asks for them (reading those waits for the device)."""
+        flagged = sample_ids_and_flags(logits, rows, masks.result())
         want_logprobs = any(r.params.logprobs for r in rows)
-        bitmask = masks.result()
-        try:
-            flagged = sample_ids_and_flags(logits, rows, bitmask)
-            return flagged, (top_logprobs(logits, flagged[:len(rows)].tolist(), rows) if want_logprobs else None)
-        except Exception:
-            pass
-        # Find the sequence that broke the batch; the others go on (a failed row's id is never read).
-        ids_list, logprobs, first = [], [], 0
-        for seq, d in zip(seqs, drafts):
-            span = slice(first, first + 1 + len(d))
-            first = span.stop
-            try:
-                mask = bitmask[span] if bitmask is not None else None
-                some = sample_ids(logits[span], rows[span], mask)
-                logprobs.extend(top_logprobs(logits[span], some.tolist(), rows[span]))
-                ids_list.append(some)
-            except Exception as e:
-                self._outputs.finish(seq, FinishReason.ERROR, error=f"sampling failed: {type(e).__name__}: {e}")
-                ids_list.append(torch.zeros(1 + len(d), dtype=torch.long, device=logits.device))
-                logprobs.extend([None] * (1 + len(d)))
-        return with_nonfinite_flags(torch.cat(ids_list), logits), logprobs
+        return flagged, (top_logprobs(logits, flagged[:len(rows)].tolist(), rows) if want_logprobs else None)
 
     def _queue_read_back(self, flagged: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.cuda.Event | None]:
         """The sampled ids (and flags) queued for the host: (a pinned copy, the event that says it is
@@ -197,11 +227,10 @@ class StepLauncher:
         return ScheduledBatch([item for item, _ in done], batch.preempted), torch.cat([lg for _, lg in done])
 
     @staticmethod
-    def _sampled_logits_rows(batch: ScheduledBatch, logits: torch.Tensor) -> torch.Tensor:
-        """The rows each sampling sequence draws from: the last 1 + len(draft_tokens) of its
-        num_logits rows (each drafted token is checked by the row before it, and the last row gives
-        the token after them)."""
-        items = [item for item in batch.items if item.num_logits]
+    def _sampled_logits_rows(items: list[ScheduledSeq], logits: torch.Tensor) -> torch.Tensor:
+        """The rows each sampling sequence (`items`, in order) draws from: the last
+        1 + len(draft_tokens) of its num_logits rows (each drafted token is checked by the row
+        before it, and the last row gives the token after them)."""
         if all(item.num_logits == 1 for item in items):
             return logits
         keep: list[int] = []

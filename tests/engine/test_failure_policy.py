@@ -11,6 +11,7 @@ import threading
 import pytest
 import torch
 
+import exlcli.engine.step_launch as step_launch
 from exlcli.engine.failure_policy import FailureLog, FailurePolicy
 from exlcli.engine.request import FinishReason, Request, SamplingParams
 from exlcli.ops.argmax import nonfinite_rows
@@ -155,6 +156,11 @@ def test_a_persistent_schedule_failure_backs_off_fails_what_is_stuck_and_logs_li
 
 
 def test_a_failure_after_commit_leaves_nothing_hanging_on_the_engine_thread(make_engine):
+    """A step's sampling fails once, after its commit: each of its sequences is sampled alone, so
+    none of them fails (a fault only one sequence meets: the tests below); nothing is left waiting."""
+    prompts = random_prompts(3, seed=15)
+    requests = lambda: [greedy(f"r{i}", p, n=6) for i, p in enumerate(prompts)]  # noqa: E731
+    expected = reference(make_engine, requests())
     engine = make_engine()
     engine.failures.sleep = lambda s: None
     sample, calls = engine.launcher._sample, [0]
@@ -168,12 +174,14 @@ def test_a_failure_after_commit_leaves_nothing_hanging_on_the_engine_thread(make
     engine.launcher._sample = once
     engine.start()
     try:
-        handles = [engine.submit(greedy(f"r{i}", p, n=6)) for i, p in enumerate(random_prompts(3, seed=15))]
+        handles = [engine.submit(r) for r in requests()]
         done = threading.Event()
         outs = []
-        threading.Thread(target=lambda: (outs.extend(finals(handles)), done.set()), daemon=True).start()
+        threading.Thread(target=lambda: (outs.extend(list(h) for h in handles), done.set()), daemon=True).start()
         assert done.wait(60), "a request was left without a final output"
-        assert any(o.finish_reason is FinishReason.ERROR and "lost after commit" in o.error for o in outs)
+        assert [[t for o in out for t in o.new_token_ids] for out in outs] == expected
+        assert all(out[-1].finish_reason is FinishReason.LENGTH for out in outs)
+        assert engine.stats().step_failures == 1 and engine.stats().requests_failed == 0
         after = engine.submit(greedy("after", [7, 8, 9], n=4))
         assert finals([after])[0].finish_reason is FinishReason.LENGTH
         assert engine._thread.is_alive()
@@ -284,3 +292,155 @@ def test_run_alone_keeps_order_and_names_the_failures(alone_fails):
     done, failed = FailurePolicy.run_alone([1, 2, 3, 4], run)
     assert done == ([(1, 10), (4, 40)] if alone_fails else [(1, 10), (3, 30), (4, 40)])
     assert [x for x, _ in failed] == ([2, 3] if alone_fails else [2])
+
+
+def poison_schedule(engine, poisoned: str, where: str) -> None:
+    """Scheduling fails while `poisoned` is queued: schedule() as a whole refuses ("schedule"), or
+    planning that one sequence raises ("plan")."""
+    sched = engine.scheduler
+    if where == "schedule":
+        schedule = sched.schedule
+
+        def refusing():
+            if any(s.request_id == poisoned for s in sched.running + sched.waiting):
+                raise RuntimeError(f"injected: cannot schedule {poisoned}")
+            return schedule()
+
+        sched.schedule = refusing
+    else:
+        chunk = sched._chunk
+
+        def planning(seq, *args):
+            if seq.request_id == poisoned:
+                raise RuntimeError(f"injected: cannot plan {poisoned}")
+            return chunk(seq, *args)
+
+        sched._chunk = planning
+
+
+def poison_sampling(engine, poisoned: str, where: str, monkeypatch) -> None:
+    """Sampling after commit fails for a step that samples `poisoned`: the launcher's whole sampling
+    call ("sample") or the sampler's pass over the rows, which knows the poisoned request by its
+    own parameters ("rows")."""
+    if where == "sample":
+        sample = engine.launcher._sample
+
+        def refusing(seqs, *args):
+            if any(s.request_id == poisoned for s in seqs):
+                raise RuntimeError(f"injected: cannot sample {poisoned}")
+            return sample(seqs, *args)
+
+        monkeypatch.setattr(engine.launcher, "_sample", refusing)
+    else:
+        real = step_launch.sample_ids_and_flags
+
+        def refusing_rows(logits, rows, bitmask=None):
+            if any(r.params is POISONED_PARAMS for r in rows):
+                raise RuntimeError(f"injected: cannot sample {poisoned}")
+            return real(logits, rows, bitmask)
+
+        monkeypatch.setattr(step_launch, "sample_ids_and_flags", refusing_rows)
+
+
+POISONED_PARAMS = SamplingParams(temperature=0.0)  # the poisoned request's own object (matched by identity)
+
+
+def ten_and_one_poisoned(prompts):
+    good = [greedy(f"r{i}", p, n=6) for i, p in enumerate(prompts)]
+    return good, Request("p", [5, 6, 7, 8, 9], POISONED_PARAMS, max_new_tokens=6)
+
+
+def assert_idle_gauges(engine):
+    stats = engine.stats()
+    assert (stats.num_running, stats.num_waiting, stats.pages_used) == (0, 0, 0)
+    engine.pool.check()
+    assert engine.pool.num_used == 0
+
+
+@pytest.mark.parametrize("where", ["schedule", "plan"])
+def test_a_request_whose_scheduling_fails_fails_alone(make_engine, where):
+    """Ten good requests and one whose scheduling raises: only that one fails, after the backoff;
+    the ten get the tokens they get without it."""
+    prompts = random_prompts(10, seed=17)
+    expected = reference(make_engine, ten_and_one_poisoned(prompts)[0])
+    engine = make_engine()
+    delays = []
+    engine.failures.sleep = delays.append
+    poison_schedule(engine, "p", where)
+    good, bad = ten_and_one_poisoned(prompts)
+    handles = [engine.submit(r) for r in good]
+    poisoned = engine.submit(bad)
+    engine.run_until_idle()
+    assert [tokens_of(h) for h in handles] == expected
+    last = list(poisoned)[-1]
+    assert last.finish_reason is FinishReason.ERROR and "injected: cannot" in last.error
+    assert engine.stats().requests_failed == 1 and sum(delays) < 0.2
+    assert_idle_gauges(engine)
+    assert_clean(engine)
+
+
+@pytest.mark.parametrize("where", ["sample", "rows"])
+def test_a_sampling_failure_after_commit_fails_only_the_sequence_it_hits(make_engine, where, monkeypatch):
+    """Ten good requests and one whose sampling raises after the step is committed: each sequence
+    of the step is sampled alone and only that one fails."""
+    prompts = random_prompts(10, seed=18)
+    expected = reference(make_engine, ten_and_one_poisoned(prompts)[0])
+    engine = make_engine()
+    poison_sampling(engine, "p", where, monkeypatch)
+    good, bad = ten_and_one_poisoned(prompts)
+    handles = [engine.submit(r) for r in good]
+    poisoned = engine.submit(bad)
+    engine.run_until_idle()
+    assert [tokens_of(h) for h in handles] == expected
+    last = list(poisoned)[-1]
+    assert last.finish_reason is FinishReason.ERROR and "injected: cannot sample p" in last.error
+    stats = engine.stats()
+    assert stats.requests_failed == 1 and stats.step_failures >= 1
+    assert_idle_gauges(engine)
+    assert_clean(engine)
+
+
+@pytest.mark.parametrize("kind", ["forward", "nan", "schedule", "plan", "sample", "rows", "stuck", "read back"])
+def test_gauges_are_exact_on_an_idle_engine_after_each_kind_of_failure(make_engine, kind, monkeypatch):
+    """On the engine's own thread, which steps no more once idle: when the last final output is
+    out, running, waiting and pages used are already 0."""
+    engine = make_engine()
+    engine.failures.sleep = lambda s: None
+    if kind in ("forward", "nan"):
+        engine.runner = FaultyRunner(engine.runner, poisoned={"p"} if kind == "forward" else (),
+                                     nan={"p"} if kind == "nan" else ())
+    elif kind in ("schedule", "plan"):
+        poison_schedule(engine, "p", kind)
+    elif kind in ("sample", "rows"):
+        poison_sampling(engine, "p", kind, monkeypatch)
+    elif kind == "stuck":
+        def broken():
+            raise RuntimeError("injected: schedule is broken")
+        engine.scheduler.schedule = broken
+    else:
+        resolve = engine.readback.resolve
+
+        def losing(step):
+            if any(seq.request_id == "p" for seq in step.seqs) and step.host_ids is not None:
+                step.host_ids = FailingIds()
+            return resolve(step)
+
+        engine.readback.resolve = losing
+    engine.start()
+    try:
+        good, bad = ten_and_one_poisoned(random_prompts(10, seed=19))
+        handles = [engine.submit(r) for r in good] + [engine.submit(bad)]
+        done = threading.Event()
+        outs = []
+        threading.Thread(target=lambda: (outs.extend(finals(handles)), done.set()), daemon=True).start()
+        assert done.wait(60), "a request was left without a final output"
+        assert outs[-1].finish_reason is FinishReason.ERROR
+        assert_idle_gauges(engine)
+    finally:
+        engine.shutdown()
+    assert_clean(engine)
+
+
+class FailingIds:
+    def tolist(self):
+        raise RuntimeError("injected: the device lost this step")

@@ -96,14 +96,14 @@ def test_the_overlapped_masks_are_those_of_the_sampled_state(make_engine, monkey
     real_sample = engine.launcher._sample
     compared = []
 
-    def checking_sample(seqs, drafts, logits, masks):
+    def checking_sample(seqs, drafts, logits, masks, rows):
         got = masks.result()
         want = step_masks(engine.grammars, seqs, constrained_outputs(seqs), drafts, engine.model.config.vocab_size)
         if got is None or want is None:  # every constrained sequence ended (async scheduling)
             compared.append(got is want)
         else:
             compared.append(torch.equal(got, want) and bool((got != -1).any()))
-        return real_sample(seqs, drafts, logits, masks)
+        return real_sample(seqs, drafts, logits, masks, rows)
 
     monkeypatch.setattr(engine.launcher, "_sample", checking_sample)
     outputs(engine, schema_requests(n=16))
