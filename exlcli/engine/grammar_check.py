@@ -19,7 +19,10 @@ import os
 import sys
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # a TypedDict of llguidance's stubs only
 
 WORKER_NICENESS = 10
 READY = '{"ready": true}'  # the worker's first line, once it can take checks
@@ -34,15 +37,16 @@ def one_line(message: str) -> str:
     return " ".join(" ".join(keep).split()) or "rejected"
 
 
-def grammar_text(kind: str, value: Any, strict: bool, options: dict | None = None) -> str:
+def grammar_text(kind: str, value: Any, strict: bool, options: "JsonCompileOptions | None" = None) -> str:
     """llguidance's grammar for a GrammarSpec's fields (ValueError or TypeError if it has none)."""
     import llguidance
 
-    options = {"lenient": not strict, **(options or {})}
+    overrides: JsonCompileOptions = {"lenient": not strict}
+    overrides.update(options or {})
     if kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=options)
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=overrides)
     if kind == "json_schema":
-        return llguidance.LLMatcher.grammar_from_json_schema(value, overrides=options)
+        return llguidance.LLMatcher.grammar_from_json_schema(value, overrides=overrides)
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(value)
     return llguidance.grammar_from("grammar", value)  # Lark, or GBNF (converted)

@@ -159,8 +159,9 @@ class StepLauncher:
 
         done, failed = (self._failures.run_alone(range(len(items)), run) if len(items) > 1
                         else ([], [(0, error)]))
-        for i, e in failed:
-            self._outputs.finish(items[i].seq, FinishReason.ERROR, error=f"sampling failed: {type(e).__name__}: {e}")
+        for i, alone_error in failed:
+            self._outputs.finish(items[i].seq, FinishReason.ERROR,
+                                 error=f"sampling failed: {type(alone_error).__name__}: {alone_error}")
         results = dict(done)
         ids, flags, logprobs = [], [], []
         for i, item in enumerate(items):

@@ -58,6 +58,8 @@ def _experts(t: Any, value: "torch.Tensor | QuantizedWeight", num_experts: int) 
     """A 3-D expert tensor split into one weight per expert (each expert's rows are contiguous); a
     2-D expert bias [experts, rows] (gpt-oss) into one bias per expert."""
     if t.name.endswith(".bias") and len(t.shape) == 2 and int(t.shape[1]) == num_experts:
+        if isinstance(value, QuantizedWeight):
+            raise ModelLoadError(f"tensor {t.name}: an expert bias must be F32, F16 or BF16, not {value.qtype}")
         return list(value.reshape(num_experts, -1).unbind(0))
     if len(t.shape) != 3 or int(t.shape[2]) != num_experts:
         raise ModelLoadError(f"tensor {t.name} has shape {[int(x) for x in reversed(t.shape.tolist())]}; "

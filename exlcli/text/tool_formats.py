@@ -93,7 +93,7 @@ def _rebase_refs(schema: Any, base: str) -> Any:
         return [_rebase_refs(item, base) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {}
+    out: dict[str, Any] = {}
     for key, value in schema.items():
         if key == "$ref" and isinstance(value, str) and value.startswith("#"):
             out[key] = base + value[1:]

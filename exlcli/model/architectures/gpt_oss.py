@@ -109,6 +109,7 @@ def _decoder_tensors(config: ModelConfig, tensors: dict) -> dict:
         if f"{p}{EXPERTS}gate_up_proj" in t:  # HF: [E, H, 2I] (x @ W), gate and up columns interleaved
             gate_up, gate_up_bias = t.pop(f"{p}{EXPERTS}gate_up_proj"), t.pop(f"{p}{EXPERTS}gate_up_proj_bias")
             down, down_bias = t.pop(f"{p}{EXPERTS}down_proj"), t.pop(f"{p}{EXPERTS}down_proj_bias")
+            assert config.moe is not None  # gpt-oss's hf_fields set its experts
             for j in range(config.moe.num_experts):
                 e = f"{p}{EXPERTS}{j}."
                 t[e + "gate_proj.weight"] = gate_up[j][:, 0::2].t().contiguous()

@@ -20,6 +20,7 @@ from typing import Any, Mapping
 
 import torch
 
+from exlcli.errors import ModelLoadError
 from exlcli.model.architectures import tensor_names as names
 from exlcli.model.architectures.base import Architecture
 from exlcli.model.architectures.decoder import DecoderModel
@@ -44,6 +45,8 @@ def hf_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
     kind = params.get("rope_type", params.get("type"))
     if kind in ("longrope", "su"):
         original = params.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+        if original is None:
+            raise ModelLoadError("model config: LongRoPE needs original_max_position_embeddings")
         fields["rope_scaling"] = {**{k: v for k, v in params.items() if k not in ("rope_theta",
                                                                                  "partial_rotary_factor")},
                                   "rope_type": "longrope", "original_max_position_embeddings": int(original),
