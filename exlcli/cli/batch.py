@@ -20,6 +20,8 @@ from exlcli.batch.stopping import StopControl
 from exlcli.batch.summary import BatchSummary
 from exlcli.cli.batch_ray import BatchCommand, attach_progress, check_ray_options, open_ray_client, report_actors
 from exlcli.cli.common import (
+    CacheTypeKOption,
+    CacheTypeVOption,
     CtxSizeOption,
     DeviceOption,
     DraftLayersOption,
@@ -40,6 +42,7 @@ from exlcli.cli.common import (
     ThreadsOption,
     TopKOption,
     TopPOption,
+    kv_cache_spec,
     user_errors,
 )
 from exlcli.client.base import EngineClient, GenerationParams
@@ -112,6 +115,8 @@ def register(app: typer.Typer) -> None:
         local: LocalOption = False,
         kv_memory: KvMemoryOption = None,
         kv_cache_dtype: KvCacheDtypeOption = "auto",
+        cache_type_k: CacheTypeKOption = None,
+        cache_type_v: CacheTypeVOption = None,
         prefix_cache: PrefixCacheOption = True,
         device: DeviceOption = None,
         dtype: DtypeOption = None,
@@ -175,14 +180,15 @@ def register(app: typer.Typer) -> None:
 
                 check_target(quantize)  # here, once, rather than in every actor
                 spec = EngineSpec(model, device, dtype, kv_memory, prefix_cache, ctx_size, threads,
-                                  kv_cache_dtype=kv_cache_dtype, quantize=quantize, speculative=speculative,
+                                  kv_cache_dtype=kv_cache_spec(kv_cache_dtype, cache_type_k, cache_type_v),
+                                  quantize=quantize, speculative=speculative,
                                   num_draft_tokens=num_draft_tokens, draft_layers=draft_layers)
                 client = open_ray_client(ray, spec, ray_actors, gpus_per_actor, max_in_flight)
                 options.max_in_flight = client.capacity  # the pool hands lines on to its actors
             else:
                 client = open_batch_client(model, server, local, device, dtype, kv_memory, prefix_cache, ctx_size,
                                            threads, speculative, num_draft_tokens, draft_layers, quantize,
-                                           kv_cache_dtype)
+                                           kv_cache_spec(kv_cache_dtype, cache_type_k, cache_type_v))
             try:
                 print(f"batch: {input_path} -> {output_path} on {client.model_name} ({client.kind})",
                       file=sys.stderr)

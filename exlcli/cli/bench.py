@@ -9,6 +9,8 @@ from typing import Annotated, Callable, Optional
 import typer
 
 from exlcli.cli.common import (
+    CacheTypeKOption,
+    CacheTypeVOption,
     DeviceOption,
     DraftLayersOption,
     DtypeOption,
@@ -20,6 +22,7 @@ from exlcli.cli.common import (
     ServerOption,
     SpeculativeOption,
     ThreadsOption,
+    kv_cache_spec,
     renamed,
     user_errors,
     whole_number,
@@ -161,6 +164,8 @@ def register(app: typer.Typer) -> None:
         num_draft_tokens: NumDraftTokensOption = 4,
         draft_layers: DraftLayersOption = None,
         kv_cache_dtype: KvCacheDtypeOption = "auto",
+        cache_type_k: CacheTypeKOption = None,
+        cache_type_v: CacheTypeVOption = None,
         fmt: FormatOption = "table",
         save: SaveOption = None,
         plot: PlotOption = None,
@@ -188,7 +193,7 @@ def register(app: typer.Typer) -> None:
                                batches=parse_int_list(parallel, "-np"), reps=reps, warmup=warmup, depth=depth,
                                ubatch=ubatch, seed=seed, speculative=speculative,
                                num_draft_tokens=num_draft_tokens, draft_layers=draft_layers,
-                               kv_cache_dtype=kv_cache_dtype)
+                               kv_cache_dtype=kv_cache_spec(kv_cache_dtype, cache_type_k, cache_type_v))
         options.validate()
         check_format(fmt)
         check_plot(plot)

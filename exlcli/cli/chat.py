@@ -9,6 +9,8 @@ import typer
 from exlcli.chat.settings import ChatSettings
 from exlcli.chat.window import CHAT_DEFAULT_OVERFLOW
 from exlcli.cli.common import (
+    CacheTypeKOption,
+    CacheTypeVOption,
     CtxSizeOption,
     DeviceOption,
     DraftLayersOption,
@@ -31,6 +33,7 @@ from exlcli.cli.common import (
     TopKOption,
     TopPOption,
     WindowOption,
+    kv_cache_spec,
     user_errors,
 )
 
@@ -63,6 +66,8 @@ def register(app: typer.Typer) -> None:
         quantize: QuantizeOption = None,
         kv_memory: KvMemoryOption = None,
         kv_cache_dtype: KvCacheDtypeOption = "auto",
+        cache_type_k: CacheTypeKOption = None,
+        cache_type_v: CacheTypeVOption = None,
         prefix_cache: PrefixCacheOption = True,
         speculative: SpeculativeOption = None,
         num_draft_tokens: NumDraftTokensOption = 4,
@@ -81,7 +86,8 @@ def register(app: typer.Typer) -> None:
         from exlcli.chat.window import ChatWindow
 
         start_chat(model=model, system=system, system_file=system_file, server=server, local=local,
-                   device=device, dtype=dtype, kv_memory=kv_memory, kv_cache_dtype=kv_cache_dtype,
+                   device=device, dtype=dtype, kv_memory=kv_memory,
+                   kv_cache_dtype=kv_cache_spec(kv_cache_dtype, cache_type_k, cache_type_v),
                    prefix_cache=prefix_cache,
                    max_model_len=ctx_size, cpu_threads=threads, speculative=speculative,
                    num_draft_tokens=num_draft_tokens, draft_layers=draft_layers, quantize=quantize,

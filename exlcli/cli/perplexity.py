@@ -8,7 +8,17 @@ from typing import Annotated, Optional
 
 import typer
 
-from exlcli.cli.common import DeviceOption, DtypeOption, KvCacheDtypeOption, ModelOption, QuantizeOption, user_errors
+from exlcli.cli.common import (
+    CacheTypeKOption,
+    CacheTypeVOption,
+    DeviceOption,
+    DtypeOption,
+    KvCacheDtypeOption,
+    ModelOption,
+    QuantizeOption,
+    kv_cache_spec,
+    user_errors,
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -23,6 +33,8 @@ def register(app: typer.Typer) -> None:
         dtype: DtypeOption = None,
         quantize: QuantizeOption = None,
         kv_cache_dtype: KvCacheDtypeOption = "auto",
+        cache_type_k: CacheTypeKOption = None,
+        cache_type_v: CacheTypeVOption = None,
         ctx_size: Annotated[Optional[int], typer.Option(
             "--ctx-size", "-c", help="Tokens per chunk; the second half of each is scored. Default: 512, "
             "or the --kl-divergence file's.", show_default=False)] = None,
@@ -61,4 +73,5 @@ def register(app: typer.Typer) -> None:
                                          device=device, dtype=dtype, save_logits=save_logits,
                                          kl_divergence=kl_divergence, quantize=quantize,
                                          context_overflow=context_overflow, sink_tokens=sink_tokens,
-                                         stride=stride, kv_cache_dtype=kv_cache_dtype))
+                                         stride=stride,
+                                         kv_cache_dtype=kv_cache_spec(kv_cache_dtype, cache_type_k, cache_type_v)))

@@ -9,6 +9,8 @@ import typer
 
 from exlcli.cli.common import (
     TEMP_NAMES,
+    CacheTypeKOption,
+    CacheTypeVOption,
     ContextOverflowOption,
     CtxSizeOption,
     DeviceOption,
@@ -26,6 +28,7 @@ from exlcli.cli.common import (
     TopPOption,
     WindowOption,
     fail,
+    kv_cache_spec,
     overflow_options,
     user_errors,
 )
@@ -101,6 +104,8 @@ def register(app: typer.Typer) -> None:
         dtype: DtypeOption = None,
         quantize: QuantizeOption = None,
         kv_cache_dtype: KvCacheDtypeOption = "auto",
+        cache_type_k: CacheTypeKOption = None,
+        cache_type_v: CacheTypeVOption = None,
         json_schema: Annotated[Optional[str], typer.Option(
             "--json-schema", metavar="FILE", help="The answer is JSON valid under this JSON Schema file.")] = None,
         regex: Annotated[Optional[str], typer.Option(
@@ -127,7 +132,8 @@ def register(app: typer.Typer) -> None:
         client = LocalClient.from_model(model, device=device, dtype=dtype, threaded=False, cpu_threads=threads,
                                         max_model_len=ctx_size, speculative=speculative,
                                         num_draft_tokens=num_draft_tokens, draft_layers=draft_layers,
-                                        quantize=quantize, kv_cache_dtype=kv_cache_dtype,
+                                        quantize=quantize,
+                                        kv_cache_dtype=kv_cache_spec(kv_cache_dtype, cache_type_k, cache_type_v),
                                         **overflow_options(context_overflow, sink_tokens, window))
         try:
             if raw:

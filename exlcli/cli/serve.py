@@ -7,6 +7,8 @@ from typing import Annotated, Optional
 import typer
 
 from exlcli.cli.common import (
+    CacheTypeKOption,
+    CacheTypeVOption,
     ContextOverflowOption,
     CtxSizeOption,
     DeviceOption,
@@ -23,6 +25,7 @@ from exlcli.cli.common import (
     ThreadsOption,
     WindowOption,
     fail,
+    kv_cache_spec,
     overflow_options,
     renamed,
     user_errors,
@@ -82,6 +85,8 @@ def register(app: typer.Typer) -> None:
         quantize: QuantizeOption = None,
         kv_memory: KvMemoryOption = None,
         kv_cache_dtype: KvCacheDtypeOption = "auto",
+        cache_type_k: CacheTypeKOption = None,
+        cache_type_v: CacheTypeVOption = None,
         prefix_cache: PrefixCacheOption = True,
         ctx_size: CtxSizeOption = None,
         threads: ThreadsOption = None,
@@ -132,7 +137,8 @@ def register(app: typer.Typer) -> None:
         try:
             client = _open_engine(model, device, dtype, kv_memory, prefix_cache, ctx_size, threads,
                                   speculative, num_draft_tokens, draft_layers, quantize,
-                                  overflow_options(context_overflow, sink_tokens, window), kv_cache_dtype)
+                                  overflow_options(context_overflow, sink_tokens, window),
+                                  kv_cache_spec(kv_cache_dtype, cache_type_k, cache_type_v))
             aliases: tuple[str, ...] = ()
             if served_model_name:
                 aliases = (client.model_name,)  # the model's own name keeps working
