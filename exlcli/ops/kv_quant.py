@@ -40,7 +40,7 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
     y = x.reshape(-1, dim // size, size)
     half = 1
     while half < size:
-        pairs = y.view(y.shape[0], dim // size, size // (2 * half), 2, half)
+        pairs = y.reshape(y.shape[0], dim // size, size // (2 * half), 2, half)
         a, b = pairs[..., 0, :], pairs[..., 1, :]
         y = torch.stack((a + b, a - b), dim=-2).view(y.shape)
         half *= 2
