@@ -66,10 +66,11 @@ def run_suite(options: SuiteOptions) -> list[dict]:
                          speculative=dict(speculative=options.speculative, num_draft_tokens=options.num_draft_tokens,
                                           draft_layers=options.draft_layers) if options.speculative else None,
                          kv_cache_dtype=options.kv_cache_dtype)
-    facts = ModelFacts.of(loaded, engine.kv.k[0].dtype)
+    facts = ModelFacts.of(loaded, engine.kv.types)
+    k_type, v_type = engine.kv.types.names
     log(f"{facts.name} ({facts.weights}, {facts.step_weight_bytes / 2**20:.1f} MiB of weights per step as stored, "
         f"{facts.weight_bytes / 2**20:.1f} MiB as the kernels hold them) on {device}, loaded in "
-        f"{loaded.load_time_s:.1f} s; KV cache {str(engine.kv.k[0].dtype).removeprefix('torch.')}")
+        f"{loaded.load_time_s:.1f} s; KV cache {k_type if k_type == v_type else f'K {k_type}, V {v_type}'}")
     copy_bw = None
     if options.measure_copy:
         copy_bw = copy_bandwidth(device)

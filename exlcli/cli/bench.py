@@ -10,6 +10,8 @@ import typer
 from exlcli.cli.common import (
     KV_CACHE_DTYPE,
     NUM_DRAFT_TOKENS,
+    CacheTypeKOption,
+    CacheTypeVOption,
     DeviceOption,
     DraftLayersOption,
     DtypeOption,
@@ -22,6 +24,7 @@ from exlcli.cli.common import (
     ServerOption,
     SpeculativeOption,
     ThreadsOption,
+    kv_cache_spec,
     renamed,
     user_errors,
     whole_number,
@@ -165,6 +168,8 @@ def register(app: typer.Typer) -> None:
         num_draft_tokens: NumDraftTokensOption = NUM_DRAFT_TOKENS,
         draft_layers: DraftLayersOption = None,
         kv_cache_dtype: KvCacheDtypeOption = KV_CACHE_DTYPE,
+        cache_type_k: CacheTypeKOption = None,
+        cache_type_v: CacheTypeVOption = None,
         fmt: FormatOption = "table",
         save: SaveOption = None,
         plot: PlotOption = None,
@@ -197,7 +202,7 @@ def register(app: typer.Typer) -> None:
                                batches=parse_int_list(parallel, "-np"), reps=reps, warmup=warmup, depth=depth,
                                ubatch=ubatch, seed=seed, speculative=speculative,
                                num_draft_tokens=num_draft_tokens, draft_layers=draft_layers,
-                               kv_cache_dtype=kv_cache_dtype)
+                               kv_cache_dtype=kv_cache_spec(kv_cache_dtype, cache_type_k, cache_type_v))
         options.validate()
         check_format(fmt)
         check_plot(plot)

@@ -42,9 +42,26 @@ KvMemoryOption = Annotated[Optional[str], typer.Option(
     "--kv-memory", envvar="EXLCLI_KV_MEMORY",
     help="KV cache size for an in-process engine: bytes (2GiB, 512MB) or a fraction of free memory (0.5).")]
 KvCacheDtypeOption = Annotated[str, typer.Option(
-    "--kv-cache-dtype", help="K and V in the KV cache: auto (the activations' dtype) or fp8 (e4m3 with no scale, "
-                             "as vLLM's: half the bytes, so twice the tokens in the same memory and less to read "
-                             "in decode attention; fp8_e4m3 is the same).")]
+    "--kv-cache-dtype", help="K and V in the KV cache: auto (the activations' dtype), bf16, f16, fp8 (e4m3 with no "
+                             "scale, as vLLM's: half the bytes; fp8_e4m3 is the same), q8_0 or q4_0 (llama.cpp's "
+                             "blocks of 32), q4h or q3h (Hadamard-rotated 4 and 3 bits); K,V for two types. "
+                             "Fewer bytes: more tokens in the same memory, less to read in decode attention.")]
+# K's and V's types apart (llama.cpp's -ctk / -ctv): they override --kv-cache-dtype's
+CacheTypeKOption = Annotated[Optional[str], typer.Option(
+    "--cache-type-k", "-ctk", help="K's type in the KV cache (as --kv-cache-dtype names them). Default: "
+                                   "--kv-cache-dtype's.")]
+CacheTypeVOption = Annotated[Optional[str], typer.Option(
+    "--cache-type-v", "-ctv", help="V's type in the KV cache (as --kv-cache-dtype names them). Default: "
+                                   "--kv-cache-dtype's.")]
+
+
+def kv_cache_spec(kv_cache_dtype: str, cache_type_k: str | None, cache_type_v: str | None) -> str:
+    """--kv-cache-dtype with -ctk / -ctv applied, as the engine takes it: "TYPE", or "K,V" when they differ."""
+    k, _, v = kv_cache_dtype.partition(",")
+    k, v = cache_type_k or k, cache_type_v or v or k
+    return k if k == v else f"{k},{v}"
+
+
 PrefixCacheOption = Annotated[bool, typer.Option(
     "--prefix-cache/--no-prefix-cache", help="Share the KV pages of common prompt prefixes.")]
 
@@ -131,6 +148,8 @@ class EngineFlags:
     quantize: str | None = None
     kv_memory: str | None = None
     kv_cache_dtype: str = KV_CACHE_DTYPE
+    cache_type_k: str | None = None  # -ctk / -ctv: K's and V's types apart
+    cache_type_v: str | None = None
     prefix_cache: bool = PREFIX_CACHE
     ctx_size: int | None = None
     threads: int | None = None
@@ -152,7 +171,8 @@ class EngineFlags:
         EngineSpec's), the model aside. The overflow fields are there only when given (the engine
         checks them)."""
         options = {"device": self.device, "dtype": self.dtype, "quantize": self.quantize,
-                   "kv_memory": self.kv_memory, "kv_cache_dtype": self.kv_cache_dtype,
+                   "kv_memory": self.kv_memory,
+                   "kv_cache_dtype": kv_cache_spec(self.kv_cache_dtype, self.cache_type_k, self.cache_type_v),
                    "prefix_cache": self.prefix_cache, "max_model_len": self.ctx_size, "cpu_threads": self.threads,
                    "speculative": self.speculative, "num_draft_tokens": self.num_draft_tokens,
                    "draft_layers": self.draft_layers}

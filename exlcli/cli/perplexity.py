@@ -8,6 +8,8 @@ import typer
 
 from exlcli.cli.common import (
     KV_CACHE_DTYPE,
+    CacheTypeKOption,
+    CacheTypeVOption,
     DeviceOption,
     DtypeOption,
     EngineFlags,
@@ -15,6 +17,7 @@ from exlcli.cli.common import (
     ModelOption,
     QuantizeOption,
     fail,
+    kv_cache_spec,
     user_errors,
 )
 
@@ -34,6 +37,8 @@ def register(app: typer.Typer) -> None:
         dtype: DtypeOption = None,
         quantize: QuantizeOption = None,
         kv_cache_dtype: KvCacheDtypeOption = KV_CACHE_DTYPE,
+        cache_type_k: CacheTypeKOption = None,
+        cache_type_v: CacheTypeVOption = None,
         ctx_size: Annotated[Optional[int], typer.Option(
             "--ctx-size", "-c", help="Tokens per chunk; the second half of each is scored. Default: 512, "
             "or the --kl-divergence file's.", show_default=False)] = None,
@@ -76,4 +81,5 @@ def register(app: typer.Typer) -> None:
                                          device=device, dtype=dtype, save_logits=save_logits,
                                          kl_divergence=kl_divergence, quantize=quantize,
                                          context_overflow=context_overflow, sink_tokens=sink_tokens,
-                                         stride=stride, kv_cache_dtype=kv_cache_dtype))
+                                         stride=stride,
+                                         kv_cache_dtype=kv_cache_spec(kv_cache_dtype, cache_type_k, cache_type_v)))

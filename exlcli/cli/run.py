@@ -9,6 +9,8 @@ from exlcli.cli.common import (
     KV_CACHE_DTYPE,
     NUM_DRAFT_TOKENS,
     TEMP_NAMES,
+    CacheTypeKOption,
+    CacheTypeVOption,
     ContextOverflowOption,
     CtxSizeOption,
     DeviceOption,
@@ -115,6 +117,8 @@ def register(app: typer.Typer) -> None:
         dtype: DtypeOption = None,
         quantize: QuantizeOption = None,
         kv_cache_dtype: KvCacheDtypeOption = KV_CACHE_DTYPE,
+        cache_type_k: CacheTypeKOption = None,
+        cache_type_v: CacheTypeVOption = None,
         json_schema: Annotated[Optional[str], typer.Option(
             "--json-schema", metavar="FILE", help="The answer is JSON valid under this JSON Schema file.")] = None,
         regex: Annotated[Optional[str], typer.Option(

@@ -23,7 +23,7 @@ from exlcli.engine.scheduler import Scheduler
 from exlcli.engine.sessions import DEFAULT_MAX_SESSIONS, SessionCache
 from exlcli.engine.speculative import Drafter, Speculator, speculation_pays_on
 from exlcli.model.interface import CausalLM
-from exlcli.model.kv_cache import KVCache, check_kv_cache_dtype, kv_cache_dtype
+from exlcli.model.kv_cache import KVCache, check_kv_cache_dtype, kv_cache_types
 
 log = logging.getLogger("exlcli.engine")
 
@@ -66,7 +66,8 @@ class EngineConfig:
     # Continuations (sessions.py): finished requests of a session keep their cache for its next one;
     # at most this many are kept (their pages are reclaimed before anyone is preempted)
     max_sessions: int = DEFAULT_MAX_SESSIONS
-    # K and V in the activations' dtype ("auto") or as e4m3 ("fp8": half the bytes; kv_cache.py)
+    # K and V in the activations' dtype ("auto"), as bf16 / f16, e4m3 ("fp8": half the bytes) or in
+    # quantized blocks (q8_0, q4_0, q4h, q3h); "K,V" for two types (kv_cache.py)
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
@@ -116,7 +117,7 @@ def build_parts(model: CausalLM, tokenizer, config: EngineConfig) -> EngineParts
                     "and cost more than they save (prompt lookup, --speculative ngram, does pay)",
                     getattr(config.speculative, "name", config.speculative), device.type)
         config = dataclasses.replace(config, speculative=None)
-    kv_dtype = kv_cache_dtype(config.kv_cache_dtype, model.dtype, device)
+    kv_dtype = kv_cache_types(config.kv_cache_dtype, model.dtype, device, model.config.head_dim)
     draft_model = resolve_draft_model(config.speculative, model, tokenizer)  # --speculative MODEL
     per_page = KVCache.bytes_per_page(model.config, config.page_size, kv_dtype)
     if draft_model is not None:  # its own pool, as many pages as the target's, from the same budget

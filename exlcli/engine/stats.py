@@ -41,6 +41,8 @@ class EngineStats:
     pages_used: int = 0  # referenced by a live sequence
     pages_cached: int = 0  # held only by the prefix cache (reusable, evictable)
     page_size: int = 0
+    kv_cache_type_k: str = ""  # K's and V's cache types (model/kv_cache.py): bf16, fp8, q8_0, q4h, ...
+    kv_cache_type_v: str = ""
     last_batch_size: int = 0
     last_step_tokens: int = 0
     last_step_time_s: float = 0.0

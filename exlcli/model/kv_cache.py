@@ -2,49 +2,136 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Union
+
 import torch
 
 from exlcli.errors import ExlcliError
 from exlcli.model.config import ModelConfig
+from exlcli.ops.kv_quant import BLOCK as KV_QUANT_BLOCK
+from exlcli.ops.kv_quant import KV_QUANT_FORMATS, KVQuantFormat, QuantizedPages
 from exlcli.ops.kv_store import FP8_CACHE_DTYPE
 
-# --kv-cache-dtype: vLLM's names. "auto" keeps K and V in the activations' dtype; "fp8" (e4m3, no
-# scale: ops/kv_store.py) halves their bytes, so a pool of the same memory holds twice the tokens
-# and decode attention reads half as much.
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# Cache types (--kv-cache-dtype for K and V at once, "K,V" for two; --cache-type-k/-ctk and
+# --cache-type-v/-ctv one each): "auto" keeps K and V in the activations' dtype; bf16 / f16 name it;
+# "fp8" (e4m3, no scale: ops/kv_store.py) halves their bytes; q8_0, q4_0, q4h and q3h are blocks of
+# 32 with an fp16 scale (ops/kv_quant.py), 34, 18, 18 and 14 bytes per 32 values.
+FLOAT_CACHE_TYPES = {"bf16": torch.bfloat16, "f16": torch.float16}
+FP8_NAMES = ("fp8", "fp8_e4m3")
+KV_CACHE_DTYPES = ("auto", *FLOAT_CACHE_TYPES, *FP8_NAMES, *KV_QUANT_FORMATS)
+# the CUDA kernels' pages: the activations' dtype or e4m3, the same for K and V
+GPU_CACHE_TYPES = ("auto", *FLOAT_CACHE_TYPES, *FP8_NAMES)
+
+CacheType = Union[torch.dtype, KVQuantFormat]
+
+
+@dataclass(frozen=True)
+class KVCacheTypes:
+    """K's and V's cache types (each a torch dtype or a quantized format)."""
+
+    k: CacheType
+    v: CacheType
+
+    @property
+    def names(self) -> tuple[str, str]:
+        return cache_type_name(self.k), cache_type_name(self.v)
+
+
+def cache_type_name(kind: CacheType) -> str:
+    if isinstance(kind, KVQuantFormat):
+        return kind.name
+    return {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32",
+            FP8_CACHE_DTYPE: "fp8"}.get(kind, str(kind).removeprefix("torch."))
+
+
+def split_kv_cache_dtype(spec: str) -> tuple[str, str]:
+    """"q8_0" -> (q8_0, q8_0); "q8_0,q4_0" -> (q8_0, q4_0) (K then V). A one-line error for a name
+    no cache type has (before a model loads)."""
+    names = [n.strip() for n in spec.split(",")]
+    if len(names) == 1:
+        names *= 2
+    for name in names:
+        if name not in KV_CACHE_DTYPES or len(names) != 2:
+            raise ExlcliError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)} (K,V for two; "
+                              f"-ctk / -ctv one each), got {spec!r}")
+    return names[0], names[1]
 
 
 def check_kv_cache_dtype(name: str) -> None:
     """A one-line error for a name --kv-cache-dtype does not know (before a model loads)."""
-    if name not in KV_CACHE_DTYPES:
-        raise ExlcliError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+    split_kv_cache_dtype(name)
 
 
-def kv_cache_dtype(name: str, activations: torch.dtype, device: torch.device) -> torch.dtype:
-    """The cache's dtype for --kv-cache-dtype `name` beside a model computing in `activations`."""
-    check_kv_cache_dtype(name)
+def _one_type(name: str, activations: torch.dtype, head_dim: int | None) -> CacheType:
     if name == "auto":
         return activations
-    if device.type == "cuda" and activations not in (torch.bfloat16, torch.float16):
-        raise ExlcliError(f"--kv-cache-dtype {name} on a GPU needs bf16 or fp16 activations (--dtype), not "
-                          f"{str(activations).removeprefix('torch.')}")
-    return FP8_CACHE_DTYPE
+    if name in FLOAT_CACHE_TYPES:
+        return FLOAT_CACHE_TYPES[name]
+    if name in FP8_NAMES:
+        return FP8_CACHE_DTYPE
+    if head_dim is not None and head_dim % KV_QUANT_BLOCK:
+        raise ExlcliError(f"KV cache type {name} needs a head_dim that is a multiple of {KV_QUANT_BLOCK}, this "
+                          f"model's is {head_dim}; use one of auto, {', '.join(FLOAT_CACHE_TYPES)}, fp8")
+    return KV_QUANT_FORMATS[name]
+
+
+def kv_cache_types(spec: str, activations: torch.dtype, device: torch.device,
+                   head_dim: int | None = None) -> KVCacheTypes:
+    """K's and V's cache types for --kv-cache-dtype `spec` ("TYPE" or "K,V") beside a model computing
+    in `activations` with heads of `head_dim`. On a GPU, a one-line error for types its kernels lack."""
+    k_name, v_name = split_kv_cache_dtype(spec)
+    types = KVCacheTypes(_one_type(k_name, activations, head_dim), _one_type(v_name, activations, head_dim))
+    if device.type == "cuda":
+        if types.k != types.v or k_name not in GPU_CACHE_TYPES or types.k not in (activations, FP8_CACHE_DTYPE):
+            working = ["auto", cache_type_name(activations), *FP8_NAMES]
+            raise ExlcliError(f"KV cache types K {k_name}, V {v_name}: this GPU's attention kernels take "
+                              f"{', '.join(dict.fromkeys(working))} (the same for K and V); "
+                              f"{', '.join(KV_QUANT_FORMATS)} run on the CPU")
+        if types.k == FP8_CACHE_DTYPE and activations not in (torch.bfloat16, torch.float16):
+            raise ExlcliError(f"--kv-cache-dtype {k_name} on a GPU needs bf16 or fp16 activations (--dtype), not "
+                              f"{str(activations).removeprefix('torch.')}")
+    return types
+
+
+def kv_cache_dtype(name: str, activations: torch.dtype, device: torch.device) -> CacheType:
+    """The cache type of one --kv-cache-dtype name (K's, where it names two)."""
+    return kv_cache_types(name, activations, device).k
+
+
+def _pages(shape: tuple[int, ...], kind: CacheType, device: torch.device) -> torch.Tensor | QuantizedPages:
+    # zeros, not empty: pages past a sequence's length are read (and masked) by the
+    # vectorised decode; they must never hold NaN.
+    if isinstance(kind, KVQuantFormat):
+        return QuantizedPages.zeros(shape, kind, device)
+    return torch.zeros(shape, device=device, dtype=kind)
+
+
+def _row_bytes(head_dim: int, kind: CacheType) -> int:
+    if isinstance(kind, KVQuantFormat):
+        return kind.row_bytes(head_dim)
+    return head_dim * torch.tensor([], dtype=kind).element_size()
+
+
+def _pair(types: CacheType | KVCacheTypes) -> KVCacheTypes:
+    return types if isinstance(types, KVCacheTypes) else KVCacheTypes(types, types)
 
 
 class KVCache:
-    """Per layer K and V pages: [num_pages, page_size, kv_heads, head_dim]."""
+    """Per layer K and V pages: [num_pages, page_size, kv_heads, head_dim] tensors, or QuantizedPages
+    of that shape for a quantized type. `dtype`: one cache type for both, or a KVCacheTypes."""
 
     def __init__(self, config: ModelConfig, num_pages: int, page_size: int, device: torch.device,
-                 dtype: torch.dtype) -> None:
+                 dtype: CacheType | KVCacheTypes) -> None:
         shape = (num_pages, page_size, config.num_kv_heads, config.head_dim)
-        # zeros, not empty: pages past a sequence's length are read (and masked) by the
-        # vectorised decode; they must never hold NaN.
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
+        self.types = _pair(dtype)
+        self.k = [_pages(shape, self.types.k, device) for _ in range(config.num_layers)]
+        self.v = [_pages(shape, self.types.v, device) for _ in range(config.num_layers)]
         self.num_pages = num_pages
         self.page_size = page_size
 
     @staticmethod
-    def bytes_per_page(config: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
-        elem = torch.tensor([], dtype=dtype).element_size()
-        return 2 * config.num_layers * page_size * config.num_kv_heads * config.head_dim * elem
+    def bytes_per_page(config: ModelConfig, page_size: int, dtype: CacheType | KVCacheTypes) -> int:
+        types = _pair(dtype)
+        row = _row_bytes(config.head_dim, types.k) + _row_bytes(config.head_dim, types.v)
+        return config.num_layers * page_size * config.num_kv_heads * row

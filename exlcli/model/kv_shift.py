@@ -1,7 +1,9 @@
 """Context shift on the paged KV cache: the keys of pages that stay after a block of pages left the
 middle of a sequence are moved `delta` positions back by rotating them (keys are cached with RoPE
 applied), so the kept tokens sit at consecutive positions again, as llama.cpp's context shift does.
-A page that another sequence also reads is copied first (copy on write), never rotated in place."""
+A page that another sequence also reads is copied first (copy on write), never rotated in place.
+Pages are copied as bytes; a quantized cache's keys are rotated through their values (dequantized,
+rotated, quantized again: ops/rope.rotate_cached_keys)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from exlcli.model.attention_spec import layer_inv_freqs
 from exlcli.model.config import ModelConfig
 from exlcli.model.kv_cache import KVCache
 from exlcli.model.transfer import to_device
-from exlcli.ops.kv_store import read_rows, write_rows
+from exlcli.ops.kv_store import copy_rows
 from exlcli.ops.rope import rotate_cached_keys
 
 
@@ -37,7 +39,7 @@ def apply_key_shifts(config: ModelConfig, kv: KVCache, shifts: list[KeyShift]) -
         if shift.copies:
             src, dst = to_device([[s for s, _ in shift.copies], [d for _, d in shift.copies]], torch.long, device)
             for cache in (*kv.k, *kv.v):
-                write_rows(cache, dst, read_rows(cache, src))
+                copy_rows(cache, src, dst)
         pages = to_device(shift.pages, torch.long, device)
         for k_cache, inv_freq in zip(kv.k, inv_freqs):
             rotate_cached_keys(k_cache, pages, shift.delta, inv_freq)

@@ -33,7 +33,8 @@ from exlcli.ops.cuda import kernels as cuda_kernels
 from exlcli.ops.cuda.limits import HEAD_DIMS
 from exlcli.ops.cuda.loader import use_kernels
 from exlcli.ops.errors import KernelInputError
-from exlcli.ops.kv_store import read_rows
+from exlcli.ops.kv_quant import hadamard
+from exlcli.ops.kv_store import read_stored_rows, rotation_of
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
@@ -85,8 +86,9 @@ def _first_key(length: int, num_q: int, window: int | None) -> int:
 def _gather(cache_flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """[num_slots, kv_heads, D] view of a cache -> one sequence's keys or values as a contiguous
     [kv_heads, L, D] (index_select on whole rows, then one transpose copy: several times faster
-    on CPU than advanced indexing on the strided head-first view)."""
-    return read_rows(cache_flat, slots).transpose(0, 1).contiguous()
+    on CPU than advanced indexing on the strided head-first view). A quantized cache's rows come
+    dequantized, a rotated type's still rotated (paged_attention_ref turns q and the output)."""
+    return read_stored_rows(cache_flat, slots).transpose(0, 1).contiguous()
 
 
 def _slots(pages: torch.Tensor, seq_len: int, page_size: int) -> torch.Tensor:
@@ -121,7 +123,22 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         scale: float, layout: PagedLayout | None = None, window: int | None = None,
                         sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """q: [T, heads, D] -> [T, heads, D]; query_start_loc and seq_lens are host lists. `window`,
-    `sinks`, `softcap`: the layer's attention kind (module docstring)."""
+    `sinks`, `softcap`: the layer's attention kind (module docstring).
+
+    Over Hadamard-rotated keys (ops/kv_quant.py) the queries are rotated alike, since Hq.Hk = q.k;
+    over rotated values the output is turned back once, H^T sum p Hv (H is its own inverse). Both
+    transforms work row by row, so they keep each row's result independent of the batch."""
+    if rotation_of(k_cache):
+        q = hadamard(q.float()).to(q.dtype)
+    out = _paged_attention_rows(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, layout,
+                                window, sinks, softcap)
+    return hadamard(out.float()).to(out.dtype) if rotation_of(v_cache) else out
+
+
+def _paged_attention_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor, query_start_loc: list[int], seq_lens: list[int],
+                          scale: float, layout: PagedLayout | None, window: int | None,
+                          sinks: torch.Tensor | None, softcap: float | None) -> torch.Tensor:
     page_size, kv_heads, dim = k_cache.shape[1:]
     layout = layout or PagedLayout.build(block_tables, seq_lens, page_size)
     k_flat, v_flat = k_cache.view(-1, kv_heads, dim), v_cache.view(-1, kv_heads, dim)
@@ -167,7 +184,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         assert query_start_loc_t is not None, "the compiled prefill reads the query starts' device copy"
         return cuda_kernels.paged_attention_prefill(q, k_cache, v_cache, block_tables, query_start_loc_t,
                                                     seq_lens_t, scale, prefill_layout)
-    if plain and use_cpu_kernels_for(q, k_cache):
+    if plain and use_cpu_kernels_for(q, k_cache, v_cache):
         # rope hands q over as a view of its [T, heads + kv_heads, D] result
         return paged_attention_cpu(q.contiguous(), k_cache, v_cache, block_tables, query_start_loc,
                                    seq_lens, scale)
@@ -219,11 +236,11 @@ def cpu_kernel_available() -> bool:
     return _cpu_kernel() is not None
 
 
-def use_cpu_kernels_for(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+def use_cpu_kernels_for(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """True when `paged_attention` runs the C kernel for this q and cache (bf16 on the CPU, head_dim a
-    multiple of 16, kernels on; an fp8 cache takes the reference)."""
-    return (q.shape[-1] % 16 == 0 and k_cache.dtype == torch.bfloat16 and cpu_loader.use_cpu_kernels(q)
-            and _cpu_kernel() is not None)
+    multiple of 16, kernels on; an fp8 or quantized cache takes the reference)."""
+    return (q.shape[-1] % 16 == 0 and k_cache.dtype == torch.bfloat16 and v_cache.dtype == torch.bfloat16
+            and cpu_loader.use_cpu_kernels(q) and _cpu_kernel() is not None)
 
 
 def _check_cpu_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -156,7 +156,8 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
                       cos_sin_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     if use_kernels(q):
         return cuda_kernels.rope_and_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
-    if k_cache.dtype == torch.bfloat16 and cpu_loader.use_cpu_kernels(q) and _cpu_kernel() is not None:
+    if (k_cache.dtype == torch.bfloat16 and v_cache.dtype == torch.bfloat16 and cpu_loader.use_cpu_kernels(q)
+            and _cpu_kernel() is not None):  # an fp8 or quantized cache (ops/kv_quant.py) takes the reference
         return rope_and_write_kv_cpu(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
     return rope_and_write_kv_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, cos_sin_rows)
 
@@ -270,7 +271,8 @@ def rotate_cached_keys(k_cache: torch.Tensor, pages: torch.Tensor, delta: int, i
     """Rotates the keys of whole `pages` of k_cache ([num_pages, page_size, kv_heads, D], rotate-half
     RoPE already applied) in place by `delta` positions: a key rotated for position p becomes the
     key rotated for p + delta (R(p + delta) = R(delta) R(p)). `pages`: [n] long on k_cache's device;
-    `inv_freq`: [D / 2] fp32 (rope_inv_freq). In fp32, one rounding to the cache's dtype. Torch
+    `inv_freq`: [D / 2] fp32 (rope_inv_freq). In fp32, one rounding to the cache's dtype (a quantized
+    cache's keys are dequantized, rotated and quantized again: ops/kv_quant.py). Torch
     only, so it runs on CPU and CUDA alike (one gather, a few element-wise ops, one scatter)."""
     if k_cache.dim() != 4 or k_cache.shape[-1] != 2 * inv_freq.numel():
         raise KernelInputError(f"rotate_cached_keys: k_cache must be [pages, page_size, kv_heads, "

@@ -126,7 +126,9 @@ def engine_parts(snap: DashboardSnapshot) -> list[str]:
 def cache_parts(snap: DashboardSnapshot) -> list[str]:
     s = snap.stats
     kv = f"{100 * s.pages_used / s.pages_total:.0f}% used" if s.pages_total else "-"
-    pages = f"pages {s.pages_used}/{s.pages_total}, {s.pages_free} free" + (
+    k_type, v_type = s.kv_cache_type_k, s.kv_cache_type_v
+    types = "" if not k_type else f"{k_type}, " if k_type == v_type else f"K {k_type} V {v_type}, "
+    pages = types + f"pages {s.pages_used}/{s.pages_total}, {s.pages_free} free" + (
         f", {s.pages_cached} cached" if s.pages_cached else "")
     hit = f"prefix hit {100 * s.prefix_cache_hit_rate:.0f}%" if s.prefix_cache_queries else "prefix hit -"
     return ["KV", kv, pages, hit, f"preemptions {s.num_preemptions}"]

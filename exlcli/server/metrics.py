@@ -105,6 +105,11 @@ class EngineCollector(Collector):
         yield gauge("kv_pages_cached", "KV pages held only by the prefix cache.", stats.pages_cached)
         yield gauge("kv_pages_free", "KV pages free.", stats.pages_free)
         yield gauge("kv_page_size_tokens", "Tokens per KV page.", stats.page_size)
+        if stats.kv_cache_type_k:  # an engine's (a fake client has no cache)
+            cache_types = GaugeMetricFamily("exlcli_kv_cache_info", "The KV cache's types of K and V (value 1).",
+                                            labels=["type_k", "type_v"])
+            cache_types.add_metric([stats.kv_cache_type_k, stats.kv_cache_type_v], 1)
+            yield cache_types
         yield gauge("batch_size", "Sequences in the last engine step; 0 when the engine has not stepped lately.",
                     rates.batch_size)
         yield gauge("step_tokens", "Tokens in the last engine step; 0 when the engine has not stepped lately.",

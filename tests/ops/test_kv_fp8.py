@@ -94,7 +94,8 @@ def test_the_cache_dtype_names():
     assert kv_cache_dtype("fp8_e4m3", torch.float16, cuda) == FP8
     with pytest.raises(ExlcliError, match="bf16 or fp16"):
         kv_cache_dtype("fp8", torch.float32, cuda)
-    with pytest.raises(ExlcliError, match="must be one of auto, fp8, fp8_e4m3, got 'int4'"):
+    with pytest.raises(ExlcliError, match="must be one of auto, bf16, f16, fp8, fp8_e4m3, q8_0, q4_0, q4h, q3h "
+                                          ".*got 'int4'"):
         kv_cache_dtype("int4", torch.bfloat16, cpu)
     config = random_config("tiny")
     assert KVCache.bytes_per_page(config, 16, torch.bfloat16) == 2 * KVCache.bytes_per_page(config, 16, FP8)

@@ -135,9 +135,10 @@ def run_perplexity(options: PerplexityOptions, out: TextIO | None = None, log: T
 
         loaded = load_model(options.model, device=options.device, dtype=options.dtype, log=log,
                             quantize=options.quantize)
-    from exlcli.model.kv_cache import kv_cache_dtype
+    from exlcli.model.kv_cache import kv_cache_types
 
-    kv_dtype = kv_cache_dtype(options.kv_cache_dtype, loaded.model.dtype, loaded.model.device)
+    kv_dtype = kv_cache_types(options.kv_cache_dtype, loaded.model.dtype, loaded.model.device,
+                              loaded.model.config.head_dim)
     if options.streams:
         return _run_stream(options, loaded, kv_dtype, out, log)
     if options.stride is not None:

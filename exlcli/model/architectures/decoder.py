@@ -271,7 +271,7 @@ class DecoderModel:
     def _cpu_decoder_layers(self, h: torch.Tensor, kv: KVCache) -> CpuDecoderLayers | None:
         """The one-call CPU layers (exlcli/ops/cpu/decoder_layer.py) where this step runs the CPU
         kernels and every layer can take them, else None (layer by layer)."""
-        if not use_cpu_kernels(h) or kv.k[0].dtype != torch.bfloat16:
+        if not use_cpu_kernels(h) or kv.k[0].dtype != torch.bfloat16 or kv.v[0].dtype != torch.bfloat16:
             return None
         if self._cpu_layers is False:
             self._cpu_layers = self._build_cpu_decoder_layers()
