@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import Union, cast
 
 import torch
 
@@ -99,11 +99,14 @@ def kv_cache_dtype(name: str, activations: torch.dtype, device: torch.device) ->
     return kv_cache_types(name, activations, device).k
 
 
-def _pages(shape: tuple[int, ...], kind: CacheType, device: torch.device) -> torch.Tensor | QuantizedPages:
+def _pages(shape: tuple[int, ...], kind: CacheType, device: torch.device) -> torch.Tensor:
+    """A layer's K or V pages. QuantizedPages stand in for the cache tensor wherever a quantized type
+    can reach (the reference paths and kv_store's rows, by duck typing; their uint8 dtype keeps them
+    from every kernel), so the cache's lists hold them under the tensor's type."""
     # zeros, not empty: pages past a sequence's length are read (and masked) by the
     # vectorised decode; they must never hold NaN.
     if isinstance(kind, KVQuantFormat):
-        return QuantizedPages.zeros(shape, kind, device)
+        return cast(torch.Tensor, QuantizedPages.zeros(shape, kind, device))
     return torch.zeros(shape, device=device, dtype=kind)
 
 

@@ -113,18 +113,19 @@ def _symmetric_codes(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Te
     levels = 1 << bits
     mid = (levels - 1) / 2
     top = x.abs().amax(-1, keepdim=True) / mid
-    best_d = best_q = best_err = None
-    for fraction in _SCALE_FRACTIONS:
+
+    def candidate(fraction: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         d = (top * fraction).half().float()
         inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
         q = torch.floor(x * inv + levels / 2).clamp(0, levels - 1)
-        err = ((q - mid) * d - x).square().sum(-1, keepdim=True)
-        if best_err is None:
-            best_d, best_q, best_err = d, q, err
-        else:
-            better = err < best_err
-            best_d, best_q, best_err = (torch.where(better, d, best_d), torch.where(better, q, best_q),
-                                        torch.where(better, err, best_err))
+        return d, q, ((q - mid) * d - x).square().sum(-1, keepdim=True)
+
+    best_d, best_q, best_err = candidate(_SCALE_FRACTIONS[0])
+    for fraction in _SCALE_FRACTIONS[1:]:
+        d, q, err = candidate(fraction)
+        better = err < best_err
+        best_d, best_q, best_err = (torch.where(better, d, best_d), torch.where(better, q, best_q),
+                                    torch.where(better, err, best_err))
     return best_d, best_q
 
 
