@@ -127,10 +127,10 @@ def test_unknown_architecture(tmp_path):
 
 
 def test_unsupported_rope_scaling(tmp_path):
-    folder = tmp_path / "yarn"
-    write_tiny_hf(folder, {**TINY, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+    folder = tmp_path / "dynamic"  # NTK-aware dynamic scaling: a type exlcli does not run (YaRN it does)
+    write_tiny_hf(folder, {**TINY, "rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0,
                                                       "original_max_position_embeddings": 16}})
-    assert_one_line_error(run_cli("-m", str(folder), "hello"), "rope_scaling", "yarn")
+    assert_one_line_error(run_cli("-m", str(folder), "hello"), "rope_scaling", "dynamic")
 
 
 def _write_i8_gguf(path) -> None:
