@@ -7,6 +7,9 @@
 #   GPU_CHECK_BENCH=0 ...                       # build and tests only (a short lease)
 #   GPU_BENCH_ARGS="--variants --profile" ...  # more bench options (see scripts/gpu_bench.py)
 #
+# On the lent device, whose image lacks some of exlcli's pure-Python dependencies, carry the wheels
+# scripts/device_wheels.sh downloads and install them before this script (its header says how).
+#
 # Logs and results go to $OUT (default ./results-tmp): build.log, tests.log, bench.log,
 # bench.json, and the built library (so a later run on a fresh machine can skip the build).
 set -uo pipefail
