@@ -1,0 +1,168 @@
+"""Write a random-weight GGUF of a real model's shape, as llama.cpp reads it, for side-by-side speed runs.
+
+    PYTHONPATH=../shared/peers/llama.cpp/gguf-py python3 scripts/random_gguf.py OUT.gguf SHAPE TYPE [--layers N]
+
+SHAPE: llama3.1-8b (dense, arch llama) or qwen3-30b-a3b (128 experts, 8 active, arch qwen3moe).
+TYPE: q4_0, q4_k or bf16; every 2-D and expert weight is stored in it (llama.cpp's "pure" files), norms
+and the router in f32. --layers cuts the block count (per-token cost scales with it, so a ratio against
+a peer on the same file still holds) to keep the file and its write time small.
+
+Quantized blocks hold random bytes with scales chosen so that weights have a standard deviation near
+0.02 and activations stay finite; both engines read the same bytes, so their outputs can be compared.
+The tensors stream to disk one at a time: memory stays at one tensor.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+from gguf import GGUFWriter
+
+SHAPES = {
+    "llama3.1-8b": dict(arch="llama", hidden=4096, inter=14336, layers=32, heads=32, kv=8, head_dim=128,
+                        vocab=128256, ctx=8192, rope_base=500000.0),
+    "qwen3-30b-a3b": dict(arch="qwen3moe", hidden=2048, inter=6144, layers=48, heads=32, kv=4, head_dim=128,
+                          vocab=151936, ctx=40960, rope_base=1000000.0, experts=128, used=8, expert_size=768),
+}
+QTYPE = {"bf16": QT.BF16, "q4_0": QT.Q4_0, "q4_k": QT.Q4_K}
+FTYPE = {"bf16": 32, "q4_0": 2, "q4_k": 14}  # llama_ftype MOSTLY_BF16, MOSTLY_Q4_0, MOSTLY_Q4_K_S
+
+rng = np.random.default_rng(0)
+POOL = np.frombuffer(rng.bytes(1 << 26), dtype=np.uint8)  # random bytes reused at random offsets
+
+
+def random_bytes(n: int) -> np.ndarray:
+    out = np.empty(n, dtype=np.uint8)
+    pos = 0
+    while pos < n:
+        off = int(rng.integers(0, len(POOL)))
+        k = min(n - pos, len(POOL) - off)
+        out[pos:pos + k] = POOL[off:off + k]
+        pos += k
+    return out
+
+
+def blocks(kind: str, count: int, cols: int) -> np.ndarray:
+    """`count` rows of `cols` weights in `kind`, as a [count, bytes per row] array."""
+    n = count * cols
+    if kind == "bf16":
+        f = (rng.standard_normal(n, dtype=np.float32) * 0.02).view(np.uint32)
+        return (f >> 16).astype(np.uint16).view(np.uint8).reshape(count, cols * 2)
+    if kind == "q4_0":  # half d, 16 bytes of nibbles per 32 weights; w = d * (q - 8)
+        nb = n // 32
+        blk = random_bytes(nb * 18).reshape(nb, 18)
+        blk[:, 0:2] = rng.uniform(0.0035, 0.0052, nb).astype(np.float16).view(np.uint8).reshape(nb, 2)
+        return blk.reshape(count, cols // 32 * 18)
+    if kind == "q4_k":  # half d, half dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles per 256
+        nb = n // 256
+        blk = random_bytes(nb * 144).reshape(nb, 144)
+        d = rng.uniform(1.2e-4, 1.5e-4, nb).astype(np.float16)
+        dmin = (d.astype(np.float32) * 7.5).astype(np.float16)  # centres the weights on zero
+        blk[:, 0:2] = d.view(np.uint8).reshape(nb, 2)
+        blk[:, 2:4] = dmin.view(np.uint8).reshape(nb, 2)
+        scale = mn = 32
+        blk[:, 4:8] = (scale & 63) | ((scale >> 4) << 6)
+        blk[:, 8:12] = (mn & 63) | ((mn >> 4) << 6)
+        blk[:, 12:16] = (scale & 0xF) | ((mn & 0xF) << 4)
+        return blk.reshape(count, cols // 256 * 144)
+    raise ValueError(kind)
+
+
+def tensor_list(s: dict, layers: int, kind: str) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, kind, logical numpy shape) in file order; kind 'f32' for norms and the router."""
+    h, q, kv = s["hidden"], s["heads"] * s["head_dim"], s["kv"] * s["head_dim"]
+    names = [("token_embd.weight", kind, (s["vocab"], h))]
+    for i in range(layers):
+        p = f"blk.{i}."
+        names += [(p + "attn_norm.weight", "f32", (h,)), (p + "attn_q.weight", kind, (q, h)),
+                  (p + "attn_k.weight", kind, (kv, h)), (p + "attn_v.weight", kind, (kv, h)),
+                  (p + "attn_output.weight", kind, (h, q)), (p + "ffn_norm.weight", "f32", (h,))]
+        if s["arch"] == "qwen3moe":
+            e, f = s["experts"], s["expert_size"]
+            names += [(p + "attn_q_norm.weight", "f32", (s["head_dim"],)),
+                      (p + "attn_k_norm.weight", "f32", (s["head_dim"],)),
+                      (p + "ffn_gate_inp.weight", "f32", (e, h)),
+                      (p + "ffn_gate_exps.weight", kind, (e, f, h)), (p + "ffn_up_exps.weight", kind, (e, f, h)),
+                      (p + "ffn_down_exps.weight", kind, (e, h, f))]
+        else:
+            names += [(p + "ffn_gate.weight", kind, (s["inter"], h)), (p + "ffn_up.weight", kind, (s["inter"], h)),
+                      (p + "ffn_down.weight", kind, (h, s["inter"]))]
+    names += [("output_norm.weight", "f32", (h,)), ("output.weight", kind, (s["vocab"], h))]
+    return names
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("out")
+    ap.add_argument("shape", choices=sorted(SHAPES))
+    ap.add_argument("type", choices=sorted(QTYPE))
+    ap.add_argument("--layers", type=int, default=0)
+    a = ap.parse_args()
+    s, kind, t0 = SHAPES[a.shape], a.type, time.time()
+    layers = a.layers or s["layers"]
+    arch = s["arch"]
+    w = GGUFWriter(a.out, arch)
+    w.add_name(f"random-{a.shape}")
+    w.add_context_length(s["ctx"])
+    w.add_embedding_length(s["hidden"])
+    w.add_block_count(layers)
+    w.add_feed_forward_length(s["inter"])
+    w.add_head_count(s["heads"])
+    w.add_head_count_kv(s["kv"])
+    w.add_key_length(s["head_dim"])
+    w.add_value_length(s["head_dim"])
+    w.add_rope_freq_base(s["rope_base"])
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_dimension_count(s["head_dim"])
+    w.add_vocab_size(s["vocab"])
+    w.add_file_type(FTYPE[kind])
+    if arch == "qwen3moe":
+        w.add_expert_count(s["experts"])
+        w.add_expert_used_count(s["used"])
+        w.add_expert_feed_forward_length(s["expert_size"])
+    # a minimal SentencePiece vocab: <unk> <s> </s>, the 256 byte tokens, then plain pieces
+    v = s["vocab"]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tokens += [f"\u2581t{i}" for i in range(v - len(tokens))]
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([-float(i) for i in range(v)])
+    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * (v - 259))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+
+    names = tensor_list(s, layers, kind)
+    total = 0
+    for name, k, shape in names:
+        if k == "f32":
+            nbytes = int(np.prod(shape)) * 4
+            w.add_tensor_info(name, shape, np.dtype(np.float32), nbytes)
+        else:
+            block, size = gguf.GGML_QUANT_SIZES[QTYPE[k]]
+            nbytes = int(np.prod(shape)) // block * size
+            w.add_tensor_info(name, shape, np.dtype(np.float16), nbytes, raw_dtype=QTYPE[k])
+        total += nbytes
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for name, k, shape in names:
+        if k == "f32":
+            if name.endswith("ffn_gate_inp.weight"):
+                data = rng.standard_normal(int(np.prod(shape)), dtype=np.float32).reshape(shape) * 0.05
+            else:
+                data = (1.0 + 0.05 * rng.standard_normal(shape[0])).astype(np.float32)
+        else:
+            data = blocks(k, int(np.prod(shape[:-1])), shape[-1])
+        w.write_tensor_data(data)
+    w.close()
+    print(f"wrote {a.out}: {a.shape} {kind}, {layers} layers, {total / 1e9:.2f} GB, {time.time() - t0:.1f} s",
+          flush=True)
+
+
+if __name__ == "__main__":
+    main()
