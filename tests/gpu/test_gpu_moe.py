@@ -24,19 +24,21 @@ HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 16, 8
 
 
 def packed_linear(rows: int, cols: int, bits: int, group: int, gen: torch.Generator) -> cuda_groups.GroupedCudaLinear:
-    q = torch.randint(0, 2 ** bits, (rows, cols), generator=gen, dtype=torch.int32)
-    scale = (torch.rand(rows, cols // group, generator=gen) * 0.02 + 1e-3) / 2 ** (bits - 4)
-    offset = -scale * 2 ** (bits - 1) + (torch.rand(rows, cols // group, generator=gen) - 0.5) * 0.01
-    lin = cuda_groups.grouped_linear(q.cuda(), scale.cuda(), offset.cuda(), bits, None)
+    """A random weight (drawn on the GPU: 16 experts of these shapes are 75M weights) in the packed layout."""
+    q = torch.randint(0, 2 ** bits, (rows, cols), generator=gen, dtype=torch.int32, device="cuda")
+    scale = (torch.rand(rows, cols // group, generator=gen, device="cuda") * 0.02 + 1e-3) / 2 ** (bits - 4)
+    offset = -scale * 2 ** (bits - 1) + (torch.rand(rows, cols // group, generator=gen, device="cuda") - 0.5) * 0.01
+    lin = cuda_groups.grouped_linear(q, scale, offset, bits, None)
     assert isinstance(lin, cuda_groups.GroupedCudaLinear)
     return lin
 
 
 def make_moe(bits: int, down_bits: int, seed: int, group: int = 32) -> MoeFeedForward:
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
     experts = [Expert(packed_linear(2 * INTER, HIDDEN, bits, group, gen),
                       packed_linear(HIDDEN, INTER, down_bits, group, gen)) for _ in range(EXPERTS)]
-    router = dense_linear((torch.randn(EXPERTS, HIDDEN, generator=gen) * 0.05).to(torch.bfloat16).cuda(), None)
+    router_weight = torch.randn(EXPERTS, HIDDEN, generator=gen, device="cuda") * 0.05
+    router = dense_linear(router_weight.to(torch.bfloat16), None)
     moe = MoeFeedForward(router, RouterSpec("softmax_topk", TOP_K, normalize=True), experts)
     assert moe.stacked is not None, "packed experts are stacked for the device path"
     return moe
