@@ -68,7 +68,8 @@ class Metadata(_Body):
 
 
 class InputMessage(_Body):
-    role: Literal["user", "assistant"]
+    # "system" within the conversation: Claude Code sends one (its beta "mid-conversation-system")
+    role: Literal["user", "assistant", "system"]
     content: Text | list[Any]
 
 
@@ -150,17 +151,17 @@ def _unsupported(kind: str, path: str, role: str) -> APIError:
                                 f"(this server takes {allowed} blocks)")
 
 
-def system_text(system: str | list | None) -> str:
-    """`system` as one text: a string, or text blocks joined by blank lines."""
+def system_text(system: str | list | None, path: str = "system") -> str:
+    """A system prompt as one text: a string, or text blocks joined by blank lines."""
     if system is None or isinstance(system, str):
         return system or ""
     texts = []
     for j, block in enumerate(system):
-        path = f"system.{j}"
-        kind = _block_type(block, path)
+        block_path = f"{path}.{j}"
+        kind = _block_type(block, block_path)
         if kind != "text":
-            raise _bad(f"{path}.type", f"the system prompt takes text blocks only, not {kind!r}")
-        texts.append(_text_of(block, path))
+            raise _bad(f"{block_path}.type", f"a system prompt takes text blocks only, not {kind!r}")
+        texts.append(_text_of(block, block_path))
     return "\n\n".join(t for t in texts if t)
 
 
@@ -252,7 +253,9 @@ def chat_messages(body: _Conversation) -> list[dict]:
     for i, m in enumerate(body.messages):
         blocks = [{"type": "text", "text": m.content}] if isinstance(m.content, str) else m.content
         path = f"messages.{i}.content"
-        if m.role == "user":
+        if m.role == "system":  # where it stands: templates that take system turns anywhere render it there
+            out.append({"role": "system", "content": system_text(m.content, path)})
+        elif m.role == "user":
             out.extend(_user_turn(blocks, path, called))
         else:
             out.append(_assistant_turn(blocks, path, called))
