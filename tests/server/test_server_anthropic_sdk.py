@@ -376,14 +376,16 @@ def test_keys_by_x_api_key_or_bearer_and_anthropic_headers():
         check_sequence(events)
 
 
-def test_a_big_body_and_a_busy_server_get_anthropic_errors():
-    with running_server(FakeClient(), ServerConfig(max_body_bytes=1000, max_queue=0)) as live:
+def test_a_big_body_and_a_draining_server_get_anthropic_errors():
+    with running_server(FakeClient(), ServerConfig(max_body_bytes=1000)) as live:
         r = httpx.post(live.url + "/v1/messages", json={"model": "fake-echo", "max_tokens": 8,
                                                         "messages": user("x" * 2000)})
         assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
+        live.state.draining = True
         with pytest.raises(anthropic.APIStatusError) as e:
             client(live).messages.create(model="fake-echo", max_tokens=8, messages=user("hi"))
-        assert e.value.status_code == 400 and "--max-queue" in e.value.body["error"]["message"]
+        assert e.value.status_code == 503 and e.value.response.headers["retry-after"]
+        assert e.value.body["error"] == {"type": "overloaded_error", "message": "the server is shutting down"}
 
 
 class FailingClient(FakeClient):
