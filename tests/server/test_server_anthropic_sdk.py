@@ -456,3 +456,12 @@ def test_forced_tool_round_trip_on_the_tiny_model(tiny_server, streaming):
     assert prompt(second.usage) == c.messages.count_tokens(model="tiny-tools", messages=history, tools=TOOLS,
                                                            tool_choice={"type": "none"}).input_tokens
     assert second.usage.cache_read_input_tokens > 0  # the conversation's start came from the prefix cache
+
+
+def test_the_keep_alive_is_a_ping_event():
+    with running_server(FakeClient(token_delay=0.1), ServerConfig(sse_ping_s=0.05)) as live:
+        events = raw_events(live, {"model": "fake-echo", "max_tokens": 8, "messages": user("a b c")})
+        check_sequence(events)
+        assert [n for n, _ in events].count("ping") >= 3  # the first, then keep-alives while words come
+        with client(live).messages.stream(model="fake-echo", max_tokens=8, messages=user("a b c")) as s:
+            assert s.get_final_message().content[0].text == "echo: a b c"
