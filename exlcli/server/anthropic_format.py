@@ -24,7 +24,7 @@ from exlcli.server.tool_calls import MAX_TOOLS, AssistantToolCall, CalledFunctio
 from exlcli.text.tool_formats import ToolCall, ToolFormat
 
 TOOL_NAME = r"^[A-Za-z0-9_-]{1,128}$"  # Anthropic's rule for tool names
-# Blocks a text-only model cannot read, and blocks of Anthropic's own server tools.
+# Blocks a text-only model cannot read: their 400 says so.
 _MEDIA_BLOCKS = ("image", "document")
 
 
