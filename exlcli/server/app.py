@@ -2,7 +2,8 @@
 
 Endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (both with `stream`),
 GET /health, GET /metrics, and for exlcli's own RemoteClient: POST /tokenize, GET /stats,
-POST /cancel/{response_id}. Every error body has OpenAI's shape {"error": {...}}.
+POST /cancel/{response_id}. Every error body has OpenAI's shape {"error": {...}}, but on the routes
+of Anthropic's Messages API (anthropic_api.py), which take Anthropic's.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from fastapi.responses import JSONResponse, Response
 from exlcli.client.base import EngineClient, GenerationParams, GenerationStream
 from exlcli.engine.request import grammar_from_response_format
 from exlcli.server import openai_format as fmt
-from exlcli.server.bounded_work import DEFAULT_START_BUDGET_MS, OverBudget, run_bounded
+from exlcli.server.anthropic_api import add_messages_routes
+from exlcli.server.bounded_work import DEFAULT_START_BUDGET_MS
 from exlcli.server.events import chat_events, completion_events
-from exlcli.server.generations import ChoiceResult, EngineFailure, GenerationGroup, Starter
+from exlcli.server.generations import GenerationGroup, Starter
 from exlcli.server.grammar_workers import (
     DEFAULT_GRAMMAR_BUDGET_MS,
     DEFAULT_MAX_GRAMMAR_CHECKS,
@@ -35,16 +37,17 @@ from exlcli.server.grammar_workers import (
 from exlcli.server.http_errors import APIError, install_error_handlers
 from exlcli.server.metrics import EngineCollector, ResponseCounter, render_metrics
 from exlcli.server.rates import EngineRates
+from exlcli.server.request_flow import bounded, collect_unless_gone, event_stream, start_group
 from exlcli.server.schemas import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from exlcli.server.security import (
     DEFAULT_MAX_BODY_BYTES,
     APIKeyGate,
     BodySizeLimit,
     HostAllowList,
-    bearer_token,
+    request_api_key,
     scoped_session,
 )
-from exlcli.server.sse import DEFAULT_PING_S, EventStreamResponse
+from exlcli.server.sse import DEFAULT_PING_S
 from exlcli.server.tool_calls import ToolDef, ToolPlan, rewrite_completion
 from exlcli.server.tracker import RequestTracker
 
@@ -112,16 +115,19 @@ class ServerState:
 
     def check(self, body: ChatCompletionRequest | CompletionRequest) -> None:
         """What the schema cannot know: the served model's names, its context, the prompt cap."""
-        names = (self.client.model_name, *self.config.model_aliases)
-        if body.model is not None and body.model not in names:
-            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {names[0]!r}",
-                           param="model", code="model_not_found")
+        self.check_model(body.model)
         context = self.client.context_length
         max_tokens = body.generation_params(0, self.config.default_max_tokens).max_tokens
         if body.max_tokens_param in body.model_fields_set and max_tokens > context:
             raise APIError(400, f"{body.max_tokens_param} is {max_tokens}, more than the model's context of "
                            f"{context} tokens", param=body.max_tokens_param)
         self.check_prompt_size(body.prompt_parts())
+
+    def check_model(self, model: str | None) -> None:
+        names = (self.client.model_name, *self.config.model_aliases)
+        if model is not None and model not in names:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {names[0]!r}",
+                           param="model", code="model_not_found")
 
     def check_prompt_size(self, parts: dict[str, int]) -> None:
         """Every field that reaches the template or the tokenizer counts (messages, tool calls and
@@ -139,7 +145,8 @@ class ServerState:
         """Choice `index`'s parameters; with an API key, its session is the key's (scoped_session)."""
         params = body.generation_params(index, self.config.default_max_tokens)
         if params.session is not None and self.config.api_key is not None:
-            params.session = scoped_session(bearer_token(request.headers.get("authorization")), params.session)
+            key = request_api_key(request.headers.get("authorization"), request.headers.get("x-api-key"))
+            params.session = scoped_session(key, params.session)
         return params
 
     async def check_grammars(self, checks: list[GrammarCheck]) -> None:
@@ -184,11 +191,13 @@ def create_app(client: EngineClient, config: ServerConfig | None = None,
         app.add_middleware(APIKeyGate, api_key=config.api_key, open_paths=(HEALTH_PATH,))
     if config.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["authorization", "content-type"])
+                           allow_headers=["authorization", "content-type", "x-api-key", "anthropic-version",
+                                          "anthropic-beta"])
     if config.allowed_hosts is not None:
         app.add_middleware(HostAllowList, allowed=config.allowed_hosts)
     app.add_middleware(ResponseCounter, tracker=state.tracker)
     install_error_handlers(app)
+    add_messages_routes(app, state)  # Anthropic's Messages API (anthropic_api.py)
 
     @app.get(HEALTH_PATH)
     async def health() -> JSONResponse:
@@ -213,8 +222,8 @@ def create_app(client: EngineClient, config: ServerConfig | None = None,
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
         state.check_prompt_size(body.prompt_parts())
-        count = await _bounded(state, "tokenizing", partial(client.count_chat_tokens, body.message_dicts(),
-                                                            body.add_generation_prompt))
+        count = await bounded(state, "tokenizing", partial(client.count_chat_tokens, body.message_dicts(),
+                                                           body.add_generation_prompt, body.tool_dicts()))
         return {"count": count, "max_model_len": client.context_length}
 
     @app.post("/cancel/{response_id}")
@@ -236,10 +245,10 @@ def create_app(client: EngineClient, config: ServerConfig | None = None,
             return client.chat(messages, tools.apply(state.params(body, i, request)))
 
         starters = [Starter(i, 0, partial(start, i)) for i in range(body.num_choices)]
-        group = await _start(state, "chat", body.client or "api", body.priority or "interactive", starters)
+        group = await start_group(state, "chat", body.client or "api", body.priority or "interactive", starters)
         if body.streaming:
-            return _event_stream(state, group, chat_events(group, body, client.model_name, state.token_text, tools))
-        results = await _collect_unless_gone(state, group, request)
+            return event_stream(state, group, chat_events(group, body, client.model_name, state.token_text, tools))
+        results = await collect_unless_gone(state, group, request)
         if results is None:
             return Response(status_code=499)
         num_top = body.top_logprobs or 0
@@ -254,10 +263,10 @@ def create_app(client: EngineClient, config: ServerConfig | None = None,
         n = body.num_choices
         starters = [Starter(p * n + j, p, partial(client.complete, prompt, state.params(body, j, request)))
                     for p, prompt in enumerate(body.prompts()) for j in range(n)]
-        group = await _start(state, "completions", body.client or "api", body.priority or "interactive", starters)
+        group = await start_group(state, "completions", body.client or "api", body.priority or "interactive", starters)
         if body.streaming:
-            return _event_stream(state, group, completion_events(group, body, client.model_name, state.token_text))
-        results = await _collect_unless_gone(state, group, request)
+            return event_stream(state, group, completion_events(group, body, client.model_name, state.token_text))
+        results = await collect_unless_gone(state, group, request)
         if results is None:
             return Response(status_code=499)
         prompts = body.prompts()
@@ -275,32 +284,6 @@ def create_app(client: EngineClient, config: ServerConfig | None = None,
     return app
 
 
-async def _start(state: ServerState, endpoint: str, label: str, priority: str,
-                 starters: list[Starter]) -> GenerationGroup:
-    state.admit(len(starters))
-    prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
-    group = GenerationGroup(fmt.new_id(prefix), endpoint, label, priority, state.tracker)
-    state.num_starting += len(starters)
-    try:
-        await group.start(starters, state.tokenizing, state.config.start_budget_ms)
-    except OverBudget as e:
-        raise APIError(400, f"starting the request (chat template, tokenising) took longer than the limit of "
-                       f"{e.budget_ms} ms", code="over_budget") from None
-    finally:
-        state.num_starting -= len(starters)
-    if state.config.request_timeout_s is not None:
-        group.timer = asyncio.get_running_loop().call_later(state.config.request_timeout_s, group.cancel)
-    state.groups[group.response_id] = group
-    return group
-
-
-async def _bounded(state: ServerState, what: str, fn):
-    try:
-        return await run_bounded(state.tokenizing, fn, state.config.start_budget_ms)
-    except OverBudget as e:
-        raise APIError(400, f"{what} took longer than the limit of {e.budget_ms} ms", code="over_budget") from None
-
-
 def grammar_checks(response_format: dict | None, tools: list[ToolDef] | None) -> list[GrammarCheck]:
     """The grammars a request brings: its response_format and each tool's parameter schema."""
     checks = []
@@ -311,45 +294,3 @@ def grammar_checks(response_format: dict | None, tools: list[ToolDef] | None) ->
         if tool.function.parameters is not None:
             checks.append(GrammarCheck(f"tools.{i}.function.parameters", "json_schema", tool.function.parameters))
     return checks
-
-
-def _event_stream(state: ServerState, group: GenerationGroup,
-                  events: AsyncIterator[bytes]) -> EventStreamResponse:
-    async def guarded() -> AsyncIterator[bytes]:
-        try:
-            async for chunk in events:
-                yield chunk
-        finally:
-            group.abandon()
-            state.groups.pop(group.response_id, None)
-
-    return EventStreamResponse(guarded(), on_disconnect=group.cancel, headers={"X-Request-Id": group.response_id},
-                               ping_s=state.config.sse_ping_s)
-
-
-async def _collect_unless_gone(state: ServerState, group: GenerationGroup,
-                               request: Request) -> list[ChoiceResult] | None:
-    """Collect a non-streaming answer, or cancel it if the client hangs up first (None)."""
-
-    async def client_gone() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    collector = asyncio.ensure_future(group.collect())
-    watcher = asyncio.ensure_future(client_gone())
-    try:
-        await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if collector.done():
-            try:
-                return collector.result()
-            except EngineFailure as e:
-                raise APIError(500, str(e), "server_error") from None
-        group.cancel()
-        return None
-    finally:
-        for task in (collector, watcher):
-            task.cancel()
-        group.abandon()
-        state.groups.pop(group.response_id, None)
-
-
