@@ -20,6 +20,8 @@ class BatchInputs:
     logits_indices: torch.Tensor  # [S] long: rows of T whose next-token logits are wanted
     seq_lens_t: torch.Tensor | None = None  # [B] int32 on the device (compiled kernels)
     query_start_loc_t: torch.Tensor | None = None  # [B + 1] int32 on the device
+    # hybrid models: each sequence's slot of the per-sequence state (KVCache.states), None without one
+    state_slots: list[int] | None = None
 
     def __post_init__(self) -> None:
         num_tokens = self.input_ids.shape[0]
