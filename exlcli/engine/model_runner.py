@@ -63,8 +63,12 @@ class ModelRunner:
             assert item.num_logits is not None  # ScheduledSeq.__post_init__ sets it
             logits_rows.extend(range(starts[-1] - item.num_logits, starts[-1]))
             tables.append(seq.pages + [0] * (max_pages - len(seq.pages)))
+        state_slots = None
+        if self.kv.states is not None:
+            state_slots = [item.seq.state_slot for item in batch.items]
+            assert None not in state_slots  # a running sequence of a hybrid model holds a slot
         return StepInputs(ids, positions, slots, tables, seq_lens, starts, logits_rows, in_flight,
-                          key_shifts=list(batch.key_shifts))
+                          key_shifts=list(batch.key_shifts), state_slots=state_slots)  # type: ignore[arg-type]
 
     def execute(self, inputs: StepInputs, prev_ids: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 logits [S, V], one row per entry of inputs.logits_indices. Queued on the device;

@@ -13,6 +13,7 @@ from typing import Callable
 from exlcli.engine.context_window import make_room
 from exlcli.engine.page_pool import PagePool
 from exlcli.engine.sequence import SeqStatus, Sequence
+from exlcli.engine.state_pool import StatePool
 from exlcli.model.kv_shift import KeyShift
 
 
@@ -64,8 +65,12 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, pool: PagePool, max_num_batched_tokens: int, max_num_seqs: int,
                  propose: Callable[[Sequence, int], list[int]] | None = None,
-                 reclaim: Callable[[int], bool] | None = None) -> None:
+                 reclaim: Callable[[int], bool] | None = None, states: StatePool | None = None) -> None:
         self.pool = pool
+        # hybrid models: one state slot a running sequence, so no more sequences run than there are slots
+        self.states = states
+        if states is not None:
+            max_num_seqs = min(max_num_seqs, states.num_slots)
         # reclaim(num_pages) frees pages held outside the running set (parked sessions) until
         # num_pages can be allocated; True when it freed any
         self.reclaim = reclaim
@@ -100,6 +105,7 @@ class Scheduler:
             self.waiting.remove(seq)
         self.pool.release_all(seq.pages)
         seq.pages = []
+        self._release_state(seq)
         seq.status = SeqStatus.FINISHED
 
     # -- one step -------------------------------------------------------------------------------
@@ -175,6 +181,8 @@ class Scheduler:
                 break
             self.waiting.pop(w)
             self._allocate(seq, needed)
+            if self.states is not None:  # (running < max_num_seqs <= slots: one is free)
+                seq.state_slot = self.states.allocate()
             if self.pool.enable_prefix_cache:
                 in_flight |= self._future_full_pages(seq, n)
             seq.status = SeqStatus.RUNNING
@@ -222,6 +230,8 @@ class Scheduler:
         only when that position is computed, and a rejected draft's K/V must not count as such."""
         if seq.status is not SeqStatus.RUNNING:
             raise ValueError(f"{seq.request_id} is not running")
+        if seq.state_slot is not None and num_tokens:  # a recurrent state cannot un-see tokens
+            raise ValueError(f"{seq.request_id} keeps a linear attention state, which cannot be rolled back")
         if not 0 <= num_tokens <= seq.num_computed_tokens or num_dropped < 0:
             raise ValueError(f"cannot roll back {num_tokens} of {seq.num_computed_tokens} computed tokens "
                              f"dropping {num_dropped}")
@@ -244,6 +254,12 @@ class Scheduler:
         undone = seq.num_computed_tokens - (cached + offset)
         seq.num_computed_tokens = cached + offset
         return undone
+
+    def _release_state(self, seq: Sequence) -> None:
+        if seq.state_slot is not None:
+            assert self.states is not None  # only a state pool hands out slots
+            self.states.release(seq.state_slot)
+            seq.state_slot = None
 
     def _published_or_shared(self, page: int) -> bool:
         return self.pool.ref_counts[page] > 1 or self.pool.is_published(page)
@@ -328,6 +344,7 @@ class Scheduler:
         self.running.remove(seq)
         self.pool.release_all(seq.pages)
         seq.pages = []
+        self._release_state(seq)  # recomputed from the prompt, from a zero state
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
