@@ -28,13 +28,24 @@ QWEN3_NEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hi
                   shared_expert_intermediate_size=48, max_position_embeddings=512, rms_norm_eps=1e-6,
                   layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
                   mlp_only_layers=[1], tie_word_embeddings=False)
+_NO_EXPERTS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+               "mlp_only_layers")
+# case -> (transformers config class, its fields): Qwen3.5 has the projections apart, a plain feed-forward
+# (dense) or experts in every layer (MoE)
+CASES = {
+    "qwen3-next": ("Qwen3NextConfig", QWEN3_NEXT),
+    "qwen3.5": ("Qwen3_5TextConfig", {k: v for k, v in QWEN3_NEXT.items() if k not in _NO_EXPERTS}),
+    "qwen3.5-moe": ("Qwen3_5MoeTextConfig", {k: v for k, v in QWEN3_NEXT.items() if k != "mlp_only_layers"}),
+}
+ARCHITECTURE_OF = {"qwen3-next": "qwen3_next", "qwen3.5": "qwen3_5", "qwen3.5-moe": "qwen3_5_moe"}
 
 
-def write_qwen3_next(folder, seed: int = 0, **overrides):
+def write_qwen3_next(folder, seed: int = 0, case: str = "qwen3-next", **overrides):
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    cfg = transformers.Qwen3NextConfig(**{**QWEN3_NEXT, **overrides})
+    cls, fields = CASES[case]
+    cfg = getattr(transformers, cls)(**{**fields, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     randomize_(model)
@@ -66,12 +77,17 @@ def _batch(seqs, starts, tables, page_size, slots, all_logits=True) -> BatchInpu
         seq_lens_t=torch.tensor([len(s) for s in seqs], dtype=torch.int32), state_slots=slots)
 
 
-def test_qwen3_next_logits_equal_transformers(tmp_path):
-    hf = write_qwen3_next(tmp_path)
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_equal_transformers(tmp_path, case):
+    hf = write_qwen3_next(tmp_path, case=case)
     loaded = load_model(str(tmp_path), device="cpu", dtype="float32")
     cfg = loaded.config
-    assert cfg.architecture == "qwen3_next" and cfg.linear_layers == (0, 1, 3)
-    assert cfg.moe is not None and cfg.moe.shared_expert_gate and cfg.moe.dense_layers == (1,)
+    assert cfg.architecture == ARCHITECTURE_OF[case] and cfg.linear_layers == (0, 1, 3)
+    if case == "qwen3.5":
+        assert cfg.moe is None
+    else:
+        assert cfg.moe is not None and cfg.moe.shared_expert_gate
+        assert cfg.moe.dense_layers == ((1,) if case == "qwen3-next" else ())
     g = torch.Generator().manual_seed(1)
     seqs = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (150, 9)]  # 150: three chunks of 64
     page_size = 16

@@ -42,6 +42,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     qwen3.ARCHITECTURE,
     qwen3_moe.ARCHITECTURE,
     qwen3_next.ARCHITECTURE,
+    qwen3_next.QWEN3_5,
+    qwen3_next.QWEN3_5_MOE,
     mixtral.ARCHITECTURE,
     gemma2.ARCHITECTURE,
     gemma3.ARCHITECTURE,

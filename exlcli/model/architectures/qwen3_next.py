@@ -1,7 +1,7 @@
-"""Qwen3-Next (Qwen3-Next-80B-A3B): a hybrid of Gated DeltaNet layers (linear attention with a
-fixed-size state per sequence, exlcli/ops/gated_delta.py) and gated full-attention layers, three
-to one (`layer_types`, else every `full_attention_interval`-th layer full), each followed by a
-mixture of experts with a gated shared expert (or a plain feed-forward on `mlp_only_layers`).
+"""Qwen3-Next (Qwen3-Next-80B-A3B) and the Qwen3.5 text models: a hybrid of Gated DeltaNet layers
+(linear attention with a fixed-size state per sequence, exlcli/ops/gated_delta.py) and gated
+full-attention layers, three to one (`layer_types`, else every `full_attention_interval`-th layer
+full), each followed by a mixture of experts with a gated shared expert (or a plain feed-forward on `mlp_only_layers`).
 
 Every RMSNorm scales by (1 + w) (norm_offset 1) but the linear layers' gated output norm (plain w).
 A full-attention layer is Qwen3's (per-head q/k norms, rope on `partial_rotary_factor` of each head)
@@ -15,6 +15,12 @@ attention output is multiplied by sigmoid(gate) before o_proj. A Gated DeltaNet 
     out_proj(RMSNorm(o) * SiLU(z)) per value head.
 
 The rows of in_proj_qkvz and in_proj_ba are reordered at load into [q | k | v | z] and [b | a].
+
+Qwen3.5 (Qwen3_5ForCausalLM: a plain feed-forward in every layer; Qwen3_5MoeForCausalLM: experts
+with a gated shared expert in every layer, the k weights always renormalized) has the same layers
+with the projections apart and in order: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a. Its rope is
+multimodal (sections of the frequencies for time, height and width), which for text, where the
+three positions are equal, is the plain rope used here.
 The states live in KVCache.states, one slot a sequence (BatchInputs.state_slots); a sequence whose
 chunk starts at position 0 starts from zeros. New states are written back once the whole forward
 pass has run, so a pass that fails leaves every state as it was (the engine retries a failed step).
@@ -61,7 +67,8 @@ FUSED_PATHS = ()
 LINEAR = "linear_attn."
 
 
-def hf_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
+def _hybrid_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """What every hybrid of this module reads: the layer kinds, the norms, the rope, the linear layers."""
     layers = int(cfg.get("num_hidden_layers", 0))
     kinds = cfg.get("layer_types")
     if kinds is None:
@@ -69,13 +76,31 @@ def hf_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
         kinds = [LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION for i in range(layers)]
     params = cfg.get("rope_parameters") or {}
     fraction = float(cfg.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 0.25)
-    fields = qwen3_moe_fields(cfg)
-    moe = fields["moe"]
-    shared = int(cfg.get("shared_expert_intermediate_size") or 0)
-    fields["moe"] = replace(moe, shared_expert_size=shared, shared_expert_gate=bool(shared),
-                            normalize=bool(cfg.get("norm_topk_prob", True)))
-    return {**fields, "norm_offset": 1.0, "partial_rotary_factor": fraction, "layer_types": tuple(kinds),
+    return {"qk_norm": True, "attention_bias": bool(cfg.get("attention_bias", False)), "norm_offset": 1.0,
+            "partial_rotary_factor": fraction, "layer_types": tuple(kinds),
             "linear_attention": linear_attention_config(cfg)}
+
+
+def hf_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Qwen3-Next: experts with a gated shared expert (plain feed-forwards on mlp_only_layers)."""
+    moe = qwen3_moe_fields(cfg)["moe"]
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+    moe = replace(moe, shared_expert_size=shared, shared_expert_gate=bool(shared),
+                  normalize=bool(cfg.get("norm_topk_prob", True)))
+    return {**_hybrid_fields(cfg), "moe": moe}
+
+
+def qwen3_5_hf_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Qwen3.5 dense: a plain feed-forward in every layer."""
+    return _hybrid_fields(cfg)
+
+
+def qwen3_5_moe_hf_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Qwen3.5 MoE: experts and a gated shared expert in every layer, the k weights renormalized."""
+    moe = qwen3_moe_fields({**cfg, "mlp_only_layers": [], "decoder_sparse_step": 1})["moe"]
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+    moe = replace(moe, shared_expert_size=shared, shared_expert_gate=bool(shared), normalize=True)
+    return {**_hybrid_fields(cfg), "moe": moe}
 
 
 def linear_attention_config(cfg: Mapping[str, Any]) -> LinearAttentionConfig:
@@ -88,7 +113,11 @@ def linear_attention_config(cfg: Mapping[str, Any]) -> LinearAttentionConfig:
         conv_width=get("linear_conv_kernel_dim", 4))
 
 
-def hf_tensor_names(config: ModelConfig) -> list[str]:
+QWEN3_NEXT_PROJECTIONS = ("in_proj_qkvz.weight", "in_proj_ba.weight")
+QWEN3_5_PROJECTIONS = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight")
+
+
+def hf_tensor_names(config: ModelConfig, projections: tuple[str, ...] = QWEN3_NEXT_PROJECTIONS) -> list[str]:
     out = []
     for name in names.hf_tensor_names(config):
         layer = name.split(".")[2] if name.startswith("model.layers.") else None
@@ -97,9 +126,12 @@ def hf_tensor_names(config: ModelConfig) -> list[str]:
         out.append(name)
     for i in config.linear_layers:
         p = layer_prefix(i) + LINEAR
-        out += [p + x for x in ("in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "A_log", "dt_bias",
-                                "norm.weight", "out_proj.weight")]
+        out += [p + x for x in (*projections, "conv1d.weight", "A_log", "dt_bias", "norm.weight", "out_proj.weight")]
     return out
+
+
+def _tensor_names(projections: tuple[str, ...]):
+    return lambda config: hf_tensor_names(config, projections)
 
 
 def _take(t: dict, name: str) -> torch.Tensor:
@@ -180,19 +212,13 @@ class GatedDeltaNet:
         self.shape = la
         self.eps = config.rms_norm_eps
         p = layer_prefix(i) + LINEAR
-        per_head = la.num_v_heads // la.num_k_heads
-        qkvz = _dense(_take(t, p + "in_proj_qkvz.weight"), p + "in_proj_qkvz.weight")
-        ba = _dense(_take(t, p + "in_proj_ba.weight"), p + "in_proj_ba.weight")
-        widths = [la.k_head_dim, la.k_head_dim, per_head * la.v_head_dim, per_head * la.v_head_dim]
-        if qkvz.shape[0] != la.num_k_heads * sum(widths) or ba.shape[0] != 2 * la.num_v_heads:
-            raise ModelLoadError(f"{p}in_proj_qkvz / in_proj_ba: {qkvz.shape[0]} / {ba.shape[0]} rows do not fit "
-                                 f"{la.num_k_heads} key heads of {la.k_head_dim} and {la.num_v_heads} value heads "
-                                 f"of {la.v_head_dim}")
-        # rows grouped by key head -> [q | k | v | z] and [b | a] (each part's heads in order)
-        parts = qkvz.view(la.num_k_heads, sum(widths), -1).split(widths, dim=1)
-        self.in_proj = make_linear([x.reshape(-1, qkvz.shape[1]) for x in parts], None, device, dtype)
-        b, a = ba.view(la.num_k_heads, 2, per_head, -1).unbind(1)
-        self.in_proj_ba = make_linear([b.reshape(-1, ba.shape[1]), a.reshape(-1, ba.shape[1])], None, device, dtype)
+        if p + "in_proj_qkv.weight" in t:  # Qwen3.5: the projections apart, each in order
+            self.in_proj = make_linear([t[p + "in_proj_qkv.weight"], _take(t, p + "in_proj_z.weight")], None, device,
+                                       dtype)
+            self.in_proj_ba = make_linear([_take(t, p + "in_proj_b.weight"), _take(t, p + "in_proj_a.weight")], None,
+                                          device, dtype)
+        else:
+            self._grouped_projections(t, p, device, dtype)
         conv = _dense(_take(t, p + "conv1d.weight"), p + "conv1d.weight")
         if conv.numel() != la.conv_channels * la.conv_width:
             raise ModelLoadError(f"{p}conv1d.weight has {conv.numel()} values; {la.conv_channels} channels of width "
@@ -203,6 +229,23 @@ class GatedDeltaNet:
         self.dt_bias = _take(t, p + "dt_bias").float().to(device)
         self.norm = _take(t, p + "norm.weight").to(device=device, dtype=dtype)
         self.out_proj = make_linear([t.get(p + "out_proj.weight")], None, device, dtype)
+
+    def _grouped_projections(self, t: dict, p: str, device: torch.device, dtype: torch.dtype) -> None:
+        """Qwen3-Next's in_proj_qkvz and in_proj_ba, whose rows are grouped by key head (q, k, then the
+        value heads' v and z; b then a), as [q | k | v | z] and [b | a] with each part's heads in order."""
+        la = self.shape
+        per_head = la.num_v_heads // la.num_k_heads
+        qkvz = _dense(_take(t, p + "in_proj_qkvz.weight"), p + "in_proj_qkvz.weight")
+        ba = _dense(_take(t, p + "in_proj_ba.weight"), p + "in_proj_ba.weight")
+        widths = [la.k_head_dim, la.k_head_dim, per_head * la.v_head_dim, per_head * la.v_head_dim]
+        if qkvz.shape[0] != la.num_k_heads * sum(widths) or ba.shape[0] != 2 * la.num_v_heads:
+            raise ModelLoadError(f"{p}in_proj_qkvz / in_proj_ba: {qkvz.shape[0]} / {ba.shape[0]} rows do not fit "
+                                 f"{la.num_k_heads} key heads of {la.k_head_dim} and {la.num_v_heads} value heads "
+                                 f"of {la.v_head_dim}")
+        parts = qkvz.view(la.num_k_heads, sum(widths), -1).split(widths, dim=1)
+        self.in_proj = make_linear([x.reshape(-1, qkvz.shape[1]) for x in parts], None, device, dtype)
+        b, a = ba.view(la.num_k_heads, 2, per_head, -1).unbind(1)
+        self.in_proj_ba = make_linear([b.reshape(-1, ba.shape[1]), a.reshape(-1, ba.shape[1])], None, device, dtype)
 
     def nbytes(self) -> int:
         return self.in_proj.nbytes() + self.in_proj_ba.nbytes() + self.out_proj.nbytes()
@@ -371,9 +414,39 @@ ARCHITECTURE = Architecture(
     gguf_name="qwen3next",
     hf_fields=hf_fields,
     gguf_fields=lambda meta: {},
-    hf_tensor_names=hf_tensor_names,
+    hf_tensor_names=_tensor_names(QWEN3_NEXT_PROJECTIONS),
     gguf_global_names=names.GGUF_GLOBAL_NAMES,
     gguf_layer_names={**names.GGUF_LAYER_NAMES, **names.GGUF_QK_NORM_NAMES, **names.GGUF_MOE_NAMES},
+    gguf_qk_interleaved=False,
+    build=build,
+    fused_paths=FUSED_PATHS,
+)
+
+# Qwen3.5's text models: GGUF support comes with llama.cpp's qwen35 / qwen35moe names (not mapped yet)
+QWEN3_5 = Architecture(
+    name="qwen3_5",
+    hf_names=("Qwen3_5ForCausalLM",),
+    hf_model_type="qwen3_5_text",
+    gguf_name="qwen35",
+    hf_fields=qwen3_5_hf_fields,
+    gguf_fields=lambda meta: {},
+    hf_tensor_names=_tensor_names(QWEN3_5_PROJECTIONS),
+    gguf_global_names=names.GGUF_GLOBAL_NAMES,
+    gguf_layer_names={},
+    gguf_qk_interleaved=False,
+    build=build,
+    fused_paths=FUSED_PATHS,
+)
+QWEN3_5_MOE = Architecture(
+    name="qwen3_5_moe",
+    hf_names=("Qwen3_5MoeForCausalLM",),
+    hf_model_type="qwen3_5_moe_text",
+    gguf_name="qwen35moe",
+    hf_fields=qwen3_5_moe_hf_fields,
+    gguf_fields=lambda meta: {},
+    hf_tensor_names=_tensor_names(QWEN3_5_PROJECTIONS),
+    gguf_global_names=names.GGUF_GLOBAL_NAMES,
+    gguf_layer_names={},
     gguf_qk_interleaved=False,
     build=build,
     fused_paths=FUSED_PATHS,
