@@ -139,3 +139,30 @@ def test_unsupported_state_dimension_is_one_line(tmp_path):
     write_qwen3_next(tmp_path, linear_value_head_dim=24)
     with pytest.raises(ModelLoadError, match="value head dimension of 24"):
         load_model(str(tmp_path), device="cpu", dtype="float32")
+
+
+def test_llama_cpp_gguf_equals_transformers(tmp_path):
+    """The same checkpoint converted by llama.cpp's convert_hf_to_gguf.py (--no-mtp: the folder has no
+    MTP layers; experts in every layer, as llama.cpp's qwen3next has them) loads to the same logits."""
+    from llama_cpp_convert import convert_args  # tests/model/llama_cpp_convert.py
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    folder = tmp_path / "hf"
+    hf = write_qwen3_next(folder, seed=4, mlp_only_layers=[])
+    words = VOCAB - 8  # the converter's tokenizer adds special tokens after these
+    vocab = {chr(ord("A") + i): i for i in range(words - 1)} | {"AB": words - 1}
+    tok = Tokenizer(models.BPE(vocab, [("A", "B")]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(folder / "tokenizer.json"))
+    path = convert_args(folder, tmp_path / "model.f32.gguf", ["--no-mtp"])
+    loaded = load_model(str(path), device="cpu", dtype="float32")
+    cfg = loaded.config
+    assert cfg.architecture == "qwen3_next" and cfg.linear_layers == (0, 1, 3) and cfg.partial_rotary_factor == 0.25
+    g = torch.Generator().manual_seed(6)
+    seqs = [torch.randint(0, words, (n,), generator=g).tolist() for n in (100, 7)]
+    tables = _pages_for([len(s) for s in seqs], 16)
+    kv = KVCache(cfg, 1 + max(p for t in tables for p in t), 16, torch.device("cpu"), torch.float32, state_slots=2)
+    ours = loaded.model.forward(_batch(seqs, [0, 0], tables, 16, [0, 1]), kv)
+    for got, seq in zip(ours.split([len(s) for s in seqs]), seqs):
+        assert relative_error(got, _hf_logits(hf, seq)) <= MAX_REL_ERR

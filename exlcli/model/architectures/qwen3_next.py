@@ -41,6 +41,7 @@ from exlcli.errors import ModelLoadError
 from exlcli.model.architectures import tensor_names as names
 from exlcli.model.architectures.base import Architecture
 from exlcli.model.architectures.decoder import _moe_feed_forward
+from exlcli.model.architectures.qwen3_moe import gguf_moe
 from exlcli.model.architectures.qwen3_moe import hf_fields as qwen3_moe_fields
 from exlcli.model.architectures.tensor_names import EMBED, FINAL_NORM, LM_HEAD, layer_prefix
 from exlcli.model.attention_spec import AttentionSpec, layer_specs, partial_rotary_order, rotary_dim
@@ -101,6 +102,43 @@ def qwen3_5_moe_hf_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
     shared = int(cfg.get("shared_expert_intermediate_size") or 0)
     moe = replace(moe, shared_expert_size=shared, shared_expert_gate=bool(shared), normalize=True)
     return {**_hybrid_fields(cfg), "moe": moe}
+
+
+def gguf_fields(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """llama.cpp's qwen3next: the norms already hold (1 + w), so no offset; the rotated part of a head
+    as rope.dimension_count; the recurrent layers as attention.recurrent_layers (else every
+    full_attention_interval-th layer full); the linear layers' shape under ssm.*."""
+    def get(key: str) -> Any:
+        value = meta.get(f"qwen3next.{key}")
+        if value is None:
+            raise ModelLoadError(f"GGUF metadata is missing 'qwen3next.{key}'")
+        return value
+
+    layers, head_dim = int(get("block_count")), int(get("attention.key_length"))
+    recurrent = meta.get("qwen3next.attention.recurrent_layers")
+    if recurrent is None:
+        interval = int(meta.get("qwen3next.full_attention_interval") or 4)
+        recurrent = [bool((i + 1) % interval) for i in range(layers)]
+    kinds = tuple(LINEAR_ATTENTION if r else FULL_ATTENTION for r in list(recurrent)[:layers])
+    v_heads = int(get("ssm.time_step_rank"))
+    la = LinearAttentionConfig(num_k_heads=int(get("ssm.group_count")), num_v_heads=v_heads,
+                               k_head_dim=int(get("ssm.state_size")), v_head_dim=int(get("ssm.inner_size")) // v_heads,
+                               conv_width=int(get("ssm.conv_kernel")))
+    shared = int(meta.get("qwen3next.expert_shared_feed_forward_length") or 0)
+    moe = replace(gguf_moe(meta, "qwen3next"), shared_expert_size=shared, shared_expert_gate=bool(shared),
+                  normalize=True)
+    rotated = int(meta.get("qwen3next.rope.dimension_count") or head_dim // 4)
+    return {"qk_norm": True, "moe": moe, "layer_types": kinds, "linear_attention": la,
+            "partial_rotary_factor": rotated / head_dim}
+
+
+# llama.cpp's qwen3next names: the linear layers' q|k|v (rows in order) and z apart, b|a grouped by key
+# head as in the checkpoint, -exp(A_log) as ssm_a, dt_bias as ssm_dt.bias, the conv weight [C, W]
+GGUF_LINEAR_NAMES = {
+    "attn_qkv": LINEAR + "in_proj_qkv", "attn_gate": LINEAR + "in_proj_z", "ssm_ba": LINEAR + "in_proj_ba",
+    "ssm_a": LINEAR + "neg_a", "ssm_dt": LINEAR + "dt", "ssm_conv1d": LINEAR + "conv1d", "ssm_norm": LINEAR + "norm",
+    "ssm_out": LINEAR + "out_proj", "post_attention_norm": "post_attention_layernorm",
+}
 
 
 def linear_attention_config(cfg: Mapping[str, Any]) -> LinearAttentionConfig:
@@ -212,11 +250,14 @@ class GatedDeltaNet:
         self.shape = la
         self.eps = config.rms_norm_eps
         p = layer_prefix(i) + LINEAR
-        if p + "in_proj_qkv.weight" in t:  # Qwen3.5: the projections apart, each in order
+        if p + "in_proj_qkv.weight" in t:  # Qwen3.5 (and Qwen3-Next's GGUF): q|k|v and z apart, in order
             self.in_proj = make_linear([t[p + "in_proj_qkv.weight"], _take(t, p + "in_proj_z.weight")], None, device,
                                        dtype)
-            self.in_proj_ba = make_linear([_take(t, p + "in_proj_b.weight"), _take(t, p + "in_proj_a.weight")], None,
-                                          device, dtype)
+            if p + "in_proj_ba.weight" in t:
+                self.in_proj_ba = self._grouped_ba(t, p, device, dtype)
+            else:
+                self.in_proj_ba = make_linear([_take(t, p + "in_proj_b.weight"), _take(t, p + "in_proj_a.weight")],
+                                              None, device, dtype)
         else:
             self._grouped_projections(t, p, device, dtype)
         conv = _dense(_take(t, p + "conv1d.weight"), p + "conv1d.weight")
@@ -224,9 +265,10 @@ class GatedDeltaNet:
             raise ModelLoadError(f"{p}conv1d.weight has {conv.numel()} values; {la.conv_channels} channels of width "
                                  f"{la.conv_width} take {la.conv_channels * la.conv_width}")
         self.conv = conv.reshape(la.conv_channels, la.conv_width).to(device=device, dtype=dtype)
-        # -exp(A_log) in fp32, as the checkpoint's reference computes the decay
-        self.neg_a = -_take(t, p + "A_log").float().exp().to(device)
-        self.dt_bias = _take(t, p + "dt_bias").float().to(device)
+        # -exp(A_log) in fp32, as the checkpoint's reference computes the decay (a GGUF holds it so)
+        neg_a = t.get(p + "neg_a")
+        self.neg_a = (neg_a.float() if neg_a is not None else -_take(t, p + "A_log").float().exp()).to(device)
+        self.dt_bias = _take(t, p + ("dt.bias" if p + "dt.bias" in t else "dt_bias")).float().to(device)
         self.norm = _take(t, p + "norm.weight").to(device=device, dtype=dtype)
         self.out_proj = make_linear([t.get(p + "out_proj.weight")], None, device, dtype)
 
@@ -244,8 +286,13 @@ class GatedDeltaNet:
                                  f"of {la.v_head_dim}")
         parts = qkvz.view(la.num_k_heads, sum(widths), -1).split(widths, dim=1)
         self.in_proj = make_linear([x.reshape(-1, qkvz.shape[1]) for x in parts], None, device, dtype)
-        b, a = ba.view(la.num_k_heads, 2, per_head, -1).unbind(1)
-        self.in_proj_ba = make_linear([b.reshape(-1, ba.shape[1]), a.reshape(-1, ba.shape[1])], None, device, dtype)
+        self.in_proj_ba = self._grouped_ba(t, p, device, dtype)
+
+    def _grouped_ba(self, t: dict, p: str, device: torch.device, dtype: torch.dtype) -> Linear:
+        la = self.shape
+        ba = _dense(_take(t, p + "in_proj_ba.weight"), p + "in_proj_ba.weight")
+        b, a = ba.view(la.num_k_heads, 2, la.num_v_heads // la.num_k_heads, -1).unbind(1)
+        return make_linear([b.reshape(-1, ba.shape[1]), a.reshape(-1, ba.shape[1])], None, device, dtype)
 
     def nbytes(self) -> int:
         return self.in_proj.nbytes() + self.in_proj_ba.nbytes() + self.out_proj.nbytes()
@@ -413,10 +460,11 @@ ARCHITECTURE = Architecture(
     hf_model_type="qwen3_next",
     gguf_name="qwen3next",
     hf_fields=hf_fields,
-    gguf_fields=lambda meta: {},
+    gguf_fields=gguf_fields,
     hf_tensor_names=_tensor_names(QWEN3_NEXT_PROJECTIONS),
     gguf_global_names=names.GGUF_GLOBAL_NAMES,
-    gguf_layer_names={**names.GGUF_LAYER_NAMES, **names.GGUF_QK_NORM_NAMES, **names.GGUF_MOE_NAMES},
+    gguf_layer_names={**names.GGUF_LAYER_NAMES, **names.GGUF_QK_NORM_NAMES, **names.GGUF_MOE_NAMES,
+                      **GGUF_LINEAR_NAMES},
     gguf_qk_interleaved=False,
     build=build,
     fused_paths=FUSED_PATHS,
