@@ -22,7 +22,7 @@ from exlcli.engine.page_pool import PagePool
 from exlcli.engine.scheduler import Scheduler
 from exlcli.engine.sessions import DEFAULT_MAX_SESSIONS, SessionCache
 from exlcli.engine.speculative import Drafter, Speculator, speculation_pays_on
-from exlcli.engine.state_pool import StatePool
+from exlcli.engine.state_pool import StatePool, StateSnapshots
 from exlcli.errors import ExlcliError
 from exlcli.model.interface import CausalLM
 from exlcli.model.kv_cache import KVCache, check_kv_cache_dtype, kv_cache_types
@@ -116,17 +116,16 @@ def kv_budget(model: CausalLM, config: EngineConfig, device: torch.device) -> in
 def hybrid_config(config: EngineConfig) -> EngineConfig:
     """The engine's configuration for a model with linear attention layers: their state covers every
     token a sequence has seen and cannot drop or un-see any, so what needs that is refused in one line
-    (speculative decoding rolls rejected drafts back, a context shift drops tokens) or turned off (a
-    prefix-cache hit or a resumed session would need the state at that point: not kept yet)."""
+    (speculative decoding rolls rejected drafts back, a context shift drops tokens) or turned off
+    (sessions: a parked sequence's state would have to be kept; the prefix cache, with snapshots of
+    the state at page boundaries, serves a conversation's next turn instead)."""
     if config.speculative:
         raise ExlcliError("speculative decoding is not supported on models with linear attention layers "
                           "(Qwen3-Next, Qwen3.5) yet")
     if config.context_overflow != "stop":
         raise ExlcliError(f"--context-overflow {config.context_overflow} is not supported on models with linear "
                           "attention layers (their state cannot drop tokens); use stop")
-    if config.enable_prefix_cache or config.max_sessions:
-        log.info("prefix caching and sessions are off: this model's linear attention state is not snapshotted")
-    return dataclasses.replace(config, enable_prefix_cache=False, max_sessions=0)
+    return dataclasses.replace(config, max_sessions=0)
 
 
 def build_parts(model: CausalLM, tokenizer, config: EngineConfig) -> EngineParts:
@@ -146,20 +145,25 @@ def build_parts(model: CausalLM, tokenizer, config: EngineConfig) -> EngineParts
     if draft_model is not None:  # its own pool, as many pages as the target's, from the same budget
         per_page += draft_model.kv_bytes_per_page(config.page_size)
     memory = kv_budget(model, config, device)
-    num_slots = 0
-    if hybrid:  # the states first (at most half the budget, one a sequence), the pages from the rest
+    num_slots = num_snapshots = 0
+    if hybrid:
+        # the states first (at most half the budget: one a sequence, and with prefix caching as many
+        # snapshots at page boundaries), the pages from the rest
         per_slot = StateCache.bytes_per_slot(model.config, model.dtype)
-        num_slots = min(config.max_num_seqs, memory // 2 // per_slot)
+        total = memory // 2 // per_slot
+        num_slots = min(config.max_num_seqs, (total + 1) // 2 if config.enable_prefix_cache else total)
         if num_slots < 1:
             raise ExlcliError(f"the KV memory budget of {memory / 2**20:.0f} MiB cannot hold one sequence's linear "
                               f"attention state ({per_slot / 2**20:.0f} MiB) beside its pages; give --kv-memory more")
-        memory -= num_slots * per_slot
+        num_snapshots = min(total - num_slots, num_slots) if config.enable_prefix_cache else 0
+        memory -= (num_slots + num_snapshots) * per_slot
     num_pages = config.num_pages or max(2, memory // per_page)
     # a drafter's scratch pages sit past the pool's (no sequence owns them)
     kv = KVCache(model.config, num_pages + num_drafter_pages(config.speculative, config.page_size),
-                 config.page_size, device, kv_dtype, state_slots=num_slots, state_dtype=model.dtype)
+                 config.page_size, device, kv_dtype, state_slots=num_slots + num_snapshots, state_dtype=model.dtype)
     pool = PagePool(num_pages, config.page_size, config.enable_prefix_cache)
     states = StatePool(num_slots) if num_slots else None
+    snapshots = StateSnapshots(num_slots, num_snapshots) if num_snapshots else None
     # One sequence alone must always fit, so preemption can always make progress.
     max_model_len = min(config.max_model_len or model.config.context_length,
                         model.config.context_length, num_pages * config.page_size)
@@ -175,7 +179,8 @@ def build_parts(model: CausalLM, tokenizer, config: EngineConfig) -> EngineParts
                   if config.speculative else None)
     sessions = SessionCache(pool, config.max_sessions)
     scheduler = Scheduler(pool, budget, config.max_num_seqs,
-                          propose=speculator.propose if speculator else None, reclaim=sessions.reclaim, states=states)
+                          propose=speculator.propose if speculator else None, reclaim=sessions.reclaim, states=states,
+                          snapshots=snapshots)
     eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or model.config.eos_token_ids)
     async_scheduling = config.async_scheduling if config.async_scheduling is not None else device.type == "cuda"
     grammars = GrammarCompiler(tokenizer, model.config.vocab_size, eos_ids)

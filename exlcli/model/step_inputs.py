@@ -33,6 +33,8 @@ class StepInputs:
     in_flight: list[tuple[int, int]] = field(default_factory=list)  # (row of T, row of the previous step's ids)
     key_shifts: list[KeyShift] = field(default_factory=list)  # context shifts applied before the forward
     state_slots: list[int] | None = None  # [B] hybrid models: each sequence's state slot (KVCache.states)
+    state_copies: list[tuple[int, int]] = field(default_factory=list)  # (from, to) slots, before the forward
+    state_snapshots: list[tuple[int, int, int]] = field(default_factory=list)  # BatchInputs.state_snapshots
 
     def __post_init__(self) -> None:
         num_tokens = len(self.input_ids)
@@ -97,6 +99,7 @@ class StepInputs:
             seq_lens_t=to_device(self.seq_lens, torch.int32, device),
             query_start_loc_t=to_device(self.query_start_loc, torch.int32, device),
             state_slots=self.state_slots,
+            state_snapshots=self.state_snapshots or None,
         )
 
 

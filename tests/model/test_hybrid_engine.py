@@ -1,7 +1,8 @@
 """A hybrid model (tiny random Qwen3-Next, fp32 on the CPU) through the engine: greedy outputs equal
 transformers' generate, alone and in a batch whose prefills are split across steps beside others'
 decodes; preemption, cancels and finishes give every state slot and page back; what the state
-cannot do yet is refused in one line (speculation, context shifts) or off (prefix caching)."""
+cannot do is refused in one line (speculation, context shifts); a second turn resumes from a
+snapshot of the state that the prefix cache keeps at a page boundary."""
 
 from __future__ import annotations
 
@@ -49,6 +50,8 @@ def _engine(model, **options) -> Engine:
 def _all_given_back(engine: Engine) -> None:
     engine.pool.check()
     engine.scheduler.states.check()
+    if engine.scheduler.snapshots is not None:
+        engine.scheduler.snapshots.check()
     assert engine.pool.num_used == 0 and engine.scheduler.states.num_used == 0
 
 
@@ -94,8 +97,12 @@ def test_state_slots_bound_the_running_sequences(models):
     la = model.config.linear_attention
     per_layer = (la.conv_width - 1) * la.conv_channels + la.num_v_heads * la.k_head_dim * la.v_head_dim
     assert slot_bytes == 3 * 4 * per_layer  # three linear layers, fp32
-    engine = _engine(model, kv_memory=7 * slot_bytes)  # three slots fit in half the budget, pages in the rest
+    # three slots fit in half the budget, pages in the rest; with the prefix cache, two and a snapshot
+    with_cache = _engine(model, kv_memory=7 * slot_bytes)
+    assert with_cache.scheduler.max_num_seqs == 2 and with_cache.scheduler.snapshots.count == 1
+    engine = _engine(model, kv_memory=7 * slot_bytes, enable_prefix_cache=False)
     assert engine.kv.states.num_slots == 3 and engine.scheduler.max_num_seqs == 3
+    assert engine.scheduler.snapshots is None
     assert engine.pool.num_pages == 4 * slot_bytes // KVCache.bytes_per_page(model.config, PAGE, torch.float32)
     handles = [engine.submit(greedy(f"s{i}", p, n=4)) for i, p in enumerate(_prompts(6, seed=4))]
     engine.step()
@@ -107,15 +114,27 @@ def test_state_slots_bound_the_running_sequences(models):
         _engine(model, kv_memory=slot_bytes)
 
 
-def test_prefix_cache_is_off_and_answers_stay_right(models):
+def test_a_second_turn_resumes_from_a_snapshot(models):
+    """Turn one computes 40 prompt tokens (a snapshot at 32, the chunk's last page boundary) and
+    decodes 20 (a snapshot at 48); turn two, the conversation so far and two more tokens, resumes
+    from the one at 48 and answers as without the cache, and as transformers."""
     hf, model = models
-    prompt = _prompts(1, seed=5)[0]
+    prompt = _prompts(1, seed=5, lengths=(40,))[0]
     engine = _engine(model)
-    assert not engine.pool.enable_prefix_cache
-    first = tokens_of(engine.submit(greedy("one", prompt, n=8)))
-    again = list(engine.submit(greedy("two", prompt + first + [3, 4], n=8)))
-    assert again[-1].stats.cached_tokens == 0
-    assert [t for o in again for t in o.new_token_ids] == _theirs(hf, prompt + first + [3, 4], 8)
+    first = tokens_of(engine.submit(greedy("one", prompt, n=20)))
+    assert len(engine.scheduler.snapshots) == 2
+    turn = prompt + first + [3, 4]
+    again = list(engine.submit(greedy("two", turn, n=8)))
+    assert again[-1].stats.cached_tokens == 48
+    answer = [t for o in again for t in o.new_token_ids]
+    assert answer == tokens_of(_engine(model, enable_prefix_cache=False).submit(greedy("x", turn, n=8)))
+    assert answer == _theirs(hf, turn, 8)
+    # a cached page with no snapshot after it (16: inside turn one's first chunk) is not resumed from
+    short = prompt[:20] + [7] * 10
+    outs = list(engine.submit(greedy("three", short, n=6)))
+    assert outs[-1].stats.cached_tokens == 0
+    assert [t for o in outs for t in o.new_token_ids] == _theirs(hf, short, 6)
+    _all_given_back(engine)
 
 
 def test_what_the_state_cannot_do_is_one_line(models):

@@ -311,6 +311,7 @@ class GatedDeltaNet:
         conv_states, rec_states = states
         assert batch.state_slots is not None  # a hybrid model's step carries its sequences' slots
         slots, qsl, lens = batch.state_slots, batch.query_start_loc, batch.seq_lens
+        snapshots = {s: (cut, slot) for s, cut, slot in batch.state_snapshots or ()}
         core = torch.empty(num_tokens, la.num_v_heads, la.v_head_dim, dtype=torch.float32, device=x.device)
         decode = [s for s in range(len(slots)) if qsl[s + 1] - qsl[s] == 1 and lens[s] > 1]
         chunks = [s for s in range(len(slots)) if not (qsl[s + 1] - qsl[s] == 1 and lens[s] > 1)]
@@ -323,17 +324,29 @@ class GatedDeltaNet:
             o, rec_new = recurrent_gated_delta_step(q, k, v, g[rows], beta[rows], rec_states.index_select(0, index))
             core[rows] = o
             updates.append(([conv_states, rec_states], index, [conv_new, rec_new]))
+            for j, s in enumerate(decode):  # (a decode token that ends a page: its state is the snapshot)
+                if s in snapshots:
+                    dst = torch.tensor([snapshots[s][1]], device=x.device)
+                    updates.append(([conv_states, rec_states], dst, [conv_new[j:j + 1], rec_new[j:j + 1]]))
         for s in chunks:
             start, end = qsl[s], qsl[s + 1]
             fresh = lens[s] == end - start  # the chunk starts at position 0
-            slot = slots[s]
-            mixed, conv_new = causal_conv1d(qkv[start:end], self.conv, None if fresh else conv_states[slot])
-            q, k, v = self._heads(mixed)
-            o, rec_new = chunk_gated_delta_rule(q, k, v, g[start:end], beta[start:end],
-                                                None if fresh else rec_states[slot])
-            core[start:end] = o
-            index = torch.tensor([slot], device=x.device)
-            updates.append(([conv_states, rec_states], index, [conv_new[None], rec_new[None]]))
+            conv_state = None if fresh else conv_states[slots[s]]
+            rec_state = None if fresh else rec_states[slots[s]]
+            # a snapshot inside the chunk splits it there; one at its end is its final state
+            cut = snapshots[s][0] if s in snapshots else end - start
+            for lo, hi in ((start, start + cut), (start + cut, end)):
+                if lo == hi:
+                    continue
+                mixed, conv_state = causal_conv1d(qkv[lo:hi], self.conv, conv_state)
+                q, k, v = self._heads(mixed)
+                core[lo:hi], rec_state = chunk_gated_delta_rule(q, k, v, g[lo:hi], beta[lo:hi], rec_state)
+                if s in snapshots and hi == start + cut:
+                    dst = torch.tensor([snapshots[s][1]], device=x.device)
+                    updates.append(([conv_states, rec_states], dst, [conv_state[None], rec_state[None]]))
+            assert conv_state is not None and rec_state is not None  # (a chunk has at least one token)
+            index = torch.tensor([slots[s]], device=x.device)
+            updates.append(([conv_states, rec_states], index, [conv_state[None], rec_state[None]]))
         # the gated RMSNorm per value head, in the activations' dtype as the checkpoint's reference rounds
         o = core.to(x.dtype)
         normed = rms_norm(o, self.norm, self.eps)
