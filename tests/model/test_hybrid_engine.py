@@ -145,3 +145,16 @@ def test_what_the_state_cannot_do_is_one_line(models):
         _engine(model, context_overflow="shift")
     with pytest.raises(RequestError, match="^context_overflow sinks is not supported"):
         _engine(model).submit(greedy("x", [1, 2, 3], n=2, context_overflow="sinks"))
+
+
+def test_session_requests_run_without_parking(models):
+    """Sessions are off on hybrid models: a session's turns run (the prefix cache serves the next one)."""
+    hf, model = models
+    prompt = _prompts(1, seed=7, lengths=(20,))[0]
+    engine = _engine(model)
+    first = tokens_of(engine.submit(greedy("t1", prompt, n=5, session="chat")))
+    turn = prompt + first + [1]
+    assert tokens_of(engine.submit(greedy("t2", turn, n=5, session="chat"))) == _theirs(hf, turn, 5)
+    engine.end_session("chat")
+    engine.run_until_idle()
+    _all_given_back(engine)
