@@ -95,6 +95,11 @@ class LinearAttentionConfig:
         """q | k | v, the channels the convolution runs over."""
         return 2 * self.key_dim + self.value_dim
 
+    def params(self, hidden: int) -> int:
+        """A layer's: q|k|v|z and b|a in, out, the convolution, A and dt bias, the output norm."""
+        return (hidden * (self.conv_channels + self.value_dim + 2 * self.num_v_heads) + self.value_dim * hidden
+                + self.conv_channels * self.conv_width + 2 * self.num_v_heads + self.v_head_dim)
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -140,6 +145,7 @@ class ModelConfig:
     embed_scale: float | None = None
     # hybrid models: the linear attention layers' shape (the layers layer_types names linear_attention)
     linear_attention: LinearAttentionConfig | None = None
+    attention_output_gate: bool = False  # q_proj also yields a sigmoid gate per head on the output (Qwen3-Next)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -229,6 +235,8 @@ class ModelConfig:
             attn += q + 2 * kv
         if self.qk_norm:
             attn += 2 * self.head_dim
+        if self.attention_output_gate:
+            attn += h * q
         total = 0
         for layer in range(self.num_layers):
             if (moe := self.layer_moe(layer)) is not None:
@@ -237,7 +245,8 @@ class ModelConfig:
                 ffn += 3 * h * moe.shared_expert_size + (h if moe.shared_expert_gate else 0)
             else:
                 ffn = 3 * h * i
-            total += attn + ffn + (4 if self.sandwich_norms else 2) * h
+            mixer = self.linear_attention.params(h) if self.linear_attention and self.is_linear_layer(layer) else attn
+            total += mixer + ffn + (4 if self.sandwich_norms else 2) * h
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return total + embed + h
 

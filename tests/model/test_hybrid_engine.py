@@ -158,3 +158,17 @@ def test_session_requests_run_without_parking(models):
     engine.end_session("chat")
     engine.run_until_idle()
     _all_given_back(engine)
+
+
+def test_bf16_greedy_alone_equals_in_a_batch(tmp_path):
+    """bf16 on the CPU (its linear, norm and attention kernels): a sequence's greedy tokens do not
+    depend on the others in its steps, prefills split beside decodes."""
+    write_qwen3_next(tmp_path, seed=3)
+    model = load_model(str(tmp_path), device="cpu", dtype="bfloat16").model
+    prompts = _prompts(4, seed=1)
+    alone = [tokens_of(_engine(model).submit(greedy(f"a{i}", p, n=6))) for i, p in enumerate(prompts[:2])]
+    engine = _engine(model, max_num_batched_tokens=48)
+    handles = [engine.submit(greedy(f"b{i}", p, n=6)) for i, p in enumerate(prompts)]
+    engine.run_until_idle()
+    assert [tokens_of(h) for h in handles[:2]] == alone
+    _all_given_back(engine)

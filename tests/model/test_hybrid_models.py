@@ -166,3 +166,11 @@ def test_llama_cpp_gguf_equals_transformers(tmp_path):
     ours = loaded.model.forward(_batch(seqs, [0, 0], tables, 16, [0, 1]), kv)
     for got, seq in zip(ours.split([len(s) for s in seqs]), seqs):
         assert relative_error(got, _hf_logits(hf, seq)) <= MAX_REL_ERR
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_parameter_count_equals_transformers(tmp_path, case):
+    """What `exlcli info` shows."""
+    hf = write_qwen3_next(tmp_path, case=case)
+    cfg = load_model(str(tmp_path), device="cpu", dtype="float32").config
+    assert cfg.num_params == sum(p.numel() for p in hf.parameters())

@@ -78,6 +78,7 @@ def _hybrid_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
     params = cfg.get("rope_parameters") or {}
     fraction = float(cfg.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 0.25)
     return {"qk_norm": True, "attention_bias": bool(cfg.get("attention_bias", False)), "norm_offset": 1.0,
+            "attention_output_gate": True,
             "partial_rotary_factor": fraction, "layer_types": tuple(kinds),
             "linear_attention": linear_attention_config(cfg)}
 
@@ -128,7 +129,7 @@ def gguf_fields(meta: Mapping[str, Any]) -> dict[str, Any]:
     moe = replace(gguf_moe(meta, "qwen3next"), shared_expert_size=shared, shared_expert_gate=bool(shared),
                   normalize=True)
     rotated = int(meta.get("qwen3next.rope.dimension_count") or head_dim // 4)
-    return {"qk_norm": True, "moe": moe, "layer_types": kinds, "linear_attention": la,
+    return {"qk_norm": True, "moe": moe, "layer_types": kinds, "linear_attention": la, "attention_output_gate": True,
             "partial_rotary_factor": rotated / head_dim}
 
 
