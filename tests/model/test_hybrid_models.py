@@ -174,3 +174,15 @@ def test_parameter_count_equals_transformers(tmp_path, case):
     hf = write_qwen3_next(tmp_path, case=case)
     cfg = load_model(str(tmp_path), device="cpu", dtype="float32").config
     assert cfg.num_params == sum(p.numel() for p in hf.parameters())
+
+
+def test_info_shows_the_linear_layers(tmp_path, private_runtime_dir):
+    from typer.testing import CliRunner
+
+    from exlcli.cli.app import app
+
+    write_qwen3_next(tmp_path)
+    done = CliRunner().invoke(app, ["info", "--model", str(tmp_path)])
+    assert done.exit_code == 0, done.output
+    assert ("linear attention   3 of 4 layers (Gated DeltaNet: 2 key heads of 16, 4 value heads of 16, conv width 4)"
+            in done.output)
