@@ -71,7 +71,7 @@ class ModelRunner:
             snapshots = [(b, item.snapshot[0], item.snapshot[1]) for b, item in enumerate(batch.items)
                          if item.snapshot is not None]
         return StepInputs(ids, positions, slots, tables, seq_lens, starts, logits_rows, in_flight,
-                          key_shifts=list(batch.key_shifts), state_slots=state_slots,  # type: ignore[arg-type]
+                          key_shifts=list(batch.key_shifts), state_slots=state_slots or [],  # type: ignore[arg-type]
                           state_copies=copies or [], state_snapshots=snapshots or [])  # type: ignore[arg-type]
 
     def execute(self, inputs: StepInputs, prev_ids: torch.Tensor | None = None) -> torch.Tensor:
