@@ -100,6 +100,9 @@ class Engine:
                                   default_mode=cfg.context_overflow, default_sink_tokens=cfg.sink_tokens,
                                   default_window=cfg.window, max_model_len=self.max_model_len,
                                   page_size=cfg.page_size)
+        if overflow is not None and self.kv.states is not None:
+            raise RequestError(f"context_overflow {overflow.mode} is not supported on models with linear attention "
+                               "layers (their state cannot drop tokens); use stop")
         if prompt_len >= self.max_model_len and overflow is None:
             raise RequestError(f"prompt is {prompt_len} tokens, longer than the context of "
                                f"{self.max_model_len} tokens (the prompt plus at least one new token must fit)")
