@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response
 
 from exlcli.client.base import EngineClient, GenerationParams, GenerationStream
 from exlcli.engine.request import grammar_from_response_format
+from exlcli.engine.stats import EngineStats
 from exlcli.errors import RequestError
 from exlcli.server import openai_format as fmt
 from exlcli.server.bounded_work import DEFAULT_START_BUDGET_MS, OverBudget, run_bounded
@@ -111,6 +112,14 @@ class ServerState:
         """The default model's engine (loaded on this thread if it is not): for callers that name no
         model. Routes use client_for."""
         return self.pool.client_now(self.pool.default)
+
+    def engine_view(self) -> tuple[str, EngineStats]:
+        """The engine the display and /metrics show: the default model's, else the one used last
+        (empty stats while none is loaded). Never loads one."""
+        loaded = sorted(self.pool.loaded(), key=lambda m: (m is not self.pool.default, -m.last_used))
+        if not loaded or loaded[0].client is None:
+            return self.pool.default.name, EngineStats()
+        return loaded[0].name, loaded[0].client.stats()
 
     def loaded_clients(self) -> list[EngineClient]:
         return [m.client for m in self.pool.loaded() if m.client is not None]
@@ -244,8 +253,8 @@ def create_app(models: EngineClient | ModelPool, config: ServerConfig | None = N
 
     @app.get("/stats")
     async def stats(model: str | None = None) -> dict:
-        client = await state.client_for(model)
-        return dataclasses.asdict(client.stats())
+        client = state.pool.find(model).client  # a model not loaded is not loaded for this: all zeros
+        return dataclasses.asdict(client.stats() if client is not None else EngineStats())
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:

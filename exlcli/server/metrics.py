@@ -40,10 +40,10 @@ class EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         state, tracker = self.state, self.state.tracker
-        stats = state.client.stats()
+        name, stats = state.engine_view()
         num_waiting = tracker.num_waiting(stats) + state.num_starting
         rates = state.rates.observe(stats, tracker.clock())
-        model = {"model_name": state.client.model_name}
+        model = {"model_name": name}
 
         def vllm_gauge(name: str, help_text: str, value: float) -> Metric:
             g = GaugeMetricFamily("vllm:" + name, help_text, labels=list(model))

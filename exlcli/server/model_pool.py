@@ -67,6 +67,7 @@ class ServedModel:
     last_used: float = 0.0  # monotonic time of the last pick or of a lease's end
     leases: int = 0  # requests that picked it and have not finished
     memory_bytes: int = 0  # measured once loaded
+    context_length: int | None = None  # known once it has loaded (kept across unloads)
     loads: int = 0
     lock: asyncio.Lock | None = None  # one load at a time (made in the event loop)
 
@@ -145,6 +146,10 @@ class ModelPool:
                            param="model", code="model_not_found")
         return found
 
+    def rename(self, model: ServedModel, name: str) -> None:
+        model.spec.name = name
+        self._by_name.setdefault(name, model)
+
     def loaded(self) -> list[ServedModel]:
         return [m for m in self.models if m.client is not None]
 
@@ -200,6 +205,7 @@ class ModelPool:
     def _loaded(self, model: ServedModel, client: EngineClient) -> None:
         model.client, model.status, model.error = client, LOADED, None
         model.memory_bytes = client.memory_bytes()
+        model.context_length = client.context_length
         model.loads += 1
         model.last_used = self.clock()
 
@@ -233,14 +239,16 @@ class ModelPool:
                 log.info("unloading %s to make room for %s", victim.name, incoming.name)
                 await asyncio.to_thread(self.unload, victim)
 
-    def unload(self, model: ServedModel) -> None:
+    def unload(self, model: ServedModel, release: bool = True) -> None:
         """Close its engine and give its memory back; it loads again on its next request."""
         client, model.client = model.client, None
+        holds_memory = model.memory_bytes > 0  # an in-process engine (a remote or fake one holds none here)
         model.status, model.memory_bytes = NOT_LOADED, 0
         if client is not None:
             client.close()
             del client
-            client_memory_freed()
+            if release and holds_memory:
+                client_memory_freed()
 
     async def reap(self) -> list[str]:
         """Unload the models idle for longer than the keep-alive; returns their names."""
@@ -262,8 +270,9 @@ class ModelPool:
                 log.exception("unloading an idle model failed")
 
     def close_all(self) -> None:
+        """At exit: every engine stopped (the process gives the memory back)."""
         for model in self.loaded():
-            self.unload(model)
+            self.unload(model, release=False)
 
     # -- what /v1/models and `exlcli ps` show ----------------------------------------------------
     def describe(self, model: ServedModel, now_wall: float) -> dict:
@@ -274,8 +283,8 @@ class ModelPool:
             "expires_at": None if left is None else int(now_wall + left),
             "running": model.client.num_requests() if model.client is not None else 0,
         }
-        if model.client is not None:
-            info["max_model_len"] = model.client.context_length
+        if model.context_length is not None:
+            info["max_model_len"] = model.context_length
         if model.error is not None:
             info["error"] = model.error
         return info
