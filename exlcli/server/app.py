@@ -198,11 +198,11 @@ def token_text(client: EngineClient, token_id: int) -> str:
     return f"token_id:{token_id}"
 
 
-def create_app(models: EngineClient | ModelPool, config: ServerConfig | None = None,
+def create_app(served: EngineClient | ModelPool, config: ServerConfig | None = None,
                tracker: RequestTracker | None = None) -> FastAPI:
-    """`models`: one engine, or the pool of the served models (the caller closes them afterwards)."""
+    """`served`: one engine, or the pool of the served models (the caller closes them afterwards)."""
     config = config or ServerConfig()
-    pool = models if isinstance(models, ModelPool) else ModelPool.of_client(models, config.model_aliases)
+    pool = served if isinstance(served, ModelPool) else ModelPool.of_client(served, config.model_aliases)
     state = ServerState(pool, config, tracker or RequestTracker(model_name=pool.default.name))
     state.tracker.registry.register(EngineCollector(state))
 
