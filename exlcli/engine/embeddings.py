@@ -95,6 +95,14 @@ class EmbeddingQueue:
                 break  # no pages for this one: later jobs wait their turn
         return ran
 
+    def fail_first(self, message: str) -> None:
+        """The oldest job cannot get its pages and nothing will give any back (no generation runs):
+        it fails rather than waiting forever."""
+        with self._lock:
+            job = self._jobs.pop(0) if self._jobs else None
+        if job is not None and not job.future.done():
+            job.future.set_exception(RequestError(message))
+
     def fail_all(self, message: str) -> None:
         with self._lock:
             jobs, self._jobs = self._jobs, []
@@ -159,6 +167,5 @@ class EmbeddingQueue:
         hidden = self.model.forward_hidden(inputs.to_batch_inputs(self.model.device), self.kv).float()
         if pooling != "mean":
             return hidden.cpu()
-        sums = [hidden[a - starts[0]:b].sum(dim=0) / (b - a) for a, b in zip(starts, starts[1:])]
-        # rows are all tokens in order, so a sequence's rows are its own token span
-        return torch.stack(sums).cpu()
+        # every token is a row, in order: an input's rows are its own token span
+        return torch.stack([hidden[a:b].mean(dim=0) for a, b in zip(starts, starts[1:])]).cpu()

@@ -223,6 +223,10 @@ class Engine:
         self._take_inbox()
         embedded = self.embeddings.run_pending() if self.embeddings.has_work() else False
         prev, self._in_flight = self._in_flight, None
+        if not embedded and self.embeddings.has_work() and not self.scheduler.has_work() and prev is None:
+            self.embeddings.fail_first(f"no room in the KV cache for the embedding ({self.pool.num_free} free pages "
+                                       "while nothing runs: the rest are kept for sessions)")
+            embedded = True
         if not self.scheduler.has_work():
             if prev is not None:
                 self.readback.resolve(prev)

@@ -358,8 +358,8 @@ async def _start(state: ServerState, endpoint: str, label: str, priority: str,
 
 
 async def _bounded_embed(state: ServerState, fn):
-    """An embedding runs on the engine's thread; this waits for it in a worker thread (tokenising the
-    texts first, within the start budget's slots)."""
+    """An embedding runs on the engine's thread; a worker thread tokenises the texts and waits for
+    it, counted as waiting meanwhile (--max-queue)."""
     state.num_starting += 1
     try:
         return await asyncio.get_running_loop().run_in_executor(None, fn)

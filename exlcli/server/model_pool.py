@@ -147,8 +147,13 @@ class ModelPool:
         return found
 
     def rename(self, model: ServedModel, name: str) -> None:
+        """`model`, named once loaded (the default model, whose file is known only then)."""
         model.spec.name = name
-        self._by_name.setdefault(name, model)
+        self.add_alias(model, name)
+
+    def add_alias(self, model: ServedModel, alias: str) -> None:
+        if alias and self._by_name.setdefault(alias, model) is model and alias != model.name:
+            model.spec.aliases = (*model.spec.aliases, alias)
 
     def loaded(self) -> list[ServedModel]:
         return [m for m in self.models if m.client is not None]

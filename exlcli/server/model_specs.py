@@ -80,8 +80,13 @@ def served_models(options: dict, specs: list[str], models_dir: str | None, serve
                                     size_on_disk(spec) if spec else 0))
     pool = ModelPool(pool_specs, keep_alive_s=keep_alive_s, memory_budget=memory_budget, max_loaded=max_loaded)
     first = pool.client_now(pool.default)
+    own = getattr(getattr(first, "loaded", None), "name", None) or first.model_name  # its name before renaming
     if not pool.default.spec.name:  # the default model, named once it is loaded
-        pool.rename(pool.default, first.model_name)
+        pool.rename(pool.default, own)
+        first.model_name = own
+    pool.add_alias(pool.default, own)  # with --served-model-name, its own name works too
+    if own.endswith(".gguf"):
+        pool.add_alias(pool.default, own.removesuffix(".gguf"))
     return pool
 
 

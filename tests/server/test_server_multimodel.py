@@ -320,3 +320,23 @@ def test_a_model_load_error_is_one_line_even_from_a_multiline_exception():
         r = httpx.post(live.url + "/v1/completions", json={"model": "b", "prompt": "x"})
         assert r.status_code == 500 and r.json()["error"]["message"].endswith("weights.gguf: truncated")
     pool.close_all()
+
+
+def test_the_live_display_has_a_line_per_model():
+    from exlcli.server.app import ServerConfig, ServerState
+    from exlcli.server.dashboard import render, take_snapshot
+    from exlcli.server.tracker import RequestTracker
+
+    clock = FakeClock()
+    pool = ModelPool([ModelSpec("a", FakeClient), ModelSpec("b", FakeClient)], keep_alive_s=300, clock=clock)
+    pool.client_now(pool.default)
+    clock.now += 60
+    snap = take_snapshot(ServerState(pool, ServerConfig(), RequestTracker()), "http://x")
+    assert snap.models == ["a (default)  loaded  unloads in 4m00s idle", "b  not loaded"]
+    from rich.console import Console
+
+    console = Console(width=120, record=True, file=io.StringIO())
+    console.print(render(snap))
+    text = console.export_text()
+    assert "model a (default)  loaded  unloads in 4m00s idle" in text and "model b  not loaded" in text
+    pool.close_all()
