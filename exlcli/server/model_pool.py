@@ -242,18 +242,27 @@ class ModelPool:
                 break
             if victim is not incoming and not self.busy(victim):
                 log.info("unloading %s to make room for %s", victim.name, incoming.name)
-                await asyncio.to_thread(self.unload, victim)
+                await self.unload_async(victim)
 
     def unload(self, model: ServedModel, release: bool = True) -> None:
         """Close its engine and give its memory back; it loads again on its next request."""
-        client, model.client = model.client, None
+        box, holds_memory = self._detach(model)
+        _close(box, holds_memory, release)
+
+    async def unload_async(self, model: ServedModel) -> None:
+        """unload() from the event loop: the model is no longer picked from now on; its engine
+        closes in a worker thread."""
+        box, holds_memory = self._detach(model)
+        await asyncio.to_thread(_close, box, holds_memory, True)
+
+    def _detach(self, model: ServedModel) -> tuple[list[EngineClient], bool]:
+        """The model's engine, in a list that _close empties: once it has, nothing here refers to
+        the engine, so the memory it held can be collected."""
+        box = [model.client] if model.client is not None else []
+        model.client = None
         holds_memory = model.memory_bytes > 0  # an in-process engine (a remote or fake one holds none here)
         model.status, model.memory_bytes = NOT_LOADED, 0
-        if client is not None:
-            client.close()
-            del client
-            if release and holds_memory:
-                client_memory_freed()
+        return box, holds_memory
 
     async def reap(self) -> list[str]:
         """Unload the models idle for longer than the keep-alive; returns their names."""
@@ -261,7 +270,7 @@ class ModelPool:
         for model in self.loaded():
             left = self.expires_in(model)
             if left is not None and left <= 0 and not self.busy(model):
-                await asyncio.to_thread(self.unload, model)
+                await self.unload_async(model)
                 gone.append(model.name)
         return gone
 
@@ -295,10 +304,15 @@ class ModelPool:
         return info
 
 
-def client_memory_freed() -> None:
-    from exlcli.client.local import release_freed_memory
+def _close(box: list[EngineClient], holds_memory: bool, release: bool) -> None:
+    while box:
+        client = box.pop()
+        client.close()
+        del client  # the last reference: what it held is garbage from here
+    if release and holds_memory:
+        from exlcli.client.local import release_freed_memory
 
-    release_freed_memory()
+        release_freed_memory()
 
 
 def _one_line(e: BaseException) -> str:

@@ -220,6 +220,9 @@ def test_room_is_made_least_recently_used_first_but_never_from_a_model_that_runs
         assert status == {"a": "loaded", "b": "loaded", "c": "not loaded"}
         runner.join(30)
         assert done["a"] == "echo: " + words  # the running request was not hurt
+        assert wait_until(lambda: not pool.busy(pool.find("a")))  # (its lease ends just after the answer)
+        clock.now += 1
+        httpx.post(live.url + "/v1/completions", json={"model": "b", "prompt": "x"})
         clock.now += 1
         httpx.post(live.url + "/v1/completions", json={"model": "c", "prompt": "x"})  # now a is idle and oldest
         status = {k: v["status"] for k, v in models_by_id(live.url).items()}
