@@ -177,10 +177,6 @@ def usage_chunk(response_id: str, created: int, model: str, obj: str,
             "usage": usage_dict(usages)}
 
 
-def model_list(model: str, context_length: int, created: int) -> dict:
-    return {"object": "list", "data": [model_entry(model, created, {"max_model_len": context_length})]}
-
-
 def model_entry(model: str, created: int, info: dict) -> dict:
     """One model of /v1/models: OpenAI's fields, then exlcli's (max_model_len while loaded, status,
     memory_bytes, expires_at, ...)."""
