@@ -16,6 +16,7 @@ from exlcli.model.architectures import build_model, config_from_hf
 from exlcli.model.architectures.tensor_names import EMBED, LM_HEAD
 from exlcli.model.config import ModelConfig
 from exlcli.model.interface import CausalLM
+from exlcli.model.pooling import folder_pooling, gguf_pooling
 from exlcli.model.tensor_types import TensorTypes, count_types, decode_step_bytes
 from exlcli.ops.formats import QuantizedWeight, exl3
 from exlcli.text.chat_template import ChatTemplate
@@ -40,6 +41,8 @@ class LoadedModel:
     load_time_s: float
     tensor_types: TensorTypes | None = None  # the weights as loaded (after --quantize), per type
     step_weight_bytes: int | None = None  # weights one decode step reads, as stored (formats' nbytes)
+    pooling: str | None = None  # how it pools embeddings (model/pooling.py); None: it makes none
+    normalize_embeddings: bool = True  # the checkpoint's default for its embeddings
 
 
 def pick_device(device: str | None) -> torch.device:
@@ -107,6 +110,7 @@ def load_model(spec: str | None = None, device: str | None = None, dtype: str | 
     path = resolve_model_path(spec, log=log)
     tokenizer: Tokenizer | SyntheticTokenizer
     tensors: dict[str, Any]  # torch.Tensor or QuantizedWeight by name (quantize_tensors swaps them in place)
+    pooling, normalize = None, True
     if path.startswith("random:"):
         from exlcli.model.random_weights import SyntheticTokenizer, random_config, random_tensors
 
@@ -121,6 +125,7 @@ def load_model(spec: str | None = None, device: str | None = None, dtype: str | 
         from exlcli.text.tokenizer import Tokenizer
 
         config = config_from_hf(read_hf_config(path))
+        pooling, normalize = folder_pooling(path)
         tokenizer = Tokenizer.from_hf_folder(path)
         tensors = load_hf_tensors(path)
         config = untie_stored_head(tensors, config)
@@ -139,6 +144,7 @@ def load_model(spec: str | None = None, device: str | None = None, dtype: str | 
 
         reader = open_gguf(path)
         meta = metadata_from_reader(reader)
+        pooling = gguf_pooling(meta)
         config, tensors = load_gguf_tensors(reader, meta)
         tokenizer = Tokenizer.from_gguf_metadata(meta)
         template = ChatTemplate.for_tokenizer(tokenizer)
@@ -166,4 +172,4 @@ def load_model(spec: str | None = None, device: str | None = None, dtype: str | 
     del tensors
     name = path if path.startswith("random:") else os.path.basename(path.rstrip("/"))
     return LoadedModel(name, path, config, model, tokenizer, template, quant, time.perf_counter() - start, types,
-                       step_bytes)
+                       step_bytes, pooling, normalize)

@@ -203,7 +203,21 @@ class DecoderModel:
             raise ValueError(f"num_layers must be 1 to {len(self.layers)}, got {num_layers}")
         return self._forward(batch, kv, num_layers)
 
+    @torch.inference_mode()
+    def forward_hidden(self, batch: BatchInputs, kv: KVCache) -> torch.Tensor:
+        """The last layer's output after the final norm, fp32 [S, H], for the rows
+        batch.logits_indices (what an embedding pools); writes the step's K and V into `kv`."""
+        x = self._final_normed(batch, kv, len(self.layers))
+        return x.float()
+
     def _forward(self, batch: BatchInputs, kv: KVCache, num_layers: int) -> torch.Tensor:
+        x = self._final_normed(batch, kv, num_layers)
+        logits = self.lm_head(x, out_dtype=torch.float32)  # fp32 logits (straight from the CPU kernel)
+        if self.config.final_logit_softcap is not None:
+            logits = torch.tanh(logits / self.config.final_logit_softcap) * self.config.final_logit_softcap
+        return logits
+
+    def _final_normed(self, batch: BatchInputs, kv: KVCache, num_layers: int) -> torch.Tensor:
         cfg = self.config
         num_tokens = batch.input_ids.shape[0]
         h = F.embedding(batch.input_ids, self.embed)  # [T, H]
@@ -262,10 +276,7 @@ class DecoderModel:
         h = h[batch.logits_indices]
         residual = residual[batch.logits_indices]
         x, _ = fused_add_rms_norm(h, residual, self.norm, cfg.rms_norm_eps)
-        logits = self.lm_head(x, out_dtype=torch.float32)  # fp32 logits (straight from the CPU kernel)
-        if cfg.final_logit_softcap is not None:
-            logits = torch.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
-        return logits
+        return x
 
     # -- the CPU kernels' layer in one call ------------------------------------------------------------
     def _cpu_decoder_layers(self, h: torch.Tensor, kv: KVCache) -> CpuDecoderLayers | None:
