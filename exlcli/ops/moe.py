@@ -15,16 +15,22 @@ Activations (ACTIVATIONS): `silu` (SiLU(gate) * up) and `swiglu_clamped` (gpt-os
 above at `limit`, up to [-limit, limit], gate * sigmoid(alpha * gate) * (up + 1)).
 
 Routing is plain tensor work with no host synchronisation; the expert products here group the
-tokens of each expert on the host (this is the reference path and the CPU path: each active
-expert's weights are read once for all of its tokens).
+tokens of each expert on the host (the reference path: each active expert's weights are read once
+for all of its tokens). On the CPU with its kernels, a layer whose experts all run on the C matmul
+and use `silu` takes the routed experts in one C call (exlcli/ops/cpu/moe_experts.py), bit for bit
+the expert-by-expert path; `EXLCLI_NO_CPU_MOE_KERNEL=1` goes back to that path.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
+from exlcli import environment
+from exlcli.ops.cpu import moe_experts as cpu_moe_experts
+from exlcli.ops.cpu.loader import use_cpu_kernels
 from exlcli.ops.linear import Linear
 
 ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_group")
@@ -113,6 +119,7 @@ class MoeFeedForward:
         self.activation = activation
         self.limit = limit
         self.alpha = alpha
+        self._cpu_experts: cpu_moe_experts.CpuExperts | None | Literal[False] = False  # False: not built yet
 
     @property
     def num_experts(self) -> int:
@@ -138,9 +145,32 @@ class MoeFeedForward:
             return expert.down.silu_product(expert.gate_up(x))
         return expert.down(swiglu_clamped(expert.gate_up(x), self.limit, self.alpha))
 
+    def cpu_experts(self, x: torch.Tensor) -> cpu_moe_experts.CpuExperts | None:
+        """The routed experts in one C call where x runs the CPU kernels and every expert can take it."""
+        if self.activation != "silu" or x.dim() != 2 or not use_cpu_kernels(x):
+            return None
+        if self._cpu_experts is False:
+            self._cpu_experts = (None if environment.flag("EXLCLI_NO_CPU_MOE_KERNEL")
+                                 else cpu_moe_experts.build(self.experts, self.router.in_features))
+        return self._cpu_experts
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] (normed) -> [T, H] in x's dtype."""
         weights, ids = route(self.router(x, out_dtype=torch.float32), self.spec, self.router_bias)
+        cpu_experts = self.cpu_experts(x)
+        if cpu_experts is not None:
+            out = cpu_experts(x, weights, ids)
+        else:
+            out = self._routed(x, weights, ids)
+        if self.shared is not None:
+            y = self._expert(self.shared, x).float()
+            if self.shared_gate is not None:
+                y = y * torch.sigmoid(self.shared_gate(x, out_dtype=torch.float32))
+            out += y
+        return out.to(x.dtype)
+
+    def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sums (fp32 [T, H]), expert by expert."""
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         flat_ids = ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)  # token slots grouped by expert, in token order
@@ -155,9 +185,4 @@ class MoeFeedForward:
             y = self._expert(self.experts[e], x.index_select(0, rows)).float()
             out.index_add_(0, rows, y * slot_weights[start:start + n, None])
             start += n
-        if self.shared is not None:
-            y = self._expert(self.shared, x).float()
-            if self.shared_gate is not None:
-                y = y * torch.sigmoid(self.shared_gate(x, out_dtype=torch.float32))
-            out += y
-        return out.to(x.dtype)
+        return out
