@@ -63,7 +63,13 @@ typedef struct {
 
 static void qmm2_job_groups(void *ctx, int64_t begin, int64_t end) {
     const qmm2_job *j = (const qmm2_job *)ctx;
-    for (int64_t i = 0; i < j->n_parts; i++) {
+    int64_t lo_part = 0, hi_part = j->n_parts - 1;  // the part holding group `begin` (many parts: the experts')
+    while (lo_part < hi_part) {
+        int64_t mid = (lo_part + hi_part + 1) / 2;
+        if (j->g_first[mid] <= begin) lo_part = mid;
+        else hi_part = mid - 1;
+    }
+    for (int64_t i = lo_part; i < j->n_parts && j->g_first[i] < end; i++) {
         int64_t lo = begin > j->g_first[i] ? begin : j->g_first[i];
         int64_t hi = end < j->g_first[i + 1] ? end : j->g_first[i + 1];
         if (lo < hi) qmm2_groups((void *)&j->parts[i], lo - j->g_first[i], hi - j->g_first[i]);
@@ -167,8 +173,10 @@ static int qmatmul_avx2_grouped(const qmm_group *groups, int64_t n_groups, const
             n++;
         }
     }
+    // a chunk per column group: the job is long (every expert's), and on a busy machine a worker preempted in a
+    // long chunk holds the caller up until it runs again (docs/kernels.md has the measurement)
     qmm2_job job = {a, g_first, n};
-    exl_parallel_for(qmm2_job_groups, &job, g_first[n]);
+    exl_parallel_for_chunks(qmm2_job_groups, &job, g_first[n], g_first[n]);
     free(scales), free(xq), free(a), free(g_first);
     return 0;
 }
