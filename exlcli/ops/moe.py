@@ -105,7 +105,10 @@ class MoeFeedForward:
 
     def __init__(self, router: Linear, spec: RouterSpec, experts: list[Expert], shared: Expert | None = None,
                  shared_gate: Linear | None = None, router_bias: torch.Tensor | None = None,
-                 activation: str = "silu", limit: float = 7.0, alpha: float = 1.702) -> None:
+                 activation: str = "silu", limit: float = 7.0, alpha: float = 1.702,
+                 expert_device: torch.device | None = None) -> None:
+        """`expert_device`: where the routed experts are when not with the rest of the layer (--cpu-moe: the CPU,
+        bf16 activations); each call's rows, weights and ids go there and the sums come back."""
         if activation not in ACTIVATIONS:
             raise ValueError(f"expert activation '{activation}' is not one of {', '.join(ACTIVATIONS)}")
         if not 1 <= spec.top_k <= len(experts):
@@ -119,6 +122,7 @@ class MoeFeedForward:
         self.activation = activation
         self.limit = limit
         self.alpha = alpha
+        self.expert_device = expert_device
         self._cpu_experts: cpu_moe_experts.CpuExperts | None | Literal[False] = False  # False: not built yet
 
     @property
@@ -157,17 +161,27 @@ class MoeFeedForward:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] (normed) -> [T, H] in x's dtype."""
         weights, ids = route(self.router(x, out_dtype=torch.float32), self.spec, self.router_bias)
-        cpu_experts = self.cpu_experts(x)
-        if cpu_experts is not None:
-            out = cpu_experts(x, weights, ids)
+        if self.expert_device is not None:
+            out = self._routed_on(self.expert_device, x, weights, ids)
         else:
-            out = self._routed(x, weights, ids)
+            cpu_experts = self.cpu_experts(x)
+            out = self._routed(x, weights, ids) if cpu_experts is None else cpu_experts(x, weights, ids)
         if self.shared is not None:
             y = self._expert(self.shared, x).float()
             if self.shared_gate is not None:
                 y = y * torch.sigmoid(self.shared_gate(x, out_dtype=torch.float32))
             out += y
         return out.to(x.dtype)
+
+    def _routed_on(self, device: torch.device, x: torch.Tensor, weights: torch.Tensor,
+                   ids: torch.Tensor) -> torch.Tensor:
+        """The routed sums computed on the experts' device (x's rows in bf16 there: the CPU kernels'), back on
+        x's device."""
+        xe = x.to(device=device, dtype=torch.bfloat16)
+        weights, ids = weights.to(device), ids.to(device)
+        cpu_experts = self.cpu_experts(xe)
+        out = self._routed(xe, weights, ids) if cpu_experts is None else cpu_experts(xe, weights, ids)
+        return out.to(x.device)
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sums (fp32 [T, H]), expert by expert."""
