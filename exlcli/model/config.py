@@ -124,6 +124,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     moe: MoeConfig | None = None  # set by the architecture module of a mixture-of-experts model
+    # the layers whose routed experts stay in host memory and run on the CPU (--cpu-moe, --n-cpu-moe;
+    # set at load by exlcli/model/expert_placement.py)
+    cpu_expert_layers: frozenset[int] = frozenset()
     # attention kinds (read per layer by exlcli/model/attention_spec.py): a sliding window, on the
     # layers `layer_types` names sliding (every layer when layer_types is None); soft-caps of the
     # attention scores and the final logits; the query scale's base (None: head_dim); the sliding

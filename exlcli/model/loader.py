@@ -3,6 +3,7 @@ default) -> a model ready on its device, with its tokenizer and chat template.""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from exlcli.errors import ModelLoadError
+from exlcli.model import expert_placement
 from exlcli.model.architectures import build_model, config_from_hf
 from exlcli.model.architectures.tensor_names import EMBED, LM_HEAD
 from exlcli.model.config import ModelConfig
@@ -91,10 +93,13 @@ def dequantized_at_load(tensors: dict, device: torch.device, dtype: torch.dtype)
 
 
 def load_model(spec: str | None = None, device: str | None = None, dtype: str | None = None,
-               log=None, quantize: str | None = None) -> LoadedModel:
+               log=None, quantize: str | None = None, cpu_moe: bool = False,
+               n_cpu_moe: int | None = None) -> LoadedModel:
     """`quantize` (--quantize fp8|q8_0|q4_k): quantize a full-precision checkpoint's linears at load
-    (exlcli/model/quantize_at_load.py). Notices go to `log`, sys.stderr by default (looked up per
-    call: a test runner swaps it, and a default bound at import may be a closed one)."""
+    (exlcli/model/quantize_at_load.py). `cpu_moe`, `n_cpu_moe` (--cpu-moe, --n-cpu-moe N): every layer's
+    routed experts, or the first N layers', in host memory on the CPU (exlcli/model/expert_placement.py).
+    Notices go to `log`, sys.stderr by default (looked up per call: a test runner swaps it, and a default
+    bound at import may be a closed one)."""
     log = sys.stderr if log is None else log
     from exlcli.hub.default_model import resolve_model_path
     from exlcli.model.quantize_at_load import check_target
@@ -161,6 +166,11 @@ def load_model(spec: str | None = None, device: str | None = None, dtype: str | 
     tied = config.tie_word_embeddings or LM_HEAD not in tensors  # as the decoder picks its output layer
     step_bytes = decode_step_bytes(tensors, (LM_HEAD,) if tied else (EMBED,))
     for notice in (dequantized_at_load(tensors, dev, dt), exl3.cpu_transcode_notice(tensors, dev, dt)):
+        if notice:
+            print(notice, file=log, flush=True)
+    placement = expert_placement.plan(config, dev, cpu_moe, n_cpu_moe)
+    config = dataclasses.replace(config, cpu_expert_layers=placement.cpu_layers)
+    for notice in (placement.notice, placement.describe(config)):
         if notice:
             print(notice, file=log, flush=True)
     try:

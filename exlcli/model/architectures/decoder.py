@@ -86,7 +86,7 @@ class DecoderLayer:
         self.down: Linear | None = None
         self.moe: MoeFeedForward | None = None
         if (moe := config.layer_moe(i)) is not None:
-            self.moe = _moe_feed_forward(moe, get, device, dtype)
+            self.moe = _moe_feed_forward(moe, get, device, dtype, i in config.cpu_expert_layers)
         else:
             self.gate_up = make_linear([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")], None, device, dtype)
             self.down = make_linear([get("mlp.down_proj.weight")], None, device, dtype)
@@ -94,19 +94,25 @@ class DecoderLayer:
         self.k_norm = norm("self_attn.k_norm.weight") if config.qk_norm else None
 
 
-def _moe_feed_forward(moe: MoeConfig, get, device: torch.device, dtype: torch.dtype) -> MoeFeedForward:
-    def expert(prefix: str) -> Expert:  # biases where the checkpoint has them (gpt-oss)
+def _moe_feed_forward(moe: MoeConfig, get, device: torch.device, dtype: torch.dtype,
+                      experts_on_cpu: bool = False) -> MoeFeedForward:
+    """`experts_on_cpu` (--cpu-moe, --n-cpu-moe): the routed experts in host memory, in bf16 activations (the
+    CPU kernels'), the rest of the layer on `device`."""
+    def expert(prefix: str, device: torch.device, dtype: torch.dtype) -> Expert:  # biases where the checkpoint has them
         return Expert(make_linear([get(f"{prefix}gate_proj.weight"), get(f"{prefix}up_proj.weight")],
                                   [get(f"{prefix}gate_proj.bias"), get(f"{prefix}up_proj.bias")], device, dtype),
                       make_linear([get(f"{prefix}down_proj.weight")], [get(f"{prefix}down_proj.bias")], device, dtype))
 
-    experts = [expert(expert_name(j, "gate").removesuffix("gate_proj.weight")) for j in range(moe.num_experts)]
-    shared = expert("mlp.shared_expert.") if moe.shared_expert_size else None
+    routed_device, routed_dtype = (torch.device("cpu"), torch.bfloat16) if experts_on_cpu else (device, dtype)
+    experts = [expert(expert_name(j, "gate").removesuffix("gate_proj.weight"), routed_device, routed_dtype)
+               for j in range(moe.num_experts)]
+    shared = expert("mlp.shared_expert.", device, dtype) if moe.shared_expert_size else None
     shared_gate = make_linear([get(SHARED_EXPERT_GATE)], None, device, dtype) if moe.shared_expert_gate else None
     spec = RouterSpec(moe.router, moe.num_experts_used, moe.normalize, moe.num_groups, moe.topk_groups, moe.scale)
     router = make_linear([get(ROUTER)], [get(ROUTER_BIAS)], device, dtype)
     return MoeFeedForward(router, spec, experts, shared, shared_gate, activation=moe.activation,
-                          limit=moe.swiglu_limit, alpha=moe.swiglu_alpha)
+                          limit=moe.swiglu_limit, alpha=moe.swiglu_alpha,
+                          expert_device=routed_device if experts_on_cpu else None)
 
 
 def _feed_forward_bytes(layer: DecoderLayer, active: bool) -> int:

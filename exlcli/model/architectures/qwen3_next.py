@@ -425,7 +425,15 @@ class Qwen3NextModel:
         """An early exit would leave the later layers' states behind the tokens: not offered."""
         raise RuntimeError("early exit (self-drafting) is not supported on models with linear attention layers")
 
+    @torch.inference_mode()
+    def forward_hidden(self, batch: BatchInputs, kv: KVCache) -> torch.Tensor:
+        """The final norm's output, fp32 [S, H], for the rows batch.logits_indices (what an embedding pools)."""
+        return self._final_normed(batch, kv, len(self.mixers)).float()
+
     def _forward(self, batch: BatchInputs, kv: KVCache, num_layers: int) -> torch.Tensor:
+        return self.lm_head(self._final_normed(batch, kv, num_layers), out_dtype=torch.float32)
+
+    def _final_normed(self, batch: BatchInputs, kv: KVCache, num_layers: int) -> torch.Tensor:
         cfg = self.config
         if kv.states is None or batch.state_slots is None:
             raise RuntimeError("a model with linear attention layers needs a state cache and each sequence's slot")
@@ -460,8 +468,7 @@ class Qwen3NextModel:
         for tensors, index, values in updates:  # the pass ran whole: the new states replace the old
             for t, value in zip(tensors, values):
                 t.index_copy_(0, index, value.to(t.dtype))
-        x = rms_norm(h[batch.logits_indices], self.norm, cfg.rms_norm_eps)
-        return self.lm_head(x, out_dtype=torch.float32)
+        return rms_norm(h[batch.logits_indices], self.norm, cfg.rms_norm_eps)
 
 
 def build(config: ModelConfig, tensors: dict, device: torch.device, dtype: torch.dtype) -> Qwen3NextModel:
