@@ -32,6 +32,9 @@ class StepInputs:
     logits_indices: list[int]  # [S] rows of T whose next-token logits are wanted
     in_flight: list[tuple[int, int]] = field(default_factory=list)  # (row of T, row of the previous step's ids)
     key_shifts: list[KeyShift] = field(default_factory=list)  # context shifts applied before the forward
+    # the KV cache's layer groups 1.. (KVCache.groups): each one's block tables and slot mapping
+    group_block_tables: list[list[list[int]]] = field(default_factory=list)
+    group_slot_mappings: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         num_tokens = len(self.input_ids)
@@ -75,7 +78,9 @@ class StepInputs:
         seq_of_row, row_lens = decode_query_rows(starts, lens)
         return StepInputs(self.input_ids, self.positions, self.slot_mapping,
                           [self.block_tables[b] for b in seq_of_row], row_lens, list(range(self.num_tokens + 1)),
-                          self.logits_indices, self.in_flight, self.key_shifts)
+                          self.logits_indices, self.in_flight, self.key_shifts,
+                          [[tables[b] for b in seq_of_row] for tables in self.group_block_tables],
+                          self.group_slot_mappings)
 
     def to_batch_inputs(self, device: torch.device, prev_ids: torch.Tensor | None = None) -> BatchInputs:
         """The eager path's staging: fresh device tensors. `prev_ids`: the previous step's sampled
@@ -93,6 +98,8 @@ class StepInputs:
             logits_indices=to_device(self.logits_indices, torch.long, device),
             seq_lens_t=to_device(self.seq_lens, torch.int32, device),
             query_start_loc_t=to_device(self.query_start_loc, torch.int32, device),
+            group_block_tables=[to_device(t, torch.int32, device) for t in self.group_block_tables] or None,
+            group_slot_mappings=[to_device(m, torch.long, device) for m in self.group_slot_mappings] or None,
         )
 
 
