@@ -23,7 +23,7 @@ import collections
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from exlcli.engine.page_groups import PageGroups, release_table
+from exlcli.engine.page_groups import FREED, PageGroups, release_table
 from exlcli.engine.page_pool import PagePool
 from exlcli.engine.sequence import Sequence
 
@@ -73,7 +73,7 @@ class SessionCache:
 
     @property
     def num_pages(self) -> int:
-        return sum(1 for p in self._parked.values() for table in p.tables for page in table if page >= 0)
+        return sum(len(table) - table.count(FREED) for p in self._parked.values() for table in p.tables)
 
     def park(self, name: str, seq: Sequence, tables: list[list[int]]) -> None:
         """Keep a finished sequence's page `tables` (PageGroups.take: the caller took them) under `name`."""
