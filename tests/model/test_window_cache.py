@@ -225,3 +225,21 @@ def test_stats_count_pages_per_group(window_model):
     assert min(full) > max(window) and max(window) <= WINDOW // PAGE + 2
     engine.run_until_idle()
     _all_back(engine)
+
+
+def test_a_session_that_resumes_before_its_window_takes_the_window_pages_back_from_the_prefix_cache(window_model):
+    """/undo: turn 2 keeps only the first few tokens of turn 1's answer, so it resumes W tokens and
+    more before where the session parked, where the window groups had given their pages back."""
+    first = _prompt(29, seed=31)
+    engine = _engine(window_model)
+    answer = tokens_of(engine.submit(greedy("t1", first, n=30, ignore_eos=True, session="c")))
+    second = first + answer[:3] + _prompt(7, seed=32)
+    outs = list(engine.submit(greedy("t2", second, n=20, ignore_eos=True, session="c")))
+    assert engine.stats().sessions_resumed == 1
+    assert outs[-1].stats.cached_tokens == (len(first) + 3) // PAGE * PAGE  # back to the page it diverges in
+    engine.end_session("c")
+    engine.step()
+    _all_back(engine)
+    fresh = _engine(window_model, enable_prefix_cache=False)
+    assert tokens_of(fresh.submit(greedy("t2", second, n=20, ignore_eos=True))) == [
+        t for o in outs for t in o.new_token_ids]
