@@ -23,10 +23,14 @@ with another sequence is copied first, and a shifted sequence publishes no furth
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from exlcli.engine.page_pool import PagePool
 from exlcli.errors import RequestError
 from exlcli.model.kv_shift import KeyShift
+
+if TYPE_CHECKING:
+    from exlcli.engine.page_groups import PageGroups
 
 OVERFLOW_MODES = ("stop", "shift", "sinks")
 DEFAULT_SINK_TOKENS = 4
@@ -86,12 +90,13 @@ def resolve_policy(mode: str | None, sink_tokens: int | None, window: int | None
     return ContextPolicy(mode, sinks, size, page_size)
 
 
-def make_room(seq, num_new: int, pool: PagePool, shifts: list[KeyShift]) -> int:
+def make_room(seq, num_new: int, pool: PagePool, shifts: list[KeyShift], groups: PageGroups | None = None) -> int:
     """Before `seq` computes `num_new` more tokens: if its cache would pass the window, drop whole
     pages after the sinks (bookkeeping here; the key rotation is appended to `shifts`, run by the
     model runner before the step's forward). Returns the tokens it may compute now (fewer than
     asked when even the largest drop leaves no room for them all; 0 when a shared page cannot be
-    copied for want of free pages: the sequence waits a step)."""
+    copied for want of free pages: the sequence waits a step). Every layer group drops the same
+    pages (`groups`, engine/page_groups.py; a window group's entries there may be freed already)."""
     policy: ContextPolicy = seq.overflow
     size = policy.page_size
     cached = seq.cache_len
@@ -106,22 +111,26 @@ def make_room(seq, num_new: int, pool: PagePool, shifts: list[KeyShift]) -> int:
         want = max(want, droppable // 2)
     drop = min(want, droppable)
     first, last = policy.sink_pages, policy.sink_pages + drop
-    kept = seq.pages[last:]
-    shared = [p for p in kept if pool.ref_counts[p] > 1]
-    freed = sum(1 for p in seq.pages[first:last] if pool.ref_counts[p] == 1)
+    tables = groups.tables(seq) if groups is not None else [seq.pages]
+    shared = [p for table in tables for p in table[last:] if p >= 0 and pool.ref_counts[p] > 1]
+    freed = sum(1 for table in tables for p in table[first:last] if p >= 0 and pool.ref_counts[p] == 1)
     if shared and not pool.can_allocate(len(shared) - freed):
         return max(0, min(num_new, policy.window - cached))
-    pool.release_all(seq.pages[first:last])
-    copies = []
-    for i, page in enumerate(kept):
-        if pool.ref_counts[page] > 1:  # another sequence reads it as it is: rotate a copy
-            fresh = pool.allocate()
-            copies.append((page, fresh))
-            pool.release(page)
-            kept[i] = fresh
-        else:
-            pool.unregister(page)  # its K/V no longer match its prefix hash
-    seq.pages[first:] = kept
+    for g, table in enumerate(tables):
+        pool.release_all(table[first:last])
+        kept = table[last:]
+        copies = []
+        for i, page in enumerate(kept):
+            if page < 0:
+                continue  # (freed by a window group: nothing to rotate)
+            if pool.ref_counts[page] > 1:  # another sequence reads it as it is: rotate a copy
+                fresh = pool.allocate(g)
+                copies.append((page, fresh))
+                pool.release(page)
+                kept[i] = fresh
+            else:
+                pool.unregister(page)  # its K/V no longer match its prefix hash
+        table[first:] = kept
+        shifts.append(KeyShift([p for p in kept if p >= 0], -drop * size, copies, group=g))
     seq.num_evicted += drop * size
-    shifts.append(KeyShift(list(kept), -drop * size, copies))
     return min(num_new, policy.window - seq.cache_len)

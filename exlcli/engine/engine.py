@@ -52,6 +52,8 @@ class Engine:
         self.stats_publisher = StatsPublisher(
             EngineStats(pages_total=parts.num_pages, page_size=config.page_size,
                         kv_cache_type_k=parts.kv.types.names[0], kv_cache_type_v=parts.kv.types.names[1],
+                        page_group_windows=["full" if g.window is None else str(g.window) for g in parts.kv.groups],
+                        pages_used_by_group=[0] * parts.kv.num_groups,
                         spec_method=self.speculator.drafter.name if self.speculator else None,
                         context_overflow=config.context_overflow, sink_tokens=config.sink_tokens,
                         window=config.window or self.max_model_len),

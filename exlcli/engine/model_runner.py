@@ -42,6 +42,10 @@ class ModelRunner:
         logits_rows: list[int] = []
         max_pages = max(len(item.seq.pages) for item in batch.items)
         tables = []
+        num_groups = self.kv.num_groups  # layer groups past the first: their own tables and slots
+        group_tables: list[list[list[int]]] = [[] for _ in range(num_groups - 1)]
+        group_slots: list[list[int]] = [[] for _ in range(num_groups - 1)]
+        window0 = self.kv.groups[0].window is not None  # (a model whose every layer slides: one window group)
         in_flight: list[tuple[int, int]] = []  # (input row, row of the previous step's sampled ids)
         for item in batch.items:
             seq, n = item.seq, item.num_new_tokens
@@ -62,7 +66,12 @@ class ModelRunner:
             starts.append(starts[-1] + n)
             assert item.num_logits is not None  # ScheduledSeq.__post_init__ sets it
             logits_rows.extend(range(starts[-1] - item.num_logits, starts[-1]))
-            tables.append(seq.pages + [0] * (max_pages - len(seq.pages)))
+            pages0 = [max(p, 0) for p in seq.pages] if window0 else seq.pages
+            tables.append(pages0 + [0] * (max_pages - len(seq.pages)))
+            for g, pages in enumerate(seq.group_pages):
+                # a window group's freed entries (-1) name page 0, as the padding does: never read
+                group_slots[g].extend(pages[p // page_size] * page_size + p % page_size for p in span)
+                group_tables[g].append([max(p, 0) for p in pages] + [0] * (max_pages - len(pages)))
         state_slots = copies = snapshots = None
         if self.kv.states is not None:
             state_slots = [item.seq.state_slot for item in batch.items]
@@ -71,7 +80,9 @@ class ModelRunner:
             snapshots = [(b, item.snapshot[0], item.snapshot[1]) for b, item in enumerate(batch.items)
                          if item.snapshot is not None]
         return StepInputs(ids, positions, slots, tables, seq_lens, starts, logits_rows, in_flight,
-                          key_shifts=list(batch.key_shifts), state_slots=state_slots or [],  # type: ignore[arg-type]
+                          key_shifts=list(batch.key_shifts), group_block_tables=group_tables,
+                          group_slot_mappings=group_slots,
+                          state_slots=state_slots or [],  # type: ignore[arg-type]
                           state_copies=copies or [], state_snapshots=snapshots or [])  # type: ignore[arg-type]
 
     def execute(self, inputs: StepInputs, prev_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -105,7 +105,7 @@ class OutputProcessor:
         session = seq.request.session
         parked = None
         if session is not None and reason is not FinishReason.ERROR:  # (a failed step's K/V may be wrong)
-            parked, seq.pages = seq.pages, []
+            parked = self._scheduler.groups.take(seq)
         self._scheduler.remove(seq)
         if self._speculator is not None:
             self._speculator.release(seq)

@@ -22,9 +22,9 @@ class OutOfPagesError(RuntimeError):
 
 
 class PagePool:
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_cache: bool = True) -> None:
-        if num_pages < 1 or page_size < 1:
-            raise ValueError("num_pages and page_size must be positive")
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_cache: bool = True, num_groups: int = 1) -> None:
+        if num_pages < 1 or page_size < 1 or num_groups < 1:
+            raise ValueError("num_pages, page_size and num_groups must be positive")
         self.num_pages = num_pages
         self.page_size = page_size
         self.enable_prefix_cache = enable_prefix_cache
@@ -34,6 +34,10 @@ class PagePool:
         self._hash_of: dict[int, int] = {}  # page -> hash
         self._page_of: dict[int, int] = {}  # hash -> page
         self.num_evictions = 0
+        # Layer groups (engine/page_groups.py) take pages from this one pool: each page's group, and
+        # the pages referenced per group
+        self.group_of = [0] * num_pages
+        self.used_by_group = [0] * num_groups
 
     # -- counts -------------------------------------------------------------------------------
     @property
@@ -53,7 +57,7 @@ class PagePool:
         return n <= self.num_free
 
     # -- allocation ---------------------------------------------------------------------------
-    def allocate(self) -> int:
+    def allocate(self, group: int = 0) -> int:
         if self._free:
             page = self._free.pop()
         elif self._cached:
@@ -63,6 +67,8 @@ class PagePool:
         else:
             raise OutOfPagesError("no free KV pages")
         self.ref_counts[page] = 1
+        self.group_of[page] = group
+        self.used_by_group[group] += 1
         return page
 
     def release(self, page: int) -> None:
@@ -70,6 +76,7 @@ class PagePool:
             raise RuntimeError(f"page {page} released more often than taken")
         self.ref_counts[page] -= 1
         if self.ref_counts[page] == 0:
+            self.used_by_group[self.group_of[page]] -= 1
             if page in self._hash_of:
                 self._cached[page] = None
             else:
@@ -78,7 +85,8 @@ class PagePool:
     def release_all(self, pages: Sequence[int]) -> None:
         # newest first, so the prefix's head stays cached longest under LRU eviction
         for page in reversed(pages):
-            self.release(page)
+            if page >= 0:  # (a window group's freed entry: engine/page_groups.py)
+                self.release(page)
 
     # -- prefix cache -------------------------------------------------------------------------
     def lookup(self, h: int) -> int | None:
@@ -92,6 +100,7 @@ class PagePool:
         """Add a reference to a page found by `lookup`."""
         if self.ref_counts[page] == 0:
             del self._cached[page]
+            self.used_by_group[self.group_of[page]] += 1
         self.ref_counts[page] += 1
 
     def register(self, page: int, h: int) -> None:
@@ -119,4 +128,6 @@ class PagePool:
             assert sum(where) == 1, f"page {page} is (live, free, cached) = {where}"
             assert self.ref_counts[page] >= 0
         assert all(p in self._hash_of for p in cached)
+        for g, used in enumerate(self.used_by_group):
+            assert used == sum(1 for p in range(self.num_pages) if self.ref_counts[p] > 0 and self.group_of[p] == g)
         assert all(self._page_of[h] == p for p, h in self._hash_of.items())

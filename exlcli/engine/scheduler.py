@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from exlcli.engine.context_window import make_room
+from exlcli.engine.page_groups import PageGroups
 from exlcli.engine.page_pool import PagePool
 from exlcli.engine.sequence import SeqStatus, Sequence
 from exlcli.engine.state_pool import StatePool, StateSnapshots
@@ -70,8 +71,10 @@ class Scheduler:
     def __init__(self, pool: PagePool, max_num_batched_tokens: int, max_num_seqs: int,
                  propose: Callable[[Sequence, int], list[int]] | None = None,
                  reclaim: Callable[[int], bool] | None = None, states: StatePool | None = None,
-                 snapshots: StateSnapshots | None = None) -> None:
+                 snapshots: StateSnapshots | None = None, groups: PageGroups | None = None) -> None:
         self.pool = pool
+        # the layer groups' page tables (one group of every layer unless the model mixes attention kinds)
+        self.groups = groups or PageGroups([None], pool.page_size)
         # hybrid models: one state slot a running sequence, so no more sequences run than there are slots
         self.states = states
         if states is not None:
@@ -110,8 +113,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.pool.release_all(seq.pages)
-        seq.pages = []
+        self.groups.release_all(self.pool, seq)
         self._release_state(seq)
         seq.status = SeqStatus.FINISHED
 
@@ -218,7 +220,7 @@ class Scheduler:
             if after > before and not seq.num_evicted:  # a shifted sequence publishes nothing
                 hashes = seq.page_hashes(after, size)
                 for p in range(before, after):
-                    self.pool.register(seq.pages[p], hashes[p])
+                    self.groups.register(self.pool, seq, p, hashes[p])
 
     def token_known(self, seq: Sequence) -> None:
         """A token in flight was read and appended: publish its page if that token filled a page
@@ -226,7 +228,7 @@ class Scheduler:
         n = len(seq.token_ids)
         if n % self.page_size == 0 and seq.num_computed_tokens >= n and seq.pages and not seq.num_evicted:
             p = n // self.page_size - 1
-            self.pool.register(seq.pages[p], seq.page_hashes(p + 1, self.page_size)[p])
+            self.groups.register(self.pool, seq, p, seq.page_hashes(p + 1, self.page_size)[p])
 
     def rollback(self, seq: Sequence, num_tokens: int, num_dropped: int = 0) -> int:
         """Un-compute the last `num_tokens` computed tokens of a running sequence (rejected drafted
@@ -259,11 +261,9 @@ class Scheduler:
         offset = seq.num_computed_tokens - seq.cache_len  # tokens evicted before the computed point
         cached = computed - offset  # (drafted tokens never reach back into the evicted gap)
         boundary = cached // size
-        if cached % size and self._published_or_shared(seq.pages[boundary]):
+        if cached % size and self.groups.published_or_shared(self.pool, seq, boundary):
             cached = boundary * size
-        keep = -(-cached // size)
-        self.pool.release_all(seq.pages[keep:])
-        del seq.pages[keep:]
+        self.groups.truncate(self.pool, seq, -(-cached // size))
         undone = seq.num_computed_tokens - (cached + offset)
         seq.num_computed_tokens = cached + offset
         return undone
@@ -273,9 +273,6 @@ class Scheduler:
             assert self.states is not None  # only a state pool hands out slots
             self.states.release(seq.state_slot)
             seq.state_slot = None
-
-    def _published_or_shared(self, page: int) -> bool:
-        return self.pool.ref_counts[page] > 1 or self.pool.is_published(page)
 
     # -- helpers --------------------------------------------------------------------------------
     def _drafts(self, seq: Sequence, n: int, budget: int) -> list[int]:
@@ -302,6 +299,7 @@ class Scheduler:
         class's inter-token gap) stays short; their decode tokens are not held back. A sequence
         with an overflow policy makes room in its window first (context_window.make_room)."""
         seq.skip_evicted()
+        self.groups.slide(self.pool, seq)  # window groups give back what no window reaches any more
         n = min(seq.num_tokens - seq.num_computed_tokens, budget)
         if seq.num_evicted and seq.num_computed_tokens < seq.evict_start < seq.num_computed_tokens + n:
             n = seq.evict_start - seq.num_computed_tokens  # recomputing: the sinks, then the kept tokens
@@ -309,7 +307,7 @@ class Scheduler:
             n = min(n, self._background_left)
             self._background_left -= n
         if seq.overflow is not None and n > 0:
-            n = make_room(seq, n, self.pool, batch.key_shifts)
+            n = make_room(seq, n, self.pool, batch.key_shifts, self.groups)
         return n
 
     def _future_full_pages(self, seq: Sequence, n: int) -> set[int]:
@@ -329,12 +327,11 @@ class Scheduler:
         return matched < max_pages and seq.page_hashes(max_pages, self.page_size)[matched] in in_flight
 
     def _pages_needed(self, seq: Sequence, n: int) -> int:
-        total = -(-(seq.cache_len + n) // self.page_size)
-        return max(0, total - len(seq.pages))
+        """Pages of every group together that `n` more tokens of `seq` take."""
+        return self.groups.pages_needed(seq, seq.cache_len + n)
 
     def _allocate(self, seq: Sequence, num_pages: int) -> None:
-        for _ in range(num_pages):
-            seq.pages.append(self.pool.allocate())
+        self.groups.allocate(self.pool, seq, num_pages // self.groups.num_groups)
 
     def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """Pages for `n` more tokens of a running seq, preempting from the back of the running
@@ -355,8 +352,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)
-        self.pool.release_all(seq.pages)
-        seq.pages = []
+        self.groups.release_all(self.pool, seq)
         self._release_state(seq)  # recomputed from the prompt, from a zero state
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
@@ -373,7 +369,7 @@ class Scheduler:
         while self.running and self.running[-1].priority > head.priority:
             first_chunk = min(head.num_tokens, self.max_num_batched_tokens)
             full = len(self.running) >= self.max_num_seqs
-            if not full and self._can_allocate(-(-first_chunk // self.page_size)):
+            if not full and self._can_allocate(-(-first_chunk // self.page_size) * self.groups.num_groups):
                 return
             self._preempt(self.running[-1], batch)
 
@@ -412,20 +408,15 @@ class Scheduler:
         if not self.pool.enable_prefix_cache or max_pages == 0:
             return None
         hashes = seq.page_hashes(max_pages, size)
-        for h in hashes:
-            page = self.pool.lookup(h)
-            if page is None:
-                break
-            self.pool.take_cached(page)
-            seq.pages.append(page)
+        sink_pages = seq.overflow.sink_pages if seq.overflow is not None else 0
+        matched = self.groups.match(self.pool, seq, hashes, sink_pages)
         restore = None
         if self.states is not None:  # a state only where a snapshot was kept: back to the last such page
-            keep = len(seq.pages)
-            while keep and (restore := self.snapshots.lookup(hashes[keep - 1]) if self.snapshots else None) is None:
-                keep -= 1
-            self.pool.release_all(seq.pages[keep:])
-            del seq.pages[keep:]
-        seq.num_computed_tokens = len(seq.pages) * size
+            while matched and (restore := self.snapshots.lookup(hashes[matched - 1])
+                               if self.snapshots else None) is None:
+                matched -= 1
+            self.groups.truncate(self.pool, seq, matched)
+        seq.num_computed_tokens = matched * size
         if first_time:
             seq.num_cached_tokens = seq.num_computed_tokens
             self.prefix_hits += seq.num_computed_tokens
@@ -437,6 +428,5 @@ class Scheduler:
             self.prefix_hits -= seq.num_cached_tokens
             seq.num_cached_tokens = 0
             seq.num_evicted = seq.evicted_before = 0  # a resumed session (engine/sessions.py) starts afresh
-        self.pool.release_all(seq.pages)
-        seq.pages = []
+        self.groups.release_all(self.pool, seq)
         seq.num_computed_tokens = 0

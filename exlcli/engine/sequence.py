@@ -30,7 +30,8 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0
-    pages: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)  # group 0's page table (the only one of a one-kind model)
+    group_pages: list[list[int]] = field(default_factory=list)  # the other layer groups' (engine/page_groups.py)
     state_slot: int | None = None  # hybrid models: its slot of the per-sequence state (engine/state_pool.py)
     status: SeqStatus = SeqStatus.WAITING
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache on first admission

@@ -23,6 +23,7 @@ import collections
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from exlcli.engine.page_groups import FREED, PageGroups, release_table
 from exlcli.engine.page_pool import PagePool
 from exlcli.engine.sequence import Sequence
 
@@ -36,7 +37,7 @@ DEFAULT_MAX_SESSIONS = 16
 class ParkedSession:
     token_ids: list[int]
     num_computed_tokens: int  # never past len(token_ids)
-    pages: list[int]
+    tables: list[list[int]]  # each layer group's pages (engine/page_groups.py)
     num_evicted: int
     overflow: ContextPolicy | None  # the policy the gap was made under
 
@@ -52,10 +53,12 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class SessionCache:
     """Parked sequences by session name, least recently parked first (engine thread only)."""
 
-    def __init__(self, pool: PagePool, max_sessions: int = DEFAULT_MAX_SESSIONS) -> None:
+    def __init__(self, pool: PagePool, max_sessions: int = DEFAULT_MAX_SESSIONS,
+                 groups: PageGroups | None = None) -> None:
         if max_sessions < 0:
             raise ValueError("max_sessions must be >= 0")
         self.pool = pool
+        self.groups = groups or PageGroups([None], pool.page_size)
         self.max_sessions = max_sessions
         self._parked: collections.OrderedDict[str, ParkedSession] = collections.OrderedDict()
         self.num_resumed = 0  # requests that resumed a parked session
@@ -70,17 +73,16 @@ class SessionCache:
 
     @property
     def num_pages(self) -> int:
-        return sum(len(p.pages) for p in self._parked.values())
+        return sum(len(table) - table.count(FREED) for p in self._parked.values() for table in p.tables)
 
-    def park(self, name: str, seq: Sequence, pages: list[int]) -> None:
-        """Keep a finished sequence's `pages` (taken from it by the caller) under `name`."""
+    def park(self, name: str, seq: Sequence, tables: list[list[int]]) -> None:
+        """Keep a finished sequence's page `tables` (PageGroups.take: the caller took them) under `name`."""
         self.end(name)
-        if not pages or self.max_sessions == 0:
-            self.pool.release_all(pages)
+        if not tables[0] or self.max_sessions == 0:
+            self._release_tables(tables)
             return
         computed = min(seq.num_computed_tokens, len(seq.token_ids))  # (a dropped in-flight token)
-        self._parked[name] = ParkedSession(list(seq.token_ids), computed, list(pages), seq.num_evicted,
-                                           seq.overflow)
+        self._parked[name] = ParkedSession(list(seq.token_ids), computed, tables, seq.num_evicted, seq.overflow)
         while len(self._parked) > self.max_sessions:
             self._release(next(iter(self._parked)))
 
@@ -119,19 +121,25 @@ class SessionCache:
             assert parked.overflow is not None  # tokens leave the cache only under a policy
             gap_end = parked.overflow.evict_start + evicted
             if seq.overflow != parked.overflow or num_common < gap_end:
-                self.pool.release_all(parked.pages)
+                self._release_tables(parked.tables)
                 return 0
         offset = evicted  # tokens before the computed point that are not in the cache
         cached = num_common - offset
         boundary = cached // size
-        if cached % size and self._published_or_shared(parked.pages[boundary]):
+        seq.pages, seq.group_pages = parked.tables[0], parked.tables[1:]
+        if cached % size and self.groups.published_or_shared(self.pool, seq, boundary):
             cached = boundary * size  # never write into a page another reader sees as it is
-        keep = -(-cached // size)
         if cached + offset == 0:
-            self.pool.release_all(parked.pages)
+            self.groups.release_all(self.pool, seq)
             return 0
-        self.pool.release_all(parked.pages[keep:])
-        seq.pages = parked.pages[:keep]
+        self.groups.truncate(self.pool, seq, -(-cached // size))
+        # window groups: the pages their windows need from here, taken back from the prefix cache
+        # where the parked sequence had let them go (a shifted one's pages hash as nothing)
+        hashes = None if evicted else seq.page_hashes(cached // size, size)
+        sink_pages = seq.overflow.sink_pages if seq.overflow is not None else 0
+        if not self.groups.refill(self.pool, seq, cached, hashes, sink_pages):
+            self.groups.release_all(self.pool, seq)
+            return 0
         seq.num_computed_tokens = cached + offset
         seq.num_evicted = seq.evicted_before = evicted
         seq.num_cached_tokens = seq.num_computed_tokens
@@ -139,8 +147,9 @@ class SessionCache:
         self.num_resumed_tokens += seq.num_computed_tokens
         return seq.num_computed_tokens
 
-    def _published_or_shared(self, page: int) -> bool:
-        return self.pool.ref_counts[page] > 1 or self.pool.is_published(page)
-
     def _release(self, name: str) -> None:
-        self.pool.release_all(self._parked.pop(name).pages)
+        self._release_tables(self._parked.pop(name).tables)
+
+    def _release_tables(self, tables: list[list[int]]) -> None:
+        for g, table in enumerate(tables):
+            release_table(self.pool, table, self.groups.windows[g] is not None)

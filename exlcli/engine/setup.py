@@ -18,6 +18,7 @@ from exlcli.engine.drafters import build_drafter, num_drafter_pages, resolve_dra
 from exlcli.engine.grammar_masks import MaskWorker
 from exlcli.engine.memory_budget import GPU_MEMORY_UTILIZATION, DeviceMemory, model_kv_budget
 from exlcli.engine.model_runner import ModelRunner
+from exlcli.engine.page_groups import PageGroups
 from exlcli.engine.page_pool import PagePool
 from exlcli.engine.scheduler import Scheduler
 from exlcli.engine.sessions import DEFAULT_MAX_SESSIONS, SessionCache
@@ -25,7 +26,7 @@ from exlcli.engine.speculative import Drafter, Speculator, speculation_pays_on
 from exlcli.engine.state_pool import StatePool, StateSnapshots
 from exlcli.errors import ExlcliError
 from exlcli.model.interface import CausalLM
-from exlcli.model.kv_cache import KVCache, check_kv_cache_dtype, kv_cache_types
+from exlcli.model.kv_cache import KVCache, LayerGroup, check_kv_cache_dtype, kv_cache_types, layer_groups
 from exlcli.model.state_cache import StateCache
 
 log = logging.getLogger("exlcli.engine")
@@ -72,6 +73,10 @@ class EngineConfig:
     # K and V in the activations' dtype ("auto"), as bf16 / f16, e4m3 ("fp8": half the bytes) or in
     # quantized blocks (q8_0, q4_0, q4h, q3h); "K,V" for two types (kv_cache.py)
     kv_cache_dtype: str = "auto"
+    # A model whose layers mix attention kinds keeps its cache in layer groups, and a sliding-window
+    # group only the pages its window reaches (model/kv_cache.py, engine/page_groups.py); False keeps
+    # every page of every layer in one table (the comparison the tests make)
+    window_groups: bool = True
 
     def __post_init__(self) -> None:
         check_kv_cache_dtype(self.kv_cache_dtype)  # made before the model loads: a typo fails at once
@@ -128,6 +133,12 @@ def hybrid_config(config: EngineConfig) -> EngineConfig:
     return dataclasses.replace(config, max_sessions=0)
 
 
+def cache_groups(model: CausalLM, window_groups: bool = True) -> list[LayerGroup]:
+    """The KV cache's layer groups for `model` (model/kv_cache.py): by each layer's window, or one
+    group keeping every page when `window_groups` is off."""
+    return layer_groups([spec.window for spec in model.attention_specs()], split=window_groups)
+
+
 def build_parts(model: CausalLM, tokenizer, config: EngineConfig) -> EngineParts:
     device = model.device
     if (config.speculative and not config.force_speculative
@@ -140,8 +151,15 @@ def build_parts(model: CausalLM, tokenizer, config: EngineConfig) -> EngineParts
     hybrid = model.config.linear_attention is not None
     if hybrid:
         config = hybrid_config(config)
+    groups = cache_groups(model, config.window_groups)
+    page_groups = PageGroups([g.window for g in groups], config.page_size)
+    if config.speculative == "self" and page_groups.sliding:
+        raise ExlcliError("--speculative self does not run on a model with sliding-window layers (their pages "
+                          "leave the cache); use --speculative ngram or a draft model")
     draft_model = resolve_draft_model(config.speculative, model, tokenizer)  # --speculative MODEL
-    per_page = KVCache.bytes_per_page(model.config, config.page_size, kv_dtype)
+    # a page of the pool holds one layer group's layers (every layer with pages, for a model of one attention kind)
+    per_page = KVCache.bytes_per_page(model.config, config.page_size, kv_dtype,
+                                      len(groups[0].layers) if len(groups) > 1 else None)
     if draft_model is not None:  # its own pool, as many pages as the target's, from the same budget
         per_page += draft_model.kv_bytes_per_page(config.page_size)
     memory = kv_budget(model, config, device)
@@ -160,27 +178,29 @@ def build_parts(model: CausalLM, tokenizer, config: EngineConfig) -> EngineParts
     num_pages = config.num_pages or max(2, memory // per_page)
     # a drafter's scratch pages sit past the pool's (no sequence owns them)
     kv = KVCache(model.config, num_pages + num_drafter_pages(config.speculative, config.page_size),
-                 config.page_size, device, kv_dtype, state_slots=num_slots + num_snapshots, state_dtype=model.dtype)
-    pool = PagePool(num_pages, config.page_size, config.enable_prefix_cache)
+                 config.page_size, device, kv_dtype, groups, state_slots=num_slots + num_snapshots,
+                 state_dtype=model.dtype)
+    pool = PagePool(num_pages, config.page_size, config.enable_prefix_cache, num_groups=len(groups))
     states = StatePool(num_slots) if num_slots else None
     snapshots = StateSnapshots(num_slots, num_snapshots) if num_snapshots else None
-    # One sequence alone must always fit, so preemption can always make progress.
-    max_model_len = min(config.max_model_len or model.config.context_length,
-                        model.config.context_length, num_pages * config.page_size)
+    # CPU: a 256-token chunk takes ~0.5 s on 2 cores, which bounds the gap other streams see
+    budget = config.max_num_batched_tokens or (256 if device.type == "cpu" else 4096)
+    # One sequence alone must always fit, so preemption can always make progress (a window group
+    # holds its window and a chunk, a full group every page).
+    context = model.config.context_length
+    max_model_len = min(config.max_model_len or context, page_groups.max_tokens(num_pages, budget, context))
     # a bad default (--context-overflow, --sink-tokens, --window) fails here, not in every request
     resolve_policy(None, None, None, default_mode=check_mode(config.context_overflow, "--context-overflow"),
                    default_sink_tokens=config.sink_tokens, default_window=config.window,
                    max_model_len=max_model_len, page_size=config.page_size)
-    # CPU: a 256-token chunk takes ~0.5 s on 2 cores, which bounds the gap other streams see
-    budget = config.max_num_batched_tokens or (256 if device.type == "cpu" else 4096)
     runner = ModelRunner(model, kv)
     speculator = (Speculator(build_drafter(config.speculative, model, kv, num_pages, config.draft_layers, draft_model),
                              runner.verify_cost, config.num_draft_tokens, config.speculative_max_batch)
                   if config.speculative else None)
-    sessions = SessionCache(pool, config.max_sessions)
+    sessions = SessionCache(pool, config.max_sessions, page_groups)
     scheduler = Scheduler(pool, budget, config.max_num_seqs,
                           propose=speculator.propose if speculator else None, reclaim=sessions.reclaim, states=states,
-                          snapshots=snapshots)
+                          snapshots=snapshots, groups=page_groups)
     eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or model.config.eos_token_ids)
     async_scheduling = config.async_scheduling if config.async_scheduling is not None else device.type == "cuda"
     grammars = GrammarCompiler(tokenizer, model.config.vocab_size, eos_ids)

@@ -40,6 +40,10 @@ class EngineStats:
     pages_total: int = 0
     pages_used: int = 0  # referenced by a live sequence
     pages_cached: int = 0  # held only by the prefix cache (reusable, evictable)
+    # the KV cache's layer groups (model/kv_cache.py): each one's window ("full", or W in tokens)
+    # and the pages its tables hold (a page holds one group's layers)
+    page_group_windows: list[str] = field(default_factory=list)
+    pages_used_by_group: list[int] = field(default_factory=list)
     page_size: int = 0
     kv_cache_type_k: str = ""  # K's and V's cache types (model/kv_cache.py): bf16, fp8, q8_0, q4h, ...
     kv_cache_type_v: str = ""

@@ -105,6 +105,7 @@ class StatsPublisher:
         sched, pool, sessions = self._scheduler, self._pool, self._sessions
         s.num_running, s.num_waiting = len(sched.running), len(sched.waiting)
         s.pages_used, s.pages_cached = pool.num_used, pool.num_cached
+        s.pages_used_by_group = list(pool.used_by_group)
         s.sessions_parked, s.session_pages = len(sessions), sessions.num_pages
 
     def snapshot(self) -> EngineStats:
@@ -113,7 +114,8 @@ class StatsPublisher:
             snap = dataclasses.replace(self._stats, step_time_bucket_counts=list(self._stats.step_time_bucket_counts),
                                        recent_finished=list(self._stats.recent_finished),
                                        spec_drafted_by_position=list(self._stats.spec_drafted_by_position),
-                                       spec_accepted_by_position=list(self._stats.spec_accepted_by_position))
+                                       spec_accepted_by_position=list(self._stats.spec_accepted_by_position),
+                                       pages_used_by_group=list(self._stats.pages_used_by_group))
         snap.active = self._active_requests()
         snap.evicted_tokens = snap.evicted_tokens + sum(a.evicted_tokens for a in snap.active)
         c = self._failures.counters

@@ -7,8 +7,8 @@ head, Mistral and Phi-3 may slide every layer. `layer_specs` reads a config (and
 tensors) into one spec a layer; the model runs them (DecoderModel.attention_specs) and the
 engine may read them to size its caches.
 
-The paged cache keeps every page of every layer for now: a sliding layer reads only its window's
-pages, so results are exact, but its memory is not yet bounded by the window.
+The engine caches layers of one window in groups of their own (model/kv_cache.py layer_groups),
+whose block tables keep only the pages their window reaches (engine/page_groups.py).
 """
 
 from __future__ import annotations

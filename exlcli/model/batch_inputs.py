@@ -25,6 +25,18 @@ class BatchInputs:
     # snapshots to take: (sequence, tokens into its chunk, slot): the state after that many of the
     # sequence's tokens of this step is written to that slot as well
     state_snapshots: list[tuple[int, int, int]] | None = None
+    # layer groups 1.. of the KV cache (KVCache.groups; none for a one-group cache): each one's
+    # block tables [B, max_pages] int32 and slot mapping [T] long, as block_tables and slot_mapping are
+    # group 0's
+    group_block_tables: list[torch.Tensor] | None = None
+    group_slot_mappings: list[torch.Tensor] | None = None
+
+    def tables_of(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block tables, slot mapping) of layer group `group`."""
+        if group == 0:
+            return self.block_tables, self.slot_mapping
+        assert self.group_block_tables is not None and self.group_slot_mappings is not None
+        return self.group_block_tables[group - 1], self.group_slot_mappings[group - 1]
 
     def __post_init__(self) -> None:
         num_tokens = self.input_ids.shape[0]

@@ -1,7 +1,18 @@
-"""The KV cache's device memory: per layer K and V pages, which the engine's PagePool hands out."""
+"""The KV cache's device memory: per layer K and V pages, which the engine's PagePool hands out.
+
+Layers are cached in groups (`LayerGroup`): the layers of one attention kind (full, or one sliding
+window W) share a block table, and a group's page holds `page_size` tokens of every layer in it.
+A model of one kind is one group of all its layers, one tensor a layer, as it has always been. A
+model that mixes kinds is split into groups of equal size (the gcd of the kinds' layer counts:
+Gemma 3's 40 sliding and 8 full layers make 6 groups of 8), so every group's page has the same
+bytes and one page pool serves them all: the tensor of slot s ([num_pages, page_size, kv_heads,
+head_dim]) holds the s-th layer of every group, each group in the pages its own table names. A
+window group's table keeps only the pages its window can still reach (engine/page_groups.py).
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Union, cast
 
@@ -121,24 +132,69 @@ def _pair(types: CacheType | KVCacheTypes) -> KVCacheTypes:
     return types if isinstance(types, KVCacheTypes) else KVCacheTypes(types, types)
 
 
+@dataclass(frozen=True)
+class LayerGroup:
+    """Layers that share a block table: `window` None keeps every page (full attention), else the
+    layers slide over the last `window` tokens and the engine drops the pages behind them."""
+
+    layers: tuple[int, ...]
+    window: int | None = None
+
+
+def layer_groups(windows: list[int | None], split: bool = True) -> list[LayerGroup]:
+    """The cache's groups for layers of these windows (None: full attention), full layers first.
+    One kind (or `split` False: every page kept for every layer, today's cache) is one group of all
+    the layers; mixed kinds give groups of gcd(layer counts) layers each, in layer order."""
+    if not windows:
+        raise ValueError("a model has at least one layer")
+    if not split:
+        return [LayerGroup(tuple(range(len(windows))), None)]
+    kinds: dict[int | None, list[int]] = {}
+    for i, window in sorted(enumerate(windows), key=lambda iw: (iw[1] is not None, iw[0])):
+        kinds.setdefault(window, []).append(i)
+    if len(kinds) == 1:
+        return [LayerGroup(tuple(range(len(windows))), windows[0])]
+    size = math.gcd(*(len(layers) for layers in kinds.values()))
+    return [LayerGroup(tuple(layers[c:c + size]), window)
+            for window, layers in kinds.items() for c in range(0, len(layers), size)]
+
+
 class KVCache:
     """Per layer K and V pages: [num_pages, page_size, kv_heads, head_dim] tensors, or QuantizedPages
     of that shape for a quantized type. `dtype`: one cache type for both, or a KVCacheTypes.
+    `groups` (layer_groups; default one group of every layer): layer i's pages are named by the
+    block table of group `layer_group[i]`; layers at the same place in their groups share one tensor.
 
     A hybrid model's linear attention layers have no pages (an empty tensor stands in their place);
     their per-sequence state is `states` (state_cache.py), `state_slots` slots of it, in the
     activations' dtype `state_dtype` (default: K's cache type where it is a float)."""
 
     def __init__(self, config: ModelConfig, num_pages: int, page_size: int, device: torch.device,
-                 dtype: CacheType | KVCacheTypes, state_slots: int = 0, state_dtype: torch.dtype | None = None) -> None:
+                 dtype: CacheType | KVCacheTypes, groups: list[LayerGroup] | None = None, state_slots: int = 0,
+                 state_dtype: torch.dtype | None = None) -> None:
         shape = (num_pages, page_size, config.num_kv_heads, config.head_dim)
         self.types = _pair(dtype)
+        self.groups = groups or [LayerGroup(tuple(range(config.num_layers)))]
+        size = len(self.groups[0].layers)
+        if any(len(g.layers) != size for g in self.groups) or sorted(
+                i for g in self.groups for i in g.layers) != list(range(config.num_layers)):
+            raise ValueError("layer groups must be of one size and hold every layer once")
+        if config.linear_layers and len(self.groups) > 1:
+            raise ValueError("a model with linear attention layers keeps its attention layers in one group")
 
-        def pages(kind: CacheType, layer: int) -> torch.Tensor:
-            return torch.zeros(0, device=device) if config.is_linear_layer(layer) else _pages(shape, kind, device)
+        def slot_pages(kind: CacheType, slot: int) -> torch.Tensor:
+            if all(config.is_linear_layer(g.layers[slot]) for g in self.groups):
+                return torch.zeros(0, device=device)  # a linear attention layer: its state, no pages
+            return _pages(shape, kind, device)
 
-        self.k = [pages(self.types.k, i) for i in range(config.num_layers)]
-        self.v = [pages(self.types.v, i) for i in range(config.num_layers)]
+        k_slots = [slot_pages(self.types.k, s) for s in range(size)]
+        v_slots = [slot_pages(self.types.v, s) for s in range(size)]
+        self.k: list[torch.Tensor] = [k_slots[0]] * config.num_layers
+        self.v: list[torch.Tensor] = [v_slots[0]] * config.num_layers
+        self.layer_group = [0] * config.num_layers
+        for g, group in enumerate(self.groups):
+            for s, layer in enumerate(group.layers):
+                self.k[layer], self.v[layer], self.layer_group[layer] = k_slots[s], v_slots[s], g
         self.num_pages = num_pages
         self.page_size = page_size
         self.states: StateCache | None = None
@@ -147,8 +203,15 @@ class KVCache:
                 state_dtype = self.types.k if isinstance(self.types.k, torch.dtype) else torch.float32
             self.states = StateCache(config, state_slots, device, state_dtype)
 
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
     @staticmethod
-    def bytes_per_page(config: ModelConfig, page_size: int, dtype: CacheType | KVCacheTypes) -> int:
+    def bytes_per_page(config: ModelConfig, page_size: int, dtype: CacheType | KVCacheTypes,
+                       num_layers: int | None = None) -> int:
+        """Bytes of one page of `num_layers` layers (default: all; a group's page: its layers)."""
         types = _pair(dtype)
         row = _row_bytes(config.head_dim, types.k) + _row_bytes(config.head_dim, types.v)
-        return (config.num_layers - len(config.linear_layers)) * page_size * config.num_kv_heads * row
+        layers = config.num_layers - len(config.linear_layers) if num_layers is None else num_layers
+        return layers * page_size * config.num_kv_heads * row

@@ -22,24 +22,32 @@ from exlcli.ops.rope import rotate_cached_keys
 @dataclass(frozen=True)
 class KeyShift:
     """Rotate the keys of `pages` by `delta` positions (negative: back), after copying each page of
-    `copies` (src, dst) into its dst (dst is then among `pages`). Plain lists: it travels in StepInputs."""
+    `copies` (src, dst) into its dst (dst is then among `pages`), in the layers of cache group
+    `group` (KVCache.groups). Plain lists: it travels in StepInputs."""
 
     pages: list[int]
     delta: int
     copies: list[tuple[int, int]] = field(default_factory=list)
+    group: int = 0
 
 
 def apply_key_shifts(config: ModelConfig, kv: KVCache, shifts: list[KeyShift]) -> None:
-    """Every layer's copies, then rotations, queued on the cache's device before the step's forward."""
+    """Each shift's copies, then rotations, in its group's layers, queued on the cache's device before
+    the step's forward. (Layers of different groups share tensors: a shift touches its own layers'
+    only, never a tensor twice.)"""
     if not shifts:
         return
     device = kv.k[0].device
     inv_freqs = layer_inv_freqs(config)  # a layer kind may have a rope of its own (Gemma 3)
     for shift in shifts:
+        layers = kv.groups[shift.group].layers
         if shift.copies:
             src, dst = to_device([[s for s, _ in shift.copies], [d for _, d in shift.copies]], torch.long, device)
-            for cache in (*kv.k, *kv.v):
-                copy_rows(cache, src, dst)
+            for i in layers:
+                copy_rows(kv.k[i], src, dst)
+                copy_rows(kv.v[i], src, dst)
+        if not shift.pages:
+            continue
         pages = to_device(shift.pages, torch.long, device)
-        for k_cache, inv_freq in zip(kv.k, inv_freqs):
-            rotate_cached_keys(k_cache, pages, shift.delta, inv_freq)
+        for i in layers:
+            rotate_cached_keys(kv.k[i], pages, shift.delta, inv_freqs[i])

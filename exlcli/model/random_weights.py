@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from exlcli.errors import ModelLoadError
+from exlcli.model.architectures.windows import periodic
 from exlcli.model.config import ModelConfig, MoeConfig
 
 SHAPES: dict[str, ModelConfig] = {
@@ -42,6 +45,15 @@ SHAPES: dict[str, ModelConfig] = {
                                 num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
                                 rope_theta=1000000.0, max_position_embeddings=32768,
                                 moe=MoeConfig(num_experts=8, num_experts_used=2, expert_size=14336)),
+    # Gemma 3 12B (text): five layers sliding over 1,024 tokens to one global; 1 + w norms before and
+    # after attention and the feed-forward, GELU-tanh, q/k norms, the embedding scaled by sqrt(hidden)
+    "gemma3-12b": ModelConfig("gemma3", vocab_size=262208, hidden_size=3840, intermediate_size=15360,
+                              num_layers=48, num_heads=16, num_kv_heads=8, head_dim=256, rms_norm_eps=1e-6,
+                              rope_theta=1000000.0, rope_scaling={"rope_type": "linear", "factor": 8.0},
+                              rope_local_theta=10000.0, max_position_embeddings=131072, tie_word_embeddings=True,
+                              qk_norm=True, norm_offset=1.0, sandwich_norms=True, activation="gelu_tanh",
+                              embed_scale=math.sqrt(3840), query_pre_attn_scalar=256, sliding_window=1024,
+                              layer_types=periodic(48, 6)),
 }
 SHAPES["llama3.1-8b"] = SHAPES["llama3-8b"]
 
@@ -90,6 +102,9 @@ def random_tensors(config: ModelConfig, device: torch.device | str = "cpu",
         if config.attention_bias:
             for name, n_out in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
                 t[p + f"self_attn.{name}.bias"] = 0.1 * torch.randn(n_out, generator=gen, device=device, dtype=dtype)
+        if config.sandwich_norms:  # (Gemma: its 1 + w norms read these as w)
+            t[p + "pre_feedforward_layernorm.weight"] = ones(h) - 1
+            t[p + "post_feedforward_layernorm.weight"] = ones(h) - 1
         if config.qk_norm:
             t[p + "self_attn.q_norm.weight"] = ones(config.head_dim)
             t[p + "self_attn.k_norm.weight"] = ones(config.head_dim)

@@ -35,6 +35,9 @@ class StepInputs:
     state_slots: list[int] = field(default_factory=list)  # [B] hybrid models: each one's slot (KVCache.states)
     state_copies: list[tuple[int, int]] = field(default_factory=list)  # (from, to) slots, before the forward
     state_snapshots: list[tuple[int, int, int]] = field(default_factory=list)  # BatchInputs.state_snapshots
+    # the KV cache's layer groups 1.. (KVCache.groups): each one's block tables and slot mapping
+    group_block_tables: list[list[list[int]]] = field(default_factory=list)
+    group_slot_mappings: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         num_tokens = len(self.input_ids)
@@ -80,7 +83,9 @@ class StepInputs:
         seq_of_row, row_lens = decode_query_rows(starts, lens)
         return StepInputs(self.input_ids, self.positions, self.slot_mapping,
                           [self.block_tables[b] for b in seq_of_row], row_lens, list(range(self.num_tokens + 1)),
-                          self.logits_indices, self.in_flight, self.key_shifts)
+                          self.logits_indices, self.in_flight, self.key_shifts,
+                          group_block_tables=[[tables[b] for b in seq_of_row] for tables in self.group_block_tables],
+                          group_slot_mappings=self.group_slot_mappings)
 
     def to_batch_inputs(self, device: torch.device, prev_ids: torch.Tensor | None = None) -> BatchInputs:
         """The eager path's staging: fresh device tensors. `prev_ids`: the previous step's sampled
@@ -100,6 +105,8 @@ class StepInputs:
             query_start_loc_t=to_device(self.query_start_loc, torch.int32, device),
             state_slots=self.state_slots or None,
             state_snapshots=self.state_snapshots or None,
+            group_block_tables=[to_device(t, torch.int32, device) for t in self.group_block_tables] or None,
+            group_slot_mappings=[to_device(m, torch.long, device) for m in self.group_slot_mappings] or None,
         )
 
 

@@ -104,6 +104,13 @@ class EngineCollector(Collector):
         yield gauge("kv_pages_used", "KV pages referenced by live sequences.", stats.pages_used)
         yield gauge("kv_pages_cached", "KV pages held only by the prefix cache.", stats.pages_cached)
         yield gauge("kv_pages_free", "KV pages free.", stats.pages_free)
+        if len(stats.pages_used_by_group) > 1:  # a cache in layer groups (one page holds one group's layers)
+            by_group = GaugeMetricFamily("exlcli_kv_pages_used_by_group", "KV pages referenced by live sequences, "
+                                         "per layer group of the cache (window: its tokens, or full).",
+                                         labels=["group", "window"])
+            for g, (used, window) in enumerate(zip(stats.pages_used_by_group, stats.page_group_windows)):
+                by_group.add_metric([str(g), window], used)
+            yield by_group
         yield gauge("kv_page_size_tokens", "Tokens per KV page.", stats.page_size)
         if stats.kv_cache_type_k:  # an engine's (a fake client has no cache)
             cache_types = GaugeMetricFamily("exlcli_kv_cache_info", "The KV cache's types of K and V (value 1).",

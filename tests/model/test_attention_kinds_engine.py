@@ -51,7 +51,8 @@ def test_greedy_tokens_alone_equal_those_in_a_batch(window_model):
 def test_preemption_and_prefix_hits_keep_the_tokens(window_model):
     prompts = _prompts(5, seed=9)
     alone = [tokens_of(_engine(window_model).submit(greedy(f"a{i}", p, n=20))) for i, p in enumerate(prompts)]
-    engine = _engine(window_model, num_pages=40)  # too few pages for all five at once: some are preempted
+    # too few pages for all five at once: some are preempted (a page holds one layer group: 6 groups here)
+    engine = _engine(window_model, num_pages=64, max_num_batched_tokens=16)
     handles = [engine.submit(greedy(f"b{i}", p, n=20)) for i, p in enumerate(prompts)]
     engine.run_until_idle()
     assert [tokens_of(h) for h in handles] == alone

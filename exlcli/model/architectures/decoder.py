@@ -239,6 +239,12 @@ class DecoderModel:
         elif not use_cpu_kernels(h):
             cos_sin_rows = {id(t): gather_cos_sin(t, batch.positions) for t in self.rope_tables}
             layout = PagedLayout.build(batch.block_tables, batch.seq_lens, kv.page_size)
+        # a cache in layer groups (KVCache.groups): each group's own block tables and slots
+        groups = None
+        if kv.num_groups > 1:
+            groups = [batch.tables_of(g) for g in range(kv.num_groups)]
+            layouts = [layout] + [None if layout is None else PagedLayout.build(t, batch.seq_lens, kv.page_size)
+                                  for t, _ in groups[1:]]
         cpu_layers = self._cpu_decoder_layers(h, kv)
         if cpu_layers is not None:  # all the layers' kernels in one C call a layer
             h, residual = cpu_layers.run(h, batch.positions, batch.slot_mapping, batch.block_tables,
@@ -246,7 +252,11 @@ class DecoderModel:
                                          _int32(batch.seq_lens_t, batch.seq_lens), kv.k, kv.v, num_layers)
         for i, layer in enumerate(self.layers[:num_layers] if cpu_layers is None else ()):
             spec, table = self.specs[i], self.rope_tables[i]
-            rope = RopeWrite(batch.positions, table, kv.k[i], kv.v[i], batch.slot_mapping, cfg.num_heads,
+            block_tables, slot_mapping, layer_layout = batch.block_tables, batch.slot_mapping, layout
+            if groups is not None:
+                g = kv.layer_group[i]
+                (block_tables, slot_mapping), layer_layout = groups[g], layouts[g]
+            rope = RopeWrite(batch.positions, table, kv.k[i], kv.v[i], slot_mapping, cfg.num_heads,
                              None if cos_sin_rows is None else cos_sin_rows[id(table)])
             if layer.q_norm is None and self.rope_order is None:
                 q, residual = layer.qkv.normed_rope_product(h, residual, layer.input_norm, cfg.rms_norm_eps, rope)
@@ -259,8 +269,8 @@ class DecoderModel:
                 if self.rope_order is not None:  # partial rotary as full-width rope (attention_spec)
                     q, k = q[..., self.rope_order], k[..., self.rope_order]
                 q = rope.write(q, k, v)
-            o = paged_attention(q, kv.k[i], kv.v[i], batch.block_tables, batch.query_start_loc,
-                                batch.seq_lens, self.scale, batch.seq_lens_t, batch.query_start_loc_t, layout,
+            o = paged_attention(q, kv.k[i], kv.v[i], block_tables, batch.query_start_loc,
+                                batch.seq_lens, self.scale, batch.seq_lens_t, batch.query_start_loc_t, layer_layout,
                                 prefill_layout, window=spec.window, sinks=spec.sinks, softcap=spec.softcap)
             h = layer.o_proj(o.reshape(num_tokens, -1))
             if layer.attn_out_norm is not None:
@@ -288,7 +298,8 @@ class DecoderModel:
     def _cpu_decoder_layers(self, h: torch.Tensor, kv: KVCache) -> CpuDecoderLayers | None:
         """The one-call CPU layers (exlcli/ops/cpu/decoder_layer.py) where this step runs the CPU
         kernels and every layer can take them, else None (layer by layer)."""
-        if not use_cpu_kernels(h) or kv.k[0].dtype != torch.bfloat16 or kv.v[0].dtype != torch.bfloat16:
+        if (not use_cpu_kernels(h) or kv.k[0].dtype != torch.bfloat16 or kv.v[0].dtype != torch.bfloat16
+                or kv.num_groups > 1):
             return None
         if self._cpu_layers is False:
             self._cpu_layers = self._build_cpu_decoder_layers()
