@@ -108,6 +108,7 @@ class LocalClient(EngineClient):
         if threaded:
             self.engine.start()
         self.context_length = self.engine.max_model_len
+        self.tool_format_name: str | None = None  # None: the one the chat template speaks (--tool-format)
 
     @classmethod
     def from_model(cls, model: str | None = None, *, device: str | None = None, dtype: str | None = None,
@@ -139,11 +140,11 @@ class LocalClient(EngineClient):
         return self.template.encode(self.tokenizer, messages, add_generation_prompt, template_tools)
 
     def tool_format(self) -> ToolFormat:
-        def special_id(text: str) -> int | None:
-            token_id = self.tokenizer.token_to_id(text) if hasattr(self.tokenizer, "token_to_id") else None
-            return token_id if token_id in getattr(self.tokenizer, "special_token_ids", ()) else None
-
-        return detect_tool_format(None if self.template.is_fallback else self.template.source, special_id)
+        # a marker the vocabulary matches whole (special or user-defined) is written by its id in
+        # grammars: the grammar library reads such a token as one unit, never as its letters
+        marker_id = getattr(self.tokenizer, "marker_id", None) or (lambda text: None)
+        return detect_tool_format(None if self.template.is_fallback else self.template.source, marker_id,
+                                  self.tool_format_name)
 
     def count_chat_tokens(self, messages: list[dict], add_generation_prompt: bool = True) -> int:
         return len(self.chat_prompt_ids(messages, add_generation_prompt))

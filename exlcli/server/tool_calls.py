@@ -126,8 +126,9 @@ class ToolPlan:
         if not tools or choice == "none":
             return cls()
         forced = choice.function.name if isinstance(choice, NamedToolChoice) else None
-        return cls(tool_dicts(tools) or [], forced, choice == "required" or forced is not None,
-                   parallel is not False, tool_format)
+        dicts = tool_dicts(tools) or []
+        return cls(dicts, forced, choice == "required" or forced is not None, parallel is not False,
+                   tool_format.know_tools(dicts))
 
     @property
     def active(self) -> bool:

@@ -1,0 +1,73 @@
+"""Forced and named tool calls on tokenizers whose tool tags are tokens of their own (issue #51's
+defect: a Qwen2.5 GGUF's user-defined <tool_call> made every forced call a 500, "the grammar does
+not allow token ..."), for every tool format, on the tiny random model behind the real server."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import torch
+from server_helpers import running_server
+from test_server_openai_sdk import sdk
+
+from exlcli.client.local import LocalClient
+from exlcli.engine.engine import EngineConfig
+from exlcli.model.architectures import build_model
+from exlcli.model.loader import LoadedModel
+from exlcli.model.random_weights import random_config, random_tensors
+from exlcli.text.chat_template import ChatTemplate
+from tests.text.marker_tokenizers import HARMONY_TAGS, TOOL_TAGS, marker_tokenizer
+from tests.text.tool_templates import (
+    GLM45,
+    GPT_OSS,
+    LLAMA31,
+    MISTRAL_V03,
+    QWEN3_CODER,
+    QWEN25,
+    TIME_TOOL,
+    WEATHER_TOOL,
+)
+
+TOOLS = [WEATHER_TOOL, TIME_TOOL]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+TEMPLATES = {"hermes": QWEN25, "llama3_json": LLAMA31, "mistral": MISTRAL_V03, "qwen3_coder": QWEN3_CODER,
+             "glm45": GLM45, "harmony": GPT_OSS}
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    cfg = random_config("tiny")
+    return cfg, build_model(cfg, random_tensors(cfg), torch.device("cpu"), torch.bfloat16)
+
+
+def serve(tiny_model, template: str, kind: str):
+    cfg, model = tiny_model
+    tags = TOOL_TAGS + HARMONY_TAGS if "<|channel|>" in template else TOOL_TAGS
+    tokenizer = marker_tokenizer(kind, tags, template)
+    loaded = LoadedModel("tiny-tags", "", cfg, model, tokenizer, ChatTemplate(template, "", ""), "random bf16", 0.0)
+    client = LocalClient(loaded, EngineConfig(max_model_len=2048))
+    return client, running_server(client)
+
+
+@pytest.mark.parametrize("kind", ["special", "user", "text"])
+@pytest.mark.parametrize("fmt", list(TEMPLATES))
+def test_forced_and_named_calls_on_tag_tokens(tiny_model, fmt, kind):
+    client, server = serve(tiny_model, TEMPLATES[fmt], kind)
+    try:
+        with server as live:
+            assert client.tool_format().name == fmt
+            api = sdk(live)
+            ask = [{"role": "user", "content": "weather?"}]
+            for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+                reply = api.chat.completions.create(model="tiny-tags", messages=ask, tools=TOOLS, tool_choice=choice,
+                                                    parallel_tool_calls=False, temperature=0, max_tokens=200)
+                message = reply.choices[0].message
+                assert reply.choices[0].finish_reason == "tool_calls", (fmt, kind, message)
+                assert len(message.tool_calls) == 1
+                call = message.tool_calls[0].function
+                assert choice == "required" or call.name == "get_time"
+                jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    finally:
+        client.close()
