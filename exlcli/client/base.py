@@ -62,6 +62,7 @@ class TextDelta:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # stop / length / cancelled / error, on the last delta
     error: str | None = None
+    error_code: str | None = None  # "grammar_mismatch": the request's grammar refused a token (not an engine fault)
     usage: Usage | None = None  # on the last delta
     logprobs: list | None = None  # list[exlcli.engine.request.TokenLogprob] when asked for
     # with finish_reason "error": the transport to the engine broke (a server stream cut off), not the

@@ -63,7 +63,7 @@ def delta_from_output(out: RequestOutput) -> TextDelta:
                       total_time=s.total_time, decode_tps=s.decode_tps, evicted_tokens=s.evicted_tokens)
     return TextDelta(text=out.new_text, token_ids=list(out.new_token_ids),
                      finish_reason=out.finish_reason.value if out.finish_reason else None,
-                     error=out.error, usage=usage, logprobs=out.logprobs)
+                     error=out.error, error_code=out.error_code, usage=usage, logprobs=out.logprobs)
 
 
 class LocalStream(GenerationStream):

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from typing import AsyncIterator, Callable
 
+from exlcli.client.base import TextDelta
 from exlcli.server import openai_format as fmt
-from exlcli.server.generations import GenerationGroup
+from exlcli.server.generations import GRAMMAR_MISMATCH, GenerationGroup
 from exlcli.server.schemas import ChatCompletionRequest, CompletionRequest
 from exlcli.server.sse import DONE, sse_data
 from exlcli.server.tool_calls import ToolCallStream, ToolPlan
@@ -25,7 +26,7 @@ async def chat_events(group: GenerationGroup, body: ChatCompletionRequest, model
     async for item in group.deltas():
         d, index = item.delta, item.choice.index
         if d.error:
-            yield sse_data(fmt.error_body(d.error, "server_error"))
+            yield sse_data(stream_error(d))
             return
         text = calls[index].feed(d.text) if calls else d.text
         if text or d.logprobs or (body.return_token_ids and d.token_ids):
@@ -58,7 +59,7 @@ async def completion_events(group: GenerationGroup, body: CompletionRequest, mod
     async for item in group.deltas():
         d, index = item.delta, item.choice.index
         if d.error:
-            yield sse_data(fmt.error_body(d.error, "server_error"))
+            yield sse_data(stream_error(d))
             return
         logprobs = None
         if body.logprobs is not None and d.logprobs:
@@ -74,3 +75,9 @@ async def completion_events(group: GenerationGroup, body: CompletionRequest, mod
     if body.include_usage_chunk:
         yield sse_data(fmt.usage_chunk(rid, created, model, "text_completion", usages))
     yield DONE
+
+
+def stream_error(delta: TextDelta) -> dict:
+    """The error event that ends a stream: a grammar mismatch is the request's, anything else the server's."""
+    kind = "invalid_request_error" if delta.error_code == GRAMMAR_MISMATCH else "server_error"
+    return fmt.error_body(delta.error or "engine error", kind, code=delta.error_code)

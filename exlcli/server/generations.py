@@ -135,14 +135,26 @@ class GenerationGroup:
                 result.finish_reason = item.delta.finish_reason
                 result.usage = item.delta.usage
                 if item.delta.error:
-                    raise EngineFailure(item.delta.error)
+                    raise EngineFailure(item.delta.error, item.delta.error_code)
         for index, parts in texts.items():
             results[index].text = "".join(parts)
         return [results[i] for i in sorted(results)]
 
 
 class EngineFailure(Exception):
-    """The engine failed one of the request's choices."""
+    """The engine failed one of the request's choices (`code` "grammar_mismatch": the request's
+    grammar refused a token the model wrote, a 400, not the server's fault)."""
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+    def api_status(self) -> tuple[int, str]:
+        """The HTTP status and error type the failure is answered with."""
+        return (400, "invalid_request_error") if self.code == GRAMMAR_MISMATCH else (500, "server_error")
+
+
+GRAMMAR_MISMATCH = "grammar_mismatch"
 
 
 def _as_logprobs(items: list) -> list[TokenLogprob]:

@@ -71,3 +71,30 @@ def test_forced_and_named_calls_on_tag_tokens(tiny_model, fmt, kind):
                 jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
     finally:
         client.close()
+
+
+def test_a_grammar_the_tokenizer_disagrees_with_is_a_400_not_a_500(tiny_model):
+    """A request's own grammar that spells a user-defined token as text: the grammar library's
+    mask allows the token and its matcher then refuses it. The answer names the token, without the
+    library's state dump, as the request's problem."""
+    import httpx
+
+    client, server = serve(tiny_model, QWEN25, "user")
+    body = {"model": "tiny-tags", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20,
+            "response_format": {"type": "grammar", "grammar": 'start: "<tool_call>" "x"'}}
+    try:
+        with server as live:
+            reply = httpx.post(f"{live.url}/v1/chat/completions", json=body, timeout=60)
+            assert reply.status_code == 400, reply.text
+            error = reply.json()["error"]
+            assert error["code"] == "grammar_mismatch" and error["type"] == "invalid_request_error"
+            assert "token 390" in error["message"] and "<state>" not in error["message"]
+            streamed = httpx.post(f"{live.url}/v1/chat/completions", json={**body, "stream": True}, timeout=60)
+            events = [json.loads(line[6:]) for line in streamed.text.splitlines()
+                      if line.startswith("data: {")]
+            assert events[-1]["error"]["code"] == "grammar_mismatch"
+            # the engine is fine: the next request runs
+            ok = httpx.post(f"{live.url}/v1/chat/completions", json={**body, "response_format": None}, timeout=60)
+            assert ok.status_code == 200
+    finally:
+        client.close()
