@@ -76,6 +76,14 @@ def register(app: typer.Typer) -> None:
         cors_origins: Annotated[Optional[list[str]], typer.Option(
             "--cors-origin",
             help="Allow browser pages from this origin (repeat for more; '*' for any). Default: none.")] = None,
+        reasoning_format: Annotated[str, typer.Option(
+            "--reasoning-format",
+            help="auto: a thinking model's reasoning apart from its answer (reasoning_content); "
+                 "none: left inline in the content.")] = "auto",
+        tool_format: Annotated[Optional[str], typer.Option(
+            "--tool-format",
+            help="How the model writes tool calls: hermes, llama3_json, mistral, qwen3_coder, glm45 or harmony. "
+                 "Default: the one its chat template speaks.")] = None,
         display: Annotated[Optional[bool], typer.Option(
             "--display/--no-display",
             help="Live display of requests and engine. Default: on when stderr is a terminal.")] = None,
@@ -124,6 +132,13 @@ def register(app: typer.Typer) -> None:
             raise fail(f"--max-connections must be at least 1, got {max_connections}")
         if max_prompt_kb is not None and max_prompt_kb <= 0:
             raise fail(f"--max-prompt-kb must be positive, got {max_prompt_kb}")
+        from exlcli.server.generations import REASONING_FORMATS
+        from exlcli.text.tool_formats import FORMATS
+
+        if reasoning_format not in REASONING_FORMATS:
+            raise fail(f"--reasoning-format must be one of {', '.join(REASONING_FORMATS)}, got {reasoning_format!r}")
+        if tool_format is not None and tool_format not in FORMATS:
+            raise fail(f"--tool-format must be one of {', '.join(FORMATS)}, got {tool_format!r}")
         flags.check_model()
         from exlcli.server.app import ServerConfig
         from exlcli.server.connections import ConnectionLimits
@@ -138,6 +153,7 @@ def register(app: typer.Typer) -> None:
             from exlcli.client.factory import open_client
 
             client = open_client(**flags.client_options(), fake_delay=0.0)
+            client.tool_format_name = tool_format
             aliases: tuple[str, ...] = ()
             if served_model_name:
                 aliases = (client.model_name,)  # the model's own name keeps working
@@ -149,7 +165,7 @@ def register(app: typer.Typer) -> None:
                               max_body_bytes=int(max_body_mb * 1024 * 1024), default_max_tokens=default_max_tokens,
                               model_aliases=aliases, cors_origins=tuple(cors_origins or ()),
                               max_prompt_bytes=int(max_prompt_kb * 1024) if max_prompt_kb else None,
-                              request_timeout_s=request_timeout)
+                              request_timeout_s=request_timeout, reasoning_format=reasoning_format)
         with client:
             serve(client, sock, host, port, config, live_display=display, limits=limits)
 

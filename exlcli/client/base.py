@@ -13,7 +13,7 @@ from typing import AsyncIterator, Iterator
 from exlcli.engine.request import GrammarSpec, Priority
 from exlcli.engine.sampling import SAMPLING_PARAMS, SamplingParams
 from exlcli.engine.stats import EngineStats
-from exlcli.text.tool_formats import HermesFormat, ToolFormat
+from exlcli.text.tool_formats import ToolFormat, detect_tool_format
 
 
 @dataclass
@@ -29,6 +29,8 @@ class GenerationParams(SamplingParams):
     grammar: GrammarSpec | None = None  # structured output (JSON schema, regex, grammar)
     speculative: bool | None = None  # False: no speculative decoding for this request (None: the engine's)
     tools: list[dict] | None = None  # OpenAI tool objects the chat template describes to the model
+    # extra variables for the chat template (e.g. {"enable_thinking": False}), as HF's apply_chat_template takes
+    chat_template_kwargs: dict | None = None
     context_overflow: str | None = None  # past the window: stop / shift / sinks (None: the engine's)
     sink_tokens: int | None = None
     window: int | None = None
@@ -78,6 +80,9 @@ class GenerationStream(abc.ABC):
     """Deltas of one generation, as a blocking or an async iterator (use one of the two)."""
 
     request_id: str
+    # the prompt left the answer inside a reasoning block it opened (Qwen3 thinking-2507's and the
+    # DeepSeek-R1 distills' templates end the prompt with "<think>"): the answer starts as reasoning
+    reasoning_open: bool = False
 
     @abc.abstractmethod
     def __iter__(self) -> Iterator[TextDelta]: ...
@@ -103,6 +108,7 @@ class EngineClient(abc.ABC):
     kind: str  # "local" or "remote"
     model_name: str
     context_length: int
+    tool_format_name: str | None = None  # the tool format named by --tool-format (None: the template's)
 
     @abc.abstractmethod
     def chat(self, messages: list[dict], params: GenerationParams) -> GenerationStream:
@@ -125,7 +131,12 @@ class EngineClient(abc.ABC):
 
     def tool_format(self) -> ToolFormat:
         """How the model spells tool calls (the chat template's format; hermes when it has none)."""
-        return HermesFormat()
+        return detect_tool_format(None, name=self.tool_format_name)
+
+    def reasoning_syntax(self) -> str | None:
+        """The markup the model's reasoning comes in (exlcli.text.reasoning: "think", "harmony"), or
+        None for a model that does not think."""
+        return None
 
     def close(self) -> None:
         pass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from typing import AsyncIterator, Iterator
@@ -13,10 +14,13 @@ from exlcli.engine.request import Request, RequestOutput
 from exlcli.engine.stats import EngineStats
 from exlcli.errors import ExlcliError, RequestError
 from exlcli.model.loader import LoadedModel, load_model
+from exlcli.text.reasoning import prompt_opens_reasoning, reasoning_syntax
 from exlcli.text.tool_formats import ToolFormat, detect_tool_format, prompt_messages, tool_texts
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+# the prompt's last tokens, decoded, tell whether the template opened a reasoning block
+REASONING_TAIL_TOKENS = 8
 
 
 def parse_kv_memory(text: str) -> dict:
@@ -108,7 +112,6 @@ class LocalClient(EngineClient):
         if threaded:
             self.engine.start()
         self.context_length = self.engine.max_model_len
-        self.tool_format_name: str | None = None  # None: the one the chat template speaks (--tool-format)
 
     @classmethod
     def from_model(cls, model: str | None = None, *, device: str | None = None, dtype: str | None = None,
@@ -131,13 +134,17 @@ class LocalClient(EngineClient):
         return client
 
     def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True,
-                        tools: list[dict] | None = None) -> list[int]:
+                        tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
         has_special = getattr(self.tokenizer, "has_special_text", None)
         if has_special is not None and any(has_special(t) for t in tool_texts(messages, tools)):
             raise RequestError("tools and tool calls may not hold special-token text (such as the chat template's "
                                "turn markers)")
+        if has_special is not None and template_kwargs and has_special(json.dumps(template_kwargs, ensure_ascii=False)):
+            raise RequestError("chat_template_kwargs may not hold special-token text (such as the chat template's "
+                               "turn markers)")
         messages, template_tools = prompt_messages(messages, tools, self.template.source)
-        return self.template.encode(self.tokenizer, messages, add_generation_prompt, template_tools)
+        return self.template.encode(self.tokenizer, messages, add_generation_prompt, template_tools,
+                                    template_kwargs=template_kwargs)
 
     def tool_format(self) -> ToolFormat:
         # a marker the vocabulary matches whole (special or user-defined) is written by its id in
@@ -159,7 +166,16 @@ class LocalClient(EngineClient):
         return LocalStream(self.engine.submit(request))
 
     def chat(self, messages: list[dict], params: GenerationParams) -> GenerationStream:
-        return self.submit_ids(self.chat_prompt_ids(messages, tools=params.tools), params)
+        ids = self.chat_prompt_ids(messages, tools=params.tools, template_kwargs=params.chat_template_kwargs)
+        stream = self.submit_ids(ids, params)
+        syntax = self.reasoning_syntax()
+        if syntax is not None:
+            tail = self.tokenizer.decode(ids[-REASONING_TAIL_TOKENS:], skip_special_tokens=False)
+            stream.reasoning_open = prompt_opens_reasoning(tail, syntax)
+        return stream
+
+    def reasoning_syntax(self) -> str | None:
+        return None if self.template.is_fallback else reasoning_syntax(self.template.source)
 
     def complete(self, prompt: str, params: GenerationParams) -> GenerationStream:
         return self.submit_ids(self.tokenizer.encode(prompt), params)

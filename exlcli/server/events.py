@@ -1,6 +1,9 @@
 """The server-sent event streams of chat and text completions, chunk by chunk as OpenAI sends
 them: a role chunk first (chat), content deltas, one finish chunk per choice, an optional usage
-chunk, then [DONE]. An engine error ends the stream with an error event."""
+chunk, then [DONE]. An engine error ends the stream with an error event.
+
+Chat deltas carry the model's reasoning apart, as `{"reasoning_content": ...}` (vLLM's and
+llama-server's field), when the group splits it (generations.ReasoningPlan)."""
 
 from __future__ import annotations
 
@@ -28,7 +31,9 @@ async def chat_events(group: GenerationGroup, body: ChatCompletionRequest, model
         if d.error:
             yield sse_data(stream_error(d))
             return
-        text = calls[index].feed(d.text) if calls else d.text
+        if item.reasoning:
+            yield sse_data(fmt.chat_chunk(rid, created, model, index, {"reasoning_content": item.reasoning}))
+        text = calls[index].feed(item.content) if calls else item.content
         if text or d.logprobs or (body.return_token_ids and d.token_ids):
             logprobs = fmt.chat_logprobs(d.logprobs or [], token_text, num_top) if body.logprobs else None
             yield sse_data(fmt.chat_chunk(rid, created, model, index, {"content": text}, logprobs=logprobs,
