@@ -297,6 +297,11 @@ def _regex(pattern: str) -> str:
     return "/" + pattern.replace("/", "\\/") + "/"
 
 
+def _regex_text(text: str) -> str:
+    """`text` as a regex matching itself (a newline written \\n: a Lark regex is one line)."""
+    return "".join("\\n" if c == "\n" else "\\" + c if c in "\\.+*?()|[]{}^$-" else c for c in text)
+
+
 def _bounded_string(schema: dict) -> str | None:
     """A Lark item for a string argument the schema bounds (enum, const, an anchored pattern,
     maxLength); None when any text goes."""
@@ -350,7 +355,7 @@ class _XmlFormat(ToolFormat):
         token = self._special_id(tag)
         if token is not None:
             return f"{_regex(_FREE_TEXT)} <[{token}]>"
-        return _regex(_FREE_TEXT + re.escape(before + tag))
+        return _regex(_FREE_TEXT + _regex_text(before + tag))
 
     def _value(self, schema: Any, strict: bool, close: str, before: str = "") -> str:
         """Lark for one argument's value and its closing tag."""
