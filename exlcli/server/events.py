@@ -38,6 +38,8 @@ async def chat_events(group: GenerationGroup, body: ChatCompletionRequest, model
             logprobs = fmt.chat_logprobs(d.logprobs or [], token_text, num_top) if body.logprobs else None
             yield sse_data(fmt.chat_chunk(rid, created, model, index, {"content": text}, logprobs=logprobs,
                                           token_ids=d.token_ids if body.return_token_ids else None))
+        for delta in calls[index].ready() if calls else ():  # calls whose blocks closed
+            yield sse_data(fmt.chat_chunk(rid, created, model, index, delta))
         if d.finished:
             usages.append((item.choice.prompt_index, d.usage))
             reason = d.finish_reason

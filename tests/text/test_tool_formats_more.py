@@ -124,3 +124,18 @@ def test_forcing_grammars_accept_the_call_as_the_model_writes_it(name, kind):
         assert constraint.matcher.is_accepting()
         [call] = fmt.know_tools(TOOLS).parse(WRITTEN_TYPED[name], NAMES).calls
         assert json.loads(call.arguments) == {"path": "if a < b:\n    x = 1", "width": 640}
+
+
+@pytest.mark.parametrize("name", ["hermes", "qwen3_coder", "glm45"])
+def test_a_call_is_sent_as_soon_as_its_block_closes(name):
+    stream = ToolCallStream(ToolPlan(TOOLS, None, False, True, FORMATS[name]().know_tools(TOOLS)))
+    first, second = WRITTEN[name], WRITTEN[name].replace("Paris", "Rome")
+    for i in range(0, len(first), 5):
+        stream.feed(first[i:i + 5])
+        early = stream.ready()
+        assert not early or i + 5 >= len(first)
+    assert [d["tool_calls"][0]["index"] for d in early] == [0, 0] and early[0]["tool_calls"][0]["id"]
+    stream.feed("\n" + second)
+    deltas, reason = stream.finish("stop")
+    assert reason == "tool_calls" and [d["tool_calls"][0]["index"] for d in deltas] == [1, 1]  # the first not again
+    assert "Rome" in deltas[1]["tool_calls"][0]["function"]["arguments"]
