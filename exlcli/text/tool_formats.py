@@ -168,6 +168,18 @@ class ToolFormat:
         return f"<[{token_id}]>" if token_id is not None else _lark_string(text)
 
 
+def _before_marker(text: str, marker: str) -> int:
+    """Where a streamed answer's surely-content text ends: at the first `marker` (a call starts
+    there), or before an end of the text that may be the marker's start."""
+    at = text.find(marker)
+    if at >= 0:
+        return at
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return len(text) - n
+    return len(text)
+
+
 class HermesFormat(ToolFormat):
     name = "hermes"
     call_start = "<tool_call>"
@@ -197,13 +209,7 @@ class HermesFormat(ToolFormat):
         return ParsedAnswer(content or None, calls)
 
     def content_end(self, text: str) -> int:
-        at = text.find(self.call_start)
-        if at >= 0:
-            return at
-        for n in range(min(len(self.call_start) - 1, len(text)), 0, -1):
-            if text.endswith(self.call_start[:n]):
-                return len(text) - n
-        return len(text)
+        return _before_marker(text, self.call_start)
 
 
 class _WholeAnswerFormat(ToolFormat):
@@ -421,7 +427,7 @@ class _XmlFormat(ToolFormat):
         return ToolCall(name, json.dumps(arguments, ensure_ascii=False), self.new_call_id())
 
     def content_end(self, text: str) -> int:
-        return HermesFormat.content_end(self, text)  # type: ignore[arg-type]
+        return _before_marker(text, self.call_start)
 
 
 class Qwen3CoderFormat(_XmlFormat):
@@ -529,7 +535,7 @@ class HarmonyFormat(ToolFormat):
         return ParsedAnswer(content or None, calls)
 
     def content_end(self, text: str) -> int:
-        return HermesFormat.content_end(self, text)  # type: ignore[arg-type]
+        return _before_marker(text, self.call_start)
 
 
 FORMATS: dict[str, type[ToolFormat]] = {"hermes": HermesFormat, "llama3_json": Llama3JsonFormat,
