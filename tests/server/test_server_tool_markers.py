@@ -98,3 +98,13 @@ def test_a_grammar_the_tokenizer_disagrees_with_is_a_400_not_a_500(tiny_model):
             assert ok.status_code == 200
     finally:
         client.close()
+
+
+def test_tool_format_named_over_the_templates(tiny_model):
+    client, _ = serve(tiny_model, QWEN3_CODER, "user")
+    try:
+        assert client.tool_format().name == "qwen3_coder"
+        client.tool_format_name = "hermes"  # exlcli serve --tool-format hermes
+        assert client.tool_format().name == "hermes"
+    finally:
+        client.close()
