@@ -151,7 +151,7 @@ def test_the_prompt_decides_whether_the_answer_starts_thinking(tiny_model, templ
     cfg, model = tiny_model
     tokenizer = marker_tokenizer("user", chat_template=template)
     loaded = LoadedModel("tiny-think", "", cfg, model, tokenizer, ChatTemplate(template, "", ""), "random", 0.0)
-    client = LocalClient(loaded, EngineConfig(max_model_len=512))
+    client = LocalClient(loaded, EngineConfig(max_model_len=512, kv_memory=32 * 2**20))
     try:
         from exlcli.client.base import GenerationParams
 

@@ -31,6 +31,7 @@ from tests.text.tool_templates import (
 )
 
 TOOLS = [WEATHER_TOOL, TIME_TOOL]
+KV_MEMORY = 32 * 2**20  # a small pool: a test here starts 20 engines, and a default one takes 1 GiB
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 TEMPLATES = {"hermes": QWEN25, "llama3_json": LLAMA31, "mistral": MISTRAL_V03, "qwen3_coder": QWEN3_CODER,
              "glm45": GLM45, "harmony": GPT_OSS}
@@ -47,7 +48,7 @@ def serve(tiny_model, template: str, kind: str):
     tags = TOOL_TAGS + HARMONY_TAGS if "<|channel|>" in template else TOOL_TAGS
     tokenizer = marker_tokenizer(kind, tags, template)
     loaded = LoadedModel("tiny-tags", "", cfg, model, tokenizer, ChatTemplate(template, "", ""), "random bf16", 0.0)
-    client = LocalClient(loaded, EngineConfig(max_model_len=2048))
+    client = LocalClient(loaded, EngineConfig(max_model_len=2048, kv_memory=KV_MEMORY))
     return client, running_server(client)
 
 
