@@ -17,6 +17,7 @@ from exlcli.chat.window import ChatWindow, new_session_id
 from exlcli.client.base import EngineClient
 from exlcli.engine.request import GrammarSpec
 from exlcli.errors import ExlcliError
+from exlcli.text.reasoning import reasoning_splitter
 
 
 class ChatApp:
@@ -33,6 +34,8 @@ class ChatApp:
         self.output_format: GrammarSpec | None = None  # /format: what every answer must match
         self.window = window or ChatWindow()  # past the context window (chat/window.py)
         self.session = new_session_id()  # the engine keeps each answer's cache for the next turn
+        self.show_thinking = True  # /think: a thinking model's reasoning shown dimmed, or folded to a line
+        self.last_reasoning = ""  # the last answer's reasoning (/think last)
 
     # ---- the loop -----------------------------------------------------------------------------
 
@@ -119,13 +122,17 @@ class ChatApp:
         def open_view(index: int) -> None:
             if n > 1:
                 self.io.say(f"answer {index + 1} of {n} (seed {streams.answers[index].seed})", "bold cyan")
-            view = answer_view(self.io)
+            stream = streams.streams[index]
+            view = answer_view(self.io, reasoning_splitter(self.client.reasoning_syntax() or "auto",
+                                                           bool(getattr(stream, "reasoning_open", False))),
+                               self.show_thinking)
             view.feed(streams.answers[index].text)  # what arrived while an earlier one was shown
             views[index] = view
 
         def close_view(index: int) -> None:
             answer = streams.answers[index]
             views[index].finish()
+            self.last_reasoning = views[index].reasoning
             if answer.error:
                 self.io.error(f"the engine failed: {answer.error}")
             else:

@@ -170,6 +170,23 @@ def _format(app: ChatHost, arg: str) -> None:
     app.io.say(f"answers: {describe(app.output_format)}")
 
 
+@command("think", "/think [on|off|last]", "show a thinking model's reasoning dimmed above the answer (on), fold "
+         "it to one line (off), or print the last answer's reasoning (last)")
+def _think(app: ChatHost, arg: str) -> None:
+    choice = arg.strip().lower()
+    if choice == "last":
+        if not app.last_reasoning.strip():
+            app.io.notice("the last answer had no reasoning")
+        else:
+            app.io.say(app.last_reasoning.strip(), "dim italic")
+        return
+    if choice not in ("", "on", "off"):
+        raise CommandError(f"/think takes on, off or last, got {arg.strip()!r}")
+    app.show_thinking = (not app.show_thinking) if not choice else choice == "on"
+    app.io.notice("reasoning shown dimmed above the answer" if app.show_thinking else
+                  "reasoning folded to one line (/think last prints it)")
+
+
 @command("show", "/show", "model, settings, system prompt and context used")
 def _show(app: ChatHost, arg: str) -> None:
     conv = app.conversation

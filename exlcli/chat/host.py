@@ -25,6 +25,8 @@ class ChatHost(Protocol):
     model_label: str
     output_format: GrammarSpec | None  # /format: what every answer must match
     running: bool  # False ends the loop (/bye)
+    show_thinking: bool  # /think: reasoning shown dimmed (True) or folded to one line
+    last_reasoning: str  # the last answer's reasoning
 
     def send(self, message: str, n: int = 1) -> list[Answer]:
         """Answer `message` (n answers for /n) and keep one in the conversation."""

@@ -7,13 +7,16 @@ never duplicates or gets cropped. Off a terminal the text is written as it comes
 Both ways the answer passes text.terminal_safe first: a model's text may hold escape sequences (a
 clipboard write, a window title, a cleared screen) and none may reach the terminal; the styling
 is Rich's, added after.
+
+A model that thinks (Qwen3's <think>, gpt-oss's analysis channel) has its reasoning split off its
+answer (text/reasoning.py) and shown dimmed above it, or folded to one line (`/think off`).
 """
 
 from __future__ import annotations
 
 import time
 
-from rich.console import Console, ConsoleOptions, RenderResult
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
 from rich.live import Live
 from rich.markdown import Markdown
 from rich.segment import Segment
@@ -22,6 +25,7 @@ from rich.text import Text
 
 from exlcli.chat.io import ChatIO
 from exlcli.client.base import Usage
+from exlcli.text.reasoning import ReasoningSplitter, reasoning_splitter
 from exlcli.text.terminal_safe import TerminalFilter, terminal_safe
 
 REFRESH_INTERVAL = 1 / 20  # seconds between live redraws while tokens arrive
@@ -82,12 +86,41 @@ class _Lines:
                 yield Segment.line()
 
 
-class LiveAnswer:
+class _Thinking:
+    """An answer's text split as it comes: the reasoning and the answer proper."""
+
+    def __init__(self, splitter: ReasoningSplitter | None) -> None:
+        self.splitter = splitter or reasoning_splitter(None)
+        self.text = ""  # as the model wrote it, markup included
+        self.reasoning = ""
+        self.answer = ""
+
+    def take(self, text: str) -> tuple[str, str]:
+        self.text += text
+        reasoning, answer = self.splitter.feed(text)
+        self.reasoning += reasoning
+        self.answer += answer
+        return reasoning, answer
+
+    def end(self) -> tuple[str, str]:
+        reasoning, answer = self.splitter.finish()
+        self.reasoning += reasoning
+        self.answer += answer
+        return reasoning, answer
+
+
+def folded_line(reasoning: str) -> str:
+    return f"▸ thought for {len(reasoning.split())} words (/think on shows the reasoning)"
+
+
+class LiveAnswer(_Thinking):
     """Markdown rendered live; lines that leave the live area are committed above it."""
 
-    def __init__(self, console: Console) -> None:
+    def __init__(self, console: Console, splitter: ReasoningSplitter | None = None,
+                 show_thinking: bool = True) -> None:
+        super().__init__(splitter)
         self.console = console
-        self.text = ""
+        self.show_thinking = show_thinking
         self._committed = 0  # rendered lines already printed for good
         self._last_draw = 0.0
         self._drawn = 0  # len(text) at the last draw
@@ -99,7 +132,7 @@ class LiveAnswer:
         return max(4, self.console.height - 3)
 
     def feed(self, text: str) -> None:
-        self.text += text
+        self.take(text)
         now = time.monotonic()
         if now - self._last_draw >= REFRESH_INTERVAL:
             self._draw()
@@ -113,10 +146,18 @@ class LiveAnswer:
         elif self._drawn < len(self.text):
             self._draw()
 
+    def _renderable(self) -> RenderableType:
+        answer = Markdown(terminal_safe(self.answer))
+        if not self.reasoning.strip():
+            return answer
+        thought = (Text(terminal_safe(self.reasoning.strip()), style="dim italic") if self.show_thinking
+                   else Text(folded_line(self.reasoning), style="dim"))
+        return Group(thought, Text(""), answer) if self.answer else thought
+
     def _draw(self, final: bool = False) -> None:
         self._drawn = len(self.text)
         lines = [_trim_padding(line) for line in
-                 self.console.render_lines(Markdown(terminal_safe(self.text)), self.console.options, pad=False)]
+                 self.console.render_lines(self._renderable(), self.console.options, pad=False)]
         keep = 0 if final else self._window()
         split = max(self._committed, len(lines) - keep)
         if split > self._committed:  # printed above the live area, for good
@@ -127,27 +168,49 @@ class LiveAnswer:
     def finish(self) -> None:
         """Print the whole answer for good and close the live area."""
         try:
+            self.end()
             self._draw(final=True)
         finally:
             self._live.stop()
 
 
-class PlainAnswer:
-    def __init__(self, io: ChatIO) -> None:
+class PlainAnswer(_Thinking):
+    """The answer as it comes; the reasoning before it (when shown), a blank line between."""
+
+    def __init__(self, io: ChatIO, splitter: ReasoningSplitter | None = None, show_thinking: bool = True) -> None:
+        super().__init__(splitter)
         self.io = io
-        self.text = ""
+        self.show_thinking = show_thinking
         self._safe = TerminalFilter()  # plain output is read by people too, often on a terminal
+        self._thought = False  # reasoning was written: a blank line goes before the answer
+        self._newlines = 0  # newlines the written reasoning ends with
 
     def feed(self, text: str) -> None:
-        self.text += text
-        self.io.write_answer(self._safe.feed(text))
+        self._write(*self.take(text))
+
+    def _write(self, reasoning: str, answer: str) -> None:
+        if reasoning and self.show_thinking:
+            if not self._thought:
+                reasoning = reasoning.lstrip()
+            self._thought = self._thought or bool(reasoning)
+            self._newlines = len(reasoning) - len(reasoning.rstrip("\n")) if reasoning.strip() else \
+                self._newlines + reasoning.count("\n")
+            self.io.write_answer(self._safe.feed(reasoning))
+        if answer:
+            if self._thought:  # a blank line between, however the reasoning ended
+                answer, self._thought = "\n" * max(0, 2 - self._newlines) + answer, False
+            self.io.write_answer(self._safe.feed(answer))
 
     def tick(self) -> None:
         pass
 
     def finish(self) -> None:
+        self._write(*self.end())
         self.io.write_answer(self._safe.flush() + "\n")
 
 
-def answer_view(io: ChatIO) -> "LiveAnswer | PlainAnswer":
-    return LiveAnswer(io.out) if io.interactive else PlainAnswer(io)
+def answer_view(io: ChatIO, splitter: ReasoningSplitter | None = None,
+                show_thinking: bool = True) -> "LiveAnswer | PlainAnswer":
+    if io.interactive:
+        return LiveAnswer(io.out, splitter, show_thinking)
+    return PlainAnswer(io, splitter, show_thinking)

@@ -109,6 +109,14 @@ def register(app: typer.Typer) -> None:
         cors_origins: Annotated[Optional[list[str]], typer.Option(
             "--cors-origin",
             help="Allow browser pages from this origin (repeat for more; '*' for any). Default: none.")] = None,
+        reasoning_format: Annotated[str, typer.Option(
+            "--reasoning-format",
+            help="auto: a thinking model's reasoning apart from its answer (reasoning_content); "
+                 "none: left inline in the content.")] = "auto",
+        tool_format: Annotated[Optional[str], typer.Option(
+            "--tool-format",
+            help="How the model writes tool calls: hermes, llama3_json, mistral, qwen3_coder, glm45 or harmony. "
+                 "Default: the one its chat template speaks.")] = None,
         display: Annotated[Optional[bool], typer.Option(
             "--display/--no-display",
             help="Live display of requests and engine. Default: on when stderr is a terminal.")] = None,
@@ -163,6 +171,13 @@ def register(app: typer.Typer) -> None:
             raise fail(f"--max-prompt-kb must be positive, got {max_prompt_kb}")
         for spec in specs[1:]:
             dataclasses.replace(flags, model=spec).check_model()
+        from exlcli.server.generations import REASONING_FORMATS
+        from exlcli.text.tool_formats import FORMATS
+
+        if reasoning_format not in REASONING_FORMATS:
+            raise fail(f"--reasoning-format must be one of {', '.join(REASONING_FORMATS)}, got {reasoning_format!r}")
+        if tool_format is not None and tool_format not in FORMATS:
+            raise fail(f"--tool-format must be one of {', '.join(FORMATS)}, got {tool_format!r}")
         flags.check_model()
         keep_alive_s = parse_keep_alive(keep_alive) if keep_alive is not None else (
             None if len(specs) <= 1 and not models_dir else DEFAULT_KEEP_ALIVE_S)
@@ -183,7 +198,7 @@ def register(app: typer.Typer) -> None:
 
             pool = served_models(flags.client_options(), specs, models_dir, served_model_name,
                                  keep_alive_s=keep_alive_s, memory_budget=memory_budget,
-                                 max_loaded=max_loaded_models)
+                                 max_loaded=max_loaded_models, tool_format=tool_format)
         except BaseException:
             sock.close()
             raise
@@ -191,7 +206,7 @@ def register(app: typer.Typer) -> None:
                               max_body_bytes=int(max_body_mb * 1024 * 1024), default_max_tokens=default_max_tokens,
                               cors_origins=tuple(cors_origins or ()),
                               max_prompt_bytes=int(max_prompt_kb * 1024) if max_prompt_kb else None,
-                              request_timeout_s=request_timeout)
+                              request_timeout_s=request_timeout, reasoning_format=reasoning_format)
         try:
             serve(pool, sock, host, port, config, live_display=display, limits=limits)
         finally:

@@ -14,7 +14,7 @@ from exlcli.engine.request import GrammarSpec, Priority
 from exlcli.engine.sampling import SAMPLING_PARAMS, SamplingParams
 from exlcli.engine.stats import EngineStats
 from exlcli.errors import RequestError
-from exlcli.text.tool_formats import HermesFormat, ToolFormat
+from exlcli.text.tool_formats import ToolFormat, detect_tool_format
 
 
 @dataclass
@@ -30,6 +30,8 @@ class GenerationParams(SamplingParams):
     grammar: GrammarSpec | None = None  # structured output (JSON schema, regex, grammar)
     speculative: bool | None = None  # False: no speculative decoding for this request (None: the engine's)
     tools: list[dict] | None = None  # OpenAI tool objects the chat template describes to the model
+    # extra variables for the chat template (e.g. {"enable_thinking": False}), as HF's apply_chat_template takes
+    chat_template_kwargs: dict | None = None
     context_overflow: str | None = None  # past the window: stop / shift / sinks (None: the engine's)
     sink_tokens: int | None = None
     window: int | None = None
@@ -63,6 +65,7 @@ class TextDelta:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # stop / length / cancelled / error, on the last delta
     error: str | None = None
+    error_code: str | None = None  # "grammar_mismatch": the request's grammar refused a token (not an engine fault)
     usage: Usage | None = None  # on the last delta
     logprobs: list | None = None  # list[exlcli.engine.request.TokenLogprob] when asked for
     stop_string: str | None = None  # on the last delta: the stop string that ended the text, if one did
@@ -80,6 +83,9 @@ class GenerationStream(abc.ABC):
 
     request_id: str
     prompt_tokens: int | None = None  # the prompt's tokens, where known when the stream starts
+    # the prompt left the answer inside a reasoning block it opened (Qwen3 thinking-2507's and the
+    # DeepSeek-R1 distills' templates end the prompt with "<think>"): the answer starts as reasoning
+    reasoning_open: bool = False
 
     @abc.abstractmethod
     def __iter__(self) -> Iterator[TextDelta]: ...
@@ -105,6 +111,7 @@ class EngineClient(abc.ABC):
     kind: str  # "local" or "remote"
     model_name: str
     context_length: int
+    tool_format_name: str | None = None  # the tool format named by --tool-format (None: the template's)
 
     @abc.abstractmethod
     def chat(self, messages: list[dict], params: GenerationParams) -> GenerationStream:
@@ -148,7 +155,12 @@ class EngineClient(abc.ABC):
 
     def tool_format(self) -> ToolFormat:
         """How the model spells tool calls (the chat template's format; hermes when it has none)."""
-        return HermesFormat()
+        return detect_tool_format(None, name=self.tool_format_name)
+
+    def reasoning_syntax(self) -> str | None:
+        """The markup the model's reasoning comes in (exlcli.text.reasoning: "think", "harmony"), or
+        None for a model that does not think."""
+        return None
 
     def close(self) -> None:
         pass

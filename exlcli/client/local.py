@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from typing import AsyncIterator, Iterator
@@ -13,10 +14,13 @@ from exlcli.engine.request import Request, RequestOutput
 from exlcli.engine.stats import EngineStats
 from exlcli.errors import ExlcliError, RequestError
 from exlcli.model.loader import LoadedModel, load_model
+from exlcli.text.reasoning import prompt_opens_reasoning, reasoning_syntax
 from exlcli.text.tool_formats import ToolFormat, detect_tool_format, prompt_messages, tool_texts
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+# the prompt's last tokens, decoded, tell whether the template opened a reasoning block
+REASONING_TAIL_TOKENS = 8
 
 
 def parse_kv_memory(text: str) -> dict:
@@ -63,7 +67,8 @@ def delta_from_output(out: RequestOutput) -> TextDelta:
                       total_time=s.total_time, decode_tps=s.decode_tps, evicted_tokens=s.evicted_tokens)
     return TextDelta(text=out.new_text, token_ids=list(out.new_token_ids),
                      finish_reason=out.finish_reason.value if out.finish_reason else None,
-                     error=out.error, usage=usage, logprobs=out.logprobs, stop_string=out.stop_string)
+                     error=out.error, error_code=out.error_code, usage=usage, logprobs=out.logprobs,
+                     stop_string=out.stop_string)
 
 
 class LocalStream(GenerationStream):
@@ -133,20 +138,24 @@ class LocalClient(EngineClient):
         return client
 
     def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True,
-                        tools: list[dict] | None = None) -> list[int]:
+                        tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
         has_special = getattr(self.tokenizer, "has_special_text", None)
         if has_special is not None and any(has_special(t) for t in tool_texts(messages, tools)):
             raise RequestError("tools and tool calls may not hold special-token text (such as the chat template's "
                                "turn markers)")
+        if has_special is not None and template_kwargs and has_special(json.dumps(template_kwargs, ensure_ascii=False)):
+            raise RequestError("chat_template_kwargs may not hold special-token text (such as the chat template's "
+                               "turn markers)")
         messages, template_tools = prompt_messages(messages, tools, self.template.source)
-        return self.template.encode(self.tokenizer, messages, add_generation_prompt, template_tools)
+        return self.template.encode(self.tokenizer, messages, add_generation_prompt, template_tools,
+                                    template_kwargs=template_kwargs)
 
     def tool_format(self) -> ToolFormat:
-        def special_id(text: str) -> int | None:
-            token_id = self.tokenizer.token_to_id(text) if hasattr(self.tokenizer, "token_to_id") else None
-            return token_id if token_id in getattr(self.tokenizer, "special_token_ids", ()) else None
-
-        return detect_tool_format(None if self.template.is_fallback else self.template.source, special_id)
+        # a marker the vocabulary matches whole (special or user-defined) is written by its id in
+        # grammars: the grammar library reads such a token as one unit, never as its letters
+        marker_id = getattr(self.tokenizer, "marker_id", None) or (lambda text: None)
+        return detect_tool_format(None if self.template.is_fallback else self.template.source, marker_id,
+                                  self.tool_format_name)
 
     def count_chat_tokens(self, messages: list[dict], add_generation_prompt: bool = True,
                           tools: list[dict] | None = None) -> int:
@@ -162,7 +171,16 @@ class LocalClient(EngineClient):
         return LocalStream(self.engine.submit(request), len(prompt_ids))
 
     def chat(self, messages: list[dict], params: GenerationParams) -> GenerationStream:
-        return self.submit_ids(self.chat_prompt_ids(messages, tools=params.tools), params)
+        ids = self.chat_prompt_ids(messages, tools=params.tools, template_kwargs=params.chat_template_kwargs)
+        stream = self.submit_ids(ids, params)
+        syntax = self.reasoning_syntax()
+        if syntax is not None:
+            tail = self.tokenizer.decode(ids[-REASONING_TAIL_TOKENS:], skip_special_tokens=False)
+            stream.reasoning_open = prompt_opens_reasoning(tail, syntax)
+        return stream
+
+    def reasoning_syntax(self) -> str | None:
+        return None if self.template.is_fallback else reasoning_syntax(self.template.source)
 
     def complete(self, prompt: str, params: GenerationParams) -> GenerationStream:
         return self.submit_ids(self.tokenizer.encode(prompt), params)

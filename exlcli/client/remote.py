@@ -176,7 +176,10 @@ class RemoteClient(EngineClient):
     def chat(self, messages: list[dict], params: GenerationParams) -> GenerationStream:
         if params.tools:  # the stream would carry tool_calls this client does not read
             raise RequestError("tools are not available through a remote engine; call the server's API directly")
-        body = {"messages": messages, **self._model_field(), **self._sampling_body(params)}
+        # the text as the model wrote it, reasoning markup inline, as a local engine gives it
+        body = {"messages": messages, **self._model_field(), **self._sampling_body(params), "reasoning_format": "none"}
+        if params.chat_template_kwargs:
+            body["chat_template_kwargs"] = params.chat_template_kwargs
         if params.speculative is not None:
             body["speculative"] = params.speculative
         if params.logprobs:

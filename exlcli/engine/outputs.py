@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from exlcli.engine.grammar_check import one_line
 from exlcli.engine.request import FinishReason, RequestOutput, RequestStats
 from exlcli.engine.sequence import SeqStatus
 from exlcli.errors import RequestError
@@ -21,6 +22,17 @@ if TYPE_CHECKING:
     from exlcli.engine.sessions import SessionCache
     from exlcli.engine.speculative import Speculator
     from exlcli.engine.stats_publisher import StatsPublisher
+
+GRAMMAR_MISMATCH = "grammar_mismatch"
+
+
+def grammar_mismatch(token: int, text: str, detail: str) -> str:
+    """One line for a token the grammar refused: the token, and the library's reason without its
+    state dump (which names internals, not the request's problem)."""
+    reason = one_line(detail.split("\n<state>")[0]).removeprefix("Parser Error: ")
+    shown = f" ({text!r})" if text else ""
+    return (f"the grammar does not allow token {token}{shown}, which the model wrote: {reason}. The request's "
+            "grammar spells this text in a way the model's tokenizer does not")
 
 
 class OutputProcessor:
@@ -66,8 +78,9 @@ class OutputProcessor:
         text, taken = "", 0
         for token in tokens:
             if constraint is not None and not constraint.accept(token):
-                self.finish(seq, FinishReason.ERROR,
-                            error=f"the grammar does not allow token {token}: {constraint.error}")
+                self.finish(seq, FinishReason.ERROR, error=grammar_mismatch(token, self._token_text(token),
+                                                                            constraint.error),
+                            error_code=GRAMMAR_MISMATCH)
                 return taken
             seq.token_ids.append(token)
             self._scheduler.token_known(seq)
@@ -94,13 +107,19 @@ class OutputProcessor:
             self.finish(seq, reason, last=out)
         return taken
 
+    def _token_text(self, token: int) -> str:
+        try:
+            return self._tokenizer.decode([token], skip_special_tokens=False)
+        except Exception:  # a token the tokenizer cannot decode is named by its id alone
+            return ""
+
     def finish(self, seq: Sequence, reason: FinishReason, error: str | None = None,
-               last: RequestOutput | None = None, nonfinite: bool = False) -> None:
+               last: RequestOutput | None = None, nonfinite: bool = False, error_code: str | None = None) -> None:
         """Ends `seq` (once): its pages go back to the pool, or are parked for its session; its
         handle gets the final delta (`last`, else an empty one) with the request's stats."""
         if seq.status is SeqStatus.FINISHED and seq.request_id not in self.seqs:
             return
-        if reason is FinishReason.ERROR:
+        if reason is FinishReason.ERROR and error_code is None:  # (a grammar mismatch is the request's)
             self._failures.request_failed(nonfinite)
         session = seq.request.session
         parked = None
@@ -126,6 +145,7 @@ class OutputProcessor:
         out.finished, out.finish_reason, out.error, out.stats = True, reason, error, stats
         if reason is FinishReason.STOP and streamer is not None:
             out.stop_string = streamer.stop_string  # (None when a stop token or EOS ended it)
+        out.error_code = error_code
         self._stats.record_finished(seq, reason, stats)
         if handle is not None:
             handle.put(out)

@@ -177,6 +177,9 @@ class RequestOutput:
     finished: bool = False
     finish_reason: FinishReason | None = None
     error: str | None = None
+    # what kind of error: "grammar_mismatch" (the grammar library refused a token its own mask
+    # allowed: the request's grammar and the tokenizer disagree, not an engine failure); None: other
+    error_code: str | None = None
     logprobs: list[TokenLogprob] | None = None
     stats: RequestStats | None = None  # set on the final output
     stop_string: str | None = None  # on the final output: the stop string that ended the text, if one did
@@ -192,3 +195,4 @@ class RequestOutput:
         self.finished, self.finish_reason, self.error, self.stats = (later.finished, later.finish_reason,
                                                                      later.error, later.stats)
         self.stop_string = later.stop_string
+        self.error_code = later.error_code

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from exlcli.client.base import GenerationStream
 from exlcli.server import anthropic_format as afmt
 from exlcli.server.anthropic_events import message_events, ping_event
-from exlcli.server.generations import Starter
+from exlcli.server.generations import ReasoningPlan, Starter
 from exlcli.server.request_flow import bounded, collect_unless_gone, event_stream, start_group
 
 if TYPE_CHECKING:
@@ -37,6 +37,7 @@ def add_messages_routes(app: FastAPI, state: ServerState) -> None:
         message_id = afmt.new_message_id()
         group = await start_group(state, "messages", body.client or "api", body.priority or "interactive",
                                   [Starter(0, 0, start)], response_id=message_id)
+        group.reasoning = ReasoningPlan.for_client(client, state.config.reasoning_format, plan.required)
         if body.stream:
             return event_stream(state, group, message_events(group, message_id, client.model_name, plan),
                                 ping_factory=ping_event)

@@ -13,7 +13,7 @@ from typing import AsyncIterator
 from sse_starlette import ServerSentEvent
 
 from exlcli.server.anthropic_errors import anthropic_error_body
-from exlcli.server.anthropic_format import reasoning_splitter, stop_reason, unfinished_error, usage_body
+from exlcli.server.anthropic_format import stop_reason, unfinished_error, usage_body
 from exlcli.server.generations import GenerationGroup
 from exlcli.server.sse import SEP, sse_event
 from exlcli.server.tool_calls import ToolCallStream, ToolPlan
@@ -79,7 +79,6 @@ async def message_events(group: GenerationGroup, message_id: str, model: str,
         "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}})
     yield ping_event().encode()
     blocks = _Blocks()
-    splitter = reasoning_splitter()
     calls = ToolCallStream(plan) if plan.active else None
     called = False
 
@@ -96,12 +95,12 @@ async def message_events(group: GenerationGroup, message_id: str, model: str,
         if d.error:
             yield _event(anthropic_error_body(500, d.error))
             return
-        for chunk in answer(splitter.feed(d.text)):
+        # the group's ReasoningPlan has split the text: thinking, then the answer
+        parts = [(kind, text) for kind, text in (("thinking", item.reasoning), ("text", item.content)) if text]
+        for chunk in answer(parts):
             yield chunk
         if not d.finished:
             continue
-        for chunk in answer(splitter.finish()):
-            yield chunk
         failed = unfinished_error(d.finish_reason)
         if failed is not None:
             yield _event(anthropic_error_body(failed.status, failed.message))

@@ -320,29 +320,6 @@ def grammar_checks(plan: ToolPlan) -> list[GrammarCheck]:
             for i, t in enumerate(plan.tools) if plan.forced in (None, t["function"]["name"])]
 
 
-# ---- reasoning: the one place that reads it ----------------------------------------------------
-
-def collected_reasoning(result: ChoiceResult) -> str | None:
-    """The reasoning of a whole answer, where the server separates it from the answer's text
-    (`result.reasoning`); else none, and the answer's text is all of it."""
-    return getattr(result, "reasoning", None) or None
-
-
-class AnswerOnly:
-    """A streamed answer split into ("thinking" | "text", piece) parts. Until the server separates
-    reasoning, every piece is text."""
-
-    def feed(self, text: str) -> list[tuple[str, str]]:
-        return [("text", text)] if text else []
-
-    def finish(self) -> list[tuple[str, str]]:
-        return []
-
-
-def reasoning_splitter() -> AnswerOnly:
-    return AnswerOnly()
-
-
 # ---- the answer ---------------------------------------------------------------------------------
 
 def stop_reason(finish_reason: str | None, stop_string: str | None, called: bool) -> tuple[str, str | None]:
@@ -380,7 +357,7 @@ def tool_use_block(call: ToolCall) -> dict:
 
 def message_body(message_id: str, model: str, result: ChoiceResult, plan: ToolPlan) -> dict:
     content: list[dict] = []
-    reasoning = collected_reasoning(result)
+    reasoning = result.reasoning  # separated by the group's ReasoningPlan (server/generations.py)
     if reasoning:
         content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
     text, calls = result.text, []

@@ -32,7 +32,7 @@ from exlcli.server import openai_format as fmt
 from exlcli.server.anthropic_api import add_messages_routes
 from exlcli.server.bounded_work import DEFAULT_START_BUDGET_MS
 from exlcli.server.events import chat_events, completion_events
-from exlcli.server.generations import GenerationGroup, Starter
+from exlcli.server.generations import GenerationGroup, ReasoningPlan, Starter
 from exlcli.server.grammar_workers import (
     DEFAULT_GRAMMAR_BUDGET_MS,
     DEFAULT_MAX_GRAMMAR_CHECKS,
@@ -84,6 +84,7 @@ class ServerConfig:
     max_grammar_checks: int = DEFAULT_MAX_GRAMMAR_CHECKS  # grammar checks at once, in worker processes
     grammar_budget_ms: int = DEFAULT_GRAMMAR_BUDGET_MS  # a request's grammar checks past this are a 400
     request_timeout_s: float | None = 600.0  # a generation still running after this is cancelled
+    reasoning_format: str = "auto"  # auto: reasoning apart (reasoning_content); none: inline (--reasoning-format)
 
 
 @dataclass
@@ -307,6 +308,9 @@ def create_app(served: EngineClient | ModelPool, config: ServerConfig | None = N
 
         starters = [Starter(i, 0, partial(start, i)) for i in range(body.num_choices)]
         group = await start_group(state, "chat", body.client or "api", body.priority or "interactive", starters)
+        constrained = tools.required or (body.response_format or {}).get("type", "text") != "text"
+        group.reasoning = ReasoningPlan.for_client(client, body.reasoning_format or config.reasoning_format,
+                                                   constrained)
         if body.streaming:
             return event_stream(state, group, chat_events(group, body, client.model_name, token_text, tools))
         results = await collect_unless_gone(state, group, request)

@@ -54,10 +54,11 @@ def models_in(folder: str) -> list[str]:
 
 def served_models(options: dict, specs: list[str], models_dir: str | None, served_model_name: str | None,
                   keep_alive_s: float | None = None, memory_budget: int | None = None,
-                  max_loaded: int | None = None) -> ModelPool:
+                  max_loaded: int | None = None, tool_format: str | None = None) -> ModelPool:
     """The pool: `specs` in order, then the folder's models; the first is the default and is loaded
     now (a default that cannot load stops the server before it listens). `options`: open_client's
-    keyword arguments but the model. No model at all serves the default model."""
+    keyword arguments but the model; `tool_format`: --tool-format, for every model. No model at all
+    serves the default model."""
     from exlcli.client.factory import open_client
 
     every = list(specs) + [p for p in (models_in(models_dir) if models_dir else []) if p not in specs]
@@ -65,7 +66,9 @@ def served_models(options: dict, specs: list[str], models_dir: str | None, serve
     taken: set[str] = set()
     for i, spec in enumerate(every or [None]):
         def opener(spec: str | None = spec, quiet: bool = i > 0) -> EngineClient:
-            return open_client(**{**options, "model": spec}, fake_delay=0.0, quiet=quiet)
+            client = open_client(**{**options, "model": spec}, fake_delay=0.0, quiet=quiet)
+            client.tool_format_name = tool_format
+            return client
 
         name = served_name(spec) if spec is not None else ""
         aliases: list[str] = []

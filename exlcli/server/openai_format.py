@@ -33,7 +33,8 @@ class ChoiceResult:
     """One finished choice of a non-streaming answer."""
 
     index: int
-    text: str = ""
+    text: str = ""  # the answer (without the reasoning, when it was split off)
+    reasoning: str | None = None  # the model's reasoning, split off its answer (None: none)
     finish_reason: str | None = None
     stop_string: str | None = None  # the stop string that ended it, if one did
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -129,12 +130,19 @@ def chat_completion(response_id: str, created: int, model: str, choices: list[Ch
         "id": response_id, "object": "chat.completion", "created": created, "model": model,
         "choices": [{
             "index": c.index,
-            "message": {"role": "assistant", "content": c.text},
+            "message": _message(c),
             "logprobs": logprob_fn(c),
             "finish_reason": c.finish_reason,
         } for c in choices],
         "usage": usage_dict([(c.prompt_index, c.usage) for c in choices]),
     }
+
+
+def _message(c: ChoiceResult) -> dict:
+    message = {"role": "assistant", "content": c.text}
+    if c.reasoning is not None:  # as vLLM and llama-server name it
+        message["reasoning_content"] = c.reasoning
+    return message
 
 
 def text_completion(response_id: str, created: int, model: str, choices: list[ChoiceResult],

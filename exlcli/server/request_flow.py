@@ -78,7 +78,8 @@ async def collect_unless_gone(state: ServerState, group: GenerationGroup,
             try:
                 return collector.result()
             except EngineFailure as e:
-                raise APIError(500, str(e), "server_error") from None
+                status, kind = e.api_status()
+                raise APIError(status, str(e), kind, code=e.code) from None
         group.cancel()
         return None
     finally:

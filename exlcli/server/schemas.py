@@ -6,6 +6,7 @@ silent coercion. Fields OpenAI defines but we cannot honour are refused; unknown
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
@@ -24,6 +25,7 @@ from exlcli.server.tool_calls import (
     tool_dicts,
     tools_bytes,
 )
+from exlcli.text.chat_template import check_template_kwargs
 
 MAX_CHOICES = 16  # `n`
 MAX_STOP_STRINGS = 16
@@ -221,6 +223,19 @@ class ChatCompletionRequest(_SamplingBody):
     tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # extra chat template variables, e.g. {"enable_thinking": false} (vLLM's and llama-server's field)
+    chat_template_kwargs: dict | None = None
+    # auto: the model's reasoning apart, in "reasoning_content"; none: left inline in "content"
+    # (None: the server's --reasoning-format)
+    reasoning_format: Literal["auto", "none"] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, value: dict | None) -> dict | None:
+        try:
+            return check_template_kwargs(value) if value else None
+        except RequestError as e:
+            raise ValueError(str(e).removeprefix("chat_template_kwargs: ")) from None
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -252,7 +267,15 @@ class ChatCompletionRequest(_SamplingBody):
         return [m.as_dict() for m in self.messages]
 
     def prompt_parts(self) -> dict[str, int]:
-        return {"messages": sum(m.text_bytes() for m in self.messages), "tools": tools_bytes(self.tools)}
+        kwargs = self.chat_template_kwargs
+        kwargs_bytes = len(json.dumps(kwargs, ensure_ascii=False).encode()) if kwargs else 0
+        return {"messages": sum(m.text_bytes() for m in self.messages), "tools": tools_bytes(self.tools),
+                "chat_template_kwargs": kwargs_bytes}
+
+    def generation_params(self, index: int, default_max_tokens: int) -> GenerationParams:
+        params = super().generation_params(index, default_max_tokens)
+        params.chat_template_kwargs = self.chat_template_kwargs
+        return params
 
 
 class CompletionRequest(_SamplingBody):

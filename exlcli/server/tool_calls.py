@@ -126,8 +126,9 @@ class ToolPlan:
         if not tools or choice == "none":
             return cls()
         forced = choice.function.name if isinstance(choice, NamedToolChoice) else None
-        return cls(tool_dicts(tools) or [], forced, choice == "required" or forced is not None,
-                   parallel is not False, tool_format)
+        dicts = tool_dicts(tools) or []
+        return cls(dicts, forced, choice == "required" or forced is not None, parallel is not False,
+                   tool_format.know_tools(dicts))
 
     @property
     def active(self) -> bool:
@@ -174,9 +175,10 @@ def rewrite_completion(body: dict, plan: ToolPlan) -> dict:
 
 
 class ToolCallStream:
-    """One streamed choice: content passes through as it comes until it may be a call; what is
-    held is parsed at the end into `tool_calls` deltas (per call: its index, id, name and empty
-    arguments, then the arguments), as OpenAI streams them."""
+    """One streamed choice: content passes through as it comes until it may be a call; each call
+    is sent as `tool_calls` deltas (its index, id, name and empty arguments, then the arguments),
+    as OpenAI streams them, as soon as its block closes (formats with a closing tag: hermes,
+    qwen3_coder, glm45), else at the end of the answer."""
 
     def __init__(self, plan: ToolPlan) -> None:
         assert plan.format is not None
@@ -184,6 +186,20 @@ class ToolCallStream:
         self._format = plan.format
         self._text = ""
         self._sent = 0  # characters of _text already sent as content
+        self._calls: list[ToolCall] = []  # calls already sent
+        self._closed_at = -1  # where the last closing tag read for calls starts
+
+    def ready(self) -> list[dict]:
+        """The deltas of calls whose blocks closed since the last look."""
+        end_tag = getattr(self._format, "call_end", "")
+        last = self._text.rfind(end_tag) if end_tag else -1
+        if last <= self._closed_at:
+            return []
+        self._closed_at = last
+        new = self.plan.parse(self._text[:last + len(end_tag)]).calls[len(self._calls):]
+        deltas = _call_deltas(new, len(self._calls))
+        self._calls += new
+        return deltas
 
     def feed(self, text: str) -> str:
         """Content that can be sent now (a format's content_end only grows, once text is content)."""
@@ -205,11 +221,17 @@ class ToolCallStream:
         content = parsed.content or ""
         if content.startswith(sent) and content[len(sent):].strip():
             deltas.append({"content": content[len(sent):]})  # text after the calls
-        for index, call in enumerate(parsed.calls):
-            deltas.append({"tool_calls": [{"index": index, "id": call.id, "type": "function",
-                                           "function": {"name": call.name, "arguments": ""}}]})
-            deltas.append({"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]})
+        deltas += _call_deltas(parsed.calls[len(self._calls):], len(self._calls))
         return deltas, finish_reason(reason, parsed.calls)
+
+
+def _call_deltas(calls: list[ToolCall], first_index: int) -> list[dict]:
+    deltas: list[dict] = []
+    for index, call in enumerate(calls, first_index):
+        deltas.append({"tool_calls": [{"index": index, "id": call.id, "type": "function",
+                                       "function": {"name": call.name, "arguments": ""}}]})
+        deltas.append({"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]})
+    return deltas
 
 
 def history_message(role: str, content: str | None, tool_calls: list[AssistantToolCall] | None,

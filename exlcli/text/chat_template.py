@@ -88,6 +88,25 @@ def _checked_messages(messages: Any) -> list[dict[str, Any]]:
     return out
 
 
+# Variables the renderer sets itself: chat_template_kwargs may not name them.
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools",
+                                         "documents", "raise_exception", "strftime_now"})
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """`chat_template_kwargs` as template variables; RequestError naming a reserved or bad name."""
+    if not kwargs:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise RequestError("chat_template_kwargs must be an object of template variables")
+    for name in kwargs:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise RequestError(f"chat_template_kwargs: {name!r} is not a template variable name")
+        if name in RESERVED_TEMPLATE_VARIABLES:
+            raise RequestError(f"chat_template_kwargs: {name!r} is set by the server and cannot be passed")
+    return dict(kwargs)
+
+
 class ChatTemplate:
     def __init__(self, source: str | None, bos_token: str | None = "", eos_token: str | None = "",
                  **special_tokens: str) -> None:
@@ -107,14 +126,17 @@ class ChatTemplate:
         return cls(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token)
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               tools: list[dict[str, Any]] | None = None) -> str:
-        """`tools`: OpenAI tool objects, for templates that describe them (see text/tool_formats.py)."""
+               tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
+        """`tools`: OpenAI tool objects, for templates that describe them (see text/tool_formats.py);
+        `template_kwargs`: extra template variables (`enable_thinking`, `reasoning_effort`), as
+        apply_chat_template's keyword arguments; they cannot replace the ones set here."""
         import jinja2
 
         checked = _checked_messages(messages)
+        extra = check_template_kwargs(template_kwargs)
         try:
             return self._template.render(
-                messages=checked, add_generation_prompt=add_generation_prompt,
+                **extra, messages=checked, add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token, eos_token=self.eos_token, tools=tools, documents=None,
                 **self._extra)
         except jinja2.exceptions.TemplateError as e:
@@ -124,7 +146,8 @@ class ChatTemplate:
             raise RequestError(f"chat template failed: {type(e).__name__}: {e}") from None
 
     def encode(self, tokenizer: "Tokenizer", messages: list[dict[str, Any]],
-               add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None) -> list[int]:
+               add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None,
+               template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Prompt token ids. The template writes any BOS itself, so none is added on top
         (as apply_chat_template does).
 
@@ -134,10 +157,12 @@ class ChatTemplate:
         forged = [i for i, m in enumerate(messages) if isinstance(m, dict) and isinstance(m.get("content"), str)
                   and tokenizer.has_special_text(m["content"])]
         if not forged:
-            return tokenizer.encode(self.render(messages, add_generation_prompt, tools), add_special_tokens=False)
+            return tokenizer.encode(self.render(messages, add_generation_prompt, tools, template_kwargs),
+                                    add_special_tokens=False)
         nonce = secrets.token_hex(8)  # so no text a user sends can name a placeholder
         marked = [dict(m, content=f"\ue000{nonce}:{i}\ue001") if i in forged else m for i, m in enumerate(messages)]
-        parts = re.split(f"\ue000{nonce}:(\\d+)\ue001", self.render(marked, add_generation_prompt, tools))
+        rendered = self.render(marked, add_generation_prompt, tools, template_kwargs)
+        parts = re.split(f"\ue000{nonce}:(\\d+)\ue001", rendered)
         ids: list[int] = []
         for n, part in enumerate(parts):
             if n % 2:  # a placeholder's message index

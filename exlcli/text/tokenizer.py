@@ -17,6 +17,15 @@ from exlcli.text import gguf_vocab
 # Tokens that end a turn in common chat formats: they stop generation when the template uses them.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>",
                       "<|endoftext|>", "</s>")
+# gpt-oss's harmony format: a message ends with <|end|> and the turn goes on with the next message
+# (reasoning, then the answer); the turn ends with <|return|> (an answer) or <|call|> (a tool call).
+HARMONY_END_OF_TURN_TOKENS = ("<|return|>", "<|call|>")
+# Markup the front ends parse out of an answer (tool calls, reasoning, harmony's channels): kept as
+# text when decoding even where the vocabulary makes it a special token (Mistral's [TOOL_CALLS],
+# Llama's <|python_tag|>, gpt-oss's channel tokens), so that the parsers see it.
+MARKUP_TOKENS = ("<tool_call>", "</tool_call>", "<think>", "</think>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]",
+                 "<|python_tag|>", "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>",
+                 "<|call|>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
 
 
 class Tokenizer:
@@ -29,9 +38,16 @@ class Tokenizer:
         self.kind = kind
         self.bos_token_id = bos_token_id
         self.eos_token_ids: list[int] = list(dict.fromkeys(eos_token_ids))
+        if chat_template and "<|channel|>" in chat_template:  # harmony: <|end|> ends a message, not the turn
+            self.eos_token_ids = [i for i in self.eos_token_ids if i != backend.token_to_id("<|end|>")] \
+                or self.eos_token_ids
         self.add_bos = bool(add_bos and bos_token_id is not None)
         self.chat_template = chat_template
         self.special_token_ids: set[int] = set(backend.special_token_ids)
+        # tokens matched whole in text (special or user-defined): grammar libraries spell them by id
+        self.added_token_ids: set[int] = set(backend.added_token_ids) | self.special_token_ids
+        markup = (backend.token_to_id(t) for t in MARKUP_TOKENS)
+        self._kept_special_ids = {i for i in markup if i is not None and i in self.special_token_ids}
         texts = (backend.id_to_token(i) for i in self.special_token_ids)
         # longest first, so "<|im_start|>" wins over a special "<|" that would be its prefix
         self.special_token_texts: list[str] = sorted({t for t in texts if t}, key=len, reverse=True)
@@ -58,6 +74,13 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
+
+    def marker_id(self, text: str) -> int | None:
+        """The id of the one token `text` is, where the vocabulary matches it whole (a special or a
+        user-defined token, such as Qwen2.5's `<tool_call>` in a GGUF); None where the text is
+        spelled with ordinary tokens."""
+        token_id = self.token_to_id(text)
+        return token_id if token_id is not None and token_id in self.added_token_ids else None
 
     def __repr__(self) -> str:
         return (f"Tokenizer({self.kind}, vocab_size={self.vocab_size}, bos={self.bos_token_id}, "
@@ -100,7 +123,23 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        return self._backend.decode([int(i) for i in ids], skip_special_tokens)
+        """Text of `ids`; skipping special tokens keeps the markup ones (MARKUP_TOKENS)."""
+        ids = [int(i) for i in ids]
+        kept = self._kept_special_ids
+        if not skip_special_tokens or not kept or kept.isdisjoint(ids):
+            return self._backend.decode(ids, skip_special_tokens)
+        parts: list[str] = []
+        run: list[int] = []
+        for i in ids:
+            if i in kept:
+                parts.append(self._backend.decode(run, True) if run else "")
+                parts.append(self._backend.id_to_token(i) or "")
+                run = []
+            else:
+                run.append(i)
+        if run:
+            parts.append(self._backend.decode(run, True))
+        return "".join(parts)
 
     # --- constructors ------------------------------------------------------------------------
     @classmethod
@@ -221,7 +260,8 @@ def _end_of_turn_ids(backend: "_Backend", template: str | None) -> list[int]:
     if not template:
         return []
     ids = []
-    for text in END_OF_TURN_TOKENS:
+    harmony = "<|channel|>" in template
+    for text in HARMONY_END_OF_TURN_TOKENS if harmony else END_OF_TURN_TOKENS:
         token_id = backend.token_to_id(text)
         if token_id is not None and text in template:
             ids.append(token_id)
@@ -231,6 +271,7 @@ def _end_of_turn_ids(backend: "_Backend", template: str | None) -> list[int]:
 class _Backend:
     vocab_size: int
     special_token_ids: set[int]
+    added_token_ids: set[int] = set()  # matched whole in text, special or not
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]: raise NotImplementedError
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str: raise NotImplementedError
@@ -247,7 +288,9 @@ class _HFBackend(_Backend):
     def __init__(self, tok: Any) -> None:
         self.tok = tok
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
-        self.special_token_ids = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+        added = tok.get_added_tokens_decoder()
+        self.special_token_ids = {i for i, t in added.items() if t.special}
+        self.added_token_ids = set(added)
         self.model_type = type(tok.model).__name__
 
     @classmethod
@@ -304,6 +347,7 @@ class _SPBackend(_Backend):
         n = self.sp.get_piece_size()
         self.vocab_size = n
         self.special_token_ids = {i for i in range(n) if self.sp.is_control(i)}
+        self.added_token_ids = set()  # sentencepiece matches no piece whole in text but control ones
         for value in list(tok_cfg.values()) + list((tok_cfg.get("added_tokens_decoder") or {}).values()):
             text = _token_text(value)
             if text and (token_id := self.token_to_id(text)) is not None:

@@ -1,7 +1,7 @@
 """Tool calling in a model's own words: how a checkpoint's chat template expects tools, calls and
 results, how its answer spells a call (to parse it back), and a Lark grammar that forces one.
 
-Three formats, picked from the template's text:
+Six formats, picked from the template's text (or named: `exlcli serve --tool-format`):
 - hermes: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one block per call (Qwen2.5,
   Qwen3, Hermes). Also the format of templates that know no tools (SmolLM2, the ChatML fallback):
   the tools are then described in the system message and calls and results written as plain turns,
@@ -9,6 +9,15 @@ Three formats, picked from the template's text:
 - llama3_json: one JSON object `{"name": ..., "parameters": {...}}` as the whole answer (Llama 3.1/3.2
   custom tools), maybe after `<|python_tag|>`.
 - mistral: `[TOOL_CALLS]` then a JSON list of `{"name": ..., "arguments": {...}}` (Mistral v0.3+).
+- qwen3_coder: XML (Qwen3-Coder, Qwen3.5), a string argument written as is, any other as JSON:
+  `<tool_call>\\n<function=NAME>\\n<parameter=ARG>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call>`
+- glm45: `<tool_call>NAME\\n<arg_key>ARG</arg_key>\\n<arg_value>VALUE</arg_value>\\n</tool_call>` (GLM-4.5, 4.6).
+- harmony: gpt-oss's `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`.
+
+The markers (`<tool_call>`, `[TOOL_CALLS]`, harmony's channel tokens) are written in grammars as
+their token where the vocabulary matches them whole, special or user-defined (`special_id`, the
+tokenizer's `marker_id`): a grammar library reads such a token as one unit, never as its letters,
+so a grammar that spelled it as text would refuse the very token the model writes.
 
 Grammars use llguidance's Lark (`%json {schema}` embeds a tool's parameter schema); the engine
 compiles them like any request grammar.
@@ -125,8 +134,15 @@ class ToolFormat:
     call_start = ""  # text that opens a call in the answer
 
     def __init__(self, special_id: Callable[[str], int | None] = lambda text: None) -> None:
-        # special_id: the id of a special token by its text (None: not a special token)
+        # special_id: the id of the token a marker is, where the vocabulary matches it whole
+        # (special or user-defined); None where the marker is spelled in ordinary tokens
         self._special_id = special_id
+        self._schemas: dict[str, dict] = {}  # each tool's parameter schema, by name
+
+    def know_tools(self, tools: list[dict]) -> "ToolFormat":
+        """The request's tools: formats that write arguments as text read them back by their schema."""
+        self._schemas = {tool_function(t).get("name", ""): parameters_schema(tool_function(t)) for t in tools}
+        return self
 
     def new_call_id(self) -> str:
         return "call_" + secrets.token_hex(12)
@@ -147,9 +163,21 @@ class ToolFormat:
         raise NotImplementedError
 
     def _start_token(self, text: str) -> str:
-        """A Lark item for marker `text`: the special token where the vocabulary has one."""
+        """A Lark item for marker `text`: its token where the vocabulary matches it whole."""
         token_id = self._special_id(text)
         return f"<[{token_id}]>" if token_id is not None else _lark_string(text)
+
+
+def _before_marker(text: str, marker: str) -> int:
+    """Where a streamed answer's surely-content text ends: at the first `marker` (a call starts
+    there), or before an end of the text that may be the marker's start."""
+    at = text.find(marker)
+    if at >= 0:
+        return at
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return len(text) - n
+    return len(text)
 
 
 class HermesFormat(ToolFormat):
@@ -181,13 +209,7 @@ class HermesFormat(ToolFormat):
         return ParsedAnswer(content or None, calls)
 
     def content_end(self, text: str) -> int:
-        at = text.find(self.call_start)
-        if at >= 0:
-            return at
-        for n in range(min(len(self.call_start) - 1, len(text)), 0, -1):
-            if text.endswith(self.call_start[:n]):
-                return len(text) - n
-        return len(text)
+        return _before_marker(text, self.call_start)
 
 
 class _WholeAnswerFormat(ToolFormat):
@@ -269,14 +291,274 @@ def _parse_call(item: Any, tool_names: set[str], args_keys: tuple[str, ...], cal
     return ToolCall(item["name"], arguments, call_id) if arguments is not None else None
 
 
+# ---- XML formats (Qwen3-Coder, GLM-4.5) -----------------------------------------------------------
+
+# Free text up to a closing tag: any text without "</" (a string argument holds code, newlines and
+# "<" alike). One regex with the closing tag in it where that tag is text, so the lexer never has
+# to give back what it took.
+_FREE_TEXT = r"([^<]|<[^/])*"
+
+
+def _regex(pattern: str) -> str:
+    return "/" + pattern.replace("/", "\\/") + "/"
+
+
+def _regex_text(text: str) -> str:
+    """`text` as a regex matching itself (a newline written \\n: a Lark regex is one line)."""
+    return "".join("\\n" if c == "\n" else "\\" + c if c in "\\.+*?()|[]{}^$-" else c for c in text)
+
+
+def _bounded_string(schema: dict) -> str | None:
+    """A Lark item for a string argument the schema bounds (enum, const, an anchored pattern,
+    maxLength); None when any text goes."""
+    if "const" in schema and isinstance(schema["const"], str):
+        return _lark_string(schema["const"])
+    enum = schema.get("enum")
+    if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
+        return "(" + " | ".join(_lark_string(v) for v in enum) + ")"
+    pattern = schema.get("pattern")
+    if isinstance(pattern, str) and pattern.startswith("^") and pattern.endswith("$") and "/" not in pattern:
+        return _regex(pattern[1:-1])
+    if isinstance(schema.get("maxLength"), int):
+        low = schema.get("minLength") if isinstance(schema.get("minLength"), int) else 0
+        return _regex(f"[^<\\n]{{{low},{schema['maxLength']}}}")
+    return None
+
+
+def _is_text_argument(schema: Any) -> bool:
+    """Written as is, not as JSON: a string (or a schema that says nothing of its type)."""
+    if not isinstance(schema, dict):
+        return True
+    kind = schema.get("type")
+    if kind == "string":
+        return True
+    if kind is None and not any(k in schema for k in ("enum", "const", "anyOf", "oneOf", "properties", "items")):
+        return True
+    enum = schema.get("enum")
+    return kind is None and isinstance(enum, list) and bool(enum) and all(isinstance(v, str) for v in enum)
+
+
+def _argument_value(text: str, schema: Any) -> Any:
+    """An XML argument's text as its value: JSON where the schema wants anything but a string (a
+    model may still write text there: kept as text)."""
+    if _is_text_argument(schema):
+        return text
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class _XmlFormat(ToolFormat):
+    """Calls as `<tool_call>` blocks with the arguments one by one, in tags."""
+
+    call_start = "<tool_call>"
+    call_end = "</tool_call>"
+    _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+
+    def _close(self, tag: str, before: str = "") -> str:
+        """Lark for a free-text value closed by `tag` (`before`: text the template writes in front)."""
+        token = self._special_id(tag)
+        if token is not None:
+            return f"{_regex(_FREE_TEXT)} <[{token}]>"
+        return _regex(_FREE_TEXT + _regex_text(before + tag))
+
+    def _value(self, schema: Any, strict: bool, close: str, before: str = "") -> str:
+        """Lark for one argument's value and its closing tag."""
+        if _is_text_argument(schema):
+            bounded = _bounded_string(schema) if isinstance(schema, dict) else None
+            if bounded is None:
+                return self._close(close, before)
+            return f"{bounded} {_lark_string(before)} {self._start_token(close)}" if before else \
+                f"{bounded} {self._start_token(close)}"
+        json_item = _json_block(schema if isinstance(schema, dict) else {}, strict)
+        tail = f" {_lark_string(before)}" if before else ""
+        return f"{json_item}{tail} {self._start_token(close)}"
+
+    def _argument(self, name: str, schema: Any, strict: bool) -> str:
+        raise NotImplementedError
+
+    def _call(self, function: dict) -> str:
+        raise NotImplementedError
+
+    def grammar(self, tools: list[dict], forced: str | None, parallel: bool) -> str:
+        rules, options = [], []
+        for i, tool in enumerate(tools):
+            function = tool_function(tool)
+            if forced is not None and function.get("name") != forced:
+                continue
+            rules.append(f"call_{i}: {self._call(function)}")
+            options.append(f"call_{i}")
+        more = ' ("\\n" call)*' if parallel and forced is None else ""
+        return f"start: call{more}\ncall: {' | '.join(options)}\n" + "\n".join(rules) + "\n"
+
+    def _arguments_lark(self, function: dict) -> str:
+        schema = parameters_schema(function)
+        strict = bool(function.get("strict"))
+        required = set(schema.get("required") or [])
+        items = []
+        for name, sub in (schema.get("properties") or {}).items():
+            item = self._argument(name, _rebase_refs(sub, "#"), strict)
+            items.append(f"({item})" if name in required else f"({item})?")
+        return " ".join(items) if items else '""'
+
+    def _read_block(self, body: str) -> tuple[str, list[tuple[str, str]]] | None:
+        raise NotImplementedError
+
+    def parse(self, text: str, tool_names: set[str]) -> ParsedAnswer:
+        calls, kept, last = [], [], 0
+        for match in self._BLOCK.finditer(text):
+            read = self._read_block(match.group(1))
+            if read is None or read[0] not in tool_names:
+                continue
+            name, pairs = read
+            calls.append((name, pairs))
+            kept.append(text[last:match.start()])
+            last = match.end()
+        if not calls:
+            return ParsedAnswer(text, [])
+        kept.append(text[last:])
+        content = "".join(kept).strip()
+        return ParsedAnswer(content or None, [self._tool_call(name, pairs) for name, pairs in calls])
+
+    def _tool_call(self, name: str, pairs: list[tuple[str, str]]) -> ToolCall:
+        properties = (self._schemas.get(name) or {}).get("properties") or {}
+        arguments = {key: _argument_value(value, properties.get(key)) for key, value in pairs}
+        return ToolCall(name, json.dumps(arguments, ensure_ascii=False), self.new_call_id())
+
+    def content_end(self, text: str) -> int:
+        return _before_marker(text, self.call_start)
+
+
+class Qwen3CoderFormat(_XmlFormat):
+    name = "qwen3_coder"
+    _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.DOTALL)
+    _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|$)",
+                            re.DOTALL)
+
+    def _argument(self, name: str, schema: Any, strict: bool) -> str:
+        opening = _lark_string(f"<parameter={name}>\n")
+        value = self._value(schema, strict, "</parameter>", before="\n")
+        return f"{opening} {value} {_lark_string(chr(10))}"
+
+    def _call(self, function: dict) -> str:
+        head = _lark_string(f"\n<function={function['name']}>\n")
+        tail = _lark_string("</function>\n")
+        return (f"{self._start_token(self.call_start)} {head} {self._arguments_lark(function)} {tail} "
+                f"{self._start_token(self.call_end)}")
+
+    def _read_block(self, body: str) -> tuple[str, list[tuple[str, str]]] | None:
+        function = self._FUNCTION.search(body)
+        if function is None:
+            return None
+        pairs = [(m.group(1).strip(), _strip_newline(m.group(2))) for m in self._PARAMETER.finditer(function.group(2))]
+        return function.group(1).strip(), pairs
+
+
+class Glm45Format(_XmlFormat):
+    name = "glm45"
+    _PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)(?:</arg_value>|$)", re.DOTALL)
+
+    def _argument(self, name: str, schema: Any, strict: bool) -> str:
+        key = f"{self._start_token('<arg_key>')} {_lark_string(name)} {self._start_token('</arg_key>')}"
+        value = self._value(schema, strict, "</arg_value>")
+        return f"{key} {_lark_string(chr(10))} {self._start_token('<arg_value>')} {value} {_lark_string(chr(10))}"
+
+    def _call(self, function: dict) -> str:
+        return (f"{self._start_token(self.call_start)} {_lark_string(function['name'] + chr(10))} "
+                f"{self._arguments_lark(function)} {self._start_token(self.call_end)}")
+
+    def _read_block(self, body: str) -> tuple[str, list[tuple[str, str]]] | None:
+        name, _, rest = body.strip().partition("<arg_key>")
+        name = name.strip()
+        if not name or "\n" in name:
+            return None
+        pairs = [(m.group(1).strip(), m.group(2)) for m in self._PAIR.finditer("<arg_key>" + rest if rest else "")]
+        return name, pairs
+
+
+def _strip_newline(text: str) -> str:
+    """An XML value without the newline the template writes on each side of it."""
+    if text.startswith("\n"):
+        text = text[1:]
+    if text.endswith("\n"):
+        text = text[:-1]
+    return text
+
+
+# ---- gpt-oss harmony ----------------------------------------------------------------------------
+
+class HarmonyFormat(ToolFormat):
+    """A call is a message to `functions.NAME` on the commentary channel. The reasoning splitter
+    (text/reasoning.py) passes such a message on whole; without it (--reasoning-format none) the
+    answer's raw markup is read the same way."""
+
+    name = "harmony"
+    call_start = "<|channel|>"
+    _MESSAGE = re.compile(r"(?:<\|start\|>assistant)?(?P<pre>[^<]*?)"
+                          r"<\|channel\|>(?P<header>[^<]*(?:<\|constrain\|>[^<]*)?)"
+                          r"<\|message\|>(?P<body>.*?)(?P<end><\|call\|>|<\|end\|>|<\|return\|>|(?=<\|start\|>)|"
+                          r"(?=<\|channel\|>)|$)", re.DOTALL)
+    _RECIPIENT = re.compile(r"to=functions\.([^\s<]+)")
+
+    def grammar(self, tools: list[dict], forced: str | None, parallel: bool) -> str:
+        rules, options = [], []
+        for i, tool in enumerate(tools):
+            function = tool_function(tool)
+            if forced is not None and function.get("name") != forced:
+                continue
+            schema = _rebase_refs(parameters_schema(function), "#")
+            header = _lark_string(f"commentary to=functions.{function['name']} ")
+            body = _json_block(schema, bool(function.get("strict")))
+            rules.append(f"call_{i}: {self._start_token('<|channel|>')} {header} {self._start_token('<|constrain|>')} "
+                         f"\"json\" {self._start_token('<|message|>')} {body}")
+            options.append(f"call_{i}")
+        # one call a turn: <|call|> ends the turn (the model gets the result in the next)
+        return f"start: {' | '.join(options)}\n" + "\n".join(rules) + "\n"
+
+    def parse(self, text: str, tool_names: set[str]) -> ParsedAnswer:
+        calls, kept, last = [], [], 0
+        for match in self._MESSAGE.finditer(text):
+            recipient = self._RECIPIENT.search(match.group("pre") + " " + match.group("header"))
+            if recipient is None or recipient.group(1) not in tool_names:
+                continue
+            arguments = _arguments_text(match.group("body").strip())
+            if arguments is None:
+                continue
+            calls.append(ToolCall(recipient.group(1), arguments, self.new_call_id()))
+            kept.append(text[last:match.start()])
+            last = match.end()
+        if not calls:
+            return ParsedAnswer(text, [])
+        kept.append(text[last:])
+        content = "".join(kept).strip()
+        return ParsedAnswer(content or None, calls)
+
+    def content_end(self, text: str) -> int:
+        return _before_marker(text, self.call_start)
+
+
 FORMATS: dict[str, type[ToolFormat]] = {"hermes": HermesFormat, "llama3_json": Llama3JsonFormat,
-                                        "mistral": MistralFormat}
+                                        "mistral": MistralFormat, "qwen3_coder": Qwen3CoderFormat,
+                                        "glm45": Glm45Format, "harmony": HarmonyFormat}
 
 
 def detect_tool_format(template_source: str | None,
-                       special_id: Callable[[str], int | None] = lambda text: None) -> ToolFormat:
-    """The tool format a chat template speaks (hermes for templates that know no tools)."""
+                       special_id: Callable[[str], int | None] = lambda text: None,
+                       name: str | None = None) -> ToolFormat:
+    """The tool format a chat template speaks (hermes for templates that know no tools), or the
+    one `name`d (a ValueError naming the known ones if there is none by that name)."""
+    if name is not None:
+        if name not in FORMATS:
+            raise ValueError(f"unknown tool format {name!r}; known: {', '.join(FORMATS)}")
+        return FORMATS[name](special_id)
     source = template_source or ""
+    if "<|channel|>" in source and "to=functions" in source:
+        return HarmonyFormat(special_id)
+    if "<arg_key>" in source:
+        return Glm45Format(special_id)
+    if "<function=" in source and "<parameter=" in source:
+        return Qwen3CoderFormat(special_id)
     if "[TOOL_CALLS]" in source:
         return MistralFormat(special_id)
     if "<|python_tag|>" in source or "ipython" in source:

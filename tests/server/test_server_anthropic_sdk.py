@@ -25,7 +25,6 @@ from exlcli.engine.engine import EngineConfig
 from exlcli.model.architectures import build_model
 from exlcli.model.loader import LoadedModel
 from exlcli.model.random_weights import random_config, random_tensors
-from exlcli.server import anthropic_events
 from exlcli.server.app import ServerConfig
 from exlcli.text.chat_template import ChatTemplate
 from tests.engine.grammar_helpers import small_bpe_tokenizer
@@ -244,26 +243,21 @@ def test_thinking_blocks_are_accepted_and_sent_when_the_reasoning_is_separated(f
     assert fake_server.state.client.requests[-1][1][1] == {"role": "assistant", "content": "hello",
                                                           "reasoning_content": "greet back"}
 
-    class FirstWordThinks:  # stands in for the server's reasoning separation
-        def __init__(self):
-            self.seen = False
-
-        def feed(self, text):
-            kind, self.seen = ("text" if self.seen else "thinking"), True
-            return [(kind, text)]
-
-        def finish(self):
-            return []
-
-    monkeypatch.setattr(anthropic_events, "reasoning_splitter", FirstWordThinks)
-    body = {"model": "fake-echo", "max_tokens": 64, "messages": user("a b")}
+    # a thinking model whose prompt opened "<think>": the answer starts as reasoning until "</think>"
+    from exlcli.client.fake import FakeStream
+    monkeypatch.setattr(type(fake_server.state.client), "reasoning_syntax", lambda self: "think", raising=False)
+    monkeypatch.setattr(FakeStream, "reasoning_open", True, raising=False)
+    body = {"model": "fake-echo", "max_tokens": 64, "messages": user("a</think> b")}
     events = raw_events(fake_server, body)
     check_sequence(events)
     assert [d["content_block"]["type"] for n, d in events if n == "content_block_start"] == ["thinking", "text"]
     with client(fake_server).messages.stream(**body) as s:
         final = s.get_final_message()
-    assert final.content[0].type == "thinking" and final.content[0].thinking == "echo:"
-    assert final.content[1].text == " a b"
+    assert final.content[0].type == "thinking" and final.content[0].thinking.strip() == "echo: a"
+    assert final.content[1].text.strip() == "b"
+    whole = client(fake_server).messages.create(**body)
+    assert whole.content[0].type == "thinking" and whole.content[0].thinking.strip() == "echo: a"
+    assert whole.content[1].text.strip() == "b"
 
 
 # ---- count_tokens -------------------------------------------------------------------------------

@@ -91,6 +91,8 @@ def test_busy_port_is_one_line():
     (["--max-queue", "0"], "--max-queue must be at least 1"),
     (["--port", "70000"], "--port must be in 0..65535"),
     (["--model", "fake:echo:soon", "--port", "0"], "bad fake model"),
+    (["--reasoning-format", "inline"], "--reasoning-format must be one of auto, none"),
+    (["--tool-format", "xml"], "--tool-format must be one of hermes, llama3_json, mistral, qwen3_coder, glm45"),
 ])
 def test_bad_options_are_one_line(args, message):
     result = serve_in_process(*args)

@@ -206,3 +206,120 @@ TIME_TOOL = {"type": "function", "function": {
     "name": "get_time", "description": "The time in a time zone.",
     "parameters": {"type": "object", "properties": {"zone": {"type": "string", "pattern": "^[A-Z]{3}$"}},
                    "required": ["zone"], "additionalProperties": False}}}
+
+# ---- shortened from their checkpoints: the tool and reasoning parts in each model's own markup ----
+
+# Qwen3-Coder: tools listed in XML, calls as <function=...><parameter=...> blocks.
+QWEN3_CODER = """{%- if messages[0].role == 'system' %}{%- set system = messages[0].content %}{%- set rest = messages[1:] %}{%- else %}{%- set system = 'You are Qwen, a helpful assistant.' %}{%- set rest = messages %}{%- endif %}
+{{- '<|im_start|>system\\n' + system }}
+{%- if tools %}
+    {{- '\\n\\n# Tools\\n\\nYou have access to the following functions:\\n\\n<tools>' }}
+    {%- for tool in tools %}{%- set tool = tool.function %}
+        {{- '\\n<function>\\n<name>' + tool.name + '</name>' }}
+        {%- for pname, pfields in (tool.parameters.properties or {}).items() %}
+            {{- '\\n<parameter>\\n<name>' + pname + '</name>\\n</parameter>' }}
+        {%- endfor %}
+        {{- '\\n</function>' }}
+    {%- endfor %}
+    {{- '\\n</tools>\\n\\nIf you choose to call a function ONLY reply in the following format:\\n<tool_call>\\n<function=example_function_name>\\n<parameter=example_parameter_1>\\nvalue_1\\n</parameter>\\n</function>\\n</tool_call>' }}
+{%- endif %}
+{{- '<|im_end|>\\n' }}
+{%- for message in rest %}
+    {%- if message.role == 'assistant' and message.tool_calls %}
+        {{- '<|im_start|>assistant\\n' + (message.content or '') }}
+        {%- for tool_call in message.tool_calls %}{%- set tool_call = tool_call.function %}
+            {{- '\\n<tool_call>\\n<function=' + tool_call.name + '>\\n' }}
+            {%- for k, v in tool_call.arguments.items() %}
+                {{- '<parameter=' + k + '>\\n' }}{{- (v | tojson) if v is not string else v }}{{- '\\n</parameter>\\n' }}
+            {%- endfor %}
+            {{- '</function>\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == 'tool' %}
+        {{- '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' }}
+    {%- else %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""
+
+# GLM-4.5: it thinks (<think>), and writes calls with <arg_key>/<arg_value> pairs.
+GLM45 = """[gMASK]<sop>
+{%- if tools -%}
+<|system|>
+# Tools
+
+You may call one or more functions to assist with the user query.
+
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+
+For each function call, output the function name and arguments within the following XML format:
+<tool_call>{function-name}
+<arg_key>{arg-key-1}</arg_key>
+<arg_value>{arg-value-1}</arg_value>
+...
+</tool_call>
+{%- endif -%}
+{%- for m in messages %}
+{%- if m.role == 'user' %}<|user|>
+{{ m.content }}{{ '/nothink' if enable_thinking is defined and not enable_thinking else '' }}
+{%- elif m.role == 'assistant' %}<|assistant|>
+{{ m.content }}
+{%- if m.tool_calls %}{% for tc in m.tool_calls %}{% set tc = tc.function %}
+<tool_call>{{ tc.name }}
+{% for k, v in tc.arguments.items() %}<arg_key>{{ k }}</arg_key>
+<arg_value>{{ v | tojson if v is not string else v }}</arg_value>
+{% endfor %}</tool_call>{% endfor %}{% endif %}
+{%- elif m.role == 'tool' %}<|observation|>
+<tool_response>
+{{ m.content }}
+</tool_response>
+{%- elif m.role == 'system' %}<|system|>
+{{ m.content }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|assistant|>{{ '\\n<think></think>' if (enable_thinking is defined and not enable_thinking) else '' }}
+{%- endif %}"""
+
+# gpt-oss (harmony): reasoning on the analysis channel, calls to functions.NAME on commentary.
+GPT_OSS = """<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.
+Reasoning: {{ reasoning_effort | default('medium') }}
+
+# Valid channels: analysis, commentary, final. Channel must be included for every message.
+{%- if tools %}
+Calls to these tools must go to the commentary channel: 'functions'.{% endif %}<|end|>
+{%- if tools %}<|start|>developer<|message|># Tools
+
+## functions
+
+namespace functions {
+{% for tool in tools %}{% set tool = tool.function %}
+// {{ tool.description }}
+type {{ tool.name }} = (_: {{ tool.parameters | tojson }}) => any;
+{% endfor %}
+} // namespace functions<|end|>{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'user' or m.role == 'system' %}<|start|>{{ 'user' if m.role == 'user' else 'developer' }}<|message|>{{ m.content }}<|end|>
+{%- elif m.role == 'assistant' and m.tool_calls %}{% for tc in m.tool_calls %}<|start|>assistant to=functions.{{ tc.function.name }}<|channel|>commentary json<|message|>{{ tc.function.arguments | tojson }}<|call|>{% endfor %}
+{%- elif m.role == 'assistant' %}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>
+{%- elif m.role == 'tool' %}<|start|>functions.{{ m.name | default('tool') }} to=assistant<|channel|>commentary<|message|>{{ m.content | tojson }}<|end|>
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|start|>assistant{% endif %}"""
+
+# Qwen3 (thinking): the answer starts with <think>; enable_thinking=false closes it in the prompt.
+QWEN3 = """{%- for message in messages %}
+{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- endif %}
+{%- endif %}"""
+
+# Qwen3 thinking-2507 and the DeepSeek-R1 distills: the prompt opens <think> itself.
+QWEN3_THINKING = QWEN3.replace("{{- '<|im_start|>assistant\\n' }}", "{{- '<|im_start|>assistant\\n<think>\\n' }}")
