@@ -1,6 +1,7 @@
 """The ASGI app: OpenAI-shaped endpoints over one EngineClient.
 
 Endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (both with `stream`),
+POST /v1/responses, GET and DELETE /v1/responses/{id} (responses_api.py),
 GET /health, GET /metrics, and for exlcli's own RemoteClient: POST /tokenize, GET /stats,
 POST /cancel/{response_id}. Every error body has OpenAI's shape {"error": {...}}.
 """
@@ -20,11 +21,10 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 from exlcli.client.base import EngineClient, GenerationParams, GenerationStream
-from exlcli.engine.request import grammar_from_response_format
 from exlcli.server import openai_format as fmt
 from exlcli.server.bounded_work import DEFAULT_START_BUDGET_MS, OverBudget, run_bounded
 from exlcli.server.events import chat_events, completion_events
-from exlcli.server.generations import ChoiceResult, EngineFailure, GenerationGroup, Starter
+from exlcli.server.generations import GenerationGroup, Starter
 from exlcli.server.grammar_workers import (
     DEFAULT_GRAMMAR_BUDGET_MS,
     DEFAULT_MAX_GRAMMAR_CHECKS,
@@ -32,9 +32,12 @@ from exlcli.server.grammar_workers import (
     GrammarRejected,
     GrammarWorkers,
 )
+from exlcli.server.group_runs import collect_unless_gone, event_stream, grammar_checks, start_group
 from exlcli.server.http_errors import APIError, install_error_handlers
 from exlcli.server.metrics import EngineCollector, ResponseCounter, render_metrics
 from exlcli.server.rates import EngineRates
+from exlcli.server.responses_api import add_responses_routes
+from exlcli.server.responses_store import DEFAULT_MAX_STORED
 from exlcli.server.schemas import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from exlcli.server.security import (
     DEFAULT_MAX_BODY_BYTES,
@@ -44,8 +47,8 @@ from exlcli.server.security import (
     bearer_token,
     scoped_session,
 )
-from exlcli.server.sse import DEFAULT_PING_S, EventStreamResponse
-from exlcli.server.tool_calls import ToolDef, ToolPlan, rewrite_completion
+from exlcli.server.sse import DEFAULT_PING_S
+from exlcli.server.tool_calls import ToolPlan, rewrite_completion
 from exlcli.server.tracker import RequestTracker
 
 # Engine streams are iterated in worker threads by some clients; the default pool (cpu + 4 threads)
@@ -74,6 +77,7 @@ class ServerConfig:
     max_grammar_checks: int = DEFAULT_MAX_GRAMMAR_CHECKS  # grammar checks at once, in worker processes
     grammar_budget_ms: int = DEFAULT_GRAMMAR_BUDGET_MS  # a request's grammar checks past this are a 400
     request_timeout_s: float | None = 600.0  # a generation still running after this is cancelled
+    max_stored_responses: int = DEFAULT_MAX_STORED  # kept for previous_response_id (responses_store.py)
 
 
 @dataclass
@@ -183,12 +187,14 @@ def create_app(client: EngineClient, config: ServerConfig | None = None,
     if config.api_key is not None:
         app.add_middleware(APIKeyGate, api_key=config.api_key, open_paths=(HEALTH_PATH,))
     if config.cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["GET", "POST"],
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins),
+                           allow_methods=["GET", "POST", "DELETE"],
                            allow_headers=["authorization", "content-type"])
     if config.allowed_hosts is not None:
         app.add_middleware(HostAllowList, allowed=config.allowed_hosts)
     app.add_middleware(ResponseCounter, tracker=state.tracker)
     install_error_handlers(app)
+    app.state.responses = add_responses_routes(app, state)  # /v1/responses (responses_api.py)
 
     @app.get(HEALTH_PATH)
     async def health() -> JSONResponse:
@@ -236,10 +242,10 @@ def create_app(client: EngineClient, config: ServerConfig | None = None,
             return client.chat(messages, tools.apply(state.params(body, i, request)))
 
         starters = [Starter(i, 0, partial(start, i)) for i in range(body.num_choices)]
-        group = await _start(state, "chat", body.client or "api", body.priority or "interactive", starters)
+        group = await start_group(state, "chat", body.client or "api", body.priority or "interactive", starters)
         if body.streaming:
-            return _event_stream(state, group, chat_events(group, body, client.model_name, state.token_text, tools))
-        results = await _collect_unless_gone(state, group, request)
+            return event_stream(state, group, chat_events(group, body, client.model_name, state.token_text, tools))
+        results = await collect_unless_gone(state, group, request)
         if results is None:
             return Response(status_code=499)
         num_top = body.top_logprobs or 0
@@ -254,10 +260,10 @@ def create_app(client: EngineClient, config: ServerConfig | None = None,
         n = body.num_choices
         starters = [Starter(p * n + j, p, partial(client.complete, prompt, state.params(body, j, request)))
                     for p, prompt in enumerate(body.prompts()) for j in range(n)]
-        group = await _start(state, "completions", body.client or "api", body.priority or "interactive", starters)
+        group = await start_group(state, "completions", body.client or "api", body.priority or "interactive", starters)
         if body.streaming:
-            return _event_stream(state, group, completion_events(group, body, client.model_name, state.token_text))
-        results = await _collect_unless_gone(state, group, request)
+            return event_stream(state, group, completion_events(group, body, client.model_name, state.token_text))
+        results = await collect_unless_gone(state, group, request)
         if results is None:
             return Response(status_code=499)
         prompts = body.prompts()
@@ -275,81 +281,8 @@ def create_app(client: EngineClient, config: ServerConfig | None = None,
     return app
 
 
-async def _start(state: ServerState, endpoint: str, label: str, priority: str,
-                 starters: list[Starter]) -> GenerationGroup:
-    state.admit(len(starters))
-    prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
-    group = GenerationGroup(fmt.new_id(prefix), endpoint, label, priority, state.tracker)
-    state.num_starting += len(starters)
-    try:
-        await group.start(starters, state.tokenizing, state.config.start_budget_ms)
-    except OverBudget as e:
-        raise APIError(400, f"starting the request (chat template, tokenising) took longer than the limit of "
-                       f"{e.budget_ms} ms", code="over_budget") from None
-    finally:
-        state.num_starting -= len(starters)
-    if state.config.request_timeout_s is not None:
-        group.timer = asyncio.get_running_loop().call_later(state.config.request_timeout_s, group.cancel)
-    state.groups[group.response_id] = group
-    return group
-
-
 async def _bounded(state: ServerState, what: str, fn):
     try:
         return await run_bounded(state.tokenizing, fn, state.config.start_budget_ms)
     except OverBudget as e:
         raise APIError(400, f"{what} took longer than the limit of {e.budget_ms} ms", code="over_budget") from None
-
-
-def grammar_checks(response_format: dict | None, tools: list[ToolDef] | None) -> list[GrammarCheck]:
-    """The grammars a request brings: its response_format and each tool's parameter schema."""
-    checks = []
-    spec = grammar_from_response_format(response_format)  # its shape was checked with the body
-    if spec is not None and spec.kind != "json_object":
-        checks.append(GrammarCheck("response_format", spec.kind, spec.value, spec.strict))
-    for i, tool in enumerate(tools or []):
-        if tool.function.parameters is not None:
-            checks.append(GrammarCheck(f"tools.{i}.function.parameters", "json_schema", tool.function.parameters))
-    return checks
-
-
-def _event_stream(state: ServerState, group: GenerationGroup,
-                  events: AsyncIterator[bytes]) -> EventStreamResponse:
-    async def guarded() -> AsyncIterator[bytes]:
-        try:
-            async for chunk in events:
-                yield chunk
-        finally:
-            group.abandon()
-            state.groups.pop(group.response_id, None)
-
-    return EventStreamResponse(guarded(), on_disconnect=group.cancel, headers={"X-Request-Id": group.response_id},
-                               ping_s=state.config.sse_ping_s)
-
-
-async def _collect_unless_gone(state: ServerState, group: GenerationGroup,
-                               request: Request) -> list[ChoiceResult] | None:
-    """Collect a non-streaming answer, or cancel it if the client hangs up first (None)."""
-
-    async def client_gone() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    collector = asyncio.ensure_future(group.collect())
-    watcher = asyncio.ensure_future(client_gone())
-    try:
-        await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if collector.done():
-            try:
-                return collector.result()
-            except EngineFailure as e:
-                raise APIError(500, str(e), "server_error") from None
-        group.cancel()
-        return None
-    finally:
-        for task in (collector, watcher):
-            task.cancel()
-        group.abandon()
-        state.groups.pop(group.response_id, None)
-
-

@@ -22,7 +22,7 @@ from exlcli.engine.stats import STEP_TIME_BUCKETS
 from exlcli.server.tracker import RequestTracker
 
 # Paths counted by name in exlcli_http_responses_total; any other path counts as "other".
-KNOWN_ENDPOINTS = {"/v1/models", "/v1/chat/completions", "/v1/completions", "/health", "/metrics",
+KNOWN_ENDPOINTS = {"/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/responses", "/health", "/metrics",
                    "/tokenize", "/stats"}
 
 

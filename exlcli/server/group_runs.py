@@ -1,0 +1,98 @@
+"""One request's generations from start to answer, shared by every generating endpoint (chat and
+text completions, responses): start the GenerationGroup under the server's admission rules, then
+answer whole (collected, or cancelled when the client hangs up) or as a server-sent event stream.
+Also the grammar checks a request brings (its structured output and its tools' schemas)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, AsyncIterator
+
+from fastapi import Request
+
+from exlcli.engine.request import grammar_from_response_format
+from exlcli.server import openai_format as fmt
+from exlcli.server.bounded_work import OverBudget
+from exlcli.server.generations import ChoiceResult, EngineFailure, GenerationGroup, Starter
+from exlcli.server.grammar_workers import GrammarCheck
+from exlcli.server.http_errors import APIError
+from exlcli.server.sse import EventStreamResponse
+from exlcli.server.tool_calls import ToolDef
+
+if TYPE_CHECKING:
+    from exlcli.server.app import ServerState
+
+
+async def start_group(state: ServerState, endpoint: str, label: str, priority: str,
+                      starters: list[Starter], response_id: str | None = None) -> GenerationGroup:
+    """Admit and start the request's generations; `response_id` names the group (else an id in the
+    endpoint's style)."""
+    state.admit(len(starters))
+    prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
+    group = GenerationGroup(response_id or fmt.new_id(prefix), endpoint, label, priority, state.tracker)
+    state.num_starting += len(starters)
+    try:
+        await group.start(starters, state.tokenizing, state.config.start_budget_ms)
+    except OverBudget as e:
+        raise APIError(400, f"starting the request (chat template, tokenising) took longer than the limit of "
+                       f"{e.budget_ms} ms", code="over_budget") from None
+    finally:
+        state.num_starting -= len(starters)
+    if state.config.request_timeout_s is not None:
+        group.timer = asyncio.get_running_loop().call_later(state.config.request_timeout_s, group.cancel)
+    state.groups[group.response_id] = group
+    return group
+
+
+def grammar_checks(response_format: dict | None, tools: list[ToolDef] | None,
+                   tool_param: str = "tools.{}.function.parameters",
+                   format_param: str = "response_format") -> list[GrammarCheck]:
+    """The grammars a request brings: its response_format and each tool's parameter schema, each
+    named by the field it came in (`tool_param` formatted with the tool's index)."""
+    checks = []
+    spec = grammar_from_response_format(response_format)  # its shape was checked with the body
+    if spec is not None and spec.kind != "json_object":
+        checks.append(GrammarCheck(format_param, spec.kind, spec.value, spec.strict))
+    for i, tool in enumerate(tools or []):
+        if tool.function.parameters is not None:
+            checks.append(GrammarCheck(tool_param.format(i), "json_schema", tool.function.parameters))
+    return checks
+
+
+def event_stream(state: ServerState, group: GenerationGroup, events: AsyncIterator[bytes]) -> EventStreamResponse:
+    async def guarded() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in events:
+                yield chunk
+        finally:
+            group.abandon()
+            state.groups.pop(group.response_id, None)
+
+    return EventStreamResponse(guarded(), on_disconnect=group.cancel, headers={"X-Request-Id": group.response_id},
+                               ping_s=state.config.sse_ping_s)
+
+
+async def collect_unless_gone(state: ServerState, group: GenerationGroup,
+                              request: Request) -> list[ChoiceResult] | None:
+    """Collect a non-streaming answer, or cancel it if the client hangs up first (None)."""
+
+    async def client_gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    collector = asyncio.ensure_future(group.collect())
+    watcher = asyncio.ensure_future(client_gone())
+    try:
+        await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if collector.done():
+            try:
+                return collector.result()
+            except EngineFailure as e:
+                raise APIError(500, str(e), "server_error") from None
+        group.cancel()
+        return None
+    finally:
+        for task in (collector, watcher):
+            task.cancel()
+        group.abandon()
+        state.groups.pop(group.response_id, None)
