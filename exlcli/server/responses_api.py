@@ -23,6 +23,7 @@ from exlcli.server.responses_events import response_events
 from exlcli.server.responses_format import Turn, finish_status, new_id, output_items
 from exlcli.server.responses_request import Conversation, ResponsesRequest, prompt_messages
 from exlcli.server.responses_store import ResponseStore, StoredResponse
+from exlcli.server.schemas import ParamError
 from exlcli.server.security import bearer_token, scoped_session
 from exlcli.server.tool_calls import ToolPlan
 from exlcli.text.tool_formats import ToolCall
@@ -57,7 +58,10 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> ResponseStore:
                                param="previous_response_id", code="previous_response_not_found")
             history, session = previous.history, previous.session
         conversation = Conversation.of(history)
-        conversation.add_items(body.items())
+        try:
+            conversation.add_items(body.items())
+        except ParamError as e:  # a function_call_output for no call of the conversation
+            raise APIError(400, str(e), param=e.param) from None
         parts = body.prompt_parts()
         parts["previous_response_id"] = history_bytes(history)
         state.check_prompt_size(parts)
