@@ -345,3 +345,18 @@ def test_required_call_and_its_output_resume_the_cached_conversation(tiny_server
     third = client.responses.create(previous_response_id=second.id, input="And tomorrow?", **args)
     assert engine.sessions.num_resumed == resumed_before + 2
     assert third.usage.input_tokens_details.cached_tokens >= second.usage.input_tokens // page * page
+
+
+def test_a_conversation_sent_whole_resumes_by_its_prompt_cache_key(tiny_server):
+    """As Codex sends it: store false, the whole conversation each turn, one prompt_cache_key."""
+    client = sdk(tiny_server)
+    engine = tiny_server.state.client.engine
+    args = dict(model="tiny-responses", temperature=0, max_output_tokens=6, store=False, prompt_cache_key="conv-7")
+    turn = [{"role": "user", "content": "Tell me about the sea."}]
+    first = client.responses.create(input=turn, **args)
+    resumed_before = engine.sessions.num_resumed
+    turn += [{"role": "assistant", "content": first.output_text}, {"role": "user", "content": "And rivers?"}]
+    second = client.responses.create(input=turn, **args)
+    assert engine.sessions.num_resumed == resumed_before + 1
+    page = engine.pool.page_size
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens // page * page > 0
