@@ -61,7 +61,9 @@ def install_error_handlers(app: FastAPI) -> None:
         # RequestError from the engine: prompt too long, bad parameters
         message = str(exc)
         if _CONTEXT_EXCEEDED.search(message):
-            param = "messages" if request.url.path.endswith("/chat/completions") else "prompt"
+            path = request.url.path
+            param = "messages" if path.endswith("/chat/completions") else "input" if path.endswith(
+                "/responses") else "prompt"
             return APIError(400, message, param=param, code="context_length_exceeded").response()
         return APIError(400, message).response()
 

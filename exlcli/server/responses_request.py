@@ -177,8 +177,8 @@ class ResponsesRequest(_GenerationFields):  # type: ignore[valid-type,misc]
     @classmethod
     def _check_input(cls, value: str | list) -> str | list:
         if isinstance(value, list):
-            if len(value) > MAX_MESSAGES:
-                raise ValueError(f"at most {MAX_MESSAGES} input items are allowed")
+            if not value or len(value) > MAX_MESSAGES:
+                raise ValueError(f"a list input must hold 1 to {MAX_MESSAGES} items")
             return [parse_item(i, raw) for i, raw in enumerate(value)]
         return value
 

@@ -251,6 +251,8 @@ def test_the_store_is_bounded_least_recently_used_first():
     ({"input": "x", "temperature": 5}, 400, "temperature", ""),
     ({"input": "x", "background": True}, 400, "background", "not supported"),
     ({}, 400, "input", "required"),
+    ({"input": []}, 400, "input", "1 to"),
+    ({"input": "w " * 3000}, 400, "input", "longer than the model's context"),
 ])
 def test_bad_input_is_an_openai_error_naming_the_field(fake_server, body, status, param, words):
     r = httpx.post(fake_server.url + "/v1/responses", json={"model": "fake-echo", **body})
@@ -297,6 +299,32 @@ def test_streamed_reasoning_comes_as_reasoning_items():
     assert items[0]["content"][0]["text"] == "hmmecho:"
     final = events[-1]["response"]
     assert "".join(c["text"] for i in final["output"] if i["type"] == "message" for c in i["content"]) == "echo: q"
+
+
+class _FailingStream(FakeStream):
+    def __iter__(self):
+        yield TextDelta(text="half")
+        yield TextDelta(finish_reason="error", error="engine error: boom")
+
+
+class _FailingClient(FakeClient):
+    def _start(self, words, prompt_tokens, params):
+        stream = super()._start(words, prompt_tokens, params)
+        stream.__class__ = _FailingStream
+        return stream
+
+
+def test_an_engine_failure_fails_the_response_and_stores_nothing():
+    with running_server(_FailingClient()) as live:
+        events = raw_events(live.url, {"model": "fake-echo", "input": "q"})
+        last = events[-1]
+        assert last["type"] == "response.failed" and last["response"]["status"] == "failed"
+        assert last["response"]["error"] == {"code": "server_error", "message": "engine error: boom"}
+        assert last["response"]["output"][0]["status"] == "incomplete"
+        with pytest.raises(openai.InternalServerError, match="boom"):
+            sdk(live).responses.create(model="fake-echo", input="q")
+        with pytest.raises(openai.NotFoundError):
+            sdk(live).responses.retrieve(last["response"]["id"])
 
 
 # ---- the tiny random model: forced calls, outputs sent back, cached pages resumed ----------------
