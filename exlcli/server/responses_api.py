@@ -48,7 +48,7 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> ResponseStore:
 
     def begin(body: ResponsesRequest, request: Request) -> Turn:
         """The turn's conversation and session, checked against the model and the stored responses."""
-        state.check(body)  # type: ignore[arg-type]  # the served model, max_output_tokens, the new input's size
+        state.check(body)  # the served model, max_output_tokens, the new input's size
         owner = owner_of(request)
         history, session = [], None
         if body.previous_response_id is not None:

@@ -145,7 +145,7 @@ class TextFormat(_Body):
     verbosity: str | None = None
 
 
-class ResponsesRequest(_GenerationFields):  # type: ignore[valid-type,misc]
+class ResponsesRequest(_GenerationFields):
     """POST /v1/responses. Sampling fields (temperature, top_p and exlcli's top_k, min_p, seed ...)
     as in chat; None means the default."""
 
