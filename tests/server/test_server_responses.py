@@ -6,6 +6,7 @@ the engine's cached pages)."""
 
 from __future__ import annotations
 
+import io
 import json
 
 import httpx
@@ -388,3 +389,25 @@ def test_a_conversation_sent_whole_resumes_by_its_prompt_cache_key(tiny_server):
     assert engine.sessions.num_resumed == resumed_before + 1
     page = engine.pool.page_size
     assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens // page * page > 0
+
+
+# ---- the default model ----------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_default_model_conversation_resumes_from_the_cache(default_model_path):
+    client = LocalClient.from_model(default_model_path, log=io.StringIO())
+    try:
+        with running_server(client) as live:
+            api = sdk(live)
+            args = dict(model=client.model_name, instructions="Answer in one sentence.", temperature=0,
+                        max_output_tokens=30)
+            first = api.responses.create(input="What is the capital of France?", **args)
+            assert "Paris" in first.output_text and first.usage.input_tokens_details.cached_tokens == 0
+            with api.responses.stream(input="And of Italy?", previous_response_id=first.id, **args) as stream:
+                second = stream.get_final_response()
+            assert "Rome" in second.output_text
+            # the whole first turn (prompt and answer) comes from the pages it left
+            cached = second.usage.input_tokens_details.cached_tokens
+            assert first.usage.input_tokens < cached < second.usage.input_tokens
+    finally:
+        client.close()
