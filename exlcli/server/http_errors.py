@@ -62,8 +62,8 @@ def install_error_handlers(app: FastAPI) -> None:
         message = str(exc)
         if _CONTEXT_EXCEEDED.search(message):
             path = request.url.path
-            param = "messages" if path.endswith("/chat/completions") else "input" if path.endswith(
-                "/responses") else "prompt"
+            param = "messages" if path.endswith("/chat/completions") else "input" if path.endswith("/responses") \
+                else "prompt"
             return APIError(400, message, param=param, code="context_length_exceeded").response()
         return APIError(400, message).response()
 

@@ -19,9 +19,10 @@ from exlcli.client.base import GenerationStream
 from exlcli.server.generations import Starter
 from exlcli.server.group_runs import collect_unless_gone, event_stream, grammar_checks, start_group
 from exlcli.server.http_errors import APIError
+from exlcli.server.responses_conversation import Conversation, prompt_messages
 from exlcli.server.responses_events import response_events
 from exlcli.server.responses_format import Turn, finish_status, new_id, output_items
-from exlcli.server.responses_request import Conversation, ResponsesRequest, prompt_messages
+from exlcli.server.responses_request import ResponsesRequest
 from exlcli.server.responses_store import ResponseStore, StoredResponse
 from exlcli.server.schemas import ParamError
 from exlcli.server.security import bearer_token, scoped_session

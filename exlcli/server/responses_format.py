@@ -11,7 +11,8 @@ from typing import Any
 
 from exlcli.client.base import GenerationParams, TextDelta, Usage
 from exlcli.server.openai_format import ChoiceResult
-from exlcli.server.responses_request import Conversation, ResponsesRequest
+from exlcli.server.responses_conversation import Conversation
+from exlcli.server.responses_request import ResponsesRequest
 from exlcli.server.tool_calls import AssistantToolCall, CalledFunction, ToolPlan
 from exlcli.text.tool_formats import ToolCall
 

@@ -1,16 +1,16 @@
 """The body of POST /v1/responses (OpenAI's Responses API), validated strictly so that a bad field
-becomes a 400 naming it, and its input items read as the chat messages a template renders.
+becomes a 400 naming it.
 
 Input items: messages (text content parts: `input_text`, and `output_text` of an earlier answer),
 `function_call` and `function_call_output`, and `reasoning` items (accepted, not rendered: chat
-templates drop an earlier turn's reasoning). Tools: function tools in the Responses shape
-(`{"type": "function", "name", "parameters"}`); hosted tools (web_search, file_search, namespaces,
-custom tools ...) are accepted and not offered to the model, which cannot run them.
+templates drop an earlier turn's reasoning); responses_conversation.py makes them chat messages.
+Tools: function tools in the Responses shape (`{"type": "function", "name", "parameters"}`);
+hosted tools (web_search, file_search, namespaces, custom tools ...) are accepted and not offered
+to the model, which cannot run them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
@@ -31,15 +31,12 @@ from exlcli.server.schemas import (
 from exlcli.server.tool_calls import (
     FUNCTION_NAME,
     MAX_TOOLS,
-    AssistantToolCall,
-    CalledFunction,
     FunctionDef,
     FunctionName,
     NamedToolChoice,
     ToolChoice,
     ToolDef,
     check_tool_choice,
-    history_message,
     tools_bytes,
 )
 
@@ -56,7 +53,7 @@ def _error_param(prefix: str, e: ValidationError) -> ParamError:
     return ParamError(f"{prefix}.{loc}" if loc else prefix, first.get("msg", "invalid").removeprefix("Value error, "))
 
 
-def _parts_text(value: str | list, param: str, kinds: tuple[str, ...] = TEXT_PARTS) -> str:
+def parts_text(value: str | list, param: str, kinds: tuple[str, ...] = TEXT_PARTS) -> str:
     """A content list's text parts joined (as chat's content parts are); any other part is a 400."""
     if isinstance(value, str):
         return value
@@ -129,9 +126,9 @@ def parse_item(index: int, raw: Any) -> InputItem:
     except ValidationError as e:
         raise _error_param(param, e) from None
     if isinstance(item, MessageItem):
-        _parts_text(item.content, f"{param}.content")
+        parts_text(item.content, f"{param}.content")
     if isinstance(item, FunctionCallOutputItem):
-        _parts_text(item.output, f"{param}.output", ("input_text", "text"))
+        parts_text(item.output, f"{param}.output", ("input_text", "text"))
     return item  # type: ignore[return-value]
 
 
@@ -309,56 +306,9 @@ class ResponsesRequest(_GenerationFields):
 
 def item_bytes(item: InputItem) -> int:
     if isinstance(item, MessageItem):
-        return len(_parts_text(item.content, "").encode())
+        return len(parts_text(item.content, "").encode())
     if isinstance(item, FunctionCallItem):
         return len(item.call_id.encode()) + len(item.name.encode()) + len(item.arguments.encode())
     if isinstance(item, FunctionCallOutputItem):
-        return len(item.call_id.encode()) + len(_parts_text(item.output, "").encode())
+        return len(item.call_id.encode()) + len(parts_text(item.output, "").encode())
     return 0
-
-
-@dataclass
-class Conversation:
-    """Chat messages as the template takes them, built item by item."""
-
-    messages: list[dict] = field(default_factory=list)
-    call_ids: set[str] = field(default_factory=set)  # every function call so far, for their outputs
-
-    @classmethod
-    def of(cls, messages: list[dict]) -> "Conversation":
-        ids = {c["id"] for m in messages for c in m.get("tool_calls") or []}
-        return cls(list(messages), ids)
-
-    def add_items(self, items: list[InputItem]) -> None:
-        for i, item in enumerate(items):
-            if isinstance(item, MessageItem):
-                role = "system" if item.role == "developer" else item.role
-                self.messages.append(history_message(role, _parts_text(item.content, ""), None, None, None))
-            elif isinstance(item, FunctionCallItem):
-                self.add_calls([AssistantToolCall(id=item.call_id, function=CalledFunction(
-                    name=item.name, arguments=item.arguments))])
-            elif isinstance(item, FunctionCallOutputItem):
-                if item.call_id not in self.call_ids:
-                    raise ParamError(f"input.{i}.call_id", f"no function call with call_id {item.call_id!r} comes "
-                                                           "before this output")
-                self.messages.append(history_message("tool", _parts_text(item.output, ""), None, item.call_id, None))
-
-    def add_calls(self, calls: list[AssistantToolCall]) -> None:
-        """An answer's calls join the assistant message just before them (its text, or other calls)."""
-        last = self.messages[-1] if self.messages else None
-        dumped = [c.model_dump() for c in calls]
-        if last is not None and last["role"] == "assistant":  # a copy: stored histories share their dicts
-            self.messages[-1] = {**last, "tool_calls": [*(last.get("tool_calls") or []), *dumped]}
-        else:
-            self.messages.append(history_message("assistant", None, calls, None, None))
-        self.call_ids.update(c.id for c in calls)
-
-
-def prompt_messages(instructions: str | None, history: list[dict]) -> list[dict]:
-    """What the template renders: `instructions` and any system messages that open the history as
-    one system message first (many templates take a system message only there), then the rest."""
-    lead = [instructions] if instructions else []
-    rest = list(history)
-    while rest and rest[0]["role"] == "system":
-        lead.append(rest.pop(0)["content"])
-    return ([{"role": "system", "content": "\n\n".join(lead)}] if lead else []) + rest
