@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Codex CLI (`@openai/codex`) driving `exlcli serve` through the Responses API, offline.
 
-The server runs a scripted fake engine (`fake:replay:FILE`, exlcli/client/fake_replay.py): its first
-answer calls Codex's shell tool (`exec_command`) to run `echo exlcli-codex-ok`; its second answer
+The server runs a scripted fake engine (`fake:replay:FILE`, ReplayClient in exlcli/client/fake.py): its
+first turn calls Codex's shell tool (`exec_command`) to run `echo exlcli-codex-ok`; its second turn
 quotes the tool result Codex sent back (`{tool_result}`). Codex talks to the server as a custom
 model provider with `wire_api = "responses"`, in a CODEX_HOME of its own, so the user's Codex
 config is left alone. The run passes when Codex exits 0, ran the command, and its last message
@@ -32,9 +32,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MARKER = "exlcli-codex-ok"
-ANSWERS = [
-    '<tool_call>{"name": "exec_command", "arguments": {"cmd": "echo ' + MARKER + '"}}</tool_call>',
-    "The command ran. Its result: {tool_result}",
+TURNS = [  # the lines of the replay file
+    {"reply": '<tool_call>{"name": "exec_command", "arguments": {"cmd": "echo ' + MARKER + '"}}</tool_call>'},
+    {"reply": "The command ran. Its result: {tool_result}"},
 ]
 TASK = f"Run `echo {MARKER}` in the shell and tell me what it printed."
 
@@ -87,8 +87,8 @@ def main() -> int:
         work, home = Path(tmp) / "work", Path(tmp) / "codex-home"
         work.mkdir()
         home.mkdir()
-        script = Path(tmp) / "answers.json"
-        script.write_text(json.dumps(ANSWERS))
+        script = Path(tmp) / "turns.jsonl"
+        script.write_text("".join(json.dumps(turn) + "\n" for turn in TURNS))
         model = f"fake:replay:{script}"
         port = free_port()
         url = f"http://127.0.0.1:{port}"

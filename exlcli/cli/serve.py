@@ -52,7 +52,7 @@ def register(app: typer.Typer) -> None:
         port_old: Annotated[Optional[int], typer.Option("-p", hidden=True, help="Old spelling of --port.")] = None,
         api_key: Annotated[Optional[str], typer.Option(
             "--api-key", envvar="EXLCLI_API_KEY",
-            help="Require 'Authorization: Bearer KEY' on every API call.")] = None,
+            help="Require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every API call.")] = None,
         max_queue: Annotated[int, typer.Option(
             "--max-queue", help="Requests allowed to wait for the engine; beyond that, 503 + Retry-After.")] = 256,
         max_body_mb: Annotated[float, typer.Option(

@@ -64,6 +64,7 @@ class TextDelta:
     error: str | None = None
     usage: Usage | None = None  # on the last delta
     logprobs: list | None = None  # list[exlcli.engine.request.TokenLogprob] when asked for
+    stop_string: str | None = None  # on the last delta: the stop string that ended the text, if one did
     # with finish_reason "error": the transport to the engine broke (a server stream cut off), not the
     # request; the same request may well succeed when asked again (batch leaves the line for a rerun)
     lost: bool = False
@@ -77,6 +78,7 @@ class GenerationStream(abc.ABC):
     """Deltas of one generation, as a blocking or an async iterator (use one of the two)."""
 
     request_id: str
+    prompt_tokens: int | None = None  # the prompt's tokens, where known when the stream starts
 
     @abc.abstractmethod
     def __iter__(self) -> Iterator[TextDelta]: ...
@@ -113,8 +115,9 @@ class EngineClient(abc.ABC):
         """Start a raw completion of `prompt` (no chat template)."""
 
     @abc.abstractmethod
-    def count_chat_tokens(self, messages: list[dict], add_generation_prompt: bool = True) -> int:
-        """Prompt tokens that `chat(messages)` would use."""
+    def count_chat_tokens(self, messages: list[dict], add_generation_prompt: bool = True,
+                          tools: list[dict] | None = None) -> int:
+        """Prompt tokens that `chat(messages)` would use (with `tools` described to the model)."""
 
     @abc.abstractmethod
     def stats(self) -> EngineStats: ...

@@ -31,16 +31,13 @@ def open_client(model: str | None = None, *, server: str | None = None, local: b
                 quantize: str | None = None, kv_cache_dtype: str = "auto",
                 engine_options: dict | None = None) -> EngineClient:
     """`server` names one; else a running `exlcli serve` is used unless `local`; else in-process.
-    `fake:echo[:DELAY[:CONTEXT]]` is the echo engine, for demos and tests (`fake:replay:FILE`
-    replays scripted answers, fake_replay.py). `max_model_len`
+    `fake:echo[:DELAY[:CONTEXT]]` is the echo engine, for demos and tests. `max_model_len`
     (`--ctx-size`), `cpu_threads` (`--threads`) and the speculative options shape an in-process
     engine only."""
     from exlcli.client.fake import is_fake, open_fake_client
-    from exlcli.client.fake_replay import is_replay, open_replay_client
 
     if is_fake(model):
-        assert model is not None
-        fake = open_replay_client(model) if is_replay(model) else open_fake_client(model, default_delay=fake_delay)
+        fake = open_fake_client(model, default_delay=fake_delay)  # type: ignore[arg-type]
         fake.context_length = min(fake.context_length, max_model_len or fake.context_length)
         return fake
     server = find_server(server, local, model, quiet)

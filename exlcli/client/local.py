@@ -63,12 +63,13 @@ def delta_from_output(out: RequestOutput) -> TextDelta:
                       total_time=s.total_time, decode_tps=s.decode_tps, evicted_tokens=s.evicted_tokens)
     return TextDelta(text=out.new_text, token_ids=list(out.new_token_ids),
                      finish_reason=out.finish_reason.value if out.finish_reason else None,
-                     error=out.error, usage=usage, logprobs=out.logprobs)
+                     error=out.error, usage=usage, logprobs=out.logprobs, stop_string=out.stop_string)
 
 
 class LocalStream(GenerationStream):
-    def __init__(self, handle: RequestHandle) -> None:
+    def __init__(self, handle: RequestHandle, prompt_tokens: int | None = None) -> None:
         self.request_id = handle.request_id
+        self.prompt_tokens = prompt_tokens
         self._handle = handle
 
     def cancel(self) -> None:
@@ -145,8 +146,9 @@ class LocalClient(EngineClient):
 
         return detect_tool_format(None if self.template.is_fallback else self.template.source, special_id)
 
-    def count_chat_tokens(self, messages: list[dict], add_generation_prompt: bool = True) -> int:
-        return len(self.chat_prompt_ids(messages, add_generation_prompt))
+    def count_chat_tokens(self, messages: list[dict], add_generation_prompt: bool = True,
+                          tools: list[dict] | None = None) -> int:
+        return len(self.chat_prompt_ids(messages, add_generation_prompt, tools))
 
     def submit_ids(self, prompt_ids: list[int], params: GenerationParams, ignore_eos: bool = False) -> LocalStream:
         request = Request(
@@ -155,7 +157,7 @@ class LocalClient(EngineClient):
             client=params.client, ignore_eos=ignore_eos, grammar=params.grammar,
             speculative=params.speculative, context_overflow=params.context_overflow,
             sink_tokens=params.sink_tokens, window=params.window, session=params.session)
-        return LocalStream(self.engine.submit(request))
+        return LocalStream(self.engine.submit(request), len(prompt_ids))
 
     def chat(self, messages: list[dict], params: GenerationParams) -> GenerationStream:
         return self.submit_ids(self.chat_prompt_ids(messages, tools=params.tools), params)

@@ -157,8 +157,11 @@ class RemoteClient(EngineClient):
             body["logprobs"] = params.logprobs
         return RemoteStream(self, self._open_stream("/v1/completions", body), chat=False)
 
-    def count_chat_tokens(self, messages: list[dict], add_generation_prompt: bool = True) -> int:
-        body = {"messages": messages, "add_generation_prompt": add_generation_prompt}
+    def count_chat_tokens(self, messages: list[dict], add_generation_prompt: bool = True,
+                          tools: list[dict] | None = None) -> int:
+        body: dict = {"messages": messages, "add_generation_prompt": add_generation_prompt}
+        if tools:
+            body["tools"] = tools
         return int(self._call("POST", "/tokenize", body)["count"])
 
     def stats(self) -> EngineStats:

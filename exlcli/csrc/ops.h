@@ -91,6 +91,17 @@ void quant_heads_rope(const at::Tensor& x, const at::Tensor& qweight, const at::
 at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& scales, int64_t bits, bool e4m3,
                             int64_t group, int64_t n, int64_t k, bool pdl);
 
+// moe.cu: one layer's experts stacked in the packed layout (qweight int32 [experts, n k bits / 32], scales
+// [experts, ...] as quant_linear's; integer weights only). moe_gemv: for each (token, slot) pair, the product
+// of its expert (ids int32 [pairs]) over row pair / rows_per_x of bf16 x [rows, k] into bf16 (or fp32:
+// float_out) [pairs, n], the bytes of quant_linear at one token; order (int32 [pairs], optional) is the order
+// the blocks take the pairs in. moe_combine: fp32 rows [tokens * top_k, n] summed per token in slot order,
+// each times its weight (fp32 [tokens * top_k]): fp32 [tokens, n].
+at::Tensor moe_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t bits,
+                    int64_t group, int64_t n, const at::Tensor& ids, const std::optional<at::Tensor>& order,
+                    int64_t rows_per_x, bool float_out, bool pdl);
+at::Tensor moe_combine(const at::Tensor& rows, const at::Tensor& weights, int64_t top_k, bool pdl);
+
 // rope.cu
 at::Tensor rope_and_write_kv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const at::Tensor& positions, const at::Tensor& cos_sin,

@@ -143,11 +143,12 @@ struct ConsecutiveTiles {
   }
 };
 
-// RT row tiles a block share the activations a warp reads from shared memory; WARPS warps split a row
-// tile's chunks, UNROLL chunks of each warp's in flight (a ring: a chunk's slot is loaded again right
-// after it is computed).
-template <int BITS, int M, int RT, int UNROLL, bool FLOAT_OUT, int WARPS = kWarps, typename Tiles = ConsecutiveTiles<RT>>
-__global__ void __launch_bounds__(WARPS * 32) quant_gemv_dp4a_kernel(Params p, Tiles tiles) {
+// The body of a block: RT row tiles a block share the activations a warp reads from shared memory; WARPS
+// warps split a row tile's chunks, UNROLL chunks of each warp's in flight (a ring: a chunk's slot is loaded
+// again right after it is computed). A device function so that kernels which pick a block's weights and
+// rows first (moe.cu: each block's expert and token) run the same sequence of operations.
+template <int BITS, int M, int RT, int UNROLL, bool FLOAT_OUT, int WARPS, typename Tiles>
+__device__ __forceinline__ void dp4a_gemv(const Params& p, const Tiles& tiles) {
   static_assert(BITS == 4 || BITS == 6 || BITS == 8, "the integer layouts (not e4m3)");
   extern __shared__ uint4 s_x[];
   __shared__ float partial[WARPS][RT][M][kTileRows];
@@ -238,6 +239,11 @@ __global__ void __launch_bounds__(WARPS * 32) quant_gemv_dp4a_kernel(Params p, T
   }
   __syncthreads();
   tiles.template store<FLOAT_OUT>(p, partial);
+}
+
+template <int BITS, int M, int RT, int UNROLL, bool FLOAT_OUT, int WARPS = kWarps, typename Tiles = ConsecutiveTiles<RT>>
+__global__ void __launch_bounds__(WARPS * 32) quant_gemv_dp4a_kernel(Params p, Tiles tiles) {
+  dp4a_gemv<BITS, M, RT, UNROLL, FLOAT_OUT, WARPS>(p, tiles);
 }
 
 }  // namespace qlinear

@@ -112,7 +112,7 @@ class OutputProcessor:
         if session is not None and parked is not None:  # parked only with a session
             self._sessions.park(session, seq, parked)
         self.seqs.pop(seq.request_id, None)
-        self._streamers.pop(seq.request_id, None)
+        streamer = self._streamers.pop(seq.request_id, None)
         handle = self.handles.pop(seq.request_id, None)
         now = time.perf_counter()
         stats = RequestStats(
@@ -124,6 +124,8 @@ class OutputProcessor:
             evicted_tokens=seq.num_evicted - seq.evicted_before)
         out = last or RequestOutput(seq.request_id)
         out.finished, out.finish_reason, out.error, out.stats = True, reason, error, stats
+        if reason is FinishReason.STOP and streamer is not None:
+            out.stop_string = streamer.stop_string  # (None when a stop token or EOS ended it)
         self._stats.record_finished(seq, reason, stats)
         if handle is not None:
             handle.put(out)

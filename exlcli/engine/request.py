@@ -179,6 +179,7 @@ class RequestOutput:
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None
     stats: RequestStats | None = None  # set on the final output
+    stop_string: str | None = None  # on the final output: the stop string that ended the text, if one did
 
     def absorb(self, later: RequestOutput) -> None:
         """Take in the delta that follows this one (this one unfinished): one delta of both."""
@@ -190,3 +191,4 @@ class RequestOutput:
             self.logprobs.extend(later.logprobs)
         self.finished, self.finish_reason, self.error, self.stats = (later.finished, later.finish_reason,
                                                                      later.error, later.stats)
+        self.stop_string = later.stop_string

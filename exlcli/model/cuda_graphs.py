@@ -11,6 +11,9 @@ sampler reading the token ids.
 Graphs are captured lazily, the first time a bucket is needed (or ahead with `capture`), all in one
 memory pool. They need the compiled kernels: the reference ops read lengths on the host, which a
 graph cannot do (so a model whose attention has a window, sinks or a soft-cap has no graphs yet).
+Mixture-of-experts layers take their device path inside a capture (exlcli/ops/moe.py: experts of packed
+integer weights, stacked at load, with no host sync); experts of other formats group their tokens on the
+host, which a capture refuses: that capture fails and decode steps run eagerly (one line on stderr).
 Set EXLCLI_NO_CUDA_GRAPHS=1 to run every step eagerly.
 
 Buckets of 1 to 4 sequences capture the model's `fused_decode_forward` (exlcli/model/interface.py):

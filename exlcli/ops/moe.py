@@ -14,9 +14,13 @@ Routers (ROUTERS):
 Activations (ACTIVATIONS): `silu` (SiLU(gate) * up) and `swiglu_clamped` (gpt-oss: gate clamped
 above at `limit`, up to [-limit, limit], gate * sigmoid(alpha * gate) * (up + 1)).
 
-Routing is plain tensor work with no host synchronisation; the expert products here group the
-tokens of each expert on the host (this is the reference path and the CPU path: each active
-expert's weights are read once for all of its tokens).
+Routing is plain tensor work with no host synchronisation. The expert products take one of two paths:
+- on a GPU, experts of packed integer weights (exlcli/ops/moe_stacked.py) are stacked at load and run
+  as a few kernels over (token, slot) pairs with the expert ids on the device: no host sync, so a
+  decode step can be a CUDA graph. Up to DEVICE_MAX_TOKENS tokens, and at any size inside a graph
+  capture;
+- otherwise the tokens of each expert are grouped on the host (the reference path, the CPU path and
+  GPU prefill: each active expert's weights are read once for all of its tokens).
 """
 
 from __future__ import annotations
@@ -25,10 +29,16 @@ from dataclasses import dataclass
 
 import torch
 
+from exlcli.ops.cuda.loader import use_kernels
 from exlcli.ops.linear import Linear
+from exlcli.ops.moe_stacked import StackedExperts, stack_experts
 
 ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_group")
 ACTIVATIONS = ("silu", "swiglu_clamped")
+# Tokens up to which a GPU runs the stacked experts outside a graph: each (token, slot) pair reads its
+# expert's weights (from L2 after the first pair of that expert), so past the sizes of decode steps the
+# host-grouped path, which reads an expert once for all its tokens (cuBLAS beyond 64), is the better one.
+DEVICE_MAX_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -113,6 +123,10 @@ class MoeFeedForward:
         self.activation = activation
         self.limit = limit
         self.alpha = alpha
+        # the routed experts stacked for the device path (None: they run per expert on the host path)
+        self.stacked: StackedExperts | None = None
+        if activation == "silu":
+            self.stacked = stack_experts([e.gate_up for e in experts], [e.down for e in experts])
 
     @property
     def num_experts(self) -> int:
@@ -141,6 +155,23 @@ class MoeFeedForward:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] (normed) -> [T, H] in x's dtype."""
         weights, ids = route(self.router(x, out_dtype=torch.float32), self.spec, self.router_bias)
+        if self.stacked is not None and self._on_device(x):
+            out = self.stacked(x, weights, ids)
+        else:
+            out = self._grouped_on_host(x, weights, ids)
+        if self.shared is not None:
+            y = self._expert(self.shared, x).float()
+            if self.shared_gate is not None:
+                y = y * torch.sigmoid(self.shared_gate(x, out_dtype=torch.float32))
+            out += y
+        return out.to(x.dtype)
+
+    def _on_device(self, x: torch.Tensor) -> bool:
+        """Whether the stacked experts' kernels run this call (they need no host sync: graphs capture them)."""
+        return use_kernels(x) and (x.shape[0] <= DEVICE_MAX_TOKENS or torch.cuda.is_current_stream_capturing())
+
+    def _grouped_on_host(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """fp32 [T, H]: each active expert over its tokens, their counts read on the host."""
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         flat_ids = ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)  # token slots grouped by expert, in token order
@@ -155,9 +186,4 @@ class MoeFeedForward:
             y = self._expert(self.experts[e], x.index_select(0, rows)).float()
             out.index_add_(0, rows, y * slot_weights[start:start + n, None])
             start += n
-        if self.shared is not None:
-            y = self._expert(self.shared, x).float()
-            if self.shared_gate is not None:
-                y = y * torch.sigmoid(self.shared_gate(x, out_dtype=torch.float32))
-            out += y
-        return out.to(x.dtype)
+        return out

@@ -1,9 +1,10 @@
-"""The ASGI app: OpenAI-shaped endpoints over one EngineClient.
+"""The ASGI app: OpenAI's and Anthropic's endpoints over one EngineClient.
 
 Endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (both with `stream`),
-POST /v1/responses, GET and DELETE /v1/responses/{id} (responses_api.py),
-GET /health, GET /metrics, and for exlcli's own RemoteClient: POST /tokenize, GET /stats,
-POST /cancel/{response_id}. Every error body has OpenAI's shape {"error": {...}}.
+POST /v1/responses, GET and DELETE /v1/responses/{id} (responses_api.py), POST /v1/messages and
+POST /v1/messages/count_tokens (anthropic_api.py), GET /health, GET /metrics, and for exlcli's own
+RemoteClient: POST /tokenize, GET /stats, POST /cancel/{response_id}. Every error body has OpenAI's
+shape {"error": {...}}, but on the routes of Anthropic's Messages API, which take Anthropic's.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from fastapi.responses import JSONResponse, Response
 
 from exlcli.client.base import EngineClient, GenerationParams, GenerationStream
 from exlcli.server import openai_format as fmt
-from exlcli.server.bounded_work import DEFAULT_START_BUDGET_MS, OverBudget, run_bounded
+from exlcli.server.anthropic_api import add_messages_routes
+from exlcli.server.bounded_work import DEFAULT_START_BUDGET_MS
 from exlcli.server.events import chat_events, completion_events
 from exlcli.server.generations import GenerationGroup, Starter
 from exlcli.server.grammar_workers import (
@@ -32,10 +34,10 @@ from exlcli.server.grammar_workers import (
     GrammarRejected,
     GrammarWorkers,
 )
-from exlcli.server.group_runs import collect_unless_gone, event_stream, grammar_checks, start_group
 from exlcli.server.http_errors import APIError, install_error_handlers
 from exlcli.server.metrics import EngineCollector, ResponseCounter, render_metrics
 from exlcli.server.rates import EngineRates
+from exlcli.server.request_flow import bounded, collect_unless_gone, event_stream, grammar_checks, start_group
 from exlcli.server.responses_api import add_responses_routes
 from exlcli.server.responses_store import DEFAULT_MAX_STORED
 from exlcli.server.schemas import ChatCompletionRequest, CompletionRequest, TokenizeRequest
@@ -44,7 +46,7 @@ from exlcli.server.security import (
     APIKeyGate,
     BodySizeLimit,
     HostAllowList,
-    bearer_token,
+    request_api_key,
     scoped_session,
 )
 from exlcli.server.sse import DEFAULT_PING_S
@@ -116,16 +118,19 @@ class ServerState:
 
     def check(self, body: ChatCompletionRequest | CompletionRequest) -> None:
         """What the schema cannot know: the served model's names, its context, the prompt cap."""
-        names = (self.client.model_name, *self.config.model_aliases)
-        if body.model is not None and body.model not in names:
-            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {names[0]!r}",
-                           param="model", code="model_not_found")
+        self.check_model(body.model)
         context = self.client.context_length
         max_tokens = body.generation_params(0, self.config.default_max_tokens).max_tokens
         if body.max_tokens_param in body.model_fields_set and max_tokens > context:
             raise APIError(400, f"{body.max_tokens_param} is {max_tokens}, more than the model's context of "
                            f"{context} tokens", param=body.max_tokens_param)
         self.check_prompt_size(body.prompt_parts())
+
+    def check_model(self, model: str | None) -> None:
+        names = (self.client.model_name, *self.config.model_aliases)
+        if model is not None and model not in names:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {names[0]!r}",
+                           param="model", code="model_not_found")
 
     def check_prompt_size(self, parts: dict[str, int]) -> None:
         """Every field that reaches the template or the tokenizer counts (messages, tool calls and
@@ -143,7 +148,8 @@ class ServerState:
         """Choice `index`'s parameters; with an API key, its session is the key's (scoped_session)."""
         params = body.generation_params(index, self.config.default_max_tokens)
         if params.session is not None and self.config.api_key is not None:
-            params.session = scoped_session(bearer_token(request.headers.get("authorization")), params.session)
+            key = request_api_key(request.headers.get("authorization"), request.headers.get("x-api-key"))
+            params.session = scoped_session(key, params.session)
         return params
 
     async def check_grammars(self, checks: list[GrammarCheck]) -> None:
@@ -189,12 +195,14 @@ def create_app(client: EngineClient, config: ServerConfig | None = None,
     if config.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins),
                            allow_methods=["GET", "POST", "DELETE"],
-                           allow_headers=["authorization", "content-type"])
+                           allow_headers=["authorization", "content-type", "x-api-key", "anthropic-version",
+                                          "anthropic-beta"])
     if config.allowed_hosts is not None:
         app.add_middleware(HostAllowList, allowed=config.allowed_hosts)
     app.add_middleware(ResponseCounter, tracker=state.tracker)
     install_error_handlers(app)
     app.state.responses = add_responses_routes(app, state)  # /v1/responses (responses_api.py)
+    add_messages_routes(app, state)  # Anthropic's Messages API (anthropic_api.py)
 
     @app.get(HEALTH_PATH)
     async def health() -> JSONResponse:
@@ -219,8 +227,8 @@ def create_app(client: EngineClient, config: ServerConfig | None = None,
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
         state.check_prompt_size(body.prompt_parts())
-        count = await _bounded(state, "tokenizing", partial(client.count_chat_tokens, body.message_dicts(),
-                                                            body.add_generation_prompt))
+        count = await bounded(state, "tokenizing", partial(client.count_chat_tokens, body.message_dicts(),
+                                                           body.add_generation_prompt, body.tool_dicts()))
         return {"count": count, "max_model_len": client.context_length}
 
     @app.post("/cancel/{response_id}")
@@ -279,10 +287,3 @@ def create_app(client: EngineClient, config: ServerConfig | None = None,
             if body.logprobs is not None else None))
 
     return app
-
-
-async def _bounded(state: ServerState, what: str, fn):
-    try:
-        return await run_bounded(state.tokenizing, fn, state.config.start_budget_ms)
-    except OverBudget as e:
-        raise APIError(400, f"{what} took longer than the limit of {e.budget_ms} ms", code="over_budget") from None

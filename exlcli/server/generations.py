@@ -133,6 +133,7 @@ class GenerationGroup:
             lengths[result.index] += len(item.delta.text)
             if item.delta.finished:
                 result.finish_reason = item.delta.finish_reason
+                result.stop_string = item.delta.stop_string
                 result.usage = item.delta.usage
                 if item.delta.error:
                     raise EngineFailure(item.delta.error)

@@ -33,6 +33,7 @@ class ChoiceResult:
     index: int
     text: str = ""
     finish_reason: str | None = None
+    stop_string: str | None = None  # the stop string that ended it, if one did
     logprobs: list[TokenLogprob] = field(default_factory=list)
     logprob_offsets: list[int] = field(default_factory=list)  # text offset of each logprob's token
     usage: Usage | None = None

@@ -17,15 +17,15 @@ from fastapi.responses import JSONResponse, Response
 
 from exlcli.client.base import GenerationStream
 from exlcli.server.generations import Starter
-from exlcli.server.group_runs import collect_unless_gone, event_stream, grammar_checks, start_group
 from exlcli.server.http_errors import APIError
+from exlcli.server.request_flow import collect_unless_gone, event_stream, grammar_checks, start_group
 from exlcli.server.responses_conversation import Conversation, prompt_messages
 from exlcli.server.responses_events import response_events
 from exlcli.server.responses_format import Turn, finish_status, new_id, output_items
 from exlcli.server.responses_request import ResponsesRequest
 from exlcli.server.responses_store import ResponseStore, StoredResponse
 from exlcli.server.schemas import ParamError
-from exlcli.server.security import bearer_token, scoped_session
+from exlcli.server.security import request_api_key, scoped_session
 from exlcli.server.tool_calls import ToolPlan
 from exlcli.text.tool_formats import ToolCall
 
@@ -38,7 +38,9 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> ResponseStore:
     client = state.client
 
     def key_of(request: Request) -> str | None:
-        return bearer_token(request.headers.get("authorization")) if state.config.api_key is not None else None
+        if state.config.api_key is None:
+            return None
+        return request_api_key(request.headers.get("authorization"), request.headers.get("x-api-key"))
 
     def owner_of(request: Request) -> str:
         return scoped_session(key_of(request), "")  # "" without a key, else a digest of it

@@ -21,6 +21,7 @@ from exlcli.server.tool_calls import (
     ToolDef,
     check_tool_choice,
     history_message,
+    tool_dicts,
     tools_bytes,
 )
 
@@ -302,9 +303,13 @@ class CompletionRequest(_SamplingBody):
 class TokenizeRequest(_Body):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     add_generation_prompt: bool = True
+    tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)  # counted as the template describes them
 
     def prompt_parts(self) -> dict[str, int]:
-        return {"messages": sum(m.text_bytes() for m in self.messages)}
+        return {"messages": sum(m.text_bytes() for m in self.messages), "tools": tools_bytes(self.tools)}
+
+    def tool_dicts(self) -> list[dict] | None:
+        return tool_dicts(self.tools)
 
     def message_dicts(self) -> list[dict]:
         return [m.as_dict() for m in self.messages]

@@ -13,6 +13,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from exlcli.client.runtime_file import is_loopback_host
 from exlcli.errors import ExlcliError
+from exlcli.server.anthropic_errors import anthropic_error_body, is_messages_path
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 MIN_PUBLIC_KEY_CHARS = 16
@@ -41,9 +42,14 @@ def allowed_host_names(host: str) -> tuple[str, ...] | None:
     return tuple(dict.fromkeys((*LOOPBACK_NAMES, host.strip("[]").lower())))
 
 
-def _error(status: int, message: str, code: str, headers: list[tuple[bytes, bytes]] = ()) -> list[Message]:
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                 "code": code}}).encode()
+def _error(scope: Scope, status: int, message: str, code: str,
+           headers: list[tuple[bytes, bytes]] = ()) -> list[Message]:
+    """The error's messages, in the shape of the API whose route `scope` asks for."""
+    if is_messages_path(scope.get("path", "")):
+        shaped = anthropic_error_body(status, message)
+    else:
+        shaped = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
+    body = json.dumps(shaped).encode()
     return [{"type": "http.response.start", "status": status, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]},
         {"type": "http.response.body", "body": body}]
@@ -71,16 +77,18 @@ class HostAllowList:
         if scope["type"] == "http":
             host = _header(scope, b"host")
             if host is None or _host_name(host) not in self.allowed:
-                for message in _error(400, "this server answers only requests for " + ", ".join(sorted(self.allowed))
-                                      + " in the Host header", "invalid_host"):
+                names = ", ".join(sorted(self.allowed))
+                for message in _error(scope, 400, f"this server answers only requests for {names} in the Host header",
+                                      "invalid_host"):
                     await send(message)
                 return
         await self.app(scope, receive, send)
 
 
 class APIKeyGate:
-    """ASGI middleware: 401 unless 'Authorization: Bearer KEY', on every path but `open_paths`,
-    checked before the app reads (or parses) any of the body."""
+    """ASGI middleware: 401 unless 'Authorization: Bearer KEY' or 'x-api-key: KEY' (Anthropic's
+    clients send that), on every path but `open_paths`, checked before the app reads (or parses)
+    any of the body."""
 
     def __init__(self, app: ASGIApp, api_key: str, open_paths: tuple[str, ...] = ()) -> None:
         self.app = app
@@ -89,10 +97,10 @@ class APIKeyGate:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope.get("path") not in self.open_paths and scope.get("method") != "OPTIONS":
-            given = _header(scope, b"authorization")
-            if not key_matches(bearer_token(given.decode("latin-1") if given else None), self.api_key):
-                for message in _error(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
-                                      "invalid_api_key", [(b"www-authenticate", b"Bearer")]):
+            if not key_matches(request_api_key(_text_header(scope, b"authorization"),
+                                               _text_header(scope, b"x-api-key")), self.api_key):
+                for message in _error(scope, 401, "missing or invalid API key (send 'Authorization: Bearer KEY' "
+                                      "or 'x-api-key: KEY')", "invalid_api_key", [(b"www-authenticate", b"Bearer")]):
                     await send(message)
                 return
         await self.app(scope, receive, send)
@@ -110,6 +118,17 @@ def scoped_session(api_key: str | None, session: str) -> str:
     if not api_key:
         return session
     return hashlib.sha256(api_key.encode("utf-8", "replace")).hexdigest()[:16] + "/" + session
+
+
+def _text_header(scope: Scope, name: bytes) -> str | None:
+    value = _header(scope, name)
+    return value.decode("latin-1") if value is not None else None
+
+
+def request_api_key(authorization: str | None, x_api_key: str | None) -> str | None:
+    """The key a request brings: 'Authorization: Bearer KEY' (OpenAI's clients), else 'x-api-key'
+    (Anthropic's)."""
+    return bearer_token(authorization) or (x_api_key.strip() if x_api_key else None)
 
 
 def bearer_token(authorization: str | None) -> str | None:
@@ -140,7 +159,7 @@ class BodySizeLimit:
                 except ValueError:
                     too_big = False  # the HTTP server rejects a malformed length itself
                 if too_big:
-                    await self._reject(receive, send)
+                    await self._reject(scope, send)
                     return
         received = 0
         response_started = False
@@ -164,10 +183,10 @@ class BodySizeLimit:
             await self.app(scope, counting_receive, tracking_send)
         except _BodyTooLarge:
             if not response_started:
-                await self._reject(receive, send)
+                await self._reject(scope, send)
 
-    async def _reject(self, receive: Receive, send: Send) -> None:
-        for message in _error(413, f"request body is larger than the limit of {self.max_bytes} bytes",
+    async def _reject(self, scope: Scope, send: Send) -> None:
+        for message in _error(scope, 413, f"request body is larger than the limit of {self.max_bytes} bytes",
                               "request_too_large"):
             await send(message)
 

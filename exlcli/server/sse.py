@@ -37,10 +37,21 @@ def keep_streams_on_shutdown() -> None:
     AppStatus.disable_automatic_graceful_drain()
 
 
+def sse_event(event: str, payload: dict) -> bytes:
+    """A named event (`event: NAME` then `data: {...}`), as Anthropic's API sends each one."""
+    return ServerSentEvent(data=json.dumps(payload, separators=(",", ":")), event=event, sep=SEP).encode()
+
+
+PingFactory = Callable[[], ServerSentEvent]
+
+
 class EventStreamResponse(EventSourceResponse):
     def __init__(self, events: AsyncIterator[bytes], on_disconnect: Callable[[], None],
-                 headers: dict[str, str] | None = None, ping_s: float = DEFAULT_PING_S) -> None:
+                 headers: dict[str, str] | None = None, ping_s: float = DEFAULT_PING_S,
+                 ping_factory: PingFactory | None = None) -> None:
+        """`ping_factory`: the keep-alive event (None: a `: ping` comment)."""
         async def closed(_message: Message) -> None:
             on_disconnect()
 
-        super().__init__(events, headers=headers, ping=ping_s, sep=SEP, client_close_handler_callable=closed)
+        super().__init__(events, headers=headers, ping=ping_s, sep=SEP, client_close_handler_callable=closed,
+                         ping_message_factory=ping_factory)

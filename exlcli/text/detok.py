@@ -49,6 +49,7 @@ class TextStreamer:
         self._held = ""  # decoded text not yet emitted (a possible stop string start)
         self._read_text: str | None = None  # the text of ids[:_read], when known
         self.stopped = False
+        self.stop_string: str | None = None  # the stop string that ended the text, once stopped by one
         self._emitted: list[str] = []
 
     @property
@@ -105,14 +106,14 @@ class TextStreamer:
         held = self._held + new
         # Generation stops where a stop string is first complete (the earliest end; on a tie the
         # longer one). It can't start in text already emitted: that text would have been held.
-        best: tuple[int, int] | None = None
+        best: tuple[int, int, str] | None = None
         for stop in self._stops:
             at = held.find(stop)
-            if at != -1 and (best is None or (at + len(stop), at) < best):
-                best = (at + len(stop), at)
+            if at != -1 and (best is None or (at + len(stop), at) < best[:2]):
+                best = (at + len(stop), at, stop)
         if best is not None:
             cut = best[1]
-            out, self._held, self.stopped = held[:cut], "", True
+            out, self._held, self.stopped, self.stop_string = held[:cut], "", True, best[2]
             self._emitted.append(out)
             return out, True
         keep = 0 if final else self._partial_stop_len(held)

@@ -70,7 +70,8 @@ def test_bad_options_are_one_line(runner, args, message):
 def test_unknown_fake_model_is_one_line(runner):
     result = runner.invoke(app, ["chat", "--model", "fake:nope"], input="hi\n")
     assert result.exit_code == 1
-    assert result.stderr.strip() == "error: unknown fake model 'fake:nope'; use fake:echo[:DELAY[:CONTEXT]]"
+    assert result.stderr.strip() == ("error: unknown fake model 'fake:nope'; use fake:echo[:DELAY[:CONTEXT]] "
+                                     "or fake:replay:FILE")
 
 
 def test_help_lists_the_options(runner):

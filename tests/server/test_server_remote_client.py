@@ -22,6 +22,9 @@ def test_remote_client_matches_the_engine_behind_it(fake_server):
     assert remote.kind == "remote" and remote.model_name == "fake-echo" and remote.context_length == 2048
     assert remote.count_chat_tokens(messages) == local.count_chat_tokens(messages)
     assert remote.count_chat_tokens(messages, add_generation_prompt=False) == local.count_chat_tokens(messages, False)
+    tools = [{"type": "function", "function": {"name": "f", "description": "a b c", "parameters": {"type": "object"}}}]
+    assert remote.count_chat_tokens(messages, tools=tools) == local.count_chat_tokens(messages, tools=tools) > \
+        local.count_chat_tokens(messages)
     text, last = remote.chat(messages, GenerationParams(seed=3, client="chat")).collect()
     assert text == local.chat(messages, GenerationParams(seed=3)).collect()[0]
     assert last.finish_reason == "stop"

@@ -146,3 +146,15 @@ def test_streamed_text_equals_text_cut_at_first_stop(text, stops, chunk):
     assert stopped == bool(found)
     assert "".join(pieces) + rest == expected
     assert all("\ufffd" not in p for p in pieces)
+
+
+def test_the_stop_string_that_ended_the_text_is_kept():
+    tok = ByteTokenizer()
+    s = TextStreamer(tok, ["zz", "END", "ND!"])
+    assert s.stop_string is None
+    assert s.push(tok.encode("one END! two")) == ("one ", True)
+    assert s.stop_string == "END"  # the earliest end
+    free = TextStreamer(tok, ["zz"])
+    free.push(tok.encode("no stop here"))
+    free.flush()
+    assert free.stop_string is None and not free.stopped

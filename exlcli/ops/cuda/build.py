@@ -25,6 +25,7 @@ SOURCES = (
     "linear.cu",
     "linear_fused.cu",
     "quant_linear.cu",
+    "moe.cu",
     "fp8_quant.cu",
     "fp8_linear.cu",
     "fp8_gemm.cu",

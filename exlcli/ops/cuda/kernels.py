@@ -346,6 +346,51 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, b
                                          STATE.options.pdl)
 
 
+def moe_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bits: int, group: int, n: int,
+             ids: torch.Tensor, order: torch.Tensor | None, rows_per_x: int, float_out: bool = False) -> torch.Tensor:
+    """For each (token, slot) pair, x's row pair // rows_per_x (bf16 [rows, k]) @ w^T of the pair's expert
+    (ids int32 [pairs]) among one layer's experts stacked in the packed layout (qweight int32 [E, n k bits / 32],
+    scales [E, ...]; integer weights, not e4m3): bf16 [pairs, n], or fp32 with float_out; each row the bytes of
+    quant_linear of that expert at one token (csrc/moe.cu). order (int32 [pairs]): the order the blocks take
+    the pairs in (sorted by expert, for L2), or None. An id outside 0 .. E - 1 gives a NaN row."""
+    op = "moe_gemv"
+    checks.on_cuda(op, "x qweight scales ids", x, qweight, scales, ids)
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or not x.is_contiguous() or not checks.aligned(x):
+        checks.fail(op, f"x must be a contiguous, aligned bfloat16 [rows, k], got {x.dtype} {list(x.shape)}")
+    k = x.shape[1]
+    if qweight.dim() != 2 or qweight.shape[0] == 0 or scales.shape[:1] != qweight.shape[:1]:
+        checks.fail(op, f"qweight and scales must be stacked [experts, ...], got {list(qweight.shape)} and "
+                        f"{list(scales.shape)}")
+    _packed(op, qweight[0], scales[0], bits, group, n, k)
+    if not (qweight.is_contiguous() and scales.is_contiguous()):
+        checks.fail(op, "the stacked qweight and scales must be contiguous")
+    if not dp4a_takes(1, k):
+        checks.fail(op, f"k ({k}) is too large for the dp4a kernel's shared memory")
+    if n // QUANT_TILE_ROWS > checks.MAX_GRID_Y:
+        checks.fail(op, f"n ({n}) must be at most {checks.MAX_GRID_Y * QUANT_TILE_ROWS}")
+    if rows_per_x < 1:
+        checks.fail(op, f"rows_per_x must be at least 1, got {rows_per_x}")
+    checks.vector(op, "ids", ids, x.shape[0] * rows_per_x, torch.int32)
+    if order is not None:
+        checks.on_cuda(op, "x order", x, order)
+        checks.vector(op, "order", order, ids.shape[0], torch.int32)
+    return torch.ops.exlcli.moe_gemv(x, qweight, scales, bits, group, n, ids, order, rows_per_x, float_out,
+                                     STATE.options.pdl)
+
+
+def moe_combine(rows: torch.Tensor, weights: torch.Tensor, top_k: int) -> torch.Tensor:
+    """fp32 rows [tokens * top_k, n] -> fp32 [tokens, n]: each token's top_k rows times their weights (fp32
+    [tokens * top_k]) summed in slot order (a fixed order: batch invariant)."""
+    op = "moe_combine"
+    checks.on_cuda(op, "rows weights", rows, weights)
+    if rows.dim() != 2 or rows.dtype != torch.float32 or not rows.is_contiguous():
+        checks.fail(op, f"rows must be a contiguous float32 [pairs, n], got {rows.dtype} {list(rows.shape)}")
+    if top_k < 1 or rows.shape[0] % top_k:
+        checks.fail(op, f"the {rows.shape[0]} rows must be whole tokens of {top_k} slots")
+    checks.vector(op, "weights", weights, rows.shape[0], torch.float32)
+    return torch.ops.exlcli.moe_combine(rows, weights, top_k, STATE.options.pdl)
+
+
 def quant_heads_rope(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bits: int, group: int,
                      bias: torch.Tensor | None, positions: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, first_head: int,

@@ -1,0 +1,167 @@
+"""One layer's routed experts stacked on the GPU, for expert products with no host synchronisation.
+
+At load, experts whose gate|up and down projections are packed integer weights of one shape and format
+(exlcli/ops/formats/cuda_groups.py's GroupedCudaLinear: 4-, 6- or 8-bit, no bias, not e4m3) are copied
+into one tensor per projection, [E, ...] qweight and scales, and each expert's linear keeps working on
+its view of them: the per-expert copies are freed, so the weights take no more memory than before.
+
+A routed step then runs csrc/moe.cu over (token, slot) pairs, with the router's expert ids on the
+device: gate|up of each pair's expert over its token's row (bf16), SiLU-and-mul, down of each pair's
+expert (fp32), and the pairs of a token summed in slot order with their router weights. Each pair's
+row is the bytes of quant_linear over that expert at one token (the dp4a kernel), and the sum's order
+is fixed, so a token's result does not depend on the batch.
+
+`emulate` is the torch model of those kernels (the same offsets into the stacked tensors, the layout
+read by cuda_groups.unpack_packed, x rounded to int8 per 16 features as the dp4a kernel does): the CPU
+tests check the indexing with it, and the GPU tests compare the kernels with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from exlcli.ops.activation import silu_and_mul, silu_and_mul_ref
+from exlcli.ops.cuda import kernels
+from exlcli.ops.cuda.limits import QUANT_BITS, QUANT_TILE_ROWS, dp4a_takes
+from exlcli.ops.formats.base import Linear
+from exlcli.ops.formats.cuda_groups import GroupedCudaLinear, unpack_packed
+
+MAX_GRID_ROW_TILES = 65535  # moe_gemv's row tiles run in the grid's y dimension
+SORT_MIN_PAIRS = 16  # from this many pairs the blocks take them sorted by expert (L2 reuse of its weights)
+
+
+@dataclass
+class StackedWeights:
+    """One projection of E experts: qweight int32 [E, n k bits / 32], scales [E, n / 16, k / group, 16, 2]."""
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    bits: int
+    group: int
+    out_features: int
+    in_features: int
+
+    @property
+    def num_experts(self) -> int:
+        return self.qweight.shape[0]
+
+    def rows(self, x: torch.Tensor, ids: torch.Tensor, order: torch.Tensor | None, rows_per_x: int,
+             float_out: bool) -> torch.Tensor:
+        """[pairs, n]: pair s's expert ids[s] over x's row s // rows_per_x (the kernel)."""
+        return kernels.moe_gemv(x, self.qweight, self.scales, self.bits, self.group, self.out_features, ids, order,
+                                rows_per_x, float_out=float_out)
+
+    def expert_weight(self, expert: int) -> torch.Tensor:
+        """The dense fp32 weight [n, k] of one expert, read at the offsets the kernel reads it at."""
+        words = self.qweight.numel() // self.num_experts
+        elems = self.scales.numel() // self.num_experts
+        flat_q, flat_s = self.qweight.reshape(-1), self.scales.reshape(-1)
+        qweight = flat_q[expert * words:(expert + 1) * words]
+        scales = flat_s[expert * elems:(expert + 1) * elems].view(self.scales.shape[1:])
+        return unpack_packed(qweight, scales, self.bits, (self.out_features, self.in_features))
+
+    def emulate_rows(self, x: torch.Tensor, ids: torch.Tensor, rows_per_x: int) -> torch.Tensor:
+        """fp32 [pairs, n]: the kernel's rows in torch, x rounded to int8 per 16 features as quantize_x16
+        does (float64 sums; the kernel's fp32 order differs only by rounding)."""
+        xq = dp4a_rounded(x)
+        dense = {e: self.expert_weight(e).double() for e in sorted(set(ids.tolist()))}
+        out = torch.empty(ids.shape[0], self.out_features, dtype=torch.float64, device=x.device)
+        for s, e in enumerate(ids.tolist()):
+            out[s] = dense[e] @ xq[s // rows_per_x]
+        return out.float()
+
+
+def dp4a_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, k] as the dp4a kernel takes it (quantize_x16): per 16 features xq = round(x * (127 / amax)),
+    d = amax / 127, each fp32 step correctly rounded (through float64, exact for one division or product);
+    float64 xq * d [rows, k]."""
+    rows, k = x.shape
+    blocks = x.double().view(rows, k // 16, 16)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax)).float().double()
+    xq = torch.round((blocks * inv).float()).double()
+    d = (amax / 127.0).float().double()
+    return (xq * d).view(rows, k)
+
+
+class StackedExperts:
+    """The routed experts' gate|up and down projections, stacked (silu activation)."""
+
+    def __init__(self, gate_up: StackedWeights, down: StackedWeights) -> None:
+        self.gate_up, self.down = gate_up, down
+
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H] bf16 (normed), the router's weights [T, k] fp32 and ids [T, k] -> fp32 [T, H]; no host sync."""
+        top_k = ids.shape[1]
+        flat = ids.reshape(-1).to(torch.int32)
+        order = None
+        if flat.shape[0] >= SORT_MIN_PAIRS:
+            order = torch.argsort(flat).to(torch.int32)
+        x2 = x.to(torch.bfloat16).contiguous()
+        if x2.data_ptr() % 16:
+            x2 = x2.clone()
+        gate_up = self.gate_up.rows(x2, flat, order, top_k, float_out=False)
+        rows = self.down.rows(silu_and_mul(gate_up), flat, order, 1, float_out=True)
+        return kernels.moe_combine(rows, weights.reshape(-1).float().contiguous(), top_k)
+
+    def emulate(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """What __call__ computes, in torch on any device (tests)."""
+        top_k = ids.shape[1]
+        flat = ids.reshape(-1)
+        gate_up = self.gate_up.emulate_rows(x, flat, top_k).to(torch.bfloat16)
+        act = silu_and_mul_ref(gate_up).to(torch.bfloat16)
+        rows = self.down.emulate_rows(act, flat, 1)
+        slots = rows.view(ids.shape[0], top_k, -1) * weights.float().unsqueeze(-1)
+        return slots.sum(dim=1)
+
+
+def stack_weights(linears: list[Linear]) -> StackedWeights | None:
+    """The experts' linears of one projection stacked (each then a view of the stack), or None when they
+    are not all packed integer weights of one shape and format that the kernel takes."""
+    if not _stackable(linears):
+        return None
+    grouped = [lin for lin in linears if isinstance(lin, GroupedCudaLinear)]
+    first = grouped[0]
+    device = first.qweight.device
+    qweight = torch.empty((len(grouped), first.qweight.numel()), dtype=torch.int32, device=device)
+    scales = torch.empty((len(grouped), *first.scales.shape), dtype=first.scales.dtype, device=device)
+    for e, lin in enumerate(grouped):
+        # each expert's own copy is dropped as its view replaces it: the stack takes its place in memory
+        qweight[e].copy_(lin.qweight.reshape(-1))
+        scales[e].copy_(lin.scales)
+        lin.qweight, lin.scales = qweight[e], scales[e]
+    return StackedWeights(qweight, scales, first.bits, first.group, first.out_features, first.in_features)
+
+
+def stack_experts(gate_ups: list[Linear], downs: list[Linear]) -> StackedExperts | None:
+    """The experts stacked for the device path, or None (the per-expert path runs them)."""
+    # both checked before either is stacked, so a refusal leaves every expert as it was
+    if len(gate_ups) != len(downs) or not (_stackable(gate_ups) and _stackable(downs)):
+        return None
+    first_gate_up, first_down = gate_ups[0], downs[0]
+    assert isinstance(first_gate_up, GroupedCudaLinear) and isinstance(first_down, GroupedCudaLinear)
+    if first_gate_up.out_features != 2 * first_down.in_features:
+        return None
+    gate_up, down = stack_weights(gate_ups), stack_weights(downs)
+    assert gate_up is not None and down is not None
+    return StackedExperts(gate_up, down)
+
+
+def _stackable(linears: list[Linear]) -> bool:
+    """Whether stack_weights would stack these (without stacking them)."""
+    if not linears or not all(type(lin) is GroupedCudaLinear for lin in linears):
+        return False
+    first = linears[0]
+    assert isinstance(first, GroupedCudaLinear)
+    if first.e4m3 or first.bits not in QUANT_BITS or not dp4a_takes(1, first.in_features):
+        return False
+    if first.out_features // QUANT_TILE_ROWS > MAX_GRID_ROW_TILES:
+        return False
+    key = _key(first)
+    return all(isinstance(lin, GroupedCudaLinear) and lin.bias is None and _key(lin) == key for lin in linears)
+
+
+def _key(lin: GroupedCudaLinear) -> tuple:
+    return (lin.bits, lin.group, lin.e4m3, lin.out_features, lin.in_features, lin.scales.dtype,
+            tuple(lin.scales.shape), lin.qweight.device)

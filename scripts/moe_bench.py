@@ -1,0 +1,94 @@
+"""Times one mixture-of-experts layer of Qwen3-30B-A3B's shape (128 experts, 8 a token, hidden 2048, expert
+width 768; random weights as a Q4_K_M file has them: 4-bit gate|up, 6-bit down) on a CUDA GPU: the device
+path (exlcli/ops/moe_stacked.py, csrc/moe.cu) eagerly and as a CUDA graph, against the host-grouped path
+(each active expert's products, counts read on the host), per call, median of the repeats:
+
+    python3 scripts/moe_bench.py [--tokens 1,4,16,64] [--repeats 50] [--down-bits 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from exlcli.ops import moe as moe_module
+from exlcli.ops.cuda import loader
+from exlcli.ops.formats import cuda_groups
+from exlcli.ops.formats.dense import dense_linear
+from exlcli.ops.moe import Expert, MoeFeedForward, RouterSpec
+
+HIDDEN, INTER, EXPERTS, TOP_K, GROUP = 2048, 768, 128, 8, 32
+
+
+def packed(rows: int, cols: int, bits: int, gen: torch.Generator) -> cuda_groups.GroupedCudaLinear:
+    q = torch.randint(0, 2 ** bits, (rows, cols), generator=gen, dtype=torch.int32, device="cuda")
+    scale = (torch.rand(rows, cols // GROUP, generator=gen, device="cuda") * 0.02 + 1e-3) / 2 ** (bits - 4)
+    offset = -scale * 2 ** (bits - 1)
+    lin = cuda_groups.grouped_linear(q, scale, offset, bits, None)
+    assert isinstance(lin, cuda_groups.GroupedCudaLinear)
+    return lin
+
+
+def layer(bits: int, down_bits: int) -> MoeFeedForward:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    experts = [Expert(packed(2 * INTER, HIDDEN, bits, gen), packed(HIDDEN, INTER, down_bits, gen))
+               for _ in range(EXPERTS)]
+    router = dense_linear((torch.randn(EXPERTS, HIDDEN, generator=gen, device="cuda") * 0.05).to(torch.bfloat16), None)
+    return MoeFeedForward(router, RouterSpec("softmax_topk", TOP_K, normalize=True), experts)
+
+
+def median_us(fn, repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000)
+    return statistics.median(times)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", default="1,4,16,64")
+    ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--bits", type=int, default=4)
+    ap.add_argument("--down-bits", type=int, default=6)
+    args = ap.parse_args()
+    if not torch.cuda.is_available() or not loader.load():
+        print(f"moe_bench: needs a CUDA GPU and the kernels ({loader.reason()})")
+        return 1
+    moe = layer(args.bits, args.down_bits)
+    assert moe.stacked is not None
+    print(f"{torch.cuda.get_device_name()}: one MoE layer, {EXPERTS} experts, top {TOP_K}, {args.bits}-bit gate|up, "
+          f"{args.down_bits}-bit down; median us a call")
+    print(f"{'tokens':>6} {'host-grouped':>13} {'device':>8} {'device graph':>13}")
+    for tokens in [int(t) for t in args.tokens.split(",")]:
+        x = (torch.randn(tokens, HIDDEN, device="cuda") * 0.5).to(torch.bfloat16)
+        device = median_us(lambda: moe(x), args.repeats)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            moe(x)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            moe(x)
+        replay = median_us(graph.replay, args.repeats)
+        saved = moe_module.DEVICE_MAX_TOKENS
+        moe_module.DEVICE_MAX_TOKENS = 0  # every call on the host-grouped path
+        try:
+            host = median_us(lambda: moe(x), args.repeats)
+        finally:
+            moe_module.DEVICE_MAX_TOKENS = saved
+        print(f"{tokens:>6} {host:>13.1f} {device:>8.1f} {replay:>13.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,173 @@
+"""The stacked experts of the GPU's MoE path (exlcli/ops/moe_stacked.py, csrc/moe.cu), on the CPU: the
+stack holds each expert's packed weights at the offsets the kernel reads (its torch model, `emulate`,
+reads them there through cuda_groups.unpack_packed), the experts' own linears become views of it (no
+second copy), the model of the whole path matches MoeFeedForward's host-grouped path over the same
+weights, and what the kernel does not take is left as it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from exlcli.ops.errors import KernelInputError
+from exlcli.ops.formats import cuda_groups
+from exlcli.ops.formats.dense import dense_linear
+from exlcli.ops.moe import Expert, MoeFeedForward, RouterSpec, route
+from exlcli.ops.moe_stacked import dp4a_rounded, stack_experts, stack_weights
+
+HIDDEN, INTER, EXPERTS, TOP_K, GROUP = 128, 64, 6, 2, 32
+
+
+def random_weight(rows: int, cols: int, bits: int, gen: torch.Generator):
+    """(q, scale, offset) of a random weight and its fp32 value q * scale + offset."""
+    q = torch.randint(0, 2 ** bits, (rows, cols), generator=gen, dtype=torch.int32)
+    scale = (torch.rand(rows, cols // GROUP, generator=gen) * 0.02 + 1e-3) / 2 ** (bits - 4)
+    offset = -scale * 2 ** (bits - 1) + (torch.rand(rows, cols // GROUP, generator=gen) - 0.5) * 0.01
+    dense = (q.view(rows, -1, GROUP).float() * scale[..., None] + offset[..., None]).reshape(rows, cols)
+    return (q, scale, offset), dense
+
+
+def packed_linear(parts, bits: int, bias: torch.Tensor | None = None) -> cuda_groups.GroupedCudaLinear:
+    q, scale, offset = parts
+    qweight, scales = cuda_groups.pack(q, scale, offset, bits)
+    return cuda_groups.GroupedCudaLinear(qweight, scales, bits, GROUP, tuple(q.shape), bias)
+
+
+def experts_of(bits: int, seed: int = 0, down_bits: int | None = None):
+    """EXPERTS experts as packed linears (on the CPU: the pack is torch) and their dense fp32 weights."""
+    gen = torch.Generator().manual_seed(seed)
+    packed, dense = [], []
+    for _ in range(EXPERTS):
+        gu_parts, gu = random_weight(2 * INTER, HIDDEN, bits, gen)
+        down_parts, down = random_weight(HIDDEN, INTER, down_bits or bits, gen)
+        packed.append(Expert(packed_linear(gu_parts, bits), packed_linear(down_parts, down_bits or bits)))
+        dense.append((gu, down))
+    return packed, dense
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+@pytest.mark.parametrize("bits", [4, 6, 8])
+def test_the_stack_holds_each_expert_where_the_kernel_reads_it(bits):
+    packed, _ = experts_of(bits, seed=bits)
+    before = [(e.gate_up.qweight.clone(), e.gate_up.scales.clone(), e.down.qweight.clone(), e.down.scales.clone())
+              for e in packed]
+    bytes_before = sum(e.nbytes() for e in packed)
+    stacked = stack_experts([e.gate_up for e in packed], [e.down for e in packed])
+    assert stacked is not None
+    gu, down = stacked.gate_up, stacked.down
+    assert gu.qweight.shape == (EXPERTS, 2 * INTER * HIDDEN * bits // 32) and gu.qweight.is_contiguous()
+    assert gu.scales.shape[0] == EXPERTS and down.scales.shape[0] == EXPERTS
+    # the stack's bytes are the experts' bytes: each expert's linear is a view of it now
+    stack_bytes = sum(t.numel() * t.element_size() for t in (gu.qweight, gu.scales, down.qweight, down.scales))
+    assert stack_bytes == bytes_before == sum(e.nbytes() for e in packed)
+    for e, (expert, old) in enumerate(zip(packed, before)):
+        for lin, stack in ((expert.gate_up, gu), (expert.down, down)):
+            assert lin.qweight.untyped_storage().data_ptr() == stack.qweight.untyped_storage().data_ptr()
+            assert lin.scales.untyped_storage().data_ptr() == stack.scales.untyped_storage().data_ptr()
+        assert torch.equal(expert.gate_up.qweight, old[0]) and torch.equal(expert.gate_up.scales, old[1])
+        assert torch.equal(expert.down.qweight, old[2]) and torch.equal(expert.down.scales, old[3])
+        # the kernel's offsets (expert * words, expert * scale slots) into the flat stack give the expert back
+        want_gu = cuda_groups.unpack_packed(old[0], old[1], bits, (2 * INTER, HIDDEN))
+        want_down = cuda_groups.unpack_packed(old[2], old[3], bits, (HIDDEN, INTER))
+        assert torch.equal(gu.expert_weight(e), want_gu)
+        assert torch.equal(down.expert_weight(e), want_down)
+
+
+@pytest.mark.parametrize("bits", [4, 6, 8])
+def test_each_pair_takes_its_experts_weights_and_its_tokens_row(bits):
+    packed, dense = experts_of(bits, seed=10 + bits)
+    stacked = stack_experts([e.gate_up for e in packed], [e.down for e in packed])
+    assert stacked is not None
+    gen = torch.Generator().manual_seed(bits)
+    tokens = 5
+    x = torch.randn(tokens, HIDDEN, generator=gen).to(torch.bfloat16)
+    ids = torch.randint(0, EXPERTS, (tokens * TOP_K,), generator=gen)
+    rows = stacked.gate_up.emulate_rows(x, ids, TOP_K)
+    for s, e in enumerate(ids.tolist()):
+        want = dense[e][0] @ x[s // TOP_K].float()
+        assert rel_err(rows[s], want) < 0.02, (s, e)  # x rounded to int8 per 16 features: about 0.5%
+        other = dense[(e + 1) % EXPERTS][0] @ x[s // TOP_K].float()
+        assert rel_err(rows[s], other) > 0.5  # another expert's weights would show
+
+
+def test_dp4a_rounding_is_within_half_a_step_of_127():
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    got = dp4a_rounded(x)
+    amax = x.double().view(3, 4, 16).abs().amax(dim=-1, keepdim=True)
+    err = (got.view(3, 4, 16) - x.double().view(3, 4, 16)).abs()
+    assert (err <= amax / 127 * 0.5 + 1e-6).all()
+    assert not torch.equal(got, x.double())
+
+
+def dense_moe(dense, spec: RouterSpec, router_weight: torch.Tensor) -> MoeFeedForward:
+    experts = [Expert(dense_linear(gu.to(torch.bfloat16), None), dense_linear(d.to(torch.bfloat16), None))
+               for gu, d in dense]
+    return MoeFeedForward(dense_linear(router_weight, None), spec, experts)
+
+
+@pytest.mark.parametrize("bits,down_bits", [(4, 4), (4, 6), (8, 8)])
+@pytest.mark.parametrize("tokens", [1, 3, 17])
+def test_the_model_of_the_device_path_matches_the_host_grouped_path(bits, down_bits, tokens):
+    packed, dense = experts_of(bits, seed=tokens + bits, down_bits=down_bits)
+    stacked = stack_experts([e.gate_up for e in packed], [e.down for e in packed])
+    assert stacked is not None
+    gen = torch.Generator().manual_seed(tokens)
+    spec = RouterSpec("softmax_topk", TOP_K, normalize=True)
+    router_weight = torch.randn(EXPERTS, HIDDEN, generator=gen).to(torch.bfloat16)
+    x = torch.randn(tokens, HIDDEN, generator=gen).to(torch.bfloat16)
+    reference = dense_moe(dense, spec, router_weight)
+    want = reference(x).float()
+    weights, ids = route(reference.router(x, out_dtype=torch.float32), spec)
+    got = stacked.emulate(x, weights, ids)
+    assert got.shape == (tokens, HIDDEN)
+    assert rel_err(got, want) < 0.03  # int8 activations and bf16 roundings
+    # batch invariance of the model: each token alone gives its row
+    for t in range(tokens):
+        assert torch.equal(stacked.emulate(x[t:t + 1], weights[t:t + 1], ids[t:t + 1])[0], got[t])
+
+
+def test_moe_feed_forward_stacks_packed_experts_and_keeps_the_others():
+    packed, _ = experts_of(4, seed=3)
+    router = dense_linear(torch.zeros(EXPERTS, HIDDEN, dtype=torch.bfloat16), None)
+    spec = RouterSpec("softmax_topk", TOP_K)
+    moe = MoeFeedForward(router, spec, packed)
+    assert moe.stacked is not None and moe.stacked.gate_up.num_experts == EXPERTS
+    # gpt-oss's clamped activation is not the kernel's: its experts stay per expert
+    packed, _ = experts_of(4, seed=4)
+    assert MoeFeedForward(router, spec, packed, activation="swiglu_clamped").stacked is None
+    # dense experts (the CPU, bf16 checkpoints) stay as they are
+    dense = [Expert(dense_linear(torch.zeros(2 * INTER, HIDDEN, dtype=torch.bfloat16), None),
+                    dense_linear(torch.zeros(HIDDEN, INTER, dtype=torch.bfloat16), None)) for _ in range(EXPERTS)]
+    assert MoeFeedForward(router, spec, dense).stacked is None
+
+
+def test_experts_the_kernel_does_not_take_are_left_as_they_were():
+    packed, _ = experts_of(4, seed=5)
+    gen = torch.Generator().manual_seed(5)
+    parts, _ = random_weight(2 * INTER, HIDDEN, 8, gen)
+    packed[2] = Expert(packed_linear(parts, 8), packed[2].down)  # one expert of another width
+    old = [e.gate_up.qweight for e in packed]
+    assert stack_experts([e.gate_up for e in packed], [e.down for e in packed]) is None
+    assert all(e.gate_up.qweight is q for e, q in zip(packed, old))
+    # a bias (gpt-oss) or e4m3 weights: not stacked either
+    packed, _ = experts_of(4, seed=6)
+    parts, _ = random_weight(HIDDEN, INTER, 4, gen)
+    packed[0] = Expert(packed[0].gate_up, packed_linear(parts, 4, bias=torch.zeros(HIDDEN, dtype=torch.bfloat16)))
+    assert stack_weights([e.down for e in packed]) is None
+    e4m3 = packed_linear(parts, 8)
+    e4m3.e4m3 = True
+    assert stack_weights([e4m3]) is None
+
+
+def test_the_kernel_wrappers_refuse_cpu_tensors_with_a_clear_error():
+    from exlcli.ops.cuda import kernels
+
+    x = torch.zeros(1, HIDDEN, dtype=torch.bfloat16)
+    with pytest.raises(KernelInputError, match="moe_gemv: x must be a CUDA tensor"):
+        kernels.moe_gemv(x, torch.zeros(2, 16, dtype=torch.int32), torch.zeros(2, 8), 4, 32, 16,
+                         torch.zeros(2, dtype=torch.int32), None, 2)
+    with pytest.raises(KernelInputError, match="moe_combine: rows must be a CUDA tensor"):
+        kernels.moe_combine(torch.zeros(2, 16), torch.zeros(2), 2)
