@@ -116,7 +116,7 @@ def main() -> int:
         print(served.rstrip())
 
     finished = [line for line in served.splitlines() if " finished resp_" in line]
-    last_message = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""
+    last_message = run.stdout.strip()  # `codex exec` prints its last message alone on stdout, every line of it
     checks = {
         "codex exited 0": run.returncode == 0,
         "codex ran the command": f"echo {MARKER}" in output and "succeeded" in output,
