@@ -38,6 +38,7 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     Variable("EXLCLI_NO_CUDA_GRAPHS", "flag", "run decode steps eagerly"),
     Variable("EXLCLI_NO_FUSED_DECODE", "flag", "decode 1-4 sequences layer by layer instead of the fused step"),
     Variable("EXLCLI_NO_CPU_LAYER_KERNEL", "flag", "run the CPU kernels of a decoder layer one call each, not in one"),
+    Variable("EXLCLI_NO_CPU_MOE_KERNEL", "flag", "run a layer's CPU experts one at a time, not in one call"),
     Variable("EXLCLI_NO_PDL", "flag", "no programmatic dependent launch"),
     Variable("EXLCLI_DECODE_KERNEL", "number", "the decode attention kernel version (1 or 3; default 3)"),
 )}

@@ -33,6 +33,8 @@ class SuiteOptions:
     num_draft_tokens: int = 4
     draft_layers: int | None = None
     kv_cache_dtype: str = "auto"  # --kv-cache-dtype
+    cpu_moe: bool = False  # --cpu-moe / --n-cpu-moe: routed experts in host memory
+    n_cpu_moe: int | None = None
 
     def validate(self) -> None:
         for name, values in (("-p", self.prompt_lens), ("-n", self.gen_lens), ("-b", self.batches)):
@@ -59,7 +61,7 @@ def run_suite(options: SuiteOptions) -> list[dict]:
     options.validate()
     tests = plan_tests(list(options.prompt_lens), list(options.gen_lens), list(options.batches))
     loaded = load_model(options.model, device=options.device, dtype=options.dtype, log=sys.stderr,
-                        quantize=options.quantize)
+                        quantize=options.quantize, cpu_moe=options.cpu_moe, n_cpu_moe=options.n_cpu_moe)
     device = loaded.model.device
     max_len = max([max(1, options.depth) + t.n + 1 if t.kind == "tg" else t.n for t in tests])
     engine = make_engine(loaded, max(t.batch for t in tests), max_len, options.depth, options.ubatch,

@@ -189,6 +189,24 @@ def _show(app: ChatHost, arg: str) -> None:
     app.io.say("\n".join(lines))
 
 
+@command("model", "/model [NAME]", "list the server's models, or go on with model NAME (exlcli chat --server)")
+def _model(app: ChatHost, arg: str) -> None:
+    list_models = getattr(app.client, "models", None)
+    select = getattr(app.client, "select_model", None)
+    if list_models is None or select is None:
+        raise CommandError("/model switches between a server's models (exlcli chat --server URL); this chat runs "
+                           f"{app.model_label} in its own engine")
+    if not arg:
+        lines = [f"{'*' if m['id'] == app.client.model_name else ' '} {m['id']} ({m.get('status', 'loaded')})"
+                 for m in list_models()]
+        app.io.say("\n".join(lines + ["/model NAME goes on with another"]))
+        return
+    app.new_session()  # the conversation goes on; the old model's cached pages of it go back
+    select(arg)
+    app.model_label = app.client.model_name
+    app.io.say(f"model: {app.model_label} (context {app.client.context_length} tokens); the conversation goes on")
+
+
 @command("stats", "/stats", "token counts and speed for this chat, and the engine's state")
 def _stats(app: ChatHost, arg: str) -> None:
     t = app.totals

@@ -12,6 +12,7 @@ from exlcli.cli.common import (
     NUM_DRAFT_TOKENS,
     CacheTypeKOption,
     CacheTypeVOption,
+    CpuMoeOption,
     DeviceOption,
     DraftLayersOption,
     DtypeOption,
@@ -19,6 +20,7 @@ from exlcli.cli.common import (
     KvCacheDtypeOption,
     KvMemoryOption,
     ModelOption,
+    NCpuMoeOption,
     NumDraftTokensOption,
     QuantizeOption,
     ServerOption,
@@ -148,6 +150,8 @@ def register(app: typer.Typer) -> None:
         device: DeviceOption = None,
         dtype: DtypeOption = None,
         quantize: QuantizeOption = None,
+        cpu_moe: CpuMoeOption = False,
+        n_cpu_moe: NCpuMoeOption = None,
         n_prompt: Annotated[str, typer.Option(
             "--n-prompt", "-p", help="Prompt lengths for pp tests, comma-separated; 0 skips.")] = "512",
         n_gen: Annotated[str, typer.Option(
@@ -202,7 +206,8 @@ def register(app: typer.Typer) -> None:
                                batches=parse_int_list(parallel, "-np"), reps=reps, warmup=warmup, depth=depth,
                                ubatch=ubatch, seed=seed, speculative=speculative,
                                num_draft_tokens=num_draft_tokens, draft_layers=draft_layers,
-                               kv_cache_dtype=kv_cache_spec(kv_cache_dtype, cache_type_k, cache_type_v))
+                               kv_cache_dtype=kv_cache_spec(kv_cache_dtype, cache_type_k, cache_type_v),
+                               cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe)
         options.validate()
         check_format(fmt)
         check_plot(plot)

@@ -62,6 +62,13 @@ def kv_cache_spec(kv_cache_dtype: str, cache_type_k: str | None, cache_type_v: s
     return k if k == v else f"{k},{v}"
 
 
+CpuMoeOption = Annotated[bool, typer.Option(
+    "--cpu-moe", "-cmoe", help="Keep every layer's routed experts in host memory and run them on the CPU kernels, "
+                               "the rest of the model on the GPU (llama.cpp's --cpu-moe). Nothing changes on a CPU.")]
+NCpuMoeOption = Annotated[Optional[int], typer.Option(
+    "--n-cpu-moe", "-ncmoe", min=0, help="Keep the routed experts of the first N layers in host memory and run them "
+                                         "on the CPU kernels (llama.cpp's --n-cpu-moe). Nothing changes on a CPU.",
+    show_default=False)]
 PrefixCacheOption = Annotated[bool, typer.Option(
     "--prefix-cache/--no-prefix-cache", help="Share the KV pages of common prompt prefixes.")]
 
@@ -159,6 +166,8 @@ class EngineFlags:
     context_overflow: str | None = None
     sink_tokens: int | None = None
     window: int | None = None
+    cpu_moe: bool = False  # --cpu-moe / --n-cpu-moe: routed experts in host memory
+    n_cpu_moe: int | None = None
 
     @classmethod
     def of(cls, values: Mapping[str, object], **overrides: object) -> "EngineFlags":
@@ -176,6 +185,8 @@ class EngineFlags:
                    "prefix_cache": self.prefix_cache, "max_model_len": self.ctx_size, "cpu_threads": self.threads,
                    "speculative": self.speculative, "num_draft_tokens": self.num_draft_tokens,
                    "draft_layers": self.draft_layers}
+        if self.cpu_moe or self.n_cpu_moe:  # only when given: not every engine maker takes them
+            options |= {"cpu_moe": self.cpu_moe, "n_cpu_moe": self.n_cpu_moe}
         overflow = {name: getattr(self, name) for name in OVERFLOW_FIELDS}
         return {**options, **{k: v for k, v in overflow.items() if v is not None}}
 

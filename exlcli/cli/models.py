@@ -135,6 +135,12 @@ def register(app: typer.Typer) -> None:
             rows.insert(4, ("experts", f"{m.num_experts} of {m.expert_size} wide, {m.num_experts_used} used a token "
                                        f"({m.router}){shared}"))
             rows.insert(5, ("active parameters", f"{_human(c.num_active_params)} a token"))
+        if (la := c.linear_attention) is not None:
+            linear = len(c.linear_layers)
+            rows.insert(rows.index(("layers", str(c.num_layers))) + 1, (
+                "linear attention", f"{linear} of {c.num_layers} layers (Gated DeltaNet: {la.num_k_heads} key heads of "
+                                    f"{la.k_head_dim}, {la.num_v_heads} value heads of {la.v_head_dim}, conv width "
+                                    f"{la.conv_width})"))
         types = loaded.tensor_types
         if types is not None:
             rows.append(("weights", f"{types.nbytes / 2**20:,.2f} MiB, {types.bits_per_weight:.2f} bits per weight "

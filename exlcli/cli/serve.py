@@ -1,5 +1,6 @@
 """`exlcli serve`: one shared engine for many terminals and OpenAI clients, with a live display."""
 
+import dataclasses
 from typing import Annotated, Optional
 
 import typer
@@ -11,6 +12,7 @@ from exlcli.cli.common import (
     CacheTypeKOption,
     CacheTypeVOption,
     ContextOverflowOption,
+    CpuMoeOption,
     CtxSizeOption,
     DeviceOption,
     DraftLayersOption,
@@ -18,7 +20,7 @@ from exlcli.cli.common import (
     EngineFlags,
     KvCacheDtypeOption,
     KvMemoryOption,
-    ModelOption,
+    NCpuMoeOption,
     NumDraftTokensOption,
     PrefixCacheOption,
     QuantizeOption,
@@ -26,12 +28,26 @@ from exlcli.cli.common import (
     SpeculativeOption,
     ThreadsOption,
     WindowOption,
+    complete_model,
     fail,
     renamed,
     user_errors,
 )
 
 DEFAULT_PORT = 8000
+DEFAULT_KEEP_ALIVE_S = 300.0  # ollama's 5m, when several models share the server
+
+
+def parse_keep_alive(text: str) -> float | None:
+    from exlcli.server.model_pool import parse_keep_alive as parse
+
+    return parse(text)
+
+
+def parse_size(text: str) -> int:
+    from exlcli.client.local import parse_size as parse
+
+    return parse(text)
 
 
 def register(app: typer.Typer) -> None:
@@ -41,10 +57,27 @@ def register(app: typer.Typer) -> None:
         model_arg: Annotated[Optional[str], typer.Argument(
             metavar="MODEL", show_default=False,
             help="GGUF file, Hugging Face folder, a name from `exlcli ls`, or random:<shape> (as --model).")] = None,
-        model: ModelOption = None,
+        model: Annotated[Optional[list[str]], typer.Option(
+            "--model", "-m", envvar="EXLCLI_MODEL", autocompletion=complete_model,
+            help="A model to serve (repeat for several; the first is the default). GGUF file, Hugging Face "
+                 "folder, a name from `exlcli ls` or random:<shape>. Default: SmolLM2-135M-Instruct.")] = None,
+        models_dir: Annotated[Optional[str], typer.Option(
+            "--models-dir", help="Serve every model in this folder too (GGUF files, Hugging Face folders), "
+                                 "named as `exlcli ls` names them.")] = None,
+        keep_alive: Annotated[Optional[str], typer.Option(
+            "--keep-alive", help="How long an idle model stays loaded (as ollama: 5m, 1h30m, 90s; 0 unloads "
+                                 "it when idle, -1 never). Default: 5m with several models, -1 with one.",
+            show_default=False)] = None,
+        max_loaded_models: Annotated[Optional[int], typer.Option(
+            "--max-loaded-models", help="Models loaded at once; loading one more unloads the least recently "
+                                        "used idle one. Default: no limit.", show_default=False)] = None,
+        max_memory: Annotated[Optional[str], typer.Option(
+            "--max-memory", help="Memory all loaded models may take together (weights and KV cache, e.g. "
+                                 "24GiB); loading one more unloads the least recently used idle ones. "
+                                 "Default: no limit.", show_default=False)] = None,
         served_model_name: Annotated[Optional[str], typer.Option(
             "--served-model-name",
-            help="The model's name in the API (/v1/models, responses). Default: the model's.")] = None,
+            help="The (first) model's name in the API (/v1/models, responses). Default: the model's.")] = None,
         host: Annotated[str, typer.Option(
             "--host", envvar="EXLCLI_HOST",
             help="Address to listen on. Anything but loopback needs --api-key.")] = "127.0.0.1",
@@ -86,6 +119,8 @@ def register(app: typer.Typer) -> None:
         device: DeviceOption = None,
         dtype: DtypeOption = None,
         quantize: QuantizeOption = None,
+        cpu_moe: CpuMoeOption = False,
+        n_cpu_moe: NCpuMoeOption = None,
         kv_memory: KvMemoryOption = None,
         kv_cache_dtype: KvCacheDtypeOption = KV_CACHE_DTYPE,
         cache_type_k: CacheTypeKOption = None,
@@ -100,16 +135,18 @@ def register(app: typer.Typer) -> None:
         sink_tokens: SinkTokensOption = None,
         window: WindowOption = None,
     ) -> None:
-        """Serve one model to many clients: OpenAI API at /v1, /metrics, a live display.
+        """Serve models to many clients: OpenAI API at /v1, /metrics, a live display.
 
         Example: exlcli serve model.gguf --port 8080 -c 8192 --served-model-name my-model
+
+        Several: exlcli serve -m a.gguf -m b.gguf --keep-alive 10m (a request's "model" picks one).
 
         `exlcli chat`, `batch` and `bench` attach to it automatically.
         """
         port = renamed("-p", "--port", port_old, port)
-        if model_arg and model and model_arg != model:
-            raise fail(f"two models: {model_arg!r} and --model {model!r}; give one")
-        flags = EngineFlags.of(locals(), model=model_arg or model, local=True)  # its own engine, never a server's
+        specs = [model_arg] if model_arg else []
+        specs += [m for m in model or [] if m not in specs]
+        flags = EngineFlags.of(locals(), model=specs[0] if specs else None, local=True)  # its own engine
         if served_model_name is not None and not served_model_name.strip():
             raise fail("--served-model-name must not be empty")
         if not 0 <= port <= 65535:
@@ -130,7 +167,14 @@ def register(app: typer.Typer) -> None:
             raise fail(f"--max-stored-responses must be at least 0, got {max_stored_responses}")
         if max_prompt_kb is not None and max_prompt_kb <= 0:
             raise fail(f"--max-prompt-kb must be positive, got {max_prompt_kb}")
+        for spec in specs[1:]:
+            dataclasses.replace(flags, model=spec).check_model()
         flags.check_model()
+        keep_alive_s = parse_keep_alive(keep_alive) if keep_alive is not None else (
+            None if len(specs) <= 1 and not models_dir else DEFAULT_KEEP_ALIVE_S)
+        if max_loaded_models is not None and max_loaded_models < 1:
+            raise fail(f"--max-loaded-models must be at least 1, got {max_loaded_models}")
+        memory_budget = parse_size(max_memory) if max_memory else None
         from exlcli.server.app import ServerConfig
         from exlcli.server.connections import ConnectionLimits
         from exlcli.server.runner import bind_socket, serve
@@ -141,21 +185,21 @@ def register(app: typer.Typer) -> None:
         sock = bind_socket(host, port)  # before the model loads, so a busy port fails fast
         port = sock.getsockname()[1]
         try:
-            from exlcli.client.factory import open_client
+            from exlcli.server.model_specs import served_models
 
-            client = open_client(**flags.client_options(), fake_delay=0.0)
-            aliases: tuple[str, ...] = ()
-            if served_model_name:
-                aliases = (client.model_name,)  # the model's own name keeps working
-                client.model_name = served_model_name
+            pool = served_models(flags.client_options(), specs, models_dir, served_model_name,
+                                 keep_alive_s=keep_alive_s, memory_budget=memory_budget,
+                                 max_loaded=max_loaded_models)
         except BaseException:
             sock.close()
             raise
         config = ServerConfig(api_key=api_key or None, max_queue=max_queue,
                               max_body_bytes=int(max_body_mb * 1024 * 1024), default_max_tokens=default_max_tokens,
-                              model_aliases=aliases, cors_origins=tuple(cors_origins or ()),
+                              cors_origins=tuple(cors_origins or ()),
                               max_prompt_bytes=int(max_prompt_kb * 1024) if max_prompt_kb else None,
                               request_timeout_s=request_timeout, max_stored_responses=max_stored_responses)
-        with client:
-            serve(client, sock, host, port, config, live_display=display, limits=limits)
+        try:
+            serve(pool, sock, host, port, config, live_display=display, limits=limits)
+        finally:
+            pool.close_all()
 

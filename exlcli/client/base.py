@@ -13,6 +13,7 @@ from typing import AsyncIterator, Iterator
 from exlcli.engine.request import GrammarSpec, Priority
 from exlcli.engine.sampling import SAMPLING_PARAMS, SamplingParams
 from exlcli.engine.stats import EngineStats
+from exlcli.errors import RequestError
 from exlcli.text.tool_formats import HermesFormat, ToolFormat
 
 
@@ -124,6 +125,26 @@ class EngineClient(abc.ABC):
 
     def end_session(self, session: str) -> None:
         """The conversation `session` is over: the engine may free the cache it kept for it."""
+
+    def num_requests(self) -> int:
+        """Requests submitted and not finished (a server never unloads a model that has some)."""
+        stats = self.stats()
+        return stats.num_running + stats.num_waiting
+
+    def memory_bytes(self) -> int:
+        """Bytes the engine holds (weights and KV cache; 0 where nothing is held in this process)."""
+        return 0
+
+    def embedding_pooling(self) -> str | None:
+        """How the model pools an embedding ("mean", "last" or "cls"), None when it does not embed."""
+        return None
+
+    def embed(self, inputs: list[list[int]] | list[str],
+              normalize: bool | None = None) -> tuple[list[list[float]], int]:
+        """One vector per input (text or token ids), pooled as embedding_pooling() says (normalize None:
+        the checkpoint's default); returns the
+        vectors and the tokens they took. Raises RequestError for a model that does not embed."""
+        raise RequestError(f"the model {self.model_name!r} does not make embeddings")
 
     def tool_format(self) -> ToolFormat:
         """How the model spells tool calls (the chat template's format; hermes when it has none)."""

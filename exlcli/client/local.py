@@ -101,6 +101,7 @@ class LocalClient(EngineClient):
                  threaded: bool = True) -> None:
         """`threaded=False` runs no engine thread: reading a stream drives the engine on the
         reader's thread (one consumer at a time; fastest for one-shot use on CPU)."""
+        self._closed = False
         self.loaded = loaded
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
@@ -114,16 +115,17 @@ class LocalClient(EngineClient):
     def from_model(cls, model: str | None = None, *, device: str | None = None, dtype: str | None = None,
                    kv_memory: str | None = None, prefix_cache: bool = True, log=None,
                    threaded: bool = True, cpu_threads: int | None = None, quantize: str | None = None,
-                   **engine_options) -> "LocalClient":
-        """`cpu_threads` (`--threads`) starts the CPU kernels' thread pool before the model loads;
+                   cpu_moe: bool = False, n_cpu_moe: int | None = None, **engine_options) -> "LocalClient":
+        """`cpu_threads` (`--threads`) starts the CPU kernels' thread pool before the model loads; `cpu_moe`,
+        `n_cpu_moe` (`--cpu-moe`, `--n-cpu-moe`) keep routed experts in host memory (load_model);
         `engine_options` are EngineConfig fields (`max_model_len` for `--ctx-size`)."""
         config = EngineConfig(**(parse_kv_memory(kv_memory) if kv_memory else {}),
                               enable_prefix_cache=prefix_cache, **engine_options)
         log = sys.stderr if log is None else log  # looked up per call (a test runner swaps it)
         if cpu_threads is not None and not (device or "").startswith("cuda"):
             start_cpu_threads(cpu_threads, log)
-        client = cls(load_model(model, device=device, dtype=dtype, log=log, quantize=quantize), config,
-                     threaded=threaded)
+        client = cls(load_model(model, device=device, dtype=dtype, log=log, quantize=quantize, cpu_moe=cpu_moe,
+                                n_cpu_moe=n_cpu_moe), config, threaded=threaded)
         note = context_cap_note(config.max_model_len, client.loaded.config.context_length, client.context_length)
         if note:
             print(f"exlcli: {note}", file=log)
@@ -171,5 +173,43 @@ class LocalClient(EngineClient):
     def end_session(self, session: str) -> None:
         self.engine.end_session(session)
 
+    def num_requests(self) -> int:
+        return self.engine.num_requests()
+
+    def memory_bytes(self) -> int:
+        kv = self.engine.kv
+        cache = sum(t.numel() * t.element_size() for t in (*kv.k, *kv.v))
+        return self.loaded.model.resident_bytes() + cache
+
+    def embedding_pooling(self) -> str | None:
+        return self.loaded.pooling
+
+    def embed(self, inputs: list[list[int]] | list[str],
+              normalize: bool | None = None) -> tuple[list[list[float]], int]:
+        pooling = self.loaded.pooling
+        if pooling is None:
+            raise RequestError(f"the model {self.model_name!r} does not make embeddings (its checkpoint names no "
+                               "pooling: a GGUF's pooling_type or a sentence-transformers folder's 1_Pooling)")
+        prompts = [self.tokenizer.encode(x) if isinstance(x, str) else list(x) for x in inputs]
+        if normalize is None:
+            normalize = self.loaded.normalize_embeddings
+        vectors = self.engine.embed(prompts, pooling, normalize).result()
+        return vectors, sum(len(p) for p in prompts)
+
     def close(self) -> None:
+        """Stops the engine; the caller dropping this client then frees its memory
+        (release_freed_memory gives it back at once)."""
+        if self._closed:
+            return
+        self._closed = True
         self.engine.shutdown()
+
+
+def release_freed_memory() -> None:
+    """After a closed client is dropped: collect its cycles (the long-lived objects were frozen out
+    of the collector, heap.py) and hand the device's cached blocks back."""
+    import torch
+
+    freeze_long_lived_objects()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()

@@ -12,6 +12,7 @@ import json
 import threading
 import time
 from typing import AsyncIterator, Iterator
+from urllib.parse import quote
 
 import httpx
 
@@ -66,7 +67,10 @@ def _error_message(response: httpx.Response) -> str:
 class RemoteClient(EngineClient):
     kind = "remote"
 
-    def __init__(self, url: str, api_key: str | None = None, busy_wait_s: float = 60.0) -> None:
+    def __init__(self, url: str, api_key: str | None = None, busy_wait_s: float = 60.0,
+                 load_model: bool = True) -> None:
+        """`load_model=False` loads nothing on the server: a default model not loaded there has
+        context_length 0 (what `exlcli ps` wants: to look, not to change)."""
         self.url = normalize_url(url)
         self.busy_wait_s = busy_wait_s
         key = api_key or environment.text("EXLCLI_API_KEY") or api_key_for(self.url)
@@ -75,9 +79,39 @@ class RemoteClient(EngineClient):
             timeout=httpx.Timeout(CALL_TIMEOUT_S, connect=CONNECT_TIMEOUT_S),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=32),
             **http_client_options(self.url))
+        self.model: str | None = None  # the model requests name (None: the server's default)
         info = self._call("GET", "/v1/models")["data"][0]
         self.model_name = str(info["id"])
-        self.context_length = int(info.get("max_model_len") or 0)
+        self.context_length = int(info.get("max_model_len") or 0) or (self._load_context() if load_model else 0)
+
+    def models(self) -> list[dict]:
+        """The server's models (/v1/models' entries: id, status, memory_bytes, ...), the default first."""
+        return list(self._call("GET", "/v1/models")["data"])
+
+    def select_model(self, name: str) -> None:
+        """Name `name` in every request from now on (a server of several models); it must be one of
+        the server's models or their aliases. Its context is learned, loading it if need be."""
+        entries = self.models()
+        found = next((e for e in entries if name == e["id"] or name in e.get("aliases", ())), None)
+        if found is None:
+            served = ", ".join(str(e["id"]) for e in entries)
+            raise RequestError(f"the server at {self.url} has no model {name!r}; it serves {served}")
+        previous = self.model
+        self.model = str(found["id"])
+        try:
+            self.context_length = int(found.get("max_model_len") or 0) or self._load_context()
+        except ExlcliError:
+            self.model = previous
+            raise
+        self.model_name = self.model
+
+    def _load_context(self) -> int:
+        """The context of the model (loaded by the server first if it is not): /tokenize reports it."""
+        body = {"messages": [{"role": "user", "content": ""}], **self._model_field()}
+        return int(self._call("POST", "/tokenize", body).get("max_model_len") or 0)
+
+    def _model_field(self) -> dict:
+        return {"model": self.model} if getattr(self, "model", None) else {}
 
     # ---- plumbing ----
 
@@ -142,7 +176,7 @@ class RemoteClient(EngineClient):
     def chat(self, messages: list[dict], params: GenerationParams) -> GenerationStream:
         if params.tools:  # the stream would carry tool_calls this client does not read
             raise RequestError("tools are not available through a remote engine; call the server's API directly")
-        body = {"messages": messages, **self._sampling_body(params)}
+        body = {"messages": messages, **self._model_field(), **self._sampling_body(params)}
         if params.speculative is not None:
             body["speculative"] = params.speculative
         if params.logprobs:
@@ -150,7 +184,7 @@ class RemoteClient(EngineClient):
         return RemoteStream(self, self._open_stream("/v1/chat/completions", body), chat=True)
 
     def complete(self, prompt: str, params: GenerationParams) -> GenerationStream:
-        body = {"prompt": prompt, **self._sampling_body(params)}
+        body = {"prompt": prompt, **self._model_field(), **self._sampling_body(params)}
         if params.speculative is not None:
             body["speculative"] = params.speculative
         if params.logprobs:
@@ -159,13 +193,14 @@ class RemoteClient(EngineClient):
 
     def count_chat_tokens(self, messages: list[dict], add_generation_prompt: bool = True,
                           tools: list[dict] | None = None) -> int:
-        body: dict = {"messages": messages, "add_generation_prompt": add_generation_prompt}
+        body: dict = {"messages": messages, "add_generation_prompt": add_generation_prompt,
+                      **self._model_field()}
         if tools:
             body["tools"] = tools
         return int(self._call("POST", "/tokenize", body)["count"])
 
     def stats(self) -> EngineStats:
-        data = self._call("GET", "/stats")
+        data = self._call("GET", "/stats" + (f"?model={quote(self.model)}" if self.model else ""))
         data["active"] = [ActiveRequestInfo(**a) for a in data.get("active", [])]
         data["recent_finished"] = [FinishedRequestInfo(**f) for f in data.get("recent_finished", [])]
         return EngineStats(**data)

@@ -12,8 +12,10 @@ import itertools
 import logging
 import threading
 import time
+from concurrent.futures import Future
 
 from exlcli.engine.context_window import resolve_policy
+from exlcli.engine.embeddings import EmbeddingJob, EmbeddingQueue, check_job
 from exlcli.engine.failure_policy import FailurePolicy
 from exlcli.engine.handles import RequestHandle
 from exlcli.engine.model_runner import ModelRunner
@@ -33,6 +35,7 @@ from exlcli.ops.cpu import loader as cpu_loader
 __all__ = ["Engine", "EngineConfig", "RequestHandle"]
 
 log = logging.getLogger("exlcli.engine")
+_REQUEST_IDS = itertools.count()
 
 
 class Engine:
@@ -61,6 +64,7 @@ class Engine:
                                      self.outputs, self.readback, self.stats_publisher, parts.async_scheduling,
                                      model.device)
         self._in_flight: LaunchedStep | None = None  # launched, its tokens not read back yet
+        self.embeddings = EmbeddingQueue(model, self.kv, self.pool)  # forwards without sampling, between steps
 
         self._lock = threading.Lock()  # guards the inbox and cancellations
         self._wake = threading.Condition(self._lock)
@@ -68,7 +72,7 @@ class Engine:
         self._cancels: set[str] = set()
         self._ended_sessions: list[str] = []
         self._arrivals = itertools.count()
-        self._ids = itertools.count()
+        self._ids = _REQUEST_IDS  # unique in the process: a server with several engines tells their requests apart
         self._thread: threading.Thread | None = None
         self._stopping = False
 
@@ -100,6 +104,9 @@ class Engine:
                                   default_mode=cfg.context_overflow, default_sink_tokens=cfg.sink_tokens,
                                   default_window=cfg.window, max_model_len=self.max_model_len,
                                   page_size=cfg.page_size)
+        if overflow is not None and self.kv.states is not None:
+            raise RequestError(f"context_overflow {overflow.mode} is not supported on models with linear attention "
+                               "layers (their state cannot drop tokens); use stop")
         if prompt_len >= self.max_model_len and overflow is None:
             raise RequestError(f"prompt is {prompt_len} tokens, longer than the context of "
                                f"{self.max_model_len} tokens (the prompt plus at least one new token must fit)")
@@ -118,6 +125,25 @@ class Engine:
             self._inbox.append(seq)
             self._wake.notify()
         return handle
+
+    def embed(self, prompts: list[list[int]], pooling: str, normalize: bool) -> Future:
+        """A future of one pooled vector per prompt (engine/embeddings.py), computed on the engine's
+        thread between steps; without a thread, on this one now."""
+        check_job(prompts, pooling, self.model.config.vocab_size, self.max_model_len)
+        job = EmbeddingJob([list(p) for p in prompts], pooling, normalize)
+        with self._lock:
+            if self._stopping:
+                raise RequestError("the engine is shut down")
+            self.embeddings.add(job)
+            self._wake.notify()
+        if self._thread is None:
+            while not job.future.done() and self.step():
+                pass
+        return job.future
+
+    def num_requests(self) -> int:
+        """Requests submitted and not finished."""
+        return len(self.outputs.handles)
 
     def cancel(self, request_id: str) -> None:
         with self._lock:
@@ -157,6 +183,7 @@ class Engine:
             self._thread.join(timeout=30)
             self._thread = None
         self.masks.shutdown()
+        self.embeddings.fail_all("the engine shut down before the embedding was made")
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> None:
         """Drive the loop on the calling thread (tests, offline use without start())."""
@@ -177,7 +204,8 @@ class Engine:
         while True:
             with self._lock:
                 while not (self._inbox or self._cancels or self._ended_sessions or self._stopping
-                           or self.scheduler.has_work() or self._in_flight is not None):
+                           or self.scheduler.has_work() or self._in_flight is not None
+                           or self.embeddings.has_work()):
                     self._wake.wait()
                 if self._stopping:
                     break
@@ -196,14 +224,19 @@ class Engine:
         while this one runs) or of this one. Returns False when there was nothing to do."""
         self._single_threaded_torch()
         self._take_inbox()
+        embedded = self.embeddings.run_pending() if self.embeddings.has_work() else False
         prev, self._in_flight = self._in_flight, None
+        if not embedded and self.embeddings.has_work() and not self.scheduler.has_work() and prev is None:
+            self.embeddings.fail_first(f"no room in the KV cache for the embedding ({self.pool.num_free} free pages "
+                                       "while nothing runs: the rest are kept for sessions)")
+            embedded = True
         if not self.scheduler.has_work():
             if prev is not None:
                 self.readback.resolve(prev)
                 return True
             self.stats_publisher.publish(None, 0.0)
             self.readback.idle()
-            return False
+            return embedded
         if self.speculator is not None:
             self.speculator.begin_step(len(self.scheduler.running) + len(self.scheduler.waiting))
         try:

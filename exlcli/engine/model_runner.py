@@ -63,14 +63,26 @@ class ModelRunner:
             assert item.num_logits is not None  # ScheduledSeq.__post_init__ sets it
             logits_rows.extend(range(starts[-1] - item.num_logits, starts[-1]))
             tables.append(seq.pages + [0] * (max_pages - len(seq.pages)))
+        state_slots = copies = snapshots = None
+        if self.kv.states is not None:
+            state_slots = [item.seq.state_slot for item in batch.items]
+            assert None not in state_slots  # a running sequence of a hybrid model holds a slot
+            copies = [(item.restore, item.seq.state_slot) for item in batch.items if item.restore is not None]
+            snapshots = [(b, item.snapshot[0], item.snapshot[1]) for b, item in enumerate(batch.items)
+                         if item.snapshot is not None]
         return StepInputs(ids, positions, slots, tables, seq_lens, starts, logits_rows, in_flight,
-                          key_shifts=list(batch.key_shifts))
+                          key_shifts=list(batch.key_shifts), state_slots=state_slots or [],  # type: ignore[arg-type]
+                          state_copies=copies or [], state_snapshots=snapshots or [])  # type: ignore[arg-type]
 
     def execute(self, inputs: StepInputs, prev_ids: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 logits [S, V], one row per entry of inputs.logits_indices. Queued on the device;
         nothing here waits for it. `prev_ids`: the previous step's sampled ids on the device, where
         the tokens in flight come from (device state: it stays on this side of a process boundary)."""
         apply_key_shifts(self.model.config, self.kv, inputs.key_shifts)  # context shifts first
+        if inputs.state_copies:  # prefix-cache hits of a hybrid model: their snapshots into their slots
+            assert self.kv.states is not None
+            for src, dst in inputs.state_copies:
+                self.kv.states.copy(src, dst)
         if self.graphs is not None:
             # a verify step replays the decode graphs as one row per token
             rows = inputs if inputs.is_decode else inputs.as_decode_rows()

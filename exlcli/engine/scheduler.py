@@ -13,6 +13,7 @@ from typing import Callable
 from exlcli.engine.context_window import make_room
 from exlcli.engine.page_pool import PagePool
 from exlcli.engine.sequence import SeqStatus, Sequence
+from exlcli.engine.state_pool import StatePool, StateSnapshots
 from exlcli.model.kv_shift import KeyShift
 
 
@@ -28,6 +29,10 @@ class ScheduledSeq:
     # checked by the logits before it, and the last one gives the next token), else 0 (mid-prompt)
     num_logits: int | None = None
     draft_tokens: list[int] = field(default_factory=list)
+    # hybrid models: the state slot restored into the sequence's own before the step (a prefix-cache
+    # hit's snapshot), and (tokens into the chunk, slot, page hash) of a snapshot taken in the step
+    restore: int | None = None
+    snapshot: tuple[int, int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.num_new_tokens < 1:
@@ -64,8 +69,15 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, pool: PagePool, max_num_batched_tokens: int, max_num_seqs: int,
                  propose: Callable[[Sequence, int], list[int]] | None = None,
-                 reclaim: Callable[[int], bool] | None = None) -> None:
+                 reclaim: Callable[[int], bool] | None = None, states: StatePool | None = None,
+                 snapshots: StateSnapshots | None = None) -> None:
         self.pool = pool
+        # hybrid models: one state slot a running sequence, so no more sequences run than there are slots
+        self.states = states
+        if states is not None:
+            max_num_seqs = min(max_num_seqs, states.num_slots)
+        # hybrid models with prefix caching: states at page boundaries, so a prefix hit resumes there
+        self.snapshots = snapshots
         # reclaim(num_pages) frees pages held outside the running set (parked sessions) until
         # num_pages can be allocated; True when it freed any
         self.reclaim = reclaim
@@ -100,6 +112,7 @@ class Scheduler:
             self.waiting.remove(seq)
         self.pool.release_all(seq.pages)
         seq.pages = []
+        self._release_state(seq)
         seq.status = SeqStatus.FINISHED
 
     # -- one step -------------------------------------------------------------------------------
@@ -108,6 +121,8 @@ class Scheduler:
         chunks, then waiting ones of that class are admitted, then the next class gets what is
         left of the budget. So a new chat is never queued behind a batch job's prefill."""
         batch = ScheduledBatch()
+        if self.snapshots is not None:
+            self.snapshots.drop_unpublished()  # (taken by a step that failed before its commit)
         self._make_room_for_priority(batch)
         budget = self.max_num_batched_tokens
         top = min((s.priority for s in self.running + self.waiting[:1]), default=0)
@@ -128,6 +143,7 @@ class Scheduler:
                     break  # seq itself was preempted; it was the last one
                 drafts = self._drafts(seq, n, budget - n)
                 batch.items.append(ScheduledSeq(seq, n + len(drafts), draft_tokens=drafts))
+                self._plan_snapshot(batch.items[-1])
                 budget -= n + len(drafts)
                 if self.pool.enable_prefix_cache:
                     in_flight |= self._future_full_pages(seq, n)
@@ -158,7 +174,7 @@ class Scheduler:
             if seq.priority != cls or seq.num_pending:
                 w += 1  # (preempted with a token in flight: it waits until the token is read)
                 continue
-            self._match_prefix(seq)
+            restore = self._match_prefix(seq)
             if self._next_page_in_flight(seq, in_flight):
                 # Another sequence is computing this very page now: wait one step and share it
                 # instead of computing a second copy.
@@ -175,11 +191,14 @@ class Scheduler:
                 break
             self.waiting.pop(w)
             self._allocate(seq, needed)
+            if self.states is not None:  # (running < max_num_seqs <= slots: one is free)
+                seq.state_slot = self.states.allocate()
             if self.pool.enable_prefix_cache:
                 in_flight |= self._future_full_pages(seq, n)
             seq.status = SeqStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.sort_key)  # running[-1] stays the lowest
-            batch.items.append(ScheduledSeq(seq, n))
+            batch.items.append(ScheduledSeq(seq, n, restore=restore))
+            self._plan_snapshot(batch.items[-1])
             budget -= n
         return budget
 
@@ -190,6 +209,8 @@ class Scheduler:
         size = self.page_size
         for item in batch.items:
             seq = item.seq
+            if item.snapshot is not None and self.snapshots is not None:
+                self.snapshots.publish(item.snapshot[2], item.snapshot[1])
             before = seq.num_computed_tokens // size
             seq.num_computed_tokens += item.num_new_tokens
             seq.skip_evicted()
@@ -222,6 +243,8 @@ class Scheduler:
         only when that position is computed, and a rejected draft's K/V must not count as such."""
         if seq.status is not SeqStatus.RUNNING:
             raise ValueError(f"{seq.request_id} is not running")
+        if seq.state_slot is not None and num_tokens:  # a recurrent state cannot un-see tokens
+            raise ValueError(f"{seq.request_id} keeps a linear attention state, which cannot be rolled back")
         if not 0 <= num_tokens <= seq.num_computed_tokens or num_dropped < 0:
             raise ValueError(f"cannot roll back {num_tokens} of {seq.num_computed_tokens} computed tokens "
                              f"dropping {num_dropped}")
@@ -244,6 +267,12 @@ class Scheduler:
         undone = seq.num_computed_tokens - (cached + offset)
         seq.num_computed_tokens = cached + offset
         return undone
+
+    def _release_state(self, seq: Sequence) -> None:
+        if seq.state_slot is not None:
+            assert self.states is not None  # only a state pool hands out slots
+            self.states.release(seq.state_slot)
+            seq.state_slot = None
 
     def _published_or_shared(self, page: int) -> bool:
         return self.pool.ref_counts[page] > 1 or self.pool.is_published(page)
@@ -328,6 +357,7 @@ class Scheduler:
         self.running.remove(seq)
         self.pool.release_all(seq.pages)
         seq.pages = []
+        self._release_state(seq)  # recomputed from the prompt, from a zero state
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -347,11 +377,31 @@ class Scheduler:
                 return
             self._preempt(self.running[-1], batch)
 
-    def _match_prefix(self, seq: Sequence) -> None:
+    def _plan_snapshot(self, item: ScheduledSeq) -> None:
+        """Hybrid models: where `item`'s chunk reaches the end of a page whose tokens are all known,
+        take a snapshot of the state there (the last such page of the chunk), unless one is kept."""
+        seq = item.seq
+        if self.snapshots is None or seq.num_evicted or item.draft_tokens:
+            return
+        size = self.page_size
+        begin = seq.num_computed_tokens
+        boundary = min(begin + item.num_new_tokens, len(seq.token_ids)) // size * size
+        if boundary <= begin:
+            return
+        h = seq.page_hashes(boundary // size, size)[-1]
+        if self.snapshots.has(h):
+            return
+        slot = self.snapshots.take()
+        if slot is not None:
+            item.snapshot = (boundary - begin, slot, h)
+
+    def _match_prefix(self, seq: Sequence) -> int | None:
         """Reuse every leading full page already in the pool (never the last token: at least
-        one token must be computed to get the next-token logits)."""
+        one token must be computed to get the next-token logits). A hybrid model's sequence keeps
+        them up to the last page after which a snapshot of the state is kept, and returns that
+        snapshot's slot (restored into its own before the step); None: nothing to restore."""
         if seq.pages or seq.num_computed_tokens or seq.num_evicted:
-            return  # (a shifted sequence's kept tokens are no prefix of anything cached)
+            return None  # (a shifted sequence's kept tokens are no prefix of anything cached)
         size = self.page_size
         max_pages = (seq.num_tokens - 1) // size
         if seq.overflow is not None:  # a prompt longer than the window: the rest goes through it
@@ -360,17 +410,26 @@ class Scheduler:
         if first_time:
             self.prefix_queries += seq.num_tokens
         if not self.pool.enable_prefix_cache or max_pages == 0:
-            return
-        for h in seq.page_hashes(max_pages, size):
+            return None
+        hashes = seq.page_hashes(max_pages, size)
+        for h in hashes:
             page = self.pool.lookup(h)
             if page is None:
                 break
             self.pool.take_cached(page)
             seq.pages.append(page)
+        restore = None
+        if self.states is not None:  # a state only where a snapshot was kept: back to the last such page
+            keep = len(seq.pages)
+            while keep and (restore := self.snapshots.lookup(hashes[keep - 1]) if self.snapshots else None) is None:
+                keep -= 1
+            self.pool.release_all(seq.pages[keep:])
+            del seq.pages[keep:]
         seq.num_computed_tokens = len(seq.pages) * size
         if first_time:
             seq.num_cached_tokens = seq.num_computed_tokens
             self.prefix_hits += seq.num_computed_tokens
+        return restore
 
     def _unmatch(self, seq: Sequence) -> None:
         if seq.first_scheduled_time is None and seq.num_preemptions == 0:

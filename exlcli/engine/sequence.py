@@ -31,6 +31,7 @@ class Sequence:
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0
     pages: list[int] = field(default_factory=list)
+    state_slot: int | None = None  # hybrid models: its slot of the per-sequence state (engine/state_pool.py)
     status: SeqStatus = SeqStatus.WAITING
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache on first admission
     num_preemptions: int = 0

@@ -22,8 +22,11 @@ from exlcli.engine.page_pool import PagePool
 from exlcli.engine.scheduler import Scheduler
 from exlcli.engine.sessions import DEFAULT_MAX_SESSIONS, SessionCache
 from exlcli.engine.speculative import Drafter, Speculator, speculation_pays_on
+from exlcli.engine.state_pool import StatePool, StateSnapshots
+from exlcli.errors import ExlcliError
 from exlcli.model.interface import CausalLM
 from exlcli.model.kv_cache import KVCache, check_kv_cache_dtype, kv_cache_types
+from exlcli.model.state_cache import StateCache
 
 log = logging.getLogger("exlcli.engine")
 
@@ -80,6 +83,7 @@ class EngineParts:
     config: EngineConfig  # as used: speculation is off where it does not pay
     kv: KVCache
     pool: PagePool
+    states: StatePool | None  # hybrid models: the per-sequence state's slots
     num_pages: int  # the pool's pages (a drafter's scratch pages in `kv` come after them)
     max_model_len: int
     runner: ModelRunner
@@ -109,6 +113,21 @@ def kv_budget(model: CausalLM, config: EngineConfig, device: torch.device) -> in
     return 1 << 30
 
 
+def hybrid_config(config: EngineConfig) -> EngineConfig:
+    """The engine's configuration for a model with linear attention layers: their state covers every
+    token a sequence has seen and cannot drop or un-see any, so what needs that is refused in one line
+    (speculative decoding rolls rejected drafts back, a context shift drops tokens) or turned off
+    (sessions: a parked sequence's state would have to be kept; the prefix cache, with snapshots of
+    the state at page boundaries, serves a conversation's next turn instead)."""
+    if config.speculative:
+        raise ExlcliError("speculative decoding is not supported on models with linear attention layers "
+                          "(Qwen3-Next, Qwen3.5) yet")
+    if config.context_overflow != "stop":
+        raise ExlcliError(f"--context-overflow {config.context_overflow} is not supported on models with linear "
+                          "attention layers (their state cannot drop tokens); use stop")
+    return dataclasses.replace(config, max_sessions=0)
+
+
 def build_parts(model: CausalLM, tokenizer, config: EngineConfig) -> EngineParts:
     device = model.device
     if (config.speculative and not config.force_speculative
@@ -118,15 +137,33 @@ def build_parts(model: CausalLM, tokenizer, config: EngineConfig) -> EngineParts
                     getattr(config.speculative, "name", config.speculative), device.type)
         config = dataclasses.replace(config, speculative=None)
     kv_dtype = kv_cache_types(config.kv_cache_dtype, model.dtype, device, model.config.head_dim)
+    hybrid = model.config.linear_attention is not None
+    if hybrid:
+        config = hybrid_config(config)
     draft_model = resolve_draft_model(config.speculative, model, tokenizer)  # --speculative MODEL
     per_page = KVCache.bytes_per_page(model.config, config.page_size, kv_dtype)
     if draft_model is not None:  # its own pool, as many pages as the target's, from the same budget
         per_page += draft_model.kv_bytes_per_page(config.page_size)
-    num_pages = config.num_pages or max(2, kv_budget(model, config, device) // per_page)
+    memory = kv_budget(model, config, device)
+    num_slots = num_snapshots = 0
+    if hybrid:
+        # the states first (at most half the budget: one a sequence, and with prefix caching as many
+        # snapshots at page boundaries), the pages from the rest
+        per_slot = StateCache.bytes_per_slot(model.config, model.dtype)
+        total = memory // 2 // per_slot
+        num_slots = min(config.max_num_seqs, (total + 1) // 2 if config.enable_prefix_cache else total)
+        if num_slots < 1:
+            raise ExlcliError(f"the KV memory budget of {memory / 2**20:.0f} MiB cannot hold one sequence's linear "
+                              f"attention state ({per_slot / 2**20:.0f} MiB) beside its pages; give --kv-memory more")
+        num_snapshots = min(total - num_slots, num_slots) if config.enable_prefix_cache else 0
+        memory -= (num_slots + num_snapshots) * per_slot
+    num_pages = config.num_pages or max(2, memory // per_page)
     # a drafter's scratch pages sit past the pool's (no sequence owns them)
     kv = KVCache(model.config, num_pages + num_drafter_pages(config.speculative, config.page_size),
-                 config.page_size, device, kv_dtype)
+                 config.page_size, device, kv_dtype, state_slots=num_slots + num_snapshots, state_dtype=model.dtype)
     pool = PagePool(num_pages, config.page_size, config.enable_prefix_cache)
+    states = StatePool(num_slots) if num_slots else None
+    snapshots = StateSnapshots(num_slots, num_snapshots) if num_snapshots else None
     # One sequence alone must always fit, so preemption can always make progress.
     max_model_len = min(config.max_model_len or model.config.context_length,
                         model.config.context_length, num_pages * config.page_size)
@@ -142,10 +179,11 @@ def build_parts(model: CausalLM, tokenizer, config: EngineConfig) -> EngineParts
                   if config.speculative else None)
     sessions = SessionCache(pool, config.max_sessions)
     scheduler = Scheduler(pool, budget, config.max_num_seqs,
-                          propose=speculator.propose if speculator else None, reclaim=sessions.reclaim)
+                          propose=speculator.propose if speculator else None, reclaim=sessions.reclaim, states=states,
+                          snapshots=snapshots)
     eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or model.config.eos_token_ids)
     async_scheduling = config.async_scheduling if config.async_scheduling is not None else device.type == "cuda"
     grammars = GrammarCompiler(tokenizer, model.config.vocab_size, eos_ids)
     masks = MaskWorker(grammars, model.config.vocab_size)
-    return EngineParts(config, kv, pool, num_pages, max_model_len, runner, speculator, sessions, scheduler, eos_ids,
-                       async_scheduling, grammars, masks)
+    return EngineParts(config, kv, pool, states, num_pages, max_model_len, runner, speculator, sessions, scheduler,
+                       eos_ids, async_scheduling, grammars, masks)

@@ -85,7 +85,14 @@ def _cached_by_name(name: str) -> str | None:
 
 def list_cached_models() -> list[tuple[str, str, int]]:
     """(name, path, size in bytes) for each model in the cache folder, the default first."""
-    folder = models_dir()
+    found = list_models_in(models_dir())
+    found.sort(key=lambda row: row[0] != DEFAULT_MODEL_NAME)
+    return found
+
+
+def list_models_in(folder: Path | str) -> list[tuple[str, str, int]]:
+    """(name, path, size in bytes) for each model in `folder` (GGUF files, Hugging Face folders), by name."""
+    folder = Path(folder)
     if not folder.is_dir():
         return []
     found = []
@@ -97,7 +104,6 @@ def list_cached_models() -> list[tuple[str, str, int]]:
         elif entry.is_dir() and (entry / "config.json").is_file():
             size = sum(f.stat().st_size for f in entry.rglob("*") if f.is_file())
             found.append((entry.name, str(entry), size))
-    found.sort(key=lambda row: row[0] != DEFAULT_MODEL_NAME)
     return found
 
 

@@ -20,6 +20,11 @@ class BatchInputs:
     logits_indices: torch.Tensor  # [S] long: rows of T whose next-token logits are wanted
     seq_lens_t: torch.Tensor | None = None  # [B] int32 on the device (compiled kernels)
     query_start_loc_t: torch.Tensor | None = None  # [B + 1] int32 on the device
+    # hybrid models: each sequence's slot of the per-sequence state (KVCache.states), None without one
+    state_slots: list[int] | None = None
+    # snapshots to take: (sequence, tokens into its chunk, slot): the state after that many of the
+    # sequence's tokens of this step is written to that slot as well
+    state_snapshots: list[tuple[int, int, int]] | None = None
 
     def __post_init__(self) -> None:
         num_tokens = self.input_ids.shape[0]

@@ -11,11 +11,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from exlcli.errors import ModelLoadError
+from exlcli.ops.gated_delta import unsupported_shape
 from exlcli.ops.moe import ACTIVATIONS as EXPERT_ACTIVATIONS
 from exlcli.ops.moe import ROUTERS
 
-# the attention kinds of a layer (ModelConfig.layer_types; exlcli/model/attention_spec.py)
-FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+# the attention kinds of a layer (ModelConfig.layer_types; exlcli/model/attention_spec.py); a linear
+# attention layer (Gated DeltaNet) keeps a fixed-size state per sequence instead of K/V pages
+FULL_ATTENTION, SLIDING_ATTENTION, LINEAR_ATTENTION = "full_attention", "sliding_attention", "linear_attention"
 ACTIVATIONS = ("silu", "gelu_tanh")  # the gated feed-forward's: SiLU(gate) * up, GELU-tanh(gate) * up
 
 
@@ -58,6 +60,48 @@ class MoeConfig:
 
 
 @dataclass(frozen=True)
+class LinearAttentionConfig:
+    """The Gated DeltaNet layers of a hybrid model (Qwen3-Next, Qwen3.5; exlcli/ops/gated_delta.py):
+    query/key heads and value heads (each query/key head serves num_v_heads / num_k_heads value
+    heads), their widths, and the causal convolution's width over q|k|v."""
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_width: int
+
+    def __post_init__(self) -> None:
+        for name in ("num_k_heads", "num_v_heads", "k_head_dim", "v_head_dim", "conv_width"):
+            if getattr(self, name) <= 0:
+                raise ModelLoadError(f"model config: linear attention {name} must be positive, got "
+                                     f"{getattr(self, name)}")
+        if self.num_v_heads % self.num_k_heads:
+            raise ModelLoadError(f"model config: linear attention value heads ({self.num_v_heads}) are not a "
+                                 f"multiple of its key heads ({self.num_k_heads})")
+        why = unsupported_shape(self.conv_width, self.k_head_dim, self.v_head_dim)
+        if why is not None:
+            raise ModelLoadError(f"model config: linear attention with {why} is not supported")
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.k_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.v_head_dim
+
+    @property
+    def conv_channels(self) -> int:
+        """q | k | v, the channels the convolution runs over."""
+        return 2 * self.key_dim + self.value_dim
+
+    def params(self, hidden: int) -> int:
+        """A layer's: q|k|v|z and b|a in, out, the convolution, A and dt bias, the output norm."""
+        return (hidden * (self.conv_channels + self.value_dim + 2 * self.num_v_heads) + self.value_dim * hidden
+                + self.conv_channels * self.conv_width + 2 * self.num_v_heads + self.v_head_dim)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str  # a name of the table in exlcli/model/architectures/
     vocab_size: int
@@ -80,6 +124,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     moe: MoeConfig | None = None  # set by the architecture module of a mixture-of-experts model
+    # the layers whose routed experts stay in host memory and run on the CPU (--cpu-moe, --n-cpu-moe;
+    # set at load by exlcli/model/expert_placement.py)
+    cpu_expert_layers: frozenset[int] = frozenset()
     # attention kinds (read per layer by exlcli/model/attention_spec.py): a sliding window, on the
     # layers `layer_types` names sliding (every layer when layer_types is None); soft-caps of the
     # attention scores and the final logits; the query scale's base (None: head_dim); the sliding
@@ -99,6 +146,9 @@ class ModelConfig:
     sandwich_norms: bool = False
     activation: str = "silu"
     embed_scale: float | None = None
+    # hybrid models: the linear attention layers' shape (the layers layer_types names linear_attention)
+    linear_attention: LinearAttentionConfig | None = None
+    attention_output_gate: bool = False  # q_proj also yields a sigmoid gate per head on the output (Qwen3-Next)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -119,10 +169,11 @@ class ModelConfig:
             if len(self.layer_types) != self.num_layers:
                 raise ModelLoadError(f"model config: layer_types names {len(self.layer_types)} layers, the model "
                                      f"has {self.num_layers}")
-            unknown = sorted(set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION})
+            kinds = {FULL_ATTENTION, SLIDING_ATTENTION} | ({LINEAR_ATTENTION} if self.linear_attention else set())
+            unknown = sorted(set(self.layer_types) - kinds)
             if unknown:
                 raise ModelLoadError(f"model config: layer_types has the unsupported kind '{unknown[0]}' (supported: "
-                                     f"{FULL_ATTENTION}, {SLIDING_ATTENTION})")
+                                     f"{', '.join(sorted(kinds))})")
             if SLIDING_ATTENTION in self.layer_types and self.sliding_window is None:
                 raise ModelLoadError("model config: layer_types names sliding_attention layers but sliding_window "
                                      "is not set")
@@ -139,6 +190,14 @@ class ModelConfig:
                                  f"{self.partial_rotary_factor}")
         if self.activation not in ACTIVATIONS:
             raise ModelLoadError(f"model config: activation '{self.activation}' is not one of {', '.join(ACTIVATIONS)}")
+
+    def is_linear_layer(self, layer: int) -> bool:
+        """A linear attention layer (a fixed-size state per sequence, no K/V pages)."""
+        return self.layer_types is not None and self.layer_types[layer] == LINEAR_ATTENTION
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if self.is_linear_layer(i))
 
     def attention_layer_kinds(self) -> tuple[str, ...]:
         """Each layer's attention kind: layer_types, else sliding everywhere when a window is set."""
@@ -179,6 +238,8 @@ class ModelConfig:
             attn += q + 2 * kv
         if self.qk_norm:
             attn += 2 * self.head_dim
+        if self.attention_output_gate:
+            attn += h * q
         total = 0
         for layer in range(self.num_layers):
             if (moe := self.layer_moe(layer)) is not None:
@@ -187,7 +248,8 @@ class ModelConfig:
                 ffn += 3 * h * moe.shared_expert_size + (h if moe.shared_expert_gate else 0)
             else:
                 ffn = 3 * h * i
-            total += attn + ffn + (4 if self.sandwich_norms else 2) * h
+            mixer = self.linear_attention.params(h) if self.linear_attention and self.is_linear_layer(layer) else attn
+            total += mixer + ffn + (4 if self.sandwich_norms else 2) * h
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return total + embed + h
 

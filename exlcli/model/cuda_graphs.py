@@ -249,6 +249,9 @@ def make_decode_graphs(model: CausalLM, kv: KVCache) -> DecodeGraphs | None:
         # windows, sinks and soft-caps run the reference attention, which reads lengths on the host
         log.info("no CUDA graphs: a layer's attention has a window, sinks or a soft-cap")
         return None
+    if kv.states is not None:  # the linear attention layers' state runs the eager reference ops
+        log.info("no CUDA graphs: linear attention layers (their kernels are not built yet)")
+        return None
     return DecodeGraphs(model, kv)
 
 

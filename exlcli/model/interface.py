@@ -31,6 +31,11 @@ class CausalLM(Protocol):
         exit: what a self-drafter proposes from); writes the K/V of those layers only."""
         ...
 
+    def forward_hidden(self, batch: BatchInputs, kv: KVCache) -> torch.Tensor:
+        """forward() up to the final norm, without the LM head: fp32 hidden states [S, H] for the rows
+        batch.logits_indices (what an embedding pools); writes the step's K and V into `kv`."""
+        ...
+
     def attention_specs(self) -> list[AttentionSpec]:
         """Each layer's kind of attention (window, sinks, soft-cap, query scale, rope): what the
         engine sizes a layer's cache by, and what the compiled attention kernels must support."""

@@ -9,6 +9,7 @@ import torch
 
 from exlcli.errors import ExlcliError
 from exlcli.model.config import ModelConfig
+from exlcli.model.state_cache import StateCache
 from exlcli.ops.kv_quant import BLOCK as KV_QUANT_BLOCK
 from exlcli.ops.kv_quant import KV_QUANT_FORMATS, KVQuantFormat, QuantizedPages
 from exlcli.ops.kv_store import FP8_CACHE_DTYPE
@@ -122,19 +123,32 @@ def _pair(types: CacheType | KVCacheTypes) -> KVCacheTypes:
 
 class KVCache:
     """Per layer K and V pages: [num_pages, page_size, kv_heads, head_dim] tensors, or QuantizedPages
-    of that shape for a quantized type. `dtype`: one cache type for both, or a KVCacheTypes."""
+    of that shape for a quantized type. `dtype`: one cache type for both, or a KVCacheTypes.
+
+    A hybrid model's linear attention layers have no pages (an empty tensor stands in their place);
+    their per-sequence state is `states` (state_cache.py), `state_slots` slots of it, in the
+    activations' dtype `state_dtype` (default: K's cache type where it is a float)."""
 
     def __init__(self, config: ModelConfig, num_pages: int, page_size: int, device: torch.device,
-                 dtype: CacheType | KVCacheTypes) -> None:
+                 dtype: CacheType | KVCacheTypes, state_slots: int = 0, state_dtype: torch.dtype | None = None) -> None:
         shape = (num_pages, page_size, config.num_kv_heads, config.head_dim)
         self.types = _pair(dtype)
-        self.k = [_pages(shape, self.types.k, device) for _ in range(config.num_layers)]
-        self.v = [_pages(shape, self.types.v, device) for _ in range(config.num_layers)]
+
+        def pages(kind: CacheType, layer: int) -> torch.Tensor:
+            return torch.zeros(0, device=device) if config.is_linear_layer(layer) else _pages(shape, kind, device)
+
+        self.k = [pages(self.types.k, i) for i in range(config.num_layers)]
+        self.v = [pages(self.types.v, i) for i in range(config.num_layers)]
         self.num_pages = num_pages
         self.page_size = page_size
+        self.states: StateCache | None = None
+        if state_slots:
+            if state_dtype is None:
+                state_dtype = self.types.k if isinstance(self.types.k, torch.dtype) else torch.float32
+            self.states = StateCache(config, state_slots, device, state_dtype)
 
     @staticmethod
     def bytes_per_page(config: ModelConfig, page_size: int, dtype: CacheType | KVCacheTypes) -> int:
         types = _pair(dtype)
         row = _row_bytes(config.head_dim, types.k) + _row_bytes(config.head_dim, types.v)
-        return config.num_layers * page_size * config.num_kv_heads * row
+        return (config.num_layers - len(config.linear_layers)) * page_size * config.num_kv_heads * row

@@ -3,6 +3,7 @@ default) -> a model ready on its device, with its tokenizer and chat template.""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -12,10 +13,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from exlcli.errors import ModelLoadError
+from exlcli.model import expert_placement
 from exlcli.model.architectures import build_model, config_from_hf
 from exlcli.model.architectures.tensor_names import EMBED, LM_HEAD
 from exlcli.model.config import ModelConfig
 from exlcli.model.interface import CausalLM
+from exlcli.model.pooling import folder_pooling, gguf_pooling
 from exlcli.model.tensor_types import TensorTypes, count_types, decode_step_bytes
 from exlcli.ops.formats import QuantizedWeight, exl3
 from exlcli.text.chat_template import ChatTemplate
@@ -40,6 +43,8 @@ class LoadedModel:
     load_time_s: float
     tensor_types: TensorTypes | None = None  # the weights as loaded (after --quantize), per type
     step_weight_bytes: int | None = None  # weights one decode step reads, as stored (formats' nbytes)
+    pooling: str | None = None  # how it pools embeddings (model/pooling.py); None: it makes none
+    normalize_embeddings: bool = True  # the checkpoint's default for its embeddings
 
 
 def pick_device(device: str | None) -> torch.device:
@@ -88,10 +93,13 @@ def dequantized_at_load(tensors: dict, device: torch.device, dtype: torch.dtype)
 
 
 def load_model(spec: str | None = None, device: str | None = None, dtype: str | None = None,
-               log=None, quantize: str | None = None) -> LoadedModel:
+               log=None, quantize: str | None = None, cpu_moe: bool = False,
+               n_cpu_moe: int | None = None) -> LoadedModel:
     """`quantize` (--quantize fp8|q8_0|q4_k): quantize a full-precision checkpoint's linears at load
-    (exlcli/model/quantize_at_load.py). Notices go to `log`, sys.stderr by default (looked up per
-    call: a test runner swaps it, and a default bound at import may be a closed one)."""
+    (exlcli/model/quantize_at_load.py). `cpu_moe`, `n_cpu_moe` (--cpu-moe, --n-cpu-moe N): every layer's
+    routed experts, or the first N layers', in host memory on the CPU (exlcli/model/expert_placement.py).
+    Notices go to `log`, sys.stderr by default (looked up per call: a test runner swaps it, and a default
+    bound at import may be a closed one)."""
     log = sys.stderr if log is None else log
     from exlcli.hub.default_model import resolve_model_path
     from exlcli.model.quantize_at_load import check_target
@@ -107,6 +115,7 @@ def load_model(spec: str | None = None, device: str | None = None, dtype: str | 
     path = resolve_model_path(spec, log=log)
     tokenizer: Tokenizer | SyntheticTokenizer
     tensors: dict[str, Any]  # torch.Tensor or QuantizedWeight by name (quantize_tensors swaps them in place)
+    pooling, normalize = None, True
     if path.startswith("random:"):
         from exlcli.model.random_weights import SyntheticTokenizer, random_config, random_tensors
 
@@ -121,6 +130,7 @@ def load_model(spec: str | None = None, device: str | None = None, dtype: str | 
         from exlcli.text.tokenizer import Tokenizer
 
         config = config_from_hf(read_hf_config(path))
+        pooling, normalize = folder_pooling(path)
         tokenizer = Tokenizer.from_hf_folder(path)
         tensors = load_hf_tensors(path)
         config = untie_stored_head(tensors, config)
@@ -139,6 +149,7 @@ def load_model(spec: str | None = None, device: str | None = None, dtype: str | 
 
         reader = open_gguf(path)
         meta = metadata_from_reader(reader)
+        pooling = gguf_pooling(meta)
         config, tensors = load_gguf_tensors(reader, meta)
         tokenizer = Tokenizer.from_gguf_metadata(meta)
         template = ChatTemplate.for_tokenizer(tokenizer)
@@ -157,6 +168,11 @@ def load_model(spec: str | None = None, device: str | None = None, dtype: str | 
     for notice in (dequantized_at_load(tensors, dev, dt), exl3.cpu_transcode_notice(tensors, dev, dt)):
         if notice:
             print(notice, file=log, flush=True)
+    placement = expert_placement.plan(config, dev, cpu_moe, n_cpu_moe)
+    config = dataclasses.replace(config, cpu_expert_layers=placement.cpu_layers)
+    for notice in (placement.notice, placement.describe(config)):
+        if notice:
+            print(notice, file=log, flush=True)
     try:
         model = build_model(config, tensors, dev, dt)
     except (KeyError, AttributeError) as e:
@@ -166,4 +182,4 @@ def load_model(spec: str | None = None, device: str | None = None, dtype: str | 
     del tensors
     name = path if path.startswith("random:") else os.path.basename(path.rstrip("/"))
     return LoadedModel(name, path, config, model, tokenizer, template, quant, time.perf_counter() - start, types,
-                       step_bytes)
+                       step_bytes, pooling, normalize)

@@ -32,6 +32,9 @@ class StepInputs:
     logits_indices: list[int]  # [S] rows of T whose next-token logits are wanted
     in_flight: list[tuple[int, int]] = field(default_factory=list)  # (row of T, row of the previous step's ids)
     key_shifts: list[KeyShift] = field(default_factory=list)  # context shifts applied before the forward
+    state_slots: list[int] = field(default_factory=list)  # [B] hybrid models: each one's slot (KVCache.states)
+    state_copies: list[tuple[int, int]] = field(default_factory=list)  # (from, to) slots, before the forward
+    state_snapshots: list[tuple[int, int, int]] = field(default_factory=list)  # BatchInputs.state_snapshots
 
     def __post_init__(self) -> None:
         num_tokens = len(self.input_ids)
@@ -67,6 +70,8 @@ class StepInputs:
         rows before it, are written earlier in the same layer. So the step can replay a decode CUDA
         graph, which takes a table and a length per row."""
         starts, lens = self.query_start_loc, self.seq_lens
+        if self.state_slots:  # a sequence's state advances once per token, never per row
+            return None
         if (self.is_decode or len(self.logits_indices) != self.num_tokens  # (a prompt chunk: fails here, cheaply)
                 or self.logits_indices != list(range(self.num_tokens))):
             return None
@@ -93,6 +98,8 @@ class StepInputs:
             logits_indices=to_device(self.logits_indices, torch.long, device),
             seq_lens_t=to_device(self.seq_lens, torch.int32, device),
             query_start_loc_t=to_device(self.query_start_loc, torch.int32, device),
+            state_slots=self.state_slots or None,
+            state_snapshots=self.state_snapshots or None,
         )
 
 

@@ -14,21 +14,30 @@ Routers (ROUTERS):
 Activations (ACTIVATIONS): `silu` (SiLU(gate) * up) and `swiglu_clamped` (gpt-oss: gate clamped
 above at `limit`, up to [-limit, limit], gate * sigmoid(alpha * gate) * (up + 1)).
 
-Routing is plain tensor work with no host synchronisation. The expert products take one of two paths:
+Routing is plain tensor work with no host synchronisation. The expert products take one of these paths:
 - on a GPU, experts of packed integer weights (exlcli/ops/moe_stacked.py) are stacked at load and run
   as a few kernels over (token, slot) pairs with the expert ids on the device: no host sync, so a
   decode step can be a CUDA graph. Up to DEVICE_MAX_TOKENS tokens, and at any size inside a graph
   capture;
-- otherwise the tokens of each expert are grouped on the host (the reference path, the CPU path and
-  GPU prefill: each active expert's weights are read once for all of its tokens).
+- on the CPU with its kernels, a layer whose experts all run on the C matmul and use `silu` takes the
+  routed experts in one C call (exlcli/ops/cpu/moe_experts.py), bit for bit the expert-by-expert path;
+  `EXLCLI_NO_CPU_MOE_KERNEL=1` goes back to that path;
+- otherwise the tokens of each expert are grouped on the host (the reference path and GPU prefill:
+  each active expert's weights are read once for all of its tokens).
+With --cpu-moe / --n-cpu-moe a layer's routed experts live in host memory (`expert_device`): its rows go
+there and the sums come back.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
+from exlcli import environment
+from exlcli.ops.cpu import moe_experts as cpu_moe_experts
+from exlcli.ops.cpu.loader import use_cpu_kernels
 from exlcli.ops.cuda.loader import use_kernels
 from exlcli.ops.linear import Linear
 from exlcli.ops.moe_stacked import StackedExperts, stack_experts
@@ -109,7 +118,10 @@ class MoeFeedForward:
 
     def __init__(self, router: Linear, spec: RouterSpec, experts: list[Expert], shared: Expert | None = None,
                  shared_gate: Linear | None = None, router_bias: torch.Tensor | None = None,
-                 activation: str = "silu", limit: float = 7.0, alpha: float = 1.702) -> None:
+                 activation: str = "silu", limit: float = 7.0, alpha: float = 1.702,
+                 expert_device: torch.device | None = None) -> None:
+        """`expert_device`: where the routed experts are when not with the rest of the layer (--cpu-moe: the CPU,
+        bf16 activations); each call's rows, weights and ids go there and the sums come back."""
         if activation not in ACTIVATIONS:
             raise ValueError(f"expert activation '{activation}' is not one of {', '.join(ACTIVATIONS)}")
         if not 1 <= spec.top_k <= len(experts):
@@ -123,6 +135,8 @@ class MoeFeedForward:
         self.activation = activation
         self.limit = limit
         self.alpha = alpha
+        self.expert_device = expert_device
+        self._cpu_experts: cpu_moe_experts.CpuExperts | None | Literal[False] = False  # False: not built yet
         # the routed experts stacked for the device path (None: they run per expert on the host path)
         self.stacked: StackedExperts | None = None
         if activation == "silu":
@@ -152,13 +166,25 @@ class MoeFeedForward:
             return expert.down.silu_product(expert.gate_up(x))
         return expert.down(swiglu_clamped(expert.gate_up(x), self.limit, self.alpha))
 
+    def cpu_experts(self, x: torch.Tensor) -> cpu_moe_experts.CpuExperts | None:
+        """The routed experts in one C call where x runs the CPU kernels and every expert can take it."""
+        if self.activation != "silu" or x.dim() != 2 or not use_cpu_kernels(x):
+            return None
+        if self._cpu_experts is False:
+            self._cpu_experts = (None if environment.flag("EXLCLI_NO_CPU_MOE_KERNEL")
+                                 else cpu_moe_experts.build(self.experts, self.router.in_features))
+        return self._cpu_experts
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] (normed) -> [T, H] in x's dtype."""
         weights, ids = route(self.router(x, out_dtype=torch.float32), self.spec, self.router_bias)
-        if self.stacked is not None and self._on_device(x):
+        if self.expert_device is not None:
+            out = self._routed_on(self.expert_device, x, weights, ids)
+        elif self.stacked is not None and self._on_device(x):
             out = self.stacked(x, weights, ids)
         else:
-            out = self._grouped_on_host(x, weights, ids)
+            cpu_experts = self.cpu_experts(x)
+            out = self._routed(x, weights, ids) if cpu_experts is None else cpu_experts(x, weights, ids)
         if self.shared is not None:
             y = self._expert(self.shared, x).float()
             if self.shared_gate is not None:
@@ -170,8 +196,18 @@ class MoeFeedForward:
         """Whether the stacked experts' kernels run this call (they need no host sync: graphs capture them)."""
         return use_kernels(x) and (x.shape[0] <= DEVICE_MAX_TOKENS or torch.cuda.is_current_stream_capturing())
 
-    def _grouped_on_host(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """fp32 [T, H]: each active expert over its tokens, their counts read on the host."""
+    def _routed_on(self, device: torch.device, x: torch.Tensor, weights: torch.Tensor,
+                   ids: torch.Tensor) -> torch.Tensor:
+        """The routed sums computed on the experts' device (x's rows in bf16 there: the CPU kernels'), back on
+        x's device."""
+        xe = x.to(device=device, dtype=torch.bfloat16)
+        weights, ids = weights.to(device), ids.to(device)
+        cpu_experts = self.cpu_experts(xe)
+        out = self._routed(xe, weights, ids) if cpu_experts is None else cpu_experts(xe, weights, ids)
+        return out.to(x.device)
+
+    def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sums (fp32 [T, H]), expert by expert."""
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         flat_ids = ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)  # token slots grouped by expert, in token order

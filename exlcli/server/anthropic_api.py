@@ -23,14 +23,12 @@ if TYPE_CHECKING:
 
 
 def add_messages_routes(app: FastAPI, state: ServerState) -> None:
-    client = state.client
-
     @app.post("/v1/messages")
     async def messages(body: afmt.MessagesRequest, request: Request) -> Response:
-        state.check_model(body.model)
+        client = await state.client_for(body.model)
         chat = afmt.chat_messages(body)
         plan = afmt.tool_plan(body, client.tool_format())
-        state.check_prompt_size(afmt.prompt_parts(chat, plan))
+        state.check_prompt_size(afmt.prompt_parts(chat, plan), client)
         await state.check_grammars(afmt.grammar_checks(plan))
 
         def start() -> GenerationStream:  # in a worker thread: the forcing grammar is built here
@@ -53,9 +51,9 @@ def add_messages_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: afmt.CountTokensRequest) -> dict:
-        state.check_model(body.model)
+        client = await state.client_for(body.model)
         chat = afmt.chat_messages(body)
         plan = afmt.tool_plan(body, client.tool_format())
-        state.check_prompt_size(afmt.prompt_parts(chat, plan))
+        state.check_prompt_size(afmt.prompt_parts(chat, plan), client)
         count = await bounded(state, "tokenizing", partial(client.count_chat_tokens, chat, True, plan.tools or None))
         return {"input_tokens": count}

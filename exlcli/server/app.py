@@ -1,10 +1,16 @@
-"""The ASGI app: OpenAI's and Anthropic's endpoints over one EngineClient.
+"""The ASGI app: OpenAI's and Anthropic's endpoints over the served models (a ModelPool of
+EngineClients).
 
 Endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (both with `stream`),
 POST /v1/responses, GET and DELETE /v1/responses/{id} (responses_api.py), POST /v1/messages and
-POST /v1/messages/count_tokens (anthropic_api.py), GET /health, GET /metrics, and for exlcli's own
-RemoteClient: POST /tokenize, GET /stats, POST /cancel/{response_id}. Every error body has OpenAI's
-shape {"error": {...}}, but on the routes of Anthropic's Messages API, which take Anthropic's.
+POST /v1/messages/count_tokens (anthropic_api.py), POST /v1/embeddings, GET /health, GET /metrics,
+and for exlcli's own RemoteClient: POST /tokenize, GET /stats, POST /cancel/{response_id}. Every
+error body has OpenAI's shape {"error": {...}}, but on the routes of Anthropic's Messages API, which
+take Anthropic's.
+
+Every route that runs a model gets its engine from `await state.client_for(body.model)`: the model
+the request names (the default when it names none), loaded on first use, leased to the request
+until its response is sent.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 from exlcli.client.base import EngineClient, GenerationParams, GenerationStream
+from exlcli.engine.stats import EngineStats
+from exlcli.errors import RequestError
 from exlcli.server import openai_format as fmt
 from exlcli.server.anthropic_api import add_messages_routes
 from exlcli.server.bounded_work import DEFAULT_START_BUDGET_MS
@@ -36,11 +44,12 @@ from exlcli.server.grammar_workers import (
 )
 from exlcli.server.http_errors import APIError, install_error_handlers
 from exlcli.server.metrics import EngineCollector, ResponseCounter, render_metrics
+from exlcli.server.model_pool import ModelLeases, ModelPool
 from exlcli.server.rates import EngineRates
 from exlcli.server.request_flow import bounded, collect_unless_gone, event_stream, grammar_checks, start_group
 from exlcli.server.responses_api import add_responses_routes
 from exlcli.server.responses_store import DEFAULT_MAX_STORED
-from exlcli.server.schemas import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from exlcli.server.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, TokenizeRequest
 from exlcli.server.security import (
     DEFAULT_MAX_BODY_BYTES,
     APIKeyGate,
@@ -84,7 +93,7 @@ class ServerConfig:
 
 @dataclass
 class ServerState:
-    client: EngineClient
+    pool: ModelPool  # (an EngineClient is served as a pool of one)
     config: ServerConfig
     tracker: RequestTracker
     draining: bool = False
@@ -95,11 +104,39 @@ class ServerState:
     grammars: GrammarWorkers = field(init=False)  # grammar checks, with slots of their own
 
     def __post_init__(self) -> None:
+        if not isinstance(self.pool, ModelPool):
+            self.pool = ModelPool.of_client(self.pool, self.config.model_aliases)
         self.tokenizing = asyncio.Semaphore(self.config.max_tokenizing)
         self.grammars = GrammarWorkers(self.config.max_grammar_checks, self.config.grammar_budget_ms)
 
+    async def client_for(self, model: str | None) -> EngineClient:
+        """The engine of the model a request names (None: the default), loaded on first use and
+        leased to the request until its response is sent; a 404 naming a model not served, a 500
+        naming one that fails to load."""
+        return await self.pool.acquire(model)
+
+    @property
+    def client(self) -> EngineClient:
+        """The default model's engine (loaded on this thread if it is not): for callers that name no
+        model. Routes use client_for."""
+        return self.pool.client_now(self.pool.default)
+
+    def engine_view(self) -> tuple[str, EngineStats]:
+        """The engine the display and /metrics show: the default model's, else the one used last
+        (empty stats while none is loaded). Never loads one."""
+        loaded = sorted(self.pool.loaded(), key=lambda m: (m is not self.pool.default, -m.last_used))
+        if not loaded or loaded[0].client is None:
+            return self.pool.default.name, EngineStats()
+        return loaded[0].name, loaded[0].client.stats()
+
+    def loaded_clients(self) -> list[EngineClient]:
+        return [m.client for m in self.pool.loaded() if m.client is not None]
+
     def num_waiting(self) -> int:
-        return self.tracker.num_waiting(self.client.stats()) + self.num_starting
+        for client in self.loaded_clients()[1:]:  # request ids are unique across the process's engines
+            self.tracker.merge_engine_view(client.stats().active)
+        clients = self.loaded_clients()
+        return self.tracker.num_waiting(clients[0].stats() if clients else None) + self.num_starting
 
     def admit(self, num_generations: int) -> None:
         if num_generations > self.config.max_queue:
@@ -116,26 +153,25 @@ class ServerState:
                            f"{self.config.max_queue}); retry later", "server_error", code="queue_full",
                            headers={"Retry-After": str(self.config.retry_after_s)})
 
-    def check(self, body: ChatCompletionRequest | CompletionRequest) -> None:
-        """What the schema cannot know: the served model's names, its context, the prompt cap."""
+    def check(self, body: ChatCompletionRequest | CompletionRequest, client: EngineClient | None = None) -> None:
+        """What the schema cannot know: the served models' names, the model's context (`client`: the
+        model's engine, from client_for; None: the default's), the prompt cap."""
         self.check_model(body.model)
-        context = self.client.context_length
+        client = client or self.client
+        context = client.context_length
         max_tokens = body.generation_params(0, self.config.default_max_tokens).max_tokens
         if body.max_tokens_param in body.model_fields_set and max_tokens > context:
             raise APIError(400, f"{body.max_tokens_param} is {max_tokens}, more than the model's context of "
                            f"{context} tokens", param=body.max_tokens_param)
-        self.check_prompt_size(body.prompt_parts())
+        self.check_prompt_size(body.prompt_parts(), client)
 
     def check_model(self, model: str | None) -> None:
-        names = (self.client.model_name, *self.config.model_aliases)
-        if model is not None and model not in names:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {names[0]!r}",
-                           param="model", code="model_not_found")
+        self.pool.find(model)  # a 404 naming a model not served
 
-    def check_prompt_size(self, parts: dict[str, int]) -> None:
+    def check_prompt_size(self, parts: dict[str, int], client: EngineClient | None = None) -> None:
         """Every field that reaches the template or the tokenizer counts (messages, tool calls and
         their arguments, tool descriptions and schemas), before any rendering or tokenising."""
-        context = self.client.context_length
+        context = (client or self.client).context_length
         limit = self.config.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * context
         total = sum(parts.values())
         if total > limit:
@@ -158,32 +194,40 @@ class ServerState:
         except GrammarRejected as e:
             raise APIError(400, str(e), param=e.param) from None
 
-    def token_text(self, token_id: int) -> str:
-        # EngineClient has no detokeniser; an in-process client exposes its tokenizer, a fake has
-        # none, in which case the id is named as vLLM does.
-        fn = getattr(self.client, "token_text", None)
-        if callable(fn):
-            return fn(token_id)
-        tokenizer = getattr(self.client, "tokenizer", None)
-        if tokenizer is not None and hasattr(tokenizer, "decode"):
-            return tokenizer.decode([token_id])  # special tokens (the closing EOS) read as "", as in the text
-        return f"token_id:{token_id}"
+    def token_text(self, token_id: int, client: EngineClient | None = None) -> str:
+        return token_text(client or self.client, token_id)
 
 
-def create_app(client: EngineClient, config: ServerConfig | None = None,
+def token_text(client: EngineClient, token_id: int) -> str:
+    # EngineClient has no detokeniser; an in-process client exposes its tokenizer, a fake has
+    # none, in which case the id is named as vLLM does.
+    fn = getattr(client, "token_text", None)
+    if callable(fn):
+        return fn(token_id)
+    tokenizer = getattr(client, "tokenizer", None)
+    if tokenizer is not None and hasattr(tokenizer, "decode"):
+        return tokenizer.decode([token_id])  # special tokens (the closing EOS) read as "", as in the text
+    return f"token_id:{token_id}"
+
+
+def create_app(served: EngineClient | ModelPool, config: ServerConfig | None = None,
                tracker: RequestTracker | None = None) -> FastAPI:
+    """`served`: one engine, or the pool of the served models (the caller closes them afterwards)."""
     config = config or ServerConfig()
-    state = ServerState(client, config, tracker or RequestTracker(model_name=client.model_name))
+    pool = served if isinstance(served, ModelPool) else ModelPool.of_client(served, config.model_aliases)
+    state = ServerState(pool, config, tracker or RequestTracker(model_name=pool.default.name))
     state.tracker.registry.register(EngineCollector(state))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loop = asyncio.get_running_loop()
-        pool = ThreadPoolExecutor(MAX_WORKER_THREADS, thread_name_prefix="exlcli-stream")
-        loop.set_default_executor(pool)
+        threads = ThreadPoolExecutor(MAX_WORKER_THREADS, thread_name_prefix="exlcli-stream")
+        loop.set_default_executor(threads)
+        reaper = asyncio.ensure_future(pool.run_reaper())
         yield
+        reaper.cancel()
         state.grammars.close()
-        pool.shutdown(wait=False, cancel_futures=True)
+        threads.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="exlcli", version="0.1", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.exlcli = state
@@ -200,6 +244,7 @@ def create_app(client: EngineClient, config: ServerConfig | None = None,
     if config.allowed_hosts is not None:
         app.add_middleware(HostAllowList, allowed=config.allowed_hosts)
     app.add_middleware(ResponseCounter, tracker=state.tracker)
+    app.add_middleware(ModelLeases, pool=pool)
     install_error_handlers(app)
     app.state.responses = add_responses_routes(app, state)  # /v1/responses (responses_api.py)
     add_messages_routes(app, state)  # Anthropic's Messages API (anthropic_api.py)
@@ -208,12 +253,14 @@ def create_app(client: EngineClient, config: ServerConfig | None = None,
     async def health() -> JSONResponse:
         body = {"status": "draining" if state.draining else "ok"}
         if config.api_key is None:  # with a key, /health (which needs none) names nothing
-            body["model"] = client.model_name
+            body["model"] = pool.default.name
         return JSONResponse(body, status_code=503 if state.draining else 200)
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return fmt.model_list(client.model_name, client.context_length, fmt.now())
+        now = fmt.now()
+        return {"object": "list", "data": [
+            fmt.model_entry(m.name, now, pool.describe(m, now)) for m in pool.models]}
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -221,15 +268,29 @@ def create_app(client: EngineClient, config: ServerConfig | None = None,
         return Response(body, headers={"Content-Type": content_type})
 
     @app.get("/stats")
-    async def stats() -> dict:
-        return dataclasses.asdict(client.stats())
+    async def stats(model: str | None = None) -> dict:
+        client = state.pool.find(model).client  # a model not loaded is not loaded for this: all zeros
+        return dataclasses.asdict(client.stats() if client is not None else EngineStats())
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
-        state.check_prompt_size(body.prompt_parts())
+        client = await state.client_for(body.model)
+        state.check_prompt_size(body.prompt_parts(), client)
         count = await bounded(state, "tokenizing", partial(client.count_chat_tokens, body.message_dicts(),
                                                            body.add_generation_prompt, body.tool_dicts()))
         return {"count": count, "max_model_len": client.context_length}
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest) -> dict:
+        client = await state.client_for(body.model)
+        if client.embedding_pooling() is None:
+            raise APIError(400, f"the model {client.model_name!r} does not make embeddings: its checkpoint names no "
+                           "pooling (a GGUF's <arch>.pooling_type, a sentence-transformers folder's 1_Pooling)",
+                           param="model", code="model_does_not_embed")
+        state.check_prompt_size(body.prompt_parts(), client)
+        state.admit(1)
+        vectors, num_tokens = await _bounded_embed(state, partial(client.embed, body.inputs(), body.normalize))
+        return fmt.embedding_list(client.model_name, vectors, num_tokens, body.encoding_format)
 
     @app.post("/cancel/{response_id}")
     async def cancel(response_id: str) -> dict:
@@ -241,7 +302,9 @@ def create_app(client: EngineClient, config: ServerConfig | None = None,
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        state.check(body)
+        client = await state.client_for(body.model)
+        state.check(body, client)
+        token_text = partial(state.token_text, client=client)
         await state.check_grammars(grammar_checks(body.response_format, body.tools))
         messages = body.message_dicts()
         tools = ToolPlan.for_request(body.tools, body.tool_choice, body.parallel_tool_calls, client.tool_format())
@@ -252,25 +315,27 @@ def create_app(client: EngineClient, config: ServerConfig | None = None,
         starters = [Starter(i, 0, partial(start, i)) for i in range(body.num_choices)]
         group = await start_group(state, "chat", body.client or "api", body.priority or "interactive", starters)
         if body.streaming:
-            return event_stream(state, group, chat_events(group, body, client.model_name, state.token_text, tools))
+            return event_stream(state, group, chat_events(group, body, client.model_name, token_text, tools))
         results = await collect_unless_gone(state, group, request)
         if results is None:
             return Response(status_code=499)
         num_top = body.top_logprobs or 0
         return JSONResponse(rewrite_completion(fmt.chat_completion(
             group.response_id, fmt.now(), client.model_name, results,
-            lambda c: fmt.chat_logprobs(c.logprobs, state.token_text, num_top) if body.logprobs else None), tools))
+            lambda c: fmt.chat_logprobs(c.logprobs, token_text, num_top) if body.logprobs else None), tools))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        state.check(body)
+        client = await state.client_for(body.model)
+        state.check(body, client)
+        token_text = partial(state.token_text, client=client)
         await state.check_grammars(grammar_checks(body.response_format, None))
         n = body.num_choices
         starters = [Starter(p * n + j, p, partial(client.complete, prompt, state.params(body, j, request)))
                     for p, prompt in enumerate(body.prompts()) for j in range(n)]
         group = await start_group(state, "completions", body.client or "api", body.priority or "interactive", starters)
         if body.streaming:
-            return event_stream(state, group, completion_events(group, body, client.model_name, state.token_text))
+            return event_stream(state, group, completion_events(group, body, client.model_name, token_text))
         results = await collect_unless_gone(state, group, request)
         if results is None:
             return Response(status_code=499)
@@ -282,8 +347,20 @@ def create_app(client: EngineClient, config: ServerConfig | None = None,
         return JSONResponse(fmt.text_completion(
             group.response_id, fmt.now(), client.model_name, results,
             lambda c: fmt.completion_logprobs(
-                c.logprobs, state.token_text, num_top,
+                c.logprobs, token_text, num_top,
                 [o + (len(prompts[c.prompt_index]) if body.echo else 0) for o in c.logprob_offsets])
             if body.logprobs is not None else None))
 
     return app
+
+
+async def _bounded_embed(state: ServerState, fn):
+    """An embedding runs on the engine's thread; a worker thread tokenises the texts and waits for
+    it, counted as waiting meanwhile (--max-queue)."""
+    state.num_starting += 1
+    try:
+        return await asyncio.get_running_loop().run_in_executor(None, fn)
+    except RequestError as e:
+        raise APIError(400, str(e), param="input") from None
+    finally:
+        state.num_starting -= 1

@@ -56,11 +56,12 @@ class DashboardSnapshot:
     rates: RatesView = field(default_factory=RatesView)
     history: list[float] = field(default_factory=list)  # generated tok/s, oldest first
     latencies: Latencies = field(default_factory=Latencies)
+    models: list[str] = field(default_factory=list)  # one line per served model, when there are several
 
 
 def take_snapshot(state, url: str, max_rows: int = 20) -> DashboardSnapshot:
     """`state` is the app's ServerState; call on the event loop thread."""
-    stats = state.client.stats()
+    model, stats = state.engine_view()
     tracker: RequestTracker = state.tracker
     now = tracker.clock()
     waiting = tracker.num_waiting(stats) + state.num_starting
@@ -68,10 +69,30 @@ def take_snapshot(state, url: str, max_rows: int = 20) -> DashboardSnapshot:
     latencies = Latencies(tracker.recent_ttft.percentile(50, now), tracker.recent_ttft.percentile(99, now),
                           tracker.recent_itl.percentile(50, now), tracker.recent_itl.percentile(99, now))
     return DashboardSnapshot(
-        url=url, model=state.client.model_name, stats=stats, rows=tracker.rows(), recent=list(tracker.recent),
+        url=url, model=model, stats=stats, rows=tracker.rows(), recent=list(tracker.recent),
+        models=model_lines(state.pool) if len(state.pool.models) > 1 else [],
         num_waiting=waiting, num_served=sum(tracker.finished_by_reason.values()),
         num_rejected=sum(tracker.rejected_by_reason.values()), draining=state.draining, now=now,
         max_rows=max_rows, rates=rates, history=list(state.rates.history), latencies=latencies)
+
+
+def model_lines(pool) -> list[str]:
+    """Each served model: its state, memory and how long it stays loaded idle (pool: a ModelPool)."""
+    lines = []
+    for m in pool.models:
+        info = pool.describe(m, time.time())
+        parts = [m.name + (" (default)" if info["default"] else ""), info["status"]]
+        if info["memory_bytes"]:
+            parts.append(f"{info['memory_bytes'] / 1e6:.0f} MB")
+        if info["running"]:
+            parts.append(f"{info['running']} running")
+        left = pool.expires_in(m)
+        if m.client is not None:
+            parts.append("kept forever" if left is None else f"unloads in {_age(left)} idle")
+        if info.get("error"):
+            parts.append(info["error"])
+        lines.append("  ".join(parts))
+    return lines
 
 
 # ---- formatting ----
@@ -278,6 +299,8 @@ class Dashboard:
         for group in (engine, cache_parts(snap), spec_parts(snap), window_parts(snap), latency_parts(snap)):
             for line in pack(group, width) if group else []:
                 yield Text(line, style="cyan", no_wrap=True, overflow="ellipsis")
+        for line in snap.models:
+            yield Text("model " + line, style="magenta", no_wrap=True, overflow="ellipsis")
         yield Text("")
         yield active_table(snap, width)
         if len(snap.rows) > snap.max_rows:

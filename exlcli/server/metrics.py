@@ -22,8 +22,8 @@ from exlcli.engine.stats import STEP_TIME_BUCKETS
 from exlcli.server.tracker import RequestTracker
 
 # Paths counted by name in exlcli_http_responses_total; any other path counts as "other".
-KNOWN_ENDPOINTS = {"/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/responses", "/health", "/metrics",
-                   "/tokenize", "/stats", "/v1/messages", "/v1/messages/count_tokens"}
+KNOWN_ENDPOINTS = {"/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings",
+                   "/health", "/metrics", "/tokenize", "/stats", "/v1/messages", "/v1/messages/count_tokens"}
 
 
 def render_metrics(tracker: RequestTracker, accept: str | None = None) -> tuple[bytes, str]:
@@ -40,10 +40,10 @@ class EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         state, tracker = self.state, self.state.tracker
-        stats = state.client.stats()
+        name, stats = state.engine_view()
         num_waiting = tracker.num_waiting(stats) + state.num_starting
         rates = state.rates.observe(stats, tracker.clock())
-        model = {"model_name": state.client.model_name}
+        model = {"model_name": name}
 
         def vllm_gauge(name: str, help_text: str, value: float) -> Metric:
             g = GaugeMetricFamily("vllm:" + name, help_text, labels=list(model))

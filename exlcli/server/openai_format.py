@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import struct
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -176,8 +178,19 @@ def usage_chunk(response_id: str, created: int, model: str, obj: str,
             "usage": usage_dict(usages)}
 
 
-def model_list(model: str, context_length: int, created: int) -> dict:
-    return {"object": "list", "data": [{
-        "id": model, "object": "model", "created": created, "owned_by": "exlcli",
-        "max_model_len": context_length,
-    }]}
+def model_entry(model: str, created: int, info: dict) -> dict:
+    """One model of /v1/models: OpenAI's fields, then exlcli's (max_model_len while loaded, status,
+    memory_bytes, expires_at, ...)."""
+    return {"id": model, "object": "model", "created": created, "owned_by": "exlcli", **info}
+
+
+def embedding_list(model: str, vectors: list[list[float]], num_tokens: int, encoding_format: str) -> dict:
+    """/v1/embeddings' answer; base64 is the vector's little-endian float32 bytes, as OpenAI sends it."""
+    def encoded(vector: list[float]) -> list[float] | str:
+        if encoding_format == "base64":
+            return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+        return vector
+
+    return {"object": "list", "model": model,
+            "data": [{"object": "embedding", "index": i, "embedding": encoded(v)} for i, v in enumerate(vectors)],
+            "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}

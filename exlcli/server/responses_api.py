@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from exlcli.client.base import GenerationStream
+from exlcli.client.base import EngineClient, GenerationStream
 from exlcli.server.generations import Starter
 from exlcli.server.http_errors import APIError
 from exlcli.server.request_flow import collect_unless_gone, event_stream, grammar_checks, start_group
@@ -35,7 +35,6 @@ if TYPE_CHECKING:
 
 def add_responses_routes(app: FastAPI, state: ServerState) -> ResponseStore:
     store = ResponseStore(state.config.max_stored_responses)
-    client = state.client
 
     def key_of(request: Request) -> str | None:
         if state.config.api_key is None:
@@ -49,9 +48,9 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> ResponseStore:
         return APIError(404, f"no response with id {response_id!r} is stored (it was never stored, was deleted, or "
                              f"made room for newer ones)", param="response_id", code="not_found")
 
-    def begin(body: ResponsesRequest, request: Request) -> Turn:
+    def begin(body: ResponsesRequest, request: Request, client: EngineClient) -> Turn:
         """The turn's conversation and session, checked against the model and the stored responses."""
-        state.check(body)  # the served model, max_output_tokens, the new input's size
+        state.check(body, client)  # the served model, max_output_tokens, the new input's size
         owner = owner_of(request)
         history, session = [], None
         if body.previous_response_id is not None:
@@ -67,7 +66,7 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> ResponseStore:
             raise APIError(400, str(e), param=e.param) from None
         parts = body.prompt_parts()
         parts["previous_response_id"] = history_bytes(history)
-        state.check_prompt_size(parts)
+        state.check_prompt_size(parts, client)
         response_id = new_id("resp")
         if session is None and (body.prompt_cache_key or body.storing):
             name = f"resp:{body.prompt_cache_key}" if body.prompt_cache_key else f"resp:{response_id}"
@@ -85,7 +84,8 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> ResponseStore:
 
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
-        turn = begin(body, request)
+        client = await state.client_for(body.model)
+        turn = begin(body, request, client)
         await state.check_grammars(grammar_checks(body.response_format, body.tool_defs(), "tools.{}.parameters",
                                                   "text.format"))
         messages = prompt_messages(body.instructions, turn.conversation.messages)

@@ -29,6 +29,7 @@ from exlcli.server.app import ServerConfig, ServerState, create_app
 from exlcli.server.connections import ConnectionLimits, LimitedConfig, fit_fd_limit
 from exlcli.server.dashboard import LiveDashboard, LogDashboard
 from exlcli.server.logs import DropCancelledTracebacks, RepeatLimiter
+from exlcli.server.model_pool import ModelPool
 from exlcli.server.security import allowed_host_names, check_bind_allowed
 from exlcli.server.sse import keep_streams_on_shutdown
 from exlcli.server.tracker import RequestTracker
@@ -135,9 +136,11 @@ def uvicorn_config(app, limits: ConnectionLimits) -> LimitedConfig:
                          lifespan="on", ws="none", server_header=False)
 
 
-def serve(client: EngineClient, sock: socket.socket, host: str, port: int, config: ServerConfig,
+def serve(models: EngineClient | ModelPool, sock: socket.socket, host: str, port: int, config: ServerConfig,
           live_display: bool | None = None, limits: ConnectionLimits | None = None) -> None:
-    """Serve until a signal; the caller owns `client` and closes it afterwards."""
+    """Serve until a signal; the caller owns `models` (one engine, or a pool) and closes it afterwards."""
+    pool = models if isinstance(models, ModelPool) else ModelPool.of_client(models, config.model_aliases)
+    default = pool.default.name
     check_bind_allowed(host, config.api_key)
     if config.allowed_hosts is None:
         config = dataclasses.replace(config, allowed_hosts=allowed_host_names(host))
@@ -148,8 +151,8 @@ def serve(client: EngineClient, sock: socket.socket, host: str, port: int, confi
         live_display = console.is_terminal and not console.is_dumb_terminal
     display = LiveDashboard(url, console) if live_display else LogDashboard(url)
     _configure_logging(console if live_display else None)
-    tracker = RequestTracker(on_finish=display.on_finish, model_name=client.model_name)
-    app = create_app(client, config, tracker)
+    tracker = RequestTracker(on_finish=display.on_finish, model_name=default)
+    app = create_app(pool, config, tracker)
     limits, fd_note = fit_fd_limit(limits or ConnectionLimits())
     if fd_note:
         display.note(fd_note)
@@ -157,8 +160,9 @@ def serve(client: EngineClient, sock: socket.socket, host: str, port: int, confi
     fixed = secure_runtime_dir()
     if fixed:
         display.note(fixed)
-    write_record(ServerRecord(url=url, pid=os.getpid(), model=client.model_name, api_key=config.api_key))
-    display.note(f"serving {client.model_name} at {url} "
+    write_record(ServerRecord(url=url, pid=os.getpid(), model=default, api_key=config.api_key))
+    others = f" and {len(pool.models) - 1} more model(s), loaded on first use" if len(pool.models) > 1 else ""
+    display.note(f"serving {default}{others} at {url} "
                  f"(OpenAI API under {url}/v1; Ctrl-C or SIGTERM drains and stops)")
     try:
         server.run(sockets=[sock])

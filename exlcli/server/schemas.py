@@ -301,6 +301,7 @@ class CompletionRequest(_SamplingBody):
 
 
 class TokenizeRequest(_Body):
+    model: Text | None = None
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     add_generation_prompt: bool = True
     tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)  # counted as the template describes them
@@ -313,3 +314,50 @@ class TokenizeRequest(_Body):
 
     def message_dicts(self) -> list[dict]:
         return [m.as_dict() for m in self.messages]
+
+
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's cap on the inputs of one /v1/embeddings request
+TokenIds = list[Annotated[int, Field(ge=0)]]
+
+
+class EmbeddingRequest(_Body):
+    """POST /v1/embeddings: `input` as a string, a list of strings, a list of token ids or a list of
+    such lists; `normalize` (exlcli's) False keeps the raw pooled vectors (None: the checkpoint's
+    default, L2-normalised unless a sentence-transformers folder leaves out its Normalize step)."""
+
+    model: Text | None = None
+    input: Text | list[Text] | TokenIds | list[TokenIds]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: Text | None = None
+    normalize: bool | None = None
+
+    @field_validator("input")
+    @classmethod
+    def _not_empty(cls, value: str | list) -> str | list:
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("must not be an empty list")
+            if len(value) > MAX_EMBEDDING_INPUTS:
+                raise ValueError(f"holds {len(value)} inputs, more than {MAX_EMBEDDING_INPUTS}")
+            if any(isinstance(v, list) and not v for v in value):
+                raise ValueError("holds an empty token list")
+        return value
+
+    @model_validator(mode="after")
+    def _no_dimensions(self) -> "EmbeddingRequest":
+        if self.dimensions is not None:
+            raise ParamError("dimensions", "is not supported: the vectors have the model's own size")
+        return self
+
+    def inputs(self) -> list[str] | list[list[int]]:
+        value = self.input
+        if isinstance(value, str):
+            return [value]
+        if value and isinstance(value[0], int):
+            return [value]  # type: ignore[list-item]  # one list of token ids
+        return value  # type: ignore[return-value]
+
+    def prompt_parts(self) -> dict[str, int]:
+        value = self.inputs()
+        return {"input": sum(len(v.encode()) if isinstance(v, str) else 4 * len(v) for v in value)}

@@ -221,10 +221,11 @@ def test_serve_takes_the_model_as_an_argument_and_ps_shows_it(private_runtime_di
         result = invoke("ps")
         assert result.exit_code == 0, result.output
         assert f"server   {url} (pid {proc.pid}, up " in result.stdout and ", ok)" in result.stdout
-        assert "model    my-model (context 2048 tokens)" in result.stdout
+        row = next(line for line in result.stdout.splitlines() if line.startswith("my-model "))
+        assert row.split()[:4] == ["my-model", "loaded", "-", "2048"] and row.split()[-1] == "Forever"
         assert "0 running, 0 waiting" in result.stdout
-        two = invoke("serve", "fake:echo", "--model", "other")
-        assert "error: two models: 'fake:echo' and --model 'other'; give one" in two.stderr
+        two = invoke("serve", "fake:echo", "--model", "other")  # the argument and -m: two models, each checked
+        assert "error: model not found: other" in two.stderr
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=20)

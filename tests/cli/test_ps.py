@@ -1,5 +1,6 @@
-"""`exlcli ps` against a live server on 127.0.0.1 with requests in flight: the model, the engine's
-counts and one row per request, from /health, /v1/models and /stats."""
+"""`exlcli ps` against a live server on 127.0.0.1 with requests in flight: the models, the engine's
+counts and one row per request, from /health, /v1/models and /stats (several models and their
+unloading: tests/server/test_server_multimodel.py)."""
 
 import threading
 
@@ -26,8 +27,12 @@ def test_ps_shows_the_requests_in_flight(private_runtime_dir):
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
     assert lines[0] == f"server   {live.url} (ok)"  # no runtime file names it: no pid
-    assert lines[2].startswith("engine   1 running, 1 waiting; KV pages 4 used + 0 cached of 64 (16 tokens each)")
-    table = lines[lines.index("") + 1:]
+    assert lines[2].split() == ["NAME", "STATE", "SIZE", "CONTEXT", "RUNNING", "UNTIL"]
+    assert lines[3].split() == [engine.model_name, "loaded", "-", str(engine.context_length), "2", "Forever"]
+    engine_line = next(line for line in lines if line.startswith("engine"))
+    assert engine_line.startswith(f"engine   {engine.model_name}: 1 running, 1 waiting; KV pages 4 used + 0 cached "
+                                  "of 64 (16 tokens each)")
+    table = lines[lines.index(engine_line) + 3:]
     assert table[0].split() == ["REQUEST", "CLIENT", "STATE", "PROMPT", "GENERATED", "TOK/S", "AGE"]
     assert sorted(row.split()[2] for row in table[1:]) == ["decode", "waiting"]
 

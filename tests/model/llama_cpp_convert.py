@@ -30,9 +30,14 @@ runpy.run_path(root + "/convert_hf_to_gguf.py", run_name="__main__")
 
 
 def convert(folder: Path, out: Path, outtype: str = "f32") -> Path:
+    return convert_args(folder, out, [], outtype)
+
+
+def convert_args(folder: Path, out: Path, args: list[str], outtype: str = "f32") -> Path:
+    """convert() with more of the converter's options (e.g. --no-mtp)."""
     if not (LLAMA_CPP / "convert_hf_to_gguf.py").is_file():
         pytest.skip(f"llama.cpp's converter is not at {LLAMA_CPP}")
     done = subprocess.run([sys.executable, "-c", _RUNNER, str(LLAMA_CPP), str(folder), "--outtype", outtype,
-                           "--outfile", str(out)], capture_output=True, text=True, timeout=300)
+                           "--outfile", str(out), *args], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return out

@@ -58,8 +58,8 @@ def gguf_meta(arch: str, **extra) -> dict:
 
 def test_the_table_lists_each_architecture_once():
     names = [a.name for a in ARCHITECTURES]
-    assert sorted(names) == ["gemma2", "gemma3", "gpt_oss", "llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3",
-                            "qwen3_moe"]
+    assert sorted(names) == sorted(["gemma2", "gemma3", "gpt_oss", "llama", "mistral", "mixtral", "phi3", "qwen2",
+                                    "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe"])
     for field in ("name", "hf_model_type", "gguf_name"):
         values = [getattr(a, field) for a in ARCHITECTURES]
         assert len(set(values)) == len(values), field

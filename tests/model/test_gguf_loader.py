@@ -224,3 +224,30 @@ def test_unexpected_tensor_is_a_clear_error(tmp_path, hf_models):
     reader = open_gguf(path)
     with pytest.raises(ModelLoadError, match="unexpected tensor blk.0.ffn_gate_exps.weight"):
         load_gguf_tensors(reader, metadata_from_reader(reader))
+
+
+def test_gguf_pooling_type_makes_an_embedding_model_equal_to_transformers(tmp_path, hf_models):
+    """A GGUF whose metadata names a pooling (`qwen3.pooling_type` 1, mean, as llama.cpp writes it)
+    embeds through the engine; the vector is transformers' last hidden states, mean-pooled."""
+    from exlcli.client.local import LocalClient
+    from exlcli.engine.engine import EngineConfig
+    from exlcli.model.loader import load_model
+
+    model = hf_models["qwen3"]
+    path = tmp_path / "embed-qwen3.gguf"
+    write_gguf(path, model, "qwen3", extra=[lambda w: w.add_uint32("qwen3.pooling_type", 1)])
+    loaded = load_model(str(path), device="cpu", dtype="float32")
+    assert loaded.pooling == "mean"
+    client = LocalClient(loaded, EngineConfig(max_model_len=128, kv_memory=1 << 22))
+    try:
+        ids = [5, 17, 33, 2, 60, 41, 9]
+        (vector,), tokens = client.embed([ids], normalize=False)
+    finally:
+        client.close()
+    with torch.no_grad():
+        theirs = model.model(torch.tensor([ids])).last_hidden_state[0].mean(dim=0)
+    assert tokens == len(ids)
+    assert relative_error(torch.tensor(vector), theirs) <= 1e-4
+    plain = tmp_path / "plain-qwen3.gguf"
+    write_gguf(plain, model, "qwen3")
+    assert load_model(str(plain), device="cpu", dtype="float32").pooling is None

@@ -117,8 +117,9 @@ def test_invalid_request_is_400_in_openai_shape(fake_server):
                                        tools=[{"type": "function", "function": {"name": "f g"}}])
     with pytest.raises(openai.BadRequestError, match="longer than the model's context"):
         client.completions.create(model="fake-echo", prompt="w " * 3000)
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.BadRequestError, match="does not make embeddings") as info:
         client.embeddings.create(model="fake-echo", input="hi")
+    assert info.value.body["code"] == "model_does_not_embed" and info.value.body["param"] == "model"
 
 
 def test_api_key_required_and_checked():

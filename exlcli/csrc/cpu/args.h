@@ -201,3 +201,22 @@ typedef struct {
     float scale;        // attention's, usually dim ** -0.5
 } exl_decoder_layer_args;
 int exl_decoder_layer(const exl_decoder_layer_args *args);
+
+// The routed experts of one mixture-of-experts layer in one call (moe.c): every active expert's gate|up
+// product, SiLU(gate) * up and down product over the tokens routed to it, then each token's weighted sum.
+typedef struct {
+    const uint16_t *x;  // bf16 [T, hidden] contiguous (the normed rows)
+    int64_t tokens;     // T
+    int64_t hidden;
+    int64_t inter;      // an expert's width: gate_up makes 2 * inter
+    int64_t top_k;      // experts a token
+    const int64_t *ids;  // [T, top_k] the experts chosen, each in 0 .. num_experts - 1
+    const float *weights;  // fp32 [T, top_k] their weights
+    int64_t num_experts;
+    const exl_qmatmul_args *gate_up;  // [num_experts][gate_up_parts] (x, rows, y unset), outputs side by side
+    int64_t gate_up_parts;
+    const exl_qmatmul_args *down;  // [num_experts][down_parts]
+    int64_t down_parts;
+    float *out;         // fp32 [T, hidden]: the weighted sums
+} exl_moe_experts_args;
+int exl_moe_experts(const exl_moe_experts_args *args);

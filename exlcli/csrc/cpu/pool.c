@@ -22,7 +22,8 @@
 #define MAX_WORKERS 31
 #define SPIN_NS 300000        // how long an idle worker spins before it sleeps
 #define CHUNKS_PER_THREAD 4
-_Static_assert((MAX_WORKERS + 1) * CHUNKS_PER_THREAD < 0x10000, "a job's chunks fit 16 bits of the claim word");
+#define MAX_CHUNKS 0xffff  // a job's chunks fit 16 bits of the claim word
+_Static_assert((MAX_WORKERS + 1) * CHUNKS_PER_THREAD <= MAX_CHUNKS, "a job's chunks fit 16 bits of the claim word");
 
 static int n_workers;
 static pthread_mutex_t busy = PTHREAD_MUTEX_INITIALIZER;  // one job at a time
@@ -105,11 +106,16 @@ int exl_pool_start(int threads) {
 }
 
 void exl_parallel_for(exl_task_fn task, void *ctx, int64_t n) {
+    exl_parallel_for_chunks(task, ctx, n, (int64_t)(n_workers + 1) * CHUNKS_PER_THREAD);
+}
+
+void exl_parallel_for_chunks(exl_task_fn task, void *ctx, int64_t n, int64_t chunks) {
     if (n_workers == 0 || n < 2 || pthread_mutex_trylock(&busy) != 0) {
         task(ctx, 0, n);
         return;
     }
-    int64_t chunks = (int64_t)(n_workers + 1) * CHUNKS_PER_THREAD;  // at most 128: 16 bits of the claim word
+    if (chunks < 1) chunks = 1;
+    if (chunks > MAX_CHUNKS) chunks = MAX_CHUNKS;  // 16 bits of the claim word
     job_task = task;
     job_ctx = ctx;
     job_n = n;

@@ -11,3 +11,7 @@ int exl_pool_start(int threads);
 // Single-threaded when the pool was not started or another caller holds it.
 typedef void (*exl_task_fn)(void *ctx, int64_t begin, int64_t end);
 void exl_parallel_for(exl_task_fn task, void *ctx, int64_t n);
+
+// exl_parallel_for cut into `chunks` chunks (at most n, and 65,535) rather than a few per thread: for one long job
+// (the experts' one call, moe.c), where a worker preempted in the middle of a long chunk would hold the caller up.
+void exl_parallel_for_chunks(exl_task_fn task, void *ctx, int64_t n, int64_t chunks);

@@ -63,7 +63,13 @@ typedef struct {
 
 static void qmm2_job_groups(void *ctx, int64_t begin, int64_t end) {
     const qmm2_job *j = (const qmm2_job *)ctx;
-    for (int64_t i = 0; i < j->n_parts; i++) {
+    int64_t lo_part = 0, hi_part = j->n_parts - 1;  // the part holding group `begin` (many parts: the experts')
+    while (lo_part < hi_part) {
+        int64_t mid = (lo_part + hi_part + 1) / 2;
+        if (j->g_first[mid] <= begin) lo_part = mid;
+        else hi_part = mid - 1;
+    }
+    for (int64_t i = lo_part; i < j->n_parts && j->g_first[i] < end; i++) {
         int64_t lo = begin > j->g_first[i] ? begin : j->g_first[i];
         int64_t hi = end < j->g_first[i + 1] ? end : j->g_first[i + 1];
         if (lo < hi) qmm2_groups((void *)&j->parts[i], lo - j->g_first[i], hi - j->g_first[i]);
@@ -115,6 +121,66 @@ static int qmatmul_avx2_parts(const exl_qmatmul_args *parts, int64_t n_parts, co
     return 0;
 }
 
+// The products of blocks of x's rows, each block with its own weights (an expert's, for the experts' one call,
+// moe.c): x [rows, K] quantized once, every block's parts' column groups shared among the pool's threads as
+// one job, so each weight is read once for all the rows of its block. Each row's outputs are the bits of an
+// exl_qmatmul of that block alone (a row's quantization and products do not depend on the rows around it).
+static int qmatmul_avx2_grouped(const qmm_group *groups, int64_t n_groups, const uint16_t *x, int64_t M, int64_t K) {
+    int64_t nb = K / BLOCK, n_parts = 0;
+    if (K % BLOCK || K <= 0) return 6;
+    for (int64_t i = 0; i < n_groups; i++) {
+        const qmm_group *g = &groups[i];
+        if (g->n_parts < 1 || g->row0 < 0 || g->rows < 0 || g->row0 + g->rows > M) return 6;
+        int64_t col = 0;
+        for (int64_t p = 0; p < g->n_parts; p++) {
+            if (g->parts[p].in_features != K) return 6;
+            if ((g->parts[p].half_scales || g->parts[p].bits == 2) && !EXL_QMM_HALF_SCALES) return -1;
+            col += g->parts[p].out_features;
+        }
+        if (col > g->ldy) return 6;
+        n_parts += g->n_parts;
+    }
+    if (M == 0 || n_parts == 0) return 0;
+    float *scales = (float *)malloc(sizeof(float) * (size_t)(5 * M * nb + 1));  // dx, xs, sum(xq), its halves
+    int8_t *xq = (int8_t *)malloc((size_t)(M * K + 1));
+    qmm2_args *a = (qmm2_args *)malloc(sizeof(qmm2_args) * (size_t)n_parts);
+    int64_t *g_first = (int64_t *)malloc(sizeof(int64_t) * (size_t)(n_parts + 1));
+    if (!scales || !xq || !a || !g_first) {
+        free(scales), free(xq), free(a), free(g_first);
+        return -1;
+    }
+    int32_t *xsum = (int32_t *)(scales + 2 * M * nb), *xsum16 = xsum + M * nb;
+    quantize_task q = {x, K, xq, scales, scales + M * nb, xsum, xsum16};
+    if (M >= QUANTIZE_PARALLEL_ROWS) exl_parallel_for(quantize_rows_task, &q, M);
+    else quantize_rows_task(&q, 0, M);
+    int64_t n = 0;
+    g_first[0] = 0;
+    for (int64_t i = 0; i < n_groups; i++) {
+        const qmm_group *g = &groups[i];
+        if (g->rows == 0) continue;
+        int64_t r0 = g->row0, col = 0;
+        for (int64_t pi = 0; pi < g->n_parts; pi++) {
+            const exl_qmatmul_args *p = &g->parts[pi];
+            int zero = p->bits == 6 ? 32 : p->bits == 5 && !p->offsets ? 16 : 0;
+            const int8_t *table = p->bits == 4 ? p->table : NULL;
+            int two_scales = p->scales_per_block == 2, has_off = (p->bits == 4 && !table) || p->offsets;
+            qmm2_args ai = {xq + r0 * K, scales + r0 * nb, scales + M * nb + r0 * nb, g->rows, K, nb,
+                            p->out_features, xsum + r0 * nb, xsum16 + 2 * r0 * nb, p->bits, 0, two_scales, has_off,
+                            p->half_scales != 0, zero, p->qs, p->d, p->m, table, p->bias, g->y + col, g->ldy};
+            a[n] = ai;
+            g_first[n + 1] = g_first[n] + (p->out_features + CG - 1) / CG;
+            col += p->out_features;
+            n++;
+        }
+    }
+    // a chunk per column group: the job is long (every expert's), and on a busy machine a worker preempted in a
+    // long chunk holds the caller up until it runs again (docs/kernels.md has the measurement)
+    qmm2_job job = {a, g_first, n};
+    exl_parallel_for_chunks(qmm2_job_groups, &job, g_first[n], g_first[n]);
+    free(scales), free(xq), free(a), free(g_first);
+    return 0;
+}
+
 static int qmatmul_avx2(const exl_qmatmul_args *args) {
     return qmatmul_avx2_parts(args, 1, args->x, args->rows, args->y, args->out_features, args->y_fp32);
 }
@@ -159,6 +225,15 @@ int qmatmul_parts(const exl_qmatmul_args *parts, int64_t n_parts, const uint16_t
     return qmatmul_avx2_parts(parts, n_parts, x, rows, y, ldy, 0);
 #else
     (void)parts, (void)n_parts, (void)x, (void)rows, (void)y, (void)ldy;
+    return 1;
+#endif
+}
+
+int qmatmul_grouped(const qmm_group *groups, int64_t n_groups, const uint16_t *x, int64_t rows, int64_t K) {
+#if EXL_QMM_AVX2
+    return qmatmul_avx2_grouped(groups, n_groups, x, rows, K);
+#else
+    (void)groups, (void)n_groups, (void)x, (void)rows, (void)K;
     return 1;
 #endif
 }

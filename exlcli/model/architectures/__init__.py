@@ -1,6 +1,6 @@
 """The architecture table: one module per architecture, one row each.
 
-A module (llama.py, mistral.py, qwen2.py, qwen3.py, qwen3_moe.py, mixtral.py, gemma2.py, gemma3.py,
+A module (llama.py, mistral.py, qwen2.py, qwen3.py, qwen3_moe.py, qwen3_next.py, mixtral.py, gemma2.py, gemma3.py,
 gpt_oss.py, phi3.py) states in one
 `Architecture` (base.py) the HF `architectures` names and GGUF `general.architecture` it serves,
 the config fields it reads beyond the shared ones (config.py), its HF and GGUF tensor names, its
@@ -18,7 +18,19 @@ from typing import Any, Mapping
 import torch
 
 from exlcli.errors import UnsupportedArchitectureError
-from exlcli.model.architectures import gemma2, gemma3, gpt_oss, llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe
+from exlcli.model.architectures import (
+    gemma2,
+    gemma3,
+    gpt_oss,
+    llama,
+    mistral,
+    mixtral,
+    phi3,
+    qwen2,
+    qwen3,
+    qwen3_moe,
+    qwen3_next,
+)
 from exlcli.model.architectures.base import Architecture
 from exlcli.model.config import ModelConfig
 from exlcli.model.interface import CausalLM
@@ -29,6 +41,9 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     qwen2.ARCHITECTURE,
     qwen3.ARCHITECTURE,
     qwen3_moe.ARCHITECTURE,
+    qwen3_next.ARCHITECTURE,
+    qwen3_next.QWEN3_5,
+    qwen3_next.QWEN3_5_MOE,
     mixtral.ARCHITECTURE,
     gemma2.ARCHITECTURE,
     gemma3.ARCHITECTURE,

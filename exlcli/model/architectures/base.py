@@ -14,7 +14,8 @@ from exlcli.model.interface import CausalLM
 
 FUSED_DECODE = "decode"  # the fused decode step (CausalLM.fused_decode_forward)
 
-_GGUF_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+# blk.{i}.<key>.{weight,bias}; a few tensors have no suffix (Qwen3-Next's ssm_a)
+_GGUF_LAYER = re.compile(r"blk\.(\d+)\.(\w+?)(?:\.(weight|bias))?$")
 
 
 @dataclass(frozen=True)
@@ -45,5 +46,6 @@ class Architecture:
             return self.gguf_global_names[gguf_name]
         m = _GGUF_LAYER.match(gguf_name)
         if m and m.group(2) in self.gguf_layer_names:
-            return f"{layer_prefix(int(m.group(1)))}{self.gguf_layer_names[m.group(2)]}.{m.group(3)}"
+            suffix = f".{m.group(3)}" if m.group(3) else ""
+            return f"{layer_prefix(int(m.group(1)))}{self.gguf_layer_names[m.group(2)]}{suffix}"
         return None

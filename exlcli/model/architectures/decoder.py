@@ -86,7 +86,7 @@ class DecoderLayer:
         self.down: Linear | None = None
         self.moe: MoeFeedForward | None = None
         if (moe := config.layer_moe(i)) is not None:
-            self.moe = _moe_feed_forward(moe, get, device, dtype)
+            self.moe = _moe_feed_forward(moe, get, device, dtype, i in config.cpu_expert_layers)
         else:
             self.gate_up = make_linear([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")], None, device, dtype)
             self.down = make_linear([get("mlp.down_proj.weight")], None, device, dtype)
@@ -94,19 +94,25 @@ class DecoderLayer:
         self.k_norm = norm("self_attn.k_norm.weight") if config.qk_norm else None
 
 
-def _moe_feed_forward(moe: MoeConfig, get, device: torch.device, dtype: torch.dtype) -> MoeFeedForward:
-    def expert(prefix: str) -> Expert:  # biases where the checkpoint has them (gpt-oss)
+def _moe_feed_forward(moe: MoeConfig, get, device: torch.device, dtype: torch.dtype,
+                      experts_on_cpu: bool = False) -> MoeFeedForward:
+    """`experts_on_cpu` (--cpu-moe, --n-cpu-moe): the routed experts in host memory, in bf16 activations (the
+    CPU kernels'), the rest of the layer on `device`."""
+    def expert(prefix: str, device: torch.device, dtype: torch.dtype) -> Expert:  # biases where the checkpoint has them
         return Expert(make_linear([get(f"{prefix}gate_proj.weight"), get(f"{prefix}up_proj.weight")],
                                   [get(f"{prefix}gate_proj.bias"), get(f"{prefix}up_proj.bias")], device, dtype),
                       make_linear([get(f"{prefix}down_proj.weight")], [get(f"{prefix}down_proj.bias")], device, dtype))
 
-    experts = [expert(expert_name(j, "gate").removesuffix("gate_proj.weight")) for j in range(moe.num_experts)]
-    shared = expert("mlp.shared_expert.") if moe.shared_expert_size else None
+    routed_device, routed_dtype = (torch.device("cpu"), torch.bfloat16) if experts_on_cpu else (device, dtype)
+    experts = [expert(expert_name(j, "gate").removesuffix("gate_proj.weight"), routed_device, routed_dtype)
+               for j in range(moe.num_experts)]
+    shared = expert("mlp.shared_expert.", device, dtype) if moe.shared_expert_size else None
     shared_gate = make_linear([get(SHARED_EXPERT_GATE)], None, device, dtype) if moe.shared_expert_gate else None
     spec = RouterSpec(moe.router, moe.num_experts_used, moe.normalize, moe.num_groups, moe.topk_groups, moe.scale)
     router = make_linear([get(ROUTER)], [get(ROUTER_BIAS)], device, dtype)
     return MoeFeedForward(router, spec, experts, shared, shared_gate, activation=moe.activation,
-                          limit=moe.swiglu_limit, alpha=moe.swiglu_alpha)
+                          limit=moe.swiglu_limit, alpha=moe.swiglu_alpha,
+                          expert_device=routed_device if experts_on_cpu else None)
 
 
 def _feed_forward_bytes(layer: DecoderLayer, active: bool) -> int:
@@ -203,7 +209,21 @@ class DecoderModel:
             raise ValueError(f"num_layers must be 1 to {len(self.layers)}, got {num_layers}")
         return self._forward(batch, kv, num_layers)
 
+    @torch.inference_mode()
+    def forward_hidden(self, batch: BatchInputs, kv: KVCache) -> torch.Tensor:
+        """The last layer's output after the final norm, fp32 [S, H], for the rows
+        batch.logits_indices (what an embedding pools); writes the step's K and V into `kv`."""
+        x = self._final_normed(batch, kv, len(self.layers))
+        return x.float()
+
     def _forward(self, batch: BatchInputs, kv: KVCache, num_layers: int) -> torch.Tensor:
+        x = self._final_normed(batch, kv, num_layers)
+        logits = self.lm_head(x, out_dtype=torch.float32)  # fp32 logits (straight from the CPU kernel)
+        if self.config.final_logit_softcap is not None:
+            logits = torch.tanh(logits / self.config.final_logit_softcap) * self.config.final_logit_softcap
+        return logits
+
+    def _final_normed(self, batch: BatchInputs, kv: KVCache, num_layers: int) -> torch.Tensor:
         cfg = self.config
         num_tokens = batch.input_ids.shape[0]
         h = F.embedding(batch.input_ids, self.embed)  # [T, H]
@@ -262,10 +282,7 @@ class DecoderModel:
         h = h[batch.logits_indices]
         residual = residual[batch.logits_indices]
         x, _ = fused_add_rms_norm(h, residual, self.norm, cfg.rms_norm_eps)
-        logits = self.lm_head(x, out_dtype=torch.float32)  # fp32 logits (straight from the CPU kernel)
-        if cfg.final_logit_softcap is not None:
-            logits = torch.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
-        return logits
+        return x
 
     # -- the CPU kernels' layer in one call ------------------------------------------------------------
     def _cpu_decoder_layers(self, h: torch.Tensor, kv: KVCache) -> CpuDecoderLayers | None:

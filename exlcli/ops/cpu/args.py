@@ -110,5 +110,14 @@ class DecoderLayerArgs(KernelArgs):
     STEP_FIELDS = 13  # the first 13 fields: the step's
 
 
+class MoeExpertsArgs(KernelArgs):
+    c_name, kernel = "exl_moe_experts_args", "exl_moe_experts"
+    _fields_ = [
+        ("x", _p), ("tokens", _i64), ("hidden", _i64), ("inter", _i64), ("top_k", _i64), ("ids", _p),
+        ("weights", _p), ("num_experts", _i64), ("gate_up", _p), ("gate_up_parts", _i64), ("down", _p),
+        ("down_parts", _i64), ("out", _p),
+    ]
+
+
 ALL = (QMatmulArgs, RepackArgs, DequantizeArgs, PagedAttentionArgs, RmsNormArgs, FusedAddRmsNormArgs, MeanSquaresArgs,
-       RopeArgs, SiluAndMulArgs, DecoderLayerArgs)
+       RopeArgs, SiluAndMulArgs, DecoderLayerArgs, MoeExpertsArgs)

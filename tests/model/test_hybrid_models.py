@@ -1,0 +1,188 @@
+"""Hybrid linear-attention models (Qwen3-Next) against transformers: a tiny random checkpoint
+written by transformers itself, loaded by exlcli, fp32 logits compared on prompts longer than one
+chunk of the chunkwise form (64 tokens), alone and beside another sequence in one flat batch on
+scattered pages, then decode steps that read the states and pages back."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hf_random_init import randomize_  # tests/model/hf_random_init.py
+from test_logits_vs_hf import _hf_logits, _pages_for, relative_error
+
+from exlcli.errors import ModelLoadError
+from exlcli.model.batch_inputs import BatchInputs
+from exlcli.model.kv_cache import KVCache
+from exlcli.model.loader import load_model
+
+VOCAB = 96
+MAX_REL_ERR = 1e-3
+# 2 key heads serving 4 value heads; layers linear, linear, full, linear (layer_types), experts
+# with a shared expert in all but layer 1 (mlp_only_layers)
+QWEN3_NEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                  linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                  linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                  shared_expert_intermediate_size=48, max_position_embeddings=512, rms_norm_eps=1e-6,
+                  layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+                  mlp_only_layers=[1], tie_word_embeddings=False)
+_NO_EXPERTS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+               "mlp_only_layers")
+# case -> (transformers config class, its fields): Qwen3.5 has the projections apart, a plain feed-forward
+# (dense) or experts in every layer (MoE)
+CASES = {
+    "qwen3-next": ("Qwen3NextConfig", QWEN3_NEXT),
+    "qwen3.5": ("Qwen3_5TextConfig", {k: v for k, v in QWEN3_NEXT.items() if k not in _NO_EXPERTS}),
+    "qwen3.5-moe": ("Qwen3_5MoeTextConfig", {k: v for k, v in QWEN3_NEXT.items() if k != "mlp_only_layers"}),
+}
+ARCHITECTURE_OF = {"qwen3-next": "qwen3_next", "qwen3.5": "qwen3_5", "qwen3.5-moe": "qwen3_5_moe"}
+
+
+def write_qwen3_next(folder, seed: int = 0, case: str = "qwen3-next", **overrides):
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    cls, fields = CASES[case]
+    cfg = getattr(transformers, cls)(**{**fields, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    randomize_(model)
+    with torch.no_grad():  # decays of a useful size: A = exp(A_log) around 0.5, dt_bias near 0
+        for layer in model.model.layers:
+            if hasattr(layer, "linear_attn"):
+                layer.linear_attn.A_log.copy_(torch.randn_like(layer.linear_attn.A_log) * 0.5 - 0.7)
+    model.save_pretrained(folder)
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    return model
+
+
+def _batch(seqs, starts, tables, page_size, slots, all_logits=True) -> BatchInputs:
+    ids, pos, slot_map, qsl, rows = [], [], [], [0], []
+    for seq, start, pages in zip(seqs, starts, tables):
+        span = range(start, len(seq))
+        ids += seq[start:]
+        pos += span
+        slot_map += [pages[p // page_size] * page_size + p % page_size for p in span]
+        qsl.append(qsl[-1] + len(span))
+        rows += list(range(qsl[-2], qsl[-1])) if all_logits else [qsl[-1] - 1]
+    width = max(len(t) for t in tables)
+    return BatchInputs(
+        input_ids=torch.tensor(ids), positions=torch.tensor(pos), slot_mapping=torch.tensor(slot_map),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        seq_lens=[len(s) for s in seqs], query_start_loc=qsl, logits_indices=torch.tensor(rows),
+        seq_lens_t=torch.tensor([len(s) for s in seqs], dtype=torch.int32), state_slots=slots)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_equal_transformers(tmp_path, case):
+    hf = write_qwen3_next(tmp_path, case=case)
+    loaded = load_model(str(tmp_path), device="cpu", dtype="float32")
+    cfg = loaded.config
+    assert cfg.architecture == ARCHITECTURE_OF[case] and cfg.linear_layers == (0, 1, 3)
+    if case == "qwen3.5":
+        assert cfg.moe is None
+    else:
+        assert cfg.moe is not None and cfg.moe.shared_expert_gate
+        assert cfg.moe.dense_layers == ((1,) if case == "qwen3-next" else ())
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (150, 9)]  # 150: three chunks of 64
+    page_size = 16
+    tables = _pages_for([len(s) + 3 for s in seqs], page_size)
+    kv = KVCache(cfg, 1 + max(p for t in tables for p in t), page_size, torch.device("cpu"), torch.float32,
+                 state_slots=4)
+    assert kv.k[0].numel() == 0 and kv.k[2].numel() > 0  # pages for the attention layer only
+    slots = [3, 1]  # any slots: a slot's old contents never leak into a sequence starting at 0
+    for t in kv.states.tensors.values():
+        for x in t:
+            x.normal_()
+    ours = loaded.model.forward(_batch(seqs, [0, 0], tables, page_size, slots), kv)
+    for got, seq in zip(ours.split([len(s) for s in seqs]), seqs):
+        assert relative_error(got, _hf_logits(hf, seq)) <= MAX_REL_ERR
+    alone = loaded.model.forward(_batch(seqs[1:], [0], tables[1:], page_size, [0]), kv)
+    assert relative_error(alone, ours[150:]) <= 1e-5
+    # decode: three more tokens each, one step at a time, from the states the prefill left
+    longer = [list(s) for s in seqs]
+    for step in range(3):
+        starts = [len(s) for s in longer]
+        for i, s in enumerate(longer):
+            s.append(7 + i + step)
+        ours = loaded.model.forward(_batch(longer, starts, tables, page_size, slots, all_logits=False), kv)
+        for got, seq in zip(ours, longer):
+            assert relative_error(got, _hf_logits(hf, seq)[-1]) <= MAX_REL_ERR
+
+
+def test_a_prompt_in_pieces_equals_it_whole(tmp_path):
+    """A prefill split by the step budget (chunks of 40 then 70 then 1) carries its states exactly."""
+    hf = write_qwen3_next(tmp_path, seed=2)
+    loaded = load_model(str(tmp_path), device="cpu", dtype="float32")
+    seq = torch.randint(0, VOCAB, (111,), generator=torch.Generator().manual_seed(5)).tolist()
+    tables = _pages_for([len(seq)], 16)
+    kv = KVCache(loaded.config, 1 + max(tables[0]), 16, torch.device("cpu"), torch.float32, state_slots=1)
+    pieces = []
+    for start, end in ((0, 40), (40, 110), (110, 111)):
+        pieces.append(loaded.model.forward(_batch([seq[:end]], [start], tables, 16, [0]), kv))
+    assert relative_error(torch.cat(pieces), _hf_logits(hf, seq)) <= MAX_REL_ERR
+
+
+def test_unsupported_conv_width_is_one_line(tmp_path):
+    write_qwen3_next(tmp_path, linear_conv_kernel_dim=12)
+    with pytest.raises(ModelLoadError, match=r"^model config: linear attention with a convolution width of 12 "
+                                             r"\(supported: 2 to 8\) is not supported$"):
+        load_model(str(tmp_path), device="cpu", dtype="float32")
+
+
+def test_unsupported_state_dimension_is_one_line(tmp_path):
+    write_qwen3_next(tmp_path, linear_value_head_dim=24)
+    with pytest.raises(ModelLoadError, match="value head dimension of 24"):
+        load_model(str(tmp_path), device="cpu", dtype="float32")
+
+
+def test_llama_cpp_gguf_equals_transformers(tmp_path):
+    """The same checkpoint converted by llama.cpp's convert_hf_to_gguf.py (--no-mtp: the folder has no
+    MTP layers; experts in every layer, as llama.cpp's qwen3next has them) loads to the same logits."""
+    from llama_cpp_convert import convert_args  # tests/model/llama_cpp_convert.py
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    folder = tmp_path / "hf"
+    hf = write_qwen3_next(folder, seed=4, mlp_only_layers=[])
+    words = VOCAB - 8  # the converter's tokenizer adds special tokens after these
+    vocab = {chr(ord("A") + i): i for i in range(words - 1)} | {"AB": words - 1}
+    tok = Tokenizer(models.BPE(vocab, [("A", "B")]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(folder / "tokenizer.json"))
+    path = convert_args(folder, tmp_path / "model.f32.gguf", ["--no-mtp"])
+    loaded = load_model(str(path), device="cpu", dtype="float32")
+    cfg = loaded.config
+    assert cfg.architecture == "qwen3_next" and cfg.linear_layers == (0, 1, 3) and cfg.partial_rotary_factor == 0.25
+    g = torch.Generator().manual_seed(6)
+    seqs = [torch.randint(0, words, (n,), generator=g).tolist() for n in (100, 7)]
+    tables = _pages_for([len(s) for s in seqs], 16)
+    kv = KVCache(cfg, 1 + max(p for t in tables for p in t), 16, torch.device("cpu"), torch.float32, state_slots=2)
+    ours = loaded.model.forward(_batch(seqs, [0, 0], tables, 16, [0, 1]), kv)
+    for got, seq in zip(ours.split([len(s) for s in seqs]), seqs):
+        assert relative_error(got, _hf_logits(hf, seq)) <= MAX_REL_ERR
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_parameter_count_equals_transformers(tmp_path, case):
+    """What `exlcli info` shows."""
+    hf = write_qwen3_next(tmp_path, case=case)
+    cfg = load_model(str(tmp_path), device="cpu", dtype="float32").config
+    assert cfg.num_params == sum(p.numel() for p in hf.parameters())
+
+
+def test_info_shows_the_linear_layers(tmp_path, private_runtime_dir):
+    from typer.testing import CliRunner
+
+    from exlcli.cli.app import app
+
+    write_qwen3_next(tmp_path)
+    done = CliRunner().invoke(app, ["info", "--model", str(tmp_path)])
+    assert done.exit_code == 0, done.output
+    assert ("linear attention   3 of 4 layers (Gated DeltaNet: 2 key heads of 16, 4 value heads of 16, conv width 4)"
+            in done.output)
