@@ -106,6 +106,10 @@ def register(app: typer.Typer) -> None:
         max_prompt_kb: Annotated[Optional[float], typer.Option(
             "--max-prompt-kb", show_default=False,
             help="Largest prompt in KiB, checked before tokenising. Default: 32 bytes per token of context.")] = None,
+        max_stored_responses: Annotated[int, typer.Option(
+            "--max-stored-responses",
+            help="Responses kept in memory for previous_response_id and GET /v1/responses/{id}; the least "
+                 "recently used go first (0: none).")] = 1024,
         cors_origins: Annotated[Optional[list[str]], typer.Option(
             "--cors-origin",
             help="Allow browser pages from this origin (repeat for more; '*' for any). Default: none.")] = None,
@@ -167,6 +171,8 @@ def register(app: typer.Typer) -> None:
                 raise fail(f"{flag} must be positive, got {value}")
         if max_connections < 1:
             raise fail(f"--max-connections must be at least 1, got {max_connections}")
+        if max_stored_responses < 0:
+            raise fail(f"--max-stored-responses must be at least 0, got {max_stored_responses}")
         if max_prompt_kb is not None and max_prompt_kb <= 0:
             raise fail(f"--max-prompt-kb must be positive, got {max_prompt_kb}")
         for spec in specs[1:]:
@@ -206,7 +212,8 @@ def register(app: typer.Typer) -> None:
                               max_body_bytes=int(max_body_mb * 1024 * 1024), default_max_tokens=default_max_tokens,
                               cors_origins=tuple(cors_origins or ()),
                               max_prompt_bytes=int(max_prompt_kb * 1024) if max_prompt_kb else None,
-                              request_timeout_s=request_timeout, reasoning_format=reasoning_format)
+                              request_timeout_s=request_timeout, reasoning_format=reasoning_format,
+                              max_stored_responses=max_stored_responses)
         try:
             serve(pool, sock, host, port, config, live_display=display, limits=limits)
         finally:

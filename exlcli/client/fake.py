@@ -144,8 +144,9 @@ class ReplayClient(FakeClient):
     """Answers each chat with a scripted assistant turn: turn k for a conversation that already
     holds k assistant messages (the last turn repeats past the end). A turn with a "when" text is
     used instead wherever the conversation's last message contains that text (an agent's side
-    requests, such as naming the session). Its tokens are its words with their spaces, so the text
-    comes back exactly (tool calls included)."""
+    requests, such as naming the session). `{tool_result}` in a reply reads as the conversation's
+    last tool result, so a client's run shows what it sent back. Its tokens are its words with their
+    spaces, so the text comes back exactly (tool calls included)."""
 
     def __init__(self, turns: list[dict], **kwargs) -> None:
         super().__init__(**kwargs)
@@ -156,11 +157,13 @@ class ReplayClient(FakeClient):
 
     def reply_for(self, messages: list[dict]) -> str:
         last = str(messages[-1].get("content") or "") if messages else ""
-        for turn in self.cued:
-            if turn["when"] in last:
-                return turn["reply"]
+        cued = [turn["reply"] for turn in self.cued if turn["when"] in last]
         done = sum(1 for m in messages if m.get("role") == "assistant")
-        return self.turns[min(done, len(self.turns) - 1)]["reply"]
+        reply = cued[0] if cued else self.turns[min(done, len(self.turns) - 1)]["reply"]
+        if "{tool_result}" in reply:
+            result = next((m.get("content") or "" for m in reversed(messages) if m.get("role") == "tool"), "")
+            reply = reply.replace("{tool_result}", str(result))
+        return reply
 
     def chat(self, messages: list[dict], params: GenerationParams) -> GenerationStream:
         self.requests.append(("chat", [dict(m) for m in messages], params))

@@ -1,9 +1,12 @@
-"""The ASGI app: OpenAI-shaped endpoints over the served models (a ModelPool of EngineClients).
+"""The ASGI app: OpenAI's and Anthropic's endpoints over the served models (a ModelPool of
+EngineClients).
 
 Endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (both with `stream`),
-GET /health, GET /metrics, POST /v1/embeddings, and for exlcli's own RemoteClient: POST /tokenize, GET /stats,
-POST /cancel/{response_id}. Every error body has OpenAI's shape {"error": {...}}, but on the routes
-of Anthropic's Messages API (anthropic_api.py), which take Anthropic's.
+POST /v1/responses, GET and DELETE /v1/responses/{id} (responses_api.py), POST /v1/messages and
+POST /v1/messages/count_tokens (anthropic_api.py), POST /v1/embeddings, GET /health, GET /metrics,
+and for exlcli's own RemoteClient: POST /tokenize, GET /stats, POST /cancel/{response_id}. Every
+error body has OpenAI's shape {"error": {...}}, but on the routes of Anthropic's Messages API, which
+take Anthropic's.
 
 Every route that runs a model gets its engine from `await state.client_for(body.model)`: the model
 the request names (the default when it names none), loaded on first use, leased to the request
@@ -25,7 +28,6 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 from exlcli.client.base import EngineClient, GenerationParams, GenerationStream
-from exlcli.engine.request import grammar_from_response_format
 from exlcli.engine.stats import EngineStats
 from exlcli.errors import RequestError
 from exlcli.server import openai_format as fmt
@@ -44,7 +46,9 @@ from exlcli.server.http_errors import APIError, install_error_handlers
 from exlcli.server.metrics import EngineCollector, ResponseCounter, render_metrics
 from exlcli.server.model_pool import ModelLeases, ModelPool
 from exlcli.server.rates import EngineRates
-from exlcli.server.request_flow import bounded, collect_unless_gone, event_stream, start_group
+from exlcli.server.request_flow import bounded, collect_unless_gone, event_stream, grammar_checks, start_group
+from exlcli.server.responses_api import add_responses_routes
+from exlcli.server.responses_store import DEFAULT_MAX_STORED
 from exlcli.server.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, TokenizeRequest
 from exlcli.server.security import (
     DEFAULT_MAX_BODY_BYTES,
@@ -55,7 +59,7 @@ from exlcli.server.security import (
     scoped_session,
 )
 from exlcli.server.sse import DEFAULT_PING_S
-from exlcli.server.tool_calls import ToolDef, ToolPlan, rewrite_completion
+from exlcli.server.tool_calls import ToolPlan, rewrite_completion
 from exlcli.server.tracker import RequestTracker
 
 # Engine streams are iterated in worker threads by some clients; the default pool (cpu + 4 threads)
@@ -85,6 +89,7 @@ class ServerConfig:
     grammar_budget_ms: int = DEFAULT_GRAMMAR_BUDGET_MS  # a request's grammar checks past this are a 400
     request_timeout_s: float | None = 600.0  # a generation still running after this is cancelled
     reasoning_format: str = "auto"  # auto: reasoning apart (reasoning_content); none: inline (--reasoning-format)
+    max_stored_responses: int = DEFAULT_MAX_STORED  # kept for previous_response_id (responses_store.py)
 
 
 @dataclass
@@ -233,7 +238,8 @@ def create_app(served: EngineClient | ModelPool, config: ServerConfig | None = N
     if config.api_key is not None:
         app.add_middleware(APIKeyGate, api_key=config.api_key, open_paths=(HEALTH_PATH,))
     if config.cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["GET", "POST"],
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins),
+                           allow_methods=["GET", "POST", "DELETE"],
                            allow_headers=["authorization", "content-type", "x-api-key", "anthropic-version",
                                           "anthropic-beta"])
     if config.allowed_hosts is not None:
@@ -241,6 +247,7 @@ def create_app(served: EngineClient | ModelPool, config: ServerConfig | None = N
     app.add_middleware(ResponseCounter, tracker=state.tracker)
     app.add_middleware(ModelLeases, pool=pool)
     install_error_handlers(app)
+    app.state.responses = add_responses_routes(app, state)  # /v1/responses (responses_api.py)
     add_messages_routes(app, state)  # Anthropic's Messages API (anthropic_api.py)
 
     @app.get(HEALTH_PATH)
@@ -361,15 +368,3 @@ async def _bounded_embed(state: ServerState, fn):
         raise APIError(400, str(e), param="input") from None
     finally:
         state.num_starting -= 1
-
-
-def grammar_checks(response_format: dict | None, tools: list[ToolDef] | None) -> list[GrammarCheck]:
-    """The grammars a request brings: its response_format and each tool's parameter schema."""
-    checks = []
-    spec = grammar_from_response_format(response_format)  # its shape was checked with the body
-    if spec is not None and spec.kind != "json_object":
-        checks.append(GrammarCheck("response_format", spec.kind, spec.value, spec.strict))
-    for i, tool in enumerate(tools or []):
-        if tool.function.parameters is not None:
-            checks.append(GrammarCheck(f"tools.{i}.function.parameters", "json_schema", tool.function.parameters))
-    return checks

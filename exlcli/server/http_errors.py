@@ -68,7 +68,8 @@ def install_error_handlers(app: FastAPI) -> None:
         message = str(exc)
         if _CONTEXT_EXCEEDED.search(message):
             path = request.url.path
-            param = "messages" if path.endswith("/chat/completions") or is_messages_path(path) else "prompt"
+            param = "messages" if path.endswith("/chat/completions") or is_messages_path(path) \
+                else "input" if path.endswith("/responses") else "prompt"
             return APIError(400, message, param=param, code="context_length_exceeded").response(request.url.path)
         return APIError(400, message).response(request.url.path)
 

@@ -22,8 +22,8 @@ from exlcli.engine.stats import STEP_TIME_BUCKETS
 from exlcli.server.tracker import RequestTracker
 
 # Paths counted by name in exlcli_http_responses_total; any other path counts as "other".
-KNOWN_ENDPOINTS = {"/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/health", "/metrics",
-                   "/tokenize", "/stats", "/v1/messages", "/v1/messages/count_tokens"}
+KNOWN_ENDPOINTS = {"/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings",
+                   "/health", "/metrics", "/tokenize", "/stats", "/v1/messages", "/v1/messages/count_tokens"}
 
 
 def render_metrics(tracker: RequestTracker, accept: str | None = None) -> tuple[bytes, str]:

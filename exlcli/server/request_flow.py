@@ -1,6 +1,7 @@
-"""The life of one generating request, shared by every API's routes (OpenAI's in app.py, Anthropic's
-in anthropic_api.py): admitted and its generations started, then answered whole or as a stream,
-cancelled when its client leaves."""
+"""The life of one generating request, shared by every API's routes (OpenAI's chat and text
+completions in app.py, its Responses API in responses_api.py, Anthropic's Messages API in
+anthropic_api.py): the grammars it brings checked, admitted and its generations started, then
+answered whole or as a stream, cancelled when its client leaves."""
 
 from __future__ import annotations
 
@@ -9,14 +10,32 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 from fastapi import Request
 
+from exlcli.engine.request import grammar_from_response_format
 from exlcli.server import openai_format as fmt
 from exlcli.server.bounded_work import OverBudget, run_bounded
 from exlcli.server.generations import ChoiceResult, EngineFailure, GenerationGroup, Starter
+from exlcli.server.grammar_workers import GrammarCheck
 from exlcli.server.http_errors import APIError
 from exlcli.server.sse import EventStreamResponse, PingFactory
+from exlcli.server.tool_calls import ToolDef
 
 if TYPE_CHECKING:
     from exlcli.server.app import ServerState
+
+
+def grammar_checks(response_format: dict | None, tools: list[ToolDef] | None,
+                   tool_param: str = "tools.{}.function.parameters",
+                   format_param: str = "response_format") -> list[GrammarCheck]:
+    """The grammars an OpenAI-shaped request brings: its response_format and each tool's parameter
+    schema, each named by the field it came in (`tool_param` formatted with the tool's index)."""
+    checks = []
+    spec = grammar_from_response_format(response_format)  # its shape was checked with the body
+    if spec is not None and spec.kind != "json_object":
+        checks.append(GrammarCheck(format_param, spec.kind, spec.value, spec.strict))
+    for i, tool in enumerate(tools or []):
+        if tool.function.parameters is not None:
+            checks.append(GrammarCheck(tool_param.format(i), "json_schema", tool.function.parameters))
+    return checks
 
 
 async def start_group(state: ServerState, endpoint: str, label: str, priority: str,

@@ -1,5 +1,5 @@
 """`fake:replay:FILE`: scripted assistant turns, chosen by how many assistant turns the conversation
-holds (or by a cue in its last message), streamed with their exact text."""
+holds (or by a cue in its last message), streamed with their exact text, tool results quoted."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import pytest
 
 from exlcli.client.base import GenerationParams
+from exlcli.client.factory import open_client
 from exlcli.client.fake import ReplayClient, open_fake_client
 from exlcli.errors import RequestError
 
@@ -43,10 +44,26 @@ def test_turns_follow_the_conversation_and_keep_their_text(tmp_path):
     assert text == "Let me " and last.stop_string == "look"
 
 
+def test_turns_follow_the_conversation_not_the_request_order_and_quote_the_tool_result(tmp_path):
+    path = write(tmp_path, [{"reply": "first  answer"}, {"reply": "saw: {tool_result}"}, {"reply": "last"}])
+    client = open_client(f"fake:replay:{path}")  # the factory opens the same replay
+    assert isinstance(client, ReplayClient)
+    ask = [{"role": "user", "content": "hi"}]
+    assert answer(client, ask)[0] == "first  answer"
+    assert answer(client, ask)[0] == "first  answer"  # the same turn asked again, the same answer
+    turn = ask + [{"role": "assistant", "content": "", "tool_calls": []},
+                  {"role": "tool", "content": "exit 0\nok", "tool_call_id": "c"}]
+    assert answer(client, turn)[0] == "saw: exit 0\nok"
+    assert answer(client, turn + [{"role": "assistant", "content": "x"}] * 5)[0] == "last"  # past the script
+
+
 @pytest.mark.parametrize("lines, words", [
     (["not json"], "turns.jsonl:1: not JSON"),
     ([{"text": "x"}], "turns.jsonl:1: each line must be an object with a text \"reply\""),
     ([{"reply": "x", "when": "cue"}], "at least one turn without \"when\""),
+    ([{"reply": "x", "when": 3}], "turns.jsonl:1: each line must be an object"),
+    (['["a list"]'], "turns.jsonl:1: each line must be an object"),
+    ([], "at least one turn without \"when\""),
 ])
 def test_bad_replay_files_are_named(tmp_path, lines, words):
     path = write(tmp_path, lines)

@@ -343,3 +343,17 @@ def test_the_live_display_has_a_line_per_model():
     text = console.export_text()
     assert "model a (default)  loaded  unloads in 4m00s idle" in text and "model b  not loaded" in text
     pool.close_all()
+
+
+def test_the_responses_api_runs_the_model_it_names():
+    pool = ModelPool([ModelSpec("a", FakeClient), ModelSpec("b", FakeClient)])
+    pool.client_now(pool.default)
+    with running_server(pool) as live:
+        r = httpx.post(live.url + "/v1/responses", json={"model": "b", "input": "hi there"})
+        assert r.status_code == 200, r.text
+        assert r.json()["output"][0]["content"][0]["text"] == "echo: hi there"
+        engines = {m.name: m.client for m in pool.models}
+        assert len(engines["b"].requests) == 1 and engines["a"].requests == []
+        r = httpx.post(live.url + "/v1/responses", json={"model": "gpt-4o", "input": "hi"})
+        assert r.status_code == 404 and r.json()["error"]["param"] == "model", r.text
+    pool.close_all()
