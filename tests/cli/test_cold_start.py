@@ -55,7 +55,7 @@ def own_stderr(proc: subprocess.CompletedProcess) -> str:
     (["--version"], "exlcli "),
     (["run", "-h"], "Generate one answer"),
     (["chat", "-h"], "Chat with a model"),
-    (["serve", "-h"], "Serve one model"),
+    (["serve", "-h"], "Serve models to many clients"),
     (["bench", "-h"], "Benchmarks: prefill/decode throughput"),
     (["batch", "-h"], "Run a JSONL file of prompts"),
     (["perplexity", "--help"], "Perplexity of FILE"),

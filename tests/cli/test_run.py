@@ -25,10 +25,10 @@ def run_cli(monkeypatch, default_model_path):
     command still builds its own engine); everything else is the real command."""
     real = local_client.load_model
 
-    def load_once(model=None, device=None, dtype=None, log=sys.stderr, quantize=None):
-        key = (model, device, dtype, quantize)
+    def load_once(model=None, device=None, dtype=None, log=sys.stderr, quantize=None, **placement):
+        key = (model, device, dtype, quantize, tuple(sorted(placement.items())))
         if key not in _LOADED:
-            _LOADED[key] = real(model, device=device, dtype=dtype, log=log, quantize=quantize)
+            _LOADED[key] = real(model, device=device, dtype=dtype, log=log, quantize=quantize, **placement)
         return _LOADED[key]
 
     monkeypatch.setattr(local_client, "load_model", load_once)
