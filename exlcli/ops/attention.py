@@ -371,7 +371,8 @@ def paged_attention_cpu_quant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         raise KernelInputError(f"CPU attention: block_tables must be contiguous int32 [B >= {num_seqs}, "
                                f"pages], got {block_tables.dtype} {tuple(block_tables.shape)}")
     if len(query_start_loc) != num_seqs + 1 or query_start_loc[0] != 0 or query_start_loc[-1] != num_tokens:
-        raise KernelInputError(f"CPU attention: query_start_loc must have {num_seqs + 1} entries from 0 to {num_tokens}")
+        raise KernelInputError(f"CPU attention: query_start_loc must have {num_seqs + 1} entries from 0 "
+                               f"to {num_tokens}")
     capacity = block_tables.shape[1] * page_size
     for b in range(num_seqs):
         n, length = query_start_loc[b + 1] - query_start_loc[b], seq_lens[b]

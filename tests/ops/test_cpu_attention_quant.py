@@ -8,8 +8,12 @@ import torch
 
 from exlcli.errors import ExlcliError
 from exlcli.ops import attention
-from exlcli.ops.attention import (paged_attention, paged_attention_cpu_quant, paged_attention_ref,
-                                  use_cpu_quant_kernel_for)
+from exlcli.ops.attention import (
+    paged_attention,
+    paged_attention_cpu_quant,
+    paged_attention_ref,
+    use_cpu_quant_kernel_for,
+)
 from exlcli.ops.kv_quant import KV_QUANT_FORMATS, QuantizedPages, hadamard
 from exlcli.ops.kv_store import read_rows, write_rows
 

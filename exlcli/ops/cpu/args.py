@@ -119,5 +119,6 @@ class DecoderLayerArgs(KernelArgs):
     STEP_FIELDS = 13  # the first 13 fields: the step's
 
 
-ALL = (QMatmulArgs, RepackArgs, DequantizeArgs, PagedAttentionArgs, RmsNormArgs, FusedAddRmsNormArgs, MeanSquaresArgs,
+ALL = (QMatmulArgs, RepackArgs, DequantizeArgs, PagedAttentionArgs, PagedAttentionQuantArgs,
+       RmsNormArgs, FusedAddRmsNormArgs, MeanSquaresArgs,
        RopeArgs, SiluAndMulArgs, DecoderLayerArgs)
