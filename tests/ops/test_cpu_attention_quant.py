@@ -14,6 +14,7 @@ from exlcli.ops.attention import (
     paged_attention_ref,
     use_cpu_quant_kernel_for,
 )
+from exlcli.ops.cpu import kv_quantize
 from exlcli.ops.kv_quant import KV_QUANT_FORMATS, QuantizedPages, hadamard
 from exlcli.ops.kv_store import read_rows, write_rows
 
@@ -106,3 +107,14 @@ def test_a_block_table_entry_past_the_cache_is_a_clear_error():
     block_tables[2, 0] = PAGES
     with pytest.raises(ExlcliError, match="outside the cache's 24 pages"):
         paged_attention_cpu_quant(q, k_pages, v_pages, block_tables, starts, lens, SCALE)
+
+
+@pytest.mark.parametrize("name", list(kv_quantize.FORMATS))
+def test_the_c_quantizer_writes_the_torch_encoders_bytes(name):
+    g = torch.Generator().manual_seed(10)
+    x = torch.randn(300, KV_HEADS, DIM, generator=g) * torch.rand(300, KV_HEADS, 1, generator=g) * 10
+    x[0, 0, :32] = 0  # a zero block: scale 0
+    x[1, 0, 5] = -x[1, 0].abs().max()  # the largest size twice, opposite signs: the first one counts
+    fmt = KV_QUANT_FORMATS[name]
+    for values in (x, x.to(torch.bfloat16)):
+        assert torch.equal(kv_quantize.encode(values, fmt), fmt.encode(values))

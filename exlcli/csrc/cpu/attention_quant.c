@@ -60,6 +60,9 @@ static int64_t row_bytes(int format, int64_t dim) {
 
 #if EXL_QATTN
 
+// fp32 -> fp16, round to nearest even (torch's .half())
+static inline uint16_t exl_f32_to_f16(float f) { return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT); }
+
 static inline __m256 codes8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)); }
 
 // (code - offset) * d for 32 codes held as nibbles: byte i has code i low and code i + 16 high.
@@ -288,7 +291,51 @@ int exl_paged_attention_quant(const exl_paged_attention_quant_args *a) {
     return atomic_load(&job.failed) ? -1 : 0;
 }
 
+
+// llama.cpp's quantize_row_q8_0_ref and quantize_row_q4_0_ref on each row (scalar: the write is a
+// few rows a step). Returns 0; 2 for another type or a dim that is not a multiple of 32.
+int exl_kv_quantize(const exl_kv_quantize_args *a) {
+    if (a->dim % 32 || (a->format != EXL_KV_Q8_0 && a->format != EXL_KV_Q4_0)) return 2;
+    int64_t bytes = row_bytes(a->format, a->dim);
+    for (int64_t r = 0; r < a->rows; r++) {
+        const float *x = a->x + r * a->dim;
+        uint8_t *o = a->out + r * bytes;
+        for (int64_t blk = 0; blk < a->dim / 32; blk++, x += 32) {
+            float amax = 0.0f, max = 0.0f;
+            for (int i = 0; i < 32; i++)
+                if (amax < fabsf(x[i])) {
+                    amax = fabsf(x[i]);
+                    max = x[i];
+                }
+            uint16_t h;
+            if (a->format == EXL_KV_Q8_0) {
+                float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+                h = exl_f32_to_f16(d);
+                memcpy(o, &h, 2);
+                for (int i = 0; i < 32; i++) ((int8_t *)o)[2 + i] = (int8_t)roundf(x[i] * id);
+                o += 34;
+            } else {
+                float d = max / -8.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+                h = exl_f32_to_f16(d);
+                memcpy(o, &h, 2);
+                for (int i = 0; i < 16; i++) {
+                    float lo = x[i] * id + 8.5f, hi = x[i + 16] * id + 8.5f;
+                    int ql = lo < 0.0f ? 0 : (int)lo, qh = hi < 0.0f ? 0 : (int)hi;  // trunc, clamped to 0 .. 15
+                    o[2 + i] = (uint8_t)((ql > 15 ? 15 : ql) | ((qh > 15 ? 15 : qh) << 4));
+                }
+                o += 18;
+            }
+        }
+    }
+    return 0;
+}
+
 #else
+
+int exl_kv_quantize(const exl_kv_quantize_args *a) {
+    (void)a;
+    return -1;
+}
 
 int exl_paged_attention_quant(const exl_paged_attention_quant_args *a) {
     (void)a;

@@ -62,6 +62,11 @@ class PagedAttentionQuantArgs(KernelArgs):
     ]
 
 
+class KvQuantizeArgs(KernelArgs):
+    c_name, kernel = "exl_kv_quantize_args", "exl_kv_quantize"
+    _fields_ = [("x", _p), ("rows", _i64), ("dim", _i64), ("format", _i32), ("pad", _i32), ("out", _p)]
+
+
 class RmsNormArgs(KernelArgs):
     c_name, kernel = "exl_rms_norm_args", "exl_rms_norm"
     _fields_ = [
@@ -120,5 +125,5 @@ class DecoderLayerArgs(KernelArgs):
 
 
 ALL = (QMatmulArgs, RepackArgs, DequantizeArgs, PagedAttentionArgs, PagedAttentionQuantArgs,
-       RmsNormArgs, FusedAddRmsNormArgs, MeanSquaresArgs,
+       KvQuantizeArgs, RmsNormArgs, FusedAddRmsNormArgs, MeanSquaresArgs,
        RopeArgs, SiluAndMulArgs, DecoderLayerArgs)
