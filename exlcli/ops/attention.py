@@ -28,12 +28,12 @@ from dataclasses import dataclass
 import torch
 
 from exlcli.ops.cpu import loader as cpu_loader
-from exlcli.ops.cpu.args import PagedAttentionArgs
+from exlcli.ops.cpu.args import PagedAttentionArgs, PagedAttentionQuantArgs
 from exlcli.ops.cuda import kernels as cuda_kernels
 from exlcli.ops.cuda.limits import HEAD_DIMS
 from exlcli.ops.cuda.loader import use_kernels
 from exlcli.ops.errors import KernelInputError
-from exlcli.ops.kv_quant import hadamard
+from exlcli.ops.kv_quant import QuantizedPages, hadamard
 from exlcli.ops.kv_store import read_stored_rows, rotation_of
 
 
@@ -169,7 +169,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Dispatch: on a GPU with the compiled kernels, a step of decode rows alone (one query per
     sequence: decode steps, and verify steps as decode rows) runs `cuda_kernels.paged_attention_decode`,
     any other step `cuda_kernels.paged_attention_prefill` (whose decode rows take the same decode
-    kernel); on the CPU, bf16 runs the C kernel (`paged_attention_cpu`), else the reference
+    kernel); on the CPU, bf16 runs the C kernel (`paged_attention_cpu`), a quantized cache (with bf16 q)
+    the C kernel that reads its pages as stored (`paged_attention_cpu_quant`), else the reference
     (`paged_attention_decode_ref` for decode rows alone). `layout` (the reference's) and `prefill_layout`
     (the compiled prefill's) are per-step work the caller did once for all layers; each path makes its
     own when it is missing. A window, sinks or a soft-cap (`is_plain`) take the reference on either device."""
@@ -188,6 +189,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         # rope hands q over as a view of its [T, heads + kv_heads, D] result
         return paged_attention_cpu(q.contiguous(), k_cache, v_cache, block_tables, query_start_loc,
                                    seq_lens, scale)
+    if plain and use_cpu_quant_kernel_for(q, k_cache, v_cache):
+        return paged_attention_cpu_quant(q.contiguous(), k_cache, v_cache, block_tables, query_start_loc,
+                                         seq_lens, scale)
     if decode_only:
         return paged_attention_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, layout, window,
                                           sinks, softcap)
@@ -306,3 +310,92 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if status:
         raise MemoryError("CPU attention: no memory for the kernel's scratch")
     return out
+
+
+# --- CPU kernel over quantized pages (csrc/cpu/attention_quant.c) ----------------------------------
+
+# the page types of attention_quant.c (its EXL_KV_* numbers)
+_KV_FORMATS = {"q8_0": 2, "q4_0": 3, "q4h": 4, "q3h": 5}
+_FLOAT_FORMATS = {torch.bfloat16: 0, torch.float16: 1}
+
+
+@functools.cache
+def _cpu_quant_kernel():
+    return cpu_loader.kernel_function(PagedAttentionQuantArgs, available="exl_paged_attention_quant_available")
+
+
+def _page_format(cache: torch.Tensor | QuantizedPages) -> int | None:
+    if isinstance(cache, QuantizedPages):
+        return _KV_FORMATS.get(cache.format.name)
+    return _FLOAT_FORMATS.get(cache.dtype)
+
+
+def use_cpu_quant_kernel_for(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """True when `paged_attention` runs attention_quant.c: bf16 q on the CPU, kernels on, head_dim a
+    multiple of 32, at least one of K and V quantized and the other quantized, bf16 or fp16."""
+    quantized = isinstance(k_cache, QuantizedPages) or isinstance(v_cache, QuantizedPages)
+    return (quantized and q.shape[-1] % 32 == 0 and k_cache.device.type == "cpu"
+            and _page_format(k_cache) is not None and _page_format(v_cache) is not None
+            and cpu_loader.use_cpu_kernels(q) and _cpu_quant_kernel() is not None)
+
+
+def _page_bytes(cache: torch.Tensor | QuantizedPages) -> torch.Tensor:
+    return cache.data if isinstance(cache, QuantizedPages) else cache
+
+
+def paged_attention_cpu_quant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              block_tables: torch.Tensor, query_start_loc: list[int], seq_lens: list[int],
+                              scale: float) -> torch.Tensor:
+    """attention_quant.c: `paged_attention_ref`'s arguments, q bf16 and contiguous, K and V pages of
+    q8_0, q4_0, q4h, q3h, bf16 or fp16, read as they are stored. Over rotated keys q is rotated here
+    (Hq.Hk = q.k); over rotated values the kernel's output is turned back once (H^T sum p Hv), as
+    `paged_attention_ref` does. Each row's numbers depend only on that row."""
+    fn = _cpu_quant_kernel()
+    if fn is None:
+        raise KernelInputError(f"CPU quantized-cache attention unavailable ({cpu_loader.reason() or 'no AVX2'})")
+    k_format, v_format = _page_format(k_cache), _page_format(v_cache)
+    if k_format is None or v_format is None:
+        raise KernelInputError(f"CPU quantized-cache attention: pages {k_cache!r}, {v_cache!r} of a type it lacks")
+    if q.dtype != torch.bfloat16 or q.device.type != "cpu" or q.dim() != 3 or not q.is_contiguous():
+        raise KernelInputError(f"CPU attention: q must be a contiguous bf16 [T, heads, D] on the CPU, got "
+                               f"{q.dtype} {tuple(q.shape)} on {q.device}")
+    if k_cache.shape != v_cache.shape or k_cache.shape[-1] != q.shape[-1] or q.shape[-1] % 32:
+        raise KernelInputError(f"CPU attention: caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)} do not "
+                               f"match q {tuple(q.shape)} (head_dim a multiple of 32)")
+    num_pages, page_size, kv_heads, dim = k_cache.shape
+    if kv_heads == 0 or q.shape[1] % kv_heads or page_size == 0 or num_pages == 0:
+        raise KernelInputError(f"CPU attention: {q.shape[1]} query heads over a cache of shape {tuple(k_cache.shape)}")
+    num_seqs, num_tokens = len(seq_lens), q.shape[0]
+    if (block_tables.dtype != torch.int32 or block_tables.device.type != "cpu" or block_tables.dim() != 2
+            or not block_tables.is_contiguous() or block_tables.shape[0] < num_seqs):
+        raise KernelInputError(f"CPU attention: block_tables must be contiguous int32 [B >= {num_seqs}, "
+                               f"pages], got {block_tables.dtype} {tuple(block_tables.shape)}")
+    if len(query_start_loc) != num_seqs + 1 or query_start_loc[0] != 0 or query_start_loc[-1] != num_tokens:
+        raise KernelInputError(f"CPU attention: query_start_loc must have {num_seqs + 1} entries from 0 "
+                               f"to {num_tokens}")
+    capacity = block_tables.shape[1] * page_size
+    for b in range(num_seqs):
+        n, length = query_start_loc[b + 1] - query_start_loc[b], seq_lens[b]
+        if n < 0 or length < n or length > capacity:
+            raise KernelInputError(f"CPU attention: sequence {b} has {n} queries and {length} tokens "
+                                   f"(block table room: {capacity})")
+    if rotation_of(k_cache):
+        q = hadamard(q.float()).to(q.dtype)
+    out = torch.empty_like(q)
+    if num_seqs == 0 or num_tokens == 0:
+        return out
+    k_bytes, v_bytes = _page_bytes(k_cache), _page_bytes(v_cache)
+    qsl, lens = array.array("i", query_start_loc), array.array("i", seq_lens)
+    args = PagedAttentionQuantArgs(
+        q=q.data_ptr(), k_cache=k_bytes.data_ptr(), v_cache=v_bytes.data_ptr(), k_format=k_format, v_format=v_format,
+        block_tables=block_tables.data_ptr(), max_pages=block_tables.shape[1], query_start_loc=qsl.buffer_info()[0],
+        seq_lens=lens.buffer_info()[0], num_seqs=num_seqs, num_pages=num_pages, page_size=page_size,
+        heads=q.shape[1], kv_heads=kv_heads, dim=dim, scale=scale, out=out.data_ptr())
+    status = fn(ctypes.byref(args))
+    if status == 1:
+        raise KernelInputError(f"CPU attention: a block table entry is outside the cache's {num_pages} pages")
+    if status == 2:
+        raise KernelInputError(f"CPU attention: page types {k_format}, {v_format} or head_dim {dim} not taken")
+    if status:
+        raise MemoryError("CPU attention: no memory for the kernel's scratch")
+    return hadamard(out.float()).to(out.dtype) if rotation_of(v_cache) else out

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from exlcli.ops.cpu import kv_quantize
 from exlcli.ops.kv_quant import QuantizedPages
 
 FP8_CACHE_DTYPE = torch.float8_e4m3fn
@@ -37,10 +38,18 @@ def _rows(cache_flat: torch.Tensor) -> torch.Tensor:
 def write_rows(cache_flat: torch.Tensor | QuantizedPages, index: torch.Tensor, values: torch.Tensor) -> None:
     """cache_flat[index] = values rounded to the cache's dtype, or quantized (index_copy_ along dim 0)."""
     if isinstance(cache_flat, QuantizedPages):
-        cache_flat.data.index_copy_(0, index, cache_flat.format.encode(values))
+        cache_flat.data.index_copy_(0, index, _encode(cache_flat, values))
         return
     stored = to_cache_dtype(values, cache_flat.dtype)
     _rows(cache_flat).index_copy_(0, index, _rows(stored))
+
+
+def _encode(pages: QuantizedPages, values: torch.Tensor) -> torch.Tensor:
+    """values [..., D] as `pages` store them: q8_0 / q4_0 on the CPU by the C quantizer
+    (attention_quant.c's exl_kv_quantize, the same bytes as the torch encoder), else the torch one."""
+    if pages.format.name in kv_quantize.FORMATS and values.device.type == "cpu" and kv_quantize.available():
+        return kv_quantize.encode(values, pages.format)
+    return pages.format.encode(values)
 
 
 def read_rows(cache_flat: torch.Tensor | QuantizedPages, index: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ from exlcli.engine.engine import Engine, EngineConfig
 from exlcli.errors import ExlcliError
 from exlcli.model.architectures import build_model
 from exlcli.model.random_weights import random_config, random_tensors
+from exlcli.ops import attention
 from tests.engine.conftest import LetterTokenizer, greedy, random_prompts, tokens_of
 from tests.engine.test_context_window import run, top_logprobs, with_logprobs
 
@@ -88,7 +89,7 @@ def test_preemption_and_speculative_rollback_keep_the_tokens(make_engine):
     small.run_until_idle()
     assert small.scheduler.num_preemptions > 0
     assert [tokens_of(h) for h in handles] == alone
-    repetitive = [1, 2, 3, 4, 5, 6, 7, 8] * 4
+    repetitive = [5, 6, 7] * 10  # this model's continuation of it repeats: the n-gram drafter drafts, some rejected
     plain = tokens_of(make_engine(kv_cache_dtype=K8_V4).submit(greedy("r", repetitive, n=48, ignore_eos=True)))
     drafting = make_engine(kv_cache_dtype=K8_V4, speculative="ngram")
     assert tokens_of(drafting.submit(greedy("s", repetitive, n=48, ignore_eos=True))) == plain
@@ -112,6 +113,28 @@ def test_pages_come_back_after_cancels(make_engine):
     engine.cancel("c1")  # finished already: nothing to do
     engine.pool.check()
     assert engine.pool.num_used == 0
+
+
+@pytest.mark.skipif(attention._cpu_quant_kernel() is None, reason="no AVX2 + FMA + F16C CPU kernels")
+def test_a_q8_0_engine_attends_in_the_c_kernel(make_engine, monkeypatch):
+    """A bf16 model over -ctk q8_0 pages (V q4_0, q8_0 or bf16) never reaches the torch reference:
+    every attention call, prefill and decode, runs csrc/cpu/attention_quant.c, cancels included."""
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the reference attention ran")
+    monkeypatch.setattr(attention, "_paged_attention_rows", forbidden)
+    calls = []
+    kernel = attention.paged_attention_cpu_quant
+    monkeypatch.setattr(attention, "paged_attention_cpu_quant", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    for spec in ("q8_0", K8_V4, "q8_0,bf16"):
+        engine = make_engine(kv_cache_dtype=spec)
+        for i, p in enumerate(random_prompts(4, seed=11, low=20, high=50)):
+            engine.submit(greedy(f"k{i}", p, n=12, ignore_eos=True))
+        engine.step()
+        engine.cancel("k1")
+        engine.run_until_idle()
+        engine.pool.check()
+        assert engine.pool.num_used == 0
+    assert len(calls) > 0
 
 
 def test_shared_prefix_pages_and_a_shift_of_them(make_engine):

@@ -83,6 +83,39 @@ typedef struct {
 } exl_paged_attention_args;
 int exl_paged_attention(const exl_paged_attention_args *args);
 
+// Paged attention over quantized or fp16/bf16 pages, K and V each of its own type (attention_quant.c).
+typedef struct {
+    const uint16_t *q;  // bf16 [T, heads, dim]; for rotated keys (q4h, q3h) already rotated
+    const uint8_t *k_cache;  // [num_pages, page_size, kv_heads, row bytes of k_format]
+    const uint8_t *v_cache;
+    int32_t k_format;  // EXL_KV_* of attention_quant.c
+    int32_t v_format;
+    const int32_t *block_tables;  // [B, max_pages]
+    int64_t max_pages;
+    const int32_t *query_start_loc;  // [B + 1]
+    const int32_t *seq_lens;  // [B]
+    int64_t num_seqs;
+    int64_t num_pages;
+    int64_t page_size;
+    int64_t heads;
+    int64_t kv_heads;
+    int64_t dim;
+    float scale;
+    uint16_t *out;      // bf16 [T, heads, dim]; for rotated values still rotated
+} exl_paged_attention_quant_args;
+int exl_paged_attention_quant(const exl_paged_attention_quant_args *args);
+
+// K/V rows quantized as the cache stores them, llama.cpp's reference quantizers (attention_quant.c).
+typedef struct {
+    const float *x;  // fp32 [rows, dim]
+    int64_t rows;
+    int64_t dim;     // a multiple of 32
+    int32_t format;  // EXL_KV_Q8_0 or EXL_KV_Q4_0
+    int32_t pad;
+    uint8_t *out;    // [rows, row bytes]
+} exl_kv_quantize_args;
+int exl_kv_quantize(const exl_kv_quantize_args *args);
+
 // RMSNorm of rows x + (r / inner) * stride_outer + (r % inner) * stride_inner (norm.c).
 typedef struct {
     const uint16_t *x;

@@ -53,6 +53,20 @@ class PagedAttentionArgs(KernelArgs):
     ]
 
 
+class PagedAttentionQuantArgs(KernelArgs):
+    c_name, kernel = "exl_paged_attention_quant_args", "exl_paged_attention_quant"
+    _fields_ = [
+        ("q", _p), ("k_cache", _p), ("v_cache", _p), ("k_format", _i32), ("v_format", _i32), ("block_tables", _p),
+        ("max_pages", _i64), ("query_start_loc", _p), ("seq_lens", _p), ("num_seqs", _i64), ("num_pages", _i64),
+        ("page_size", _i64), ("heads", _i64), ("kv_heads", _i64), ("dim", _i64), ("scale", _f32), ("out", _p),
+    ]
+
+
+class KvQuantizeArgs(KernelArgs):
+    c_name, kernel = "exl_kv_quantize_args", "exl_kv_quantize"
+    _fields_ = [("x", _p), ("rows", _i64), ("dim", _i64), ("format", _i32), ("pad", _i32), ("out", _p)]
+
+
 class RmsNormArgs(KernelArgs):
     c_name, kernel = "exl_rms_norm_args", "exl_rms_norm"
     _fields_ = [
@@ -119,5 +133,6 @@ class MoeExpertsArgs(KernelArgs):
     ]
 
 
-ALL = (QMatmulArgs, RepackArgs, DequantizeArgs, PagedAttentionArgs, RmsNormArgs, FusedAddRmsNormArgs, MeanSquaresArgs,
+ALL = (QMatmulArgs, RepackArgs, DequantizeArgs, PagedAttentionArgs, PagedAttentionQuantArgs,
+       KvQuantizeArgs, RmsNormArgs, FusedAddRmsNormArgs, MeanSquaresArgs,
        RopeArgs, SiluAndMulArgs, DecoderLayerArgs, MoeExpertsArgs)

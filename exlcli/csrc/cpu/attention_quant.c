@@ -1,0 +1,345 @@
+// Paged attention on the CPU over quantized KV pages (exlcli/ops/kv_quant.py: q8_0 and q4_0 as
+// llama.cpp lays them, q4h and q3h) or fp16 / bf16 pages, K and V each of its own type; bf16 q in,
+// bf16 out. exlcli/ops/attention.py checks the inputs and calls it once per layer.
+//
+// Pages are read as they are stored: a unit of work (up to QBLK queries of one sequence, one kv
+// head) decodes the rows it needs block by block in registers (bytes -> int32 -> fp32 times the
+// block's fp16 scale, the exact values the torch decoder gives) into fp32 rows kf, vf [j][dim], which
+// every query head of the group and every query of the unit then reads. For the rotated types the
+// caller rotates q (so scores against rotated keys need no inverse) and turns the output back once.
+// Per query row, in the order of attention_avx2.h:
+//   s_j  = hsum8(sum over d0 = 0, 8, .. of q[d0..d0+7] * k_j[d0..d0+7]) * scale
+//   p_j  = exp(s_j - max s)             j < limit = the row's position + 1
+//   sum  = sum_j p_j                    lane j % 8 adds its keys in order, then a fixed tree
+//   o_d  = (sum_j p_j v_jd) / sum       j = 0, 1, ... in turn; one rounding to bf16 (RNE)
+//
+// Batch invariance: a row's arithmetic depends only on its q, its keys and its limit; how the work
+// is cut into units and which thread runs them change no bit. AVX2 + FMA + F16C (which every
+// AVX-512 CPU has too); elsewhere exl_paged_attention_quant_available() is 0 and the reference runs.
+
+#include <math.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "args.h"
+#include "bf16.h"
+#include "pool.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define EXL_QATTN 1
+#include <immintrin.h>
+
+#include "softmax8.h"
+#else
+#define EXL_QATTN 0
+#endif
+
+// Page types (ops/attention.py's _KV_FORMATS mirrors these numbers).
+enum { EXL_KV_BF16 = 0, EXL_KV_F16 = 1, EXL_KV_Q8_0 = 2, EXL_KV_Q4_0 = 3, EXL_KV_Q4H = 4, EXL_KV_Q3H = 5 };
+
+#define QVL 8     // fp32 lanes
+#define QBLK 32   // most queries of one sequence in a unit of work
+#define QRT 4     // query rows per tile (heads of one token sharing a kv head)
+
+int exl_paged_attention_quant_available(void) { return EXL_QATTN; }
+
+// Bytes of one head vector of `dim` values; 0 for an unknown type.
+static int64_t row_bytes(int format, int64_t dim) {
+    switch (format) {
+        case EXL_KV_BF16:
+        case EXL_KV_F16: return dim * 2;
+        case EXL_KV_Q8_0: return dim / 32 * 34;
+        case EXL_KV_Q4_0:
+        case EXL_KV_Q4H: return dim / 32 * 18;
+        case EXL_KV_Q3H: return dim / 32 * 14;
+        default: return 0;
+    }
+}
+
+#if EXL_QATTN
+
+// fp32 -> fp16, round to nearest even (torch's .half())
+static inline uint16_t exl_f32_to_f16(float f) { return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT); }
+
+static inline __m256 codes8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)); }
+
+// (code - offset) * d for 32 codes held as nibbles: byte i has code i low and code i + 16 high.
+static inline void decode_nibbles(const uint8_t *src, float offset, float *dst) {
+    __m256 d = _mm256_set1_ps(_cvtsh_ss(*(const uint16_t *)src)), off = _mm256_set1_ps(offset);
+    __m128i b = _mm_loadu_si128((const __m128i *)(src + 2)), mask = _mm_set1_epi8(0x0f);
+    __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+    _mm256_storeu_ps(dst, _mm256_mul_ps(_mm256_sub_ps(codes8(lo), off), d));
+    _mm256_storeu_ps(dst + 8, _mm256_mul_ps(_mm256_sub_ps(codes8(_mm_srli_si128(lo, 8)), off), d));
+    _mm256_storeu_ps(dst + 16, _mm256_mul_ps(_mm256_sub_ps(codes8(hi), off), d));
+    _mm256_storeu_ps(dst + 24, _mm256_mul_ps(_mm256_sub_ps(codes8(_mm_srli_si128(hi, 8)), off), d));
+}
+
+// One stored head vector -> its dim fp32 values (a rotated type's still rotated). Every value is
+// exact: a code times an fp16 scale fits fp32's mantissa.
+static void decode_row(int format, const uint8_t *src, int64_t dim, float *dst) {
+    switch (format) {
+        case EXL_KV_BF16:
+            for (int64_t i = 0; i < dim; i += QVL) _mm256_storeu_ps(dst + i, bf16_load8_n((const uint16_t *)src + i, QVL));
+            return;
+        case EXL_KV_F16:
+            for (int64_t i = 0; i < dim; i += QVL)
+                _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 2 * i))));
+            return;
+        case EXL_KV_Q8_0:
+            for (int64_t blk = 0; blk < dim / 32; blk++, src += 34, dst += 32) {
+                __m256 d = _mm256_set1_ps(_cvtsh_ss(*(const uint16_t *)src));
+                for (int g = 0; g < 4; g++) {
+                    __m128i b = _mm_loadl_epi64((const __m128i *)(src + 2 + 8 * g));
+                    _mm256_storeu_ps(dst + 8 * g, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), d));
+                }
+            }
+            return;
+        case EXL_KV_Q4_0:
+            for (int64_t blk = 0; blk < dim / 32; blk++) decode_nibbles(src + 18 * blk, 8.0f, dst + 32 * blk);
+            return;
+        case EXL_KV_Q4H:
+            for (int64_t blk = 0; blk < dim / 32; blk++) decode_nibbles(src + 18 * blk, 7.5f, dst + 32 * blk);
+            return;
+        case EXL_KV_Q3H:
+            // 2 low bits: byte i % 8 from bit 2 * (i / 8); high bit: byte 8 + i % 4, bit i / 4
+            for (int64_t blk = 0; blk < dim / 32; blk++, src += 14, dst += 32) {
+                float d = _cvtsh_ss(*(const uint16_t *)src);
+                const uint8_t *low = src + 2, *high = src + 10;
+                float q[32];
+                for (int i = 0; i < 32; i++)
+                    q[i] = (float)(((low[i % 8] >> (2 * (i / 8))) & 3) | (((high[i % 4] >> (i / 4)) & 1) << 2));
+                __m256 vd = _mm256_set1_ps(d), off = _mm256_set1_ps(3.5f);
+                for (int g = 0; g < 4; g++)
+                    _mm256_storeu_ps(dst + 8 * g, _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(q + 8 * g), off), vd));
+            }
+            return;
+    }
+}
+
+typedef struct {
+    int64_t seq, tok0, tok1, h;
+} QUnit;
+
+typedef struct {
+    const exl_paged_attention_quant_args *a;
+    const QUnit *units;
+    atomic_int failed;
+} QJob;
+
+static int64_t qunit_keys(const exl_paged_attention_quant_args *a, const QUnit *u) {
+    int64_t n = a->query_start_loc[u->seq + 1] - a->query_start_loc[u->seq];
+    return a->seq_lens[u->seq] - n + u->tok1;
+}
+
+// s[r][j] for rows 0 .. rows - 1 (qf [rows][dim]) and keys j < limit.
+static inline __attribute__((always_inline)) void qscore_rows(const float *qf, const float *kf, int64_t dim, int rows,
+                                                               int64_t limit, float scale, float *s, int64_t padded) {
+    for (int64_t j = 0; j < limit; j++) {
+        __m256 acc[QRT];
+        for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < dim; d += QVL) {
+            __m256 k = _mm256_loadu_ps(kf + j * dim + d);
+            for (int r = 0; r < rows; r++) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + r * dim + d), k, acc[r]);
+        }
+        for (int r = 0; r < rows; r++) s[r * padded + j] = hsum8(acc[r]) * scale;
+    }
+}
+
+// Softmax numerators in place over s[0, limit), zeros up to the padded length; returns their sum.
+static float qsoftmax_row(float *s, int64_t limit) {
+    int64_t padded = (limit + QVL - 1) / QVL * QVL;
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < limit; j++) mx = s[j] > mx ? s[j] : mx;
+    __m256 vmax = _mm256_set1_ps(mx), sum = _mm256_setzero_ps();
+    for (int64_t j = 0; j < padded; j += QVL) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), vmax));
+        if (j + QVL > limit) {  // keys past the limit: 0
+            float t[QVL];
+            _mm256_storeu_ps(t, e);
+            for (int64_t i = limit - j; i < QVL; i++) t[i] = 0.0f;
+            e = _mm256_loadu_ps(t);
+        }
+        _mm256_storeu_ps(s + j, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    return hsum8(sum);
+}
+
+// out[r][d0 .. d0 + 8 * nvec) = (sum_j p[r][j] v_j) / total[r], rounded to bf16.
+static inline __attribute__((always_inline)) void qpv_rows(const float *p, int64_t padded, const float *vf,
+                                                            int64_t dim, int64_t limit, int rows, int64_t d0, int nvec,
+                                                            const float *total, uint16_t *const out[QRT]) {
+    __m256 acc[QRT][4];
+    for (int r = 0; r < rows; r++)
+        for (int x = 0; x < nvec; x++) acc[r][x] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < limit; j++) {
+        __m256 v[4];
+        for (int x = 0; x < nvec; x++) v[x] = _mm256_loadu_ps(vf + j * dim + d0 + QVL * x);
+        for (int r = 0; r < rows; r++) {
+            __m256 pb = _mm256_broadcast_ss(p + r * padded + j);
+            for (int x = 0; x < nvec; x++) acc[r][x] = _mm256_fmadd_ps(pb, v[x], acc[r][x]);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        __m256 t = _mm256_set1_ps(total[r]);
+        for (int x = 0; x < nvec; x++) bf16_store8_n(out[r] + d0 + QVL * x, _mm256_div_ps(acc[r][x], t), QVL);
+    }
+}
+
+static void qattend_tile(const exl_paged_attention_quant_args *a, const float *qf, const float *kf, const float *vf,
+                         int rows, int64_t limit, float *s, int64_t padded, uint16_t *const out[QRT]) {
+    switch (rows) {  // constant row counts keep the sums in registers
+        case 1: qscore_rows(qf, kf, a->dim, 1, limit, a->scale, s, padded); break;
+        case 2: qscore_rows(qf, kf, a->dim, 2, limit, a->scale, s, padded); break;
+        case 3: qscore_rows(qf, kf, a->dim, 3, limit, a->scale, s, padded); break;
+        default: qscore_rows(qf, kf, a->dim, 4, limit, a->scale, s, padded); break;
+    }
+    float total[QRT];
+    for (int r = 0; r < rows; r++) total[r] = qsoftmax_row(s + r * padded, limit);
+    for (int64_t d0 = 0; d0 < a->dim; d0 += 4 * QVL) {
+        int64_t left = (a->dim - d0) / QVL;
+        int nvec = left < 4 ? (int)left : 4;
+#define QPV(R)                                                                              \
+    switch (nvec) {                                                                         \
+        case 1: qpv_rows(s, padded, vf, a->dim, limit, R, d0, 1, total, out); break;        \
+        case 2: qpv_rows(s, padded, vf, a->dim, limit, R, d0, 2, total, out); break;        \
+        case 3: qpv_rows(s, padded, vf, a->dim, limit, R, d0, 3, total, out); break;        \
+        default: qpv_rows(s, padded, vf, a->dim, limit, R, d0, 4, total, out); break;       \
+    }
+        switch (rows) {
+            case 1: QPV(1) break;
+            case 2: QPV(2) break;
+            case 3: QPV(3) break;
+            default: QPV(4) break;
+        }
+#undef QPV
+    }
+}
+
+static void qattend_unit(const exl_paged_attention_quant_args *a, const QUnit *u, float *work) {
+    int64_t heads = a->heads, kv_heads = a->kv_heads, dim = a->dim, group = heads / kv_heads, h = u->h;
+    int64_t b = u->seq, q0 = a->query_start_loc[b], n = a->query_start_loc[b + 1] - q0, len = a->seq_lens[b];
+    int64_t keys = qunit_keys(a, u), padded = (keys + QVL - 1) / QVL * QVL;
+    int64_t kbytes = row_bytes(a->k_format, dim), vbytes = row_bytes(a->v_format, dim);
+    const int32_t *pages = a->block_tables + b * a->max_pages;
+    float *kf = work, *vf = kf + keys * dim, *s = vf + keys * dim, *qf = s + QRT * padded;
+    for (int64_t j = 0; j < keys; j++) {
+        int64_t slot = (int64_t)pages[j / a->page_size] * a->page_size + j % a->page_size;
+        decode_row(a->k_format, a->k_cache + (slot * kv_heads + h) * kbytes, dim, kf + j * dim);
+        decode_row(a->v_format, a->v_cache + (slot * kv_heads + h) * vbytes, dim, vf + j * dim);
+    }
+    for (int64_t t = u->tok0; t < u->tok1; t++) {
+        int64_t limit = len - n + t + 1;
+        for (int64_t g0 = 0; g0 < group; g0 += QRT) {
+            int rows = (int)(group - g0 < QRT ? group - g0 : QRT);
+            uint16_t *orow[QRT];
+            for (int r = 0; r < rows; r++) {
+                int64_t off = ((q0 + t) * heads + h * group + g0 + r) * dim;
+                for (int64_t d = 0; d < dim; d += QVL) _mm256_storeu_ps(qf + r * dim + d, bf16_load8_n(a->q + off + d, QVL));
+                orow[r] = a->out + off;
+            }
+            qattend_tile(a, qf, kf, vf, rows, limit, s, padded, orow);
+        }
+    }
+}
+
+static int64_t qworkspace_floats(int64_t keys, int64_t dim) {
+    int64_t padded = (keys + QVL - 1) / QVL * QVL;
+    return 2 * keys * dim + QRT * padded + QRT * dim;
+}
+
+static void qattend_units(void *ctx, int64_t begin, int64_t end) {
+    QJob *job = (QJob *)ctx;
+    int64_t most = 0;
+    for (int64_t i = begin; i < end; i++) {
+        int64_t need = qworkspace_floats(qunit_keys(job->a, &job->units[i]), job->a->dim);
+        if (need > most) most = need;
+    }
+    float *work = (float *)aligned_alloc(64, (size_t)(most + 16) / 16 * 64);
+    if (!work) {
+        atomic_store(&job->failed, 1);
+        return;
+    }
+    for (int64_t i = begin; i < end; i++) qattend_unit(job->a, &job->units[i], work);
+    free(work);
+}
+
+// Returns 0; 1 when a used block-table entry is outside [0, num_pages); 2 for an unknown page type
+// or a head_dim that is not a multiple of 32; -1 when out of memory. The caller checked the rest.
+int exl_paged_attention_quant(const exl_paged_attention_quant_args *a) {
+    if (!row_bytes(a->k_format, a->dim) || !row_bytes(a->v_format, a->dim) || a->dim % 32) return 2;
+    int64_t count = 0;
+    for (int64_t b = 0; b < a->num_seqs; b++) {
+        const int32_t *pages = a->block_tables + b * a->max_pages;
+        for (int64_t i = 0; i < (a->seq_lens[b] + a->page_size - 1) / a->page_size; i++)
+            if (pages[i] < 0 || pages[i] >= a->num_pages) return 1;
+        count += (a->query_start_loc[b + 1] - a->query_start_loc[b] + QBLK - 1) / QBLK;
+    }
+    QUnit *units = (QUnit *)malloc(sizeof(QUnit) * (size_t)(count * a->kv_heads + 1));
+    if (!units) return -1;
+    int64_t nu = 0;
+    for (int64_t b = 0; b < a->num_seqs; b++) {
+        int64_t n = a->query_start_loc[b + 1] - a->query_start_loc[b];
+        for (int64_t t = 0; t < n; t += QBLK)
+            for (int64_t h = 0; h < a->kv_heads; h++) units[nu++] = (QUnit){b, t, t + QBLK < n ? t + QBLK : n, h};
+    }
+    QJob job = {a, units, 0};
+    exl_parallel_for(qattend_units, &job, nu);
+    free(units);
+    return atomic_load(&job.failed) ? -1 : 0;
+}
+
+
+// llama.cpp's quantize_row_q8_0_ref and quantize_row_q4_0_ref on each row (scalar: the write is a
+// few rows a step). Returns 0; 2 for another type or a dim that is not a multiple of 32.
+int exl_kv_quantize(const exl_kv_quantize_args *a) {
+    if (a->dim % 32 || (a->format != EXL_KV_Q8_0 && a->format != EXL_KV_Q4_0)) return 2;
+    int64_t bytes = row_bytes(a->format, a->dim);
+    for (int64_t r = 0; r < a->rows; r++) {
+        const float *x = a->x + r * a->dim;
+        uint8_t *o = a->out + r * bytes;
+        for (int64_t blk = 0; blk < a->dim / 32; blk++, x += 32) {
+            float amax = 0.0f, max = 0.0f;
+            for (int i = 0; i < 32; i++)
+                if (amax < fabsf(x[i])) {
+                    amax = fabsf(x[i]);
+                    max = x[i];
+                }
+            uint16_t h;
+            if (a->format == EXL_KV_Q8_0) {
+                float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+                h = exl_f32_to_f16(d);
+                memcpy(o, &h, 2);
+                for (int i = 0; i < 32; i++) ((int8_t *)o)[2 + i] = (int8_t)roundf(x[i] * id);
+                o += 34;
+            } else {
+                float d = max / -8.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+                h = exl_f32_to_f16(d);
+                memcpy(o, &h, 2);
+                for (int i = 0; i < 16; i++) {
+                    float lo = x[i] * id + 8.5f, hi = x[i + 16] * id + 8.5f;
+                    int ql = lo < 0.0f ? 0 : (int)lo, qh = hi < 0.0f ? 0 : (int)hi;  // trunc, clamped to 0 .. 15
+                    o[2 + i] = (uint8_t)((ql > 15 ? 15 : ql) | ((qh > 15 ? 15 : qh) << 4));
+                }
+                o += 18;
+            }
+        }
+    }
+    return 0;
+}
+
+#else
+
+int exl_kv_quantize(const exl_kv_quantize_args *a) {
+    (void)a;
+    return -1;
+}
+
+int exl_paged_attention_quant(const exl_paged_attention_quant_args *a) {
+    (void)a;
+    return -1;
+}
+
+#endif
