@@ -11,6 +11,9 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef __SSSE3__
+#include <immintrin.h>
+#endif
 
 #include "args.h"
 #include "bf16.h"
@@ -76,8 +79,9 @@ static void five_bits(const uint8_t *qh, const uint8_t *qs, int32_t *q) {
     for (int j = 0; j < BLOCK; j++) q[j] |= (int32_t)((high >> j) & 1) << 4;
 }
 
-// Block b (of 32 weights) of a row; 0, or -1 for a format this file does not decode.
-static int decode(int format, const uint8_t *row, int64_t b, decoded *out) {
+// Block b (of 32 weights) of a row; 0, or -1 for a format this file does not decode. Inlined where `format`
+// is a constant, so that the switch folds away in each format's own copy of the repack loop.
+static inline __attribute__((always_inline)) int decode(int format, const uint8_t *row, int64_t b, decoded *out) {
     const uint8_t *p;
     int s = (int)(b % 8), sc, mn;
     out->scale[1] = 0.0f;
@@ -218,10 +222,11 @@ typedef struct {
     atomic_int any_offset, not_half, failed;
 } repack_job;
 
-static void repack_groups(void *ctx, int64_t begin, int64_t end) {
-    repack_job *job = (repack_job *)ctx;
+// The generic loop, one copy per (format, bits) so that decode() and place_column() fold their switches.
+static inline __attribute__((always_inline)) void repack_groups_of(repack_job *job, int64_t begin, int64_t end,
+                                                                   const int format, const int bits) {
     const exl_repack_args *a = job->a;
-    const int64_t nb = job->nb, bytes = layout_bytes(a->bits);
+    const int64_t nb = job->nb, bytes = layout_bytes(bits);
     const int spb = a->scales_per_block;
     int any_offset = 0, not_half = 0;
     uint8_t v[CG * BLOCK];
@@ -232,14 +237,14 @@ static void repack_groups(void *ctx, int64_t begin, int64_t end) {
             for (int c = 0; c < CG; c++) {
                 int64_t r = g * CG + c;
                 if (r < a->rows) {
-                    if (decode(a->format, a->src + r * a->row_bytes, b, &blk) != 0) {
+                    if (decode(format, a->src + r * a->row_bytes, b, &blk) != 0) {
                         atomic_store(&job->failed, 1);
                         return;
                     }
                 } else {  // padding rows: q = 0, no scale or offset
                     memset(&blk, 0, sizeof blk);
                 }
-                place_column(a->bits, c, blk.q, a->zero, v, a->qs + (g * nb + b) * bytes);
+                place_column(bits, c, blk.q, a->zero, v, a->qs + (g * nb + b) * bytes);
                 for (int s = 0; s < spb; s++) {
                     d[s * CG + c] = blk.scale[s];
                     not_half |= !exact_in_half(blk.scale[s]);
@@ -248,11 +253,241 @@ static void repack_groups(void *ctx, int64_t begin, int64_t end) {
                 any_offset |= blk.offset != 0.0f;
                 not_half |= !exact_in_half(blk.offset);
             }
-            if (a->bits == 5 || a->bits == 6) write_block(&job->t, a->bits, v, a->qs + (g * nb + b) * bytes);
+            if (bits == 5 || bits == 6) write_block(&job->t, bits, v, a->qs + (g * nb + b) * bytes);
         }
     }
     if (any_offset) atomic_store(&job->any_offset, 1);
     if (not_half) atomic_store(&job->not_half, 1);
+}
+
+#ifdef __SSSE3__
+// One block's 32 nibbles of a 4-bit format's row as two vectors, weights 0-15 and 16-31 (one per byte),
+// with the block's scale and offset (as decode() computes them).
+static inline __attribute__((always_inline)) void nibbles4(const int format, const uint8_t *row, int64_t b,
+                                                           __m128i *lo, __m128i *hi, float *scale, float *offset) {
+    const __m128i low4 = _mm_set1_epi8(15);
+    if (format == Q4_K) {
+        const uint8_t *p = row + (b / 8) * 144;
+        int s = (int)(b % 8), sc, mn;
+        scale_min_k4(p + 4, s, &sc, &mn);
+        *scale = half_at(p) * (float)sc;
+        *offset = -(half_at(p + 2) * (float)mn);
+        const uint8_t *qs = p + 16 + 32 * (s / 2);
+        const __m128i shift = _mm_cvtsi32_si128(4 * (s & 1));
+        *lo = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i *)qs), shift), low4);
+        *hi = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i *)(qs + 16)), shift), low4);
+    } else {  // Q4_0, Q4_1: weight j in the low nibble of byte j, weight j + 16 in its high one
+        const uint8_t *p = row + b * (format == Q4_0 ? 18 : 20);
+        *scale = half_at(p);
+        *offset = format == Q4_0 ? -8.0f * *scale : half_at(p + 2);
+        const __m128i q = _mm_loadu_si128((const __m128i *)(p + (format == Q4_0 ? 2 : 4)));
+        *lo = _mm_and_si128(q, low4);
+        *hi = _mm_and_si128(_mm_srli_epi16(q, 4), low4);
+    }
+}
+
+// The 4-bit layout from Q4_0, Q4_1 and Q4_K, four columns at a time: column c's byte for k = 8i + 2u + e
+// (q[k] | q[k + 4] << 4) sits at 64i + 16(c / 4) + 8u + 2(c % 4) + e (place_column's bits == 4).
+// Per column, t = [pairs of weights 0-7 | 8-15 | 16-23 | 24-31] packs that byte for each k (its 16-bit word
+// 2i + u holds e = 0, 1); four columns' words interleave into the layout's 16-byte rows.
+static inline __attribute__((always_inline)) void repack4_groups_of(repack_job *job, int64_t begin, int64_t end,
+                                                                    const int format) {
+    const exl_repack_args *a = job->a;
+    const int64_t nb = job->nb;
+    int any_offset = 0, not_half = 0;
+    for (int64_t g = begin; g < end; g++) {
+        for (int64_t b = 0; b < nb; b++) {
+            float *d = a->d + (g * nb + b) * CG, *m = a->m + (g * nb + b) * CG;
+            uint8_t *out = a->qs + (g * nb + b) * 256;
+            __m128i t[CG];
+            for (int c = 0; c < CG; c++) {
+                int64_t r = g * CG + c;
+                __m128i lo = _mm_setzero_si128(), hi = _mm_setzero_si128();
+                float scale = 0.0f, offset = 0.0f;
+                if (r < a->rows) nibbles4(format, a->src + r * a->row_bytes, b, &lo, &hi, &scale, &offset);
+                // bytes 0-3 and 8-11 of lo | (bytes 4-7 and 12-15) << 4, likewise hi: 32-bit lanes 0 and 2
+                __m128i plo = _mm_or_si128(lo, _mm_slli_epi16(_mm_srli_si128(lo, 4), 4));
+                __m128i phi = _mm_or_si128(hi, _mm_slli_epi16(_mm_srli_si128(hi, 4), 4));
+                t[c] = _mm_castps_si128(_mm_shuffle_ps(_mm_castsi128_ps(plo), _mm_castsi128_ps(phi),
+                                                       _MM_SHUFFLE(2, 0, 2, 0)));
+                d[c] = scale;
+                m[c] = offset;
+                any_offset |= offset != 0.0f;
+                not_half |= !exact_in_half(scale) | !exact_in_half(offset);
+            }
+            for (int quad = 0; quad < 4; quad++) {
+                const __m128i *q4 = t + 4 * quad;
+                __m128i x01 = _mm_unpacklo_epi16(q4[0], q4[1]), x23 = _mm_unpacklo_epi16(q4[2], q4[3]);
+                __m128i y01 = _mm_unpackhi_epi16(q4[0], q4[1]), y23 = _mm_unpackhi_epi16(q4[2], q4[3]);
+                _mm_storeu_si128((__m128i *)(out + 0 + 16 * quad), _mm_unpacklo_epi32(x01, x23));
+                _mm_storeu_si128((__m128i *)(out + 64 + 16 * quad), _mm_unpackhi_epi32(x01, x23));
+                _mm_storeu_si128((__m128i *)(out + 128 + 16 * quad), _mm_unpacklo_epi32(y01, y23));
+                _mm_storeu_si128((__m128i *)(out + 192 + 16 * quad), _mm_unpackhi_epi32(y01, y23));
+            }
+        }
+    }
+    if (any_offset) atomic_store(&job->any_offset, 1);
+    if (not_half) atomic_store(&job->not_half, 1);
+}
+
+// A 32-bit mask's bits 0-15 (lo) and 16-31 (hi) as bytes of 0 or 1.
+static inline __attribute__((always_inline)) void bits_to_bytes(uint32_t bits, __m128i *lo, __m128i *hi) {
+    const __m128i x = _mm_set1_epi32((int)bits);
+    const __m128i select = _mm_set1_epi64x((long long)0x8040201008040201ULL), one = _mm_set1_epi8(1);
+    const __m128i b01 = _mm_shuffle_epi8(x, _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
+    const __m128i b23 = _mm_shuffle_epi8(x, _mm_setr_epi8(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    *lo = _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(b01, select), select), one);
+    *hi = _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(b23, select), select), one);
+}
+
+// One block's 32 held values (q + zero) of a 5- or 6-bit format, split as the layout stores them: low
+// nibbles l[0] (weights 0-15) and l[1] (16-31), high bits (value >> 4) h[0], h[1]; with its scales and offset
+// (as decode() computes them).
+static inline __attribute__((always_inline)) void values56(const int format, const uint8_t *row, int64_t b,
+                                                           __m128i l[2], __m128i h[2], float scale[2],
+                                                           float *offset) {
+    const __m128i low4 = _mm_set1_epi8(15);
+    const int s = (int)(b % 8);
+    const uint8_t *p;
+    scale[1] = 0.0f;
+    *offset = 0.0f;
+    if (format == Q6_K) {
+        p = row + (b / 8) * 210;
+        float d = half_at(p + 208);
+        scale[0] = d * (float)(int8_t)p[192 + 2 * s];
+        scale[1] = d * (float)(int8_t)p[192 + 2 * s + 1];
+        const uint8_t *ql = p + 64 * (s / 4) + 32 * (s % 2), *qh = p + 128 + 32 * (s / 4);
+        const __m128i low_shift = _mm_cvtsi32_si128(4 * ((s % 4) / 2)), high_shift = _mm_cvtsi32_si128(2 * (s % 4));
+        const __m128i two = _mm_set1_epi8(3);
+        for (int half = 0; half < 2; half++) {
+            l[half] = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i *)(ql + 16 * half)), low_shift), low4);
+            h[half] = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i *)(qh + 16 * half)), high_shift), two);
+        }
+    } else if (format == Q5_K) {
+        int sc, mn;
+        p = row + (b / 8) * 176;
+        scale_min_k4(p + 4, s, &sc, &mn);
+        scale[0] = half_at(p) * (float)sc;
+        *offset = -(half_at(p + 2) * (float)mn);
+        const uint8_t *qs = p + 48 + 32 * (s / 2);
+        const __m128i nibble_shift = _mm_cvtsi32_si128(4 * (s & 1)), bit_shift = _mm_cvtsi32_si128(s);
+        const __m128i one = _mm_set1_epi8(1);
+        for (int half = 0; half < 2; half++) {
+            l[half] = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i *)(qs + 16 * half)), nibble_shift), low4);
+            h[half] = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i *)(p + 16 + 16 * half)), bit_shift), one);
+        }
+    } else {  // Q5_0, Q5_1: weight j in the low nibble of byte j, j + 16 in its high one; high bit j of qh
+        p = row + b * (format == Q5_0 ? 22 : 24);
+        scale[0] = half_at(p);
+        if (format == Q5_1) *offset = half_at(p + 2);
+        const uint8_t *qh = p + (format == Q5_0 ? 2 : 4);
+        const __m128i q = _mm_loadu_si128((const __m128i *)(qh + 4));
+        l[0] = _mm_and_si128(q, low4);
+        l[1] = _mm_and_si128(_mm_srli_epi16(q, 4), low4);
+        bits_to_bytes((uint32_t)qh[0] | ((uint32_t)qh[1] << 8) | ((uint32_t)qh[2] << 16) | ((uint32_t)qh[3] << 24),
+                      &h[0], &h[1]);
+    }
+}
+
+// Bytes 0-3 of x | (x >> 4 bytes) << w | (x >> 8 bytes) << 2w | (x >> 12 bytes) << 3w: four values of a
+// 16-byte vector packed per byte, w bits apart (each value below 2^w).
+static inline __attribute__((always_inline)) __m128i pack_fours(__m128i x, int w) {
+    __m128i y = _mm_or_si128(x, _mm_sll_epi16(_mm_srli_si128(x, 4), _mm_cvtsi32_si128(w)));
+    y = _mm_or_si128(y, _mm_sll_epi16(_mm_srli_si128(x, 8), _mm_cvtsi32_si128(2 * w)));
+    return _mm_or_si128(y, _mm_sll_epi16(_mm_srli_si128(x, 12), _mm_cvtsi32_si128(3 * w)));
+}
+
+// The 32-bit lanes 0 of four vectors, side by side.
+static inline __attribute__((always_inline)) __m128i lanes0(__m128i a, __m128i b, __m128i c, __m128i d) {
+    return _mm_unpacklo_epi64(_mm_unpacklo_epi32(a, b), _mm_unpacklo_epi32(c, d));
+}
+
+// The 5- and 6-bit layouts (write_block's, from make_sources' tables), a (group, block) at a time:
+//   nibbles: byte 64i + 4c + t holds column c's weight k = 8i + t (low nibble) and k + 4 (high)
+//   bits 5: plane byte 4c + t holds bit m of weight 4m + t's high bit (m = 0..7)
+//   bits 6: plane byte 64(c / 8) + 32v + 4(c % 8) + t holds in bits 2u, 2u + 1 the high two of weight
+//           16v + 4u + t
+static inline __attribute__((always_inline)) void repack56_groups_of(repack_job *job, int64_t begin, int64_t end,
+                                                                     const int format, const int bits) {
+    const exl_repack_args *a = job->a;
+    const int64_t nb = job->nb, bytes = layout_bytes(bits);
+    const int spb = a->scales_per_block;
+    int any_offset = 0, not_half = 0;
+    for (int64_t g = begin; g < end; g++) {
+        for (int64_t b = 0; b < nb; b++) {
+            float *d = a->d + (g * nb + b) * spb * CG, *m = a->m + (g * nb + b) * CG;
+            uint8_t *out = a->qs + (g * nb + b) * bytes, *plane = out + 256;
+            __m128i nib[CG], planes[2][CG];
+            for (int c = 0; c < CG; c++) {
+                int64_t r = g * CG + c;
+                // padding rows hold q = 0, so the value `zero`
+                __m128i l[2] = {_mm_set1_epi8((char)(a->zero & 15)), _mm_set1_epi8((char)(a->zero & 15))};
+                __m128i h[2] = {_mm_set1_epi8((char)(a->zero >> 4)), _mm_set1_epi8((char)(a->zero >> 4))};
+                float scale[2] = {0.0f, 0.0f}, offset = 0.0f;
+                if (r < a->rows) values56(format, a->src + r * a->row_bytes, b, l, h, scale, &offset);
+                __m128i plo = _mm_or_si128(l[0], _mm_slli_epi16(_mm_srli_si128(l[0], 4), 4));
+                __m128i phi = _mm_or_si128(l[1], _mm_slli_epi16(_mm_srli_si128(l[1], 4), 4));
+                nib[c] = _mm_castps_si128(_mm_shuffle_ps(_mm_castsi128_ps(plo), _mm_castsi128_ps(phi),
+                                                         _MM_SHUFFLE(2, 0, 2, 0)));
+                if (bits == 5) {
+                    planes[0][c] = _mm_or_si128(pack_fours(h[0], 1), _mm_slli_epi16(pack_fours(h[1], 1), 4));
+                } else {
+                    planes[0][c] = pack_fours(h[0], 2);
+                    planes[1][c] = pack_fours(h[1], 2);
+                }
+                for (int k = 0; k < spb; k++) {
+                    d[k * CG + c] = scale[k];
+                    not_half |= !exact_in_half(scale[k]);
+                }
+                m[c] = offset;
+                any_offset |= offset != 0.0f;
+                not_half |= !exact_in_half(offset);
+            }
+            for (int quad = 0; quad < 4; quad++) {
+                __m128 r0 = _mm_castsi128_ps(nib[4 * quad]), r1 = _mm_castsi128_ps(nib[4 * quad + 1]);
+                __m128 r2 = _mm_castsi128_ps(nib[4 * quad + 2]), r3 = _mm_castsi128_ps(nib[4 * quad + 3]);
+                _MM_TRANSPOSE4_PS(r0, r1, r2, r3);
+                _mm_storeu_si128((__m128i *)(out + 16 * quad), _mm_castps_si128(r0));
+                _mm_storeu_si128((__m128i *)(out + 64 + 16 * quad), _mm_castps_si128(r1));
+                _mm_storeu_si128((__m128i *)(out + 128 + 16 * quad), _mm_castps_si128(r2));
+                _mm_storeu_si128((__m128i *)(out + 192 + 16 * quad), _mm_castps_si128(r3));
+                const __m128i *p0 = planes[0] + 4 * quad, *p1 = planes[1] + 4 * quad;
+                if (bits == 5) {
+                    _mm_storeu_si128((__m128i *)(plane + 16 * quad), lanes0(p0[0], p0[1], p0[2], p0[3]));
+                } else {
+                    uint8_t *at = plane + 64 * (quad / 2) + 16 * (quad % 2);
+                    _mm_storeu_si128((__m128i *)at, lanes0(p0[0], p0[1], p0[2], p0[3]));
+                    _mm_storeu_si128((__m128i *)(at + 32), lanes0(p1[0], p1[1], p1[2], p1[3]));
+                }
+            }
+        }
+    }
+    if (any_offset) atomic_store(&job->any_offset, 1);
+    if (not_half) atomic_store(&job->not_half, 1);
+}
+#endif
+
+static void repack_groups(void *ctx, int64_t begin, int64_t end) {
+    repack_job *job = (repack_job *)ctx;
+    const int format = job->a->format, bits = job->a->bits;
+#ifdef __SSSE3__
+    if (bits == 4) {
+        if (format == Q4_0) return repack4_groups_of(job, begin, end, Q4_0);
+        if (format == Q4_1) return repack4_groups_of(job, begin, end, Q4_1);
+        if (format == Q4_K) return repack4_groups_of(job, begin, end, Q4_K);
+    }
+    // the held value q + zero is the stored one (0-31 or 0-63) for these zeros, as cpu_qmatmul.py picks them
+    if (bits == 6 && format == Q6_K && job->a->zero == 32) return repack56_groups_of(job, begin, end, Q6_K, 6);
+    if (bits == 5 && format == Q5_0 && job->a->zero == 16) return repack56_groups_of(job, begin, end, Q5_0, 5);
+    if (bits == 5 && format == Q5_1 && job->a->zero == 0) return repack56_groups_of(job, begin, end, Q5_1, 5);
+    if (bits == 5 && format == Q5_K && job->a->zero == 0) return repack56_groups_of(job, begin, end, Q5_K, 5);
+#endif
+#define REPACK_AS(F, B) if (format == F && bits == B) return repack_groups_of(job, begin, end, F, B)
+    REPACK_AS(Q4_0, 4); REPACK_AS(Q4_1, 4); REPACK_AS(Q4_K, 4);
+    REPACK_AS(Q5_0, 5); REPACK_AS(Q5_1, 5); REPACK_AS(Q5_K, 5); REPACK_AS(Q6_K, 6);
+    REPACK_AS(Q8_0, 8); REPACK_AS(Q6_K, 8); REPACK_AS(Q5_K, 8); REPACK_AS(Q4_K, 8);
+#undef REPACK_AS
+    repack_groups_of(job, begin, end, format, bits);  // a pairing no copy above is made for
 }
 
 static int known_format(int f) {
