@@ -196,8 +196,29 @@ class QuantizedWeight:
             raise ValueError("can only concatenate weights of one format and width")
         if not QuantizedWeight.same_input_order(parts):
             raise ValueError("can only concatenate weights that read their input in one order")
-        return QuantizedWeight(parts[0].fmt, (sum(p.shape[0] for p in parts), parts[0].shape[1]),
-                               torch.cat([p.blocks for p in parts]), parts[0].input_order)
+        return parts[0] if len(parts) == 1 else StackedRows(parts)
+
+
+class StackedRows(QuantizedWeight):
+    """Weights of one format, width and input order, their rows one after another (a fused qkv or gate|up),
+    held as the parts: `blocks` concatenates them the first time something reads it, while the CPU's C
+    repack builds its layout from the parts where they lie (a model file's memory map), with no copy."""
+
+    def __init__(self, parts: list[QuantizedWeight]) -> None:
+        self.fmt, self.input_order = parts[0].fmt, parts[0].input_order
+        self.shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
+        self.parts = list(parts)
+        self._blocks: torch.Tensor | None = None
+
+    @property  # type: ignore[override]
+    def blocks(self) -> torch.Tensor:
+        if self._blocks is None:
+            self._blocks = torch.cat([p.blocks for p in self.parts])
+        return self._blocks
+
+    def nbytes(self) -> int:
+        order = 0 if self.input_order is None else self.input_order.numel() * 8
+        return sum(p.blocks.numel() for p in self.parts) + order
 
 
 def scaled_blocks(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:

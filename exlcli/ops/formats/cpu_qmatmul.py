@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from exlcli.ops.cpu import loader as cpu_loader
 from exlcli.ops.cpu.args import DequantizeArgs, QMatmulArgs, RepackArgs
-from exlcli.ops.formats.base import Linear, MakeLinear, QuantizedWeight
+from exlcli.ops.formats.base import Linear, MakeLinear, QuantizedWeight, StackedRows
 
 BLOCK = 32  # weights per (scale, offset) pair, as in the C file
 CG = 16  # output columns per group, as in the C file
@@ -247,10 +247,16 @@ class QuantCpuLinear(Linear):
     def from_blocks(cls, weight: QuantizedWeight, bits: int, bias: torch.Tensor | None = None) -> QuantCpuLinear | None:
         """The linear of `weight` held as `bits` (4, 5, 6 or 8), its layout built by the C repack (repack.c)
         straight from the blocks: the same as QuantCpuLinear(*unpack(weight.blocks), bits) bit for bit. None
-        where the C repack does not take this format or layout (then the caller repacks in Python)."""
+        where the C repack does not take this format or layout (then the caller repacks in Python). Stacked
+        rows (a fused projection) are built from each part where it lies, when each part but the last fills
+        whole groups of 16 rows."""
         fmt, (n, k) = weight.fmt, weight.shape
-        blocks = weight.blocks
-        if _repack() is None or fmt.name not in C_REPACKED or weight.input_order is not None or blocks.stride(-1) != 1:
+        if _repack() is None or fmt.name not in C_REPACKED or weight.input_order is not None:
+            return None
+        parts = [p.blocks for p in weight.parts] if isinstance(weight, StackedRows) else [weight.blocks]
+        if any(p.shape[0] % CG for p in parts[:-1]):
+            parts = [weight.blocks]
+        if any(p.stride(-1) != 1 for p in parts):
             return None
         spb = 2 if fmt.name == "Q6_K" else 1
         has_offsets = fmt.name in ("Q4_0", "Q4_1", "Q4_K", "Q5_1", "Q5_K")
@@ -264,21 +270,26 @@ class QuantCpuLinear(Linear):
         self.qs = torch.empty(groups, nb, 512 if bits == 8 else 256 + 64 * (bits - 4), dtype=torch.uint8)
         d = torch.empty(groups, nb, spb, CG)
         m = torch.empty(groups, nb, CG)
-        found = ctypes.c_int32(0)
-        args = RepackArgs(src=blocks.data_ptr(), row_bytes=blocks.stride(0), rows=n, in_features=k,
-                          format=fmt.gguf_type, bits=bits, zero=zero, scales_per_block=spb, qs=self.qs.data_ptr(),
-                          d=d.data_ptr(), m=m.data_ptr(), found=ctypes.addressof(found))
-        if _repack()(ctypes.byref(args)) != 0:
-            return None
+        any_offset, all_half, first = False, True, 0
+        for blocks in parts:  # each part's rows into its own groups of the layout
+            found = ctypes.c_int32(0)
+            g = first // CG
+            args = RepackArgs(src=blocks.data_ptr(), row_bytes=blocks.stride(0), rows=blocks.shape[0],
+                              in_features=k, format=fmt.gguf_type, bits=bits, zero=zero, scales_per_block=spb,
+                              qs=self.qs[g:].data_ptr(), d=d[g:].data_ptr(), m=m[g:].data_ptr(),
+                              found=ctypes.addressof(found))
+            if _repack()(ctypes.byref(args)) != 0:
+                return None
+            any_offset, all_half = any_offset or bool(found.value & 1), all_half and bool(found.value & 2)
+            first += blocks.shape[0]
         if bits == 8:  # the shape the Python repack gives it: [G, nb, pair, column, 2]
             self.qs = self.qs.view(groups, nb, BLOCK // 2, CG, 2)
-        any_offset = bool(found.value & 1)
         self.offsets = bits == 4 or any_offset
         if bits == 5 and has_offsets and not any_offset:
             return None  # every offset zero: held otherwise (byte_per_weight_linear's unpack path decides how)
         if not self.offsets:
             m.zero_()  # as QuantCpuLinear holds no offsets: +0.0 (an unpacked -(dmin * 0) is -0.0)
-        self._set_scales(d, m, bool(found.value & 2), bias)
+        self._set_scales(d, m, all_half, bias)
         return self
 
     def nbytes(self) -> int:

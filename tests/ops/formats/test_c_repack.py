@@ -106,6 +106,22 @@ def test_the_cpu_linear_of_a_format_goes_through_the_c_repack(qtype, monkeypatch
     assert_same_layout(lin, expected)
 
 
+@pytest.mark.parametrize("qtype", sorted(C_REPACKED))
+@pytest.mark.parametrize("rows", [(32, 16, 16), (48, 17), (16, 15, 33)])
+def test_stacked_rows_repack_as_their_concatenation(qtype, rows):
+    # a fused projection's parts (q, k, v) are built where they lie when each but the last fills whole
+    # groups of 16 rows, else from their concatenation: the same layout either way
+    parts = [random_blocks(qtype, n, 512, seed=11 * i + n) for i, n in enumerate(rows)]
+    whole = QuantizedWeight(parts[0].fmt, (sum(rows), 512), torch.cat([p.blocks for p in parts]))
+    for bits in held_bits(qtype):
+        stacked = QuantizedWeight.concat_rows(parts)
+        c = QuantCpuLinear.from_blocks(stacked, bits)
+        assert c is not None, f"{qtype} as {bits} bits"
+        assert_same_layout(c, QuantCpuLinear(*MODULES[qtype].unpack(whole.blocks), bits=bits))
+        assert (stacked._blocks is None) == all(n % 16 == 0 for n in rows[:-1])  # no copy where none is needed
+        assert torch.equal(stacked.blocks, whole.blocks) and stacked.nbytes() == whole.nbytes()
+
+
 def test_a_format_it_does_not_read_is_left_to_python():
     w = random_blocks("IQ4_NL", 16, 256, seed=4)
     assert QuantCpuLinear.from_blocks(w, 4) is None
