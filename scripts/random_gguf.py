@@ -3,9 +3,11 @@
     PYTHONPATH=../shared/peers/llama.cpp/gguf-py python3 scripts/random_gguf.py OUT.gguf SHAPE TYPE [--layers N]
 
 SHAPE: llama3.1-8b (dense, arch llama) or qwen3-30b-a3b (128 experts, 8 active, arch qwen3moe).
-TYPE: q4_0, q4_k or bf16; every 2-D and expert weight is stored in it (llama.cpp's "pure" files), norms
-and the router in f32. --layers cuts the block count (per-token cost scales with it, so a ratio against
-a peer on the same file still holds) to keep the file and its write time small.
+TYPE: q4_0, q4_k or bf16: every 2-D and expert weight is stored in it (llama.cpp's "pure" files); q4_k_m:
+llama.cpp's Q4_K_M mix (Q6_K for the output, and for attn_v and ffn_down in the layers its quantizer gives more
+bits: the first and last eighth and every third between). Norms and the router in f32.
+--layers cuts the block count (per-token cost scales with it, so a ratio against a peer on the same file
+still holds) to keep the file and its write time small.
 
 Quantized blocks hold random bytes with scales chosen so that weights have a standard deviation near
 0.02 and activations stay finite; both engines read the same bytes, so their outputs can be compared.
@@ -27,8 +29,10 @@ SHAPES = {
     "qwen3-30b-a3b": dict(arch="qwen3moe", hidden=2048, inter=6144, layers=48, heads=32, kv=4, head_dim=128,
                           vocab=151936, ctx=40960, rope_base=1000000.0, experts=128, used=8, expert_size=768),
 }
-QTYPE = {"bf16": QT.BF16, "q4_0": QT.Q4_0, "q4_k": QT.Q4_K}
-FTYPE = {"bf16": 32, "q4_0": 2, "q4_k": 14}  # llama_ftype MOSTLY_BF16, MOSTLY_Q4_0, MOSTLY_Q4_K_S
+QTYPE = {"bf16": QT.BF16, "q4_0": QT.Q4_0, "q4_k": QT.Q4_K, "q6_k": QT.Q6_K}
+FILE_TYPES = ("bf16", "q4_0", "q4_k", "q4_k_m")
+# llama_ftype MOSTLY_BF16, MOSTLY_Q4_0, MOSTLY_Q4_K_S, MOSTLY_Q4_K_M
+FTYPE = {"bf16": 32, "q4_0": 2, "q4_k": 14, "q4_k_m": 15}
 
 rng = np.random.default_rng(0)
 POOL = np.frombuffer(rng.bytes(1 << 26), dtype=np.uint8)  # random bytes reused at random offsets
@@ -68,17 +72,33 @@ def blocks(kind: str, count: int, cols: int) -> np.ndarray:
         blk[:, 8:12] = (mn & 63) | ((mn >> 4) << 6)
         blk[:, 12:16] = (scale & 0xF) | ((mn & 0xF) << 4)
         return blk.reshape(count, cols // 256 * 144)
+    if kind == "q6_k":  # 128 bytes low nibbles, 64 bytes high pairs, 16 int8 scales, half d per 256
+        nb = n // 256
+        blk = random_bytes(nb * 210).reshape(nb, 210)
+        blk[:, 192:208] = 16  # w = d * scale * (q - 32), q uniform in 0..63
+        d = rng.uniform(6.0e-5, 7.5e-5, nb).astype(np.float16)
+        blk[:, 208:210] = d.view(np.uint8).reshape(nb, 2)
+        return blk.reshape(count, cols // 256 * 210)
     raise ValueError(kind)
+
+
+def more_bits(layer: int, layers: int) -> bool:
+    """The layers whose attn_v and ffn_down llama.cpp's Q4_K_M stores in Q6_K."""
+    eighth = layers // 8
+    return layer < eighth or layer >= 7 * layers // 8 or (layer - eighth) % 3 == 2
 
 
 def tensor_list(s: dict, layers: int, kind: str) -> list[tuple[str, str, tuple[int, ...]]]:
     """(name, kind, logical numpy shape) in file order; kind 'f32' for norms and the router."""
     h, q, kv = s["hidden"], s["heads"] * s["head_dim"], s["kv"] * s["head_dim"]
+    mix = kind == "q4_k_m"
+    kind = "q4_k" if mix else kind
     names = [("token_embd.weight", kind, (s["vocab"], h))]
     for i in range(layers):
         p = f"blk.{i}."
+        big = "q6_k" if mix and more_bits(i, layers) else kind
         names += [(p + "attn_norm.weight", "f32", (h,)), (p + "attn_q.weight", kind, (q, h)),
-                  (p + "attn_k.weight", kind, (kv, h)), (p + "attn_v.weight", kind, (kv, h)),
+                  (p + "attn_k.weight", kind, (kv, h)), (p + "attn_v.weight", big, (kv, h)),
                   (p + "attn_output.weight", kind, (h, q)), (p + "ffn_norm.weight", "f32", (h,))]
         if s["arch"] == "qwen3moe":
             e, f = s["experts"], s["expert_size"]
@@ -86,11 +106,11 @@ def tensor_list(s: dict, layers: int, kind: str) -> list[tuple[str, str, tuple[i
                       (p + "attn_k_norm.weight", "f32", (s["head_dim"],)),
                       (p + "ffn_gate_inp.weight", "f32", (e, h)),
                       (p + "ffn_gate_exps.weight", kind, (e, f, h)), (p + "ffn_up_exps.weight", kind, (e, f, h)),
-                      (p + "ffn_down_exps.weight", kind, (e, h, f))]
+                      (p + "ffn_down_exps.weight", big, (e, h, f))]
         else:
             names += [(p + "ffn_gate.weight", kind, (s["inter"], h)), (p + "ffn_up.weight", kind, (s["inter"], h)),
-                      (p + "ffn_down.weight", kind, (h, s["inter"]))]
-    names += [("output_norm.weight", "f32", (h,)), ("output.weight", kind, (s["vocab"], h))]
+                      (p + "ffn_down.weight", big, (h, s["inter"]))]
+    names += [("output_norm.weight", "f32", (h,)), ("output.weight", "q6_k" if mix else kind, (s["vocab"], h))]
     return names
 
 
@@ -98,7 +118,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out")
     ap.add_argument("shape", choices=sorted(SHAPES))
-    ap.add_argument("type", choices=sorted(QTYPE))
+    ap.add_argument("type", choices=FILE_TYPES)
     ap.add_argument("--layers", type=int, default=0)
     a = ap.parse_args()
     s, kind, t0 = SHAPES[a.shape], a.type, time.time()
