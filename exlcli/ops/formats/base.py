@@ -210,8 +210,8 @@ class StackedRows(QuantizedWeight):
         self.parts = list(parts)
         self._blocks: torch.Tensor | None = None
 
-    @property  # type: ignore[override]
-    def blocks(self) -> torch.Tensor:
+    @property
+    def blocks(self) -> torch.Tensor:  # type: ignore[override]
         if self._blocks is None:
             self._blocks = torch.cat([p.blocks for p in self.parts])
         return self._blocks
