@@ -24,6 +24,7 @@ from exlcli.model.state_cache import StateCache
 from exlcli.ops.kv_quant import BLOCK as KV_QUANT_BLOCK
 from exlcli.ops.kv_quant import KV_QUANT_FORMATS, KVQuantFormat, QuantizedPages
 from exlcli.ops.kv_store import FP8_CACHE_DTYPE
+from exlcli.ops.zeroed import zeros
 
 # Cache types (--kv-cache-dtype for K and V at once, "K,V" for two; --cache-type-k/-ctk and
 # --cache-type-v/-ctv one each): "auto" keeps K and V in the activations' dtype; bf16 / f16 name it;
@@ -119,7 +120,7 @@ def _pages(shape: tuple[int, ...], kind: CacheType, device: torch.device) -> tor
     # vectorised decode; they must never hold NaN.
     if isinstance(kind, KVQuantFormat):
         return cast(torch.Tensor, QuantizedPages.zeros(shape, kind, device))
-    return torch.zeros(shape, device=device, dtype=kind)
+    return zeros(shape, kind, device)
 
 
 def _row_bytes(head_dim: int, kind: CacheType) -> int:

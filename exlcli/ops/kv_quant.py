@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from exlcli.ops.zeroed import zeros
+
 BLOCK = 32  # values per block, for every type
 
 
@@ -217,7 +219,7 @@ class QuantizedPages:
     def zeros(cls, shape: tuple[int, ...], fmt: KVQuantFormat, device: torch.device) -> "QuantizedPages":
         """Pages of zeros (a zero scale decodes to 0: pages read past a sequence's end hold no NaN)."""
         *lead, head_dim = shape
-        return cls(torch.zeros(*lead, fmt.row_bytes(head_dim), dtype=torch.uint8, device=device), fmt, head_dim)
+        return cls(zeros((*lead, fmt.row_bytes(head_dim)), torch.uint8, device), fmt, head_dim)
 
     @property
     def shape(self) -> torch.Size:
