@@ -465,6 +465,79 @@ static inline __attribute__((always_inline)) void repack56_groups_of(repack_job 
     if (any_offset) atomic_store(&job->any_offset, 1);
     if (not_half) atomic_store(&job->not_half, 1);
 }
+
+// Eight vectors of eight 16-bit words, transposed in place: word j of r[i] <-> word i of r[j].
+static inline __attribute__((always_inline)) void transpose8x16(__m128i r[8]) {
+    __m128i a[8], b[8];
+    for (int i = 0; i < 4; i++) {
+        a[2 * i] = _mm_unpacklo_epi16(r[2 * i], r[2 * i + 1]);
+        a[2 * i + 1] = _mm_unpackhi_epi16(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++)
+        for (int h = 0; h < 2; h++) {
+            b[4 * i + 2 * h] = _mm_unpacklo_epi32(a[4 * i + h], a[4 * i + 2 + h]);
+            b[4 * i + 2 * h + 1] = _mm_unpackhi_epi32(a[4 * i + h], a[4 * i + 2 + h]);
+        }
+    for (int i = 0; i < 4; i++) {
+        r[2 * i] = _mm_unpacklo_epi64(b[i], b[4 + i]);
+        r[2 * i + 1] = _mm_unpackhi_epi64(b[i], b[4 + i]);
+    }
+}
+
+// The 8-bit layout (place_column's bits == 8: byte 32p + 2c + e holds column c's weight 2p + e as q + zero),
+// a (group, block) at a time: each column's 32 bytes are 16 words, and the block is their 16 x 16 transpose.
+static inline __attribute__((always_inline)) void repack8_groups_of(repack_job *job, int64_t begin, int64_t end,
+                                                                    const int format) {
+    const exl_repack_args *a = job->a;
+    const int64_t nb = job->nb;
+    const int spb = a->scales_per_block;
+    // the stored q of the 5- and 6-bit formats is their value less this (decode()'s q)
+    const int bias = format == Q6_K ? 32 : format == Q5_0 ? 16 : 0;
+    const __m128i shift = _mm_set1_epi8((char)(a->zero - bias));
+    int any_offset = 0, not_half = 0;
+    for (int64_t g = begin; g < end; g++) {
+        for (int64_t b = 0; b < nb; b++) {
+            float *d = a->d + (g * nb + b) * spb * CG, *m = a->m + (g * nb + b) * CG;
+            uint8_t *out = a->qs + (g * nb + b) * 512;
+            __m128i lo[CG], hi[CG];  // column c's weights 0-15 and 16-31, a byte each
+            for (int c = 0; c < CG; c++) {
+                int64_t r = g * CG + c;
+                float scale[2] = {0.0f, 0.0f}, offset = 0.0f;
+                if (r >= a->rows) {  // padding rows: q = 0
+                    lo[c] = hi[c] = _mm_set1_epi8((char)a->zero);
+                } else if (format == Q8_0) {
+                    const uint8_t *p = a->src + r * a->row_bytes + b * 34;
+                    scale[0] = half_at(p);
+                    lo[c] = _mm_add_epi8(_mm_loadu_si128((const __m128i *)(p + 2)), shift);
+                    hi[c] = _mm_add_epi8(_mm_loadu_si128((const __m128i *)(p + 18)), shift);
+                } else {
+                    __m128i l[2], h[2];
+                    values56(format, a->src + r * a->row_bytes, b, l, h, scale, &offset);
+                    lo[c] = _mm_add_epi8(_mm_or_si128(l[0], _mm_slli_epi16(h[0], 4)), shift);
+                    hi[c] = _mm_add_epi8(_mm_or_si128(l[1], _mm_slli_epi16(h[1], 4)), shift);
+                }
+                for (int k = 0; k < spb; k++) {
+                    d[k * CG + c] = scale[k];
+                    not_half |= !exact_in_half(scale[k]);
+                }
+                m[c] = offset;
+                any_offset |= offset != 0.0f;
+                not_half |= !exact_in_half(offset);
+            }
+            // words p of columns 0-7 and 8-15: out + 32p and + 32p + 16, p = 0-7 from lo, 8-15 from hi
+            for (int half = 0; half < 2; half++)
+                for (int cols = 0; cols < 2; cols++) {
+                    __m128i t[8];
+                    for (int i = 0; i < 8; i++) t[i] = half ? hi[8 * cols + i] : lo[8 * cols + i];
+                    transpose8x16(t);
+                    for (int p = 0; p < 8; p++)
+                        _mm_storeu_si128((__m128i *)(out + 32 * (8 * half + p) + 16 * cols), t[p]);
+                }
+        }
+    }
+    if (any_offset) atomic_store(&job->any_offset, 1);
+    if (not_half) atomic_store(&job->not_half, 1);
+}
 #endif
 
 static void repack_groups(void *ctx, int64_t begin, int64_t end) {
@@ -481,6 +554,13 @@ static void repack_groups(void *ctx, int64_t begin, int64_t end) {
     if (bits == 5 && format == Q5_0 && job->a->zero == 16) return repack56_groups_of(job, begin, end, Q5_0, 5);
     if (bits == 5 && format == Q5_1 && job->a->zero == 0) return repack56_groups_of(job, begin, end, Q5_1, 5);
     if (bits == 5 && format == Q5_K && job->a->zero == 0) return repack56_groups_of(job, begin, end, Q5_K, 5);
+    if (bits == 8) {
+        if (format == Q8_0) return repack8_groups_of(job, begin, end, Q8_0);
+        if (format == Q6_K) return repack8_groups_of(job, begin, end, Q6_K);
+        if (format == Q5_0) return repack8_groups_of(job, begin, end, Q5_0);
+        if (format == Q5_1) return repack8_groups_of(job, begin, end, Q5_1);
+        if (format == Q5_K) return repack8_groups_of(job, begin, end, Q5_K);
+    }
 #endif
 #define REPACK_AS(F, B) if (format == F && bits == B) return repack_groups_of(job, begin, end, F, B)
     REPACK_AS(Q4_0, 4); REPACK_AS(Q4_1, 4); REPACK_AS(Q4_K, 4);
