@@ -7,6 +7,9 @@
 // decoded into q values, scales and offsets the way the format modules' unpack() computes them (the same
 // fp32 products, so the same bits), then written in the layout of `bits`. Groups are independent, so the
 // pool's threads share them and the result is the same with any number of threads.
+// With SSSE3 the common pairings (4 bits from Q4_x, 5/6 bits from Q5_x/Q6_K, 8 bits from Q8_0/Q5_x/Q6_K) take
+// a vector path that places 16 columns' bytes with shuffles and transposes instead of weight by weight; the
+// scalar loop below stays the definition of each layout and builds the rest.
 
 #include <stdatomic.h>
 #include <stdint.h>
