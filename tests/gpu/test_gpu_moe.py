@@ -97,7 +97,7 @@ def test_the_device_path_matches_its_model_and_the_host_grouped_path(bits, down_
     def no_host_path(*args):
         raise AssertionError("the host-grouped path ran")
 
-    monkeypatch.setattr(MoeFeedForward, "_grouped_on_host", no_host_path)
+    monkeypatch.setattr(MoeFeedForward, "_routed", no_host_path)
     device_out = moe(x)
     monkeypatch.undo()
     monkeypatch.setattr(moe_module, "DEVICE_MAX_TOKENS", 0)  # every call on the host-grouped path
