@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .whl
 for name in platformdirs gguf prompt_toolkit wcwidth llguidance fastapi starlette pydantic pydantic_core \
-            annotated_types typing_inspection uvicorn sse_starlette; do
+            annotated_types typing_inspection uvicorn sse_starlette annotated_doc opentelemetry_api; do
   version=$(python3 -m pip show "$name" 2>/dev/null | awk '/^Version/ {print $2}')
   [ -n "$version" ] || { echo "device_wheels: $name is not installed here" >&2; exit 1; }
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
