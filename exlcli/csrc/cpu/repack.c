@@ -225,6 +225,19 @@ typedef struct {
     atomic_int any_offset, not_half, failed;
 } repack_job;
 
+// Column c's scales (one, or two for Q6_K) and offset into the (group, block)'s d and m, noting whether any
+// offset is non-zero and whether any of them is not exact in fp16 (the flags exl_repack returns).
+static inline __attribute__((always_inline)) void put_scales(float *d, float *m, int c, int spb, const float *scale,
+                                                             float offset, int *any_offset, int *not_half) {
+    for (int k = 0; k < spb; k++) {
+        d[k * CG + c] = scale[k];
+        *not_half |= !exact_in_half(scale[k]);
+    }
+    m[c] = offset;
+    *any_offset |= offset != 0.0f;
+    *not_half |= !exact_in_half(offset);
+}
+
 // The generic loop, one copy per (format, bits) so that decode() and place_column() fold their switches.
 static inline __attribute__((always_inline)) void repack_groups_of(repack_job *job, int64_t begin, int64_t end,
                                                                    const int format, const int bits) {
@@ -248,13 +261,7 @@ static inline __attribute__((always_inline)) void repack_groups_of(repack_job *j
                     memset(&blk, 0, sizeof blk);
                 }
                 place_column(bits, c, blk.q, a->zero, v, a->qs + (g * nb + b) * bytes);
-                for (int s = 0; s < spb; s++) {
-                    d[s * CG + c] = blk.scale[s];
-                    not_half |= !exact_in_half(blk.scale[s]);
-                }
-                m[c] = blk.offset;
-                any_offset |= blk.offset != 0.0f;
-                not_half |= !exact_in_half(blk.offset);
+                put_scales(d, m, c, spb, blk.scale, blk.offset, &any_offset, &not_half);
             }
             if (bits == 5 || bits == 6) write_block(&job->t, bits, v, a->qs + (g * nb + b) * bytes);
         }
@@ -313,10 +320,7 @@ static inline __attribute__((always_inline)) void repack4_groups_of(repack_job *
                 __m128i phi = _mm_or_si128(hi, _mm_slli_epi16(_mm_srli_si128(hi, 4), 4));
                 t[c] = _mm_castps_si128(_mm_shuffle_ps(_mm_castsi128_ps(plo), _mm_castsi128_ps(phi),
                                                        _MM_SHUFFLE(2, 0, 2, 0)));
-                d[c] = scale;
-                m[c] = offset;
-                any_offset |= offset != 0.0f;
-                not_half |= !exact_in_half(scale) | !exact_in_half(offset);
+                put_scales(d, m, c, 1, &scale, offset, &any_offset, &not_half);
             }
             for (int quad = 0; quad < 4; quad++) {
                 const __m128i *q4 = t + 4 * quad;
@@ -438,13 +442,7 @@ static inline __attribute__((always_inline)) void repack56_groups_of(repack_job 
                     planes[0][c] = pack_fours(h[0], 2);
                     planes[1][c] = pack_fours(h[1], 2);
                 }
-                for (int k = 0; k < spb; k++) {
-                    d[k * CG + c] = scale[k];
-                    not_half |= !exact_in_half(scale[k]);
-                }
-                m[c] = offset;
-                any_offset |= offset != 0.0f;
-                not_half |= !exact_in_half(offset);
+                put_scales(d, m, c, spb, scale, offset, &any_offset, &not_half);
             }
             for (int quad = 0; quad < 4; quad++) {
                 __m128 r0 = _mm_castsi128_ps(nib[4 * quad]), r1 = _mm_castsi128_ps(nib[4 * quad + 1]);
@@ -519,13 +517,7 @@ static inline __attribute__((always_inline)) void repack8_groups_of(repack_job *
                     lo[c] = _mm_add_epi8(_mm_or_si128(l[0], _mm_slli_epi16(h[0], 4)), shift);
                     hi[c] = _mm_add_epi8(_mm_or_si128(l[1], _mm_slli_epi16(h[1], 4)), shift);
                 }
-                for (int k = 0; k < spb; k++) {
-                    d[k * CG + c] = scale[k];
-                    not_half |= !exact_in_half(scale[k]);
-                }
-                m[c] = offset;
-                any_offset |= offset != 0.0f;
-                not_half |= !exact_in_half(offset);
+                put_scales(d, m, c, spb, scale, offset, &any_offset, &not_half);
             }
             // words p of columns 0-7 and 8-15: out + 32p and + 32p + 16, p = 0-7 from lo, 8-15 from hi
             for (int half = 0; half < 2; half++)
