@@ -164,7 +164,9 @@ def load_model(spec: str | None = None, device: str | None = None, dtype: str | 
         quant = _quantization(tensors) if not path.startswith("random:") else f"random {_quantization(tensors)}"
     types = count_types(tensors)
     tied = config.tie_word_embeddings or LM_HEAD not in tensors  # as the decoder picks its output layer
-    step_bytes = decode_step_bytes(tensors, (LM_HEAD,) if tied else (EMBED,))
+    moe = config.moe
+    step_bytes = decode_step_bytes(tensors, (LM_HEAD,) if tied else (EMBED,),
+                                   moe.num_experts_used / moe.num_experts if moe else 1.0)
     for notice in (dequantized_at_load(tensors, dev, dt), exl3.cpu_transcode_notice(tensors, dev, dt)):
         if notice:
             print(notice, file=log, flush=True)

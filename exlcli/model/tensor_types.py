@@ -62,10 +62,18 @@ def stored_bytes(t: Any) -> int:
     return t.nbytes() if isinstance(t, QuantizedWeight) else t.numel() * t.element_size()
 
 
-def decode_step_bytes(tensors: dict[str, Any], not_read: tuple[str, ...]) -> int:
-    """Bytes of the weights one decode step reads, as stored: every tensor but those named (an
-    embedding that is not the output layer, of which a step reads one row; an unused tied copy)."""
-    return sum(stored_bytes(t) for name, t in tensors.items() if name not in not_read)
+ROUTED_EXPERT = ".mlp.experts."  # (HF names: model.layers.N.mlp.experts.E.gate_proj.weight, ...)
+
+
+def decode_step_bytes(tensors: dict[str, Any], not_read: tuple[str, ...], experts_read: float = 1.0) -> int:
+    """Bytes of the weights one decode step of one token reads, as stored: every tensor but those named
+    (an embedding that is not the output layer, of which a step reads one row; an unused tied copy), and of
+    a mixture of experts' routed experts the share `experts_read` (k of E: a token runs k of them)."""
+    total = 0.0
+    for name, t in tensors.items():
+        if name not in not_read:
+            total += stored_bytes(t) * (experts_read if ROUTED_EXPERT in name else 1.0)
+    return round(total)
 
 
 def count_types(tensors: dict[str, Any]) -> TensorTypes:

@@ -46,3 +46,16 @@ def test_dense_model_counts_its_tensors():
     # bf16, tied: every tensor is read by a step, and the kernels hold them as stored
     assert facts.stored_weight_bytes == loaded.tensor_types.nbytes == loaded.config.num_params * 2
     assert facts.weight_bytes <= facts.stored_weight_bytes
+
+
+def test_a_mixture_of_experts_step_reads_k_of_its_experts():
+    """A token runs k of a layer's E routed experts: the step's bytes count k/E of them, and every other
+    tensor (attention, the router, the output layer) whole."""
+    loaded = load_model("random:tiny-moe", device="cpu", quantize="q8_0")
+    cfg, moe = loaded.config, loaded.config.moe
+    q8 = by_name("Q8_0")
+    h, e = cfg.hidden_size, moe.expert_size
+    experts = cfg.num_layers * moe.num_experts * (2 * q8.row_bytes(h) * e + q8.row_bytes(e) * h)
+    total = loaded.tensor_types.nbytes
+    assert loaded.step_weight_bytes == round(total - experts + experts * moe.num_experts_used / moe.num_experts)
+    assert ModelFacts.of(loaded).step_weight_bytes == loaded.step_weight_bytes
