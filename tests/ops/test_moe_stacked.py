@@ -179,6 +179,10 @@ def test_the_kernel_wrappers_refuse_cpu_tensors_with_a_clear_error():
     with pytest.raises(KernelInputError, match="moe_gemv: x must be a CUDA tensor"):
         kernels.moe_gemv(x, torch.zeros(2, 16, dtype=torch.int32), torch.zeros(2, 8), 4, 32, 16,
                          torch.zeros(2, dtype=torch.int32), None, 2)
+    offsets = torch.zeros(3, dtype=torch.int32)
+    with pytest.raises(KernelInputError, match="moe_gemm: x must be a CUDA tensor"):
+        kernels.moe_gemm(x, torch.zeros(2, 16, dtype=torch.int32), torch.zeros(2, 8), 4, 32, 16,
+                         torch.zeros(2, dtype=torch.int32), offsets, offsets, 32, 1, 2)
     with pytest.raises(KernelInputError, match="moe_combine: rows must be a CUDA tensor"):
         kernels.moe_combine(torch.zeros(2, 16), torch.zeros(2), 2)
 
