@@ -1,9 +1,12 @@
 """Times one mixture-of-experts layer of Qwen3-30B-A3B's shape (128 experts, 8 a token, hidden 2048, expert
-width 768; random weights as a Q4_K_M file has them: 4-bit gate|up, 6-bit down) on a CUDA GPU: the device
-path (exlcli/ops/moe_stacked.py, csrc/moe.cu) eagerly and as a CUDA graph, against the host-grouped path
-(each active expert's products, counts read on the host), per call, median of the repeats:
+width 768; random weights as a Q4_K_M file has them: 4-bit gate|up, 6-bit down) on a CUDA GPU, per call,
+median of the repeats: the layer as it runs (`moe(x)`, the path its token count takes) eagerly and as a CUDA
+graph; the host-grouped path (each active expert's products, counts read on the host); and the routed
+experts alone on each device path (exlcli/ops/moe_stacked.py, csrc/moe.cu): over (token, slot) pairs
+(moe_gemv, decode's) and grouped by expert on the tensor cores (moe_gemm, prefill's) in tiles of 32 and of 64
+pairs:
 
-    python3 scripts/moe_bench.py [--tokens 1,4,16,64] [--repeats 50] [--down-bits 6]
+    python3 scripts/moe_bench.py [--tokens 1,4,16,64,512,2048] [--repeats 50] [--down-bits 6]
 """
 
 from __future__ import annotations
@@ -13,11 +16,12 @@ import statistics
 
 import torch
 
-from exlcli.ops import moe as moe_module
-from exlcli.ops.cuda import loader
+from exlcli.ops import moe_stacked
+from exlcli.ops.activation import silu_and_mul
+from exlcli.ops.cuda import kernels, loader
 from exlcli.ops.formats import cuda_groups
 from exlcli.ops.formats.dense import dense_linear
-from exlcli.ops.moe import Expert, MoeFeedForward, RouterSpec
+from exlcli.ops.moe import Expert, MoeFeedForward, RouterSpec, route
 
 HIDDEN, INTER, EXPERTS, TOP_K, GROUP = 2048, 768, 128, 8, 32
 
@@ -53,9 +57,19 @@ def median_us(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def grouped_tile(stacked: moe_stacked.StackedExperts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                 tile: int) -> torch.Tensor:
+    """StackedExperts.grouped with its token tile set (the tile changes no result, only the time)."""
+    top_k = ids.shape[1]
+    plan = moe_stacked.plan_groups(ids.reshape(-1), stacked.gate_up.num_experts, tile)
+    gate_up = stacked.gate_up.grouped_rows(x, plan, top_k, float_out=False)
+    rows = stacked.down.grouped_rows(silu_and_mul(gate_up), plan, 1, float_out=True)
+    return kernels.moe_combine(rows, weights.reshape(-1).float().contiguous(), top_k)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", default="1,4,16,64")
+    ap.add_argument("--tokens", default="1,4,16,64,512,2048")
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--down-bits", type=int, default=6)
@@ -67,10 +81,12 @@ def main() -> int:
     assert moe.stacked is not None
     print(f"{torch.cuda.get_device_name()}: one MoE layer, {EXPERTS} experts, top {TOP_K}, {args.bits}-bit gate|up, "
           f"{args.down_bits}-bit down; median us a call")
-    print(f"{'tokens':>6} {'host-grouped':>13} {'device':>8} {'device graph':>13}")
+    print(f"{'tokens':>6} {'layer':>8} {'layer graph':>12} {'host-grouped':>13} {'pairs':>8} {'grouped 32':>11} "
+          f"{'grouped 64':>11}")
+    stacked = moe.stacked
     for tokens in [int(t) for t in args.tokens.split(",")]:
         x = (torch.randn(tokens, HIDDEN, device="cuda") * 0.5).to(torch.bfloat16)
-        device = median_us(lambda: moe(x), args.repeats)
+        layer_us = median_us(lambda: moe(x), args.repeats)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -80,13 +96,18 @@ def main() -> int:
         with torch.cuda.graph(graph):
             moe(x)
         replay = median_us(graph.replay, args.repeats)
-        saved = moe_module.DEVICE_MAX_TOKENS
-        moe_module.DEVICE_MAX_TOKENS = 0  # every call on the host-grouped path
+        del graph
+        moe._on_device = lambda _x: False  # type: ignore[method-assign]  # every call on the host-grouped path
         try:
-            host = median_us(lambda: moe(x), args.repeats)
+            host = median_us(lambda: moe(x), max(3, args.repeats // 10))
         finally:
-            moe_module.DEVICE_MAX_TOKENS = saved
-        print(f"{tokens:>6} {host:>13.1f} {device:>8.1f} {replay:>13.1f}")
+            del moe._on_device
+        weights, ids = route(moe.router(x, out_dtype=torch.float32), moe.spec)
+        pairs = median_us(lambda: stacked.pairs(x, weights, ids), args.repeats)
+        grouped = [median_us(lambda: grouped_tile(stacked, x, weights, ids, tile), args.repeats)
+                   for tile in (32, 64)]
+        print(f"{tokens:>6} {layer_us:>8.1f} {replay:>12.1f} {host:>13.1f} {pairs:>8.1f} {grouped[0]:>11.1f} "
+              f"{grouped[1]:>11.1f}")
     return 0
 
 

@@ -33,6 +33,9 @@ TORCH_LIBRARY(exlcli, m) {
         "-> Tensor");
   m.def("moe_gemv(Tensor x, Tensor qweight, Tensor scales, int bits, int group, int n, Tensor ids, Tensor? order, "
         "int rows_per_x, bool float_out, bool pdl) -> Tensor");
+  m.def("moe_gemm(Tensor x, Tensor qweight, Tensor scales, int bits, int group, int n, Tensor order, "
+        "Tensor expert_offsets, Tensor tile_offsets, int tile_tokens, int max_tiles, int rows_per_x, bool float_out, "
+        "bool pdl) -> Tensor");
   m.def("moe_combine(Tensor rows, Tensor weights, int top_k, bool pdl) -> Tensor");
   m.def("rope_and_write_kv(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor cos_sin, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, bool pdl) -> Tensor");
@@ -59,6 +62,7 @@ TORCH_LIBRARY_IMPL(exlcli, CUDA, m) {
   m.impl("quant_heads_rope", &exlcli::quant_heads_rope);
   m.impl("quant_dequantize", &exlcli::quant_dequantize);
   m.impl("moe_gemv", &exlcli::moe_gemv);
+  m.impl("moe_gemm", &exlcli::moe_gemm);
   m.impl("moe_combine", &exlcli::moe_combine);
   m.impl("rope_and_write_kv", &exlcli::rope_and_write_kv);
   m.impl("paged_attention_decode", &exlcli::paged_attention_decode);

@@ -106,6 +106,164 @@ void launch_moe_gemv(const MoeParams& mp, int pairs, bool float_out, cudaStream_
   }
 }
 
+// moe_gemm: the grouped product of many tokens (prefill). The pairs arrive sorted by expert (order), with
+// each expert's first sorted position (expert_offsets [E + 1]) and its first token tile (tile_offsets [E + 1]:
+// ceil(count / (8 NT)) tiles an expert, summed). Block (x, y) takes RT row tiles x RT .. and token tile y: it
+// finds the expert whose tiles hold y (a binary search of tile_offsets), takes that expert's sorted pairs
+// expert_offsets[e] + 8 NT (y - tile_offsets[e]) .. (at most 8 NT), and runs quant_linear_kernel's body over
+// them: the rows of x gathered by pair (pair / rows_per_x), the weights offset by the expert, the outputs
+// scattered to the pairs' rows. The grid's y is an upper bound of the tiles (known from the sizes alone, so
+// there is no host sync: a CUDA graph captures it); blocks past the last tile return at once. A row's products
+// are added in the order of quant_linear_kernel (chunks by warp, warps in order), whatever the tile or the
+// other rows in it: each pair's row is the bytes of quant_linear's tensor-core kernel over that expert.
+struct GroupedParams {
+  const __nv_bfloat16* x;         // [rows, k] bf16, rows 16-byte aligned
+  const uint32_t* qweight;        // [experts, expert_words]
+  const uint32_t* scales;         // [experts, expert_scales]
+  const int32_t* order;           // [pairs] the pairs sorted by expert
+  const int32_t* expert_offsets;  // [experts + 1] each expert's first place in order
+  const int32_t* tile_offsets;    // [experts + 1] each expert's first token tile
+  void* out;                      // [pairs, n] bf16, or fp32 when FLOAT_OUT
+  int n, k, group_log2;
+  int rows_per_x;
+  int experts;
+  size_t expert_words, expert_scales;
+};
+
+// Tiles of 32 pairs keep to 128 registers a thread, so that two blocks share an SM (16 warps to hide the
+// loads' latency); tiles of 64 take one block an SM.
+template <int BITS, int NT, int RT, int UNROLL, bool FLOAT_OUT>
+__global__ void __launch_bounds__(qlinear::kWarps * 32, NT <= 4 ? 2 : 1) moe_gemm_kernel(GroupedParams gp) {
+  using namespace qlinear;
+  constexpr int kTileTokens = 8 * NT;
+  __shared__ float partial[kWarps][NT][4][32];
+  __shared__ int pair_of[kTileTokens];
+  grid_dependency_wait();  // the order and the offsets are the previous kernels' output, and x too
+  const int y = static_cast<int>(blockIdx.y);
+  if (y >= gp.tile_offsets[gp.experts]) return;  // past the last tile: the whole block
+  int lo = 0, hi = gp.experts;                     // tile_offsets[lo] <= y < tile_offsets[hi]
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) >> 1;
+    if (gp.tile_offsets[mid] <= y) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  const int expert = lo;
+  const int first = gp.expert_offsets[expert] + (y - gp.tile_offsets[expert]) * kTileTokens;
+  const int count = min(kTileTokens, gp.expert_offsets[expert + 1] - first);
+  for (int i = threadIdx.x; i < kTileTokens; i += kWarps * 32) pair_of[i] = i < count ? gp.order[first + i] : -1;
+  __syncthreads();
+
+  Params p{};
+  p.qweight = gp.qweight + static_cast<size_t>(expert) * gp.expert_words;
+  p.scales = gp.scales + static_cast<size_t>(expert) * gp.expert_scales;
+  p.bias = nullptr;
+  p.out = gp.out;
+  p.m = count;
+  p.n = gp.n;
+  p.k = gp.k;
+  p.group_log2 = gp.group_log2;
+
+  const int tile0 = blockIdx.x * RT;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int chunks = p.k / kChunk;
+  // the rows of x this thread reads: token g of each group of 8 (-1: none)
+  int xrow[NT];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    const int pair = pair_of[8 * j + g];
+    xrow[j] = pair < 0 ? -1 : pair / gp.rows_per_x;
+  }
+
+  float acc[RT][NT][4];
+#pragma unroll
+  for (int r = 0; r < RT; ++r) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j) acc[r][j][0] = acc[r][j][1] = acc[r][j][2] = acc[r][j][3] = 0.0f;
+  }
+
+  for (int first_chunk = warp; first_chunk < chunks; first_chunk += kWarps * UNROLL) {
+    ChunkLoad<BITS> loads[UNROLL][RT];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int chunk = first_chunk + u * kWarps;
+      if (chunk < chunks) {
+#pragma unroll
+        for (int r = 0; r < RT; ++r) load_chunk<BITS>(p, tile0 + r, chunk, lane, loads[u][r]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int chunk = first_chunk + u * kWarps;
+      if (chunk >= chunks) break;
+      uint4 xv[NT][2];
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        if (xrow[j] >= 0) {
+          const uint4* xp = reinterpret_cast<const uint4*>(gp.x + static_cast<size_t>(xrow[j]) * p.k +
+                                                           chunk * kChunk + 16 * t);
+          xv[j][0] = xp[0];
+          xv[j][1] = xp[1];
+        } else {
+          xv[j][0] = xv[j][1] = make_uint4(0, 0, 0, 0);
+        }
+      }
+#pragma unroll
+      for (int step = 0; step < 4; ++step) {
+#pragma unroll
+        for (int r = 0; r < RT; ++r) {
+          uint32_t a[4];
+          chunk_step<BITS, false>(loads[u][r], step, a);
+#pragma unroll
+          for (int j = 0; j < NT; ++j) {
+            const uint4& v = xv[j][step >> 1];
+            mma_bf16(acc[r][j], a, (step & 1) ? v.z : v.x, (step & 1) ? v.w : v.y);
+          }
+        }
+      }
+    }
+  }
+
+  grid_dependents_launch();
+  add_warp_partials<RT, NT>(acc, partial, 0, count, [&](int token, int r, int row_in_tile, float sum) {
+    store_output<FLOAT_OUT>(p, pair_of[token], (tile0 + r) * kTileRows + row_in_tile, sum);
+  });
+}
+
+template <int BITS, int NT, int RT>
+void launch_moe_gemm_tiles(const GroupedParams& gp, int max_tiles, bool float_out, cudaStream_t stream, bool pdl) {
+  const dim3 grid(gp.n / (qlinear::kTileRows * RT), max_tiles);
+  const dim3 block(qlinear::kWarps * 32);
+  if (float_out) {
+    launch_pdl(moe_gemm_kernel<BITS, NT, RT, 2, true>, grid, block, 0, stream, pdl, gp);
+  } else {
+    launch_pdl(moe_gemm_kernel<BITS, NT, RT, 2, false>, grid, block, 0, stream, pdl, gp);
+  }
+}
+
+// Token tiles of 32 (NT 4) or 64 (NT 8) pairs, as the caller counted them; two row tiles a block where the
+// row tiles pair up (each activation fragment a warp loads serves both), else one. Every shape adds a row's
+// products in the same order.
+template <int BITS>
+void launch_moe_gemm(const GroupedParams& gp, int tile_tokens, int max_tiles, bool float_out, cudaStream_t stream,
+                     bool pdl) {
+  const bool pairs = (gp.n / qlinear::kTileRows) % 2 == 0;
+  if (tile_tokens == 32) {
+    if (pairs) {
+      launch_moe_gemm_tiles<BITS, 4, 2>(gp, max_tiles, float_out, stream, pdl);
+    } else {
+      launch_moe_gemm_tiles<BITS, 4, 1>(gp, max_tiles, float_out, stream, pdl);
+    }
+  } else if (pairs) {
+    launch_moe_gemm_tiles<BITS, 8, 2>(gp, max_tiles, float_out, stream, pdl);
+  } else {
+    launch_moe_gemm_tiles<BITS, 8, 1>(gp, max_tiles, float_out, stream, pdl);
+  }
+}
+
 __global__ void __launch_bounds__(256) moe_combine_kernel(const float* __restrict__ rows,
                                                           const float* __restrict__ weights,
                                                           float* __restrict__ out, int tokens, int top_k, int n) {
@@ -187,6 +345,77 @@ at::Tensor moe_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Te
     launch_moe_gemv<6>(mp, static_cast<int>(pairs), float_out, stream, pdl);
   } else {
     launch_moe_gemv<8>(mp, static_cast<int>(pairs), float_out, stream, pdl);
+  }
+  return out;
+}
+
+at::Tensor moe_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t bits,
+                    int64_t group, int64_t n, const at::Tensor& order, const at::Tensor& expert_offsets,
+                    const at::Tensor& tile_offsets, int64_t tile_tokens, int64_t max_tiles, int64_t rows_per_x,
+                    bool float_out, bool pdl) {
+  const char* op = "moe_gemm";
+  EXL_CHECK_CUDA_TENSOR(qweight, "moe_gemm: qweight");
+  EXL_CHECK_CUDA_TENSOR(scales, "moe_gemm: scales");
+  EXL_CHECK_CUDA_TENSOR(order, "moe_gemm: order");
+  TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() &&
+                  aligned16(x.data_ptr()),
+              op, ": x must be a contiguous, 16-byte aligned CUDA bfloat16 [rows, k]");
+  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, op, ": bits must be 4, 6 or 8, got ", bits);
+  TORCH_CHECK(group == 16 || group == 32 || group == 64 || group == 128, op, ": group must be 16, 32, 64 or 128");
+  const int64_t k = x.size(1);
+  TORCH_CHECK(n % qlinear::kTileRows == 0 && k % qlinear::kChunk == 0 && n > 0 && k > 0 && n / 16 <= 65535, op,
+              ": n must be a multiple of 16 (at most 1,048,560) and k of 64, got ", n, " x ", k);
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kInt && qweight.is_contiguous() &&
+                  qweight.size(1) == n * k * bits / 32 && qweight.size(0) > 0,
+              op, ": qweight must be contiguous int32 [experts, ", n * k * bits / 32, "]");
+  const int64_t experts = qweight.size(0);
+  TORCH_CHECK(scales.is_contiguous() && scales.size(0) == experts &&
+                  scales.numel() * scales.element_size() == experts * n * (k / group) * 4,
+              op, ": scales must be contiguous [experts, ...] with ", n * (k / group) * 4, " bytes an expert");
+  TORCH_CHECK(aligned16(qweight.data_ptr()) && aligned16(scales.data_ptr()), op,
+              ": qweight and scales must be 16-byte aligned");
+  TORCH_CHECK(order.dim() == 1 && order.scalar_type() == at::kInt && order.is_contiguous(), op,
+              ": order must be a contiguous int32 [pairs]");
+  const int64_t pairs = order.size(0);
+  TORCH_CHECK(rows_per_x >= 1 && pairs == x.size(0) * rows_per_x, op, ": order must hold rows_per_x (", rows_per_x,
+              ") pairs a row of x (", x.size(0), " rows), got ", pairs);
+  TORCH_CHECK(pairs < (int64_t{1} << 31), op, ": too many pairs");
+  for (const at::Tensor* offsets : {&expert_offsets, &tile_offsets}) {
+    TORCH_CHECK(offsets->is_cuda() && offsets->dim() == 1 && offsets->scalar_type() == at::kInt &&
+                    offsets->is_contiguous() && offsets->size(0) == experts + 1,
+                op, ": the offsets must be contiguous int32 [experts + 1]");
+    TORCH_CHECK(offsets->device() == x.device(), op, ": every tensor must be on one device");
+  }
+  TORCH_CHECK(tile_tokens == 32 || tile_tokens == 64, op, ": tile_tokens must be 32 or 64, got ", tile_tokens);
+  TORCH_CHECK(max_tiles >= 0 && max_tiles <= 65535, op, ": max_tiles must be 0 to 65535, got ", max_tiles);
+  TORCH_CHECK(x.device() == qweight.device() && x.device() == scales.device() && x.device() == order.device(), op,
+              ": every tensor must be on one device");
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor out = at::empty({pairs, n}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
+  if (pairs == 0 || max_tiles == 0) return out;
+  GroupedParams gp{};
+  gp.x = static_cast<const __nv_bfloat16*>(x.data_ptr());
+  gp.qweight = static_cast<const uint32_t*>(qweight.data_ptr());
+  gp.scales = static_cast<const uint32_t*>(scales.data_ptr());
+  gp.order = static_cast<const int32_t*>(order.data_ptr());
+  gp.expert_offsets = static_cast<const int32_t*>(expert_offsets.data_ptr());
+  gp.tile_offsets = static_cast<const int32_t*>(tile_offsets.data_ptr());
+  gp.out = out.data_ptr();
+  gp.n = static_cast<int>(n);
+  gp.k = static_cast<int>(k);
+  gp.group_log2 = group == 16 ? 4 : group == 32 ? 5 : group == 64 ? 6 : 7;
+  gp.rows_per_x = static_cast<int>(rows_per_x);
+  gp.experts = static_cast<int>(experts);
+  gp.expert_words = static_cast<size_t>(n * k * bits / 32);
+  gp.expert_scales = static_cast<size_t>(n * (k / group));
+  const cudaStream_t stream = current_stream();
+  const int tiles = static_cast<int>(max_tiles), tokens = static_cast<int>(tile_tokens);
+  if (bits == 4) {
+    launch_moe_gemm<4>(gp, tokens, tiles, float_out, stream, pdl);
+  } else if (bits == 6) {
+    launch_moe_gemm<6>(gp, tokens, tiles, float_out, stream, pdl);
+  } else {
+    launch_moe_gemm<8>(gp, tokens, tiles, float_out, stream, pdl);
   }
   return out;
 }

@@ -100,6 +100,14 @@ at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& scales,
 at::Tensor moe_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t bits,
                     int64_t group, int64_t n, const at::Tensor& ids, const std::optional<at::Tensor>& order,
                     int64_t rows_per_x, bool float_out, bool pdl);
+// moe_gemm: the same products for many tokens on the tensor cores, grouped by expert: order (int32 [pairs]) the
+// pairs sorted by expert, expert_offsets and tile_offsets (int32 [experts + 1]) each expert's first place in order
+// and first tile of tile_tokens (32 or 64) pairs, max_tiles the grid's bound of the tiles; each pair's row is the
+// bytes of quant_linear's tensor-core kernel over its expert.
+at::Tensor moe_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t bits,
+                    int64_t group, int64_t n, const at::Tensor& order, const at::Tensor& expert_offsets,
+                    const at::Tensor& tile_offsets, int64_t tile_tokens, int64_t max_tiles, int64_t rows_per_x,
+                    bool float_out, bool pdl);
 at::Tensor moe_combine(const at::Tensor& rows, const at::Tensor& weights, int64_t top_k, bool pdl);
 
 // rope.cu

@@ -16,14 +16,14 @@ above at `limit`, up to [-limit, limit], gate * sigmoid(alpha * gate) * (up + 1)
 
 Routing is plain tensor work with no host synchronisation. The expert products take one of these paths:
 - on a GPU, experts of packed integer weights (exlcli/ops/moe_stacked.py) are stacked at load and run
-  as a few kernels over (token, slot) pairs with the expert ids on the device: no host sync, so a
-  decode step can be a CUDA graph. Up to DEVICE_MAX_TOKENS tokens, and at any size inside a graph
-  capture;
+  as a few kernels with the expert ids on the device, at any size: up to moe_stacked.PAIRS_MAX_TOKENS
+  tokens over (token, slot) pairs (decode), beyond grouped by expert on the tensor cores (prefill). No
+  host sync on either, so a decode step can be a CUDA graph; the path is a function of the token count;
 - on the CPU with its kernels, a layer whose experts all run on the C matmul and use `silu` takes the
   routed experts in one C call (exlcli/ops/cpu/moe_experts.py), bit for bit the expert-by-expert path;
   `EXLCLI_NO_CPU_MOE_KERNEL=1` goes back to that path;
-- otherwise the tokens of each expert are grouped on the host (the reference path and GPU prefill:
-  each active expert's weights are read once for all of its tokens).
+- otherwise the tokens of each expert are grouped on the host (the reference path: each active
+  expert's weights are read once for all of its tokens).
 With --cpu-moe / --n-cpu-moe a layer's routed experts live in host memory (`expert_device`): its rows go
 there and the sums come back.
 """
@@ -44,10 +44,6 @@ from exlcli.ops.moe_stacked import StackedExperts, stack_experts
 
 ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_group")
 ACTIVATIONS = ("silu", "swiglu_clamped")
-# Tokens up to which a GPU runs the stacked experts outside a graph: each (token, slot) pair reads its
-# expert's weights (from L2 after the first pair of that expert), so past the sizes of decode steps the
-# host-grouped path, which reads an expert once for all its tokens (cuBLAS beyond 64), is the better one.
-DEVICE_MAX_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -193,8 +189,9 @@ class MoeFeedForward:
         return out.to(x.dtype)
 
     def _on_device(self, x: torch.Tensor) -> bool:
-        """Whether the stacked experts' kernels run this call (they need no host sync: graphs capture them)."""
-        return use_kernels(x) and (x.shape[0] <= DEVICE_MAX_TOKENS or torch.cuda.is_current_stream_capturing())
+        """Whether the stacked experts' kernels run this call (any size; they need no host sync: graphs capture
+        them)."""
+        return use_kernels(x)
 
     def _routed_on(self, device: torch.device, x: torch.Tensor, weights: torch.Tensor,
                    ids: torch.Tensor) -> torch.Tensor:

@@ -11,25 +11,93 @@ expert (fp32), and the pairs of a token summed in slot order with their router w
 row is the bytes of quant_linear over that expert at one token (the dp4a kernel), and the sum's order
 is fixed, so a token's result does not depend on the batch.
 
+Past PAIRS_MAX_TOKENS tokens (prefill chunks) a call takes the grouped path instead: the pairs sorted by
+expert on the device (`plan_groups`: the order, each expert's first place in it and its first token tile),
+then one moe_gemm launch per projection, whose blocks each take a tile of one expert's sorted pairs (32 or 64)
+and run quant_linear's tensor-core tile over them (each expert's weights read once a tile, not once a pair),
+SiLU-and-mul, and the same moe_combine. Neither path syncs with the host, so a CUDA graph captures either; the
+path is a function of the token count alone. Each pair's row on the grouped path is the bytes of
+quant_linear's tensor-core kernel over its expert (x in bf16, not rounded to int8: it differs from the pairs
+path by that rounding), whatever the tile and the other pairs in it, so a token's result on it does not depend
+on the other tokens of the call either.
+
 `emulate` is the torch model of those kernels (the same offsets into the stacked tensors, the layout
 read by cuda_groups.unpack_packed, x rounded to int8 per 16 features as the dp4a kernel does): the CPU
-tests check the indexing with it, and the GPU tests compare the kernels with it.
+tests check the indexing with it, and the GPU tests compare the kernels with it; `emulate_grouped` is the
+model of the grouped path (its tiles walked as the kernel's blocks walk them, weights rounded to bf16 as the
+tensor-core kernel dequantizes them, x as it is).
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
 
 from exlcli.ops.activation import silu_and_mul, silu_and_mul_ref
 from exlcli.ops.cuda import kernels
-from exlcli.ops.cuda.limits import QUANT_BITS, QUANT_TILE_ROWS, dp4a_takes
+from exlcli.ops.cuda.checks import MAX_GRID_Y
+from exlcli.ops.cuda.limits import MOE_TILE_TOKENS, QUANT_BITS, QUANT_TILE_ROWS, dp4a_takes
 from exlcli.ops.formats.base import Linear
 from exlcli.ops.formats.cuda_groups import GroupedCudaLinear, unpack_packed
 
 MAX_GRID_ROW_TILES = 65535  # moe_gemv's row tiles run in the grid's y dimension
 SORT_MIN_PAIRS = 16  # from this many pairs the blocks take them sorted by expert (L2 reuse of its weights)
+# Up to this many tokens a call runs moe_gemv over its (token, slot) pairs (decode: each pair reads its expert's
+# weights, from L2 after the first, with int8 activations on dp4a); beyond, the grouped tensor-core path
+# (moe_gemm), where a block's tile of one expert's pairs shares each weight it dequantizes.
+PAIRS_MAX_TOKENS = 64
+# From this many pairs an expert on average the grouped path's token tiles hold 64 pairs, else 32 (fewer
+# padded rows where an expert has few tokens). The tile changes no result.
+WIDE_TILE_PAIRS = 48
+
+
+@dataclass
+class GroupPlan:
+    """The pairs of one call grouped by expert for moe_gemm, all on the device (no host sync): order int32
+    [pairs] (the pairs sorted by expert, stably: token order within an expert), expert_offsets int32 [E + 1]
+    (each expert's first place in order; the last is the pairs of valid ids), tile_offsets int32 [E + 1] (each
+    expert's first token tile of tile_tokens pairs), max_tiles (a bound of the tiles from the sizes alone: the
+    kernel's grid)."""
+    order: torch.Tensor
+    expert_offsets: torch.Tensor
+    tile_offsets: torch.Tensor
+    tile_tokens: int
+    max_tiles: int
+
+
+def tile_tokens_for(pairs: int, experts: int) -> int:
+    """The grouped path's token tile for this many pairs over this many experts."""
+    return MOE_TILE_TOKENS[1] if pairs >= WIDE_TILE_PAIRS * experts else MOE_TILE_TOKENS[0]
+
+
+def plan_groups(ids: torch.Tensor, experts: int, tile_tokens: int) -> GroupPlan:
+    """The plan of flat expert ids [pairs] (any integer dtype, on any device) in tiles of tile_tokens pairs."""
+    pairs = ids.shape[0]
+    sorted_ids, order = torch.sort(ids.to(torch.int32), stable=True)
+    bounds = torch.arange(experts + 1, dtype=torch.int32, device=ids.device)
+    expert_offsets = torch.searchsorted(sorted_ids, bounds, out_int32=True)
+    counts = expert_offsets[1:] - expert_offsets[:-1]
+    tile_offsets = torch.zeros(experts + 1, dtype=torch.int32, device=ids.device)
+    tile_offsets[1:] = torch.cumsum(torch.div(counts + (tile_tokens - 1), tile_tokens, rounding_mode="floor"),
+                                    dim=0, dtype=torch.int32)
+    # every tile but an expert's last is full, and every tile holds a pair
+    max_tiles = min(pairs, -(-pairs // tile_tokens) + experts)
+    return GroupPlan(order.to(torch.int32).contiguous(), expert_offsets.contiguous(), tile_offsets, tile_tokens,
+                     max_tiles)
+
+
+def tile_pairs(plan: GroupPlan, tile: int) -> tuple[int, list[int]]:
+    """(expert, its sorted pairs) of token tile `tile`, found as a kernel block finds them (host lists; tests and
+    the torch model); (-1, []) past the last tile."""
+    tiles, offsets = plan.tile_offsets.tolist(), plan.expert_offsets.tolist()
+    if tile >= tiles[-1]:
+        return -1, []
+    expert = bisect.bisect_right(tiles, tile) - 1  # the last expert whose first tile is at or before it
+    first = offsets[expert] + (tile - tiles[expert]) * plan.tile_tokens
+    count = min(plan.tile_tokens, offsets[expert + 1] - first)
+    return expert, plan.order[first:first + count].tolist()
 
 
 @dataclass
@@ -52,6 +120,12 @@ class StackedWeights:
         return kernels.moe_gemv(x, self.qweight, self.scales, self.bits, self.group, self.out_features, ids, order,
                                 rows_per_x, float_out=float_out)
 
+    def grouped_rows(self, x: torch.Tensor, plan: GroupPlan, rows_per_x: int, float_out: bool) -> torch.Tensor:
+        """[pairs, n]: the same rows on the grouped tensor-core kernel (moe_gemm)."""
+        return kernels.moe_gemm(x, self.qweight, self.scales, self.bits, self.group, self.out_features, plan.order,
+                                plan.expert_offsets, plan.tile_offsets, plan.tile_tokens, plan.max_tiles, rows_per_x,
+                                float_out=float_out)
+
     def expert_weight(self, expert: int) -> torch.Tensor:
         """The dense fp32 weight [n, k] of one expert, read at the offsets the kernel reads it at."""
         words = self.qweight.numel() // self.num_experts
@@ -69,6 +143,24 @@ class StackedWeights:
         out = torch.empty(ids.shape[0], self.out_features, dtype=torch.float64, device=x.device)
         for s, e in enumerate(ids.tolist()):
             out[s] = dense[e] @ xq[s // rows_per_x]
+        return out.float()
+
+
+    def emulate_grouped_rows(self, x: torch.Tensor, plan: GroupPlan, rows_per_x: int) -> torch.Tensor:
+        """fp32 [pairs, n]: moe_gemm's rows in torch, its tiles walked as its blocks walk them (tile_pairs), each
+        expert's weight rounded to bf16 as the tensor-core kernel dequantizes it, x as it is (float64 sums); a
+        row no tile writes stays NaN."""
+        out = torch.full((plan.order.shape[0], self.out_features), float("nan"), dtype=torch.float64,
+                         device=x.device)
+        dense: dict[int, torch.Tensor] = {}
+        for tile in range(plan.max_tiles):
+            expert, pairs = tile_pairs(plan, tile)
+            if expert < 0:
+                continue
+            if expert not in dense:
+                dense[expert] = self.expert_weight(expert).to(torch.bfloat16).double()
+            index = torch.tensor(pairs, dtype=torch.long, device=x.device)
+            out[index] = x.double()[torch.div(index, rows_per_x, rounding_mode="floor")] @ dense[expert].T
         return out.float()
 
 
@@ -92,17 +184,37 @@ class StackedExperts:
         self.gate_up, self.down = gate_up, down
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [T, H] bf16 (normed), the router's weights [T, k] fp32 and ids [T, k] -> fp32 [T, H]; no host sync."""
+        """x [T, H] bf16 (normed), the router's weights [T, k] fp32 and ids [T, k] -> fp32 [T, H]; no host sync.
+        Up to PAIRS_MAX_TOKENS tokens over (token, slot) pairs, beyond on the grouped path."""
+        x2 = x.to(torch.bfloat16).contiguous()
+        if x2.data_ptr() % 16:
+            x2 = x2.clone()
+        if x.shape[0] <= PAIRS_MAX_TOKENS:
+            return self.pairs(x2, weights, ids)
+        return self.grouped(x2, weights, ids)
+
+    def pairs(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The pairs path (moe_gemv) at any size; x bf16, contiguous and aligned."""
         top_k = ids.shape[1]
         flat = ids.reshape(-1).to(torch.int32)
         order = None
         if flat.shape[0] >= SORT_MIN_PAIRS:
             order = torch.argsort(flat).to(torch.int32)
-        x2 = x.to(torch.bfloat16).contiguous()
-        if x2.data_ptr() % 16:
-            x2 = x2.clone()
-        gate_up = self.gate_up.rows(x2, flat, order, top_k, float_out=False)
+        gate_up = self.gate_up.rows(x, flat, order, top_k, float_out=False)
         rows = self.down.rows(silu_and_mul(gate_up), flat, order, 1, float_out=True)
+        return kernels.moe_combine(rows, weights.reshape(-1).float().contiguous(), top_k)
+
+    def grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The grouped path (moe_gemm) at any size; x bf16, contiguous and aligned."""
+        tokens, top_k = ids.shape
+        experts = self.gate_up.num_experts
+        plan = plan_groups(ids.reshape(-1), experts, tile_tokens_for(tokens * top_k, experts))
+        if plan.max_tiles > MAX_GRID_Y:  # more tiles than a grid holds: halves (a token's rows are its own)
+            half = tokens // 2
+            return torch.cat([self.grouped(x[:half], weights[:half], ids[:half]),
+                              self.grouped(x[half:], weights[half:], ids[half:])])
+        gate_up = self.gate_up.grouped_rows(x, plan, top_k, float_out=False)
+        rows = self.down.grouped_rows(silu_and_mul(gate_up), plan, 1, float_out=True)
         return kernels.moe_combine(rows, weights.reshape(-1).float().contiguous(), top_k)
 
     def emulate(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -113,6 +225,18 @@ class StackedExperts:
         act = silu_and_mul_ref(gate_up).to(torch.bfloat16)
         rows = self.down.emulate_rows(act, flat, 1)
         slots = rows.view(ids.shape[0], top_k, -1) * weights.float().unsqueeze(-1)
+        return slots.sum(dim=1)
+
+
+    def emulate_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """What grouped computes, in torch on any device (tests)."""
+        tokens, top_k = ids.shape
+        experts = self.gate_up.num_experts
+        plan = plan_groups(ids.reshape(-1), experts, tile_tokens_for(tokens * top_k, experts))
+        gate_up = self.gate_up.emulate_grouped_rows(x, plan, top_k).to(torch.bfloat16)
+        act = silu_and_mul_ref(gate_up).to(torch.bfloat16)
+        rows = self.down.emulate_grouped_rows(act, plan, 1)
+        slots = rows.view(tokens, top_k, -1) * weights.float().unsqueeze(-1)
         return slots.sum(dim=1)
 
 

@@ -2,7 +2,8 @@
 moe_gemv is quant_linear of its expert at one token, bit for bit; the whole path against its torch model
 and against MoeFeedForward's host-grouped path (the reference: per-expert products, counts on the host) at
 1, 3 and 64 tokens, for 4-, 6- and 8-bit experts on random weights; batch invariance; no host sync (a CUDA
-graph captures it); ids outside the experts give NaN rows, never a fault."""
+graph captures it, and the grouped path past the pairs limit too); ids outside the experts give NaN rows,
+never a fault. The grouped path of many tokens: tests/gpu/test_gpu_moe_prefill.py."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 from gpu_helpers import rel_err, requires_cuda
 
-from exlcli.ops import moe as moe_module
+from exlcli.ops import moe_stacked
 from exlcli.ops.cuda import kernels as ops
 from exlcli.ops.formats import cuda_groups
 from exlcli.ops.formats.dense import dense_linear
@@ -100,7 +101,7 @@ def test_the_device_path_matches_its_model_and_the_host_grouped_path(bits, down_
     monkeypatch.setattr(MoeFeedForward, "_routed", no_host_path)
     device_out = moe(x)
     monkeypatch.undo()
-    monkeypatch.setattr(moe_module, "DEVICE_MAX_TOKENS", 0)  # every call on the host-grouped path
+    monkeypatch.setattr(MoeFeedForward, "_on_device", lambda self, x: False)  # the host-grouped path
     host_out = moe(x)
     assert device_out.dtype == host_out.dtype == torch.bfloat16
     # the host path's experts with 3 or more tokens take the tensor-core kernel over x itself: the int8
@@ -147,22 +148,23 @@ def test_a_cuda_graph_captures_the_moe_layer():
     assert torch.equal(out, moe(new_x))
 
 
-def test_graph_capture_takes_the_device_path_beyond_its_eager_limit(monkeypatch):
+def test_graph_capture_takes_the_grouped_path_beyond_the_pairs_limit(monkeypatch):
     moe = make_moe(8, 8, seed=12)
     stacked = moe.stacked
     assert stacked is not None
-    monkeypatch.setattr(moe_module, "DEVICE_MAX_TOKENS", 2)
+    monkeypatch.setattr(moe_stacked, "PAIRS_MAX_TOKENS", 2)
     x = inputs(8, seed=13)
     weights, ids = routed(moe, x)
-    want = stacked(x, weights, ids).to(torch.bfloat16)
+    want = stacked.grouped(x, weights, ids).to(torch.bfloat16)
+    assert not torch.equal(want, stacked.pairs(x, weights, ids).to(torch.bfloat16)), "the two paths differ"
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        moe(x)  # warm-up (eagerly on the host-grouped path: 8 tokens are past the limit)
+        moe(x)  # warm-up
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = moe(x)  # the host path would sync here, which a capture refuses
+        out = moe(x)  # a host sync here would fail the capture
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, want)

@@ -2,7 +2,9 @@
 stack holds each expert's packed weights at the offsets the kernel reads (its torch model, `emulate`,
 reads them there through cuda_groups.unpack_packed), the experts' own linears become views of it (no
 second copy), the model of the whole path matches MoeFeedForward's host-grouped path over the same
-weights, and what the kernel does not take is left as it was."""
+weights, and what the kernel does not take is left as it was. The grouped path's plan (the pairs sorted by
+expert, cut into tiles of one expert) puts every pair in exactly one tile of its expert, and its model
+(`emulate_grouped`, walking the tiles as moe_gemm's blocks do) matches the dense reference."""
 
 from __future__ import annotations
 
@@ -13,7 +15,15 @@ from exlcli.ops.errors import KernelInputError
 from exlcli.ops.formats import cuda_groups
 from exlcli.ops.formats.dense import dense_linear
 from exlcli.ops.moe import Expert, MoeFeedForward, RouterSpec, route
-from exlcli.ops.moe_stacked import dp4a_rounded, stack_experts, stack_weights
+from exlcli.ops.moe_stacked import (
+    PAIRS_MAX_TOKENS,
+    dp4a_rounded,
+    plan_groups,
+    stack_experts,
+    stack_weights,
+    tile_pairs,
+    tile_tokens_for,
+)
 
 HIDDEN, INTER, EXPERTS, TOP_K, GROUP = 128, 64, 6, 2, 32
 
@@ -169,5 +179,80 @@ def test_the_kernel_wrappers_refuse_cpu_tensors_with_a_clear_error():
     with pytest.raises(KernelInputError, match="moe_gemv: x must be a CUDA tensor"):
         kernels.moe_gemv(x, torch.zeros(2, 16, dtype=torch.int32), torch.zeros(2, 8), 4, 32, 16,
                          torch.zeros(2, dtype=torch.int32), None, 2)
+    offsets = torch.zeros(3, dtype=torch.int32)
+    with pytest.raises(KernelInputError, match="moe_gemm: x must be a CUDA tensor"):
+        kernels.moe_gemm(x, torch.zeros(2, 16, dtype=torch.int32), torch.zeros(2, 8), 4, 32, 16,
+                         torch.zeros(2, dtype=torch.int32), offsets, offsets, 32, 1, 2)
     with pytest.raises(KernelInputError, match="moe_combine: rows must be a CUDA tensor"):
         kernels.moe_combine(torch.zeros(2, 16), torch.zeros(2), 2)
+
+
+def id_cases(gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Flat expert ids of EXPERTS experts: random, some experts with no pair, every pair on one expert, counts
+    at a tile's edges."""
+    return {
+        "random": torch.randint(0, EXPERTS, (300,), generator=gen),
+        "zero-token experts": torch.randint(0, 2, (97,), generator=gen) * 3,  # experts 0 and 3 only
+        "one expert": torch.full((130,), EXPERTS - 1),
+        "tile edges": torch.cat([torch.full((32,), 1), torch.full((33,), 2), torch.full((64,), 4),
+                                 torch.full((1,), 5)])[torch.randperm(130, generator=gen)],
+    }
+
+
+@pytest.mark.parametrize("tile_tokens", [3, 32, 64])
+def test_the_plan_puts_every_pair_in_one_tile_of_its_expert(tile_tokens):
+    gen = torch.Generator().manual_seed(tile_tokens)
+    for name, ids in id_cases(gen).items():
+        plan = plan_groups(ids, EXPERTS, tile_tokens)
+        pairs = ids.shape[0]
+        assert plan.order.dtype == plan.expert_offsets.dtype == plan.tile_offsets.dtype == torch.int32
+        assert plan.max_tiles <= pairs
+        seen: list[int] = []
+        tiles_used = 0
+        for tile in range(plan.max_tiles):
+            expert, members = tile_pairs(plan, tile)
+            if expert < 0:
+                assert members == [], name
+                continue
+            tiles_used += 1
+            assert 1 <= len(members) <= tile_tokens, (name, tile)
+            assert all(int(ids[s]) == expert for s in members), f"{name}: tile {tile} holds another expert's pair"
+            assert members == sorted(members), f"{name}: an expert's pairs in token order"
+            seen += members
+        assert sorted(seen) == list(range(pairs)), f"{name}: every pair once"
+        counts = torch.bincount(ids, minlength=EXPERTS)
+        assert tiles_used == int(((counts + tile_tokens - 1) // tile_tokens).sum()), name
+        assert tile_pairs(plan, plan.max_tiles)[0] == -1
+
+
+def test_the_tile_is_a_function_of_the_pairs_and_experts():
+    assert tile_tokens_for(64 * 8, 128) == 32 and tile_tokens_for(2048 * 8, 128) == 64
+    assert tile_tokens_for(300 * 8, 16) == 64 and tile_tokens_for(65 * 8, 16) == 32
+
+
+@pytest.mark.parametrize("bits,down_bits", [(4, 6), (8, 8)])
+def test_the_model_of_the_grouped_path_matches_the_dense_reference(bits, down_bits):
+    packed, dense = experts_of(bits, seed=30 + bits, down_bits=down_bits)
+    stacked = stack_experts([e.gate_up for e in packed], [e.down for e in packed])
+    assert stacked is not None
+    gen = torch.Generator().manual_seed(bits)
+    spec = RouterSpec("softmax_topk", TOP_K, normalize=True)
+    router_weight = torch.randn(EXPERTS, HIDDEN, generator=gen).to(torch.bfloat16)
+    tokens = PAIRS_MAX_TOKENS + 1
+    x = torch.randn(tokens, HIDDEN, generator=gen).to(torch.bfloat16)
+    reference = dense_moe(dense, spec, router_weight)
+    want = reference(x).float()
+    weights, ids = route(reference.router(x, out_dtype=torch.float32), spec)
+    got = stacked.emulate_grouped(x, weights, ids)
+    assert got.shape == (tokens, HIDDEN) and torch.isfinite(got).all(), "every pair's row written"
+    # the packed scales and offsets in bf16 and the roundings of the rows (x is not rounded to int8 here)
+    assert rel_err(got, want) < 0.02
+    # each pair's row is its expert's weight (rounded to bf16) over its token's row
+    plan = plan_groups(ids.reshape(-1), EXPERTS, 32)
+    rows = stacked.gate_up.emulate_grouped_rows(x, plan, TOP_K)
+    for s, e in enumerate(ids.reshape(-1).tolist()):
+        w = stacked.gate_up.expert_weight(e).to(torch.bfloat16).double()
+        assert torch.allclose(rows[s].double(), w @ x[s // TOP_K].double(), rtol=1e-6, atol=1e-6), (s, e)
+    # a token's row does not depend on the others
+    for t in (0, tokens - 1):
+        assert torch.equal(stacked.emulate_grouped(x[t:t + 1], weights[t:t + 1], ids[t:t + 1])[0], got[t])

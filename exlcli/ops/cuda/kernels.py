@@ -10,7 +10,15 @@ from dataclasses import dataclass, field
 import torch
 
 from exlcli.ops.cuda import checks
-from exlcli.ops.cuda.limits import DP4A_MAX_TOKENS, QUANT_BITS, QUANT_CHUNK, QUANT_GROUPS, QUANT_TILE_ROWS, dp4a_takes
+from exlcli.ops.cuda.limits import (
+    DP4A_MAX_TOKENS,
+    MOE_TILE_TOKENS,
+    QUANT_BITS,
+    QUANT_CHUNK,
+    QUANT_GROUPS,
+    QUANT_TILE_ROWS,
+    dp4a_takes,
+)
 from exlcli.ops.cuda.state import STATE
 
 
@@ -376,6 +384,42 @@ def moe_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bits:
         checks.vector(op, "order", order, ids.shape[0], torch.int32)
     return torch.ops.exlcli.moe_gemv(x, qweight, scales, bits, group, n, ids, order, rows_per_x, float_out,
                                      STATE.options.pdl)
+
+
+def moe_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bits: int, group: int, n: int,
+             order: torch.Tensor, expert_offsets: torch.Tensor, tile_offsets: torch.Tensor, tile_tokens: int,
+             max_tiles: int, rows_per_x: int, float_out: bool = False) -> torch.Tensor:
+    """moe_gemv's products for many pairs, grouped by expert on the tensor cores (csrc/moe.cu): order (int32
+    [pairs]) the pairs sorted by expert, expert_offsets (int32 [E + 1]) each expert's first place in it,
+    tile_offsets (int32 [E + 1]) each expert's first tile of tile_tokens (32 or 64) pairs, max_tiles a bound
+    of the tiles (the grid). bf16 [pairs, n], or fp32 with float_out; each pair's row is the bytes of
+    quant_linear's tensor-core kernel over its expert and its row of x. A pair whose id is outside 0 .. E - 1
+    is in no expert's range: its row is not written."""
+    op = "moe_gemm"
+    checks.on_cuda(op, "x qweight scales order expert_offsets tile_offsets", x, qweight, scales, order,
+                   expert_offsets, tile_offsets)
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or not x.is_contiguous() or not checks.aligned(x):
+        checks.fail(op, f"x must be a contiguous, aligned bfloat16 [rows, k], got {x.dtype} {list(x.shape)}")
+    k = x.shape[1]
+    if qweight.dim() != 2 or qweight.shape[0] == 0 or scales.shape[:1] != qweight.shape[:1]:
+        checks.fail(op, f"qweight and scales must be stacked [experts, ...], got {list(qweight.shape)} and "
+                        f"{list(scales.shape)}")
+    _packed(op, qweight[0], scales[0], bits, group, n, k)
+    if not (qweight.is_contiguous() and scales.is_contiguous()):
+        checks.fail(op, "the stacked qweight and scales must be contiguous")
+    if n // QUANT_TILE_ROWS > checks.MAX_GRID_Y:
+        checks.fail(op, f"n ({n}) must be at most {checks.MAX_GRID_Y * QUANT_TILE_ROWS}")
+    if rows_per_x < 1:
+        checks.fail(op, f"rows_per_x must be at least 1, got {rows_per_x}")
+    if tile_tokens not in MOE_TILE_TOKENS:
+        checks.fail(op, f"tile_tokens must be one of {MOE_TILE_TOKENS}, got {tile_tokens}")
+    if not 0 <= max_tiles <= checks.MAX_GRID_Y:
+        checks.fail(op, f"max_tiles must be 0 to {checks.MAX_GRID_Y}, got {max_tiles}")
+    checks.vector(op, "order", order, x.shape[0] * rows_per_x, torch.int32)
+    checks.vector(op, "expert_offsets", expert_offsets, qweight.shape[0] + 1, torch.int32)
+    checks.vector(op, "tile_offsets", tile_offsets, qweight.shape[0] + 1, torch.int32)
+    return torch.ops.exlcli.moe_gemm(x, qweight, scales, bits, group, n, order, expert_offsets, tile_offsets,
+                                     tile_tokens, max_tiles, rows_per_x, float_out, STATE.options.pdl)
 
 
 def moe_combine(rows: torch.Tensor, weights: torch.Tensor, top_k: int) -> torch.Tensor:
