@@ -176,15 +176,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     own when it is missing. A window, sinks or a soft-cap (`is_plain`) take the reference on either device."""
     decode_only = len(seq_lens) == q.shape[0]
     plain = is_plain(window, sinks, softcap)
-    if plain and use_kernels(q) and q.shape[-1] in HEAD_DIMS:  # others take the reference
+    if use_kernels(q) and q.shape[-1] in HEAD_DIMS:  # others take the reference
         assert seq_lens_t is not None, "the compiled kernels read the lengths' device copy"
         if decode_only:
-            return cuda_kernels.paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens_t, scale)
+            return cuda_kernels.paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens_t, scale,
+                                                       window=window, sinks=sinks, softcap=softcap)
         if prefill_layout is None:
             prefill_layout = cuda_kernels.PrefillLayout(query_start_loc, seq_lens)
         assert query_start_loc_t is not None, "the compiled prefill reads the query starts' device copy"
         return cuda_kernels.paged_attention_prefill(q, k_cache, v_cache, block_tables, query_start_loc_t,
-                                                    seq_lens_t, scale, prefill_layout)
+                                                    seq_lens_t, scale, prefill_layout, window=window, sinks=sinks,
+                                                    softcap=softcap)
     if plain and use_cpu_kernels_for(q, k_cache, v_cache):
         # rope hands q over as a view of its [T, heads + kv_heads, D] result
         return paged_attention_cpu(q.contiguous(), k_cache, v_cache, block_tables, query_start_loc,
