@@ -1,5 +1,5 @@
 """End to end on the GPU with a random SmolLM2-shaped model whose layers alternate 24-token windows and full
-attention, with sink logits and a soft-cap (issue #50): greedy tokens through the Engine (compiled
+attention, with sink logits or a soft-cap (issue #50): greedy tokens through the Engine (compiled
 attention with the layers' kinds, decode steps as CUDA graphs) equal the torch reference path's, with
 prompts and answers well past the window, and the reference attention never runs on the kernel path."""
 
@@ -26,20 +26,22 @@ NEW_TOKENS = 48
 WINDOW = 24
 
 
-@pytest.fixture(scope="module")
-def kinds_model() -> CausalLM:
+@pytest.fixture(scope="module", params=["sinks", "softcap"])
+def kinds_model(request) -> CausalLM:
+    """Windows with sink logits (gpt-oss's kinds), or windows with a soft-cap (Gemma 2's; a config refuses both)."""
     base = random_config("smollm2-135m")
+    sinks = request.param == "sinks"
     config = dataclasses.replace(
-        base, sliding_window=WINDOW, attn_logit_softcap=20.0, attention_sinks=True,
+        base, sliding_window=WINDOW, attn_logit_softcap=None if sinks else 20.0, attention_sinks=sinks,
         layer_types=tuple(SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION for i in range(base.num_layers)))
     tensors = random_tensors(config, device="cuda", dtype=torch.float32, seed=1)
     gen = torch.Generator(device="cuda").manual_seed(2)
-    for n in range(config.num_layers):
+    for n in range(config.num_layers if sinks else 0):
         tensors[f"model.layers.{n}.self_attn.sinks"] = torch.randn(config.num_heads, generator=gen, device="cuda")
     model = build_model(config, tensors, torch.device("cuda"), torch.float32)
     specs = model.attention_specs()
     assert specs[0].window == WINDOW and specs[1].window is None
-    assert all(s.sinks is not None and s.softcap == 20.0 for s in specs)
+    assert all((s.sinks is not None) == sinks and s.softcap == (None if sinks else 20.0) for s in specs)
     return model
 
 
