@@ -18,6 +18,7 @@ from exlcli.ops.cuda import kernels as ops
 from exlcli.ops.cuda.limits import DECODE_ATTENTION_VERSIONS
 from exlcli.ops.cuda.state import launch_options
 from exlcli.ops.errors import KernelInputError
+from exlcli.ops.kv_store import FP8_CACHE_DTYPE, to_cache_dtype
 
 pytestmark = [pytest.mark.gpu, requires_cuda, pytest.mark.usefixtures("kernels")]
 
@@ -254,3 +255,28 @@ def test_bad_kind_arguments_are_rejected():
                         ({"sinks": torch.zeros(4)}, "sinks")):
         with pytest.raises(KernelInputError, match=words):
             ops.paged_attention_decode(q, k, k, tables, lens, 0.1, **kind)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ["window-128-sinks", "window-softcap", "all"])
+def test_an_e4m3_cache_with_a_kind_is_attention_over_its_values(name, dtype):
+    """Version 3 reads an fp8 (e4m3) cache: with a kind, bit for bit what it gives over a 16-bit cache of the
+    same values, in decode and in prefill."""
+    kind = kind_args(name, 16)
+    case = [(1, 40), (17, 17), (1, 700), (33, 600), (1, 1500)]
+    lens, queries = [n for _, n in case], [nq for nq, _ in case]
+    starts = [0]
+    for nq in queries:
+        starts.append(starts[-1] + nq)
+    k, v, tables, _, _ = paged_kv(lens, queries, 4, 128, dtype, kind["window"])
+    k8, v8 = to_cache_dtype(k, FP8_CACHE_DTYPE), to_cache_dtype(v, FP8_CACHE_DTYPE)
+    k16, v16 = k8.to(dtype), v8.to(dtype)
+    q = randn(starts[-1], 16, 128, dtype=dtype)
+    lens_t, qsl = torch.tensor(lens, dtype=torch.int32, device="cuda"), torch.tensor(starts, dtype=torch.int32,
+                                                                                    device="cuda")
+    out = ops.paged_attention_prefill(q, k8, v8, tables, qsl, lens_t, 0.088, ops.PrefillLayout(starts, lens),
+                                      version=3, **kind)
+    assert not torch.isnan(out).any()
+    want = ops.paged_attention_prefill(q, k16, v16, tables, qsl, lens_t, 0.088, ops.PrefillLayout(starts, lens),
+                                       version=3, **kind)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
