@@ -1,6 +1,7 @@
 // Decode attention: the op, its input checks, the choice of kernel version and the combine of
 // the partitions (attention_decode.cuh describes the split; one file per version beside this one).
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 #include <ATen/ops/empty.h>
@@ -21,21 +22,23 @@ __global__ void __launch_bounds__(D) paged_decode_combine_kernel(const DecodePar
   const int64_t row = query_row(p, b);
   if (row < 0) return;
   T* out = static_cast<T*>(p.out) + row * (static_cast<int64_t>(p.num_heads) * D) + static_cast<int64_t>(h) * D;
-  const int num_parts = ceil_div(p.seq_lens[b], kPartitionTokens);
+  const int seq_len = p.seq_lens[b];
+  const int num_parts = ceil_div(seq_len, kPartitionTokens);
   if (num_parts == 0) {
     out[d] = from_float<T>(0.f);
     return;
   }
+  const int first_part = first_key(p, seq_len) / kPartitionTokens;  // those before it were idle
   const int64_t base = (static_cast<int64_t>(b) * p.num_heads + h) * p.max_parts;
   float m = -INFINITY;
-  for (int i = 0; i < num_parts; ++i) m = fmaxf(m, p.part_ml[(base + i) * 2]);
+  for (int i = first_part; i < num_parts; ++i) m = fmaxf(m, p.part_ml[(base + i) * 2]);
   float l = 0.f, o = 0.f;
-  for (int i = 0; i < num_parts; ++i) {
+  for (int i = first_part; i < num_parts; ++i) {
     const float w = expf(p.part_ml[(base + i) * 2] - m);
     l = fmaf(p.part_ml[(base + i) * 2 + 1], w, l);
     o = fmaf(p.part_acc[(base + i) * D + d], w, o);
   }
-  out[d] = from_float<T>(o * (1.f / l));
+  out[d] = from_float<T>(o * output_factor(p, h, m, l));
 }
 
 // The partitions in the caller's kernel version (1 or 3; fp32 and devices before sm_80 run
@@ -101,9 +104,27 @@ void check_paged_attention_inputs(const at::Tensor& q, const at::Tensor& k_cache
               "paged attention: seq_lens must be a contiguous [", block_tables.size(0), "]");
 }
 
+void check_attention_kind(const at::Tensor& q, const std::optional<at::Tensor>& sinks, int64_t window,
+                          double softcap) {
+  TORCH_CHECK(window >= 0 && window <= INT32_MAX, "paged attention: window must be 0 (none) or a positive "
+              "token count, got ", window);
+  TORCH_CHECK(softcap >= 0.0 && std::isfinite(softcap), "paged attention: softcap must be 0 (none) or a "
+              "positive number, got ", softcap);
+  if (sinks.has_value()) {
+    const at::Tensor& s = *sinks;
+    EXL_CHECK_CUDA_TENSOR(s, "paged attention: sinks");
+    TORCH_CHECK(s.device() == q.device(), "paged attention: sinks are on another device than q");
+    EXL_CHECK_DTYPE(s, at::kFloat, "paged attention: sinks");
+    TORCH_CHECK(s.dim() == 1 && s.size(0) == q.size(1) && s.is_contiguous(),
+                "paged attention: sinks must be a contiguous [", q.size(1), "] (one logit per query head), got ",
+                s.sizes());
+  }
+}
+
 void launch_paged_decode(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                          const at::Tensor& v_cache, const at::Tensor& block_tables,
-                         const at::Tensor& seq_lens, const int* query_start_loc, double scale, int64_t version,
+                         const at::Tensor& seq_lens, const int* query_start_loc, double scale,
+                         const std::optional<at::Tensor>& sinks, int64_t window, double softcap, int64_t version,
                          bool pdl) {
   using decode_attention::kPartitionTokens;
   TORCH_CHECK(version == 1 || version == 3, "paged attention: the kernel version must be 1 or 3, got ", version);
@@ -139,19 +160,25 @@ void launch_paged_decode(const at::Tensor& out, const at::Tensor& q, const at::T
   p.seq_lens = seq_lens.data_ptr<int>();
   p.query_start_loc = query_start_loc;
   p.scale = static_cast<float>(scale);
+  p.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
+  p.window = static_cast<int>(window);
+  p.softcap = static_cast<float>(softcap);
   decode_attention::launch(p, q.scalar_type(), is_e4m3_cache(k_cache), static_cast<int>(head_dim), gmax, num_seqs,
                            version, pdl, current_stream());
 }
 
 at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                                  const std::optional<at::Tensor>& sinks, int64_t window, double softcap,
                                   int64_t version, bool pdl) {
   check_paged_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens);
+  check_attention_kind(q, sinks, window, softcap);
   TORCH_CHECK(seq_lens.size(0) == q.size(0), "paged_attention_decode: one query per sequence: q has ", q.size(0),
               " rows for ", seq_lens.size(0), " sequences");
   const c10::cuda::CUDAGuard guard(q.device());
   at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
-  launch_paged_decode(out, q, k_cache, v_cache, block_tables, seq_lens, nullptr, scale, version, pdl);
+  launch_paged_decode(out, q, k_cache, v_cache, block_tables, seq_lens, nullptr, scale, sinks, window, softcap,
+                      version, pdl);
   return out;
 }
 

@@ -7,6 +7,13 @@
 // combined in order, so a sequence's result does not depend on the batch it runs in. When the block
 // table allows only one partition the block writes the output itself; otherwise a second kernel
 // merges the partitions' (max, sum, accumulator). Both versions compute the same partitions.
+//
+// A layer's attention kind (ops/attention.py): with a `window` W a row of L keys sees positions
+// >= L - W only, so partitions wholly before that are idle (they read nothing) and the partition
+// holding it starts there; a `softcap` c maps each scaled score s to c * tanh(s / c); `sinks`
+// ([num_heads] fp32, on the device) add exp(sink - max) to each head's denominator where the
+// output is normalised (one partition's block, or the combine). All three are fixed per layer, so
+// a captured graph replays them as they are.
 #pragma once
 
 #include <cstdint>
@@ -32,7 +39,30 @@ struct DecodeParams {
   const int* query_start_loc;  // [B + 1] or nullptr
   int num_heads, num_kv_heads, group, head_chunks, page_size, max_parts;
   float scale;
+  const float* sinks;  // [num_heads] fp32, or nullptr: no sink logits
+  int window;  // > 0: a row sees its last `window` keys; 0: all of them
+  float softcap;  // > 0: scores s -> softcap * tanh(s / softcap); 0: none
 };
+
+// The first key a row of seq_len keys sees.
+__device__ __forceinline__ int first_key(const DecodeParams& p, int seq_len) {
+  return p.window > 0 ? max(0, seq_len - p.window) : 0;
+}
+
+// A scaled score after the layer's soft-cap.
+__device__ __forceinline__ float soft_capped(const DecodeParams& p, float s) {
+  return p.softcap > 0.f ? p.softcap * tanhf(s / p.softcap) : s;
+}
+
+// What a head's accumulator is multiplied by to give its output, from the max m (natural log) and
+// the sum l of exp(score - m): 1 / l, or with a sink logit, exp(m - m') / (l exp(m - m') + exp(sink - m'))
+// for m' = max(m, sink) (the sink's term with no value).
+__device__ __forceinline__ float output_factor(const DecodeParams& p, int head, float m, float l) {
+  if (p.sinks == nullptr) return 1.f / l;
+  const float sink = p.sinks[head];
+  const float top = fmaxf(m, sink), a = expf(m - top);
+  return a / fmaf(l, a, expf(sink - top));
+}
 
 // The query row of sequence b, or -1 when the sequence has no single query to answer here.
 __device__ __forceinline__ int64_t query_row(const DecodeParams& p, int b) {
@@ -54,7 +84,8 @@ __device__ __forceinline__ void fill_slots(int64_t* s_slot, const int* table, in
 // Where one block of a decode kernel works: grid (kv head x head chunk, sequence, partition).
 template <typename T, int D>
 struct DecodeBlock {
-  int kvh, b, part, seq_len, num_parts, ng, head0;
+  int kvh, b, part, seq_len, num_parts, first_part, ng, head0;
+  int start, n;  // the partition's first token the row sees, and how many from there
   int64_t row;  // -1: nothing to do for this sequence
   T* out;       // the first of the block's ng query heads in the output row
 
@@ -66,6 +97,10 @@ struct DecodeBlock {
     row = query_row(p, b);
     seq_len = row < 0 ? 0 : p.seq_lens[b];
     num_parts = ceil_div(seq_len, kPartitionTokens);
+    const int first = first_key(p, seq_len);
+    first_part = first / kPartitionTokens;
+    start = max(part * kPartitionTokens, first);
+    n = min((part + 1) * kPartitionTokens, seq_len) - start;
     const int g0 = chunk * gmax;
     ng = min(gmax, p.group - g0);
     head0 = kvh * p.group + g0;
@@ -74,10 +109,11 @@ struct DecodeBlock {
   }
 
   // True when this block has no partition to compute (and it wrote the zeros of an empty row).
+  // Partitions before the window's are idle too: the combine skips them.
   __device__ __forceinline__ bool idle(const DecodeParams& p, int threads) const {
     if (row < 0) return true;
-    if (part < num_parts) return false;
-    if (part == 0 && p.max_parts == 1) {  // an empty sequence (a padded row): zeros
+    if (part >= first_part && part < num_parts) return false;
+    if (num_parts == 0 && part == 0 && p.max_parts == 1) {  // an empty sequence (a padded row): zeros
       for (int i = threadIdx.x; i < ng * D; i += threads) out[i] = from_float<T>(0.f);
     }
     return true;

@@ -27,13 +27,12 @@ __global__ void __launch_bounds__(WARPS * 32) paged_decode_kernel(const DecodePa
 
   const DecodeBlock<T, D> blk(p, GMAX);
   if (blk.idle(p, WARPS * 32)) return;
-  const int kvh = blk.kvh, b = blk.b, part = blk.part, seq_len = blk.seq_len, num_parts = blk.num_parts;
+  const int kvh = blk.kvh, b = blk.b, part = blk.part;
   const int ng = blk.ng, head0 = blk.head0;
   const int64_t row = blk.row;
   T* out = blk.out;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int start = part * kPartitionTokens;
-  const int n = min(kPartitionTokens, seq_len - start);
+  const int start = blk.start, n = blk.n;
   const int sub = lane % TPT;  // which 16-byte slice of the head this thread owns
   const int tok = lane / TPT;  // which token of the warp's pass
 
@@ -81,7 +80,7 @@ __global__ void __launch_bounds__(WARPS * 32) paged_decode_kernel(const DecodePa
         for (int e = 0; e < VW; ++e) s = fmaf(qv[g][e], kf[e], s);
 #pragma unroll
         for (int o = TPT / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-        if (sub == 0 && t < n && g < ng) s_scores[g][t] = s * p.scale;
+        if (sub == 0 && t < n && g < ng) s_scores[g][t] = soft_capped(p, s * p.scale);
       }
     }
   }
@@ -153,7 +152,8 @@ __global__ void __launch_bounds__(WARPS * 32) paged_decode_kernel(const DecodePa
 #pragma unroll
     for (int w = 0; w < WARPS; ++w) o += s_red[w][g][d];
     if (p.max_parts == 1) {
-      out[i] = from_float<T>(o * (1.f / s_sum[g]));  // the combine kernel computes the same for one part
+      // the combine kernel computes the same for one part
+      out[i] = from_float<T>(o * output_factor(p, head0 + g, s_max[g], s_sum[g]));
     } else {
       const int64_t idx = (static_cast<int64_t>(b) * p.num_heads + head0 + g) * p.max_parts + part;
       p.part_acc[idx * D + d] = o;

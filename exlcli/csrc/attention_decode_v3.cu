@@ -149,8 +149,7 @@ __global__ void __launch_bounds__(kThreads, 4) paged_decode_v3_kernel(const Deco
   const int b = blk.b, part = blk.part, ng = blk.ng, head0 = blk.head0;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, c = lane & 3;  // the mma fragments' row group and column pair
-  const int start = part * kPartitionTokens;
-  const int n = min(kPartitionTokens, blk.seq_len - start);
+  const int start = blk.start, n = blk.n;  // tiles count from the first token the row sees
 
   // A operand of the scores: the query heads as rows (row g = head g; rows 8..15 stay zero).
   uint32_t qa[KSTEPS][2];
@@ -219,6 +218,8 @@ __global__ void __launch_bounds__(kThreads, 4) paged_decode_v3_kernel(const Deco
   };
 
   const float sc2 = p.scale * kLog2e;
+  // a score in base 2, after the layer's soft-cap when it has one
+  auto score2 = [&](float x) { return p.softcap > 0.f ? soft_capped(p, x * p.scale) * kLog2e : x * sc2; };
   float m = -INFINITY, l = 0.f;  // head g's running max (base 2) and this lane's sum of weights
   float acc[KSTEPS][4];  // O^T rows 16k + g (+8), heads 2c and 2c + 1
 #pragma unroll
@@ -251,10 +252,10 @@ __global__ void __launch_bounds__(kThreads, 4) paged_decode_v3_kernel(const Deco
 
     // Online softmax of head g over the tile's tokens (the four lanes of g hold 4 tokens each).
     float x[4];
-    x[0] = 2 * c < valid ? s[0][0] * sc2 : -INFINITY;
-    x[1] = 2 * c + 1 < valid ? s[0][1] * sc2 : -INFINITY;
-    x[2] = 8 + 2 * c < valid ? s[1][0] * sc2 : -INFINITY;
-    x[3] = 9 + 2 * c < valid ? s[1][1] * sc2 : -INFINITY;
+    x[0] = 2 * c < valid ? score2(s[0][0]) : -INFINITY;
+    x[1] = 2 * c + 1 < valid ? score2(s[0][1]) : -INFINITY;
+    x[2] = 8 + 2 * c < valid ? score2(s[1][0]) : -INFINITY;
+    x[3] = 9 + 2 * c < valid ? score2(s[1][1]) : -INFINITY;
     float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
@@ -327,7 +328,8 @@ __global__ void __launch_bounds__(kThreads, 4) paged_decode_v3_kernel(const Deco
       lb = fmaf(s_wl[w][h], scale, lb);
     }
     if (p.max_parts == 1) {
-      blk.out[idx] = from_float<T>(o * (1.f / lb));  // the combine kernel computes the same for one part
+      // the combine kernel computes the same for one part
+      blk.out[idx] = from_float<T>(o * output_factor(p, head0 + h, mb * kLn2, lb));
     } else {
       const int64_t pi = (static_cast<int64_t>(b) * p.num_heads + head0 + h) * p.max_parts + part;
       p.part_acc[pi * D + d] = o;

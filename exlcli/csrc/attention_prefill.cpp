@@ -8,13 +8,24 @@
 // picks cuDNN's, which spends about 1.5 ms of host time a call planning, so a step of prompts would be
 // bound by the host, 32 layers of it. The chunk layout comes from the host's copy (`host_layout`), so nothing here waits
 // for the device: the host queues the layers ahead of it.
+//
+// A layer with a window, sinks or a soft-cap (ops/attention.py) runs its chunks in the reference's
+// form instead (matmul, fp32 soft-cap, mask and softmax, matmul: `attend_kind`), which flash
+// attention's op here does not take; each block of a chunk's queries reads only the keys its
+// window reaches. Its decode tokens still take the decode kernel, with the kind.
+#include <algorithm>
+#include <limits>
 #include <map>
 #include <utility>
 #include <vector>
 
 #include <ATen/ops/_scaled_dot_product_flash_attention.h>
 #include <ATen/ops/arange.h>
+#include <ATen/ops/bmm.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/softmax.h>
+#include <ATen/ops/tanh.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
 #include <c10/cuda/CUDAGuard.h>
 
@@ -32,13 +43,62 @@ at::Tensor index_tensor(const std::vector<int64_t>& values, const at::Device& de
   return host.to(at::TensorOptions().device(device), /*non_blocking=*/true);
 }
 
+// Elements of fp32 scores one block of attend_kind may hold (256 MiB).
+constexpr int64_t kKindScores = int64_t{1} << 26;
+
+// Chunks of `count` sequences of num_q queries and `length` keys, for a layer with a window, sinks or
+// a soft-cap, as ops/attention.py `_attend` computes them: queries [count, num_q, heads, D]; keys,
+// values [count, kv_heads, length - first, D], the keys from position `first` on (the first the
+// chunk's first query sees). Returns [count, num_q, heads, D]. Queries go in blocks of as many as keep
+// the block's scores under kKindScores, each over the keys from the first its own first query sees.
+at::Tensor attend_kind(const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values, int64_t length,
+                       int64_t first, double scale, const std::optional<at::Tensor>& sinks, int64_t window,
+                       double softcap) {
+  const int64_t count = queries.size(0), num_q = queries.size(1), heads = queries.size(2), dim = queries.size(3);
+  const int64_t kv_heads = keys.size(1), group = heads / kv_heads;
+  const auto long_opts = at::TensorOptions().dtype(at::kLong).device(queries.device());
+  // [count, kv_heads, num_q, group, D]: the query heads that share a KV head, token-major
+  const at::Tensor qg = queries.view({count, num_q, kv_heads, group, dim}).permute({0, 2, 1, 3, 4});
+  const int64_t per_query = std::max<int64_t>(1, count * heads * (length - first));
+  const int64_t block = std::max<int64_t>(1, std::min(num_q, kKindScores / per_query));
+  std::vector<at::Tensor> outs;
+  for (int64_t a = 0; a < num_q; a += block) {
+    const int64_t nb = std::min(block, num_q - a);
+    const int64_t pos0 = length - num_q + a;  // the block's first query's position
+    const int64_t k0 = window > 0 ? std::max(first, pos0 - window + 1) : first, k1 = pos0 + nb;
+    const at::Tensor qb = qg.narrow(2, a, nb).reshape({count * kv_heads, nb * group, dim});
+    const at::Tensor kb = keys.narrow(2, k0 - first, k1 - k0).reshape({count * kv_heads, k1 - k0, dim});
+    const at::Tensor vb = values.narrow(2, k0 - first, k1 - k0).reshape({count * kv_heads, k1 - k0, dim});
+    at::Tensor scores = at::bmm(qb, kb.transpose(1, 2)).to(at::kFloat).mul_(scale);
+    if (softcap > 0.0) scores = at::tanh(scores.div_(softcap)).mul_(softcap);
+    const at::Tensor q_pos = at::arange(pos0, pos0 + nb, long_opts).repeat_interleave(group).unsqueeze(1);
+    const at::Tensor k_pos = at::arange(k0, k1, long_opts).unsqueeze(0);
+    at::Tensor hidden = k_pos.gt(q_pos);  // [nb * group, k1 - k0]: the future
+    if (window > 0) hidden = hidden.logical_or_(k_pos.le(q_pos.sub(window)));  // and what left the window
+    scores.masked_fill_(hidden, -std::numeric_limits<float>::infinity());
+    at::Tensor probs;
+    if (sinks.has_value()) {  // one more logit a head, whose probability is dropped
+      const at::Tensor sink = sinks->view({1, kv_heads, 1, group, 1}).expand({count, kv_heads, nb, group, 1})
+                                  .reshape({count * kv_heads, nb * group, 1});
+      probs = at::softmax(at::cat({scores, sink}, -1), -1).narrow(-1, 0, k1 - k0);
+    } else {
+      probs = at::softmax(scores, -1);
+    }
+    const at::Tensor o = at::bmm(probs.to(queries.scalar_type()), vb);  // [count * kv_heads, nb * group, D]
+    outs.push_back(o.view({count, kv_heads, nb, group, dim}).permute({0, 2, 1, 3, 4}).reshape({count, nb, heads, dim}));
+  }
+  return outs.size() == 1 ? outs[0] : at::cat(outs, 1);
+}
+
 }  // namespace
 
 at::Tensor paged_attention_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                    const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                                    const at::Tensor& seq_lens, const at::Tensor& host_layout, double scale,
+                                   const std::optional<at::Tensor>& sinks, int64_t window, double softcap,
                                    int64_t version, bool pdl) {
   check_paged_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens);
+  check_attention_kind(q, sinks, window, softcap);
   TORCH_CHECK(query_start_loc.is_cuda() && query_start_loc.device() == q.device(),
               "paged_attention_prefill: query_start_loc must be on q's device");
   TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && query_start_loc.dim() == 1 &&
@@ -49,7 +109,8 @@ at::Tensor paged_attention_prefill(const at::Tensor& q, const at::Tensor& k_cach
   const int64_t num_seqs = seq_lens.size(0);
   if (num_seqs == 0) return out;
   launch_paged_decode(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc.data_ptr<int>(), scale,
-                      version, pdl);
+                      sinks, window, softcap, version, pdl);
+  const bool plain = !sinks.has_value() && window == 0 && softcap == 0.0;
 
   TORCH_CHECK(host_layout.device().is_cpu() && host_layout.scalar_type() == at::kInt && host_layout.dim() == 1 &&
                   host_layout.is_contiguous() && host_layout.size(0) == 2 * num_seqs + 1,
@@ -79,28 +140,36 @@ at::Tensor paged_attention_prefill(const at::Tensor& q, const at::Tensor& k_cach
     const int64_t num_q = shape.first, length = shape.second, count = static_cast<int64_t>(seqs.size());
     const int64_t pages = (length + page_size - 1) / page_size;
     TORCH_CHECK(pages <= block_tables.size(1), "paged_attention_prefill: block_tables too narrow for length ", length);
+    // the first key the chunk's first query sees, and its page: a window's chunk reads from there
+    const int64_t first = window > 0 ? std::max<int64_t>(0, length - num_q + 1 - window) : 0;
+    const int64_t page0 = first / page_size;
     std::vector<int64_t> rows;
     rows.reserve(count * num_q);
     for (const int64_t b : seqs)
       for (int64_t i = 0; i < num_q; ++i) rows.push_back(starts[b] + i);
     const at::Tensor seq_idx = index_tensor(seqs, device);
     const at::Tensor row_idx = index_tensor(rows, device);
-    const at::Tensor tables = block_tables.index_select(0, seq_idx).narrow(1, 0, pages).to(at::kLong).reshape({-1});
+    const at::Tensor tables =
+        block_tables.index_select(0, seq_idx).narrow(1, page0, pages - page0).to(at::kLong).reshape({-1});
     auto gather = [&](const at::Tensor& cache) {
       // an e4m3 cache is gathered as bytes, then read as q's dtype (exactly)
       const at::Tensor rows = is_e4m3_cache(cache) ? cache.view(at::kByte) : cache;
-      at::Tensor kv = rows.index_select(0, tables).view({count, pages * page_size, kv_heads, head_dim})
-                          .narrow(1, 0, length);  // [count, length, kv_heads, D]
+      at::Tensor kv = rows.index_select(0, tables).view({count, (pages - page0) * page_size, kv_heads, head_dim})
+                          .narrow(1, first - page0 * page_size, length - first);  // [count, length - first, kv_heads, D]
       if (is_e4m3_cache(cache)) kv = kv.view(cache.scalar_type()).to(q.scalar_type());
+      if (!plain) return kv.transpose(1, 2);  // attend_kind groups the query heads itself
       if (group > 1 && !flash) {
         kv = kv.unsqueeze(3).expand({count, length, kv_heads, group, head_dim}).reshape({count, length, heads, head_dim});
       }
       return kv.transpose(1, 2);  // [count, heads (flash: kv_heads), length, D]
     };
     const at::Tensor keys = gather(k_cache), values = gather(v_cache);
-    const at::Tensor queries = q.index_select(0, row_idx).view({count, num_q, heads, head_dim}).transpose(1, 2);
+    const at::Tensor chunk = q.index_select(0, row_idx).view({count, num_q, heads, head_dim});
+    const at::Tensor queries = chunk.transpose(1, 2);
     at::Tensor o;
-    if (flash) {
+    if (!plain) {
+      o = attend_kind(chunk, keys, values, length, first, scale, sinks, window, softcap).transpose(1, 2);
+    } else if (flash) {
       // with fewer queries than keys, flash attention aligns the causal mask to the last query and
       // key (bottom right): the chunk's queries are the last num_q positions
       o = std::get<0>(at::_scaled_dot_product_flash_attention(queries, keys, values, 0.0, /*is_causal=*/true,

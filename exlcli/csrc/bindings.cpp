@@ -40,9 +40,10 @@ TORCH_LIBRARY(exlcli, m) {
   m.def("rope_and_write_kv(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor cos_sin, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, bool pdl) -> Tensor");
   m.def("paged_attention_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor seq_lens, float scale, int version, bool pdl) -> Tensor");
+        "Tensor seq_lens, float scale, Tensor? sinks, int window, float softcap, int version, bool pdl) -> Tensor");
   m.def("paged_attention_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor query_start_loc, Tensor seq_lens, Tensor host_layout, float scale, int version, bool pdl) -> Tensor");
+        "Tensor query_start_loc, Tensor seq_lens, Tensor host_layout, float scale, Tensor? sinks, int window, "
+        "float softcap, int version, bool pdl) -> Tensor");
   m.def("argmax_rows(Tensor logits, bool pdl) -> Tensor");
 }
 

@@ -118,9 +118,16 @@ at::Tensor rope_and_write_kv(const at::Tensor& q, const at::Tensor& k, const at:
 
 // attention_decode.cu (kernels in attention_decode_v1.cu and attention_decode_v3.cu). `version`
 // is the decode attention kernel, 1 or 3 (fp32 and devices before sm_80 always run version 1).
+// The layer's attention kind: `sinks` ([heads] fp32 on q's device, or none), `window` (0: none),
+// `softcap` (0: none); ops/attention.py states what each does.
 at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                                  const std::optional<at::Tensor>& sinks, int64_t window, double softcap,
                                   int64_t version, bool pdl);
+
+// Checks of the attention kind's arguments (as paged_attention_decode takes them).
+void check_attention_kind(const at::Tensor& q, const std::optional<at::Tensor>& sinks, int64_t window,
+                          double softcap);
 
 // Checks shared by both attention ops (q: [rows, heads, D]; caches: [pages, page_size, kv_heads, D]).
 void check_paged_attention_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -131,13 +138,16 @@ void check_paged_attention_inputs(const at::Tensor& q, const at::Tensor& k_cache
 // are computed; without it, sequence b's query is row b.
 void launch_paged_decode(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                          const at::Tensor& v_cache, const at::Tensor& block_tables,
-                         const at::Tensor& seq_lens, const int* query_start_loc, double scale, int64_t version,
+                         const at::Tensor& seq_lens, const int* query_start_loc, double scale,
+                         const std::optional<at::Tensor>& sinks, int64_t window, double softcap, int64_t version,
                          bool pdl);
 
-// attention_prefill.cpp: its decode tokens go through the decode kernel of `version`.
+// attention_prefill.cpp: its decode tokens go through the decode kernel of `version`; the attention
+// kind as paged_attention_decode takes it.
 at::Tensor paged_attention_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                    const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                                    const at::Tensor& seq_lens, const at::Tensor& host_layout, double scale,
+                                   const std::optional<at::Tensor>& sinks, int64_t window, double softcap,
                                    int64_t version, bool pdl);
 
 // argmax.cu: fp32 logits [rows, vocab] -> int64 [2 rows]: each row's argmax (its first largest value),

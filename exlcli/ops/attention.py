@@ -6,8 +6,8 @@ Attention is causal: a query at position p sees keys 0..p. A layer's attention k
 reshapes that (all optional, all per call): a sliding `window` W lets it see keys at positions
 > p - W only; `sinks` ([heads] fp32, gpt-oss) add one learned logit per head to the softmax's
 denominator, with no value; `softcap` c maps each score s to c * tanh(s / c) before the mask
-(Gemma 2). The compiled CUDA and C kernels run plain causal attention; other kinds take the
-reference path here (`is_plain`).
+(Gemma 2). The compiled CUDA and C kernels take all three (a window's keys before it are never
+read); the reference path stays the oracle of the tests and runs what no kernel takes.
 
 The reference path attends sequence by sequence over exactly its own keys. A padded, vectorised
 batch would be faster on CPU, but torch's kernels then round differently depending on the padded
@@ -23,6 +23,7 @@ from __future__ import annotations
 import array
 import ctypes
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -74,7 +75,7 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: fl
 
 
 def is_plain(window: int | None, sinks: torch.Tensor | None, softcap: float | None) -> bool:
-    """Plain causal attention: what the compiled kernels run."""
+    """Plain causal attention: no window, sinks or soft-cap."""
     return window is None and sinks is None and softcap is None
 
 
@@ -173,25 +174,26 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     the C kernel that reads its pages as stored (`paged_attention_cpu_quant`), else the reference
     (`paged_attention_decode_ref` for decode rows alone). `layout` (the reference's) and `prefill_layout`
     (the compiled prefill's) are per-step work the caller did once for all layers; each path makes its
-    own when it is missing. A window, sinks or a soft-cap (`is_plain`) take the reference on either device."""
+    own when it is missing. Every path takes the layer's window, sinks and soft-cap."""
     decode_only = len(seq_lens) == q.shape[0]
-    plain = is_plain(window, sinks, softcap)
-    if plain and use_kernels(q) and q.shape[-1] in HEAD_DIMS:  # others take the reference
+    if use_kernels(q) and q.shape[-1] in HEAD_DIMS:  # others take the reference
         assert seq_lens_t is not None, "the compiled kernels read the lengths' device copy"
         if decode_only:
-            return cuda_kernels.paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens_t, scale)
+            return cuda_kernels.paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens_t, scale,
+                                                       window=window, sinks=sinks, softcap=softcap)
         if prefill_layout is None:
             prefill_layout = cuda_kernels.PrefillLayout(query_start_loc, seq_lens)
         assert query_start_loc_t is not None, "the compiled prefill reads the query starts' device copy"
         return cuda_kernels.paged_attention_prefill(q, k_cache, v_cache, block_tables, query_start_loc_t,
-                                                    seq_lens_t, scale, prefill_layout)
-    if plain and use_cpu_kernels_for(q, k_cache, v_cache):
+                                                    seq_lens_t, scale, prefill_layout, window=window, sinks=sinks,
+                                                    softcap=softcap)
+    if use_cpu_kernels_for(q, k_cache, v_cache):
         # rope hands q over as a view of its [T, heads + kv_heads, D] result
         return paged_attention_cpu(q.contiguous(), k_cache, v_cache, block_tables, query_start_loc,
-                                   seq_lens, scale)
-    if plain and use_cpu_quant_kernel_for(q, k_cache, v_cache):
+                                   seq_lens, scale, window, sinks, softcap)
+    if use_cpu_quant_kernel_for(q, k_cache, v_cache):
         return paged_attention_cpu_quant(q.contiguous(), k_cache, v_cache, block_tables, query_start_loc,
-                                         seq_lens, scale)
+                                         seq_lens, scale, window, sinks, softcap)
     if decode_only:
         return paged_attention_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, layout, window,
                                           sinks, softcap)
@@ -283,16 +285,35 @@ def _check_cpu_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                                    f"(block table room: {capacity})")
 
 
+def _kind_args(heads: int, window: int | None, sinks: torch.Tensor | None,
+               softcap: float | None) -> tuple[torch.Tensor | None, int, float]:
+    """The C kernels' (sinks, window, softcap) of a layer's kind: sinks as a contiguous fp32 CPU
+    [heads] (None: none), 0 for no window or soft-cap. A bad value is a KernelInputError."""
+    if window is not None and not 0 < window < 2**62:
+        raise KernelInputError(f"CPU attention: window must be a positive token count, got {window}")
+    if softcap is not None and not (softcap > 0 and math.isfinite(softcap)):
+        raise KernelInputError(f"CPU attention: softcap must be a positive number, got {softcap}")
+    if sinks is not None:
+        if sinks.shape != (heads,) or sinks.device.type != "cpu" or not sinks.is_floating_point():
+            raise KernelInputError(f"CPU attention: sinks must be a float [{heads}] on the CPU (one logit per "
+                                   f"query head), got {sinks.dtype} {tuple(sinks.shape)} on {sinks.device}")
+        sinks = sinks.float().contiguous()
+    return sinks, window or 0, softcap or 0.0
+
+
 def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, query_start_loc: list[int], seq_lens: list[int],
-                        scale: float) -> torch.Tensor:
+                        scale: float, window: int | None = None, sinks: torch.Tensor | None = None,
+                        softcap: float | None = None) -> torch.Tensor:
     """The C kernel: same arguments as `paged_attention_ref`, all bf16 and contiguous. Each query
     row's scores, softmax and weighted sum run in fp32 in an order that depends only on the row
-    (its q, its keys, its position), and the result is rounded once to bf16."""
+    (its q, its keys, its position, the layer's kind), and the result is rounded once to bf16. With
+    a window, no key (nor block-table entry) before the first a query sees is read."""
     fn = _cpu_kernel()
     if fn is None:
         raise KernelInputError(f"CPU attention kernel unavailable ({cpu_loader.reason() or 'no AVX-512'})")
     _check_cpu_inputs(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
+    sinks, window_n, softcap_f = _kind_args(q.shape[1], window, sinks, softcap)
     out = torch.empty_like(q)
     num_seqs = len(seq_lens)
     if num_seqs == 0 or q.shape[0] == 0:
@@ -303,7 +324,8 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         q=q.data_ptr(), k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(), block_tables=block_tables.data_ptr(),
         max_pages=block_tables.shape[1], query_start_loc=qsl.buffer_info()[0], seq_lens=lens.buffer_info()[0],
         seq_begin=0, seq_end=num_seqs, num_pages=num_pages, page_size=page_size, heads=q.shape[1],
-        kv_heads=kv_heads, dim=dim, scale=scale, out=out.data_ptr(), threads=_threads())
+        kv_heads=kv_heads, dim=dim, scale=scale, out=out.data_ptr(), threads=_threads(),
+        sinks=None if sinks is None else sinks.data_ptr(), window=window_n, softcap=softcap_f)
     status = fn(ctypes.byref(args))
     if status == 1:
         raise KernelInputError(f"CPU attention: a block table entry is outside the cache's {num_pages} pages")
@@ -345,11 +367,13 @@ def _page_bytes(cache: torch.Tensor | QuantizedPages) -> torch.Tensor:
 
 def paged_attention_cpu_quant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               block_tables: torch.Tensor, query_start_loc: list[int], seq_lens: list[int],
-                              scale: float) -> torch.Tensor:
+                              scale: float, window: int | None = None, sinks: torch.Tensor | None = None,
+                              softcap: float | None = None) -> torch.Tensor:
     """attention_quant.c: `paged_attention_ref`'s arguments, q bf16 and contiguous, K and V pages of
     q8_0, q4_0, q4h, q3h, bf16 or fp16, read as they are stored. Over rotated keys q is rotated here
     (Hq.Hk = q.k); over rotated values the kernel's output is turned back once (H^T sum p Hv), as
-    `paged_attention_ref` does. Each row's numbers depend only on that row."""
+    `paged_attention_ref` does. Each row's numbers depend only on that row (and the layer's kind:
+    the rotation leaves the scores as they are, so window, sinks and soft-cap apply alike)."""
     fn = _cpu_quant_kernel()
     if fn is None:
         raise KernelInputError(f"CPU quantized-cache attention unavailable ({cpu_loader.reason() or 'no AVX2'})")
@@ -379,6 +403,7 @@ def paged_attention_cpu_quant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         if n < 0 or length < n or length > capacity:
             raise KernelInputError(f"CPU attention: sequence {b} has {n} queries and {length} tokens "
                                    f"(block table room: {capacity})")
+    sinks, window_n, softcap_f = _kind_args(q.shape[1], window, sinks, softcap)
     if rotation_of(k_cache):
         q = hadamard(q.float()).to(q.dtype)
     out = torch.empty_like(q)
@@ -390,7 +415,8 @@ def paged_attention_cpu_quant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         q=q.data_ptr(), k_cache=k_bytes.data_ptr(), v_cache=v_bytes.data_ptr(), k_format=k_format, v_format=v_format,
         block_tables=block_tables.data_ptr(), max_pages=block_tables.shape[1], query_start_loc=qsl.buffer_info()[0],
         seq_lens=lens.buffer_info()[0], num_seqs=num_seqs, num_pages=num_pages, page_size=page_size,
-        heads=q.shape[1], kv_heads=kv_heads, dim=dim, scale=scale, out=out.data_ptr())
+        heads=q.shape[1], kv_heads=kv_heads, dim=dim, scale=scale, out=out.data_ptr(),
+        sinks=None if sinks is None else sinks.data_ptr(), window=window_n, softcap=softcap_f)
     status = fn(ctypes.byref(args))
     if status == 1:
         raise KernelInputError(f"CPU attention: a block table entry is outside the cache's {num_pages} pages")

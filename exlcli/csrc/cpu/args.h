@@ -80,6 +80,9 @@ typedef struct {
     float scale;
     uint16_t *out;      // bf16 [T, heads, dim]
     int64_t threads;    // how many threads the kernel pool has
+    const float *sinks;  // fp32 [heads] or NULL: the layer's sink logits (attention_kind.h)
+    int64_t window;     // 0: none; else a query at p sees keys > p - window
+    float softcap;      // 0: none; else scores s -> softcap * tanh(s / softcap)
 } exl_paged_attention_args;
 int exl_paged_attention(const exl_paged_attention_args *args);
 
@@ -102,6 +105,9 @@ typedef struct {
     int64_t dim;
     float scale;
     uint16_t *out;      // bf16 [T, heads, dim]; for rotated values still rotated
+    const float *sinks;  // fp32 [heads] or NULL: the layer's sink logits (attention_kind.h)
+    int64_t window;     // 0: none; else a query at p sees keys > p - window
+    float softcap;      // 0: none; else scores s -> softcap * tanh(s / softcap)
 } exl_paged_attention_quant_args;
 int exl_paged_attention_quant(const exl_paged_attention_quant_args *args);
 

@@ -10,11 +10,15 @@
 // the unit then reads those. Per query row:
 //   s_j  = (sum_d q_d k_jd) * scale     d = 0, 1, ..., D-1 in turn: exact bf16 products, one fp32
 //                                       rounding per step (FMA); one key per vector lane
-//   p_j  = exp(s_j - max s)             j < limit = the row's position + 1
+//   p_j  = exp(s_j - max s)             lo <= j < limit = the row's position + 1
 //   sum  = sum_j p_j                    lane j % 16 adds its keys in order, then a fixed tree
-//   o_d  = (sum_j p_j v_jd) / sum       j = 0, 1, ... in turn, fp32; one rounding to bf16 (RNE)
+//   o_d  = (sum_j p_j v_jd) / sum       j = lo, lo + 1, ... in turn, fp32; one rounding to bf16 (RNE)
+// The layer's kind (attention_kind.h): lo = limit - window with a window (else 0), and a unit reads
+// its keys from the first its first query sees (blocks of keys before it are never made); scores
+// are soft-capped before the softmax; a sink logit joins the max, and exp(sink - max) the sum (after
+// the tree).
 //
-// Batch invariance: a row's arithmetic depends only on its q, its keys and its limit. Rows are
+// Batch invariance: a row's arithmetic depends only on its q, its keys, its limit and its kind. Rows are
 // processed in small tiles (the query heads of one token, which share the limit) that only share
 // loads; how the work is cut into units, which thread runs them, and whether values come from
 // the cache or from the fp32 copy (bf16 -> fp32 is exact) change no bit. So a token gets the same
@@ -27,6 +31,7 @@
 #include <string.h>
 
 #include "args.h"
+#include "attention_kind.h"
 #include "bf16.h"
 #include "pool.h"
 
@@ -57,6 +62,9 @@ typedef struct {
     int64_t max_pages, page_size, heads, kv_heads, dim;
     float scale;
     uint16_t *out;
+    const float *sinks;  // [heads] or NULL
+    int64_t window;      // 0: none
+    float softcap;       // 0: none
 } AttentionArgs;
 
 // A unit of work: queries tok0 .. tok1 - 1 of sequence seq (counted within its chunk) for kv
@@ -69,6 +77,18 @@ typedef struct {
 static int64_t unit_keys(const AttentionArgs *a, const Unit *u) {
     int64_t n = a->query_start_loc[u->seq + 1] - a->query_start_loc[u->seq];
     return a->seq_lens[u->seq] - n + u->tok1;
+}
+
+// The first key the unit's first query sees (0 without a window): no key before it is read.
+static int64_t unit_first(const AttentionArgs *a, const Unit *u) {
+    int64_t n = a->query_start_loc[u->seq + 1] - a->query_start_loc[u->seq];
+    return kind_first_key(a->window, a->seq_lens[u->seq] - n + u->tok0 + 1);
+}
+
+// Where the unit's keys (and a row's scores) start: unit_first rounded down to a whole block of KB
+// keys, so key j sits in vector lane j % KB in whatever unit it is computed.
+static int64_t unit_base(const AttentionArgs *a, const Unit *u) {
+    return unit_first(a, u) / KB * KB;
 }
 
 #endif
@@ -133,17 +153,20 @@ static inline __attribute__((always_inline)) void transpose16(__m512 m[16]) {
     }
 }
 
-// One sequence's first len keys for kv heads h0 .. h1 - 1, in one pass over its pages (the rows
-// of a slot are contiguous): keys -> kp[h - h0][block][pair e][16 keys], each 32-bit element
-// holding the bf16 dims 2e (low half) and 2e + 1 (high half) of one key, zero past len; values ->
-// vf[h - h0][j][d] in fp32 (unless vf is NULL). kstride, vstride: elements per head.
+// One sequence's keys kbase .. len - 1 (kbase a multiple of KB) for kv heads h0 .. h1 - 1, in one
+// pass over its pages (the rows of a slot are contiguous): keys -> kp[h - h0][block][pair e][16 keys]
+// (blocks counted from kbase), each 32-bit element holding the bf16 dims 2e (low half) and 2e + 1
+// (high half) of one key, zero before `from` and past len (those are not read); values ->
+// vf[h - h0][j - kbase][d] in fp32 for j >= from (unless vf is NULL). kstride, vstride: elements per head.
 static void convert_kv(const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *pages,
                        int64_t page_size, int64_t kv_heads, int64_t h0, int64_t h1, int64_t dim,
-                       int64_t len, uint32_t *kp, int64_t kstride, float *vf, int64_t vstride) {
-    int64_t blocks = (len + KB - 1) / KB, pairs = dim / 2, row_len = kv_heads * dim;
+                       int64_t kbase, int64_t from, int64_t len, uint32_t *kp, int64_t kstride, float *vf,
+                       int64_t vstride) {
+    int64_t blocks = (len - kbase + KB - 1) / KB, pairs = dim / 2, row_len = kv_heads * dim;
     for (int64_t blk = 0; blk < blocks; blk++) {
         // ask early for the rows PREFETCH_BLOCKS ahead: the memory latency then overlaps this work
-        for (int64_t j = (blk + PREFETCH_BLOCKS) * KB; j < (blk + PREFETCH_BLOCKS + 1) * KB && j < len; j++) {
+        for (int64_t j = kbase + (blk + PREFETCH_BLOCKS) * KB; j < kbase + (blk + PREFETCH_BLOCKS + 1) * KB && j < len;
+             j++) {
             int64_t off = ((int64_t)pages[j / page_size] * page_size + j % page_size) * row_len;
             for (int64_t e = h0 * dim; e < h1 * dim; e += 32) {
                 _mm_prefetch((const char *)(k_cache + off + e), _MM_HINT_T0);
@@ -152,14 +175,15 @@ static void convert_kv(const uint16_t *k_cache, const uint16_t *v_cache, const i
         }
         int64_t base[KB];
         for (int i = 0; i < KB; i++) {
-            int64_t j = blk * KB + i;
+            int64_t j = kbase + blk * KB + i;
             base[i] = -1;
-            if (j < len) {
+            if (j >= from && j < len) {
                 base[i] = ((int64_t)pages[j / page_size] * page_size + j % page_size) * row_len;
                 const uint16_t *vrow = v_cache + base[i];
                 for (int64_t h = h0; vf && h < h1; h++)
                     for (int64_t d = 0; d < dim; d += 16)
-                        _mm512_storeu_ps(vf + (h - h0) * vstride + j * dim + d, bf16_load16(vrow + h * dim + d));
+                        _mm512_storeu_ps(vf + (h - h0) * vstride + (j - kbase) * dim + d,
+                                         bf16_load16(vrow + h * dim + d));
             }
         }
         for (int64_t h = h0; h < h1; h++) {
@@ -222,9 +246,10 @@ static inline __attribute__((always_inline)) void score_tile(
         for (; blk < blocks; blk++) score_tile(qf, kt, dim, R, blk, 1, scale, s, padded);         \
         break;
 
-static void scores(const float *qf, const uint32_t *kt, int64_t dim, int rows, int64_t blocks,
+// Blocks blk0 .. blocks - 1 of the unit's keys.
+static void scores(const float *qf, const uint32_t *kt, int64_t dim, int rows, int64_t blk0, int64_t blocks,
                    float scale, float *s, int64_t padded) {
-    int64_t blk = 0;
+    int64_t blk = blk0;
     switch (rows) {
         SCORE_CASE(1)
         SCORE_CASE(2)
@@ -233,24 +258,29 @@ static void scores(const float *qf, const uint32_t *kt, int64_t dim, int rows, i
     }
 }
 
-// Softmax numerators in place over s[0, limit); returns their sum. Keys past the limit get 0.
-static float softmax_row(float *s, int64_t limit) {
-    int64_t blocks = (limit + KB - 1) / KB;
+// Softmax numerators in place over s[lo, limit), from lo's block on (keys outside the range get 0);
+// returns their sum, plus exp(*sink - max) for a sink logit (sink NULL: none), the max taken over
+// the scores and the sink.
+static float softmax_row(float *s, int64_t lo, int64_t limit, const float *sink) {
+    int64_t first = lo / KB, blocks = (limit + KB - 1) / KB;
+    __mmask16 head = (__mmask16)(0xffffu << (lo % KB));
     __mmask16 tail = (__mmask16)((limit % KB) ? ((1u << (limit % KB)) - 1) : 0xffff);
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int64_t blk = 0; blk < blocks; blk++) {
-        __mmask16 m = blk == blocks - 1 ? tail : 0xffff;
+    __m512 mx = _mm512_set1_ps(sink ? *sink : -INFINITY);
+    for (int64_t blk = first; blk < blocks; blk++) {
+        __mmask16 m = (blk == blocks - 1 ? tail : 0xffff) & (blk == first ? head : 0xffff);
         mx = _mm512_mask_max_ps(mx, m, mx, _mm512_loadu_ps(s + blk * KB));
     }
     __m512 vmax = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
     __m512 sum = _mm512_setzero_ps();
-    for (int64_t blk = 0; blk < blocks; blk++) {
-        __mmask16 m = blk == blocks - 1 ? tail : 0xffff;
+    for (int64_t blk = first; blk < blocks; blk++) {
+        __mmask16 m = (blk == blocks - 1 ? tail : 0xffff) & (blk == first ? head : 0xffff);
         __m512 e = _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + blk * KB), vmax)));
         _mm512_storeu_ps(s + blk * KB, e);
         sum = _mm512_add_ps(sum, e);
     }
-    return sum16(sum);
+    float total = sum16(sum);
+    if (sink) total += _mm512_cvtss_f32(exp_ps(_mm512_sub_ps(_mm512_set1_ps(*sink), vmax)));
+    return total;
 }
 
 // Walks the next sequence's pages (K and V, whole slots) a few cache lines at a time, so that its
@@ -278,21 +308,23 @@ static inline void prefetch_some(Prefetcher *pf) {
 // Where a head's values are read from: the fp32 rows convert_kv made (when many row tiles reuse
 // them), or straight from the bf16 cache (a decode row: one use each). Same numbers either way.
 typedef struct {
-    const float *vf;          // [j][dim], or NULL
+    const float *vf;          // [j - kbase][dim], or NULL
     const uint16_t *v_cache;  // this head's column of the cache
     const int32_t *pages;
     int64_t page_size, slot_stride;  // elements from one slot to the next: kv_heads * dim
+    int64_t kbase;            // the position of the unit's key 0
 } Values;
 
-// out[r][d0 .. d0 + 16 * nvec) = (sum_j p[r][j] v[j]) / total[r], rounded to bf16.
+// out[r][d0 .. d0 + 16 * nvec) = (sum_j p[r][j] v[j]) / total[r] over lo <= j < limit (the unit's
+// keys), rounded to bf16.
 static inline __attribute__((always_inline)) void pv_tile(
-        const float *p, int64_t padded, const Values *vals, int from_cache, int64_t dim, int64_t limit,
+        const float *p, int64_t padded, const Values *vals, int from_cache, int64_t dim, int64_t lo, int64_t limit,
         int rows, int64_t d0, int nvec, const float *total, uint16_t *const out[RT], Prefetcher *pf) {
     __m512 acc[RT][DT];
     for (int r = 0; r < RT; r++)
         for (int x = 0; x < DT; x++) acc[r][x] = _mm512_setzero_ps();
-    int64_t page = 0, in_page = 0;
-    for (int64_t j = 0; j < limit; j++) {
+    int64_t page = (vals->kbase + lo) / vals->page_size, in_page = (vals->kbase + lo) % vals->page_size;
+    for (int64_t j = lo; j < limit; j++) {
         prefetch_some(pf);
         __m512 v[DT];
         if (from_cache) {
@@ -325,8 +357,8 @@ static inline __attribute__((always_inline)) void pv_tile(
 }
 
 #define PV_CASE(R, N)                                                                            \
-    if (vals->vf) pv_tile(p, padded, vals, 0, dim, limit, R, d0, N, total, out, pf);              \
-    else pv_tile(p, padded, vals, 1, dim, limit, R, d0, N, total, out, pf);
+    if (vals->vf) pv_tile(p, padded, vals, 0, dim, lo, limit, R, d0, N, total, out, pf);          \
+    else pv_tile(p, padded, vals, 1, dim, lo, limit, R, d0, N, total, out, pf);
 
 #define PV_ROWS(R)                                                                               \
     case R:                                                                                      \
@@ -338,8 +370,8 @@ static inline __attribute__((always_inline)) void pv_tile(
         }                                                                                        \
         break;
 
-static void weighted_values(const float *p, int64_t padded, const Values *vals, int64_t dim, int64_t limit,
-                            int rows, const float *total, uint16_t *const out[RT], Prefetcher *pf) {
+static void weighted_values(const float *p, int64_t padded, const Values *vals, int64_t dim, int64_t lo,
+                            int64_t limit, int rows, const float *total, uint16_t *const out[RT], Prefetcher *pf) {
     for (int64_t d0 = 0; d0 < dim; d0 += 16 * DT) {
         int64_t left = (dim - d0) / 16;
         int nvec = left < DT ? (int)left : DT;
@@ -352,8 +384,8 @@ static void weighted_values(const float *p, int64_t padded, const Values *vals, 
     }
 }
 
-// Floats of scratch for a unit: its heads' converted keys and values, the scores of one tile of
-// rows and its fp32 queries.
+// Floats of scratch for a unit of `keys` keys (from its base on): its heads' converted keys and
+// values, the scores of one tile of rows and its fp32 queries.
 static int64_t workspace_floats(int64_t keys, int64_t heads, int64_t dim) {
     int64_t padded = (keys + KB - 1) / KB * KB;
     return heads * (padded * dim / 2 + padded * dim) + RT * padded + RT * dim;
@@ -364,7 +396,7 @@ static void attend_unit(const AttentionArgs *a, const Unit *u, const Unit *next,
     int64_t heads = a->heads, kv_heads = a->kv_heads, dim = a->dim, page_size = a->page_size;
     int64_t group = heads / kv_heads, tiles = (group + RT - 1) / RT, nh = u->h1 - u->h0;
     int64_t b = u->seq, q0 = a->query_start_loc[b], n = a->query_start_loc[b + 1] - q0, len = a->seq_lens[b];
-    int64_t keys = unit_keys(a, u);
+    int64_t kbase = unit_base(a, u), keys = unit_keys(a, u) - kbase;  // the unit's keys, from its base
     const int32_t *pages = a->block_tables + b * a->max_pages;
     int64_t padded = (keys + KB - 1) / KB * KB;
     int64_t kstride = padded * dim / 2, vstride = padded * dim;
@@ -372,26 +404,32 @@ static void attend_unit(const AttentionArgs *a, const Unit *u, const Unit *next,
     float *vf = work + nh * kstride, *s = vf + nh * vstride, *qf = s + RT * padded;
     // values used by one or two row tiles are read from the cache as they are needed
     int convert_values = (u->tok1 - u->tok0) * tiles > 2;
-    convert_kv(a->k_cache, a->v_cache, pages, page_size, kv_heads, u->h0, u->h1, dim, keys, kp, kstride,
-               convert_values ? vf : NULL, vstride);
+    convert_kv(a->k_cache, a->v_cache, pages, page_size, kv_heads, u->h0, u->h1, dim, kbase, unit_first(a, u),
+               kbase + keys, kp, kstride, convert_values ? vf : NULL, vstride);
     int64_t slot_bytes = kv_heads * dim * 2;
     Prefetcher pf = {(const char *)a->k_cache, (const char *)a->v_cache, pages, 0, page_size * slot_bytes, 0, 0, 0};
     if (next && next->seq != b) {
         // spread the next sequence's lines over this unit's weighted-sum steps
         int64_t steps = 0;
-        for (int64_t t = u->tok0; t < u->tok1; t++) steps += len - n + t + 1;
+        for (int64_t t = u->tok0; t < u->tok1; t++) {
+            int64_t limit = len - n + t + 1;
+            steps += limit - kind_first_key(a->window, limit);
+        }
         steps *= nh * tiles * ((dim / 16 + DT - 1) / DT);
         pf.pages = a->block_tables + next->seq * a->max_pages;
+        pf.page = unit_first(a, next) / page_size;
         pf.num_pages = (unit_keys(a, next) + page_size - 1) / page_size;
-        int64_t lines = pf.num_pages * pf.page_bytes / 64;
+        int64_t lines = (pf.num_pages - pf.page) * pf.page_bytes / 64;
         pf.lines = (int)((lines + steps - 1) / steps);
     }
     for (int64_t h = u->h0; h < u->h1; h++) {
         const uint32_t *kt = kp + (h - u->h0) * kstride;
         Values vals = {convert_values ? vf + (h - u->h0) * vstride : NULL, a->v_cache + h * dim, pages,
-                       page_size, kv_heads * dim};
+                       page_size, kv_heads * dim, kbase};
         for (int64_t t = u->tok0; t < u->tok1; t++) {
-            int64_t limit = len - n + t + 1;
+            // the row's keys lo .. limit - 1, counted from the unit's base
+            int64_t limit = len - n + t + 1, lo = kind_first_key(a->window, limit) - kbase;
+            limit -= kbase;
             for (int64_t g0 = 0; g0 < group; g0 += RT) {
                 int rows = (int)(group - g0 < RT ? group - g0 : RT);
                 uint16_t *orow[RT];
@@ -402,9 +440,12 @@ static void attend_unit(const AttentionArgs *a, const Unit *u, const Unit *next,
                         _mm512_storeu_ps(qf + r * dim + d, bf16_load16(a->q + off + d));
                     orow[r] = a->out + off;
                 }
-                scores(qf, kt, dim, rows, (limit + KB - 1) / KB, a->scale, s, padded);
-                for (int r = 0; r < rows; r++) total[r] = softmax_row(s + r * padded, limit);
-                weighted_values(s, padded, &vals, dim, limit, rows, total, orow, &pf);
+                scores(qf, kt, dim, rows, lo / KB, (limit + KB - 1) / KB, a->scale, s, padded);
+                for (int r = 0; r < rows; r++) {
+                    kind_soft_cap(s + r * padded, lo, limit, a->softcap);
+                    total[r] = softmax_row(s + r * padded, lo, limit, a->sinks ? a->sinks + h * group + g0 + r : NULL);
+                }
+                weighted_values(s, padded, &vals, dim, lo, limit, rows, total, orow, &pf);
             }
         }
     }
@@ -427,7 +468,8 @@ static void attend_units(void *ctx, int64_t begin, int64_t end) {
     int64_t most = 0;
     for (int64_t i = begin; i < end; i++) {
         const Unit *u = &job->units[i];
-        int64_t need = workspace_floats(unit_keys(&job->args, u), u->h1 - u->h0, job->args.dim);
+        int64_t need = workspace_floats(unit_keys(&job->args, u) - unit_base(&job->args, u), u->h1 - u->h0,
+                                        job->args.dim);
         if (need > most) most = need;
     }
     float *work = (float *)aligned_alloc(64, (size_t)(most + 16) / 16 * 64);
@@ -444,8 +486,9 @@ static void attend_units(void *ctx, int64_t begin, int64_t end) {
 // [B, max_pages]; sequences seq_begin .. seq_end - 1 are computed, shared among the pool's
 // threads (`threads`: how many it has) in units of up to QBLK queries of one sequence, and also
 // split by kv head when that gives too few units to go round. The caller has checked shapes,
-// dtypes and lengths. Returns 0; 1 when a used block-table entry is outside [0, num_pages); -1
-// when out of memory.
+// dtypes and lengths. The layer's kind: args->sinks, window, softcap (attention_kind.h); with a
+// window, table entries of pages before the window are never read. Returns 0; 1 when a used
+// block-table entry is outside [0, num_pages); -1 when out of memory.
 int exl_paged_attention(const exl_paged_attention_args *args) {
     const uint16_t *q = args->q, *k_cache = args->k_cache, *v_cache = args->v_cache;
     const int32_t *block_tables = args->block_tables, *query_start_loc = args->query_start_loc;
@@ -458,9 +501,12 @@ int exl_paged_attention(const exl_paged_attention_args *args) {
     int64_t count = 0;
     for (int64_t b = seq_begin; b < seq_end; b++) {
         const int32_t *pages = block_tables + b * max_pages;
-        for (int64_t i = 0; i < (seq_lens[b] + page_size - 1) / page_size; i++)
+        int64_t n = query_start_loc[b + 1] - query_start_loc[b];
+        if (n == 0) continue;
+        for (int64_t i = kind_first_key(args->window, seq_lens[b] - n + 1) / page_size;
+             i < (seq_lens[b] + page_size - 1) / page_size; i++)
             if (pages[i] < 0 || pages[i] >= num_pages) return 1;
-        count += (query_start_loc[b + 1] - query_start_loc[b] + QBLK - 1) / QBLK;
+        count += (n + QBLK - 1) / QBLK;
     }
     int64_t split = count < 2 * threads ? kv_heads : 1;  // kv heads per sequence's block, apart
     Unit *units = (Unit *)malloc(sizeof(Unit) * (size_t)(count * split + 1));
@@ -473,7 +519,7 @@ int exl_paged_attention(const exl_paged_attention_args *args) {
                 units[nu++] = (Unit){b, t, t + QBLK < n ? t + QBLK : n, kv_heads * p / split, kv_heads * (p + 1) / split};
     }
     AttentionJob job = {{q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_pages, page_size,
-                         heads, kv_heads, dim, scale, out}, units, 0};
+                         heads, kv_heads, dim, scale, out, args->sinks, args->window, args->softcap}, units, 0};
     exl_parallel_for(attend_units, &job, nu);
     free(units);
     return atomic_load(&job.failed) ? -1 : 0;

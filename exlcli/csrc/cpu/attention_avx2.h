@@ -3,42 +3,44 @@
 //   a unit converts its sequence's keys and values, head by head, to fp32 rows (kf, vf: [j][dim]);
 //   s_j  = hsum8(sum over d0 = 0, 8, .. of q[d0..d0+7] * k_j[d0..d0+7]) * scale   (an FMA chain
 //          per lane in d order, then a fixed tree over the 8 lanes)
-//   p_j  = exp(s_j - max s)             j < limit
+//   p_j  = exp(s_j - max s)             lo <= j < limit
 //   sum  = sum_j p_j                    lane j % 8 adds its keys in order, then the same tree
-//   o_d  = (sum_j p_j v_jd) / sum       j = 0, 1, ... in turn; one rounding to bf16 (RNE)
-// A row's numbers depend only on its q, its keys and its limit: rows are tiled (up to RT query
+//   o_d  = (sum_j p_j v_jd) / sum       j = lo, lo + 1, ... in turn; one rounding to bf16 (RNE)
+// The layer's kind as attention.c takes it (softmax8.h's softmax_range8 adds the sink). A row's
+// numbers depend only on its q, its keys, its limit and its kind: rows are tiled (up to RT query
 // heads of one token) only to share loads.
 
 #define VL 8  // fp32 lanes
 
 #include "softmax8.h"
 
-// Floats of scratch for a unit: one head's keys and values in fp32, the scores of one tile of rows
-// (padded to whole vectors) and its fp32 queries.
+// Floats of scratch for a unit of `keys` keys (from its base on): one head's keys and values in
+// fp32, the scores of one tile of rows (padded to whole vectors) and its fp32 queries.
 static int64_t workspace_floats(int64_t keys, int64_t heads, int64_t dim) {
     (void)heads;
     int64_t padded = (keys + VL - 1) / VL * VL;
     return 2 * keys * dim + RT * padded + RT * dim;
 }
 
-// Key / value rows 0 .. len - 1 of kv head h, from the pages into kf, vf [j][dim].
-static void convert_head(const AttentionArgs *a, const int32_t *pages, int64_t h, int64_t len, float *kf,
-                         float *vf) {
+// Key / value rows from .. len - 1 of kv head h, from the pages into kf, vf [j - kbase][dim].
+static void convert_head(const AttentionArgs *a, const int32_t *pages, int64_t h, int64_t kbase, int64_t from,
+                         int64_t len, float *kf, float *vf) {
     int64_t row_len = a->kv_heads * a->dim;
-    for (int64_t j = 0; j < len; j++) {
+    for (int64_t j = from; j < len; j++) {
         int64_t off = ((int64_t)pages[j / a->page_size] * a->page_size + j % a->page_size) * row_len + h * a->dim;
+        int64_t at = (j - kbase) * a->dim;
         for (int64_t d = 0; d < a->dim; d += VL) {
-            _mm256_storeu_ps(kf + j * a->dim + d, bf16_load8_n(a->k_cache + off + d, VL));
-            _mm256_storeu_ps(vf + j * a->dim + d, bf16_load8_n(a->v_cache + off + d, VL));
+            _mm256_storeu_ps(kf + at + d, bf16_load8_n(a->k_cache + off + d, VL));
+            _mm256_storeu_ps(vf + at + d, bf16_load8_n(a->v_cache + off + d, VL));
         }
     }
 }
 
-// s[r][j] for rows 0 .. rows - 1 (qf [rows][dim]) and keys j < limit.
+// s[r][j] for rows 0 .. rows - 1 (qf [rows][dim]) and keys lo <= j < limit.
 static inline __attribute__((always_inline)) void score_rows(const float *qf, const float *kf, int64_t dim,
-                                                              int rows, int64_t limit, float scale, float *s,
-                                                              int64_t padded) {
-    for (int64_t j = 0; j < limit; j++) {
+                                                              int rows, int64_t lo, int64_t limit, float scale,
+                                                              float *s, int64_t padded) {
+    for (int64_t j = lo; j < limit; j++) {
         __m256 acc[RT];
         for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
         for (int64_t d = 0; d < dim; d += VL) {
@@ -49,31 +51,15 @@ static inline __attribute__((always_inline)) void score_rows(const float *qf, co
     }
 }
 
-// Softmax numerators in place over s[0, limit), zeros up to the padded length; returns their sum.
-static float softmax_row8(float *s, int64_t limit) {
-    int64_t padded = (limit + VL - 1) / VL * VL;
-    float mx = -INFINITY;
-    for (int64_t j = 0; j < limit; j++) mx = s[j] > mx ? s[j] : mx;
-    for (int64_t j = limit; j < padded; j++) s[j] = -INFINITY;
-    __m256 vmax = _mm256_set1_ps(mx), sum = _mm256_setzero_ps();
-    for (int64_t j = 0; j < padded; j += VL) {
-        __m256 x = _mm256_loadu_ps(s + j);
-        __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(x, vmax)),  // keys past the limit: 0
-                                 _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ));
-        _mm256_storeu_ps(s + j, e);
-        sum = _mm256_add_ps(sum, e);
-    }
-    return hsum8(sum);
-}
-
-// out[r][d0 .. d0 + 8 * nvec) = (sum_j p[r][j] v_j) / total[r], rounded to bf16.
+// out[r][d0 .. d0 + 8 * nvec) = (sum_j p[r][j] v_j) / total[r] over lo <= j < limit, rounded to bf16.
 static inline __attribute__((always_inline)) void pv_rows(const float *p, int64_t padded, const float *vf,
-                                                           int64_t dim, int64_t limit, int rows, int64_t d0,
-                                                           int nvec, const float *total, uint16_t *const out[RT]) {
+                                                           int64_t dim, int64_t lo, int64_t limit, int rows,
+                                                           int64_t d0, int nvec, const float *total,
+                                                           uint16_t *const out[RT]) {
     __m256 acc[RT][4];
     for (int r = 0; r < rows; r++)
         for (int x = 0; x < nvec; x++) acc[r][x] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < limit; j++) {
+    for (int64_t j = lo; j < limit; j++) {
         __m256 v[4];
         for (int x = 0; x < nvec; x++) v[x] = _mm256_loadu_ps(vf + j * dim + d0 + VL * x);
         for (int r = 0; r < rows; r++) {
@@ -90,25 +76,31 @@ static inline __attribute__((always_inline)) void pv_rows(const float *p, int64_
 #define AVX2_ROWS(R, CALL) \
     case R: CALL; break;
 
+// Rows of keys lo .. limit - 1 (counted from the unit's base, a multiple of 8); sinks: the rows'
+// sink logits, or NULL.
 static void attend_tile(const AttentionArgs *a, const float *qf, const float *kf, const float *vf, int rows,
-                        int64_t limit, float *s, int64_t padded, uint16_t *const out[RT]) {
+                        int64_t lo, int64_t limit, const float *sinks, float *s, int64_t padded,
+                        uint16_t *const out[RT]) {
     switch (rows) {  // constant row counts keep the sums in registers
-        AVX2_ROWS(1, score_rows(qf, kf, a->dim, 1, limit, a->scale, s, padded))
-        AVX2_ROWS(2, score_rows(qf, kf, a->dim, 2, limit, a->scale, s, padded))
-        AVX2_ROWS(3, score_rows(qf, kf, a->dim, 3, limit, a->scale, s, padded))
-        default: score_rows(qf, kf, a->dim, 4, limit, a->scale, s, padded); break;
+        AVX2_ROWS(1, score_rows(qf, kf, a->dim, 1, lo, limit, a->scale, s, padded))
+        AVX2_ROWS(2, score_rows(qf, kf, a->dim, 2, lo, limit, a->scale, s, padded))
+        AVX2_ROWS(3, score_rows(qf, kf, a->dim, 3, lo, limit, a->scale, s, padded))
+        default: score_rows(qf, kf, a->dim, 4, lo, limit, a->scale, s, padded); break;
     }
     float total[RT];
-    for (int r = 0; r < rows; r++) total[r] = softmax_row8(s + r * padded, limit);
+    for (int r = 0; r < rows; r++) {
+        kind_soft_cap(s + r * padded, lo, limit, a->softcap);
+        total[r] = softmax_range8(s + r * padded, lo, limit, sinks ? sinks + r : NULL);
+    }
     for (int64_t d0 = 0; d0 < a->dim; d0 += 4 * VL) {
         int64_t left = (a->dim - d0) / VL;
         int nvec = left < 4 ? (int)left : 4;
 #define PV(R)                                                                                       \
     switch (nvec) {                                                                                 \
-        case 1: pv_rows(s, padded, vf, a->dim, limit, R, d0, 1, total, out); break;                 \
-        case 2: pv_rows(s, padded, vf, a->dim, limit, R, d0, 2, total, out); break;                 \
-        case 3: pv_rows(s, padded, vf, a->dim, limit, R, d0, 3, total, out); break;                 \
-        default: pv_rows(s, padded, vf, a->dim, limit, R, d0, 4, total, out); break;                \
+        case 1: pv_rows(s, padded, vf, a->dim, lo, limit, R, d0, 1, total, out); break;             \
+        case 2: pv_rows(s, padded, vf, a->dim, lo, limit, R, d0, 2, total, out); break;             \
+        case 3: pv_rows(s, padded, vf, a->dim, lo, limit, R, d0, 3, total, out); break;             \
+        default: pv_rows(s, padded, vf, a->dim, lo, limit, R, d0, 4, total, out); break;            \
     }
         switch (rows) {
             case 1: PV(1) break;
@@ -124,13 +116,14 @@ static void attend_unit(const AttentionArgs *a, const Unit *u, const Unit *next,
     (void)next;
     int64_t heads = a->heads, kv_heads = a->kv_heads, dim = a->dim, group = heads / kv_heads;
     int64_t b = u->seq, q0 = a->query_start_loc[b], n = a->query_start_loc[b + 1] - q0, len = a->seq_lens[b];
-    int64_t keys = unit_keys(a, u), padded = (keys + VL - 1) / VL * VL;
+    int64_t kbase = unit_base(a, u), keys = unit_keys(a, u) - kbase, padded = (keys + VL - 1) / VL * VL;
     const int32_t *pages = a->block_tables + b * a->max_pages;
     float *kf = work, *vf = kf + keys * dim, *s = vf + keys * dim, *qf = s + RT * padded;
     for (int64_t h = u->h0; h < u->h1; h++) {
-        convert_head(a, pages, h, keys, kf, vf);
+        convert_head(a, pages, h, kbase, unit_first(a, u), kbase + keys, kf, vf);
         for (int64_t t = u->tok0; t < u->tok1; t++) {
-            int64_t limit = len - n + t + 1;
+            int64_t limit = len - n + t + 1, lo = kind_first_key(a->window, limit) - kbase;
+            limit -= kbase;
             for (int64_t g0 = 0; g0 < group; g0 += RT) {
                 int rows = (int)(group - g0 < RT ? group - g0 : RT);
                 uint16_t *orow[RT];
@@ -139,7 +132,8 @@ static void attend_unit(const AttentionArgs *a, const Unit *u, const Unit *next,
                     for (int64_t d = 0; d < dim; d += VL) _mm256_storeu_ps(qf + r * dim + d, bf16_load8_n(a->q + off + d, VL));
                     orow[r] = a->out + off;
                 }
-                attend_tile(a, qf, kf, vf, rows, limit, s, padded, orow);
+                attend_tile(a, qf, kf, vf, rows, lo, limit, a->sinks ? a->sinks + h * group + g0 : NULL, s, padded,
+                            orow);
             }
         }
     }

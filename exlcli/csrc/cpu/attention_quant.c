@@ -9,11 +9,14 @@
 // caller rotates q (so scores against rotated keys need no inverse) and turns the output back once.
 // Per query row, in the order of attention_avx2.h:
 //   s_j  = hsum8(sum over d0 = 0, 8, .. of q[d0..d0+7] * k_j[d0..d0+7]) * scale
-//   p_j  = exp(s_j - max s)             j < limit = the row's position + 1
+//   p_j  = exp(s_j - max s)             lo <= j < limit = the row's position + 1
 //   sum  = sum_j p_j                    lane j % 8 adds its keys in order, then a fixed tree
-//   o_d  = (sum_j p_j v_jd) / sum       j = 0, 1, ... in turn; one rounding to bf16 (RNE)
+//   o_d  = (sum_j p_j v_jd) / sum       j = lo, lo + 1, ... in turn; one rounding to bf16 (RNE)
+// The layer's kind (attention_kind.h) as attention.c takes it: with a window lo = limit - window and
+// a unit decodes only the rows from the first its first query sees; scores are soft-capped before
+// the softmax; a sink logit joins the max and exp(sink - max) the sum.
 //
-// Batch invariance: a row's arithmetic depends only on its q, its keys and its limit; how the work
+// Batch invariance: a row's arithmetic depends only on its q, its keys, its limit and its kind; how the work
 // is cut into units and which thread runs them change no bit. AVX2 + FMA + F16C (which every
 // AVX-512 CPU has too); elsewhere exl_paged_attention_quant_available() is 0 and the reference runs.
 
@@ -24,6 +27,7 @@
 #include <string.h>
 
 #include "args.h"
+#include "attention_kind.h"
 #include "bf16.h"
 #include "pool.h"
 
@@ -133,10 +137,23 @@ static int64_t qunit_keys(const exl_paged_attention_quant_args *a, const QUnit *
     return a->seq_lens[u->seq] - n + u->tok1;
 }
 
-// s[r][j] for rows 0 .. rows - 1 (qf [rows][dim]) and keys j < limit.
+// The first key the unit's first query sees (0 without a window): no row before it is decoded.
+static int64_t qunit_first(const exl_paged_attention_quant_args *a, const QUnit *u) {
+    int64_t n = a->query_start_loc[u->seq + 1] - a->query_start_loc[u->seq];
+    return kind_first_key(a->window, a->seq_lens[u->seq] - n + u->tok0 + 1);
+}
+
+// Where the unit's rows kf, vf and a row's scores start: qunit_first rounded down to a whole vector,
+// so key j sits in lane j % 8 in whatever unit it is computed.
+static int64_t qunit_base(const exl_paged_attention_quant_args *a, const QUnit *u) {
+    return qunit_first(a, u) / QVL * QVL;
+}
+
+// s[r][j] for rows 0 .. rows - 1 (qf [rows][dim]) and keys lo <= j < limit.
 static inline __attribute__((always_inline)) void qscore_rows(const float *qf, const float *kf, int64_t dim, int rows,
-                                                               int64_t limit, float scale, float *s, int64_t padded) {
-    for (int64_t j = 0; j < limit; j++) {
+                                                               int64_t lo, int64_t limit, float scale, float *s,
+                                                               int64_t padded) {
+    for (int64_t j = lo; j < limit; j++) {
         __m256 acc[QRT];
         for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
         for (int64_t d = 0; d < dim; d += QVL) {
@@ -147,34 +164,15 @@ static inline __attribute__((always_inline)) void qscore_rows(const float *qf, c
     }
 }
 
-// Softmax numerators in place over s[0, limit), zeros up to the padded length; returns their sum.
-static float qsoftmax_row(float *s, int64_t limit) {
-    int64_t padded = (limit + QVL - 1) / QVL * QVL;
-    float mx = -INFINITY;
-    for (int64_t j = 0; j < limit; j++) mx = s[j] > mx ? s[j] : mx;
-    __m256 vmax = _mm256_set1_ps(mx), sum = _mm256_setzero_ps();
-    for (int64_t j = 0; j < padded; j += QVL) {
-        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), vmax));
-        if (j + QVL > limit) {  // keys past the limit: 0
-            float t[QVL];
-            _mm256_storeu_ps(t, e);
-            for (int64_t i = limit - j; i < QVL; i++) t[i] = 0.0f;
-            e = _mm256_loadu_ps(t);
-        }
-        _mm256_storeu_ps(s + j, e);
-        sum = _mm256_add_ps(sum, e);
-    }
-    return hsum8(sum);
-}
-
-// out[r][d0 .. d0 + 8 * nvec) = (sum_j p[r][j] v_j) / total[r], rounded to bf16.
+// out[r][d0 .. d0 + 8 * nvec) = (sum_j p[r][j] v_j) / total[r] over lo <= j < limit, rounded to bf16.
 static inline __attribute__((always_inline)) void qpv_rows(const float *p, int64_t padded, const float *vf,
-                                                            int64_t dim, int64_t limit, int rows, int64_t d0, int nvec,
-                                                            const float *total, uint16_t *const out[QRT]) {
+                                                            int64_t dim, int64_t lo, int64_t limit, int rows,
+                                                            int64_t d0, int nvec, const float *total,
+                                                            uint16_t *const out[QRT]) {
     __m256 acc[QRT][4];
     for (int r = 0; r < rows; r++)
         for (int x = 0; x < nvec; x++) acc[r][x] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < limit; j++) {
+    for (int64_t j = lo; j < limit; j++) {
         __m256 v[4];
         for (int x = 0; x < nvec; x++) v[x] = _mm256_loadu_ps(vf + j * dim + d0 + QVL * x);
         for (int r = 0; r < rows; r++) {
@@ -188,25 +186,30 @@ static inline __attribute__((always_inline)) void qpv_rows(const float *p, int64
     }
 }
 
+// Rows of keys lo .. limit - 1 (counted from the unit's base); sinks: the rows' sink logits, or NULL.
 static void qattend_tile(const exl_paged_attention_quant_args *a, const float *qf, const float *kf, const float *vf,
-                         int rows, int64_t limit, float *s, int64_t padded, uint16_t *const out[QRT]) {
+                         int rows, int64_t lo, int64_t limit, const float *sinks, float *s, int64_t padded,
+                         uint16_t *const out[QRT]) {
     switch (rows) {  // constant row counts keep the sums in registers
-        case 1: qscore_rows(qf, kf, a->dim, 1, limit, a->scale, s, padded); break;
-        case 2: qscore_rows(qf, kf, a->dim, 2, limit, a->scale, s, padded); break;
-        case 3: qscore_rows(qf, kf, a->dim, 3, limit, a->scale, s, padded); break;
-        default: qscore_rows(qf, kf, a->dim, 4, limit, a->scale, s, padded); break;
+        case 1: qscore_rows(qf, kf, a->dim, 1, lo, limit, a->scale, s, padded); break;
+        case 2: qscore_rows(qf, kf, a->dim, 2, lo, limit, a->scale, s, padded); break;
+        case 3: qscore_rows(qf, kf, a->dim, 3, lo, limit, a->scale, s, padded); break;
+        default: qscore_rows(qf, kf, a->dim, 4, lo, limit, a->scale, s, padded); break;
     }
     float total[QRT];
-    for (int r = 0; r < rows; r++) total[r] = qsoftmax_row(s + r * padded, limit);
+    for (int r = 0; r < rows; r++) {
+        kind_soft_cap(s + r * padded, lo, limit, a->softcap);
+        total[r] = softmax_range8(s + r * padded, lo, limit, sinks ? sinks + r : NULL);
+    }
     for (int64_t d0 = 0; d0 < a->dim; d0 += 4 * QVL) {
         int64_t left = (a->dim - d0) / QVL;
         int nvec = left < 4 ? (int)left : 4;
 #define QPV(R)                                                                              \
     switch (nvec) {                                                                         \
-        case 1: qpv_rows(s, padded, vf, a->dim, limit, R, d0, 1, total, out); break;        \
-        case 2: qpv_rows(s, padded, vf, a->dim, limit, R, d0, 2, total, out); break;        \
-        case 3: qpv_rows(s, padded, vf, a->dim, limit, R, d0, 3, total, out); break;        \
-        default: qpv_rows(s, padded, vf, a->dim, limit, R, d0, 4, total, out); break;       \
+        case 1: qpv_rows(s, padded, vf, a->dim, lo, limit, R, d0, 1, total, out); break;    \
+        case 2: qpv_rows(s, padded, vf, a->dim, lo, limit, R, d0, 2, total, out); break;    \
+        case 3: qpv_rows(s, padded, vf, a->dim, lo, limit, R, d0, 3, total, out); break;    \
+        default: qpv_rows(s, padded, vf, a->dim, lo, limit, R, d0, 4, total, out); break;   \
     }
         switch (rows) {
             case 1: QPV(1) break;
@@ -221,17 +224,18 @@ static void qattend_tile(const exl_paged_attention_quant_args *a, const float *q
 static void qattend_unit(const exl_paged_attention_quant_args *a, const QUnit *u, float *work) {
     int64_t heads = a->heads, kv_heads = a->kv_heads, dim = a->dim, group = heads / kv_heads, h = u->h;
     int64_t b = u->seq, q0 = a->query_start_loc[b], n = a->query_start_loc[b + 1] - q0, len = a->seq_lens[b];
-    int64_t keys = qunit_keys(a, u), padded = (keys + QVL - 1) / QVL * QVL;
+    int64_t kbase = qunit_base(a, u), keys = qunit_keys(a, u) - kbase, padded = (keys + QVL - 1) / QVL * QVL;
     int64_t kbytes = row_bytes(a->k_format, dim), vbytes = row_bytes(a->v_format, dim);
     const int32_t *pages = a->block_tables + b * a->max_pages;
     float *kf = work, *vf = kf + keys * dim, *s = vf + keys * dim, *qf = s + QRT * padded;
-    for (int64_t j = 0; j < keys; j++) {
+    for (int64_t j = qunit_first(a, u); j < kbase + keys; j++) {
         int64_t slot = (int64_t)pages[j / a->page_size] * a->page_size + j % a->page_size;
-        decode_row(a->k_format, a->k_cache + (slot * kv_heads + h) * kbytes, dim, kf + j * dim);
-        decode_row(a->v_format, a->v_cache + (slot * kv_heads + h) * vbytes, dim, vf + j * dim);
+        decode_row(a->k_format, a->k_cache + (slot * kv_heads + h) * kbytes, dim, kf + (j - kbase) * dim);
+        decode_row(a->v_format, a->v_cache + (slot * kv_heads + h) * vbytes, dim, vf + (j - kbase) * dim);
     }
     for (int64_t t = u->tok0; t < u->tok1; t++) {
-        int64_t limit = len - n + t + 1;
+        int64_t limit = len - n + t + 1, lo = kind_first_key(a->window, limit) - kbase;
+        limit -= kbase;
         for (int64_t g0 = 0; g0 < group; g0 += QRT) {
             int rows = (int)(group - g0 < QRT ? group - g0 : QRT);
             uint16_t *orow[QRT];
@@ -240,7 +244,8 @@ static void qattend_unit(const exl_paged_attention_quant_args *a, const QUnit *u
                 for (int64_t d = 0; d < dim; d += QVL) _mm256_storeu_ps(qf + r * dim + d, bf16_load8_n(a->q + off + d, QVL));
                 orow[r] = a->out + off;
             }
-            qattend_tile(a, qf, kf, vf, rows, limit, s, padded, orow);
+            qattend_tile(a, qf, kf, vf, rows, lo, limit, a->sinks ? a->sinks + h * group + g0 : NULL, s, padded,
+                         orow);
         }
     }
 }
@@ -254,7 +259,8 @@ static void qattend_units(void *ctx, int64_t begin, int64_t end) {
     QJob *job = (QJob *)ctx;
     int64_t most = 0;
     for (int64_t i = begin; i < end; i++) {
-        int64_t need = qworkspace_floats(qunit_keys(job->a, &job->units[i]), job->a->dim);
+        int64_t need = qworkspace_floats(qunit_keys(job->a, &job->units[i]) - qunit_base(job->a, &job->units[i]),
+                                         job->a->dim);
         if (need > most) most = need;
     }
     float *work = (float *)aligned_alloc(64, (size_t)(most + 16) / 16 * 64);
@@ -273,9 +279,12 @@ int exl_paged_attention_quant(const exl_paged_attention_quant_args *a) {
     int64_t count = 0;
     for (int64_t b = 0; b < a->num_seqs; b++) {
         const int32_t *pages = a->block_tables + b * a->max_pages;
-        for (int64_t i = 0; i < (a->seq_lens[b] + a->page_size - 1) / a->page_size; i++)
+        int64_t n = a->query_start_loc[b + 1] - a->query_start_loc[b];
+        if (n == 0) continue;
+        for (int64_t i = kind_first_key(a->window, a->seq_lens[b] - n + 1) / a->page_size;
+             i < (a->seq_lens[b] + a->page_size - 1) / a->page_size; i++)
             if (pages[i] < 0 || pages[i] >= a->num_pages) return 1;
-        count += (a->query_start_loc[b + 1] - a->query_start_loc[b] + QBLK - 1) / QBLK;
+        count += (n + QBLK - 1) / QBLK;
     }
     QUnit *units = (QUnit *)malloc(sizeof(QUnit) * (size_t)(count * a->kv_heads + 1));
     if (!units) return -1;

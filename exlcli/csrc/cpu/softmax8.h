@@ -2,6 +2,8 @@
 // horizontal sum in a fixed order and exp for max-subtracted scores. Needs AVX2 and FMA.
 #pragma once
 #include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
 
 // Horizontal sum in one fixed order: halves, then pairs.
 static inline float hsum8(__m256 v) {
@@ -29,4 +31,27 @@ static inline __m256 exp8(__m256 x) {
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
     __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// Softmax numerators in place over s[lo, limit), from lo's block of 8 on (keys before lo in that
+// block and past limit up to a whole block get 0); returns their sum (lane j % 8 adds its keys in
+// order, then hsum8), plus exp(*sink - max) for a sink logit (sink NULL: none), the max taken over
+// the scores and the sink.
+static inline float softmax_range8(float *s, int64_t lo, int64_t limit, const float *sink) {
+    int64_t start = lo / 8 * 8, padded = (limit + 7) / 8 * 8;
+    float mx = sink ? *sink : -INFINITY;
+    for (int64_t j = lo; j < limit; j++) mx = s[j] > mx ? s[j] : mx;
+    for (int64_t j = start; j < lo; j++) s[j] = -INFINITY;
+    for (int64_t j = limit; j < padded; j++) s[j] = -INFINITY;
+    __m256 vmax = _mm256_set1_ps(mx), sum = _mm256_setzero_ps();
+    for (int64_t j = start; j < padded; j += 8) {
+        __m256 x = _mm256_loadu_ps(s + j);
+        __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(x, vmax)),  // keys outside the range: 0
+                                 _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ));
+        _mm256_storeu_ps(s + j, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    float total = hsum8(sum);
+    if (sink) total += _mm256_cvtss_f32(exp8(_mm256_set1_ps(*sink - mx)));
+    return total;
 }

@@ -49,7 +49,7 @@ class PagedAttentionArgs(KernelArgs):
         ("q", _p), ("k_cache", _p), ("v_cache", _p), ("block_tables", _p), ("max_pages", _i64),
         ("query_start_loc", _p), ("seq_lens", _p), ("seq_begin", _i64), ("seq_end", _i64),
         ("num_pages", _i64), ("page_size", _i64), ("heads", _i64), ("kv_heads", _i64), ("dim", _i64),
-        ("scale", _f32), ("out", _p), ("threads", _i64),
+        ("scale", _f32), ("out", _p), ("threads", _i64), ("sinks", _p), ("window", _i64), ("softcap", _f32),
     ]
 
 
@@ -59,6 +59,7 @@ class PagedAttentionQuantArgs(KernelArgs):
         ("q", _p), ("k_cache", _p), ("v_cache", _p), ("k_format", _i32), ("v_format", _i32), ("block_tables", _p),
         ("max_pages", _i64), ("query_start_loc", _p), ("seq_lens", _p), ("num_seqs", _i64), ("num_pages", _i64),
         ("page_size", _i64), ("heads", _i64), ("kv_heads", _i64), ("dim", _i64), ("scale", _f32), ("out", _p),
+        ("sinks", _p), ("window", _i64), ("softcap", _f32),
     ]
 
 

@@ -4,6 +4,8 @@ line that a call through kernels.py never reaches)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from exlcli.ops.cuda.limits import DECODE_ATTENTION_VERSIONS, DECODE_LINEAR_MAX_ROWS, HEAD_DIMS
@@ -169,6 +171,20 @@ def paged(op: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         fail(op, f"at most {MAX_GRID_Y} sequences per call, got {block_tables.shape[0]}")
     if block_tables.shape[1] * k_cache.shape[1] > MAX_GRID_Y * PARTITION_TOKENS:
         fail(op, "block_tables are too wide")
+
+
+def attention_kind(op: str, q: torch.Tensor, window: int | None, sinks: torch.Tensor | None,
+                   softcap: float | None) -> None:
+    """A layer's window (a positive token count), sinks ([heads] fp32 on q's device) and soft-cap (> 0)."""
+    if window is not None and not 0 < window < 2**31:
+        fail(op, f"window must be a positive token count, got {window}")
+    if softcap is not None and not (softcap > 0 and math.isfinite(softcap)):
+        fail(op, f"softcap must be a positive number, got {softcap}")
+    if sinks is not None:
+        if sinks.device != q.device or sinks.dtype != torch.float32 or sinks.shape != (q.shape[1],) \
+                or not sinks.is_contiguous():
+            fail(op, f"sinks must be a contiguous float32 [{q.shape[1]}] on {q.device} (one logit per query head), "
+                     f"got {_name(sinks.dtype)} {list(sinks.shape)} on {sinks.device}")
 
 
 def prefill_layout(op: str, q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -174,18 +174,22 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
 
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
-                           version: int | None = None) -> torch.Tensor:
-    """One query per sequence. `version`: the decode attention kernel (1 or 3); by default the one
-    the self-check chose at load (state.LaunchOptions.decode_attention_version)."""
+                           window: int | None = None, sinks: torch.Tensor | None = None,
+                           softcap: float | None = None, version: int | None = None) -> torch.Tensor:
+    """One query per sequence. `window`, `sinks` ([heads] fp32 on q's device), `softcap`: the layer's
+    attention kind (ops/attention.py); none of them reads the device, so a graph can capture them.
+    `version`: the decode attention kernel (1 or 3); by default the one the self-check chose at load
+    (state.LaunchOptions.decode_attention_version)."""
     op = "paged_attention_decode"
     checks.paged(op, q, k_cache, v_cache, block_tables, seq_lens)
     if seq_lens.shape[0] != q.shape[0]:
         checks.fail(op, f"one query per sequence: q has {q.shape[0]} rows for {seq_lens.shape[0]} sequences")
+    checks.attention_kind(op, q, window, sinks, softcap)
     options = STATE.options
     version = options.decode_attention_version if version is None else version
     checks.decode_attention_version(op, version, k_cache)
-    return torch.ops.exlcli.paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, version,
-                                                   options.pdl)
+    return torch.ops.exlcli.paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, sinks,
+                                                   window or 0, softcap or 0.0, version, options.pdl)
 
 
 @dataclass
@@ -205,12 +209,15 @@ class PrefillLayout:
 def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                             scale: float, layout: PrefillLayout | None = None, *,
-                            version: int | None = None) -> torch.Tensor:
+                            window: int | None = None, sinks: torch.Tensor | None = None,
+                            softcap: float | None = None, version: int | None = None) -> torch.Tensor:
     """With the host's layout (the model has it), nothing waits for the device; without it the
     layout is read back from the device. The kernel reads the device copies itself. Decode tokens
-    run the decode kernel `version` (as paged_attention_decode)."""
+    run the decode kernel `version` (as paged_attention_decode); `window`, `sinks`, `softcap` as there
+    (chunks of such a layer run matmul, softmax, matmul over the keys their window reaches)."""
     op = "paged_attention_prefill"
     checks.paged(op, q, k_cache, v_cache, block_tables, seq_lens)
+    checks.attention_kind(op, q, window, sinks, softcap)
     checks.on_cuda(op, "q query_start_loc", q, query_start_loc)
     checks.vector(op, "query_start_loc", query_start_loc, seq_lens.shape[0] + 1, torch.int32)
     if layout is None:
@@ -223,7 +230,8 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     version = options.decode_attention_version if version is None else version
     checks.decode_attention_version(op, version, k_cache)
     return torch.ops.exlcli.paged_attention_prefill(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-                                                    layout.host, scale, version, options.pdl)
+                                                    layout.host, scale, sinks, window or 0, softcap or 0.0, version,
+                                                    options.pdl)
 
 
 def _packed(op: str, qweight: torch.Tensor, scales: torch.Tensor, bits: int, group: int, n: int, k: int) -> None:
