@@ -29,9 +29,9 @@ and gate|up projections concatenate as rows like any other format): bytes 0-1 sv
 suh[128 j + n % 128] for block j (every 128 rows carry their matrix's whole suh), then the trellis
 bytes. K + 0.25 bits a weight. The torch reference `dequantize` decodes it. The CPU has no trellis
 kernel: its linear transcodes the dequantized weight to Q8_0 blocks at load (the loader names the
-cost, `cpu_transcode_notice`). CUDA has none yet either: a format's `cuda_linear` (exl3_format) is where
-trellis kernels take these blocks (`unpack_blocks` gives back the trellis, suh and svh); until then
-make_linear dequantizes there, and the loader says so.
+cost, `cpu_transcode_notice`). On CUDA (bf16 or fp16 activations, sm_80+) the weights stay in their
+trellis code: `cuda_linear` hands the blocks to cuda_exl3.py (`unpack_blocks` gives back the trellis,
+suh and svh), which repacks them for the decoding kernels.
 """
 
 from __future__ import annotations
@@ -228,10 +228,18 @@ def cpu_transcode_notice(tensors: dict, device: torch.device, dtype: torch.dtype
             f"+{extra / 2**20:,.0f} MiB; each weight moves by at most half a Q8_0 step, 1/254 of its block's largest)")
 
 
+def cuda_linear(weight: QuantizedWeight, bias: torch.Tensor | None, device: torch.device,
+                dtype: torch.dtype) -> Linear | None:
+    """The trellis kernels' linear (cuda_exl3.py), or None where they do not run, and make_linear dequantizes."""
+    from exlcli.ops.formats import cuda_exl3
+
+    return cuda_exl3.cuda_linear(weight, bias, device, dtype)
+
+
 def exl3_format(bits: int, codebook: str) -> Exl3Format:
     return Exl3Format(f"EXL3_K{bits}_{codebook}", gguf_type=None, block_weights=HAD, block_bytes=block_bytes(bits),
                       dequantize=functools.partial(dequantize, bits=bits, codebook=codebook),
-                      cpu_linear=cpu_linear, cuda_linear=None, cpu_kept_quantized=_transcodes,
+                      cpu_linear=cpu_linear, cuda_linear=cuda_linear, cpu_kept_quantized=_transcodes,
                       bits=bits, codebook=codebook)
 
 
