@@ -63,28 +63,36 @@ __global__ void __launch_bounds__(kWarps * 32) product_kernel(const uint8_t* __r
   float acc[G][4];
 #pragma unroll
   for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = acc[g][2] = acc[g][3] = 0.f;
-  grid_dependency_wait();
+  // the weights are no earlier kernel's output: the first tiles load before the wait, and each step loads the
+  // next step's tiles before it decodes its own
+  Raw cur[U], next[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    if (t0 + u < t1) cur[u] = load_chunk<K>(w + static_cast<int64_t>(t0 + u) * tile_bytes<K>(), lane);
+  }
   const uint2* xp = xf + static_cast<int64_t>(parts[blockIdx.x]) * tiles * G * 32 + lane;
+  grid_dependency_wait();
   for (int t = t0; t < t1; t += U) {
-    Raw raw[U];
     uint2 b[U][G];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (t + u < t1) {
-        raw[u] = load_chunk<K>(w + static_cast<int64_t>(t + u) * tile_bytes<K>(), lane);
 #pragma unroll
         for (int g = 0; g < G; ++g) b[u][g] = xp[(static_cast<int64_t>(t + u) * G + g) * 32];
       }
+      if (t + U + u < t1) next[u] = load_chunk<K>(w + static_cast<int64_t>(t + U + u) * tile_bytes<K>(), lane);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (t + u < t1) {  // the same for the whole warp: the shuffles see every lane
         uint32_t a[4];
-        decode_tile<K, CB>(raw[u], lane, a);
+        decode_tile<K, CB>(cur[u], lane, a);
 #pragma unroll
         for (int g = 0; g < G; ++g) mma_16816(acc[g], a, b[u][g]);
       }
     }
+#pragma unroll
+    for (int u = 0; u < U; ++u) cur[u] = next[u];
   }
   grid_dependents_launch();
   float* out = partial + static_cast<int64_t>(blockIdx.y) * m * n;

@@ -29,7 +29,7 @@ constexpr unsigned kFull = 0xffffffffu;
 enum Codebook : int { k3Inst = 0, kMcg = 1, kMul1 = 2 };
 
 template <int K>
-constexpr int tile_bytes() { return 32 * K; }
+__host__ __device__ constexpr int tile_bytes() { return 32 * K; }
 
 // One lane's chunk of one tile as loaded (assembled later, so that several tiles' loads are in flight).
 struct Raw {
@@ -99,10 +99,11 @@ __device__ __forceinline__ void lane_states(const Raw& r, int lane, uint32_t (&s
   }
 }
 
-__device__ __forceinline__ uint32_t hadd2(uint32_t a, uint32_t b) {
-  uint32_t d;
-  asm("add.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
+// The sum of the two fp16 halves of x, rounded once, in the low half.
+__device__ __forceinline__ uint32_t hadd_halves(uint32_t x) {
+  const __half2 h = *reinterpret_cast<const __half2*>(&x);
+  const __half s = __hadd(__low2half(h), __high2half(h));
+  return static_cast<uint32_t>(*reinterpret_cast<const unsigned short*>(&s));
 }
 
 __device__ __forceinline__ uint32_t hfma2(uint32_t a, uint32_t b, uint32_t c) {
@@ -131,7 +132,10 @@ __device__ __forceinline__ uint32_t decode_pair(uint32_t a, uint32_t b) {
     }
     xa = (xa & 0x8fff8fffu) ^ 0x3b603b60u;
     xb = (xb & 0x8fff8fffu) ^ 0x3b603b60u;
-    return hadd2(__byte_perm(xa, xb, 0x5410), __byte_perm(xa, xb, 0x7632));
+    // each value's two halves added (an add with its operands' halves selected), the sums paired: one byte
+    // permute a pair where transposing the halves first takes two
+    const uint32_t sa = hadd_halves(xa), sb = hadd_halves(xb);
+    return __byte_perm(sa, sb, 0x5410);
   }
 }
 

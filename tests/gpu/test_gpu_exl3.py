@@ -1,5 +1,5 @@
 """EXL3 on CUDA: the trellis kernels (exl3_linear up to 64 tokens, exl3_dequantize for cuBLAS beyond) against
-exl3.py's reference `dequantize` and the torch emulation of the kernel (cuda_exl3.emulated_product), for every
+exl3.py's reference `dequantize` and the torch emulation of the kernel (exl3.emulated_product), for every
 codebook and 1 to 8 bits, non-square and multi-block shapes, fused projections with their own suh, biases and
 fp16 activations; a token's output does not depend on the others; the product captures in a CUDA graph; and a
 whole tiny EXL3 folder decodes the same greedy tokens as its dequantized weights."""
@@ -67,7 +67,7 @@ def test_kernel_sums_are_the_emulations_in_fp32(codebook, bits):
     rows, parts = cuda_exl3.distinct_rows(suh)
     for tokens in (1, 9, 33, 64):
         x = inputs(tokens, 640, seed=tokens)
-        want = cuda_exl3.emulated_product(x.float().cpu(), trellis, rows, svh, parts, codebook)
+        want = exl3.emulated_product(x.float().cpu(), trellis, rows, svh, parts, codebook)
         got = lin(x, out_dtype=torch.float32)
         assert got.dtype == torch.float32
         assert rel_err(got.cpu(), want) < 1e-4, (tokens, rel_err(got.cpu(), want))
@@ -170,11 +170,12 @@ def _greedy(model, tokenizer, prompt: list[int], new_tokens: int) -> tuple[list[
 
 @pytest.mark.parametrize("codebook", exl3.CODEBOOKS)
 def test_tiny_exl3_folder_decodes_the_dequantized_paths_tokens(tmp_path, monkeypatch, codebook):
-    """A 2-layer EXL3 folder (4-bit linears, a 6-bit head) on CUDA keeps every linear in its trellis and gives the
-    greedy tokens of the same folder dequantized at load (bf16 rounds the two paths apart in the last bit: they may
-    part only where the dequantized path's two best logits nearly tie)."""
+    """A 2-layer EXL3 folder (2- to 7-bit linears, a 6-bit head) on CUDA keeps every linear in its trellis and gives
+    the greedy tokens of the same folder dequantized at load (its prefill on exl3_dequantize and cuBLAS, its decode
+    steps on the trellis kernel in CUDA graphs). bf16 rounds the two paths apart in the last bit: they may part
+    only where the dequantized path's two best logits nearly tie."""
     folder = exl3_folder(tmp_path, codebook, bits_of=lambda i: 2 + i % 6)[0]
-    prompt = [3, 17, 99, 4, 56, 120, 7, 33, 8, 91, 64, 2, 77, 15, 100, 41, 5, 63, 88]  # 19 tokens: a prefill > 16
+    prompt = [(37 * i + 5) % 128 for i in range(70)]  # a prefill past 64 tokens: dequantized into cuBLAS
     quant = load_model(str(folder), device="cuda", dtype="bfloat16")
     linears = _linears(quant.model)
     assert linears and all(isinstance(lin, cuda_exl3.Exl3CudaLinear) for lin in linears), \

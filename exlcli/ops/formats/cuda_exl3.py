@@ -9,9 +9,9 @@ Hadamard into fp16 tensor-core fragments, the tiles decoded in registers into m1
 token, then the output Hadamard, svh and the bias); beyond, the weight dequantized in blocks of rows into
 the activations' dtype for cuBLAS.
 
-`lane_states` and `emulated_product` are the torch emulations of the kernels' two steps (the states each
-lane reads from the repacked planes; the product's fp16 rounding of x after the input Hadamard): the CPU
-tests hold them against exl3.py's reference.
+`lane_states` is the torch emulation of how the kernels' lanes read the repacked planes, and
+exl3.emulated_product that of the product's arithmetic (x rounded to fp16 after the input Hadamard): the
+CPU tests hold them against exl3.py's reference.
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ import torch.nn.functional as F
 from exlcli.ops.cuda import kernels
 from exlcli.ops.cuda import loader as cuda_loader
 from exlcli.ops.cuda.limits import EXL3_MAX_KERNEL_TOKENS
-from exlcli.ops.formats import exl3
-from exlcli.ops.formats.base import Linear, QuantizedWeight
+from exlcli.ops.formats.base import Linear
 
 log = logging.getLogger("exlcli.linear")
 
 CODEBOOK_IDS = {"3INST": 0, "MCG": 1, "MUL1": 2}  # csrc/exl3_trellis.cuh's Codebook
+HAD, TILE = 128, 16  # exl3.py's Hadamard width and tile side
 DTYPES = (torch.bfloat16, torch.float16)
 # Beyond MAX_KERNEL_TOKENS the weight is dequantized into a scratch matrix of at most this many elements at
 # a time (128 MiB of bf16: an LM head of 128256 x 4096 in 8 blocks of rows), each block's product on cuBLAS.
@@ -107,22 +107,10 @@ def lane_states(packed: torch.Tensor, bits: int, strips: int, tiles: int) -> tor
 
 def distinct_rows(suh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """suh fp16 [groups, in] (each 128 rows' own) -> (the distinct rows fp16 [parts, in], int32 [groups]: the
-    row each group reads)."""
-    rows, inverse = torch.unique(suh.contiguous().view(torch.int16), dim=0, return_inverse=True)
-    return rows.view(torch.float16).contiguous(), inverse.to(torch.int32).contiguous()
-
-
-def emulated_product(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
-                     parts: torch.Tensor, codebook: str) -> torch.Tensor:
-    """What exl3_linear computes, in fp32 torch: x' = H (x * suh) / sqrt(128) rounded to fp16 (for each
-    distinct suh), W0's products summed in fp32, then the output Hadamard and svh. x [m, in] -> fp32 [m, out]."""
-    w0 = exl3.inner_weight(trellis, codebook)  # [in, out]
-    m, k = x.shape
-    h = exl3.hadamard().to(x.device)
-    xs = [((x.float() * s.float()).view(m, k // exl3.HAD, exl3.HAD) @ h).view(m, k).half().float() for s in suh]
-    n = w0.shape[1]
-    y = torch.cat([xs[int(p)] @ w0[:, g * exl3.HAD:(g + 1) * exl3.HAD] for g, p in enumerate(parts.tolist())], dim=1)
-    return (y.view(m, n // exl3.HAD, exl3.HAD) @ h).view(m, n) * svh.float()
+    row each group reads), on suh's device (found on the CPU: a few MiB at most, once at load)."""
+    rows, inverse = torch.unique(suh.cpu().contiguous().view(torch.int16), dim=0, return_inverse=True)
+    return (rows.view(torch.float16).contiguous().to(suh.device),
+            inverse.to(torch.int32).contiguous().to(suh.device))
 
 
 class Exl3CudaLinear(Linear):
@@ -150,7 +138,7 @@ class Exl3CudaLinear(Linear):
         return y if y.dtype == want else y.to(want)
 
     def _dense_product(self, x: torch.Tensor) -> torch.Tensor:
-        rows = max(exl3.HAD, DENSE_BLOCK_ELEMENTS // self.in_features // exl3.HAD * exl3.HAD)
+        rows = max(HAD, DENSE_BLOCK_ELEMENTS // self.in_features // HAD * HAD)
         if rows >= self.out_features:
             return F.linear(x, self.dequantized(), self.bias)
         parts = []
@@ -163,10 +151,10 @@ class Exl3CudaLinear(Linear):
     def dequantized(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Rows start .. stop (multiples of 128) of the dense weight, in the activations' dtype."""
         stop = self.out_features if stop is None else stop
-        strip_bytes = self.in_features // exl3.TILE * exl3.TILE * exl3.TILE * self.bits // 8
-        trellis = self.trellis[start // exl3.TILE * strip_bytes:stop // exl3.TILE * strip_bytes]
+        strip_bytes = self.in_features // TILE * TILE * TILE * self.bits // 8
+        trellis = self.trellis[start // TILE * strip_bytes:stop // TILE * strip_bytes]
         return kernels.exl3_dequantize(trellis, self.suh, self.svh[start:stop],
-                                       self.parts[start // exl3.HAD:stop // exl3.HAD], self.bits,
+                                       self.parts[start // HAD:stop // HAD], self.bits,
                                        CODEBOOK_IDS[self.codebook], self.in_features,
                                        bf16=self.dtype == torch.bfloat16)
 
@@ -180,16 +168,13 @@ def takes(device: torch.device, dtype: torch.dtype) -> bool:
             and torch.cuda.get_device_capability(device) >= (8, 0))
 
 
-def cuda_linear(weight: QuantizedWeight, bias: torch.Tensor | None, device: torch.device,
-                dtype: torch.dtype) -> Linear | None:
-    """The EXL3 format's `cuda_linear`: the trellis repacked on the device, or None (make_linear then
-    dequantizes) for fp32 activations, GPUs before sm_80 or no kernels."""
-    if not takes(device, dtype) or not isinstance(weight.fmt, exl3.Exl3Format):
-        return None
-    fmt = weight.fmt
-    trellis, suh, svh = exl3.unpack_blocks(weight.blocks.to(device), fmt.bits)
-    suh, parts = distinct_rows(suh)
+def trellis_linear(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, bits: int, codebook: str,
+                   bias: torch.Tensor | None, dtype: torch.dtype) -> Exl3CudaLinear:
+    """The linear of one weight's unpacked tensors on their device (exl3.unpack_blocks': trellis int16
+    [in / 16, out / 16, 16 K], suh fp16 [out / 128, in], svh fp16 [out])."""
+    tk, tn, _ = trellis.shape
+    rows, parts = distinct_rows(suh)
     if bias is not None:
-        bias = bias.to(device=device, dtype=dtype).contiguous()
-    return Exl3CudaLinear(repack(trellis), suh, svh.contiguous(), parts, fmt.bits, fmt.codebook, weight.shape, bias,
+        bias = bias.to(device=trellis.device, dtype=dtype).contiguous()
+    return Exl3CudaLinear(repack(trellis), rows, svh.contiguous(), parts, bits, codebook, (tn * TILE, tk * TILE), bias,
                           dtype)

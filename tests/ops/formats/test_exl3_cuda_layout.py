@@ -50,7 +50,7 @@ def test_emulated_product_is_the_reference_products(codebook, bits):
     assert torch.equal(rows[parts.long()], suh) and parts.dtype == torch.int32
     x = torch.randn(5, 384, generator=torch.Generator().manual_seed(7))
     want = x.double() @ fused.dequantize().double().t()
-    got = cuda_exl3.emulated_product(x, trellis, rows, svh, parts, codebook)
+    got = exl3.emulated_product(x, trellis, rows, svh, parts, codebook)
     assert ((got.double() - want).norm() / want.norm()).item() < 2e-3  # x' in fp16: 2^-11 an element
 
 
