@@ -12,7 +12,9 @@ bit by bit for the exact tests; at 8B shapes that takes minutes, this seconds). 
 its own loader, and for each of its fused linears (q|k|v, o, gate|up, down) and each token count times, in
 CUDA graphs of calls over copies of the weight that together exceed the L2 cache:
 - `exl3`: exlcli's EXL3 linear (cuda_exl3.Exl3CudaLinear, what the engine runs): the trellis kernel up to
-  64 tokens, the weight dequantized for cuBLAS beyond;
+  64 tokens (two kernels: x's Hadamard, then the product with the output step in its last slices), the weight
+  dequantized for cuBLAS beyond;
+- `exl3_3k`: the same with the output step in a third kernel of its own (`without_fused_output`);
 - `grouped4`: exlcli's kernel for 4-bit weights in groups of 128 (GPTQ, AWQ, Q4_K, EXL2 4-bit) of the shape;
 - `bf16`: cuBLAS over a dense bf16 weight.
 Prints microseconds per call and the weight bytes per second each reaches, the layer's sum, and the
@@ -168,7 +170,7 @@ def bench(folder: str, tokens: list[int]) -> list[dict]:
     dev, gen = torch.device("cuda"), torch.Generator(device="cuda").manual_seed(1)
     rows: list[dict] = []
     totals: dict[tuple[int, str], float] = {}
-    print(f"{'linear':8} {'tokens':>6} {'path':>9} {'us':>9} {'GB/s':>7}")
+    print(f"{'linear':8} {'tokens':>6} {'path':>9} {'us':>9} {'GB/s':>7}")  # GB/s: the weight's bytes a second
     for name, parts in FUSED.items():
         weights = [tensors[f"model.layers.0.{LINEARS[p]}.{p}.weight"] for p in parts]
         lin = make_linear(weights, None, dev, torch.bfloat16)
@@ -182,7 +184,8 @@ def bench(folder: str, tokens: list[int]) -> list[dict]:
         groups = [grouped4(n, k, gen) for _ in range(max(2, math.ceil(L2_BYTES / (n * k // 2))))]
         dense = [(0.02 * torch.randn(n, k, generator=gen, device=dev)).bfloat16()
                  for _ in range(max(2, math.ceil(L2_BYTES / (2 * n * k))))]
-        paths = {"exl3": (exl3s, lin.nbytes()), "grouped4": (groups, groups[0].nbytes()), "bf16": (dense, 2 * n * k)}
+        paths = {"exl3": (exl3s, lin.nbytes()), "exl3_3k": ([c.without_fused_output() for c in exl3s], lin.nbytes()),
+                 "grouped4": (groups, groups[0].nbytes()), "bf16": (dense, 2 * n * k)}
         for m in tokens:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             calls = CALLS if m <= 64 else 4
@@ -201,7 +204,8 @@ def bench(folder: str, tokens: list[int]) -> list[dict]:
         torch.cuda.empty_cache()
     print("one decoder layer's four products (32 of them in the 8B model):")
     for m in tokens:
-        print(f"{'layer':8} {m:6d} " + "  ".join(f"{p} {totals[(m, p)]:8.1f} us" for p in ("exl3", "grouped4", "bf16")))
+        print(f"{'layer':8} {m:6d} " + "  ".join(f"{p} {totals[(m, p)]:8.1f} us" for p in ("exl3", "exl3_3k",
+                                                                                              "grouped4", "bf16")))
     return rows
 
 

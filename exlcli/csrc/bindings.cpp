@@ -32,7 +32,7 @@ TORCH_LIBRARY(exlcli, m) {
   m.def("quant_dequantize(Tensor qweight, Tensor scales, int bits, bool e4m3, int group, int n, int k, bool pdl) "
         "-> Tensor");
   m.def("exl3_linear(Tensor x, Tensor trellis, Tensor suh, Tensor svh, Tensor parts, int bits, int codebook, int n, "
-        "Tensor? bias, bool float_out, bool pdl) -> Tensor");
+        "Tensor? bias, Tensor(a!)? counters, bool float_out, bool pdl) -> Tensor");
   m.def("exl3_dequantize(Tensor trellis, Tensor suh, Tensor svh, Tensor parts, int bits, int codebook, int n, int k, "
         "bool bf16, bool pdl) -> Tensor");
   m.def("moe_gemv(Tensor x, Tensor qweight, Tensor scales, int bits, int group, int n, Tensor ids, Tensor? order, "

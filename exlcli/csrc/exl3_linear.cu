@@ -29,6 +29,9 @@ namespace {
 
 constexpr float kInvSqrt128 = 0.08838834764831845f;
 
+template <int G>
+__host__ __device__ constexpr int e_tokens() { return 8 * G; }
+
 // B fragments of x' (fp16): for each suh, input tile, group of 8 tokens and lane, the two u32 registers.
 __device__ __forceinline__ int64_t fragment_half(int part, int tile, int tiles, int groups, int token, int kk) {
   const int group = token / 8, lane = (token % 8) * 4 + (kk % 8) / 2, reg = kk / 8;
@@ -49,13 +52,49 @@ __global__ void __launch_bounds__(128) input_kernel(const T* __restrict__ x, con
   xf[fragment_half(part, f / kTile, k / kTile, groups, token, f % kTile)] = __float2half_rn(v);
 }
 
+// The output side of one 128-row group, fused into the product (Epilogue::counters set): the bias's and the
+// output's dtypes, and a counter a group that the last of its slices to finish resets.
+struct Epilogue {
+  int* counters;  // [n / 128], zero between calls; nullptr: the output kernel does this step
+  const __half* svh;
+  const void* bias;  // In: bf16 or fp16 (bias_half), or nullptr
+  void* y;           // bf16, fp16 or fp32 (out_kind 0, 1, 2)
+  bool bias_half;
+  int out_kind;
+};
+
+// y = H v * svh / sqrt(128) (+ bias) for 128 rows of one token, element lane + 32 r in v[r]: the arithmetic of
+// output_kernel (the same butterflies in the same order: stride 1 to 64), so both give the same bytes.
+__device__ __forceinline__ void store_rows(float (&v)[4], int lane, int64_t at, int row0, const Epilogue& e) {
+  fwht128_warp(v, lane);
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int row = row0 + lane + 32 * r;
+    float o = __fmul_rn(v[r], __half2float(e.svh[row]) * kInvSqrt128);  // never contracted into an fma
+    if (e.bias != nullptr) {
+      o = __fadd_rn(o, e.bias_half ? __half2float(static_cast<const __half*>(e.bias)[row])
+                                   : __bfloat162float(static_cast<const __nv_bfloat16*>(e.bias)[row]));
+    }
+    if (e.out_kind == 2) {
+      static_cast<float*>(e.y)[at + row] = o;
+    } else if (e.out_kind == 1) {
+      static_cast<__half*>(e.y)[at + row] = __float2half_rn(o);
+    } else {
+      static_cast<__nv_bfloat16*>(e.y)[at + row] = __float2bfloat16_rn(o);
+    }
+  }
+}
+
 // grid (n / 128, splits), 8 warps: warp w takes strip 8 blockIdx.x + w over input tiles
-// [blockIdx.y * per_split, + per_split) and writes its fp32 sums to partial[blockIdx.y, token, row].
+// [blockIdx.y * per_split, + per_split). Its fp32 sums go to partial[blockIdx.y, token, row] (with more than one
+// slice), and with e.counters the last slice of a group to finish adds the slices in their order and writes the
+// output (the rest of output_kernel), else output_kernel does.
 template <int K, int CB, int G, int U>
 __global__ void __launch_bounds__(kWarps * 32) product_kernel(const uint8_t* __restrict__ trellis,
                                                               const uint2* __restrict__ xf,
                                                               const int* __restrict__ parts, int m, int n, int k,
-                                                              int per_split, float* __restrict__ partial) {
+                                                              int per_split, float* __restrict__ partial,
+                                                              Epilogue e) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int strip = blockIdx.x * kWarps + warp, tiles = k / kTile;
   const int t0 = blockIdx.y * per_split, t1 = min(t0 + per_split, tiles);
@@ -95,15 +134,53 @@ __global__ void __launch_bounds__(kWarps * 32) product_kernel(const uint8_t* __r
     for (int u = 0; u < U; ++u) cur[u] = next[u];
   }
   grid_dependents_launch();
-  float* out = partial + static_cast<int64_t>(blockIdx.y) * m * n;
-  const int row = strip * kTile + lane / 4;
+  __shared__ float rows[e_tokens<G>()][kHad + 1];  // the group's sums, [token][row], for the fused output
+  __shared__ int last;
+  const bool fused = e.counters != nullptr;
+  if (fused && gridDim.y == 1) {
 #pragma unroll
-  for (int g = 0; g < G; ++g) {
+    for (int g = 0; g < G; ++g) {
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int token = g * 8 + (lane % 4) * 2 + (r & 1);
-      if (token < m) out[static_cast<int64_t>(token) * n + row + 8 * (r >> 1)] = acc[g][r];
+      for (int r = 0; r < 4; ++r) {
+        const int token = g * 8 + (lane % 4) * 2 + (r & 1);
+        if (token < m) rows[token][warp * kTile + lane / 4 + 8 * (r >> 1)] = 0.f + acc[g][r];
+      }
     }
+  } else {
+    float* out = partial + static_cast<int64_t>(blockIdx.y) * m * n;
+    const int row = strip * kTile + lane / 4;
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int token = g * 8 + (lane % 4) * 2 + (r & 1);
+        if (token < m) out[static_cast<int64_t>(token) * n + row + 8 * (r >> 1)] = acc[g][r];
+      }
+    }
+    if (!fused) return;
+    // the last slice of this group to finish sums them all: each slice's writes are visible before it counts
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(e.counters + blockIdx.x, 1) == static_cast<int>(gridDim.y) - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int i = threadIdx.x; i < m * kHad; i += kWarps * 32) {
+      const int token = i / kHad, row = i % kHad;
+      float v = 0.f;
+      for (int sl = 0; sl < static_cast<int>(gridDim.y); ++sl) {
+        v += __ldcg(partial + (static_cast<int64_t>(sl) * m + token) * n + blockIdx.x * kHad + row);
+      }
+      rows[token][row] = v;
+    }
+    if (threadIdx.x == 0) e.counters[blockIdx.x] = 0;  // ready for the next call (the next kernel waits for us)
+  }
+  __syncthreads();
+  for (int token = warp; token < m; token += kWarps) {
+    float v[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) v[r] = rows[token][lane + 32 * r];
+    store_rows(v, lane, static_cast<int64_t>(token) * n, blockIdx.x * kHad, e);
   }
 }
 
@@ -117,9 +194,9 @@ __global__ void __launch_bounds__(128) output_kernel(const float* __restrict__ p
   grid_dependency_wait();
   float v = 0.f;
   for (int s = 0; s < splits; ++s) v += partial[(static_cast<int64_t>(s) * m + token) * n + row];
-  v = fwht128_block(v, scratch) * (__half2float(svh[row]) * kInvSqrt128);
+  v = __fmul_rn(fwht128_block(v, scratch), __half2float(svh[row]) * kInvSqrt128);  // as store_rows: no fma
   grid_dependents_launch();
-  if (bias != nullptr) v += to_float(bias[row]);
+  if (bias != nullptr) v = __fadd_rn(v, to_float(bias[row]));
   y[static_cast<int64_t>(token) * n + row] = from_float<Out>(v);
 }
 
@@ -226,35 +303,33 @@ int tiles_per_split(int n, int k) {
 
 template <int K, int CB, int G>
 void launch_product(const at::Tensor& trellis, const at::Tensor& xf, const at::Tensor& parts, int m, int n, int k,
-                    int per_split, int splits, const at::Tensor& partial, cudaStream_t stream, bool pdl) {
+                    int per_split, int splits, const at::Tensor& partial, const Epilogue& e, cudaStream_t stream,
+                    bool pdl) {
   constexpr int U = G == 1 ? 8 : G == 2 ? 4 : 2;
   launch_pdl(product_kernel<K, CB, G, U>, dim3(n / kHad, splits), dim3(kWarps * 32), 0, stream, pdl,
              static_cast<const uint8_t*>(trellis.data_ptr()), static_cast<const uint2*>(xf.data_ptr()),
-             static_cast<const int*>(parts.data_ptr()), m, n, k, per_split, static_cast<float*>(partial.data_ptr()));
+             static_cast<const int*>(parts.data_ptr()), m, n, k, per_split, static_cast<float*>(partial.data_ptr()), e);
 }
 
-template <int K, int CB>
-void launch_product_tokens(int groups, const at::Tensor& trellis, const at::Tensor& xf, const at::Tensor& parts,
-                           int m, int n, int k, int per_split, int splits, const at::Tensor& partial,
-                           cudaStream_t stream, bool pdl) {
+// The product's launch for the token groups and codebook of the call (the arguments after them passed on).
+template <int K, int CB, typename... Args>
+void launch_product_tokens(int groups, Args&&... args) {
   switch (groups) {
-    case 1: launch_product<K, CB, 1>(trellis, xf, parts, m, n, k, per_split, splits, partial, stream, pdl); break;
-    case 2: launch_product<K, CB, 2>(trellis, xf, parts, m, n, k, per_split, splits, partial, stream, pdl); break;
-    case 4: launch_product<K, CB, 4>(trellis, xf, parts, m, n, k, per_split, splits, partial, stream, pdl); break;
-    default: launch_product<K, CB, 8>(trellis, xf, parts, m, n, k, per_split, splits, partial, stream, pdl); break;
+    case 1: launch_product<K, CB, 1>(args...); break;
+    case 2: launch_product<K, CB, 2>(args...); break;
+    case 4: launch_product<K, CB, 4>(args...); break;
+    default: launch_product<K, CB, 8>(args...); break;
   }
 }
 
-template <int K>
-void launch_product_codebook(int codebook, int groups, const at::Tensor& trellis, const at::Tensor& xf,
-                             const at::Tensor& parts, int m, int n, int k, int per_split, int splits,
-                             const at::Tensor& partial, cudaStream_t stream, bool pdl) {
+template <int K, typename... Args>
+void launch_product_codebook(int codebook, int groups, Args&&... args) {
   if (codebook == k3Inst) {
-    launch_product_tokens<K, k3Inst>(groups, trellis, xf, parts, m, n, k, per_split, splits, partial, stream, pdl);
+    launch_product_tokens<K, k3Inst>(groups, args...);
   } else if (codebook == kMcg) {
-    launch_product_tokens<K, kMcg>(groups, trellis, xf, parts, m, n, k, per_split, splits, partial, stream, pdl);
+    launch_product_tokens<K, kMcg>(groups, args...);
   } else {
-    launch_product_tokens<K, kMul1>(groups, trellis, xf, parts, m, n, k, per_split, splits, partial, stream, pdl);
+    launch_product_tokens<K, kMul1>(groups, args...);
   }
 }
 
@@ -297,7 +372,8 @@ void launch_output(const at::Tensor& partial, int splits, int m, int n, const at
 
 at::Tensor exl3_linear(const at::Tensor& x, const at::Tensor& trellis, const at::Tensor& suh, const at::Tensor& svh,
                        const at::Tensor& parts, int64_t bits, int64_t codebook, int64_t n,
-                       const std::optional<at::Tensor>& bias, bool float_out, bool pdl) {
+                       const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& counters,
+                       bool float_out, bool pdl) {
   using namespace exl3;
   const char* op = "exl3_linear";
   EXL_CHECK_CUDA_TENSOR(x, "exl3_linear: x");
@@ -310,6 +386,11 @@ at::Tensor exl3_linear(const at::Tensor& x, const at::Tensor& trellis, const at:
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->numel() == n && bias->is_contiguous(), op,
                 ": bias must be a contiguous [", n, "] of x's dtype");
+  }
+  if (counters.has_value()) {
+    TORCH_CHECK(counters->is_cuda() && counters->scalar_type() == at::kInt && counters->numel() == n / kHad &&
+                    counters->is_contiguous(),
+                op, ": counters must be a contiguous int32 [", n / kHad, "] on the GPU");
   }
   const c10::cuda::CUDAGuard guard(x.device());
   const int m = static_cast<int>(x.size(0));
@@ -329,12 +410,17 @@ at::Tensor exl3_linear(const at::Tensor& x, const at::Tensor& trellis, const at:
   }
   const int per_split = tiles_per_split(s.n, s.k);
   const int splits = ceil_div(s.k / kTile, per_split);
-  at::Tensor partial = at::empty({splits, m, n}, x.options().dtype(at::kFloat));
+  const bool fused = counters.has_value();
+  // fused with one slice, the sums stay in shared memory
+  at::Tensor partial = at::empty({fused && splits == 1 ? 0 : splits, m, n}, x.options().dtype(at::kFloat));
+  Epilogue e{fused ? static_cast<int*>(counters->data_ptr()) : nullptr, static_cast<const __half*>(svh.data_ptr()),
+             bias.has_value() ? bias->data_ptr() : nullptr, y.data_ptr(), x.scalar_type() == at::kHalf,
+             float_out ? 2 : x.scalar_type() == at::kHalf ? 1 : 0};
   const int cb = static_cast<int>(codebook);
-#define EXL3_PRODUCT(K)                                                                                      \
-  case K:                                                                                                    \
-    launch_product_codebook<K>(cb, groups, trellis, xf, parts, m, s.n, s.k, per_split, splits, partial, stream, \
-                               pdl);                                                                         \
+#define EXL3_PRODUCT(K)                                                                                          \
+  case K:                                                                                                        \
+    launch_product_codebook<K>(cb, groups, trellis, xf, parts, m, s.n, s.k, per_split, splits, partial, e, stream, \
+                               pdl);                                                                             \
     break;
   switch (bits) {
     EXL3_PRODUCT(1)
@@ -348,6 +434,7 @@ at::Tensor exl3_linear(const at::Tensor& x, const at::Tensor& trellis, const at:
     default: break;
   }
 #undef EXL3_PRODUCT
+  if (fused) return y;
   if (x.scalar_type() == at::kBFloat16) {
     if (float_out) {
       launch_output<__nv_bfloat16, float>(partial, splits, m, s.n, svh, bias, y, stream, pdl);

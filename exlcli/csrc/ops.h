@@ -94,10 +94,13 @@ at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& scales,
 // exl3_linear.cu: EXL3 trellis weights in the repacked layout of exl3_trellis.cuh (trellis uint8, bits 1 to 8,
 // codebook 0 = 3INST, 1 = MCG, 2 = MUL1; suh fp16 [parts, k], one row for each distinct input scale; parts int32
 // [n / 128], the suh row of each 128 rows; svh fp16 [n]). exl3_linear: y = x @ W^T (+ bias) for bf16 or fp16 x
-// [m, k], m <= 64, into x's dtype (or fp32: float_out) [m, n]; exl3_dequantize: W [n, k] in bf16 (or fp16).
+// [m, k], m <= 64, into x's dtype (or fp32: float_out) [m, n]; with counters (int32 [n / 128], zero between
+// calls, one linear's own) the product kernel's last slice of each 128 rows writes them, else a kernel of its
+// own does (the same bytes). exl3_dequantize: W [n, k] in bf16 (or fp16).
 at::Tensor exl3_linear(const at::Tensor& x, const at::Tensor& trellis, const at::Tensor& suh, const at::Tensor& svh,
                        const at::Tensor& parts, int64_t bits, int64_t codebook, int64_t n,
-                       const std::optional<at::Tensor>& bias, bool float_out, bool pdl);
+                       const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& counters,
+                       bool float_out, bool pdl);
 at::Tensor exl3_dequantize(const at::Tensor& trellis, const at::Tensor& suh, const at::Tensor& svh,
                            const at::Tensor& parts, int64_t bits, int64_t codebook, int64_t n, int64_t k, bool bf16,
                            bool pdl);

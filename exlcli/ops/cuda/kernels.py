@@ -374,11 +374,15 @@ def _exl3_weights(op: str, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.
 
 
 def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, parts: torch.Tensor,
-                bits: int, codebook: int, bias: torch.Tensor | None = None, float_out: bool = False) -> torch.Tensor:
+                bits: int, codebook: int, bias: torch.Tensor | None = None, float_out: bool = False,
+                counters: torch.Tensor | None = None) -> torch.Tensor:
     """x [m, k] (bf16 or fp16, m <= EXL3_MAX_KERNEL_TOKENS) @ W^T (+ bias) for EXL3 trellis weights in the
     repacked layout of csrc/exl3_trellis.cuh (exlcli/ops/formats/cuda_exl3.py repacks them; codebook 0 3INST,
     1 MCG, 2 MUL1; suh: the distinct rows, parts: the row each 128 outputs read): [m, n] in x's dtype, or
-    fp32 with float_out. Each token's sums run in an order its own (batch invariant); sm_80+."""
+    fp32 with float_out. Each token's sums run in an order of their own (batch invariant); sm_80+ (the op
+    says so in its own check: cuda_exl3.takes keeps older GPUs off it). With counters (int32 [n / 128], zeros,
+    the linear's own: the kernel leaves them zero) the product kernel writes the output itself, one kernel fewer;
+    the same bytes either way."""
     op = "exl3_linear"
     checks.on_cuda(op, "x trellis", x, trellis)
     if (x.dim() != 2 or x.dtype not in checks.HALVES or not x.is_contiguous() or not checks.aligned(x)
@@ -387,12 +391,13 @@ def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: 
                         f"{EXL3_MAX_KERNEL_TOKENS}, got {x.dtype} {list(x.shape)}")
     n = svh.shape[0] if svh.dim() == 1 else -1
     _exl3_weights(op, trellis, suh, svh, parts, bits, codebook, n, x.shape[1])
-    if torch.cuda.get_device_capability(x.device) < (8, 0):
-        checks.fail(op, "needs the tensor cores of sm_80 or later")
     if bias is not None:
         checks.on_cuda(op, "x bias", x, bias)
         checks.vector(op, "bias", bias, n, x.dtype)
-    return torch.ops.exlcli.exl3_linear(x, trellis, suh, svh, parts, bits, codebook, n, bias, float_out,
+    if counters is not None:
+        checks.on_cuda(op, "x counters", x, counters)
+        checks.vector(op, "counters", counters, n // 128, torch.int32)
+    return torch.ops.exlcli.exl3_linear(x, trellis, suh, svh, parts, bits, codebook, n, bias, counters, float_out,
                                         STATE.options.pdl)
 
 

@@ -122,6 +122,10 @@ class Exl3CudaLinear(Linear):
         self.bits, self.codebook, self.dtype = bits, codebook, dtype
         self.out_features, self.in_features = shape
         self.bias = bias
+        # the product kernel's count of finished slices per 128 rows (it writes the output itself); None: a
+        # kernel of its own does (tests compare the two)
+        self.counters: torch.Tensor | None = torch.zeros(self.out_features // HAD, dtype=torch.int32,
+                                                         device=trellis.device)
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -130,7 +134,8 @@ class Exl3CudaLinear(Linear):
             x2 = x2.clone(memory_format=torch.contiguous_format)
         if x2.shape[0] <= EXL3_MAX_KERNEL_TOKENS:
             y = kernels.exl3_linear(x2, self.trellis, self.suh, self.svh, self.parts, self.bits,
-                                    CODEBOOK_IDS[self.codebook], self.bias, float_out=out_dtype == torch.float32)
+                                    CODEBOOK_IDS[self.codebook], self.bias, float_out=out_dtype == torch.float32,
+                                    counters=self.counters)
         else:
             y = self._dense_product(x2)
         y = y.reshape(*lead, self.out_features)
@@ -160,6 +165,13 @@ class Exl3CudaLinear(Linear):
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.trellis, self.suh, self.svh, self.parts))
+
+    def without_fused_output(self) -> "Exl3CudaLinear":
+        """The same weights with the output step in a kernel of its own (tests and benchmarks)."""
+        other = Exl3CudaLinear(self.trellis, self.suh, self.svh, self.parts, self.bits, self.codebook,
+                               (self.out_features, self.in_features), self.bias, self.dtype)
+        other.counters = None
+        return other
 
 
 def takes(device: torch.device, dtype: torch.dtype) -> bool:
