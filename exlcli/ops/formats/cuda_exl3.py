@@ -4,10 +4,11 @@ At load the rows of blocks (exl3.py) become, on the device: the trellis repacked
 each 16-row strip's tiles along the input, each tile's stream cut into the 32 lanes' chunks of K bytes
 in planes a warp loads in whole lines), one row of suh for each distinct input scale (`distinct_rows`: a
 fused q|k|v or gate|up concatenates matrices with their own suh) with the row each 128 outputs read, and
-svh. `Exl3CudaLinear` runs it: up to MAX_KERNEL_TOKENS tokens on the trellis kernel (x * suh and the input
-Hadamard into fp16 tensor-core fragments, the tiles decoded in registers into m16n8k16 products over every
-token, then the output Hadamard, svh and the bias); beyond, the weight dequantized in blocks of rows into
-the activations' dtype for cuBLAS.
+svh. `Exl3CudaLinear` runs it: up to EXL3_MAX_KERNEL_TOKENS tokens on the trellis kernels, two a product (x * suh
+and the input Hadamard into fp16 tensor-core fragments; then the tiles decoded in registers into m16n8k16
+products over every token, slices of the input summed in their order by the last one to finish, the output
+Hadamard, svh and the bias); beyond, the weight dequantized in blocks of rows into the activations' dtype for
+cuBLAS.
 
 `lane_states` is the torch emulation of how the kernels' lanes read the repacked planes, and
 exl3.emulated_product that of the product's arithmetic (x rounded to fp16 after the input Hadamard): the
