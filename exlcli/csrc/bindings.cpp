@@ -31,6 +31,10 @@ TORCH_LIBRARY(exlcli, m) {
         "int first_head, Tensor(c!) q_out, bool pdl) -> ()");
   m.def("quant_dequantize(Tensor qweight, Tensor scales, int bits, bool e4m3, int group, int n, int k, bool pdl) "
         "-> Tensor");
+  m.def("exl3_linear(Tensor x, Tensor trellis, Tensor suh, Tensor svh, Tensor parts, int bits, int codebook, int n, "
+        "Tensor? bias, Tensor(a!)? counters, bool float_out, bool pdl) -> Tensor");
+  m.def("exl3_dequantize(Tensor trellis, Tensor suh, Tensor svh, Tensor parts, int bits, int codebook, int n, int k, "
+        "bool bf16, bool pdl) -> Tensor");
   m.def("moe_gemv(Tensor x, Tensor qweight, Tensor scales, int bits, int group, int n, Tensor ids, Tensor? order, "
         "int rows_per_x, bool float_out, bool pdl) -> Tensor");
   m.def("moe_gemm(Tensor x, Tensor qweight, Tensor scales, int bits, int group, int n, Tensor order, "
@@ -62,6 +66,8 @@ TORCH_LIBRARY_IMPL(exlcli, CUDA, m) {
   m.impl("quant_linear", &exlcli::quant_linear);
   m.impl("quant_heads_rope", &exlcli::quant_heads_rope);
   m.impl("quant_dequantize", &exlcli::quant_dequantize);
+  m.impl("exl3_linear", &exlcli::exl3_linear);
+  m.impl("exl3_dequantize", &exlcli::exl3_dequantize);
   m.impl("moe_gemv", &exlcli::moe_gemv);
   m.impl("moe_gemm", &exlcli::moe_gemm);
   m.impl("moe_combine", &exlcli::moe_combine);

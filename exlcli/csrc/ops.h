@@ -91,6 +91,20 @@ void quant_heads_rope(const at::Tensor& x, const at::Tensor& qweight, const at::
 at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& scales, int64_t bits, bool e4m3,
                             int64_t group, int64_t n, int64_t k, bool pdl);
 
+// exl3_linear.cu: EXL3 trellis weights in the repacked layout of exl3_trellis.cuh (trellis uint8, bits 1 to 8,
+// codebook 0 = 3INST, 1 = MCG, 2 = MUL1; suh fp16 [parts, k], one row for each distinct input scale; parts int32
+// [n / 128], the suh row of each 128 rows; svh fp16 [n]). exl3_linear: y = x @ W^T (+ bias) for bf16 or fp16 x
+// [m, k], m <= 64, into x's dtype (or fp32: float_out) [m, n]; with counters (int32 [n / 128], zero between
+// calls, one linear's own) the product kernel's last slice of each 128 rows writes them, else a kernel of its
+// own does (the same bytes). exl3_dequantize: W [n, k] in bf16 (or fp16).
+at::Tensor exl3_linear(const at::Tensor& x, const at::Tensor& trellis, const at::Tensor& suh, const at::Tensor& svh,
+                       const at::Tensor& parts, int64_t bits, int64_t codebook, int64_t n,
+                       const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& counters,
+                       bool float_out, bool pdl);
+at::Tensor exl3_dequantize(const at::Tensor& trellis, const at::Tensor& suh, const at::Tensor& svh,
+                           const at::Tensor& parts, int64_t bits, int64_t codebook, int64_t n, int64_t k, bool bf16,
+                           bool pdl);
+
 // moe.cu: one layer's experts stacked in the packed layout (qweight int32 [experts, n k bits / 32], scales
 // [experts, ...] as quant_linear's; integer weights only). moe_gemv: for each (token, slot) pair, the product
 // of its expert (ids int32 [pairs]) over row pair / rows_per_x of bf16 x [rows, k] into bf16 (or fp32:

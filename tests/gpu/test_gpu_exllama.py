@@ -1,6 +1,7 @@
 """EXL2 and EXL3 linears on CUDA through make_linear: EXL2's repacked 4-, 6- and 8-bit groups stay quantized
-in the grouped CUDA layout (act-order as a permuted input); EXL3 has no CUDA kernel yet and runs dense on
-its dequantized weight. Both against x @ W^T in float64, the weights from tests/ops/formats/exllama_writers.py."""
+in the grouped CUDA layout (act-order as a permuted input); EXL3 stays in its trellis code (cuda_exl3.py,
+tested in depth in test_gpu_exl3.py). Both against x @ W^T in float64, the weights from
+tests/ops/formats/exllama_writers.py."""
 
 from __future__ import annotations
 
@@ -8,8 +9,7 @@ import pytest
 import torch
 from gpu_helpers import rel_err, requires_cuda
 
-from exlcli.ops.formats import cuda_groups, exl2, exl3
-from exlcli.ops.formats.dense import DenseLinear
+from exlcli.ops.formats import cuda_exl3, cuda_groups, exl2, exl3
 from exlcli.ops.formats.input_order import PermutedInputLinear
 from exlcli.ops.linear import make_linear
 from tests.ops.formats import exllama_writers as writers
@@ -31,10 +31,10 @@ def test_exl2_runs_quantized_on_cuda(layout, tokens):
     assert rel_err(lin(x), x.double() @ recon.double().to(CUDA).t()) < 1e-2
 
 
-def test_exl3_runs_dense_on_cuda_until_its_kernels_come():
+def test_exl3_runs_quantized_on_cuda():
     t, _, w = writers.exl3(256, 384, 4, "MUL1", seed=4)
     qw = exl3.from_exl3(t["trellis"], t["suh"], t["svh"], mul1=t["mul1"])
     lin = make_linear([qw], None, CUDA, torch.bfloat16)
-    assert isinstance(lin, DenseLinear)
+    assert isinstance(lin, cuda_exl3.Exl3CudaLinear)
     x = torch.randn(5, 384, generator=torch.Generator().manual_seed(5)).to(CUDA, torch.bfloat16)
     assert rel_err(lin(x), x.double() @ w.double().to(CUDA).t()) < 1e-2

@@ -25,6 +25,7 @@ SOURCES = (
     "linear.cu",
     "linear_fused.cu",
     "quant_linear.cu",
+    "exl3_linear.cu",
     "moe.cu",
     "fp8_quant.cu",
     "fp8_linear.cu",
@@ -36,7 +37,7 @@ SOURCES = (
     "argmax.cu",
 )
 HEADERS = ("common.cuh", "pdl.cuh", "e4m3_rows.cuh", "kv_e4m3.cuh", "decode_gemv.cuh", "quant_linear.cuh",
-           "quant_gemv_dp4a.cuh", "attention_decode.cuh", "fp8_operands.h", "rope_kv.cuh", "ops.h")
+           "quant_gemv_dp4a.cuh", "exl3_trellis.cuh", "attention_decode.cuh", "fp8_operands.h", "rope_kv.cuh", "ops.h")
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 
 # unwind tables everywhere: an error raised by a check must unwind through our frames

@@ -12,6 +12,7 @@ import torch
 from exlcli.ops.cuda import checks
 from exlcli.ops.cuda.limits import (
     DP4A_MAX_TOKENS,
+    EXL3_MAX_KERNEL_TOKENS,
     MOE_TILE_TOKENS,
     QUANT_BITS,
     QUANT_CHUNK,
@@ -360,6 +361,63 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, b
         checks.fail(op, "e4m3 weights take the 8-bit layout")
     return torch.ops.exlcli.quant_linear(x, qweight, scales, bits, e4m3, group, n, bias, float_out,
                                          STATE.options.pdl)
+
+
+def _exl3_weights(op: str, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, parts: torch.Tensor,
+                  bits: int, codebook: int, n: int, k: int) -> None:
+    """Checks EXL3 weights in the repacked layout of csrc/exl3_trellis.cuh (cuda_exl3.py's)."""
+    checks.on_cuda(op, "trellis suh svh parts", trellis, suh, svh, parts)
+    if not 1 <= bits <= 8 or codebook not in (0, 1, 2):
+        checks.fail(op, f"bits must be 1 to 8 and codebook 0, 1 or 2, got {bits} / {codebook}")
+    if n <= 0 or k <= 0 or n % 128 or k % 128:
+        checks.fail(op, f"the weight must be [n, k] in multiples of 128, got [{n}, {k}]")
+    if (trellis.dtype != torch.uint8 or trellis.dim() != 1 or not trellis.is_contiguous()
+            or trellis.numel() != n * k * bits // 8 or not checks.aligned(trellis)):
+        checks.fail(op, f"trellis must be a contiguous, aligned uint8 [{n * k * bits // 8}], got {trellis.dtype} "
+                        f"{list(trellis.shape)}")
+    if (suh.dtype != torch.float16 or suh.dim() != 2 or suh.shape[0] == 0 or suh.shape[1] != k
+            or not suh.is_contiguous()):
+        checks.fail(op, f"suh must be a contiguous float16 [parts, {k}], got {suh.dtype} {list(suh.shape)}")
+    checks.vector(op, "svh", svh, n, torch.float16)
+    checks.vector(op, "parts", parts, n // 128, torch.int32)
+
+
+def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, parts: torch.Tensor,
+                bits: int, codebook: int, bias: torch.Tensor | None = None, float_out: bool = False,
+                counters: torch.Tensor | None = None) -> torch.Tensor:
+    """x [m, k] (bf16 or fp16, m <= EXL3_MAX_KERNEL_TOKENS) @ W^T (+ bias) for EXL3 trellis weights in the
+    repacked layout of csrc/exl3_trellis.cuh (exlcli/ops/formats/cuda_exl3.py repacks them; codebook 0 3INST,
+    1 MCG, 2 MUL1; suh: the distinct rows, parts: the row each 128 outputs read): [m, n] in x's dtype, or
+    fp32 with float_out. Each token's sums run in an order of their own (batch invariant); sm_80+ (the op
+    says so in its own check: cuda_exl3.takes keeps older GPUs off it). With counters (int32 [n / 128], zeros,
+    the linear's own: the kernel leaves them zero) the product kernel writes the output itself, one kernel fewer;
+    the same bytes either way."""
+    op = "exl3_linear"
+    checks.on_cuda(op, "x trellis", x, trellis)
+    if (x.dim() != 2 or x.dtype not in checks.HALVES or not x.is_contiguous() or not checks.aligned(x)
+            or x.shape[0] > EXL3_MAX_KERNEL_TOKENS):
+        checks.fail(op, f"x must be a contiguous, aligned bfloat16 or float16 [m, k] with m <= "
+                        f"{EXL3_MAX_KERNEL_TOKENS}, got {x.dtype} {list(x.shape)}")
+    n = svh.shape[0] if svh.dim() == 1 else -1
+    _exl3_weights(op, trellis, suh, svh, parts, bits, codebook, n, x.shape[1])
+    if bias is not None:
+        checks.on_cuda(op, "x bias", x, bias)
+        checks.vector(op, "bias", bias, n, x.dtype)
+    if counters is not None:
+        checks.on_cuda(op, "x counters", x, counters)
+        checks.vector(op, "counters", counters, n // 128, torch.int32)
+    return torch.ops.exlcli.exl3_linear(x, trellis, suh, svh, parts, bits, codebook, n, bias, counters, float_out,
+                                        STATE.options.pdl)
+
+
+def exl3_dequantize(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, parts: torch.Tensor, bits: int,
+                    codebook: int, k: int, bf16: bool = True) -> torch.Tensor:
+    """The dense weight [n, k] (bf16, or fp16) of EXL3 weights as exl3_linear takes them: diag(svh) H W0^T H
+    diag(suh), summed in fp32 and rounded once."""
+    op = "exl3_dequantize"
+    n = svh.shape[0] if svh.dim() == 1 else -1
+    _exl3_weights(op, trellis, suh, svh, parts, bits, codebook, n, k)
+    return torch.ops.exlcli.exl3_dequantize(trellis, suh, svh, parts, bits, codebook, n, k, bf16, STATE.options.pdl)
 
 
 def moe_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bits: int, group: int, n: int,

@@ -12,6 +12,7 @@ QUANT_GROUPS = (16, 32, 64, 128)  # its group sizes (weights per scale along a r
 QUANT_TILE_ROWS = 16  # output features per row tile of its packed layout
 QUANT_CHUNK = 64  # input features per chunk of its packed layout
 MOE_TILE_TOKENS = (32, 64)  # csrc/moe.cu moe_gemm's token tiles (pairs of one expert a block)
+EXL3_MAX_KERNEL_TOKENS = 64  # exl3_linear.cu's trellis kernel; beyond, the weight dequantized for cuBLAS
 DP4A_MAX_TOKENS = 2  # quant_gemv_dp4a.cuh: the products of 1 or 2 tokens over integer weights
 DP4A_MAX_SHARED = 44 * 1024  # where their int8 blocks of x (24 bytes per 16 features a token) fit
 

@@ -29,9 +29,9 @@ and gate|up projections concatenate as rows like any other format): bytes 0-1 sv
 suh[128 j + n % 128] for block j (every 128 rows carry their matrix's whole suh), then the trellis
 bytes. K + 0.25 bits a weight. The torch reference `dequantize` decodes it. The CPU has no trellis
 kernel: its linear transcodes the dequantized weight to Q8_0 blocks at load (the loader names the
-cost, `cpu_transcode_notice`). CUDA has none yet either: a format's `cuda_linear` (exl3_format) is where
-trellis kernels take these blocks (`unpack_blocks` gives back the trellis, suh and svh); until then
-make_linear dequantizes there, and the loader says so.
+cost, `cpu_transcode_notice`). On CUDA (bf16 or fp16 activations, sm_80+) the weights stay in their
+trellis code: `cuda_linear` hands the blocks to cuda_exl3.py (`unpack_blocks` gives back the trellis,
+suh and svh), which repacks them for the decoding kernels; `emulated_product` is what those compute.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from exlcli.ops.formats import cpu_qmatmul, q8_0
+from exlcli.ops.formats import cpu_qmatmul, cuda_exl3, q8_0
 from exlcli.ops.formats.base import BlockFormat, Linear, QuantizedWeight
 
 CODEBOOKS = ("3INST", "MCG", "MUL1")
@@ -150,6 +150,20 @@ def reference_weight(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor
     return w * suh.float().unsqueeze(0) * svh.float().unsqueeze(1)
 
 
+def emulated_product(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
+                     parts: torch.Tensor, codebook: str) -> torch.Tensor:
+    """What the CUDA kernel exl3_linear computes (cuda_exl3.py), in fp32 torch: x' = H (x * suh) / sqrt(128)
+    rounded to fp16 (for each distinct suh: suh [parts, in], parts the row each 128 outputs read), W0's products
+    summed in fp32, then the output Hadamard and svh. x [m, in] -> fp32 [m, out]."""
+    w0 = inner_weight(trellis, codebook)  # [in, out]
+    m, k = x.shape
+    h = hadamard().to(x.device)
+    xs = [((x.float() * s.float()).view(m, k // HAD, HAD) @ h).view(m, k).half().float() for s in suh]
+    n = w0.shape[1]
+    y = torch.cat([xs[int(p)] @ w0[:, g * HAD:(g + 1) * HAD] for g, p in enumerate(parts.tolist())], dim=1)
+    return (y.view(m, n // HAD, HAD) @ h).view(m, n) * svh.float()
+
+
 def unpack_signs(packed: torch.Tensor) -> torch.Tensor:
     """`su` / `sv` int16 [n / 16] -> fp16 [n] of +-1 (bit i of word w is feature 16 w + i, set: -1)."""
     bit = (packed.to(torch.int64).reshape(-1, 1) >> torch.arange(16)) & 1
@@ -228,10 +242,20 @@ def cpu_transcode_notice(tensors: dict, device: torch.device, dtype: torch.dtype
             f"+{extra / 2**20:,.0f} MiB; each weight moves by at most half a Q8_0 step, 1/254 of its block's largest)")
 
 
+def cuda_linear(weight: QuantizedWeight, bias: torch.Tensor | None, device: torch.device,
+                dtype: torch.dtype) -> Linear | None:
+    """The trellis kernels' linear (cuda_exl3.py), or None (make_linear then dequantizes) for fp32 activations,
+    GPUs before sm_80 or no kernels."""
+    if not cuda_exl3.takes(device, dtype) or not isinstance(weight.fmt, Exl3Format):
+        return None
+    trellis, suh, svh = unpack_blocks(weight.blocks.to(device), weight.fmt.bits)
+    return cuda_exl3.trellis_linear(trellis, suh, svh, weight.fmt.bits, weight.fmt.codebook, bias, dtype)
+
+
 def exl3_format(bits: int, codebook: str) -> Exl3Format:
     return Exl3Format(f"EXL3_K{bits}_{codebook}", gguf_type=None, block_weights=HAD, block_bytes=block_bytes(bits),
                       dequantize=functools.partial(dequantize, bits=bits, codebook=codebook),
-                      cpu_linear=cpu_linear, cuda_linear=None, cpu_kept_quantized=_transcodes,
+                      cpu_linear=cpu_linear, cuda_linear=cuda_linear, cpu_kept_quantized=_transcodes,
                       bits=bits, codebook=codebook)
 
 
