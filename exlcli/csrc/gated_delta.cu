@@ -1,0 +1,247 @@
+// Gated DeltaNet (Qwen3-Next, Qwen3.5): the gated delta rule and the short causal convolution over B
+// sequences, sequence b's tokens the rows begin[b] .. end[b] - 1 and its state a slot of a pool
+// (exlcli/ops/gated_delta.py holds the torch references and the math; csrc/cpu/gated_delta.c the CPU's).
+//
+// The delta rule, per token: S <- e^g S; u = beta (v - S^T k); S <- S + k u^T; o = S^T q, with q and k
+// L2-normalized (q then scaled). Column j of S evolves on its own (u_j needs column j only), so a block
+// takes one (sequence, value head, tile of 32 columns): 8 warps, lane = the column, warp w the rows
+// w, w + 8, ...: the tile's state stays in registers (Dk / 8 values a thread) across the sequence's
+// tokens, read from its slot once and written once. The two sums over rows (S^T k, S^T q) add each
+// thread's rows, then the 8 warps' partials in order: a row's numbers depend on nothing else in the
+// batch. Every index (slots, token rows) is read on the device, so a decode step captures in a CUDA
+// graph and replays with other slots. A prompt runs the same recurrence token by token (one block
+// per head and tile); the chunkwise form of the reference is not written here.
+#include "common.cuh"
+#include "ops.h"
+
+namespace exlcli {
+namespace {
+
+constexpr int kTile = 32;     // state columns a block
+constexpr int kWarps = 8;     // row groups a block
+constexpr int kMaxDim = 256;  // Dk and Dv at most (gated_delta.py: MAX_HEAD_DIM)
+constexpr int kMaxWidth = 8;  // convolution taps at most
+
+template <typename T, int MAXR>
+__global__ void __launch_bounds__(kTile * kWarps)
+    gated_delta_kernel(const T* __restrict__ mixed, int64_t mixed_stride, const float* __restrict__ g,
+                       const float* __restrict__ beta, const float* in_states, const int32_t* __restrict__ in_slots,
+                       float* out_states, const int32_t* __restrict__ out_slots, const int32_t* __restrict__ begin,
+                       const int32_t* __restrict__ end, int k_heads, int v_heads, int dk, int dv, float scale,
+                       float eps, float* __restrict__ out) {
+  __shared__ float sk[kMaxDim], sq[kMaxDim], red[kWarps][kTile], scratch[32];
+  grid_dependency_wait();
+  grid_dependents_launch();
+  const int b = blockIdx.x, h = blockIdx.y, lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  const int j = blockIdx.z * kTile + lane;
+  const bool col = j < dv;
+  const int rpt = dk / kWarps;  // rows a thread (dk a multiple of 16)
+  const int kh = h / (v_heads / k_heads), key_dim = k_heads * dk;
+  const int64_t head = static_cast<int64_t>(dk) * dv;
+  float s[MAXR];
+  const int in_slot = in_slots[b];
+  const float* src = in_slot < 0 ? nullptr : in_states + (static_cast<int64_t>(in_slot) * v_heads + h) * head;
+#pragma unroll
+  for (int r = 0; r < MAXR; ++r) s[r] = (r < rpt && col && src) ? src[static_cast<int64_t>(w + kWarps * r) * dv + j] : 0.f;
+  const int first = begin[b], last = end[b];
+  for (int t = first; t < last; ++t) {
+    const T* row = mixed + static_cast<int64_t>(t) * mixed_stride;
+    float kx = 0.f, qx = 0.f;
+    if (threadIdx.x < dk) {
+      qx = to_float(row[kh * dk + threadIdx.x]);
+      kx = to_float(row[key_dim + kh * dk + threadIdx.x]);
+      sq[threadIdx.x] = qx;
+      sk[threadIdx.x] = kx;
+    }
+    const float rk = rsqrtf(block_sum(kx * kx, scratch) + eps);
+    const float rq = rsqrtf(block_sum(qx * qx, scratch) + eps);  // (its syncs also publish sk, sq)
+    const float decay = __expf(g[static_cast<int64_t>(t) * v_heads + h]);
+    const float bt = beta[static_cast<int64_t>(t) * v_heads + h];
+    const float v = col ? to_float(row[2 * key_dim + h * dv + j]) : 0.f;
+    float part = 0.f;
+#pragma unroll
+    for (int r = 0; r < MAXR; ++r) {
+      if (r < rpt) {
+        s[r] *= decay;
+        part += s[r] * (sk[w + kWarps * r] * rk);
+      }
+    }
+    red[w][lane] = part;
+    __syncthreads();
+    float read = 0.f;
+#pragma unroll
+    for (int x = 0; x < kWarps; ++x) read += red[x][lane];
+    const float u = (v - read) * bt;
+    __syncthreads();  // red is written again below
+    part = 0.f;
+#pragma unroll
+    for (int r = 0; r < MAXR; ++r) {
+      if (r < rpt) {
+        s[r] += (sk[w + kWarps * r] * rk) * u;
+        part += s[r] * (sq[w + kWarps * r] * rq * scale);
+      }
+    }
+    red[w][lane] = part;
+    __syncthreads();
+    if (w == 0 && col) {
+      float o = 0.f;
+#pragma unroll
+      for (int x = 0; x < kWarps; ++x) o += red[x][lane];
+      out[(static_cast<int64_t>(t) * v_heads + h) * dv + j] = o;
+    }
+  }
+  float* dst = out_states + (static_cast<int64_t>(out_slots[b]) * v_heads + h) * head;
+#pragma unroll
+  for (int r = 0; r < MAXR; ++r)
+    if (r < rpt && col) dst[static_cast<int64_t>(w + kWarps * r) * dv + j] = s[r];
+}
+
+// One thread a channel of one sequence: its W - 1 last inputs in registers across the tokens.
+template <typename T>
+__global__ void causal_conv1d_kernel(const T* __restrict__ x, int64_t x_stride, const T* __restrict__ weight,
+                                     const T* in_states, const int32_t* __restrict__ in_slots, T* out_states,
+                                     const int32_t* __restrict__ out_slots, const int32_t* __restrict__ begin,
+                                     const int32_t* __restrict__ end, int channels, int width, T* __restrict__ out) {
+  grid_dependency_wait();
+  grid_dependents_launch();
+  const int b = blockIdx.y, c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= channels) return;
+  float win[kMaxWidth], wt[kMaxWidth];
+  const int in_slot = in_slots[b];
+  const T* src = in_slot < 0 ? nullptr : in_states + static_cast<int64_t>(in_slot) * (width - 1) * channels + c;
+#pragma unroll
+  for (int p = 0; p < kMaxWidth; ++p) {
+    wt[p] = p < width ? to_float(weight[static_cast<int64_t>(c) * width + p]) : 0.f;
+    win[p] = (p < width - 1 && src) ? to_float(src[static_cast<int64_t>(p) * channels]) : 0.f;
+  }
+  const int first = begin[b], last = end[b];
+  for (int t = first; t < last; ++t) {
+    const float xt = to_float(x[static_cast<int64_t>(t) * x_stride + c]);
+#pragma unroll
+    for (int p = 0; p < kMaxWidth; ++p)
+      if (p == width - 1) win[p] = xt;
+    float acc = win[0] * wt[0];
+#pragma unroll
+    for (int p = 1; p < kMaxWidth; ++p)
+      if (p < width) acc = acc + win[p] * wt[p];
+    out[static_cast<int64_t>(t) * channels + c] = from_float<T>(acc / (1.f + expf(-acc)));
+#pragma unroll
+    for (int p = 0; p + 1 < kMaxWidth; ++p)
+      if (p + 1 < width) win[p] = win[p + 1];
+  }
+  T* dst = out_states + static_cast<int64_t>(out_slots[b]) * (width - 1) * channels + c;
+#pragma unroll
+  for (int p = 0; p + 1 < kMaxWidth; ++p)
+    if (p < width - 1) dst[static_cast<int64_t>(p) * channels] = from_float<T>(win[p]);
+}
+
+void check_index(const at::Tensor& t, int64_t n, const char* name) {
+  TORCH_CHECK(t.is_cuda() && t.scalar_type() == at::kInt && t.dim() == 1 && t.size(0) == n && t.is_contiguous(),
+              name, " must be a contiguous int32 CUDA tensor of ", n, " entries, got ", t.scalar_type(), " ",
+              t.sizes());
+}
+
+void check_pool(const at::Tensor& t, const at::Tensor& like, const char* name) {
+  TORCH_CHECK(t.is_cuda() && t.scalar_type() == like.scalar_type() && t.dim() == like.dim() && t.is_contiguous() &&
+                  t.sizes().slice(1) == like.sizes().slice(1),
+              name, " must be a contiguous ", like.scalar_type(), " CUDA tensor [slots, ", like.sizes().slice(1),
+              "], got ", t.scalar_type(), " ", t.sizes());
+}
+
+}  // namespace
+
+void gated_delta(const at::Tensor& mixed, const at::Tensor& g, const at::Tensor& beta, const at::Tensor& in_states,
+                 const at::Tensor& in_slots, const at::Tensor& out_states, const at::Tensor& out_slots,
+                 const at::Tensor& begin, const at::Tensor& end, int64_t k_heads, double scale, double eps,
+                 const at::Tensor& out, bool pdl) {
+  EXL_CHECK_CUDA_TENSOR(mixed, "gated_delta: mixed");
+  TORCH_CHECK(out_states.dim() == 4 && out_states.scalar_type() == at::kFloat && out_states.is_contiguous(),
+              "gated_delta: out_states must be a contiguous float32 [slots, Hv, Dk, Dv], got ", out_states.sizes());
+  const int64_t hv = out_states.size(1), dk = out_states.size(2), dv = out_states.size(3);
+  const int64_t rows = mixed.size(0), seqs = in_slots.size(0);
+  TORCH_CHECK(dk > 0 && dk % 16 == 0 && dk <= kMaxDim && dv > 0 && dv % 16 == 0 && dv <= kMaxDim,
+              "gated_delta: head dimensions ", dk, " / ", dv, " (supported: multiples of 16 up to ", kMaxDim, ")");
+  TORCH_CHECK(k_heads > 0 && hv % k_heads == 0, "gated_delta: ", hv, " value heads over ", k_heads, " key heads");
+  TORCH_CHECK(mixed.dim() == 2 && mixed.stride(1) == 1 && mixed.size(1) >= 2 * k_heads * dk + hv * dv,
+              "gated_delta: mixed must be [rows, >= ", 2 * k_heads * dk + hv * dv, "] with contiguous rows, got ",
+              mixed.sizes());
+  for (const at::Tensor* t : {&g, &beta})
+    TORCH_CHECK(t->is_cuda() && t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 &&
+                    t->size(0) == rows && t->size(1) == hv,
+                "gated_delta: g and beta must be contiguous float32 [", rows, ", ", hv, "], got ", t->sizes());
+  check_pool(in_states, out_states, "gated_delta: in_states");
+  check_index(in_slots, seqs, "gated_delta: in_slots");
+  check_index(out_slots, seqs, "gated_delta: out_slots");
+  check_index(begin, seqs, "gated_delta: begin");
+  check_index(end, seqs, "gated_delta: end");
+  TORCH_CHECK(out.is_cuda() && out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 3 &&
+                  out.size(0) == rows && out.size(1) == hv && out.size(2) == dv,
+              "gated_delta: out must be a contiguous float32 [", rows, ", ", hv, ", ", dv, "], got ", out.sizes());
+  TORCH_CHECK(seqs < 65536 && hv < 65536, "gated_delta: at most 65,535 sequences and value heads");
+  if (seqs == 0) return;
+  const c10::cuda::CUDAGuard guard(mixed.device());
+  const dim3 grid(static_cast<unsigned>(seqs), static_cast<unsigned>(hv), static_cast<unsigned>(ceil_div(dv, kTile)));
+  EXL_DISPATCH_FLOAT(mixed.scalar_type(), "gated_delta", [&] {
+    auto run = [&](auto kernel) {
+      launch_pdl(kernel, grid, dim3(kTile * kWarps), 0, current_stream(), pdl,
+                 static_cast<const scalar_t*>(mixed.data_ptr()), mixed.stride(0), g.data_ptr<float>(),
+                 beta.data_ptr<float>(), static_cast<const float*>(in_states.data_ptr<float>()),
+                 in_slots.data_ptr<int32_t>(), out_states.data_ptr<float>(),
+                 static_cast<const int32_t*>(out_slots.data_ptr<int32_t>()),
+                 static_cast<const int32_t*>(begin.data_ptr<int32_t>()),
+                 static_cast<const int32_t*>(end.data_ptr<int32_t>()), static_cast<int>(k_heads),
+                 static_cast<int>(hv), static_cast<int>(dk), static_cast<int>(dv), static_cast<float>(scale),
+                 static_cast<float>(eps), out.data_ptr<float>());
+    };
+    if (dk <= 64) run(gated_delta_kernel<scalar_t, 8>);
+    else if (dk <= 128) run(gated_delta_kernel<scalar_t, 16>);
+    else run(gated_delta_kernel<scalar_t, 32>);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void causal_conv1d(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& in_states,
+                   const at::Tensor& in_slots, const at::Tensor& out_states, const at::Tensor& out_slots,
+                   const at::Tensor& begin, const at::Tensor& end, const at::Tensor& out, bool pdl) {
+  EXL_CHECK_CUDA_TENSOR(x, "causal_conv1d: x");
+  TORCH_CHECK(weight.is_cuda() && weight.dim() == 2 && weight.is_contiguous() &&
+                  weight.scalar_type() == x.scalar_type(),
+              "causal_conv1d: weight must be a contiguous [C, W] of x's dtype, got ", weight.sizes());
+  const int64_t channels = weight.size(0), width = weight.size(1), rows = x.size(0), seqs = in_slots.size(0);
+  TORCH_CHECK(width >= 2 && width <= kMaxWidth, "causal_conv1d: a width of ", width, " (supported: 2 to ",
+              kMaxWidth, ")");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) == channels,
+              "causal_conv1d: x must be [rows, ", channels, "] with contiguous rows, got ", x.sizes());
+  TORCH_CHECK(out_states.is_cuda() && out_states.dim() == 3 && out_states.is_contiguous() &&
+                  out_states.size(1) == width - 1 && out_states.size(2) == channels &&
+                  out_states.scalar_type() == x.scalar_type(),
+              "causal_conv1d: out_states must be a contiguous [slots, ", width - 1, ", ", channels,
+              "] of x's dtype, got ", out_states.sizes());
+  check_pool(in_states, out_states, "causal_conv1d: in_states");
+  check_index(in_slots, seqs, "causal_conv1d: in_slots");
+  check_index(out_slots, seqs, "causal_conv1d: out_slots");
+  check_index(begin, seqs, "causal_conv1d: begin");
+  check_index(end, seqs, "causal_conv1d: end");
+  TORCH_CHECK(out.is_cuda() && out.is_contiguous() && out.scalar_type() == x.scalar_type() && out.dim() == 2 &&
+                  out.size(0) == rows && out.size(1) == channels,
+              "causal_conv1d: out must be a contiguous [", rows, ", ", channels, "] of x's dtype, got ", out.sizes());
+  TORCH_CHECK(seqs < 65536, "causal_conv1d: at most 65,535 sequences");
+  if (seqs == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  constexpr int kThreads = 128;
+  const dim3 grid(static_cast<unsigned>(ceil_div(static_cast<int>(channels), kThreads)), static_cast<unsigned>(seqs));
+  EXL_DISPATCH_FLOAT(x.scalar_type(), "causal_conv1d", [&] {
+    launch_pdl(causal_conv1d_kernel<scalar_t>, grid, dim3(kThreads), 0, current_stream(), pdl,
+               static_cast<const scalar_t*>(x.data_ptr()), x.stride(0),
+               static_cast<const scalar_t*>(weight.data_ptr()), static_cast<const scalar_t*>(in_states.data_ptr()),
+               static_cast<const int32_t*>(in_slots.data_ptr<int32_t>()),
+               static_cast<scalar_t*>(out_states.data_ptr()),
+               static_cast<const int32_t*>(out_slots.data_ptr<int32_t>()),
+               static_cast<const int32_t*>(begin.data_ptr<int32_t>()),
+               static_cast<const int32_t*>(end.data_ptr<int32_t>()), static_cast<int>(channels),
+               static_cast<int>(width), static_cast<scalar_t*>(out.data_ptr()));
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace exlcli
