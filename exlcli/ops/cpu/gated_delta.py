@@ -44,7 +44,9 @@ def gated_delta(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, in_sta
         g=_ptr(g), beta=_ptr(beta), in_states=_ptr(in_states), in_slots=_ptr(in_slots), out_states=_ptr(out_states),
         out_slots=_ptr(out_slots), begin=_ptr(begin), end=_ptr(end), num_seqs=in_slots.shape[0], k_heads=k_heads,
         v_heads=v_heads, k_dim=dk, v_dim=dv, scale=scale, eps=eps, out=_ptr(out))
-    if fn is None or fn(ctypes.byref(args)):
+    if fn is None:
+        raise KernelInputError(f"CPU gated delta rule: the CPU kernels are unavailable ({cpu_loader.reason()})")
+    if fn(ctypes.byref(args)):
         raise KernelInputError(f"CPU gated delta rule refused heads {k_heads}/{v_heads} of {dk}/{dv}")
 
 
@@ -58,5 +60,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, in_states: torch.Tensor
         x=_ptr(x), x_stride=x.stride(0), weight=_ptr(weight), in_states=_ptr(in_states), in_slots=_ptr(in_slots),
         out_states=_ptr(out_states), out_slots=_ptr(out_slots), begin=_ptr(begin), end=_ptr(end),
         num_seqs=in_slots.shape[0], channels=channels, width=width, out=_ptr(out))
-    if fn is None or fn(ctypes.byref(args)):
+    if fn is None:
+        raise KernelInputError(f"CPU causal conv1d: the CPU kernels are unavailable ({cpu_loader.reason()})")
+    if fn(ctypes.byref(args)):
         raise KernelInputError(f"CPU causal conv1d refused a width of {width}")
