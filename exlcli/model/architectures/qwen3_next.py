@@ -331,6 +331,7 @@ class GatedDeltaNet:
         chunks a snapshot splits); o [T, Hv, Dv] fp32."""
         la = self.shape
         conv_states, rec_states = states
+        g, beta = g.contiguous(), beta.contiguous()  # (rowwise's outputs are views of padded rows)
         mixed = torch.empty(qkv.shape[0], la.conv_channels, dtype=qkv.dtype, device=qkv.device)
         core = torch.empty(qkv.shape[0], la.num_v_heads, la.v_head_dim, dtype=torch.float32, device=qkv.device)
         buffers = []
