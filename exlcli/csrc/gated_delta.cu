@@ -44,20 +44,28 @@ __global__ void __launch_bounds__(kTile * kWarps)
 #pragma unroll
   for (int r = 0; r < MAXR; ++r) s[r] = (r < rpt && col && src) ? src[static_cast<int64_t>(w + kWarps * r) * dv + j] : 0.f;
   const int first = begin[b], last = end[b];
-  for (int t = first; t < last; ++t) {
+  // a token's inputs: this thread's q and k element (threads < dk), its column's v, the head's g and beta;
+  // the next token's are loaded before the current one is computed, so their latency overlaps it
+  auto load = [&](int t, float& qx, float& kx, float& vx, float& gx, float& bx) {
     const T* row = mixed + static_cast<int64_t>(t) * mixed_stride;
-    float kx = 0.f, qx = 0.f;
+    qx = threadIdx.x < dk ? to_float(row[kh * dk + threadIdx.x]) : 0.f;
+    kx = threadIdx.x < dk ? to_float(row[key_dim + kh * dk + threadIdx.x]) : 0.f;
+    vx = col ? to_float(row[2 * key_dim + h * dv + j]) : 0.f;
+    gx = g[static_cast<int64_t>(t) * v_heads + h];
+    bx = beta[static_cast<int64_t>(t) * v_heads + h];
+  };
+  float qx = 0.f, kx = 0.f, v = 0.f, gt = 0.f, bt = 0.f;
+  if (first < last) load(first, qx, kx, v, gt, bt);
+  for (int t = first; t < last; ++t) {
+    float nq = 0.f, nk = 0.f, nv = 0.f, ng = 0.f, nb = 0.f;
+    if (t + 1 < last) load(t + 1, nq, nk, nv, ng, nb);
     if (threadIdx.x < dk) {
-      qx = to_float(row[kh * dk + threadIdx.x]);
-      kx = to_float(row[key_dim + kh * dk + threadIdx.x]);
       sq[threadIdx.x] = qx;
       sk[threadIdx.x] = kx;
     }
     const float rk = rsqrtf(block_sum(kx * kx, scratch) + eps);
     const float rq = rsqrtf(block_sum(qx * qx, scratch) + eps);  // (its syncs also publish sk, sq)
-    const float decay = __expf(g[static_cast<int64_t>(t) * v_heads + h]);
-    const float bt = beta[static_cast<int64_t>(t) * v_heads + h];
-    const float v = col ? to_float(row[2 * key_dim + h * dv + j]) : 0.f;
+    const float decay = __expf(gt);
     float part = 0.f;
 #pragma unroll
     for (int r = 0; r < MAXR; ++r) {
@@ -89,6 +97,7 @@ __global__ void __launch_bounds__(kTile * kWarps)
       for (int x = 0; x < kWarps; ++x) o += red[x][lane];
       out[(static_cast<int64_t>(t) * v_heads + h) * dv + j] = o;
     }
+    qx = nq, kx = nk, v = nv, gt = ng, bt = nb;
   }
   float* dst = out_states + (static_cast<int64_t>(out_slots[b]) * v_heads + h) * head;
 #pragma unroll
