@@ -42,7 +42,8 @@ TORCH_LIBRARY(exlcli, m) {
         "Tensor query_start_loc, Tensor seq_lens, Tensor host_layout, float scale, int version, bool pdl) -> Tensor");
   m.def("argmax_rows(Tensor logits, bool pdl) -> Tensor");
   m.def("gated_delta(Tensor mixed, Tensor g, Tensor beta, Tensor in_states, Tensor in_slots, Tensor(a!) out_states, "
-        "Tensor out_slots, Tensor begin, Tensor end, int k_heads, float scale, float eps, Tensor(b!) out, bool pdl) "
+        "Tensor out_slots, Tensor begin, Tensor end, int k_heads, float scale, float eps, Tensor(b!) out, bool chunked, "
+        "bool pdl) "
         "-> ()");
   m.def("causal_conv1d(Tensor x, Tensor weight, Tensor in_states, Tensor in_slots, Tensor(a!) out_states, "
         "Tensor out_slots, Tensor begin, Tensor end, Tensor(b!) out, bool pdl) -> ()");

@@ -9,8 +9,9 @@
 // tokens, read from its slot once and written once. The two sums over rows (S^T k, S^T q) add each
 // thread's rows, then the 8 warps' partials in order: a row's numbers depend on nothing else in the
 // batch. Every index (slots, token rows) is read on the device, so a decode step captures in a CUDA
-// graph and replays with other slots. A prompt runs the same recurrence token by token (one block
-// per head and tile); the chunkwise form of the reference is not written here.
+// graph and replays with other slots. A call with a prompt among its sequences (the host knows their
+// lengths: gated_delta_kernels.CUDA_CHUNKED_MIN_TOKENS) takes the chunkwise kernel below instead, whose
+// 64-token chunks need a few barriers a chunk rather than a few a token.
 #include "common.cuh"
 #include "ops.h"
 
@@ -105,6 +106,158 @@ __global__ void __launch_bounds__(kTile * kWarps)
     if (r < rpt && col) dst[static_cast<int64_t>(w + kWarps * r) * dv + j] = s[r];
 }
 
+// The chunkwise form for prompts (exlcli/ops/gated_delta.py: chunk_gated_delta_rule), a block per
+// (sequence, value head, 32 state columns) again, its state tile in shared memory; chunk by chunk of 64
+// tokens: the chunk's normalized k and q rows, A = beta_i (k_i . k_m) e^{G_i - G_m} (m < i) and
+// (q_i . k_m) e^{G_i - G_m} (m <= i), then U = beta (V - e^G K S) solved through (I + A) row by row (each
+// warp 4 columns, no block barrier), o = e^G Q S + (QK o decay) U and S <- e^{G_C} S + (K e^{G_C - G})^T U.
+// The sums run in fixed orders: a row's numbers do not depend on the batch either.
+constexpr int kChunk = 64;
+constexpr int kLdu = kTile + 1;  // U's padded rows: a warp reading one column of 32 rows hits 32 banks
+
+__host__ __device__ constexpr int chunk_smem_floats(int dk) {
+  return 2 * kChunk * (dk + 1) + dk * kTile + 2 * kChunk * kChunk + kChunk * kLdu + 3 * kChunk;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kTile * kWarps)
+    gated_delta_chunk_kernel(const T* __restrict__ mixed, int64_t mixed_stride, const float* __restrict__ g,
+                             const float* __restrict__ beta, const float* in_states,
+                             const int32_t* __restrict__ in_slots, float* out_states,
+                             const int32_t* __restrict__ out_slots, const int32_t* __restrict__ begin,
+                             const int32_t* __restrict__ end, int k_heads, int v_heads, int dk, int dv, float scale,
+                             float eps, float* __restrict__ out) {
+  extern __shared__ float smem[];
+  const int ld = dk + 1;  // padded rows: lanes reading one column of 32 rows hit 32 banks
+  float* sK = smem;                          // [kChunk][ld]
+  float* sQ = sK + kChunk * ld;              // [kChunk][ld]
+  float* sS = sQ + kChunk * ld;              // [dk][kTile]
+  float* sA = sS + dk * kTile;               // [kChunk][kChunk]
+  float* sQK = sA + kChunk * kChunk;         // [kChunk][kChunk]
+  float* sU = sQK + kChunk * kChunk;         // [kChunk][kLdu]
+  float* sG = sU + kChunk * kLdu;            // [kChunk] cumulative log decay
+  float* sB = sG + kChunk;                   // [kChunk] beta
+  float* sW = sB + kChunk;                   // [kChunk] e^{G_C - G_m}
+  grid_dependency_wait();
+  grid_dependents_launch();
+  const int b = blockIdx.x, h = blockIdx.y, lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  const int j = blockIdx.z * kTile + lane;
+  const bool col = j < dv;
+  const int kh = h / (v_heads / k_heads), key_dim = k_heads * dk;
+  const int64_t head = static_cast<int64_t>(dk) * dv;
+  const int in_slot = in_slots[b];
+  const float* src = in_slot < 0 ? nullptr : in_states + (static_cast<int64_t>(in_slot) * v_heads + h) * head;
+  for (int d = w; d < dk; d += kWarps) sS[d * kTile + lane] = (col && src) ? src[static_cast<int64_t>(d) * dv + j] : 0.f;
+  const int first = begin[b], last = end[b];
+  for (int t0 = first; t0 < last; t0 += kChunk) {
+    const int n = min(kChunk, last - t0);
+    // the chunk's rows: q and k normalized (a warp a token), V's tile into sU, g and beta
+    for (int i = w; i < n; i += kWarps) {
+      const T* row = mixed + static_cast<int64_t>(t0 + i) * mixed_stride;
+      float qq = 0.f, kk = 0.f;
+      for (int d = lane; d < dk; d += 32) {
+        const float qv = to_float(row[kh * dk + d]), kv = to_float(row[key_dim + kh * dk + d]);
+        sQ[i * ld + d] = qv;
+        sK[i * ld + d] = kv;
+        qq += qv * qv;
+        kk += kv * kv;
+      }
+      const float rq = rsqrtf(warp_sum(qq) + eps) * scale, rk = rsqrtf(warp_sum(kk) + eps);
+      for (int d = lane; d < dk; d += 32) {
+        sQ[i * ld + d] *= rq;
+        sK[i * ld + d] *= rk;
+      }
+      sU[i * kLdu + lane] = col ? to_float(row[2 * key_dim + h * dv + j]) : 0.f;
+    }
+    if (static_cast<int>(threadIdx.x) < n) {  // (loaded in parallel; one thread then sums them in order)
+      sG[threadIdx.x] = g[static_cast<int64_t>(t0 + threadIdx.x) * v_heads + h];
+      sB[threadIdx.x] = beta[static_cast<int64_t>(t0 + threadIdx.x) * v_heads + h];
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float cum = 0.f;
+      for (int i = 0; i < n; ++i) {
+        cum += sG[i];
+        sG[i] = cum;
+      }
+      for (int i = 0; i < n; ++i) sW[i] = __expf(cum - sG[i]);
+    }
+    __syncthreads();
+    // A (strictly lower, times beta_i) and QK (lower, with the diagonal), both times e^{G_i - G_m}
+    for (int p = threadIdx.x; p < kChunk * kChunk; p += kTile * kWarps) {
+      const int i = p / kChunk, m = p % kChunk;
+      float a = 0.f, qk = 0.f;
+      if (i < n && m <= i) {
+        const float* ki = sK + i * ld;
+        const float* qi = sQ + i * ld;
+        const float* km = sK + m * ld;
+        for (int d = 0; d < dk; ++d) {
+          a += ki[d] * km[d];
+          qk += qi[d] * km[d];
+        }
+        const float decay = __expf(sG[i] - sG[m]);
+        a = m < i ? a * decay * sB[i] : 0.f;
+        qk *= decay;
+      }
+      sA[p] = a;
+      sQK[p] = qk;
+    }
+    // rhs = beta (V - e^G K S) into sU, and e^G Q S kept for the outputs (rows w, w + 8, ...)
+    float qs[kChunk / kWarps];
+#pragma unroll
+    for (int r = 0; r < kChunk / kWarps; ++r) {
+      const int i = w + kWarps * r;
+      qs[r] = 0.f;
+      if (i < n) {
+        float ks = 0.f, q = 0.f;
+        for (int d = 0; d < dk; ++d) {
+          const float sv = sS[d * kTile + lane];
+          ks += sK[i * ld + d] * sv;
+          q += sQ[i * ld + d] * sv;
+        }
+        const float eg = __expf(sG[i]);
+        sU[i * kLdu + lane] = sB[i] * (sU[i * kLdu + lane] - eg * ks);
+        qs[r] = eg * q;
+      }
+    }
+    __syncthreads();
+    // (I + A) U = rhs, row by row: warp w solves columns 4w .. 4w + 3, its lanes splitting each row's sum
+    for (int i = 1; i < n; ++i) {
+#pragma unroll
+      for (int c = 0; c < kTile / kWarps; ++c) {
+        const int cc = w * (kTile / kWarps) + c;
+        float part = 0.f;
+        for (int m = lane; m < i; m += 32) part += sA[i * kChunk + m] * sU[m * kLdu + cc];
+        part = warp_sum(part);
+        if (lane == 0) sU[i * kLdu + cc] -= part;
+      }
+      __syncwarp();
+    }
+    __syncthreads();
+    // o = e^G Q S + (QK o decay) U
+#pragma unroll
+    for (int r = 0; r < kChunk / kWarps; ++r) {
+      const int i = w + kWarps * r;
+      if (i < n) {
+        float o = qs[r];
+        for (int m = 0; m <= i; ++m) o += sQK[i * kChunk + m] * sU[m * kLdu + lane];
+        if (col) out[(static_cast<int64_t>(t0 + i) * v_heads + h) * dv + j] = o;
+      }
+    }
+    // S <- e^{G_C} S + (K e^{G_C - G})^T U: each thread its own entries (read above before the barrier)
+    const float ec = __expf(sG[n - 1]);
+    for (int d = w; d < dk; d += kWarps) {
+      float acc = 0.f;
+      for (int m = 0; m < n; ++m) acc += sK[m * ld + d] * sW[m] * sU[m * kLdu + lane];
+      sS[d * kTile + lane] = ec * sS[d * kTile + lane] + acc;
+    }
+    __syncthreads();  // the next chunk overwrites sK, sQ, sU
+  }
+  float* dst = out_states + (static_cast<int64_t>(out_slots[b]) * v_heads + h) * head;
+  if (col)
+    for (int d = w; d < dk; d += kWarps) dst[static_cast<int64_t>(d) * dv + j] = sS[d * kTile + lane];
+}
+
 // One thread a channel of one sequence: its W - 1 last inputs in registers across the tokens.
 template <typename T>
 __global__ void causal_conv1d_kernel(const T* __restrict__ x, int64_t x_stride, const T* __restrict__ weight,
@@ -162,7 +315,7 @@ void check_pool(const at::Tensor& t, const at::Tensor& like, const char* name) {
 void gated_delta(const at::Tensor& mixed, const at::Tensor& g, const at::Tensor& beta, const at::Tensor& in_states,
                  const at::Tensor& in_slots, const at::Tensor& out_states, const at::Tensor& out_slots,
                  const at::Tensor& begin, const at::Tensor& end, int64_t k_heads, double scale, double eps,
-                 const at::Tensor& out, bool pdl) {
+                 const at::Tensor& out, bool chunked, bool pdl) {
   EXL_CHECK_CUDA_TENSOR(mixed, "gated_delta: mixed");
   TORCH_CHECK(out_states.dim() == 4 && out_states.scalar_type() == at::kFloat && out_states.is_contiguous(),
               "gated_delta: out_states must be a contiguous float32 [slots, Hv, Dk, Dv], got ", out_states.sizes());
@@ -202,9 +355,27 @@ void gated_delta(const at::Tensor& mixed, const at::Tensor& g, const at::Tensor&
                  static_cast<int>(hv), static_cast<int>(dk), static_cast<int>(dv), static_cast<float>(scale),
                  static_cast<float>(eps), out.data_ptr<float>());
     };
-    if (dk <= 64) run(gated_delta_kernel<scalar_t, 8>);
-    else if (dk <= 128) run(gated_delta_kernel<scalar_t, 16>);
-    else run(gated_delta_kernel<scalar_t, 32>);
+    if (chunked) {
+      const size_t smem = sizeof(float) * chunk_smem_floats(static_cast<int>(dk));
+      auto kernel = gated_delta_chunk_kernel<scalar_t>;
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(smem)));
+      launch_pdl(kernel, grid, dim3(kTile * kWarps), smem, current_stream(), pdl,
+                 static_cast<const scalar_t*>(mixed.data_ptr()), mixed.stride(0), g.data_ptr<float>(),
+                 beta.data_ptr<float>(), static_cast<const float*>(in_states.data_ptr<float>()),
+                 in_slots.data_ptr<int32_t>(), out_states.data_ptr<float>(),
+                 static_cast<const int32_t*>(out_slots.data_ptr<int32_t>()),
+                 static_cast<const int32_t*>(begin.data_ptr<int32_t>()),
+                 static_cast<const int32_t*>(end.data_ptr<int32_t>()), static_cast<int>(k_heads),
+                 static_cast<int>(hv), static_cast<int>(dk), static_cast<int>(dv), static_cast<float>(scale),
+                 static_cast<float>(eps), out.data_ptr<float>());
+    } else if (dk <= 64) {
+      run(gated_delta_kernel<scalar_t, 8>);
+    } else if (dk <= 128) {
+      run(gated_delta_kernel<scalar_t, 16>);
+    } else {
+      run(gated_delta_kernel<scalar_t, 32>);
+    }
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -142,7 +142,7 @@ at::Tensor argmax_rows(const at::Tensor& logits, bool pdl);
 void gated_delta(const at::Tensor& mixed, const at::Tensor& g, const at::Tensor& beta, const at::Tensor& in_states,
                  const at::Tensor& in_slots, const at::Tensor& out_states, const at::Tensor& out_slots,
                  const at::Tensor& begin, const at::Tensor& end, int64_t k_heads, double scale, double eps,
-                 const at::Tensor& out, bool pdl);
+                 const at::Tensor& out, bool chunked, bool pdl);
 void causal_conv1d(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& in_states,
                    const at::Tensor& in_slots, const at::Tensor& out_states, const at::Tensor& out_slots,
                    const at::Tensor& begin, const at::Tensor& end, const at::Tensor& out, bool pdl);

@@ -19,6 +19,10 @@ from exlcli.ops.cuda.loader import use_kernels
 from exlcli.ops.errors import KernelInputError
 from exlcli.ops.gated_delta import unsupported_shape
 
+# On CUDA, a call where some sequence runs this many tokens or more takes the chunkwise kernel (64-token
+# chunks, a few small matrix products each); below, the token-by-token one (every decode step). None: never.
+CUDA_CHUNKED_MIN_TOKENS: int | None = 32
+
 
 def available(x: torch.Tensor) -> bool:
     """Whether the kernels run for activations like x (else the references do)."""
@@ -77,15 +81,18 @@ def check_delta(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, in_sta
 
 def gated_delta(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, in_states: torch.Tensor,
                 in_slots: torch.Tensor, out_states: torch.Tensor, out_slots: torch.Tensor, begin: torch.Tensor,
-                end: torch.Tensor, out: torch.Tensor, k_heads: int, k_dim: int, eps: float = 1e-6) -> None:
+                end: torch.Tensor, out: torch.Tensor, k_heads: int, k_dim: int, eps: float = 1e-6,
+                longest: int = 1) -> None:
     """The delta rule over B sequences: mixed [rows, q | k | v] (the convolution's output; q and k of
     k_heads heads of k_dim, L2-normalized here, q then scaled by k_dim ** -0.5), g and beta fp32
-    [rows, Hv]; writes out fp32 [rows, Hv, Dv] and the states (module docstring)."""
+    [rows, Hv]; writes out fp32 [rows, Hv, Dv] and the states (module docstring). `longest`: the most
+    tokens a sequence of the call runs (known on the host), which picks the CUDA kernel."""
     check_delta(mixed, g, beta, in_states, in_slots, out_states, out_slots, begin, end, out, k_heads, k_dim)
     scale = k_dim ** -0.5
     if mixed.is_cuda:
+        chunked = CUDA_CHUNKED_MIN_TOKENS is not None and longest >= CUDA_CHUNKED_MIN_TOKENS
         cuda_kernels.gated_delta(mixed, g, beta, in_states, in_slots, out_states, out_slots, begin, end, out,
-                                 k_heads, scale, eps)
+                                 k_heads, scale, eps, chunked)
     else:
         cpu_gated_delta.gated_delta(mixed, g, beta, in_states, in_slots, out_states, out_slots, begin, end, out,
                                     k_heads, k_dim, scale, eps)

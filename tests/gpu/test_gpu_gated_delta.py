@@ -55,20 +55,31 @@ def reference(shape, mixed, decay, beta, state):
     return ref.chunk_gated_delta_rule(q, k, v.reshape(-1, hv, dv), decay, beta, state)
 
 
+KERNELS = {"token by token": None, "chunkwise": 1}  # gated_delta_kernels.CUDA_CHUNKED_MIN_TOKENS for each
+
+
+@pytest.fixture(params=list(KERNELS))
+def kernel(request, monkeypatch):
+    """Each test with both CUDA kernels of the delta rule: the token-by-token one and the chunkwise one."""
+    monkeypatch.setattr(gk, "CUDA_CHUNKED_MIN_TOKENS", KERNELS[request.param])
+    return request.param
+
+
 def run(shape, mixed, decay, beta, pool, seqs):
     hk, hv, dk, dv = shape
     starts = starts_of(LENS)
     out = torch.full((mixed.shape[0], hv, dv), float("nan"), device="cuda")
     new = torch.full((len(seqs), hv, dk, dv), float("nan"), device="cuda")
     gk.gated_delta(mixed, decay, beta, pool, i32([IN_SLOTS[s] for s in seqs]), new, i32(list(range(len(seqs)))),
-                   i32([starts[s] for s in seqs]), i32([starts[s + 1] for s in seqs]), out, hk, dk)
+                   i32([starts[s] for s in seqs]), i32([starts[s + 1] for s in seqs]), out, hk, dk,
+                   longest=max(LENS[s] for s in seqs))
     torch.cuda.synchronize()
     return out, new
 
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_delta_rule_equals_the_reference(shape, dtype):
+def test_delta_rule_equals_the_reference(shape, dtype, kernel):
     mixed, decay, beta, pool = inputs(shape, dtype, seed=1)
     out, new = run(shape, mixed, decay, beta, pool, range(len(LENS)))
     starts = starts_of(LENS)
@@ -81,7 +92,7 @@ def test_delta_rule_equals_the_reference(shape, dtype):
         assert rel_err(new[s], state) < 1e-4, f"sequence {s} ({LENS[s]} tokens): state"
 
 
-def test_a_sequence_alone_equals_it_in_a_batch():
+def test_a_sequence_alone_equals_it_in_a_batch(kernel):
     shape = SHAPES[0]
     mixed, decay, beta, pool = inputs(shape, torch.bfloat16, seed=2)
     out, new = run(shape, mixed, decay, beta, pool, range(len(LENS)))
@@ -92,7 +103,7 @@ def test_a_sequence_alone_equals_it_in_a_batch():
         assert torch.equal(alone_out[lo:hi], out[lo:hi]) and torch.equal(alone_new[0], new[s]), f"sequence {s}"
 
 
-def test_in_place_pieces_equal_the_whole():
+def test_in_place_pieces_equal_the_whole(kernel):
     shape = SHAPES[0]
     hk, _, dk, _ = shape
     mixed, decay, beta, pool = inputs(shape, torch.bfloat16, seed=3)
@@ -101,9 +112,12 @@ def test_in_place_pieces_equal_the_whole():
     whole, whole_state = run(shape, mixed, decay, beta, pool, [3])
     states = pool.clone()
     out = torch.full_like(whole, float("nan"))
-    for a, b in ((lo, lo + 50), (lo + 50, lo + 51), (lo + 51, hi)):  # slot 5 read, then written
-        gk.gated_delta(mixed, decay, beta, states, i32([5]), states, i32([5]), i32([a]), i32([b]), out, hk, dk)
-    assert torch.equal(out[lo:hi], whole[lo:hi]) and torch.equal(states[5], whole_state[0])
+    for a, b in ((lo, lo + 64), (lo + 64, lo + 65), (lo + 65, hi)):  # slot 5 read, then written
+        gk.gated_delta(mixed, decay, beta, states, i32([5]), states, i32([5]), i32([a]), i32([b]), out, hk, dk,
+                       longest=b - a)
+    # the chunkwise kernel's pieces cut its chunks elsewhere than the whole's: fp32 noise apart
+    same = (lambda x, y: torch.equal(x, y)) if kernel == "token by token" else (lambda x, y: rel_err(x, y) < 1e-5)
+    assert same(out[lo:hi], whole[lo:hi]) and same(states[5], whole_state[0])
     assert torch.equal(states[:5], pool[:5])
 
 
@@ -185,7 +199,7 @@ def test_bad_inputs_are_one_line_errors():
                        torch.empty(1, hv, dk, dv, device="cuda"), i32([0]), i32([0]), i32([1]), out, hk, dk)
 
 
-def test_a_models_linear_layer_kernels_equal_references(tmp_path, monkeypatch):
+def test_a_models_linear_layer_kernels_equal_references(tmp_path, monkeypatch, kernel):
     """A tiny Qwen3-Next's first linear layer in bf16 on the GPU: one kernel call for decode tokens and chunks
     (gated_delta_plan.py; snapshots inside a chunk and at a decode token) against the torch references."""
     pytest.importorskip("transformers")

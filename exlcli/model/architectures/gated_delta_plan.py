@@ -32,6 +32,7 @@ class KernelCall:
     out_slots: torch.Tensor
     begin: torch.Tensor
     end: torch.Tensor
+    longest: int  # the most tokens a sequence runs in this call
 
 
 @dataclass
@@ -63,11 +64,12 @@ class DeltaPlan:
                 split_slots.append(slot)
         count = len(slots)
         first = KernelCall(_int32(in_slots, device), _int32(list(range(count)), device), _int32(begin, device),
-                           _int32(end, device))
+                           _int32(end, device), max((e - b for b, e in zip(begin, end)), default=0))
         second = None
         if split_rows:
             second = KernelCall(_int32(split_rows, device), _int32(list(range(len(split_rows))), device),
-                                _int32(split_begin, device), _int32(split_end, device))
+                                _int32(split_begin, device), _int32(split_end, device),
+                                max(e - b for b, e in zip(split_begin, split_end)))
         snaps = sorted(cuts.items())
         return cls(first, second, _int32(slots, device).long(),
                    _int32(split_slots, device).long() if split_rows else None,

@@ -345,7 +345,8 @@ class GatedDeltaNet:
             gated_delta_kernels.causal_conv1d(qkv, self.conv, sources[0], call.in_slots, conv_new, call.out_slots,
                                               call.begin, call.end, mixed)
             gated_delta_kernels.gated_delta(mixed, g, beta, sources[1], call.in_slots, rec_new, call.out_slots,
-                                            call.begin, call.end, core, la.num_k_heads, la.k_head_dim)
+                                            call.begin, call.end, core, la.num_k_heads, la.k_head_dim,
+                                            longest=call.longest)
             buffers.append([conv_new, rec_new])
             sources = (conv_new, rec_new)  # a second call goes on from the first one's states
         updates.append(([conv_states, rec_states], plan.slots, buffers[0]))

@@ -452,13 +452,15 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
 
 def gated_delta(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, in_states: torch.Tensor,
                 in_slots: torch.Tensor, out_states: torch.Tensor, out_slots: torch.Tensor, begin: torch.Tensor,
-                end: torch.Tensor, out: torch.Tensor, k_heads: int, scale: float, eps: float) -> None:
+                end: torch.Tensor, out: torch.Tensor, k_heads: int, scale: float, eps: float,
+                chunked: bool = False) -> None:
     """Gated DeltaNet's delta rule (csrc/gated_delta.cu), arguments checked by gated_delta_kernels.check_delta:
-    writes out and out_states; reads every index on the device (CUDA graphs)."""
+    writes out and out_states; reads every index on the device (CUDA graphs). `chunked`: the chunkwise
+    kernel (prompts) rather than the token-by-token one (decode)."""
     checks.on_cuda("gated_delta", "mixed g beta in_states in_slots out_states out_slots begin end out", mixed, g, beta,
                    in_states, in_slots, out_states, out_slots, begin, end, out)
     torch.ops.exlcli.gated_delta(mixed, g, beta, in_states, in_slots, out_states, out_slots, begin, end, k_heads,
-                                 scale, eps, out, STATE.options.pdl)
+                                 scale, eps, out, chunked, STATE.options.pdl)
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, in_states: torch.Tensor, in_slots: torch.Tensor,
