@@ -49,6 +49,12 @@ TORCH_LIBRARY(exlcli, m) {
         "Tensor query_start_loc, Tensor seq_lens, Tensor host_layout, float scale, Tensor? sinks, int window, "
         "float softcap, int version, bool pdl) -> Tensor");
   m.def("argmax_rows(Tensor logits, bool pdl) -> Tensor");
+  m.def("gated_delta(Tensor mixed, Tensor g, Tensor beta, Tensor in_states, Tensor in_slots, Tensor(a!) out_states, "
+        "Tensor out_slots, Tensor begin, Tensor end, int k_heads, float scale, float eps, Tensor(b!) out, bool chunked, "
+        "bool pdl) "
+        "-> ()");
+  m.def("causal_conv1d(Tensor x, Tensor weight, Tensor in_states, Tensor in_slots, Tensor(a!) out_states, "
+        "Tensor out_slots, Tensor begin, Tensor end, Tensor(b!) out, bool pdl) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(exlcli, CUDA, m) {
@@ -75,4 +81,6 @@ TORCH_LIBRARY_IMPL(exlcli, CUDA, m) {
   m.impl("paged_attention_decode", &exlcli::paged_attention_decode);
   m.impl("paged_attention_prefill", &exlcli::paged_attention_prefill);
   m.impl("argmax_rows", &exlcli::argmax_rows);
+  m.impl("gated_delta", &exlcli::gated_delta);
+  m.impl("causal_conv1d", &exlcli::causal_conv1d);
 }

@@ -168,4 +168,15 @@ at::Tensor paged_attention_prefill(const at::Tensor& q, const at::Tensor& k_cach
 // then 1 for each row with a NaN or +Inf or no finite value, 0 otherwise.
 at::Tensor argmax_rows(const at::Tensor& logits, bool pdl);
 
+// gated_delta.cu: Gated DeltaNet's delta rule over B sequences (the tokens begin[b] .. end[b] - 1 of mixed
+// [rows, q | k | v], each from its state in_states[in_slots[b]] (-1: zeros) to out_states[out_slots[b]]),
+// writing o fp32 [rows, Hv, Dv] into out; and its causal convolution with SiLU, the conv states likewise.
+void gated_delta(const at::Tensor& mixed, const at::Tensor& g, const at::Tensor& beta, const at::Tensor& in_states,
+                 const at::Tensor& in_slots, const at::Tensor& out_states, const at::Tensor& out_slots,
+                 const at::Tensor& begin, const at::Tensor& end, int64_t k_heads, double scale, double eps,
+                 const at::Tensor& out, bool chunked, bool pdl);
+void causal_conv1d(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& in_states,
+                   const at::Tensor& in_slots, const at::Tensor& out_states, const at::Tensor& out_slots,
+                   const at::Tensor& begin, const at::Tensor& end, const at::Tensor& out, bool pdl);
+
 }  // namespace exlcli

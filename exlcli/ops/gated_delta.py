@@ -136,8 +136,10 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     return out.transpose(0, 1), s
 
 
-# What the Gated DeltaNet ops take (the compiled kernels to come keep the same limits): a convolution
-# of 2 to 8 taps, query/key and value heads of a multiple of 16 up to 256 wide.
+# What the Gated DeltaNet ops take, the compiled kernels' limits (csrc/gated_delta.cu: 8 row groups of a
+# 16-multiple and registers for 256 rows; csrc/cpu/gated_delta.c: blocks of 16 columns): a convolution
+# of 2 to 8 taps, query/key and value heads of a multiple of 16 up to 256 wide. A model config asks at
+# load (ModelConfig), so a layer they cannot run is a one-line error then.
 CONV_WIDTHS = range(2, 9)
 MAX_HEAD_DIM = 256
 

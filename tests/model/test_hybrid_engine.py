@@ -170,5 +170,6 @@ def test_bf16_greedy_alone_equals_in_a_batch(tmp_path):
     engine = _engine(model, max_num_batched_tokens=48)
     handles = [engine.submit(greedy(f"b{i}", p, n=6)) for i, p in enumerate(prompts)]
     engine.run_until_idle()
+    assert all(len(tokens) == 6 for tokens in alone)  # (a failed step would give none, alike)
     assert [tokens_of(h) for h in handles[:2]] == alone
     _all_given_back(engine)

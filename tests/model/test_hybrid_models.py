@@ -186,3 +186,45 @@ def test_info_shows_the_linear_layers(tmp_path, private_runtime_dir):
     assert done.exit_code == 0, done.output
     assert ("linear attention   3 of 4 layers (Gated DeltaNet: 2 key heads of 16, 4 value heads of 16, conv width 4)"
             in done.output)
+
+
+def test_kernel_mix_equals_the_reference_mix(tmp_path):
+    """bf16 on the CPU: a linear layer's mix through the compiled kernels (one call for the batch's decode
+    tokens and chunks, gated_delta_plan.py) against the torch references, outputs and every state written,
+    snapshots inside a chunk and at a decode token included."""
+    from exlcli.model.architectures.gated_delta_plan import DeltaPlan
+    from exlcli.ops import gated_delta_kernels
+
+    write_qwen3_next(tmp_path, seed=4)
+    model = load_model(str(tmp_path), device="cpu", dtype="bfloat16").model
+    if not gated_delta_kernels.available(torch.zeros(1, dtype=torch.bfloat16)):
+        pytest.skip("the CPU kernels are not built here")
+    mixer = model.mixers[0]
+    # a decode token (a snapshot), a fresh prompt of three chunks (a snapshot after 64), a chunk resuming
+    # from its state, a decode token
+    news, lens = [1, 150, 90, 1], [12, 150, 110, 40]
+    qsl = [0]
+    for n in news:
+        qsl.append(qsl[-1] + n)
+    batch = BatchInputs(input_ids=torch.zeros(qsl[-1], dtype=torch.long), positions=torch.zeros(qsl[-1]),
+                        slot_mapping=torch.zeros(qsl[-1]), block_tables=torch.zeros(4, 1, dtype=torch.int32),
+                        seq_lens=lens, query_start_loc=qsl, logits_indices=torch.zeros(1, dtype=torch.long),
+                        state_slots=[4, 0, 2, 5], state_snapshots=[(0, 1, 6), (1, 64, 1), (2, 90, 3)])
+    g = torch.Generator().manual_seed(6)
+    x = (torch.randn(qsl[-1], 64, generator=g)).bfloat16()
+    conv = torch.randn(8, *model.mixers[0].conv.shape[::-1], generator=g)[:, 1:].bfloat16().contiguous()
+    rec = torch.randn(8, 4, 16, 16, generator=g) * 0.1
+    results = []
+    for plan in (DeltaPlan.build(batch, torch.device("cpu")), None):
+        states = [conv.clone(), rec.clone()]
+        updates: list = []
+        out = mixer(x, batch, states, updates, plan)
+        for tensors, index, values in updates:
+            for t, value in zip(tensors, values):
+                t.index_copy_(0, index, value.to(t.dtype))
+        results.append((out.float(), states))
+    (out_k, (conv_k, rec_k)), (out_r, (conv_r, rec_r)) = results
+    assert relative_error(out_k, out_r) <= 1e-2  # bf16 outputs of the same fp32 math
+    assert torch.equal(conv_k, conv_r)
+    assert (rec_k - rec_r).abs().max() <= 1e-5
+    assert not torch.equal(rec_k[7], rec_r[7] + 1) and torch.equal(rec_k[7], rec[7])  # an unused slot untouched

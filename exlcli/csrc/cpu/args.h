@@ -259,3 +259,50 @@ typedef struct {
     float *out;         // fp32 [T, hidden]: the weighted sums
 } exl_moe_experts_args;
 int exl_moe_experts(const exl_moe_experts_args *args);
+
+// The gated delta rule of Gated DeltaNet layers over B sequences' tokens (gated_delta.c): sequence b runs
+// its tokens begin[b] .. end[b] - 1 one after another from its state, each token S <- e^g S;
+// u = beta (v - S^T k); S <- S + k u^T; o = S^T q, with q and k L2-normalized (q then times scale).
+// A decode step is B sequences of one token; a prompt, one sequence of many.
+typedef struct {
+    const void *mixed;  // [rows, >= 2 Hk Dk + Hv Dv]: the convolution's q | k | v of each token
+    int64_t mixed_stride;  // elements between tokens
+    int32_t mixed_fp32;  // 1: mixed is fp32, 0: bf16
+    int32_t pad;
+    const float *g;     // fp32 [rows, Hv]: the log decays (<= 0)
+    const float *beta;  // fp32 [rows, Hv]
+    const float *in_states;  // fp32 [?, Hv, Dk, Dv]: the states read
+    const int32_t *in_slots;  // [B]: sequence b's state in in_states, or -1 for zeros (a sequence's start)
+    float *out_states;  // fp32 [?, Hv, Dk, Dv]: the states after each sequence's last token
+    const int32_t *out_slots;  // [B]: where; may be in_states with in_slots (each slot read before written)
+    const int32_t *begin;  // [B]: each sequence's first token row
+    const int32_t *end;  // [B]: one past its last
+    int64_t num_seqs;   // B
+    int64_t k_heads;    // Hk (each serves Hv / Hk consecutive value heads)
+    int64_t v_heads;    // Hv
+    int64_t k_dim;      // Dk, at most 256
+    int64_t v_dim;      // Dv, at most 256
+    float scale;        // the queries' (Dk ** -0.5)
+    float eps;          // the L2 norm's (1e-6)
+    float *out;         // fp32 [rows, Hv, Dv]
+} exl_gated_delta_args;
+int exl_gated_delta(const exl_gated_delta_args *args);
+
+// The causal depthwise convolution (width W) of B sequences' tokens with their rolling states, SiLU after
+// (gated_delta.c): sequence b's tokens begin[b] .. end[b] - 1 follow the W - 1 inputs of its state.
+typedef struct {
+    const uint16_t *x;  // bf16 [rows, C], row stride x_stride
+    int64_t x_stride;
+    const uint16_t *weight;  // bf16 [C, W]
+    const uint16_t *in_states;  // bf16 [?, W - 1, C]
+    const int32_t *in_slots;  // [B], -1 for zeros
+    uint16_t *out_states;  // bf16 [?, W - 1, C]: the last W - 1 inputs after each sequence
+    const int32_t *out_slots;  // [B]
+    const int32_t *begin;  // [B]
+    const int32_t *end;  // [B]
+    int64_t num_seqs;
+    int64_t channels;   // C
+    int64_t width;      // W, 2 to 8
+    uint16_t *out;      // bf16 [rows, C] contiguous
+} exl_causal_conv1d_args;
+int exl_causal_conv1d(const exl_causal_conv1d_args *args);

@@ -24,9 +24,11 @@ three positions are equal, is the plain rope used here.
 The states live in KVCache.states, one slot a sequence (BatchInputs.state_slots); a sequence whose
 chunk starts at position 0 starts from zeros. New states are written back once the whole forward
 pass has run, so a pass that fails leaves every state as it was (the engine retries a failed step).
-A sequence computing one token takes the batched recurrent step (decode); longer chunks the
-chunkwise form, one sequence at a time. Fused paths: none (every op is the torch reference, or
-the linears' and attention's own kernels).
+With the compiled kernels (CUDA, or bf16 on the CPU: exlcli/ops/gated_delta_kernels.py) every sequence's
+convolution and delta rule, decode token or prompt chunk, is one call of each kernel a layer
+(gated_delta_plan.py); otherwise the torch references run: a sequence computing one token takes the
+batched recurrent step (decode), longer chunks the chunkwise form, one sequence at a time. Fused paths:
+none.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from exlcli.errors import ModelLoadError
 from exlcli.model.architectures import tensor_names as names
 from exlcli.model.architectures.base import Architecture
 from exlcli.model.architectures.decoder import _moe_feed_forward
+from exlcli.model.architectures.gated_delta_plan import DeltaPlan
 from exlcli.model.architectures.qwen3_moe import gguf_moe
 from exlcli.model.architectures.qwen3_moe import hf_fields as qwen3_moe_fields
 from exlcli.model.architectures.tensor_names import EMBED, FINAL_NORM, LM_HEAD, layer_prefix
@@ -48,6 +51,7 @@ from exlcli.model.attention_spec import AttentionSpec, layer_specs, partial_rota
 from exlcli.model.batch_inputs import BatchInputs
 from exlcli.model.config import FULL_ATTENTION, LINEAR_ATTENTION, LinearAttentionConfig, ModelConfig
 from exlcli.model.kv_cache import KVCache
+from exlcli.ops import gated_delta_kernels
 from exlcli.ops.attention import PagedLayout, paged_attention
 from exlcli.ops.cpu.loader import use_cpu_kernels
 from exlcli.ops.cuda import kernels
@@ -299,9 +303,11 @@ class GatedDeltaNet:
         return self.in_proj.nbytes() + self.in_proj_ba.nbytes() + self.out_proj.nbytes()
 
     def __call__(self, x: torch.Tensor, batch: BatchInputs, states: list[torch.Tensor],
-                 updates: list[tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]]) -> torch.Tensor:
+                 updates: list[tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]],
+                 plan: DeltaPlan | None = None) -> torch.Tensor:
         """x [T, H] (normed) -> [T, H]. `states`: this layer's (conv, recurrent) slots; the new states
-        go to `updates` as (state tensors, slots, new values), written after the forward pass."""
+        go to `updates` as (state tensors, slots, new values), written after the forward pass. With a
+        `plan`, the compiled kernels mix the tokens; without, the torch references."""
         la = self.shape
         num_tokens = x.shape[0]
         proj = self.in_proj(x)
@@ -309,16 +315,64 @@ class GatedDeltaNet:
         b, a = self.in_proj_ba(x, out_dtype=torch.float32).chunk(2, dim=-1)
         beta = rowwise(torch.sigmoid, b.contiguous())
         g = self.neg_a * rowwise(F.softplus, (a + self.dt_bias).contiguous())
+        if plan is not None:
+            core = self._kernel_mix(qkv, g, beta, states, plan, updates)
+        else:
+            core = self._reference_mix(qkv, g, beta, batch, states, updates)
+        # the gated RMSNorm per value head, in the activations' dtype as the checkpoint's reference rounds
+        o = core.to(x.dtype)
+        normed = rms_norm(o, self.norm, self.eps)
+        gate = rowwise(F.silu, z.float().contiguous()).view(num_tokens, la.num_v_heads, la.v_head_dim)
+        return self.out_proj((normed.float() * gate).to(x.dtype).reshape(num_tokens, la.value_dim))
+
+    def _kernel_mix(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, states: list[torch.Tensor],
+                    plan: DeltaPlan, updates: list) -> torch.Tensor:
+        """The convolution and the delta rule of every sequence in one kernel call each (a second for the
+        chunks a snapshot splits); o [T, Hv, Dv] fp32."""
+        la = self.shape
+        conv_states, rec_states = states
+        g, beta = g.contiguous(), beta.contiguous()  # (rowwise's outputs are views of padded rows)
+        mixed = torch.empty(qkv.shape[0], la.conv_channels, dtype=qkv.dtype, device=qkv.device)
+        core = torch.empty(qkv.shape[0], la.num_v_heads, la.v_head_dim, dtype=torch.float32, device=qkv.device)
+        buffers = []
+        sources = (conv_states, rec_states)
+        for call in (plan.first, plan.second):
+            if call is None:
+                continue
+            count = call.in_slots.shape[0]
+            conv_new = torch.empty(count, *conv_states.shape[1:], dtype=conv_states.dtype, device=qkv.device)
+            rec_new = torch.empty(count, *rec_states.shape[1:], dtype=torch.float32, device=qkv.device)
+            gated_delta_kernels.causal_conv1d(qkv, self.conv, sources[0], call.in_slots, conv_new, call.out_slots,
+                                              call.begin, call.end, mixed)
+            gated_delta_kernels.gated_delta(mixed, g, beta, sources[1], call.in_slots, rec_new, call.out_slots,
+                                            call.begin, call.end, core, la.num_k_heads, la.k_head_dim,
+                                            longest=call.longest)
+            buffers.append([conv_new, rec_new])
+            sources = (conv_new, rec_new)  # a second call goes on from the first one's states
+        updates.append(([conv_states, rec_states], plan.slots, buffers[0]))
+        if plan.split_slots is not None:
+            updates.append(([conv_states, rec_states], plan.split_slots, buffers[1]))
+        if plan.snapshot_rows is not None:
+            assert plan.snapshot_slots is not None
+            updates.append(([conv_states, rec_states], plan.snapshot_slots,
+                            [t.index_select(0, plan.snapshot_rows) for t in buffers[0]]))
+        return core
+
+    def _reference_mix(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, batch: BatchInputs,
+                       states: list[torch.Tensor], updates: list) -> torch.Tensor:
+        """The torch references: the decode tokens' batched step, then each chunk alone."""
+        la = self.shape
+        num_tokens = qkv.shape[0]
         conv_states, rec_states = states
         assert batch.state_slots is not None  # a hybrid model's step carries its sequences' slots
         slots, qsl, lens = batch.state_slots, batch.query_start_loc, batch.seq_lens
         snapshots = {s: (cut, slot) for s, cut, slot in batch.state_snapshots or ()}
-        core = torch.empty(num_tokens, la.num_v_heads, la.v_head_dim, dtype=torch.float32, device=x.device)
+        core = torch.empty(num_tokens, la.num_v_heads, la.v_head_dim, dtype=torch.float32, device=qkv.device)
         decode = [s for s in range(len(slots)) if qsl[s + 1] - qsl[s] == 1 and lens[s] > 1]
         chunks = [s for s in range(len(slots)) if not (qsl[s + 1] - qsl[s] == 1 and lens[s] > 1)]
         if decode:  # one token each, from the state: the batched recurrent step
-            rows = torch.tensor([qsl[s] for s in decode], device=x.device)
-            index = torch.tensor([slots[s] for s in decode], device=x.device)
+            rows = torch.tensor([qsl[s] for s in decode], device=qkv.device)
+            index = torch.tensor([slots[s] for s in decode], device=qkv.device)
             mixed, conv_new = causal_conv1d_step(qkv.index_select(0, rows), self.conv,
                                                  conv_states.index_select(0, index))
             q, k, v = self._heads(mixed)
@@ -327,7 +381,7 @@ class GatedDeltaNet:
             updates.append(([conv_states, rec_states], index, [conv_new, rec_new]))
             for j, s in enumerate(decode):  # (a decode token that ends a page: its state is the snapshot)
                 if s in snapshots:
-                    dst = torch.tensor([snapshots[s][1]], device=x.device)
+                    dst = torch.tensor([snapshots[s][1]], device=qkv.device)
                     updates.append(([conv_states, rec_states], dst, [conv_new[j:j + 1], rec_new[j:j + 1]]))
         for s in chunks:
             start, end = qsl[s], qsl[s + 1]
@@ -343,16 +397,12 @@ class GatedDeltaNet:
                 q, k, v = self._heads(mixed)
                 core[lo:hi], rec_state = chunk_gated_delta_rule(q, k, v, g[lo:hi], beta[lo:hi], rec_state)
                 if s in snapshots and hi == start + cut:
-                    dst = torch.tensor([snapshots[s][1]], device=x.device)
+                    dst = torch.tensor([snapshots[s][1]], device=qkv.device)
                     updates.append(([conv_states, rec_states], dst, [conv_state[None], rec_state[None]]))
             assert conv_state is not None and rec_state is not None  # (a chunk has at least one token)
-            index = torch.tensor([slots[s]], device=x.device)
+            index = torch.tensor([slots[s]], device=qkv.device)
             updates.append(([conv_states, rec_states], index, [conv_state[None], rec_state[None]]))
-        # the gated RMSNorm per value head, in the activations' dtype as the checkpoint's reference rounds
-        o = core.to(x.dtype)
-        normed = rms_norm(o, self.norm, self.eps)
-        gate = rowwise(F.silu, z.float().contiguous()).view(num_tokens, la.num_v_heads, la.v_head_dim)
-        return self.out_proj((normed.float() * gate).to(x.dtype).reshape(num_tokens, la.value_dim))
+        return core
 
     def _heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         la = self.shape
@@ -447,11 +497,12 @@ class Qwen3NextModel:
             cos_sin_rows = gather_cos_sin(self.cos_sin, batch.positions)
             layout = PagedLayout.build(batch.block_tables, batch.seq_lens, kv.page_size)
         updates: list[tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]] = []
+        plan = DeltaPlan.build(batch, h.device) if gated_delta_kernels.available(h) else None
         for i in range(num_layers):
             mixer, ffn = self.mixers[i], self.ffns[i]
             x = rms_norm(h, ffn.input_norm, cfg.rms_norm_eps)
             if isinstance(mixer, GatedDeltaNet):
-                h = h + mixer(x, batch, kv.states.tensors[i], updates)
+                h = h + mixer(x, batch, kv.states.tensors[i], updates, plan)
             else:
                 rope = RopeWrite(batch.positions, self.cos_sin, kv.k[i], kv.v[i], batch.slot_mapping, cfg.num_heads,
                                  cos_sin_rows)

@@ -134,6 +134,26 @@ class MoeExpertsArgs(KernelArgs):
     ]
 
 
+class GatedDeltaArgs(KernelArgs):
+    c_name, kernel = "exl_gated_delta_args", "exl_gated_delta"
+    _fields_ = [
+        ("mixed", _p), ("mixed_stride", _i64), ("mixed_fp32", _i32), ("pad", _i32), ("g", _p), ("beta", _p),
+        ("in_states", _p), ("in_slots", _p), ("out_states", _p), ("out_slots", _p), ("begin", _p), ("end", _p),
+        ("num_seqs", _i64), ("k_heads", _i64), ("v_heads", _i64), ("k_dim", _i64), ("v_dim", _i64),
+        ("scale", _f32), ("eps", _f32), ("out", _p),
+    ]
+
+
+class CausalConv1dArgs(KernelArgs):
+    c_name, kernel = "exl_causal_conv1d_args", "exl_causal_conv1d"
+    _fields_ = [
+        ("x", _p), ("x_stride", _i64), ("weight", _p), ("in_states", _p), ("in_slots", _p), ("out_states", _p),
+        ("out_slots", _p), ("begin", _p), ("end", _p), ("num_seqs", _i64), ("channels", _i64), ("width", _i64),
+        ("out", _p),
+    ]
+
+
 ALL = (QMatmulArgs, RepackArgs, DequantizeArgs, PagedAttentionArgs, PagedAttentionQuantArgs,
        KvQuantizeArgs, RmsNormArgs, FusedAddRmsNormArgs, MeanSquaresArgs,
-       RopeArgs, SiluAndMulArgs, DecoderLayerArgs, MoeExpertsArgs)
+       RopeArgs, SiluAndMulArgs, DecoderLayerArgs, MoeExpertsArgs,
+       GatedDeltaArgs, CausalConv1dArgs)

@@ -35,6 +35,7 @@ SOURCES = (
     "attention_decode_v3.cu",
     "attention_prefill.cpp",
     "argmax.cu",
+    "gated_delta.cu",
 )
 HEADERS = ("common.cuh", "pdl.cuh", "e4m3_rows.cuh", "kv_e4m3.cuh", "decode_gemv.cuh", "quant_linear.cuh",
            "quant_gemv_dp4a.cuh", "exl3_trellis.cuh", "attention_decode.cuh", "fp8_operands.h", "rope_kv.cuh", "ops.h")

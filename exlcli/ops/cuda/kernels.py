@@ -558,3 +558,27 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
         checks.fail(op, f"logits must be a contiguous float32 [rows, vocab], fewer than 65,536 rows and "
                         f"0 < vocab < 2^31, got {logits.dtype} {list(logits.shape)}")
     return torch.ops.exlcli.argmax_rows(logits, STATE.options.pdl)
+
+
+def gated_delta(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, in_states: torch.Tensor,
+                in_slots: torch.Tensor, out_states: torch.Tensor, out_slots: torch.Tensor, begin: torch.Tensor,
+                end: torch.Tensor, out: torch.Tensor, k_heads: int, scale: float, eps: float,
+                chunked: bool = False) -> None:
+    """Gated DeltaNet's delta rule (csrc/gated_delta.cu), arguments checked by gated_delta_kernels.check_delta:
+    writes out and out_states; reads every index on the device (CUDA graphs). `chunked`: the chunkwise
+    kernel (prompts) rather than the token-by-token one (decode)."""
+    checks.on_cuda("gated_delta", "mixed g beta in_states in_slots out_states out_slots begin end out", mixed, g, beta,
+                   in_states, in_slots, out_states, out_slots, begin, end, out)
+    torch.ops.exlcli.gated_delta(mixed, g, beta, in_states, in_slots, out_states, out_slots, begin, end, k_heads,
+                                 scale, eps, out, chunked, STATE.options.pdl)
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, in_states: torch.Tensor, in_slots: torch.Tensor,
+                  out_states: torch.Tensor, out_slots: torch.Tensor, begin: torch.Tensor, end: torch.Tensor,
+                  out: torch.Tensor) -> None:
+    """Gated DeltaNet's causal convolution with SiLU (csrc/gated_delta.cu), arguments checked by
+    gated_delta_kernels.check_conv: writes out and out_states."""
+    checks.on_cuda("causal_conv1d", "x weight in_states in_slots out_states out_slots begin end out", x, weight,
+                   in_states, in_slots, out_states, out_slots, begin, end, out)
+    torch.ops.exlcli.causal_conv1d(x, weight, in_states, in_slots, out_states, out_slots, begin, end, out,
+                                   STATE.options.pdl)
