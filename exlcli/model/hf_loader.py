@@ -2,7 +2,7 @@
 
 Tensors are read one at a time through safetensors' memory map, so the process never holds the
 checkpoint twice: each tensor is copied out of the mapped file once, in its stored dtype. A folder
-whose config.json has a `quantization_config` (GPTQ, AWQ, FP8, EXL2, EXL3) has its quantized linears repacked
+whose config.json has a `quantization_config` (GPTQ, AWQ, FP8, EXL2, EXL3, MXFP4) has its quantized linears repacked
 into QuantizedWeights (hf_quantization.py), kept quantized.
 """
 
@@ -170,11 +170,11 @@ def load_hf_tensors(folder: str | os.PathLike,
 
 
 def _looks_quantized(name: str, dtype: "torch.dtype") -> bool:
-    """A tensor GPTQ, AWQ, FP8, EXL2 or EXL3 checkpoints have (a folder that lost its quantization_config)."""
+    """A tensor GPTQ, AWQ, FP8, EXL2, EXL3 or MXFP4 checkpoints have (a folder that lost its quantization_config)."""
     suffix = name.rsplit(".", 1)[-1]
     return suffix in ("qweight", "qzeros", "g_idx", "q_weight", "q_scale", "q_groups", "q_invperm", "q_perm",
                       "trellis", "su", "sv", "mcg", "mul1") \
-        or str(dtype).startswith("torch.float8")
+        or suffix.endswith(("_blocks", "_scales")) or str(dtype).startswith("torch.float8")
 
 
 def _dtype_name(dtype: "torch.dtype") -> str:
