@@ -265,3 +265,38 @@ def test_mxfp4_blocks_without_scales_is_one_line(tmp_path):
     with pytest.raises(ExlcliError, match=r"^MXFP4 tensor model\.layers\.0\.mlp\.experts\.down_proj_blocks has no "
                                           r"model\.layers\.0\.mlp\.experts\.down_proj_scales beside it$"):
         load_model(str(mxfp4_folder), device="cpu")
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"num_local_experts": 2}, r"tensor model\.layers\.0\.mlp\.experts\.(gate_up|down)_proj_(blocks|scales|bias) has "
+                               r"shape "
+                               r"\[4, \d+(, \d+)*\]; config\.json's hidden_size 64, expert width 96, 2 experts make it "
+                               r"\[2, "),
+    ({"intermediate_size": 64}, r"tensor model\.layers\.0\.mlp\.experts\.(gate_up|down)_proj_(blocks|scales) has shape "
+                                r"\[4, \d+(, \d+)*\]; config\.json's hidden_size 64, expert width 64, 4 experts"),
+])
+def test_mxfp4_experts_that_disagree_with_the_config_are_one_line(tmp_path, fields, message):
+    _, mxfp4_folder, _ = _gpt_oss_folders(tmp_path)
+    cfg = json.loads((mxfp4_folder / "config.json").read_text())
+    (mxfp4_folder / "config.json").write_text(json.dumps({**cfg, **fields}))
+    with pytest.raises(ExlcliError, match=message) as e:
+        load_model(str(mxfp4_folder), device="cpu")
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"num_experts": 2}, r"tensor model\.layers\.0\.mlp\.experts\.2\.\w+_proj\.weight: expert 2, but config\.json "
+                         r"has 2 experts a layer"),
+    ({"moe_intermediate_size": 64}, r"tensor model\.layers\.0\.mlp\.experts\.0\.\w+_proj\.weight has shape "
+                                    r"\[\d+, \d+\]; config\.json's hidden_size 128, expert width 64, 4 experts"),
+])
+def test_gptq_experts_that_disagree_with_the_config_are_one_line(tmp_path, fields, message):
+    qc, how, _ = EXPERT_CASES["gptq4-g32"]
+    _write_hf_moe(tmp_path / "dense", "qwen3-moe-all")
+    saved, _ = expert_checkpoint(load_file(str(tmp_path / "dense" / "model.safetensors")), how)
+    qfolder = _write_like(tmp_path / "dense", tmp_path / "quantized", saved, qc)
+    cfg = json.loads((qfolder / "config.json").read_text())
+    (qfolder / "config.json").write_text(json.dumps({**cfg, **fields}))
+    with pytest.raises(ExlcliError, match=message) as e:
+        load_model(str(qfolder), device="cpu")
+    assert "\n" not in str(e.value)
