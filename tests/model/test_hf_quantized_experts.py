@@ -23,25 +23,8 @@ from exlcli.ops.formats import QuantizedWeight
 from exlcli.ops.formats.mxfp4 import from_hf
 from tests.ops.formats import hf_quant_writers as writers
 
-FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
     "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
-
-
-def mxfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [..., rows, K] -> (blocks uint8 [..., rows, K / 32, 16], scales uint8 [..., rows, K / 32]) as gpt-oss's
-    checkpoints hold them: per 32 weights the exponent that brings the largest to E2M1's 6 or under, each weight
-    rounded to the nearest E2M1 value (sign in bit 3), byte j holding elements 2j (low) and 2j + 1 (high)."""
-    lead, k = w.shape[:-1], w.shape[-1]
-    b = w.float().reshape(*lead, k // 32, 32)
-    amax = b.abs().amax(-1)
-    e = torch.ceil(torch.log2(amax.clamp(min=2.0**-120) / 6.0)).clamp(-127, 127)
-    scaled = b / torch.exp2(e)[..., None]
-    index = (scaled.abs()[..., None] - FP4).abs().argmin(-1)
-    index = index | (scaled < 0).long() << 3  # negatives rounded to zero keep their sign: transformers' -0.0
-    pairs = index.reshape(*lead, k // 32, 16, 2)
-    blocks = (pairs[..., 0] | pairs[..., 1] << 4).to(torch.uint8)
-    return blocks, (e + 127).to(torch.uint8)
 
 
 def transformers_dequantized(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -68,7 +51,7 @@ def test_mxfp4_dequantizes_as_transformers_does():
 
 def test_mxfp4_writer_round_trips():
     w = 0.1 * torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
-    blocks, scales = mxfp4_quantize(w)
+    blocks, scales = writers.mxfp4(w)
     back = transformers_dequantized(blocks[None], scales[None])[0].t()
     # E2M1 has one mantissa bit: each weight within a quarter of its block's largest
     assert float((back - w).abs().max()) <= 0.25 * float(w.abs().max()) and float((back - w).abs().max()) > 0
@@ -81,7 +64,7 @@ def _gpt_oss_folders(tmp_path):
     quantized, recon = {}, {}
     for name, t in tensors.items():
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [E, K, rows] (x @ W)
-            blocks, scales = mxfp4_quantize(t.transpose(1, 2))
+            blocks, scales = writers.mxfp4(t.transpose(1, 2))
             quantized[f"{name}_blocks"], quantized[f"{name}_scales"] = blocks, scales
             recon[name] = transformers_dequantized(blocks, scales)
         else:
