@@ -2,7 +2,7 @@
 
 Tensors are read one at a time through safetensors' memory map, so the process never holds the
 checkpoint twice: each tensor is copied out of the mapped file once, in its stored dtype. A folder
-whose config.json has a `quantization_config` (GPTQ, AWQ, FP8, EXL2, EXL3) has its quantized linears repacked
+whose config.json has a `quantization_config` (GPTQ, AWQ, FP8, EXL2, EXL3, MXFP4) has its quantized linears repacked
 into QuantizedWeights (hf_quantization.py), kept quantized.
 """
 
@@ -117,11 +117,12 @@ def _weight_files(folder: str, every_file: bool = False) -> dict[str, list[str] 
     raise ModelLoadError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE}")
 
 
-def load_hf_tensors(folder: str | os.PathLike,
-                    config: "ModelConfig | None" = None) -> "dict[str, torch.Tensor | QuantizedWeight]":
+def load_hf_tensors(folder: str | os.PathLike, config: "ModelConfig | None" = None,
+                    experts_of: "ModelConfig | None" = None) -> "dict[str, torch.Tensor | QuantizedWeight]":
     """All tensors of the checkpoint under their HF names (model.layers.0.self_attn.q_proj.weight,
     ...), in their stored dtype (bf16, fp16 or fp32), a quantized linear's as one QuantizedWeight
-    under its `.weight` name. With `config`, also checks that every tensor the model needs is there."""
+    under its `.weight` name. With `config`, also checks that every tensor the model needs is there; with
+    `experts_of`, that the expert tensors agree with that config (expert_tensors.py), as stored and as repacked."""
     import torch
     from safetensors import SafetensorError, safe_open
 
@@ -155,8 +156,10 @@ def load_hf_tensors(folder: str | os.PathLike,
                     tensors[name] = t
         except (SafetensorError, OSError) as e:
             raise ModelLoadError(f"{file}: corrupt or unreadable safetensors file ({e})") from None
+    _check_experts(path, experts_of, tensors)
     if quantization is not None:
         tensors = quantize_tensors(tensors, quantization)
+        _check_experts(path, experts_of, tensors)
         stray = next((n for n, t in tensors.items() if isinstance(t, torch.Tensor) and t.dtype not in dense), None)
         if stray is not None:
             raise UnsupportedTensorTypeError(f"{path}: tensor {stray} ({_dtype_name(tensors[stray].dtype)}) "
@@ -169,12 +172,20 @@ def load_hf_tensors(folder: str | os.PathLike,
     return tensors
 
 
+def _check_experts(path: str, config: "ModelConfig | None", tensors: dict) -> None:
+    from exlcli.model import expert_tensors
+
+    disagreement = None if config is None else expert_tensors.check(config, tensors)
+    if disagreement:
+        raise ModelLoadError(f"{path}: {disagreement}")
+
+
 def _looks_quantized(name: str, dtype: "torch.dtype") -> bool:
-    """A tensor GPTQ, AWQ, FP8, EXL2 or EXL3 checkpoints have (a folder that lost its quantization_config)."""
+    """A tensor GPTQ, AWQ, FP8, EXL2, EXL3 or MXFP4 checkpoints have (a folder that lost its quantization_config)."""
     suffix = name.rsplit(".", 1)[-1]
     return suffix in ("qweight", "qzeros", "g_idx", "q_weight", "q_scale", "q_groups", "q_invperm", "q_perm",
                       "trellis", "su", "sv", "mcg", "mul1") \
-        or str(dtype).startswith("torch.float8")
+        or suffix.endswith(("_blocks", "_scales")) or str(dtype).startswith("torch.float8")
 
 
 def _dtype_name(dtype: "torch.dtype") -> str:

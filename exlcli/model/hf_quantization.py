@@ -8,7 +8,10 @@ and FP8 e4m3 weights with per-tensor, per-channel or 128-wide tile scales (`quan
 AutoFP8 and DeepSeek-style checkpoints write it, `fbgemm_fp8`, and llm-compressor's
 `compressed-tensors` with float 8-bit weights), and exllama's EXL2 (`quant_method: exl2`, versions
 0.x) and EXL3 (`quant_method: exl3`, versions up to 1.x, codebooks 3inst / mcg / mul1; the sidecar
-quantization_config.json's `tensor_storage`, where the folder has one, must agree with the tensors).
+quantization_config.json's `tensor_storage`, where the folder has one, must agree with the tensors), and
+MXFP4 (`quant_method: mxfp4`, gpt-oss's experts as OpenAI ships them: `<module>_blocks` and `<module>_scales`,
+a layer's experts in one [experts, rows, K / 32, 16] tensor, each expert's rows one QuantizedWeight
+`<parent>.<j>.<projection>.weight`; the architecture's module takes them from there).
 Anything else is one clear error naming it. Static FP8 input scales are not used: activations stay in
 the model's dtype.
 """
@@ -21,10 +24,10 @@ from typing import Any, Mapping
 import torch
 
 from exlcli.errors import UnsupportedTensorTypeError
-from exlcli.ops.formats import awq, exl2, exl3, fp8, gptq
+from exlcli.ops.formats import awq, exl2, exl3, fp8, gptq, mxfp4
 from exlcli.ops.formats.int_groups import GROUPS
 
-GPTQ, AWQ, FP8, EXL2, EXL3 = "gptq", "awq", "fp8", "exl2", "exl3"
+GPTQ, AWQ, FP8, EXL2, EXL3, MXFP4 = "gptq", "awq", "fp8", "exl2", "exl3", "mxfp4"
 FP8_METHODS = ("fp8", "fbgemm_fp8")
 GPTQ_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
 FP8_SCALES = ("weight_scale", "weight_scale_inv")  # DeepSeek-style checkpoints name it _inv, yet multiply by it
@@ -36,7 +39,7 @@ EXL2_VERSIONS, EXL3_VERSIONS = (0,), (0, 1)  # the major versions whose layout e
 
 @dataclass(frozen=True)
 class Quantization:
-    kind: str  # GPTQ, AWQ, FP8, EXL2 or EXL3
+    kind: str  # GPTQ, AWQ, FP8, EXL2, EXL3 or MXFP4
     bits: int = 8
     group: int = 0  # GPTQ / AWQ group size
     zeros_minus_one: bool = False  # GPTQ v1 checkpoints store each zero minus one
@@ -49,13 +52,15 @@ class Quantization:
         """The dtypes of its quantized tensors, beyond the dense float ones."""
         if self.kind in (EXL2, EXL3):
             return (torch.int32, torch.int16)
+        if self.kind == MXFP4:
+            return (torch.uint8,)
         return (torch.int32,) if self.kind in (GPTQ, AWQ) else (torch.float8_e4m3fn,)
 
 
 def _fail(what: str) -> UnsupportedTensorTypeError:
     return UnsupportedTensorTypeError(
         f"{what}; exlcli reads GPTQ (4 / 8 bit, group {' / '.join(map(str, GROUPS))}), AWQ (gemm, 4 bit), "
-        f"FP8 e4m3, EXL2 and EXL3 checkpoints")
+        f"FP8 e4m3, EXL2, EXL3 and MXFP4 checkpoints")
 
 
 def _int(qc: Mapping[str, Any], *keys: str) -> int | None:
@@ -178,6 +183,8 @@ def read_quantization(qc: Any) -> Quantization | None:
         return Quantization(EXL2)
     if method == EXL3:
         return _exl3(qc)
+    if method == MXFP4:
+        return Quantization(MXFP4, bits=4, group=mxfp4.BLOCK_WEIGHTS)
     raise _fail(f"quant_method {method!r} is not supported")
 
 
@@ -190,6 +197,8 @@ def quantize_tensors(tensors: dict[str, torch.Tensor], q: Quantization) -> dict[
         _exl2_linears(out)
     elif q.kind == EXL3:
         _exl3_linears(out, q.storage)
+    elif q.kind == MXFP4:
+        _mxfp4_linears(out)
     elif q.kind in (GPTQ, AWQ):
         for module in [n.removesuffix(".qweight") for n in list(tensors) if n.endswith(".qweight")]:
             parts = {s: out.pop(f"{module}.{s}", None) for s in GPTQ_SUFFIXES}
@@ -218,6 +227,29 @@ def quantize_tensors(tensors: dict[str, torch.Tensor], q: Quantization) -> dict[
             except ValueError as e:
                 raise UnsupportedTensorTypeError(f"FP8 linear {module}: {e}") from None
     return out
+
+
+def _mxfp4_linears(out: dict[str, Any]) -> None:
+    """Each `<module>_blocks` with its `<module>_scales`: [rows, K / 32, 16] is one linear (`<module>.weight`),
+    [experts, rows, K / 32, 16] one linear an expert (`<parent>.<j>.<projection>.weight`, <module> being
+    <parent>.<projection>)."""
+    for module in [n.removesuffix("_blocks") for n in list(out) if n.endswith("_blocks")]:
+        blocks, scales = out.pop(f"{module}_blocks"), out.pop(f"{module}_scales", None)
+        if scales is None:
+            raise UnsupportedTensorTypeError(f"MXFP4 tensor {module}_blocks has no {module}_scales beside it")
+        if blocks.dim() not in (3, 4) or tuple(scales.shape) != tuple(blocks.shape[:-1]):
+            raise UnsupportedTensorTypeError(
+                f"MXFP4 tensors {module}_blocks {tuple(blocks.shape)} and {module}_scales {tuple(scales.shape)} "
+                f"are not [experts, rows, K / 32, 16] and [experts, rows, K / 32]")
+        try:
+            if blocks.dim() == 3:
+                out[f"{module}.weight"] = mxfp4.from_hf(blocks, scales)
+                continue
+            parent, projection = module.rsplit(".", 1)
+            for j in range(blocks.shape[0]):
+                out[f"{parent}.{j}.{projection}.weight"] = mxfp4.from_hf(blocks[j], scales[j])
+        except ValueError as e:
+            raise UnsupportedTensorTypeError(f"MXFP4 linear {module}: {e}") from None
 
 
 def _exl2_linears(out: dict[str, Any]) -> None:

@@ -132,7 +132,7 @@ def load_model(spec: str | None = None, device: str | None = None, dtype: str | 
         config = config_from_hf(read_hf_config(path))
         pooling, normalize = folder_pooling(path)
         tokenizer = Tokenizer.from_hf_folder(path)
-        tensors = load_hf_tensors(path)
+        tensors = load_hf_tensors(path, experts_of=config)
         config = untie_stored_head(tensors, config)
         try:
             padded = fit_padded_linears(tensors, config)

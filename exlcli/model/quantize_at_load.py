@@ -2,12 +2,18 @@
 own quantizer (exlcli/ops/formats/quantize.py, fp8 below) into formats of the weight-format table, so
 they run on its kernels as a downloaded quantized file would.
 
-What is quantized (`plan`): every decoder layer's projections (q, k, v, o, gate, up, down) to the
-target's format, and the output layer as llama.cpp's Q4_K_M and Q8_0 files keep it: Q6_K for q4_k,
-Q8_0 for q8_0 (a tied output layer is the embedding: it is quantized then, and looked up
-dequantized). fp8 leaves the output layer dense, as the FP8 checkpoint tools do. Norms, biases and
-an untied embedding stay as they are. A width the format cannot cut into blocks falls back as
-llama.cpp's does (Q4_K to Q5_0, Q6_K to Q8_0; FP8 to Q8_0), else the weight stays dense.
+What is quantized (`plan`): every decoder layer's projections (q, k, v, o, gate, up, down), experts
+included, to the target's format, and the output layer as llama.cpp's Q4_K_M and Q8_0 files keep it:
+Q6_K for q4_k, Q8_0 for q8_0 (a tied output layer is the embedding: it is quantized then, and looked up
+dequantized). fp8 leaves the output layer dense, as the FP8 checkpoint tools do. Norms, biases, routers
+(llama.cpp keeps ffn_gate_inp unquantized too) and an untied embedding stay as they are. A width the
+format cannot cut into blocks falls back as llama.cpp's does (Q4_K to Q5_0, Q6_K to Q8_0; FP8 to Q8_0),
+else the weight stays dense.
+
+Experts come as Qwen-MoE's `experts.{j}.{gate,up,down}_proj.weight`, Mixtral's `experts.{j}.w1.weight`...,
+or fused 3-D as gpt-oss's `experts.gate_up_proj` [experts, in, out] (x @ W): those are quantized an expert
+at a time into `experts.{j}.gate_up_proj.weight` [out, in], which its architecture module reads as it
+reads an MXFP4 checkpoint's experts.
 """
 
 from __future__ import annotations
@@ -47,7 +53,20 @@ def check_target(target: str | None) -> str | None:
 
 
 def is_projection(name: str) -> bool:
-    return name.startswith("model.layers.") and name.endswith("_proj.weight")
+    return name.startswith("model.layers.") and (name.endswith("_proj.weight") or _is_expert(name))
+
+
+def _is_expert(name: str) -> bool:
+    """One expert's linear (`.experts.{j}.<projection>.weight`) or a layer's fused experts (`.experts.<projection>`)."""
+    head, found, tail = name.partition(".experts.")
+    parts = tail.split(".")
+    return bool(found) and (len(parts) == 3 and parts[0].isdigit() and parts[2] == "weight"
+                           or len(parts) == 1 and not parts[0].endswith("_bias"))
+
+
+def _width(weight: Any) -> int:
+    """The input width of a linear [out, in], or of fused experts [experts, in, out] (x @ W)."""
+    return weight.shape[1]
 
 
 def plan(tensors: dict[str, Any], config: ModelConfig, target: str) -> dict[str, str]:
@@ -101,15 +120,21 @@ def quantize_tensors(tensors: dict[str, Any], config: ModelConfig, target: str) 
     dense: list[str] = []
     for name, fmt_name in plan(tensors, config, target).items():
         weight = tensors[name]
-        fits = fitting_format(fmt_name, weight.shape[1])
+        fits = fitting_format(fmt_name, _width(weight))
         if fits is None:
             dense.append(name)
             continue
         try:
-            tensors[name] = quantize_weight(weight, fits)
+            if weight.dim() == 3:  # fused experts [experts, in, out]: one [out, in] weight an expert
+                parent, projection = name.rsplit(".", 1)
+                for j in range(weight.shape[0]):
+                    tensors[f"{parent}.{j}.{projection}.weight"] = quantize_weight(weight[j].t(), fits)
+                del tensors[name]
+            else:
+                tensors[name] = quantize_weight(weight, fits)
         except ValueError as e:  # weights that are not finite, or too large for fp16 scales
             raise ModelLoadError(f"--quantize {target}: tensor {name}: {e}") from None
-        counts[fits] = counts.get(fits, 0) + 1
+        counts[fits] = counts.get(fits, 0) + (weight.shape[0] if weight.dim() == 3 else 1)
     return QuantizeReport(counts, dense, time.perf_counter() - start)
 
 

@@ -8,6 +8,8 @@ error) and through the engine (greedy tokens alone equal those in a batch beside
 
 from __future__ import annotations
 
+import re
+
 import gguf
 import numpy as np
 import pytest
@@ -204,3 +206,38 @@ def test_info_shows_the_experts():
     assert done.exit_code == 0, done.output
     assert "experts            8 of 32 wide, 2 used a token (softmax_topk)" in done.output
     assert "active parameters  83.3K a token" in done.output and "parameters         157.1K" in done.output
+
+
+def _edit_config(folder, **fields):
+    import json
+
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, **fields}))
+
+
+@pytest.mark.parametrize("case,fields,message", [
+    ("qwen3-moe-all", {"num_experts": 8},
+     r"tensor model\.layers\.0\.mlp\.experts\.4\.\w+_proj\.weight is missing: layer 0 of the checkpoint has 4 "
+     r"experts, config\.json 8$"),
+    ("qwen3-moe-all", {"num_experts": 3},
+     r"tensor model\.layers\.0\.mlp\.experts\.3\.\w+_proj\.weight: expert 3, but config\.json has 3 experts a layer"),
+    ("qwen3-moe-all", {"moe_intermediate_size": 32},
+     r"tensor model\.layers\.0\.mlp\.experts\.0\.\w+_proj\.weight has shape \[\d+, \d+\]; config\.json's "
+     r"hidden_size 64, expert width 32, 4 experts make it \[\d+, \d+\]$"),
+    ("qwen3-moe-all", {"mlp_only_layers": [1]},
+     r"tensor model\.layers\.1\.mlp\.experts\.0\.\w+_proj\.weight: config\.json gives layer 1 a plain feed-forward"),
+    ("mixtral", {"intermediate_size": 64},
+     r"tensor model\.layers\.0\.block_sparse_moe\.experts\.0\.w\d\.weight has shape \[\d+, \d+\]; config\.json's "
+     r"hidden_size 64, expert width 64, 4 experts make it"),
+    ("gpt-oss", {"num_local_experts": 8},
+     r"tensor model\.layers\.0\.mlp\.experts\.\w+ has shape \[4, \d+(, \d+)?\]; config\.json's hidden_size 64, "
+     r"expert width 96, 8 experts make it \[8, "),
+])
+def test_hf_expert_tensors_that_disagree_with_the_config_are_one_line(tmp_path, case, fields, message):
+    write_hf_folder(tmp_path, case)
+    _edit_config(tmp_path, **fields)
+    with pytest.raises(ModelLoadError) as e:
+        load_model(str(tmp_path), device="cpu", dtype="float32")
+    assert "\n" not in str(e.value)
+    assert re.search(message, str(e.value)), str(e.value)
+    assert str(e.value).startswith(str(tmp_path))

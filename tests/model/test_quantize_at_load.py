@@ -216,3 +216,31 @@ def test_run_and_perplexity_take_the_flag(tmp_path, private_runtime_dir):
     assert "random Q5_0" in result.stderr  # 64 wide: Q4_K falls back to Q5_0
     bad = CliRunner().invoke(app, ["run", "-m", "random:tiny", "--quantize", "int4", "hi"])
     assert bad.exit_code == 1 and bad.stderr.strip() == "error: unknown --quantize 'int4'; use one of fp8, q8_0, q4_k"
+
+
+# experts a case has: layers x experts x linears (gpt-oss's gate|up one fused linear until its module splits it)
+EXPERT_LINEARS = {"qwen3-moe-all": 2 * 4 * 3, "mixtral": 2 * 4 * 3, "gpt-oss": 2 * 4 * 2}
+
+
+@pytest.mark.parametrize("case", list(EXPERT_LINEARS))
+def test_experts_are_quantized(tmp_path, case):
+    """Qwen3-MoE's experts.{j}.*_proj, Mixtral's experts.{j}.w1 / w2 / w3 and gpt-oss's fused 3-D experts: each
+    expert's linears in the target's format (the routers dense), the model within the format's error."""
+    import io
+
+    from test_logits_vs_hf import write_hf_folder
+
+    write_hf_folder(tmp_path, case)
+    log = io.StringIO()
+    ids = [i % 96 for i in IDS]
+    quant = load_model(str(tmp_path), device="cpu", dtype="float32", quantize="q8_0", log=log)
+    # the attention's 4 projections a layer, the experts, the output layer
+    assert f"--quantize q8_0: {2 * 4 + EXPERT_LINEARS[case] + 1} to Q8_0 in" in log.getvalue()
+    plain = load_model(str(tmp_path), device="cpu", dtype="float32")
+    assert 0 < relative_error(prefill_logits(quant, ids), prefill_logits(plain, ids)) <= 0.04
+    quant = load_model(str(tmp_path), device="cpu", dtype="bfloat16", quantize="q8_0")
+    for layer in quant.model.layers:
+        assert len(layer.moe.experts) == 4
+        for e in layer.moe.experts:  # Q8_0's 8.5 bits a weight (and gpt-oss's biases), not bf16's 16
+            assert e.nbytes() < 0.6 * 2 * 3 * e.down.in_features * e.down.out_features
+        assert layer.moe.router.nbytes() >= 2 * 4 * 64  # bf16

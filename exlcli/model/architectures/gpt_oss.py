@@ -16,8 +16,9 @@ mlp.experts.gate_up_proj [E, H, 2I] with gate and up columns interleaved, gate_u
 [E, 2I], down_proj [E, I, H], down_proj_bias [E, H]; self_attn.sinks [heads]. They are split into
 the decoder's per-expert tensors at build. GGUF: blk.{i}.ffn_{gate,up,down}_exps.{weight,bias},
 ffn_gate_inp.{weight,bias}, attn_sinks.weight, post_attention_norm. HF checkpoints whose experts
-are stored MXFP4 (`*_blocks`, `*_scales`) are not read yet; their GGUF conversion is. Fused paths:
-none.
+are stored MXFP4 as OpenAI ships them (gate_up_proj_blocks / _scales, down_proj_blocks / _scales, the rows
+[2I] and [H] of each expert as out_features: model/hf_quantization.py makes them one MXFP4 weight an expert,
+gate|up rows still interleaved) are split here the same way, kept MXFP4. Fused paths: none.
 """
 
 from __future__ import annotations
@@ -97,7 +98,9 @@ def hf_tensor_names(config: ModelConfig) -> list[str]:
 
 def _decoder_tensors(config: ModelConfig, tensors: dict) -> dict:
     """The checkpoint's tensors under the decoder's names: per-expert gate, up and down (HF's fused
-    experts split, gate and up de-interleaved), the router as mlp.gate, the sinks as self_attn.sinks."""
+    experts split, gate and up de-interleaved), the router as mlp.gate, the sinks as self_attn.sinks.
+    An expert's gate|up may also come as its own [2I, H] weight, rows interleaved (`mlp.experts.{j}.gate_up_proj
+    .weight`: an MXFP4 checkpoint's experts, or the fused ones quantized at load), with the fused biases."""
     t = dict(tensors)
     for i in range(config.num_layers):
         p = names.layer_prefix(i)
@@ -106,17 +109,32 @@ def _decoder_tensors(config: ModelConfig, tensors: dict) -> dict:
                 t[f"{p}mlp.gate.{kind}"] = t.pop(f"{p}{ROUTER_HF}.{kind}")
         if f"{p}{SINKS}.weight" in t:  # GGUF's name
             t[p + SINKS] = t.pop(f"{p}{SINKS}.weight")
+        assert config.moe is not None  # gpt-oss's hf_fields set its experts
         if f"{p}{EXPERTS}gate_up_proj" in t:  # HF: [E, H, 2I] (x @ W), gate and up columns interleaved
-            gate_up, gate_up_bias = t.pop(f"{p}{EXPERTS}gate_up_proj"), t.pop(f"{p}{EXPERTS}gate_up_proj_bias")
-            down, down_bias = t.pop(f"{p}{EXPERTS}down_proj"), t.pop(f"{p}{EXPERTS}down_proj_bias")
-            assert config.moe is not None  # gpt-oss's hf_fields set its experts
+            gate_up, down = t.pop(f"{p}{EXPERTS}gate_up_proj"), t.pop(f"{p}{EXPERTS}down_proj")
+            for j in range(config.moe.num_experts):
+                t[f"{p}{EXPERTS}{j}.gate_up_proj.weight"] = gate_up[j].t()
+                t[f"{p}{EXPERTS}{j}.down_proj.weight"] = down[j].t().contiguous()
+        if f"{p}{EXPERTS}gate_up_proj_bias" in t:
+            gate_up_bias, down_bias = t.pop(f"{p}{EXPERTS}gate_up_proj_bias"), t.pop(f"{p}{EXPERTS}down_proj_bias")
             for j in range(config.moe.num_experts):
                 e = f"{p}{EXPERTS}{j}."
-                t[e + "gate_proj.weight"] = gate_up[j][:, 0::2].t().contiguous()
-                t[e + "up_proj.weight"] = gate_up[j][:, 1::2].t().contiguous()
                 t[e + "gate_proj.bias"], t[e + "up_proj.bias"] = gate_up_bias[j][0::2], gate_up_bias[j][1::2]
-                t[e + "down_proj.weight"], t[e + "down_proj.bias"] = down[j].t().contiguous(), down_bias[j]
+                t[e + "down_proj.bias"] = down_bias[j]
+        for j in range(config.moe.num_experts):
+            e = f"{p}{EXPERTS}{j}."
+            if e + "gate_up_proj.weight" in t:
+                t[e + "gate_proj.weight"], t[e + "up_proj.weight"] = _deinterleaved(t.pop(e + "gate_up_proj.weight"))
     return t
+
+
+def _deinterleaved(gate_up: Any) -> tuple[Any, Any]:
+    """[2I, H] rows g0, u0, g1, u1, ... (a dense tensor or a QuantizedWeight) -> (gate rows, up rows)."""
+    rows = gate_up.shape[0]
+    even, odd = torch.arange(0, rows, 2), torch.arange(1, rows, 2)
+    if isinstance(gate_up, torch.Tensor):
+        return gate_up.index_select(0, even).contiguous(), gate_up.index_select(0, odd).contiguous()
+    return gate_up.permute_rows(even), gate_up.permute_rows(odd)
 
 
 def build(config: ModelConfig, tensors: dict, device: torch.device, dtype: torch.dtype) -> DecoderModel:

@@ -180,7 +180,9 @@ class QuantizedWeight:
         return w.to(dtype)
 
     def permute_rows(self, order: torch.Tensor) -> "QuantizedWeight":
-        return QuantizedWeight(self.fmt, self.shape, self.blocks.index_select(0, order), self.input_order)
+        """The rows `order` names, in that order (all of them, or some: gpt-oss's gate rows of a gate|up)."""
+        return QuantizedWeight(self.fmt, (order.numel(), self.shape[1]), self.blocks.index_select(0, order),
+                               self.input_order)
 
     @staticmethod
     def same_input_order(parts: list["QuantizedWeight"]) -> bool:

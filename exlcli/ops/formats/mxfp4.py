@@ -7,6 +7,11 @@ w = KVALUES[q] * 2^(e - 128), which is exact in fp32 for every e.
 
 Like IQ4_NL (iq4.py), the indices stay 4-bit on the CPU with the table beside them, and CUDA runs
 them on its 8-bit kernel. The torch reference equals `gguf.quants.dequantize` bit for bit.
+
+Hugging Face checkpoints (gpt-oss as OpenAI ships it) hold the same values in two tensors a projection:
+`*_blocks` uint8 [..., rows, K / 32, 16], byte j of a block holding element 2j in its low nibble and
+2j + 1 in its high one, and `*_scales` uint8 [..., rows, K / 32], the same E8M0 exponent byte
+(w = FP4[q] * 2^(e - 127)). `from_hf` moves the nibbles into the layout above: no value changes.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from exlcli.ops.formats import cpu_qmatmul, cuda_groups
-from exlcli.ops.formats.base import BlockFormat, low_high_nibbles, scaled_blocks
+from exlcli.ops.formats.base import BlockFormat, QuantizedWeight, low_high_nibbles, scaled_blocks
 
 KVALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 BLOCK_WEIGHTS = 32
@@ -49,3 +54,23 @@ def dequantize(blocks: torch.Tensor) -> torch.Tensor:
 FORMAT = BlockFormat("MXFP4", gguf_type=39, block_weights=BLOCK_WEIGHTS, block_bytes=BLOCK_BYTES,
                      dequantize=dequantize, cpu_linear=cpu_qmatmul.table_linear(indices, KVALUES),
                      cuda_linear=cuda_groups.cuda_linear(unpack, 8))
+
+
+def from_hf(blocks: torch.Tensor, scales: torch.Tensor) -> QuantizedWeight:
+    """One projection of a Hugging Face MXFP4 checkpoint: blocks uint8 [rows, K / 32, 16] and scales uint8
+    [rows, K / 32] -> its QuantizedWeight [rows, K]. A ValueError says what does not fit."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"blocks and scales must be uint8, not {_dtype(blocks)} and {_dtype(scales)}")
+    if blocks.dim() != 3 or blocks.shape[-1] != BLOCK_WEIGHTS // 2 or tuple(scales.shape) != tuple(blocks.shape[:2]):
+        raise ValueError(f"blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} are not [rows, K / 32, 16] "
+                         f"and [rows, K / 32]")
+    rows, groups = scales.shape
+    # element 2j and 2j + 1 from HF's byte j; then ggml's byte j: element j low, element j + 16 high
+    values = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).reshape(rows, groups, BLOCK_WEIGHTS)
+    nibbles = values[..., :16] | (values[..., 16:] << 4)
+    out = torch.cat((scales.unsqueeze(-1), nibbles), dim=-1).reshape(rows, groups * BLOCK_BYTES)
+    return QuantizedWeight(FORMAT, (rows, groups * BLOCK_WEIGHTS), out)
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")

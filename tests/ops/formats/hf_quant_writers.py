@@ -1,4 +1,4 @@
-"""Quantize a dense weight the way GPTQ, AWQ and FP8 checkpoint tools store it, written with numpy
+"""Quantize a dense weight the way GPTQ, AWQ, FP8 and MXFP4 (gpt-oss) checkpoint tools store it, written with numpy
 here (not with exlcli's unpackers), with the exact fp32 reconstruction each tool's own dequantize
 gives: the oracle of the format and loader tests."""
 
@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+FP4_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # E2M1's magnitudes, by the nibble's low 3 bits
 
 
 def pack_words(values: np.ndarray, bits: int, axis: int, order: tuple[int, ...] | None = None) -> np.ndarray:
@@ -105,3 +106,19 @@ def fp8(w: torch.Tensor, strategy: str, tile: tuple[int, int] = (128, 128)) -> t
         per_elem = scale.repeat_interleave(t0, 0)[:n].repeat_interleave(t1, 1)[:, :k]
     weight = (w / per_elem).to(torch.float8_e4m3fn)
     return weight, scale.float(), weight.float() * per_elem
+
+
+def mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., rows, K] -> (blocks uint8 [..., rows, K / 32, 16], scales uint8 [..., rows, K / 32]) as gpt-oss's
+    checkpoints hold them: per 32 weights the exponent that brings the largest to E2M1's 6 or under, each weight
+    rounded to the nearest E2M1 value (sign in bit 3), byte j holding elements 2j (low) and 2j + 1 (high)."""
+    lead, k = w.shape[:-1], w.shape[-1]
+    b = w.float().reshape(*lead, k // 32, 32)
+    amax = b.abs().amax(-1)
+    e = torch.ceil(torch.log2(amax.clamp(min=2.0**-120) / 6.0)).clamp(-127, 127)
+    scaled = b / torch.exp2(e)[..., None]
+    index = (scaled.abs()[..., None] - FP4_VALUES).abs().argmin(-1)
+    index = index | (scaled < 0).long() << 3  # negatives rounded to zero keep their sign: transformers' -0.0
+    pairs = index.reshape(*lead, k // 32, 16, 2)
+    blocks = (pairs[..., 0] | pairs[..., 1] << 4).to(torch.uint8)
+    return blocks, (e + 127).to(torch.uint8)
