@@ -1,5 +1,6 @@
 // 8-lane fp32 helpers of the AVX2 attention paths (attention_avx2.h, attention_quant.c): a
-// horizontal sum in a fixed order and exp for max-subtracted scores. Needs AVX2 and FMA.
+// horizontal sum in a fixed order, exp for max-subtracted scores, and a row's softmax over a range
+// of keys with an optional sink logit. Needs AVX2 and FMA.
 #pragma once
 #include <immintrin.h>
 #include <math.h>
