@@ -11,8 +11,9 @@ sampler reading the token ids.
 Graphs are captured lazily, the first time a bucket is needed (or ahead with `capture`), all in one
 memory pool. They need the compiled kernels: the reference ops read lengths on the host, which a
 graph cannot do. The decode attention kernel takes a layer's window, sinks and soft-cap as arguments
-fixed per layer (ops/attention.py), so models of those kinds replay graphs too (a head size the
-kernel lacks makes the capture fail, and steps run eagerly).
+fixed per layer (ops/attention.py), so models with sinks or soft-caps replay graphs too (a head size the
+kernel lacks makes the capture fail, and steps run eagerly). A KV cache in layer groups (window layers'
+own block tables, model/kv_cache.py) has no graphs yet: the staged inputs carry one block table a row.
 Mixture-of-experts layers take their device path inside a capture (exlcli/ops/moe.py: experts of packed
 integer weights, stacked at load, with no host sync); experts of other formats group their tokens on the
 host, which a capture refuses: that capture fails and decode steps run eagerly (one line on stderr).
@@ -246,6 +247,9 @@ class DecodeGraphs:
 def make_decode_graphs(model: CausalLM, kv: KVCache) -> DecodeGraphs | None:
     """Graphs for a model on a CUDA device, unless EXLCLI_NO_CUDA_GRAPHS=1."""
     if model.device.type != "cuda" or environment.flag("EXLCLI_NO_CUDA_GRAPHS"):
+        return None
+    if kv.num_groups > 1:  # the staged inputs hold group 0's block tables and slots only
+        log.info("no CUDA graphs: the KV cache keeps window layers in groups of their own")
         return None
     if kv.states is not None:  # the linear attention layers' state runs the eager reference ops
         log.info("no CUDA graphs: linear attention layers (their kernels are not built yet)")

@@ -62,7 +62,8 @@ def prefill_logits(model, ids: list[int], device: torch.device) -> torch.Tensor:
         input_ids=torch.tensor(ids, device=device), positions=torch.arange(n, device=device),
         slot_mapping=torch.tensor([pages[p // page_size] * page_size + p % page_size for p in range(n)], device=device),
         block_tables=torch.tensor([pages], dtype=torch.int32, device=device), seq_lens=[n], query_start_loc=[0, n],
-        logits_indices=torch.arange(n, device=device), seq_lens_t=torch.tensor([n], dtype=torch.int32, device=device))
+        logits_indices=torch.arange(n, device=device), seq_lens_t=torch.tensor([n], dtype=torch.int32, device=device),
+        query_start_loc_t=torch.tensor([0, n], dtype=torch.int32, device=device))
     return model.forward(batch, kv).float().cpu()
 
 

@@ -117,7 +117,8 @@ def test_an_error_raised_inside_the_compiled_library_is_a_python_error():
         k = randn(2, 16, 2, 64)
         tables = torch.zeros(1, 1, dtype=torch.int32, device="cuda")
         lens = torch.tensor([10], dtype=torch.int32, device="cuda")
-        expect_error(lambda: raw.paged_attention_decode(randn(1, 4, 96), k, k, tables, lens, 0.1, 3, True))
+        expect_error(lambda: raw.paged_attention_decode(randn(1, 4, 96), k, k, tables, lens, 0.1, None, 0, 0.0, 3,
+                                                       True))
         expect_error(lambda: raw.decode_linear(randn(7, 64), randn(8, 64), None, None, None, 1e-6, False, None, False,
                                                True))
         print("ALIVE")

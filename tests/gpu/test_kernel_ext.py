@@ -56,7 +56,7 @@ def test_the_compiled_code_reads_no_environment_and_keeps_no_setting():
     assert not (build.CSRC / "attention_decode_v2.cu").exists()
     schemas = (build.CSRC / "bindings.cpp").read_text()
     assert schemas.count("bool pdl)") == len(re.findall(r'm\.def\(', schemas))  # every op takes pdl last
-    assert "float scale, int version, bool pdl" in schemas
+    assert "float scale, Tensor? sinks, int window, float softcap, int version, bool pdl" in schemas
 
 
 def test_the_supported_head_sizes_are_written_in_one_place():
