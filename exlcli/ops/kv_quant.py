@@ -1,15 +1,20 @@
 """Quantized KV cache pages: each head vector of K or V stored as blocks of 32 values with an fp16
 scale, quantized as the K/V write stores it and dequantized where attention reads it.
 
+Every type first rotates the head vector by a fixed orthonormal Hadamard matrix H (of head_dim when
+it is a power of two, else block-diagonal over the largest power of two dividing it), which spreads
+an outlier channel (real models' keys have a few channels far larger than the rest) over the whole
+vector. Attention never undoes H on keys: it scores H q against H k (H is orthonormal, so q.k =
+Hq.Hk), and undoes it once on the output, H^T sum p Hv.
+
 - q8_0 and q4_0 are llama.cpp's blocks, bit for bit (its reference quantizer, ggml-quants.c): 34 and
   18 bytes per 32 values, the layouts of GGUF weights (ops/formats/q8_0.py, q4_0.py) and decoded as
-  those are (this module sits below ops/formats, whose kernels import the cache's dtypes).
-- q4h and q3h first rotate the head vector by a fixed orthonormal Hadamard matrix H (of head_dim when
-  it is a power of two, else block-diagonal over the largest power of two dividing it), which spreads
-  an outlier channel over the whole vector, then store symmetric 4- or 3-bit codes (q - (L-1)/2) * d
-  with the per-block scale d of least squared error among a few below the block's extreme. 18 and
-  14 bytes per 32 values. Attention never undoes H on keys: it scores H q against H k (H is
-  orthonormal, so q.k = Hq.Hk), and undoes it once on the output, H^T sum p Hv.
+  those are (this module sits below ops/formats, whose kernels import the cache's dtypes). llama.cpp
+  rotates its quantized K and V caches the same way (llama-kv-cache.cpp's attn_rot_k / attn_rot_v,
+  a Sylvester Hadamard matrix of the head size when that is a multiple of 64; LLAMA_ATTN_ROT_DISABLE=1
+  turns it off): unrotated, these blocks cost the default model 1.8x the KLD (docs/benchmarks.md).
+- q4h and q3h store symmetric 4- or 3-bit codes (q - (L-1)/2) * d with the per-block scale d of least
+  squared error among a few below the block's extreme. 18 and 14 bytes per 32 values.
 
 A row's bytes depend only on that row's values (no scale shared across tokens), so a sequence's
 cache does not depend on what else is in the batch, and a page can be copied as plain bytes.
@@ -169,7 +174,7 @@ class KVQuantFormat:
 
     name: str
     block_bytes: int
-    rotated: bool
+    rotated: bool  # every type is (module docstring); the flag keeps the unrotated form for tests
     encode_blocks: Callable[[torch.Tensor], torch.Tensor]
     decode_blocks: Callable[[torch.Tensor], torch.Tensor]
 
@@ -196,11 +201,14 @@ class KVQuantFormat:
 
 
 KV_QUANT_FORMATS = {f.name: f for f in (
-    KVQuantFormat("q8_0", 34, False, _encode_q8_0, _decode_q8_0),
-    KVQuantFormat("q4_0", 18, False, _encode_q4_0, _decode_q4_0),
+    KVQuantFormat("q8_0", 34, True, _encode_q8_0, _decode_q8_0),
+    KVQuantFormat("q4_0", 18, True, _encode_q4_0, _decode_q4_0),
     KVQuantFormat("q4h", 18, True, _encode_q4h, _decode_q4h),
     KVQuantFormat("q3h", 14, True, _encode_q3h, _decode_q3h),
 )}
+
+# the page type numbers of the kernels (csrc/cpu/attention_quant.c's EXL_KV_*, csrc/kv_quant.cuh's Format)
+KERNEL_FORMATS = {"q8_0": 2, "q4_0": 3, "q4h": 4, "q3h": 5}
 
 
 class QuantizedPages:

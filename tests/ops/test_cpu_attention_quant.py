@@ -60,14 +60,14 @@ def test_the_kernel_equals_the_reference_over_dequantized_copies(k_name, v_name,
     q, block_tables = case(3, starts, lens)
     assert use_cpu_quant_kernel_for(q, k_pages, v_pages)
     ours = paged_attention_cpu_quant(q, k_pages, v_pages, block_tables, starts, lens, SCALE)
-    # over rotated keys the kernel takes q rotated and rounded to bf16 (as the reference does); the
-    # copies take that q turned back (H is its own inverse) in fp32
-    q_used = hadamard(hadamard(q.float()).to(torch.bfloat16).float()) if k_name in ("q4h", "q3h") else q.float()
+    # over rotated keys (every quantized type's) the kernel takes q rotated and rounded to bf16 (as the
+    # reference does); the copies take that q turned back (H is its own inverse) in fp32
+    q_used = hadamard(hadamard(q.float()).to(torch.bfloat16).float()) if k_name in KV_QUANT_FORMATS else q.float()
     copies = paged_attention_ref(q_used, dequantized(k_pages), dequantized(v_pages), block_tables, starts, lens,
                                  SCALE)
     # fp32 sums in another order, then bf16 rounding of the output (twice for rotated values: the
     # kernel's result, then its inverse rotation)
-    rounding = 2 ** -8 * (2 if v_name in ("q4h", "q3h") else 1)
+    rounding = 2 ** -8 * (2 if v_name in KV_QUANT_FORMATS else 1)
     assert (ours.float() - copies).abs().max() <= rounding * copies.abs().max() + 1e-5
     # and it is the dispatcher's path for bf16 q
     assert torch.equal(paged_attention(q, k_pages, v_pages, block_tables, starts, lens, SCALE), ours)
@@ -117,4 +117,9 @@ def test_the_c_quantizer_writes_the_torch_encoders_bytes(name):
     x[1, 0, 5] = -x[1, 0].abs().max()  # the largest size twice, opposite signs: the first one counts
     fmt = KV_QUANT_FORMATS[name]
     for values in (x, x.to(torch.bfloat16)):
-        assert torch.equal(kv_quantize.encode(values, fmt), fmt.encode(values))
+        # the C quantizer takes the rows as they come (the write rotates them first, as fmt.encode does)
+        blocks = fmt.encode_blocks(values.float().reshape(-1, 32)).view(*values.shape[:-1], -1)
+        assert torch.equal(kv_quantize.encode(values, fmt), blocks)
+        pages = QuantizedPages.zeros((300, 1, KV_HEADS, DIM), fmt, torch.device("cpu"))
+        write_rows(pages.view(-1, KV_HEADS, DIM), torch.arange(300), values)
+        assert torch.equal(pages.data.view(300, KV_HEADS, -1), fmt.encode(values))

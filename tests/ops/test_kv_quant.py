@@ -1,6 +1,6 @@
-"""Quantized KV cache types (ops/kv_quant.py): q8_0 and q4_0 as llama.cpp writes them (checked against
-the gguf package), the Hadamard-rotated q4h and q3h, attention over their pages against attention over
-dequantized copies, and a context shift's key rotation on them."""
+"""Quantized KV cache types (ops/kv_quant.py): q8_0 and q4_0 blocks as llama.cpp writes them (checked
+against the gguf package), every type over the Hadamard-rotated head vector, attention over their
+pages against attention over dequantized copies, and a context shift's key rotation on them."""
 
 from __future__ import annotations
 
@@ -37,11 +37,15 @@ def test_llama_cpp_blocks_bit_for_bit(name):
     x[3, 5] = 0.0
     x[7] = 0.0  # an all-zero row: scale 0
     x[9, :32] = torch.arange(32) - 16.0  # ties on the grid
-    ours = fmt.encode(x)
+    ours = fmt.encode_blocks(x.reshape(-1, 32)).view(40, -1)
     assert ours.shape == (40, fmt.row_bytes(128)) and ours.dtype == torch.uint8
     gguf_type = GGUF_TYPES[name]
     assert np.array_equal(ours.numpy(), quants.quantize(x.numpy(), gguf_type))
-    decoded = fmt.decode(ours, 128)
+    # the cache stores the blocks of H x (llama.cpp's attn_rot), read back as H^T of the decoded blocks
+    rotated = fmt.encode(x)
+    assert np.array_equal(rotated.numpy(), quants.quantize(hadamard(x).numpy(), gguf_type))
+    assert torch.allclose(fmt.decode(rotated, 128), hadamard(fmt.decode_stored(rotated, 128)))
+    decoded = fmt.decode_stored(ours, 128)
     assert np.array_equal(decoded.numpy(), quants.dequantize(ours.numpy(), gguf_type))
     weight_format = {"q8_0": weight_q8_0, "q4_0": weight_q4_0}[name]
     assert torch.equal(decoded, weight_format.dequantize(ours))  # the GGUF weights' layout, read alike
@@ -78,7 +82,7 @@ def test_the_rotated_kinds_store_their_grid_exactly(name, bits):
 
 def test_the_rotated_kinds_store_h_times_the_vector():
     x = gaussian(5, 2, 64, seed=3)
-    for name in ("q4h", "q3h"):
+    for name in KV_QUANT_FORMATS:
         fmt = KV_QUANT_FORMATS[name]
         data = fmt.encode(x)
         unrotated = KV_QUANT_FORMATS[name].encode_blocks(hadamard(x).reshape(-1, 32)).view(data.shape)
@@ -99,15 +103,16 @@ def test_hadamard_is_the_orthonormal_sylvester_matrix():
 
 
 def test_the_rotation_helps_an_outlier_channel():
-    """What q4h is for: a key channel far larger than the rest (as real models' keys have) costs q4_0's
-    blocks their resolution; spread over the vector by H, it costs q4h far less."""
+    """What the rotation is for: a key channel far larger than the rest (as real models' keys have) costs
+    unrotated q4_0 blocks their resolution; spread over the vector by H, it costs q4_0 and q4h far less."""
     x = gaussian(256, 128, seed=5)
     x[:, 17] *= 30
-    err = {}
+    fmt = KV_QUANT_FORMATS["q4_0"]
+    unrotated = (fmt.decode_blocks(fmt.encode_blocks(x.reshape(-1, 32))).view(x.shape) - x).square().mean().item()
     for name in ("q4_0", "q4h"):
         fmt = KV_QUANT_FORMATS[name]
-        err[name] = (fmt.decode(fmt.encode(x), 128) - x).square().mean().item()
-    assert err["q4h"] < 0.5 * err["q4_0"]
+        assert fmt.rotated
+        assert (fmt.decode(fmt.encode(x), 128) - x).square().mean().item() < 0.5 * unrotated
 
 
 # --- attention over quantized pages ------------------------------------------------------------------
@@ -255,9 +260,13 @@ def test_the_type_names_and_their_errors():
     assert "\n" not in str(bad.value)
     with pytest.raises(ExlcliError, match="needs a head_dim that is a multiple of 32, this model's is 16"):
         kv_cache_types("q4_0", torch.bfloat16, cpu, 16)
-    # the GPU's kernels: bf16 / fp16 pages and e4m3; a type they lack is a one-line error naming them
+    # the GPU's kernels: bf16 / fp16 pages and e4m3, or quantized K and V; a type they lack is a
+    # one-line error naming them
     assert kv_cache_types("fp8", torch.bfloat16, cuda).names == ("fp8", "fp8")
-    for spec in ("q8_0", "bf16,fp8", "f16"):
+    assert kv_cache_types("q8_0,q4h", torch.bfloat16, cuda, 128).names == ("q8_0", "q4h")
+    for spec in ("q8_0,bf16", "bf16,fp8", "f16"):
         with pytest.raises(ExlcliError, match=r"this GPU's attention kernels take auto, bf16, fp8, fp8_e4m3 "
-                                              r"\(the same for K and V\); q8_0, q4_0, q4h, q3h run on the CPU"):
+                                              r"\(the same for K and V\), or q8_0, q4_0, q4h, q3h for both K and V"):
             kv_cache_types(spec, torch.bfloat16, cuda, 128)
+    with pytest.raises(ExlcliError, match="on a GPU need bf16 or fp16 activations"):
+        kv_cache_types("q4h", torch.float32, cuda, 128)
