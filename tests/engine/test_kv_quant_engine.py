@@ -89,7 +89,7 @@ def test_preemption_and_speculative_rollback_keep_the_tokens(make_engine):
     small.run_until_idle()
     assert small.scheduler.num_preemptions > 0
     assert [tokens_of(h) for h in handles] == alone
-    repetitive = [5, 6, 7] * 10  # this model's continuation of it repeats: the n-gram drafter drafts, some rejected
+    repetitive = [3, 4, 5] * 10  # this model's continuation of it repeats: the n-gram drafter drafts, some rejected
     plain = tokens_of(make_engine(kv_cache_dtype=K8_V4).submit(greedy("r", repetitive, n=48, ignore_eos=True)))
     drafting = make_engine(kv_cache_dtype=K8_V4, speculative="ngram")
     assert tokens_of(drafting.submit(greedy("s", repetitive, n=48, ignore_eos=True))) == plain
