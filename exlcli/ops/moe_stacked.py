@@ -49,8 +49,10 @@ SORT_MIN_PAIRS = 16  # from this many pairs the blocks take them sorted by exper
 # (moe_gemm), where a block's tile of one expert's pairs shares each weight it dequantizes.
 PAIRS_MAX_TOKENS = 64
 # From this many pairs an expert on average the grouped path's token tiles hold 64 pairs, else 32 (fewer
-# padded rows where an expert has few tokens). The tile changes no result.
-WIDE_TILE_PAIRS = 48
+# padded rows where an expert has few tokens; two blocks an SM to the 64-pair tile's one). On an H100 the
+# 32-pair tile is the faster one up to 128 pairs an expert (2,048 tokens over 128 experts, top 8:
+# scripts/moe_bench.py). The tile changes no result.
+WIDE_TILE_PAIRS = 256
 
 
 @dataclass

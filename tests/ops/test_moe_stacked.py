@@ -226,8 +226,8 @@ def test_the_plan_puts_every_pair_in_one_tile_of_its_expert(tile_tokens):
 
 
 def test_the_tile_is_a_function_of_the_pairs_and_experts():
-    assert tile_tokens_for(64 * 8, 128) == 32 and tile_tokens_for(2048 * 8, 128) == 64
-    assert tile_tokens_for(300 * 8, 16) == 64 and tile_tokens_for(65 * 8, 16) == 32
+    assert tile_tokens_for(64 * 8, 128) == 32 and tile_tokens_for(2048 * 8, 128) == 32
+    assert tile_tokens_for(4096 * 8, 16) == 64 and tile_tokens_for(65 * 8, 16) == 32
 
 
 @pytest.mark.parametrize("bits,down_bits", [(4, 6), (8, 8)])
