@@ -1,4 +1,10 @@
-"""RMSNorm, alone and fused with the residual add."""
+"""RMSNorm, alone and fused with the residual add.
+
+On the CPU a decoder's residual stream is fp32 beside bf16 activations (`residual_stream`), as
+llama.cpp keeps its hidden state: summing some sixty bf16-rounded layer outputs into a bf16 stream
+moves a small model's logits by a tenth of a nat, enough to change its greedy answer. The layers' inputs
+(the normed rows the matmuls read) stay bf16. The GPU path keeps a bf16 stream, as its fused kernels take.
+"""
 
 from __future__ import annotations
 
@@ -31,17 +37,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """residual <- x + residual; returns (rms_norm(residual), residual)."""
+    """residual <- x + residual; returns (rms_norm(residual), residual). An fp32 residual beside a
+    lower-precision x (the CPU's fp32 stream) takes the sum unrounded and gives the norm in x's dtype."""
+    if residual.dtype == torch.float32 and x.dtype != torch.float32:
+        residual = x.float() + residual
+        return weight * F.rms_norm(residual, residual.shape[-1:], eps=eps).to(x.dtype), residual
     residual = x + residual
     return rms_norm_ref(residual, weight, eps), residual
+
+
+def residual_stream(x: torch.Tensor) -> torch.Tensor:
+    """The residual stream a decoder starts from x (its first layer's input): fp32 for bf16 rows on the
+    CPU (module docstring), else x itself."""
+    return x.float() if x.dtype == torch.bfloat16 and x.device.type == "cpu" else x
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     if use_kernels(x):
         return cuda_kernels.fused_add_rms_norm(x, residual, weight, eps)
-    if (residual.dtype == weight.dtype == torch.bfloat16 and cpu_loader.use_cpu_kernels(x)
-            and _cpu_kernels() is not None):
+    if (weight.dtype == torch.bfloat16 and residual.dtype in (torch.bfloat16, torch.float32)
+            and cpu_loader.use_cpu_kernels(x) and _cpu_kernels() is not None):
         return fused_add_rms_norm_cpu(x, residual, weight, eps)
     return fused_add_rms_norm_ref(x, residual, weight, eps)
 
@@ -51,7 +67,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     """A decoder layer's norm: (rms_norm(x + residual), x + residual), or (rms_norm(x), x) without a
     residual (the first layer)."""
     if residual is None:
-        return rms_norm(x, weight, eps), x
+        return rms_norm(x, weight, eps), residual_stream(x)
     return fused_add_rms_norm(x, residual, weight, eps)
 
 
@@ -105,16 +121,18 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 
 def fused_add_rms_norm_cpu(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The C kernel: x and residual [..., D] bf16 of one shape -> (normed, x + residual), both new."""
+    """The C kernel: x [..., D] bf16 and residual of its shape, bf16 or fp32 (the fp32 stream) ->
+    (normed bf16, x + residual in the residual's dtype), both new."""
     fused = _cpu_kernels()[1]
     dim = _check(x, weight)
-    if residual.shape != x.shape or residual.dtype != torch.bfloat16 or not residual.is_cpu:
+    if residual.shape != x.shape or residual.dtype not in (torch.bfloat16, torch.float32) or not residual.is_cpu:
         raise KernelInputError(f"CPU fused_add_rms_norm: residual ({tuple(residual.shape)}, {residual.dtype}) "
-                               f"must be bf16 shaped like x ({tuple(x.shape)})")
+                               f"must be bf16 or fp32 shaped like x ({tuple(x.shape)})")
     x, residual, weight = x.contiguous(), residual.contiguous(), weight.contiguous()
-    out, new_residual = torch.empty_like(x), torch.empty_like(x)  # x is contiguous: so are these
+    out, new_residual = torch.empty_like(x), torch.empty_like(residual)  # contiguous, as x and residual are
     args = FusedAddRmsNormArgs(x=x.data_ptr(), residual=residual.data_ptr(), residual_out=new_residual.data_ptr(),
-                               weight=weight.data_ptr(), out=out.data_ptr(), dim=dim, eps=eps, rows=x.numel() // dim)
+                               weight=weight.data_ptr(), out=out.data_ptr(), dim=dim, eps=eps, rows=x.numel() // dim,
+                               residual_fp32=int(residual.dtype == torch.float32))
     if fused(ctypes.byref(args)):
         raise KernelInputError(f"CPU fused_add_rms_norm refused x of shape {tuple(x.shape)}")
     return out, new_residual

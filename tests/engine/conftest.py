@@ -67,3 +67,10 @@ def random_prompts(count: int, seed: int = 0, low: int = 1, high: int = 80) -> l
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(low, high, (count,), generator=g).tolist()
     return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+def every_token(vocab: int, seed: int = 0) -> list[int]:
+    """Each token id of the vocabulary once, shuffled. A prompt that holds it drafts under prompt lookup
+    (NgramDrafter's 1-grams) at its first step that may draft, whatever the model outputs: a random
+    model does not copy its prompt, so repeats in the prompt alone leave drafting to chance."""
+    return torch.randperm(vocab, generator=torch.Generator().manual_seed(seed)).tolist()

@@ -16,7 +16,7 @@ from exlcli.errors import ExlcliError
 from exlcli.model.architectures import build_model
 from exlcli.model.random_weights import random_config, random_tensors
 from exlcli.ops import attention
-from tests.engine.conftest import LetterTokenizer, greedy, random_prompts, tokens_of
+from tests.engine.conftest import LetterTokenizer, every_token, greedy, random_prompts, tokens_of
 from tests.engine.test_context_window import run, top_logprobs, with_logprobs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -80,7 +80,7 @@ def test_a_batch_gives_each_request_what_it_gives_alone(make_engine, spec):
     assert engine.pool.num_used == 0
 
 
-def test_preemption_and_speculative_rollback_keep_the_tokens(make_engine):
+def test_preemption_and_speculative_rollback_keep_the_tokens(make_engine, model32):
     prompts = random_prompts(3, seed=6, low=30, high=50)
     alone = [tokens_of(make_engine(kv_cache_dtype=K8_V4).submit(greedy(f"a{i}", p, n=40, ignore_eos=True)))
              for i, p in enumerate(prompts)]
@@ -89,10 +89,12 @@ def test_preemption_and_speculative_rollback_keep_the_tokens(make_engine):
     small.run_until_idle()
     assert small.scheduler.num_preemptions > 0
     assert [tokens_of(h) for h in handles] == alone
-    repetitive = [3, 4, 5] * 10  # this model's continuation of it repeats: the n-gram drafter drafts, some rejected
-    plain = tokens_of(make_engine(kv_cache_dtype=K8_V4).submit(greedy("r", repetitive, n=48, ignore_eos=True)))
+    # every token id in the prompt: the n-gram drafter drafts whatever this random model outputs, and
+    # (the model copying nothing) most drafts are rejected
+    lookup = every_token(model32.config.vocab_size) + [5, 6, 7] * 10
+    plain = tokens_of(make_engine(kv_cache_dtype=K8_V4).submit(greedy("r", lookup, n=48, ignore_eos=True)))
     drafting = make_engine(kv_cache_dtype=K8_V4, speculative="ngram")
-    assert tokens_of(drafting.submit(greedy("s", repetitive, n=48, ignore_eos=True))) == plain
+    assert tokens_of(drafting.submit(greedy("s", lookup, n=48, ignore_eos=True))) == plain
     assert drafting.stats().spec_drafted_tokens > drafting.stats().spec_accepted_tokens  # some were rolled back
     for engine in (small, drafting):
         engine.pool.check()

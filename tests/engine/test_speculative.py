@@ -19,7 +19,7 @@ from exlcli.engine.request import FinishReason, Request, SamplingParams
 from exlcli.engine.sequence import Sequence
 from exlcli.engine.speculative import NgramDrafter, Speculator, best_num_drafts, num_accepted
 from exlcli.engine.verify_cost import VerifyCost
-from tests.engine.conftest import LetterTokenizer, greedy, random_prompts, tokens_of
+from tests.engine.conftest import LetterTokenizer, every_token, greedy, random_prompts, tokens_of
 from tests.engine.replay_drafter import ReplayDrafter
 from tests.engine.test_async_scheduling import workload
 
@@ -115,6 +115,8 @@ def test_workload_with_drafts_gives_the_outputs_without(tiny_model, plain_worklo
 
 def test_greedy_alone_and_in_a_batch_of_16_with_non_speculating_sequences(make_engine, tiny_model):
     prompts = [REPEATED[i:] + random_prompts(1, seed=i, high=12)[0] for i in range(8)] + random_prompts(8, seed=5)
+    # the two run alone with prompt lookup below: r1 drafts whatever the model outputs, r0 would but opts out
+    prompts[:2] = [every_token(tiny_model.config.vocab_size, seed=i) + p for i, p in enumerate(prompts[:2])]
     requests = [greedy(f"r{i}", p, n=24, speculative=None if i % 2 else False) for i, p in enumerate(prompts)]
     plain = run(make_engine(max_num_batched_tokens=64), requests)  # the same as alone (test_engine.py)
     replay = ReplayDrafter([p + out for p, out in zip(prompts, plain)])

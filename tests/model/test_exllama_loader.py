@@ -178,8 +178,9 @@ def test_exl3_folder_loads_and_equals_the_dense_reconstruction(tmp_path, codeboo
         assert isinstance(w, QuantizedWeight) and w.qtype.startswith("EXL3_K") and w.qtype.endswith(codebook)
         torch.testing.assert_close(w.dequantize(), want, rtol=1e-5, atol=1e-6)
     ids = torch.randint(0, 128, (11,), generator=torch.Generator().manual_seed(2)).tolist()
-    # bf16: Q8_0 weights (within half a step of 1/127 of a block's largest) and int8 activations in every linear
-    check_logits(qfolder, dfolder, ids, 4e-2)
+    # bf16: Q8_0 weights (within half a step of 1/127 of a block's largest) and int8 activations in every linear,
+    # against bf16 dense weights (0.024-0.040 measured over the three codebooks)
+    check_logits(qfolder, dfolder, ids, 5e-2)
     err = capsys.readouterr().err
     if cpu_qmatmul.available():  # bf16 on the C kernel: transcoded to Q8_0, said once a load
         assert "EXL3 weights have no CPU kernel yet: transcoded at load to Q8_0 (8.5 bits a weight" in err

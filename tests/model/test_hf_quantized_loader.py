@@ -165,8 +165,11 @@ def test_loads_quantized_and_equals_the_dense_reconstruction(tmp_path, dense, ca
     quant, ref = load_model(str(qfolder), device="cpu", dtype="bfloat16"), load_model(str(dfolder), device="cpu",
                                                                                       dtype="bfloat16")
     got, want = prefill_logits(quant, ids), prefill_logits(ref, ids)
-    # FP8 on the CPU kernel: its values also rounded to int8 steps (fp8.int8_blocks); 3.0-3.7e-2 measured
-    bound = 4.5e-2 if fmt_name == "FP8_E4M3" and cpu_qmatmul.available() else 3e-2
+    # Both sides round: dense bf16 is 0.011-0.017 from dense fp32 here, GPTQ and AWQ 0.019-0.026 from it.
+    # Measured against dense bf16 with the fp32 residual stream: GPTQ and AWQ 0.021-0.030 (8-bit GPTQ's int8
+    # activations the most; 0.023-0.028 with a bf16 stream), FP8 on the CPU kernel, its values also rounded
+    # to int8 steps (fp8.int8_blocks), 0.026-0.032 (0.028-0.037 with a bf16 stream)
+    bound = 4.5e-2 if fmt_name == "FP8_E4M3" and cpu_qmatmul.available() else 3.5e-2
     assert float((got - want).abs().max() / want.abs().max()) <= bound
     for name in recon:  # the real bytes: bits per weight of the format, plus an act-order permutation
         w = tensors[name]

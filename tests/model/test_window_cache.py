@@ -21,7 +21,7 @@ from exlcli.model.attention_spec import layer_specs
 from exlcli.model.kv_cache import layer_groups
 from exlcli.model.loader import load_model
 from exlcli.model.random_weights import random_config
-from tests.engine.conftest import LetterTokenizer, greedy, tokens_of
+from tests.engine.conftest import LetterTokenizer, every_token, greedy, tokens_of
 
 PAGE, WINDOW = 4, 8
 
@@ -198,8 +198,8 @@ def test_sessions_past_a_shift_give_the_tokens_of_every_page_kept(window_model):
 
 
 def test_prompt_lookup_speculation_gives_the_tokens_without_it(window_model):
-    motif = _prompt(7, seed=21)
-    prompt = motif * 5 + _prompt(3, seed=22)  # repeats: prompt lookup finds drafts, some rejected
+    # every token id, then repeats: prompt lookup drafts whatever the model outputs, some drafts rejected
+    prompt = every_token(VOCAB, seed=21) + _prompt(7, seed=21) * 5 + _prompt(3, seed=22)
     plain = tokens_of(_engine(window_model).submit(greedy("p", prompt, n=40, ignore_eos=True)))
     engine = _engine(window_model, speculative="ngram", num_draft_tokens=4)
     assert tokens_of(engine.submit(greedy("p", prompt, n=40, ignore_eos=True))) == plain

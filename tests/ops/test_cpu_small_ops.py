@@ -103,6 +103,28 @@ def test_fused_add_rms_norm_is_bitwise_the_reference(tokens, dim):
     assert _same(residual, before)  # the caller's residual is not written
 
 
+@pytest.mark.parametrize("tokens", [1, 7, 256])
+@pytest.mark.parametrize("dim", [576, 4096, 200, 37])
+def test_fused_add_rms_norm_on_the_fp32_stream_is_bitwise_the_reference(tokens, dim):
+    g = torch.Generator().manual_seed(tokens * 11 + dim)
+    x, w = _rows(g, tokens, dim), _weight(g, dim)
+    residual = _rows(g, tokens, dim).float() + torch.randn(tokens, dim, generator=g) * 1e-3  # not bf16 values
+    normed, new_residual = norm.fused_add_rms_norm(x, residual, w, 1e-5)
+    want_normed, want_residual = _refs(norm.fused_add_rms_norm, x, residual, w, 1e-5)
+    assert new_residual.dtype == torch.float32 and normed.dtype == bf16
+    assert torch.equal(new_residual, want_residual) and _same(normed, want_normed)
+    assert torch.equal(new_residual, x.float() + residual)  # the sum kept unrounded
+    assert not torch.equal(new_residual, (x + residual.to(bf16)).float())
+
+
+def test_the_cpu_residual_stream_starts_in_fp32():
+    """A decoder's first norm on the CPU starts an fp32 stream from its bf16 rows (ops/norm.py)."""
+    g = torch.Generator().manual_seed(5)
+    x, w = _rows(g, 3, 64), _weight(g, 64)
+    normed, stream = norm.add_rms_norm(x, None, w, 1e-5)
+    assert stream.dtype == torch.float32 and torch.equal(stream, x.float()) and normed.dtype == bf16
+
+
 # --- rope_and_write_kv -------------------------------------------------------------------------
 
 

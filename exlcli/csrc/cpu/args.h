@@ -136,16 +136,18 @@ typedef struct {
 } exl_rms_norm_args;
 int exl_rms_norm(const exl_rms_norm_args *args);
 
-// residual_out = x + residual; out = rms_norm(residual_out); all bf16 [rows, dim] contiguous (norm.c).
+// residual_out = x + residual; out = rms_norm(residual_out); all bf16 [rows, dim] contiguous (norm.c),
+// except the residual and residual_out with residual_fp32: fp32 rows (the CPU's fp32 residual stream).
 typedef struct {
     const uint16_t *x;
-    const uint16_t *residual;
-    uint16_t *residual_out;
+    const void *residual;
+    void *residual_out;
     const uint16_t *weight;  // bf16 [dim]
     uint16_t *out;
     int64_t dim;
     float eps;
     int64_t rows;
+    int64_t residual_fp32;
 } exl_fused_add_rms_norm_args;
 int exl_fused_add_rms_norm(const exl_fused_add_rms_norm_args *args);
 
@@ -200,7 +202,7 @@ int exl_silu_and_mul(const exl_silu_and_mul_args *args);
 // The step's fields come first: the same for every layer, they are copied over each layer's.
 typedef struct {
     uint16_t *h;        // bf16 [T, hidden]: in, the layer's input (the embeddings at the first); out, its output
-    uint16_t *residual;  // bf16 [T, hidden]: the residual stream, updated in place (set from h at the first)
+    float *residual;     // fp32 [T, hidden]: the residual stream, updated in place (set from h at the first)
     int64_t tokens;     // T
     const int64_t *positions;  // [T]
     const int64_t *slots;  // [T]: the token's K/V slot, page * page_size + offset

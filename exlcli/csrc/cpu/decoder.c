@@ -5,7 +5,8 @@
 // 1 but 10-17 us of Python and ctypes around it: a third of the step. Here the layer's kernels are
 // called from C, in the order and with the arguments of the layer-by-layer path, so every value
 // comes out bit for bit as there (and as batch-invariant):
-//   first layer: residual = h; x = rms_norm(h)      else: x, residual = fused_add_rms_norm(h, residual)
+//   first layer: residual = fp32(h); x = rms_norm(h)  else: x, residual = fused_add_rms_norm(h, residual)
+// (the residual stream in fp32, as exlcli/ops/norm.py says why)
 //   qkv = x @ Wqkv (its parts side by side); [q, k = per-head rms_norm(q), (k)]; q = rope(q), k and v
 //   written to the cache; a = paged_attention(q); h = a @ Wo; x, residual = fused_add_rms_norm(h,
 //   residual); h = silu_and_mul(x @ Wgate_up) @ Wdown.
@@ -17,6 +18,7 @@
 #include <string.h>
 
 #include "args.h"
+#include "bf16.h"
 #include "qmatmul.h"
 
 // The kernels it calls are built where the compiler targets AVX2 with FMA (AVX-512 CPUs have both).
@@ -100,11 +102,11 @@ int exl_decoder_layer(const exl_decoder_layer_args *a) {
     uint16_t *tmp = qn + T * normed;
 
     if (a->first) {
-        memcpy(a->residual, a->h, sizeof(uint16_t) * (size_t)(T * H));
+        for (int64_t i = 0; i < T * H; i++) a->residual[i] = bf16_to_f32(a->h[i]);
         exl_rms_norm_args n = {a->h, H, 0, 1, a->input_norm, x, H, a->eps, T};
         if (exl_rms_norm(&n)) return 6;
     } else {
-        exl_fused_add_rms_norm_args n = {a->h, a->residual, a->residual, a->input_norm, x, H, a->eps, T};
+        exl_fused_add_rms_norm_args n = {a->h, a->residual, a->residual, a->input_norm, x, H, a->eps, T, 1};
         if (exl_fused_add_rms_norm(&n)) return 6;
     }
     if ((rc = project(a->qkv, a->qkv_parts, x, T, qkv, W, tmp))) return rc;
@@ -133,7 +135,7 @@ int exl_decoder_layer(const exl_decoder_layer_args *a) {
     if (a->num_seqs > 0 && (rc = exl_paged_attention(&p))) return rc == 1 ? 1 : -1;
     if ((rc = project(a->o_proj, a->o_proj_parts, att, T, a->h, H, tmp))) return rc;
 
-    exl_fused_add_rms_norm_args n2 = {a->h, a->residual, a->residual, a->post_norm, x, H, a->eps, T};
+    exl_fused_add_rms_norm_args n2 = {a->h, a->residual, a->residual, a->post_norm, x, H, a->eps, T, 1};
     if (exl_fused_add_rms_norm(&n2)) return 6;
     if ((rc = project(a->gate_up, a->gate_up_parts, x, T, gu, 2 * I, tmp))) return rc;
     exl_silu_and_mul_args s = {gu, 2 * I, act, I, I, T};

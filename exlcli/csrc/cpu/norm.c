@@ -66,8 +66,15 @@ static inline __m256 square8(const uint16_t *row, int64_t vec) {
     return _mm256_mul_ps(v, v);
 }
 
+static inline __m256 square8_f32(const float *row, int64_t vec) {
+    __m256 v = _mm256_loadu_ps(row + vec * SUM_LANES);
+    return _mm256_mul_ps(v, v);
+}
+
 // Sum of squares of one bf16 row of length d, in torch's order (see the top of the file).
-static float sum_squares(const uint16_t *row, int64_t d) {
+// A row is bf16 (`row`) or fp32 (`row_f32`, where `row` is NULL: an fp32 residual stream).
+#define SQUARE8(vec) (row ? square8(row, (vec)) : square8_f32(row_f32, (vec)))
+static float sum_squares_of(const uint16_t *row, const float *row_f32, int64_t d) {
     const int64_t nvec = d / SUM_LANES;  // whole vectors
     const int64_t groups = nvec / 4;     // groups of 4 vectors (torch's ilp factor)
     const int64_t power = ceil_log2(groups) / 4 > 4 ? ceil_log2(groups) / 4 : 4;
@@ -78,7 +85,7 @@ static float sum_squares(const uint16_t *row, int64_t d) {
     int64_t g = 0;
     while (g + step <= groups) {
         for (int64_t j = 0; j < step; j++, g++)
-            for (int k = 0; k < 4; k++) acc[0][k] = _mm256_add_ps(acc[0][k], square8(row, g * 4 + k));
+            for (int k = 0; k < 4; k++) acc[0][k] = _mm256_add_ps(acc[0][k], SQUARE8(g * 4 + k));
         for (int l = 1; l < 4; l++) {
             for (int k = 0; k < 4; k++) {
                 acc[l][k] = _mm256_add_ps(acc[l][k], acc[l - 1][k]);
@@ -88,15 +95,15 @@ static float sum_squares(const uint16_t *row, int64_t d) {
         }
     }
     for (; g < groups; g++)
-        for (int k = 0; k < 4; k++) acc[0][k] = _mm256_add_ps(acc[0][k], square8(row, g * 4 + k));
+        for (int k = 0; k < 4; k++) acc[0][k] = _mm256_add_ps(acc[0][k], SQUARE8(g * 4 + k));
     for (int l = 1; l < 4; l++)
         for (int k = 0; k < 4; k++) acc[0][k] = _mm256_add_ps(acc[0][k], acc[l][k]);
-    for (int64_t i = groups * 4; i < nvec; i++) acc[0][0] = _mm256_add_ps(acc[0][0], square8(row, i));
+    for (int64_t i = groups * 4; i < nvec; i++) acc[0][0] = _mm256_add_ps(acc[0][0], SQUARE8(i));
     __m256 part = acc[0][0];
     for (int k = 1; k < 4; k++) part = _mm256_add_ps(part, acc[0][k]);
     float total = 0.0f;
     for (int64_t i = nvec * SUM_LANES; i < d; i++) {
-        float v = bf16_to_f32(row[i]);
+        float v = row ? bf16_to_f32(row[i]) : row_f32[i];
         total += v * v;
     }
     float lanes[SUM_LANES];
@@ -104,6 +111,9 @@ static float sum_squares(const uint16_t *row, int64_t d) {
     for (int k = 0; k < SUM_LANES; k++) total += lanes[k];
     return total;
 }
+#undef SQUARE8
+
+static float sum_squares(const uint16_t *row, int64_t d) { return sum_squares_of(row, NULL, d); }
 
 // out = bf16(w * bf16(r * inv)) over one row.
 #if EXL_NORM == 1
@@ -130,12 +140,29 @@ static float inv_rms(const uint16_t *r, int64_t d, float eps) {
     return 1.0f / sqrtf(ms + eps);
 }
 
+// The fp32-residual forms: out = bf16(w * bf16(r * inv)) from an fp32 row r, 8 lanes on either ISA
+// (each lane's arithmetic is the same at any width).
+static void scale_row_f32(const float *r, const uint16_t *w, uint16_t *out, int64_t d, float inv) {
+    const __m256 vinv = _mm256_set1_ps(inv);
+    for (int64_t i = 0; i < d; i += 8) {
+        __m256 y = bf16_round8(_mm256_mul_ps(f32_load8_n(r + i, d - i), vinv));
+        bf16_store8_n(out + i, _mm256_mul_ps(bf16_load8_n(w + i, d - i), y), d - i);
+    }
+}
+
+static float inv_rms_f32(const float *r, int64_t d, float eps) {
+    float ms = sum_squares_of(NULL, r, d) / (float)d;
+    return 1.0f / sqrtf(ms + eps);
+}
+
 // Below this many elements a call stays on the caller's thread: waking the pool costs more.
 #define PARALLEL_MIN_ELEMS 32768
 
 typedef struct {
     const uint16_t *x, *residual, *w;
     uint16_t *residual_out, *out;
+    const float *residual_f32;  // the fp32 residual stream's form: these instead of residual(_out)
+    float *residual_out_f32;
     int64_t stride_outer, stride_inner, inner, d;
     float eps;
 } norm_args;
@@ -165,6 +192,27 @@ static void fused_rows(void *ctx, int64_t begin, int64_t end) {
 #endif
         }
         scale_row(a->residual_out + base, a->w, a->out + base, d, inv_rms(a->residual_out + base, d, a->eps));
+    }
+}
+
+// residual_out = x + residual in fp32 (no rounding to bf16), then the norm of that fp32 row.
+static void fused_rows_f32(void *ctx, int64_t begin, int64_t end) {
+    const norm_args *a = (const norm_args *)ctx;
+    const int64_t d = a->d;
+    for (int64_t r = begin; r < end; r++) {
+        const int64_t base = r * d;
+        float *ro = a->residual_out_f32 + base;
+        for (int64_t i = 0; i < d; i += 8) {
+            __m256 s = _mm256_add_ps(bf16_load8_n(a->x + base + i, d - i), f32_load8_n(a->residual_f32 + base + i, d - i));
+            if (d - i >= 8) {
+                _mm256_storeu_ps(ro + i, s);
+            } else {
+                float t[8];
+                _mm256_storeu_ps(t, s);
+                memcpy(ro + i, t, (size_t)(d - i) * sizeof(float));
+            }
+        }
+        scale_row_f32(ro, a->w, a->out + base, d, inv_rms_f32(ro, d, a->eps));
     }
 }
 
@@ -198,7 +246,8 @@ int exl_mean_squares(const exl_mean_squares_args *args) {
     return 0;
 }
 
-// residual_out = bf16(x + residual); out = rms_norm(residual_out); all [rows, d] contiguous.
+// residual_out = bf16(x + residual); out = rms_norm(residual_out); all [rows, d] contiguous. With
+// residual_fp32 the residual and residual_out are fp32 rows and the sum is not rounded to bf16.
 int exl_fused_add_rms_norm(const exl_fused_add_rms_norm_args *args) {
     const uint16_t *x = args->x, *residual = args->residual, *w = args->weight;
     uint16_t *residual_out = args->residual_out, *out = args->out;
@@ -207,6 +256,13 @@ int exl_fused_add_rms_norm(const exl_fused_add_rms_norm_args *args) {
     if (d <= 0 || rows < 0) return -1;
     norm_args a = {.x = x, .residual = residual, .w = w, .residual_out = residual_out, .out = out,
                    .d = d, .eps = eps};
+    if (args->residual_fp32) {
+        a.residual = a.residual_out = NULL;
+        a.residual_f32 = (const float *)args->residual;
+        a.residual_out_f32 = (float *)args->residual_out;
+        run(fused_rows_f32, &a, rows);
+        return 0;
+    }
     run(fused_rows, &a, rows);
     return 0;
 }

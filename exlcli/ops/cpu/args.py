@@ -80,7 +80,7 @@ class FusedAddRmsNormArgs(KernelArgs):
     c_name, kernel = "exl_fused_add_rms_norm_args", "exl_fused_add_rms_norm"
     _fields_ = [
         ("x", _p), ("residual", _p), ("residual_out", _p), ("weight", _p), ("out", _p), ("dim", _i64),
-        ("eps", _f32), ("rows", _i64),
+        ("eps", _f32), ("rows", _i64), ("residual_fp32", _i64),
     ]
 
 

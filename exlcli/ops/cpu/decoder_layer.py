@@ -167,7 +167,7 @@ class CpuDecoderLayers:
         pointers = tuple(t.data_ptr() for t in k_caches) + tuple(t.data_ptr() for t in v_caches)
         self._check_caches(k_caches, v_caches, pointers)
         num_pages, page_size = k_caches[0].shape[:2]
-        residual = torch.empty_like(h)
+        residual = torch.empty_like(h, dtype=torch.float32)  # the fp32 stream (ops/norm.py)
         scratch_elems = tokens * self._scratch_per_token
         scratch = torch.empty(scratch_elems, dtype=torch.bfloat16)
         step = DecoderLayerArgs(
