@@ -19,6 +19,8 @@ tokenizer.json, since the converter needs one and neither engine downloads anyth
 
 llama-server runs with -np 1 and its defaults (prompt cache on, its context checkpoints), then again with
 --swa-full (a full-size cache for the window layers, which lets it reuse a prefix at the cost of memory).
+With --edit-back N, turn 2 also halves an earlier user message about N characters before the end, as an agent
+that trims an old tool output does: the two prompts then part there, further back than a window.
 The rows print as a Markdown table; --json writes every figure.
 """
 from __future__ import annotations
@@ -197,9 +199,17 @@ def chat(url: str, messages: list[dict], max_tokens: int) -> dict:
             "finish_reason": finish, "usage": usage, "timings": timings, "first_token_streamed": first is not None}
 
 
-def two_turns(url: str, messages: list[dict], max_tokens: int, follow_up: str) -> list[dict]:
+def two_turns(url: str, messages: list[dict], max_tokens: int, follow_up: str, edit_back: int) -> list[dict]:
     one = chat(url, messages, max_tokens)
-    second = messages + [{"role": "assistant", "content": one["answer"]}, {"role": "user", "content": follow_up}]
+    history = [dict(m) for m in messages]
+    if edit_back:  # shorten the user message that starts about edit_back characters before the end
+        chars = 0
+        for m in reversed(history):
+            chars += len(m["content"])
+            if m["role"] == "user" and chars >= edit_back:
+                m["content"] = m["content"][:len(m["content"]) // 2] + " [trimmed]"
+                break
+    second = history + [{"role": "assistant", "content": one["answer"]}, {"role": "user", "content": follow_up}]
     two = chat(url, second, max_tokens)
     return [one, two]
 
@@ -212,7 +222,7 @@ def run_server(name: str, cmd: list[str], port: int, messages, a, logdir: Path) 
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, proc, log)
-        turns = two_turns(url, messages, a.max_tokens, a.follow_up)
+        turns = two_turns(url, messages, a.max_tokens, a.follow_up, a.edit_back)
     finally:
         stop(proc)
     for i, t in enumerate(turns, 1):
@@ -233,7 +243,7 @@ def turn_two_counts(result: dict) -> tuple[int | None, int | None, int | None]:
 
 
 def table(results: list[dict]) -> str:
-    base = results[0]["turns"][1]["ttft_s"]
+    base = next((r for r in results if r["engine"] == "exlcli"), results[0])["turns"][1]["ttft_s"]
     rows = ["| engine | turn 1 TTFT s | turn 2 TTFT s | turn 2 prompt tokens | cached | computed | "
             "turn 2 TTFT / exlcli's |", "|---|---:|---:|---:|---:|---:|---:|"]
     for r in results:
@@ -258,6 +268,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--follow-up", default="Thank you. Now say it again in one short sentence, please.")
     ap.add_argument("--engines", default="exlcli,llama-server,llama-server --swa-full")
+    ap.add_argument("--edit-back", type=int, default=0,
+                    help="turn 2 also halves the user message that starts about this many characters before the end "
+                         "(as an agent trims an old tool output), so the prompts part there (0: turn 2 extends turn 1)")
     ap.add_argument("--exlcli-args", default="", help="more flags for exlcli serve, e.g. '--dtype float32'")
     ap.add_argument("--json", help="write every figure here")
     a = ap.parse_args()
