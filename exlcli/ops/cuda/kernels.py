@@ -429,15 +429,7 @@ def moe_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bits:
     the pairs in (sorted by expert, for L2), or None. An id outside 0 .. E - 1 gives a NaN row."""
     op = "moe_gemv"
     checks.on_cuda(op, "x qweight scales ids", x, qweight, scales, ids)
-    if x.dim() != 2 or x.dtype != torch.bfloat16 or not x.is_contiguous() or not checks.aligned(x):
-        checks.fail(op, f"x must be a contiguous, aligned bfloat16 [rows, k], got {x.dtype} {list(x.shape)}")
-    k = x.shape[1]
-    if qweight.dim() != 2 or qweight.shape[0] == 0 or scales.shape[:1] != qweight.shape[:1]:
-        checks.fail(op, f"qweight and scales must be stacked [experts, ...], got {list(qweight.shape)} and "
-                        f"{list(scales.shape)}")
-    _packed(op, qweight[0], scales[0], bits, group, n, k)
-    if not (qweight.is_contiguous() and scales.is_contiguous()):
-        checks.fail(op, "the stacked qweight and scales must be contiguous")
+    k = _stacked_experts(op, x, qweight, scales, bits, group, n)
     if not dp4a_takes(1, k):
         checks.fail(op, f"k ({k}) is too large for the dp4a kernel's shared memory")
     if n // QUANT_TILE_ROWS > checks.MAX_GRID_Y:
@@ -452,6 +444,22 @@ def moe_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bits:
                                      STATE.options.pdl)
 
 
+def _stacked_experts(op: str, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bits: int,
+                     group: int, n: int) -> int:
+    """moe_gemv's and moe_gemm's shared checks: x contiguous aligned bf16 [rows, k] and the experts stacked
+    [E, ...] in the packed layout of an [n, k] weight; returns k."""
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or not x.is_contiguous() or not checks.aligned(x):
+        checks.fail(op, f"x must be a contiguous, aligned bfloat16 [rows, k], got {x.dtype} {list(x.shape)}")
+    k = x.shape[1]
+    if qweight.dim() != 2 or qweight.shape[0] == 0 or scales.shape[:1] != qweight.shape[:1]:
+        checks.fail(op, f"qweight and scales must be stacked [experts, ...], got {list(qweight.shape)} and "
+                        f"{list(scales.shape)}")
+    _packed(op, qweight[0], scales[0], bits, group, n, k)
+    if not (qweight.is_contiguous() and scales.is_contiguous()):
+        checks.fail(op, "the stacked qweight and scales must be contiguous")
+    return k
+
+
 def moe_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bits: int, group: int, n: int,
              order: torch.Tensor, expert_offsets: torch.Tensor, tile_offsets: torch.Tensor, tile_tokens: int,
              max_tiles: int, rows_per_x: int, float_out: bool = False) -> torch.Tensor:
@@ -464,15 +472,7 @@ def moe_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bits:
     op = "moe_gemm"
     checks.on_cuda(op, "x qweight scales order expert_offsets tile_offsets", x, qweight, scales, order,
                    expert_offsets, tile_offsets)
-    if x.dim() != 2 or x.dtype != torch.bfloat16 or not x.is_contiguous() or not checks.aligned(x):
-        checks.fail(op, f"x must be a contiguous, aligned bfloat16 [rows, k], got {x.dtype} {list(x.shape)}")
-    k = x.shape[1]
-    if qweight.dim() != 2 or qweight.shape[0] == 0 or scales.shape[:1] != qweight.shape[:1]:
-        checks.fail(op, f"qweight and scales must be stacked [experts, ...], got {list(qweight.shape)} and "
-                        f"{list(scales.shape)}")
-    _packed(op, qweight[0], scales[0], bits, group, n, k)
-    if not (qweight.is_contiguous() and scales.is_contiguous()):
-        checks.fail(op, "the stacked qweight and scales must be contiguous")
+    _stacked_experts(op, x, qweight, scales, bits, group, n)
     if n // QUANT_TILE_ROWS > checks.MAX_GRID_Y:
         checks.fail(op, f"n ({n}) must be at most {checks.MAX_GRID_Y * QUANT_TILE_ROWS}")
     if rows_per_x < 1:
