@@ -8,6 +8,10 @@ PageGroups (engine/page_groups.py) on a PagePool: prefilled in chunks, then deco
 scheduler drives it. The sequences counted are those decoding at N tokens each.
 
     python3 scripts/window_capacity.py --shape gemma3-12b --tokens 32768 --kv-memory 40GB
+    python3 scripts/window_capacity.py --shape llama3.1-8b --kv-cache-dtype bf16,q8_0,q4_0,q4h,q3h
+
+--kv-cache-dtype lists cache types (as `exlcli --kv-cache-dtype` names them; "K/V" for two): one row
+each, the bytes of a page counted as the engine counts them for that type.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from exlcli.engine.page_pool import PagePool  # noqa: E402
 from exlcli.engine.request import Request  # noqa: E402
 from exlcli.engine.sequence import Sequence  # noqa: E402
 from exlcli.model.attention_spec import layer_specs  # noqa: E402
-from exlcli.model.kv_cache import KVCache, layer_groups  # noqa: E402
+from exlcli.model.kv_cache import KVCache, kv_cache_types, layer_groups  # noqa: E402
 from exlcli.model.random_weights import random_config  # noqa: E402
 
 
@@ -51,15 +55,18 @@ def pages_of_one_sequence(groups: PageGroups, tokens: int, chunk: int) -> tuple[
     return pool.num_used, max(peak, pool.num_used)
 
 
-def capacity(shape: str, tokens: int, budget: int, page_size: int, chunk: int, split: bool) -> dict:
+def capacity(shape: str, tokens: int, budget: int, page_size: int, chunk: int, split: bool,
+             cache_type: str = "bf16") -> dict:
     config = random_config(shape)
     windows = [spec.window for spec in layer_specs(config)]
     groups = layer_groups(windows, split=split)
-    per_page = KVCache.bytes_per_page(config, page_size, torch.bfloat16, len(groups[0].layers))
+    types = kv_cache_types(cache_type.replace("/", ","), torch.bfloat16, torch.device("cpu"), config.head_dim)
+    per_page = KVCache.bytes_per_page(config, page_size, types, len(groups[0].layers))
     num_pages = budget // per_page
     page_groups = PageGroups([g.window for g in groups], page_size)
     held, peak = pages_of_one_sequence(page_groups, tokens, chunk)
-    return {"shape": shape, "layer_groups": len(groups), "layers_per_group": len(groups[0].layers),
+    return {"shape": shape, "cache_type": cache_type, "layer_groups": len(groups),
+            "layers_per_group": len(groups[0].layers),
             "windows": sorted({str(g.window or "full") for g in groups}), "page_bytes": per_page,
             "pool_pages": num_pages, "pages_per_sequence": held, "peak_pages_per_sequence": peak,
             "bytes_per_sequence": held * per_page, "sequences": num_pages // held}
@@ -69,12 +76,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="gemma3-12b", help="a random_weights shape (exlcli/model/random_weights.py)")
     parser.add_argument("--tokens", type=int, default=32768, help="tokens in each sequence")
-    parser.add_argument("--kv-memory", default="40GB", help="the KV budget (bf16 K and V)")
+    parser.add_argument("--kv-memory", default="40GB", help="the KV budget")
+    parser.add_argument("--kv-cache-dtype", default=None,
+                        help="comma-separated cache types (K/V for two): a row each, in window groups")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--chunk", type=int, default=4096, help="prefill chunk (the GPU's step budget)")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     args = parser.parse_args()
     budget = parse_size(args.kv_memory)
+    if args.kv_cache_dtype:
+        by_type = [capacity(args.shape, args.tokens, budget, args.page_size, args.chunk, True, t)
+                   for t in args.kv_cache_dtype.split(",")]
+        if args.json:
+            print(json.dumps({"tokens": args.tokens, "kv_bytes": budget, "types": by_type}))
+            return
+        print(f"{args.shape}, {args.tokens} tokens a sequence, {args.kv_memory} of K/V, pages of {args.page_size}")
+        for row in by_type:
+            gib = row["bytes_per_sequence"] / 2 ** 30
+            print(f"  {row['cache_type']:10s} {gib:6.2f} GiB a sequence, {row['sequences']} sequences "
+                  f"({row['sequences'] / max(1, by_type[0]['sequences']):.2f}x the first type's)")
+        return
     rows = [capacity(args.shape, args.tokens, budget, args.page_size, args.chunk, split)
             for split in (True, False)]
     if args.json:
