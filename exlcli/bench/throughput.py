@@ -192,9 +192,11 @@ def make_engine(loaded, max_batch: int, max_len: int, depth: int = 0, ubatch: in
     `speculative`: EngineConfig's speculative fields, for tg with a drafter."""
     from exlcli.engine.engine import Engine, EngineConfig
     from exlcli.engine.heap import freeze_long_lived_objects
+    from exlcli.engine.setup import cache_groups
 
     page_size = 16
-    pages_per_seq = -(-(max_len + 1) // page_size) + 1
+    # every layer group (sliding-window layers apart from full ones: Gemma 3, gpt-oss) takes its own pages
+    pages_per_seq = (-(-(max_len + 1) // page_size) + 1) * len(cache_groups(loaded.model))
     config = EngineConfig(page_size=page_size, num_pages=max_batch * pages_per_seq + 1,
                           max_num_batched_tokens=ubatch, max_num_seqs=max(max_batch, 1),
                           # never past the model's own context (the engine takes this value as is)

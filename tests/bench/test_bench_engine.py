@@ -1,12 +1,16 @@
 """The bench engine on the real random tiny model: tg decodes in lockstep (one prefill step, then
 exactly N decode steps of the whole batch), so the last N step times are pure decode."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from exlcli.bench.machine import copy_bandwidth, git_commit, machine_facts
 from exlcli.bench.model_facts import ModelFacts
 from exlcli.bench.throughput import BenchSpec, ThroughputRunner, make_engine
+from exlcli.model import random_weights
+from exlcli.model.architectures.windows import periodic
 from exlcli.model.loader import load_model
 
 
@@ -46,3 +50,18 @@ def test_machine_facts_and_copy_bandwidth():
     assert facts["commit"] == git_commit()
     assert machine_facts(None)["device"] == "remote"
     assert copy_bandwidth(torch.device("cpu"), nbytes=4 << 20, reps=2) > 1e6  # more than 1 MB/s
+
+
+def test_the_pool_holds_max_len_on_a_model_with_sliding_window_layers(monkeypatch):
+    # sliding and full layers take pages of their own (two layer groups); a pool sized for one group
+    # capped the context below the prompt (gemma3 and gpt-oss GGUFs failed pp32 with "longer than the context")
+    shape = dataclasses.replace(random_weights.SHAPES["gemma3-12b"], vocab_size=512, hidden_size=64,
+                                intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                                embed_scale=8.0, query_pre_attn_scalar=16, sliding_window=16,
+                                layer_types=periodic(2, 2))
+    monkeypatch.setitem(random_weights.SHAPES, "tiny-swa", shape)
+    loaded = load_model("random:tiny-swa", device="cpu")
+    engine = make_engine(loaded, max_batch=1, max_len=200)
+    assert engine.max_model_len == 201
+    ThroughputRunner(engine, ModelFacts.of(loaded)).run(BenchSpec("pp", 190, 1), reps=1, warmup=0)
+    assert engine.stats().total_prompt_tokens == 190
