@@ -8,6 +8,7 @@ past the window; the reference attention never runs on the kernel path."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from exlcli.engine.engine import Engine, EngineConfig
 from exlcli.engine.page_groups import FREED
 from exlcli.engine.request import Request, SamplingParams
 from exlcli.model.architectures import build_model
+from exlcli.model.architectures.windows import periodic
 from exlcli.model.config import FULL_ATTENTION, SLIDING_ATTENTION
 from exlcli.model.interface import CausalLM
 from exlcli.model.random_weights import SyntheticTokenizer, random_config, random_tensors
@@ -29,10 +31,28 @@ NEW_TOKENS = 48
 WINDOW = 24
 
 
-@pytest.fixture(scope="module", params=["sinks", "softcap", "softcap-head256"])
+def tiny_gemma3() -> CausalLM:
+    """Gemma 3's layers (q/k norms, sandwich norms, GELU, the embedding scale, a rope of their own for the
+    sliding layers, heads of 256), five sliding over WINDOW tokens to one global: six layer groups of one
+    layer, so each decode graph stages six block tables a row."""
+    config = dataclasses.replace(
+        random_config("gemma3-12b"), vocab_size=4096, hidden_size=384, intermediate_size=768, num_layers=6,
+        num_heads=4, num_kv_heads=2, embed_scale=math.sqrt(384), sliding_window=WINDOW,
+        max_position_embeddings=4096, layer_types=periodic(6, 6),
+        tie_word_embeddings=False)  # (tied, the scaled embeddings make greedy repeat one token)
+    tensors = random_tensors(config, device="cuda", dtype=torch.float32, seed=1)
+    model = build_model(config, tensors, torch.device("cuda"), torch.float32)
+    specs = model.attention_specs()
+    assert [s.window for s in specs] == [WINDOW] * 5 + [None] and model.config.head_dim == 256
+    return model
+
+
+@pytest.fixture(scope="module", params=["sinks", "softcap", "softcap-head256", "gemma3-head256"])
 def kinds_model(request) -> CausalLM:
     """Windows with sink logits (gpt-oss's kinds), or windows with a soft-cap (Gemma 2's; a config refuses
-    both), the latter also with Gemma's heads of 256."""
+    both), the latter also with Gemma's heads of 256; and a tiny Gemma 3."""
+    if request.param.startswith("gemma3"):
+        return tiny_gemma3()
     base = random_config("smollm2-135m")
     sinks = request.param == "sinks"
     head_dim = 256 if request.param.endswith("head256") else base.head_dim
@@ -99,7 +119,8 @@ def run(model: CausalLM, prompts: list[list[int]]) -> Run:
 
 def test_greedy_tokens_with_windows_sinks_and_softcap_equal_the_reference(kinds_model, monkeypatch):
     gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 49152, (n,), generator=gen).tolist() for n in (70, 9, 33)]
+    vocab = kinds_model.config.vocab_size
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (70, 9, 33)]
     with kernels_disabled():
         ref = run(kinds_model, prompts)
 
@@ -111,7 +132,8 @@ def test_greedy_tokens_with_windows_sinks_and_softcap_equal_the_reference(kinds_
     got = run(kinds_model, prompts)
     monkeypatch.setenv("EXLCLI_NO_CUDA_GRAPHS", "1")
     eager = run(kinds_model, prompts)
-    assert got.num_groups > 1, "the window layers should keep their pages in layer groups of their own"
+    assert got.num_groups == (6 if kinds_model.config.architecture == "gemma3" else 2), (
+        f"{got.num_groups} layer groups: the window layers should keep their pages in groups of their own")
     assert ref.replays == 0 and eager.replays == 0, "the reference and EXLCLI_NO_CUDA_GRAPHS=1 run no graph"
     assert got.graphs_off is None, f"decode graphs off on a window-group cache: {got.graphs_off}"
     assert got.replays >= NEW_TOKENS - 2, f"only {got.replays} decode steps replayed a graph"
