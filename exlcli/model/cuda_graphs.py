@@ -96,9 +96,11 @@ class _Staging:
         self.host_longs, self.host_flight, self.host_lens = (t.numpy() for t in self._views(self.host_buffer))
 
     def _views(self, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        n = self.rows
-        return (buffer[:(2 + self.groups) * n].view(2 + self.groups, n), buffer[(2 + self.groups) * n:self.longs_size]
-                .view(2, n), buffer[self.longs_size:].view(torch.int32)[:n])
+        """(ids, positions, slots of each group) [2 + G, N], in-flight rows [2, N], lengths [N] int32."""
+        n, rows = self.rows, 2 + self.groups
+        longs = buffer[:rows * n].view(rows, n)
+        flight = buffer[rows * n:self.longs_size].view(2, n)
+        return longs, flight, buffer[self.longs_size:].view(torch.int32)[:n]
 
     def _tables(self, buffer: torch.Tensor, bucket: int) -> list[torch.Tensor]:
         """Each group's block tables [bucket, width], as the graphs of `bucket` rows read them."""
