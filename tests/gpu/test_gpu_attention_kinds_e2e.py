@@ -31,7 +31,7 @@ NEW_TOKENS = 48
 WINDOW = 24
 
 
-def tiny_gemma3() -> CausalLM:
+def tiny_gemma3(dtype: torch.dtype = torch.float32) -> CausalLM:
     """Gemma 3's layers (q/k norms, sandwich norms, GELU, the embedding scale, a rope of their own for the
     sliding layers, heads of 256), five sliding over WINDOW tokens to one global: six layer groups of one
     layer, so each decode graph stages six block tables a row."""
@@ -40,8 +40,8 @@ def tiny_gemma3() -> CausalLM:
         num_heads=4, num_kv_heads=2, embed_scale=math.sqrt(384), sliding_window=WINDOW,
         max_position_embeddings=4096, layer_types=periodic(6, 6),
         tie_word_embeddings=False)  # (tied, the scaled embeddings make greedy repeat one token)
-    tensors = random_tensors(config, device="cuda", dtype=torch.float32, seed=1)
-    model = build_model(config, tensors, torch.device("cuda"), torch.float32)
+    tensors = random_tensors(config, device="cuda", dtype=dtype, seed=1)
+    model = build_model(config, tensors, torch.device("cuda"), dtype)
     specs = model.attention_specs()
     assert [s.window for s in specs] == [WINDOW] * 5 + [None] and model.config.head_dim == 256
     return model
@@ -147,3 +147,23 @@ def test_greedy_tokens_with_windows_sinks_and_softcap_equal_the_reference(kinds_
                        f"vs {e[first:first + 4]}"
         first = next((j for j, (a, b) in enumerate(zip(g, r)) if a != b), None)
         assert g == r, f"prompt {i}: the kernels and the reference part at token {first}"
+
+
+def test_a_bf16_gemma3_replays_graphs_over_six_groups_with_the_eager_tokens(monkeypatch):
+    """bf16 runs decode attention version 3 at heads of 256 (fp32 above runs version 1); one sequence, so the
+    graph's bucket of 1 row is the eager step's shape and the tokens must agree."""
+    model = tiny_gemma3(torch.bfloat16)
+    prompt = torch.randint(0, model.config.vocab_size, (70,), generator=torch.Generator().manual_seed(4)).tolist()
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the reference attention ran on the kernel path")
+
+    monkeypatch.setattr(attention, "paged_attention_ref", forbidden)
+    monkeypatch.setattr(attention, "paged_attention_decode_ref", forbidden)
+    got = run(model, [prompt])
+    monkeypatch.setenv("EXLCLI_NO_CUDA_GRAPHS", "1")
+    eager = run(model, [prompt])
+    assert got.num_groups == 6 and got.graphs_off is None, f"graphs off: {got.graphs_off}"
+    assert got.replays >= NEW_TOKENS - 2 and got.replays_after_freeing >= 10, (got.replays, got.replays_after_freeing)
+    first = next((j for j, (a, b) in enumerate(zip(got.tokens[0], eager.tokens[0])) if a != b), None)
+    assert got.tokens == eager.tokens, f"graph replay and eager decode part at token {first}"
