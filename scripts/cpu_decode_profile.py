@@ -1,6 +1,7 @@
 """Where a batch-1 CPU decode step of a model goes: the model's forward with perf_counter (wall) and the main
 thread's CPU time around its parts (each layer's q|k|v with its norm, the q/k norms, rope, attention, o, the
-experts with their router and routing, the output layer), summed over decode steps after a prefill.
+experts with their router and routing, the output layer; or, where the layers run in one C call each
+(csrc/cpu/decoder.c), all of them as one part), summed over decode steps after a prefill.
 
     python3 scripts/cpu_decode_profile.py /tmp/moe.gguf --prompt 64 --steps 64
 
@@ -24,6 +25,7 @@ from exlcli.model.batch_inputs import BatchInputs
 from exlcli.model.kv_cache import KVCache
 from exlcli.model.loader import load_model
 from exlcli.ops import moe, rope
+from exlcli.ops.cpu import decoder_layer
 
 WALL: dict[str, float] = collections.defaultdict(float)
 CPU: dict[str, float] = collections.defaultdict(float)
@@ -68,6 +70,9 @@ def instrument(model: Any) -> None:
                         ("fused_add_rms_norm", "residual add + norm")):
         setattr(decoder, name, timed(label, getattr(decoder, name)))
     moe.route = timed("routing (softmax, top k)", moe.route)  # type: ignore[assignment]
+    # a model whose layers run in one C call each: every layer's kernels in this one part
+    decoder_layer.CpuDecoderLayers.run = timed(  # type: ignore[method-assign]
+        "layers, one C call each", decoder_layer.CpuDecoderLayers.run)
     rope.RopeWrite.write = timed("rope, K/V write", rope.RopeWrite.write)  # type: ignore[method-assign]
     rope.RopeWrite.heads = timed("q|k|v split into heads", rope.RopeWrite.heads)  # type: ignore[method-assign]
 

@@ -12,6 +12,8 @@ scaled by (norm_offset + w) (folded into the weights at load), embeddings times 
 sandwich norms (the attention and feed-forward outputs normed before their residual add, the
 pre-feed-forward norm read from pre_feedforward_layernorm), GELU-tanh gating, a final logit
 soft-cap. A model using any of these runs layer by layer (no one-call CPU layers, no fused decode).
+A mixture-of-experts model takes the one-call CPU layers where every layer's router and experts have their
+C calls (MoeFeedForward.cpu_router, .cpu_experts) and no layer has a shared expert; never the fused decode.
 """
 
 from __future__ import annotations
