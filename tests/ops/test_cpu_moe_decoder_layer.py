@@ -10,13 +10,16 @@ import dataclasses
 
 import pytest
 import torch
-from test_cpu_decoder_layer import FORMATS, PAGE, STEPS, models, step
+from test_cpu_decoder_layer import FORMATS, PAGE, STEPS, models, quantized_tensors, step
 
+from exlcli.model.architectures import build_model
 from exlcli.model.config import ModelConfig, MoeConfig
 from exlcli.model.kv_cache import KVCache
+from exlcli.model.quantize_at_load import quantize_weight
 from exlcli.ops import backend
 from exlcli.ops.cpu import decoder_layer, moe_experts, moe_router
 from exlcli.ops.cpu.decoder_layer import CpuDecoderLayers
+from exlcli.ops.errors import KernelInputError
 from exlcli.ops.formats import cpu_qmatmul
 from exlcli.ops.moe import RouterSpec, route
 
@@ -113,3 +116,41 @@ def test_c_router_routes_as_torch(kind, normalize, tokens):
     torch.testing.assert_close(weights, want_w, rtol=1e-5, atol=1e-6)
     alone_w, alone_ids = router(x[-1:].clone())
     assert torch.equal(alone_ids[0], ids[-1]) and torch.equal(alone_w[0], weights[-1])
+
+
+def test_a_shared_expert_keeps_the_layer_by_layer_path(monkeypatch):
+    """No architecture of DecoderModel has one yet (Qwen2-MoE's kind): such a model runs layer by layer, and
+    routes in C there."""
+    config = dataclasses.replace(QWEN3_MOE, moe=dataclasses.replace(QWEN3_MOE.moe, shared_expert_size=64))
+    tensors = quantized_tensors(config, FORMATS)
+    g = torch.Generator().manual_seed(3)
+    for i in range(config.num_layers):
+        for name, shape in (("gate", (64, 96)), ("up", (64, 96)), ("down", (96, 64))):
+            w = torch.randn(*shape, generator=g) * 0.05
+            tensors[f"model.layers.{i}.mlp.shared_expert.{name}_proj.weight"] = quantize_weight(w, "Q8_0")
+    model = build_model(config, tensors, torch.device("cpu"), torch.bfloat16)
+    kv = KVCache(config, 24, PAGE, torch.device("cpu"), torch.bfloat16)
+    logits = model.forward(step(STEPS[0], config.vocab_size, 0), kv)
+    assert model._cpu_layers is None and torch.isfinite(logits).all()
+    assert model.layers[0].moe.cpu_router(torch.zeros(1, 96, dtype=torch.bfloat16)) is not None
+
+
+def test_the_environment_switch_routes_in_torch(monkeypatch):
+    monkeypatch.setenv("EXLCLI_NO_CPU_MOE_KERNEL", "1")
+    _, fused = models(QWEN3_MOE, monkeypatch)
+    x = torch.zeros(1, 96, dtype=torch.bfloat16)
+    assert fused.layers[0].moe.cpu_router(x) is None and fused.layers[0].moe.cpu_experts(x) is None
+    kv = KVCache(QWEN3_MOE, 24, PAGE, torch.device("cpu"), torch.bfloat16)
+    fused.forward(step(STEPS[0], QWEN3_MOE.vocab_size, 0), kv)
+    assert fused._cpu_layers is None  # neither C call: the layers run one by one
+
+
+def test_bad_router_inputs_are_one_clear_error():
+    weight = torch.zeros(4, 32, dtype=torch.bfloat16)
+    with pytest.raises(KernelInputError, match="kind 'sigmoid_group'"):
+        moe_router.CpuRouter(weight, None, 4, 32, "sigmoid_group", 2, True)
+    with pytest.raises(KernelInputError, match=r"contiguous bf16 \[8, 32\]"):
+        moe_router.CpuRouter(weight, None, 8, 32, "softmax_topk", 2, True)
+    router = moe_router.CpuRouter(weight, None, 4, 32, "softmax_topk", 2, True)
+    with pytest.raises(KernelInputError, match=r"x must be bf16 \[tokens, 32\]"):
+        router(torch.zeros(3, 16, dtype=torch.bfloat16))
