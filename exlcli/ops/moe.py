@@ -189,6 +189,8 @@ class MoeFeedForward:
         if spec.kind not in cpu_moe_router.KINDS or self.router_bias is not None or not cpu_moe_router.available():
             return None
         if isinstance(r, DenseLinear):
+            # a router with a bias (gpt-oss's) stays in torch: gpt-oss's layers run layer by layer anyway (sinks,
+            # the o bias, experts of the clamped SwiGLU that moe.c does not run)
             if r.bias is not None or r.weight.dtype != torch.bfloat16 or r.weight.device.type != "cpu":
                 return None
             return cpu_moe_router.CpuRouter(r.weight.contiguous(), None, r.out_features, r.in_features,
