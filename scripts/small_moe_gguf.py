@@ -3,6 +3,7 @@ a transformers Qwen3MoeForCausalLM (hidden 512, 8 layers, 8 experts of width 102
 a 32,000-token byte-level BPE vocabulary) with transformers' own random init, converted by llama.cpp's
 convert_hf_to_gguf.py (../shared/peers/llama.cpp beside the checkout), then every 2-D and expert weight
 quantized by exlcli's quantizer to one type (llama.cpp's "pure" files; the router and the norms stay f32).
+The init is seeded: every run writes the same bytes.
 
     python3 scripts/small_moe_gguf.py OUT.gguf q4_0   # or q4_k
 """
