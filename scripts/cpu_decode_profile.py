@@ -1,8 +1,10 @@
 """Where a batch-1 CPU decode step of a model goes: the model's forward with perf_counter (wall) and the main
 thread's CPU time around its parts (each layer's q|k|v with its norm, the q/k norms, rope, attention, o, the
-experts with their router and routing, the output layer), summed over decode steps after a prefill.
+experts with their router and routing, the output layer; or, where the layers run in one C call each
+(csrc/cpu/decoder.c), all of them as one part), summed over decode steps after a prefill; of one sequence,
+or of --streams sequences decoding together (each after its own prompt).
 
-    python3 scripts/cpu_decode_profile.py /tmp/moe.gguf --prompt 64 --steps 64
+    python3 scripts/cpu_decode_profile.py /tmp/moe.gguf --prompt 64 --steps 64 [--streams 16]
 
 The main thread's CPU time is the measure a shared machine moves least: torch runs single-threaded here, so
 the small ops (norms, rope, routing) are all on it; the kernels' matmuls share their work with the pool's
@@ -24,6 +26,7 @@ from exlcli.model.batch_inputs import BatchInputs
 from exlcli.model.kv_cache import KVCache
 from exlcli.model.loader import load_model
 from exlcli.ops import moe, rope
+from exlcli.ops.cpu import decoder_layer
 
 WALL: dict[str, float] = collections.defaultdict(float)
 CPU: dict[str, float] = collections.defaultdict(float)
@@ -68,6 +71,9 @@ def instrument(model: Any) -> None:
                         ("fused_add_rms_norm", "residual add + norm")):
         setattr(decoder, name, timed(label, getattr(decoder, name)))
     moe.route = timed("routing (softmax, top k)", moe.route)  # type: ignore[assignment]
+    # a model whose layers run in one C call each: every layer's kernels in this one part
+    decoder_layer.CpuDecoderLayers.run = timed(  # type: ignore[method-assign]
+        "layers, one C call each", decoder_layer.CpuDecoderLayers.run)
     rope.RopeWrite.write = timed("rope, K/V write", rope.RopeWrite.write)  # type: ignore[method-assign]
     rope.RopeWrite.heads = timed("q|k|v split into heads", rope.RopeWrite.heads)  # type: ignore[method-assign]
 
@@ -77,28 +83,36 @@ def main() -> None:
     parser.add_argument("model")
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--streams", type=int, default=1, help="sequences decoding together (each its prompt)")
     args = parser.parse_args()
     loaded = load_model(args.model, device="cpu", dtype="bfloat16")
-    model, page = loaded.model, 16
-    pages = list(range(1, (args.prompt + args.steps) // page + 2))
-    kv = KVCache(loaded.config, len(pages) + 1, page, torch.device("cpu"), model.dtype)
+    model, page, streams = loaded.model, 16, args.streams
+    per_seq = (args.prompt + args.steps) // page + 1
+    pages = [list(range(1 + s * per_seq, 1 + (s + 1) * per_seq)) for s in range(streams)]
+    kv = KVCache(loaded.config, streams * per_seq + 1, page, torch.device("cpu"), model.dtype)
 
-    def batch(ids: list[int], start: int) -> BatchInputs:
-        n, pos = len(ids), list(range(start, start + len(ids)))
-        return BatchInputs(input_ids=torch.tensor(ids), positions=torch.tensor(pos),
-                           slot_mapping=torch.tensor([pages[p // page] * page + p % page for p in pos]),
-                           block_tables=torch.tensor([pages], dtype=torch.int32), seq_lens=[start + n],
-                           query_start_loc=[0, n], logits_indices=torch.tensor([n - 1]),
-                           seq_lens_t=torch.tensor([start + n], dtype=torch.int32))
+    def batch(rows: list[list[int]], start: int) -> BatchInputs:
+        """Each stream's tokens `rows[s]` at positions start.. of its own pages."""
+        n = len(rows[0])
+        pos = list(range(start, start + n))
+        return BatchInputs(input_ids=torch.tensor([t for r in rows for t in r]), positions=torch.tensor(pos * streams),
+                           slot_mapping=torch.tensor([pages[s][p // page] * page + p % page
+                                                      for s in range(streams) for p in pos]),
+                           block_tables=torch.tensor(pages, dtype=torch.int32), seq_lens=[start + n] * streams,
+                           query_start_loc=[s * n for s in range(streams + 1)],
+                           logits_indices=torch.tensor([s * n + n - 1 for s in range(streams)]),
+                           seq_lens_t=torch.tensor([start + n] * streams, dtype=torch.int32))
 
-    tokens = [i % loaded.config.vocab_size for i in range(100, 100 + args.prompt)]
+    tokens = [[(i + 7 * s) % loaded.config.vocab_size for i in range(100, 100 + args.prompt)] for s in range(streams)]
     model.forward(batch(tokens, 0), kv)
     instrument(model)
     steps, wall = [], time.perf_counter()
     cpu0, main0 = time.process_time(), time.thread_time()
     for s in range(args.steps):
         t = time.perf_counter()
-        tokens.append(int(model.forward(batch(tokens[-1:], args.prompt + s), kv).argmax()))
+        nxt = model.forward(batch([r[-1:] for r in tokens], args.prompt + s), kv).argmax(-1).tolist()
+        for r, token in zip(tokens, nxt):
+            r.append(token)
         steps.append(time.perf_counter() - t)
     n, total = args.steps, time.perf_counter() - wall
     process, main_thread = (time.process_time() - cpu0) / n, (time.thread_time() - main0) / n

@@ -21,7 +21,9 @@ Routing is plain tensor work with no host synchronisation. The expert products t
   host sync on either, so a decode step can be a CUDA graph; the path is a function of the token count;
 - on the CPU with its kernels, a layer whose experts all run on the C matmul and use `silu` takes the
   routed experts in one C call (exlcli/ops/cpu/moe_experts.py), bit for bit the expert-by-expert path;
-  `EXLCLI_NO_CPU_MOE_KERNEL=1` goes back to that path;
+  on the CPU kernels a layer routes in one C call too (exlcli/ops/cpu/moe_router.py: softmax_topk and
+  topk_softmax, a router without a correction bias), as the one-call decoder layer does (csrc/cpu/decoder.c);
+  `EXLCLI_NO_CPU_MOE_KERNEL=1` goes back to torch's routing and the expert-by-expert path;
 - otherwise the tokens of each expert are grouped on the host (the reference path: each active
   expert's weights are read once for all of its tokens).
 With --cpu-moe / --n-cpu-moe a layer's routed experts live in host memory (`expert_device`): its rows go
@@ -37,8 +39,10 @@ import torch
 
 from exlcli import environment
 from exlcli.ops.cpu import moe_experts as cpu_moe_experts
+from exlcli.ops.cpu import moe_router as cpu_moe_router
 from exlcli.ops.cpu.loader import use_cpu_kernels
 from exlcli.ops.cuda.loader import use_kernels
+from exlcli.ops.formats.dense import DenseLinear
 from exlcli.ops.linear import Linear
 from exlcli.ops.moe_stacked import StackedExperts, stack_experts
 
@@ -133,6 +137,7 @@ class MoeFeedForward:
         self.alpha = alpha
         self.expert_device = expert_device
         self._cpu_experts: cpu_moe_experts.CpuExperts | None | Literal[False] = False  # False: not built yet
+        self._cpu_router: cpu_moe_router.CpuRouter | None | Literal[False] = False
         # the routed experts stacked for the device path (None: they run per expert on the host path)
         self.stacked: StackedExperts | None = None
         if activation == "silu":
@@ -171,9 +176,38 @@ class MoeFeedForward:
                                  else cpu_moe_experts.build(self.experts, self.router.in_features))
         return self._cpu_experts
 
+    def cpu_router(self, x: torch.Tensor) -> cpu_moe_router.CpuRouter | None:
+        """The router in one C call where x runs the CPU kernels and the kernel routes as this layer does."""
+        if x.dim() != 2 or not use_cpu_kernels(x):
+            return None
+        if self._cpu_router is False:
+            self._cpu_router = None if environment.flag("EXLCLI_NO_CPU_MOE_KERNEL") else self._build_cpu_router()
+        return self._cpu_router
+
+    def _build_cpu_router(self) -> cpu_moe_router.CpuRouter | None:
+        r, spec = self.router, self.spec
+        if spec.kind not in cpu_moe_router.KINDS or self.router_bias is not None or not cpu_moe_router.available():
+            return None
+        if isinstance(r, DenseLinear):
+            # a router with a bias (gpt-oss's) stays in torch: gpt-oss's layers run layer by layer anyway (sinks,
+            # the o bias, experts of the clamped SwiGLU that moe.c does not run)
+            if r.bias is not None or r.weight.dtype != torch.bfloat16 or r.weight.device.type != "cpu":
+                return None
+            return cpu_moe_router.CpuRouter(r.weight.contiguous(), None, r.out_features, r.in_features,
+                                            spec.kind, spec.top_k, spec.normalize)
+        parts = r.cpu_qmatmul_parts()
+        if parts is None or len(parts) != 1:
+            return None
+        return cpu_moe_router.CpuRouter(None, parts[0], r.out_features, r.in_features, spec.kind, spec.top_k,
+                                        spec.normalize)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] (normed) -> [T, H] in x's dtype."""
-        weights, ids = route(self.router(x, out_dtype=torch.float32), self.spec, self.router_bias)
+        cpu_router = self.cpu_router(x) if self.expert_device is None else None
+        if cpu_router is not None:
+            weights, ids = cpu_router(x)
+        else:
+            weights, ids = route(self.router(x, out_dtype=torch.float32), self.spec, self.router_bias)
         if self.expert_device is not None:
             out = self._routed_on(self.expert_device, x, weights, ids)
         elif self.stacked is not None and self._on_device(x):

@@ -197,6 +197,43 @@ typedef struct {
 } exl_silu_and_mul_args;
 int exl_silu_and_mul(const exl_silu_and_mul_args *args);
 
+// The routed experts of one mixture-of-experts layer in one call (moe.c): every active expert's gate|up
+// product, SiLU(gate) * up and down product over the tokens routed to it, then each token's weighted sum.
+typedef struct {
+    const uint16_t *x;  // bf16 [T, hidden] contiguous (the normed rows)
+    int64_t tokens;     // T
+    int64_t hidden;
+    int64_t inter;      // an expert's width: gate_up makes 2 * inter
+    int64_t top_k;      // experts a token
+    const int64_t *ids;  // [T, top_k] the experts chosen, each in 0 .. num_experts - 1
+    const float *weights;  // fp32 [T, top_k] their weights
+    int64_t num_experts;
+    const exl_qmatmul_args *gate_up;  // [num_experts][gate_up_parts] (x, rows, y unset), outputs side by side
+    int64_t gate_up_parts;
+    const exl_qmatmul_args *down;  // [num_experts][down_parts]
+    int64_t down_parts;
+    float *out;         // fp32 [T, hidden]: the weighted sums
+} exl_moe_experts_args;
+int exl_moe_experts(const exl_moe_experts_args *args);
+
+// The router of one mixture-of-experts layer (moe_router.c): each token's fp32 expert logits, then its top_k
+// experts and their weights, as exlcli/ops/moe.py's route() computes them for the kinds it takes.
+typedef struct {
+    const uint16_t *x;  // bf16 [T, hidden] contiguous (the normed rows)
+    int64_t tokens;     // T
+    int64_t hidden;
+    int64_t num_experts;
+    const uint16_t *weight;  // bf16 [num_experts, hidden] (a dense router), or NULL: parts
+    const exl_qmatmul_args *parts;  // one quantized router (x, rows, y, y_fp32 unset), or NULL: weight
+    int64_t kind;       // 0: softmax then top k (softmax_topk); 1: top k then softmax (topk_softmax)
+    int64_t top_k;
+    int64_t normalize;  // kind 0: 1 divides the k weights by their sum
+    float *logits;      // fp32 [T, num_experts] scratch (softmax_topk: left holding the probabilities)
+    float *weights;     // out: fp32 [T, top_k]
+    int64_t *ids;       // out: [T, top_k], ties to the lower id
+} exl_moe_router_args;
+int exl_moe_router(const exl_moe_router_args *args);
+
 // One layer of the llama-style decoder (exlcli/model/architectures/decoder.py) in one call, through
 // the kernels above in the order, and with the arguments, of the layer-by-layer path (decoder.c).
 // The step's fields come first: the same for every layer, they are copied over each layer's.
@@ -240,27 +277,10 @@ typedef struct {
     int64_t inter;      // the MLP's width: gate_up makes 2 * inter
     float eps;
     float scale;        // attention's, usually dim ** -0.5
+    const exl_moe_router_args *router;  // NULL: the feed-forward above; else a mixture of experts' router
+    const exl_moe_experts_args *experts;  // with router: its routed experts (x, tokens, ids, weights, out unset)
 } exl_decoder_layer_args;
 int exl_decoder_layer(const exl_decoder_layer_args *args);
-
-// The routed experts of one mixture-of-experts layer in one call (moe.c): every active expert's gate|up
-// product, SiLU(gate) * up and down product over the tokens routed to it, then each token's weighted sum.
-typedef struct {
-    const uint16_t *x;  // bf16 [T, hidden] contiguous (the normed rows)
-    int64_t tokens;     // T
-    int64_t hidden;
-    int64_t inter;      // an expert's width: gate_up makes 2 * inter
-    int64_t top_k;      // experts a token
-    const int64_t *ids;  // [T, top_k] the experts chosen, each in 0 .. num_experts - 1
-    const float *weights;  // fp32 [T, top_k] their weights
-    int64_t num_experts;
-    const exl_qmatmul_args *gate_up;  // [num_experts][gate_up_parts] (x, rows, y unset), outputs side by side
-    int64_t gate_up_parts;
-    const exl_qmatmul_args *down;  // [num_experts][down_parts]
-    int64_t down_parts;
-    float *out;         // fp32 [T, hidden]: the weighted sums
-} exl_moe_experts_args;
-int exl_moe_experts(const exl_moe_experts_args *args);
 
 // The gated delta rule of Gated DeltaNet layers over B sequences' tokens (gated_delta.c): sequence b runs
 // its tokens begin[b] .. end[b] - 1 one after another from its state, each token S <- e^g S;

@@ -10,11 +10,15 @@
 //   qkv = x @ Wqkv (its parts side by side); [q, k = per-head rms_norm(q), (k)]; q = rope(q), k and v
 //   written to the cache; a = paged_attention(q); h = a @ Wo; x, residual = fused_add_rms_norm(h,
 //   residual); h = silu_and_mul(x @ Wgate_up) @ Wdown.
+// A mixture-of-experts layer (router set) ends instead as MoeFeedForward does on the CPU kernels: each
+// token's experts and weights from exl_moe_router, their weighted sum from exl_moe_experts (moe.c), that
+// fp32 sum rounded to bf16 as h. The router, its top k and the sums are malloc'd here, per call.
 // Scratch, in bf16 elements per token: hidden (x), W = (heads + 2 kv_heads) dim (qkv), 2 heads dim
 // (rotated q, attention output), 3 inter (gate|up, its activation); with q/k norms (heads + kv_heads)
 // dim more (normed q and k); with a projection of several parts, max(W, 2 inter, hidden) more (a
 // part's output before it joins its neighbours).
 
+#include <stdlib.h>
 #include <string.h>
 
 #include "args.h"
@@ -33,6 +37,7 @@ int exl_rope_available(void);
 int exl_paged_attention_available(void);
 int exl_activation_available(void);
 int exl_qmatmul_available(void);
+int exl_moe_experts_available(void);
 
 int exl_decoder_layer_available(void) {
     return EXL_DECODER && exl_norm_available() && exl_rope_available() && exl_paged_attention_available() &&
@@ -72,6 +77,28 @@ static int project(const exl_qmatmul_args *parts, int64_t n_parts, const uint16_
     return col == width ? 0 : 6;
 }
 
+// h [T, H] = the routed experts' weighted sums of x's rows, rounded to bf16.
+static int experts_feed_forward(const exl_decoder_layer_args *a, const uint16_t *x) {
+    const int64_t T = a->tokens, H = a->hidden, E = a->router->num_experts, k = a->router->top_k;
+    if (!exl_moe_experts_available()) return -1;
+    if (a->router->hidden != H || a->experts->hidden != H || a->experts->num_experts != E) return 6;
+    float *logits = (float *)malloc(sizeof(float) * (size_t)(T * E));
+    float *weights = (float *)malloc(sizeof(float) * (size_t)(T * k));
+    int64_t *ids = (int64_t *)malloc(sizeof(int64_t) * (size_t)(T * k));
+    float *out = (float *)malloc(sizeof(float) * (size_t)(T * H));
+    int rc = -1;
+    if (logits && weights && ids && out) {
+        exl_moe_router_args r = *a->router;
+        r.x = x, r.tokens = T, r.logits = logits, r.weights = weights, r.ids = ids;
+        exl_moe_experts_args e = *a->experts;
+        e.x = x, e.tokens = T, e.top_k = k, e.ids = ids, e.weights = weights, e.out = out;
+        if (!(rc = exl_moe_router(&r)) && !(rc = exl_moe_experts(&e)))
+            for (int64_t i = 0; i < T * H; i++) a->h[i] = f32_to_bf16(out[i]);
+    }
+    free(logits), free(weights), free(ids), free(out);
+    return rc;
+}
+
 // Every sequence's queries and length against its block table's room (what the Python wrapper of the
 // attention kernel checks per call).
 static int check_layout(const exl_decoder_layer_args *a) {
@@ -94,6 +121,7 @@ int exl_decoder_layer(const exl_decoder_layer_args *a) {
     if (T == 0) return 0;
     int rc = check_layout(a);
     if (rc) return rc;
+    if (a->router && !a->experts) return 6;
     const int multi = a->qkv_parts > 1 || a->o_proj_parts > 1 || a->gate_up_parts > 1 || a->down_parts > 1;
     const int64_t normed = a->q_norm ? (heads + kvh) * D : 0, tmp_width = multi ? max3(W, 2 * I, H) : 0;
     if (a->scratch_elems < T * (H + W + 2 * heads * D + 3 * I + normed + tmp_width)) return 5;
@@ -137,6 +165,7 @@ int exl_decoder_layer(const exl_decoder_layer_args *a) {
 
     exl_fused_add_rms_norm_args n2 = {a->h, a->residual, a->residual, a->post_norm, x, H, a->eps, T, 1};
     if (exl_fused_add_rms_norm(&n2)) return 6;
+    if (a->router) return experts_feed_forward(a, x);
     if ((rc = project(a->gate_up, a->gate_up_parts, x, T, gu, 2 * I, tmp))) return rc;
     exl_silu_and_mul_args s = {gu, 2 * I, act, I, I, T};
     if (exl_silu_and_mul(&s)) return 6;

@@ -1,7 +1,8 @@
 // The routed experts of a mixture-of-experts layer in one call, for MoeFeedForward on the CPU
-// (exlcli/ops/moe.py, through exlcli/ops/cpu/moe_experts.py). The router and its top-k stay in torch; given
-// each token's experts and weights this runs, from C, what the per-expert Python path runs, in its order and
-// with its arguments, so the sums come out bit for bit as there (and as batch-invariant):
+// (exlcli/ops/moe.py, through exlcli/ops/cpu/moe_experts.py) and for the one-call layer (decoder.c). The router
+// and its top k come before it (moe_router.c, or torch); given each token's experts and weights this runs, from
+// C, what the per-expert Python path runs, in its order and with its arguments, so the sums come out bit for bit
+// as there (and as batch-invariant):
 //   the token slots (token, j) sorted by expert, stably (tokens in order within an expert), and x's rows
 //   gathered so; per active expert e, over its rows: gu = x_e @ Wgate_up(e) (bf16), a = silu_and_mul(gu),
 //   y_e = a @ Wdown(e) (bf16); out[t] = sum over t's slots in ascending expert order of float(y) * w,

@@ -12,6 +12,8 @@ scaled by (norm_offset + w) (folded into the weights at load), embeddings times 
 sandwich norms (the attention and feed-forward outputs normed before their residual add, the
 pre-feed-forward norm read from pre_feedforward_layernorm), GELU-tanh gating, a final logit
 soft-cap. A model using any of these runs layer by layer (no one-call CPU layers, no fused decode).
+A mixture-of-experts model takes the one-call CPU layers where every layer's router and experts have their
+C calls (MoeFeedForward.cpu_router, .cpu_experts) and no layer has a shared expert; never the fused decode.
 """
 
 from __future__ import annotations
@@ -309,19 +311,32 @@ class DecoderModel:
         cfg = self.config
         if environment.flag("EXLCLI_NO_CPU_LAYER_KERNEL") or not cpu_decoder_layer.available():
             return None
-        if cfg.head_dim % 16 or self.cos_sin.dtype != torch.float32 or cfg.moe is not None or self.variant():
+        if cfg.head_dim % 16 or self.cos_sin.dtype != torch.float32 or self.variant():
             return None
         weights = []
+        probe = torch.empty(1, cfg.hidden_size, dtype=torch.bfloat16)  # a row as the layers' experts see one
         for layer in self.layers:
-            parts = [getattr(layer, name).cpu_qmatmul_parts() for name in PROJECTIONS]
-            if any(p is None for p in parts):
+            qkv, o_proj = layer.qkv.cpu_qmatmul_parts(), layer.o_proj.cpu_qmatmul_parts()
+            router = experts = None
+            gate_up: list | None = []
+            down: list | None = []
+            if layer.moe is not None:
+                # routed experts (and a router) the C calls take; a shared expert (Qwen2-MoE) or a router
+                # those calls do not route (sigmoid groups, a correction bias) keeps the layer-by-layer path
+                experts, router = layer.moe.cpu_experts(probe), layer.moe.cpu_router(probe)
+                if experts is None or router is None or layer.moe.shared is not None:
+                    return None
+            else:
+                assert layer.gate_up is not None and layer.down is not None  # a layer without experts has them
+                gate_up, down = layer.gate_up.cpu_qmatmul_parts(), layer.down.cpu_qmatmul_parts()
+            if qkv is None or o_proj is None or gate_up is None or down is None:
                 return None
             weights.append(cpu_decoder_layer.LayerWeights(layer.input_norm, layer.post_norm, layer.q_norm,
-                                                          layer.k_norm, *parts))
-        down = self.layers[0].down
-        assert down is not None  # no experts (cfg.moe is None above)
+                                                          layer.k_norm, qkv, o_proj, gate_up, down, router, experts))
+        dense = [layer.down for layer in self.layers if layer.down is not None]
+        widths = [lin.in_features for lin in dense] or [w.experts.inter for w in weights if w.experts is not None]
         shape = cpu_decoder_layer.LayerShape(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                             down.in_features, cfg.rms_norm_eps, self.scale)
+                                             widths[0], cfg.rms_norm_eps, self.scale)
         return CpuDecoderLayers(weights, shape, self.cos_sin)
 
     # -- the fused decode step ----------------------------------------------------------------------

@@ -121,6 +121,7 @@ class DecoderLayerArgs(KernelArgs):
         ("gate_up_parts", _i64), ("down", _p), ("down_parts", _i64), ("cos_sin", _p), ("max_positions", _i64),
         ("k_cache", _p), ("v_cache", _p), ("num_pages", _i64), ("page_size", _i64), ("hidden", _i64),
         ("heads", _i64), ("kv_heads", _i64), ("dim", _i64), ("inter", _i64), ("eps", _f32), ("scale", _f32),
+        ("router", _p), ("experts", _p),
     ]
     STEP_FIELDS = 13  # the first 13 fields: the step's
 
@@ -131,6 +132,14 @@ class MoeExpertsArgs(KernelArgs):
         ("x", _p), ("tokens", _i64), ("hidden", _i64), ("inter", _i64), ("top_k", _i64), ("ids", _p),
         ("weights", _p), ("num_experts", _i64), ("gate_up", _p), ("gate_up_parts", _i64), ("down", _p),
         ("down_parts", _i64), ("out", _p),
+    ]
+
+
+class MoeRouterArgs(KernelArgs):
+    c_name, kernel = "exl_moe_router_args", "exl_moe_router"
+    _fields_ = [
+        ("x", _p), ("tokens", _i64), ("hidden", _i64), ("num_experts", _i64), ("weight", _p), ("parts", _p),
+        ("kind", _i64), ("top_k", _i64), ("normalize", _i64), ("logits", _p), ("weights", _p), ("ids", _p),
     ]
 
 
@@ -155,5 +164,5 @@ class CausalConv1dArgs(KernelArgs):
 
 ALL = (QMatmulArgs, RepackArgs, DequantizeArgs, PagedAttentionArgs, PagedAttentionQuantArgs,
        KvQuantizeArgs, RmsNormArgs, FusedAddRmsNormArgs, MeanSquaresArgs,
-       RopeArgs, SiluAndMulArgs, DecoderLayerArgs, MoeExpertsArgs,
+       RopeArgs, SiluAndMulArgs, DecoderLayerArgs, MoeExpertsArgs, MoeRouterArgs,
        GatedDeltaArgs, CausalConv1dArgs)

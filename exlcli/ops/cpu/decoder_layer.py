@@ -6,6 +6,10 @@ the 135M default model. exl_decoder_layer calls the same kernels from C, in the 
 the same arguments, so its results are bit for bit those of the layer-by-layer path (which stays,
 with the torch reference under it, for everything this does not take).
 
+A mixture-of-experts layer (LayerWeights.router and .experts) ends in the routed experts instead of the
+MLP: exl_moe_router (ops/cpu/moe_router.py) and exl_moe_experts (ops/cpu/moe_experts.py) called from C,
+the calls MoeFeedForward makes on the CPU kernels, so those layers too come out bit for bit.
+
 `CpuDecoderLayers` holds every layer's arguments, built once from its weights; per step only the
 step's fields (the first DecoderLayerArgs.STEP_FIELDS) and the layer's KV cache pointers change.
 """
@@ -20,6 +24,8 @@ import torch
 
 from exlcli.ops.cpu import loader as cpu_loader
 from exlcli.ops.cpu.args import DecoderLayerArgs, QMatmulArgs
+from exlcli.ops.cpu.moe_experts import CpuExperts
+from exlcli.ops.cpu.moe_router import CpuRouter
 from exlcli.ops.errors import KernelInputError
 
 _STEP_BYTES = getattr(DecoderLayerArgs, DecoderLayerArgs._fields_[DecoderLayerArgs.STEP_FIELDS][0]).offset
@@ -38,7 +44,8 @@ def available() -> bool:
 @dataclass(frozen=True)
 class LayerWeights:
     """One layer's weights as the kernel reads them: bf16 norms, and each projection as the
-    QMatmulArgs of its parts (Linear.cpu_qmatmul_parts), their outputs side by side."""
+    QMatmulArgs of its parts (Linear.cpu_qmatmul_parts), their outputs side by side. A mixture of
+    experts' layer has a router and its experts, and no gate_up and down parts."""
 
     input_norm: torch.Tensor  # [hidden]
     post_norm: torch.Tensor  # [hidden]
@@ -48,6 +55,8 @@ class LayerWeights:
     o_proj: list[QMatmulArgs]
     gate_up: list[QMatmulArgs]
     down: list[QMatmulArgs]
+    router: CpuRouter | None = None
+    experts: CpuExperts | None = None
 
 
 @dataclass(frozen=True)
@@ -56,7 +65,7 @@ class LayerShape:
     heads: int
     kv_heads: int
     head_dim: int
-    inter: int  # the MLP's width (gate_up makes twice this)
+    inter: int  # the MLP's width (gate_up makes twice this); of a model of experts only, an expert's
     eps: float
     scale: float  # attention's
 
@@ -75,8 +84,17 @@ def _out_features(parts: list[QMatmulArgs]) -> int:
 
 def _check_weights(layer: LayerWeights, shape: LayerShape) -> None:
     s = shape
-    want = {"qkv": (s.hidden, (s.heads + 2 * s.kv_heads) * s.head_dim), "o_proj": (s.heads * s.head_dim, s.hidden),
-            "gate_up": (s.hidden, 2 * s.inter), "down": (s.inter, s.hidden)}
+    want = {"qkv": (s.hidden, (s.heads + 2 * s.kv_heads) * s.head_dim), "o_proj": (s.heads * s.head_dim, s.hidden)}
+    if (layer.router is None) != (layer.experts is None):
+        raise KernelInputError("CPU decoder layer: a router and its experts come together")
+    if layer.router is None:
+        want.update(gate_up=(s.hidden, 2 * s.inter), down=(s.inter, s.hidden))
+    elif layer.gate_up or layer.down:
+        raise KernelInputError("CPU decoder layer: a layer of experts has no gate_up and down of its own")
+    elif (layer.router.hidden != s.hidden or layer.experts is None or layer.experts.hidden != s.hidden
+          or layer.experts.num_experts != layer.router.num_experts):
+        raise KernelInputError(f"CPU decoder layer: the router and experts must take {s.hidden} features, "
+                               "one expert per router output")
     for name, (k, n) in want.items():
         parts = getattr(layer, name)
         if not parts or any(p.in_features != k for p in parts) or _out_features(parts) != n:
@@ -113,11 +131,14 @@ class CpuDecoderLayers:
                 self._keep.append(parts)
                 projections[name], projections[name + "_parts"] = ctypes.addressof(parts), len(parts)
             self._keep.append(layer)
+            moe = {}
+            if layer.router is not None and layer.experts is not None:
+                moe = {"router": ctypes.addressof(layer.router.args), "experts": ctypes.addressof(layer.experts.args)}
             self._layers[i] = DecoderLayerArgs(
                 first=i == 0, input_norm=ptr(layer.input_norm), post_norm=ptr(layer.post_norm),
                 q_norm=ptr(layer.q_norm), k_norm=ptr(layer.k_norm), **projections, cos_sin=ptr(self.cos_sin),
                 max_positions=self.cos_sin.shape[0], hidden=shape.hidden, heads=shape.heads,
-                kv_heads=shape.kv_heads, dim=shape.head_dim, inter=shape.inter, eps=shape.eps, scale=shape.scale)
+                kv_heads=shape.kv_heads, dim=shape.head_dim, inter=shape.inter, eps=shape.eps, scale=shape.scale, **moe)
         self._scratch_per_token = max(
             shape.scratch_per_token(layer.q_norm is not None,
                                     any(len(p) > 1 for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)))

@@ -56,6 +56,10 @@ class CpuExperts:
         self._down = (QMatmulArgs * (self.num_experts * down_parts))(*[p for parts in down for p in parts])
         self._gate_up_parts = gate_up_parts
         self._down_parts = down_parts
+        # the arguments without a call's rows (x, tokens, top_k, ids, weights, out): the decoder layer copies them
+        self.args = MoeExpertsArgs(hidden=hidden, inter=inter, num_experts=self.num_experts,
+                                   gate_up=ctypes.addressof(self._gate_up), gate_up_parts=gate_up_parts,
+                                   down=ctypes.addressof(self._down), down_parts=down_parts)
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x bf16 [T, hidden] (normed), weights fp32 [T, k] and ids int64 [T, k] from the router ->
