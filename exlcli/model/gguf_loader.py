@@ -85,7 +85,8 @@ def read_order(reader: Any, meta: dict[str, Any]) -> list[tuple[int, int]]:
         arch = for_gguf(str(meta.get("general.architecture", "")))
     except ExlcliError:
         arch = None
-    now, later = [], []
+    now: list[tuple[int, int]] = []
+    later: list[tuple[int, int]] = []
     for t in reader.tensors:
         copied = t.tensor_type.name in DENSE_TYPES or (arch is not None and _reordered_rows(arch, t.name))
         (now if copied else later).append((int(t.data_offset), int(t.n_bytes)))

@@ -76,7 +76,7 @@ class _Cursor:
         """`count` strings one after another (a vocabulary: 50,000 to 250,000 of them), read in one loop
         without string()'s calls per item."""
         buf, pos, size, length = self.buf, self.pos, len(self.buf), _U64.unpack_from
-        out = []
+        out: list[str] = []
         append = out.append
         try:
             for _ in range(count):
