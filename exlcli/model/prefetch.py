@@ -1,11 +1,11 @@
 """A model file's bytes read into the page cache ahead of the loader, on a thread of their own.
 
 The loader reads a GGUF through a memory map: each page it touches that is not cached is a fault that
-waits for the disk, one read-around window at a time, with nothing else in flight (about 0.4 GB/s on a
-VM disk that gives 1-2 GB/s to a queue of requests). Here a thread asks the kernel for the byte ranges in
+waits for the disk, one read-around window at a time, with nothing else in flight (0.3-0.6 GB/s from a VM
+disk that gives 0.65-0.8 GB/s to a queue of requests). Here a thread asks the kernel for the byte ranges in
 the order the loader reads them (posix_fadvise WILLNEED, which starts the reads and returns), keeps
 `IN_FLIGHT` bytes asked for ahead of the one it waits on, and so the disk works while the loader repacks
-what has arrived: a cold start costs about the warm one instead of the warm one plus the reads.
+what has arrived (a cold start of a 4.9 GB file: a tenth to a fifth sooner, docs/benchmarks.md).
 
 WILLNEED reads at most the device's read-ahead window per call, so the ranges are asked for a `STEP` at a
 time. The thread starts only where the file fits twice in the memory available (its pages, and the
