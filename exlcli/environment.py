@@ -31,6 +31,7 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     Variable("EXLCLI_HOST", "text", "the address `exlcli serve` binds"),
     Variable("EXLCLI_PORT", "number", "the port `exlcli serve` binds"),
     Variable("EXLCLI_KV_MEMORY", "text", "the KV cache's memory (as --kv-memory)"),
+    Variable("EXLCLI_NO_PREFETCH", "flag", "read a GGUF only as the load touches it, not ahead of it on a thread"),
     # kernels
     Variable("EXLCLI_NO_KERNELS", "flag", "no compiled kernels at all (CPU and CUDA): the torch reference ops"),
     Variable("EXLCLI_CPU_THREADS", "number", "threads the CPU kernels use (default: the cores this process has)"),

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from exlcli.cli import batch, bench, chat, config, models, perplexity, ps, run, serve
+from exlcli.cli import batch, bench, chat, config, models, perplexity, ps, quick_exit, run, serve
 from exlcli.cli.common import OneLineErrorsGroup, user_errors
 from exlcli.cli.config_file import default_map
 
@@ -58,4 +58,8 @@ for module in (chat, run, batch, bench, perplexity, serve, models, ps, config):
 
 
 def main() -> None:
-    app(prog_name="exlcli")
+    try:
+        app(prog_name="exlcli")
+    except SystemExit as done:
+        quick_exit.exit_now(done.code)  # a one-shot command's process ends here, without the teardown
+        raise

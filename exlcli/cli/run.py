@@ -5,6 +5,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
+from exlcli.cli import quick_exit
 from exlcli.cli.common import (
     KV_CACHE_DTYPE,
     NUM_DRAFT_TOKENS,
@@ -140,6 +141,7 @@ def register(app: typer.Typer) -> None:
         window: WindowOption = None,
     ) -> None:
         """Generate one answer and print only the completion."""
+        quick_exit.allow()  # it writes only stdout and stderr
         flags = EngineFlags.of(locals())
         constraint = grammar_from_flags(json_schema, regex, grammar)
         text = read_prompt(prompt)

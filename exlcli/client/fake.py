@@ -10,7 +10,6 @@ agent client can be driven through a task (a tool call, then an answer) with no 
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 import re
@@ -87,6 +86,8 @@ class FakeStream(GenerationStream):
             total_time=total, decode_tps=(count - 1) / (total - ttft) if ttft and count > 1 and total > ttft else 0.0))
 
     async def __aiter__(self) -> AsyncIterator[TextDelta]:
+        import asyncio  # here: `exlcli run` imports this module (is_fake) and never iterates asynchronously
+
         iterator = iter(self)
         done = object()
         while True:

@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from exlcli.errors import ModelLoadError, UnsupportedTensorTypeError
-from exlcli.model.architectures import architecture, config_from_gguf
+from exlcli.errors import ExlcliError, ModelLoadError, UnsupportedTensorTypeError
+from exlcli.model.architectures import architecture, config_from_gguf, for_gguf
 from exlcli.model.config import ModelConfig
 from exlcli.ops import formats
 from exlcli.ops.formats import QuantizedWeight
@@ -71,6 +71,28 @@ def _experts(t: Any, value: "torch.Tensor | QuantizedWeight", num_experts: int) 
     return list(value.reshape(num_experts, -1, value.shape[-1]).unbind(0))
 
 
+def _reordered_rows(arch: Any, gguf_name: str) -> bool:
+    """Whether load_gguf_tensors reorders the tensor's rows (a copy, read at once)."""
+    name = arch.hf_name(gguf_name)
+    return bool(arch.gguf_qk_interleaved and name and (".q_proj." in name or ".k_proj." in name))
+
+
+def read_order(reader: Any, meta: dict[str, Any]) -> list[tuple[int, int]]:
+    """The tensors' (offset, bytes) in the file in the order the load reads them: first those that
+    load_gguf_tensors copies (dense tensors, rows it reorders), then the others, which stay in the memory
+    map until the model's build repacks them, layer by layer as the file holds them."""
+    try:
+        arch = for_gguf(str(meta.get("general.architecture", "")))
+    except ExlcliError:
+        arch = None
+    now: list[tuple[int, int]] = []
+    later: list[tuple[int, int]] = []
+    for t in reader.tensors:
+        copied = t.tensor_type.name in DENSE_TYPES or (arch is not None and _reordered_rows(arch, t.name))
+        (now if copied else later).append((int(t.data_offset), int(t.n_bytes)))
+    return sorted(now) + sorted(later)
+
+
 def load_gguf_tensors(reader: Any, meta: dict[str, Any]) -> tuple[ModelConfig, dict[str, Any]]:
     names = {t.name for t in reader.tensors}
     config = config_from_gguf(meta, has_output_tensor="output.weight" in names)
@@ -98,7 +120,7 @@ def load_gguf_tensors(reader: Any, meta: dict[str, Any]) -> tuple[ModelConfig, d
             for j, part in enumerate(_experts(t, value, experts)):
                 tensors[name.format(j)] = part
             continue
-        if arch.gguf_qk_interleaved and (".q_proj." in name or ".k_proj." in name):
+        if _reordered_rows(arch, t.name):
             heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
             order = unpermute_rope_rows(value.shape[0], heads)
             value = value.permute_rows(order) if isinstance(value, QuantizedWeight) else value[order]

@@ -3,6 +3,7 @@ default) -> a model ready on its device, with its tokenizer and chat template.""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -100,6 +101,12 @@ def load_model(spec: str | None = None, device: str | None = None, dtype: str | 
     routed experts, or the first N layers', in host memory on the CPU (exlcli/model/expert_placement.py).
     Notices go to `log`, sys.stderr by default (looked up per call: a test runner swaps it, and a default
     bound at import may be a closed one)."""
+    with contextlib.ExitStack() as cleanup:  # what the load starts and ends with it (a GGUF's prefetch)
+        return _load_model(cleanup, spec, device, dtype, log, quantize, cpu_moe, n_cpu_moe)
+
+
+def _load_model(cleanup: contextlib.ExitStack, spec: str | None, device: str | None, dtype: str | None, log,
+                quantize: str | None, cpu_moe: bool, n_cpu_moe: int | None) -> LoadedModel:
     log = sys.stderr if log is None else log
     from exlcli.hub.default_model import resolve_model_path
     from exlcli.model.quantize_at_load import check_target
@@ -143,12 +150,14 @@ def load_model(spec: str | None = None, device: str | None = None, dtype: str | 
         template = ChatTemplate.for_tokenizer(tokenizer)
         quant = _quantization(tensors)
     else:
-        from exlcli.model.gguf_loader import load_gguf_tensors
+        from exlcli.model.gguf_loader import load_gguf_tensors, read_order
         from exlcli.model.gguf_meta import metadata_from_reader, open_gguf
+        from exlcli.model.prefetch import Prefetch
         from exlcli.text.tokenizer import Tokenizer
 
         reader = open_gguf(path)
         meta = metadata_from_reader(reader)
+        cleanup.enter_context(Prefetch(path, read_order(reader, meta)))  # the disk reads while the build repacks
         pooling = gguf_pooling(meta)
         config, tensors = load_gguf_tensors(reader, meta)
         tokenizer = Tokenizer.from_gguf_metadata(meta)
