@@ -51,8 +51,8 @@ def write_rows(cache_flat: torch.Tensor | QuantizedPages, index: torch.Tensor, v
 
 
 def _cuda_kernels():
-    """ops/cuda/kernels when the compiled ops are loaded, else None (imported here: ops/cuda/checks.py
-    imports this module)."""
+    """ops/cuda/kernels when the compiled ops are loaded, else None (imported at the first GPU write: a CPU
+    run never loads them)."""
     from exlcli.ops.cuda import kernels
     from exlcli.ops.cuda.loader import kernels_available
 
