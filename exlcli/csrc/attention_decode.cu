@@ -56,55 +56,22 @@ void launch(const DecodeParams& p, at::ScalarType dtype, bool e4m3_cache, int he
     launch_v1(p, dtype, head_dim, gmax, grid, stream, pdl);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  launch_combine(p, dtype, head_dim, num_seqs, stream, pdl);
+  if (p.max_parts > 1) {
+    const dim3 combine_grid(p.num_heads, num_seqs);
+    EXL_DISPATCH_FLOAT(dtype, "paged attention", [&] {
+      if (head_dim == 64) {
+        launch_pdl(paged_decode_combine_kernel<scalar_t, 64>, combine_grid, dim3(64), 0, stream, pdl, p);
+      } else if (head_dim == 128) {
+        launch_pdl(paged_decode_combine_kernel<scalar_t, 128>, combine_grid, dim3(128), 0, stream, pdl, p);
+      } else {
+        launch_pdl(paged_decode_combine_kernel<scalar_t, 256>, combine_grid, dim3(256), 0, stream, pdl, p);
+      }
+    });
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
 }
 
 }  // namespace
-
-void launch_combine(const DecodeParams& p, at::ScalarType dtype, int head_dim, int num_seqs, cudaStream_t stream,
-                    bool pdl) {
-  if (p.max_parts <= 1) return;
-  const dim3 combine_grid(p.num_heads, num_seqs);
-  EXL_DISPATCH_FLOAT(dtype, "paged attention", [&] {
-    if (head_dim == 64) {
-      launch_pdl(paged_decode_combine_kernel<scalar_t, 64>, combine_grid, dim3(64), 0, stream, pdl, p);
-    } else if (head_dim == 128) {
-      launch_pdl(paged_decode_combine_kernel<scalar_t, 128>, combine_grid, dim3(128), 0, stream, pdl, p);
-    } else {
-      launch_pdl(paged_decode_combine_kernel<scalar_t, 256>, combine_grid, dim3(256), 0, stream, pdl, p);
-    }
-  });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-DecodeParams decode_params(const at::Tensor& q, int64_t kv_heads, int64_t page_size, const at::Tensor& block_tables,
-                           const at::Tensor& seq_lens, double scale, at::Tensor& part_acc, at::Tensor& part_ml) {
-  const int num_seqs = static_cast<int>(seq_lens.size(0));
-  DecodeParams p{};
-  p.num_heads = static_cast<int>(q.size(1));
-  p.num_kv_heads = static_cast<int>(kv_heads);
-  p.group = p.num_heads / p.num_kv_heads;
-  p.head_chunks = ceil_div(p.group, group_max(p.group));
-  p.page_size = static_cast<int>(page_size);
-  const int64_t max_tokens = block_tables.size(1) * page_size;
-  p.max_parts = static_cast<int>(std::max<int64_t>(1, (max_tokens + kPartitionTokens - 1) / kPartitionTokens));
-  TORCH_CHECK(p.max_parts <= 65535, "paged attention: block tables are too wide");
-  if (p.max_parts > 1) {
-    const auto f32 = q.options().dtype(at::kFloat);
-    part_acc = at::empty({num_seqs, p.num_heads, p.max_parts, q.size(2)}, f32);
-    part_ml = at::empty({num_seqs, p.num_heads, p.max_parts, 2}, f32);
-    p.part_acc = part_acc.data_ptr<float>();
-    p.part_ml = part_ml.data_ptr<float>();
-  }
-  p.q = q.data_ptr();
-  p.q_row_stride = q.stride(0);
-  p.block_tables = block_tables.data_ptr<int>();
-  p.bt_stride = block_tables.stride(0);
-  p.seq_lens = seq_lens.data_ptr<int>();
-  p.scale = static_cast<float>(scale);
-  return p;
-}
-
 }  // namespace decode_attention
 
 void check_paged_attention_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -162,22 +129,45 @@ void launch_paged_decode(const at::Tensor& out, const at::Tensor& q, const at::T
                          const at::Tensor& seq_lens, const int* query_start_loc, double scale,
                          const std::optional<at::Tensor>& sinks, int64_t window, double softcap, int64_t version,
                          bool pdl) {
+  using decode_attention::kPartitionTokens;
   TORCH_CHECK(version == 1 || version == 3, "paged attention: the kernel version must be 1 or 3, got ", version);
   const int num_seqs = static_cast<int>(seq_lens.size(0));
   if (num_seqs == 0) return;
   TORCH_CHECK(num_seqs <= 65535, "paged attention: at most 65535 sequences per call, got ", num_seqs);
+  decode_attention::DecodeParams p{};
+  p.num_heads = static_cast<int>(q.size(1));
+  p.num_kv_heads = static_cast<int>(k_cache.size(2));
+  p.group = p.num_heads / p.num_kv_heads;
+  const int gmax = p.group <= 1 ? 1 : p.group <= 2 ? 2 : p.group <= 4 ? 4 : 8;
+  p.head_chunks = ceil_div(p.group, gmax);
+  p.page_size = static_cast<int>(k_cache.size(1));
+  const int64_t max_tokens = block_tables.size(1) * static_cast<int64_t>(p.page_size);
+  p.max_parts = static_cast<int>(std::max<int64_t>(1, (max_tokens + kPartitionTokens - 1) / kPartitionTokens));
+  TORCH_CHECK(p.max_parts <= 65535, "paged attention: block tables are too wide");
+  const int64_t head_dim = q.size(2);
   at::Tensor part_acc, part_ml;
-  decode_attention::DecodeParams p = decode_attention::decode_params(q, k_cache.size(2), k_cache.size(1), block_tables,
-                                                                     seq_lens, scale, part_acc, part_ml);
+  if (p.max_parts > 1) {
+    const auto f32 = q.options().dtype(at::kFloat);
+    part_acc = at::empty({num_seqs, p.num_heads, p.max_parts, head_dim}, f32);
+    part_ml = at::empty({num_seqs, p.num_heads, p.max_parts, 2}, f32);
+    p.part_acc = part_acc.data_ptr<float>();
+    p.part_ml = part_ml.data_ptr<float>();
+  }
   p.out = out.data_ptr();
+  p.q = q.data_ptr();
+  p.q_row_stride = q.stride(0);
   p.k_cache = k_cache.data_ptr();
   p.v_cache = v_cache.data_ptr();
+  p.block_tables = block_tables.data_ptr<int>();
+  p.bt_stride = block_tables.stride(0);
+  p.seq_lens = seq_lens.data_ptr<int>();
   p.query_start_loc = query_start_loc;
+  p.scale = static_cast<float>(scale);
   p.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
   p.window = static_cast<int>(window);
   p.softcap = static_cast<float>(softcap);
-  decode_attention::launch(p, q.scalar_type(), is_e4m3_cache(k_cache), static_cast<int>(q.size(2)),
-                           decode_attention::group_max(p.group), num_seqs, version, pdl, current_stream());
+  decode_attention::launch(p, q.scalar_type(), is_e4m3_cache(k_cache), static_cast<int>(head_dim), gmax, num_seqs,
+                           version, pdl, current_stream());
 }
 
 at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,

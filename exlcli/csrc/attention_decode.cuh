@@ -120,18 +120,6 @@ struct DecodeBlock {
   }
 };
 
-// The query heads of a GQA group one block takes: 1, 2, 4 or 8 (a larger group takes several blocks).
-inline int group_max(int group) { return group <= 1 ? 1 : group <= 2 ? 2 : group <= 4 ? 4 : 8; }
-
-// The parameters every decode kernel shares (all but out, k_cache, v_cache and query_start_loc), and the
-// partitions' scratch (part_acc, part_ml: allocated when the block table allows more than one).
-DecodeParams decode_params(const at::Tensor& q, int64_t kv_heads, int64_t page_size, const at::Tensor& block_tables,
-                           const at::Tensor& seq_lens, double scale, at::Tensor& part_acc, at::Tensor& part_ml);
-
-// The second kernel when there is more than one partition: their (max, sum, accumulator) merged in order.
-void launch_combine(const DecodeParams& p, at::ScalarType dtype, int head_dim, int num_seqs, cudaStream_t stream,
-                    bool pdl);
-
 // Launch one version's partition kernel over grid (kv heads x head chunks, sequences, partitions)
 // for query heads of `head_dim` (64, 128 or 256) in GQA groups of at most gmax (1, 2, 4 or 8) heads.
 // Version 1 takes every float type, version 3 bf16 and fp16 on sm_80+, over caches of that type

@@ -45,9 +45,6 @@ TORCH_LIBRARY(exlcli, m) {
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, bool pdl) -> Tensor");
   m.def("paged_attention_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, float scale, Tensor? sinks, int window, float softcap, int version, bool pdl) -> Tensor");
-  m.def("kv_quantize_rows(Tensor x, Tensor(a!) cache, Tensor slot_mapping, int format, bool pdl) -> ()");
-  m.def("paged_attention_decode_quant(Tensor q, Tensor k_cache, Tensor v_cache, int k_format, int v_format, "
-        "Tensor block_tables, Tensor seq_lens, float scale, bool pdl) -> Tensor");
   m.def("paged_attention_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor query_start_loc, Tensor seq_lens, Tensor host_layout, float scale, Tensor? sinks, int window, "
         "float softcap, int version, bool pdl) -> Tensor");
@@ -82,8 +79,6 @@ TORCH_LIBRARY_IMPL(exlcli, CUDA, m) {
   m.impl("moe_combine", &exlcli::moe_combine);
   m.impl("rope_and_write_kv", &exlcli::rope_and_write_kv);
   m.impl("paged_attention_decode", &exlcli::paged_attention_decode);
-  m.impl("kv_quantize_rows", &exlcli::kv_quantize_rows);
-  m.impl("paged_attention_decode_quant", &exlcli::paged_attention_decode_quant);
   m.impl("paged_attention_prefill", &exlcli::paged_attention_prefill);
   m.impl("argmax_rows", &exlcli::argmax_rows);
   m.impl("gated_delta", &exlcli::gated_delta);

@@ -139,17 +139,6 @@ at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache
                                   const std::optional<at::Tensor>& sinks, int64_t window, double softcap,
                                   int64_t version, bool pdl);
 
-// attention_decode_quant.cu: the quantized KV cache (kv_quant.cuh's page types: 2 q8_0, 3 q4_0, 4 q4h,
-// 5 q3h). kv_quantize_rows writes rotated fp32 rows x [tokens, kv_heads, D] into the uint8 pages
-// [slots, kv_heads, row bytes] at slot_mapping (negative: not written); paged_attention_decode_quant is
-// decode attention (one query per sequence, q rotated, the output rotated) over such K and V pages
-// [pages, page_size, kv_heads, row bytes], each of its own type.
-void kv_quantize_rows(const at::Tensor& x, const at::Tensor& cache, const at::Tensor& slot_mapping, int64_t format,
-                      bool pdl);
-at::Tensor paged_attention_decode_quant(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                        int64_t k_format, int64_t v_format, const at::Tensor& block_tables,
-                                        const at::Tensor& seq_lens, double scale, bool pdl);
-
 // Checks of the attention kind's arguments (as paged_attention_decode takes them).
 void check_attention_kind(const at::Tensor& q, const std::optional<at::Tensor>& sinks, int64_t window,
                           double softcap);

@@ -41,7 +41,6 @@ from exlcli.model.kv_cache import KVCache
 from exlcli.model.step_inputs import StepInputs, take_in_flight
 from exlcli.ops.cuda import loader as cuda_loader
 from exlcli.ops.cuda.limits import DECODE_LINEAR_MAX_ROWS
-from exlcli.ops.kv_quant import QuantizedPages
 
 log = logging.getLogger("exlcli.cuda_graphs")
 
@@ -181,9 +180,7 @@ class DecodeGraphs:
         self._replayed = torch.cuda.Event()  # the last replay is done (with the static inputs too)
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle()
-        # None: buckets <= 4 use it. Its kernels write and read bf16 / fp16 / e4m3 pages of one block table.
-        quantized = any(isinstance(c, QuantizedPages) for c in (*kv.k, *kv.v))
-        self.fused_unsupported = ("a quantized KV cache" if quantized else None) or model.fused_decode_unsupported()
+        self.fused_unsupported = model.fused_decode_unsupported()  # None: buckets <= 4 use it
         if self.fused_unsupported is None and kv.num_groups > 1:  # (window layers run layer by layer anyway)
             self.fused_unsupported = "a KV cache in layer groups (the fused step reads one block table)"
         self.use_fused = self.fused_unsupported is None

@@ -33,8 +33,7 @@ from exlcli.ops.zeroed import zeros
 FLOAT_CACHE_TYPES = {"bf16": torch.bfloat16, "f16": torch.float16}
 FP8_NAMES = ("fp8", "fp8_e4m3")
 KV_CACHE_DTYPES = ("auto", *FLOAT_CACHE_TYPES, *FP8_NAMES, *KV_QUANT_FORMATS)
-# the CUDA kernels' float pages: the activations' dtype or e4m3, the same for K and V (or quantized
-# pages for both K and V, each of its own type: csrc/attention_decode_quant.cu)
+# the CUDA kernels' pages: the activations' dtype or e4m3, the same for K and V
 GPU_CACHE_TYPES = ("auto", *FLOAT_CACHE_TYPES, *FP8_NAMES)
 
 CacheType = Union[torch.dtype, KVQuantFormat]
@@ -96,16 +95,12 @@ def kv_cache_types(spec: str, activations: torch.dtype, device: torch.device,
     in `activations` with heads of `head_dim`. On a GPU, a one-line error for types its kernels lack."""
     k_name, v_name = split_kv_cache_dtype(spec)
     types = KVCacheTypes(_one_type(k_name, activations, head_dim), _one_type(v_name, activations, head_dim))
-    if device.type == "cuda" and isinstance(types.k, KVQuantFormat) and isinstance(types.v, KVQuantFormat):
-        if activations not in (torch.bfloat16, torch.float16):
-            raise ExlcliError(f"KV cache types K {k_name}, V {v_name} on a GPU need bf16 or fp16 activations "
-                              f"(--dtype), not {str(activations).removeprefix('torch.')}")
-    elif device.type == "cuda":
+    if device.type == "cuda":
         if types.k != types.v or k_name not in GPU_CACHE_TYPES or types.k not in (activations, FP8_CACHE_DTYPE):
             working = ["auto", cache_type_name(activations), *FP8_NAMES]
             raise ExlcliError(f"KV cache types K {k_name}, V {v_name}: this GPU's attention kernels take "
-                              f"{', '.join(dict.fromkeys(working))} (the same for K and V), or "
-                              f"{', '.join(KV_QUANT_FORMATS)} for both K and V")
+                              f"{', '.join(dict.fromkeys(working))} (the same for K and V); "
+                              f"{', '.join(KV_QUANT_FORMATS)} run on the CPU")
         if types.k == FP8_CACHE_DTYPE and activations not in (torch.bfloat16, torch.float16):
             raise ExlcliError(f"--kv-cache-dtype {k_name} on a GPU needs bf16 or fp16 activations (--dtype), not "
                               f"{str(activations).removeprefix('torch.')}")

@@ -31,10 +31,10 @@ import torch
 from exlcli.ops.cpu import loader as cpu_loader
 from exlcli.ops.cpu.args import PagedAttentionArgs, PagedAttentionQuantArgs
 from exlcli.ops.cuda import kernels as cuda_kernels
-from exlcli.ops.cuda.limits import ATTENTION_HEAD_DIMS, HEAD_DIMS
+from exlcli.ops.cuda.limits import ATTENTION_HEAD_DIMS
 from exlcli.ops.cuda.loader import use_kernels
 from exlcli.ops.errors import KernelInputError
-from exlcli.ops.kv_quant import KERNEL_FORMATS, QuantizedPages, hadamard
+from exlcli.ops.kv_quant import QuantizedPages, hadamard
 from exlcli.ops.kv_store import read_stored_rows, rotation_of
 
 
@@ -170,21 +170,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Dispatch: on a GPU with the compiled kernels, a step of decode rows alone (one query per
     sequence: decode steps, and verify steps as decode rows) runs `cuda_kernels.paged_attention_decode`,
     any other step `cuda_kernels.paged_attention_prefill` (whose decode rows take the same decode
-    kernel); over a quantized cache, decode rows alone of a plain layer (no window, sinks or soft-cap:
-    `is_plain`) run `paged_attention_decode_cuda_quant` and other steps the reference (on the GPU: no
-    quantized prefill kernel, and the quantized decode kernel takes no attention kind, yet). On the CPU,
-    bf16 runs the C kernel (`paged_attention_cpu`), a quantized cache (with bf16 q) the C kernel that reads
-    its pages as stored (`paged_attention_cpu_quant`), else the reference (`paged_attention_decode_ref` for
-    decode rows alone). `layout` (the reference's) and `prefill_layout` (the compiled prefill's) are
-    per-step work the caller did once for all layers; each path makes its own when it is missing. Every
-    other path takes the layer's window, sinks and soft-cap."""
+    kernel); on the CPU, bf16 runs the C kernel (`paged_attention_cpu`), a quantized cache (with bf16 q)
+    the C kernel that reads its pages as stored (`paged_attention_cpu_quant`), else the reference
+    (`paged_attention_decode_ref` for decode rows alone). `layout` (the reference's) and `prefill_layout`
+    (the compiled prefill's) are per-step work the caller did once for all layers; each path makes its
+    own when it is missing. Every path takes the layer's window, sinks and soft-cap."""
     decode_only = len(seq_lens) == q.shape[0]
-    if (isinstance(k_cache, QuantizedPages) or isinstance(v_cache, QuantizedPages)) and use_kernels(q):
-        if is_plain(window, sinks, softcap) and decode_only and use_cuda_quant_kernel_for(q, k_cache, v_cache):
-            assert seq_lens_t is not None, "the compiled kernels read the lengths' device copy"
-            return paged_attention_decode_cuda_quant(q, k_cache, v_cache, block_tables, seq_lens_t, scale)
-        return paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, layout,
-                                   window, sinks, softcap)
     if use_kernels(q) and q.shape[-1] in ATTENTION_HEAD_DIMS:  # others take the reference
         assert seq_lens_t is not None, "the compiled kernels read the lengths' device copy"
         if decode_only:
@@ -231,30 +222,6 @@ def decode_query_rows(query_start_loc: list[int], seq_lens: list[int]) -> tuple[
         seq_of_row += [b] * k
         row_lens += range(length - k + 1, length + 1)
     return seq_of_row, row_lens
-
-
-# --- CUDA kernel over quantized pages (csrc/attention_decode_quant.cu) ------------------------------
-
-
-def use_cuda_quant_kernel_for(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """True when the quantized decode kernel takes this step: 16-bit q of head_dim 64 or 128, K and V
-    both quantized pages (each of its own type)."""
-    return (isinstance(k_cache, QuantizedPages) and isinstance(v_cache, QuantizedPages)
-            and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] in HEAD_DIMS)
-
-
-def paged_attention_decode_cuda_quant(q: torch.Tensor, k_cache: QuantizedPages, v_cache: QuantizedPages,
-                                      block_tables: torch.Tensor, seq_lens_t: torch.Tensor,
-                                      scale: float) -> torch.Tensor:
-    """One query per sequence over quantized pages on the GPU: q rotated as the keys are (Hq.Hk = q.k),
-    the kernel's output turned back once (H^T sum p Hv); every step works row by row and none waits for
-    the host, so a decode step's graph can hold it."""
-    if rotation_of(k_cache):
-        q = hadamard(q.float()).to(q.dtype)
-    out = cuda_kernels.paged_attention_decode_quant(
-        q.contiguous(), k_cache.data, v_cache.data, KERNEL_FORMATS[k_cache.format.name],
-        KERNEL_FORMATS[v_cache.format.name], block_tables, seq_lens_t, scale)
-    return hadamard(out.float()).to(out.dtype) if rotation_of(v_cache) else out
 
 
 # --- CPU kernel (csrc/cpu/attention.c) -------------------------------------------------------------
@@ -370,7 +337,7 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 # --- CPU kernel over quantized pages (csrc/cpu/attention_quant.c) ----------------------------------
 
 # the page types of attention_quant.c (its EXL_KV_* numbers)
-_KV_FORMATS = KERNEL_FORMATS
+_KV_FORMATS = {"q8_0": 2, "q4_0": 3, "q4h": 4, "q3h": 5}
 _FLOAT_FORMATS = {torch.bfloat16: 0, torch.float16: 1}
 
 

@@ -207,9 +207,6 @@ KV_QUANT_FORMATS = {f.name: f for f in (
     KVQuantFormat("q3h", 14, True, _encode_q3h, _decode_q3h),
 )}
 
-# the page type numbers of the kernels (csrc/cpu/attention_quant.c's EXL_KV_*, csrc/kv_quant.cuh's Format)
-KERNEL_FORMATS = {"q8_0": 2, "q4_0": 3, "q4h": 4, "q3h": 5}
-
 
 class QuantizedPages:
     """A layer's K or V pages of a quantized type: `data` uint8 [..., row_bytes] standing for the

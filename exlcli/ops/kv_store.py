@@ -8,16 +8,14 @@ torch has no index_copy_ for float8 on the CPU, so one-byte caches are written a
 uint8 view of the same memory.
 
 A quantized cache (ops/kv_quant.py: q8_0, q4_0, q4h, q3h) is a QuantizedPages of bytes: writing
-quantizes the rows (on a GPU in one kernel, csrc/attention_decode_quant.cu's kv_quantize_rows, which
-skips a negative slot as the rope kernel does), reading dequantizes them, and copying moves the bytes
-as they are."""
+quantizes the rows, reading dequantizes them, and copying moves the bytes as they are."""
 
 from __future__ import annotations
 
 import torch
 
 from exlcli.ops.cpu import kv_quantize
-from exlcli.ops.kv_quant import KERNEL_FORMATS, QuantizedPages, hadamard
+from exlcli.ops.kv_quant import QuantizedPages, hadamard
 
 FP8_CACHE_DTYPE = torch.float8_e4m3fn
 
@@ -40,23 +38,10 @@ def _rows(cache_flat: torch.Tensor) -> torch.Tensor:
 def write_rows(cache_flat: torch.Tensor | QuantizedPages, index: torch.Tensor, values: torch.Tensor) -> None:
     """cache_flat[index] = values rounded to the cache's dtype, or quantized (index_copy_ along dim 0)."""
     if isinstance(cache_flat, QuantizedPages):
-        if values.is_cuda and values.dim() == 3 and _cuda_kernels() is not None:  # the bytes in one kernel
-            rows = hadamard(values.float()).contiguous()
-            _cuda_kernels().kv_quantize_rows(rows, cache_flat.data, index, KERNEL_FORMATS[cache_flat.format.name])
-            return
         cache_flat.data.index_copy_(0, index, _encode(cache_flat, values))
         return
     stored = to_cache_dtype(values, cache_flat.dtype)
     _rows(cache_flat).index_copy_(0, index, _rows(stored))
-
-
-def _cuda_kernels():
-    """ops/cuda/kernels when the compiled ops are loaded, else None (imported at the first GPU write: a CPU
-    run never loads them)."""
-    from exlcli.ops.cuda import kernels
-    from exlcli.ops.cuda.loader import kernels_available
-
-    return kernels if kernels_available() else None
 
 
 def _encode(pages: QuantizedPages, values: torch.Tensor) -> torch.Tensor:

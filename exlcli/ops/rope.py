@@ -15,7 +15,6 @@ from exlcli.ops.cpu.args import RopeArgs
 from exlcli.ops.cuda import kernels as cuda_kernels
 from exlcli.ops.cuda.loader import use_kernels
 from exlcli.ops.errors import KernelInputError
-from exlcli.ops.kv_quant import QuantizedPages
 from exlcli.ops.kv_store import read_rows, write_rows
 
 
@@ -155,9 +154,8 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
                       cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slot_mapping: torch.Tensor,
                       cos_sin_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    if use_kernels(q) and not isinstance(k_cache, QuantizedPages) and not isinstance(v_cache, QuantizedPages):
+    if use_kernels(q):
         return cuda_kernels.rope_and_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
-    # quantized pages on a GPU: the rotation in torch, the write's quantizer in one kernel (kv_store.write_rows)
     if (k_cache.dtype == torch.bfloat16 and v_cache.dtype == torch.bfloat16 and cpu_loader.use_cpu_kernels(q)
             and _cpu_kernel() is not None):  # an fp8 or quantized cache (ops/kv_quant.py) takes the reference
         return rope_and_write_kv_cpu(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)

@@ -260,13 +260,9 @@ def test_the_type_names_and_their_errors():
     assert "\n" not in str(bad.value)
     with pytest.raises(ExlcliError, match="needs a head_dim that is a multiple of 32, this model's is 16"):
         kv_cache_types("q4_0", torch.bfloat16, cpu, 16)
-    # the GPU's kernels: bf16 / fp16 pages and e4m3, or quantized K and V; a type they lack is a
-    # one-line error naming them
+    # the GPU's kernels: bf16 / fp16 pages and e4m3; a type they lack is a one-line error naming them
     assert kv_cache_types("fp8", torch.bfloat16, cuda).names == ("fp8", "fp8")
-    assert kv_cache_types("q8_0,q4h", torch.bfloat16, cuda, 128).names == ("q8_0", "q4h")
-    for spec in ("q8_0,bf16", "bf16,fp8", "f16"):
+    for spec in ("q8_0", "bf16,fp8", "f16"):
         with pytest.raises(ExlcliError, match=r"this GPU's attention kernels take auto, bf16, fp8, fp8_e4m3 "
-                                              r"\(the same for K and V\), or q8_0, q4_0, q4h, q3h for both K and V"):
+                                              r"\(the same for K and V\); q8_0, q4_0, q4h, q3h run on the CPU"):
             kv_cache_types(spec, torch.bfloat16, cuda, 128)
-    with pytest.raises(ExlcliError, match="on a GPU need bf16 or fp16 activations"):
-        kv_cache_types("q4h", torch.float32, cuda, 128)

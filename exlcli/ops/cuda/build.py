@@ -33,14 +33,12 @@ SOURCES = (
     "attention_decode.cu",
     "attention_decode_v1.cu",
     "attention_decode_v3.cu",
-    "attention_decode_quant.cu",
     "attention_prefill.cpp",
     "argmax.cu",
     "gated_delta.cu",
 )
 HEADERS = ("common.cuh", "pdl.cuh", "e4m3_rows.cuh", "kv_e4m3.cuh", "decode_gemv.cuh", "quant_linear.cuh",
-           "quant_gemv_dp4a.cuh", "exl3_trellis.cuh", "attention_decode.cuh", "kv_quant.cuh", "fp8_operands.h",
-           "rope_kv.cuh", "ops.h")
+           "quant_gemv_dp4a.cuh", "exl3_trellis.cuh", "attention_decode.cuh", "fp8_operands.h", "rope_kv.cuh", "ops.h")
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 
 # unwind tables everywhere: an error raised by a check must unwind through our frames

@@ -193,39 +193,6 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                                    window or 0, softcap or 0.0, version, options.pdl)
 
 
-def kv_quantize_rows(x: torch.Tensor, pages: torch.Tensor, slot_mapping: torch.Tensor, format_code: int) -> None:
-    """Writes rotated fp32 head vectors x [tokens, kv_heads, D] into quantized pages (uint8 [slots,
-    kv_heads, row bytes]: a QuantizedPages' data viewed flat) at slot_mapping (int64 [tokens]; a negative
-    slot is not written), in the page type `format_code` (ops/kv_quant.py's KERNEL_FORMATS)."""
-    op = "kv_quantize_rows"
-    checks.on_cuda(op, "x pages slot_mapping", x, pages, slot_mapping)
-    if x.dtype != torch.float32 or x.dim() != 3 or not x.is_contiguous() or x.shape[-1] % 32:
-        checks.fail(op, f"x must be a contiguous fp32 [tokens, kv_heads, D], D a multiple of 32, got {x.dtype} "
-                        f"{list(x.shape)}")
-    checks.vector(op, "slot_mapping", slot_mapping, x.shape[0], torch.long)
-    if pages.dtype != torch.uint8 or pages.dim() != 3 or not pages.is_contiguous() or pages.shape[1] != x.shape[1]:
-        checks.fail(op, f"pages must be contiguous uint8 [slots, {x.shape[1]}, row bytes], got {pages.dtype} "
-                        f"{list(pages.shape)}")
-    torch.ops.exlcli.kv_quantize_rows(x, pages, slot_mapping, format_code, STATE.options.pdl)
-
-
-def paged_attention_decode_quant(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, k_format: int,
-                                 v_format: int, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                                 scale: float) -> torch.Tensor:
-    """Decode attention over quantized K and V pages (uint8 [pages, page_size, kv_heads, row bytes], page
-    types k_format and v_format), one query per sequence. q (bf16 or fp16) comes rotated as the pages'
-    keys are and the output is rotated as their values are (ops/kv_quant.py)."""
-    op = "paged_attention_decode_quant"
-    checks.on_cuda(op, "q k_pages v_pages block_tables seq_lens", q, k_pages, v_pages, block_tables, seq_lens)
-    checks.dtype_in(op, "q", q, (torch.bfloat16, torch.float16))
-    if q.dim() != 3 or not q.is_contiguous():
-        checks.fail(op, f"q must be a contiguous [tokens, heads, head_dim], got {list(q.shape)}")
-    if seq_lens.shape[0] != q.shape[0]:
-        checks.fail(op, f"one query per sequence: q has {q.shape[0]} rows for {seq_lens.shape[0]} sequences")
-    return torch.ops.exlcli.paged_attention_decode_quant(q, k_pages, v_pages, k_format, v_format, block_tables,
-                                                         seq_lens, scale, STATE.options.pdl)
-
-
 @dataclass
 class PrefillLayout:
     """A step's chunks as the host has them, for paged_attention_prefill: made once a step and passed
