@@ -10,9 +10,7 @@ import torch
 
 from exlcli.ops.cuda.limits import DECODE_ATTENTION_VERSIONS, DECODE_LINEAR_MAX_ROWS, HEAD_DIMS
 from exlcli.ops.errors import KernelInputError
-
-# kv_store.FP8_CACHE_DTYPE (not imported: kv_store calls the kernels, which import these checks)
-_FP8_CACHE_DTYPE = torch.float8_e4m3fn
+from exlcli.ops.kv_store import FP8_CACHE_DTYPE
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 HALVES = (torch.float16, torch.bfloat16)
@@ -72,7 +70,7 @@ def decode_attention_version(op: str, version: int, k_cache: torch.Tensor) -> No
     if version not in DECODE_ATTENTION_VERSIONS:
         fail(op, f"the kernel version must be {' or '.join(str(v) for v in DECODE_ATTENTION_VERSIONS)}, "
                  f"got {version}")
-    if k_cache.dtype == _FP8_CACHE_DTYPE and version != 3:
+    if k_cache.dtype == FP8_CACHE_DTYPE and version != 3:
         fail(op, f"an fp8 (e4m3) KV cache is read by decode attention version 3 only, not {version}")
 
 
@@ -133,7 +131,7 @@ def cache_pair(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: tor
             fail(op, f"{name} must be [pages, page_size, {heads}, {dim}], got {list(c.shape)}")
         if not c.is_contiguous():
             fail(op, f"{name} must be contiguous")
-        if c.dtype != dtype and not (c.dtype == _FP8_CACHE_DTYPE and dtype in (torch.bfloat16, torch.float16)):
+        if c.dtype != dtype and not (c.dtype == FP8_CACHE_DTYPE and dtype in (torch.bfloat16, torch.float16)):
             fail(op, f"{name} dtype {_name(c.dtype)} is neither {_name(dtype)} nor float8_e4m3fn beside "
                      f"bf16 / fp16")
     if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
