@@ -13,8 +13,9 @@ Hq.Hk), and undoes it once on the output, H^T sum p Hv.
   rotates its quantized K and V caches the same way (llama-kv-cache.cpp's attn_rot_k / attn_rot_v,
   a Sylvester Hadamard matrix of the head size when that is a multiple of 64; LLAMA_ATTN_ROT_DISABLE=1
   turns it off): unrotated, these blocks cost the default model 1.8x the KLD (docs/benchmarks.md).
-- q4h and q3h store symmetric 4- or 3-bit codes (q - (L-1)/2) * d with the per-block scale d of least
-  squared error among a few below the block's extreme. 18 and 14 bytes per 32 values.
+- q4h and q3h store 4- or 3-bit codes of the Gaussian's Lloyd-Max levels, levels(bits)[q] * d, with the
+  per-block scale d of least squared error among a few near the block's standard deviation (LEVELS).
+  18 and 14 bytes per 32 values: 4.5 bits a value (q4_0's) and 3.5.
 
 A row's bytes depend only on that row's values (no scale shared across tokens), so a sequence's
 cache does not depend on what else is in the batch, and a page can be copied as plain bytes.
@@ -107,48 +108,70 @@ def _decode_q4_0(blocks: torch.Tensor) -> torch.Tensor:
     return (_low_high(blocks[:, 2:]).float() - 8) * _f16_of(blocks)
 
 
-# --- the rotated kinds' symmetric codes --------------------------------------------------------------
+# --- the rotated kinds' Gaussian codes ----------------------------------------------------------------
 
-# Scales tried per block, as fractions of the one that reaches the block's extreme: after the
-# rotation the values are near Gaussian, where clipping the rare extreme a little lowers the error.
-_SCALE_FRACTIONS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
+# After the rotation a block's values are near Gaussian, so a code's levels are the Lloyd-Max levels of
+# the unit Gaussian (the 2^bits levels of least mean squared error: denser near 0 than a uniform grid),
+# each rounded to a multiple of 1/256 so that a level times an fp16 scale is exact in fp32 (and fp16
+# itself). A block stores the scale d of least squared error among a fixed set of candidates,
+# d = fp16(amax * k / 128) for k in SCALE_STEPS[bits] (d near the block's standard deviation), and each
+# value's nearest level times d. Every step is exact or a comparison, so the C writer
+# (attention_quant.c's exl_kv_quantize) gives the same bytes.
+LEVELS = {
+    4: (-700, -530, -414, -322, -241, -168, -99, -33, 33, 99, 168, 241, 322, 414, 530, 700),
+    3: (-551, -344, -194, -63, 63, 194, 344, 551),
+}
+SCALE_STEPS = {4: range(42, 67), 3: range(48, 78)}
 
 
-def _symmetric_codes(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+def levels(bits: int) -> torch.Tensor:
+    """The code's 2^bits levels, fp32, ascending: code q stands for levels(bits)[q] * d."""
+    return torch.tensor(LEVELS[bits], dtype=torch.float32) / 256
+
+
+def _nearest_codes(x: torch.Tensor, d: torch.Tensor, bits: int) -> torch.Tensor:
+    """x [n, 32], d [n, 1] >= 0 -> codes [n, 32]: how many of the midpoints between adjacent levels,
+    times d (exact), lie below each value (the nearest level; a value on a midpoint takes the lower)."""
+    t = levels(bits)
+    bounds = (t[1:] + t[:-1]) / 2 * d  # [n, L - 1]
+    return (x.unsqueeze(-1) > bounds.unsqueeze(-2)).sum(-1)
+
+
+def _gaussian_codes(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [n, 32] -> (d fp16-representable fp32 [n, 1] >= 0, codes [n, 32] in 0..2^bits - 1) for
-    x ~ (q - (2^bits - 1) / 2) * d, d of least squared error among _SCALE_FRACTIONS of amax / half."""
-    levels = 1 << bits
-    mid = (levels - 1) / 2
-    top = x.abs().amax(-1, keepdim=True) / mid
-
-    def candidate(fraction: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        d = (top * fraction).half().float()
-        inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
-        q = torch.floor(x * inv + levels / 2).clamp(0, levels - 1)
-        return d, q, ((q - mid) * d - x).square().sum(-1, keepdim=True)
-
-    best_d, best_q, best_err = candidate(_SCALE_FRACTIONS[0])
-    for fraction in _SCALE_FRACTIONS[1:]:
-        d, q, err = candidate(fraction)
+    x ~ levels(bits)[q] * d, d of least squared error among the candidates (the first on a tie; the
+    errors summed in fp64, where the order of a sum of 32 squares of fp32 values changes nothing that
+    decides)."""
+    t = levels(bits)
+    amax = x.abs().amax(-1, keepdim=True)
+    best_d = best_q = best_err = None
+    for k in SCALE_STEPS[bits]:
+        d = (amax * (k / 128)).half().float()
+        q = _nearest_codes(x, d, bits)
+        err = (t[q] * d - x).double().square().sum(-1, keepdim=True)
+        if best_err is None:
+            best_d, best_q, best_err = d, q, err
+            continue
         better = err < best_err
         best_d, best_q, best_err = (torch.where(better, d, best_d), torch.where(better, q, best_q),
                                     torch.where(better, err, best_err))
+    assert best_d is not None and best_q is not None
     return best_d, best_q
 
 
 def _encode_q4h(x: torch.Tensor) -> torch.Tensor:
-    d, q = _symmetric_codes(x, 4)
+    d, q = _gaussian_codes(x, 4)
     return torch.cat([_f16_bytes(d), _nibbles(q)], dim=-1)
 
 
 def _decode_q4h(blocks: torch.Tensor) -> torch.Tensor:
-    return (_low_high(blocks[:, 2:]).float() - 7.5) * _f16_of(blocks)
+    return levels(4)[_low_high(blocks[:, 2:]).long()] * _f16_of(blocks)
 
 
 def _encode_q3h(x: torch.Tensor) -> torch.Tensor:
     """14 bytes: fp16 d; 8 bytes of the codes' low 2 bits (byte j: codes j, j+8, j+16, j+24 from
     bit 0 up); 4 bytes of their high bits (byte j: codes j, j+4, ..., j+28 from bit 0 up)."""
-    d, q = _symmetric_codes(x, 3)
+    d, q = _gaussian_codes(x, 3)
     q = q.to(torch.uint8)
     low = (q & 3).view(-1, 4, 8)
     low = low[:, 0] | (low[:, 1] << 2) | (low[:, 2] << 4) | (low[:, 3] << 6)
@@ -163,8 +186,7 @@ def _decode_q3h(blocks: torch.Tensor) -> torch.Tensor:
     low, high = blocks[:, 2:10], blocks[:, 10:14]
     low = torch.cat([(low >> s) & 3 for s in (0, 2, 4, 6)], dim=-1)  # [n, 32], code order
     high = torch.cat([(high >> i) & 1 for i in range(8)], dim=-1)
-    q = (low | (high << 2)).float()
-    return (q - 3.5) * _f16_of(blocks)
+    return levels(3)[(low | (high << 2)).long()] * _f16_of(blocks)
 
 
 @dataclass(frozen=True)
