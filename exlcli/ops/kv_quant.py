@@ -139,23 +139,24 @@ def _nearest_codes(x: torch.Tensor, d: torch.Tensor, bits: int) -> torch.Tensor:
 
 def _gaussian_codes(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [n, 32] -> (d fp16-representable fp32 [n, 1] >= 0, codes [n, 32] in 0..2^bits - 1) for
-    x ~ levels(bits)[q] * d, d of least squared error among the candidates (the first on a tie; the
-    errors summed in fp64, where the order of a sum of 32 squares of fp32 values changes nothing that
-    decides)."""
+    x ~ levels(bits)[q] * d, d of least squared error among the candidates (the first on a tie). The
+    errors are summed in fp64, where each term is exact: another order of the sum (the C writer's) moves
+    it by about 1e-16 of itself, which only a tie that close could notice."""
     t = levels(bits)
     amax = x.abs().amax(-1, keepdim=True)
-    best_d = best_q = best_err = None
-    for k in SCALE_STEPS[bits]:
+
+    def candidate(k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         d = (amax * (k / 128)).half().float()
         q = _nearest_codes(x, d, bits)
-        err = (t[q] * d - x).double().square().sum(-1, keepdim=True)
-        if best_err is None:
-            best_d, best_q, best_err = d, q, err
-            continue
+        return d, q, (t[q] * d - x).double().square().sum(-1, keepdim=True)
+
+    first, *rest = SCALE_STEPS[bits]
+    best_d, best_q, best_err = candidate(first)
+    for k in rest:
+        d, q, err = candidate(k)
         better = err < best_err
         best_d, best_q, best_err = (torch.where(better, d, best_d), torch.where(better, q, best_q),
                                     torch.where(better, err, best_err))
-    assert best_d is not None and best_q is not None
     return best_d, best_q
 
 

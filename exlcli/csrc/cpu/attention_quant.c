@@ -3,8 +3,9 @@
 // bf16 out. exlcli/ops/attention.py checks the inputs and calls it once per layer.
 //
 // Pages are read as they are stored: a unit of work (up to QBLK queries of one sequence, one kv
-// head) decodes the rows it needs block by block in registers (bytes -> int32 -> fp32 times the
-// block's fp16 scale, the exact values the torch decoder gives) into fp32 rows kf, vf [j][dim], which
+// head) decodes the rows it needs block by block in registers (bytes -> int32 -> fp32, or q4h's and q3h's
+// code -> its level by a table permute, times the block's fp16 scale: the exact values the torch
+// decoder gives) into fp32 rows kf, vf [j][dim], which
 // every query head of the group and every query of the unit then reads. For the rotated types the
 // caller rotates q (so scores against rotated keys need no inverse) and turns the output back once.
 // Per query row, in the order of attention_avx2.h:
