@@ -64,12 +64,16 @@ static int64_t row_bytes(int format, int64_t dim) {
 }
 
 // q4h's and q3h's levels (ops/kv_quant.py's LEVELS, in 256ths: the Gaussian's Lloyd-Max levels):
-// code q stands for level[q] * d, exact in fp32.
+// code q stands for level[q] * scale_of(e), exact in fp32, e the byte of its 16 values.
 #define LV(k) ((float)(k) / 256.0f)
 static const float Q4H_LEVELS[16] = {LV(-700), LV(-530), LV(-414), LV(-322), LV(-241), LV(-168), LV(-99), LV(-33),
                                      LV(33),   LV(99),   LV(168),  LV(241),  LV(322),  LV(414),  LV(530), LV(700)};
 static const float Q3H_LEVELS[8] = {LV(-551), LV(-344), LV(-194), LV(-63), LV(63), LV(194), LV(344), LV(551)};
 #undef LV
+static const float SCALE_MANTISSAS[12] = {256, 271, 287, 304, 323, 342, 362, 384, 406, 431, 456, 483};
+
+// ops/kv_quant.py's scales()[e]: 0 for e = 0, else mantissa (12 steps an octave) * 2^(e / 12 - 19).
+static inline float scale_of(int e) { return e ? ldexpf(SCALE_MANTISSAS[e % 12], e / 12 - 19) : 0.0f; }
 
 #if EXL_QATTN
 
@@ -89,8 +93,9 @@ static inline void decode_nibbles(const uint8_t *src, float offset, float *dst) 
     _mm256_storeu_ps(dst + 24, _mm256_mul_ps(_mm256_sub_ps(codes8(_mm_srli_si128(hi, 8)), off), d));
 }
 
-// Q4H_LEVELS[code] * d for 32 codes held as nibbles (decode_nibbles' order): the low 3 bits pick a
-// level from each half of the table (a permute), the high bit the half (a blend on the sign bit).
+// Q4H_LEVELS[code] * scale for 32 codes held as nibbles (decode_nibbles' order: values 0..15 low, with
+// the scale of byte 0, 16..31 high, byte 1's): the low 3 bits pick a level from each half of the table
+// (a permute), the high bit the half (a blend on the sign bit).
 static inline __m256 levels16_8(__m128i codes, __m256 low_half, __m256 high_half, __m256 d) {
     __m256i idx = _mm256_cvtepu8_epi32(codes);
     __m256 pick = _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28));
@@ -99,14 +104,14 @@ static inline __m256 levels16_8(__m128i codes, __m256 low_half, __m256 high_half
 }
 
 static inline void decode_levels16(const uint8_t *src, float *dst) {
-    __m256 d = _mm256_set1_ps(_cvtsh_ss(*(const uint16_t *)src));
+    __m256 d0 = _mm256_set1_ps(scale_of(src[0])), d1 = _mm256_set1_ps(scale_of(src[1]));
     __m256 low_half = _mm256_loadu_ps(Q4H_LEVELS), high_half = _mm256_loadu_ps(Q4H_LEVELS + 8);
     __m128i b = _mm_loadu_si128((const __m128i *)(src + 2)), mask = _mm_set1_epi8(0x0f);
     __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-    _mm256_storeu_ps(dst, levels16_8(lo, low_half, high_half, d));
-    _mm256_storeu_ps(dst + 8, levels16_8(_mm_srli_si128(lo, 8), low_half, high_half, d));
-    _mm256_storeu_ps(dst + 16, levels16_8(hi, low_half, high_half, d));
-    _mm256_storeu_ps(dst + 24, levels16_8(_mm_srli_si128(hi, 8), low_half, high_half, d));
+    _mm256_storeu_ps(dst, levels16_8(lo, low_half, high_half, d0));
+    _mm256_storeu_ps(dst + 8, levels16_8(_mm_srli_si128(lo, 8), low_half, high_half, d0));
+    _mm256_storeu_ps(dst + 16, levels16_8(hi, low_half, high_half, d1));
+    _mm256_storeu_ps(dst + 24, levels16_8(_mm_srli_si128(hi, 8), low_half, high_half, d1));
 }
 
 // One stored head vector -> its dim fp32 values (a rotated type's still rotated). Every value is
@@ -138,15 +143,15 @@ static void decode_row(int format, const uint8_t *src, int64_t dim, float *dst) 
         case EXL_KV_Q3H:
             // 2 low bits: byte i % 8 from bit 2 * (i / 8); high bit: byte 8 + i % 4, bit i / 4
             for (int64_t blk = 0; blk < dim / 32; blk++, src += 14, dst += 32) {
-                float d = _cvtsh_ss(*(const uint16_t *)src);
                 const uint8_t *low = src + 2, *high = src + 10;
                 int32_t q[32];
                 for (int i = 0; i < 32; i++)
                     q[i] = ((low[i % 8] >> (2 * (i / 8))) & 3) | (((high[i % 4] >> (i / 4)) & 1) << 2);
-                __m256 vd = _mm256_set1_ps(d), table = _mm256_loadu_ps(Q3H_LEVELS);
+                __m256 table = _mm256_loadu_ps(Q3H_LEVELS);
                 for (int g = 0; g < 4; g++) {
                     __m256i idx = _mm256_loadu_si256((const __m256i *)(q + 8 * g));
-                    _mm256_storeu_ps(dst + 8 * g, _mm256_mul_ps(_mm256_permutevar8x32_ps(table, idx), vd));
+                    __m256 d = _mm256_set1_ps(scale_of(src[g / 2]));  // values 0..15: byte 0; 16..31: byte 1
+                    _mm256_storeu_ps(dst + 8 * g, _mm256_mul_ps(_mm256_permutevar8x32_ps(table, idx), d));
                 }
             }
             return;
@@ -332,37 +337,44 @@ int exl_paged_attention_quant(const exl_paged_attention_quant_args *a) {
 }
 
 
-// One block of q4h or q3h (ops/kv_quant.py's _gaussian_codes, step for step): the scale
-// d = fp16(amax * k / 128) of least squared error for k in [k0, k1) (the first on a tie; the error summed
-// in fp64, each term exact), each value's code the count of level midpoints times d below it. Every
-// product here is exact or rounded once as torch rounds it, so the bytes are the torch encoder's.
-static float gaussian_block(const float *x, const float *levels, int count, int k0, int k1, uint8_t *codes) {
-    float amax = 0.0f, bounds[15], best_d = 0.0f;
+// 16 values of q4h or q3h (ops/kv_quant.py's _gaussian_codes, step for step): the scale byte e of least
+// squared error among SCALE_SPAN from the first whose scale reaches amax * lowest (the first on a tie;
+// the error summed in fp64, each term exact), each value's code the count of level midpoints times the
+// scale below it. Every product here is exact or rounded once as torch rounds it, so the bytes are the
+// torch encoder's.
+#define SCALE_SPAN 9
+static uint8_t gaussian_half(const float *x, const float *levels, int count, float lowest, uint8_t *codes) {
+    float amax = 0.0f, bounds[15];
+    for (int i = 0; i < 16; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    float target = amax * lowest;
+    int first = 0;
+    while (first < 256 && scale_of(first) < target) first++;
     double best_err = 0.0;
-    for (int i = 0; i < 32; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
-    for (int k = k0; k < k1; k++) {
-        float d = _cvtsh_ss(exl_f32_to_f16(amax * ((float)k / 128.0f)));
+    int best_e = 0;
+    for (int i = 0; i < SCALE_SPAN; i++) {
+        int e = first + i > 255 ? 255 : first + i;
+        float d = scale_of(e);
         for (int j = 0; j + 1 < count; j++) bounds[j] = (levels[j] + levels[j + 1]) / 2.0f * d;
-        uint8_t q[32];
+        uint8_t q[16];
         double err = 0.0;
-        for (int i = 0; i < 32; i++) {
+        for (int v = 0; v < 16; v++) {
             int c = 0;
-            for (int j = 0; j + 1 < count; j++) c += x[i] > bounds[j];
-            q[i] = (uint8_t)c;
-            double e = (double)(levels[c] * d - x[i]);
-            err += e * e;
+            for (int j = 0; j + 1 < count; j++) c += x[v] > bounds[j];
+            q[v] = (uint8_t)c;
+            double diff = (double)(levels[c] * d - x[v]);
+            err += diff * diff;
         }
-        if (k == k0 || err < best_err) {
+        if (i == 0 || err < best_err) {
             best_err = err;
-            best_d = d;
-            memcpy(codes, q, 32);
+            best_e = e;
+            memcpy(codes, q, 16);
         }
     }
-    return best_d;
+    return (uint8_t)best_e;
 }
 
 // The K/V write's rows: q8_0 and q4_0 as llama.cpp's quantize_row_q8_0_ref and quantize_row_q4_0_ref
-// write them, q4h and q3h as gaussian_block (scalar: the write is a few rows a step). Returns 0; 2 for
+// write them, q4h and q3h as gaussian_half (scalar: the write is a few rows a step). Returns 0; 2 for
 // another type or a dim that is not a multiple of 32.
 int exl_kv_quantize(const exl_kv_quantize_args *a) {
     if (a->dim % 32 || a->format < EXL_KV_Q8_0 || a->format > EXL_KV_Q3H) return 2;
@@ -375,9 +387,10 @@ int exl_kv_quantize(const exl_kv_quantize_args *a) {
             if (a->format == EXL_KV_Q4H || a->format == EXL_KV_Q3H) {
                 uint8_t q[32];
                 int four = a->format == EXL_KV_Q4H;
-                h = exl_f32_to_f16(four ? gaussian_block(x, Q4H_LEVELS, 16, 42, 67, q)
-                                        : gaussian_block(x, Q3H_LEVELS, 8, 48, 78, q));
-                memcpy(o, &h, 2);
+                const float *levels = four ? Q4H_LEVELS : Q3H_LEVELS;
+                float lowest = four ? 21.0f / 64.0f : 24.0f / 64.0f;  // ops/kv_quant.py's SCALE_FLOOR
+                o[0] = gaussian_half(x, levels, four ? 16 : 8, lowest, q);
+                o[1] = gaussian_half(x + 16, levels, four ? 16 : 8, lowest, q + 16);
                 if (four) {
                     for (int i = 0; i < 16; i++) o[2 + i] = (uint8_t)(q[i] | (q[i + 16] << 4));
                     o += 18;
