@@ -4,7 +4,7 @@
 //
 // Pages are read as they are stored: a unit of work (up to QBLK queries of one sequence, one kv
 // head) decodes the rows it needs block by block in registers (bytes -> int32 -> fp32, or q4h's and q3h's
-// code -> its level by a table permute, times the block's fp16 scale: the exact values the torch
+// code -> its level by a table permute, times the block's scale: the exact values the torch
 // decoder gives) into fp32 rows kf, vf [j][dim], which
 // every query head of the group and every query of the unit then reads. For the rotated types the
 // caller rotates q (so scores against rotated keys need no inverse) and turns the output back once.
@@ -115,7 +115,7 @@ static inline void decode_levels16(const uint8_t *src, float *dst) {
 }
 
 // One stored head vector -> its dim fp32 values (a rotated type's still rotated). Every value is
-// exact: a code times an fp16 scale fits fp32's mantissa.
+// exact: a code (or q4h's / q3h's level) times its scale fits fp32's mantissa.
 static void decode_row(int format, const uint8_t *src, int64_t dim, float *dst) {
     switch (format) {
         case EXL_KV_BF16:
