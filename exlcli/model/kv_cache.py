@@ -29,7 +29,7 @@ from exlcli.ops.zeroed import zeros
 # Cache types (--kv-cache-dtype for K and V at once, "K,V" for two; --cache-type-k/-ctk and
 # --cache-type-v/-ctv one each): "auto" keeps K and V in the activations' dtype; bf16 / f16 name it;
 # "fp8" (e4m3, no scale: ops/kv_store.py) halves their bytes; q8_0, q4_0, q4h and q3h are blocks of
-# 32 with an fp16 scale (ops/kv_quant.py), 34, 18, 18 and 14 bytes per 32 values.
+# 32 with their scales (ops/kv_quant.py), 34, 18, 18 and 14 bytes per 32 values.
 FLOAT_CACHE_TYPES = {"bf16": torch.bfloat16, "f16": torch.float16}
 FP8_NAMES = ("fp8", "fp8_e4m3")
 KV_CACHE_DTYPES = ("auto", *FLOAT_CACHE_TYPES, *FP8_NAMES, *KV_QUANT_FORMATS)

@@ -45,8 +45,8 @@ def write_rows(cache_flat: torch.Tensor | QuantizedPages, index: torch.Tensor, v
 
 
 def _encode(pages: QuantizedPages, values: torch.Tensor) -> torch.Tensor:
-    """values [..., D] as `pages` store them: q8_0 / q4_0 on the CPU by the C quantizer
-    (attention_quant.c's exl_kv_quantize, the same bytes as the torch encoder), else the torch one."""
+    """values [..., D] as `pages` store them: on the CPU by the C quantizer (attention_quant.c's
+    exl_kv_quantize, the same bytes as the torch encoder), else the torch one."""
     if pages.format.name in kv_quantize.FORMATS and values.device.type == "cpu" and kv_quantize.available():
         return kv_quantize.encode(hadamard(values.float()) if pages.format.rotated else values, pages.format)
     return pages.format.encode(values)

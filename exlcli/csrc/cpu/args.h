@@ -111,12 +111,12 @@ typedef struct {
 } exl_paged_attention_quant_args;
 int exl_paged_attention_quant(const exl_paged_attention_quant_args *args);
 
-// K/V rows quantized as the cache stores them, llama.cpp's reference quantizers (attention_quant.c).
+// K/V rows quantized as the cache stores them, the bytes of ops/kv_quant.py's encoder (attention_quant.c).
 typedef struct {
     const float *x;  // fp32 [rows, dim]
     int64_t rows;
     int64_t dim;     // a multiple of 32
-    int32_t format;  // EXL_KV_Q8_0 or EXL_KV_Q4_0
+    int32_t format;  // EXL_KV_Q8_0, EXL_KV_Q4_0, EXL_KV_Q4H or EXL_KV_Q3H
     int32_t pad;
     uint8_t *out;    // [rows, row bytes]
 } exl_kv_quantize_args;

@@ -3,8 +3,9 @@
 // bf16 out. exlcli/ops/attention.py checks the inputs and calls it once per layer.
 //
 // Pages are read as they are stored: a unit of work (up to QBLK queries of one sequence, one kv
-// head) decodes the rows it needs block by block in registers (bytes -> int32 -> fp32 times the
-// block's fp16 scale, the exact values the torch decoder gives) into fp32 rows kf, vf [j][dim], which
+// head) decodes the rows it needs block by block in registers (bytes -> int32 -> fp32, or q4h's and q3h's
+// code -> its level by a table permute, times the block's scale: the exact values the torch
+// decoder gives) into fp32 rows kf, vf [j][dim], which
 // every query head of the group and every query of the unit then reads. For the rotated types the
 // caller rotates q (so scores against rotated keys need no inverse) and turns the output back once.
 // Per query row, in the order of attention_avx2.h:
@@ -62,6 +63,18 @@ static int64_t row_bytes(int format, int64_t dim) {
     }
 }
 
+// q4h's and q3h's levels (ops/kv_quant.py's LEVELS, in 256ths: the Gaussian's Lloyd-Max levels):
+// code q stands for level[q] * scale_of(e), exact in fp32, e the byte of its 16 values.
+#define LV(k) ((float)(k) / 256.0f)
+static const float Q4H_LEVELS[16] = {LV(-700), LV(-530), LV(-414), LV(-322), LV(-241), LV(-168), LV(-99), LV(-33),
+                                     LV(33),   LV(99),   LV(168),  LV(241),  LV(322),  LV(414),  LV(530), LV(700)};
+static const float Q3H_LEVELS[8] = {LV(-551), LV(-344), LV(-194), LV(-63), LV(63), LV(194), LV(344), LV(551)};
+#undef LV
+static const float SCALE_MANTISSAS[12] = {256, 271, 287, 304, 323, 342, 362, 384, 406, 431, 456, 483};
+
+// ops/kv_quant.py's scales()[e]: 0 for e = 0, else mantissa (12 steps an octave) * 2^(e / 12 - 19).
+static inline float scale_of(int e) { return e ? ldexpf(SCALE_MANTISSAS[e % 12], e / 12 - 19) : 0.0f; }
+
 #if EXL_QATTN
 
 // fp32 -> fp16, round to nearest even (torch's .half())
@@ -80,8 +93,29 @@ static inline void decode_nibbles(const uint8_t *src, float offset, float *dst) 
     _mm256_storeu_ps(dst + 24, _mm256_mul_ps(_mm256_sub_ps(codes8(_mm_srli_si128(hi, 8)), off), d));
 }
 
+// Q4H_LEVELS[code] * scale for 32 codes held as nibbles (decode_nibbles' order: values 0..15 low, with
+// the scale of byte 0, 16..31 high, byte 1's): the low 3 bits pick a level from each half of the table
+// (a permute), the high bit the half (a blend on the sign bit).
+static inline __m256 levels16_8(__m128i codes, __m256 low_half, __m256 high_half, __m256 d) {
+    __m256i idx = _mm256_cvtepu8_epi32(codes);
+    __m256 pick = _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28));
+    __m256 v = _mm256_blendv_ps(_mm256_permutevar8x32_ps(low_half, idx), _mm256_permutevar8x32_ps(high_half, idx), pick);
+    return _mm256_mul_ps(v, d);
+}
+
+static inline void decode_levels16(const uint8_t *src, float *dst) {
+    __m256 d0 = _mm256_set1_ps(scale_of(src[0])), d1 = _mm256_set1_ps(scale_of(src[1]));
+    __m256 low_half = _mm256_loadu_ps(Q4H_LEVELS), high_half = _mm256_loadu_ps(Q4H_LEVELS + 8);
+    __m128i b = _mm_loadu_si128((const __m128i *)(src + 2)), mask = _mm_set1_epi8(0x0f);
+    __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+    _mm256_storeu_ps(dst, levels16_8(lo, low_half, high_half, d0));
+    _mm256_storeu_ps(dst + 8, levels16_8(_mm_srli_si128(lo, 8), low_half, high_half, d0));
+    _mm256_storeu_ps(dst + 16, levels16_8(hi, low_half, high_half, d1));
+    _mm256_storeu_ps(dst + 24, levels16_8(_mm_srli_si128(hi, 8), low_half, high_half, d1));
+}
+
 // One stored head vector -> its dim fp32 values (a rotated type's still rotated). Every value is
-// exact: a code times an fp16 scale fits fp32's mantissa.
+// exact: a code (or q4h's / q3h's level) times its scale fits fp32's mantissa.
 static void decode_row(int format, const uint8_t *src, int64_t dim, float *dst) {
     switch (format) {
         case EXL_KV_BF16:
@@ -104,19 +138,21 @@ static void decode_row(int format, const uint8_t *src, int64_t dim, float *dst) 
             for (int64_t blk = 0; blk < dim / 32; blk++) decode_nibbles(src + 18 * blk, 8.0f, dst + 32 * blk);
             return;
         case EXL_KV_Q4H:
-            for (int64_t blk = 0; blk < dim / 32; blk++) decode_nibbles(src + 18 * blk, 7.5f, dst + 32 * blk);
+            for (int64_t blk = 0; blk < dim / 32; blk++) decode_levels16(src + 18 * blk, dst + 32 * blk);
             return;
         case EXL_KV_Q3H:
             // 2 low bits: byte i % 8 from bit 2 * (i / 8); high bit: byte 8 + i % 4, bit i / 4
             for (int64_t blk = 0; blk < dim / 32; blk++, src += 14, dst += 32) {
-                float d = _cvtsh_ss(*(const uint16_t *)src);
                 const uint8_t *low = src + 2, *high = src + 10;
-                float q[32];
+                int32_t q[32];
                 for (int i = 0; i < 32; i++)
-                    q[i] = (float)(((low[i % 8] >> (2 * (i / 8))) & 3) | (((high[i % 4] >> (i / 4)) & 1) << 2));
-                __m256 vd = _mm256_set1_ps(d), off = _mm256_set1_ps(3.5f);
-                for (int g = 0; g < 4; g++)
-                    _mm256_storeu_ps(dst + 8 * g, _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(q + 8 * g), off), vd));
+                    q[i] = ((low[i % 8] >> (2 * (i / 8))) & 3) | (((high[i % 4] >> (i / 4)) & 1) << 2);
+                __m256 table = _mm256_loadu_ps(Q3H_LEVELS);
+                for (int g = 0; g < 4; g++) {
+                    __m256i idx = _mm256_loadu_si256((const __m256i *)(q + 8 * g));
+                    __m256 d = _mm256_set1_ps(scale_of(src[g / 2]));  // values 0..15: byte 0; 16..31: byte 1
+                    _mm256_storeu_ps(dst + 8 * g, _mm256_mul_ps(_mm256_permutevar8x32_ps(table, idx), d));
+                }
             }
             return;
     }
@@ -301,22 +337,79 @@ int exl_paged_attention_quant(const exl_paged_attention_quant_args *a) {
 }
 
 
-// llama.cpp's quantize_row_q8_0_ref and quantize_row_q4_0_ref on each row (scalar: the write is a
-// few rows a step). Returns 0; 2 for another type or a dim that is not a multiple of 32.
+// 16 values of q4h or q3h (ops/kv_quant.py's _gaussian_codes, step for step): the scale byte e of least
+// squared error among SCALE_SPAN from the first whose scale reaches amax * lowest (the first on a tie;
+// the error summed in fp64, each term exact), each value's code the count of level midpoints times the
+// scale below it. Every product here is exact or rounded once as torch rounds it, so the bytes are the
+// torch encoder's.
+#define SCALE_SPAN 9
+static uint8_t gaussian_half(const float *x, const float *levels, int count, float lowest, uint8_t *codes) {
+    float amax = 0.0f, bounds[15];
+    for (int i = 0; i < 16; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    float target = amax * lowest;
+    int first = 0;
+    while (first < 256 && scale_of(first) < target) first++;
+    double best_err = 0.0;
+    int best_e = 0;
+    for (int i = 0; i < SCALE_SPAN; i++) {
+        int e = first + i > 255 ? 255 : first + i;
+        float d = scale_of(e);
+        for (int j = 0; j + 1 < count; j++) bounds[j] = (levels[j] + levels[j + 1]) / 2.0f * d;
+        uint8_t q[16];
+        double err = 0.0;
+        for (int v = 0; v < 16; v++) {
+            int c = 0;
+            for (int j = 0; j + 1 < count; j++) c += x[v] > bounds[j];
+            q[v] = (uint8_t)c;
+            double diff = (double)(levels[c] * d - x[v]);
+            err += diff * diff;
+        }
+        if (i == 0 || err < best_err) {
+            best_err = err;
+            best_e = e;
+            memcpy(codes, q, 16);
+        }
+    }
+    return (uint8_t)best_e;
+}
+
+// The K/V write's rows: q8_0 and q4_0 as llama.cpp's quantize_row_q8_0_ref and quantize_row_q4_0_ref
+// write them, q4h and q3h as gaussian_half (scalar: the write is a few rows a step). Returns 0; 2 for
+// another type or a dim that is not a multiple of 32.
 int exl_kv_quantize(const exl_kv_quantize_args *a) {
-    if (a->dim % 32 || (a->format != EXL_KV_Q8_0 && a->format != EXL_KV_Q4_0)) return 2;
+    if (a->dim % 32 || a->format < EXL_KV_Q8_0 || a->format > EXL_KV_Q3H) return 2;
     int64_t bytes = row_bytes(a->format, a->dim);
     for (int64_t r = 0; r < a->rows; r++) {
         const float *x = a->x + r * a->dim;
         uint8_t *o = a->out + r * bytes;
         for (int64_t blk = 0; blk < a->dim / 32; blk++, x += 32) {
+            uint16_t h;
+            if (a->format == EXL_KV_Q4H || a->format == EXL_KV_Q3H) {
+                uint8_t q[32];
+                int four = a->format == EXL_KV_Q4H;
+                const float *levels = four ? Q4H_LEVELS : Q3H_LEVELS;
+                float lowest = four ? 21.0f / 64.0f : 24.0f / 64.0f;  // ops/kv_quant.py's SCALE_FLOOR
+                o[0] = gaussian_half(x, levels, four ? 16 : 8, lowest, q);
+                o[1] = gaussian_half(x + 16, levels, four ? 16 : 8, lowest, q + 16);
+                if (four) {
+                    for (int i = 0; i < 16; i++) o[2 + i] = (uint8_t)(q[i] | (q[i + 16] << 4));
+                    o += 18;
+                } else {  // 2 low bits: byte i % 8 from bit 2 * (i / 8); high bit: byte 8 + i % 4, bit i / 4
+                    memset(o + 2, 0, 12);
+                    for (int i = 0; i < 32; i++) {
+                        o[2 + i % 8] |= (uint8_t)((q[i] & 3) << (2 * (i / 8)));
+                        o[10 + i % 4] |= (uint8_t)((q[i] >> 2) << (i / 4));
+                    }
+                    o += 14;
+                }
+                continue;
+            }
             float amax = 0.0f, max = 0.0f;
             for (int i = 0; i < 32; i++)
                 if (amax < fabsf(x[i])) {
                     amax = fabsf(x[i]);
                     max = x[i];
                 }
-            uint16_t h;
             if (a->format == EXL_KV_Q8_0) {
                 float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
                 h = exl_f32_to_f16(d);

@@ -1,6 +1,6 @@
-"""The K/V write's quantizer for q8_0 and q4_0 pages in C (csrc/cpu/attention_quant.c,
-exl_kv_quantize): llama.cpp's reference quantizers, the bytes of ops/kv_quant.py's torch encoder,
-without its dozen torch calls per write."""
+"""The K/V write's quantizer for quantized pages in C (csrc/cpu/attention_quant.c, exl_kv_quantize):
+llama.cpp's reference quantizers for q8_0 and q4_0 and the Gaussian codes' scale search for q4h and q3h,
+the bytes of ops/kv_quant.py's torch encoder, without its dozens of torch calls per write."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from exlcli.ops.cpu import loader as cpu_loader
 from exlcli.ops.cpu.args import KvQuantizeArgs
 from exlcli.ops.kv_quant import KVQuantFormat
 
-FORMATS = {"q8_0": 2, "q4_0": 3}  # attention_quant.c's EXL_KV_* numbers
+FORMATS = {"q8_0": 2, "q4_0": 3, "q4h": 4, "q3h": 5}  # attention_quant.c's EXL_KV_* numbers
 
 
 @functools.cache
