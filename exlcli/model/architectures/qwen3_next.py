@@ -56,6 +56,7 @@ from exlcli.ops.attention import PagedLayout, paged_attention
 from exlcli.ops.cpu.loader import use_cpu_kernels
 from exlcli.ops.cuda import kernels
 from exlcli.ops.cuda.loader import use_kernels
+from exlcli.ops.embedding import TokenEmbedding
 from exlcli.ops.gated_delta import (
     causal_conv1d,
     causal_conv1d_step,
@@ -63,7 +64,7 @@ from exlcli.ops.gated_delta import (
     recurrent_gated_delta_step,
     rowwise,
 )
-from exlcli.ops.linear import Linear, dense_weight, make_linear
+from exlcli.ops.linear import Linear, make_linear
 from exlcli.ops.moe import MoeFeedForward
 from exlcli.ops.norm import rms_norm
 from exlcli.ops.rope import RopeWrite, gather_cos_sin, rope_cos_sin_cache
@@ -426,7 +427,7 @@ class Qwen3NextModel:
         self.device = device
         self.dtype = dtype
         self.fused_paths = FUSED_PATHS
-        self.embed = dense_weight(tensors[EMBED], dtype, device).to(device)
+        self.embed = TokenEmbedding(tensors[EMBED], dtype, device)
         self.mixers: list[GatedAttention | GatedDeltaNet] = [
             (GatedDeltaNet if config.is_linear_layer(i) else GatedAttention)(config, tensors, i, device, dtype)
             for i in range(config.num_layers)]
@@ -457,7 +458,7 @@ class Qwen3NextModel:
                 + self.lm_head.nbytes())
 
     def resident_bytes(self) -> int:
-        embed = 0 if self._head_is_embed else self.embed.numel() * self.embed.element_size()
+        embed = 0 if self._head_is_embed else self.embed.nbytes()
         return self._linear_bytes(active=False) + embed
 
     def fused_decode_unsupported(self) -> str | None:
@@ -488,7 +489,7 @@ class Qwen3NextModel:
         if kv.states is None or batch.state_slots is None:
             raise RuntimeError("a model with linear attention layers needs a state cache and each sequence's slot")
         num_tokens = batch.input_ids.shape[0]
-        h = F.embedding(batch.input_ids, self.embed)
+        h = self.embed(batch.input_ids)
         cos_sin_rows = layout = prefill_layout = None
         if use_kernels(h):
             if len(batch.seq_lens) != num_tokens:
