@@ -194,7 +194,14 @@ def _llama_quantize_q4_k_m(name: str, data) -> str:
     return q4_k_m_type(category, data.reshape(-1, data.shape[-1]), len(QWEN3_NEXT["layer_types"]))
 
 
-def test_llama_quantize_q4_k_m_gguf_loads(tmp_path):
+@pytest.fixture(scope="module")
+def wide_gguf(tmp_path_factory):
+    """The llama.cpp-converted checkpoint 256 wide (whole K-quant super-blocks in a row), made once."""
+    return _llama_cpp_gguf(tmp_path_factory.mktemp("wide"), seed=4, hidden_size=256,
+                           shared_expert_intermediate_size=64)[1]
+
+
+def test_llama_quantize_q4_k_m_gguf_loads(tmp_path, wide_gguf):
     """A file quantized as llama-quantize's Q4_K_M quantizes a qwen3next (every weight it quantizes, the gated
     q_proj (attn_q) and the linear layers' b|a (ssm_ba) among them; 256 wide, so K-quants) loads. In fp32
     (dequantized at load) its logits are those of its weights dequantized into an fp32 file; in bf16 attn_q and
@@ -206,7 +213,7 @@ def test_llama_quantize_q4_k_m_gguf_loads(tmp_path):
     import gguf
     from requantize_gguf import requantize  # tests/model/requantize_gguf.py
 
-    _, path = _llama_cpp_gguf(tmp_path, seed=4, hidden_size=256, shared_expert_intermediate_size=64)
+    path = wide_gguf
     quantized, dequantized = tmp_path / "model.q4_k_m.gguf", tmp_path / "model.dequantized.gguf"
     requantize(str(path), str(quantized), _llama_quantize_q4_k_m, int(gguf.LlamaFileType.MOSTLY_Q4_K_M))
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(quantized)).tensors}
@@ -234,6 +241,56 @@ def test_llama_quantize_q4_k_m_gguf_loads(tmp_path):
         q4, bf16 = relative_error(part(ours.model)(x), part(unquantized.model)(x)), relative_error(
             part(fast)(x.bfloat16()), exact)
         assert q4 <= 0.2 and bf16 <= 0.02, (name, q4, bf16)
+
+
+def _legacy_ssm_in(tensors: dict) -> dict:
+    """llama.cpp's older qwen3next layout: each linear layer's q|k|v (attn_qkv) and z (attn_gate) as one
+    ssm_in whose rows are grouped by key head as the checkpoint's in_proj_qkvz (the head's q, k, then its
+    value heads' v and z), the layout llama.cpp's graph still splits for such a file."""
+    import numpy as np
+
+    kh, dk = QWEN3_NEXT["linear_num_key_heads"], QWEN3_NEXT["linear_key_head_dim"]
+    dv = QWEN3_NEXT["linear_value_head_dim"]
+    per = QWEN3_NEXT["linear_num_value_heads"] // kh * dv  # a key head's value rows
+    out = {}
+    for name, data in tensors.items():
+        if name.endswith("attn_qkv.weight"):
+            q, k, v = np.split(data, [kh * dk, 2 * kh * dk])
+            z = tensors[name.replace("attn_qkv", "attn_gate")]
+            out[name.replace("attn_qkv", "ssm_in")] = np.concatenate([
+                part for h in range(kh)
+                for part in (q[h * dk:(h + 1) * dk], k[h * dk:(h + 1) * dk], v[h * per:(h + 1) * per],
+                             z[h * per:(h + 1) * per])])
+        elif not name.endswith("attn_gate.weight"):
+            out[name] = data
+    return out
+
+
+def test_legacy_ssm_in_gguf_loads(tmp_path, wide_gguf):
+    """A file of llama.cpp's older converter (ssm_in: q|k|v|z grouped by key head) loads to the logits of the
+    newer layout's, and quantized (Q4_K_M: ssm_in Q4_K) its q|k|v|z projection, rows reordered at load and
+    kept quantized in bf16, is within the 4-bit error of the unquantized one."""
+    import gguf
+    from requantize_gguf import requantize  # tests/model/requantize_gguf.py
+
+    legacy, legacy_q4 = tmp_path / "legacy.f32.gguf", tmp_path / "legacy.q4_k_m.gguf"
+    requantize(str(wide_gguf), str(legacy), lambda name, data: "F32", int(gguf.LlamaFileType.ALL_F32),
+               edit=_legacy_ssm_in)
+    requantize(str(wide_gguf), str(legacy_q4), _llama_quantize_q4_k_m, int(gguf.LlamaFileType.MOSTLY_Q4_K_M),
+               edit=_legacy_ssm_in)
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(legacy_q4)).tensors}
+    assert types["blk.0.ssm_in.weight"] == "Q4_K" and "blk.0.attn_qkv.weight" not in types
+    newer, older = (load_model(str(p), device="cpu", dtype="float32") for p in (wide_gguf, legacy))
+    g = torch.Generator().manual_seed(6)
+    seqs = [torch.randint(0, GGUF_WORDS, (n,), generator=g).tolist() for n in (70, 7)]
+    assert relative_error(_prefill_logits(older, seqs), _prefill_logits(newer, seqs)) <= 1e-5
+
+    fast, dense = (load_model(str(p), device="cpu", dtype="bfloat16").model for p in (legacy_q4, legacy))
+    x = torch.randn(9, 256, generator=g)
+    for i in newer.config.linear_layers:
+        assert fast.mixers[i].in_proj.nbytes() < dense.mixers[i].in_proj.nbytes()  # kept quantized
+        err = relative_error(fast.mixers[i].in_proj(x.bfloat16()), newer.model.mixers[i].in_proj(x))
+        assert err <= 0.2, (i, err)
 
 
 @pytest.mark.parametrize("case", list(CASES))

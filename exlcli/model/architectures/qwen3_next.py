@@ -139,10 +139,12 @@ def gguf_fields(meta: Mapping[str, Any]) -> dict[str, Any]:
             "partial_rotary_factor": rotated / head_dim}
 
 
-# llama.cpp's qwen3next names: the linear layers' q|k|v (rows in order) and z apart, b|a grouped by key
-# head as in the checkpoint, -exp(A_log) as ssm_a, dt_bias as ssm_dt.bias, the conv weight [C, W]
+# llama.cpp's qwen3next names: the linear layers' q|k|v (rows in order) and z apart (a file of its older
+# converter: one ssm_in, grouped by key head as the checkpoint's in_proj_qkvz, which llama.cpp still runs),
+# b|a grouped by key head as in the checkpoint, -exp(A_log) as ssm_a, dt_bias as ssm_dt.bias, the conv weight [C, W]
 GGUF_LINEAR_NAMES = {
-    "attn_qkv": LINEAR + "in_proj_qkv", "attn_gate": LINEAR + "in_proj_z", "ssm_ba": LINEAR + "in_proj_ba",
+    "attn_qkv": LINEAR + "in_proj_qkv", "attn_gate": LINEAR + "in_proj_z", "ssm_in": LINEAR + "in_proj_qkvz",
+    "ssm_ba": LINEAR + "in_proj_ba",
     "ssm_a": LINEAR + "neg_a", "ssm_dt": LINEAR + "dt", "ssm_conv1d": LINEAR + "conv1d", "ssm_norm": LINEAR + "norm",
     "ssm_out": LINEAR + "out_proj", "post_attention_norm": "post_attention_layernorm",
 }
@@ -251,7 +253,7 @@ class GatedDeltaNet:
         self.shape = la
         self.eps = config.rms_norm_eps
         p = layer_prefix(i) + LINEAR
-        if p + "in_proj_qkv.weight" in t:  # Qwen3.5 (and Qwen3-Next's GGUF): q|k|v and z apart, in order
+        if p + "in_proj_qkv.weight" in t:  # Qwen3.5 (and Qwen3-Next's newer GGUF): q|k|v and z apart, in order
             self.in_proj = make_linear([t[p + "in_proj_qkv.weight"], _take(t, p + "in_proj_z.weight")], None, device,
                                        dtype)
             if p + "in_proj_ba.weight" in t:
