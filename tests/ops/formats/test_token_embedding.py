@@ -4,12 +4,11 @@ rows equal the dense table's rows bit for bit; elsewhere, and for formats the C 
 import pytest
 import torch
 import torch.nn.functional as F
+from test_c_repack import random_blocks
 
 from exlcli.ops.embedding import TokenEmbedding
 from exlcli.ops.formats import QuantizedWeight
 from exlcli.ops.formats.cpu_qmatmul import C_REPACKED, available
-
-from test_c_repack import random_blocks
 
 CPU = torch.device("cpu")
 
