@@ -175,9 +175,11 @@ class Plan:
 
 
 def plan(key: dict, records: list[Record]) -> Plan:
-    entries, placed, end = [], [], 0
+    entries: list[dict] = []
+    placed: list[tuple[int, torch.Tensor]] = []
+    end = 0
     for r in records:
-        tensors = {}
+        tensors: dict[str, list] = {}
         for name in TENSORS:
             t = getattr(r.layout, name)
             if t is not None and not r.layout.declined:

@@ -268,3 +268,17 @@ def test_two_processes_loading_at_once_both_work_and_leave_one_file(gguf_file, c
         files = list(cache.iterdir())
         assert len(files) == 1 and files[0].suffix == ".bin"
         repack_cache._open(files[0], _key(gguf_file))  # whole
+
+
+def test_run_no_repack_cache_flag_reaches_the_load(gguf_file, cache, monkeypatch):
+    from typer.testing import CliRunner
+
+    from exlcli.cli.app import app
+
+    result = CliRunner().invoke(app, ["run", "-m", str(gguf_file), "--raw", "-n", "1", "--temp", "0",
+                                      "--no-repack-cache", "!#%"])
+    assert result.exit_code == 0, result.output
+    assert not cache.exists() or not list(cache.iterdir())
+    result = CliRunner().invoke(app, ["run", "-m", str(gguf_file), "--raw", "-n", "1", "--temp", "0", "!#%"])
+    assert result.exit_code == 0, result.output
+    assert len(list(cache.glob("*.bin"))) == 1

@@ -309,7 +309,7 @@ class QuantCpuLinear(Linear):
         if bits in (5, 6) and not high_bit_planes():
             return None
         zero = 32 if bits == 6 else 16 if bits == 5 and not has_offsets else 0
-        desc = (n, k, fmt.gguf_type, bits, spb, zero, *(p.shape[0] for p in parts))
+        desc = (n, k, fmt.gguf_type or 0, bits, spb, zero, *(p.shape[0] for p in parts))
         store = LAYOUT_STORE.get()
         held = store.lookup(desc) if store is not None else None
         if held is not None:
@@ -361,18 +361,17 @@ class QuantCpuLinear(Linear):
         groups, nb = -(-n // CG), k // BLOCK
         qs_shape = (groups, nb, BLOCK // 2, CG, 2) if bits == 8 else (groups, nb, 256 + 64 * (bits - 4))
         scales = torch.float16 if held.half_scales else torch.float32
-        fits = (held.qs is not None and held.d is not None and held.m is not None
-                and (held.qs.shape, held.qs.dtype) == (qs_shape, torch.uint8)
-                and (held.d.shape, held.d.dtype) == ((groups, nb, CG) if spb == 1 else (groups, nb, 2, CG), scales)
-                and (held.m.shape, held.m.dtype) == ((groups, nb, CG), scales)
-                and (not held.half_scales or half_scales_available()) and (held.offsets or bits != 4))
-        if not fits:
+        qs, d, m = held.qs, held.d, held.m
+        if (qs is None or d is None or m is None or (qs.shape, qs.dtype) != (qs_shape, torch.uint8)
+                or (d.shape, d.dtype) != ((groups, nb, CG) if spb == 1 else (groups, nb, 2, CG), scales)
+                or (m.shape, m.dtype) != ((groups, nb, CG), scales)
+                or (held.half_scales and not half_scales_available()) or not (held.offsets or bits != 4)):
             raise StaleLayout(f"the layout held for a {n}x{k} {bits}-bit weight has other shapes or types")
         self = cls.__new__(cls)
         self.out_features, self.in_features, self.bits, self.table = n, k, bits, None
         self.scales_per_block, self.zero, self.groups = spb, zero, groups
         self.offsets, self.half_scales = held.offsets, held.half_scales
-        self.qs, self.d, self.m = held.qs, held.d, held.m
+        self.qs, self.d, self.m = qs, d, m
         self.bias = None if bias is None else bias.to(torch.bfloat16).contiguous()
         self._dense = None
         self._args = None
