@@ -71,7 +71,7 @@ NCpuMoeOption = Annotated[Optional[int], typer.Option(
     show_default=False)]
 RepackCacheOption = Annotated[bool, typer.Option(
     "--repack-cache/--no-repack-cache", help="Map a GGUF's CPU weight layouts from the repack cache, written on the "
-                                            "first load (docs/run.md); --no-repack-cache repacks them and writes "
+                                            "first load (docs/models.md); --no-repack-cache repacks them and writes "
                                             "no file (as $EXLCLI_NO_REPACK_CACHE=1).")]
 PrefixCacheOption = Annotated[bool, typer.Option(
     "--prefix-cache/--no-prefix-cache", help="Share the KV pages of common prompt prefixes.")]

@@ -5,17 +5,19 @@ Why: a fresh anonymous page costs the kernel a clearing (on a VM, writing 2 GB o
 and an 8B model's layouts are 5 GB of them. Pages of a mapped file come from the page cache: a warm start
 maps them, with no clearing and no repack. The first load repacks as before and writes the file after.
 
-A file is one load's layouts, in the order the build asks for them, under a name made of its key: the GGUF's
-identity (real path, device, inode, size, mtime), the layout's version (cpu_qmatmul.LAYOUT_VERSION), the CPU
-kernel's features the layout depends on, and the load's options that change which weights are repacked. A
-header (magic, format version, total length, the key, an index of records with each tensor's offset, shape
-and type, its CRC) precedes the page-aligned tensors. A file whose header, key, length or index is not
+A file is one load's layouts, in the order the build asks for them, named by the model's path and the load's
+options that change which weights are repacked (dtype, --quantize, the CPU expert layers), with its key in
+its header: the GGUF's identity (real path, device, inode, size, mtime), the layout's version
+(cpu_qmatmul.LAYOUT_VERSION), the CPU kernel's features the layout depends on, and those options. The header
+(magic, format version, total length, the key, an index of records with each tensor's offset, shape and
+type, its CRC) precedes the page-aligned tensors. A file whose header, key, length or index is not
 right, or whose records do not fit the weights the load asks for, is never used: the load says so in one
-line, repacks, and writes the file anew. A file is written to a name of its own, then renamed over the
-final one (atomic: two processes loading one model at once both load it, and one's file stays). The
-folder holds at most `max_bytes()` (oldest used first out), and only models whose layouts take
-`MIN_BYTES` or more get a file. The tensors are mapped copy-on-write: nothing writes them after the load,
-and a write could never reach the file.
+line, repacks, and writes the file anew. A file is written on a thread after the load (the model answers
+meanwhile; the process's exit waits for it), to a name of its own, then renamed over the final one (atomic:
+two processes loading one model at once both load it, and one's file stays). The folder holds at most
+`max_bytes()` (the least recently used go first), and only models whose layouts take `MIN_BYTES` or more
+get a file. The tensors are mapped copy-on-write: nothing writes them after the load, and a write could
+never reach the file.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import os
 import secrets
 import shutil
 import struct
+import threading
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -321,17 +324,35 @@ def build_cached(build: Callable[[], T], key: dict, log) -> T:
     with _store(session):
         built = build()
     if session.kept_bytes() >= MIN_BYTES:
-        try:
-            file.parent.mkdir(parents=True, exist_ok=True)
-            planned = plan(key, session.kept)
-            why = _make_room(file, planned.total)
-            if why is None:
-                write(file, key, session.kept, planned)
-            else:
-                print(f"exlcli: repack cache not written: {why}", file=log, flush=True)
-        except OSError as e:
-            print(f"exlcli: repack cache {file} not written ({e})", file=log, flush=True)
+        # written on a thread of its own (not a daemon: the process's exit waits for it), so the model answers
+        # while the file is written (an 8B's 5 GB took 8.7 s on a VM disk)
+        writer = threading.Thread(target=_save, args=(file, key, session.kept, log), name="exlcli-repack-cache")
+        _writers.append(writer)
+        writer.start()
     return built
+
+
+_writers: list[threading.Thread] = []
+
+
+def _save(file: Path, key: dict, records: list[Record], log) -> None:
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        planned = plan(key, records)
+        why = _make_room(file, planned.total)
+        if why is None:
+            write(file, key, records, planned)
+        else:
+            print(f"exlcli: repack cache not written: {why}", file=log, flush=True)
+    except (OSError, ValueError) as e:  # ValueError: a closed log, a layout tensor of another type
+        with contextlib.suppress(ValueError):
+            print(f"exlcli: repack cache {file} not written ({e})", file=log, flush=True)
+
+
+def wait_written() -> None:
+    """Returns once the files this process's loads write are written (or given up)."""
+    while _writers:
+        _writers.pop().join()
 
 
 def clear() -> tuple[int, int]:

@@ -58,7 +58,9 @@ class Log:
 
 
 def _load(path: Path, log: Log | None = None, **kw):
-    return load_model(str(path), device="cpu", log=log or Log(), **kw)
+    loaded = load_model(str(path), device="cpu", log=log or Log(), **kw)
+    repack_cache.wait_written()  # the file is written on a thread
+    return loaded
 
 
 def _linears(loaded) -> list[QuantCpuLinear]:
@@ -281,4 +283,5 @@ def test_run_no_repack_cache_flag_reaches_the_load(gguf_file, cache, monkeypatch
     assert not cache.exists() or not list(cache.iterdir())
     result = CliRunner().invoke(app, ["run", "-m", str(gguf_file), "--raw", "-n", "1", "--temp", "0", "!#%"])
     assert result.exit_code == 0, result.output
+    repack_cache.wait_written()
     assert len(list(cache.glob("*.bin"))) == 1
