@@ -127,7 +127,7 @@ def _load_model(cleanup: contextlib.ExitStack, spec: str | None, device: str | N
     tokenizer: Tokenizer | SyntheticTokenizer
     tensors: dict[str, Any]  # torch.Tensor or QuantizedWeight by name (quantize_tensors swaps them in place)
     pooling, normalize = None, True
-    gguf = False
+    cache: repack_caching.Cache | None = None  # a GGUF's repack cache file
     if path.startswith("random:"):
         from exlcli.model.random_weights import SyntheticTokenizer, random_config, random_tensors
 
@@ -160,10 +160,16 @@ def _load_model(cleanup: contextlib.ExitStack, spec: str | None, device: str | N
         from exlcli.model.prefetch import Prefetch
         from exlcli.text.tokenizer import Tokenizer
 
-        gguf = True
         reader = open_gguf(path)
         meta = metadata_from_reader(reader)
-        cleanup.enter_context(Prefetch(path, read_order(reader, meta)))  # the disk reads while the build repacks
+        if repack_cache and repack_caching.enabled():
+            options = {"quantize": quantize, "cpu_moe": cpu_moe, "n_cpu_moe": n_cpu_moe}
+            cache = repack_caching.open_cache(repack_caching.cache_key(path, dev.type, dt, options), log)
+        # the disk reads while the build repacks; with the layouts in the repack cache, that file's instead
+        if cache is not None and cache.held is not None:
+            cleanup.enter_context(Prefetch(str(cache.file), cache.read_order()))
+        else:
+            cleanup.enter_context(Prefetch(path, read_order(reader, meta)))
         pooling = gguf_pooling(meta)
         config, tensors = load_gguf_tensors(reader, meta)
         tokenizer = Tokenizer.from_gguf_metadata(meta)
@@ -191,12 +197,8 @@ def _load_model(cleanup: contextlib.ExitStack, spec: str | None, device: str | N
         if notice:
             print(notice, file=log, flush=True)
     build = functools.partial(build_model, config, tensors, dev, dt)
-    key = None
-    if gguf and repack_cache and repack_caching.enabled():
-        options = {"quantize": quantize, "cpu_expert_layers": sorted(placement.cpu_layers)}
-        key = repack_caching.cache_key(path, dev.type, dt, options)
     try:
-        model = build() if key is None else repack_caching.build_cached(build, key, log)
+        model = build() if cache is None else repack_caching.build_cached(build, cache, log)
     except (KeyError, AttributeError) as e:
         raise ModelLoadError(f"{path}: missing or malformed tensor ({e})") from None
     except ValueError as e:  # e.g. an unsupported rope_scaling type, a tensor of the wrong shape

@@ -291,20 +291,40 @@ def notice_stale(file: Path, why: str) -> str:
     return f"exlcli: repack cache {file} is stale/truncated ({why}): rebuilt"
 
 
-def build_cached(build: Callable[[], T], key: dict, log) -> T:
-    """`build()` (a model's build) with its CPU layouts from the key's file where it has a usable one, else
-    repacked and written to it (when they take MIN_BYTES or more). One-line notices go to `log`."""
-    file = file_for(key)
-    held: list[Record] | None = None
-    mapped = None
+@dataclass
+class Cache:
+    """A load's file: its records where it holds usable ones (`held`, views of `mapped`), else None."""
+
+    file: Path
+    key: dict
+    held: list[Record] | None = field(default=None, repr=False)
+    mapped: mmap.mmap | None = field(default=None, repr=False)
+
+    def read_order(self) -> list[tuple[int, int]]:
+        """The file's bytes in the order the build reads them (what a prefetch asks for): all of it, in order."""
+        return [(0, len(self.mapped))] if self.mapped is not None else []
+
+
+def open_cache(key: dict, log) -> Cache:
+    """The key's file, its records mapped where it is usable; where it is not, a one-line notice on `log`
+    (a file that is not there yet gets none)."""
+    cache = Cache(file_for(key), key)
     try:
-        held, mapped = _open(file, key)
+        cache.held, cache.mapped = _open(cache.file, key)
     except FileNotFoundError:
         pass
     except Unusable as e:
-        print(notice_stale(file, str(e)), file=log, flush=True)
+        print(notice_stale(cache.file, str(e)), file=log, flush=True)
     except OSError as e:
-        print(f"exlcli: repack cache {file} unreadable ({e}): repacking", file=log, flush=True)
+        print(f"exlcli: repack cache {cache.file} unreadable ({e}): repacking", file=log, flush=True)
+    return cache
+
+
+def build_cached(build: Callable[[], T], cache: Cache, log) -> T:
+    """`build()` (a model's build) with its CPU layouts from the cache's records where it holds usable ones,
+    else repacked and written to its file (when they take MIN_BYTES or more). One-line notices go to `log`."""
+    file, key, held = cache.file, cache.key, cache.held
+    cache.held = cache.mapped = None  # the views of the map keep it open as long as the model holds them
     if held is not None:
         session = Session(held)
         try:
@@ -319,7 +339,7 @@ def build_cached(build: Callable[[], T], key: dict, log) -> T:
                 os.utime(file)  # its last use, for the eviction of the least recently used
             return built
         # the views of the mapped file go with the abandoned build (the mapping closes when the last does)
-    del held, mapped
+    del held
     session = Session(None)
     with _store(session):
         built = build()

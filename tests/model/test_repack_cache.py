@@ -138,7 +138,7 @@ def _mappings(file: Path) -> list[tuple[int, int, int]]:
 
 
 def _key(gguf_file: Path) -> dict:
-    options = {"quantize": None, "cpu_expert_layers": []}
+    options = {"quantize": None, "cpu_moe": False, "n_cpu_moe": None}
     return repack_cache.cache_key(str(gguf_file), "cpu", torch.bfloat16, options)
 
 
