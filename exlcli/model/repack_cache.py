@@ -127,14 +127,13 @@ def _open(file: Path, key: dict) -> tuple[list[Record], mmap.mmap]:
             index = json.loads(raw)
         except ValueError:
             raise Unusable("index damaged") from None
-        if index.get("key") != key:
+        if not isinstance(index, dict) or index.get("key") != key:
             raise Unusable("built for another file, version or CPU")
         data_start = HEAD.size + index_len
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     try:
         records = [_record(entry, mapped, data_start, size) for entry in index["records"]]
-    except (KeyError, TypeError, ValueError) as e:
-        mapped.close()
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:  # the map closes with the last view of it
         raise Unusable(f"index damaged ({e})") from None
     return records, mapped
 

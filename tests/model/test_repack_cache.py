@@ -285,3 +285,28 @@ def test_run_no_repack_cache_flag_reaches_the_load(gguf_file, cache, monkeypatch
     assert result.exit_code == 0, result.output
     repack_cache.wait_written()
     assert len(list(cache.glob("*.bin"))) == 1
+
+
+@pytest.mark.parametrize("damage", ["magic", "index", "offset"])
+def test_a_damaged_header_or_index_is_never_used(gguf_file, cache, monkeypatch, damage):
+    def break_it(file: Path) -> None:
+        data = bytearray(file.read_bytes())
+        if damage == "magic":
+            data[:8] = b"NOTMAGIC"
+        elif damage == "index":  # a byte of the index: its CRC no longer matches
+            data[repack_cache.HEAD.size + 10] ^= 0xFF
+        else:  # an index that is right (CRC included) with a tensor past the end
+            records, mapped = repack_cache._open(file, _key(gguf_file))
+            planned = repack_cache.plan(_key(gguf_file), records)
+            head = planned.head.replace(b'"tensors": {"qs": [', b'"tensors": {"qs": [9', 1)
+            raw = head[repack_cache.HEAD.size:].rstrip(b" ")
+            raw += b" " * (len(planned.head) - repack_cache.HEAD.size - len(raw))
+            _, fmt, _, total, _ = repack_cache.HEAD.unpack(planned.head[:repack_cache.HEAD.size])
+            import zlib
+            head = repack_cache.HEAD.pack(repack_cache.MAGIC, fmt, len(raw), total, zlib.crc32(raw)) + raw
+            assert len(head) == len(planned.head)
+            data[:len(head)] = head
+        file.write_bytes(bytes(data))
+
+    lines = _corrupt_and_reload(gguf_file, cache, monkeypatch, break_it)
+    assert len(lines) == 1 and "is stale/truncated" in lines[0]
