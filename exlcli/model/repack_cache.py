@@ -215,6 +215,8 @@ def write(file: Path, key: dict, records: list[Record], planned: Plan | None = N
                 f.seek(offset)
                 f.write(t.contiguous().view(-1).view(torch.uint8).numpy().data)
             f.truncate(planned.total)
+            f.flush()
+            os.fsync(f.fileno())  # on the disk before its name is: after a crash, no file rather than a hollow one
         os.replace(temp, file)  # atomic: a reader opens the old file or the new one, whole
     finally:
         with contextlib.suppress(FileNotFoundError):
