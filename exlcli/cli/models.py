@@ -81,7 +81,7 @@ def register(app: typer.Typer) -> None:
     @app.command("rm")
     @user_errors
     def rm(names: Annotated[Optional[List[str]], typer.Argument(
-            metavar="[NAME]...", help="Models as `exlcli ls` names them.", autocompletion=complete_model)] = None,
+            metavar="NAME", help="Models as `exlcli ls` names them.", autocompletion=complete_model)] = None,
            repack_cache: Annotated[bool, typer.Option(
                "--repack-cache", help="Delete the repack cache's files (the CPU weight layouts of GGUFs loaded "
                                       "before; the next load of each writes its file again).")] = False) -> None:

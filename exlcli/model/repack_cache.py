@@ -69,7 +69,8 @@ def max_bytes() -> int:
 
 
 def enabled() -> bool:
-    return not environment.flag("EXLCLI_NO_REPACK_CACHE")
+    """Not turned off, and the CPU kernels that read the layouts are built (without them nothing is repacked)."""
+    return not environment.flag("EXLCLI_NO_REPACK_CACHE") and cpu_qmatmul.available()
 
 
 def cache_key(path: str, device: str, dtype: torch.dtype, options: dict) -> dict:
