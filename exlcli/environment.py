@@ -32,6 +32,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     Variable("EXLCLI_PORT", "number", "the port `exlcli serve` binds"),
     Variable("EXLCLI_KV_MEMORY", "text", "the KV cache's memory (as --kv-memory)"),
     Variable("EXLCLI_NO_PREFETCH", "flag", "read a GGUF only as the load touches it, not ahead of it on a thread"),
+    Variable("EXLCLI_NO_REPACK_CACHE", "flag", "repack a GGUF's CPU layouts at each load, no repack cache file "
+             "(as --no-repack-cache)"),
+    Variable("EXLCLI_REPACK_CACHE_GIB", "number", "the most the repack cache folder holds, in GiB (default 32)"),
     # kernels
     Variable("EXLCLI_NO_KERNELS", "flag", "no compiled kernels at all (CPU and CUDA): the torch reference ops"),
     Variable("EXLCLI_CPU_THREADS", "number", "threads the CPU kernels use (default: the cores this process has)"),

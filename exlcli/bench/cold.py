@@ -2,8 +2,8 @@
 loads the model and generates one token from a short prompt, as `exlcli run` does; the parent times it from
 just before the process starts: the imports, the load, and the first token (load-to-first-token, what a user
 waits for). Two tests, median of --reps each: the model file in the page cache (warm: read once before), and
-out of it (cold: evicted before each start with posix_fadvise, which needs no privileges; a file that stays
-cached, as on some file systems, is reported, not hidden).
+out of it (cold: evicted before each start with posix_fadvise, which needs no privileges, with the repack
+cache's files; a file that stays cached, as on some file systems, is reported, not hidden).
 
 `python -m exlcli.bench.cold START SPEC` is the child: SPEC's JSON holds the model options, START the
 parent's clock (time.time()) at the start, and it prints one JSON line of seconds since then."""
@@ -45,6 +45,13 @@ def evict_from_page_cache(path: str) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def repack_cache_files() -> list:
+    """The repack cache's files (exlcli/model/repack_cache.py), each a model's CPU layouts."""
+    from exlcli.model.repack_cache import folder
+
+    return sorted(folder().glob("*.bin")) if folder().is_dir() else []
 
 
 def read_into_page_cache(path: str) -> None:
@@ -93,6 +100,8 @@ def run_cold(model: str | None, device: str | None, dtype: str | None, threads: 
                 read_into_page_cache(path)
             elif test == "cold":
                 evicted = evict_from_page_cache(path)
+                for layouts in repack_cache_files():  # what a load maps instead of repacking: cold too
+                    evict_from_page_cache(str(layouts))
             runs.append(start_once(spec))
             log(f"{test} start {rep + 1}/{reps}: first token after {runs[-1]['first_token_s']:.2f} s")
         rows.append({**summary_row(os.path.basename(path), test, runs, evicted), "machine": machine})

@@ -69,6 +69,10 @@ NCpuMoeOption = Annotated[Optional[int], typer.Option(
     "--n-cpu-moe", "-ncmoe", min=0, help="Keep the routed experts of the first N layers in host memory and run them "
                                          "on the CPU kernels (llama.cpp's --n-cpu-moe). Nothing changes on a CPU.",
     show_default=False)]
+RepackCacheOption = Annotated[bool, typer.Option(
+    "--repack-cache/--no-repack-cache", help="Map a GGUF's CPU weight layouts from the repack cache, written on the "
+                                            "first load (docs/models.md); --no-repack-cache repacks them and writes "
+                                            "no file (as $EXLCLI_NO_REPACK_CACHE=1).")]
 PrefixCacheOption = Annotated[bool, typer.Option(
     "--prefix-cache/--no-prefix-cache", help="Share the KV pages of common prompt prefixes.")]
 
@@ -168,6 +172,7 @@ class EngineFlags:
     window: int | None = None
     cpu_moe: bool = False  # --cpu-moe / --n-cpu-moe: routed experts in host memory
     n_cpu_moe: int | None = None
+    repack_cache: bool = True  # --no-repack-cache: no repack cache file read or written
 
     @classmethod
     def of(cls, values: Mapping[str, object], **overrides: object) -> "EngineFlags":
@@ -187,6 +192,8 @@ class EngineFlags:
                    "draft_layers": self.draft_layers}
         if self.cpu_moe or self.n_cpu_moe:  # only when given: not every engine maker takes them
             options |= {"cpu_moe": self.cpu_moe, "n_cpu_moe": self.n_cpu_moe}
+        if not self.repack_cache:  # likewise
+            options["repack_cache"] = False
         overflow = {name: getattr(self, name) for name in OVERFLOW_FIELDS}
         return {**options, **{k: v for k, v in overflow.items() if v is not None}}
 

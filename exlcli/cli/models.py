@@ -8,7 +8,7 @@ from typing import Annotated, List, Optional
 
 import typer
 
-from exlcli.cli.common import ModelOption, QuantizeOption, complete_model, user_errors
+from exlcli.cli.common import ModelOption, QuantizeOption, complete_model, fail, user_errors
 from exlcli.errors import ExlcliError
 
 
@@ -80,11 +80,22 @@ def register(app: typer.Typer) -> None:
 
     @app.command("rm")
     @user_errors
-    def rm(names: Annotated[List[str], typer.Argument(
-            metavar="NAME...", help="Models as `exlcli ls` names them.", autocompletion=complete_model)]) -> None:
-        """Delete models from the cache folder."""
-        for name in names:
+    def rm(names: Annotated[Optional[List[str]], typer.Argument(
+            metavar="NAME", help="Models as `exlcli ls` names them.", autocompletion=complete_model)] = None,
+           repack_cache: Annotated[bool, typer.Option(
+               "--repack-cache", help="Delete the repack cache's files (the CPU weight layouts of GGUFs loaded "
+                                      "before; the next load of each writes its file again).")] = False) -> None:
+        """Delete models from the cache folder, or the repack cache's files."""
+        if not names and not repack_cache:
+            raise fail("name a model to delete (`exlcli ls` lists them), or give --repack-cache")
+        for name in names or []:
             print(f"removed {remove_model(name)}", file=sys.stderr)
+        if repack_cache:
+            from exlcli.model.repack_cache import clear, folder
+
+            count, freed = clear()
+            print(f"removed {count} repack cache file{'s' * (count != 1)} ({freed / 2**30:.1f} GiB) from {folder()}",
+                  file=sys.stderr)
 
     @app.command("pull")
     @user_errors

@@ -30,7 +30,7 @@ def open_client(model: str | None = None, *, server: str | None = None, local: b
                 num_draft_tokens: int = 4, draft_layers: int | None = None,
                 quantize: str | None = None, kv_cache_dtype: str = "auto",
                 engine_options: dict | None = None, cpu_moe: bool = False,
-                n_cpu_moe: int | None = None) -> EngineClient:
+                n_cpu_moe: int | None = None, repack_cache: bool = True) -> EngineClient:
     """`server` names one; else a running `exlcli serve` is used unless `local`; else in-process.
     `fake:echo[:DELAY[:CONTEXT]]` is the echo engine, for demos and tests. `max_model_len`
     (`--ctx-size`), `cpu_threads` (`--threads`) and the speculative options shape an in-process
@@ -54,4 +54,5 @@ def open_client(model: str | None = None, *, server: str | None = None, local: b
                                   prefix_cache=prefix_cache, cpu_threads=cpu_threads, max_model_len=max_model_len,
                                   speculative=speculative, num_draft_tokens=num_draft_tokens,
                                   draft_layers=draft_layers, quantize=quantize, kv_cache_dtype=kv_cache_dtype,
-                                  cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, **(engine_options or {}))
+                                  cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, repack_cache=repack_cache,
+                                  **(engine_options or {}))

@@ -120,9 +120,11 @@ class LocalClient(EngineClient):
     def from_model(cls, model: str | None = None, *, device: str | None = None, dtype: str | None = None,
                    kv_memory: str | None = None, prefix_cache: bool = True, log=None,
                    threaded: bool = True, cpu_threads: int | None = None, quantize: str | None = None,
-                   cpu_moe: bool = False, n_cpu_moe: int | None = None, **engine_options) -> "LocalClient":
+                   cpu_moe: bool = False, n_cpu_moe: int | None = None, repack_cache: bool = True,
+                   **engine_options) -> "LocalClient":
         """`cpu_threads` (`--threads`) starts the CPU kernels' thread pool before the model loads; `cpu_moe`,
         `n_cpu_moe` (`--cpu-moe`, `--n-cpu-moe`) keep routed experts in host memory (load_model);
+        `repack_cache` False (`--no-repack-cache`): no repack cache file read or written (load_model);
         `engine_options` are EngineConfig fields (`max_model_len` for `--ctx-size`)."""
         config = EngineConfig(**(parse_kv_memory(kv_memory) if kv_memory else {}),
                               enable_prefix_cache=prefix_cache, **engine_options)
@@ -130,7 +132,7 @@ class LocalClient(EngineClient):
         if cpu_threads is not None and not (device or "").startswith("cuda"):
             start_cpu_threads(cpu_threads, log)
         client = cls(load_model(model, device=device, dtype=dtype, log=log, quantize=quantize, cpu_moe=cpu_moe,
-                                n_cpu_moe=n_cpu_moe), config, threaded=threaded)
+                                n_cpu_moe=n_cpu_moe, repack_cache=repack_cache), config, threaded=threaded)
         note = context_cap_note(config.max_model_len, client.loaded.config.context_length, client.context_length)
         if note:
             print(f"exlcli: {note}", file=log)

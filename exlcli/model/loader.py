@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import sys
 import time
@@ -15,6 +16,7 @@ import torch
 
 from exlcli.errors import ModelLoadError
 from exlcli.model import expert_placement
+from exlcli.model import repack_cache as repack_caching
 from exlcli.model.architectures import build_model, config_from_hf
 from exlcli.model.architectures.tensor_names import EMBED, LM_HEAD
 from exlcli.model.config import ModelConfig
@@ -95,18 +97,20 @@ def dequantized_at_load(tensors: dict, device: torch.device, dtype: torch.dtype)
 
 def load_model(spec: str | None = None, device: str | None = None, dtype: str | None = None,
                log=None, quantize: str | None = None, cpu_moe: bool = False,
-               n_cpu_moe: int | None = None) -> LoadedModel:
+               n_cpu_moe: int | None = None, repack_cache: bool = True) -> LoadedModel:
     """`quantize` (--quantize fp8|q8_0|q4_k): quantize a full-precision checkpoint's linears at load
     (exlcli/model/quantize_at_load.py). `cpu_moe`, `n_cpu_moe` (--cpu-moe, --n-cpu-moe N): every layer's
     routed experts, or the first N layers', in host memory on the CPU (exlcli/model/expert_placement.py).
+    `repack_cache` (off with --no-repack-cache or $EXLCLI_NO_REPACK_CACHE=1): a GGUF's CPU layouts mapped
+    from the repack cache's file, or written to it (exlcli/model/repack_cache.py).
     Notices go to `log`, sys.stderr by default (looked up per call: a test runner swaps it, and a default
     bound at import may be a closed one)."""
     with contextlib.ExitStack() as cleanup:  # what the load starts and ends with it (a GGUF's prefetch)
-        return _load_model(cleanup, spec, device, dtype, log, quantize, cpu_moe, n_cpu_moe)
+        return _load_model(cleanup, spec, device, dtype, log, quantize, cpu_moe, n_cpu_moe, repack_cache)
 
 
 def _load_model(cleanup: contextlib.ExitStack, spec: str | None, device: str | None, dtype: str | None, log,
-                quantize: str | None, cpu_moe: bool, n_cpu_moe: int | None) -> LoadedModel:
+                quantize: str | None, cpu_moe: bool, n_cpu_moe: int | None, repack_cache: bool) -> LoadedModel:
     log = sys.stderr if log is None else log
     from exlcli.hub.default_model import resolve_model_path
     from exlcli.model.quantize_at_load import check_target
@@ -123,6 +127,7 @@ def _load_model(cleanup: contextlib.ExitStack, spec: str | None, device: str | N
     tokenizer: Tokenizer | SyntheticTokenizer
     tensors: dict[str, Any]  # torch.Tensor or QuantizedWeight by name (quantize_tensors swaps them in place)
     pooling, normalize = None, True
+    cache: repack_caching.Cache | None = None  # a GGUF's repack cache file
     if path.startswith("random:"):
         from exlcli.model.random_weights import SyntheticTokenizer, random_config, random_tensors
 
@@ -157,7 +162,14 @@ def _load_model(cleanup: contextlib.ExitStack, spec: str | None, device: str | N
 
         reader = open_gguf(path)
         meta = metadata_from_reader(reader)
-        cleanup.enter_context(Prefetch(path, read_order(reader, meta)))  # the disk reads while the build repacks
+        if repack_cache and repack_caching.enabled():
+            options = {"quantize": quantize, "cpu_moe": cpu_moe, "n_cpu_moe": n_cpu_moe}
+            cache = repack_caching.open_cache(repack_caching.cache_key(path, dev.type, dt, options), log)
+        # the disk reads while the build repacks; with the layouts in the repack cache, that file's instead
+        if cache is not None and cache.held is not None:
+            cleanup.enter_context(Prefetch(str(cache.file), cache.read_order()))
+        else:
+            cleanup.enter_context(Prefetch(path, read_order(reader, meta)))
         pooling = gguf_pooling(meta)
         config, tensors = load_gguf_tensors(reader, meta)
         tokenizer = Tokenizer.from_gguf_metadata(meta)
@@ -184,13 +196,14 @@ def _load_model(cleanup: contextlib.ExitStack, spec: str | None, device: str | N
     for notice in (placement.notice, placement.describe(config)):
         if notice:
             print(notice, file=log, flush=True)
+    build = functools.partial(build_model, config, tensors, dev, dt)
     try:
-        model = build_model(config, tensors, dev, dt)
+        model = build() if cache is None else repack_caching.build_cached(build, cache, log)
     except (KeyError, AttributeError) as e:
         raise ModelLoadError(f"{path}: missing or malformed tensor ({e})") from None
     except ValueError as e:  # e.g. an unsupported rope_scaling type, a tensor of the wrong shape
         raise ModelLoadError(f"{path}: {e}") from None
-    del tensors
+    del tensors, build
     name = path if path.startswith("random:") else os.path.basename(path.rstrip("/"))
     return LoadedModel(name, path, config, model, tokenizer, template, quant, time.perf_counter() - start, types,
                        step_bytes, pooling, normalize)

@@ -48,3 +48,19 @@ def test_rm_refuses_what_is_not_a_cached_model(cache, name, fragment):
     assert result.exit_code == 1
     assert result.stderr.startswith("error: ") and fragment in result.stderr
     assert (cache.parent.parent / "outside.gguf").exists()
+
+
+def test_rm_repack_cache_deletes_the_layout_files_alone(cache):
+    repack = cache.parent / "repack"
+    repack.mkdir()
+    (repack / "a.bin").write_bytes(b"x" * 4096)
+    (repack / "b.bin.123.ab.tmp").write_bytes(b"y")
+    result = CliRunner().invoke(app, ["rm", "--repack-cache"])
+    assert result.exit_code == 0, result.output
+    assert "removed 2 repack cache files" in result.stderr
+    assert not list(repack.iterdir()) and (cache / "tiny.gguf").exists()
+
+
+def test_rm_without_a_name_or_the_flag_says_what_it_takes(cache):
+    result = CliRunner().invoke(app, ["rm"])
+    assert result.exit_code == 1 and "--repack-cache" in result.stderr

@@ -16,13 +16,19 @@ for the kernel, and Q6_K 6-bit (`bits=5`, `6`: nibbles plus planes of the high b
 registers; Q5_0's q - 16 and Q6_K's q - 32 summed as sum(q x) - 16 (32) sum(x), the same integers, so
 the same bits as at 8 bits).
 Q2_K's 2-bit layout, with a (scale, offset) pair per 16 weights, is the AVX2 kernel's too (cpu_q2_k.py).
+
+A load may hold the layouts `from_blocks` builds in a `LayoutStore` (the model layer's repack cache,
+exlcli/model/repack_cache.py, a file memory-mapped on the next load): set in `LAYOUT_STORE` for the load's
+duration, it is asked before each repack and given what each one built. `LAYOUT_VERSION` names the layout.
 """
 
 from __future__ import annotations
 
+import contextvars
 import ctypes
 import functools
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +39,41 @@ from exlcli.ops.formats.base import Linear, MakeLinear, QuantizedWeight, Stacked
 
 BLOCK = 32  # weights per (scale, offset) pair, as in the C file
 CG = 16  # output columns per group, as in the C file
+# The version of the layout from_blocks builds (qs, d, m below): bump it with any change to that layout, or to
+# what decides it, so that repack caches written before are rebuilt, never read as the new one.
+LAYOUT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What from_blocks built for one weight, as a LayoutStore holds it: the kernel's tensors (qs, d, m) and
+    the flags they were built with, or `declined` (from_blocks returned None: the caller repacks in Python)."""
+
+    qs: torch.Tensor | None
+    d: torch.Tensor | None
+    m: torch.Tensor | None
+    offsets: bool = False
+    half_scales: bool = False
+    declined: bool = False
+
+
+class StaleLayout(Exception):
+    """A LayoutStore's layout does not fit the weight it was asked for: the store must not be used (not a
+    ValueError: nothing on the way up takes it for a weight the kernel does not take)."""
+
+
+class LayoutStore(Protocol):
+    def lookup(self, desc: tuple[int, ...]) -> Layout | None:
+        """The layout held for the next weight, described by `desc` (its shape, format and layout choices);
+        None where none is held (from_blocks repacks, then `keep`s it). Raises StaleLayout where the one held
+        was built for another weight."""
+
+    def keep(self, desc: tuple[int, ...], layout: Layout) -> None:
+        """The layout from_blocks just built for the weight `desc` describes."""
+
+
+LAYOUT_STORE: contextvars.ContextVar[LayoutStore | None] = contextvars.ContextVar("exlcli_layout_store",
+                                                                                  default=None)
 
 
 @functools.cache
@@ -268,6 +309,21 @@ class QuantCpuLinear(Linear):
         if bits in (5, 6) and not high_bit_planes():
             return None
         zero = 32 if bits == 6 else 16 if bits == 5 and not has_offsets else 0
+        desc = (n, k, fmt.gguf_type or 0, bits, spb, zero, *(p.shape[0] for p in parts))
+        store = LAYOUT_STORE.get()
+        held = store.lookup(desc) if store is not None else None
+        if held is not None:
+            return None if held.declined else cls._from_layout(n, k, bits, spb, zero, held, bias)
+        built = cls._repacked(fmt, n, k, parts, bits, spb, zero, has_offsets, bias)
+        if store is not None:
+            store.keep(desc, Layout(None, None, None, declined=True) if built is None else
+                       Layout(built.qs, built.d, built.m, built.offsets, built.half_scales))
+        return built
+
+    @classmethod
+    def _repacked(cls, fmt, n: int, k: int, parts: list[torch.Tensor], bits: int, spb: int, zero: int,
+                  has_offsets: bool, bias: torch.Tensor | None) -> QuantCpuLinear | None:
+        """from_blocks' repack by the C code, its arguments checked."""
         groups, nb = -(-n // CG), k // BLOCK
         self = cls.__new__(cls)
         self.out_features, self.in_features, self.bits, self.table = n, k, bits, None
@@ -295,6 +351,30 @@ class QuantCpuLinear(Linear):
         if not self.offsets:
             m.zero_()  # as QuantCpuLinear holds no offsets: +0.0 (an unpacked -(dmin * 0) is -0.0)
         self._set_scales(d, m, all_half, bias)
+        return self
+
+    @classmethod
+    def _from_layout(cls, n: int, k: int, bits: int, spb: int, zero: int, held: Layout,
+                     bias: torch.Tensor | None) -> QuantCpuLinear:
+        """The linear over a held layout's tensors as they are (a repack cache's: views of a memory map that
+        nothing writes), after checking that they have the shapes and types from_blocks gives this weight."""
+        groups, nb = -(-n // CG), k // BLOCK
+        qs_shape = (groups, nb, BLOCK // 2, CG, 2) if bits == 8 else (groups, nb, 256 + 64 * (bits - 4))
+        scales = torch.float16 if held.half_scales else torch.float32
+        qs, d, m = held.qs, held.d, held.m
+        if (qs is None or d is None or m is None or (qs.shape, qs.dtype) != (qs_shape, torch.uint8)
+                or (d.shape, d.dtype) != ((groups, nb, CG) if spb == 1 else (groups, nb, 2, CG), scales)
+                or (m.shape, m.dtype) != ((groups, nb, CG), scales)
+                or (held.half_scales and not half_scales_available()) or not (held.offsets or bits != 4)):
+            raise StaleLayout(f"the layout held for a {n}x{k} {bits}-bit weight has other shapes or types")
+        self = cls.__new__(cls)
+        self.out_features, self.in_features, self.bits, self.table = n, k, bits, None
+        self.scales_per_block, self.zero, self.groups = spb, zero, groups
+        self.offsets, self.half_scales = held.offsets, held.half_scales
+        self.qs, self.d, self.m = qs, d, m
+        self.bias = None if bias is None else bias.to(torch.bfloat16).contiguous()
+        self._dense = None
+        self._args = None
         return self
 
     def nbytes(self) -> int:
