@@ -77,8 +77,8 @@ class ModelRunner:
             state_slots = [item.seq.state_slot for item in batch.items]
             assert None not in state_slots  # a running sequence of a hybrid model holds a slot
             copies = [(item.restore, item.seq.state_slot) for item in batch.items if item.restore is not None]
-            snapshots = [(b, item.snapshot[0], item.snapshot[1]) for b, item in enumerate(batch.items)
-                         if item.snapshot is not None]
+            snapshots = [(b, *(item.snapshot[:2] if item.snapshot is not None else item.backup))  # type: ignore[misc]
+                         for b, item in enumerate(batch.items) if item.snapshot is not None or item.backup is not None]
         return StepInputs(ids, positions, slots, tables, seq_lens, starts, logits_rows, in_flight,
                           key_shifts=list(batch.key_shifts), group_block_tables=group_tables,
                           group_slot_mappings=group_slots,
