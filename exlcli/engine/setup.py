@@ -14,10 +14,11 @@ import torch
 from exlcli.engine.constraints import GrammarCompiler
 from exlcli.engine.context_window import DEFAULT_SINK_TOKENS, check_mode, resolve_policy
 from exlcli.engine.draft_model_drafter import DraftModel
-from exlcli.engine.drafters import build_drafter, num_drafter_pages, resolve_draft_model
+from exlcli.engine.drafters import build_drafter, drafter_bytes_per_page, num_drafter_pages, resolve_draft_model
 from exlcli.engine.grammar_masks import MaskWorker
 from exlcli.engine.memory_budget import GPU_MEMORY_UTILIZATION, DeviceMemory, model_kv_budget
 from exlcli.engine.model_runner import ModelRunner
+from exlcli.engine.mtp_drafter import next_token_head
 from exlcli.engine.page_groups import PageGroups
 from exlcli.engine.page_pool import PagePool
 from exlcli.engine.scheduler import Scheduler
@@ -142,6 +143,8 @@ def cache_groups(model: CausalLM, window_groups: bool = True) -> list[LayerGroup
 
 def build_parts(model: CausalLM, tokenizer, config: EngineConfig) -> EngineParts:
     device = model.device
+    if config.speculative == "mtp":
+        next_token_head(model)  # a model without MTP layers: one line, on any device
     if (config.speculative and not config.force_speculative
             and not speculation_pays_on(device.type, config.speculative)):
         log.warning("speculative decoding with %s is off on %s: its drafts run outside the CUDA graphs there "
@@ -161,8 +164,7 @@ def build_parts(model: CausalLM, tokenizer, config: EngineConfig) -> EngineParts
     # a page of the pool holds one layer group's layers (every layer with pages, for a model of one attention kind)
     per_page = KVCache.bytes_per_page(model.config, config.page_size, kv_dtype,
                                       len(groups[0].layers) if len(groups) > 1 else None)
-    if draft_model is not None:  # its own pool, as many pages as the target's, from the same budget
-        per_page += draft_model.kv_bytes_per_page(config.page_size)
+    per_page += drafter_bytes_per_page(config.speculative, model, draft_model, config.page_size)
     memory = kv_budget(model, config, device)
     num_slots = num_snapshots = num_backups = 0
     if hybrid:
@@ -203,6 +205,7 @@ def build_parts(model: CausalLM, tokenizer, config: EngineConfig) -> EngineParts
     speculator = (Speculator(build_drafter(config.speculative, model, kv, num_pages, config.draft_layers, draft_model),
                              runner.verify_cost, config.num_draft_tokens, config.speculative_max_batch)
                   if config.speculative else None)
+    runner.keep_hidden = speculator is not None and hasattr(speculator.drafter, "observe")  # (the MTP reads them)
     sessions = SessionCache(pool, config.max_sessions, page_groups)
     scheduler = Scheduler(pool, budget, config.max_num_seqs,
                           propose=speculator.propose if speculator else None, reclaim=sessions.reclaim, states=states,

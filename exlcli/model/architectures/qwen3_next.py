@@ -44,9 +44,10 @@ from exlcli.model.architectures import tensor_names as names
 from exlcli.model.architectures.base import Architecture
 from exlcli.model.architectures.decoder import _moe_feed_forward
 from exlcli.model.architectures.gated_delta_plan import DeltaPlan
+from exlcli.model.architectures.next_token_head import MtpHead
 from exlcli.model.architectures.qwen3_moe import gguf_moe
 from exlcli.model.architectures.qwen3_moe import hf_fields as qwen3_moe_fields
-from exlcli.model.architectures.tensor_names import EMBED, FINAL_NORM, LM_HEAD, layer_prefix
+from exlcli.model.architectures.tensor_names import EMBED, FINAL_NORM, LM_HEAD, ROUTER, layer_prefix
 from exlcli.model.attention_spec import AttentionSpec, layer_specs, partial_rotary_order, rotary_dim
 from exlcli.model.batch_inputs import BatchInputs
 from exlcli.model.config import FULL_ATTENTION, LINEAR_ATTENTION, LinearAttentionConfig, ModelConfig
@@ -70,6 +71,7 @@ from exlcli.ops.rope import RopeWrite, gather_cos_sin, rope_cos_sin_cache
 
 FUSED_PATHS = ()
 LINEAR = "linear_attn."
+MTP = "mtp."  # the checkpoint's multi-token-prediction layer (next_token_head.py)
 
 
 def _hybrid_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -442,6 +444,8 @@ class Qwen3NextModel:
                                           config.max_position_embeddings, device, rot)
         order = partial_rotary_order(config.head_dim, config.partial_rotary_factor)
         self.rope_order = None if order is None else order.to(device)
+        self.mtp_bytes = 0
+        self.mtp: MtpHead | None = self._build_mtp(tensors)  # --speculative mtp drafts with it
 
     def attention_specs(self) -> list[AttentionSpec]:
         return list(self.specs)
@@ -458,7 +462,7 @@ class Qwen3NextModel:
 
     def resident_bytes(self) -> int:
         embed = 0 if self._head_is_embed else self.embed.numel() * self.embed.element_size()
-        return self._linear_bytes(active=False) + embed
+        return self._linear_bytes(active=False) + embed + self.mtp_bytes
 
     def fused_decode_unsupported(self) -> str | None:
         return "linear attention (Gated DeltaNet) layers (the fused step runs plain llama-style layers)"
@@ -483,19 +487,19 @@ class Qwen3NextModel:
     def _forward(self, batch: BatchInputs, kv: KVCache, num_layers: int) -> torch.Tensor:
         return self.lm_head(self._final_normed(batch, kv, num_layers), out_dtype=torch.float32)
 
-    def _final_normed(self, batch: BatchInputs, kv: KVCache, num_layers: int) -> torch.Tensor:
+    @torch.inference_mode()
+    def forward_with_hidden(self, batch: BatchInputs, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward()'s logits and every token's hidden state after the final norm [T, H] (the MTP's input)."""
+        hidden = self._final_normed(batch, kv, len(self.mixers), every_row=True)
+        return self.lm_head(hidden[batch.logits_indices], out_dtype=torch.float32), hidden
+
+    def _final_normed(self, batch: BatchInputs, kv: KVCache, num_layers: int, every_row: bool = False) -> torch.Tensor:
+        """The final norm's output for the rows batch.logits_indices (every row's with `every_row`)."""
         cfg = self.config
         if kv.states is None or batch.state_slots is None:
             raise RuntimeError("a model with linear attention layers needs a state cache and each sequence's slot")
-        num_tokens = batch.input_ids.shape[0]
         h = F.embedding(batch.input_ids, self.embed)
-        cos_sin_rows = layout = prefill_layout = None
-        if use_kernels(h):
-            if len(batch.seq_lens) != num_tokens:
-                prefill_layout = kernels.PrefillLayout(batch.query_start_loc, batch.seq_lens)
-        elif not use_cpu_kernels(h):
-            cos_sin_rows = gather_cos_sin(self.cos_sin, batch.positions)
-            layout = PagedLayout.build(batch.block_tables, batch.seq_lens, kv.page_size)
+        layouts = self._layouts(batch, kv, h)
         updates: list[tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]] = []
         plan = DeltaPlan.build(batch, h.device) if gated_delta_kernels.available(h) else None
         for i in range(num_layers):
@@ -504,22 +508,71 @@ class Qwen3NextModel:
             if isinstance(mixer, GatedDeltaNet):
                 h = h + mixer(x, batch, kv.states.tensors[i], updates, plan)
             else:
-                rope = RopeWrite(batch.positions, self.cos_sin, kv.k[i], kv.v[i], batch.slot_mapping, cfg.num_heads,
-                                 cos_sin_rows)
-                q, k, v = rope.heads(mixer.qkv(x))
-                q, k = rms_norm(q, mixer.q_norm, cfg.rms_norm_eps), rms_norm(k, mixer.k_norm, cfg.rms_norm_eps)
-                if self.rope_order is not None:
-                    q, k = q[..., self.rope_order], k[..., self.rope_order]
-                q = rope.write(q, k, v)
-                o = paged_attention(q, kv.k[i], kv.v[i], batch.block_tables, batch.query_start_loc, batch.seq_lens,
-                                    cfg.query_scale, batch.seq_lens_t, batch.query_start_loc_t, layout, prefill_layout)
-                gate = rowwise(torch.sigmoid, mixer.gate(x, out_dtype=torch.float32))
-                h = h + mixer.o_proj((o.reshape(num_tokens, -1).float() * gate).to(h.dtype))
+                h = h + self._attention(mixer, i, x, batch, kv, layouts)
             h = h + ffn(rms_norm(h, ffn.post_norm, cfg.rms_norm_eps))
         for tensors, index, values in updates:  # the pass ran whole: the new states replace the old
             for t, value in zip(tensors, values):
                 t.index_copy_(0, index, value.to(t.dtype))
+        if every_row:
+            return rms_norm(h, self.norm, cfg.rms_norm_eps)
         return rms_norm(h[batch.logits_indices], self.norm, cfg.rms_norm_eps)
+
+    def _layouts(self, batch: BatchInputs, kv: KVCache, h: torch.Tensor) -> tuple:
+        """What a step's attention layers share: (rope rows, paged layout, prefill layout), each None
+        where the kernels in use do without it."""
+        cos_sin_rows = layout = prefill_layout = None
+        if use_kernels(h):
+            if len(batch.seq_lens) != h.shape[0]:
+                prefill_layout = kernels.PrefillLayout(batch.query_start_loc, batch.seq_lens)
+        elif not use_cpu_kernels(h):
+            cos_sin_rows = gather_cos_sin(self.cos_sin, batch.positions)
+            layout = PagedLayout.build(batch.block_tables, batch.seq_lens, kv.page_size)
+        return cos_sin_rows, layout, prefill_layout
+
+    def _attention(self, mixer: GatedAttention, i: int, x: torch.Tensor, batch: BatchInputs, kv: KVCache,
+                   layouts: tuple) -> torch.Tensor:
+        """A gated attention layer's output for the normed input x, writing its K/V into kv's layer i."""
+        cfg = self.config
+        cos_sin_rows, layout, prefill_layout = layouts
+        rope = RopeWrite(batch.positions, self.cos_sin, kv.k[i], kv.v[i], batch.slot_mapping, cfg.num_heads,
+                         cos_sin_rows)
+        q, k, v = rope.heads(mixer.qkv(x))
+        q, k = rms_norm(q, mixer.q_norm, cfg.rms_norm_eps), rms_norm(k, mixer.k_norm, cfg.rms_norm_eps)
+        if self.rope_order is not None:
+            q, k = q[..., self.rope_order], k[..., self.rope_order]
+        q = rope.write(q, k, v)
+        o = paged_attention(q, kv.k[i], kv.v[i], batch.block_tables, batch.query_start_loc, batch.seq_lens,
+                            cfg.query_scale, batch.seq_lens_t, batch.query_start_loc_t, layout, prefill_layout)
+        gate = rowwise(torch.sigmoid, mixer.gate(x, out_dtype=torch.float32))
+        return mixer.o_proj((o.reshape(x.shape[0], -1).float() * gate).to(x.dtype))
+
+    def _build_mtp(self, tensors: dict) -> MtpHead | None:
+        """The checkpoint's MTP layer (`mtp.*`: Qwen3-Next, Qwen3.5), or None without one. Its decoder
+        layer is a gated attention layer and the feed-forward the tensors hold (experts where they have
+        a router), numbered layer 0 of a one-layer config: the shape of its own K/V pages."""
+        prefix = MTP + "layers.0."
+        if not any(name.startswith(MTP) for name in tensors):
+            return None
+        layer = {layer_prefix(0) + name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)}
+        moe = self.config.moe
+        config = replace(self.config, num_layers=1, layer_types=(FULL_ATTENTION,), linear_attention=None,
+                         moe=replace(moe, dense_layers=()) if moe is not None and layer_prefix(0) + ROUTER in layer
+                         else None)
+        device, dtype = self.device, self.dtype
+        attention = GatedAttention(config, layer, 0, device, dtype)
+        ffn = _FeedForward(config, layer, 0, device, dtype)
+        eps = config.rms_norm_eps
+
+        def decoder_layer(x: torch.Tensor, batch: BatchInputs, kv: KVCache) -> torch.Tensor:
+            normed = rms_norm(x, ffn.input_norm, eps)
+            h = x + self._attention(attention, 0, normed, batch, kv, self._layouts(batch, kv, x))
+            return h + ffn(rms_norm(h, ffn.post_norm, eps))
+
+        norm = lambda name: _FeedForward._norm(config, tensors, MTP + name, device, dtype)  # noqa: E731
+        fc = make_linear([_take(tensors, MTP + "fc.weight")], None, device, dtype)
+        self.mtp_bytes = attention.nbytes() + ffn.nbytes(active=False) + fc.nbytes()
+        return MtpHead(config, self.embed, self.lm_head, fc, norm("pre_fc_norm_embedding.weight"),
+                       norm("pre_fc_norm_hidden.weight"), norm("norm.weight"), decoder_layer)
 
 
 def build(config: ModelConfig, tensors: dict, device: torch.device, dtype: torch.dtype) -> Qwen3NextModel:
