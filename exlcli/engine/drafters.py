@@ -7,6 +7,7 @@ from exlcli.engine.draft_model_drafter import DraftModel, DraftModelDrafter, che
 from exlcli.engine.mtp_drafter import MtpDrafter
 from exlcli.engine.self_drafter import SelfDrafter
 from exlcli.engine.speculative import DRAFTERS, Drafter, make_drafter
+from exlcli.errors import ExlcliError
 from exlcli.model.interface import CausalLM
 from exlcli.model.kv_cache import KVCache
 
@@ -23,6 +24,9 @@ def resolve_draft_model(speculative: "str | Drafter | DraftModel | None", model:
         speculative = load_draft_model(speculative, model)
     if not isinstance(speculative, DraftModel):
         return None
+    if speculative.model.config.linear_attention is not None:  # (its cache here has no state slots)
+        raise ExlcliError(f"--speculative {speculative.name}: a draft model with linear attention layers is not "
+                          "supported; use a draft model of attention layers only, or --speculative mtp")
     check_same_vocabulary(speculative, model, tokenizer)
     return speculative
 

@@ -12,20 +12,25 @@ a recorded plain run's tokens instead, one of them corrupted (tests/engine/repla
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import pytest
+import torch
 from mtp_checkpoint import write_qwen3_next_mtp  # tests/model/mtp_checkpoint.py
 from scipy.stats import chi2_contingency
 from test_hybrid_engine import _all_given_back, _prompts  # tests/model/test_hybrid_engine.py
 from test_hybrid_models import VOCAB, write_qwen3_next
 
+from exlcli.engine.draft_model_drafter import DraftModel
 from exlcli.engine.engine import Engine, EngineConfig
 from exlcli.engine.mtp_drafter import MtpDrafter
 from exlcli.engine.request import FinishReason, Request, SamplingParams
 from exlcli.engine.verify_cost import VerifyCost
 from exlcli.errors import ExlcliError
+from exlcli.model.architectures import build_model
 from exlcli.model.loader import load_model
+from exlcli.model.random_weights import random_config, random_tensors
 from tests.engine.conftest import LetterTokenizer, greedy, tokens_of
 from tests.engine.replay_drafter import ReplayDrafter
 
@@ -193,3 +198,20 @@ def test_a_model_without_mtp_layers_is_one_line(tmp_path):
     with pytest.raises(ExlcliError, match=r"^--speculative mtp: this qwen3_next model has no multi-token-prediction "
                                           r"\(MTP\) layers; use --speculative ngram or a draft model$"):
         _engine(model, "mtp")
+
+
+def test_a_draft_model_on_a_hybrid_target(mtp_model):
+    """Attention layers only: greedy as plain decoding (rejections roll the target's state back);
+    one with linear attention layers is one line."""
+    model, _ = mtp_model
+    cfg = dataclasses.replace(random_config("tiny"), num_layers=1, vocab_size=VOCAB)
+    draft = DraftModel(build_model(cfg, random_tensors(cfg), torch.device("cpu"), torch.float32), LetterTokenizer(),
+                       "tiny")
+    requests = [greedy(f"d{i}", p, n=12) for i, p in enumerate(_prompts(3, seed=4))]
+    eng = _engine(model, draft)
+    assert _run(eng, requests) == _run(_engine(model), requests)
+    assert eng.stats().spec_drafted_tokens > 0
+    eng.scheduler.backups.check()
+    assert eng.scheduler.backups.num_used == 0
+    with pytest.raises(ExlcliError, match="^--speculative hybrid: a draft model with linear attention layers is not"):
+        _engine(model, DraftModel(model, LetterTokenizer(), "hybrid"))
