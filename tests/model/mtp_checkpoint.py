@@ -18,12 +18,12 @@ DONOR_LAYER = 2  # full attention with experts in QWEN3_NEXT
 SAFETENSORS = "model.safetensors"
 
 
-def write_qwen3_next_mtp(folder, seed: int = 0):
+def write_qwen3_next_mtp(folder, seed: int = 0, **overrides):
     """The checkpoint in `folder` (transformers' model and tokenizer, plus `mtp.*`); returns
     (transformers' model, the MTP's reference: token ids -> its logits at each position)."""
-    hf = write_qwen3_next(folder, seed=seed)
+    hf = write_qwen3_next(folder, seed=seed, **overrides)
     donor_folder = os.path.join(folder, "donor")
-    donor = write_qwen3_next(donor_folder, seed=seed + 1000)
+    donor = write_qwen3_next(donor_folder, seed=seed + 1000, **overrides)
     prefix = f"model.layers.{DONOR_LAYER}."
     mtp = {"mtp.layers.0." + name[len(prefix):]: t for name, t in load_file(os.path.join(donor_folder,
                                                                                          SAFETENSORS)).items()

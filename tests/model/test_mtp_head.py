@@ -54,6 +54,32 @@ def test_mtp_logits_equal_the_reference(tmp_path):
     assert relative_error(shifted, want) <= MAX_REL_ERR
 
 
+def test_llama_cpp_gguf_nextn_layer_equals_the_checkpoints(tmp_path):
+    """The checkpoint converted by llama.cpp's convert_hf_to_gguf.py with its MTP layer (written as
+    block 4's nextn tensors, block_count 5): the model has 4 layers and the same head."""
+    from llama_cpp_convert import convert_args  # tests/model/llama_cpp_convert.py
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    folder = tmp_path / "hf"
+    write_qwen3_next_mtp(folder, seed=6, mlp_only_layers=[])  # (llama.cpp's qwen3next: experts in every layer)
+    words = VOCAB - 8  # the converter's tokenizer adds special tokens after these
+    tok = Tokenizer(models.BPE({chr(ord("A") + i): i for i in range(words - 1)} | {"AB": words - 1}, [("A", "B")]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(folder / "tokenizer.json"))
+    gguf = load_model(str(convert_args(folder, tmp_path / "model.f32.gguf", [])), device="cpu", dtype="float32")
+    hf = load_model(str(folder), device="cpu", dtype="float32")
+    assert gguf.config.num_layers == 4 and gguf.model.mtp is not None
+    ids = torch.randint(0, words, (30,), generator=torch.Generator().manual_seed(2)).tolist()
+    hidden = torch.randn(29, hf.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    outs = []
+    for loaded in (hf, gguf):
+        head = loaded.model.mtp
+        head_kv = KVCache(head.config, 3, 16, torch.device("cpu"), torch.float32)
+        outs.append(head.forward(_head_batch(ids[1:], 0, [1, 2], 16), hidden, head_kv)[0])
+    assert relative_error(outs[1], outs[0]) <= 1e-5
+
+
 def test_a_model_without_mtp_tensors_has_no_head(tmp_path):
     write_qwen3_next(tmp_path, seed=1)
     assert load_model(str(tmp_path), device="cpu", dtype="float32").model.mtp is None

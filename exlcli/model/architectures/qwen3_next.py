@@ -121,7 +121,9 @@ def gguf_fields(meta: Mapping[str, Any]) -> dict[str, Any]:
             raise ModelLoadError(f"GGUF metadata is missing 'qwen3next.{key}'")
         return value
 
-    layers, head_dim = int(get("block_count")), int(get("attention.key_length"))
+    # the MTP layers (llama.cpp's nextn) follow the model's, counted in block_count
+    layers = int(get("block_count")) - int(meta.get("qwen3next.nextn_predict_layers") or 0)
+    head_dim = int(get("attention.key_length"))
     recurrent = meta.get("qwen3next.attention.recurrent_layers")
     if recurrent is None:
         interval = int(meta.get("qwen3next.full_attention_interval") or 4)
@@ -135,7 +137,8 @@ def gguf_fields(meta: Mapping[str, Any]) -> dict[str, Any]:
     moe = replace(gguf_moe(meta, "qwen3next"), shared_expert_size=shared, shared_expert_gate=bool(shared),
                   normalize=True)
     rotated = int(meta.get("qwen3next.rope.dimension_count") or head_dim // 4)
-    return {"qk_norm": True, "moe": moe, "layer_types": kinds, "linear_attention": la, "attention_output_gate": True,
+    return {"num_layers": layers, "qk_norm": True, "moe": moe, "layer_types": kinds, "linear_attention": la,
+            "attention_output_gate": True,
             "partial_rotary_factor": rotated / head_dim}
 
 
@@ -146,6 +149,26 @@ GGUF_LINEAR_NAMES = {
     "ssm_a": LINEAR + "neg_a", "ssm_dt": LINEAR + "dt", "ssm_conv1d": LINEAR + "conv1d", "ssm_norm": LINEAR + "norm",
     "ssm_out": LINEAR + "out_proj", "post_attention_norm": "post_attention_layernorm",
 }
+
+
+# llama.cpp's nextn tensors of the MTP layer (blk.{num_layers}.*, the rest named as any layer's), kept
+# under that layer's prefix until the MTP's tensors are gathered (mtp_tensors)
+GGUF_MTP_NAMES = {"nextn.eh_proj": "mtp_fc", "nextn.enorm": "mtp_pre_fc_norm_embedding",
+                  "nextn.hnorm": "mtp_pre_fc_norm_hidden", "nextn.shared_head_norm": "mtp_norm"}
+
+
+def mtp_tensors(config: ModelConfig, tensors: dict) -> dict:
+    """The MTP layer's tensors under the checkpoint's `mtp.*` names: as a Hugging Face checkpoint has
+    them, or from a GGUF's layer after the model's (its nextn tensors, GGUF_MTP_NAMES)."""
+    found = {name: t for name, t in tensors.items() if name.startswith(MTP)}
+    prefix = layer_prefix(config.num_layers)
+    extra = {name: name.removeprefix("mtp_") for name in GGUF_MTP_NAMES.values()}
+    for name, t in tensors.items():
+        if name.startswith(prefix):
+            rest = name[len(prefix):]
+            key = rest.split(".")[0]
+            found[MTP + (extra[key] + rest[len(key):] if key in extra else "layers.0." + rest)] = t
+    return found
 
 
 def linear_attention_config(cfg: Mapping[str, Any]) -> LinearAttentionConfig:
@@ -551,7 +574,8 @@ class Qwen3NextModel:
         layer is a gated attention layer and the feed-forward the tensors hold (experts where they have
         a router), numbered layer 0 of a one-layer config: the shape of its own K/V pages."""
         prefix = MTP + "layers.0."
-        if not any(name.startswith(MTP) for name in tensors):
+        tensors = mtp_tensors(self.config, tensors)
+        if not tensors:
             return None
         layer = {layer_prefix(0) + name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)}
         moe = self.config.moe
@@ -589,7 +613,7 @@ ARCHITECTURE = Architecture(
     hf_tensor_names=_tensor_names(QWEN3_NEXT_PROJECTIONS),
     gguf_global_names=names.GGUF_GLOBAL_NAMES,
     gguf_layer_names={**names.GGUF_LAYER_NAMES, **names.GGUF_QK_NORM_NAMES, **names.GGUF_MOE_NAMES,
-                      **GGUF_LINEAR_NAMES},
+                      **GGUF_LINEAR_NAMES, **GGUF_MTP_NAMES},
     gguf_qk_interleaved=False,
     build=build,
     fused_paths=FUSED_PATHS,
