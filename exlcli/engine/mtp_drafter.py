@@ -13,15 +13,17 @@ where the drafts begin).
 What stays valid is decided by tokens, as for a draft model: a hidden state at p is the target's for
 the tokens 0..p, so a row stands while its tokens match the sequence's (rejected drafts' rows do
 not); the head's entry at p read the token at p + 1, likewise. Rows the target computes again (a
-hybrid model computes accepted drafts again after a rejection) replace the ones before them.
+hybrid model computes accepted drafts again after a rejection) replace the ones before them. A row
+computed while its token was in flight (async scheduling) takes the token read back since.
 
 Where the target's hidden states do not reach back to the head's entries (a prefix-cache hit
 computes only the tail of a prompt; a step that failed and was retried sequence by sequence keeps
 none), the head starts over from the first row it has: its cache positions are the sequence's
 positions less that start, which rotary attention cannot tell apart (relative offsets), so it sees
 the context from there on. Correctness never depends on it: the verify step keeps only what the
-target agrees with. A long catch-up runs at most CATCH_UP_CHUNK positions a call (no drafts until it
-is done), so one sequence's prompt never stretches a step by more than that.
+target agrees with. The head reads a long prompt's hidden states as their steps come (past
+CATCH_UP_CHUNK of them kept), so they never pile up; a catch-up before drafting runs at most
+CATCH_UP_CHUNK positions (no drafts until it is done).
 
 Not handled (no drafts): a sequence whose context was shifted."""
 
@@ -38,7 +40,7 @@ from exlcli.model.interface import CausalLM, NextTokenHead
 from exlcli.model.kv_cache import KVCache
 from exlcli.model.step_inputs import StepInputs
 
-UNKNOWN = -1  # the token of a row whose token was in flight when the step ran: it matches none
+UNKNOWN = -1  # the token of a row whose token was in flight when the step ran (read back later)
 
 
 def next_token_head(model: CausalLM) -> NextTokenHead:
@@ -113,7 +115,7 @@ class MtpDrafter:
             state.hidden_tokens = state.hidden_tokens[:keep] + list(tokens)
         self._truncate(state, min(state.count, max(0, first - state.start)))
         if len(state.hidden_tokens) > self.CATCH_UP_CHUNK:  # a long prompt: the head reads it as it comes
-            self._catch_up(seq, state)
+            self._catch_up(seq, state, limit=len(state.hidden_tokens))
 
     def propose_for(self, seq, max_tokens: int) -> list[int]:
         """Up to `max_tokens` greedy tokens of the head after seq's known tokens (none in flight)."""
@@ -131,11 +133,15 @@ class MtpDrafter:
             return []  # that hidden state is not there (yet), or a long catch-up goes on
         return self._draft(seq, state, max_tokens)
 
-    def _catch_up(self, seq, state: MtpState) -> bool:
+    def _catch_up(self, seq, state: MtpState, limit: int | None = None) -> bool:
         """The head's entries up to the last position whose next token is known and whose hidden state
-        stands (CATCH_UP_CHUNK at most), its last row's logits and hidden state in state.last. False
-        when it cannot (its pages do not fit: the state is dropped)."""
+        stands (`limit` positions at most), its last row's logits and hidden state in state.last.
+        False when it cannot (its pages do not fit: the state is dropped)."""
         tokens = seq.token_ids
+        # a token in flight when its row was computed is the one read back since (async scheduling)
+        for i in range(min(len(state.hidden_tokens), len(tokens) - state.hidden_start)):
+            if state.hidden_tokens[i] == UNKNOWN:
+                state.hidden_tokens[i] = tokens[state.hidden_start + i]
         valid = state.hidden_start + common_prefix(state.hidden_tokens, tokens[state.hidden_start:state.hidden_end])
         matching = common_prefix(state.tokens, tokens[state.start:state.start + state.count + 1])
         self._truncate(state, min(state.count, max(0, matching - 1)))
@@ -146,7 +152,7 @@ class MtpDrafter:
         first = state.start + state.count
         if end <= first:
             return True
-        end = min(end, first + self.CATCH_UP_CHUNK)
+        end = min(end, first + (self.CATCH_UP_CHUNK if limit is None else limit))
         if not self._make_room(seq, state, end - state.start):
             return False
         assert state.hidden is not None  # (hidden_start <= first < end <= valid)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,13 +25,15 @@ from test_hybrid_models import VOCAB, write_qwen3_next
 
 from exlcli.engine.draft_model_drafter import DraftModel
 from exlcli.engine.engine import Engine, EngineConfig
-from exlcli.engine.mtp_drafter import MtpDrafter
+from exlcli.engine.mtp_drafter import UNKNOWN, MtpDrafter
 from exlcli.engine.request import FinishReason, Request, SamplingParams
 from exlcli.engine.verify_cost import VerifyCost
 from exlcli.errors import ExlcliError
 from exlcli.model.architectures import build_model
+from exlcli.model.kv_cache import KVCache
 from exlcli.model.loader import load_model
 from exlcli.model.random_weights import random_config, random_tensors
+from exlcli.model.step_inputs import StepInputs
 from tests.engine.conftest import LetterTokenizer, greedy, tokens_of
 from tests.engine.replay_drafter import ReplayDrafter
 
@@ -69,10 +72,10 @@ class CheckedMtp(MtpDrafter):
         return drafts
 
 
-def _engine(model, speculative=None, **options) -> Engine:
+def _engine(model, speculative=None, free_verify: bool = True, **options) -> Engine:
     eng = Engine(model, LetterTokenizer(), EngineConfig(page_size=PAGE, speculative=speculative,
                                                         force_speculative=True, **options))
-    if eng.speculator is not None:
+    if eng.speculator is not None and free_verify:
         eng.speculator.cost = FREE_VERIFY
     return eng
 
@@ -101,11 +104,15 @@ def test_greedy_equals_plain_decoding_alone_and_in_a_batch(mtp_model):
     assert _run(alone, requests[:1]) == plain[:1]
     assert alone.stats().spec_drafted_tokens > 0
     _check_given_back(alone)
-    eng = _engine(model, "mtp", max_num_batched_tokens=96)  # prefills split beside verify steps
-    assert _run(eng, requests) == plain
-    s = eng.stats()
-    assert s.spec_drafted_tokens > 0 and s.spec_drafted_by_position[3] > 0
-    _check_given_back(eng)
+    # async scheduling with the CPU's verify cost: the random head's drafts fail, so sequences pause
+    # and compute rows while their token is in flight, then try again
+    for async_scheduling in (False, True):
+        eng = _engine(model, "mtp", not async_scheduling, max_num_batched_tokens=96,
+                      async_scheduling=async_scheduling)
+        assert _run(eng, requests) == plain  # prefills split beside verify steps
+        s = eng.stats()
+        assert s.spec_drafted_tokens > 0 and s.spec_drafted_by_position[0] > s.spec_drafted_by_position[3]
+        _check_given_back(eng)
 
 
 def test_first_drafts_are_the_reference_through_accepts_and_rejects(mtp_model):
@@ -114,6 +121,7 @@ def test_first_drafts_are_the_reference_through_accepts_and_rejects(mtp_model):
     requests = [greedy(f"r{i}", p, n=16) for i, p in enumerate(prompts)]
     plain = _run(_engine(model, max_num_batched_tokens=48), requests)
     drafter = CheckedMtp(model, reference, ReplayDrafter([p + o for p, o in zip(prompts, plain)], vocab=VOCAB))
+    drafter.CATCH_UP_CHUNK = 8  # catch-ups in pieces, and a prompt read as its chunks come
     eng = _engine(model, drafter, max_num_batched_tokens=64)
     assert _run(eng, requests) == plain
     s = eng.stats()
@@ -215,3 +223,26 @@ def test_a_draft_model_on_a_hybrid_target(mtp_model):
     assert eng.scheduler.backups.num_used == 0
     with pytest.raises(ExlcliError, match="^--speculative hybrid: a draft model with linear attention layers is not"):
         _engine(model, DraftModel(model, LetterTokenizer(), "hybrid"))
+
+
+class FakeSeq(SimpleNamespace):
+    __hash__ = object.__hash__  # (the drafter keeps states by sequence, by identity)
+
+
+def test_a_row_computed_while_its_token_was_in_flight_counts_once_read_back(mtp_model):
+    """Async scheduling: the step ran with the token in flight (UNKNOWN to the drafter); once it is
+    read back, that row's hidden state stands and the head drafts from it, as the reference."""
+    model, reference = mtp_model
+    prompt = _prompts(1, seed=9, lengths=(12,))[0]
+    kv = KVCache(model.config, 2, PAGE, model.device, torch.float32, state_slots=1)
+    inputs = StepInputs(prompt, list(range(12)), list(range(PAGE, PAGE + 12)), [[1]], [12], [0, 12], [11],
+                        state_slots=[0])
+    _, hidden = model.forward_with_hidden(inputs.to_batch_inputs(model.device), kv)
+    drafter = MtpDrafter(model, 8, PAGE)
+    seq = FakeSeq(token_ids=list(prompt), num_pending=0, num_evicted=0, request_id="s")
+    drafter.observe(seq, 0, prompt[:11] + [UNKNOWN], hidden)  # its last token was in flight
+    seq.token_ids.append(5)  # the next token, sampled from the last row
+    drafts = drafter.propose_for(seq, 2)
+    assert len(drafts) == 2 and drafts[0] == int(reference(seq.token_ids)[-1].argmax())
+    drafter.release(seq)
+    assert drafter.pool.num_used == 0
