@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from exlcli.model.batch_inputs import BatchInputs
 from exlcli.model.config import ModelConfig
@@ -25,12 +24,13 @@ from exlcli.ops.linear import Linear
 from exlcli.ops.norm import rms_norm
 
 DecoderLayer = Callable[[torch.Tensor, BatchInputs, KVCache], torch.Tensor]
+Embedding = Callable[[torch.Tensor], torch.Tensor]  # token ids -> their rows (the model's table)
 
 
 class MtpHead:
     """A NextTokenHead (exlcli/model/interface.py) of one layer; `config`: its K/V pages' shape."""
 
-    def __init__(self, config: ModelConfig, embed: torch.Tensor, lm_head: Linear, fc: Linear,
+    def __init__(self, config: ModelConfig, embed: Embedding, lm_head: Linear, fc: Linear,
                  norm_embedding: torch.Tensor, norm_hidden: torch.Tensor, norm: torch.Tensor,
                  layer: DecoderLayer) -> None:
         self.config = config
@@ -45,7 +45,7 @@ class MtpHead:
     @torch.inference_mode()
     def forward(self, batch: BatchInputs, hidden: torch.Tensor, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         eps = self.config.rms_norm_eps
-        e = rms_norm(F.embedding(batch.input_ids, self.embed), self.norm_embedding, eps)
+        e = rms_norm(self.embed(batch.input_ids), self.norm_embedding, eps)
         h = rms_norm(hidden.to(e.dtype), self.norm_hidden, eps)
         x = self.layer(self.fc(torch.cat([e, h], dim=-1)), batch, kv)
         out = rms_norm(x[batch.logits_indices], self.norm, eps)
