@@ -109,7 +109,8 @@ SystemOption = Annotated[Optional[str], typer.Option(
 SpeculativeOption = Annotated[Optional[str], typer.Option(
     "--speculative", help="Speculative decoding with this drafter: 'ngram' (prompt lookup: drafts copied from "
                           "the prompt and the text so far), 'self' (the model's own first --draft-layers "
-                          "layers and its LM head) or a draft model (a path or name, as --model takes: a small "
+                          "layers and its LM head), 'mtp' (the model's own multi-token-prediction layer: Qwen3-Next, "
+                          "Qwen3.5) or a draft model (a path or name, as --model takes: a small "
                           "model with the same tokenizer, on KV pages of its own). Output unchanged (greedy: "
                           "token for token). Default: off.")]
 NumDraftTokensOption = Annotated[int, typer.Option(

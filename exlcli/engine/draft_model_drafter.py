@@ -48,7 +48,8 @@ def load_draft_model(spec: str, target: CausalLM) -> DraftModel:
     try:
         loaded = load_model(spec, device=str(target.device), dtype=str(target.dtype).removeprefix("torch."))
     except ExlcliError as e:
-        raise ExlcliError(f"--speculative {spec!r}: unknown drafter (ngram, self) and no draft model: {e}") from None
+        raise ExlcliError(f"--speculative {spec!r}: unknown drafter (ngram, self, mtp) and no draft model: "
+                          f"{e}") from None
     return DraftModel(loaded.model, loaded.tokenizer, loaded.name)
 
 

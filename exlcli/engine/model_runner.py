@@ -29,6 +29,10 @@ class ModelRunner:
         # about one step where it replays the decode graphs; run eagerly (the CPU, or CUDA with the graphs
         # off, unmeasured there), the CPU's figures, more the more rows
         self.verify_cost: VerifyCost = CUDA_GRAPHS_VERIFY_COST if self.graphs is not None else CPU_VERIFY_COST
+        # a drafter that reads the target's hidden states (MTP): every step runs eagerly and keeps
+        # them, every token's after the final norm [T, H] (`hidden`, until the next step)
+        self.keep_hidden = False
+        self.hidden: torch.Tensor | None = None
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         """Host-side inputs of a step: each item's tokens (known, in flight, drafted), positions,
@@ -77,8 +81,8 @@ class ModelRunner:
             state_slots = [item.seq.state_slot for item in batch.items]
             assert None not in state_slots  # a running sequence of a hybrid model holds a slot
             copies = [(item.restore, item.seq.state_slot) for item in batch.items if item.restore is not None]
-            snapshots = [(b, item.snapshot[0], item.snapshot[1]) for b, item in enumerate(batch.items)
-                         if item.snapshot is not None]
+            snapshots = [(b, *(item.snapshot[:2] if item.snapshot is not None else item.backup))  # type: ignore[misc]
+                         for b, item in enumerate(batch.items) if item.snapshot is not None or item.backup is not None]
         return StepInputs(ids, positions, slots, tables, seq_lens, starts, logits_rows, in_flight,
                           key_shifts=list(batch.key_shifts), group_block_tables=group_tables,
                           group_slot_mappings=group_slots,
@@ -94,6 +98,10 @@ class ModelRunner:
             assert self.kv.states is not None
             for src, dst in inputs.state_copies:
                 self.kv.states.copy(src, dst)
+        if self.keep_hidden:
+            logits, self.hidden = self.model.forward_with_hidden(  # type: ignore[attr-defined]
+                inputs.to_batch_inputs(self.device, prev_ids), self.kv)
+            return logits
         if self.graphs is not None:
             # a verify step replays the decode graphs as one row per token
             rows = inputs if inputs.is_decode else inputs.as_decode_rows()

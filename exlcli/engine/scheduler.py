@@ -34,6 +34,9 @@ class ScheduledSeq:
     # hit's snapshot), and (tokens into the chunk, slot, page hash) of a snapshot taken in the step
     restore: int | None = None
     snapshot: tuple[int, int, int] | None = None
+    # hybrid models verifying drafts: (tokens into the chunk, slot) of the state after its known
+    # tokens, kept in the sequence's backup slot in case drafts are rejected (rollback)
+    backup: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.num_new_tokens < 1:
@@ -71,7 +74,8 @@ class Scheduler:
     def __init__(self, pool: PagePool, max_num_batched_tokens: int, max_num_seqs: int,
                  propose: Callable[[Sequence, int], list[int]] | None = None,
                  reclaim: Callable[[int], bool] | None = None, states: StatePool | None = None,
-                 snapshots: StateSnapshots | None = None, groups: PageGroups | None = None) -> None:
+                 snapshots: StateSnapshots | None = None, groups: PageGroups | None = None,
+                 backups: StatePool | None = None) -> None:
         self.pool = pool
         # the layer groups' page tables (one group of every layer unless the model mixes attention kinds)
         self.groups = groups or PageGroups([None], pool.page_size)
@@ -81,6 +85,8 @@ class Scheduler:
             max_num_seqs = min(max_num_seqs, states.num_slots)
         # hybrid models with prefix caching: states at page boundaries, so a prefix hit resumes there
         self.snapshots = snapshots
+        # hybrid models with speculative decoding: a backup slot for each sequence that drafts
+        self.backups = backups
         # reclaim(num_pages) frees pages held outside the running set (parked sessions) until
         # num_pages can be allocated; True when it freed any
         self.reclaim = reclaim
@@ -144,7 +150,11 @@ class Scheduler:
                 if not self._reserve(seq, n, batch):
                     break  # seq itself was preempted; it was the last one
                 drafts = self._drafts(seq, n, budget - n)
-                batch.items.append(ScheduledSeq(seq, n + len(drafts), draft_tokens=drafts))
+                # (rejected drafts last step: the state after the known tokens goes back first)
+                restore = seq.state_backup if seq.restore_backup else None
+                backup = (n, seq.state_backup) if drafts and seq.state_backup is not None else None
+                batch.items.append(ScheduledSeq(seq, n + len(drafts), draft_tokens=drafts, restore=restore,
+                                                backup=backup))
                 self._plan_snapshot(batch.items[-1])
                 budget -= n + len(drafts)
                 if self.pool.enable_prefix_cache:
@@ -213,6 +223,8 @@ class Scheduler:
             seq = item.seq
             if item.snapshot is not None and self.snapshots is not None:
                 self.snapshots.publish(item.snapshot[2], item.snapshot[1])
+            if seq.restore_backup and item.restore == seq.state_backup:
+                seq.restore_backup = False  # the copy is queued before this step's forward pass
             before = seq.num_computed_tokens // size
             seq.num_computed_tokens += item.num_new_tokens
             seq.skip_evicted()
@@ -245,8 +257,14 @@ class Scheduler:
         only when that position is computed, and a rejected draft's K/V must not count as such."""
         if seq.status is not SeqStatus.RUNNING:
             raise ValueError(f"{seq.request_id} is not running")
-        if seq.state_slot is not None and num_tokens:  # a recurrent state cannot un-see tokens
-            raise ValueError(f"{seq.request_id} keeps a linear attention state, which cannot be rolled back")
+        if seq.state_slot is not None and num_tokens:
+            # A recurrent state cannot un-see tokens: it goes back to the backup taken after the known
+            # tokens, so every drafted token is un-computed (the accepted ones are computed again).
+            if seq.state_backup is None or num_dropped:
+                raise ValueError(f"{seq.request_id} keeps a linear attention state, which rolls back only "
+                                 "to its backup after the known tokens")
+            num_tokens = seq.num_computed_tokens - len(seq.token_ids)
+            seq.restore_backup = True
         if not 0 <= num_tokens <= seq.num_computed_tokens or num_dropped < 0:
             raise ValueError(f"cannot roll back {num_tokens} of {seq.num_computed_tokens} computed tokens "
                              f"dropping {num_dropped}")
@@ -265,6 +283,8 @@ class Scheduler:
             cached = boundary * size
         self.groups.truncate(self.pool, seq, -(-cached // size))
         undone = seq.num_computed_tokens - (cached + offset)
+        if seq.restore_backup and undone != num_tokens:  # (drafts never fill a page, so none is published)
+            raise RuntimeError(f"{seq.request_id}: its state cannot go back past its backup")
         seq.num_computed_tokens = cached + offset
         return undone
 
@@ -273,6 +293,11 @@ class Scheduler:
             assert self.states is not None  # only a state pool hands out slots
             self.states.release(seq.state_slot)
             seq.state_slot = None
+        if seq.state_backup is not None:
+            assert self.backups is not None  # only the backup pool hands out backups
+            self.backups.release(seq.state_backup)
+            seq.state_backup = None
+        seq.restore_backup = False
 
     # -- helpers --------------------------------------------------------------------------------
     def _drafts(self, seq: Sequence, n: int, budget: int) -> list[int]:
@@ -281,6 +306,10 @@ class Scheduler:
         (drafts never preempt anyone)."""
         if self.propose is None or seq.num_computed_tokens + n != seq.num_tokens:
             return []
+        if seq.state_slot is not None and seq.state_backup is None:  # a hybrid model's: a backup first
+            if self.backups is None or not self.backups.num_free:
+                return []
+            seq.state_backup = self.backups.allocate()
         room = min(budget, seq.max_tokens - seq.num_tokens - 1)  # every accepted draft plus one more token fits
         if seq.overflow is not None:  # never drafts across a context shift: the next step shifts first
             room = min(room, seq.overflow.window - seq.cache_len - n)

@@ -33,6 +33,10 @@ class Sequence:
     pages: list[int] = field(default_factory=list)  # group 0's page table (the only one of a one-kind model)
     group_pages: list[list[int]] = field(default_factory=list)  # the other layer groups' (engine/page_groups.py)
     state_slot: int | None = None  # hybrid models: its slot of the per-sequence state (engine/state_pool.py)
+    # hybrid models that draft: the slot holding the state after the known tokens of its last verify
+    # step, and whether that state goes back into state_slot before its next step (drafts rejected)
+    state_backup: int | None = None
+    restore_backup: bool = False
     status: SeqStatus = SeqStatus.WAITING
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache on first admission
     num_preemptions: int = 0

@@ -14,10 +14,11 @@ import torch
 from exlcli.engine.constraints import GrammarCompiler
 from exlcli.engine.context_window import DEFAULT_SINK_TOKENS, check_mode, resolve_policy
 from exlcli.engine.draft_model_drafter import DraftModel
-from exlcli.engine.drafters import build_drafter, num_drafter_pages, resolve_draft_model
+from exlcli.engine.drafters import build_drafter, drafter_bytes_per_page, num_drafter_pages, resolve_draft_model
 from exlcli.engine.grammar_masks import MaskWorker
 from exlcli.engine.memory_budget import GPU_MEMORY_UTILIZATION, DeviceMemory, model_kv_budget
 from exlcli.engine.model_runner import ModelRunner
+from exlcli.engine.mtp_drafter import next_token_head
 from exlcli.engine.page_groups import PageGroups
 from exlcli.engine.page_pool import PagePool
 from exlcli.engine.scheduler import Scheduler
@@ -121,12 +122,13 @@ def kv_budget(model: CausalLM, config: EngineConfig, device: torch.device) -> in
 def hybrid_config(config: EngineConfig) -> EngineConfig:
     """The engine's configuration for a model with linear attention layers: their state covers every
     token a sequence has seen and cannot drop or un-see any, so what needs that is refused in one line
-    (speculative decoding rolls rejected drafts back, a context shift drops tokens) or turned off
+    (an early exit leaves the later layers' states behind, a context shift drops tokens) or turned off
     (sessions: a parked sequence's state would have to be kept; the prefix cache, with snapshots of
-    the state at page boundaries, serves a conversation's next turn instead)."""
-    if config.speculative:
-        raise ExlcliError("speculative decoding is not supported on models with linear attention layers "
-                          "(Qwen3-Next, Qwen3.5) yet")
+    the state at page boundaries, serves a conversation's next turn instead). Speculative decoding
+    keeps a backup of each drafting sequence's state after its known tokens (state_pool.py)."""
+    if config.speculative == "self":
+        raise ExlcliError("--speculative self is not supported on models with linear attention layers (an early "
+                          "exit leaves the later layers' states behind); use --speculative mtp or ngram")
     if config.context_overflow != "stop":
         raise ExlcliError(f"--context-overflow {config.context_overflow} is not supported on models with linear "
                           "attention layers (their state cannot drop tokens); use stop")
@@ -141,6 +143,8 @@ def cache_groups(model: CausalLM, window_groups: bool = True) -> list[LayerGroup
 
 def build_parts(model: CausalLM, tokenizer, config: EngineConfig) -> EngineParts:
     device = model.device
+    if config.speculative == "mtp":
+        next_token_head(model)  # a model without MTP layers: one line, on any device
     if (config.speculative and not config.force_speculative
             and not speculation_pays_on(device.type, config.speculative)):
         log.warning("speculative decoding with %s is off on %s: its drafts run outside the CUDA graphs there "
@@ -160,10 +164,9 @@ def build_parts(model: CausalLM, tokenizer, config: EngineConfig) -> EngineParts
     # a page of the pool holds one layer group's layers (every layer with pages, for a model of one attention kind)
     per_page = KVCache.bytes_per_page(model.config, config.page_size, kv_dtype,
                                       len(groups[0].layers) if len(groups) > 1 else None)
-    if draft_model is not None:  # its own pool, as many pages as the target's, from the same budget
-        per_page += draft_model.kv_bytes_per_page(config.page_size)
+    per_page += drafter_bytes_per_page(config.speculative, model, draft_model, config.page_size)
     memory = kv_budget(model, config, device)
-    num_slots = num_snapshots = 0
+    num_slots = num_snapshots = num_backups = 0
     if hybrid:
         # the states first (at most half the budget: one a sequence, and with prefix caching as many
         # snapshots at page boundaries), the pages from the rest
@@ -174,15 +177,20 @@ def build_parts(model: CausalLM, tokenizer, config: EngineConfig) -> EngineParts
             raise ExlcliError(f"the KV memory budget of {memory / 2**20:.0f} MiB cannot hold one sequence's linear "
                               f"attention state ({per_slot / 2**20:.0f} MiB) beside its pages; give --kv-memory more")
         num_snapshots = min(total - num_slots, num_slots) if config.enable_prefix_cache else 0
-        memory -= (num_slots + num_snapshots) * per_slot
+        # a backup a drafting sequence (no more draft at once than speculative_max_batch), before the snapshots
+        if config.speculative:
+            num_backups = max(1, min(num_slots, config.speculative_max_batch, total - num_slots))
+            num_snapshots = max(0, min(num_snapshots, total - num_slots - num_backups))
+        memory -= (num_slots + num_snapshots + num_backups) * per_slot
     num_pages = config.num_pages or max(2, memory // per_page)
     # a drafter's scratch pages sit past the pool's (no sequence owns them)
     kv = KVCache(model.config, num_pages + num_drafter_pages(config.speculative, config.page_size),
-                 config.page_size, device, kv_dtype, groups, state_slots=num_slots + num_snapshots,
+                 config.page_size, device, kv_dtype, groups, state_slots=num_slots + num_snapshots + num_backups,
                  state_dtype=model.dtype)
     pool = PagePool(num_pages, config.page_size, config.enable_prefix_cache, num_groups=len(groups))
     states = StatePool(num_slots) if num_slots else None
     snapshots = StateSnapshots(num_slots, num_snapshots) if num_snapshots else None
+    backups = StatePool(num_backups, first=num_slots + num_snapshots) if num_backups else None
     # CPU: a 256-token chunk takes ~0.5 s on 2 cores, which bounds the gap other streams see
     budget = config.max_num_batched_tokens or (256 if device.type == "cpu" else 4096)
     # One sequence alone must always fit, so preemption can always make progress (a window group
@@ -197,10 +205,11 @@ def build_parts(model: CausalLM, tokenizer, config: EngineConfig) -> EngineParts
     speculator = (Speculator(build_drafter(config.speculative, model, kv, num_pages, config.draft_layers, draft_model),
                              runner.verify_cost, config.num_draft_tokens, config.speculative_max_batch)
                   if config.speculative else None)
+    runner.keep_hidden = speculator is not None and hasattr(speculator.drafter, "observe")  # (the MTP reads them)
     sessions = SessionCache(pool, config.max_sessions, page_groups)
     scheduler = Scheduler(pool, budget, config.max_num_seqs,
                           propose=speculator.propose if speculator else None, reclaim=sessions.reclaim, states=states,
-                          snapshots=snapshots, groups=page_groups)
+                          snapshots=snapshots, groups=page_groups, backups=backups)
     eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or model.config.eos_token_ids)
     async_scheduling = config.async_scheduling if config.async_scheduling is not None else device.type == "cuda"
     grammars = GrammarCompiler(tokenizer, model.config.vocab_size, eos_ids)

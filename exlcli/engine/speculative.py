@@ -77,9 +77,10 @@ def speculation_pays_on(device_type: str, speculative: object) -> bool:
     """Whether drafting with `speculative` (a drafter's name, a Drafter, a draft model or its spec) can
     save time on this kind of device. On CUDA a verify step replays the decode CUDA graphs, one row per
     token (ModelRunner.execute), so prompt lookup and other drafters that run no model pay there
-    (measured on an H200). The self drafter and a draft model run their forward pass a drafted token
-    eagerly, outside the graphs (with the verify step eager too they decode at 0.06-0.13x the speed of
-    plain decoding on an H200), so the policy keeps them off there."""
+    (measured on an H200). The self drafter, a draft model and the MTP layer run their forward pass a
+    drafted token eagerly, outside the graphs (with the verify step eager too the first two decode at
+    0.06-0.13x the speed of plain decoding on an H200; the MTP makes every step eager, to keep the
+    hidden states), so the policy keeps them off there."""
     if device_type != "cuda":
         return True
     return speculative in DRAFTERS if isinstance(speculative, str) else hasattr(speculative, "propose")

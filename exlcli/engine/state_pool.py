@@ -6,6 +6,10 @@ layer's state. A running sequence holds one slot from admission until it finishe
 is preempted (it then recomputes from its prompt: a chunk from position 0 starts from zeros, so a
 slot needs no clearing). The scheduler runs at most as many sequences as there are slots, so an
 admitted sequence always finds one.
+
+Speculative decoding keeps a second pool of backup slots (`first`: they follow the others in the
+state cache): a sequence that drafts holds one, into which each verify step writes the state after
+the sequence's known tokens, so that rejected drafts can be un-seen (Scheduler.rollback).
 """
 
 from __future__ import annotations
@@ -16,11 +20,12 @@ class OutOfStateSlotsError(RuntimeError):
 
 
 class StatePool:
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, first: int = 0) -> None:
         if num_slots < 1:
             raise ValueError("a state pool needs at least one slot")
         self.num_slots = num_slots
-        self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self.first = first
+        self._free = list(range(first + num_slots - 1, first - 1, -1))  # pop() hands out slot `first` first
         self._used: set[int] = set()
 
     @property
@@ -48,7 +53,7 @@ class StatePool:
         """Invariants, for tests: every slot is exactly one of free / used."""
         free = set(self._free)
         assert len(free) == len(self._free), "a slot is on the free list twice"
-        assert not free & self._used and free | self._used == set(range(self.num_slots))
+        assert not free & self._used and free | self._used == set(range(self.first, self.first + self.num_slots))
 
 
 class StateSnapshots:

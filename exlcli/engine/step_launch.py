@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from exlcli.engine.grammar_masks import StepMasks
+from exlcli.engine.mtp_drafter import UNKNOWN
 from exlcli.engine.request import FinishReason
 from exlcli.engine.sampler import SampleRow, needs_history, sample_ids_and_flags, top_logprobs
 from exlcli.engine.scheduler import ScheduledBatch, ScheduledSeq
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from exlcli.engine.speculative import Speculator
     from exlcli.engine.stats_publisher import StatsPublisher
     from exlcli.engine.step_readback import StepReadback
+    from exlcli.model.step_inputs import StepInputs
 
 
 @dataclass
@@ -73,10 +75,12 @@ class StepLauncher:
             if not self._masks_need_tokens_in_flight(batch):
                 masks = self._start_masks(batch.items)  # on the mask thread while the forward pass runs
             logits = self.runner.execute(inputs, prev.ids if prev is not None else None)
+            self._observe_hidden(batch, inputs)
         except Exception as e:  # e.g. out of memory, or one bad sequence: retry each alone
             if masks is not None:
                 masks.wait()
                 masks = None
+            self._observe_hidden(batch, None)  # (the retries keep no hidden states)
             alone, alone_logits = self._run_alone(batch, prev, e)
             if alone is None or alone_logits is None:  # both or neither
                 return None
@@ -93,6 +97,22 @@ class StepLauncher:
             return self._sample_launched(batch, logits, masks, start)
         finally:
             masks.wait()  # the matchers are the mask thread's until it is done with them
+
+    def _observe_hidden(self, batch: ScheduledBatch, inputs: StepInputs | None) -> None:
+        """A drafter that reads the target's hidden states (MTP) gets each sequence's, with the tokens
+        they were computed for (UNKNOWN where one was in flight); with `inputs` None, it drops what it
+        kept of these sequences."""
+        observe = getattr(self._speculator.drafter, "observe", None) if self._speculator is not None else None
+        if observe is None:
+            return
+        hidden = self.runner.hidden if inputs is not None else None
+        ids = list(inputs.input_ids) if inputs is not None else []
+        if inputs is not None:
+            for row, _ in inputs.in_flight:
+                ids[row] = UNKNOWN
+        for b, item in enumerate(batch.items):
+            lo, hi = (inputs.query_start_loc[b], inputs.query_start_loc[b + 1]) if inputs is not None else (0, 0)
+            observe(item.seq, item.seq.num_computed_tokens, ids[lo:hi], hidden[lo:hi] if hidden is not None else None)
 
     @staticmethod
     def _masks_need_tokens_in_flight(batch: ScheduledBatch) -> bool:

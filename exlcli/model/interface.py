@@ -57,3 +57,22 @@ class CausalLM(Protocol):
     def fused_decode_forward(self, batch: BatchInputs, kv: KVCache) -> torch.Tensor:
         """forward() for a pure decode step (every row samples), same roundings; fp32 logits [rows, V]."""
         ...
+
+
+@runtime_checkable
+class NextTokenHead(Protocol):
+    """A model's own multi-token-prediction (MTP, "nextn") layers, which `--speculative mtp` drafts
+    with. A model that has them offers `mtp` (None without) and `forward_with_hidden(batch, kv)`:
+    forward()'s logits and the hidden state after the final norm of every token of the step [T, H].
+    The head's input at position p is the token at p + 1 and the model's hidden state at p (after its final
+    norm), its output the logits of the token at p + 2 and its own hidden state at p + 1 (after its
+    final norm), which with the token drafted from them is its input at p + 1."""
+
+    config: ModelConfig  # the shape of its own K/V pages (its full-attention layers, no linear ones)
+
+    def forward(self, batch: BatchInputs, hidden: torch.Tensor, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fp32 logits [S, V], hidden states [S, H]) for the rows batch.logits_indices, from the
+        tokens batch.input_ids and the hidden states `hidden` [T, H] of the same rows; writes the
+        step's K and V into `kv` (a cache of `config`)."""
+        ...
+

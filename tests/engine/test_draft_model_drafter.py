@@ -233,8 +233,8 @@ def test_a_draft_model_of_another_vocabulary_is_one_line_error(tiny_model):
     # a model spec is loaded as --model loads it: here a random model whose tokenizer is another
     with pytest.raises(ExlcliError, match=r"^--speculative random:tiny: token 0 is '\\x00' there but 'a'"):
         make("random:tiny")
-    with pytest.raises(ExlcliError, match=r"^--speculative 'no-such-model': unknown drafter \(ngram, self\) and no "
-                                          r"draft model: model not found"):
+    with pytest.raises(ExlcliError, match=r"^--speculative 'no-such-model': unknown drafter \(ngram, self, mtp\) "
+                                          r"and no draft model: model not found"):
         make("no-such-model")
 
 

@@ -1,8 +1,9 @@
 """A hybrid model (tiny random Qwen3-Next, fp32 on the CPU) through the engine: greedy outputs equal
 transformers' generate, alone and in a batch whose prefills are split across steps beside others'
 decodes; preemption, cancels and finishes give every state slot and page back; what the state
-cannot do is refused in one line (speculation, context shifts); a second turn resumes from a
-snapshot of the state that the prefix cache keeps at a page boundary."""
+cannot do is refused in one line (an early exit, context shifts); a second turn resumes from a
+snapshot of the state that the prefix cache keeps at a page boundary; speculative decoding rolls the
+state back to its backup after the known tokens when drafts are rejected."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ from test_hybrid_models import VOCAB, write_qwen3_next  # tests/model/test_hybri
 
 from exlcli.engine.engine import Engine, EngineConfig
 from exlcli.engine.request import RequestError
+from exlcli.engine.verify_cost import VerifyCost
 from exlcli.errors import ExlcliError
 from exlcli.model.kv_cache import KVCache
 from exlcli.model.loader import load_model
 from exlcli.model.state_cache import StateCache
 from tests.engine.conftest import LetterTokenizer, greedy, tokens_of
+from tests.engine.replay_drafter import ReplayDrafter
 
 PAGE = 16
 
@@ -139,8 +142,8 @@ def test_a_second_turn_resumes_from_a_snapshot(models):
 
 def test_what_the_state_cannot_do_is_one_line(models):
     _, model = models
-    with pytest.raises(ExlcliError, match="^speculative decoding is not supported on models with linear attention"):
-        _engine(model, speculative="ngram", force_speculative=True)
+    with pytest.raises(ExlcliError, match="^--speculative self is not supported on models with linear attention"):
+        _engine(model, speculative="self", force_speculative=True)
     with pytest.raises(ExlcliError, match="^--context-overflow shift is not supported"):
         _engine(model, context_overflow="shift")
     with pytest.raises(RequestError, match="^context_overflow sinks is not supported"):
@@ -173,3 +176,41 @@ def test_bf16_greedy_alone_equals_in_a_batch(tmp_path):
     assert all(len(tokens) == 6 for tokens in alone)  # (a failed step would give none, alike)
     assert [tokens_of(h) for h in handles[:2]] == alone
     _all_given_back(engine)
+
+
+def test_rejected_drafts_roll_the_state_back(models):
+    """Drafts rejected at every position (the replay drafter corrupts one of each proposal), six
+    sequences with prefills split beside verify steps: the greedy tokens of plain decoding, every slot
+    and backup given back; without the backup's restore the tokens differ (the test sees the state)."""
+    _, model = models
+    prompts = _prompts(6, seed=1)
+    plain_engine = _engine(model, max_num_batched_tokens=48)
+    handles = [plain_engine.submit(greedy(f"b{i}", p, n=20)) for i, p in enumerate(prompts)]
+    plain_engine.run_until_idle()
+    plain = [tokens_of(h) for h in handles]
+    drafter = ReplayDrafter([p + o for p, o in zip(prompts, plain)], vocab=VOCAB)
+
+    def speculate(restore: bool) -> tuple[list[list[int]], Engine]:
+        engine = _engine(model, max_num_batched_tokens=96, speculative=drafter, force_speculative=True)
+        engine.speculator.cost = VerifyCost.linear(0.0)  # every proposal verified
+        if not restore:
+            prepare = engine.runner.prepare
+
+            def no_restore(batch):
+                for item in batch.items:
+                    if item.seq.restore_backup:
+                        item.restore = None
+                return prepare(batch)
+            engine.runner.prepare = no_restore
+        hs = [engine.submit(greedy(f"b{i}", p, n=20)) for i, p in enumerate(prompts)]
+        engine.run_until_idle()
+        return [tokens_of(h) for h in hs], engine
+
+    tokens, engine = speculate(restore=True)
+    assert tokens == plain
+    s = engine.stats()
+    assert 0 < s.spec_accepted_tokens < s.spec_drafted_tokens and s.spec_drafted_by_position[2] > 0
+    _all_given_back(engine)
+    engine.scheduler.backups.check()
+    assert engine.scheduler.backups.num_used == 0
+    assert speculate(restore=False)[0] != plain

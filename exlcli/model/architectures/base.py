@@ -15,7 +15,7 @@ from exlcli.model.interface import CausalLM
 FUSED_DECODE = "decode"  # the fused decode step (CausalLM.fused_decode_forward)
 
 # blk.{i}.<key>.{weight,bias}; a few tensors have no suffix (Qwen3-Next's ssm_a)
-_GGUF_LAYER = re.compile(r"blk\.(\d+)\.(\w+?)(?:\.(weight|bias))?$")
+_GGUF_LAYER = re.compile(r"blk\.(\d+)\.([\w.]+?)(?:\.(weight|bias))?$")  # (keys with dots: nextn.eh_proj)
 
 
 @dataclass(frozen=True)

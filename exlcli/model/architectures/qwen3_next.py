@@ -46,9 +46,10 @@ from exlcli.model.architectures import tensor_names as names
 from exlcli.model.architectures.base import Architecture
 from exlcli.model.architectures.decoder import _moe_feed_forward
 from exlcli.model.architectures.gated_delta_plan import DeltaPlan
+from exlcli.model.architectures.next_token_head import MtpHead
 from exlcli.model.architectures.qwen3_moe import gguf_moe
 from exlcli.model.architectures.qwen3_moe import hf_fields as qwen3_moe_fields
-from exlcli.model.architectures.tensor_names import EMBED, FINAL_NORM, LM_HEAD, layer_prefix
+from exlcli.model.architectures.tensor_names import EMBED, FINAL_NORM, LM_HEAD, ROUTER, layer_prefix
 from exlcli.model.attention_spec import AttentionSpec, layer_specs, partial_rotary_order, rotary_dim
 from exlcli.model.batch_inputs import BatchInputs
 from exlcli.model.config import FULL_ATTENTION, LINEAR_ATTENTION, LinearAttentionConfig, ModelConfig
@@ -73,6 +74,7 @@ from exlcli.ops.rope import RopeWrite, gather_cos_sin, rope_cos_sin_cache
 
 FUSED_PATHS = ()
 LINEAR = "linear_attn."
+MTP = "mtp."  # the checkpoint's multi-token-prediction layer (next_token_head.py)
 
 
 def _hybrid_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -122,7 +124,9 @@ def gguf_fields(meta: Mapping[str, Any]) -> dict[str, Any]:
             raise ModelLoadError(f"GGUF metadata is missing 'qwen3next.{key}'")
         return value
 
-    layers, head_dim = int(get("block_count")), int(get("attention.key_length"))
+    # the MTP layers (llama.cpp's nextn) follow the model's, counted in block_count
+    layers = int(get("block_count")) - int(meta.get("qwen3next.nextn_predict_layers") or 0)
+    head_dim = int(get("attention.key_length"))
     recurrent = meta.get("qwen3next.attention.recurrent_layers")
     if recurrent is None:
         interval = int(meta.get("qwen3next.full_attention_interval") or 4)
@@ -136,7 +140,8 @@ def gguf_fields(meta: Mapping[str, Any]) -> dict[str, Any]:
     moe = replace(gguf_moe(meta, "qwen3next"), shared_expert_size=shared, shared_expert_gate=bool(shared),
                   normalize=True)
     rotated = int(meta.get("qwen3next.rope.dimension_count") or head_dim // 4)
-    return {"qk_norm": True, "moe": moe, "layer_types": kinds, "linear_attention": la, "attention_output_gate": True,
+    return {"num_layers": layers, "qk_norm": True, "moe": moe, "layer_types": kinds, "linear_attention": la,
+            "attention_output_gate": True,
             "partial_rotary_factor": rotated / head_dim}
 
 
@@ -149,6 +154,26 @@ GGUF_LINEAR_NAMES = {
     "ssm_a": LINEAR + "neg_a", "ssm_dt": LINEAR + "dt", "ssm_conv1d": LINEAR + "conv1d", "ssm_norm": LINEAR + "norm",
     "ssm_out": LINEAR + "out_proj", "post_attention_norm": "post_attention_layernorm",
 }
+
+
+# llama.cpp's nextn tensors of the MTP layer (blk.{num_layers}.*, the rest named as any layer's), kept
+# under that layer's prefix until the MTP's tensors are gathered (mtp_tensors)
+GGUF_MTP_NAMES = {"nextn.eh_proj": "mtp_fc", "nextn.enorm": "mtp_pre_fc_norm_embedding",
+                  "nextn.hnorm": "mtp_pre_fc_norm_hidden", "nextn.shared_head_norm": "mtp_norm"}
+
+
+def mtp_tensors(config: ModelConfig, tensors: dict) -> dict:
+    """The MTP layer's tensors under the checkpoint's `mtp.*` names: as a Hugging Face checkpoint has
+    them, or from a GGUF's layer after the model's (its nextn tensors, GGUF_MTP_NAMES)."""
+    found = {name: t for name, t in tensors.items() if name.startswith(MTP)}
+    prefix = layer_prefix(config.num_layers)
+    extra = {name: name.removeprefix("mtp_") for name in GGUF_MTP_NAMES.values()}
+    for name, t in tensors.items():
+        if name.startswith(prefix):
+            rest = name[len(prefix):]
+            key = rest.split(".")[0]
+            found[MTP + (extra[key] + rest[len(key):] if key in extra else "layers.0." + rest)] = t
+    return found
 
 
 def linear_attention_config(cfg: Mapping[str, Any]) -> LinearAttentionConfig:
@@ -445,6 +470,8 @@ class Qwen3NextModel:
                                           config.max_position_embeddings, device, rot)
         order = partial_rotary_order(config.head_dim, config.partial_rotary_factor)
         self.rope_order = None if order is None else order.to(device)
+        self.mtp_bytes = 0
+        self.mtp: MtpHead | None = self._build_mtp(tensors)  # --speculative mtp drafts with it
 
     def attention_specs(self) -> list[AttentionSpec]:
         return list(self.specs)
@@ -461,7 +488,7 @@ class Qwen3NextModel:
 
     def resident_bytes(self) -> int:
         embed = 0 if self._head_is_embed else self.embed.nbytes()
-        return self._linear_bytes(active=False) + embed
+        return self._linear_bytes(active=False) + embed + self.mtp_bytes
 
     def fused_decode_unsupported(self) -> str | None:
         return "linear attention (Gated DeltaNet) layers (the fused step runs plain llama-style layers)"
@@ -486,19 +513,19 @@ class Qwen3NextModel:
     def _forward(self, batch: BatchInputs, kv: KVCache, num_layers: int) -> torch.Tensor:
         return self.lm_head(self._final_normed(batch, kv, num_layers), out_dtype=torch.float32)
 
-    def _final_normed(self, batch: BatchInputs, kv: KVCache, num_layers: int) -> torch.Tensor:
+    @torch.inference_mode()
+    def forward_with_hidden(self, batch: BatchInputs, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward()'s logits and every token's hidden state after the final norm [T, H] (the MTP's input)."""
+        hidden = self._final_normed(batch, kv, len(self.mixers), every_row=True)
+        return self.lm_head(hidden[batch.logits_indices], out_dtype=torch.float32), hidden
+
+    def _final_normed(self, batch: BatchInputs, kv: KVCache, num_layers: int, every_row: bool = False) -> torch.Tensor:
+        """The final norm's output for the rows batch.logits_indices (every row's with `every_row`)."""
         cfg = self.config
         if kv.states is None or batch.state_slots is None:
             raise RuntimeError("a model with linear attention layers needs a state cache and each sequence's slot")
-        num_tokens = batch.input_ids.shape[0]
         h = self.embed(batch.input_ids)
-        cos_sin_rows = layout = prefill_layout = None
-        if use_kernels(h):
-            if len(batch.seq_lens) != num_tokens:
-                prefill_layout = kernels.PrefillLayout(batch.query_start_loc, batch.seq_lens)
-        elif not use_cpu_kernels(h):
-            cos_sin_rows = gather_cos_sin(self.cos_sin, batch.positions)
-            layout = PagedLayout.build(batch.block_tables, batch.seq_lens, kv.page_size)
+        layouts = self._layouts(batch, kv, h)
         updates: list[tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]] = []
         plan = DeltaPlan.build(batch, h.device) if gated_delta_kernels.available(h) else None
         for i in range(num_layers):
@@ -507,22 +534,72 @@ class Qwen3NextModel:
             if isinstance(mixer, GatedDeltaNet):
                 h = h + mixer(x, batch, kv.states.tensors[i], updates, plan)
             else:
-                rope = RopeWrite(batch.positions, self.cos_sin, kv.k[i], kv.v[i], batch.slot_mapping, cfg.num_heads,
-                                 cos_sin_rows)
-                q, k, v = rope.heads(mixer.qkv(x))
-                q, k = rms_norm(q, mixer.q_norm, cfg.rms_norm_eps), rms_norm(k, mixer.k_norm, cfg.rms_norm_eps)
-                if self.rope_order is not None:
-                    q, k = q[..., self.rope_order], k[..., self.rope_order]
-                q = rope.write(q, k, v)
-                o = paged_attention(q, kv.k[i], kv.v[i], batch.block_tables, batch.query_start_loc, batch.seq_lens,
-                                    cfg.query_scale, batch.seq_lens_t, batch.query_start_loc_t, layout, prefill_layout)
-                gate = rowwise(torch.sigmoid, mixer.gate(x, out_dtype=torch.float32))
-                h = h + mixer.o_proj((o.reshape(num_tokens, -1).float() * gate).to(h.dtype))
+                h = h + self._attention(mixer, i, x, batch, kv, layouts)
             h = h + ffn(rms_norm(h, ffn.post_norm, cfg.rms_norm_eps))
         for tensors, index, values in updates:  # the pass ran whole: the new states replace the old
             for t, value in zip(tensors, values):
                 t.index_copy_(0, index, value.to(t.dtype))
+        if every_row:
+            return rms_norm(h, self.norm, cfg.rms_norm_eps)
         return rms_norm(h[batch.logits_indices], self.norm, cfg.rms_norm_eps)
+
+    def _layouts(self, batch: BatchInputs, kv: KVCache, h: torch.Tensor) -> tuple:
+        """What a step's attention layers share: (rope rows, paged layout, prefill layout), each None
+        where the kernels in use do without it."""
+        cos_sin_rows = layout = prefill_layout = None
+        if use_kernels(h):
+            if len(batch.seq_lens) != h.shape[0]:
+                prefill_layout = kernels.PrefillLayout(batch.query_start_loc, batch.seq_lens)
+        elif not use_cpu_kernels(h):
+            cos_sin_rows = gather_cos_sin(self.cos_sin, batch.positions)
+            layout = PagedLayout.build(batch.block_tables, batch.seq_lens, kv.page_size)
+        return cos_sin_rows, layout, prefill_layout
+
+    def _attention(self, mixer: GatedAttention, i: int, x: torch.Tensor, batch: BatchInputs, kv: KVCache,
+                   layouts: tuple) -> torch.Tensor:
+        """A gated attention layer's output for the normed input x, writing its K/V into kv's layer i."""
+        cfg = self.config
+        cos_sin_rows, layout, prefill_layout = layouts
+        rope = RopeWrite(batch.positions, self.cos_sin, kv.k[i], kv.v[i], batch.slot_mapping, cfg.num_heads,
+                         cos_sin_rows)
+        q, k, v = rope.heads(mixer.qkv(x))
+        q, k = rms_norm(q, mixer.q_norm, cfg.rms_norm_eps), rms_norm(k, mixer.k_norm, cfg.rms_norm_eps)
+        if self.rope_order is not None:
+            q, k = q[..., self.rope_order], k[..., self.rope_order]
+        q = rope.write(q, k, v)
+        o = paged_attention(q, kv.k[i], kv.v[i], batch.block_tables, batch.query_start_loc, batch.seq_lens,
+                            cfg.query_scale, batch.seq_lens_t, batch.query_start_loc_t, layout, prefill_layout)
+        gate = rowwise(torch.sigmoid, mixer.gate(x, out_dtype=torch.float32))
+        return mixer.o_proj((o.reshape(x.shape[0], -1).float() * gate).to(x.dtype))
+
+    def _build_mtp(self, tensors: dict) -> MtpHead | None:
+        """The checkpoint's MTP layer (`mtp.*`: Qwen3-Next, Qwen3.5), or None without one. Its decoder
+        layer is a gated attention layer and the feed-forward the tensors hold (experts where they have
+        a router), numbered layer 0 of a one-layer config: the shape of its own K/V pages."""
+        prefix = MTP + "layers.0."
+        tensors = mtp_tensors(self.config, tensors)
+        if not tensors:
+            return None
+        layer = {layer_prefix(0) + name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)}
+        moe = self.config.moe
+        config = replace(self.config, num_layers=1, layer_types=(FULL_ATTENTION,), linear_attention=None,
+                         moe=replace(moe, dense_layers=()) if moe is not None and layer_prefix(0) + ROUTER in layer
+                         else None)
+        device, dtype = self.device, self.dtype
+        attention = GatedAttention(config, layer, 0, device, dtype)
+        ffn = _FeedForward(config, layer, 0, device, dtype)
+        eps = config.rms_norm_eps
+
+        def decoder_layer(x: torch.Tensor, batch: BatchInputs, kv: KVCache) -> torch.Tensor:
+            normed = rms_norm(x, ffn.input_norm, eps)
+            h = x + self._attention(attention, 0, normed, batch, kv, self._layouts(batch, kv, x))
+            return h + ffn(rms_norm(h, ffn.post_norm, eps))
+
+        norm = lambda name: _FeedForward._norm(config, tensors, MTP + name, device, dtype)  # noqa: E731
+        fc = make_linear([_take(tensors, MTP + "fc.weight")], None, device, dtype)
+        self.mtp_bytes = attention.nbytes() + ffn.nbytes(active=False) + fc.nbytes()
+        return MtpHead(config, self.embed, self.lm_head, fc, norm("pre_fc_norm_embedding.weight"),
+                       norm("pre_fc_norm_hidden.weight"), norm("norm.weight"), decoder_layer)
 
 
 def build(config: ModelConfig, tensors: dict, device: torch.device, dtype: torch.dtype) -> Qwen3NextModel:
@@ -539,7 +616,7 @@ ARCHITECTURE = Architecture(
     hf_tensor_names=_tensor_names(QWEN3_NEXT_PROJECTIONS),
     gguf_global_names=names.GGUF_GLOBAL_NAMES,
     gguf_layer_names={**names.GGUF_LAYER_NAMES, **names.GGUF_QK_NORM_NAMES, **names.GGUF_MOE_NAMES,
-                      **GGUF_LINEAR_NAMES},
+                      **GGUF_LINEAR_NAMES, **GGUF_MTP_NAMES},
     gguf_qk_interleaved=False,
     build=build,
     fused_paths=FUSED_PATHS,
