@@ -328,3 +328,14 @@ typedef struct {
     uint16_t *out;      // bf16 [rows, C] contiguous
 } exl_causal_conv1d_args;
 int exl_causal_conv1d(const exl_causal_conv1d_args *args);
+
+// Greedy picks over fp32 logits rows (argmax.c): out[r] = row r's argmax (the first index of its largest
+// value, a NaN counting as the largest), out[rows + r] = 1 when the row's max is not finite, else 0.
+typedef struct {
+    const float *logits;  // fp32 [rows, stride], the first vocab of each row read
+    int64_t rows;
+    int64_t vocab;
+    int64_t stride;     // elements from one row to the next
+    int64_t *out;       // int64 [2 rows]
+} exl_argmax_args;
+int exl_argmax(const exl_argmax_args *args);

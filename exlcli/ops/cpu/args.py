@@ -162,7 +162,12 @@ class CausalConv1dArgs(KernelArgs):
     ]
 
 
+class ArgmaxArgs(KernelArgs):
+    c_name, kernel = "exl_argmax_args", "exl_argmax"
+    _fields_ = [("logits", _p), ("rows", _i64), ("vocab", _i64), ("stride", _i64), ("out", _p)]
+
+
 ALL = (QMatmulArgs, RepackArgs, DequantizeArgs, PagedAttentionArgs, PagedAttentionQuantArgs,
        KvQuantizeArgs, RmsNormArgs, FusedAddRmsNormArgs, MeanSquaresArgs,
        RopeArgs, SiluAndMulArgs, DecoderLayerArgs, MoeExpertsArgs, MoeRouterArgs,
-       GatedDeltaArgs, CausalConv1dArgs)
+       GatedDeltaArgs, CausalConv1dArgs, ArgmaxArgs)
