@@ -126,6 +126,15 @@ class DecoderLayerArgs(KernelArgs):
     STEP_FIELDS = 13  # the first 13 fields: the step's
 
 
+class DecoderLayersArgs(KernelArgs):
+    c_name, kernel = "exl_decoder_layers_args", "exl_decoder_layers"
+    _fields_ = [
+        ("step", _p), ("layers", _p), ("num_layers", _i64), ("caches", _p), ("num_pages", _i64),
+        ("page_size", _i64), ("embed", _p), ("vocab", _i64), ("input_ids", _p), ("head", _p), ("final_norm", _p),
+        ("rows", _p), ("num_rows", _i64), ("logits", _p), ("failed_layer", _p), ("eps", _f32),
+    ]
+
+
 class MoeExpertsArgs(KernelArgs):
     c_name, kernel = "exl_moe_experts_args", "exl_moe_experts"
     _fields_ = [
@@ -169,5 +178,5 @@ class ArgmaxArgs(KernelArgs):
 
 ALL = (QMatmulArgs, RepackArgs, DequantizeArgs, PagedAttentionArgs, PagedAttentionQuantArgs,
        KvQuantizeArgs, RmsNormArgs, FusedAddRmsNormArgs, MeanSquaresArgs,
-       RopeArgs, SiluAndMulArgs, DecoderLayerArgs, MoeExpertsArgs, MoeRouterArgs,
+       RopeArgs, SiluAndMulArgs, DecoderLayerArgs, DecoderLayersArgs, MoeExpertsArgs, MoeRouterArgs,
        GatedDeltaArgs, CausalConv1dArgs, ArgmaxArgs)
