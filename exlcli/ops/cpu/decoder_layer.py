@@ -32,6 +32,7 @@ from exlcli.ops.cpu.moe_experts import CpuExperts
 from exlcli.ops.cpu.moe_router import CpuRouter
 from exlcli.ops.errors import KernelInputError
 
+
 @functools.cache
 def _kernel():
     """The C function of a step's layers with its signature set, or None when the CPU kernels are unavailable."""
