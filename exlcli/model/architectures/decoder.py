@@ -319,9 +319,9 @@ class DecoderModel:
 
     def _cpu_head_args(self) -> QMatmulArgs | None:
         """The output layer's one C-matmul part where it and the embedding fit CpuDecoderLayers.logits
-        (found once), else None."""
+        (found once; whether a step runs the kernels is _cpu_decoder_layers's to say), else None."""
         if self._cpu_head is False:
-            parts = self.lm_head.cpu_qmatmul_parts() if use_cpu_kernels(self.embed) else None
+            parts = self.lm_head.cpu_qmatmul_parts()
             fits = (parts is not None and len(parts) == 1 and self.embed.dim() == 2 and self.embed.is_contiguous()
                     and self.norm.dtype == torch.bfloat16 and self.norm.is_contiguous())
             self._cpu_head = parts[0] if fits and parts is not None else None
