@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from exlcli.model.architectures import build_model
+from exlcli.model.architectures.tensor_names import EMBED
 from exlcli.model.batch_inputs import BatchInputs
 from exlcli.model.config import ModelConfig
 from exlcli.model.kv_cache import KVCache
@@ -148,9 +149,11 @@ def test_bad_slots_and_positions_are_one_clear_error(monkeypatch):
 UNTIED = dataclasses.replace(CONFIG, tie_word_embeddings=False)
 
 
-def untied_models(monkeypatch):
+def untied_models(monkeypatch, quantized_embedding: bool = False):
     tensors = quantized_tensors(UNTIED, FORMATS)
     tensors["lm_head.weight"] = quantize_weight(tensors["lm_head.weight"], "Q4_0")
+    if quantized_embedding:  # kept in its blocks (TokenEmbedding): the rows are looked up before the call
+        tensors[EMBED] = quantize_weight(tensors[EMBED], "Q4_0")
     monkeypatch.setenv("EXLCLI_NO_CPU_LAYER_KERNEL", "1")
     by_op = build_model(UNTIED, tensors, torch.device("cpu"), torch.bfloat16)
     by_op._cpu_layers = by_op._build_cpu_decoder_layers()  # None: layer by layer, then the Python tail
@@ -158,8 +161,10 @@ def untied_models(monkeypatch):
     return by_op, build_model(UNTIED, tensors, torch.device("cpu"), torch.bfloat16)
 
 
-def test_the_step_in_one_call_equals_the_python_tail_bit_for_bit(monkeypatch):
-    by_op, fused = untied_models(monkeypatch)
+@pytest.mark.parametrize("quantized_embedding", [False, True])
+def test_the_step_in_one_call_equals_the_python_tail_bit_for_bit(quantized_embedding, monkeypatch):
+    by_op, fused = untied_models(monkeypatch, quantized_embedding)
+    assert (fused.embed.dense is None) == quantized_embedding
     kv_op = KVCache(UNTIED, 24, PAGE, torch.device("cpu"), torch.bfloat16)
     kv_fused = KVCache(UNTIED, 24, PAGE, torch.device("cpu"), torch.bfloat16)
     for i, seqs in enumerate(STEPS):

@@ -303,27 +303,33 @@ class DecoderModel:
 
     # -- the CPU kernels' layer in one call ------------------------------------------------------------
     def _cpu_logits(self, batch: BatchInputs, kv: KVCache, num_layers: int) -> torch.Tensor | None:
-        """The step's logits from one C call (the embedding lookup, the one-call CPU layers, the final norm
-        and the output layer: CpuDecoderLayers.logits) where this step runs those layers and the output
-        layer is one part of the C matmul; else None. The same bits as the path through _final_normed."""
+        """The step's logits from one C call (the embedding lookup of a dense table, the one-call CPU layers,
+        the final norm and the output layer: CpuDecoderLayers.logits) where this step runs those layers and
+        the output layer is one part of the C matmul; else None. The same bits as the path through
+        _final_normed. A quantized table's rows are dequantized first (TokenEmbedding), then the call."""
         head = self._cpu_head_args()
         if head is None:
             return None
-        cpu_layers = self._cpu_decoder_layers(self.embed, kv)  # (the step's h: rows of embed)
+        cpu_layers = self._cpu_decoder_layers(self.norm, kv)  # (a tensor of the activations' dtype and device)
         if cpu_layers is None:
             return None
-        return cpu_layers.logits(batch.input_ids, self.embed, batch.positions, batch.slot_mapping,
+        table = self.embed.dense
+        if table is None or not table.is_contiguous():
+            table, tokens = None, self.embed(batch.input_ids).contiguous()
+        else:
+            tokens = batch.input_ids
+        return cpu_layers.logits(tokens, table, batch.positions, batch.slot_mapping,
                                  batch.block_tables, _int32(batch.query_start_loc_t, batch.query_start_loc),
                                  _int32(batch.seq_lens_t, batch.seq_lens), kv.k, kv.v, num_layers,
                                  batch.logits_indices, self.norm, head)
 
     def _cpu_head_args(self) -> QMatmulArgs | None:
-        """The output layer's one C-matmul part where it and the embedding fit CpuDecoderLayers.logits
-        (found once; whether a step runs the kernels is _cpu_decoder_layers's to say), else None."""
+        """The output layer's one C-matmul part where it fits CpuDecoderLayers.logits (found once; whether
+        a step runs the kernels is _cpu_decoder_layers's to say), else None."""
         if self._cpu_head is False:
             parts = self.lm_head.cpu_qmatmul_parts()
-            fits = (parts is not None and len(parts) == 1 and self.embed.dim() == 2 and self.embed.is_contiguous()
-                    and self.norm.dtype == torch.bfloat16 and self.norm.is_contiguous())
+            fits = (parts is not None and len(parts) == 1 and self.norm.dtype == torch.bfloat16
+                    and self.norm.is_contiguous())
             self._cpu_head = parts[0] if fits and parts is not None else None
         return self._cpu_head
 

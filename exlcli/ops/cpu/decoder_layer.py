@@ -223,33 +223,44 @@ class CpuDecoderLayers:
         self._call(step, call)  # (the scratch is the call's own)
         return h, residual
 
-    def logits(self, input_ids: torch.Tensor, embed: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-               block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-               k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], num_layers: int,
+    def logits(self, tokens: torch.Tensor, embed: torch.Tensor | None, positions: torch.Tensor,
+               slots: torch.Tensor, block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+               seq_lens: torch.Tensor, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], num_layers: int,
                rows: torch.Tensor, final_norm: torch.Tensor, head: QMatmulArgs) -> torch.Tensor:
-        """run() from the tokens to the logits in one call: h = embed[input_ids] (bf16 [vocab, hidden]), the
-        layers, then fp32 logits [S, N] = head(rms_norm(h + residual) with final_norm) of the S rows `rows`
-        (long): the bits of run() followed by the Python path's fused_add_rms_norm of those rows and
-        the output layer's exl_qmatmul. head: the output layer's one part (x, rows, y unset)."""
-        tokens, hidden = input_ids.shape[0], self.shape.hidden
-        if input_ids.dtype != torch.int64 or input_ids.dim() != 1 or not input_ids.is_contiguous():
-            raise KernelInputError("CPU decoder layer: input_ids must be contiguous int64 [tokens]")
-        if (embed.dtype != torch.bfloat16 or embed.dim() != 2 or embed.shape[1] != hidden
-                or not embed.is_contiguous()):
-            raise KernelInputError(f"CPU decoder layer: the embedding must be contiguous bf16 [vocab, {hidden}]")
+        """run() to the logits in one call: with `embed` (a bf16 [vocab, hidden] table) `tokens` are the
+        input ids (int64 [T]) and h = embed[tokens] in the call; without, `tokens` is h itself (bf16
+        [T, hidden], the embeddings; overwritten). Then the layers, then fp32 logits [S, N] =
+        head(rms_norm(h + residual) with final_norm) of the S rows `rows` (long): the bits of run() followed
+        by the Python path's fused_add_rms_norm of those rows and the output layer's exl_qmatmul. head: the
+        output layer's one part (x, rows, y unset)."""
+        hidden = self.shape.hidden
+        tokens_n = tokens.shape[0] if tokens.dim() else 0
+        if embed is None:
+            if (tokens.dtype != torch.bfloat16 or tokens.shape != (tokens_n, hidden)
+                    or not tokens.is_contiguous()):
+                raise KernelInputError(f"CPU decoder layer: h must be contiguous bf16 [tokens, {hidden}]")
+        else:
+            if tokens.dtype != torch.int64 or tokens.dim() != 1 or not tokens.is_contiguous():
+                raise KernelInputError("CPU decoder layer: input_ids must be contiguous int64 [tokens]")
+            if (embed.dtype != torch.bfloat16 or embed.dim() != 2 or embed.shape[1] != hidden
+                    or not embed.is_contiguous()):
+                raise KernelInputError(f"CPU decoder layer: the embedding must be contiguous bf16 [vocab, {hidden}]")
         if rows.dtype != torch.int64 or rows.dim() != 1 or not rows.is_contiguous():
             raise KernelInputError("CPU decoder layer: the logits rows must be contiguous int64 [S]")
         if final_norm.dtype != torch.bfloat16 or final_norm.shape != (hidden,) or not final_norm.is_contiguous():
             raise KernelInputError(f"CPU decoder layer: the final norm must be contiguous bf16 [{hidden}]")
         if head.in_features != hidden:
             raise KernelInputError(f"CPU decoder layer: the output layer must take {hidden} features")
-        step, call = self._step_args(tokens, positions, slots, block_tables, query_start_loc, seq_lens, k_caches,
+        step, call = self._step_args(tokens_n, positions, slots, block_tables, query_start_loc, seq_lens, k_caches,
                                      v_caches, num_layers)
         logits = torch.empty(rows.shape[0], head.out_features, dtype=torch.float32)
-        call.embed, call.vocab, call.input_ids = embed.data_ptr(), embed.shape[0], input_ids.data_ptr()
+        if embed is None:
+            step.h = tokens.data_ptr()
+        else:
+            call.embed, call.vocab, call.input_ids = embed.data_ptr(), embed.shape[0], tokens.data_ptr()
         call.head, call.final_norm, call.eps = ctypes.addressof(head), final_norm.data_ptr(), self.shape.eps
         call.rows, call.num_rows, call.logits = rows.data_ptr(), rows.shape[0], logits.data_ptr()
-        self._call(step, call)  # (h, the residual stream and the scratch are the call's own)
+        self._call(step, call)  # (the residual stream and the scratch, and h from the table, are the call's own)
         return logits
 
 
