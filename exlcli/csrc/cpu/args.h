@@ -303,6 +303,9 @@ typedef struct {
     float *logits;      // fp32 [num_rows, head's out_features]
     int64_t *failed_layer;  // out: the layer whose call failed, or -1 (the embedding, the output layer)
     float eps;          // the final norm's
+    int32_t embed_format;  // with embed_blocks: their GGML type (exl_dequantize_args.format)
+    const uint8_t *embed_blocks;  // or a quantized table: row i's blocks at embed_blocks + i * embed_row_bytes,
+    int64_t embed_row_bytes;  // h = its rows input_ids dequantized to bf16 (exl_dequantize); embed NULL
 } exl_decoder_layers_args;
 int exl_decoder_layers(const exl_decoder_layers_args *args);
 

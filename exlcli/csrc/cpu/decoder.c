@@ -219,12 +219,19 @@ int exl_decoder_layers(const exl_decoder_layers_args *a) {
     if (!step.residual) step.residual = (float *)(own_residual = malloc(sizeof(float) * (size_t)(T * H + 1)));
     if (!step.scratch) step.scratch = (uint16_t *)(own_scratch = malloc(sizeof(uint16_t) * (size_t)(step.scratch_elems + 1)));
     if (!step.h || !step.residual || !step.scratch) goto done;
-    if (a->embed) {
-        rc = 8;
+    if (a->embed || a->embed_blocks) {
         for (int64_t t = 0; t < T; t++) {
             int64_t id = a->input_ids[t];
+            rc = 8;
             if (id < 0 || id >= a->vocab) goto done;
-            memcpy(step.h + t * H, a->embed + id * H, sizeof(uint16_t) * (size_t)H);
+            if (a->embed) {
+                memcpy(step.h + t * H, a->embed + id * H, sizeof(uint16_t) * (size_t)H);
+            } else {  // the row's blocks as TokenEmbedding dequantizes them (rows do not depend on each other)
+                exl_dequantize_args d = {a->embed_blocks + id * a->embed_row_bytes, a->embed_row_bytes, 1, H,
+                                         a->embed_format, 1, step.h + t * H};
+                rc = 6;
+                if (exl_dequantize(&d)) goto done;
+            }
         }
     }
     for (int64_t i = 0; i < a->num_layers; i++) {

@@ -51,7 +51,7 @@ from exlcli.ops.cuda import kernels
 from exlcli.ops.cuda.limits import HEAD_DIMS
 from exlcli.ops.cuda.loader import use_kernels
 from exlcli.ops.embedding import TokenEmbedding
-from exlcli.ops.formats import QuantizedWeight
+from exlcli.ops.formats import QuantizedWeight, cpu_qmatmul
 from exlcli.ops.formats.base import DecodeWeights
 from exlcli.ops.linear import Linear, make_linear
 from exlcli.ops.moe import Expert, MoeFeedForward, RouterSpec
@@ -303,25 +303,28 @@ class DecoderModel:
 
     # -- the CPU kernels' layer in one call ------------------------------------------------------------
     def _cpu_logits(self, batch: BatchInputs, kv: KVCache, num_layers: int) -> torch.Tensor | None:
-        """The step's logits from one C call (the embedding lookup of a dense table, the one-call CPU layers,
+        """The step's logits from one C call (the embedding lookup, the one-call CPU layers,
         the final norm and the output layer: CpuDecoderLayers.logits) where this step runs those layers and
         the output layer is one part of the C matmul; else None. The same bits as the path through
-        _final_normed. A quantized table's rows are dequantized first (TokenEmbedding), then the call."""
+        _final_normed. A quantized table kept in its blocks has its rows dequantized in the call too."""
         head = self._cpu_head_args()
         if head is None:
             return None
         cpu_layers = self._cpu_decoder_layers(self.norm, kv)  # (a tensor of the activations' dtype and device)
         if cpu_layers is None:
             return None
-        table = self.embed.dense
-        if table is None or not table.is_contiguous():
-            table, tokens = None, self.embed(batch.input_ids).contiguous()
-        else:
-            tokens = batch.input_ids
+        dense, quantized = self.embed.dense, self.embed.quantized
+        table, fmt = None, 0
+        if dense is not None and dense.is_contiguous():
+            table = dense
+        elif (quantized is not None and quantized.blocks.dim() == 2 and quantized.shape[1] == self.config.hidden_size
+              and quantized.fmt.gguf_type is not None and cpu_qmatmul.rows_dequantized(quantized, torch.bfloat16)):
+            table, fmt = quantized.blocks, quantized.fmt.gguf_type  # (rows of blocks the C dequantizer reads)
+        tokens = batch.input_ids if table is not None else self.embed(batch.input_ids).contiguous()
         return cpu_layers.logits(tokens, table, batch.positions, batch.slot_mapping,
                                  batch.block_tables, _int32(batch.query_start_loc_t, batch.query_start_loc),
                                  _int32(batch.seq_lens_t, batch.seq_lens), kv.k, kv.v, num_layers,
-                                 batch.logits_indices, self.norm, head)
+                                 batch.logits_indices, self.norm, head, embed_format=fmt)
 
     def _cpu_head_args(self) -> QMatmulArgs | None:
         """The output layer's one C-matmul part where it fits CpuDecoderLayers.logits (found once; whether

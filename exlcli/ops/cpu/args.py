@@ -131,7 +131,8 @@ class DecoderLayersArgs(KernelArgs):
     _fields_ = [
         ("step", _p), ("layers", _p), ("num_layers", _i64), ("caches", _p), ("num_pages", _i64),
         ("page_size", _i64), ("embed", _p), ("vocab", _i64), ("input_ids", _p), ("head", _p), ("final_norm", _p),
-        ("rows", _p), ("num_rows", _i64), ("logits", _p), ("failed_layer", _p), ("eps", _f32),
+        ("rows", _p), ("num_rows", _i64), ("logits", _p), ("failed_layer", _p), ("eps", _f32), ("embed_format", _i32),
+        ("embed_blocks", _p), ("embed_row_bytes", _i64),
     ]
 
 

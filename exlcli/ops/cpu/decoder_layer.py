@@ -226,9 +226,11 @@ class CpuDecoderLayers:
     def logits(self, tokens: torch.Tensor, embed: torch.Tensor | None, positions: torch.Tensor,
                slots: torch.Tensor, block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                seq_lens: torch.Tensor, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], num_layers: int,
-               rows: torch.Tensor, final_norm: torch.Tensor, head: QMatmulArgs) -> torch.Tensor:
-        """run() to the logits in one call: with `embed` (a bf16 [vocab, hidden] table) `tokens` are the
-        input ids (int64 [T]) and h = embed[tokens] in the call; without, `tokens` is h itself (bf16
+               rows: torch.Tensor, final_norm: torch.Tensor, head: QMatmulArgs, embed_format: int = 0) -> torch.Tensor:
+        """run() to the logits in one call: with `embed` (a bf16 [vocab, hidden] table, or the uint8 [vocab,
+        row bytes] blocks of a quantized one of GGML type `embed_format` whose rows of `hidden` values the C
+        dequantizer reads: cpu_qmatmul.rows_dequantized) `tokens` are the input ids (int64 [T]) and
+        h = embed[tokens] in the call (the bits of TokenEmbedding's lookup); without, `tokens` is h itself (bf16
         [T, hidden], the embeddings; overwritten). Then the layers, then fp32 logits [S, N] =
         head(rms_norm(h + residual) with final_norm) of the S rows `rows` (long): the bits of run() followed
         by the Python path's fused_add_rms_norm of those rows and the output layer's exl_qmatmul. head: the
@@ -242,7 +244,11 @@ class CpuDecoderLayers:
         else:
             if tokens.dtype != torch.int64 or tokens.dim() != 1 or not tokens.is_contiguous():
                 raise KernelInputError("CPU decoder layer: input_ids must be contiguous int64 [tokens]")
-            if (embed.dtype != torch.bfloat16 or embed.dim() != 2 or embed.shape[1] != hidden
+            if embed.dtype == torch.uint8:
+                if embed.dim() != 2 or embed.stride(-1) != 1 or embed_format <= 0:
+                    raise KernelInputError("CPU decoder layer: a quantized embedding takes rows of blocks and "
+                                           "their GGML type")
+            elif (embed.dtype != torch.bfloat16 or embed.dim() != 2 or embed.shape[1] != hidden
                     or not embed.is_contiguous()):
                 raise KernelInputError(f"CPU decoder layer: the embedding must be contiguous bf16 [vocab, {hidden}]")
         if rows.dtype != torch.int64 or rows.dim() != 1 or not rows.is_contiguous():
@@ -256,6 +262,9 @@ class CpuDecoderLayers:
         logits = torch.empty(rows.shape[0], head.out_features, dtype=torch.float32)
         if embed is None:
             step.h = tokens.data_ptr()
+        elif embed.dtype == torch.uint8:
+            call.embed_blocks, call.embed_row_bytes = embed.data_ptr(), embed.stride(0)
+            call.embed_format, call.vocab, call.input_ids = embed_format, embed.shape[0], tokens.data_ptr()
         else:
             call.embed, call.vocab, call.input_ids = embed.data_ptr(), embed.shape[0], tokens.data_ptr()
         call.head, call.final_norm, call.eps = ctypes.addressof(head), final_norm.data_ptr(), self.shape.eps
