@@ -26,6 +26,7 @@ from exlcli.model.batch_inputs import BatchInputs
 from exlcli.model.kv_cache import KVCache
 from exlcli.model.loader import load_model
 from exlcli.ops import moe, rope
+from exlcli.ops.argmax import argmax_and_nonfinite
 from exlcli.ops.cpu import decoder_layer
 
 WALL: dict[str, float] = collections.defaultdict(float)
@@ -71,9 +72,12 @@ def instrument(model: Any) -> None:
                         ("fused_add_rms_norm", "residual add + norm")):
         setattr(decoder, name, timed(label, getattr(decoder, name)))
     moe.route = timed("routing (softmax, top k)", moe.route)  # type: ignore[assignment]
-    # a model whose layers run in one C call each: every layer's kernels in this one part
+    # a model whose layers run in one C call: every layer's kernels in this one part, and with a quantized
+    # output layer the embedding lookup and the final norm and output layer too (CpuDecoderLayers.logits)
     decoder_layer.CpuDecoderLayers.run = timed(  # type: ignore[method-assign]
-        "layers, one C call each", decoder_layer.CpuDecoderLayers.run)
+        "layers, one C call", decoder_layer.CpuDecoderLayers.run)
+    decoder_layer.CpuDecoderLayers.logits = timed(  # type: ignore[method-assign]
+        "embedding, layers, output layer: one C call", decoder_layer.CpuDecoderLayers.logits)
     rope.RopeWrite.write = timed("rope, K/V write", rope.RopeWrite.write)  # type: ignore[method-assign]
     rope.RopeWrite.heads = timed("q|k|v split into heads", rope.RopeWrite.heads)  # type: ignore[method-assign]
 
@@ -106,11 +110,13 @@ def main() -> None:
     tokens = [[(i + 7 * s) % loaded.config.vocab_size for i in range(100, 100 + args.prompt)] for s in range(streams)]
     model.forward(batch(tokens, 0), kv)
     instrument(model)
+    pick = timed("greedy pick (argmax)", argmax_and_nonfinite)  # the engine's greedy sampling
     steps, wall = [], time.perf_counter()
     cpu0, main0 = time.process_time(), time.thread_time()
     for s in range(args.steps):
         t = time.perf_counter()
-        nxt = model.forward(batch([r[-1:] for r in tokens], args.prompt + s), kv).argmax(-1).tolist()
+        logits = model.forward(batch([r[-1:] for r in tokens], args.prompt + s), kv)
+        nxt = pick(logits)[:streams].tolist()
         for r, token in zip(tokens, nxt):
             r.append(token)
         steps.append(time.perf_counter() - t)

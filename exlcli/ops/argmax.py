@@ -1,10 +1,12 @@
 """Greedy picks over logits rows: each row's argmax and whether the row is fit to sample from, in
-one pass over the logits on CUDA (csrc/argmax.cu) and with torch ops elsewhere (the reference)."""
+one pass over the logits on CUDA (csrc/argmax.cu), in one C call on the CPU (csrc/cpu/argmax.c), and
+with torch ops elsewhere (the reference)."""
 
 from __future__ import annotations
 
 import torch
 
+from exlcli.ops.cpu import argmax as cpu_argmax
 from exlcli.ops.cuda import kernels as cuda_kernels
 from exlcli.ops.cuda.loader import use_kernels
 
@@ -30,7 +32,10 @@ def argmax_and_nonfinite_ref(logits: torch.Tensor) -> torch.Tensor:
 
 def argmax_and_nonfinite(logits: torch.Tensor) -> torch.Tensor:
     """argmax_and_nonfinite_ref's values; on CUDA one kernel pass over fp32 logits [S, V] instead of
-    six torch ops (at batch 64 of a 128K vocabulary, the torch ops' reads alone take about 50 us)."""
+    six torch ops (at batch 64 of a 128K vocabulary, the torch ops' reads alone take about 50 us); on
+    the CPU one C call (a row of 32,000 logits: ~150 us of torch ops on one thread)."""
+    if logits.device.type == "cpu":
+        return cpu_argmax.argmax_and_nonfinite(logits) if cpu_argmax.takes(logits) else argmax_and_nonfinite_ref(logits)
     if (use_kernels(logits) and logits.dim() == 2 and logits.dtype == torch.float32 and logits.is_contiguous()
             and 0 < logits.shape[0] < 65536 and 0 < logits.shape[1]):
         return cuda_kernels.argmax_rows(logits)

@@ -98,6 +98,16 @@ def test_prepare_places_known_pending_and_drafted_tokens(tiny_model):
     sampled = torch.tensor([40, 41])
     staged = inputs.to_batch_inputs(torch.device("cpu"), sampled)
     assert staged.input_ids.tolist() == [41, 11, 12, 7, 13, 14]
+    # on the CPU: views of one tensor per dtype, each the list it stages, contiguous for the C kernels
+    for name, dtype, want in (("positions", torch.long, inputs.positions),
+                              ("slot_mapping", torch.long, inputs.slot_mapping),
+                              ("logits_indices", torch.long, inputs.logits_indices),
+                              ("block_tables", torch.int32, inputs.block_tables),
+                              ("seq_lens_t", torch.int32, inputs.seq_lens),
+                              ("query_start_loc_t", torch.int32, inputs.query_start_loc)):
+        got = getattr(staged, name)
+        assert got.dtype == dtype and got.is_contiguous() and got.tolist() == want, name
+    assert staged.seq_lens == inputs.seq_lens and staged.query_start_loc == inputs.query_start_loc
 
 
 def test_step_inputs_check_their_shape():

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from exlcli.model.architectures import build_model
+from exlcli.model.architectures.tensor_names import EMBED
 from exlcli.model.batch_inputs import BatchInputs
 from exlcli.model.config import ModelConfig
 from exlcli.model.kv_cache import KVCache
@@ -141,4 +142,62 @@ def test_bad_slots_and_positions_are_one_clear_error(monkeypatch):
     batch = step([(0, 0, 3)], CONFIG.vocab_size, 0)
     batch.seq_lens_t[0] = 8 * PAGE + 1  # more tokens than the block table row holds
     with pytest.raises(KernelInputError, match=r"query_start_loc and seq_lens do not fit"):
+        fused.forward(batch, kv)
+
+
+# an output layer of its own, quantized: the embedding, the layers, the final norm and the output layer are one call
+UNTIED = dataclasses.replace(CONFIG, tie_word_embeddings=False)
+
+
+def untied_models(monkeypatch, quantized_embedding: bool = False):
+    tensors = quantized_tensors(UNTIED, FORMATS)
+    tensors["lm_head.weight"] = quantize_weight(tensors["lm_head.weight"], "Q4_0")
+    if quantized_embedding:  # kept in its blocks (TokenEmbedding): the rows are looked up before the call
+        tensors[EMBED] = quantize_weight(tensors[EMBED], "Q4_0")
+    monkeypatch.setenv("EXLCLI_NO_CPU_LAYER_KERNEL", "1")
+    by_op = build_model(UNTIED, tensors, torch.device("cpu"), torch.bfloat16)
+    by_op._cpu_layers = by_op._build_cpu_decoder_layers()  # None: layer by layer, then the Python tail
+    monkeypatch.delenv("EXLCLI_NO_CPU_LAYER_KERNEL")
+    return by_op, build_model(UNTIED, tensors, torch.device("cpu"), torch.bfloat16)
+
+
+@pytest.mark.parametrize("quantized_embedding", [False, True])
+def test_the_step_in_one_call_equals_the_python_tail_bit_for_bit(quantized_embedding, monkeypatch):
+    by_op, fused = untied_models(monkeypatch, quantized_embedding)
+    assert (fused.embed.dense is None) == quantized_embedding
+    kv_op = KVCache(UNTIED, 24, PAGE, torch.device("cpu"), torch.bfloat16)
+    kv_fused = KVCache(UNTIED, 24, PAGE, torch.device("cpu"), torch.bfloat16)
+    for i, seqs in enumerate(STEPS):
+        batch_op, batch_fused = step(seqs, UNTIED.vocab_size, i), step(seqs, UNTIED.vocab_size, i)
+        if i == 0:  # a prefill wants the logits of its sequences' last rows only
+            last = torch.tensor(batch_op.query_start_loc[1:]) - 1
+            batch_op.logits_indices, batch_fused.logits_indices = last, last.clone()
+        expected = by_op.forward(batch_op, kv_op)
+        got = fused.forward(batch_fused, kv_fused)
+        assert got.dtype == torch.float32 and torch.equal(got, expected), f"step {i}"
+        assert all(torch.equal(a, b) for a, b in zip(kv_op.k + kv_op.v, kv_fused.k + kv_fused.v)), f"step {i}"
+    assert fused._cpu_head is not None and by_op._cpu_layers is None  # the one call ran, the Python tail beside it
+    batch = step([(0, 40, 1), (1, 10, 1)], UNTIED.vocab_size, 99)
+    assert torch.equal(fused.forward_layers(batch, kv_fused, 2), by_op.forward_layers(batch, kv_op, 2))
+    # rows alone and in a batch
+    together = step([(0, 41, 1), (1, 11, 1)], UNTIED.vocab_size, 5)
+    alone = step([(1, 11, 1)], UNTIED.vocab_size, 6)
+    alone.input_ids[0] = together.input_ids[1]
+    assert torch.equal(fused.forward(alone, kv_fused)[0], fused.forward(together, kv_fused)[1])
+
+
+def test_bad_ids_and_rows_of_the_one_call_step_are_clear_errors(monkeypatch):
+    _, fused = untied_models(monkeypatch)
+    kv = KVCache(UNTIED, 24, PAGE, torch.device("cpu"), torch.bfloat16)
+    batch = step([(0, 0, 3)], UNTIED.vocab_size, 0)
+    batch.input_ids[1] = UNTIED.vocab_size
+    with pytest.raises(KernelInputError, match=r"an input id is outside the vocabulary \[0, 160\)"):
+        fused.forward(batch, kv)
+    batch = step([(0, 0, 3)], UNTIED.vocab_size, 0)
+    batch.logits_indices = torch.tensor([3])
+    with pytest.raises(KernelInputError, match=r"a logits row is outside the step's tokens"):
+        fused.forward(batch, kv)
+    batch = step([(0, 0, 3)], UNTIED.vocab_size, 0)
+    batch.slot_mapping[1] = 24 * PAGE  # a layer's error still names its layer
+    with pytest.raises(KernelInputError, match=r"layer 0: a slot is outside the KV cache"):
         fused.forward(batch, kv)

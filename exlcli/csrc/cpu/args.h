@@ -282,6 +282,33 @@ typedef struct {
 } exl_decoder_layer_args;
 int exl_decoder_layer(const exl_decoder_layer_args *args);
 
+// A step's layers in one call (decoder.c): exl_decoder_layer for layers 0 .. num_layers - 1 in turn, each with
+// the step's fields of `step` over its own; optionally the embedding lookup before them (embed) and the final
+// norm and output layer of some rows after them (head). h, residual or scratch NULL in `step`: malloc'd here
+// (the output layer then being the only result).
+typedef struct {
+    const exl_decoder_layer_args *step;  // the step's fields (the first 13); the layer's fields unused
+    const exl_decoder_layer_args *layers;  // [num_layers]: each layer's fields (k_cache .. page_size unset)
+    int64_t num_layers;
+    const int64_t *caches;  // [2 num_layers]: layer i's K cache address at i, its V cache's at num_layers + i
+    int64_t num_pages;
+    int64_t page_size;
+    const uint16_t *embed;  // bf16 [vocab, hidden]: h = its rows input_ids; NULL: step->h holds the embeddings
+    int64_t vocab;
+    const int64_t *input_ids;  // [T], with embed
+    const exl_qmatmul_args *head;  // the output layer (x, rows, y unset), or NULL: none (nor the final norm)
+    const uint16_t *final_norm;  // bf16 [hidden]: logits = head(rms_norm(h + residual)) of the rows below
+    const int64_t *rows;  // [num_rows]: rows of h
+    int64_t num_rows;
+    float *logits;      // fp32 [num_rows, head's out_features]
+    int64_t *failed_layer;  // out: the layer whose call failed, or -1 (the embedding, the output layer)
+    float eps;          // the final norm's
+    int32_t embed_format;  // with embed_blocks: their GGML type (exl_dequantize_args.format)
+    const uint8_t *embed_blocks;  // or a quantized table: row i's blocks at embed_blocks + i * embed_row_bytes,
+    int64_t embed_row_bytes;  // h = its rows input_ids dequantized to bf16 (exl_dequantize); embed NULL
+} exl_decoder_layers_args;
+int exl_decoder_layers(const exl_decoder_layers_args *args);
+
 // The gated delta rule of Gated DeltaNet layers over B sequences' tokens (gated_delta.c): sequence b runs
 // its tokens begin[b] .. end[b] - 1 one after another from its state, each token S <- e^g S;
 // u = beta (v - S^T k); S <- S + k u^T; o = S^T q, with q and k L2-normalized (q then times scale).
@@ -328,3 +355,14 @@ typedef struct {
     uint16_t *out;      // bf16 [rows, C] contiguous
 } exl_causal_conv1d_args;
 int exl_causal_conv1d(const exl_causal_conv1d_args *args);
+
+// Greedy picks over fp32 logits rows (argmax.c): out[r] = row r's argmax (the first index of its largest
+// value, a NaN counting as the largest), out[rows + r] = 1 when the row's max is not finite, else 0.
+typedef struct {
+    const float *logits;  // fp32 [rows, stride], the first vocab of each row read
+    int64_t rows;
+    int64_t vocab;
+    int64_t stride;     // elements from one row to the next
+    int64_t *out;       // int64 [2 rows]
+} exl_argmax_args;
+int exl_argmax(const exl_argmax_args *args);

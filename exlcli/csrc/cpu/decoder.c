@@ -18,6 +18,7 @@
 // dim more (normed q and k); with a projection of several parts, max(W, 2 inter, hidden) more (a
 // part's output before it joins its neighbours).
 
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -172,10 +173,93 @@ int exl_decoder_layer(const exl_decoder_layer_args *a) {
     return project(a->down, a->down_parts, act, T, a->h, H, tmp);
 }
 
+// The final norm and the output layer of the rows `a->rows` of h (with the residual stream): logits =
+// head(rms_norm(h[r] + residual[r])), each row through the kernels and arguments of the Python path's
+// fused_add_rms_norm of the gathered rows and its exl_qmatmul into fp32 (rows do not depend on the rows
+// around them, so gathering them first or not gives the same bits).
+static int output_layer(const exl_decoder_layers_args *a, const uint16_t *h, const float *residual, int64_t T,
+                        int64_t H) {
+    const int64_t S = a->num_rows;
+    if (a->head->in_features != H || S < 0) return 6;
+    for (int64_t r = 0; r < S; r++)
+        if (a->rows[r] < 0 || a->rows[r] >= T) return 9;
+    if (S == 0) return 0;
+    uint16_t *x = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(S * H));
+    float *sum = (float *)malloc(sizeof(float) * (size_t)H);
+    int rc = -1;
+    if (x && sum) {
+        rc = 0;
+        for (int64_t r = 0; r < S && !rc; r++) {
+            exl_fused_add_rms_norm_args n = {h + a->rows[r] * H, residual + a->rows[r] * H, sum, a->final_norm,
+                                             x + r * H, H, a->eps, 1, 1};
+            if (exl_fused_add_rms_norm(&n)) rc = 6;
+        }
+        if (!rc) {
+            exl_qmatmul_args q = *a->head;
+            q.x = x, q.rows = S, q.y = a->logits, q.y_fp32 = 1;
+            rc = exl_qmatmul(&q) ? -1 : 0;
+        }
+    }
+    free(x), free(sum);
+    return rc;
+}
+
+// Returns 0 or the failing layer's status (exl_decoder_layer's, the layer in *failed_layer); with the
+// embedding or the output layer (*failed_layer -1): 8 an input id outside the vocabulary, 9 a row outside the
+// tokens, 6 sizes that do not fit, -1 out of memory.
+int exl_decoder_layers(const exl_decoder_layers_args *a) {
+    *a->failed_layer = -1;
+    if (a->num_layers < 1) return 6;
+    exl_decoder_layer_args step = *a->step;
+    const int64_t T = step.tokens, H = a->layers[0].hidden;
+    if (T < 0 || H <= 0) return 6;
+    void *own_h = NULL, *own_residual = NULL, *own_scratch = NULL;
+    int rc = -1;
+    if (!step.h) step.h = (uint16_t *)(own_h = malloc(sizeof(uint16_t) * (size_t)(T * H + 1)));
+    if (!step.residual) step.residual = (float *)(own_residual = malloc(sizeof(float) * (size_t)(T * H + 1)));
+    if (!step.scratch) step.scratch = (uint16_t *)(own_scratch = malloc(sizeof(uint16_t) * (size_t)(step.scratch_elems + 1)));
+    if (!step.h || !step.residual || !step.scratch) goto done;
+    if (a->embed || a->embed_blocks) {
+        for (int64_t t = 0; t < T; t++) {
+            int64_t id = a->input_ids[t];
+            rc = 8;
+            if (id < 0 || id >= a->vocab) goto done;
+            if (a->embed) {
+                memcpy(step.h + t * H, a->embed + id * H, sizeof(uint16_t) * (size_t)H);
+            } else {  // the row's blocks as TokenEmbedding dequantizes them (rows do not depend on each other)
+                exl_dequantize_args d = {a->embed_blocks + id * a->embed_row_bytes, a->embed_row_bytes, 1, H,
+                                         a->embed_format, 1, step.h + t * H};
+                rc = 6;
+                if (exl_dequantize(&d)) goto done;
+            }
+        }
+    }
+    for (int64_t i = 0; i < a->num_layers; i++) {
+        exl_decoder_layer_args layer = a->layers[i];
+        memcpy(&layer, &step, offsetof(exl_decoder_layer_args, first));  // the step's fields over the layer's
+        layer.k_cache = (uint16_t *)(intptr_t)a->caches[i];
+        layer.v_cache = (uint16_t *)(intptr_t)a->caches[a->num_layers + i];
+        layer.num_pages = a->num_pages, layer.page_size = a->page_size;
+        if ((rc = exl_decoder_layer(&layer))) {
+            *a->failed_layer = i;
+            goto done;
+        }
+    }
+    rc = a->head ? output_layer(a, step.h, step.residual, T, H) : 0;
+done:
+    free(own_h), free(own_residual), free(own_scratch);
+    return rc;
+}
+
 #else
 
 int exl_decoder_layer(const exl_decoder_layer_args *a) {
     (void)a;
+    return -1;
+}
+
+int exl_decoder_layers(const exl_decoder_layers_args *a) {
+    *a->failed_layer = -1;
     return -1;
 }
 

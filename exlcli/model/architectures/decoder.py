@@ -44,13 +44,14 @@ from exlcli.model.config import ModelConfig, MoeConfig
 from exlcli.model.kv_cache import KVCache
 from exlcli.ops.attention import PagedLayout, paged_attention
 from exlcli.ops.cpu import decoder_layer as cpu_decoder_layer
+from exlcli.ops.cpu.args import QMatmulArgs
 from exlcli.ops.cpu.decoder_layer import CpuDecoderLayers
 from exlcli.ops.cpu.loader import use_cpu_kernels
 from exlcli.ops.cuda import kernels
 from exlcli.ops.cuda.limits import HEAD_DIMS
 from exlcli.ops.cuda.loader import use_kernels
 from exlcli.ops.embedding import TokenEmbedding
-from exlcli.ops.formats import QuantizedWeight
+from exlcli.ops.formats import QuantizedWeight, cpu_qmatmul
 from exlcli.ops.formats.base import DecodeWeights
 from exlcli.ops.linear import Linear, make_linear
 from exlcli.ops.moe import Expert, MoeFeedForward, RouterSpec
@@ -159,6 +160,7 @@ class DecoderModel:
         self.rope_order = None if order is None else order.to(device)
         self.scale = config.query_scale
         self._cpu_layers: CpuDecoderLayers | None | Literal[False] = False  # False: not built yet
+        self._cpu_head: QMatmulArgs | None | Literal[False] = False  # _cpu_head_args's; False: not looked for yet
 
     def attention_specs(self) -> list[AttentionSpec]:
         """Each layer's kind of attention."""
@@ -219,6 +221,9 @@ class DecoderModel:
         return x.float()
 
     def _forward(self, batch: BatchInputs, kv: KVCache, num_layers: int) -> torch.Tensor:
+        logits = self._cpu_logits(batch, kv, num_layers)
+        if logits is not None:
+            return logits
         x = self._final_normed(batch, kv, num_layers)
         logits = self.lm_head(x, out_dtype=torch.float32)  # fp32 logits (straight from the CPU kernel)
         if self.config.final_logit_softcap is not None:
@@ -297,6 +302,40 @@ class DecoderModel:
         return x
 
     # -- the CPU kernels' layer in one call ------------------------------------------------------------
+    def _cpu_logits(self, batch: BatchInputs, kv: KVCache, num_layers: int) -> torch.Tensor | None:
+        """The step's logits from one C call (the embedding lookup, the one-call CPU layers,
+        the final norm and the output layer: CpuDecoderLayers.logits) where this step runs those layers and
+        the output layer is one part of the C matmul; else None. The same bits as the path through
+        _final_normed. A quantized table kept in its blocks has its rows dequantized in the call too."""
+        head = self._cpu_head_args()
+        if head is None:
+            return None
+        cpu_layers = self._cpu_decoder_layers(self.norm, kv)  # (a tensor of the activations' dtype and device)
+        if cpu_layers is None:
+            return None
+        dense, quantized = self.embed.dense, self.embed.quantized
+        table, fmt = None, 0
+        if dense is not None and dense.is_contiguous():
+            table = dense
+        elif (quantized is not None and quantized.blocks.dim() == 2 and quantized.shape[1] == self.config.hidden_size
+              and quantized.fmt.gguf_type is not None and cpu_qmatmul.rows_dequantized(quantized, torch.bfloat16)):
+            table, fmt = quantized.blocks, quantized.fmt.gguf_type  # (rows of blocks the C dequantizer reads)
+        tokens = batch.input_ids if table is not None else self.embed(batch.input_ids).contiguous()
+        return cpu_layers.logits(tokens, table, batch.positions, batch.slot_mapping,
+                                 batch.block_tables, _int32(batch.query_start_loc_t, batch.query_start_loc),
+                                 _int32(batch.seq_lens_t, batch.seq_lens), kv.k, kv.v, num_layers,
+                                 batch.logits_indices, self.norm, head, embed_format=fmt)
+
+    def _cpu_head_args(self) -> QMatmulArgs | None:
+        """The output layer's one C-matmul part where it fits CpuDecoderLayers.logits (found once; whether
+        a step runs the kernels is _cpu_decoder_layers's to say), else None."""
+        if self._cpu_head is False:
+            parts = self.lm_head.cpu_qmatmul_parts()
+            fits = (parts is not None and len(parts) == 1 and self.norm.dtype == torch.bfloat16
+                    and self.norm.is_contiguous())
+            self._cpu_head = parts[0] if fits and parts is not None else None
+        return self._cpu_head
+
     def _cpu_decoder_layers(self, h: torch.Tensor, kv: KVCache) -> CpuDecoderLayers | None:
         """The one-call CPU layers (exlcli/ops/cpu/decoder_layer.py) where this step runs the CPU
         kernels and every layer can take them, else None (layer by layer)."""

@@ -126,6 +126,16 @@ class DecoderLayerArgs(KernelArgs):
     STEP_FIELDS = 13  # the first 13 fields: the step's
 
 
+class DecoderLayersArgs(KernelArgs):
+    c_name, kernel = "exl_decoder_layers_args", "exl_decoder_layers"
+    _fields_ = [
+        ("step", _p), ("layers", _p), ("num_layers", _i64), ("caches", _p), ("num_pages", _i64),
+        ("page_size", _i64), ("embed", _p), ("vocab", _i64), ("input_ids", _p), ("head", _p), ("final_norm", _p),
+        ("rows", _p), ("num_rows", _i64), ("logits", _p), ("failed_layer", _p), ("eps", _f32), ("embed_format", _i32),
+        ("embed_blocks", _p), ("embed_row_bytes", _i64),
+    ]
+
+
 class MoeExpertsArgs(KernelArgs):
     c_name, kernel = "exl_moe_experts_args", "exl_moe_experts"
     _fields_ = [
@@ -162,7 +172,12 @@ class CausalConv1dArgs(KernelArgs):
     ]
 
 
+class ArgmaxArgs(KernelArgs):
+    c_name, kernel = "exl_argmax_args", "exl_argmax"
+    _fields_ = [("logits", _p), ("rows", _i64), ("vocab", _i64), ("stride", _i64), ("out", _p)]
+
+
 ALL = (QMatmulArgs, RepackArgs, DequantizeArgs, PagedAttentionArgs, PagedAttentionQuantArgs,
        KvQuantizeArgs, RmsNormArgs, FusedAddRmsNormArgs, MeanSquaresArgs,
-       RopeArgs, SiluAndMulArgs, DecoderLayerArgs, MoeExpertsArgs, MoeRouterArgs,
-       GatedDeltaArgs, CausalConv1dArgs)
+       RopeArgs, SiluAndMulArgs, DecoderLayerArgs, DecoderLayersArgs, MoeExpertsArgs, MoeRouterArgs,
+       GatedDeltaArgs, CausalConv1dArgs, ArgmaxArgs)

@@ -11,7 +11,11 @@ MLP: exl_moe_router (ops/cpu/moe_router.py) and exl_moe_experts (ops/cpu/moe_exp
 the calls MoeFeedForward makes on the CPU kernels, so those layers too come out bit for bit.
 
 `CpuDecoderLayers` holds every layer's arguments, built once from its weights; per step only the
-step's fields (the first DecoderLayerArgs.STEP_FIELDS) and the layer's KV cache pointers change.
+step's fields (the first DecoderLayerArgs.STEP_FIELDS) and the layers' KV cache pointers change, and a step's
+layers are one C call (exl_decoder_layers). `logits` also takes the embedding lookup before the layers and the
+final norm and output layer after them into that call: after the layers have streamed megabytes of weights
+through the caches, each small torch op of the Python tail cost 50-100 us of CPU time (an embedding row, two
+row gathers, the norm, the output layer's wrapper, on the 2-core EPYC) where a warm loop of them takes 5-10.
 """
 
 from __future__ import annotations
@@ -23,18 +27,16 @@ from dataclasses import dataclass
 import torch
 
 from exlcli.ops.cpu import loader as cpu_loader
-from exlcli.ops.cpu.args import DecoderLayerArgs, QMatmulArgs
+from exlcli.ops.cpu.args import DecoderLayerArgs, DecoderLayersArgs, QMatmulArgs
 from exlcli.ops.cpu.moe_experts import CpuExperts
 from exlcli.ops.cpu.moe_router import CpuRouter
 from exlcli.ops.errors import KernelInputError
 
-_STEP_BYTES = getattr(DecoderLayerArgs, DecoderLayerArgs._fields_[DecoderLayerArgs.STEP_FIELDS][0]).offset
-
 
 @functools.cache
 def _kernel():
-    """The C function with its signature set, or None when the CPU kernels are unavailable."""
-    return cpu_loader.kernel_function(DecoderLayerArgs, available="exl_decoder_layer_available")
+    """The C function of a step's layers with its signature set, or None when the CPU kernels are unavailable."""
+    return cpu_loader.kernel_function(DecoderLayersArgs, available="exl_decoder_layer_available")
 
 
 def available() -> bool:
@@ -143,14 +145,18 @@ class CpuDecoderLayers:
             shape.scratch_per_token(layer.q_norm is not None,
                                     any(len(p) > 1 for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)))
             for layer in layers)
-        self._checked_caches: tuple = ()  # the cache pointers last checked
+        # the cache pointers last checked, and the C array of them that exl_decoder_layers takes: one
+        # attribute, replaced whole (another thread stepping the same model sees one pair or the other)
+        self._checked_caches: tuple = ((), None)
 
     def __len__(self) -> int:
         return len(self._layers)
 
-    def _check_caches(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], pointers: tuple) -> None:
-        if pointers == self._checked_caches:
-            return
+    def _check_caches(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], pointers: tuple):
+        """The caches' pointers as a C array, once their tensors are checked (again only when they change)."""
+        checked, array = self._checked_caches
+        if pointers == checked:
+            return array
         s = self.shape
         first = k_caches[0]
         for t in (*k_caches, *v_caches):
@@ -159,19 +165,14 @@ class CpuDecoderLayers:
                     or t.shape[0] * t.shape[1] == 0):
                 raise KernelInputError(f"CPU decoder layer: the KV caches must be contiguous bf16 [pages, page_size, "
                                        f"{s.kv_heads}, {s.head_dim}] of one shape, got {t.dtype} {tuple(t.shape)}")
-        self._checked_caches = pointers
+        array = (ctypes.c_int64 * len(pointers))(*pointers)
+        self._checked_caches = (pointers, array)
+        return array
 
-    def run(self, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
-            query_start_loc: torch.Tensor, seq_lens: torch.Tensor, k_caches: list[torch.Tensor],
-            v_caches: list[torch.Tensor], num_layers: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layers 0 .. num_layers - 1 over h (bf16 [T, hidden], the embeddings; overwritten), writing
-        the step's K/V: returns (h, residual), the last layer's output and residual stream.
-        positions, slots: [T] long; block_tables [B, max_pages], query_start_loc [B + 1] and
-        seq_lens [B] int32; k_caches, v_caches: each layer's."""
-        fn = _kernel()
-        tokens = h.shape[0]
-        if h.dtype != torch.bfloat16 or h.shape != (tokens, self.shape.hidden) or not h.is_contiguous():
-            raise KernelInputError(f"CPU decoder layer: h must be contiguous bf16 [tokens, {self.shape.hidden}]")
+    def _step_args(self, tokens: int, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
+                   query_start_loc: torch.Tensor, seq_lens: torch.Tensor, k_caches: list[torch.Tensor],
+                   v_caches: list[torch.Tensor], num_layers: int) -> tuple[DecoderLayerArgs, DecoderLayersArgs]:
+        """The step's checked fields (h, residual and scratch unset: NULL) and the call's arguments."""
         if not 1 <= num_layers <= len(self._layers) or len(k_caches) < num_layers or len(v_caches) < num_layers:
             raise KernelInputError(f"CPU decoder layer: {num_layers} layers of {len(self._layers)}")
         num_seqs = seq_lens.shape[0]
@@ -186,31 +187,99 @@ class CpuDecoderLayers:
             raise KernelInputError(f"CPU decoder layer: block_tables must be contiguous int32 [>= {num_seqs}, pages]")
         k_caches, v_caches = k_caches[:num_layers], v_caches[:num_layers]
         pointers = tuple(t.data_ptr() for t in k_caches) + tuple(t.data_ptr() for t in v_caches)
-        self._check_caches(k_caches, v_caches, pointers)
+        caches = self._check_caches(k_caches, v_caches, pointers)
         num_pages, page_size = k_caches[0].shape[:2]
-        residual = torch.empty_like(h, dtype=torch.float32)  # the fp32 stream (ops/norm.py)
-        scratch_elems = tokens * self._scratch_per_token
-        scratch = torch.empty(scratch_elems, dtype=torch.bfloat16)
         step = DecoderLayerArgs(
-            h=h.data_ptr(), residual=residual.data_ptr(), tokens=tokens, positions=positions.data_ptr(),
-            slots=slots.data_ptr(), block_tables=block_tables.data_ptr(), max_pages=block_tables.shape[1],
+            tokens=tokens, positions=positions.data_ptr(), slots=slots.data_ptr(),
+            block_tables=block_tables.data_ptr(), max_pages=block_tables.shape[1],
             query_start_loc=query_start_loc.data_ptr(), seq_lens=seq_lens.data_ptr(), num_seqs=num_seqs,
-            scratch=scratch.data_ptr(), scratch_elems=scratch_elems, threads=cpu_loader.threads())
-        layers = type(self._layers).from_buffer_copy(self._layers)  # this call's own copy: threads may share a model
-        step_at, size = ctypes.addressof(step), ctypes.sizeof(DecoderLayerArgs)
-        base = ctypes.addressof(layers)
-        for i in range(num_layers):
-            args = layers[i]
-            ctypes.memmove(base + i * size, step_at, _STEP_BYTES)
-            args.k_cache, args.v_cache = pointers[i], pointers[num_layers + i]
-            args.num_pages, args.page_size = num_pages, page_size
-            rc = fn(ctypes.byref(args))
-            if rc:
-                raise _error(rc, i, num_pages, self.cos_sin.shape[0], num_pages * page_size)
+            scratch_elems=tokens * self._scratch_per_token, threads=cpu_loader.threads())
+        call = DecoderLayersArgs(layers=ctypes.addressof(self._layers), num_layers=num_layers,
+                                 caches=ctypes.addressof(caches), num_pages=num_pages, page_size=page_size)
+        return step, call
+
+    def _call(self, step: DecoderLayerArgs, call: DecoderLayersArgs) -> None:
+        failed = ctypes.c_int64(-1)
+        call.step, call.failed_layer = ctypes.addressof(step), ctypes.addressof(failed)
+        rc = _kernel()(ctypes.byref(call))
+        if rc:
+            num_pages, page_size = call.num_pages, call.page_size
+            raise _error(rc, failed.value, num_pages, self.cos_sin.shape[0], num_pages * page_size, call.vocab)
+
+    def run(self, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
+            query_start_loc: torch.Tensor, seq_lens: torch.Tensor, k_caches: list[torch.Tensor],
+            v_caches: list[torch.Tensor], num_layers: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layers 0 .. num_layers - 1 over h (bf16 [T, hidden], the embeddings; overwritten), writing
+        the step's K/V: returns (h, residual), the last layer's output and residual stream.
+        positions, slots: [T] long; block_tables [B, max_pages], query_start_loc [B + 1] and
+        seq_lens [B] int32; k_caches, v_caches: each layer's."""
+        tokens = h.shape[0]
+        if h.dtype != torch.bfloat16 or h.shape != (tokens, self.shape.hidden) or not h.is_contiguous():
+            raise KernelInputError(f"CPU decoder layer: h must be contiguous bf16 [tokens, {self.shape.hidden}]")
+        step, call = self._step_args(tokens, positions, slots, block_tables, query_start_loc, seq_lens, k_caches,
+                                     v_caches, num_layers)
+        residual = torch.empty_like(h, dtype=torch.float32)  # the fp32 stream (ops/norm.py)
+        step.h, step.residual = h.data_ptr(), residual.data_ptr()
+        self._call(step, call)  # (the scratch is the call's own)
         return h, residual
 
+    def logits(self, tokens: torch.Tensor, embed: torch.Tensor | None, positions: torch.Tensor,
+               slots: torch.Tensor, block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+               seq_lens: torch.Tensor, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], num_layers: int,
+               rows: torch.Tensor, final_norm: torch.Tensor, head: QMatmulArgs, embed_format: int = 0) -> torch.Tensor:
+        """run() to the logits in one call: with `embed` (a bf16 [vocab, hidden] table, or the uint8 [vocab,
+        row bytes] blocks of a quantized one of GGML type `embed_format` whose rows of `hidden` values the C
+        dequantizer reads: cpu_qmatmul.rows_dequantized) `tokens` are the input ids (int64 [T]) and
+        h = embed[tokens] in the call (the bits of TokenEmbedding's lookup); without, `tokens` is h itself (bf16
+        [T, hidden], the embeddings; overwritten). Then the layers, then fp32 logits [S, N] =
+        head(rms_norm(h + residual) with final_norm) of the S rows `rows` (long): the bits of run() followed
+        by the Python path's fused_add_rms_norm of those rows and the output layer's exl_qmatmul. head: the
+        output layer's one part (x, rows, y unset)."""
+        hidden = self.shape.hidden
+        tokens_n = tokens.shape[0] if tokens.dim() else 0
+        if embed is None:
+            if (tokens.dtype != torch.bfloat16 or tokens.shape != (tokens_n, hidden)
+                    or not tokens.is_contiguous()):
+                raise KernelInputError(f"CPU decoder layer: h must be contiguous bf16 [tokens, {hidden}]")
+        else:
+            if tokens.dtype != torch.int64 or tokens.dim() != 1 or not tokens.is_contiguous():
+                raise KernelInputError("CPU decoder layer: input_ids must be contiguous int64 [tokens]")
+            if embed.dtype == torch.uint8:
+                if embed.dim() != 2 or embed.stride(-1) != 1 or embed_format <= 0:
+                    raise KernelInputError("CPU decoder layer: a quantized embedding takes rows of blocks and "
+                                           "their GGML type")
+            elif (embed.dtype != torch.bfloat16 or embed.dim() != 2 or embed.shape[1] != hidden
+                    or not embed.is_contiguous()):
+                raise KernelInputError(f"CPU decoder layer: the embedding must be contiguous bf16 [vocab, {hidden}]")
+        if rows.dtype != torch.int64 or rows.dim() != 1 or not rows.is_contiguous():
+            raise KernelInputError("CPU decoder layer: the logits rows must be contiguous int64 [S]")
+        if final_norm.dtype != torch.bfloat16 or final_norm.shape != (hidden,) or not final_norm.is_contiguous():
+            raise KernelInputError(f"CPU decoder layer: the final norm must be contiguous bf16 [{hidden}]")
+        if head.in_features != hidden:
+            raise KernelInputError(f"CPU decoder layer: the output layer must take {hidden} features")
+        step, call = self._step_args(tokens_n, positions, slots, block_tables, query_start_loc, seq_lens, k_caches,
+                                     v_caches, num_layers)
+        logits = torch.empty(rows.shape[0], head.out_features, dtype=torch.float32)
+        if embed is None:
+            step.h = tokens.data_ptr()
+        elif embed.dtype == torch.uint8:
+            call.embed_blocks, call.embed_row_bytes = embed.data_ptr(), embed.stride(0)
+            call.embed_format, call.vocab, call.input_ids = embed_format, embed.shape[0], tokens.data_ptr()
+        else:
+            call.embed, call.vocab, call.input_ids = embed.data_ptr(), embed.shape[0], tokens.data_ptr()
+        call.head, call.final_norm, call.eps = ctypes.addressof(head), final_norm.data_ptr(), self.shape.eps
+        call.rows, call.num_rows, call.logits = rows.data_ptr(), rows.shape[0], logits.data_ptr()
+        self._call(step, call)  # (the residual stream and the scratch, and h from the table, are the call's own)
+        return logits
 
-def _error(rc: int, layer: int, num_pages: int, max_positions: int, num_slots: int) -> Exception:
+
+def _error(rc: int, layer: int, num_pages: int, max_positions: int, num_slots: int, vocab: int) -> Exception:
+    if layer < 0:  # the embedding or the output layer
+        if rc == -1:
+            return MemoryError("CPU decoder layers: no memory for the scratch")
+        why = {8: f"an input id is outside the vocabulary [0, {vocab})",
+               9: "a logits row is outside the step's tokens"}.get(rc, f"the sizes do not fit together (status {rc})")
+        return KernelInputError(f"CPU decoder layers: {why}")
     if rc == -1:
         return MemoryError(f"CPU decoder layer {layer}: no memory for a kernel's scratch")
     why = {1: f"a block table entry is outside the cache's {num_pages} pages",
