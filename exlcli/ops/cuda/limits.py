@@ -3,7 +3,9 @@ the model's fused decode step read these."""
 
 from __future__ import annotations
 
-HEAD_DIMS = (64, 128)  # attention and rope's fused decode path; other head sizes take the reference
+HEAD_DIMS = (64, 128)  # the fused rope epilogues (decode_qkv_rope and the projections' rope steps)
+# paged attention's decode and prefill kernels (Gemma's 256 too); other head sizes take the reference
+ATTENTION_HEAD_DIMS = (64, 128, 256)
 DECODE_LINEAR_MAX_ROWS = 4  # rows (tokens) of one decode_linear / decode_qkv_rope call
 DECODE_ATTENTION_VERSIONS = (1, 3)  # csrc/attention_decode_v1.cu, csrc/attention_decode_v3.cu
 DEFAULT_DECODE_ATTENTION_VERSION = 3  # tensor cores; fp32 and devices before sm_80 run version 1
