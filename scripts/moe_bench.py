@@ -3,8 +3,9 @@ width 768; random weights as a Q4_K_M file has them: 4-bit gate|up, 6-bit down) 
 median of the repeats: the layer as it runs (`moe(x)`, the path its token count takes) eagerly and as a CUDA
 graph; the host-grouped path (each active expert's products, counts read on the host); and the routed
 experts alone on each device path (exlcli/ops/moe_stacked.py, csrc/moe.cu): over (token, slot) pairs
-(moe_gemv, decode's) and grouped by expert on the tensor cores (moe_gemm, prefill's) in tiles of 32 and of 64
-pairs:
+(moe_gemv, one token's), in dp4a tiles of 4 and of 8 pairs of one expert (moe_gemv_tiles, decode batches') and
+grouped by expert on the tensor cores (moe_gemm, prefill's) in tiles of 32 and of 64 pairs; and the router's
+choice from its logits, torch's `route` against the moe_route kernel:
 
     python3 scripts/moe_bench.py [--tokens 1,4,16,64,512,2048] [--repeats 50] [--down-bits 6]
 """
@@ -81,8 +82,8 @@ def main() -> int:
     assert moe.stacked is not None
     print(f"{torch.cuda.get_device_name()}: one MoE layer, {EXPERTS} experts, top {TOP_K}, {args.bits}-bit gate|up, "
           f"{args.down_bits}-bit down; median us a call")
-    print(f"{'tokens':>6} {'layer':>8} {'layer graph':>12} {'host-grouped':>13} {'pairs':>8} {'grouped 32':>11} "
-          f"{'grouped 64':>11}")
+    print(f"{'tokens':>6} {'layer':>8} {'layer graph':>12} {'host-grouped':>13} {'pairs':>8} {'tiles 4':>8} "
+          f"{'tiles 8':>8} {'grouped 32':>11} {'grouped 64':>11} {'route':>7} {'moe_route':>10}")
     stacked = moe.stacked
     for tokens in [int(t) for t in args.tokens.split(",")]:
         x = (torch.randn(tokens, HIDDEN, device="cuda") * 0.5).to(torch.bfloat16)
@@ -102,12 +103,16 @@ def main() -> int:
             host = median_us(lambda: moe(x), max(3, args.repeats // 10))
         finally:
             del moe._on_device
-        weights, ids = route(moe.router(x, out_dtype=torch.float32), moe.spec)
+        logits = moe.router(x, out_dtype=torch.float32)
+        weights, ids = route(logits, moe.spec)
         pairs = median_us(lambda: stacked.pairs(x, weights, ids), args.repeats)
+        tiles = [median_us(lambda: stacked.tiles(x, weights, ids, tile), args.repeats) for tile in (4, 8)]
         grouped = [median_us(lambda: grouped_tile(stacked, x, weights, ids, tile), args.repeats)
                    for tile in (32, 64)]
-        print(f"{tokens:>6} {layer_us:>8.1f} {replay:>12.1f} {host:>13.1f} {pairs:>8.1f} {grouped[0]:>11.1f} "
-              f"{grouped[1]:>11.1f}")
+        route_us = median_us(lambda: route(logits, moe.spec), args.repeats)
+        kernel_us = median_us(lambda: kernels.moe_route(logits, TOP_K, True, True), args.repeats)
+        print(f"{tokens:>6} {layer_us:>8.1f} {replay:>12.1f} {host:>13.1f} {pairs:>8.1f} {tiles[0]:>8.1f} "
+              f"{tiles[1]:>8.1f} {grouped[0]:>11.1f} {grouped[1]:>11.1f} {route_us:>7.1f} {kernel_us:>10.1f}")
     return 0
 
 
