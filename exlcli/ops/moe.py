@@ -203,7 +203,7 @@ class MoeFeedForward:
         spec = self.spec
         if spec.kind == "sigmoid_group" or spec.top_k > MOE_ROUTE_MAX_K:
             return route(logits, spec, self.router_bias)
-        return kernels.moe_route(logits.contiguous(), spec.top_k, spec.kind == "softmax_topk", spec.normalize)
+        return kernels.moe_route(logits.float().contiguous(), spec.top_k, spec.kind == "softmax_topk", spec.normalize)
 
     def _on_device(self, x: torch.Tensor) -> bool:
         """Whether the stacked experts' kernels run this call (any size; they need no host sync: graphs capture
