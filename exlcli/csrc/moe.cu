@@ -105,6 +105,7 @@ constexpr int kDp4aWideMaxTiles = 256;
 // moe_gemv_tiles' shared memory for M tokens a tile of k features: the int8 blocks of x (dynamic) and the
 // warps' partial sums (static, 16 warps at most); within the 48 KiB a block has without opting in.
 constexpr int kMoeTileMaxShared = 48 * 1024;
+constexpr int64_t kPlanMaxShared = 44 * 1024;  // moe_plan's pairs' experts and experts' counts (4 bytes each)
 __host__ __device__ constexpr size_t moe_tile_shared_bytes(int m, int k) {
   return qlinear::dp4a_smem_bytes(m, k) + static_cast<size_t>(16) * m * qlinear::kTileRows * sizeof(float) +
          static_cast<size_t>(m) * sizeof(int);
@@ -383,6 +384,100 @@ __global__ void __launch_bounds__(256) moe_combine_kernel(const float* __restric
     } else {
       out[i] = __float2bfloat16_rn(sum);  // the bytes of the fp32 sum's .to(bfloat16)
     }
+  }
+  grid_dependents_launch();
+}
+
+// moe_plan: plan_groups' plan of a few pairs (decode batches) in one launch of one block, where torch takes a
+// sort and half a dozen small kernels: each pair's expert and the experts' counts in shared memory (ids outside
+// 0 .. E - 1 counted in a bucket after the last expert), the counts' and tiles' exclusive prefix sums over the
+// block (each thread a run of experts), then pair i's place: its expert's first place plus the pairs of that
+// expert before i (a stable counting sort: the order of torch.sort(stable=True) for valid ids).
+constexpr int kPlanThreads = 1024;
+
+// Exclusive prefix sums of two counts over the block's threads in thread order, and their totals. Every
+// thread of the block calls it; sums: 33 slots of shared memory.
+__device__ __forceinline__ int2 block_exclusive_scan2(int2 v, int2* sums, int2& total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  int2 inc = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int a = __shfl_up_sync(0xFFFFFFFFu, inc.x, o), b = __shfl_up_sync(0xFFFFFFFFu, inc.y, o);
+    if (lane >= o) {
+      inc.x += a;
+      inc.y += b;
+    }
+  }
+  if (lane == 31) sums[warp] = inc;
+  __syncthreads();
+  if (warp == 0) {
+    const int2 w = lane < warps ? sums[lane] : make_int2(0, 0);
+    int2 winc = w;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int a = __shfl_up_sync(0xFFFFFFFFu, winc.x, o), b = __shfl_up_sync(0xFFFFFFFFu, winc.y, o);
+      if (lane >= o) {
+        winc.x += a;
+        winc.y += b;
+      }
+    }
+    sums[lane] = make_int2(winc.x - w.x, winc.y - w.y);
+    if (lane == 31) sums[32] = winc;
+  }
+  __syncthreads();
+  total = sums[32];
+  return make_int2(sums[warp].x + inc.x - v.x, sums[warp].y + inc.y - v.y);
+}
+
+__global__ void __launch_bounds__(kPlanThreads)
+    moe_plan_kernel(const int32_t* __restrict__ ids, int pairs, int experts, int tile_tokens,
+                    int32_t* __restrict__ order, int32_t* __restrict__ expert_offsets,
+                    int32_t* __restrict__ tile_offsets) {
+  extern __shared__ int s_plan[];
+  int* s_expert = s_plan;          // [pairs] each pair's expert (experts: outside them)
+  int* s_first = s_plan + pairs;   // [experts + 1] the counts, then each expert's first place
+  __shared__ int2 sums[33];
+  grid_dependency_wait();  // the ids are the router's output
+  const int tid = threadIdx.x;
+  for (int e = tid; e <= experts; e += blockDim.x) s_first[e] = 0;
+  __syncthreads();
+  for (int i = tid; i < pairs; i += blockDim.x) {
+    int e = ids[i];
+    if (e < 0 || e >= experts) e = experts;
+    s_expert[i] = e;
+    atomicAdd(&s_first[e], 1);
+  }
+  __syncthreads();
+  const int per = (experts + blockDim.x - 1) / blockDim.x;
+  const int first = min(experts, tid * per), last = min(experts, first + per);
+  int2 run = make_int2(0, 0);
+  for (int e = first; e < last; ++e) {
+    const int count = s_first[e];
+    run.x += count;
+    run.y += (count + tile_tokens - 1) / tile_tokens;
+  }
+  int2 total;
+  int2 at = block_exclusive_scan2(run, sums, total);  // its __syncthreads order the counts' reads before the writes
+  for (int e = first; e < last; ++e) {
+    const int count = s_first[e];
+    expert_offsets[e] = at.x;
+    tile_offsets[e] = at.y;
+    s_first[e] = at.x;
+    at.x += count;
+    at.y += (count + tile_tokens - 1) / tile_tokens;
+  }
+  if (tid == 0) {
+    expert_offsets[experts] = total.x;
+    tile_offsets[experts] = total.y;
+    s_first[experts] = total.x;
+  }
+  __syncthreads();
+  for (int i = tid; i < pairs; i += blockDim.x) {
+    const int e = s_expert[i];
+    int rank = 0;
+#pragma unroll 8
+    for (int j = 0; j < i; ++j) rank += s_expert[j] == e ? 1 : 0;
+    order[s_first[e] + rank] = i;
   }
   grid_dependents_launch();
 }
@@ -690,6 +785,28 @@ at::Tensor moe_combine(const at::Tensor& rows, const at::Tensor& weights, int64_
                static_cast<int>(n));
   }
   return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_plan(const at::Tensor& ids, int64_t experts, int64_t tile_tokens,
+                                                         bool pdl) {
+  const char* op = "moe_plan";
+  EXL_CHECK_CUDA_TENSOR(ids, "moe_plan: ids");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kInt && ids.is_contiguous(), op,
+              ": ids must be a contiguous int32 [pairs]");
+  TORCH_CHECK(experts >= 1 && tile_tokens >= 1, op, ": experts and tile_tokens must be positive");
+  const int64_t pairs = ids.size(0);
+  const int64_t smem = (pairs + experts + 1) * static_cast<int64_t>(sizeof(int));
+  TORCH_CHECK(smem <= kPlanMaxShared, op, ": ", pairs, " pairs over ", experts, " experts do not fit one block's ",
+              kPlanMaxShared, " bytes of shared memory");
+  const c10::cuda::CUDAGuard guard(ids.device());
+  at::Tensor order = at::empty({pairs}, ids.options());
+  at::Tensor expert_offsets = at::empty({experts + 1}, ids.options());
+  at::Tensor tile_offsets = at::empty({experts + 1}, ids.options());
+  launch_pdl(moe_plan_kernel, dim3(1), dim3(kPlanThreads), static_cast<size_t>(smem), current_stream(), pdl,
+             static_cast<const int32_t*>(ids.data_ptr()), static_cast<int>(pairs), static_cast<int>(experts),
+             static_cast<int>(tile_tokens), static_cast<int32_t*>(order.data_ptr()),
+             static_cast<int32_t*>(expert_offsets.data_ptr()), static_cast<int32_t*>(tile_offsets.data_ptr()));
+  return {order, expert_offsets, tile_offsets};
 }
 
 std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, int64_t top_k, bool softmax_first,

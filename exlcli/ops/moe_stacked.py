@@ -12,7 +12,8 @@ row is the bytes of quant_linear over that expert at one token (the dp4a kernel)
 is fixed, so a token's result does not depend on the batch.
 
 From TILES_MIN_TOKENS to PAIRS_MAX_TOKENS tokens (decode batches) the pairs are first sorted by expert on the
-device (`plan_groups`, in tiles of 4 or 8 pairs: `gemv_tile_tokens`) and moe_gemv_tiles takes a tile of one
+device (`plan_groups_device`: the moe_plan kernel's one launch for plan_groups' plan, in tiles of 4 or 8 pairs:
+`gemv_tile_tokens`) and moe_gemv_tiles takes a tile of one
 expert's pairs a block, running the same dp4a body over the tile's rows of x at once: each expert's weights are
 read once a tile rather than once a pair, and each pair's row is the bytes of moe_gemv's (the body adds a
 token's products in an order its warps alone set), so the path changes no result.
@@ -50,6 +51,7 @@ from exlcli.ops.cuda.limits import (
     QUANT_BITS,
     QUANT_TILE_ROWS,
     dp4a_takes,
+    moe_plan_takes,
     moe_tile_takes,
 )
 from exlcli.ops.formats.base import Linear
@@ -113,10 +115,21 @@ def plan_groups(ids: torch.Tensor, experts: int, tile_tokens: int) -> GroupPlan:
     tile_offsets = torch.zeros(experts + 1, dtype=torch.int32, device=ids.device)
     tile_offsets[1:] = torch.cumsum(torch.div(counts + (tile_tokens - 1), tile_tokens, rounding_mode="floor"),
                                     dim=0, dtype=torch.int32)
-    # every tile but an expert's last is full, and every tile holds a pair
-    max_tiles = min(pairs, -(-pairs // tile_tokens) + experts)
     return GroupPlan(order.to(torch.int32).contiguous(), expert_offsets.contiguous(), tile_offsets, tile_tokens,
-                     max_tiles)
+                     max_tiles_of(pairs, experts, tile_tokens))
+
+
+def max_tiles_of(pairs: int, experts: int, tile_tokens: int) -> int:
+    """A bound of a plan's tiles from the sizes alone (the kernels' grid): every tile but an expert's last is
+    full, and every tile holds a pair."""
+    return min(pairs, -(-pairs // tile_tokens) + experts)
+
+
+def plan_groups_device(ids: torch.Tensor, experts: int, tile_tokens: int) -> GroupPlan:
+    """plan_groups on the moe_plan kernel (one launch; int32 ids on the GPU, a few pairs: moe_plan_takes): the same
+    plan where every id is an expert's."""
+    order, expert_offsets, tile_offsets = kernels.moe_plan(ids.to(torch.int32).contiguous(), experts, tile_tokens)
+    return GroupPlan(order, expert_offsets, tile_offsets, tile_tokens, max_tiles_of(ids.shape[0], experts, tile_tokens))
 
 
 def tile_pairs(plan: GroupPlan, tile: int) -> tuple[int, list[int]]:
@@ -260,7 +273,10 @@ class StackedExperts:
         """The expert-tiled dp4a path (moe_gemv_tiles) at any size, tiles of tile_tokens pairs: the bytes of the
         pairs path; x bf16, contiguous and aligned."""
         top_k = ids.shape[1]
-        plan = plan_groups(ids.reshape(-1), self.gate_up.num_experts, tile_tokens)
+        flat, experts = ids.reshape(-1), self.gate_up.num_experts
+        # one launch for the plan where its block holds the pairs (decode batches), else torch's sort
+        planner = plan_groups_device if moe_plan_takes(flat.shape[0], experts) else plan_groups
+        plan = planner(flat, experts, tile_tokens)
         gate_up = self.gate_up.tile_rows(x, plan, top_k, float_out=False)
         rows = self.down.tile_rows(silu_and_mul(gate_up), plan, 1, float_out=True)
         return kernels.moe_combine(rows, weights.reshape(-1).float().contiguous(), top_k, bf16_out)

@@ -1,9 +1,9 @@
 """The MoE decode path's kernels of csrc/moe.cu on a GPU: moe_route against `route` (the ids equal, the weights
-within 1e-6; ties to the lower id); moe_gemv_tiles (dp4a over tiles of one expert's pairs) gives each pair's row
-the bytes of moe_gemv's, whatever the tile (4 or 8 pairs) and the other pairs in it, for 4-, 6- and 8-bit
-experts; a token's output alone (one token: the pairs path) is the bytes of its output in a batch of 64 (the
-tiles path); moe_combine's bf16 output is its fp32 sum rounded; and a CUDA graph captures the whole layer on the
-new path (routing kernel, plan, tiles)."""
+within 1e-6; ties to the lower id); moe_plan's one launch gives plan_groups' plan; moe_gemv_tiles (dp4a over
+tiles of one expert's pairs) gives each pair's row the bytes of moe_gemv's, whatever the tile (4 or 8 pairs) and
+the other pairs in it, for 4-, 6- and 8-bit experts; a token's output alone (one token: the pairs path) is the
+bytes of its output in a batch of 64 (the tiles path); moe_combine's bf16 output is its fp32 sum rounded; and a
+CUDA graph captures the whole layer on the new path (routing kernel, plan kernel, tiles)."""
 
 from __future__ import annotations
 
@@ -70,6 +70,43 @@ def test_moe_route_never_gives_an_id_outside_the_experts():
     for t in range(3):
         row = ids[t].tolist()
         assert all(0 <= e < 16 for e in row) and len(set(row)) == 8, f"token {t}: ids {row}"
+
+
+@pytest.mark.parametrize("tile_tokens", [4, 8])
+def test_moe_plan_is_plan_groups(tile_tokens):
+    gen = torch.Generator().manual_seed(tile_tokens)
+    cases = {  # (ids, experts)
+        "random": (torch.randint(0, 128, (512,), generator=gen), 128),
+        "one token": (torch.randperm(128, generator=gen)[:8], 128),
+        "experts with no pair": (torch.randint(0, 2, (97,), generator=gen) * 3, 128),
+        "one expert": (torch.full((130,), 127), 128),
+        "tile edges": (torch.cat([torch.full((4,), 1), torch.full((5,), 2), torch.full((8,), 4),
+                                  torch.full((1,), 5)])[torch.randperm(18, generator=gen)], 6),
+        "more experts than threads": (torch.randint(0, 3000, (2048,), generator=gen), 3000),
+        "no pair": (torch.zeros(0, dtype=torch.int64), 16),
+    }
+    for name, (ids, experts) in cases.items():
+        ids = ids.to(torch.int32).cuda()
+        want = moe_stacked.plan_groups(ids, experts, tile_tokens)
+        got = moe_stacked.plan_groups_device(ids, experts, tile_tokens)
+        for field in ("order", "expert_offsets", "tile_offsets"):
+            g, w = getattr(got, field), getattr(want, field)
+            assert g.dtype == torch.int32 and torch.equal(g, w), f"{name}, {field}: {first_difference(g, w)}"
+        assert got.max_tiles == want.max_tiles, name
+
+
+def test_moe_plan_puts_ids_outside_the_experts_in_no_range():
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 16, (200,), generator=gen)
+    ids[::7] = -1
+    ids[3::11] = 16
+    plan = moe_stacked.plan_groups_device(ids.to(torch.int32).cuda(), 16, 4)
+    order, offsets = plan.order.tolist(), plan.expert_offsets.tolist()
+    assert sorted(order) == list(range(200)), "the order is a permutation of the pairs"
+    for e in range(16):
+        want = [i for i, v in enumerate(ids.tolist()) if v == e]
+        assert order[offsets[e]:offsets[e + 1]] == want, f"expert {e}'s pairs"
+    assert offsets[16] == int(((ids >= 0) & (ids < 16)).sum()), "the last offset counts the valid pairs"
 
 
 @pytest.mark.parametrize("bits,down_bits", FORMATS)

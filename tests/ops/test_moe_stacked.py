@@ -192,6 +192,8 @@ def test_the_kernel_wrappers_refuse_cpu_tensors_with_a_clear_error():
                                torch.zeros(2, dtype=torch.int32), offsets, offsets, 4, 1, 2)
     with pytest.raises(KernelInputError, match="moe_combine: rows must be a CUDA tensor"):
         kernels.moe_combine(torch.zeros(2, 16), torch.zeros(2), 2)
+    with pytest.raises(KernelInputError, match="moe_plan: ids must be a CUDA tensor"):
+        kernels.moe_plan(torch.zeros(4, dtype=torch.int32), 2, 4)
     with pytest.raises(KernelInputError, match="moe_route: logits must be a CUDA tensor"):
         kernels.moe_route(torch.zeros(2, 8), 2, True, True)
 

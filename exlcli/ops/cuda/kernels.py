@@ -14,6 +14,7 @@ from exlcli.ops.cuda.limits import (
     DP4A_MAX_TOKENS,
     EXL3_MAX_KERNEL_TOKENS,
     MOE_GEMV_TILE_TOKENS,
+    MOE_PLAN_MAX_SHARED,
     MOE_ROUTE_MAX_K,
     MOE_TILE_TOKENS,
     QUANT_BITS,
@@ -21,6 +22,7 @@ from exlcli.ops.cuda.limits import (
     QUANT_GROUPS,
     QUANT_TILE_ROWS,
     dp4a_takes,
+    moe_plan_takes,
     moe_tile_takes,
 )
 from exlcli.ops.cuda.state import STATE
@@ -531,6 +533,25 @@ def moe_combine(rows: torch.Tensor, weights: torch.Tensor, top_k: int, bf16_out:
         checks.fail(op, f"the {rows.shape[0]} rows must be whole tokens of {top_k} slots")
     checks.vector(op, "weights", weights, rows.shape[0], torch.float32)
     return torch.ops.exlcli.moe_combine(rows, weights, top_k, bf16_out, STATE.options.pdl)
+
+
+def moe_plan(ids: torch.Tensor, experts: int, tile_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """moe_stacked.plan_groups' (order int32 [pairs], expert_offsets int32 [E + 1], tile_offsets int32 [E + 1]) of
+    int32 ids [pairs] in one launch of one block (csrc/moe.cu): the order of a stable sort by expert, for a few
+    pairs (decode batches: 4 bytes a pair and an expert within the block's shared memory). Ids outside 0 .. E - 1
+    go after every expert's (torch's sort puts the negative ones first): in no expert's range either way."""
+    op = "moe_plan"
+    checks.on_cuda(op, "ids", ids)
+    if ids.dim() != 1:
+        checks.fail(op, f"ids must be a contiguous [pairs], got {list(ids.shape)}")
+    checks.vector(op, "ids", ids, ids.shape[0], torch.int32)
+    if experts < 1 or tile_tokens < 1:
+        checks.fail(op, f"experts and tile_tokens must be positive, got {experts} and {tile_tokens}")
+    if not moe_plan_takes(ids.shape[0], experts):
+        checks.fail(op, f"{ids.shape[0]} pairs over {experts} experts do not fit one block's {MOE_PLAN_MAX_SHARED} "
+                        "bytes of shared memory")
+    order, expert_offsets, tile_offsets = torch.ops.exlcli.moe_plan(ids, experts, tile_tokens, STATE.options.pdl)
+    return order, expert_offsets, tile_offsets
 
 
 def moe_route(logits: torch.Tensor, top_k: int, softmax_first: bool, normalize: bool

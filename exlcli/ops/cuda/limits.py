@@ -14,6 +14,7 @@ QUANT_CHUNK = 64  # input features per chunk of its packed layout
 MOE_TILE_TOKENS = (32, 64)  # csrc/moe.cu moe_gemm's token tiles (pairs of one expert a block)
 MOE_GEMV_TILE_TOKENS = (4, 8)  # csrc/moe.cu moe_gemv_tiles' token tiles (pairs of one expert a dp4a block)
 MOE_ROUTE_MAX_K = 32  # csrc/moe.cu moe_route: one lane of a warp a chosen expert
+MOE_PLAN_MAX_SHARED = 44 * 1024  # csrc/moe.cu moe_plan's one block: 4 bytes a pair and an expert (and one)
 MOE_TILE_MAX_SHARED = 48 * 1024  # moe_gemv_tiles' shared memory: x's int8 blocks, 16 warps' sums, the pairs
 EXL3_MAX_KERNEL_TOKENS = 64  # exl3_linear.cu's trellis kernel; beyond, the weight dequantized for cuBLAS
 DP4A_MAX_TOKENS = 2  # quant_gemv_dp4a.cuh: the products of 1 or 2 tokens over integer weights
@@ -31,3 +32,8 @@ def moe_tile_takes(tile_tokens: int, in_features: int) -> bool:
     memory (csrc/moe.cu moe_tile_shared_bytes)."""
     shared = tile_tokens * (in_features // 16) * 24 + 16 * tile_tokens * QUANT_TILE_ROWS * 4 + tile_tokens * 4
     return tile_tokens in MOE_GEMV_TILE_TOKENS and shared <= MOE_TILE_MAX_SHARED
+
+
+def moe_plan_takes(pairs: int, experts: int) -> bool:
+    """Whether moe_plan's one block holds this many pairs and experts in shared memory."""
+    return (pairs + experts + 1) * 4 <= MOE_PLAN_MAX_SHARED
