@@ -544,13 +544,13 @@ __global__ void __launch_bounds__(kRouteWarps * 32)
       total = warp_sum(total);
     }
     auto value = [&](int e) { return SOFTMAX_FIRST ? expf(row[e] - top) / total : row[e]; };
-    uint64_t last = ~0ull;
+    uint64_t last = 0;  // round j - 1's rank (round 0 has no bound: a NaN of expert 0 ranks ~0)
     int mine = 0;
     for (int j = 0; j < top_k; ++j) {
       uint64_t best = 0;
       for (int e = lane; e < experts; e += 32) {
         const uint64_t rank = topk_rank(value(e), e);
-        if (rank < last && rank > best) best = rank;
+        if ((j == 0 || rank < last) && rank > best) best = rank;
       }
       best = warp_max_u64(best);
       last = best;

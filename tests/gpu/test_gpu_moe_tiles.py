@@ -70,6 +70,12 @@ def test_moe_route_never_gives_an_id_outside_the_experts():
     for t in range(3):
         row = ids[t].tolist()
         assert all(0 <= e < 16 for e in row) and len(set(row)) == 8, f"token {t}: ids {row}"
+    # NaN logits rank first among the top k logits, as torch.topk ranks them (expert 0's too)
+    logits = torch.randn(2, 16, device="cuda")
+    logits[0, 0] = float("nan")
+    logits[1, 9] = float("nan")
+    _, ids = ops.moe_route(logits, 4, False, False)
+    assert ids[0, 0].item() == 0 and ids[1, 0].item() == 9, ids.tolist()
 
 
 @pytest.mark.parametrize("tile_tokens", [4, 8])
