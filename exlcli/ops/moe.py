@@ -14,7 +14,9 @@ Routers (ROUTERS):
 Activations (ACTIVATIONS): `silu` (SiLU(gate) * up) and `swiglu_clamped` (gpt-oss: gate clamped
 above at `limit`, up to [-limit, limit], gate * sigmoid(alpha * gate) * (up + 1)).
 
-Routing is plain tensor work with no host synchronisation. The expert products take one of these paths:
+Routing is plain tensor work with no host synchronisation; on the stacked device path below the
+`softmax_topk` and `topk_softmax` routers take one kernel (kernels.moe_route: int32 ids, the ids of `route`,
+ties to the lower id), `sigmoid_group` takes `route`. The expert products take one of these paths:
 - on a GPU, experts of packed integer weights (exlcli/ops/moe_stacked.py) are stacked at load and run
   as a few kernels with the expert ids on the device, at any size: up to moe_stacked.PAIRS_MAX_TOKENS
   tokens over (token, slot) pairs (decode), beyond grouped by expert on the tensor cores (prefill). No
@@ -41,6 +43,8 @@ from exlcli import environment
 from exlcli.ops.cpu import moe_experts as cpu_moe_experts
 from exlcli.ops.cpu import moe_router as cpu_moe_router
 from exlcli.ops.cpu.loader import use_cpu_kernels
+from exlcli.ops.cuda import kernels
+from exlcli.ops.cuda.limits import MOE_ROUTE_MAX_K
 from exlcli.ops.cuda.loader import use_kernels
 from exlcli.ops.formats.dense import DenseLinear
 from exlcli.ops.linear import Linear
@@ -203,24 +207,36 @@ class MoeFeedForward:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] (normed) -> [T, H] in x's dtype."""
-        cpu_router = self.cpu_router(x) if self.expert_device is None else None
-        if cpu_router is not None:
-            weights, ids = cpu_router(x)
+        if self.expert_device is None and self.stacked is not None and self._on_device(x):
+            weights, ids = self._route_on_device(self.router(x, out_dtype=torch.float32))
+            # with no shared expert to add, the combine rounds the sums to bf16 itself (the bytes of .to())
+            bf16_out = self.shared is None and x.dtype == torch.bfloat16
+            out = self.stacked(x, weights, ids, bf16_out=bf16_out)
         else:
-            weights, ids = route(self.router(x, out_dtype=torch.float32), self.spec, self.router_bias)
-        if self.expert_device is not None:
-            out = self._routed_on(self.expert_device, x, weights, ids)
-        elif self.stacked is not None and self._on_device(x):
-            out = self.stacked(x, weights, ids)
-        else:
-            cpu_experts = self.cpu_experts(x)
-            out = self._routed(x, weights, ids) if cpu_experts is None else cpu_experts(x, weights, ids)
+            cpu_router = self.cpu_router(x) if self.expert_device is None else None
+            if cpu_router is not None:
+                weights, ids = cpu_router(x)
+            else:
+                weights, ids = route(self.router(x, out_dtype=torch.float32), self.spec, self.router_bias)
+            if self.expert_device is not None:
+                out = self._routed_on(self.expert_device, x, weights, ids)
+            else:
+                cpu_experts = self.cpu_experts(x)
+                out = self._routed(x, weights, ids) if cpu_experts is None else cpu_experts(x, weights, ids)
         if self.shared is not None:
             y = self._expert(self.shared, x).float()
             if self.shared_gate is not None:
                 y = y * torch.sigmoid(self.shared_gate(x, out_dtype=torch.float32))
             out += y
         return out.to(x.dtype)
+
+    def _route_on_device(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`route` for the stacked device path: one kernel for the softmax routers (int32 ids), `route` itself for
+        sigmoid_group and top k beyond the kernel's."""
+        spec = self.spec
+        if spec.kind == "sigmoid_group" or spec.top_k > MOE_ROUTE_MAX_K:
+            return route(logits, spec, self.router_bias)
+        return kernels.moe_route(logits.float().contiguous(), spec.top_k, spec.kind == "softmax_topk", spec.normalize)
 
     def _on_device(self, x: torch.Tensor) -> bool:
         """Whether the stacked experts' kernels run this call (any size; they need no host sync: graphs capture

@@ -11,6 +11,13 @@ expert (fp32), and the pairs of a token summed in slot order with their router w
 row is the bytes of quant_linear over that expert at one token (the dp4a kernel), and the sum's order
 is fixed, so a token's result does not depend on the batch.
 
+From TILES_MIN_TOKENS to PAIRS_MAX_TOKENS tokens (decode batches) the pairs are first sorted by expert on the
+device (`plan_groups_device`: the moe_plan kernel's one launch for plan_groups' plan, in tiles of 4 or 8 pairs:
+`gemv_tile_tokens`) and moe_gemv_tiles takes a tile of one
+expert's pairs a block, running the same dp4a body over the tile's rows of x at once: each expert's weights are
+read once a tile rather than once a pair, and each pair's row is the bytes of moe_gemv's (the body adds a
+token's products in an order its warps alone set), so the path changes no result.
+
 Past PAIRS_MAX_TOKENS tokens (prefill chunks) a call takes the grouped path instead: the pairs sorted by
 expert on the device (`plan_groups`: the order, each expert's first place in it and its first token tile),
 then one moe_gemm launch per projection, whose blocks each take a tile of one expert's sorted pairs (32 or 64)
@@ -38,7 +45,15 @@ import torch
 from exlcli.ops.activation import silu_and_mul, silu_and_mul_ref
 from exlcli.ops.cuda import kernels
 from exlcli.ops.cuda.checks import MAX_GRID_Y
-from exlcli.ops.cuda.limits import MOE_TILE_TOKENS, QUANT_BITS, QUANT_TILE_ROWS, dp4a_takes
+from exlcli.ops.cuda.limits import (
+    MOE_GEMV_TILE_TOKENS,
+    MOE_TILE_TOKENS,
+    QUANT_BITS,
+    QUANT_TILE_ROWS,
+    dp4a_takes,
+    moe_plan_takes,
+    moe_tile_takes,
+)
 from exlcli.ops.formats.base import Linear
 from exlcli.ops.formats.cuda_groups import GroupedCudaLinear, unpack_packed
 
@@ -48,6 +63,12 @@ SORT_MIN_PAIRS = 16  # from this many pairs the blocks take them sorted by exper
 # weights, from L2 after the first, with int8 activations on dp4a); beyond, the grouped tensor-core path
 # (moe_gemm), where a block's tile of one expert's pairs shares each weight it dequantizes.
 PAIRS_MAX_TOKENS = 64
+# From this many tokens up to PAIRS_MAX_TOKENS the pairs are grouped by expert for moe_gemv_tiles (one token's k
+# pairs are k distinct experts: nothing to share, and the plan's kernels would only add time).
+TILES_MIN_TOKENS = 2
+# From this many pairs an expert on average moe_gemv_tiles' tiles hold 8 pairs, else 4 (registers and idle
+# lanes where an expert has few pairs). The tile changes no result.
+WIDE_GEMV_TILE_PAIRS = 2
 # From this many pairs an expert on average the grouped path's token tiles hold 64 pairs, else 32 (fewer
 # padded rows where an expert has few tokens; two blocks an SM to the 64-pair tile's one). On an H100 the
 # 32-pair tile is the faster one up to 128 pairs an expert (2,048 tokens over 128 experts, top 8:
@@ -74,6 +95,16 @@ def tile_tokens_for(pairs: int, experts: int) -> int:
     return MOE_TILE_TOKENS[1] if pairs >= WIDE_TILE_PAIRS * experts else MOE_TILE_TOKENS[0]
 
 
+def gemv_tile_tokens(pairs: int, experts: int, in_features: tuple[int, ...]) -> int | None:
+    """moe_gemv_tiles' token tile for this many pairs over this many experts, where every projection's inputs
+    (in_features) fit the tile in shared memory; None where none fits (the pairs path)."""
+    wide = pairs >= WIDE_GEMV_TILE_PAIRS * experts
+    for tile in sorted(MOE_GEMV_TILE_TOKENS, reverse=wide):
+        if all(moe_tile_takes(tile, k) for k in in_features):
+            return tile
+    return None
+
+
 def plan_groups(ids: torch.Tensor, experts: int, tile_tokens: int) -> GroupPlan:
     """The plan of flat expert ids [pairs] (any integer dtype, on any device) in tiles of tile_tokens pairs."""
     pairs = ids.shape[0]
@@ -84,10 +115,21 @@ def plan_groups(ids: torch.Tensor, experts: int, tile_tokens: int) -> GroupPlan:
     tile_offsets = torch.zeros(experts + 1, dtype=torch.int32, device=ids.device)
     tile_offsets[1:] = torch.cumsum(torch.div(counts + (tile_tokens - 1), tile_tokens, rounding_mode="floor"),
                                     dim=0, dtype=torch.int32)
-    # every tile but an expert's last is full, and every tile holds a pair
-    max_tiles = min(pairs, -(-pairs // tile_tokens) + experts)
     return GroupPlan(order.to(torch.int32).contiguous(), expert_offsets.contiguous(), tile_offsets, tile_tokens,
-                     max_tiles)
+                     max_tiles_of(pairs, experts, tile_tokens))
+
+
+def max_tiles_of(pairs: int, experts: int, tile_tokens: int) -> int:
+    """A bound of a plan's tiles from the sizes alone (the kernels' grid): every tile but an expert's last is
+    full, and every tile holds a pair."""
+    return min(pairs, -(-pairs // tile_tokens) + experts)
+
+
+def plan_groups_device(ids: torch.Tensor, experts: int, tile_tokens: int) -> GroupPlan:
+    """plan_groups on the moe_plan kernel (one launch; int32 ids on the GPU, a few pairs: moe_plan_takes): the same
+    plan where every id is an expert's."""
+    order, expert_offsets, tile_offsets = kernels.moe_plan(ids.to(torch.int32).contiguous(), experts, tile_tokens)
+    return GroupPlan(order, expert_offsets, tile_offsets, tile_tokens, max_tiles_of(ids.shape[0], experts, tile_tokens))
 
 
 def tile_pairs(plan: GroupPlan, tile: int) -> tuple[int, list[int]]:
@@ -127,6 +169,12 @@ class StackedWeights:
         return kernels.moe_gemm(x, self.qweight, self.scales, self.bits, self.group, self.out_features, plan.order,
                                 plan.expert_offsets, plan.tile_offsets, plan.tile_tokens, plan.max_tiles, rows_per_x,
                                 float_out=float_out)
+
+    def tile_rows(self, x: torch.Tensor, plan: GroupPlan, rows_per_x: int, float_out: bool) -> torch.Tensor:
+        """[pairs, n]: the rows of `rows` (moe_gemv's bytes) on moe_gemv_tiles, a plan of gemv_tile_tokens' tiles."""
+        return kernels.moe_gemv_tiles(x, self.qweight, self.scales, self.bits, self.group, self.out_features,
+                                      plan.order, plan.expert_offsets, plan.tile_offsets, plan.tile_tokens,
+                                      plan.max_tiles, rows_per_x, float_out=float_out)
 
     def expert_weight(self, expert: int) -> torch.Tensor:
         """The dense fp32 weight [n, k] of one expert, read at the offsets the kernel reads it at."""
@@ -185,17 +233,31 @@ class StackedExperts:
     def __init__(self, gate_up: StackedWeights, down: StackedWeights) -> None:
         self.gate_up, self.down = gate_up, down
 
-    def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [T, H] bf16 (normed), the router's weights [T, k] fp32 and ids [T, k] -> fp32 [T, H]; no host sync.
-        Up to PAIRS_MAX_TOKENS tokens over (token, slot) pairs, beyond on the grouped path."""
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                 bf16_out: bool = False) -> torch.Tensor:
+        """x [T, H] bf16 (normed), the router's weights [T, k] fp32 and ids [T, k] (int32 takes no cast) -> fp32
+        [T, H], or that rounded to bf16 (bf16_out: the combine stores it so); no host sync. One token over its
+        (token, slot) pairs, up to PAIRS_MAX_TOKENS grouped by expert in dp4a tiles, beyond on the grouped
+        tensor-core path."""
         x2 = x.to(torch.bfloat16).contiguous()
         if x2.data_ptr() % 16:
             x2 = x2.clone()
-        if x.shape[0] <= PAIRS_MAX_TOKENS:
-            return self.pairs(x2, weights, ids)
-        return self.grouped(x2, weights, ids)
+        tokens = x.shape[0]
+        if tokens > PAIRS_MAX_TOKENS:
+            return self.grouped(x2, weights, ids, bf16_out)
+        if tokens >= TILES_MIN_TOKENS:
+            tile = self.tile_tokens(ids.numel())
+            if tile is not None:
+                return self.tiles(x2, weights, ids, tile, bf16_out)
+        return self.pairs(x2, weights, ids, bf16_out)
 
-    def pairs(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def tile_tokens(self, pairs: int) -> int | None:
+        """moe_gemv_tiles' token tile for this many pairs (None: the pairs path)."""
+        return gemv_tile_tokens(pairs, self.gate_up.num_experts,
+                                (self.gate_up.in_features, self.down.in_features))
+
+    def pairs(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, bf16_out: bool = False
+              ) -> torch.Tensor:
         """The pairs path (moe_gemv) at any size; x bf16, contiguous and aligned."""
         top_k = ids.shape[1]
         flat = ids.reshape(-1).to(torch.int32)
@@ -204,20 +266,34 @@ class StackedExperts:
             order = torch.argsort(flat).to(torch.int32)
         gate_up = self.gate_up.rows(x, flat, order, top_k, float_out=False)
         rows = self.down.rows(silu_and_mul(gate_up), flat, order, 1, float_out=True)
-        return kernels.moe_combine(rows, weights.reshape(-1).float().contiguous(), top_k)
+        return kernels.moe_combine(rows, weights.reshape(-1).float().contiguous(), top_k, bf16_out)
 
-    def grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def tiles(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, tile_tokens: int,
+              bf16_out: bool = False) -> torch.Tensor:
+        """The expert-tiled dp4a path (moe_gemv_tiles) at any size, tiles of tile_tokens pairs: the bytes of the
+        pairs path; x bf16, contiguous and aligned."""
+        top_k = ids.shape[1]
+        flat, experts = ids.reshape(-1), self.gate_up.num_experts
+        # one launch for the plan where its block holds the pairs (decode batches), else torch's sort
+        planner = plan_groups_device if moe_plan_takes(flat.shape[0], experts) else plan_groups
+        plan = planner(flat, experts, tile_tokens)
+        gate_up = self.gate_up.tile_rows(x, plan, top_k, float_out=False)
+        rows = self.down.tile_rows(silu_and_mul(gate_up), plan, 1, float_out=True)
+        return kernels.moe_combine(rows, weights.reshape(-1).float().contiguous(), top_k, bf16_out)
+
+    def grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, bf16_out: bool = False
+                ) -> torch.Tensor:
         """The grouped path (moe_gemm) at any size; x bf16, contiguous and aligned."""
         tokens, top_k = ids.shape
         experts = self.gate_up.num_experts
         plan = plan_groups(ids.reshape(-1), experts, tile_tokens_for(tokens * top_k, experts))
         if plan.max_tiles > MAX_GRID_Y:  # more tiles than a grid holds: halves (a token's rows are its own)
             half = tokens // 2
-            return torch.cat([self.grouped(x[:half], weights[:half], ids[:half]),
-                              self.grouped(x[half:], weights[half:], ids[half:])])
+            return torch.cat([self.grouped(x[:half], weights[:half], ids[:half], bf16_out),
+                              self.grouped(x[half:], weights[half:], ids[half:], bf16_out)])
         gate_up = self.gate_up.grouped_rows(x, plan, top_k, float_out=False)
         rows = self.down.grouped_rows(silu_and_mul(gate_up), plan, 1, float_out=True)
-        return kernels.moe_combine(rows, weights.reshape(-1).float().contiguous(), top_k)
+        return kernels.moe_combine(rows, weights.reshape(-1).float().contiguous(), top_k, bf16_out)
 
     def emulate(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """What __call__ computes, in torch on any device (tests)."""

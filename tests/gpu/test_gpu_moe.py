@@ -154,7 +154,7 @@ def test_graph_capture_takes_the_grouped_path_beyond_the_pairs_limit(monkeypatch
     assert stacked is not None
     monkeypatch.setattr(moe_stacked, "PAIRS_MAX_TOKENS", 2)
     x = inputs(8, seed=13)
-    weights, ids = routed(moe, x)
+    weights, ids = moe._route_on_device(moe.router(x, out_dtype=torch.float32))  # the layer's router kernel
     want = stacked.grouped(x, weights, ids).to(torch.bfloat16)
     assert not torch.equal(want, stacked.pairs(x, weights, ids).to(torch.bfloat16)), "the two paths differ"
     side = torch.cuda.Stream()

@@ -201,9 +201,9 @@ def test_a_small_moe_model_gives_the_same_greedy_tokens_with_the_grouped_path(ta
     grouped_calls: list[int] = []
     real_grouped = moe_stacked.StackedExperts.grouped
 
-    def counted(self, x, weights, ids):
+    def counted(self, x, weights, ids, bf16_out=False):
         grouped_calls.append(x.shape[0])
-        return real_grouped(self, x, weights, ids)
+        return real_grouped(self, x, weights, ids, bf16_out)
 
     monkeypatch.setattr(moe_stacked.StackedExperts, "grouped", counted)
     gen = torch.Generator().manual_seed(2)

@@ -4,7 +4,9 @@ reads them there through cuda_groups.unpack_packed), the experts' own linears be
 second copy), the model of the whole path matches MoeFeedForward's host-grouped path over the same
 weights, and what the kernel does not take is left as it was. The grouped path's plan (the pairs sorted by
 expert, cut into tiles of one expert) puts every pair in exactly one tile of its expert, and its model
-(`emulate_grouped`, walking the tiles as moe_gemm's blocks do) matches the dense reference."""
+(`emulate_grouped`, walking the tiles as moe_gemm's blocks do) matches the dense reference. A call's path (pairs,
+dp4a tiles of 4 or 8, grouped) is a function of its sizes, and the device router keeps sigmoid_group on
+`route`."""
 
 from __future__ import annotations
 
@@ -17,7 +19,9 @@ from exlcli.ops.formats.dense import dense_linear
 from exlcli.ops.moe import Expert, MoeFeedForward, RouterSpec, route
 from exlcli.ops.moe_stacked import (
     PAIRS_MAX_TOKENS,
+    TILES_MIN_TOKENS,
     dp4a_rounded,
+    gemv_tile_tokens,
     plan_groups,
     stack_experts,
     stack_weights,
@@ -183,8 +187,15 @@ def test_the_kernel_wrappers_refuse_cpu_tensors_with_a_clear_error():
     with pytest.raises(KernelInputError, match="moe_gemm: x must be a CUDA tensor"):
         kernels.moe_gemm(x, torch.zeros(2, 16, dtype=torch.int32), torch.zeros(2, 8), 4, 32, 16,
                          torch.zeros(2, dtype=torch.int32), offsets, offsets, 32, 1, 2)
+    with pytest.raises(KernelInputError, match="moe_gemv_tiles: x must be a CUDA tensor"):
+        kernels.moe_gemv_tiles(x, torch.zeros(2, 16, dtype=torch.int32), torch.zeros(2, 8), 4, 32, 16,
+                               torch.zeros(2, dtype=torch.int32), offsets, offsets, 4, 1, 2)
     with pytest.raises(KernelInputError, match="moe_combine: rows must be a CUDA tensor"):
         kernels.moe_combine(torch.zeros(2, 16), torch.zeros(2), 2)
+    with pytest.raises(KernelInputError, match="moe_plan: ids must be a CUDA tensor"):
+        kernels.moe_plan(torch.zeros(4, dtype=torch.int32), 2, 4)
+    with pytest.raises(KernelInputError, match="moe_route: logits must be a CUDA tensor"):
+        kernels.moe_route(torch.zeros(2, 8), 2, True, True)
 
 
 def id_cases(gen: torch.Generator) -> dict[str, torch.Tensor]:
@@ -199,7 +210,7 @@ def id_cases(gen: torch.Generator) -> dict[str, torch.Tensor]:
     }
 
 
-@pytest.mark.parametrize("tile_tokens", [3, 32, 64])
+@pytest.mark.parametrize("tile_tokens", [3, 4, 8, 32, 64])
 def test_the_plan_puts_every_pair_in_one_tile_of_its_expert(tile_tokens):
     gen = torch.Generator().manual_seed(tile_tokens)
     for name, ids in id_cases(gen).items():
@@ -223,6 +234,45 @@ def test_the_plan_puts_every_pair_in_one_tile_of_its_expert(tile_tokens):
         counts = torch.bincount(ids, minlength=EXPERTS)
         assert tiles_used == int(((counts + tile_tokens - 1) // tile_tokens).sum()), name
         assert tile_pairs(plan, plan.max_tiles)[0] == -1
+
+
+def test_the_dp4a_tile_is_a_function_of_the_pairs_experts_and_widths():
+    qwen3 = (2048, 768)  # gate|up's and down's in_features
+    assert gemv_tile_tokens(16 * 8, 128, qwen3) == 4  # an expert has a pair on average: tiles of 4
+    assert gemv_tile_tokens(64 * 8, 128, qwen3) == 8  # four on average: tiles of 8
+    # x's int8 blocks of 8 tokens of 4096 features (48 KiB) do not fit beside the warps' sums: tiles of 4
+    assert gemv_tile_tokens(64 * 8, 128, (4096, 768)) == 4
+    assert gemv_tile_tokens(64 * 8, 128, (8192, 768)) is None  # nor those of 4: the pairs path
+
+
+def test_a_calls_path_is_a_function_of_its_token_count(monkeypatch):
+    packed, _ = experts_of(4, seed=40)
+    stacked = stack_experts([e.gate_up for e in packed], [e.down for e in packed])
+    assert stacked is not None
+    taken: list[tuple] = []
+    monkeypatch.setattr(stacked, "pairs", lambda x, w, ids, bf16_out=False: taken.append(("pairs", bf16_out)))
+    monkeypatch.setattr(stacked, "tiles",
+                        lambda x, w, ids, tile, bf16_out=False: taken.append(("tiles", tile, bf16_out)))
+    monkeypatch.setattr(stacked, "grouped", lambda x, w, ids, bf16_out=False: taken.append(("grouped", bf16_out)))
+    for tokens in (1, TILES_MIN_TOKENS, PAIRS_MAX_TOKENS, PAIRS_MAX_TOKENS + 1):
+        ids = torch.randint(0, EXPERTS, (tokens, TOP_K), dtype=torch.int32)
+        stacked(torch.zeros(tokens, HIDDEN), torch.ones(tokens, TOP_K), ids, bf16_out=tokens == 1)
+    wide = gemv_tile_tokens(PAIRS_MAX_TOKENS * TOP_K, EXPERTS, (HIDDEN, INTER))
+    assert taken == [("pairs", True), ("tiles", gemv_tile_tokens(TILES_MIN_TOKENS * TOP_K, EXPERTS, (HIDDEN, INTER)),
+                                                False), ("tiles", wide, False), ("grouped", False)]
+    assert wide == 8
+
+
+def test_the_device_router_keeps_sigmoid_group_on_route():
+    packed, _ = experts_of(4, seed=41)
+    gen = torch.Generator().manual_seed(41)
+    spec = RouterSpec("sigmoid_group", TOP_K, normalize=True, num_groups=2, topk_groups=1, scale=2.5)
+    router = dense_linear(torch.randn(EXPERTS, HIDDEN, generator=gen).to(torch.bfloat16), None)
+    moe = MoeFeedForward(router, spec, packed)
+    logits = torch.randn(5, EXPERTS, generator=gen)
+    got = moe._route_on_device(logits)
+    want = route(logits, spec)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_the_tile_is_a_function_of_the_pairs_and_experts():
