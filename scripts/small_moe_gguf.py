@@ -3,37 +3,28 @@ a transformers Qwen3MoeForCausalLM (hidden 512, 8 layers, 8 experts of width 102
 a 32,000-token byte-level BPE vocabulary) with transformers' own random init, converted by llama.cpp's
 convert_hf_to_gguf.py (../shared/peers/llama.cpp beside the checkout), then every 2-D and expert weight
 quantized by exlcli's quantizer to one type (llama.cpp's "pure" files; the router and the norms stay f32).
-The init is seeded: every run writes the same bytes.
+The init is seeded: every run writes the same bytes. The conversion and the requantization are the tests'
+own (tests/model/llama_cpp_convert.py, tests/model/requantize_gguf.py), so this needs the test extra.
 
     python3 scripts/small_moe_gguf.py OUT.gguf q4_0   # or q4_k
 """
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_CPP = ROOT.parent / "shared" / "peers" / "llama.cpp"
-sys.path[:0] = [str(ROOT), str(LLAMA_CPP / "gguf-py")]
+sys.path[:0] = [str(ROOT), str(LLAMA_CPP / "gguf-py"), str(ROOT / "tests" / "model")]
 
-import gguf  # noqa: E402
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from llama_cpp_convert import convert  # noqa: E402  (tests/model/llama_cpp_convert.py)
+from requantize_gguf import requantize  # noqa: E402  (tests/model/requantize_gguf.py)
 
 VOCAB = 32000
-# The tiny tokenizer is no tokenizer llama.cpp knows by its fingerprint: its pre-tokenizer is "default".
-_RUNNER = """
-import runpy, sys
-root = sys.argv[1]
-sys.path[:0] = [root, root + "/gguf-py"]
-from conversion.base import TextModel
-TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
-sys.argv = [root + "/convert_hf_to_gguf.py"] + sys.argv[2:]
-runpy.run_path(root + "/convert_hf_to_gguf.py", run_name="__main__")
-"""
+FILE_TYPES = {"q4_0": 2, "q4_k": 14}  # llama_ftype MOSTLY_Q4_0, MOSTLY_Q4_K_S
 
 
 def _byte_chars() -> list[str]:
@@ -71,33 +62,6 @@ def write_hf(folder: Path) -> None:
     tok.save(str(folder / "tokenizer.json"))
 
 
-def requantize(source: Path, target: Path, kind: str) -> None:
-    from exlcli.ops.formats.quantize import quantize
-
-    reader = gguf.GGUFReader(str(source))
-    writer = gguf.GGUFWriter(str(target), reader.fields["general.architecture"].contents())
-    for key, field in reader.fields.items():
-        if key.startswith(("GGUF.", "general.architecture")):
-            continue
-        value = field.contents()
-        if key == "general.file_type":
-            value = {"Q4_0": 2, "Q4_K": 14}[kind]
-        sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(key, value, field.types[0], sub_type=sub_type)
-    for t in reader.tensors:
-        shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists the row length first
-        data = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(shape).astype(np.float32)
-        if data.ndim < 2 or "ffn_gate_inp" in t.name:
-            writer.add_tensor(t.name, data)
-            continue
-        blocks = quantize(torch.from_numpy(data.reshape(-1, shape[-1])), kind).numpy()
-        writer.add_tensor(t.name, blocks.reshape(*shape[:-1], -1), raw_dtype=gguf.GGMLQuantizationType[kind])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
@@ -106,9 +70,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder, f32 = Path(tmp) / "hf", Path(tmp) / "model.f32.gguf"
         write_hf(folder)
-        subprocess.run([sys.executable, "-c", _RUNNER, str(LLAMA_CPP), str(folder), "--outtype", "f32",
-                        "--outfile", str(f32)], check=True, stdout=subprocess.DEVNULL)
-        requantize(f32, args.out, args.type.upper())
+        convert(folder, f32)
+        kind = args.type.upper()
+        requantize(str(f32), str(args.out),
+                   lambda name, data: "F32" if data.ndim < 2 or "ffn_gate_inp" in name else kind,
+                   FILE_TYPES[args.type])
     print(f"wrote {args.out} ({args.out.stat().st_size / 1e6:.1f} MB)")
 
 

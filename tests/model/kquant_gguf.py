@@ -50,9 +50,10 @@ def quantize_tensors(tensors: dict[str, np.ndarray], type_of: TypeOf
     raw = {}
     for name, data in tensors.items():
         kind = type_of(name, data)
-        if kind != "F32":
-            blocks = quantize(torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)), kind)
-            raw[name] = (blocks.numpy(), gguf.GGMLQuantizationType[kind])
+        if kind != "F32":  # a stacked [experts, rows, cols] tensor: every expert's rows, quantized alike
+            rows = np.ascontiguousarray(data, dtype=np.float32).reshape(-1, data.shape[-1])
+            blocks = quantize(torch.from_numpy(rows), kind).numpy()
+            raw[name] = (blocks.reshape(*data.shape[:-1], -1), gguf.GGMLQuantizationType[kind])
     return raw
 
 
