@@ -3,11 +3,12 @@ width 768; random weights as a Q4_K_M file has them: 4-bit gate|up, 6-bit down) 
 median of the repeats: the layer as it runs (`moe(x)`, the path its token count takes) eagerly and as a CUDA
 graph; the host-grouped path (each active expert's products, counts read on the host); and the routed
 experts alone on each device path (exlcli/ops/moe_stacked.py, csrc/moe.cu): over (token, slot) pairs
-(moe_gemv, one token's), in dp4a tiles of 4 and of 8 pairs of one expert (moe_gemv_tiles, decode batches') and
-grouped by expert on the tensor cores (moe_gemm, prefill's) in tiles of 32 and of 64 pairs; and the router's
-choice from its logits, torch's `route` against the moe_route kernel, and the plan of the tiles of 4 in torch
-(`plan_groups`) against the moe_plan kernel. With --graphs every column past the host-grouped one is timed as a
-CUDA graph's replay too (as a decode step runs them; eager times include each kernel's launch from Python):
+(moe_gemv, small decode batches') and grouped by expert on the tensor cores (moe_gemm, larger batches' and
+prefill's) in tiles of 32 and of 64 pairs, planned as the grouped path plans them (`plan_pairs`); and the
+router's choice from its logits, torch's `route` against the moe_route kernel, and the plan of the tiles of 32
+in torch (`plan_groups`) against the moe_plan kernel. With --graphs every column past the host-grouped one is
+timed as a CUDA graph's replay too (as a decode step runs them; eager times include each kernel's launch from
+Python):
 
     python3 scripts/moe_bench.py [--tokens 1,4,16,64,512,2048] [--repeats 50] [--down-bits 6] [--graphs]
 """
@@ -81,7 +82,7 @@ def grouped_tile(stacked: moe_stacked.StackedExperts, x: torch.Tensor, weights: 
                  tile: int) -> torch.Tensor:
     """StackedExperts.grouped with its token tile set (the tile changes no result, only the time)."""
     top_k = ids.shape[1]
-    plan = moe_stacked.plan_groups(ids.reshape(-1), stacked.gate_up.num_experts, tile)
+    plan = moe_stacked.plan_pairs(ids.reshape(-1), stacked.gate_up.num_experts, tile)
     gate_up = stacked.gate_up.grouped_rows(x, plan, top_k, float_out=False)
     rows = stacked.down.grouped_rows(silu_and_mul(gate_up), plan, 1, float_out=True)
     return kernels.moe_combine(rows, weights.reshape(-1).float().contiguous(), top_k)
@@ -102,9 +103,8 @@ def main() -> int:
     assert moe.stacked is not None
     print(f"{torch.cuda.get_device_name()}: one MoE layer, {EXPERTS} experts, top {TOP_K}, {args.bits}-bit gate|up, "
           f"{args.down_bits}-bit down; median us a call")
-    print(f"{'tokens':>6} {'layer':>8} {'layer graph':>12} {'host-grouped':>13} {'pairs':>8} {'tiles 4':>8} "
-          f"{'tiles 8':>8} {'grouped 32':>11} {'grouped 64':>11} {'route':>7} {'moe_route':>10} "
-          f"{'plan':>6} {'moe_plan':>9}")
+    print(f"{'tokens':>6} {'layer':>8} {'layer graph':>12} {'host-grouped':>13} {'pairs':>8} "
+          f"{'grouped 32':>11} {'grouped 64':>11} {'route':>7} {'moe_route':>10} {'plan':>6} {'moe_plan':>9}")
     stacked = moe.stacked
     for tokens in [int(t) for t in args.tokens.split(",")]:
         x = (torch.randn(tokens, HIDDEN, device="cuda") * 0.5).to(torch.bfloat16)
@@ -119,17 +119,15 @@ def main() -> int:
         weights, ids = route(logits, moe.spec)
         timed = graph_us if args.graphs else median_us
         pairs = timed(lambda: stacked.pairs(x, weights, ids), args.repeats)
-        tiles = [timed(lambda: stacked.tiles(x, weights, ids, tile), args.repeats) for tile in (4, 8)]
         grouped = [timed(lambda: grouped_tile(stacked, x, weights, ids, tile), args.repeats) for tile in (32, 64)]
         route_us = timed(lambda: route(logits, moe.spec), args.repeats)
         kernel_us = timed(lambda: kernels.moe_route(logits, TOP_K, True, True), args.repeats)
         flat = ids.reshape(-1).to(torch.int32)
-        plan_us = timed(lambda: moe_stacked.plan_groups(flat, EXPERTS, 4), args.repeats)
-        plan_kernel_us = (timed(lambda: moe_stacked.plan_groups_device(flat, EXPERTS, 4), args.repeats)
+        plan_us = timed(lambda: moe_stacked.plan_groups(flat, EXPERTS, 32), args.repeats)
+        plan_kernel_us = (timed(lambda: moe_stacked.plan_groups_device(flat, EXPERTS, 32), args.repeats)
                           if moe_plan_takes(flat.shape[0], EXPERTS) else float("nan"))
-        print(f"{tokens:>6} {layer_us:>8.1f} {replay:>12.1f} {host:>13.1f} {pairs:>8.1f} {tiles[0]:>8.1f} "
-              f"{tiles[1]:>8.1f} {grouped[0]:>11.1f} {grouped[1]:>11.1f} {route_us:>7.1f} {kernel_us:>10.1f} "
-              f"{plan_us:>6.1f} {plan_kernel_us:>9.1f}")
+        print(f"{tokens:>6} {layer_us:>8.1f} {replay:>12.1f} {host:>13.1f} {pairs:>8.1f} {grouped[0]:>11.1f} "
+              f"{grouped[1]:>11.1f} {route_us:>7.1f} {kernel_us:>10.1f} {plan_us:>6.1f} {plan_kernel_us:>9.1f}")
     return 0
 
 

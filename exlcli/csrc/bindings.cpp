@@ -40,9 +40,6 @@ TORCH_LIBRARY(exlcli, m) {
   m.def("moe_gemm(Tensor x, Tensor qweight, Tensor scales, int bits, int group, int n, Tensor order, "
         "Tensor expert_offsets, Tensor tile_offsets, int tile_tokens, int max_tiles, int rows_per_x, bool float_out, "
         "bool pdl) -> Tensor");
-  m.def("moe_gemv_tiles(Tensor x, Tensor qweight, Tensor scales, int bits, int group, int n, Tensor order, "
-        "Tensor expert_offsets, Tensor tile_offsets, int tile_tokens, int max_tiles, int rows_per_x, bool float_out, "
-        "bool pdl) -> Tensor");
   m.def("moe_combine(Tensor rows, Tensor weights, int top_k, bool bf16_out, bool pdl) -> Tensor");
   m.def("moe_plan(Tensor ids, int experts, int tile_tokens, bool pdl) -> (Tensor, Tensor, Tensor)");
   m.def("moe_route(Tensor logits, int top_k, bool softmax_first, bool normalize, bool pdl) -> (Tensor, Tensor)");
@@ -81,7 +78,6 @@ TORCH_LIBRARY_IMPL(exlcli, CUDA, m) {
   m.impl("exl3_dequantize", &exlcli::exl3_dequantize);
   m.impl("moe_gemv", &exlcli::moe_gemv);
   m.impl("moe_gemm", &exlcli::moe_gemm);
-  m.impl("moe_gemv_tiles", &exlcli::moe_gemv_tiles);
   m.impl("moe_combine", &exlcli::moe_combine);
   m.impl("moe_plan", &exlcli::moe_plan);
   m.impl("moe_route", &exlcli::moe_route);

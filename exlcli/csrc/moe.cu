@@ -11,13 +11,6 @@
 // that quant_linear gives one token: each pair's row is the bytes of quant_linear over that expert's
 // weights and that row alone, whatever the other pairs.
 //
-// moe_gemv_tiles: the same rows for a few tokens (decode batches), each expert's weights read once a tile of
-// its pairs rather than once a pair: the pairs sorted by expert on the device (moe_stacked.plan_groups, the
-// plan moe_gemm takes), block (x, y) takes token tile x (up to M pairs of one expert) and row tile y, and runs
-// the dp4a body over the M rows of x it gathers. The dp4a body adds a token's products in an order set by its
-// warps alone (quant_gemv_dp4a.cuh), and the launch gives the warps of moe_gemv: each pair's row is the bytes
-// of moe_gemv's, whatever the tile and the other pairs in it.
-//
 // moe_combine: out[t] = sum over the k slots of token t, in slot order, of weight * row (fp32; stored as fp32
 // or rounded once to bf16): a fixed order, so a token's result does not depend on the batch (no atomics).
 //
@@ -102,14 +95,7 @@ __global__ void __launch_bounds__(WARPS * 32) moe_gemv_kernel(MoeParams mp) {
 // with 4.
 constexpr int kDp4aWideMaxTiles = 256;
 
-// moe_gemv_tiles' shared memory for M tokens a tile of k features: the int8 blocks of x (dynamic) and the
-// warps' partial sums (static, 16 warps at most); within the 48 KiB a block has without opting in.
-constexpr int kMoeTileMaxShared = 48 * 1024;
 constexpr int64_t kPlanMaxShared = 44 * 1024;  // moe_plan's pairs' experts and experts' counts (4 bytes each)
-__host__ __device__ constexpr size_t moe_tile_shared_bytes(int m, int k) {
-  return qlinear::dp4a_smem_bytes(m, k) + static_cast<size_t>(16) * m * qlinear::kTileRows * sizeof(float) +
-         static_cast<size_t>(m) * sizeof(int);
-}
 
 template <int BITS>
 void launch_moe_gemv(const MoeParams& mp, int pairs, bool float_out, cudaStream_t stream, bool pdl) {
@@ -125,16 +111,16 @@ void launch_moe_gemv(const MoeParams& mp, int pairs, bool float_out, cudaStream_
   }
 }
 
-// moe_gemm: the grouped product of many tokens (prefill). The pairs arrive sorted by expert (order), with
-// each expert's first sorted position (expert_offsets [E + 1]) and its first token tile (tile_offsets [E + 1]:
-// ceil(count / (8 NT)) tiles an expert, summed). Block (x, y) takes RT row tiles x RT .. and token tile y: it
-// finds the expert whose tiles hold y (a binary search of tile_offsets), takes that expert's sorted pairs
-// expert_offsets[e] + 8 NT (y - tile_offsets[e]) .. (at most 8 NT), and runs quant_linear_kernel's body over
-// them: the rows of x gathered by pair (pair / rows_per_x), the weights offset by the expert, the outputs
-// scattered to the pairs' rows. The grid's y is an upper bound of the tiles (known from the sizes alone, so
-// there is no host sync: a CUDA graph captures it); blocks past the last tile return at once. A row's products
-// are added in the order of quant_linear_kernel (chunks by warp, warps in order), whatever the tile or the
-// other rows in it: each pair's row is the bytes of quant_linear's tensor-core kernel over that expert.
+// moe_gemm: the grouped product of many tokens (large decode batches, prefill). The pairs arrive sorted by expert
+// (order), with each expert's first sorted position (expert_offsets [E + 1]) and its first token tile (tile_offsets
+// [E + 1]: ceil(count / (8 NT)) tiles an expert, summed). Block (x, y) takes RT row tiles x RT .. and token tile y:
+// it finds the expert whose tiles hold y (a binary search of tile_offsets), takes that expert's sorted pairs
+// expert_offsets[e] + 8 NT (y - tile_offsets[e]) .. (at most 8 NT), and runs quant_linear_kernel's body over them:
+// the rows of x gathered by pair (pair / rows_per_x), the weights offset by the expert, the outputs scattered to
+// the pairs' rows. The grid's y is an upper bound of the tiles (known from the sizes alone, so there is no host
+// sync: a CUDA graph captures it); blocks past the last tile return at once. A row's products are added in the
+// order of quant_linear_kernel (chunks by warp, warps in order), whatever the tile or the other rows in it: each
+// pair's row is the bytes of quant_linear's tensor-core kernel over that expert.
 struct GroupedParams {
   const __nv_bfloat16* x;         // [rows, k] bf16, rows 16-byte aligned
   const uint32_t* qweight;        // [experts, expert_words]
@@ -291,82 +277,6 @@ void launch_moe_gemm(const GroupedParams& gp, int tile_tokens, int max_tiles, bo
   }
 }
 
-// moe_gemv_tiles' block: up to M sorted pairs of one expert (pair_of, in shared memory) and row tile blockIdx.y;
-// the rows of x are the pairs' (pair / rows_per_x), the outputs the pairs' rows.
-template <int M>
-struct ExpertTokenTile {
-  const int* pair_of;  // [M] the tile's pairs (shared memory)
-  int tokens;          // how many of the M are pairs
-  int rows_per_x;
-
-  __device__ __forceinline__ int tile(int) const { return blockIdx.y; }
-  __device__ __forceinline__ int count() const { return tokens; }
-  __device__ __forceinline__ const __nv_bfloat16* row(const qlinear::Params& p, int m) const {
-    return p.x + static_cast<size_t>(pair_of[m] / rows_per_x) * p.k;
-  }
-
-  // the warps' partial sums added in warp order, as PairTile (and quant_linear's ConsecutiveTiles) add them
-  template <bool FLOAT_OUT, int WARPS, int MM>
-  __device__ __forceinline__ void store(const qlinear::Params& p,
-                                        const float (&partial)[WARPS][1][MM][qlinear::kTileRows]) const {
-    static_assert(MM == M, "the tile's tokens");
-    for (int i = threadIdx.x; i < tokens * qlinear::kTileRows; i += WARPS * 32) {
-      const int m = i / qlinear::kTileRows, row_in_tile = i - m * qlinear::kTileRows;
-      float sum = 0.0f;
-#pragma unroll
-      for (int w = 0; w < WARPS; ++w) sum += partial[w][0][m][row_in_tile];
-      qlinear::store_output<FLOAT_OUT>(p, pair_of[m], tile(0) * qlinear::kTileRows + row_in_tile, sum);
-    }
-  }
-};
-
-template <int BITS, int M, int UNROLL, bool FLOAT_OUT, int WARPS>
-__global__ void __launch_bounds__(WARPS * 32) moe_gemv_tiles_kernel(GroupedParams gp) {
-  __shared__ int pair_of[M];
-  grid_dependency_wait();  // the order and the offsets are the previous kernels' output
-  int expert, first, count;
-  if (!find_token_tile(gp, static_cast<int>(blockIdx.x), M, expert, first, count)) return;
-  if (threadIdx.x < M) pair_of[threadIdx.x] = static_cast<int>(threadIdx.x) < count ? gp.order[first + threadIdx.x] : 0;
-  __syncthreads();
-  qlinear::Params p{};
-  p.x = gp.x;
-  p.qweight = gp.qweight + static_cast<size_t>(expert) * gp.expert_words;
-  p.scales = gp.scales + static_cast<size_t>(expert) * gp.expert_scales;
-  p.bias = nullptr;
-  p.out = gp.out;
-  p.m = count;
-  p.n = gp.n;
-  p.k = gp.k;
-  p.group_log2 = gp.group_log2;
-  const ExpertTokenTile<M> tile{pair_of, count, gp.rows_per_x};
-  qlinear::dp4a_gemv<BITS, M, 1, UNROLL, FLOAT_OUT, WARPS>(p, tile, tile);
-}
-
-// moe_gemv's warps and ring (launch_moe_gemv), so that each pair's row is moe_gemv's.
-template <int BITS, int M>
-void launch_moe_gemv_tiles(const GroupedParams& gp, int max_tiles, bool float_out, cudaStream_t stream, bool pdl) {
-  const int tiles = gp.n / qlinear::kTileRows;
-  const dim3 grid(max_tiles, tiles);
-  const size_t smem = qlinear::dp4a_smem_bytes(M, gp.k);
-  if (float_out) {
-    launch_pdl(moe_gemv_tiles_kernel<BITS, M, 4, true, 8>, grid, dim3(8 * 32), smem, stream, pdl, gp);
-  } else if (tiles <= kDp4aWideMaxTiles) {
-    launch_pdl(moe_gemv_tiles_kernel<BITS, M, 2, false, 16>, grid, dim3(16 * 32), smem, stream, pdl, gp);
-  } else {
-    launch_pdl(moe_gemv_tiles_kernel<BITS, M, 4, false, 8>, grid, dim3(8 * 32), smem, stream, pdl, gp);
-  }
-}
-
-template <int BITS>
-void launch_moe_gemv_tiles_m(const GroupedParams& gp, int tile_tokens, int max_tiles, bool float_out,
-                             cudaStream_t stream, bool pdl) {
-  if (tile_tokens == 4) {
-    launch_moe_gemv_tiles<BITS, 4>(gp, max_tiles, float_out, stream, pdl);
-  } else {
-    launch_moe_gemv_tiles<BITS, 8>(gp, max_tiles, float_out, stream, pdl);
-  }
-}
-
 template <typename Out>
 __global__ void __launch_bounds__(256) moe_combine_kernel(const float* __restrict__ rows,
                                                           const float* __restrict__ weights,
@@ -388,11 +298,12 @@ __global__ void __launch_bounds__(256) moe_combine_kernel(const float* __restric
   grid_dependents_launch();
 }
 
-// moe_plan: plan_groups' plan of a few pairs (decode batches) in one launch of one block, where torch takes a
-// sort and half a dozen small kernels: each pair's expert and the experts' counts in shared memory (ids outside
-// 0 .. E - 1 counted in a bucket after the last expert), the counts' and tiles' exclusive prefix sums over the
-// block (each thread a run of experts), then pair i's place: its expert's first place plus the pairs of that
-// expert before i (a stable counting sort: the order of torch.sort(stable=True) for valid ids).
+// moe_plan: plan_groups' plan in one launch of one block, for as many pairs as its shared memory holds
+// (kPlanMaxShared: about 1,390 tokens of 8 over 128 experts), where torch takes a sort and half a dozen small
+// kernels: each pair's expert and the experts' counts in shared memory (ids outside 0 .. E - 1 counted in a bucket
+// after the last expert), the counts' and tiles' exclusive prefix sums over the block (each thread a run of
+// experts), then pair i's place: its expert's first place plus the pairs of that expert before i (a stable counting
+// sort: the order of torch.sort(stable=True) for valid ids).
 constexpr int kPlanThreads = 1024;
 
 // Exclusive prefix sums of two counts over the block's threads in thread order, and their totals. Every
@@ -644,7 +555,7 @@ at::Tensor moe_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Te
 
 namespace {
 
-// moe_gemm's and moe_gemv_tiles' checks of a plan over stacked experts, and its GroupedParams (out unset).
+// moe_gemm's checks of a plan over stacked experts, and its GroupedParams (out unset).
 GroupedParams grouped_params(const char* op, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                              int64_t bits, int64_t group, int64_t n, const at::Tensor& order,
                              const at::Tensor& expert_offsets, const at::Tensor& tile_offsets, int64_t max_tiles,
@@ -725,33 +636,6 @@ at::Tensor moe_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Te
     launch_moe_gemm<6>(gp, tokens, tiles, float_out, stream, pdl);
   } else {
     launch_moe_gemm<8>(gp, tokens, tiles, float_out, stream, pdl);
-  }
-  return out;
-}
-
-at::Tensor moe_gemv_tiles(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t bits,
-                          int64_t group, int64_t n, const at::Tensor& order, const at::Tensor& expert_offsets,
-                          const at::Tensor& tile_offsets, int64_t tile_tokens, int64_t max_tiles, int64_t rows_per_x,
-                          bool float_out, bool pdl) {
-  const char* op = "moe_gemv_tiles";
-  GroupedParams gp = grouped_params(op, x, qweight, scales, bits, group, n, order, expert_offsets, tile_offsets,
-                                    max_tiles, rows_per_x);
-  TORCH_CHECK(tile_tokens == 4 || tile_tokens == 8, op, ": tile_tokens must be 4 or 8, got ", tile_tokens);
-  TORCH_CHECK(moe_tile_shared_bytes(static_cast<int>(tile_tokens), static_cast<int>(x.size(1))) <= kMoeTileMaxShared,
-              op, ": k (", x.size(1), ") is too large for ", tile_tokens, " tokens a tile in shared memory");
-  const c10::cuda::CUDAGuard guard(x.device());
-  const int64_t pairs = order.size(0);
-  at::Tensor out = at::empty({pairs, n}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
-  if (pairs == 0 || max_tiles == 0) return out;
-  gp.out = out.data_ptr();
-  const cudaStream_t stream = current_stream();
-  const int tiles = static_cast<int>(max_tiles), tokens = static_cast<int>(tile_tokens);
-  if (bits == 4) {
-    launch_moe_gemv_tiles_m<4>(gp, tokens, tiles, float_out, stream, pdl);
-  } else if (bits == 6) {
-    launch_moe_gemv_tiles_m<6>(gp, tokens, tiles, float_out, stream, pdl);
-  } else {
-    launch_moe_gemv_tiles_m<8>(gp, tokens, tiles, float_out, stream, pdl);
   }
   return out;
 }

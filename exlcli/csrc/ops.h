@@ -122,12 +122,6 @@ at::Tensor moe_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Te
                     int64_t group, int64_t n, const at::Tensor& order, const at::Tensor& expert_offsets,
                     const at::Tensor& tile_offsets, int64_t tile_tokens, int64_t max_tiles, int64_t rows_per_x,
                     bool float_out, bool pdl);
-// moe_gemv_tiles: moe_gemv's rows for a plan of moe_gemm's shape in tiles of tile_tokens (4 or 8) pairs of one
-// expert, on the dp4a body: each pair's row the bytes of moe_gemv's, each expert's weights read once a tile.
-at::Tensor moe_gemv_tiles(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t bits,
-                          int64_t group, int64_t n, const at::Tensor& order, const at::Tensor& expert_offsets,
-                          const at::Tensor& tile_offsets, int64_t tile_tokens, int64_t max_tiles, int64_t rows_per_x,
-                          bool float_out, bool pdl);
 // moe_combine: into fp32 [tokens, n], or that sum rounded to bf16 (bf16_out).
 at::Tensor moe_combine(const at::Tensor& rows, const at::Tensor& weights, int64_t top_k, bool bf16_out, bool pdl);
 // moe_route: fp32 router logits [tokens, experts] -> (weights fp32, ids int32) [tokens, top_k], top_k <= 32:

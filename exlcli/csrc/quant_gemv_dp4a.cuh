@@ -43,27 +43,14 @@ __device__ __forceinline__ uint32_t pack_s8(int a, int b, int c, int d) {
   return __byte_perm(__byte_perm(a, b, 0x0040), __byte_perm(c, d, 0x0040), 0x5410);
 }
 
-// The rows of x a block takes: token m is row m of p.x, all M of them (quant_linear). A kernel that gathers
-// its tokens (moe.cu's expert tiles) passes its own: row(p, m) the token's first feature and count() how many
-// of the M are tokens (the others are neither quantized nor computed).
-template <int M>
-struct ConsecutiveRows {
-  __device__ __forceinline__ const __nv_bfloat16* row(const Params& p, int m) const {
-    return p.x + static_cast<size_t>(m) * p.k;
-  }
-  __device__ __forceinline__ int count() const { return M; }
-};
-
-// The block's tokens of x (bf16, `rows`) -> the int8 blocks of every token: word s of block b holds features
+// x [M, k] bf16 -> the int8 blocks of every token: word s of block b holds features
 // 16 b + 4 s + {0, 2, 1, 3}, the byte order of the weights' masked nibbles. Every thread must call it.
-template <int M, typename Rows>
-__device__ void quantize_x16(const Params& p, const Rows& rows, uint4* xq, float2* xs) {
-  const int k = p.k;
+template <int M>
+__device__ void quantize_x16(const __nv_bfloat16* __restrict__ x, int k, uint4* xq, float2* xs) {
   const int blocks = k / kXBlock;
-  const int tokens = rows.count();
-  for (int i = threadIdx.x; i < tokens * blocks; i += blockDim.x) {
+  for (int i = threadIdx.x; i < M * blocks; i += blockDim.x) {
     const int token = i / blocks, b = i - token * blocks;
-    const uint4* src = reinterpret_cast<const uint4*>(rows.row(p, token) + kXBlock * b);
+    const uint4* src = reinterpret_cast<const uint4*>(x + static_cast<size_t>(token) * k + kXBlock * b);
     const uint4 v[2] = {src[0], src[1]};
     float f[kXBlock];
 #pragma unroll
@@ -159,12 +146,9 @@ struct ConsecutiveTiles {
 // The body of a block: RT row tiles a block share the activations a warp reads from shared memory; WARPS
 // warps split a row tile's chunks, UNROLL chunks of each warp's in flight (a ring: a chunk's slot is loaded
 // again right after it is computed). A device function so that kernels which pick a block's weights and
-// rows first (moe.cu: each block's expert and its tokens) run the same sequence of operations. A token's
-// sums are its own chain of operations, in an order set by WARPS alone (not by M, UNROLL, the rows or how
-// many of the M are tokens): any M gives each token the bytes of M = 1 with the same WARPS.
-template <int BITS, int M, int RT, int UNROLL, bool FLOAT_OUT, int WARPS, typename Tiles,
-          typename Rows = ConsecutiveRows<M>>
-__device__ __forceinline__ void dp4a_gemv(const Params& p, const Tiles& tiles, const Rows& rows = Rows{}) {
+// rows first (moe.cu: each block's expert and token) run the same sequence of operations.
+template <int BITS, int M, int RT, int UNROLL, bool FLOAT_OUT, int WARPS, typename Tiles>
+__device__ __forceinline__ void dp4a_gemv(const Params& p, const Tiles& tiles) {
   static_assert(BITS == 4 || BITS == 6 || BITS == 8, "the integer layouts (not e4m3)");
   extern __shared__ uint4 s_x[];
   __shared__ float partial[WARPS][RT][M][kTileRows];
@@ -185,8 +169,7 @@ __device__ __forceinline__ void dp4a_gemv(const Params& p, const Tiles& tiles, c
     }
   }
   grid_dependency_wait();  // x is the previous kernel's output
-  quantize_x16<M>(p, rows, xq, xs);
-  const int tokens = rows.count();
+  quantize_x16<M>(p.x, p.k, xq, xs);
   __syncthreads();
 
   float y[RT][M][2];
@@ -206,10 +189,8 @@ __device__ __forceinline__ void dp4a_gemv(const Params& p, const Tiles& tiles, c
       float2 ds[M];
 #pragma unroll
       for (int m = 0; m < M; ++m) {
-        if (m < tokens) {
-          xw[m] = xq[m * blocks + b];
-          ds[m] = xs[m * blocks + b];
-        }
+        xw[m] = xq[m * blocks + b];
+        ds[m] = xs[m * blocks + b];
       }
 #pragma unroll
       for (int r = 0; r < RT; ++r) {
@@ -222,7 +203,6 @@ __device__ __forceinline__ void dp4a_gemv(const Params& p, const Tiles& tiles, c
           step_bytes<BITS>(ring[u][r], step, lo, hi);
 #pragma unroll
           for (int m = 0; m < M; ++m) {
-            if (m >= tokens) break;
             const uint32_t xv = step == 0 ? xw[m].x : step == 1 ? xw[m].y : step == 2 ? xw[m].z : xw[m].w;
             dot_lo[m] = dp4a_us(lo, xv, dot_lo[m]);
             dot_hi[m] = dp4a_us(hi, xv, dot_hi[m]);
@@ -231,7 +211,6 @@ __device__ __forceinline__ void dp4a_gemv(const Params& p, const Tiles& tiles, c
         const float2 a_lo = row_affine<BITS>(ring[u][r].lo), a_hi = row_affine<BITS>(ring[u][r].hi);
 #pragma unroll
         for (int m = 0; m < M; ++m) {
-          if (m >= tokens) break;
           y[r][m][0] = fmaf(ds[m].x, fmaf(a_lo.x, static_cast<float>(dot_lo[m]), a_lo.y * ds[m].y), y[r][m][0]);
           y[r][m][1] = fmaf(ds[m].x, fmaf(a_hi.x, static_cast<float>(dot_hi[m]), a_hi.y * ds[m].y), y[r][m][1]);
         }

@@ -19,8 +19,9 @@ Routing is plain tensor work with no host synchronisation; on the stacked device
 ties to the lower id), `sigmoid_group` takes `route`. The expert products take one of these paths:
 - on a GPU, experts of packed integer weights (exlcli/ops/moe_stacked.py) are stacked at load and run
   as a few kernels with the expert ids on the device, at any size: up to moe_stacked.PAIRS_MAX_TOKENS
-  tokens over (token, slot) pairs (decode), beyond grouped by expert on the tensor cores (prefill). No
-  host sync on either, so a decode step can be a CUDA graph; the path is a function of the token count;
+  tokens over (token, slot) pairs (small decode batches), beyond grouped by expert on the tensor cores (larger
+  decode batches, prefill). No host sync on either, so a decode step can be a CUDA graph; the path is a
+  function of the token count;
 - on the CPU with its kernels, a layer whose experts all run on the C matmul and use `silu` takes the
   routed experts in one C call (exlcli/ops/cpu/moe_experts.py), bit for bit the expert-by-expert path;
   on the CPU kernels a layer routes in one C call too (exlcli/ops/cpu/moe_router.py: softmax_topk and

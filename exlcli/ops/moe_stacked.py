@@ -5,28 +5,22 @@ At load, experts whose gate|up and down projections are packed integer weights o
 into one tensor per projection, [E, ...] qweight and scales, and each expert's linear keeps working on
 its view of them: the per-expert copies are freed, so the weights take no more memory than before.
 
-A routed step then runs csrc/moe.cu over (token, slot) pairs, with the router's expert ids on the
-device: gate|up of each pair's expert over its token's row (bf16), SiLU-and-mul, down of each pair's
-expert (fp32), and the pairs of a token summed in slot order with their router weights. Each pair's
-row is the bytes of quant_linear over that expert at one token (the dp4a kernel), and the sum's order
-is fixed, so a token's result does not depend on the batch.
+Up to PAIRS_MAX_TOKENS tokens (small decode batches) a routed step runs csrc/moe.cu's moe_gemv over (token, slot)
+pairs, with the router's expert ids on the device: gate|up of each pair's expert over its token's row (bf16),
+SiLU-and-mul, down of each pair's expert (fp32), and the pairs of a token summed in slot order with their router
+weights. Each pair's row is the bytes of quant_linear over that expert at one token (the dp4a kernel), and the
+sum's order is fixed, so a token's result does not depend on the batch.
 
-From TILES_MIN_TOKENS to PAIRS_MAX_TOKENS tokens (decode batches) the pairs are first sorted by expert on the
-device (`plan_groups_device`: the moe_plan kernel's one launch for plan_groups' plan, in tiles of 4 or 8 pairs:
-`gemv_tile_tokens`) and moe_gemv_tiles takes a tile of one
-expert's pairs a block, running the same dp4a body over the tile's rows of x at once: each expert's weights are
-read once a tile rather than once a pair, and each pair's row is the bytes of moe_gemv's (the body adds a
-token's products in an order its warps alone set), so the path changes no result.
-
-Past PAIRS_MAX_TOKENS tokens (prefill chunks) a call takes the grouped path instead: the pairs sorted by
-expert on the device (`plan_groups`: the order, each expert's first place in it and its first token tile),
-then one moe_gemm launch per projection, whose blocks each take a tile of one expert's sorted pairs (32 or 64)
-and run quant_linear's tensor-core tile over them (each expert's weights read once a tile, not once a pair),
-SiLU-and-mul, and the same moe_combine. Neither path syncs with the host, so a CUDA graph captures either; the
-path is a function of the token count alone. Each pair's row on the grouped path is the bytes of
-quant_linear's tensor-core kernel over its expert (x in bf16, not rounded to int8: it differs from the pairs
-path by that rounding), whatever the tile and the other pairs in it, so a token's result on it does not depend
-on the other tokens of the call either.
+Past PAIRS_MAX_TOKENS tokens (larger decode batches, prefill chunks) a call takes the grouped path instead: the
+pairs sorted by expert on the device (`plan_pairs`: the order, each expert's first place in it and its first token
+tile; the moe_plan kernel's one launch where its block holds the pairs, else torch's sort), then one moe_gemm
+launch per projection, whose blocks each take a tile of one expert's sorted pairs (32 or 64) and run
+quant_linear's tensor-core tile over them (each expert's weights read once a tile, not once a pair), SiLU-and-mul,
+and the same moe_combine. Neither path syncs with the host, so a CUDA graph captures either; the path is a
+function of the token count alone. Each pair's row on the grouped path is the bytes of quant_linear's tensor-core
+kernel over its expert (x in bf16, not rounded to int8: it differs from the pairs path by that rounding), whatever
+the tile and the other pairs in it, so a token's result on it does not depend on the other tokens of the call
+either.
 
 `emulate` is the torch model of those kernels (the same offsets into the stacked tensors, the layout
 read by cuda_groups.unpack_packed, x rounded to int8 per 16 features as the dp4a kernel does): the CPU
@@ -46,29 +40,25 @@ from exlcli.ops.activation import silu_and_mul, silu_and_mul_ref
 from exlcli.ops.cuda import kernels
 from exlcli.ops.cuda.checks import MAX_GRID_Y
 from exlcli.ops.cuda.limits import (
-    MOE_GEMV_TILE_TOKENS,
     MOE_TILE_TOKENS,
     QUANT_BITS,
     QUANT_TILE_ROWS,
     dp4a_takes,
     moe_plan_takes,
-    moe_tile_takes,
 )
 from exlcli.ops.formats.base import Linear
 from exlcli.ops.formats.cuda_groups import GroupedCudaLinear, unpack_packed
 
 MAX_GRID_ROW_TILES = 65535  # moe_gemv's row tiles run in the grid's y dimension
 SORT_MIN_PAIRS = 16  # from this many pairs the blocks take them sorted by expert (L2 reuse of its weights)
-# Up to this many tokens a call runs moe_gemv over its (token, slot) pairs (decode: each pair reads its expert's
-# weights, from L2 after the first, with int8 activations on dp4a); beyond, the grouped tensor-core path
-# (moe_gemm), where a block's tile of one expert's pairs shares each weight it dequantizes.
-PAIRS_MAX_TOKENS = 64
-# From this many tokens up to PAIRS_MAX_TOKENS the pairs are grouped by expert for moe_gemv_tiles (one token's k
-# pairs are k distinct experts: nothing to share, and the plan's kernels would only add time).
-TILES_MIN_TOKENS = 2
-# From this many pairs an expert on average moe_gemv_tiles' tiles hold 8 pairs, else 4 (registers and idle
-# lanes where an expert has few pairs). The tile changes no result.
-WIDE_GEMV_TILE_PAIRS = 2
+# Up to this many tokens a call runs moe_gemv over its (token, slot) pairs (small decode batches: each pair reads
+# its expert's weights, from L2 after the first, with int8 activations on dp4a, and needs no plan); beyond, the
+# grouped tensor-core path (moe_gemm), where a block's tile of one expert's pairs shares each weight it
+# dequantizes. The two cross near 24 tokens: on an H100, for one Qwen3-30B-A3B-shaped layer (128 experts, top 8),
+# the expert products take 187.5 us on pairs against 225.2 grouped (32-pair tiles) at 16 tokens, and 367.9
+# against 325.5 at 32 (scripts/moe_bench.py --graphs, CUDA graph replays; the grouped times include torch's plan,
+# 25 us, where moe_plan takes 9.3).
+PAIRS_MAX_TOKENS = 24
 # From this many pairs an expert on average the grouped path's token tiles hold 64 pairs, else 32 (fewer
 # padded rows where an expert has few tokens; two blocks an SM to the 64-pair tile's one). On an H100 the
 # 32-pair tile is the faster one up to 128 pairs an expert (2,048 tokens over 128 experts, top 8:
@@ -93,16 +83,6 @@ class GroupPlan:
 def tile_tokens_for(pairs: int, experts: int) -> int:
     """The grouped path's token tile for this many pairs over this many experts."""
     return MOE_TILE_TOKENS[1] if pairs >= WIDE_TILE_PAIRS * experts else MOE_TILE_TOKENS[0]
-
-
-def gemv_tile_tokens(pairs: int, experts: int, in_features: tuple[int, ...]) -> int | None:
-    """moe_gemv_tiles' token tile for this many pairs over this many experts, where every projection's inputs
-    (in_features) fit the tile in shared memory; None where none fits (the pairs path)."""
-    wide = pairs >= WIDE_GEMV_TILE_PAIRS * experts
-    for tile in sorted(MOE_GEMV_TILE_TOKENS, reverse=wide):
-        if all(moe_tile_takes(tile, k) for k in in_features):
-            return tile
-    return None
 
 
 def plan_groups(ids: torch.Tensor, experts: int, tile_tokens: int) -> GroupPlan:
@@ -130,6 +110,13 @@ def plan_groups_device(ids: torch.Tensor, experts: int, tile_tokens: int) -> Gro
     plan where every id is an expert's."""
     order, expert_offsets, tile_offsets = kernels.moe_plan(ids.to(torch.int32).contiguous(), experts, tile_tokens)
     return GroupPlan(order, expert_offsets, tile_offsets, tile_tokens, max_tiles_of(ids.shape[0], experts, tile_tokens))
+
+
+def plan_pairs(ids: torch.Tensor, experts: int, tile_tokens: int) -> GroupPlan:
+    """The grouped path's plan of flat expert ids [pairs] on the GPU: moe_plan's one launch where its block holds
+    the pairs (moe_plan_takes), where torch's sort takes half a dozen kernels; else plan_groups."""
+    planner = plan_groups_device if moe_plan_takes(ids.shape[0], experts) else plan_groups
+    return planner(ids, experts, tile_tokens)
 
 
 def tile_pairs(plan: GroupPlan, tile: int) -> tuple[int, list[int]]:
@@ -169,12 +156,6 @@ class StackedWeights:
         return kernels.moe_gemm(x, self.qweight, self.scales, self.bits, self.group, self.out_features, plan.order,
                                 plan.expert_offsets, plan.tile_offsets, plan.tile_tokens, plan.max_tiles, rows_per_x,
                                 float_out=float_out)
-
-    def tile_rows(self, x: torch.Tensor, plan: GroupPlan, rows_per_x: int, float_out: bool) -> torch.Tensor:
-        """[pairs, n]: the rows of `rows` (moe_gemv's bytes) on moe_gemv_tiles, a plan of gemv_tile_tokens' tiles."""
-        return kernels.moe_gemv_tiles(x, self.qweight, self.scales, self.bits, self.group, self.out_features,
-                                      plan.order, plan.expert_offsets, plan.tile_offsets, plan.tile_tokens,
-                                      plan.max_tiles, rows_per_x, float_out=float_out)
 
     def expert_weight(self, expert: int) -> torch.Tensor:
         """The dense fp32 weight [n, k] of one expert, read at the offsets the kernel reads it at."""
@@ -236,25 +217,15 @@ class StackedExperts:
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                  bf16_out: bool = False) -> torch.Tensor:
         """x [T, H] bf16 (normed), the router's weights [T, k] fp32 and ids [T, k] (int32 takes no cast) -> fp32
-        [T, H], or that rounded to bf16 (bf16_out: the combine stores it so); no host sync. One token over its
-        (token, slot) pairs, up to PAIRS_MAX_TOKENS grouped by expert in dp4a tiles, beyond on the grouped
-        tensor-core path."""
+        [T, H], or that rounded to bf16 (bf16_out: the combine stores it so); no host sync. Up to PAIRS_MAX_TOKENS
+        tokens over their (token, slot) pairs, beyond on the grouped tensor-core path."""
         x2 = x.to(torch.bfloat16).contiguous()
         if x2.data_ptr() % 16:
             x2 = x2.clone()
         tokens = x.shape[0]
         if tokens > PAIRS_MAX_TOKENS:
             return self.grouped(x2, weights, ids, bf16_out)
-        if tokens >= TILES_MIN_TOKENS:
-            tile = self.tile_tokens(ids.numel())
-            if tile is not None:
-                return self.tiles(x2, weights, ids, tile, bf16_out)
         return self.pairs(x2, weights, ids, bf16_out)
-
-    def tile_tokens(self, pairs: int) -> int | None:
-        """moe_gemv_tiles' token tile for this many pairs (None: the pairs path)."""
-        return gemv_tile_tokens(pairs, self.gate_up.num_experts,
-                                (self.gate_up.in_features, self.down.in_features))
 
     def pairs(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, bf16_out: bool = False
               ) -> torch.Tensor:
@@ -268,25 +239,12 @@ class StackedExperts:
         rows = self.down.rows(silu_and_mul(gate_up), flat, order, 1, float_out=True)
         return kernels.moe_combine(rows, weights.reshape(-1).float().contiguous(), top_k, bf16_out)
 
-    def tiles(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, tile_tokens: int,
-              bf16_out: bool = False) -> torch.Tensor:
-        """The expert-tiled dp4a path (moe_gemv_tiles) at any size, tiles of tile_tokens pairs: the bytes of the
-        pairs path; x bf16, contiguous and aligned."""
-        top_k = ids.shape[1]
-        flat, experts = ids.reshape(-1), self.gate_up.num_experts
-        # one launch for the plan where its block holds the pairs (decode batches), else torch's sort
-        planner = plan_groups_device if moe_plan_takes(flat.shape[0], experts) else plan_groups
-        plan = planner(flat, experts, tile_tokens)
-        gate_up = self.gate_up.tile_rows(x, plan, top_k, float_out=False)
-        rows = self.down.tile_rows(silu_and_mul(gate_up), plan, 1, float_out=True)
-        return kernels.moe_combine(rows, weights.reshape(-1).float().contiguous(), top_k, bf16_out)
-
     def grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, bf16_out: bool = False
                 ) -> torch.Tensor:
         """The grouped path (moe_gemm) at any size; x bf16, contiguous and aligned."""
         tokens, top_k = ids.shape
         experts = self.gate_up.num_experts
-        plan = plan_groups(ids.reshape(-1), experts, tile_tokens_for(tokens * top_k, experts))
+        plan = plan_pairs(ids.reshape(-1), experts, tile_tokens_for(tokens * top_k, experts))
         if plan.max_tiles > MAX_GRID_Y:  # more tiles than a grid holds: halves (a token's rows are its own)
             half = tokens // 2
             return torch.cat([self.grouped(x[:half], weights[:half], ids[:half], bf16_out),

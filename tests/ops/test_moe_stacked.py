@@ -4,24 +4,24 @@ reads them there through cuda_groups.unpack_packed), the experts' own linears be
 second copy), the model of the whole path matches MoeFeedForward's host-grouped path over the same
 weights, and what the kernel does not take is left as it was. The grouped path's plan (the pairs sorted by
 expert, cut into tiles of one expert) puts every pair in exactly one tile of its expert, and its model
-(`emulate_grouped`, walking the tiles as moe_gemm's blocks do) matches the dense reference. A call's path (pairs,
-dp4a tiles of 4 or 8, grouped) is a function of its sizes, and the device router keeps sigmoid_group on
-`route`."""
+(`emulate_grouped`, walking the tiles as moe_gemm's blocks do) matches the dense reference. A call's path (pairs
+or grouped) is a function of its token count, the grouped path's planner (moe_plan or torch's sort) of its pairs
+and experts, and the device router keeps sigmoid_group on `route`."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from exlcli.ops import moe_stacked
+from exlcli.ops.cuda.limits import MOE_PLAN_MAX_SHARED, moe_plan_takes
 from exlcli.ops.errors import KernelInputError
 from exlcli.ops.formats import cuda_groups
 from exlcli.ops.formats.dense import dense_linear
 from exlcli.ops.moe import Expert, MoeFeedForward, RouterSpec, route
 from exlcli.ops.moe_stacked import (
     PAIRS_MAX_TOKENS,
-    TILES_MIN_TOKENS,
     dp4a_rounded,
-    gemv_tile_tokens,
     plan_groups,
     stack_experts,
     stack_weights,
@@ -187,9 +187,6 @@ def test_the_kernel_wrappers_refuse_cpu_tensors_with_a_clear_error():
     with pytest.raises(KernelInputError, match="moe_gemm: x must be a CUDA tensor"):
         kernels.moe_gemm(x, torch.zeros(2, 16, dtype=torch.int32), torch.zeros(2, 8), 4, 32, 16,
                          torch.zeros(2, dtype=torch.int32), offsets, offsets, 32, 1, 2)
-    with pytest.raises(KernelInputError, match="moe_gemv_tiles: x must be a CUDA tensor"):
-        kernels.moe_gemv_tiles(x, torch.zeros(2, 16, dtype=torch.int32), torch.zeros(2, 8), 4, 32, 16,
-                               torch.zeros(2, dtype=torch.int32), offsets, offsets, 4, 1, 2)
     with pytest.raises(KernelInputError, match="moe_combine: rows must be a CUDA tensor"):
         kernels.moe_combine(torch.zeros(2, 16), torch.zeros(2), 2)
     with pytest.raises(KernelInputError, match="moe_plan: ids must be a CUDA tensor"):
@@ -236,31 +233,50 @@ def test_the_plan_puts_every_pair_in_one_tile_of_its_expert(tile_tokens):
         assert tile_pairs(plan, plan.max_tiles)[0] == -1
 
 
-def test_the_dp4a_tile_is_a_function_of_the_pairs_experts_and_widths():
-    qwen3 = (2048, 768)  # gate|up's and down's in_features
-    assert gemv_tile_tokens(16 * 8, 128, qwen3) == 4  # an expert has a pair on average: tiles of 4
-    assert gemv_tile_tokens(64 * 8, 128, qwen3) == 8  # four on average: tiles of 8
-    # x's int8 blocks of 8 tokens of 4096 features (48 KiB) do not fit beside the warps' sums: tiles of 4
-    assert gemv_tile_tokens(64 * 8, 128, (4096, 768)) == 4
-    assert gemv_tile_tokens(64 * 8, 128, (8192, 768)) is None  # nor those of 4: the pairs path
-
-
 def test_a_calls_path_is_a_function_of_its_token_count(monkeypatch):
     packed, _ = experts_of(4, seed=40)
     stacked = stack_experts([e.gate_up for e in packed], [e.down for e in packed])
     assert stacked is not None
     taken: list[tuple] = []
     monkeypatch.setattr(stacked, "pairs", lambda x, w, ids, bf16_out=False: taken.append(("pairs", bf16_out)))
-    monkeypatch.setattr(stacked, "tiles",
-                        lambda x, w, ids, tile, bf16_out=False: taken.append(("tiles", tile, bf16_out)))
     monkeypatch.setattr(stacked, "grouped", lambda x, w, ids, bf16_out=False: taken.append(("grouped", bf16_out)))
-    for tokens in (1, TILES_MIN_TOKENS, PAIRS_MAX_TOKENS, PAIRS_MAX_TOKENS + 1):
+    for tokens in (1, PAIRS_MAX_TOKENS, PAIRS_MAX_TOKENS + 1, 4 * PAIRS_MAX_TOKENS):
         ids = torch.randint(0, EXPERTS, (tokens, TOP_K), dtype=torch.int32)
         stacked(torch.zeros(tokens, HIDDEN), torch.ones(tokens, TOP_K), ids, bf16_out=tokens == 1)
-    wide = gemv_tile_tokens(PAIRS_MAX_TOKENS * TOP_K, EXPERTS, (HIDDEN, INTER))
-    assert taken == [("pairs", True), ("tiles", gemv_tile_tokens(TILES_MIN_TOKENS * TOP_K, EXPERTS, (HIDDEN, INTER)),
-                                                False), ("tiles", wide, False), ("grouped", False)]
-    assert wide == 8
+    assert taken == [("pairs", True), ("pairs", False), ("grouped", False), ("grouped", False)]
+
+
+class Planned(Exception):
+    """Raised where the grouped path's first kernel would run: the plan is what the test checks."""
+
+
+def test_the_grouped_path_plans_on_moe_plan_where_its_block_holds_the_pairs(monkeypatch):
+    packed, _ = experts_of(4, seed=42)
+    stacked = stack_experts([e.gate_up for e in packed], [e.down for e in packed])
+    assert stacked is not None
+    used: list[tuple[str, int, int]] = []
+
+    def spy(name):
+        def planner(ids, experts, tile_tokens):
+            used.append((name, ids.shape[0], tile_tokens))
+            return plan_groups(ids, experts, tile_tokens)  # the CPU has no moe_plan kernel; the GPU tests equal plans
+        return planner
+
+    def first_kernel(x, plan, rows_per_x, float_out):
+        raise Planned
+
+    monkeypatch.setattr(moe_stacked, "plan_groups_device", spy("moe_plan"))
+    monkeypatch.setattr(moe_stacked, "plan_groups", spy("torch"))
+    monkeypatch.setattr(stacked.gate_up, "grouped_rows", first_kernel)
+    # the most pairs moe_plan's block holds over EXPERTS experts, in whole tokens, then one token more
+    fits = (MOE_PLAN_MAX_SHARED // 4 - EXPERTS - 1) // TOP_K
+    assert moe_plan_takes(fits * TOP_K, EXPERTS) and not moe_plan_takes((fits + 1) * TOP_K, EXPERTS)
+    for tokens in (PAIRS_MAX_TOKENS + 1, fits, fits + 1):
+        ids = torch.randint(0, EXPERTS, (tokens, TOP_K), dtype=torch.int32)
+        with pytest.raises(Planned):
+            stacked(torch.zeros(tokens, HIDDEN), torch.ones(tokens, TOP_K), ids)
+    want = [("moe_plan", (PAIRS_MAX_TOKENS + 1) * TOP_K), ("moe_plan", fits * TOP_K), ("torch", (fits + 1) * TOP_K)]
+    assert used == [(name, pairs, tile_tokens_for(pairs, EXPERTS)) for name, pairs in want]
 
 
 def test_the_device_router_keeps_sigmoid_group_on_route():

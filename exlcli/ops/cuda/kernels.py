@@ -13,7 +13,6 @@ from exlcli.ops.cuda import checks
 from exlcli.ops.cuda.limits import (
     DP4A_MAX_TOKENS,
     EXL3_MAX_KERNEL_TOKENS,
-    MOE_GEMV_TILE_TOKENS,
     MOE_PLAN_MAX_SHARED,
     MOE_ROUTE_MAX_K,
     MOE_TILE_TOKENS,
@@ -23,7 +22,6 @@ from exlcli.ops.cuda.limits import (
     QUANT_TILE_ROWS,
     dp4a_takes,
     moe_plan_takes,
-    moe_tile_takes,
 )
 from exlcli.ops.cuda.state import STATE
 
@@ -484,30 +482,10 @@ def moe_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bits:
                                      tile_tokens, max_tiles, rows_per_x, float_out, STATE.options.pdl)
 
 
-def moe_gemv_tiles(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bits: int, group: int, n: int,
-                   order: torch.Tensor, expert_offsets: torch.Tensor, tile_offsets: torch.Tensor, tile_tokens: int,
-                   max_tiles: int, rows_per_x: int, float_out: bool = False) -> torch.Tensor:
-    """moe_gemv's rows for a plan of moe_gemm's form (moe_stacked.plan_groups) in tiles of tile_tokens (4 or 8)
-    pairs of one expert, on the dp4a kernel's body (csrc/moe.cu): bf16 [pairs, n], or fp32 with float_out; each
-    pair's row is the bytes of moe_gemv's, whatever the tile and the other pairs in it, and each expert's weights
-    are read once a tile. A pair whose id is outside 0 .. E - 1 is in no expert's range: its row is not written."""
-    op = "moe_gemv_tiles"
-    k = _grouped_plan(op, x, qweight, scales, bits, group, n, order, expert_offsets, tile_offsets, rows_per_x)
-    if tile_tokens not in MOE_GEMV_TILE_TOKENS:
-        checks.fail(op, f"tile_tokens must be one of {MOE_GEMV_TILE_TOKENS}, got {tile_tokens}")
-    if not moe_tile_takes(tile_tokens, k):
-        checks.fail(op, f"k ({k}) is too large for {tile_tokens} tokens a tile in shared memory")
-    if not 0 <= max_tiles < 2 ** 31:
-        checks.fail(op, f"max_tiles must be 0 to 2^31 - 1, got {max_tiles}")
-    return torch.ops.exlcli.moe_gemv_tiles(x, qweight, scales, bits, group, n, order, expert_offsets, tile_offsets,
-                                           tile_tokens, max_tiles, rows_per_x, float_out, STATE.options.pdl)
-
-
 def _grouped_plan(op: str, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bits: int, group: int,
                   n: int, order: torch.Tensor, expert_offsets: torch.Tensor, tile_offsets: torch.Tensor,
                   rows_per_x: int) -> int:
-    """moe_gemm's and moe_gemv_tiles' shared checks: the stacked experts and a plan of pairs over them; returns
-    k."""
+    """moe_gemm's checks: the stacked experts and a plan of pairs over them; returns k."""
     checks.on_cuda(op, "x qweight scales order expert_offsets tile_offsets", x, qweight, scales, order,
                    expert_offsets, tile_offsets)
     k = _stacked_experts(op, x, qweight, scales, bits, group, n)

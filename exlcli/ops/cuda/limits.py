@@ -14,10 +14,8 @@ QUANT_GROUPS = (16, 32, 64, 128)  # its group sizes (weights per scale along a r
 QUANT_TILE_ROWS = 16  # output features per row tile of its packed layout
 QUANT_CHUNK = 64  # input features per chunk of its packed layout
 MOE_TILE_TOKENS = (32, 64)  # csrc/moe.cu moe_gemm's token tiles (pairs of one expert a block)
-MOE_GEMV_TILE_TOKENS = (4, 8)  # csrc/moe.cu moe_gemv_tiles' token tiles (pairs of one expert a dp4a block)
 MOE_ROUTE_MAX_K = 32  # csrc/moe.cu moe_route: one lane of a warp a chosen expert
 MOE_PLAN_MAX_SHARED = 44 * 1024  # csrc/moe.cu moe_plan's one block: 4 bytes a pair and an expert (and one)
-MOE_TILE_MAX_SHARED = 48 * 1024  # moe_gemv_tiles' shared memory: x's int8 blocks, 16 warps' sums, the pairs
 EXL3_MAX_KERNEL_TOKENS = 64  # exl3_linear.cu's trellis kernel; beyond, the weight dequantized for cuBLAS
 DP4A_MAX_TOKENS = 2  # quant_gemv_dp4a.cuh: the products of 1 or 2 tokens over integer weights
 DP4A_MAX_SHARED = 44 * 1024  # where their int8 blocks of x (24 bytes per 16 features a token) fit
@@ -27,13 +25,6 @@ def dp4a_takes(tokens: int, in_features: int) -> bool:
     """Whether a product of `tokens` tokens over packed integer weights runs on the dp4a kernel
     (quant_linear.cu's takes_dp4a)."""
     return 1 <= tokens <= DP4A_MAX_TOKENS and tokens * (in_features // 16) * 24 <= DP4A_MAX_SHARED
-
-
-def moe_tile_takes(tile_tokens: int, in_features: int) -> bool:
-    """Whether moe_gemv_tiles' blocks of tile_tokens pairs fit x's int8 blocks of in_features features in shared
-    memory (csrc/moe.cu moe_tile_shared_bytes)."""
-    shared = tile_tokens * (in_features // 16) * 24 + 16 * tile_tokens * QUANT_TILE_ROWS * 4 + tile_tokens * 4
-    return tile_tokens in MOE_GEMV_TILE_TOKENS and shared <= MOE_TILE_MAX_SHARED
 
 
 def moe_plan_takes(pairs: int, experts: int) -> bool:

@@ -1,19 +1,18 @@
-"""The MoE decode path's kernels of csrc/moe.cu on a GPU: moe_route against `route` (the ids equal, the weights
-within 1e-6; ties to the lower id); moe_plan's one launch gives plan_groups' plan; moe_gemv_tiles (dp4a over
-tiles of one expert's pairs) gives each pair's row the bytes of moe_gemv's, whatever the tile (4 or 8 pairs) and
-the other pairs in it, for 4-, 6- and 8-bit experts; a token's output alone (one token: the pairs path) is the
-bytes of its output in a batch of 64 (the tiles path); moe_combine's bf16 output is its fp32 sum rounded; and a
-CUDA graph captures the whole layer on the new path (routing kernel, plan kernel, tiles)."""
+"""The routing and planning kernels of csrc/moe.cu on a GPU: moe_route against `route` (the ids equal, the
+weights within 1e-6; ties to the lower id); moe_plan's one launch gives plan_groups' plan, and the grouped path
+plans on it where its block holds the pairs; moe_combine's bf16 output is its fp32 sum rounded; and a CUDA graph
+captures the whole layer on either path (routing kernel; pairs, or plan kernel and grouped products)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from gpu_helpers import rel_err, requires_cuda
-from test_gpu_moe import EXPERTS, FORMATS, INTER, TOP_K, inputs, make_moe, routed
+from test_gpu_moe import TOP_K, inputs, make_moe
 
 from exlcli.ops import moe_stacked
 from exlcli.ops.cuda import kernels as ops
+from exlcli.ops.cuda.limits import MOE_TILE_TOKENS
 from exlcli.ops.moe import MoeFeedForward, RouterSpec, route
 
 pytestmark = [pytest.mark.gpu, requires_cuda, pytest.mark.usefixtures("kernels")]
@@ -78,11 +77,12 @@ def test_moe_route_never_gives_an_id_outside_the_experts():
     assert ids[0, 0].item() == 0 and ids[1, 0].item() == 9, ids.tolist()
 
 
-@pytest.mark.parametrize("tile_tokens", [4, 8])
+@pytest.mark.parametrize("tile_tokens", [4, *MOE_TILE_TOKENS])
 def test_moe_plan_is_plan_groups(tile_tokens):
     gen = torch.Generator().manual_seed(tile_tokens)
     cases = {  # (ids, experts)
         "random": (torch.randint(0, 128, (512,), generator=gen), 128),
+        "1024 tokens of 8": (torch.randint(0, 128, (8192,), generator=gen), 128),
         "one token": (torch.randperm(128, generator=gen)[:8], 128),
         "experts with no pair": (torch.randint(0, 2, (97,), generator=gen) * 3, 128),
         "one expert": (torch.full((130,), 127), 128),
@@ -115,45 +115,27 @@ def test_moe_plan_puts_ids_outside_the_experts_in_no_range():
     assert offsets[16] == int(((ids >= 0) & (ids < 16)).sum()), "the last offset counts the valid pairs"
 
 
-@pytest.mark.parametrize("bits,down_bits", FORMATS)
-@pytest.mark.parametrize("tokens", [2, 16, 64])
-def test_each_tiles_row_is_moe_gemvs_row(bits, down_bits, tokens):
-    moe = make_moe(bits, down_bits, seed=300 + tokens + bits)
+def test_the_grouped_path_plans_on_moe_plan(monkeypatch):
+    moe = make_moe(4, 6, seed=17)
     stacked = moe.stacked
     assert stacked is not None
-    x = inputs(tokens, seed=400 + tokens)
-    _, ids = routed(moe, x)
-    flat = ids.reshape(-1).to(torch.int32)
-    act = torch.randn(tokens * TOP_K, INTER, device="cuda").to(torch.bfloat16)
-    want_gu = stacked.gate_up.rows(x, flat, None, TOP_K, float_out=False)
-    want_down = stacked.down.rows(act, flat, None, 1, float_out=True)
-    for tile in (4, 8):
-        plan = moe_stacked.plan_groups(flat, EXPERTS, tile)
-        gate_up = stacked.gate_up.tile_rows(x, plan, TOP_K, float_out=False)
-        down = stacked.down.tile_rows(act, plan, 1, float_out=True)
-        assert torch.equal(gate_up, want_gu), f"tiles of {tile}, gate|up: {first_difference(gate_up, want_gu)}"
-        assert torch.equal(down, want_down), f"tiles of {tile}, down: {first_difference(down, want_down)}"
-
-
-@pytest.mark.parametrize("bits,down_bits", [(4, 6), (8, 8)])
-def test_the_tiles_path_is_the_pairs_path_and_batch_invariant(bits, down_bits):
-    moe = make_moe(bits, down_bits, seed=17)
-    stacked = moe.stacked
-    assert stacked is not None
-    x = inputs(64, seed=18)
+    tokens = moe_stacked.PAIRS_MAX_TOKENS + 1
+    x = inputs(tokens, seed=18)
     weights, ids = ops.moe_route(moe.router(x, out_dtype=torch.float32), TOP_K, True, True)
-    assert stacked.tile_tokens(64 * TOP_K) is not None, "64 tokens take the tiles path"
+    planned: list[int] = []
+    real = moe_stacked.plan_groups_device
+
+    def spy(*args):
+        planned.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(moe_stacked, "plan_groups_device", spy)
     full = stacked(x, weights, ids)
-    pairs = stacked.pairs(x, weights, ids)
-    assert torch.equal(full, pairs), f"64 tokens, tiles against pairs: {first_difference(full, pairs)}"
-    for t in (0, 13, 63):  # one token alone takes the pairs path
-        alone = stacked(x[t:t + 1].contiguous(), weights[t:t + 1], ids[t:t + 1])
-        assert torch.equal(alone[0], full[t]), f"token {t} alone: {first_difference(alone[0], full[t])}"
-    for size in (2, 9):
-        part = stacked(x[:size].contiguous(), weights[:size], ids[:size])
-        assert torch.equal(part, full[:size]), f"{size} tokens: {first_difference(part, full[:size])}"
-    model = stacked.emulate(x, weights, ids)
-    assert rel_err(full, model) < 1e-2, "against the torch model of the kernels"
+    assert planned == [1], "the grouped path planned on moe_plan"
+    monkeypatch.setattr(moe_stacked, "plan_groups_device", moe_stacked.plan_groups)  # torch's sort plans instead
+    on_torch = stacked(x, weights, ids)
+    assert torch.equal(full, on_torch), f"moe_plan's plan against torch's: {first_difference(full, on_torch)}"
+    assert rel_err(full, stacked.emulate_grouped(x, weights, ids)) < 5e-3, "against the torch model"
 
 
 def test_moe_combine_into_bf16_is_the_fp32_sum_rounded():
@@ -185,8 +167,8 @@ def test_the_layer_routes_on_the_kernel_and_ends_in_bf16(monkeypatch):
     assert rel_err(out, want) < 1e-3
 
 
-@pytest.mark.parametrize("tokens", [4, 16, 64])
-def test_a_cuda_graph_captures_the_layer_on_the_tiles_path(tokens):
+@pytest.mark.parametrize("tokens", [4, moe_stacked.PAIRS_MAX_TOKENS, moe_stacked.PAIRS_MAX_TOKENS + 1, 64])
+def test_a_cuda_graph_captures_the_layer_on_either_path(tokens):
     moe = make_moe(4, 6, seed=22)
     static_x = inputs(tokens, seed=23)
     eager = moe(static_x)
