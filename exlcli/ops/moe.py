@@ -41,6 +41,7 @@ from typing import Literal
 import torch
 
 from exlcli import environment
+from exlcli.ops.activation import swiglu_clamped
 from exlcli.ops.cpu import moe_experts as cpu_moe_experts
 from exlcli.ops.cpu import moe_router as cpu_moe_router
 from exlcli.ops.cpu.loader import use_cpu_kernels
@@ -100,14 +101,6 @@ def route(logits: torch.Tensor, spec: RouterSpec, bias: torch.Tensor | None = No
     return weights * spec.scale, ids
 
 
-def swiglu_clamped(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
-    """gpt-oss's gated unit over [gate | up] halves: gate <= limit, |up| <= limit."""
-    gate, up = gate_up.float().chunk(2, dim=-1)
-    gate = gate.clamp(max=limit)
-    up = up.clamp(min=-limit, max=limit)
-    return (gate * torch.sigmoid(alpha * gate) * (up + 1)).to(gate_up.dtype)
-
-
 @dataclass
 class Expert:
     """One expert's gated feed-forward: gate|up rows in one linear (gate first), then down."""
@@ -143,10 +136,10 @@ class MoeFeedForward:
         self.expert_device = expert_device
         self._cpu_experts: cpu_moe_experts.CpuExperts | None | Literal[False] = False  # False: not built yet
         self._cpu_router: cpu_moe_router.CpuRouter | None | Literal[False] = False
-        # the routed experts stacked for the device path (None: they run per expert on the host path)
-        self.stacked: StackedExperts | None = None
-        if activation == "silu":
-            self.stacked = stack_experts([e.gate_up for e in experts], [e.down for e in experts])
+        # the routed experts stacked for the device path, biases and activation included (None: they run per
+        # expert on the host path)
+        self.stacked: StackedExperts | None = stack_experts([e.gate_up for e in experts], [e.down for e in experts],
+                                                            activation, limit, alpha)
 
     @property
     def num_experts(self) -> int:
