@@ -17,18 +17,20 @@ above at `limit`, up to [-limit, limit], gate * sigmoid(alpha * gate) * (up + 1)
 Routing is plain tensor work with no host synchronisation; on the stacked device path below the
 `softmax_topk` and `topk_softmax` routers take one kernel (kernels.moe_route: int32 ids, the ids of `route`,
 ties to the lower id), `sigmoid_group` takes `route`. The expert products take one of these paths:
-- on a GPU, experts of packed integer weights (exlcli/ops/moe_stacked.py) are stacked at load and run
-  as a few kernels with the expert ids on the device, at any size: up to moe_stacked.PAIRS_MAX_TOKENS
-  tokens over (token, slot) pairs (small decode batches), beyond grouped by expert on the tensor cores (larger
-  decode batches, prefill). No host sync on either, so a decode step can be a CUDA graph; the path is a
-  function of the token count;
+- on a GPU, experts of packed integer weights (exlcli/ops/moe_stacked.py: the K-quant and legacy GGUF types,
+  GPTQ without act-order, AWQ, MXFP4 in its 8-bit layout), with or without biases, of either activation
+  (gpt-oss's MXFP4 experts included), are stacked at load and run as a few kernels with the expert ids on the
+  device, at any size: up to moe_stacked.PAIRS_MAX_TOKENS tokens over (token, slot) pairs (small decode
+  batches), beyond grouped by expert on the tensor cores (larger decode batches, prefill). No host sync on
+  either, so a decode step can be a CUDA graph; the path is a function of the token count;
 - on the CPU with its kernels, a layer whose experts all run on the C matmul and use `silu` takes the
   routed experts in one C call (exlcli/ops/cpu/moe_experts.py), bit for bit the expert-by-expert path;
   on the CPU kernels a layer routes in one C call too (exlcli/ops/cpu/moe_router.py: softmax_topk and
   topk_softmax, a router without a correction bias), as the one-call decoder layer does (csrc/cpu/decoder.c);
   `EXLCLI_NO_CPU_MOE_KERNEL=1` goes back to torch's routing and the expert-by-expert path;
-- otherwise the tokens of each expert are grouped on the host (the reference path: each active
-  expert's weights are read once for all of its tokens).
+- otherwise (dense or e4m3 experts, the CPU without its kernels, a GPU where the experts are not stacked)
+  the tokens of each expert are grouped on the host (the reference path: each active expert's weights are
+  read once for all of its tokens; a host sync a layer, so no CUDA graph).
 With --cpu-moe / --n-cpu-moe a layer's routed experts live in host memory (`expert_device`): its rows go
 there and the sums come back.
 """
