@@ -6,7 +6,9 @@ weights, and what the kernel does not take is left as it was. The grouped path's
 expert, cut into tiles of one expert) puts every pair in exactly one tile of its expert, and its model
 (`emulate_grouped`, walking the tiles as moe_gemm's blocks do) matches the dense reference. A call's path (pairs
 or grouped) is a function of its token count, the grouped path's planner (moe_plan or torch's sort) of its pairs
-and experts, and the device router keeps sigmoid_group on `route`."""
+and experts, and the device router keeps sigmoid_group on `route`. gpt-oss's experts: their biases stack as views
+like the weights, the models with biases and the clamped SwiGLU match the host reference path on the pairs and the
+grouped sizes, and the paths' own code (kernels replaced by their models) adds each pair's biases as the models do."""
 
 from __future__ import annotations
 
