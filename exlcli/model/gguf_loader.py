@@ -17,6 +17,7 @@ from exlcli.model.architectures import architecture, config_from_gguf, for_gguf
 from exlcli.model.config import ModelConfig
 from exlcli.ops import formats
 from exlcli.ops.formats import QuantizedWeight
+from exlcli.ops.linear import weight_rows
 
 DENSE_TYPES = ("F32", "F16", "BF16")
 SUPPORTED_TYPES = DENSE_TYPES + formats.names()
@@ -123,7 +124,7 @@ def load_gguf_tensors(reader: Any, meta: dict[str, Any]) -> tuple[ModelConfig, d
         if _reordered_rows(arch, t.name):
             heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
             order = unpermute_rope_rows(value.shape[0], heads)
-            value = value.permute_rows(order) if isinstance(value, QuantizedWeight) else value[order]
+            value = weight_rows(value, order)
         tensors[name] = value
     if rope_factors and arch.gguf_rope_scaling is not None:
         config = dataclasses.replace(config, rope_scaling=arch.gguf_rope_scaling(meta, rope_factors))

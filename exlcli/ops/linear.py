@@ -21,7 +21,7 @@ log = logging.getLogger("exlcli.linear")
 
 Weight = "torch.Tensor | QuantizedWeight"
 
-__all__ = ["Linear", "Weight", "dense_weight", "make_linear"]
+__all__ = ["Linear", "Weight", "dense_weight", "make_linear", "weight_rows"]
 
 
 def dense_weight(w: "torch.Tensor | QuantizedWeight", dtype: torch.dtype,
@@ -31,6 +31,13 @@ def dense_weight(w: "torch.Tensor | QuantizedWeight", dtype: torch.dtype,
     if not isinstance(w, QuantizedWeight):
         return w.to(dtype)
     return cpu_qmatmul.dequantized(w, dtype) if device is not None and device.type == "cpu" else w.dequantize(dtype)
+
+
+def weight_rows(w: "torch.Tensor | QuantizedWeight", order: torch.Tensor) -> "torch.Tensor | QuantizedWeight":
+    """The rows `order` names, in that order, of a dense or a quantized weight: a quantized one keeps its
+    blocks (each row's blocks are its own), so a weight whose rows a model reorders or splits at load
+    stays quantized."""
+    return w.permute_rows(order) if isinstance(w, QuantizedWeight) else w.index_select(0, order)
 
 
 def make_linear(weights: list, biases: list | None, device: torch.device, dtype: torch.dtype) -> Linear:

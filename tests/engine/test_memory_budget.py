@@ -45,8 +45,10 @@ def test_a_quantized_model_leaves_its_saved_weight_bytes_to_the_kv_cache():
     norms = (2 * dense.config.num_layers + 1) * dense.config.hidden_size * 2
     # dense, tied: the projections and the embedding (the output layer's weight), read by every step
     assert d.resident_bytes() == d.weight_bytes() + norms == dense.config.num_params * 2
-    # Q8_0: the linears as their kernels hold them, the embedding dense for the lookup beside its Q8_0 head
-    embed = dense.config.vocab_size * dense.config.hidden_size * 2
+    # Q8_0: the linears as their kernels hold them, and the embedding kept in its Q8_0 blocks for the lookup
+    # (rows dequantized as a step reads them) beside the head's repacked copy
+    embed = dense.config.vocab_size * dense.config.hidden_size // 32 * 34
+    assert q.embed.quantized is not None and q.embed.nbytes() == embed
     assert q.resident_bytes() == q.weight_bytes() + embed + norms
     assert q.resident_bytes() < d.resident_bytes()
     mem = DeviceMemory(total=8 * GIB, free=7 * GIB, reserved=GIB // 2, allocated=GIB // 4)

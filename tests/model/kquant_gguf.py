@@ -3,7 +3,8 @@ gguf package can read K-quants but not write them), for loader tests.
 
 `q4_k_m_type` picks each tensor's type the way llama.cpp's Q4_K_M mix does for a dense model (more
 bits for attn_v and ffn_down in the layers `use_more_bits` names, Q6_K for the output), with its
-fallbacks for widths that are not a multiple of 256. `quantize_tensors` turns GGUF-named fp32 arrays
+fallbacks for widths that are not a multiple of 256; `llama_cpp_quantizes` says which tensors llama.cpp's
+llama-quantize quantizes at all. `quantize_tensors` turns GGUF-named fp32 arrays
 (already in GGUF's layout: llama's Q/K rows permuted) into the `raw` form of test_gguf_loader's
 `write_gguf`; `write_tensors_gguf` writes just those tensors, for tests of the tensor reader alone.
 """
@@ -42,6 +43,16 @@ def q4_k_m_type(name: str, data: np.ndarray, num_layers: int) -> str:
     else:
         kind = "Q4_K"
     return kind if data.shape[1] % 256 == 0 else FALLBACK[kind]
+
+
+def llama_cpp_quantizes(name: str, data: np.ndarray) -> bool:
+    """Whether llama-quantize quantizes the tensor (tensor_allows_quantization in llama.cpp's
+    src/llama-quant.cpp, the rules that meet the architectures tested here): a weight of two or more
+    dimensions as ggml counts them (the first of numpy's dimensions that are 1 do not count: a [1, n] tensor
+    is 1-D), not a norm, a router or a convolution."""
+    dims = data.ndim - next((i for i, n in enumerate(data.shape) if n != 1), data.ndim)
+    skipped = ("_norm.weight", "ffn_gate_inp.weight", "ssm_conv1d")
+    return dims >= 2 and name.endswith("weight") and not any(s in name for s in skipped)
 
 
 def quantize_tensors(tensors: dict[str, np.ndarray], type_of: TypeOf

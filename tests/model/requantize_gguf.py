@@ -1,7 +1,8 @@
 """Test helper: a GGUF model file requantized to a Q4_K_M-style mix by our own quantizer (every tensor
 dequantized to fp32 by the gguf package, then each 2-D weight quantized to the type `q4_k_m_type`
 picks), with every metadata key of the source copied, so the copy loads and tokenizes as the source.
-`requantize` takes any choice of types (scripts/small_moe_gguf.py's one type for every weight, for one).
+`requantize` takes any choice of types (scripts/small_moe_gguf.py's one type for every weight, for one),
+and may rewrite the tensors first (`edit`: an older converter's layout, for one).
 
 For the default model (SmolLM2-135M, 576 wide) this is the mix llama.cpp's Q4_K_M makes of it: the
 ffn_down weights (1536 wide) become Q4_K / Q6_K, the 576-wide rows fall back to Q5_0 / Q8_0.
@@ -10,6 +11,7 @@ ffn_down weights (1536 wide) become Q4_K / Q6_K, the 576-wide rows fall back to 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
 import gguf
 import numpy as np
@@ -26,9 +28,11 @@ def requantize_q4_k_m(source: str, target: str) -> Counter:
                       int(gguf.LlamaFileType.MOSTLY_Q4_K_M))
 
 
-def requantize(source: str, target: str, type_of: TypeOf, file_type: int) -> Counter:
+def requantize(source: str, target: str, type_of: TypeOf, file_type: int,
+               edit: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None) -> Counter:
     """Write `target`, the model in `source` with each tensor in the type `type_of` picks (stacked experts
-    too), every metadata key copied and general.file_type set to `file_type`; returns the count of each type."""
+    too), every metadata key copied and general.file_type set to `file_type`; returns the count of each type.
+    `edit` rewrites the fp32 tensors (GGUF name -> array, in the file's order) before they are quantized."""
     reader = gguf.GGUFReader(source)
     writer = gguf.GGUFWriter(target, reader.fields["general.architecture"].contents())
     for key, field in reader.fields.items():
@@ -43,6 +47,8 @@ def requantize(source: str, target: str, type_of: TypeOf, file_type: int) -> Cou
     for t in reader.tensors:
         shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists the row length first
         dense[t.name] = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(shape).astype(np.float32)
+    if edit is not None:
+        dense = edit(dense)
     raw = quantize_tensors(dense, type_of)
     for name, data in dense.items():
         if name in raw:

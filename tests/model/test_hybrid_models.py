@@ -141,31 +141,156 @@ def test_unsupported_state_dimension_is_one_line(tmp_path):
         load_model(str(tmp_path), device="cpu", dtype="float32")
 
 
-def test_llama_cpp_gguf_equals_transformers(tmp_path):
-    """The same checkpoint converted by llama.cpp's convert_hf_to_gguf.py (--no-mtp: the folder has no
-    MTP layers; experts in every layer, as llama.cpp's qwen3next has them) loads to the same logits."""
+GGUF_WORDS = VOCAB - 8  # the converter's tokenizer adds special tokens after these
+
+
+def _llama_cpp_gguf(tmp_path, seed: int, **overrides):
+    """A checkpoint (experts in every layer, as llama.cpp's qwen3next has them) converted by llama.cpp's
+    convert_hf_to_gguf.py (--no-mtp: the folder has no MTP layers) to an fp32 GGUF: (transformers' model, path)."""
     from llama_cpp_convert import convert_args  # tests/model/llama_cpp_convert.py
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     folder = tmp_path / "hf"
-    hf = write_qwen3_next(folder, seed=4, mlp_only_layers=[])
-    words = VOCAB - 8  # the converter's tokenizer adds special tokens after these
-    vocab = {chr(ord("A") + i): i for i in range(words - 1)} | {"AB": words - 1}
+    hf = write_qwen3_next(folder, seed=seed, **{"mlp_only_layers": [], **overrides})
+    vocab = {chr(ord("A") + i): i for i in range(GGUF_WORDS - 1)} | {"AB": GGUF_WORDS - 1}
     tok = Tokenizer(models.BPE(vocab, [("A", "B")]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.save(str(folder / "tokenizer.json"))
-    path = convert_args(folder, tmp_path / "model.f32.gguf", ["--no-mtp"])
+    return hf, convert_args(folder, tmp_path / "model.f32.gguf", ["--no-mtp"])
+
+
+def _prefill_logits(loaded, seqs: list[list[int]]) -> torch.Tensor:
+    """Every position's logits of the sequences, prefilled side by side in one batch."""
+    tables = _pages_for([len(s) for s in seqs], 16)
+    kv = KVCache(loaded.config, 1 + max(p for t in tables for p in t), 16, torch.device("cpu"), loaded.model.dtype,
+                 state_slots=len(seqs))
+    return loaded.model.forward(_batch(seqs, [0] * len(seqs), tables, 16, list(range(len(seqs)))), kv)
+
+
+def test_llama_cpp_gguf_equals_transformers(tmp_path):
+    """The same checkpoint converted by llama.cpp's convert_hf_to_gguf.py loads to the same logits."""
+    hf, path = _llama_cpp_gguf(tmp_path, seed=4)
     loaded = load_model(str(path), device="cpu", dtype="float32")
     cfg = loaded.config
     assert cfg.architecture == "qwen3_next" and cfg.linear_layers == (0, 1, 3) and cfg.partial_rotary_factor == 0.25
     g = torch.Generator().manual_seed(6)
-    seqs = [torch.randint(0, words, (n,), generator=g).tolist() for n in (100, 7)]
-    tables = _pages_for([len(s) for s in seqs], 16)
-    kv = KVCache(cfg, 1 + max(p for t in tables for p in t), 16, torch.device("cpu"), torch.float32, state_slots=2)
-    ours = loaded.model.forward(_batch(seqs, [0, 0], tables, 16, [0, 1]), kv)
+    seqs = [torch.randint(0, GGUF_WORDS, (n,), generator=g).tolist() for n in (100, 7)]
+    ours = _prefill_logits(loaded, seqs)
     for got, seq in zip(ours.split([len(s) for s in seqs]), seqs):
         assert relative_error(got, _hf_logits(hf, seq)) <= MAX_REL_ERR
+
+
+def _llama_quantize_q4_k_m(name: str, data) -> str:
+    """The type llama.cpp's llama-quantize Q4_K_M gives a tensor of the 4-layer qwen3next: none for those it
+    leaves (norms, ssm_a, ssm_dt, the convolution, the routers), else kquant_gguf's Q4_K_M mix by llama.cpp's
+    categories (attn_qkv, one a linear layer, counts as attn_v, one a full layer: their count is the layer;
+    every ffn_down, the experts' and the shared expert's, as ffn_down)."""
+    from kquant_gguf import llama_cpp_quantizes, q4_k_m_type  # tests/model/kquant_gguf.py
+
+    if not llama_cpp_quantizes(name, data):
+        return "F32"
+    category = name.replace("attn_qkv.", "attn_v.").replace("_exps.", ".").replace("_shexp.", ".")
+    return q4_k_m_type(category, data.reshape(-1, data.shape[-1]), len(QWEN3_NEXT["layer_types"]))
+
+
+@pytest.fixture(scope="module")
+def wide_gguf(tmp_path_factory):
+    """The llama.cpp-converted checkpoint 256 wide (whole K-quant super-blocks in a row), made once."""
+    return _llama_cpp_gguf(tmp_path_factory.mktemp("wide"), seed=4, hidden_size=256,
+                           shared_expert_intermediate_size=64)[1]
+
+
+def test_llama_quantize_q4_k_m_gguf_loads(tmp_path, wide_gguf):
+    """A file quantized as llama-quantize's Q4_K_M quantizes a qwen3next (every weight it quantizes, the gated
+    q_proj (attn_q) and the linear layers' b|a (ssm_ba) among them; 256 wide, so K-quants) loads. In fp32
+    (dequantized at load) its logits are those of its weights dequantized into an fp32 file; in bf16 attn_q and
+    ssm_ba stay quantized on the CPU's kernels. Their projections, q|k|v, the gates and b|a (rows reordered at
+    load), are compared one by one: within the 4-bit error of the unquantized file's and within bf16's of the
+    dequantized file's, where a row read in the wrong place is off by the whole output. (The logits are not
+    compared with the unquantized file's: the random model's move ~40% under 0.5% noise on its weights,
+    in transformers too.)"""
+    import gguf
+    from requantize_gguf import requantize  # tests/model/requantize_gguf.py
+
+    path = wide_gguf
+    quantized, dequantized = tmp_path / "model.q4_k_m.gguf", tmp_path / "model.dequantized.gguf"
+    requantize(str(path), str(quantized), _llama_quantize_q4_k_m, int(gguf.LlamaFileType.MOSTLY_Q4_K_M))
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(quantized)).tensors}
+    assert types["blk.2.attn_q.weight"] == types["blk.0.ssm_ba.weight"] == types["blk.1.attn_qkv.weight"] == "Q4_K"
+    assert types["blk.3.attn_qkv.weight"] == types["output.weight"] == "Q6_K"
+    # 64 and 32 wide: Q4_K's and Q6_K's fallbacks
+    assert types["blk.0.ssm_out.weight"] == types["blk.2.attn_output.weight"] == "Q5_0"
+    assert types["blk.1.ffn_down_exps.weight"] == "Q5_0" and types["blk.3.ffn_down_exps.weight"] == "Q8_0"
+    assert types["blk.0.ssm_conv1d.weight"] == types["blk.0.ffn_gate_inp_shexp.weight"] == types["blk.0.ssm_a"] \
+        == "F32"
+    requantize(str(quantized), str(dequantized), lambda name, data: "F32", int(gguf.LlamaFileType.ALL_F32))
+    ours, reference, unquantized = (load_model(str(p), device="cpu", dtype="float32")
+                                    for p in (quantized, dequantized, path))
+    g = torch.Generator().manual_seed(6)
+    seqs = [torch.randint(0, GGUF_WORDS, (n,), generator=g).tolist() for n in (70, 7)]
+    assert relative_error(_prefill_logits(ours, seqs), _prefill_logits(reference, seqs)) <= 1e-5
+
+    fast, dense = (load_model(str(p), device="cpu", dtype="bfloat16").model for p in (quantized, dequantized))
+    x = torch.randn(9, 256, generator=g)
+    parts = {"q|k|v": lambda m: m.mixers[2].qkv, "gate": lambda m: m.mixers[2].gate,
+             "b|a 0": lambda m: m.mixers[0].in_proj_ba, "b|a 3": lambda m: m.mixers[3].in_proj_ba}
+    for name, part in parts.items():
+        assert part(fast).nbytes() < part(dense).nbytes(), name  # kept quantized
+        exact = part(reference.model)(x)
+        q4, bf16 = relative_error(part(ours.model)(x), part(unquantized.model)(x)), relative_error(
+            part(fast)(x.bfloat16()), exact)
+        assert q4 <= 0.2 and bf16 <= 0.02, (name, q4, bf16)
+
+
+def _legacy_ssm_in(tensors: dict) -> dict:
+    """llama.cpp's older qwen3next layout: each linear layer's q|k|v (attn_qkv) and z (attn_gate) as one
+    ssm_in whose rows are grouped by key head as the checkpoint's in_proj_qkvz (the head's q, k, then its
+    value heads' v and z), the layout llama.cpp's graph still splits for such a file."""
+    import numpy as np
+
+    kh, dk = QWEN3_NEXT["linear_num_key_heads"], QWEN3_NEXT["linear_key_head_dim"]
+    dv = QWEN3_NEXT["linear_value_head_dim"]
+    per = QWEN3_NEXT["linear_num_value_heads"] // kh * dv  # a key head's value rows
+    out = {}
+    for name, data in tensors.items():
+        if name.endswith("attn_qkv.weight"):
+            q, k, v = np.split(data, [kh * dk, 2 * kh * dk])
+            z = tensors[name.replace("attn_qkv", "attn_gate")]
+            out[name.replace("attn_qkv", "ssm_in")] = np.concatenate([
+                part for h in range(kh)
+                for part in (q[h * dk:(h + 1) * dk], k[h * dk:(h + 1) * dk], v[h * per:(h + 1) * per],
+                             z[h * per:(h + 1) * per])])
+        elif not name.endswith("attn_gate.weight"):
+            out[name] = data
+    return out
+
+
+def test_legacy_ssm_in_gguf_loads(tmp_path, wide_gguf):
+    """A file of llama.cpp's older converter (ssm_in: q|k|v|z grouped by key head) loads to the logits of the
+    newer layout's, and quantized (Q4_K_M: ssm_in Q4_K) its q|k|v|z projection, rows reordered at load and
+    kept quantized in bf16, is within the 4-bit error of the unquantized one."""
+    import gguf
+    from requantize_gguf import requantize  # tests/model/requantize_gguf.py
+
+    legacy, legacy_q4 = tmp_path / "legacy.f32.gguf", tmp_path / "legacy.q4_k_m.gguf"
+    requantize(str(wide_gguf), str(legacy), lambda name, data: "F32", int(gguf.LlamaFileType.ALL_F32),
+               edit=_legacy_ssm_in)
+    requantize(str(wide_gguf), str(legacy_q4), _llama_quantize_q4_k_m, int(gguf.LlamaFileType.MOSTLY_Q4_K_M),
+               edit=_legacy_ssm_in)
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(legacy_q4)).tensors}
+    assert types["blk.0.ssm_in.weight"] == "Q4_K" and "blk.0.attn_qkv.weight" not in types
+    newer, older = (load_model(str(p), device="cpu", dtype="float32") for p in (wide_gguf, legacy))
+    g = torch.Generator().manual_seed(6)
+    seqs = [torch.randint(0, GGUF_WORDS, (n,), generator=g).tolist() for n in (70, 7)]
+    assert relative_error(_prefill_logits(older, seqs), _prefill_logits(newer, seqs)) <= 1e-5
+
+    fast, dense = (load_model(str(p), device="cpu", dtype="bfloat16").model for p in (legacy_q4, legacy))
+    x = torch.randn(9, 256, generator=g)
+    for i in newer.config.linear_layers:
+        assert fast.mixers[i].in_proj.nbytes() < dense.mixers[i].in_proj.nbytes()  # kept quantized
+        err = relative_error(fast.mixers[i].in_proj(x.bfloat16()), newer.model.mixers[i].in_proj(x))
+        assert err <= 0.2, (i, err)
 
 
 @pytest.mark.parametrize("case", list(CASES))

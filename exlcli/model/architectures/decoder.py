@@ -49,9 +49,10 @@ from exlcli.ops.cpu.loader import use_cpu_kernels
 from exlcli.ops.cuda import kernels
 from exlcli.ops.cuda.limits import HEAD_DIMS
 from exlcli.ops.cuda.loader import use_kernels
+from exlcli.ops.embedding import TokenEmbedding
 from exlcli.ops.formats import QuantizedWeight
 from exlcli.ops.formats.base import DecodeWeights
-from exlcli.ops.linear import Linear, dense_weight, make_linear
+from exlcli.ops.linear import Linear, make_linear
 from exlcli.ops.moe import Expert, MoeFeedForward, RouterSpec
 from exlcli.ops.norm import fused_add_rms_norm, rms_norm
 from exlcli.ops.rope import RopeWrite, gather_cos_sin, rope_cos_sin_cache
@@ -134,16 +135,15 @@ class DecoderModel:
         self.device = device
         self.dtype = dtype
         self.fused_paths = fused_paths
-        embed = tensors[EMBED]
-        self.embed = dense_weight(embed, dtype, device).to(device)  # [V, H]
+        self.embed = TokenEmbedding(tensors[EMBED], dtype, device)  # [V, H]
         self.layers = [DecoderLayer(config, tensors, i, device, dtype) for i in range(config.num_layers)]
         self.norm = (tensors[FINAL_NORM].float() + config.norm_offset).to(device=device, dtype=dtype)
         head = tensors.get(LM_HEAD)
         if head is None or config.tie_word_embeddings:
             # a quantized embedding stays quantized in the output layer; a dense one is shared
             stored = tensors[EMBED]
-            head = stored if isinstance(stored, QuantizedWeight) else self.embed
-        self._head_is_embed = head is self.embed  # one tensor: counted once in resident_bytes
+            head = stored if isinstance(stored, QuantizedWeight) else self.embed.dense
+        self._head_is_embed = head is self.embed.dense  # one tensor: counted once in resident_bytes
         self.lm_head: Linear = make_linear([head], None, device, dtype)
         self.specs: list[AttentionSpec] = layer_specs(config, [layer.sinks for layer in self.layers])
         # one cos|sin table per rope the layers use; self.cos_sin is the first layer's
@@ -195,7 +195,7 @@ class DecoderModel:
 
         norms = sum(size(layer.input_norm) + size(layer.post_norm) + size(layer.q_norm) + size(layer.k_norm)
                     for layer in self.layers)
-        return (self._linear_bytes(active=False) + (0 if self._head_is_embed else size(self.embed)) + norms
+        return (self._linear_bytes(active=False) + (0 if self._head_is_embed else self.embed.nbytes()) + norms
                 + size(self.norm))
 
     @torch.inference_mode()
@@ -228,7 +228,7 @@ class DecoderModel:
     def _final_normed(self, batch: BatchInputs, kv: KVCache, num_layers: int) -> torch.Tensor:
         cfg = self.config
         num_tokens = batch.input_ids.shape[0]
-        h = F.embedding(batch.input_ids, self.embed)  # [T, H]
+        h = self.embed(batch.input_ids)  # [T, H]
         if cfg.embed_scale is not None:  # (the factor rounded to the activations' dtype, as Gemma does)
             h = h * torch.tensor(cfg.embed_scale, dtype=h.dtype)
         residual = None
@@ -374,7 +374,7 @@ class DecoderModel:
         eps = cfg.rms_norm_eps
         rows = batch.input_ids.shape[0]
         assert batch.seq_lens_t is not None  # a GPU step's inputs carry their device copies
-        r = F.embedding(batch.input_ids, self.embed)  # the residual stream
+        r = self.embed(batch.input_ids)  # the residual stream
         for i, layer in enumerate(self.layers):
             qkv_w, o_w = _decode_weights(layer.qkv), _decode_weights(layer.o_proj)
             gate_up_w, down_w = _decode_weights(layer.gate_up), _decode_weights(layer.down)

@@ -33,6 +33,7 @@ from exlcli.model.architectures.base import Architecture
 from exlcli.model.architectures.decoder import DecoderModel
 from exlcli.model.architectures.windows import gguf_layer_types, hf_layer_types
 from exlcli.model.config import ModelConfig, MoeConfig
+from exlcli.ops.linear import weight_rows
 
 FUSED_PATHS = ()
 ROUTER_HF = "mlp.router"  # HF's router name, the decoder's is names.ROUTER
@@ -131,10 +132,7 @@ def _decoder_tensors(config: ModelConfig, tensors: dict) -> dict:
 def _deinterleaved(gate_up: Any) -> tuple[Any, Any]:
     """[2I, H] rows g0, u0, g1, u1, ... (a dense tensor or a QuantizedWeight) -> (gate rows, up rows)."""
     rows = gate_up.shape[0]
-    even, odd = torch.arange(0, rows, 2), torch.arange(1, rows, 2)
-    if isinstance(gate_up, torch.Tensor):
-        return gate_up.index_select(0, even).contiguous(), gate_up.index_select(0, odd).contiguous()
-    return gate_up.permute_rows(even), gate_up.permute_rows(odd)
+    return weight_rows(gate_up, torch.arange(0, rows, 2)), weight_rows(gate_up, torch.arange(1, rows, 2))
 
 
 def build(config: ModelConfig, tensors: dict, device: torch.device, dtype: torch.dtype) -> DecoderModel:

@@ -14,7 +14,9 @@ attention output is multiplied by sigmoid(gate) before o_proj. A Gated DeltaNet 
     o = gated delta rule(l2norm(q) / sqrt(Dk), l2norm(k), v, g, beta) (its recurrent state),
     out_proj(RMSNorm(o) * SiLU(z)) per value head.
 
-The rows of in_proj_qkvz and in_proj_ba are reordered at load into [q | k | v | z] and [b | a].
+The rows of in_proj_qkvz and in_proj_ba are reordered at load into [q | k | v | z] and [b | a], and
+q_proj's split into the queries and the gates; a quantized weight keeps its blocks (weight_rows), so
+every weight llama.cpp's quantizer quantizes loads in any type exlcli runs.
 
 Qwen3.5 (Qwen3_5ForCausalLM: a plain feed-forward in every layer; Qwen3_5MoeForCausalLM: experts
 with a gated shared expert in every layer, the k weights always renormalized) has the same layers
@@ -56,6 +58,7 @@ from exlcli.ops.attention import PagedLayout, paged_attention
 from exlcli.ops.cpu.loader import use_cpu_kernels
 from exlcli.ops.cuda import kernels
 from exlcli.ops.cuda.loader import use_kernels
+from exlcli.ops.embedding import TokenEmbedding
 from exlcli.ops.gated_delta import (
     causal_conv1d,
     causal_conv1d_step,
@@ -63,7 +66,7 @@ from exlcli.ops.gated_delta import (
     recurrent_gated_delta_step,
     rowwise,
 )
-from exlcli.ops.linear import Linear, dense_weight, make_linear
+from exlcli.ops.linear import Linear, dense_weight, make_linear, weight_rows
 from exlcli.ops.moe import MoeFeedForward
 from exlcli.ops.norm import rms_norm
 from exlcli.ops.rope import RopeWrite, gather_cos_sin, rope_cos_sin_cache
@@ -137,10 +140,12 @@ def gguf_fields(meta: Mapping[str, Any]) -> dict[str, Any]:
             "partial_rotary_factor": rotated / head_dim}
 
 
-# llama.cpp's qwen3next names: the linear layers' q|k|v (rows in order) and z apart, b|a grouped by key
-# head as in the checkpoint, -exp(A_log) as ssm_a, dt_bias as ssm_dt.bias, the conv weight [C, W]
+# llama.cpp's qwen3next names: the linear layers' q|k|v (rows in order) and z apart (a file of its older
+# converter: one ssm_in, grouped by key head as the checkpoint's in_proj_qkvz, which llama.cpp still runs),
+# b|a grouped by key head as in the checkpoint, -exp(A_log) as ssm_a, dt_bias as ssm_dt.bias, the conv weight [C, W]
 GGUF_LINEAR_NAMES = {
-    "attn_qkv": LINEAR + "in_proj_qkv", "attn_gate": LINEAR + "in_proj_z", "ssm_ba": LINEAR + "in_proj_ba",
+    "attn_qkv": LINEAR + "in_proj_qkv", "attn_gate": LINEAR + "in_proj_z", "ssm_in": LINEAR + "in_proj_qkvz",
+    "ssm_ba": LINEAR + "in_proj_ba",
     "ssm_a": LINEAR + "neg_a", "ssm_dt": LINEAR + "dt", "ssm_conv1d": LINEAR + "conv1d", "ssm_norm": LINEAR + "norm",
     "ssm_out": LINEAR + "out_proj", "post_attention_norm": "post_attention_layernorm",
 }
@@ -184,12 +189,6 @@ def _take(t: dict, name: str) -> torch.Tensor:
     return weight
 
 
-def _dense(weight: Any, name: str) -> torch.Tensor:
-    if not isinstance(weight, torch.Tensor):
-        raise ModelLoadError(f"{name}: a quantized tensor here is not supported (its rows are reordered at load)")
-    return weight
-
-
 class _FeedForward:
     """A layer's norms and feed-forward (experts, or a plain gated one on mlp_only_layers)."""
 
@@ -230,14 +229,14 @@ class GatedAttention:
     def __init__(self, config: ModelConfig, t: dict, i: int, device: torch.device, dtype: torch.dtype) -> None:
         p = layer_prefix(i) + "self_attn."
         heads, d = config.num_heads, config.head_dim
-        q_gate = _dense(_take(t, p + "q_proj.weight"), p + "q_proj.weight")
+        q_gate = _take(t, p + "q_proj.weight")
         if q_gate.shape[0] != 2 * heads * d:
             raise ModelLoadError(f"{p}q_proj.weight has {q_gate.shape[0]} rows; a gated attention layer of {heads} "
                                  f"heads of {d} has {2 * heads * d} (each head's query, then its gate)")
-        q, gate = q_gate.view(heads, 2, d, -1).unbind(1)
-        self.qkv = make_linear([q.reshape(heads * d, -1), t.get(p + "k_proj.weight"), t.get(p + "v_proj.weight")],
-                               None, device, dtype)
-        self.gate = make_linear([gate.reshape(heads * d, -1)], None, device, dtype)
+        q, gate = torch.arange(2 * heads * d).view(heads, 2, d).unbind(1)
+        self.qkv = make_linear([weight_rows(q_gate, q.reshape(-1)), t.get(p + "k_proj.weight"),
+                                t.get(p + "v_proj.weight")], None, device, dtype)
+        self.gate = make_linear([weight_rows(q_gate, gate.reshape(-1))], None, device, dtype)
         self.o_proj = make_linear([t.get(p + "o_proj.weight")], None, device, dtype)
         self.q_norm = _FeedForward._norm(config, t, p + "q_norm.weight", device, dtype)
         self.k_norm = _FeedForward._norm(config, t, p + "k_norm.weight", device, dtype)
@@ -255,7 +254,7 @@ class GatedDeltaNet:
         self.shape = la
         self.eps = config.rms_norm_eps
         p = layer_prefix(i) + LINEAR
-        if p + "in_proj_qkv.weight" in t:  # Qwen3.5 (and Qwen3-Next's GGUF): q|k|v and z apart, in order
+        if p + "in_proj_qkv.weight" in t:  # Qwen3.5 (and Qwen3-Next's newer GGUF): q|k|v and z apart, in order
             self.in_proj = make_linear([t[p + "in_proj_qkv.weight"], _take(t, p + "in_proj_z.weight")], None, device,
                                        dtype)
             if p + "in_proj_ba.weight" in t:
@@ -265,7 +264,8 @@ class GatedDeltaNet:
                                               None, device, dtype)
         else:
             self._grouped_projections(t, p, device, dtype)
-        conv = _dense(_take(t, p + "conv1d.weight"), p + "conv1d.weight")
+        # (no GGUF quantizer quantizes the convolution: one that is quantized is dequantized)
+        conv = dense_weight(_take(t, p + "conv1d.weight"), torch.float32)
         if conv.numel() != la.conv_channels * la.conv_width:
             raise ModelLoadError(f"{p}conv1d.weight has {conv.numel()} values; {la.conv_channels} channels of width "
                                  f"{la.conv_width} take {la.conv_channels * la.conv_width}")
@@ -282,22 +282,25 @@ class GatedDeltaNet:
         value heads' v and z; b then a), as [q | k | v | z] and [b | a] with each part's heads in order."""
         la = self.shape
         per_head = la.num_v_heads // la.num_k_heads
-        qkvz = _dense(_take(t, p + "in_proj_qkvz.weight"), p + "in_proj_qkvz.weight")
-        ba = _dense(_take(t, p + "in_proj_ba.weight"), p + "in_proj_ba.weight")
+        qkvz = _take(t, p + "in_proj_qkvz.weight")
         widths = [la.k_head_dim, la.k_head_dim, per_head * la.v_head_dim, per_head * la.v_head_dim]
-        if qkvz.shape[0] != la.num_k_heads * sum(widths) or ba.shape[0] != 2 * la.num_v_heads:
-            raise ModelLoadError(f"{p}in_proj_qkvz / in_proj_ba: {qkvz.shape[0]} / {ba.shape[0]} rows do not fit "
-                                 f"{la.num_k_heads} key heads of {la.k_head_dim} and {la.num_v_heads} value heads "
-                                 f"of {la.v_head_dim}")
-        parts = qkvz.view(la.num_k_heads, sum(widths), -1).split(widths, dim=1)
-        self.in_proj = make_linear([x.reshape(-1, qkvz.shape[1]) for x in parts], None, device, dtype)
+        if qkvz.shape[0] != la.num_k_heads * sum(widths):
+            raise ModelLoadError(f"{p}in_proj_qkvz.weight has {qkvz.shape[0]} rows; {la.num_k_heads} key heads of "
+                                 f"{la.k_head_dim} and {la.num_v_heads} value heads of {la.v_head_dim} take "
+                                 f"{la.num_k_heads * sum(widths)}")
+        parts = torch.arange(qkvz.shape[0]).view(la.num_k_heads, sum(widths)).split(widths, dim=1)
+        self.in_proj = make_linear([weight_rows(qkvz, torch.cat([x.reshape(-1) for x in parts]))], None, device,
+                                   dtype)
         self.in_proj_ba = self._grouped_ba(t, p, device, dtype)
 
     def _grouped_ba(self, t: dict, p: str, device: torch.device, dtype: torch.dtype) -> Linear:
         la = self.shape
-        ba = _dense(_take(t, p + "in_proj_ba.weight"), p + "in_proj_ba.weight")
-        b, a = ba.view(la.num_k_heads, 2, la.num_v_heads // la.num_k_heads, -1).unbind(1)
-        return make_linear([b.reshape(-1, ba.shape[1]), a.reshape(-1, ba.shape[1])], None, device, dtype)
+        ba = _take(t, p + "in_proj_ba.weight")
+        if ba.shape[0] != 2 * la.num_v_heads:
+            raise ModelLoadError(f"{p}in_proj_ba.weight has {ba.shape[0]} rows; {la.num_v_heads} value heads take "
+                                 f"{2 * la.num_v_heads} (a b and an a each)")
+        b, a = torch.arange(ba.shape[0]).view(la.num_k_heads, 2, -1).unbind(1)
+        return make_linear([weight_rows(ba, b.reshape(-1)), weight_rows(ba, a.reshape(-1))], None, device, dtype)
 
     def nbytes(self) -> int:
         return self.in_proj.nbytes() + self.in_proj_ba.nbytes() + self.out_proj.nbytes()
@@ -426,7 +429,7 @@ class Qwen3NextModel:
         self.device = device
         self.dtype = dtype
         self.fused_paths = FUSED_PATHS
-        self.embed = dense_weight(tensors[EMBED], dtype, device).to(device)
+        self.embed = TokenEmbedding(tensors[EMBED], dtype, device)
         self.mixers: list[GatedAttention | GatedDeltaNet] = [
             (GatedDeltaNet if config.is_linear_layer(i) else GatedAttention)(config, tensors, i, device, dtype)
             for i in range(config.num_layers)]
@@ -457,7 +460,7 @@ class Qwen3NextModel:
                 + self.lm_head.nbytes())
 
     def resident_bytes(self) -> int:
-        embed = 0 if self._head_is_embed else self.embed.numel() * self.embed.element_size()
+        embed = 0 if self._head_is_embed else self.embed.nbytes()
         return self._linear_bytes(active=False) + embed
 
     def fused_decode_unsupported(self) -> str | None:
@@ -488,7 +491,7 @@ class Qwen3NextModel:
         if kv.states is None or batch.state_slots is None:
             raise RuntimeError("a model with linear attention layers needs a state cache and each sequence's slot")
         num_tokens = batch.input_ids.shape[0]
-        h = F.embedding(batch.input_ids, self.embed)
+        h = self.embed(batch.input_ids)
         cos_sin_rows = layout = prefill_layout = None
         if use_kernels(h):
             if len(batch.seq_lens) != num_tokens:

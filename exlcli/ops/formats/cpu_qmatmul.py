@@ -56,14 +56,19 @@ def dequantized(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
     """weight.dequantize(dtype), computed by the C code (repack.c, on the kernel pool) where it reads the format
     and dtype is bf16 or fp32: the same values, the same bits (a model's quantized embedding, at load)."""
     blocks = weight.blocks
-    if (weight.fmt.name not in C_REPACKED or weight.input_order is not None or blocks.stride(-1) != 1
-            or dtype not in (torch.bfloat16, torch.float32) or _dequantize() is None):
+    if not rows_dequantized(weight, dtype):
         return weight.dequantize(dtype)
     out = torch.empty(weight.shape, dtype=dtype)
     args = DequantizeArgs(src=blocks.data_ptr(), row_bytes=blocks.stride(0), rows=weight.shape[0],
                           in_features=weight.shape[1], format=weight.fmt.gguf_type, bf16=dtype == torch.bfloat16,
                           out=out.data_ptr())
     return out if _dequantize()(ctypes.byref(args)) == 0 else weight.dequantize(dtype)
+
+
+def rows_dequantized(weight: QuantizedWeight, dtype: torch.dtype) -> bool:
+    """Whether the C code dequantizes the weight's rows to `dtype` (what dequantized() runs)."""
+    return (weight.fmt.name in C_REPACKED and weight.input_order is None and weight.blocks.stride(-1) == 1
+            and dtype in (torch.bfloat16, torch.float32) and _dequantize() is not None)
 
 
 # the formats whose blocks the C repack reads (repack.c), by GGUF name
