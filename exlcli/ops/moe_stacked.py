@@ -69,6 +69,10 @@ SORT_MIN_PAIRS = 16  # from this many pairs the blocks take them sorted by exper
 # against 325.5 at 32 (scripts/moe_bench.py --graphs, CUDA graph replays; the grouped times include torch's plan,
 # 25 us, where moe_plan takes 9.3).
 PAIRS_MAX_TOKENS = 24
+# Up to this many pairs the grouped path plans on the moe_plan kernel, beyond on torch's sort: the kernel ranks
+# each pair by counting the earlier pairs of its expert, so its time grows with the square of the pairs (H100,
+# scripts/moe_bench.py, 128 experts: 512 pairs 15.4 us against torch's 39.8, 2,048 pairs 45.9 against 39.7).
+PLAN_KERNEL_MAX_PAIRS = 1024
 # From this many pairs an expert on average the grouped path's token tiles hold 64 pairs, else 32 (fewer
 # padded rows where an expert has few tokens; two blocks an SM to the 64-pair tile's one). On an H100 the
 # 32-pair tile is the faster one up to 128 pairs an expert (2,048 tokens over 128 experts, top 8:
@@ -126,7 +130,8 @@ def plan_groups_device(ids: torch.Tensor, experts: int, tile_tokens: int) -> Gro
 def plan_pairs(ids: torch.Tensor, experts: int, tile_tokens: int) -> GroupPlan:
     """The grouped path's plan of flat expert ids [pairs] on the GPU: moe_plan's one launch where its block holds
     the pairs (moe_plan_takes), where torch's sort takes half a dozen kernels; else plan_groups."""
-    planner = plan_groups_device if moe_plan_takes(ids.shape[0], experts) else plan_groups
+    pairs = ids.shape[0]
+    planner = plan_groups_device if pairs <= PLAN_KERNEL_MAX_PAIRS and moe_plan_takes(pairs, experts) else plan_groups
     return planner(ids, experts, tile_tokens)
 
 

@@ -286,11 +286,14 @@ def test_the_grouped_path_plans_on_moe_plan_where_its_block_holds_the_pairs(monk
     # the most pairs moe_plan's block holds over EXPERTS experts, in whole tokens, then one token more
     fits = (MOE_PLAN_MAX_SHARED // 4 - EXPERTS - 1) // TOP_K
     assert moe_plan_takes(fits * TOP_K, EXPERTS) and not moe_plan_takes((fits + 1) * TOP_K, EXPERTS)
-    for tokens in (PAIRS_MAX_TOKENS + 1, fits, fits + 1):
+    # and up to PLAN_KERNEL_MAX_PAIRS pairs, past which torch's sort is the faster
+    most = min(fits, moe_stacked.PLAN_KERNEL_MAX_PAIRS // TOP_K)
+    for tokens in (PAIRS_MAX_TOKENS + 1, most, most + 1, fits + 1):
         ids = torch.randint(0, EXPERTS, (tokens, TOP_K), dtype=torch.int32)
         with pytest.raises(Planned):
             stacked(torch.zeros(tokens, HIDDEN), torch.ones(tokens, TOP_K), ids)
-    want = [("moe_plan", (PAIRS_MAX_TOKENS + 1) * TOP_K), ("moe_plan", fits * TOP_K), ("torch", (fits + 1) * TOP_K)]
+    want = [("moe_plan", (PAIRS_MAX_TOKENS + 1) * TOP_K), ("moe_plan", most * TOP_K), ("torch", (most + 1) * TOP_K),
+            ("torch", (fits + 1) * TOP_K)]
     assert used == [(name, pairs, tile_tokens_for(pairs, EXPERTS)) for name, pairs in want]
 
 
