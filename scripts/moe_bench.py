@@ -3,10 +3,14 @@ width 768; random weights as a Q4_K_M file has them: 4-bit gate|up, 6-bit down) 
 median of the repeats: the layer as it runs (`moe(x)`, the path its token count takes) eagerly and as a CUDA
 graph; the host-grouped path (each active expert's products, counts read on the host); and the routed
 experts alone on each device path (exlcli/ops/moe_stacked.py, csrc/moe.cu): over (token, slot) pairs
-(moe_gemv, decode's) and grouped by expert on the tensor cores (moe_gemm, prefill's) in tiles of 32 and of 64
-pairs:
+(moe_gemv, small decode batches') and grouped by expert on the tensor cores (moe_gemm, larger batches' and
+prefill's) in tiles of 32 and of 64 pairs, planned as the grouped path plans them (`plan_pairs`); and the
+router's choice from its logits, torch's `route` against the moe_route kernel, and the plan of the tiles of 32
+in torch (`plan_groups`) against the moe_plan kernel. With --graphs every column past the host-grouped one is
+timed as a CUDA graph's replay too (as a decode step runs them; eager times include each kernel's launch from
+Python):
 
-    python3 scripts/moe_bench.py [--tokens 1,4,16,64,512,2048] [--repeats 50] [--down-bits 6]
+    python3 scripts/moe_bench.py [--tokens 1,4,16,64,512,2048] [--repeats 50] [--down-bits 6] [--graphs]
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 from exlcli.ops import moe_stacked
 from exlcli.ops.activation import silu_and_mul
 from exlcli.ops.cuda import kernels, loader
+from exlcli.ops.cuda.limits import moe_plan_takes
 from exlcli.ops.formats import cuda_groups
 from exlcli.ops.formats.dense import dense_linear
 from exlcli.ops.moe import Expert, MoeFeedForward, RouterSpec, route
@@ -57,11 +62,27 @@ def median_us(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def graph_us(fn, repeats: int) -> float:
+    """median_us of fn captured in a CUDA graph (warmed up on a side stream first, as the engine does)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    try:
+        return median_us(graph.replay, repeats)
+    finally:
+        del graph
+
+
 def grouped_tile(stacked: moe_stacked.StackedExperts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                  tile: int) -> torch.Tensor:
     """StackedExperts.grouped with its token tile set (the tile changes no result, only the time)."""
     top_k = ids.shape[1]
-    plan = moe_stacked.plan_groups(ids.reshape(-1), stacked.gate_up.num_experts, tile)
+    plan = moe_stacked.plan_pairs(ids.reshape(-1), stacked.gate_up.num_experts, tile)
     gate_up = stacked.gate_up.grouped_rows(x, plan, top_k, float_out=False)
     rows = stacked.down.grouped_rows(silu_and_mul(gate_up), plan, 1, float_out=True)
     return kernels.moe_combine(rows, weights.reshape(-1).float().contiguous(), top_k)
@@ -73,6 +94,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--down-bits", type=int, default=6)
+    ap.add_argument("--graphs", action="store_true", help="time the paths, route and plan as CUDA graphs")
     args = ap.parse_args()
     if not torch.cuda.is_available() or not loader.load():
         print(f"moe_bench: needs a CUDA GPU and the kernels ({loader.reason()})")
@@ -81,33 +103,31 @@ def main() -> int:
     assert moe.stacked is not None
     print(f"{torch.cuda.get_device_name()}: one MoE layer, {EXPERTS} experts, top {TOP_K}, {args.bits}-bit gate|up, "
           f"{args.down_bits}-bit down; median us a call")
-    print(f"{'tokens':>6} {'layer':>8} {'layer graph':>12} {'host-grouped':>13} {'pairs':>8} {'grouped 32':>11} "
-          f"{'grouped 64':>11}")
+    print(f"{'tokens':>6} {'layer':>8} {'layer graph':>12} {'host-grouped':>13} {'pairs':>8} "
+          f"{'grouped 32':>11} {'grouped 64':>11} {'route':>7} {'moe_route':>10} {'plan':>6} {'moe_plan':>9}")
     stacked = moe.stacked
     for tokens in [int(t) for t in args.tokens.split(",")]:
         x = (torch.randn(tokens, HIDDEN, device="cuda") * 0.5).to(torch.bfloat16)
         layer_us = median_us(lambda: moe(x), args.repeats)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            moe(x)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            moe(x)
-        replay = median_us(graph.replay, args.repeats)
-        del graph
+        replay = graph_us(lambda: moe(x), args.repeats)
         moe._on_device = lambda _x: False  # type: ignore[method-assign]  # every call on the host-grouped path
         try:
             host = median_us(lambda: moe(x), max(3, args.repeats // 10))
         finally:
             del moe._on_device
-        weights, ids = route(moe.router(x, out_dtype=torch.float32), moe.spec)
-        pairs = median_us(lambda: stacked.pairs(x, weights, ids), args.repeats)
-        grouped = [median_us(lambda: grouped_tile(stacked, x, weights, ids, tile), args.repeats)
-                   for tile in (32, 64)]
+        logits = moe.router(x, out_dtype=torch.float32)
+        weights, ids = route(logits, moe.spec)
+        timed = graph_us if args.graphs else median_us
+        pairs = timed(lambda: stacked.pairs(x, weights, ids), args.repeats)
+        grouped = [timed(lambda: grouped_tile(stacked, x, weights, ids, tile), args.repeats) for tile in (32, 64)]
+        route_us = timed(lambda: route(logits, moe.spec), args.repeats)
+        kernel_us = timed(lambda: kernels.moe_route(logits, TOP_K, True, True), args.repeats)
+        flat = ids.reshape(-1).to(torch.int32)
+        plan_us = timed(lambda: moe_stacked.plan_groups(flat, EXPERTS, 32), args.repeats)
+        plan_kernel_us = (timed(lambda: moe_stacked.plan_groups_device(flat, EXPERTS, 32), args.repeats)
+                          if moe_plan_takes(flat.shape[0], EXPERTS) else float("nan"))
         print(f"{tokens:>6} {layer_us:>8.1f} {replay:>12.1f} {host:>13.1f} {pairs:>8.1f} {grouped[0]:>11.1f} "
-              f"{grouped[1]:>11.1f}")
+              f"{grouped[1]:>11.1f} {route_us:>7.1f} {kernel_us:>10.1f} {plan_us:>6.1f} {plan_kernel_us:>9.1f}")
     return 0
 
 

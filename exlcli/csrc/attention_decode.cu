@@ -61,8 +61,10 @@ void launch(const DecodeParams& p, at::ScalarType dtype, bool e4m3_cache, int he
     EXL_DISPATCH_FLOAT(dtype, "paged attention", [&] {
       if (head_dim == 64) {
         launch_pdl(paged_decode_combine_kernel<scalar_t, 64>, combine_grid, dim3(64), 0, stream, pdl, p);
-      } else {
+      } else if (head_dim == 128) {
         launch_pdl(paged_decode_combine_kernel<scalar_t, 128>, combine_grid, dim3(128), 0, stream, pdl, p);
+      } else {
+        launch_pdl(paged_decode_combine_kernel<scalar_t, 256>, combine_grid, dim3(256), 0, stream, pdl, p);
       }
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -80,7 +82,8 @@ void check_paged_attention_inputs(const at::Tensor& q, const at::Tensor& k_cache
   }
   TORCH_CHECK(q.dim() == 3, "paged attention: q must be [tokens, heads, head_dim], got ", q.sizes());
   const int64_t head_dim = q.size(2);
-  TORCH_CHECK(head_dim == 64 || head_dim == 128, "paged attention: head_dim must be 64 or 128, got ", head_dim);
+  TORCH_CHECK(head_dim == 64 || head_dim == 128 || head_dim == 256,
+              "paged attention: head_dim must be 64, 128 or 256, got ", head_dim);
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == head_dim, "paged attention: q must have packed heads");
   TORCH_CHECK(q.stride(0) % (16 / q.element_size()) == 0 && aligned16(q.data_ptr()),
               "paged attention: q rows must be 16-byte aligned");

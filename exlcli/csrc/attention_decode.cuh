@@ -121,7 +121,7 @@ struct DecodeBlock {
 };
 
 // Launch one version's partition kernel over grid (kv heads x head chunks, sequences, partitions)
-// for query heads of `head_dim` (64 or 128) in GQA groups of at most gmax (1, 2, 4 or 8) heads.
+// for query heads of `head_dim` (64, 128 or 256) in GQA groups of at most gmax (1, 2, 4 or 8) heads.
 // Version 1 takes every float type, version 3 bf16 and fp16 on sm_80+, over caches of that type
 // or (e4m3_cache) of e4m3 bytes.
 void launch_v1(const DecodeParams& p, at::ScalarType dtype, int head_dim, int gmax, const dim3& grid,

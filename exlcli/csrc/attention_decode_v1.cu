@@ -15,13 +15,20 @@ __global__ void __launch_bounds__(WARPS * 32) paged_decode_kernel(const DecodePa
   grid_dependency_wait();  // launched with launch_pdl: the previous kernel may still run
   grid_dependents_launch();
   constexpr int VW = Vec<T>::N;  // elements per 16-byte load
-  constexpr int TPT = D / VW;  // threads per token
+  constexpr int TPT = D / VW < 32 ? D / VW : 32;  // threads per token
+  constexpr int NV = D / (TPT * VW);  // 16-byte loads per thread per token (2: fp32 heads of 256)
+  constexpr int EPT = NV * VW;  // elements of the head per thread, side by side
   constexpr int TPW = 32 / TPT;  // tokens per warp per pass
   constexpr int PASS = WARPS * TPW;  // tokens per block per pass
-  static_assert(TPT <= 32 && 32 % TPT == 0, "head_dim must split evenly over a warp");
+  constexpr int UNROLL = kUnroll / NV;  // the same bytes in flight whatever NV
+  static_assert(TPT * EPT == D && 32 % TPT == 0, "head_dim must split evenly over a warp");
+  // Heads of 256: the warps' partial outputs are summed into one [GMAX][D] buffer, a warp at a time in
+  // warp order (the sum a [WARPS][GMAX][D] buffer gives, whose 64 KB would pass the 48 KB of static
+  // shared memory).
+  constexpr bool kSerialReduce = D > 128;
 
   __shared__ float s_scores[GMAX][kPartitionTokens];  // scores, then exp(score - max)
-  __shared__ float s_red[WARPS][GMAX][D];
+  __shared__ float s_red[kSerialReduce ? 1 : WARPS][GMAX][D];
   __shared__ float s_max[GMAX], s_sum[GMAX];
   __shared__ int64_t s_slot[kPartitionTokens];
 
@@ -33,51 +40,59 @@ __global__ void __launch_bounds__(WARPS * 32) paged_decode_kernel(const DecodePa
   T* out = blk.out;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int start = blk.start, n = blk.n;
-  const int sub = lane % TPT;  // which 16-byte slice of the head this thread owns
+  const int sub = lane % TPT;  // which EPT elements of the head this thread owns
   const int tok = lane / TPT;  // which token of the warp's pass
 
-  float qv[GMAX][VW];
+  float qv[GMAX][EPT];
   {
-    const T* qp = static_cast<const T*>(p.q) + row * p.q_row_stride + static_cast<int64_t>(head0) * D + sub * VW;
+    const T* qp = static_cast<const T*>(p.q) + row * p.q_row_stride + static_cast<int64_t>(head0) * D + sub * EPT;
 #pragma unroll
     for (int g = 0; g < GMAX; ++g) {
-      if (g < ng) {
-        const Vec<T> x = load_vec(qp + g * D);
 #pragma unroll
-        for (int e = 0; e < VW; ++e) qv[g][e] = to_float(x.v[e]);
-      } else {
+      for (int j = 0; j < NV; ++j) {
+        if (g < ng) {
+          const Vec<T> x = load_vec(qp + g * D + j * VW);
 #pragma unroll
-        for (int e = 0; e < VW; ++e) qv[g][e] = 0.f;
+          for (int e = 0; e < VW; ++e) qv[g][j * VW + e] = to_float(x.v[e]);
+        } else {
+#pragma unroll
+          for (int e = 0; e < VW; ++e) qv[g][j * VW + e] = 0.f;
+        }
       }
     }
   }
 
   const int64_t slot_stride = static_cast<int64_t>(p.num_kv_heads) * D;
-  const int64_t head_offset = static_cast<int64_t>(kvh) * D + sub * VW;
+  const int64_t head_offset = static_cast<int64_t>(kvh) * D + sub * EPT;
   fill_slots(s_slot, p.block_tables + b * p.bt_stride, start, n, p.page_size);  // ends with a barrier
   auto token_ptr = [&](const void* cache, int t) {
     return static_cast<const T*>(cache) + s_slot[t] * slot_stride + head_offset;
   };
 
   // Phase 1: scores of every token of the partition for every head of the group.
-  for (int t0 = warp * TPW; t0 < n; t0 += PASS * kUnroll) {
-    Vec<T> kv[kUnroll];
+  for (int t0 = warp * TPW; t0 < n; t0 += PASS * UNROLL) {
+    Vec<T> kv[UNROLL][NV];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < UNROLL; ++u) {
       const int t = t0 + u * PASS + tok;
-      if (t < n) kv[u] = load_vec(token_ptr(p.k_cache, t));
+      if (t < n) {
+#pragma unroll
+        for (int j = 0; j < NV; ++j) kv[u][j] = load_vec(token_ptr(p.k_cache, t) + j * VW);
+      }
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < UNROLL; ++u) {
       const int t = t0 + u * PASS + tok;
-      float kf[VW];
+      float kf[EPT];
 #pragma unroll
-      for (int e = 0; e < VW; ++e) kf[e] = t < n ? to_float(kv[u].v[e]) : 0.f;
+      for (int j = 0; j < NV; ++j)
+#pragma unroll
+        for (int e = 0; e < VW; ++e) kf[j * VW + e] = t < n ? to_float(kv[u][j].v[e]) : 0.f;
 #pragma unroll
       for (int g = 0; g < GMAX; ++g) {
         float s = 0.f;
 #pragma unroll
-        for (int e = 0; e < VW; ++e) s = fmaf(qv[g][e], kf[e], s);
+        for (int e = 0; e < EPT; ++e) s = fmaf(qv[g][e], kf[e], s);
 #pragma unroll
         for (int o = TPT / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
         if (sub == 0 && t < n && g < ng) s_scores[g][t] = soft_capped(p, s * p.scale);
@@ -106,27 +121,32 @@ __global__ void __launch_bounds__(WARPS * 32) paged_decode_kernel(const DecodePa
   __syncthreads();
 
   // Phase 3: sum of exp(score) * v, then over the tokens handled side by side.
-  float acc[GMAX][VW];
+  float acc[GMAX][EPT];
 #pragma unroll
   for (int g = 0; g < GMAX; ++g)
 #pragma unroll
-    for (int e = 0; e < VW; ++e) acc[g][e] = 0.f;
-  for (int t0 = warp * TPW; t0 < n; t0 += PASS * kUnroll) {
-    Vec<T> vv[kUnroll];
+    for (int e = 0; e < EPT; ++e) acc[g][e] = 0.f;
+  for (int t0 = warp * TPW; t0 < n; t0 += PASS * UNROLL) {
+    Vec<T> vv[UNROLL][NV];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < UNROLL; ++u) {
       const int t = t0 + u * PASS + tok;
-      if (t < n) vv[u] = load_vec(token_ptr(p.v_cache, t));
+      if (t < n) {
+#pragma unroll
+        for (int j = 0; j < NV; ++j) vv[u][j] = load_vec(token_ptr(p.v_cache, t) + j * VW);
+      }
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < UNROLL; ++u) {
       const int t = t0 + u * PASS + tok;
       if (t < n) {
 #pragma unroll
         for (int g = 0; g < GMAX; ++g) {
           const float w = g < ng ? s_scores[g][t] : 0.f;
 #pragma unroll
-          for (int e = 0; e < VW; ++e) acc[g][e] = fmaf(w, to_float(vv[u].v[e]), acc[g][e]);
+          for (int j = 0; j < NV; ++j)
+#pragma unroll
+            for (int e = 0; e < VW; ++e) acc[g][j * VW + e] = fmaf(w, to_float(vv[u][j].v[e]), acc[g][j * VW + e]);
         }
       }
     }
@@ -134,23 +154,43 @@ __global__ void __launch_bounds__(WARPS * 32) paged_decode_kernel(const DecodePa
 #pragma unroll
   for (int g = 0; g < GMAX; ++g)
 #pragma unroll
-    for (int e = 0; e < VW; ++e)
+    for (int e = 0; e < EPT; ++e)
 #pragma unroll
       for (int o = TPT; o < 32; o <<= 1) acc[g][e] += __shfl_xor_sync(0xffffffffu, acc[g][e], o);
-  if (lane < TPT) {
+  if constexpr (kSerialReduce) {
+    for (int w = 0; w < WARPS; ++w) {  // block-uniform: every thread reaches each barrier
+      if (warp == w && lane < TPT) {
 #pragma unroll
-    for (int g = 0; g < GMAX; ++g)
-      if (g < ng)
+        for (int g = 0; g < GMAX; ++g)
+          if (g < ng)
 #pragma unroll
-        for (int e = 0; e < VW; ++e) s_red[warp][g][sub * VW + e] = acc[g][e];
+            for (int e = 0; e < EPT; ++e) {
+              float& r = s_red[0][g][sub * EPT + e];
+              r = (w == 0 ? 0.f : r) + acc[g][e];
+            }
+      }
+      __syncthreads();
+    }
+  } else {
+    if (lane < TPT) {
+#pragma unroll
+      for (int g = 0; g < GMAX; ++g)
+        if (g < ng)
+#pragma unroll
+          for (int e = 0; e < EPT; ++e) s_red[warp][g][sub * EPT + e] = acc[g][e];
+    }
+    __syncthreads();
   }
-  __syncthreads();
 
   for (int i = tid; i < ng * D; i += (WARPS * 32)) {
     const int g = i / D, d = i % D;
     float o = 0.f;
+    if constexpr (kSerialReduce) {
+      o = s_red[0][g][d];
+    } else {
 #pragma unroll
-    for (int w = 0; w < WARPS; ++w) o += s_red[w][g][d];
+      for (int w = 0; w < WARPS; ++w) o += s_red[w][g][d];
+    }
     if (p.max_parts == 1) {
       // the combine kernel computes the same for one part
       out[i] = from_float<T>(o * output_factor(p, head0 + g, s_max[g], s_sum[g]));
@@ -182,8 +222,10 @@ void launch_v1(const DecodeParams& p, at::ScalarType dtype, int head_dim, int gm
   EXL_DISPATCH_FLOAT(dtype, "paged attention", [&] {
     if (head_dim == 64) {
       launch_group<scalar_t, 64>(p, gmax, grid, stream, pdl);
-    } else {
+    } else if (head_dim == 128) {
       launch_group<scalar_t, 128>(p, gmax, grid, stream, pdl);
+    } else {
+      launch_group<scalar_t, 256>(p, gmax, grid, stream, pdl);
     }
   });
 }

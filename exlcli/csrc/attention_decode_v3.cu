@@ -126,8 +126,16 @@ __device__ __forceinline__ uint32_t pack_round(float lo, float hi, float& sum) {
 }
 
 // C: the cache's element, T or uint8_t (e4m3 bytes).
+// Heads of 256 take twice the ring (96 KB a block: 2 blocks an SM on the H100, 1 on sm_86 / sm_89,
+// whose blocks may have 99 KB) and twice the accumulator and query registers, so the register bound
+// asks for 2 blocks an SM, not 4.
+template <int D>
+constexpr int v3_min_blocks() {
+  return D > 128 ? 2 : 4;
+}
+
 template <typename T, typename C, int D, int GMAX, int SLOTS>
-__global__ void __launch_bounds__(kThreads, 4) paged_decode_v3_kernel(const DecodeParams p) {
+__global__ void __launch_bounds__(kThreads, v3_min_blocks<D>()) paged_decode_v3_kernel(const DecodeParams p) {
   grid_dependency_wait();  // launched with launch_pdl: the previous kernel may still run
   // No grid_dependents_launch() here: it comes at the end (see launch_kernel).
   constexpr bool kE4m3 = sizeof(C) == 1;
@@ -368,8 +376,10 @@ template <typename T, typename C>
 void launch_dims(const DecodeParams& p, int head_dim, int gmax, const dim3& grid, cudaStream_t stream, bool pdl) {
   if (head_dim == 64) {
     launch_group<T, C, 64>(p, gmax, grid, stream, pdl);
-  } else {
+  } else if (head_dim == 128) {
     launch_group<T, C, 128>(p, gmax, grid, stream, pdl);
+  } else {
+    launch_group<T, C, 256>(p, gmax, grid, stream, pdl);
   }
 }
 

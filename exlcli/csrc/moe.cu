@@ -11,8 +11,11 @@
 // that quant_linear gives one token: each pair's row is the bytes of quant_linear over that expert's
 // weights and that row alone, whatever the other pairs.
 //
-// moe_combine: out[t] = sum over the k slots of token t, in slot order, of weight * row (fp32): a fixed
-// order, so a token's result does not depend on the batch (no atomics).
+// moe_combine: out[t] = sum over the k slots of token t, in slot order, of weight * row (fp32; stored as fp32
+// or rounded once to bf16): a fixed order, so a token's result does not depend on the batch (no atomics).
+//
+// moe_route: the router's choice, one warp a token: softmax over the experts then the top k (normalized or
+// not), or the top k logits then a softmax over them; ties to the lower id as torch.topk gives them.
 #include <ATen/ops/empty.h>
 #include <cuda_runtime.h>
 
@@ -92,6 +95,8 @@ __global__ void __launch_bounds__(WARPS * 32) moe_gemv_kernel(MoeParams mp) {
 // with 4.
 constexpr int kDp4aWideMaxTiles = 256;
 
+constexpr int64_t kPlanMaxShared = 44 * 1024;  // moe_plan's pairs' experts and experts' counts (4 bytes each)
+
 template <int BITS>
 void launch_moe_gemv(const MoeParams& mp, int pairs, bool float_out, cudaStream_t stream, bool pdl) {
   const int tiles = mp.n / qlinear::kTileRows;
@@ -106,16 +111,16 @@ void launch_moe_gemv(const MoeParams& mp, int pairs, bool float_out, cudaStream_
   }
 }
 
-// moe_gemm: the grouped product of many tokens (prefill). The pairs arrive sorted by expert (order), with
-// each expert's first sorted position (expert_offsets [E + 1]) and its first token tile (tile_offsets [E + 1]:
-// ceil(count / (8 NT)) tiles an expert, summed). Block (x, y) takes RT row tiles x RT .. and token tile y: it
-// finds the expert whose tiles hold y (a binary search of tile_offsets), takes that expert's sorted pairs
-// expert_offsets[e] + 8 NT (y - tile_offsets[e]) .. (at most 8 NT), and runs quant_linear_kernel's body over
-// them: the rows of x gathered by pair (pair / rows_per_x), the weights offset by the expert, the outputs
-// scattered to the pairs' rows. The grid's y is an upper bound of the tiles (known from the sizes alone, so
-// there is no host sync: a CUDA graph captures it); blocks past the last tile return at once. A row's products
-// are added in the order of quant_linear_kernel (chunks by warp, warps in order), whatever the tile or the
-// other rows in it: each pair's row is the bytes of quant_linear's tensor-core kernel over that expert.
+// moe_gemm: the grouped product of many tokens (large decode batches, prefill). The pairs arrive sorted by expert
+// (order), with each expert's first sorted position (expert_offsets [E + 1]) and its first token tile (tile_offsets
+// [E + 1]: ceil(count / (8 NT)) tiles an expert, summed). Block (x, y) takes RT row tiles x RT .. and token tile y:
+// it finds the expert whose tiles hold y (a binary search of tile_offsets), takes that expert's sorted pairs
+// expert_offsets[e] + 8 NT (y - tile_offsets[e]) .. (at most 8 NT), and runs quant_linear_kernel's body over them:
+// the rows of x gathered by pair (pair / rows_per_x), the weights offset by the expert, the outputs scattered to
+// the pairs' rows. The grid's y is an upper bound of the tiles (known from the sizes alone, so there is no host
+// sync: a CUDA graph captures it); blocks past the last tile return at once. A row's products are added in the
+// order of quant_linear_kernel (chunks by warp, warps in order), whatever the tile or the other rows in it: each
+// pair's row is the bytes of quant_linear's tensor-core kernel over that expert.
 struct GroupedParams {
   const __nv_bfloat16* x;         // [rows, k] bf16, rows 16-byte aligned
   const uint32_t* qweight;        // [experts, expert_words]
@@ -130,6 +135,26 @@ struct GroupedParams {
   size_t expert_words, expert_scales;
 };
 
+// Token tile y of a plan: its expert (the one whose tiles hold y: a binary search of tile_offsets), its first
+// place in the sorted pairs and its count of pairs (at most tile_tokens); false past the last tile.
+__device__ __forceinline__ bool find_token_tile(const GroupedParams& gp, int y, int tile_tokens, int& expert,
+                                                int& first, int& count) {
+  if (y >= gp.tile_offsets[gp.experts]) return false;
+  int lo = 0, hi = gp.experts;  // tile_offsets[lo] <= y < tile_offsets[hi]
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) >> 1;
+    if (gp.tile_offsets[mid] <= y) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  expert = lo;
+  first = gp.expert_offsets[expert] + (y - gp.tile_offsets[expert]) * tile_tokens;
+  count = min(tile_tokens, gp.expert_offsets[expert + 1] - first);
+  return true;
+}
+
 // Tiles of 32 pairs keep to 128 registers a thread, so that two blocks share an SM (16 warps to hide the
 // loads' latency); tiles of 64 take one block an SM.
 template <int BITS, int NT, int RT, int UNROLL, bool FLOAT_OUT>
@@ -139,20 +164,8 @@ __global__ void __launch_bounds__(qlinear::kWarps * 32, NT <= 4 ? 2 : 1) moe_gem
   __shared__ float partial[kWarps][NT][4][32];
   __shared__ int pair_of[kTileTokens];
   grid_dependency_wait();  // the order and the offsets are the previous kernels' output, and x too
-  const int y = static_cast<int>(blockIdx.y);
-  if (y >= gp.tile_offsets[gp.experts]) return;  // past the last tile: the whole block
-  int lo = 0, hi = gp.experts;                     // tile_offsets[lo] <= y < tile_offsets[hi]
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) >> 1;
-    if (gp.tile_offsets[mid] <= y) {
-      lo = mid;
-    } else {
-      hi = mid;
-    }
-  }
-  const int expert = lo;
-  const int first = gp.expert_offsets[expert] + (y - gp.tile_offsets[expert]) * kTileTokens;
-  const int count = min(kTileTokens, gp.expert_offsets[expert + 1] - first);
+  int expert, first, count;
+  if (!find_token_tile(gp, static_cast<int>(blockIdx.y), kTileTokens, expert, first, count)) return;
   for (int i = threadIdx.x; i < kTileTokens; i += kWarps * 32) pair_of[i] = i < count ? gp.order[first + i] : -1;
   __syncthreads();
 
@@ -264,9 +277,10 @@ void launch_moe_gemm(const GroupedParams& gp, int tile_tokens, int max_tiles, bo
   }
 }
 
+template <typename Out>
 __global__ void __launch_bounds__(256) moe_combine_kernel(const float* __restrict__ rows,
                                                           const float* __restrict__ weights,
-                                                          float* __restrict__ out, int tokens, int top_k, int n) {
+                                                          Out* __restrict__ out, int tokens, int top_k, int n) {
   grid_dependency_wait();
   const size_t total = static_cast<size_t>(tokens) * n;
   const size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -275,7 +289,197 @@ __global__ void __launch_bounds__(256) moe_combine_kernel(const float* __restric
     const size_t first = token * top_k;
     float sum = 0.0f;
     for (int j = 0; j < top_k; ++j) sum = fmaf(weights[first + j], rows[(first + j) * n + col], sum);
-    out[i] = sum;
+    if constexpr (std::is_same_v<Out, float>) {
+      out[i] = sum;
+    } else {
+      out[i] = __float2bfloat16_rn(sum);  // the bytes of the fp32 sum's .to(bfloat16)
+    }
+  }
+  grid_dependents_launch();
+}
+
+// moe_plan: plan_groups' plan in one launch of one block, for as many pairs as its shared memory holds
+// (kPlanMaxShared: about 1,390 tokens of 8 over 128 experts), where torch takes a sort and half a dozen small
+// kernels: each pair's expert and the experts' counts in shared memory (ids outside 0 .. E - 1 counted in a bucket
+// after the last expert), the counts' and tiles' exclusive prefix sums over the block (each thread a run of
+// experts), then pair i's place: its expert's first place plus the pairs of that expert before i (a stable counting
+// sort: the order of torch.sort(stable=True) for valid ids).
+constexpr int kPlanThreads = 1024;
+
+// Exclusive prefix sums of two counts over the block's threads in thread order, and their totals. Every
+// thread of the block calls it; sums: 33 slots of shared memory.
+__device__ __forceinline__ int2 block_exclusive_scan2(int2 v, int2* sums, int2& total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  int2 inc = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int a = __shfl_up_sync(0xFFFFFFFFu, inc.x, o), b = __shfl_up_sync(0xFFFFFFFFu, inc.y, o);
+    if (lane >= o) {
+      inc.x += a;
+      inc.y += b;
+    }
+  }
+  if (lane == 31) sums[warp] = inc;
+  __syncthreads();
+  if (warp == 0) {
+    const int2 w = lane < warps ? sums[lane] : make_int2(0, 0);
+    int2 winc = w;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int a = __shfl_up_sync(0xFFFFFFFFu, winc.x, o), b = __shfl_up_sync(0xFFFFFFFFu, winc.y, o);
+      if (lane >= o) {
+        winc.x += a;
+        winc.y += b;
+      }
+    }
+    sums[lane] = make_int2(winc.x - w.x, winc.y - w.y);
+    if (lane == 31) sums[32] = winc;
+  }
+  __syncthreads();
+  total = sums[32];
+  return make_int2(sums[warp].x + inc.x - v.x, sums[warp].y + inc.y - v.y);
+}
+
+__global__ void __launch_bounds__(kPlanThreads)
+    moe_plan_kernel(const int32_t* __restrict__ ids, int pairs, int experts, int tile_tokens,
+                    int32_t* __restrict__ order, int32_t* __restrict__ expert_offsets,
+                    int32_t* __restrict__ tile_offsets) {
+  extern __shared__ int s_plan[];
+  int* s_expert = s_plan;          // [pairs] each pair's expert (experts: outside them)
+  int* s_first = s_plan + pairs;   // [experts + 1] the counts, then each expert's first place
+  __shared__ int2 sums[33];
+  grid_dependency_wait();  // the ids are the router's output
+  const int tid = threadIdx.x;
+  for (int e = tid; e <= experts; e += blockDim.x) s_first[e] = 0;
+  __syncthreads();
+  for (int i = tid; i < pairs; i += blockDim.x) {
+    int e = ids[i];
+    if (e < 0 || e >= experts) e = experts;
+    s_expert[i] = e;
+    atomicAdd(&s_first[e], 1);
+  }
+  __syncthreads();
+  const int per = (experts + blockDim.x - 1) / blockDim.x;
+  const int first = min(experts, tid * per), last = min(experts, first + per);
+  int2 run = make_int2(0, 0);
+  for (int e = first; e < last; ++e) {
+    const int count = s_first[e];
+    run.x += count;
+    run.y += (count + tile_tokens - 1) / tile_tokens;
+  }
+  int2 total;
+  int2 at = block_exclusive_scan2(run, sums, total);  // its __syncthreads order the counts' reads before the writes
+  for (int e = first; e < last; ++e) {
+    const int count = s_first[e];
+    expert_offsets[e] = at.x;
+    tile_offsets[e] = at.y;
+    s_first[e] = at.x;
+    at.x += count;
+    at.y += (count + tile_tokens - 1) / tile_tokens;
+  }
+  if (tid == 0) {
+    expert_offsets[experts] = total.x;
+    tile_offsets[experts] = total.y;
+    s_first[experts] = total.x;
+  }
+  __syncthreads();
+  for (int i = tid; i < pairs; i += blockDim.x) {
+    const int e = s_expert[i];
+    int rank = 0;
+#pragma unroll 8
+    for (int j = 0; j < i; ++j) rank += s_expert[j] == e ? 1 : 0;
+    order[s_first[e] + rank] = i;
+  }
+  grid_dependents_launch();
+}
+
+constexpr int kRouteWarps = 4;  // tokens a block of moe_route
+constexpr int kRouteMaxK = 32;  // one lane a chosen expert
+
+// A float's place in torch.topk's order as an unsigned key, larger first: NaN above everything, -0 as +0.
+__device__ __forceinline__ uint32_t topk_key(float v) {
+  if (v != v) return 0xFFFFFFFFu;
+  if (v == 0.0f) v = 0.0f;
+  const uint32_t b = __float_as_uint(v);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+// (value, id) as one unsigned 64-bit rank, larger first, equal values to the lower id; never 0.
+__device__ __forceinline__ uint64_t topk_rank(float v, int id) {
+  return (static_cast<uint64_t>(topk_key(v)) << 32) | static_cast<uint64_t>(~static_cast<uint32_t>(id));
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
+  return v;
+}
+
+// A butterfly: every lane ends with the same bytes (each step adds the same two values on both lanes).
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ uint64_t warp_max_u64(uint64_t v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const uint64_t other = __shfl_xor_sync(0xFFFFFFFFu, v, o);
+    v = other > v ? other : v;
+  }
+  return v;
+}
+
+// One warp a token: SOFTMAX_FIRST (softmax_topk) takes each expert's probability exp(l - max) / sum (the
+// operations of torch's softmax, so equal probabilities tie as they tie there) and the top k of those, divided
+// by their sum when `normalize`; otherwise (topk_softmax) the top k logits, then a softmax over them. Round j
+// of the selection takes the best (value, id) below round j - 1's, so no expert is taken twice and a tie goes
+// to the lower id; lane j keeps slot j.
+template <bool SOFTMAX_FIRST>
+__global__ void __launch_bounds__(kRouteWarps * 32)
+    moe_route_kernel(const float* __restrict__ logits, float* __restrict__ weights, int32_t* __restrict__ ids,
+                     int tokens, int experts, int top_k, bool normalize) {
+  grid_dependency_wait();  // the logits are the router's output
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int token = blockIdx.x * kRouteWarps + warp;
+  if (token < tokens) {
+    const float* row = logits + static_cast<size_t>(token) * experts;
+    float top = 0.0f, total = 1.0f;
+    if constexpr (SOFTMAX_FIRST) {
+      top = -INFINITY;
+      for (int e = lane; e < experts; e += 32) top = fmaxf(top, row[e]);
+      top = warp_max(top);
+      total = 0.0f;
+      for (int e = lane; e < experts; e += 32) total += expf(row[e] - top);
+      total = warp_sum(total);
+    }
+    auto value = [&](int e) { return SOFTMAX_FIRST ? expf(row[e] - top) / total : row[e]; };
+    uint64_t last = 0;  // round j - 1's rank (round 0 has no bound: a NaN of expert 0 ranks ~0)
+    int mine = 0;
+    for (int j = 0; j < top_k; ++j) {
+      uint64_t best = 0;
+      for (int e = lane; e < experts; e += 32) {
+        const uint64_t rank = topk_rank(value(e), e);
+        if ((j == 0 || rank < last) && rank > best) best = rank;
+      }
+      best = warp_max_u64(best);
+      last = best;
+      if (lane == j) mine = static_cast<int>(~static_cast<uint32_t>(best));
+    }
+    const bool slot = lane < top_k;
+    float w = slot ? value(mine) : 0.0f;
+    if constexpr (SOFTMAX_FIRST) {
+      if (normalize) w = w / warp_sum(w);
+    } else {  // softmax over the k logits; slot 0 holds the largest
+      const float lead = __shfl_sync(0xFFFFFFFFu, w, 0);
+      const float ex = slot ? expf(w - lead) : 0.0f;
+      w = ex / warp_sum(ex);
+    }
+    if (slot) {
+      weights[static_cast<size_t>(token) * top_k + lane] = w;
+      ids[static_cast<size_t>(token) * top_k + lane] = mine;
+    }
   }
   grid_dependents_launch();
 }
@@ -349,14 +553,15 @@ at::Tensor moe_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Te
   return out;
 }
 
-at::Tensor moe_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t bits,
-                    int64_t group, int64_t n, const at::Tensor& order, const at::Tensor& expert_offsets,
-                    const at::Tensor& tile_offsets, int64_t tile_tokens, int64_t max_tiles, int64_t rows_per_x,
-                    bool float_out, bool pdl) {
-  const char* op = "moe_gemm";
-  EXL_CHECK_CUDA_TENSOR(qweight, "moe_gemm: qweight");
-  EXL_CHECK_CUDA_TENSOR(scales, "moe_gemm: scales");
-  EXL_CHECK_CUDA_TENSOR(order, "moe_gemm: order");
+namespace {
+
+// moe_gemm's checks of a plan over stacked experts, and its GroupedParams (out unset).
+GroupedParams grouped_params(const char* op, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                             int64_t bits, int64_t group, int64_t n, const at::Tensor& order,
+                             const at::Tensor& expert_offsets, const at::Tensor& tile_offsets, int64_t max_tiles,
+                             int64_t rows_per_x) {
+  TORCH_CHECK(qweight.is_cuda() && scales.is_cuda() && order.is_cuda(), op,
+              ": qweight, scales and order must be CUDA tensors");
   TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() &&
                   aligned16(x.data_ptr()),
               op, ": x must be a contiguous, 16-byte aligned CUDA bfloat16 [rows, k]");
@@ -386,13 +591,10 @@ at::Tensor moe_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Te
                 op, ": the offsets must be contiguous int32 [experts + 1]");
     TORCH_CHECK(offsets->device() == x.device(), op, ": every tensor must be on one device");
   }
-  TORCH_CHECK(tile_tokens == 32 || tile_tokens == 64, op, ": tile_tokens must be 32 or 64, got ", tile_tokens);
-  TORCH_CHECK(max_tiles >= 0 && max_tiles <= 65535, op, ": max_tiles must be 0 to 65535, got ", max_tiles);
+  TORCH_CHECK(max_tiles >= 0 && max_tiles < (int64_t{1} << 31), op, ": max_tiles must be 0 to 2^31 - 1, got ",
+              max_tiles);
   TORCH_CHECK(x.device() == qweight.device() && x.device() == scales.device() && x.device() == order.device(), op,
               ": every tensor must be on one device");
-  const c10::cuda::CUDAGuard guard(x.device());
-  at::Tensor out = at::empty({pairs, n}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
-  if (pairs == 0 || max_tiles == 0) return out;
   GroupedParams gp{};
   gp.x = static_cast<const __nv_bfloat16*>(x.data_ptr());
   gp.qweight = static_cast<const uint32_t*>(qweight.data_ptr());
@@ -400,7 +602,6 @@ at::Tensor moe_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Te
   gp.order = static_cast<const int32_t*>(order.data_ptr());
   gp.expert_offsets = static_cast<const int32_t*>(expert_offsets.data_ptr());
   gp.tile_offsets = static_cast<const int32_t*>(tile_offsets.data_ptr());
-  gp.out = out.data_ptr();
   gp.n = static_cast<int>(n);
   gp.k = static_cast<int>(k);
   gp.group_log2 = group == 16 ? 4 : group == 32 ? 5 : group == 64 ? 6 : 7;
@@ -408,6 +609,25 @@ at::Tensor moe_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Te
   gp.experts = static_cast<int>(experts);
   gp.expert_words = static_cast<size_t>(n * k * bits / 32);
   gp.expert_scales = static_cast<size_t>(n * (k / group));
+  return gp;
+}
+
+}  // namespace
+
+at::Tensor moe_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t bits,
+                    int64_t group, int64_t n, const at::Tensor& order, const at::Tensor& expert_offsets,
+                    const at::Tensor& tile_offsets, int64_t tile_tokens, int64_t max_tiles, int64_t rows_per_x,
+                    bool float_out, bool pdl) {
+  const char* op = "moe_gemm";
+  GroupedParams gp = grouped_params(op, x, qweight, scales, bits, group, n, order, expert_offsets, tile_offsets,
+                                    max_tiles, rows_per_x);
+  TORCH_CHECK(tile_tokens == 32 || tile_tokens == 64, op, ": tile_tokens must be 32 or 64, got ", tile_tokens);
+  TORCH_CHECK(max_tiles <= 65535, op, ": max_tiles must be 0 to 65535, got ", max_tiles);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t pairs = order.size(0);
+  at::Tensor out = at::empty({pairs, n}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
+  if (pairs == 0 || max_tiles == 0) return out;
+  gp.out = out.data_ptr();
   const cudaStream_t stream = current_stream();
   const int tiles = static_cast<int>(max_tiles), tokens = static_cast<int>(tile_tokens);
   if (bits == 4) {
@@ -420,7 +640,7 @@ at::Tensor moe_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Te
   return out;
 }
 
-at::Tensor moe_combine(const at::Tensor& rows, const at::Tensor& weights, int64_t top_k, bool pdl) {
+at::Tensor moe_combine(const at::Tensor& rows, const at::Tensor& weights, int64_t top_k, bool bf16_out, bool pdl) {
   const char* op = "moe_combine";
   EXL_CHECK_CUDA_TENSOR(rows, "moe_combine: rows");
   EXL_CHECK_CUDA_TENSOR(weights, "moe_combine: weights");
@@ -432,15 +652,68 @@ at::Tensor moe_combine(const at::Tensor& rows, const at::Tensor& weights, int64_
               op, ": weights must be a contiguous float32 of one weight a pair");
   const int64_t tokens = rows.size(0) / top_k, n = rows.size(1);
   const c10::cuda::CUDAGuard guard(rows.device());
-  at::Tensor out = at::empty({tokens, n}, rows.options());
+  at::Tensor out = at::empty({tokens, n}, rows.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
   const int64_t total = tokens * n;
   if (total == 0) return out;
   TORCH_CHECK(total < (int64_t{1} << 31) * 256, op, ": too many outputs");
-  launch_pdl(moe_combine_kernel, dim3(static_cast<unsigned>((total + 255) / 256)), dim3(256), 0, current_stream(),
-             pdl, static_cast<const float*>(rows.data_ptr()), static_cast<const float*>(weights.data_ptr()),
-             static_cast<float*>(out.data_ptr()), static_cast<int>(tokens), static_cast<int>(top_k),
-             static_cast<int>(n));
+  const dim3 grid(static_cast<unsigned>((total + 255) / 256));
+  const float* r = static_cast<const float*>(rows.data_ptr());
+  const float* w = static_cast<const float*>(weights.data_ptr());
+  if (bf16_out) {
+    launch_pdl(moe_combine_kernel<__nv_bfloat16>, grid, dim3(256), 0, current_stream(), pdl, r, w,
+               static_cast<__nv_bfloat16*>(out.data_ptr()), static_cast<int>(tokens), static_cast<int>(top_k),
+               static_cast<int>(n));
+  } else {
+    launch_pdl(moe_combine_kernel<float>, grid, dim3(256), 0, current_stream(), pdl, r, w,
+               static_cast<float*>(out.data_ptr()), static_cast<int>(tokens), static_cast<int>(top_k),
+               static_cast<int>(n));
+  }
   return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_plan(const at::Tensor& ids, int64_t experts, int64_t tile_tokens,
+                                                         bool pdl) {
+  const char* op = "moe_plan";
+  EXL_CHECK_CUDA_TENSOR(ids, "moe_plan: ids");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kInt && ids.is_contiguous(), op,
+              ": ids must be a contiguous int32 [pairs]");
+  TORCH_CHECK(experts >= 1 && tile_tokens >= 1, op, ": experts and tile_tokens must be positive");
+  const int64_t pairs = ids.size(0);
+  const int64_t smem = (pairs + experts + 1) * static_cast<int64_t>(sizeof(int));
+  TORCH_CHECK(smem <= kPlanMaxShared, op, ": ", pairs, " pairs over ", experts, " experts do not fit one block's ",
+              kPlanMaxShared, " bytes of shared memory");
+  const c10::cuda::CUDAGuard guard(ids.device());
+  at::Tensor order = at::empty({pairs}, ids.options());
+  at::Tensor expert_offsets = at::empty({experts + 1}, ids.options());
+  at::Tensor tile_offsets = at::empty({experts + 1}, ids.options());
+  launch_pdl(moe_plan_kernel, dim3(1), dim3(kPlanThreads), static_cast<size_t>(smem), current_stream(), pdl,
+             static_cast<const int32_t*>(ids.data_ptr()), static_cast<int>(pairs), static_cast<int>(experts),
+             static_cast<int>(tile_tokens), static_cast<int32_t*>(order.data_ptr()),
+             static_cast<int32_t*>(expert_offsets.data_ptr()), static_cast<int32_t*>(tile_offsets.data_ptr()));
+  return {order, expert_offsets, tile_offsets};
+}
+
+std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, int64_t top_k, bool softmax_first,
+                                             bool normalize, bool pdl) {
+  const char* op = "moe_route";
+  EXL_CHECK_CUDA_TENSOR(logits, "moe_route: logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(), op,
+              ": logits must be a contiguous float32 [tokens, experts]");
+  const int64_t tokens = logits.size(0), experts = logits.size(1);
+  TORCH_CHECK(top_k >= 1 && top_k <= kRouteMaxK && top_k <= experts, op, ": top_k must be 1 to ",
+              kRouteMaxK, " and at most the experts (", experts, "), got ", top_k);
+  TORCH_CHECK(experts < (int64_t{1} << 31) && tokens < (int64_t{1} << 31) / kRouteWarps, op, ": too many logits");
+  const c10::cuda::CUDAGuard guard(logits.device());
+  at::Tensor weights = at::empty({tokens, top_k}, logits.options());
+  at::Tensor ids = at::empty({tokens, top_k}, logits.options().dtype(at::kInt));
+  if (tokens == 0) return {weights, ids};
+  const dim3 grid(static_cast<unsigned>((tokens + kRouteWarps - 1) / kRouteWarps));
+  const auto kernel = softmax_first ? moe_route_kernel<true> : moe_route_kernel<false>;
+  launch_pdl(kernel, grid, dim3(kRouteWarps * 32), 0, current_stream(), pdl,
+             static_cast<const float*>(logits.data_ptr()), static_cast<float*>(weights.data_ptr()),
+             static_cast<int32_t*>(ids.data_ptr()), static_cast<int>(tokens), static_cast<int>(experts),
+             static_cast<int>(top_k), normalize);
+  return {weights, ids};
 }
 
 }  // namespace exlcli

@@ -122,7 +122,16 @@ at::Tensor moe_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Te
                     int64_t group, int64_t n, const at::Tensor& order, const at::Tensor& expert_offsets,
                     const at::Tensor& tile_offsets, int64_t tile_tokens, int64_t max_tiles, int64_t rows_per_x,
                     bool float_out, bool pdl);
-at::Tensor moe_combine(const at::Tensor& rows, const at::Tensor& weights, int64_t top_k, bool pdl);
+// moe_combine: into fp32 [tokens, n], or that sum rounded to bf16 (bf16_out).
+at::Tensor moe_combine(const at::Tensor& rows, const at::Tensor& weights, int64_t top_k, bool bf16_out, bool pdl);
+// moe_route: fp32 router logits [tokens, experts] -> (weights fp32, ids int32) [tokens, top_k], top_k <= 32:
+// softmax then the top k (normalized when `normalize`), or (softmax_first false) the top k then their softmax.
+// moe_plan: moe_stacked.plan_groups' (order, expert_offsets, tile_offsets) of int32 ids [pairs] in one launch of
+// one block ((pairs + experts + 1) * 4 bytes of shared memory at most 44 KiB); ids outside the experts go after them.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_plan(const at::Tensor& ids, int64_t experts, int64_t tile_tokens,
+                                                         bool pdl);
+std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, int64_t top_k, bool softmax_first,
+                                             bool normalize, bool pdl);
 
 // rope.cu
 at::Tensor rope_and_write_kv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

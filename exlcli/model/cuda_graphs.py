@@ -11,9 +11,10 @@ sampler reading the token ids.
 Graphs are captured lazily, the first time a bucket is needed (or ahead with `capture`), all in one
 memory pool. They need the compiled kernels: the reference ops read lengths on the host, which a
 graph cannot do. The decode attention kernel takes a layer's window, sinks and soft-cap as arguments
-fixed per layer (ops/attention.py), so models with sinks or soft-caps replay graphs too (a head size the
-kernel lacks makes the capture fail, and steps run eagerly). A KV cache in layer groups (window layers'
-own block tables, model/kv_cache.py) has no graphs yet: the staged inputs carry one block table a row.
+fixed per layer (ops/attention.py), so models with windows, sinks or soft-caps replay graphs too (a head
+size the kernel lacks makes the capture fail, and steps run eagerly). A KV cache in layer groups (window
+layers' own block tables, model/kv_cache.py) stages every group's block tables and KV slots (`_Staging`);
+a window group's freed entries name page 0, which its window never reads.
 Mixture-of-experts layers take their device path inside a capture (exlcli/ops/moe.py: experts of packed
 integer weights, stacked at load, with no host sync); experts of other formats group their tokens on the
 host, which a capture refuses: that capture fails and decode steps run eagerly (one line on stderr).
@@ -72,31 +73,92 @@ class _Graph:
 
 
 class _Staging:
-    """The static inputs of the graphs of one block-table width, in one int64 device buffer that one
-    copy from its pinned twin fills each step: token ids, positions and slots [3, N]; the in-flight
-    tokens' (input row, row of the previous step's ids) [2, N]; then as int32 the lengths [N] and
-    the block tables [N, width]. One copy a step, not one per kind of input: each copy is a launch on
-    the path between a step's LM head and the next step's first kernel."""
+    """The static inputs of the graphs of one block-table width, in one int64 buffer that one copy
+    from its pinned twin fills each step: token ids, positions, then each layer group's KV slots
+    [2 + G, N]; the in-flight tokens' (input row, row of the previous step's ids) [2, N]; then as
+    int32 the lengths [N] and each group's block tables. One copy a step, not one per kind of input:
+    each copy is a launch on the path between a step's LM head and the next step's first kernel.
 
-    def __init__(self, rows: int, width: int, device: torch.device) -> None:
-        self.rows, self.width = rows, width
-        size = 5 * rows + (rows + rows * width + 1) // 2
+    A KV cache in layer groups (model/kv_cache.py; window layers keep tables of their own) has G
+    tables a row, all of one width, each read by its own layers. The graphs of a batch bucket b read
+    them as G contiguous [b, width] blocks one after another, so the copy of b rows' tables is one
+    span whatever G; the graphs of another bucket read the same memory cut another way, which is
+    harmless, since a step stages and copies exactly what its own bucket's graph reads. The lengths
+    serve every group: a window layer's kernel finds the first key its window reaches from them."""
+
+    def __init__(self, rows: int, width: int, groups: int, device: torch.device, pin: bool = True) -> None:
+        self.rows, self.width, self.groups = rows, width, groups
+        self.longs_size = (4 + groups) * rows  # ids, positions, G slot rows, 2 in-flight rows
+        size = self.longs_size + (rows + groups * rows * width + 1) // 2
         self.device_buffer = torch.zeros(size, dtype=torch.long, device=device)
-        self.host_buffer = torch.zeros(size, dtype=torch.long, pin_memory=True)
-        self.longs, self.flight, self.lens, self.tables = self._views(self.device_buffer)
-        self.host_longs, self.host_flight, self.host_lens, self.host_tables = (
-            t.numpy() for t in self._views(self.host_buffer))
+        self.host_buffer = torch.zeros(size, dtype=torch.long, pin_memory=pin)
+        self.longs, self.flight, self.lens = self._views(self.device_buffer)
+        self.host_longs, self.host_flight, self.host_lens = (t.numpy() for t in self._views(self.host_buffer))
 
-    def _views(self, buffer: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        n = self.rows
-        ints = buffer[5 * n:].view(torch.int32)
-        return (buffer[:3 * n].view(3, n), buffer[3 * n:5 * n].view(2, n), ints[:n],
-                ints[n:n + n * self.width].view(n, self.width))
+    def _views(self, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ids, positions, slots of each group) [2 + G, N], in-flight rows [2, N], lengths [N] int32."""
+        n, rows = self.rows, 2 + self.groups
+        longs = buffer[:rows * n].view(rows, n)
+        flight = buffer[rows * n:self.longs_size].view(2, n)
+        return longs, flight, buffer[self.longs_size:].view(torch.int32)[:n]
+
+    def _tables(self, buffer: torch.Tensor, bucket: int) -> list[torch.Tensor]:
+        """Each group's block tables [bucket, width], as the graphs of `bucket` rows read them."""
+        ints = buffer[self.longs_size:].view(torch.int32)
+        size = bucket * self.width
+        return [ints[self.rows + g * size:self.rows + (g + 1) * size].view(bucket, self.width)
+                for g in range(self.groups)]
+
+    def tables(self, bucket: int) -> list[torch.Tensor]:
+        return self._tables(self.device_buffer, bucket)
+
+    def used(self, bucket: int) -> int:
+        """The buffer's elements (int64) that the graphs of `bucket` rows read."""
+        return self.longs_size + (self.rows + self.groups * bucket * self.width + 1) // 2
+
+    def fill(self, inputs: StepInputs, bucket: int) -> None:
+        """The host half of a step's staging: `inputs` into the pinned buffer, as the graphs of `bucket`
+        rows read them. Rows n..bucket are padding: token 0 at position 0, slot -1 in every group (the
+        rope kernel writes nothing) and length 0 (attention writes zeros and reads no table entry)."""
+        tables = [inputs.block_tables, *inputs.group_block_tables]
+        if len(tables) != self.groups or len(inputs.group_slot_mappings) != self.groups - 1:
+            raise ValueError(f"a step of {len(tables)} layer groups' block tables for graphs of {self.groups}")
+        longs, lens = self.host_longs, self.host_lens
+        n = inputs.num_seqs
+        longs[0, :n] = inputs.input_ids  # 0 where in flight: taken from prev_ids after the copy
+        longs[1, :n] = inputs.positions
+        longs[2, :n] = inputs.slot_mapping
+        for g, slots in enumerate(inputs.group_slot_mappings, start=1):
+            longs[2 + g, :n] = slots
+        lens[:n] = inputs.seq_lens
+        # columns past the step's own width keep older values: no row's length reaches them
+        for host, rows in zip(self._tables(self.host_buffer, bucket), tables):
+            host.numpy()[:n, :inputs.max_pages] = rows
+        longs[:, n:bucket] = 0
+        longs[2:, n:bucket] = -1
+        lens[n:bucket] = 0
+        flying = len(inputs.in_flight)
+        if flying:
+            self.host_flight[:, :flying] = list(zip(*inputs.in_flight))
 
     def copy_rows(self, bucket: int) -> None:
         """Queues the copy of everything the graphs of `bucket` rows read (tables past it stay)."""
-        used = 5 * self.rows + (self.rows + bucket * self.width + 1) // 2
+        used = self.used(bucket)
         self.device_buffer[:used].copy_(self.host_buffer[:used], non_blocking=True)
+
+    def graph_inputs(self, bucket: int, rows: torch.Tensor, query_start_loc: torch.Tensor) -> BatchInputs:
+        """The BatchInputs a graph of `bucket` rows captures: views of the device buffer (`rows`: 0..N-1
+        as int64, `query_start_loc`: 0..N as int32, both on the device)."""
+        tables = self.tables(bucket)
+        grouped = self.groups > 1
+        return BatchInputs(
+            input_ids=self.longs[0, :bucket], positions=self.longs[1, :bucket],
+            slot_mapping=self.longs[2, :bucket], block_tables=tables[0],
+            seq_lens=[1] * bucket, query_start_loc=list(range(bucket + 1)),
+            logits_indices=rows[:bucket], seq_lens_t=self.lens[:bucket],
+            query_start_loc_t=query_start_loc[:bucket + 1],
+            group_block_tables=tables[1:] if grouped else None,
+            group_slot_mappings=[self.longs[2 + g, :bucket] for g in range(1, self.groups)] if grouped else None)
 
 
 class DecodeGraphs:
@@ -119,6 +181,8 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle()
         self.fused_unsupported = model.fused_decode_unsupported()  # None: buckets <= 4 use it
+        if self.fused_unsupported is None and kv.num_groups > 1:  # (window layers run layer by layer anyway)
+            self.fused_unsupported = "a KV cache in layer groups (the fused step reads one block table)"
         self.use_fused = self.fused_unsupported is None
 
     # -- public -----------------------------------------------------------------------------------
@@ -165,17 +229,11 @@ class DecodeGraphs:
     # -- internals --------------------------------------------------------------------------------
     def _staged(self, width: int) -> _Staging:
         if width not in self._staging:
-            self._staging[width] = _Staging(self.max_batch, width, self.device)
+            self._staging[width] = _Staging(self.max_batch, width, self.kv.num_groups, self.device)
         return self._staging[width]
 
     def _inputs(self, bucket: int, width: int) -> BatchInputs:
-        st = self._staged(width)
-        return BatchInputs(
-            input_ids=st.longs[0, :bucket], positions=st.longs[1, :bucket],
-            slot_mapping=st.longs[2, :bucket], block_tables=st.tables[:bucket],
-            seq_lens=[1] * bucket, query_start_loc=list(range(bucket + 1)),
-            logits_indices=self._rows[:bucket], seq_lens_t=st.lens[:bucket],
-            query_start_loc_t=self._qsl[:bucket + 1])
+        return self._staged(width).graph_inputs(bucket, self._rows, self._qsl)
 
     def _capture_or_disable(self, bucket: int, width: int) -> _Graph | None:
         try:
@@ -199,9 +257,11 @@ class DecodeGraphs:
         # Padding everywhere: the warm-up and the capture write no KV page of a live sequence.
         inputs.input_ids.zero_()
         inputs.positions.zero_()
-        inputs.slot_mapping.fill_(-1)
         inputs.seq_lens_t.zero_()
-        inputs.block_tables.zero_()
+        for g in range(self.kv.num_groups):
+            tables, slots = inputs.tables_of(g)
+            slots.fill_(-1)
+            tables.zero_()
         with torch.cuda.device(self.device):
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -220,19 +280,8 @@ class DecodeGraphs:
         padding."""
         st = self._staged(width)
         self._copied.synchronize()  # the previous step's copy has left the pinned buffer
-        longs, lens = st.host_longs, st.host_lens
-        n = inputs.num_seqs
-        longs[0, :n] = inputs.input_ids  # 0 where in flight: taken from prev_ids after the copy
-        longs[1, :n] = inputs.positions
-        longs[2, :n] = inputs.slot_mapping
-        lens[:n] = inputs.seq_lens
-        st.host_tables[:n, :inputs.max_pages] = inputs.block_tables
-        longs[:, n:bucket] = 0
-        longs[2, n:bucket] = -1
-        lens[n:bucket] = 0
+        st.fill(inputs, bucket)
         flying = len(inputs.in_flight)
-        if flying:
-            st.host_flight[:, :flying] = list(zip(*inputs.in_flight))
         # The copy waits for the last replay only, not for what the stream queued after it (the
         # sampling of that step), and this step's graph waits for the copy.
         self._copier.wait_event(self._replayed)
@@ -247,9 +296,6 @@ class DecodeGraphs:
 def make_decode_graphs(model: CausalLM, kv: KVCache) -> DecodeGraphs | None:
     """Graphs for a model on a CUDA device, unless EXLCLI_NO_CUDA_GRAPHS=1."""
     if model.device.type != "cuda" or environment.flag("EXLCLI_NO_CUDA_GRAPHS"):
-        return None
-    if kv.num_groups > 1:  # the staged inputs hold group 0's block tables and slots only
-        log.info("no CUDA graphs: the KV cache keeps window layers in groups of their own")
         return None
     if kv.states is not None:  # the linear attention layers' state runs the eager reference ops
         log.info("no CUDA graphs: linear attention layers (their kernels are not built yet)")

@@ -1,4 +1,5 @@
-"""SiLU(gate) * up over a fused [T, 2I] gate|up projection."""
+"""The gated activations over a fused [T, 2I] gate|up projection: SiLU(gate) * up, and gpt-oss's clamped
+SwiGLU (`swiglu_clamped`)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,16 @@ from exlcli.ops.errors import KernelInputError
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def swiglu_clamped(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """gpt-oss's gated unit over [gate | up] halves (the loader de-interleaves HF's gate and up rows): gate
+    clamped above at limit, up to [-limit, limit], gate * sigmoid(alpha * gate) * (up + 1), in fp32, rounded
+    once to gate_up's dtype. Plain tensor ops: no host sync (CUDA graphs capture it)."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (gate * torch.sigmoid(alpha * gate) * (up + 1)).to(gate_up.dtype)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ import torch
 from exlcli.ops.cpu import loader as cpu_loader
 from exlcli.ops.cpu.args import PagedAttentionArgs, PagedAttentionQuantArgs
 from exlcli.ops.cuda import kernels as cuda_kernels
-from exlcli.ops.cuda.limits import HEAD_DIMS
+from exlcli.ops.cuda.limits import ATTENTION_HEAD_DIMS
 from exlcli.ops.cuda.loader import use_kernels
 from exlcli.ops.errors import KernelInputError
 from exlcli.ops.kv_quant import QuantizedPages, hadamard
@@ -176,7 +176,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     (the compiled prefill's) are per-step work the caller did once for all layers; each path makes its
     own when it is missing. Every path takes the layer's window, sinks and soft-cap."""
     decode_only = len(seq_lens) == q.shape[0]
-    if use_kernels(q) and q.shape[-1] in HEAD_DIMS:  # others take the reference
+    if use_kernels(q) and q.shape[-1] in ATTENTION_HEAD_DIMS:  # others take the reference
         assert seq_lens_t is not None, "the compiled kernels read the lengths' device copy"
         if decode_only:
             return cuda_kernels.paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens_t, scale,

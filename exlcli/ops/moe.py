@@ -14,18 +14,23 @@ Routers (ROUTERS):
 Activations (ACTIVATIONS): `silu` (SiLU(gate) * up) and `swiglu_clamped` (gpt-oss: gate clamped
 above at `limit`, up to [-limit, limit], gate * sigmoid(alpha * gate) * (up + 1)).
 
-Routing is plain tensor work with no host synchronisation. The expert products take one of these paths:
-- on a GPU, experts of packed integer weights (exlcli/ops/moe_stacked.py) are stacked at load and run
-  as a few kernels with the expert ids on the device, at any size: up to moe_stacked.PAIRS_MAX_TOKENS
-  tokens over (token, slot) pairs (decode), beyond grouped by expert on the tensor cores (prefill). No
-  host sync on either, so a decode step can be a CUDA graph; the path is a function of the token count;
+Routing is plain tensor work with no host synchronisation; on the stacked device path below the
+`softmax_topk` and `topk_softmax` routers take one kernel (kernels.moe_route: int32 ids, the ids of `route`,
+ties to the lower id), `sigmoid_group` takes `route`. The expert products take one of these paths:
+- on a GPU, experts of packed integer weights (exlcli/ops/moe_stacked.py: the K-quant and legacy GGUF types,
+  GPTQ without act-order, AWQ, MXFP4 in its 8-bit layout), with or without biases, of either activation
+  (gpt-oss's MXFP4 experts included), are stacked at load and run as a few kernels with the expert ids on the
+  device, at any size: up to moe_stacked.PAIRS_MAX_TOKENS tokens over (token, slot) pairs (small decode
+  batches), beyond grouped by expert on the tensor cores (larger decode batches, prefill). No host sync on
+  either, so a decode step can be a CUDA graph; the path is a function of the token count;
 - on the CPU with its kernels, a layer whose experts all run on the C matmul and use `silu` takes the
   routed experts in one C call (exlcli/ops/cpu/moe_experts.py), bit for bit the expert-by-expert path;
   on the CPU kernels a layer routes in one C call too (exlcli/ops/cpu/moe_router.py: softmax_topk and
   topk_softmax, a router without a correction bias), as the one-call decoder layer does (csrc/cpu/decoder.c);
   `EXLCLI_NO_CPU_MOE_KERNEL=1` goes back to torch's routing and the expert-by-expert path;
-- otherwise the tokens of each expert are grouped on the host (the reference path: each active
-  expert's weights are read once for all of its tokens).
+- otherwise (dense or e4m3 experts, the CPU without its kernels, a GPU where the experts are not stacked)
+  the tokens of each expert are grouped on the host (the reference path: each active expert's weights are
+  read once for all of its tokens; a host sync a layer, so no CUDA graph).
 With --cpu-moe / --n-cpu-moe a layer's routed experts live in host memory (`expert_device`): its rows go
 there and the sums come back.
 """
@@ -38,9 +43,12 @@ from typing import Literal
 import torch
 
 from exlcli import environment
+from exlcli.ops.activation import swiglu_clamped
 from exlcli.ops.cpu import moe_experts as cpu_moe_experts
 from exlcli.ops.cpu import moe_router as cpu_moe_router
 from exlcli.ops.cpu.loader import use_cpu_kernels
+from exlcli.ops.cuda import kernels
+from exlcli.ops.cuda.limits import MOE_ROUTE_MAX_K
 from exlcli.ops.cuda.loader import use_kernels
 from exlcli.ops.formats.dense import DenseLinear
 from exlcli.ops.linear import Linear
@@ -95,14 +103,6 @@ def route(logits: torch.Tensor, spec: RouterSpec, bias: torch.Tensor | None = No
     return weights * spec.scale, ids
 
 
-def swiglu_clamped(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
-    """gpt-oss's gated unit over [gate | up] halves: gate <= limit, |up| <= limit."""
-    gate, up = gate_up.float().chunk(2, dim=-1)
-    gate = gate.clamp(max=limit)
-    up = up.clamp(min=-limit, max=limit)
-    return (gate * torch.sigmoid(alpha * gate) * (up + 1)).to(gate_up.dtype)
-
-
 @dataclass
 class Expert:
     """One expert's gated feed-forward: gate|up rows in one linear (gate first), then down."""
@@ -138,10 +138,10 @@ class MoeFeedForward:
         self.expert_device = expert_device
         self._cpu_experts: cpu_moe_experts.CpuExperts | None | Literal[False] = False  # False: not built yet
         self._cpu_router: cpu_moe_router.CpuRouter | None | Literal[False] = False
-        # the routed experts stacked for the device path (None: they run per expert on the host path)
-        self.stacked: StackedExperts | None = None
-        if activation == "silu":
-            self.stacked = stack_experts([e.gate_up for e in experts], [e.down for e in experts])
+        # the routed experts stacked for the device path, biases and activation included (None: they run per
+        # expert on the host path)
+        self.stacked: StackedExperts | None = stack_experts([e.gate_up for e in experts], [e.down for e in experts],
+                                                            activation, limit, alpha)
 
     @property
     def num_experts(self) -> int:
@@ -203,24 +203,36 @@ class MoeFeedForward:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] (normed) -> [T, H] in x's dtype."""
-        cpu_router = self.cpu_router(x) if self.expert_device is None else None
-        if cpu_router is not None:
-            weights, ids = cpu_router(x)
+        if self.expert_device is None and self.stacked is not None and self._on_device(x):
+            weights, ids = self._route_on_device(self.router(x, out_dtype=torch.float32))
+            # with no shared expert to add, the combine rounds the sums to bf16 itself (the bytes of .to())
+            bf16_out = self.shared is None and x.dtype == torch.bfloat16
+            out = self.stacked(x, weights, ids, bf16_out=bf16_out)
         else:
-            weights, ids = route(self.router(x, out_dtype=torch.float32), self.spec, self.router_bias)
-        if self.expert_device is not None:
-            out = self._routed_on(self.expert_device, x, weights, ids)
-        elif self.stacked is not None and self._on_device(x):
-            out = self.stacked(x, weights, ids)
-        else:
-            cpu_experts = self.cpu_experts(x)
-            out = self._routed(x, weights, ids) if cpu_experts is None else cpu_experts(x, weights, ids)
+            cpu_router = self.cpu_router(x) if self.expert_device is None else None
+            if cpu_router is not None:
+                weights, ids = cpu_router(x)
+            else:
+                weights, ids = route(self.router(x, out_dtype=torch.float32), self.spec, self.router_bias)
+            if self.expert_device is not None:
+                out = self._routed_on(self.expert_device, x, weights, ids)
+            else:
+                cpu_experts = self.cpu_experts(x)
+                out = self._routed(x, weights, ids) if cpu_experts is None else cpu_experts(x, weights, ids)
         if self.shared is not None:
             y = self._expert(self.shared, x).float()
             if self.shared_gate is not None:
                 y = y * torch.sigmoid(self.shared_gate(x, out_dtype=torch.float32))
             out += y
         return out.to(x.dtype)
+
+    def _route_on_device(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`route` for the stacked device path: one kernel for the softmax routers (int32 ids), `route` itself for
+        sigmoid_group and top k beyond the kernel's."""
+        spec = self.spec
+        if spec.kind == "sigmoid_group" or spec.top_k > MOE_ROUTE_MAX_K:
+            return route(logits, spec, self.router_bias)
+        return kernels.moe_route(logits.float().contiguous(), spec.top_k, spec.kind == "softmax_topk", spec.normalize)
 
     def _on_device(self, x: torch.Tensor) -> bool:
         """Whether the stacked experts' kernels run this call (any size; they need no host sync: graphs capture

@@ -36,7 +36,8 @@ KINDS = {
     "all": (257, True, 1.5),
 }
 LENS = [1, 17, 100, 129, 256, 257, 700, 1500]
-GQA = [(8, 8, 64), (32, 8, 128), (16, 2, 128), (28, 4, 128), (9, 3, 64)]  # heads, kv heads, head dim
+# heads, kv heads, head dim: (16, 8, 256) Gemma 2 / 3's heads; (8, 1, 256) the kernels' largest GQA group of them
+GQA = [(8, 8, 64), (32, 8, 128), (16, 2, 128), (28, 4, 128), (9, 3, 64), (16, 8, 256), (8, 1, 256)]
 
 
 @pytest.fixture(params=DECODE_ATTENTION_VERSIONS, ids=lambda v: f"v{v}")
@@ -145,7 +146,7 @@ PREFILL_CASES = [
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads,kv_heads,dim", [(32, 8, 128), (9, 3, 64), (16, 2, 128)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(32, 8, 128), (9, 3, 64), (16, 2, 128), (16, 8, 256)])
 @pytest.mark.parametrize("name", list(KINDS))
 @pytest.mark.parametrize("case", PREFILL_CASES)
 def test_prefill_takes_the_attention_kind(case, name, heads, kv_heads, dim, dtype):
@@ -176,59 +177,62 @@ def rows_on_device(starts: list[int], lens: list[int], tables: torch.Tensor):
             torch.tensor(row_lens, dtype=torch.int32, device="cuda"))
 
 
+@pytest.mark.parametrize("dim", [128, 256])
 @pytest.mark.parametrize("name", list(KINDS))
-def test_verify_rows_take_the_attention_kind(name, decode_kernel):
+def test_verify_rows_take_the_attention_kind(name, dim, decode_kernel):
     """A verify step's queries as decode rows (StepInputs.as_decode_rows), each with its own length."""
     kind = kind_args(name, 16)
     lens, queries = [20, 130, 700, 258, 1500], [4, 8, 1, 3, 8]
     starts = [0]
     for nq in queries:
         starts.append(starts[-1] + nq)
-    k, v, tables, k_ref, v_ref = paged_kv(lens, queries, 4, 128, torch.bfloat16, kind["window"])
-    q = randn(starts[-1], 16, 128, dtype=torch.bfloat16)
+    k, v, tables, k_ref, v_ref = paged_kv(lens, queries, 4, dim, torch.bfloat16, kind["window"])
+    q = randn(starts[-1], 16, dim, dtype=torch.bfloat16)
     row_tables, row_lens = rows_on_device(starts, lens, tables)
-    out = ops.paged_attention_decode(q, k, v, row_tables, row_lens, 128 ** -0.5, **kind)
-    ref = reference(q, k_ref, v_ref, tables, starts, lens, 128 ** -0.5, kind)
-    assert_matches(out, ref, torch.bfloat16, f"verify rows ({name}) vs fp64")
+    out = ops.paged_attention_decode(q, k, v, row_tables, row_lens, dim ** -0.5, **kind)
+    ref = reference(q, k_ref, v_ref, tables, starts, lens, dim ** -0.5, kind)
+    assert_matches(out, ref, torch.bfloat16, f"verify rows ({name}, head_dim {dim}) vs fp64")
 
 
+@pytest.mark.parametrize("dim", [128, 256])
 @pytest.mark.parametrize("name", ["window-128-sinks", "window-softcap", "all"])
-def test_decode_with_a_kind_replays_in_a_cuda_graph(name, decode_kernel):
+def test_decode_with_a_kind_replays_in_a_cuda_graph(name, dim, decode_kernel):
     kind = kind_args(name, 32)
     lens = [20, 300, 9, 1100]
-    k, v, tables, _, _ = paged_kv([1140] * 4, [1] * 4, 8, 128, torch.bfloat16, None)  # any row fits any table
-    q = randn(4, 32, 128, dtype=torch.bfloat16)
+    k, v, tables, _, _ = paged_kv([1140] * 4, [1] * 4, 8, dim, torch.bfloat16, None)  # any row fits any table
+    q = randn(4, 32, dim, dtype=torch.bfloat16)
     static_tables, static_lens = tables.clone(), torch.tensor(lens, dtype=torch.int32, device="cuda")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        ops.paged_attention_decode(q, k, v, static_tables, static_lens, 128 ** -0.5, **kind)  # warm-up
+        ops.paged_attention_decode(q, k, v, static_tables, static_lens, dim ** -0.5, **kind)  # warm-up
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = ops.paged_attention_decode(q, k, v, static_tables, static_lens, 128 ** -0.5, **kind)
+        out = ops.paged_attention_decode(q, k, v, static_tables, static_lens, dim ** -0.5, **kind)
     for shift in (0, 7, 40):  # later steps: longer sequences (the window moves), other tables
         new_lens = torch.tensor([n + shift for n in lens], dtype=torch.int32, device="cuda")
         new_tables = torch.roll(tables, shift, dims=0)
         static_lens.copy_(new_lens)
         static_tables.copy_(new_tables)
         graph.replay()
-        want = ops.paged_attention_decode(q, k, v, new_tables, new_lens, 128 ** -0.5, **kind)
+        want = ops.paged_attention_decode(q, k, v, new_tables, new_lens, dim ** -0.5, **kind)
         torch.testing.assert_close(out, want, rtol=0, atol=0)
 
 
-def test_paged_attention_runs_the_kinds_without_the_reference(monkeypatch):
+@pytest.mark.parametrize("dim", [128, 256])
+def test_paged_attention_runs_the_kinds_without_the_reference(dim, monkeypatch):
     kind = kind_args("all", 16)
     case = [(1, 40), (17, 17), (1, 700), (33, 600)]
     lens, queries = [n for _, n in case], [nq for nq, _ in case]
     starts = [0]
     for nq in queries:
         starts.append(starts[-1] + nq)
-    k, v, tables, k_ref, v_ref = paged_kv(lens, queries, 4, 128, torch.bfloat16, kind["window"])
-    q = randn(starts[-1], 16, 128, dtype=torch.bfloat16)
-    ref = reference(q, k_ref, v_ref, tables, starts, lens, 128 ** -0.5, kind)
+    k, v, tables, k_ref, v_ref = paged_kv(lens, queries, 4, dim, torch.bfloat16, kind["window"])
+    q = randn(starts[-1], 16, dim, dtype=torch.bfloat16)
+    ref = reference(q, k_ref, v_ref, tables, starts, lens, dim ** -0.5, kind)
     decode_idx = torch.tensor([0, 18], device="cuda")
-    ref_decode = reference(q[decode_idx], k_ref, v_ref, tables[[0, 2]], [0, 1, 2], [40, 700], 128 ** -0.5, kind)
+    ref_decode = reference(q[decode_idx], k_ref, v_ref, tables[[0, 2]], [0, 1, 2], [40, 700], dim ** -0.5, kind)
 
     def forbidden(*args, **kwargs):
         raise AssertionError("the reference ran")
@@ -236,11 +240,11 @@ def test_paged_attention_runs_the_kinds_without_the_reference(monkeypatch):
     monkeypatch.setattr(attention, "paged_attention_ref", forbidden)
     monkeypatch.setattr(attention, "paged_attention_decode_ref", forbidden)
     lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    out = paged_attention(q, k, v, tables, starts, lens, 128 ** -0.5, lens_t,
+    out = paged_attention(q, k, v, tables, starts, lens, dim ** -0.5, lens_t,
                           torch.tensor(starts, dtype=torch.int32, device="cuda"), **kind)
     assert_matches(out, ref, torch.bfloat16, "paged_attention's prefill step with a kind")
     out = paged_attention(q[decode_idx].contiguous(), k, v, tables[[0, 2]].contiguous(), [0, 1, 2], [40, 700],
-                          128 ** -0.5, lens_t[[0, 2]].contiguous(), **kind)
+                          dim ** -0.5, lens_t[[0, 2]].contiguous(), **kind)
     assert_matches(out, ref_decode, torch.bfloat16, "paged_attention's decode step with a kind")
 
 
@@ -257,9 +261,10 @@ def test_bad_kind_arguments_are_rejected():
             ops.paged_attention_decode(q, k, k, tables, lens, 0.1, **kind)
 
 
+@pytest.mark.parametrize("dim", [128, 256])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", ["window-128-sinks", "window-softcap", "all"])
-def test_an_e4m3_cache_with_a_kind_is_attention_over_its_values(name, dtype):
+def test_an_e4m3_cache_with_a_kind_is_attention_over_its_values(name, dtype, dim):
     """Version 3 reads an fp8 (e4m3) cache: with a kind, bit for bit what it gives over a 16-bit cache of the
     same values, in decode and in prefill."""
     kind = kind_args(name, 16)
@@ -268,10 +273,10 @@ def test_an_e4m3_cache_with_a_kind_is_attention_over_its_values(name, dtype):
     starts = [0]
     for nq in queries:
         starts.append(starts[-1] + nq)
-    k, v, tables, _, _ = paged_kv(lens, queries, 4, 128, dtype, kind["window"])
+    k, v, tables, _, _ = paged_kv(lens, queries, 4, dim, dtype, kind["window"])
     k8, v8 = to_cache_dtype(k, FP8_CACHE_DTYPE), to_cache_dtype(v, FP8_CACHE_DTYPE)
     k16, v16 = k8.to(dtype), v8.to(dtype)
-    q = randn(starts[-1], 16, 128, dtype=dtype)
+    q = randn(starts[-1], 16, dim, dtype=dtype)
     lens_t, qsl = torch.tensor(lens, dtype=torch.int32, device="cuda"), torch.tensor(starts, dtype=torch.int32,
                                                                                     device="cuda")
     out = ops.paged_attention_prefill(q, k8, v8, tables, qsl, lens_t, 0.088, ops.PrefillLayout(starts, lens),

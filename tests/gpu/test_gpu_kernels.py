@@ -1,6 +1,6 @@
 """Each compiled kernel against its torch reference (float64 where it matters) on random inputs:
 one token, page and partition boundaries, odd lengths, mixed lengths in a batch, GQA ratios 1..8
-(and 16), head dims 64 and 128, bf16 and fp16 (fp32 on a few). Outputs are poisoned with NaN
+(and 16), head dims 64, 128 and 256 (Gemma's), bf16 and fp16 (fp32 on a few). Outputs are poisoned with NaN
 before each run; KV slots no sequence owns hold NaN, so a read past a sequence shows up."""
 
 from __future__ import annotations
@@ -248,7 +248,9 @@ DECODE_CASES = [
     ([1, 17, 300, 1500, 4097, 64], 28, 4, 128, 32, 0),  # mixed lengths, GQA 7, 32-token pages
     ([3000], 32, 2, 128, 16, 0),  # GQA 16: two head chunks
     ([20, 7], 16, 8, 64, 16, 40),  # a table much wider than needed: empty partitions
-] + [([70, 300, 1], 2 * g, 2, dim, 16, 0) for g in range(1, 9) for dim in (64, 128)]  # GQA 1..8
+    ([1, 17, 255, 256, 257, 700, 1500], 16, 8, 256, 16, 0),  # heads of 256 (Gemma 2 / 3)
+    ([3000, 65], 32, 2, 256, 32, 0),  # heads of 256, GQA 16: two head chunks
+] + [([70, 300, 1], 2 * g, 2, dim, 16, 0) for g in range(1, 9) for dim in (64, 128, 256)]  # GQA 1..8
 
 
 @pytest.fixture(params=DECODE_ATTENTION_VERSIONS, ids=lambda v: f"v{v}")
@@ -266,6 +268,7 @@ DECODE_CASES += [
     (TILE_LENS, 12, 3, 64, 24, 0),  # 24-token pages: neither divides nor is divided by 64
     ([17, 300, 15, 16], 8, 2, 64, 1, 0),  # one token a page
     ([70, 513, 256], 16, 4, 128, 256, 0),  # one page a partition
+    (TILE_LENS, 8, 4, 256, 24, 0),  # heads of 256 over pages that straddle the tiles
 ]
 
 
@@ -287,7 +290,8 @@ def test_paged_attention_decode(seq_lens, heads, kv_heads, dim, page_size, extra
 
 
 @pytest.mark.parametrize("dtype", [torch.float32])
-@pytest.mark.parametrize("seq_lens,heads,kv_heads,dim", [([5, 700], 32, 8, 128), ([300, 1], 9, 3, 64)])
+@pytest.mark.parametrize("seq_lens,heads,kv_heads,dim", [([5, 700], 32, 8, 128), ([300, 1], 9, 3, 64),
+                                                      ([5, 700, 257], 16, 2, 256), ([300, 1], 4, 4, 256)])
 def test_paged_attention_decode_fp32(seq_lens, heads, kv_heads, dim, dtype, decode_kernel):
     k, v, tables, k_ref, v_ref = make_paged(seq_lens, kv_heads, dim, 16, dtype)
     q = randn(len(seq_lens), heads, dim, dtype=dtype)
@@ -383,7 +387,7 @@ PREFILL_CASES = [
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads,kv_heads,dim", [(32, 8, 128), (9, 3, 64), (8, 8, 64)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(32, 8, 128), (9, 3, 64), (8, 8, 64), (16, 8, 256)])
 @pytest.mark.parametrize("case", PREFILL_CASES)
 def test_paged_attention_prefill(case, heads, kv_heads, dim, dtype):
     seq_lens = [n for _, n in case]

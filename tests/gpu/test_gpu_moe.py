@@ -1,9 +1,10 @@
 """The MoE device path (csrc/moe.cu, exlcli/ops/moe_stacked.py) on a GPU: each (token, slot) pair's row of
-moe_gemv is quant_linear of its expert at one token, bit for bit; the whole path against its torch model
-and against MoeFeedForward's host-grouped path (the reference: per-expert products, counts on the host) at
-1, 3 and 64 tokens, for 4-, 6- and 8-bit experts on random weights; batch invariance; no host sync (a CUDA
-graph captures it, and the grouped path past the pairs limit too); ids outside the experts give NaN rows,
-never a fault. The grouped path of many tokens: tests/gpu/test_gpu_moe_prefill.py."""
+moe_gemv is quant_linear of its expert at one token, bit for bit (1, 3 and 64 tokens); the pairs path against
+its torch model and against MoeFeedForward's host-grouped path (the reference: per-expert products, counts on
+the host) at 1, 3 and PAIRS_MAX_TOKENS tokens, for 4-, 6- and 8-bit experts on random weights; batch invariance
+up to PAIRS_MAX_TOKENS; no host sync (a CUDA graph captures it, and the grouped path past the pairs limit too);
+ids outside the experts give NaN rows, never a fault. The grouped path of more tokens:
+tests/gpu/test_gpu_moe_prefill.py; moe_route and moe_plan: tests/gpu/test_gpu_moe_route_plan.py."""
 
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ def test_each_pair_is_quant_linear_of_its_expert_at_one_token(bits, down_bits, t
 
 
 @pytest.mark.parametrize("bits,down_bits", FORMATS)
-@pytest.mark.parametrize("tokens", [1, 3, 64])
+@pytest.mark.parametrize("tokens", [1, 3, moe_stacked.PAIRS_MAX_TOKENS])  # the pairs path's sizes
 def test_the_device_path_matches_its_model_and_the_host_grouped_path(bits, down_bits, tokens, monkeypatch):
     moe = make_moe(bits, down_bits, seed=100 + tokens + bits)
     stacked = moe.stacked
@@ -91,6 +92,7 @@ def test_the_device_path_matches_its_model_and_the_host_grouped_path(bits, down_
     weights, ids = routed(moe, x)
     got = stacked(x, weights, ids)
     assert got.dtype == torch.float32 and got.shape == (tokens, HIDDEN) and torch.isfinite(got).all()
+    assert torch.equal(got, stacked.pairs(x, weights, ids)), f"{tokens} tokens take the pairs path"
     model = stacked.emulate(x, weights, ids)
     # the model's 4- and 6-bit weights are rounded to bf16 (unpack_packed), the kernel's are not: about 0.1%
     assert rel_err(got, model) < 1e-2, "against the torch model of the kernels"
@@ -116,10 +118,11 @@ def test_a_tokens_result_does_not_depend_on_the_batch(bits, down_bits):
     moe = make_moe(bits, down_bits, seed=7)
     stacked = moe.stacked
     assert stacked is not None
-    x = inputs(64, seed=8)
+    tokens = moe_stacked.PAIRS_MAX_TOKENS  # the most the pairs path takes: a token's bytes alone and in the batch
+    x = inputs(tokens, seed=8)
     weights, ids = routed(moe, x)
     full = stacked(x, weights, ids)
-    for t in (0, 5, 63):
+    for t in (0, 5, tokens - 1):
         alone = stacked(x[t:t + 1].contiguous(), weights[t:t + 1], ids[t:t + 1])
         assert torch.equal(alone[0], full[t]), f"token {t}"
     three = stacked(x[:3].contiguous(), weights[:3], ids[:3])
@@ -154,7 +157,7 @@ def test_graph_capture_takes_the_grouped_path_beyond_the_pairs_limit(monkeypatch
     assert stacked is not None
     monkeypatch.setattr(moe_stacked, "PAIRS_MAX_TOKENS", 2)
     x = inputs(8, seed=13)
-    weights, ids = routed(moe, x)
+    weights, ids = moe._route_on_device(moe.router(x, out_dtype=torch.float32))  # the layer's router kernel
     want = stacked.grouped(x, weights, ids).to(torch.bfloat16)
     assert not torch.equal(want, stacked.pairs(x, weights, ids).to(torch.bfloat16)), "the two paths differ"
     side = torch.cuda.Stream()

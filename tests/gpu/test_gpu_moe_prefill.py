@@ -1,8 +1,9 @@
 """The grouped MoE path of many tokens (csrc/moe.cu moe_gemm, exlcli/ops/moe_stacked.py StackedExperts.grouped)
 on a GPU: each pair's row is quant_linear's tensor-core kernel over its expert's rows, bit for bit; the whole
-path against its torch model (`emulate_grouped`) and the host-grouped path at 65, 300 and 2048 tokens, for 4-,
-6- and 8-bit experts; experts with no token and every pair on one expert; a token's result is the same
-whatever the other tokens of its call and whatever their number past the pairs limit; and a small Qwen3-MoE
+path against its torch model (`emulate_grouped`) and the host-grouped path from one token past the pairs limit to
+2048 tokens (planned on moe_plan up to 300, on torch's sort at 2048), for 4-, 6- and 8-bit experts; experts with
+no token and every pair on one expert; a token's result is the same whatever the other tokens of its call and
+whatever their number past the pairs limit (moe_plan's plans against torch's); and a small Qwen3-MoE
 gives the same greedy tokens with prefill on the grouped path as on the host-grouped one."""
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ pytestmark = [pytest.mark.gpu, requires_cuda, pytest.mark.usefixtures("kernels")
 # Qwen3-30B-A3B's expert shapes, fewer experts (more tokens an expert: both token tiles show)
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 16, 8
 FORMATS = [(4, 4), (4, 6), (6, 6), (8, 8)]  # (gate|up bits, down bits)
-TOKENS = [65, 300, 2048]
+TOKENS = [moe_stacked.PAIRS_MAX_TOKENS + 1, 65, 300, 2048]
 
 
 def packed_linear(rows: int, cols: int, bits: int, group: int, gen: torch.Generator) -> cuda_groups.GroupedCudaLinear:
@@ -154,7 +155,7 @@ def test_a_tokens_result_does_not_depend_on_the_other_tokens(bits, down_bits):
     x = inputs(2048, seed=32)
     weights, ids = routed(moe, x)
     full = stacked(x, weights, ids)
-    for tokens in (65, 300):
+    for tokens in (moe_stacked.PAIRS_MAX_TOKENS + 1, 300):
         # token t among the first tokens, then among others (the chunk's other tokens replaced), same size
         first = stacked(x[:tokens].contiguous(), weights[:tokens], ids[:tokens])
         assert torch.equal(first, full[:tokens]), f"the first {tokens} tokens against 2048"
@@ -201,9 +202,9 @@ def test_a_small_moe_model_gives_the_same_greedy_tokens_with_the_grouped_path(ta
     grouped_calls: list[int] = []
     real_grouped = moe_stacked.StackedExperts.grouped
 
-    def counted(self, x, weights, ids):
+    def counted(self, x, weights, ids, bf16_out=False):
         grouped_calls.append(x.shape[0])
-        return real_grouped(self, x, weights, ids)
+        return real_grouped(self, x, weights, ids, bf16_out)
 
     monkeypatch.setattr(moe_stacked.StackedExperts, "grouped", counted)
     gen = torch.Generator().manual_seed(2)

@@ -47,7 +47,7 @@ def decode_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row_tables: t
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("dim", [64, 128, 256])
 def test_multi_query_decode_equals_the_prefill_kernel(dtype, dim):
     lens, queries = [1, 17, 40, 300, 16], [1, 8, 3, 5, 2]
     q, k, v, tables, starts = chunk_batch(lens, queries, dim, dtype)

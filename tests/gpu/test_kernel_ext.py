@@ -60,11 +60,11 @@ def test_the_compiled_code_reads_no_environment_and_keeps_no_setting():
 
 
 def test_the_supported_head_sizes_are_written_in_one_place():
-    from exlcli.ops.cuda.limits import HEAD_DIMS
+    from exlcli.ops.cuda.limits import ATTENTION_HEAD_DIMS, HEAD_DIMS
 
     holders = sorted(str(py.relative_to(PACKAGE)) for py in PACKAGE.rglob("*.py")
-                     if re.search(r"\(\s*64\s*,\s*128\s*\)", py.read_text()))
-    assert holders == ["ops/cuda/limits.py"] and HEAD_DIMS == (64, 128)
+                     if re.search(r"\(\s*64\s*,\s*128\s*[,)]", py.read_text()))
+    assert holders == ["ops/cuda/limits.py"] and HEAD_DIMS == (64, 128) and ATTENTION_HEAD_DIMS == (64, 128, 256)
 
 
 def test_the_wrappers_reject_cpu_tensors_in_one_line():

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from exlcli.ops.cuda.limits import DECODE_ATTENTION_VERSIONS, DECODE_LINEAR_MAX_ROWS, HEAD_DIMS
+from exlcli.ops.cuda.limits import ATTENTION_HEAD_DIMS, DECODE_ATTENTION_VERSIONS, DECODE_LINEAR_MAX_ROWS, HEAD_DIMS
 from exlcli.ops.errors import KernelInputError
 from exlcli.ops.kv_store import FP8_CACHE_DTYPE
 
@@ -61,9 +61,9 @@ def vector(op: str, name: str, t: torch.Tensor, size: int, dtype: torch.dtype) -
         fail(op, f"{name} dtype must be {_name(dtype)}, got {_name(t.dtype)}")
 
 
-def head_dim(op: str, dim: int) -> None:
-    if dim not in HEAD_DIMS:
-        fail(op, f"head_dim must be {' or '.join(str(d) for d in HEAD_DIMS)}, got {dim}")
+def head_dim(op: str, dim: int, allowed: tuple[int, ...] = HEAD_DIMS) -> None:
+    if dim not in allowed:
+        fail(op, f"head_dim must be {', '.join(str(d) for d in allowed[:-1])} or {allowed[-1]}, got {dim}")
 
 
 def decode_attention_version(op: str, version: int, k_cache: torch.Tensor) -> None:
@@ -155,7 +155,7 @@ def paged(op: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if q.dim() != 3:
         fail(op, f"q must be [tokens, heads, head_dim], got {list(q.shape)}")
     dim = q.shape[2]
-    head_dim(op, dim)
+    head_dim(op, dim, ATTENTION_HEAD_DIMS)
     if q.stride(2) != 1 or q.stride(1) != dim:
         fail(op, "q must have packed heads (contiguous heads and elements)")
     if q.stride(0) % (16 // q.element_size()) or not aligned(q):

@@ -13,12 +13,15 @@ from exlcli.ops.cuda import checks
 from exlcli.ops.cuda.limits import (
     DP4A_MAX_TOKENS,
     EXL3_MAX_KERNEL_TOKENS,
+    MOE_PLAN_MAX_SHARED,
+    MOE_ROUTE_MAX_K,
     MOE_TILE_TOKENS,
     QUANT_BITS,
     QUANT_CHUNK,
     QUANT_GROUPS,
     QUANT_TILE_ROWS,
     dp4a_takes,
+    moe_plan_takes,
 )
 from exlcli.ops.cuda.state import STATE
 
@@ -470,27 +473,36 @@ def moe_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bits:
     quant_linear's tensor-core kernel over its expert and its row of x. A pair whose id is outside 0 .. E - 1
     is in no expert's range: its row is not written."""
     op = "moe_gemm"
-    checks.on_cuda(op, "x qweight scales order expert_offsets tile_offsets", x, qweight, scales, order,
-                   expert_offsets, tile_offsets)
-    _stacked_experts(op, x, qweight, scales, bits, group, n)
-    if n // QUANT_TILE_ROWS > checks.MAX_GRID_Y:
-        checks.fail(op, f"n ({n}) must be at most {checks.MAX_GRID_Y * QUANT_TILE_ROWS}")
-    if rows_per_x < 1:
-        checks.fail(op, f"rows_per_x must be at least 1, got {rows_per_x}")
+    _grouped_plan(op, x, qweight, scales, bits, group, n, order, expert_offsets, tile_offsets, rows_per_x)
     if tile_tokens not in MOE_TILE_TOKENS:
         checks.fail(op, f"tile_tokens must be one of {MOE_TILE_TOKENS}, got {tile_tokens}")
     if not 0 <= max_tiles <= checks.MAX_GRID_Y:
         checks.fail(op, f"max_tiles must be 0 to {checks.MAX_GRID_Y}, got {max_tiles}")
-    checks.vector(op, "order", order, x.shape[0] * rows_per_x, torch.int32)
-    checks.vector(op, "expert_offsets", expert_offsets, qweight.shape[0] + 1, torch.int32)
-    checks.vector(op, "tile_offsets", tile_offsets, qweight.shape[0] + 1, torch.int32)
     return torch.ops.exlcli.moe_gemm(x, qweight, scales, bits, group, n, order, expert_offsets, tile_offsets,
                                      tile_tokens, max_tiles, rows_per_x, float_out, STATE.options.pdl)
 
 
-def moe_combine(rows: torch.Tensor, weights: torch.Tensor, top_k: int) -> torch.Tensor:
+def _grouped_plan(op: str, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bits: int, group: int,
+                  n: int, order: torch.Tensor, expert_offsets: torch.Tensor, tile_offsets: torch.Tensor,
+                  rows_per_x: int) -> int:
+    """moe_gemm's checks: the stacked experts and a plan of pairs over them; returns k."""
+    checks.on_cuda(op, "x qweight scales order expert_offsets tile_offsets", x, qweight, scales, order,
+                   expert_offsets, tile_offsets)
+    k = _stacked_experts(op, x, qweight, scales, bits, group, n)
+    if n // QUANT_TILE_ROWS > checks.MAX_GRID_Y:
+        checks.fail(op, f"n ({n}) must be at most {checks.MAX_GRID_Y * QUANT_TILE_ROWS}")
+    if rows_per_x < 1:
+        checks.fail(op, f"rows_per_x must be at least 1, got {rows_per_x}")
+    checks.vector(op, "order", order, x.shape[0] * rows_per_x, torch.int32)
+    checks.vector(op, "expert_offsets", expert_offsets, qweight.shape[0] + 1, torch.int32)
+    checks.vector(op, "tile_offsets", tile_offsets, qweight.shape[0] + 1, torch.int32)
+    return k
+
+
+def moe_combine(rows: torch.Tensor, weights: torch.Tensor, top_k: int, bf16_out: bool = False) -> torch.Tensor:
     """fp32 rows [tokens * top_k, n] -> fp32 [tokens, n]: each token's top_k rows times their weights (fp32
-    [tokens * top_k]) summed in slot order (a fixed order: batch invariant)."""
+    [tokens * top_k]) summed in slot order (a fixed order: batch invariant); with bf16_out that sum rounded once
+    to bf16 (the bytes of the fp32 result's .to(torch.bfloat16))."""
     op = "moe_combine"
     checks.on_cuda(op, "rows weights", rows, weights)
     if rows.dim() != 2 or rows.dtype != torch.float32 or not rows.is_contiguous():
@@ -498,7 +510,44 @@ def moe_combine(rows: torch.Tensor, weights: torch.Tensor, top_k: int) -> torch.
     if top_k < 1 or rows.shape[0] % top_k:
         checks.fail(op, f"the {rows.shape[0]} rows must be whole tokens of {top_k} slots")
     checks.vector(op, "weights", weights, rows.shape[0], torch.float32)
-    return torch.ops.exlcli.moe_combine(rows, weights, top_k, STATE.options.pdl)
+    return torch.ops.exlcli.moe_combine(rows, weights, top_k, bf16_out, STATE.options.pdl)
+
+
+def moe_plan(ids: torch.Tensor, experts: int, tile_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """moe_stacked.plan_groups' (order int32 [pairs], expert_offsets int32 [E + 1], tile_offsets int32 [E + 1]) of
+    int32 ids [pairs] in one launch of one block (csrc/moe.cu): the order of a stable sort by expert, for a few
+    pairs (decode batches: 4 bytes a pair and an expert within the block's shared memory). Ids outside 0 .. E - 1
+    go after every expert's (torch's sort puts the negative ones first): in no expert's range either way."""
+    op = "moe_plan"
+    checks.on_cuda(op, "ids", ids)
+    if ids.dim() != 1:
+        checks.fail(op, f"ids must be a contiguous [pairs], got {list(ids.shape)}")
+    checks.vector(op, "ids", ids, ids.shape[0], torch.int32)
+    if experts < 1 or tile_tokens < 1:
+        checks.fail(op, f"experts and tile_tokens must be positive, got {experts} and {tile_tokens}")
+    if not moe_plan_takes(ids.shape[0], experts):
+        checks.fail(op, f"{ids.shape[0]} pairs over {experts} experts do not fit one block's {MOE_PLAN_MAX_SHARED} "
+                        "bytes of shared memory")
+    order, expert_offsets, tile_offsets = torch.ops.exlcli.moe_plan(ids, experts, tile_tokens, STATE.options.pdl)
+    return order, expert_offsets, tile_offsets
+
+
+def moe_route(logits: torch.Tensor, top_k: int, softmax_first: bool, normalize: bool
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's choice in one launch (csrc/moe.cu): fp32 logits [tokens, experts] -> (weights fp32, ids int32)
+    [tokens, top_k]. softmax_first: a softmax over every expert, then the top k (divided by their sum when
+    normalize: ops/moe.py's softmax_topk); else the top k logits, then a softmax over them (topk_softmax). Ties go
+    to the lower id, as torch.topk gives them; top_k at most 32."""
+    op = "moe_route"
+    checks.on_cuda(op, "logits", logits)
+    if logits.dim() != 2 or logits.dtype != torch.float32 or not logits.is_contiguous():
+        checks.fail(op, f"logits must be a contiguous float32 [tokens, experts], got {logits.dtype} "
+                        f"{list(logits.shape)}")
+    if not 1 <= top_k <= min(MOE_ROUTE_MAX_K, logits.shape[1]):
+        checks.fail(op, f"top_k must be 1 to {MOE_ROUTE_MAX_K} and at most the experts ({logits.shape[1]}), "
+                        f"got {top_k}")
+    weights, ids = torch.ops.exlcli.moe_route(logits, top_k, softmax_first, normalize, STATE.options.pdl)
+    return weights, ids
 
 
 def quant_heads_rope(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bits: int, group: int,

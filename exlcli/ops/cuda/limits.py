@@ -3,7 +3,9 @@ the model's fused decode step read these."""
 
 from __future__ import annotations
 
-HEAD_DIMS = (64, 128)  # attention and rope's fused decode path; other head sizes take the reference
+HEAD_DIMS = (64, 128)  # the fused rope epilogues (decode_qkv_rope and the projections' rope steps)
+# paged attention's decode and prefill kernels (Gemma's 256 too); other head sizes take the reference
+ATTENTION_HEAD_DIMS = (64, 128, 256)
 DECODE_LINEAR_MAX_ROWS = 4  # rows (tokens) of one decode_linear / decode_qkv_rope call
 DECODE_ATTENTION_VERSIONS = (1, 3)  # csrc/attention_decode_v1.cu, csrc/attention_decode_v3.cu
 DEFAULT_DECODE_ATTENTION_VERSION = 3  # tensor cores; fp32 and devices before sm_80 run version 1
@@ -12,6 +14,8 @@ QUANT_GROUPS = (16, 32, 64, 128)  # its group sizes (weights per scale along a r
 QUANT_TILE_ROWS = 16  # output features per row tile of its packed layout
 QUANT_CHUNK = 64  # input features per chunk of its packed layout
 MOE_TILE_TOKENS = (32, 64)  # csrc/moe.cu moe_gemm's token tiles (pairs of one expert a block)
+MOE_ROUTE_MAX_K = 32  # csrc/moe.cu moe_route: one lane of a warp a chosen expert
+MOE_PLAN_MAX_SHARED = 44 * 1024  # csrc/moe.cu moe_plan's one block: 4 bytes a pair and an expert (and one)
 EXL3_MAX_KERNEL_TOKENS = 64  # exl3_linear.cu's trellis kernel; beyond, the weight dequantized for cuBLAS
 DP4A_MAX_TOKENS = 2  # quant_gemv_dp4a.cuh: the products of 1 or 2 tokens over integer weights
 DP4A_MAX_SHARED = 44 * 1024  # where their int8 blocks of x (24 bytes per 16 features a token) fit
@@ -21,3 +25,8 @@ def dp4a_takes(tokens: int, in_features: int) -> bool:
     """Whether a product of `tokens` tokens over packed integer weights runs on the dp4a kernel
     (quant_linear.cu's takes_dp4a)."""
     return 1 <= tokens <= DP4A_MAX_TOKENS and tokens * (in_features // 16) * 24 <= DP4A_MAX_SHARED
+
+
+def moe_plan_takes(pairs: int, experts: int) -> bool:
+    """Whether moe_plan's one block holds this many pairs and experts in shared memory."""
+    return (pairs + experts + 1) * 4 <= MOE_PLAN_MAX_SHARED
