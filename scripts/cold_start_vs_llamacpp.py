@@ -1,6 +1,8 @@
 """Load-to-first-token of exlcli beside llama.cpp on the same GGUF files, in the same minute: each command a
 fresh process timed from its start to its exit, after generating one token from "Hi" (median of --reps).
-Warm: the file in the page cache; cold: evicted before each start (posix_fadvise, no privileges needed).
+Warm: the file in the page cache; cold: evicted before each start (posix_fadvise, no privileges needed), and
+exlcli's repack cache files with it. A model whose layouts get a repack cache file writes it on its first load:
+load it once before timing warm starts.
 With --busy N, N other processes spin a core each while both run (a machine busy with other work).
 
     python3 scripts/cold_start_vs_llamacpp.py --llama-bin DIR [--reps 3] [--busy 0] [GGUF ...]
@@ -18,7 +20,7 @@ import subprocess
 import sys
 import time
 
-from exlcli.bench.cold import evict_from_page_cache, read_into_page_cache
+from exlcli.bench.cold import evict_from_page_cache, read_into_page_cache, repack_cache_files
 
 
 def spin() -> None:
@@ -69,8 +71,9 @@ def main() -> None:
                 times: dict[str, list[float]] = {name: [] for name in cmds}
                 for _ in range(a.reps):
                     for name, cmd in cmds.items():  # interleaved, so that both see the same minute
-                        if test == "cold":
-                            evict_from_page_cache(path)
+                        if test == "cold":  # the file and exlcli's repack cache (its layouts' file) both
+                            for f in [path, *map(str, repack_cache_files())]:
+                                evict_from_page_cache(f)
                         else:
                             read_into_page_cache(path)
                         times[name].append(timed(cmd))
