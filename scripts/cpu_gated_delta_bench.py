@@ -36,22 +36,19 @@ def interleaved(fns, seconds: float) -> list[tuple[float, float, int]]:
     return [(statistics.median(w) * 1e3, c / len(w) * 1e3, len(w)) for w, c in zip(walls, cpus)]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=3.0, help="time each case for this long")
-    parser.add_argument("--threads", type=int, default=None, help="the kernels' threads (default: the cores)")
-    args = parser.parse_args()
-
+def delta_layer_80b(threads: int | None):
+    """The CPU kernel library (exits where it is unavailable) and a Gated DeltaNet layer of the
+    Qwen3-Next-80B-A3B shape with random weights: (library, its LinearAttentionConfig, hidden size, the
+    layer, rand(*shape, scale) for bf16 tensors of the same generator). scripts/hybrid_rollback_cost.py
+    times the same layer."""
     import torch
 
-    from exlcli.model.architectures.gated_delta_plan import DeltaPlan
     from exlcli.model.architectures.qwen3_next import GatedDeltaNet
-    from exlcli.model.batch_inputs import BatchInputs
     from exlcli.model.config import LINEAR_ATTENTION, LinearAttentionConfig, ModelConfig
     from exlcli.ops import gated_delta_kernels
     from exlcli.ops.cpu import loader
 
-    lib = loader.library(args.threads)
+    lib = loader.library(threads)
     loader.single_threaded_torch()
     if not gated_delta_kernels.available(torch.zeros(1, dtype=torch.bfloat16)):
         sys.exit(f"the CPU kernels are not available here: {lib.reason}")
@@ -74,7 +71,22 @@ def main() -> None:
                p + "dt_bias": torch.randn(la.num_v_heads, generator=g) * 0.1,
                p + "norm.weight": torch.ones(la.v_head_dim).bfloat16(),
                p + "out_proj.weight": rand(hidden, la.value_dim)}
-    mixer = GatedDeltaNet(config, tensors, 0, torch.device("cpu"), torch.bfloat16)
+    return lib, la, hidden, GatedDeltaNet(config, tensors, 0, torch.device("cpu"), torch.bfloat16), rand
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=3.0, help="time each case for this long")
+    parser.add_argument("--threads", type=int, default=None, help="the kernels' threads (default: the cores)")
+    args = parser.parse_args()
+
+    import torch
+
+    from exlcli.model.architectures.gated_delta_plan import DeltaPlan
+    from exlcli.model.batch_inputs import BatchInputs
+
+    lib, la, hidden, mixer, rand = delta_layer_80b(args.threads)
+    g = torch.Generator().manual_seed(1)
     slots = 8
     conv0 = rand(slots, la.conv_width - 1, la.conv_channels, scale=1.0)
     rec0 = torch.randn(slots, la.num_v_heads, la.k_head_dim, la.v_head_dim, generator=g) * 0.05

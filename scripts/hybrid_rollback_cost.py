@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's exlcli, not an installed one
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cpu_gated_delta_bench import interleaved  # noqa: E402  (scripts/cpu_gated_delta_bench.py)
+from cpu_gated_delta_bench import delta_layer_80b, interleaved  # noqa: E402  (scripts/cpu_gated_delta_bench.py)
 
 
 def main() -> None:
@@ -38,38 +38,13 @@ def main() -> None:
     import torch
 
     from exlcli.model.architectures.gated_delta_plan import DeltaPlan
-    from exlcli.model.architectures.qwen3_next import GatedDeltaNet
     from exlcli.model.batch_inputs import BatchInputs
-    from exlcli.model.config import LINEAR_ATTENTION, LinearAttentionConfig, ModelConfig
-    from exlcli.ops import gated_delta_kernels
-    from exlcli.ops.cpu import loader
     from exlcli.ops.linear import make_linear
 
-    lib = loader.library(args.threads)
-    loader.single_threaded_torch()
-    if not gated_delta_kernels.available(torch.zeros(1, dtype=torch.bfloat16)):
-        sys.exit(f"the CPU kernels are not available here: {lib.reason}")
-    la = LinearAttentionConfig(num_k_heads=16, num_v_heads=32, k_head_dim=128, v_head_dim=128, conv_width=4)
-    hidden, k = 2048, args.drafts
-    config = ModelConfig(architecture="qwen3_next", vocab_size=1024, hidden_size=hidden, intermediate_size=512,
-                         num_layers=1, num_heads=16, num_kv_heads=2, head_dim=256,
-                         layer_types=(LINEAR_ATTENTION,), linear_attention=la)
-    g = torch.Generator().manual_seed(0)
-    p = "model.layers.0.linear_attn."
-    per_key = 2 * la.k_head_dim + 2 * (la.num_v_heads // la.num_k_heads) * la.v_head_dim
-
-    def rand(*shape, scale=0.02):
-        return (torch.randn(*shape, generator=g) * scale).bfloat16()
-
-    tensors = {p + "in_proj_qkvz.weight": rand(la.num_k_heads * per_key, hidden),
-               p + "in_proj_ba.weight": rand(2 * la.num_v_heads, hidden),
-               p + "conv1d.weight": rand(la.conv_channels, 1, la.conv_width, scale=0.5),
-               p + "A_log": torch.randn(la.num_v_heads, generator=g) * 0.5 - 0.7,
-               p + "dt_bias": torch.randn(la.num_v_heads, generator=g) * 0.1,
-               p + "norm.weight": torch.ones(la.v_head_dim).bfloat16(),
-               p + "out_proj.weight": rand(hidden, la.value_dim)}
+    lib, la, hidden, mixer, rand = delta_layer_80b(args.threads)
+    k = args.drafts
+    g = torch.Generator().manual_seed(1)
     cpu = torch.device("cpu")
-    mixer = GatedDeltaNet(config, tensors, 0, cpu, torch.bfloat16)
     active = 5632  # 10 routed experts and the shared expert, 512 rows each
     gate_up = make_linear([rand(active, hidden), rand(active, hidden)], None, cpu, torch.bfloat16)
     down = make_linear([rand(hidden, active)], None, cpu, torch.bfloat16)
