@@ -27,17 +27,21 @@ import torch
 
 
 def load(folder: str, max_tokens: int = 0, max_batch: int = 1):
-    import exllamav3
     from exllamav3 import Cache, Config, Model, Tokenizer
 
     config = Config.from_directory(folder)
     model = Model.from_config(config)
+    # exllamav3 allocates a cache's tensors when the model loads: the cache comes first
+    cache = Cache(model, max_num_tokens=max_tokens, max_batch_size=max_batch) if max_tokens else None
     model.load()
-    print(f"exllamav3 {exllamav3.__version__} loaded {folder} on {torch.cuda.get_device_name()}")
-    if not max_tokens:
-        return model, None, None
-    cache = Cache(model, max_num_tokens=max_tokens, max_batch_size=max_batch)
-    return model, cache, Tokenizer.from_config(config)
+    print(f"exllamav3 {version()} loaded {folder} on {torch.cuda.get_device_name()}")
+    return model, cache, Tokenizer.from_config(config) if max_tokens else None
+
+
+def version() -> str:
+    from exllamav3.version import __version__
+
+    return __version__
 
 
 def logits(args) -> None:
@@ -51,11 +55,8 @@ def logits(args) -> None:
     h = reader.header
     plan = ChunkPlan(h.n_ctx, reader.tokens, h.n_chunk, tok.bos_token_id if tok.add_bos else None)
     model, _, _ = load(args.folder)
-    import exllamav3
-
-    writer = LogitsWriter(Path(args.out), LogitsHeader(h.n_ctx, h.n_vocab, h.n_chunk,
-                                                       f"exllamav3 {exllamav3.__version__} {args.folder}"),
-                          plan.used_tokens())
+    header = LogitsHeader(h.n_ctx, h.n_vocab, h.n_chunk, f"exllamav3 {version()} {args.folder}")
+    writer = LogitsWriter(Path(args.out), header, plan.used_tokens())
     stats = PerplexityStats()
     start = time.perf_counter()
     for i in range(h.n_chunk):
