@@ -91,9 +91,10 @@ def _aligned(x: torch.Tensor) -> torch.Tensor:
     return x.clone() if x.data_ptr() % 16 else x
 
 
-def grouped_chunk_tokens(top_k: int, row_features: int, max_bytes: int = GROUPED_MAX_ROW_BYTES) -> int:
-    """Tokens per call of the grouped path whose [tokens * top_k, row_features] fp32 rows fit `max_bytes` (>= 1)."""
-    return max(1, max_bytes // (4 * top_k * row_features))
+def grouped_chunk_tokens(top_k: int, row_features: int) -> int:
+    """Tokens per call of the grouped path whose [tokens * top_k, row_features] fp32 rows fit GROUPED_MAX_ROW_BYTES
+    (at least 1)."""
+    return max(1, GROUPED_MAX_ROW_BYTES // (4 * top_k * row_features))
 
 
 @dataclass
