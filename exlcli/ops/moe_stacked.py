@@ -79,11 +79,12 @@ PLAN_KERNEL_MAX_PAIRS = 1024
 # scripts/moe_bench.py). The tile changes no result.
 WIDE_TILE_PAIRS = 256
 ACTIVATIONS = ("silu", "swiglu_clamped")  # the activations the stacked path runs (moe.ACTIVATIONS' names)
-# The grouped path's largest intermediate is gate|up over every pair, [pairs, 2I], fp32 where a bias is added:
-# a call whose rows would pass this many bytes runs in token chunks that keep under it (a token's rows are its
-# own, so the result is the same). gpt-oss-20b's batch-64 bench prefilled 64 x 8,192 tokens in one step: 2,097,152
-# pairs x 5,760 x 4 bytes = a 45 GiB allocation, where chunks of 5,825 tokens hold 512 MiB.
-GROUPED_MAX_ROW_BYTES = 512 << 20
+# The grouped path's largest intermediate is gate|up over every pair, [pairs, 2I], fp32 where a bias is added
+# (and the bias gather and sum make two more of its size): a call whose rows would pass this many bytes runs in
+# token chunks that keep under it (a token's rows are its own, so the result is the same). gpt-oss-20b's batch-64
+# bench prefilled 64 x 8,192 tokens in one step: 2,097,152 pairs x 5,760 x 4 bytes = a 45 GiB allocation, where
+# chunks of 2,912 tokens hold 256 MiB (11,648 pairs: 364 an expert of 32, whole tensor-core tiles still).
+GROUPED_MAX_ROW_BYTES = 256 << 20
 
 
 def _aligned(x: torch.Tensor) -> torch.Tensor:

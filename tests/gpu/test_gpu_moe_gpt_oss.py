@@ -130,3 +130,29 @@ def test_a_cuda_graph_captures_the_gpt_oss_moe_layer(tokens):
     torch.cuda.synchronize()
     assert torch.equal(out, moe(new_x))
     assert not torch.equal(out, eager)
+
+
+def test_a_long_prefill_runs_the_grouped_path_in_bounded_chunks_with_the_same_bits(monkeypatch):
+    """A step of many tokens (the batch-64 bench's 64 x 8,192-token prefill asked for 45 GiB of fp32 gate|up rows)
+    runs in token chunks (moe_stacked.GROUPED_MAX_ROW_BYTES): bit for bit the whole call's result, in far less
+    memory than the whole call's rows."""
+    moe = oss_moe(seed=12)
+    stacked = moe.stacked
+    assert stacked is not None
+    tokens = 3 * moe_stacked.grouped_chunk_tokens(TOP_K, 2 * INTER) + 123  # three whole chunks and a part
+    x = inputs(tokens, seed=13)
+    weights, ids = routed(moe, x)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    chunked = stacked(x, weights, ids)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    rows_bytes = tokens * TOP_K * 2 * INTER * 4  # what the whole call's fp32 gate|up rows alone take
+    out_bytes = chunked.numel() * 4
+    assert peak < 6 * moe_stacked.GROUPED_MAX_ROW_BYTES + 3 * out_bytes < rows_bytes * 3, (peak, rows_bytes)
+    monkeypatch.setattr(moe_stacked, "GROUPED_MAX_ROW_BYTES", 1 << 40)  # one whole call
+    whole = stacked(x, weights, ids)
+    assert torch.equal(chunked, whole), "a chunked call's tokens differ from the whole call's"
+    monkeypatch.setattr(moe_stacked, "GROUPED_MAX_ROW_BYTES", 4 * TOP_K * 2 * INTER * 37)  # chunks of 37 tokens
+    assert torch.equal(stacked(x, weights, ids), whole)
