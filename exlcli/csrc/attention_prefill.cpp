@@ -51,12 +51,13 @@ constexpr int64_t kKindScores = int64_t{1} << 26;
 // most `left`) whose scores, n rows of heads over the keys k0 .. pos0 + n - 1 they read, in each of
 // `count` sequences, stay within kKindScores. A window's block reads its window and its own span, not
 // the chunk's keys; a causal block's span grows with its position. Solves n (pos0 - k0 + n) <= budget.
-int64_t kind_block_queries(int64_t count, int64_t heads, int64_t pos0, int64_t k0, int64_t left) {
+// A window's block takes at most W queries, so that no more than about half its scores are masked.
+int64_t kind_block_queries(int64_t count, int64_t heads, int64_t pos0, int64_t k0, int64_t left, int64_t window) {
   const int64_t budget = kKindScores / std::max<int64_t>(1, count * heads);
   const double c = static_cast<double>(pos0 - k0);
   int64_t n = static_cast<int64_t>((std::sqrt(c * c + 4.0 * static_cast<double>(budget)) - c) / 2.0);
   while (n > 1 && n * (pos0 - k0 + n) > budget) --n;  // the square root's rounding
-  return std::clamp<int64_t>(n, 1, left);
+  return std::clamp<int64_t>(n, 1, window > 0 ? std::min(left, window) : left);
 }
 
 // Chunks of `count` sequences of num_q queries and `length` keys, for a layer with a window, sinks or
@@ -79,7 +80,7 @@ at::Tensor attend_kind(const at::Tensor& queries, const at::Tensor& keys, const 
   for (int64_t a = 0, nb = 0; a < num_q; a += nb) {
     const int64_t pos0 = length - num_q + a;  // the block's first query's position
     const int64_t k0 = window > 0 ? std::max(first, pos0 - window + 1) : first;
-    nb = kind_block_queries(count, heads, pos0, k0, num_q - a);
+    nb = kind_block_queries(count, heads, pos0, k0, num_q - a, window);
     const int64_t k1 = pos0 + nb;
     const at::Tensor qb = qg.narrow(2, a, nb).reshape({count * kv_heads, nb * group, dim});
     const at::Tensor kb = keys.narrow(2, k0 - first, k1 - k0).reshape({count * kv_heads, k1 - k0, dim});
