@@ -79,6 +79,23 @@ PLAN_KERNEL_MAX_PAIRS = 1024
 # scripts/moe_bench.py). The tile changes no result.
 WIDE_TILE_PAIRS = 256
 ACTIVATIONS = ("silu", "swiglu_clamped")  # the activations the stacked path runs (moe.ACTIVATIONS' names)
+# The grouped path's largest intermediate is gate|up over every pair, [pairs, 2I], fp32 where a bias is added
+# (and the bias gather and sum make two more of its size): a call whose rows would pass this many bytes runs in
+# token chunks that keep under it (a token's rows are its own, so the result is the same). gpt-oss-20b's batch-64
+# bench prefilled 64 x 8,192 tokens in one step: 2,097,152 pairs x 5,760 x 4 bytes = a 45 GiB allocation, where
+# chunks of 2,912 tokens hold 256 MiB (11,648 pairs: 364 an expert of 32, whole tensor-core tiles still).
+GROUPED_MAX_ROW_BYTES = 256 << 20
+
+
+def _aligned(x: torch.Tensor) -> torch.Tensor:
+    """x, or a copy of it where its start is not 16-byte aligned (the kernels read rows in 16-byte loads)."""
+    return x.clone() if x.data_ptr() % 16 else x
+
+
+def grouped_chunk_tokens(top_k: int, row_features: int) -> int:
+    """Tokens per call of the grouped path whose [tokens * top_k, row_features] fp32 rows fit GROUPED_MAX_ROW_BYTES
+    (at least 1)."""
+    return max(1, GROUPED_MAX_ROW_BYTES // (4 * top_k * row_features))
 
 
 @dataclass
@@ -287,12 +304,16 @@ class StackedExperts:
                 ) -> torch.Tensor:
         """The grouped path (moe_gemm) at any size; x bf16, contiguous and aligned."""
         tokens, top_k = ids.shape
+        chunk = grouped_chunk_tokens(top_k, max(self.gate_up.out_features, self.down.out_features))
+        if tokens > chunk:  # bounded memory (GROUPED_MAX_ROW_BYTES); a token's rows are its own
+            return torch.cat([self.grouped(_aligned(x[a:a + chunk]), weights[a:a + chunk], ids[a:a + chunk], bf16_out)
+                              for a in range(0, tokens, chunk)])
         experts = self.gate_up.num_experts
         plan = plan_pairs(ids.reshape(-1), experts, tile_tokens_for(tokens * top_k, experts))
         if plan.max_tiles > MAX_GRID_Y:  # more tiles than a grid holds: halves (a token's rows are its own)
             half = tokens // 2
             return torch.cat([self.grouped(x[:half], weights[:half], ids[:half], bf16_out),
-                              self.grouped(x[half:], weights[half:], ids[half:], bf16_out)])
+                              self.grouped(_aligned(x[half:]), weights[half:], ids[half:], bf16_out)])
         flat = ids.reshape(-1)  # moe_gemm writes each row to its pair's place: the rows are in this order
         gate_up = self.gate_up.grouped_rows(x, plan, top_k, float_out=self.gate_up.bias is not None)
         rows = self.down.grouped_rows(self._activated(gate_up, flat), plan, 1, float_out=True)

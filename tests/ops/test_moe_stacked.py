@@ -452,6 +452,32 @@ def test_the_paths_add_each_pairs_biases_as_their_models_do(activation, tokens, 
     assert calls[:2] == [("gate_up", True), ("down", True)]
 
 
+def test_a_large_grouped_call_runs_in_chunks_of_bounded_rows_with_the_same_result(monkeypatch):
+    """A prefill step of many tokens (gpt-oss's batch-64 bench: 64 x 8,192 tokens, 45 GiB of fp32 gate|up rows)
+    runs the grouped path in token chunks whose rows fit GROUPED_MAX_ROW_BYTES: each token's result is the one
+    the whole call gives (its rows are its own), and no product sees more pairs than the bound allows."""
+    tokens = 3 * PAIRS_MAX_TOKENS + 8  # 80: 7 chunks of 11 tokens and one of 3
+    stacked, _, x, weights, ids = oss_case(90, tokens, "swiglu_clamped")
+    want = stacked.emulate_grouped(x, weights, ids)
+    # 2I = 128 fp32 features a gate|up row, TOP_K pairs a token: 11 tokens' rows fit
+    monkeypatch.setattr(moe_stacked, "GROUPED_MAX_ROW_BYTES", 11 * TOP_K * 2 * INTER * 4 + 100)
+    assert moe_stacked.grouped_chunk_tokens(TOP_K, 2 * INTER) == 11
+    sizes: list[int] = []
+    kernels_as_models(monkeypatch, stacked)
+    grouped_rows = stacked.gate_up.grouped_rows
+
+    def counted(x, plan, rows_per_x, float_out):
+        sizes.append(plan.order.shape[0])
+        return grouped_rows(x, plan, rows_per_x, float_out)
+
+    monkeypatch.setattr(stacked.gate_up, "grouped_rows", counted)
+    got = stacked.grouped(x, weights, ids.to(torch.int32))
+    assert torch.equal(got, want), "a chunked call's tokens differ from the whole call's"
+    assert sizes == [11 * TOP_K] * 7 + [3 * TOP_K]
+    monkeypatch.setattr(moe_stacked, "GROUPED_MAX_ROW_BYTES", 1)  # even one token over the bound runs alone
+    assert moe_stacked.grouped_chunk_tokens(TOP_K, 2 * INTER) == 1
+
+
 def test_the_paths_without_biases_keep_bf16_gate_up_rows(monkeypatch):
     packed, _ = experts_of(4, seed=80)
     stacked = stack_experts([e.gate_up for e in packed], [e.down for e in packed])
