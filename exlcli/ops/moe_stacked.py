@@ -12,7 +12,11 @@ pairs, with the router's expert ids on the device: gate|up of each pair's expert
 with biases fp32, plus the expert's gate|up bias gathered by its id on the device, then rounded to bf16 once), the
 activation, down of each pair's expert (fp32, plus its down bias), and the pairs of a token summed in slot order
 with their router weights. Each pair's row is the bytes of quant_linear over that expert at one token (the dp4a
-kernel), and the sum's order is fixed, so a token's result does not depend on the batch.
+kernel), and the sum's order is fixed, so a token's result does not depend on the batch. Where the fused kernels take
+the experts (`StackedExperts.fuses`: CUDA tensors, bf16 biases, every slot's activation row within moe_down_combine's
+block) those steps run as two launches with the same bytes: moe_gate_up_act (gate|up, its bias and the activation)
+and moe_down_combine (down, its bias and the weighted sum, a block a token and row tile over all its slots); else as
+the separate launches above (`StackedExperts.unfused`).
 
 Past PAIRS_MAX_TOKENS tokens (larger decode batches, prefill chunks) a call takes the grouped path instead: the
 pairs sorted by expert on the device (`plan_pairs`: the order, each expert's first place in it and its first token
