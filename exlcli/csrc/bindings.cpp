@@ -46,7 +46,7 @@ TORCH_LIBRARY(exlcli, m) {
   m.def("moe_gate_up_act(Tensor x, Tensor qweight, Tensor scales, int bits, int group, int inter, Tensor ids, "
         "Tensor? order, int rows_per_x, Tensor? bias, int activation, float limit, float alpha, bool pdl) -> Tensor");
   m.def("moe_down_combine(Tensor act, Tensor qweight, Tensor scales, int bits, int group, int n, Tensor ids, "
-        "Tensor weights, int top_k, Tensor? bias, bool bf16_out, bool pdl) -> Tensor");
+        "Tensor weights, int top_k, Tensor? bias, bool bf16_out, int warps, bool pdl) -> Tensor");
   m.def("rope_and_write_kv(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor cos_sin, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, bool pdl) -> Tensor");
   m.def("paged_attention_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "

@@ -730,14 +730,16 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, int64_t t
 // out[t] row tile y = sum over slots in order of weight * (down row + bias): moe_gemv's down rows (8 warps, fp32), the
 // bias add and moe_combine in one launch, with the same bytes. Each slot's row is moe_gemv's: its chunks split over 8
 // "virtual warps" (chunk c to c % 8), each adding its chunks in order and the 8 partial sums added in order; here the
-// block's 16 warps share the k x 8 (slot, virtual warp) tasks (task v k + s to warp (v k + s) % 16, which balances
-// the tasks of 2 and of 1 chunks when there are 12 chunks), each walking its tasks' chunks with a ring of loads in
+// block's 16 or 8 warps share the k x 8 (slot, virtual warp) tasks (task v k + s to warp (v k + s) % warps, which
+// balances the tasks of 2 and of 1 chunks when there are 12 chunks), each walking its tasks' chunks with a ring of loads in
 // flight across tasks, so a block reads all k experts' row tiles at once (k times moe_gemv's bytes in flight a block,
 // on a grid of tokens x row tiles). No atomics, no counters: a token's result is its own block's, in a fixed order.
 namespace {
 
 constexpr int kFusedVirtualWarps = 8;   // moe_gemv's warps for fp32 rows (launch_moe_gemv): the down sums' split
-constexpr int kFusedDownWarps = 16;     // the down kernel's warps sharing a block's (slot, virtual warp) tasks
+// the down kernel's warps sharing a block's (slot, virtual warp) tasks: 16 (one block an SM, every load of a block in
+// flight at once) where the grid is one wave, else 8 (two blocks an SM, so that one's loads overlap the other's sums)
+constexpr int kFusedDownWarpsWide = 16, kFusedDownWarpsNarrow = 8;
 constexpr int64_t kFusedMaxShared = 44 * 1024;  // the down kernel's dynamic shared memory (limits.MOE_FUSED_MAX_SHARED)
 constexpr int kActSilu = 0, kActSwigluClamped = 1;
 
@@ -898,8 +900,8 @@ __device__ __forceinline__ void load_task_chunk(const DownCombineParams& dp, int
   qlinear::load_chunk<BITS>(p, tile, at.chunk, lane, c);
 }
 
-template <int BITS, int UNROLL, bool BF16_OUT>
-__global__ void __launch_bounds__(kFusedDownWarps * 32) moe_down_combine_kernel(DownCombineParams dp) {
+template <int BITS, int UNROLL, int WARPS, bool BF16_OUT>
+__global__ void __launch_bounds__(WARPS * 32) moe_down_combine_kernel(DownCombineParams dp) {
   using namespace qlinear;
   extern __shared__ uint4 s_x[];
   const int token = blockIdx.x, tile = blockIdx.y;
@@ -915,22 +917,22 @@ __global__ void __launch_bounds__(kFusedDownWarps * 32) moe_down_combine_kernel(
 
   grid_dependency_wait();  // the ids, the weights and the activations are the previous kernels' output
   int mine = 0;  // this warp's chunks over its tasks
-  for (int task = warp; task < tasks; task += kFusedDownWarps) {
+  for (int task = warp; task < tasks; task += WARPS) {
     const int v = task / top_k;
     if (v < chunks) mine += (chunks - v + kFusedVirtualWarps - 1) / kFusedVirtualWarps;
   }
   TaskCursor load_at{warp, 0};
-  load_at.settle(tasks, top_k, chunks, kFusedDownWarps);
+  load_at.settle(tasks, top_k, chunks, WARPS);
   TaskCursor at = load_at;
   ChunkLoad<BITS> ring[UNROLL];
 #pragma unroll
   for (int u = 0; u < UNROLL; ++u) {
     if (u < mine) {
       load_task_chunk<BITS>(dp, token, tile, load_at, lane, ring[u]);
-      load_at.advance(tasks, top_k, chunks, kFusedDownWarps);
+      load_at.advance(tasks, top_k, chunks, WARPS);
     }
   }
-  for (int i = threadIdx.x; i < tasks * kTileRows; i += kFusedDownWarps * 32) partial[i] = 0.0f;
+  for (int i = threadIdx.x; i < tasks * kTileRows; i += WARPS * 32) partial[i] = 0.0f;
   quantize_x16_rows(dp.act + static_cast<size_t>(token) * top_k * dp.k, top_k, dp.k, xq, xs);
   __syncthreads();
 
@@ -969,10 +971,10 @@ __global__ void __launch_bounds__(kFusedDownWarps * 32) moe_down_combine_kernel(
         }
         y0 = y1 = 0.0f;
       }
-      at.advance(tasks, top_k, chunks, kFusedDownWarps);
+      at.advance(tasks, top_k, chunks, WARPS);
       if (i + UNROLL < mine) {
         load_task_chunk<BITS>(dp, token, tile, load_at, lane, ring[u]);
-        load_at.advance(tasks, top_k, chunks, kFusedDownWarps);
+        load_at.advance(tasks, top_k, chunks, WARPS);
       }
     }
   }
@@ -1006,18 +1008,35 @@ __global__ void __launch_bounds__(kFusedDownWarps * 32) moe_down_combine_kernel(
   }
 }
 
-// The ring: 8 chunks in flight a warp for 4- and 6-bit weights, 4 for 8-bit (40 registers of loads); it changes
-// no result.
+// The ring: 8 chunks in flight a warp for 4- and 6-bit weights, 4 for 8-bit (40 registers of loads). warps: 16, 8,
+// or 0 (16 where the grid fits one block an SM, else 8). Neither changes a result.
 template <int BITS>
-void launch_down_combine(const DownCombineParams& dp, int tokens, bool bf16_out, cudaStream_t stream, bool pdl) {
+void launch_down_combine(const DownCombineParams& dp, int tokens, bool bf16_out, int warps, cudaStream_t stream,
+                         bool pdl) {
   constexpr int kUnroll = BITS == 8 ? 4 : 8;
   const dim3 grid(tokens, dp.n / qlinear::kTileRows);
   const size_t smem = fused_down_smem_bytes(dp.top_k, dp.k);
-  if (bf16_out) {
-    launch_pdl(moe_down_combine_kernel<BITS, kUnroll, true>, grid, dim3(kFusedDownWarps * 32), smem, stream, pdl, dp);
+  if (warps == 0) {
+    int device = 0, sms = 0;
+    C10_CUDA_CHECK(cudaGetDevice(&device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    warps = static_cast<int64_t>(tokens) * (dp.n / qlinear::kTileRows) <= sms ? kFusedDownWarpsWide
+                                                                              : kFusedDownWarpsNarrow;
+  }
+  if (warps == kFusedDownWarpsWide) {
+    constexpr int W = kFusedDownWarpsWide;
+    if (bf16_out) {
+      launch_pdl(moe_down_combine_kernel<BITS, kUnroll, W, true>, grid, dim3(W * 32), smem, stream, pdl, dp);
+    } else {
+      launch_pdl(moe_down_combine_kernel<BITS, kUnroll, W, false>, grid, dim3(W * 32), smem, stream, pdl, dp);
+    }
   } else {
-    launch_pdl(moe_down_combine_kernel<BITS, kUnroll, false>, grid, dim3(kFusedDownWarps * 32), smem, stream, pdl,
-               dp);
+    constexpr int W = kFusedDownWarpsNarrow;
+    if (bf16_out) {
+      launch_pdl(moe_down_combine_kernel<BITS, kUnroll, W, true>, grid, dim3(W * 32), smem, stream, pdl, dp);
+    } else {
+      launch_pdl(moe_down_combine_kernel<BITS, kUnroll, W, false>, grid, dim3(W * 32), smem, stream, pdl, dp);
+    }
   }
 }
 
@@ -1125,8 +1144,10 @@ at::Tensor moe_gate_up_act(const at::Tensor& x, const at::Tensor& qweight, const
 
 at::Tensor moe_down_combine(const at::Tensor& act, const at::Tensor& qweight, const at::Tensor& scales, int64_t bits,
                             int64_t group, int64_t n, const at::Tensor& ids, const at::Tensor& weights, int64_t top_k,
-                            const std::optional<at::Tensor>& bias, bool bf16_out, bool pdl) {
+                            const std::optional<at::Tensor>& bias, bool bf16_out, int64_t warps, bool pdl) {
   const char* op = "moe_down_combine";
+  TORCH_CHECK(warps == 0 || warps == kFusedDownWarpsNarrow || warps == kFusedDownWarpsWide, op,
+              ": warps must be 0 (chosen by the grid), 8 or 16, got ", warps);
   const int64_t k = check_stacked(op, act, qweight, scales, bits, group, n);
   const int64_t experts = qweight.size(0);
   TORCH_CHECK(top_k >= 1 && top_k <= 64, op, ": top_k must be 1 to 64, got ", top_k);
@@ -1168,11 +1189,11 @@ at::Tensor moe_down_combine(const at::Tensor& act, const at::Tensor& qweight, co
   const cudaStream_t stream = current_stream();
   const int t = static_cast<int>(tokens);
   if (bits == 4) {
-    launch_down_combine<4>(dp, t, bf16_out, stream, pdl);
+    launch_down_combine<4>(dp, t, bf16_out, static_cast<int>(warps), stream, pdl);
   } else if (bits == 6) {
-    launch_down_combine<6>(dp, t, bf16_out, stream, pdl);
+    launch_down_combine<6>(dp, t, bf16_out, static_cast<int>(warps), stream, pdl);
   } else {
-    launch_down_combine<8>(dp, t, bf16_out, stream, pdl);
+    launch_down_combine<8>(dp, t, bf16_out, static_cast<int>(warps), stream, pdl);
   }
   return out;
 }

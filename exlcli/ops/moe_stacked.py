@@ -291,11 +291,12 @@ class StackedExperts:
                 and all(b is None or b.dtype == torch.bfloat16 for b in biases))
 
     def fused(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, bf16_out: bool = False,
-              sort: bool = False) -> torch.Tensor:
+              sort: bool = False, down_warps: int = 0) -> torch.Tensor:
         """The pairs path in two launches (csrc/moe.cu): moe_gate_up_act (gate|up, its bias and the activation) and
         moe_down_combine (down, its bias and the weighted sum of each token's slots); the bytes of `unfused`.
         `sort`: gate|up's blocks take the pairs sorted by expert (no result changes; without it the blocks of one row
-        tile still run side by side over all pairs, so an expert's tile is read from L2 after its first pair)."""
+        tile still run side by side over all pairs, so an expert's tile is read from L2 after its first pair).
+        `down_warps`: moe_down_combine's warps a block (8, 16, or 0: its choice); no result changes either."""
         top_k = ids.shape[1]
         flat = ids.reshape(-1).to(torch.int32)
         order = torch.argsort(flat).to(torch.int32) if sort else None
@@ -304,7 +305,8 @@ class StackedExperts:
                                       down.in_features, flat, order, top_k, gate_up.bias, self.activation,
                                       self.limit, self.alpha)
         return kernels.moe_down_combine(act, down.qweight, down.scales, down.bits, down.group, down.out_features,
-                                        flat, weights.reshape(-1).float().contiguous(), top_k, down.bias, bf16_out)
+                                        flat, weights.reshape(-1).float().contiguous(), top_k, down.bias, bf16_out,
+                                        down_warps)
 
     def unfused(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, bf16_out: bool = False
                 ) -> torch.Tensor:

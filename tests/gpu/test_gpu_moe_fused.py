@@ -89,6 +89,9 @@ def test_the_fused_path_is_the_unfused_path_bit_for_bit(bits, down_bits, group):
             assert_bytes(got, want, f"{tokens} tokens, bf16_out {bf16_out}")
         assert_bytes(stacked.fused(x, weights, ids, sort=True), stacked.fused(x, weights, ids),
                      f"{tokens} tokens: the pairs sorted")
+        for warps in (8, 16):  # the down block's warps share its tasks differently: the same sums in the same order
+            assert_bytes(stacked.fused(x, weights, ids, down_warps=warps), stacked.fused(x, weights, ids),
+                         f"{tokens} tokens: down on {warps} warps")
         assert_bytes(stacked(x, weights, ids), stacked.fused(x, weights, ids), f"{tokens} tokens: the call")
 
 
@@ -125,6 +128,9 @@ def test_biases_and_the_activations_fuse_bit_for_bit(activation):
             assert torch.isfinite(got).all(), f"{tokens} tokens"
             assert_bytes(got, stacked.unfused(x, weights, ids, bf16_out), f"{activation}, {tokens} tokens, "
                          f"bf16_out {bf16_out}")
+        for warps in (8, 16):
+            assert_bytes(stacked.fused(x, weights, ids, down_warps=warps), stacked.fused(x, weights, ids),
+                         f"{activation}, {tokens} tokens: down on {warps} warps")
         if tokens in (1, moe_stacked.PAIRS_MAX_TOKENS):
             err = rel_err(stacked.fused(x, weights, ids), stacked.emulate(x, weights, ids))
             assert err < 1e-2, f"{activation}, {tokens} tokens: relative error {err:.3e} against the model"
@@ -199,9 +205,9 @@ def test_a_cuda_graph_captures_the_layer_on_the_fused_path(make, tokens, monkeyp
     fused_calls: list[int] = []
     real = stacked.fused
 
-    def spy(x, weights, ids, bf16_out=False, sort=False):
+    def spy(x, weights, ids, bf16_out=False, sort=False, down_warps=0):
         fused_calls.append(x.shape[0])
-        return real(x, weights, ids, bf16_out, sort)
+        return real(x, weights, ids, bf16_out, sort, down_warps)
 
     monkeypatch.setattr(stacked, "fused", spy)
     static_x = new(702)

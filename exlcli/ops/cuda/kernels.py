@@ -485,11 +485,12 @@ def moe_gate_up_act(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
 
 def moe_down_combine(act: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bits: int, group: int, n: int,
                      ids: torch.Tensor, weights: torch.Tensor, top_k: int, bias: torch.Tensor | None,
-                     bf16_out: bool = False) -> torch.Tensor:
+                     bf16_out: bool = False, warps: int = 0) -> torch.Tensor:
     """moe_gemv over stacked down experts (act bf16 [tokens * top_k, k], a pair a row), each row plus its expert's
     bias (bf16 [E, n], or None), and moe_combine with weights (fp32 [tokens * top_k]) in one launch (csrc/moe.cu):
     fp32 [tokens, n], or that rounded to bf16 (bf16_out); the bytes of those three in sequence. An id outside
-    0 .. E - 1 makes its token's row NaN."""
+    0 .. E - 1 makes its token's row NaN. warps: the block's, 8 or 16, or 0 (16 where the grid is one wave of one
+    block an SM, else 8); no result depends on it."""
     op = "moe_down_combine"
     checks.on_cuda(op, "act qweight scales ids weights", act, qweight, scales, ids, weights)
     k = _stacked_experts(op, act, qweight, scales, bits, group, n)
@@ -503,8 +504,10 @@ def moe_down_combine(act: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     checks.vector(op, "ids", ids, act.shape[0], torch.int32)
     checks.vector(op, "weights", weights, act.shape[0], torch.float32)
     _expert_bias(op, act, bias, qweight.shape[0], n)
+    if warps not in (0, 8, 16):
+        checks.fail(op, f"warps must be 0 (chosen by the grid), 8 or 16, got {warps}")
     return torch.ops.exlcli.moe_down_combine(act, qweight, scales, bits, group, n, ids, weights, top_k, bias,
-                                             bf16_out, STATE.options.pdl)
+                                             bf16_out, warps, STATE.options.pdl)
 
 
 def _expert_bias(op: str, x: torch.Tensor, bias: torch.Tensor | None, experts: int, n: int) -> None:
