@@ -12,7 +12,11 @@ pairs, with the router's expert ids on the device: gate|up of each pair's expert
 with biases fp32, plus the expert's gate|up bias gathered by its id on the device, then rounded to bf16 once), the
 activation, down of each pair's expert (fp32, plus its down bias), and the pairs of a token summed in slot order
 with their router weights. Each pair's row is the bytes of quant_linear over that expert at one token (the dp4a
-kernel), and the sum's order is fixed, so a token's result does not depend on the batch.
+kernel), and the sum's order is fixed, so a token's result does not depend on the batch. Where the fused kernels take
+the experts (`StackedExperts.fuses`: CUDA tensors, bf16 biases, every slot's activation row within moe_down_combine's
+block) those steps run as two launches with the same bytes: moe_gate_up_act (gate|up, its bias and the activation)
+and moe_down_combine (down, its bias and the weighted sum, a block a token and row tile over all its slots); else as
+the separate launches above (`StackedExperts.unfused`).
 
 Past PAIRS_MAX_TOKENS tokens (larger decode batches, prefill chunks) a call takes the grouped path instead: the
 pairs sorted by expert on the device (`plan_pairs`: the order, each expert's first place in it and its first token
@@ -54,6 +58,7 @@ from exlcli.ops.cuda.limits import (
     QUANT_BITS,
     QUANT_TILE_ROWS,
     dp4a_takes,
+    moe_fused_takes,
     moe_plan_takes,
 )
 from exlcli.ops.formats.base import Linear
@@ -288,7 +293,42 @@ class StackedExperts:
 
     def pairs(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, bf16_out: bool = False
               ) -> torch.Tensor:
-        """The pairs path (moe_gemv) at any size; x bf16, contiguous and aligned."""
+        """The pairs path at any size (x bf16, contiguous and aligned): fused where its kernels take the experts
+        (`fuses`), else unfused; the two give the same bytes."""
+        if self.fuses(x, ids.shape[1]):
+            return self.fused(x, weights, ids, bf16_out)
+        return self.unfused(x, weights, ids, bf16_out)
+
+    def fuses(self, x: torch.Tensor, top_k: int) -> bool:
+        """Whether the fused kernels take this call: CUDA tensors, biases in bf16 (the kernels read them so), and
+        every slot's activation row and partial sums within moe_down_combine's block (moe_fused_takes)."""
+        biases = (self.gate_up.bias, self.down.bias)
+        return (x.is_cuda and self.gate_up.out_features % (2 * QUANT_TILE_ROWS) == 0
+                and moe_fused_takes(top_k, self.down.in_features)
+                and all(b is None or b.dtype == torch.bfloat16 for b in biases))
+
+    def fused(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, bf16_out: bool = False,
+              sort: bool = False, down_warps: int = 0) -> torch.Tensor:
+        """The pairs path in two launches (csrc/moe.cu): moe_gate_up_act (gate|up, its bias and the activation) and
+        moe_down_combine (down, its bias and the weighted sum of each token's slots); the bytes of `unfused`.
+        `sort`: gate|up's blocks take the pairs sorted by expert (no result changes; without it the blocks of one row
+        tile still run side by side over all pairs, so an expert's tile is read from L2 after its first pair).
+        `down_warps`: moe_down_combine's warps a block (8, 16, or 0: its choice); no result changes either."""
+        top_k = ids.shape[1]
+        flat = ids.reshape(-1).to(torch.int32)
+        order = torch.argsort(flat).to(torch.int32) if sort else None
+        gate_up, down = self.gate_up, self.down
+        act = kernels.moe_gate_up_act(x, gate_up.qweight, gate_up.scales, gate_up.bits, gate_up.group,
+                                      down.in_features, flat, order, top_k, gate_up.bias, self.activation,
+                                      self.limit, self.alpha)
+        return kernels.moe_down_combine(act, down.qweight, down.scales, down.bits, down.group, down.out_features,
+                                        flat, weights.reshape(-1).float().contiguous(), top_k, down.bias, bf16_out,
+                                        down_warps)
+
+    def unfused(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, bf16_out: bool = False
+                ) -> torch.Tensor:
+        """The pairs path as separate launches (moe_gemv, the bias adds and the activation, moe_gemv, moe_combine):
+        where the fused kernels do not take the experts, and their reference."""
         top_k = ids.shape[1]
         flat = ids.reshape(-1).to(torch.int32)
         order = None

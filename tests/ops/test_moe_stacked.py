@@ -208,6 +208,29 @@ def test_the_kernel_wrappers_refuse_cpu_tensors_with_a_clear_error():
         kernels.moe_plan(torch.zeros(4, dtype=torch.int32), 2, 4)
     with pytest.raises(KernelInputError, match="moe_route: logits must be a CUDA tensor"):
         kernels.moe_route(torch.zeros(2, 8), 2, True, True)
+    with pytest.raises(KernelInputError, match="moe_gate_up_act: x must be a CUDA tensor"):
+        kernels.moe_gate_up_act(x, torch.zeros(2, 16, dtype=torch.int32), torch.zeros(2, 8), 4, 32, 8,
+                                torch.zeros(2, dtype=torch.int32), None, 2, None, "silu")
+    with pytest.raises(KernelInputError, match="moe_down_combine: act must be a CUDA tensor"):
+        kernels.moe_down_combine(x, torch.zeros(2, 16, dtype=torch.int32), torch.zeros(2, 8), 4, 32, 16,
+                                 torch.zeros(1, dtype=torch.int32), torch.zeros(1), 1, None)
+
+
+def test_the_fused_pairs_kernels_take_what_their_block_holds():
+    from exlcli.ops.cuda.limits import MOE_FUSED_MAX_SHARED, moe_fused_takes
+
+    assert moe_fused_takes(8, 768) and moe_fused_takes(4, 2880)  # Qwen3-30B-A3B's, gpt-oss's experts
+    assert moe_fused_takes(1, 64) and not moe_fused_takes(0, 64) and not moe_fused_takes(65, 64)
+    assert not moe_fused_takes(8, 96), "the features in whole chunks of 64"
+    most = MOE_FUSED_MAX_SHARED // (8 * 24 + 8 * 16 * 4)  # slots of 128 features
+    assert moe_fused_takes(most, 128) and not moe_fused_takes(most + 1, 128)
+
+
+def test_cpu_tensors_take_the_unfused_pairs_path():
+    packed, _ = experts_of(4, seed=41)
+    stacked = stack_experts([e.gate_up for e in packed], [e.down for e in packed])
+    assert stacked is not None
+    assert not stacked.fuses(torch.zeros(1, HIDDEN, dtype=torch.bfloat16), TOP_K)
 
 
 def id_cases(gen: torch.Generator) -> dict[str, torch.Tensor]:
