@@ -1,16 +1,21 @@
 """Times one mixture-of-experts layer of Qwen3-30B-A3B's shape (128 experts, 8 a token, hidden 2048, expert
 width 768; random weights as a Q4_K_M file has them: 4-bit gate|up, 6-bit down) on a CUDA GPU, per call,
 median of the repeats: the layer as it runs (`moe(x)`, the path its token count takes) eagerly and as a CUDA
-graph; the host-grouped path (each active expert's products, counts read on the host); and the routed
-experts alone on each device path (exlcli/ops/moe_stacked.py, csrc/moe.cu): over (token, slot) pairs
-(moe_gemv, small decode batches') and grouped by expert on the tensor cores (moe_gemm, larger batches' and
-prefill's) in tiles of 32 and of 64 pairs, planned as the grouped path plans them (`plan_pairs`); and the
-router's choice from its logits, torch's `route` against the moe_route kernel, and the plan of the tiles of 32
-in torch (`plan_groups`) against the moe_plan kernel. With --graphs every column past the host-grouped one is
-timed as a CUDA graph's replay too (as a decode step runs them; eager times include each kernel's launch from
-Python):
+graph, and as a graph with the pairs path unfused; the host-grouped path (each active expert's products, counts
+read on the host); and the routed experts alone on each device path (exlcli/ops/moe_stacked.py, csrc/moe.cu):
+over (token, slot) pairs, unfused (moe_gemv, the activation, moe_gemv, moe_combine) and fused (moe_gate_up_act,
+moe_down_combine; small decode batches'), the fused with gate|up's blocks taking the pairs sorted by expert too and
+with moe_down_combine on 8 and on 16 warps a block (the fused column takes its own choice),
+and grouped by expert on the tensor cores (moe_gemm, larger batches' and prefill's) in tiles of 32 and of 64 pairs,
+planned as the grouped path plans them (`plan_pairs`); and the router's choice from its logits, torch's `route`
+against the moe_route kernel, and the plan of the tiles of 32 in torch (`plan_groups`) against the moe_plan kernel.
+With --graphs every column past the host-grouped one is timed as a CUDA graph's replay too (as a decode step runs
+them; eager times include each kernel's launch from Python):
 
     python3 scripts/moe_bench.py [--tokens 1,4,16,64,512,2048] [--repeats 50] [--down-bits 6] [--graphs]
+
+The fused pairs path beside the unfused one at decode sizes: `python3 scripts/moe_bench.py --tokens 1,4,16 --graphs`
+(the fused columns are nan where the fused kernels do not take the experts).
 """
 
 from __future__ import annotations
@@ -103,13 +108,20 @@ def main() -> int:
     assert moe.stacked is not None
     print(f"{torch.cuda.get_device_name()}: one MoE layer, {EXPERTS} experts, top {TOP_K}, {args.bits}-bit gate|up, "
           f"{args.down_bits}-bit down; median us a call")
-    print(f"{'tokens':>6} {'layer':>8} {'layer graph':>12} {'host-grouped':>13} {'pairs':>8} "
-          f"{'grouped 32':>11} {'grouped 64':>11} {'route':>7} {'moe_route':>10} {'plan':>6} {'moe_plan':>9}")
+    print(f"{'tokens':>6} {'layer':>8} {'layer graph':>12} {'graph unfused':>14} {'host-grouped':>13} "
+          f"{'unfused':>8} {'fused':>8} {'fused sort':>11} {'fused w8':>9} {'fused w16':>10} {'grouped 32':>11} "
+          f"{'grouped 64':>11} {'route':>7} {'moe_route':>10} {'plan':>6} {'moe_plan':>9}")
     stacked = moe.stacked
     for tokens in [int(t) for t in args.tokens.split(",")]:
         x = (torch.randn(tokens, HIDDEN, device="cuda") * 0.5).to(torch.bfloat16)
         layer_us = median_us(lambda: moe(x), args.repeats)
         replay = graph_us(lambda: moe(x), args.repeats)
+        fused_takes = moe_stacked.moe_fused_takes
+        moe_stacked.moe_fused_takes = lambda _k, _i: False  # type: ignore[assignment]  # the layer's pairs unfused
+        try:
+            replay_unfused = graph_us(lambda: moe(x), args.repeats)
+        finally:
+            moe_stacked.moe_fused_takes = fused_takes
         moe._on_device = lambda _x: False  # type: ignore[method-assign]  # every call on the host-grouped path
         try:
             host = median_us(lambda: moe(x), max(3, args.repeats // 10))
@@ -118,7 +130,14 @@ def main() -> int:
         logits = moe.router(x, out_dtype=torch.float32)
         weights, ids = route(logits, moe.spec)
         timed = graph_us if args.graphs else median_us
-        pairs = timed(lambda: stacked.pairs(x, weights, ids), args.repeats)
+        unfused = timed(lambda: stacked.unfused(x, weights, ids), args.repeats)
+        nan = float("nan")
+        fuses = stacked.fuses(x, TOP_K)
+        fused = timed(lambda: stacked.fused(x, weights, ids), args.repeats) if fuses else nan
+        fused_sort = timed(lambda: stacked.fused(x, weights, ids, sort=True), args.repeats) if fuses else nan
+        # moe_down_combine on 8 and on 16 warps a block (the fused column: its own choice by the grid)
+        fused_w = [timed(lambda: stacked.fused(x, weights, ids, down_warps=w), args.repeats) if fuses else nan
+                   for w in (8, 16)]
         grouped = [timed(lambda: grouped_tile(stacked, x, weights, ids, tile), args.repeats) for tile in (32, 64)]
         route_us = timed(lambda: route(logits, moe.spec), args.repeats)
         kernel_us = timed(lambda: kernels.moe_route(logits, TOP_K, True, True), args.repeats)
@@ -126,7 +145,8 @@ def main() -> int:
         plan_us = timed(lambda: moe_stacked.plan_groups(flat, EXPERTS, 32), args.repeats)
         plan_kernel_us = (timed(lambda: moe_stacked.plan_groups_device(flat, EXPERTS, 32), args.repeats)
                           if moe_plan_takes(flat.shape[0], EXPERTS) else float("nan"))
-        print(f"{tokens:>6} {layer_us:>8.1f} {replay:>12.1f} {host:>13.1f} {pairs:>8.1f} {grouped[0]:>11.1f} "
+        print(f"{tokens:>6} {layer_us:>8.1f} {replay:>12.1f} {replay_unfused:>14.1f} {host:>13.1f} {unfused:>8.1f} "
+              f"{fused:>8.1f} {fused_sort:>11.1f} {fused_w[0]:>9.1f} {fused_w[1]:>10.1f} {grouped[0]:>11.1f} "
               f"{grouped[1]:>11.1f} {route_us:>7.1f} {kernel_us:>10.1f} {plan_us:>6.1f} {plan_kernel_us:>9.1f}")
     return 0
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 
@@ -24,6 +25,9 @@ class ModelFacts:
     # the same weights as stored (the formats' nbytes: what the file holds, what llama.cpp reads); the
     # roofline is counted from these, so a kernel that reads a repacked, larger form is not flattered
     stored_weight_bytes: int | None = None
+    # (window W, K/V bytes a token of the layers with that window): part of kv_bytes_per_token, read for a
+    # sequence's last W tokens only (stats.decode_bytes)
+    kv_windows: tuple[tuple[int, int], ...] = ()
 
     @property
     def step_weight_bytes(self) -> int:
@@ -35,6 +39,10 @@ class ModelFacts:
         from exlcli.model.kv_cache import KVCache
 
         cfg, model = loaded.config, loaded.model
+        kv_type = kv_dtype or model.dtype
+        layer_bytes = KVCache.bytes_per_page(cfg, 1, kv_type, num_layers=1)
+        specs = model.attention_specs() if hasattr(model, "attention_specs") else []
+        counts = Counter(spec.window for spec in specs if spec.window is not None)
         h, i = cfg.hidden_size, cfg.intermediate_size
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         per_layer = h * (q + 2 * kv) + q * h + 2 * h * i + i * h
@@ -43,5 +51,6 @@ class ModelFacts:
             device=str(model.device), weight_bytes=model.weight_bytes(), num_params=cfg.num_params,
             linear_params=per_layer * cfg.num_layers, head_params=cfg.vocab_size * h,
             num_layers=cfg.num_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim,
-            kv_bytes_per_token=KVCache.bytes_per_page(cfg, 1, kv_dtype or model.dtype), vocab_size=cfg.vocab_size,
-            context_length=cfg.context_length, stored_weight_bytes=getattr(loaded, "step_weight_bytes", None))
+            kv_bytes_per_token=KVCache.bytes_per_page(cfg, 1, kv_type), vocab_size=cfg.vocab_size,
+            context_length=cfg.context_length, stored_weight_bytes=getattr(loaded, "step_weight_bytes", None),
+            kv_windows=tuple((w, n * layer_bytes) for w, n in sorted(counts.items())))

@@ -59,14 +59,26 @@ def rate(count: float, seconds: float) -> float:
     return count / seconds if seconds > 0 else math.nan
 
 
+def attended_tokens(context_before: int, steps: int, window: int | None = None) -> int:
+    """Keys one sequence's `steps` decode steps read in one layer: step j (from 1) attends over
+    context_before + j tokens, or over its last `window` of them in a sliding-window layer."""
+    if window is None:
+        return steps * context_before + steps * (steps + 1) // 2
+    below = min(max(window - context_before, 0), steps)  # the steps whose context still fits the window
+    return below * context_before + below * (below + 1) // 2 + (steps - below) * window
+
+
 def decode_bytes(weight_bytes: int, kv_bytes_per_token: int, batch: int, context_before: int,
-                 steps: int) -> int:
+                 steps: int, kv_windows: Sequence[tuple[int, int]] = ()) -> int:
     """Bytes read by `steps` decode steps of `batch` sequences that start with `context_before`
     tokens in the cache: every step reads all weights once, and each sequence's K/V for every
-    token it attends over (the ones before it plus the one it writes)."""
-    # step j attends over context_before + j + 1 tokens per sequence
-    kv_tokens = batch * (steps * context_before + steps * (steps + 1) // 2)
-    return steps * weight_bytes + kv_tokens * kv_bytes_per_token
+    token it attends over (the ones before it plus the one it writes). `kv_windows`: (window W,
+    K/V bytes a token of the layers with that window), part of `kv_bytes_per_token`: those layers'
+    kernels read a sequence's last W tokens only (a Gemma-3 shape at 8k context: 5 of 6 layers read 1,024)."""
+    full_bytes = kv_bytes_per_token - sum(nbytes for _, nbytes in kv_windows)
+    kv = full_bytes * attended_tokens(context_before, steps)
+    kv += sum(nbytes * attended_tokens(context_before, steps, window) for window, nbytes in kv_windows)
+    return steps * weight_bytes + batch * kv
 
 
 def prefill_flops(linear_params: int, head_params: int, num_layers: int, num_heads: int,

@@ -77,9 +77,10 @@ class BenchResult:
 
     @property
     def bytes_per_rep(self) -> int:
-        """tg: weights (as stored) + K/V bytes read by the N decode steps."""
+        """tg: weights (as stored) + K/V bytes read by the N decode steps (window layers: their window)."""
         f = self.facts
-        return decode_bytes(f.step_weight_bytes, f.kv_bytes_per_token, self.spec.batch, self.depth_tokens, self.spec.n)
+        return decode_bytes(f.step_weight_bytes, f.kv_bytes_per_token, self.spec.batch, self.depth_tokens, self.spec.n,
+                            f.kv_windows)
 
     @property
     def flops_per_rep(self) -> int:

@@ -28,12 +28,13 @@ __global__ void __launch_bounds__(D) paged_decode_combine_kernel(const DecodePar
     out[d] = from_float<T>(0.f);
     return;
   }
-  const int first_part = first_key(p, seq_len) / kPartitionTokens;  // those before it were idle
+  // the row's partitions first_part .. num_parts - 1 sit in slots 0 .. num_parts - first_part - 1
+  const int slots = min(num_parts - first_key(p, seq_len) / kPartitionTokens, p.max_parts);
   const int64_t base = (static_cast<int64_t>(b) * p.num_heads + h) * p.max_parts;
   float m = -INFINITY;
-  for (int i = first_part; i < num_parts; ++i) m = fmaxf(m, p.part_ml[(base + i) * 2]);
+  for (int i = 0; i < slots; ++i) m = fmaxf(m, p.part_ml[(base + i) * 2]);
   float l = 0.f, o = 0.f;
-  for (int i = first_part; i < num_parts; ++i) {
+  for (int i = 0; i < slots; ++i) {
     const float w = expf(p.part_ml[(base + i) * 2] - m);
     l = fmaf(p.part_ml[(base + i) * 2 + 1], w, l);
     o = fmaf(p.part_acc[(base + i) * D + d], w, o);
@@ -129,7 +130,6 @@ void launch_paged_decode(const at::Tensor& out, const at::Tensor& q, const at::T
                          const at::Tensor& seq_lens, const int* query_start_loc, double scale,
                          const std::optional<at::Tensor>& sinks, int64_t window, double softcap, int64_t version,
                          bool pdl) {
-  using decode_attention::kPartitionTokens;
   TORCH_CHECK(version == 1 || version == 3, "paged attention: the kernel version must be 1 or 3, got ", version);
   const int num_seqs = static_cast<int>(seq_lens.size(0));
   if (num_seqs == 0) return;
@@ -142,8 +142,10 @@ void launch_paged_decode(const at::Tensor& out, const at::Tensor& q, const at::T
   p.head_chunks = ceil_div(p.group, gmax);
   p.page_size = static_cast<int>(k_cache.size(1));
   const int64_t max_tokens = block_tables.size(1) * static_cast<int64_t>(p.page_size);
-  p.max_parts = static_cast<int>(std::max<int64_t>(1, (max_tokens + kPartitionTokens - 1) / kPartitionTokens));
-  TORCH_CHECK(p.max_parts <= 65535, "paged attention: block tables are too wide");
+  // a window layer's rows touch the few partitions of their window, however wide the table
+  const int64_t parts = decode_attention::window_parts(max_tokens, window);
+  TORCH_CHECK(parts <= 65535, "paged attention: block tables are too wide");
+  p.max_parts = static_cast<int>(parts);
   const int64_t head_dim = q.size(2);
   at::Tensor part_acc, part_ml;
   if (p.max_parts > 1) {

@@ -9,13 +9,20 @@
 // merges the partitions' (max, sum, accumulator). Both versions compute the same partitions.
 //
 // A layer's attention kind (ops/attention.py): with a `window` W a row of L keys sees positions
-// >= L - W only, so partitions wholly before that are idle (they read nothing) and the partition
-// holding it starts there; a `softcap` c maps each scaled score s to c * tanh(s / c); `sinks`
+// >= L - W only, so it reads no key (and no block-table entry) before that, and the partition
+// holding it starts there. The grid's partition dimension counts the partitions a window can
+// touch (window_parts), not the block table's width: block z of a row computes partition
+// first_part + z, at the same fixed token offsets as without a window (so the numbers do not
+// change), and a window layer at 8k context launches 5 partitions a row (W = 1024) or 2
+// (W = 128) instead of 32; the partition buffers are indexed by z alike. It depends on the
+// window and the table's width alone (host values), so a captured graph keeps its grid while the
+// lengths move. A `softcap` c maps each scaled score s to c * tanh(s / c); `sinks`
 // ([num_heads] fp32, on the device) add exp(sink - max) to each head's denominator where the
 // output is normalised (one partition's block, or the combine). All three are fixed per layer, so
 // a captured graph replays them as they are.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "common.cuh"
@@ -24,6 +31,16 @@ namespace exlcli {
 namespace decode_attention {
 
 constexpr int kPartitionTokens = 256;
+
+// Partitions one row's keys may touch: all of a table of `max_tokens` keys, or with a window W > 0,
+// at most ceil((W - 1) / kPartitionTokens) + 1 (W consecutive keys straddle that many). Host side;
+// exlcli/ops/cuda/checks.py's decode_partitions computes the same for the tests.
+inline int64_t window_parts(int64_t max_tokens, int64_t window) {
+  const int64_t table_parts = (max_tokens + kPartitionTokens - 1) / kPartitionTokens;
+  const int64_t parts = window > 0 ? std::min(table_parts, (window - 1 + kPartitionTokens - 1) / kPartitionTokens + 1)
+                                   : table_parts;
+  return std::max<int64_t>(1, parts);
+}
 
 struct DecodeParams {
   void* out;  // [rows, num_heads, D] contiguous
@@ -37,7 +54,8 @@ struct DecodeParams {
   int64_t bt_stride;
   const int* seq_lens;  // [B]
   const int* query_start_loc;  // [B + 1] or nullptr
-  int num_heads, num_kv_heads, group, head_chunks, page_size, max_parts;
+  int num_heads, num_kv_heads, group, head_chunks, page_size;
+  int max_parts;  // partitions a row may touch (window_parts): the grid's z and the buffers' third dimension
   float scale;
   const float* sinks;  // [num_heads] fp32, or nullptr: no sink logits
   int window;  // > 0: a row sees its last `window` keys; 0: all of them
@@ -81,10 +99,11 @@ __device__ __forceinline__ void fill_slots(int64_t* s_slot, const int* table, in
   __syncthreads();
 }
 
-// Where one block of a decode kernel works: grid (kv head x head chunk, sequence, partition).
+// Where one block of a decode kernel works: grid (kv head x head chunk, sequence, partition slot);
+// slot z computes partition first_part + z of the row.
 template <typename T, int D>
 struct DecodeBlock {
-  int kvh, b, part, seq_len, num_parts, first_part, ng, head0;
+  int kvh, b, part, slot, seq_len, num_parts, first_part, ng, head0;
   int start, n;  // the partition's first token the row sees, and how many from there
   int64_t row;  // -1: nothing to do for this sequence
   T* out;       // the first of the block's ng query heads in the output row
@@ -93,12 +112,13 @@ struct DecodeBlock {
     const int chunk = blockIdx.x % p.head_chunks;
     kvh = blockIdx.x / p.head_chunks;
     b = blockIdx.y;
-    part = blockIdx.z;
+    slot = blockIdx.z;
     row = query_row(p, b);
     seq_len = row < 0 ? 0 : p.seq_lens[b];
     num_parts = ceil_div(seq_len, kPartitionTokens);
     const int first = first_key(p, seq_len);
     first_part = first / kPartitionTokens;
+    part = first_part + slot;
     start = max(part * kPartitionTokens, first);
     n = min((part + 1) * kPartitionTokens, seq_len) - start;
     const int g0 = chunk * gmax;
@@ -108,12 +128,12 @@ struct DecodeBlock {
           static_cast<int64_t>(head0) * D;
   }
 
-  // True when this block has no partition to compute (and it wrote the zeros of an empty row).
-  // Partitions before the window's are idle too: the combine skips them.
+  // True when this block has no partition to compute (and it wrote the zeros of an empty row):
+  // its slot is past the row's last partition (a row shorter than its window, or than the table).
   __device__ __forceinline__ bool idle(const DecodeParams& p, int threads) const {
     if (row < 0) return true;
-    if (part >= first_part && part < num_parts) return false;
-    if (num_parts == 0 && part == 0 && p.max_parts == 1) {  // an empty sequence (a padded row): zeros
+    if (part < num_parts) return false;
+    if (num_parts == 0 && slot == 0 && p.max_parts == 1) {  // an empty sequence (a padded row): zeros
       for (int i = threadIdx.x; i < ng * D; i += threads) out[i] = from_float<T>(0.f);
     }
     return true;

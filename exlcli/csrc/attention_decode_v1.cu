@@ -34,7 +34,7 @@ __global__ void __launch_bounds__(WARPS * 32) paged_decode_kernel(const DecodePa
 
   const DecodeBlock<T, D> blk(p, GMAX);
   if (blk.idle(p, WARPS * 32)) return;
-  const int kvh = blk.kvh, b = blk.b, part = blk.part;
+  const int kvh = blk.kvh, b = blk.b;
   const int ng = blk.ng, head0 = blk.head0;
   const int64_t row = blk.row;
   T* out = blk.out;
@@ -195,7 +195,7 @@ __global__ void __launch_bounds__(WARPS * 32) paged_decode_kernel(const DecodePa
       // the combine kernel computes the same for one part
       out[i] = from_float<T>(o * output_factor(p, head0 + g, s_max[g], s_sum[g]));
     } else {
-      const int64_t idx = (static_cast<int64_t>(b) * p.num_heads + head0 + g) * p.max_parts + part;
+      const int64_t idx = (static_cast<int64_t>(b) * p.num_heads + head0 + g) * p.max_parts + blk.slot;
       p.part_acc[idx * D + d] = o;
       if (d == 0) {
         p.part_ml[idx * 2] = s_max[g];

@@ -154,7 +154,7 @@ __global__ void __launch_bounds__(kThreads, v3_min_blocks<D>()) paged_decode_v3_
 
   const DecodeBlock<T, D> blk(p, GMAX);
   if (blk.idle(p, kThreads)) return;
-  const int b = blk.b, part = blk.part, ng = blk.ng, head0 = blk.head0;
+  const int b = blk.b, ng = blk.ng, head0 = blk.head0;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, c = lane & 3;  // the mma fragments' row group and column pair
   const int start = blk.start, n = blk.n;  // tiles count from the first token the row sees
@@ -339,7 +339,7 @@ __global__ void __launch_bounds__(kThreads, v3_min_blocks<D>()) paged_decode_v3_
       // the combine kernel computes the same for one part
       blk.out[idx] = from_float<T>(o * output_factor(p, head0 + h, mb * kLn2, lb));
     } else {
-      const int64_t pi = (static_cast<int64_t>(b) * p.num_heads + head0 + h) * p.max_parts + part;
+      const int64_t pi = (static_cast<int64_t>(b) * p.num_heads + head0 + h) * p.max_parts + blk.slot;
       p.part_acc[pi * D + d] = o;
       if (d == 0) {
         p.part_ml[pi * 2] = mb * kLn2;  // the combine kernel works in natural logs

@@ -14,6 +14,7 @@
 // attention's op here does not take; each block of a chunk's queries reads only the keys its
 // window reaches. Its decode tokens still take the decode kernel, with the kind.
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <map>
 #include <utility>
@@ -46,11 +47,26 @@ at::Tensor index_tensor(const std::vector<int64_t>& values, const at::Device& de
 // Elements of fp32 scores one block of attend_kind may hold (256 MiB).
 constexpr int64_t kKindScores = int64_t{1} << 26;
 
+// Queries in the block of attend_kind that starts at query position pos0: the most n (at least 1, at
+// most `left`) whose scores, n rows of heads over the keys k0 .. pos0 + n - 1 they read, in each of
+// `count` sequences, stay within kKindScores. A window's block reads its window and its own span, not
+// the chunk's keys; a causal block's span grows with its position. Solves n (pos0 - k0 + n) <= budget.
+// A window's block takes at most W queries, so that no more than about half its scores are masked.
+int64_t kind_block_queries(int64_t count, int64_t heads, int64_t pos0, int64_t k0, int64_t left, int64_t window) {
+  const int64_t budget = kKindScores / std::max<int64_t>(1, count * heads);
+  const double c = static_cast<double>(pos0 - k0);
+  int64_t n = static_cast<int64_t>((std::sqrt(c * c + 4.0 * static_cast<double>(budget)) - c) / 2.0);
+  while (n > 1 && n * (pos0 - k0 + n) > budget) --n;  // the square root's rounding
+  return std::clamp<int64_t>(n, 1, window > 0 ? std::min(left, window) : left);
+}
+
 // Chunks of `count` sequences of num_q queries and `length` keys, for a layer with a window, sinks or
 // a soft-cap, as ops/attention.py `_attend` computes them: queries [count, num_q, heads, D]; keys,
-// values [count, kv_heads, length - first, D], the keys from position `first` on (the first the
-// chunk's first query sees). Returns [count, num_q, heads, D]. Queries go in blocks of as many as keep
-// the block's scores under kKindScores, each over the keys from the first its own first query sees.
+// values contiguous [count, kv_heads, length - first, D], the keys from position `first` on (the first
+// the chunk's first query sees), so a block's keys are a view of them. Returns [count, num_q, heads, D].
+// Queries go in blocks of as many as keep the block's scores under kKindScores (kind_block_queries),
+// each over the keys from the first its own first query sees: with the fp32 softmax's copies, a block
+// holds about 4 x 256 MiB at most, whatever the chunk's length and count.
 at::Tensor attend_kind(const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values, int64_t length,
                        int64_t first, double scale, const std::optional<at::Tensor>& sinks, int64_t window,
                        double softcap) {
@@ -59,13 +75,13 @@ at::Tensor attend_kind(const at::Tensor& queries, const at::Tensor& keys, const 
   const auto long_opts = at::TensorOptions().dtype(at::kLong).device(queries.device());
   // [count, kv_heads, num_q, group, D]: the query heads that share a KV head, token-major
   const at::Tensor qg = queries.view({count, num_q, kv_heads, group, dim}).permute({0, 2, 1, 3, 4});
-  const int64_t per_query = std::max<int64_t>(1, count * heads * (length - first));
-  const int64_t block = std::max<int64_t>(1, std::min(num_q, kKindScores / per_query));
+  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous(), "attend_kind: keys and values must be contiguous");
   std::vector<at::Tensor> outs;
-  for (int64_t a = 0; a < num_q; a += block) {
-    const int64_t nb = std::min(block, num_q - a);
+  for (int64_t a = 0, nb = 0; a < num_q; a += nb) {
     const int64_t pos0 = length - num_q + a;  // the block's first query's position
-    const int64_t k0 = window > 0 ? std::max(first, pos0 - window + 1) : first, k1 = pos0 + nb;
+    const int64_t k0 = window > 0 ? std::max(first, pos0 - window + 1) : first;
+    nb = kind_block_queries(count, heads, pos0, k0, num_q - a, window);
+    const int64_t k1 = pos0 + nb;
     const at::Tensor qb = qg.narrow(2, a, nb).reshape({count * kv_heads, nb * group, dim});
     const at::Tensor kb = keys.narrow(2, k0 - first, k1 - k0).reshape({count * kv_heads, k1 - k0, dim});
     const at::Tensor vb = values.narrow(2, k0 - first, k1 - k0).reshape({count * kv_heads, k1 - k0, dim});
@@ -157,7 +173,8 @@ at::Tensor paged_attention_prefill(const at::Tensor& q, const at::Tensor& k_cach
       at::Tensor kv = rows.index_select(0, tables).view({count, (pages - page0) * page_size, kv_heads, head_dim})
                           .narrow(1, first - page0 * page_size, length - first);  // [count, length - first, kv_heads, D]
       if (is_e4m3_cache(cache)) kv = kv.view(cache.scalar_type()).to(q.scalar_type());
-      if (!plain) return kv.transpose(1, 2);  // attend_kind groups the query heads itself
+      // attend_kind groups the query heads itself, and takes each block's keys as a view of these
+      if (!plain) return kv.transpose(1, 2).contiguous();
       if (group > 1 && !flash) {
         kv = kv.unsqueeze(3).expand({count, length, kv_heads, group, head_dim}).reshape({count, length, heads, head_dim});
       }

@@ -43,6 +43,10 @@ TORCH_LIBRARY(exlcli, m) {
   m.def("moe_combine(Tensor rows, Tensor weights, int top_k, bool bf16_out, bool pdl) -> Tensor");
   m.def("moe_plan(Tensor ids, int experts, int tile_tokens, bool pdl) -> (Tensor, Tensor, Tensor)");
   m.def("moe_route(Tensor logits, int top_k, bool softmax_first, bool normalize, bool pdl) -> (Tensor, Tensor)");
+  m.def("moe_gate_up_act(Tensor x, Tensor qweight, Tensor scales, int bits, int group, int inter, Tensor ids, "
+        "Tensor? order, int rows_per_x, Tensor? bias, int activation, float limit, float alpha, bool pdl) -> Tensor");
+  m.def("moe_down_combine(Tensor act, Tensor qweight, Tensor scales, int bits, int group, int n, Tensor ids, "
+        "Tensor weights, int top_k, Tensor? bias, bool bf16_out, int warps, bool pdl) -> Tensor");
   m.def("rope_and_write_kv(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor cos_sin, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, bool pdl) -> Tensor");
   m.def("paged_attention_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
@@ -81,6 +85,8 @@ TORCH_LIBRARY_IMPL(exlcli, CUDA, m) {
   m.impl("moe_combine", &exlcli::moe_combine);
   m.impl("moe_plan", &exlcli::moe_plan);
   m.impl("moe_route", &exlcli::moe_route);
+  m.impl("moe_gate_up_act", &exlcli::moe_gate_up_act);
+  m.impl("moe_down_combine", &exlcli::moe_down_combine);
   m.impl("rope_and_write_kv", &exlcli::rope_and_write_kv);
   m.impl("paged_attention_decode", &exlcli::paged_attention_decode);
   m.impl("paged_attention_prefill", &exlcli::paged_attention_prefill);

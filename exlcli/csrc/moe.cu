@@ -716,4 +716,486 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, int64_t t
   return {weights, ids};
 }
 
+// ---- the fused pairs path: gate|up with its activation, then down with the weighted sum ----------------------------
+//
+// moe_gate_up_act: block (i, j) takes pair order[i] (or i) and gate row tile j with its up row tile j + I / 16 (the
+// stacked gate|up is [gate; up], 2I rows), runs moe_gemv's body over both tiles (the warps and ring that moe_gemv
+// gives gate|up: each tile's sums are moe_gemv's bytes), and stores the activation of the 16 (gate, up) rows as bf16
+// into act [pairs, I]: each fp32 sum plus the expert's bias (when there is one) rounded once to bf16, then SiLU-and-mul
+// as silu_and_mul computes it (silu_mul) or gpt-oss's clamped SwiGLU as activation.swiglu_clamped's torch ops compute
+// it (fp32, each step rounded as torch's kernels round it): the bytes of moe_gemv, the bias add and the activation
+// kernel in sequence.
+//
+// moe_down_combine: block (t, y) takes token t and output row tile y over all of its k slots at once, and writes
+// out[t] row tile y = sum over slots in order of weight * (down row + bias): moe_gemv's down rows (8 warps, fp32), the
+// bias add and moe_combine in one launch, with the same bytes. Each slot's row is moe_gemv's: its chunks split over 8
+// "virtual warps" (chunk c to c % 8), each adding its chunks in order and the 8 partial sums added in order; here the
+// block's 16 or 8 warps share the k x 8 (slot, virtual warp) tasks (task v k + s to warp (v k + s) % warps, which
+// balances the tasks of 2 and of 1 chunks when there are 12 chunks), each walking its tasks' chunks with a ring of loads in
+// flight across tasks, so a block reads all k experts' row tiles at once (k times moe_gemv's bytes in flight a block,
+// on a grid of tokens x row tiles). No atomics, no counters: a token's result is its own block's, in a fixed order.
+namespace {
+
+constexpr int kFusedVirtualWarps = 8;   // moe_gemv's warps for fp32 rows (launch_moe_gemv): the down sums' split
+// the down kernel's warps sharing a block's (slot, virtual warp) tasks: 16 (one block an SM, every load of a block in
+// flight at once) where the grid is one wave, else 8 (two blocks an SM, so that one's loads overlap the other's sums)
+constexpr int kFusedDownWarpsWide = 16, kFusedDownWarpsNarrow = 8;
+constexpr int64_t kFusedMaxShared = 44 * 1024;  // the down kernel's dynamic shared memory (limits.MOE_FUSED_MAX_SHARED)
+constexpr int kActSilu = 0, kActSwigluClamped = 1;
+
+// The down kernel's dynamic shared memory: each slot's int8 blocks of its activation row and their (d, sum) pairs,
+// then the (slot, virtual warp) partial sums of a row tile.
+__host__ __device__ constexpr size_t fused_down_smem_bytes(int top_k, int k) {
+  return static_cast<size_t>(top_k) * qlinear::dp4a_smem_bytes(1, k) +
+         static_cast<size_t>(top_k) * kFusedVirtualWarps * qlinear::kTileRows * sizeof(float);
+}
+
+struct GateUpActParams {
+  const __nv_bfloat16* x;     // [tokens, k] bf16, rows 16-byte aligned
+  const uint32_t* qweight;    // [experts, expert_words]: gate|up, 2 inter rows
+  const uint32_t* scales;     // [experts, expert_scales]
+  const __nv_bfloat16* bias;  // [experts, 2 inter] or null
+  const int32_t* ids;         // [pairs]
+  const int32_t* order;       // [pairs] or null
+  __nv_bfloat16* act;         // [pairs, inter]
+  int inter, k, group_log2, rows_per_x, experts;
+  size_t expert_words, expert_scales;
+  float limit, alpha;
+};
+
+// gpt-oss's clamped SwiGLU of one bf16 (gate, up) pair, as activation.swiglu_clamped's torch ops compute it in fp32:
+// gate.clamp(max=limit), up.clamp(-limit, limit) (a NaN kept, as torch's clamp keeps it), sigmoid(alpha * gate) as
+// torch's 1 / (1 + exp(-z)), gate * sigmoid, times (up + 1), rounded once to bf16.
+__device__ __forceinline__ __nv_bfloat16 swiglu_clamped_pair(__nv_bfloat16 gate, __nv_bfloat16 up, float limit,
+                                                            float alpha) {
+  float g = __bfloat162float(gate), u = __bfloat162float(up);
+  g = g > limit ? limit : g;
+  u = u > limit ? limit : (u < -limit ? -limit : u);
+  const float z = __fmul_rn(alpha, g);
+  const float sig = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-z)));
+  return __float2bfloat16_rn(__fmul_rn(__fmul_rn(g, sig), __fadd_rn(u, 1.0f)));
+}
+
+// Row tiles j (gate) and j + I / 16 (up) of the block's pair; store: the activation of their rows into act.
+template <int ACT>
+struct GluTiles {
+  int gate_tiles;                  // I / 16
+  const __nv_bfloat16* bias;       // the expert's [2 inter] or null
+  __nv_bfloat16* act;              // the pair's row [inter]
+  float limit, alpha;
+
+  __device__ __forceinline__ int tile(int r) const { return r == 0 ? blockIdx.y : blockIdx.y + gate_tiles; }
+
+  template <bool FLOAT_OUT, int WARPS, int M>
+  __device__ __forceinline__ void store(const qlinear::Params&,
+                                        const float (&partial)[WARPS][2][M][qlinear::kTileRows]) const {
+    static_assert(M == 1, "one row a pair");
+    for (int i = threadIdx.x; i < qlinear::kTileRows; i += WARPS * 32) {
+      float gate = 0.0f, up = 0.0f;
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) gate += partial[w][0][0][i];
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) up += partial[w][1][0][i];
+      const int col = blockIdx.y * qlinear::kTileRows + i;
+      if (bias != nullptr) {
+        gate = __fadd_rn(gate, __bfloat162float(bias[col]));
+        up = __fadd_rn(up, __bfloat162float(bias[gate_tiles * qlinear::kTileRows + col]));
+      }
+      const __nv_bfloat16 g = __float2bfloat16_rn(gate), u = __float2bfloat16_rn(up);
+      if constexpr (ACT == kActSilu) {
+        act[col] = silu_mul(g, u);
+      } else {
+        act[col] = swiglu_clamped_pair(g, u, limit, alpha);
+      }
+    }
+  }
+};
+
+template <int BITS, int UNROLL, int WARPS, int ACT>
+__global__ void __launch_bounds__(WARPS * 32) moe_gate_up_act_kernel(GateUpActParams gp) {
+  grid_dependency_wait();  // the ids and the order are the previous kernels' output
+  const int pair = gp.order != nullptr ? gp.order[blockIdx.x] : static_cast<int>(blockIdx.x);
+  const int expert = gp.ids[pair];
+  __nv_bfloat16* act = gp.act + static_cast<size_t>(pair) * gp.inter;
+  if (expert < 0 || expert >= gp.experts) {  // not an expert: NaN activations, never a read out of bounds
+    if (threadIdx.x < qlinear::kTileRows) {
+      act[blockIdx.y * qlinear::kTileRows + threadIdx.x] = __ushort_as_bfloat16(0x7fc0);
+    }
+    return;
+  }
+  qlinear::Params p{};
+  p.x = gp.x + static_cast<size_t>(pair / gp.rows_per_x) * gp.k;
+  p.qweight = gp.qweight + static_cast<size_t>(expert) * gp.expert_words;
+  p.scales = gp.scales + static_cast<size_t>(expert) * gp.expert_scales;
+  p.bias = nullptr;
+  p.out = nullptr;  // GluTiles stores
+  p.m = 1;
+  p.n = 2 * gp.inter;
+  p.k = gp.k;
+  p.group_log2 = gp.group_log2;
+  GluTiles<ACT> tiles{gp.inter / qlinear::kTileRows,
+                      gp.bias != nullptr ? gp.bias + static_cast<size_t>(expert) * 2 * gp.inter : nullptr, act,
+                      gp.limit, gp.alpha};
+  qlinear::dp4a_gemv<BITS, 1, 2, UNROLL, false, WARPS>(p, tiles);
+}
+
+// moe_gemv's warps for gate|up (launch_moe_gemv): fp32 rows (a bias to add) 8 warps, bf16 rows 16 for at most 256
+// row tiles of 2 inter rows, else 8; the ring as deep as there (it changes no result).
+template <int BITS, int ACT>
+void launch_gate_up_act(const GateUpActParams& gp, int pairs, cudaStream_t stream, bool pdl) {
+  const dim3 grid(pairs, gp.inter / qlinear::kTileRows);
+  const size_t smem = qlinear::dp4a_smem_bytes(1, gp.k);
+  const int tiles = 2 * gp.inter / qlinear::kTileRows;
+  if (gp.bias == nullptr && tiles <= kDp4aWideMaxTiles) {
+    launch_pdl(moe_gate_up_act_kernel<BITS, 2, 16, ACT>, grid, dim3(16 * 32), smem, stream, pdl, gp);
+  } else {
+    launch_pdl(moe_gate_up_act_kernel<BITS, 4, 8, ACT>, grid, dim3(8 * 32), smem, stream, pdl, gp);
+  }
+}
+
+struct DownCombineParams {
+  const __nv_bfloat16* act;   // [tokens * top_k, k] bf16, rows 16-byte aligned
+  const uint32_t* qweight;    // [experts, expert_words]: down, n rows
+  const uint32_t* scales;     // [experts, expert_scales]
+  const __nv_bfloat16* bias;  // [experts, n] or null
+  const int32_t* ids;         // [tokens * top_k]
+  const float* weights;       // [tokens * top_k]
+  void* out;                  // [tokens, n] fp32, or bf16 (BF16_OUT)
+  int n, k, group_log2, top_k, experts;
+  size_t expert_words, expert_scales;
+};
+
+// A warp's place in its walk over its (slot, virtual warp) tasks: task v k + s (virtual warp v, slot s) and one of
+// its chunks (v, v + 8, ...); tasks whose virtual warp has no chunk (fewer than 8 chunks) are skipped (their
+// partial sums stay 0, as moe_gemv's idle warps add 0).
+struct TaskCursor {
+  int task, chunk;
+
+  __device__ __forceinline__ void settle(int tasks, int top_k, int chunks, int step) {
+    while (task < tasks && task / top_k >= chunks) task += step;
+    chunk = task / top_k;
+  }
+  __device__ __forceinline__ void advance(int tasks, int top_k, int chunks, int step) {
+    chunk += kFusedVirtualWarps;
+    if (chunk >= chunks) {
+      task += step;
+      settle(tasks, top_k, chunks, step);
+    }
+  }
+};
+
+template <int BITS>
+__device__ __forceinline__ void load_task_chunk(const DownCombineParams& dp, int token, int tile,
+                                                const TaskCursor& at, int lane, qlinear::ChunkLoad<BITS>& c) {
+  const int expert = dp.ids[static_cast<size_t>(token) * dp.top_k + at.task % dp.top_k];
+  if (expert < 0 || expert >= dp.experts) {  // its row is NaN in the end: nothing read
+    c = qlinear::ChunkLoad<BITS>{};
+    return;
+  }
+  qlinear::Params p{};
+  p.qweight = dp.qweight + static_cast<size_t>(expert) * dp.expert_words;
+  p.scales = dp.scales + static_cast<size_t>(expert) * dp.expert_scales;
+  p.k = dp.k;
+  p.group_log2 = dp.group_log2;
+  qlinear::load_chunk<BITS>(p, tile, at.chunk, lane, c);
+}
+
+template <int BITS, int UNROLL, int WARPS, bool BF16_OUT>
+__global__ void __launch_bounds__(WARPS * 32) moe_down_combine_kernel(DownCombineParams dp) {
+  using namespace qlinear;
+  extern __shared__ uint4 s_x[];
+  const int token = blockIdx.x, tile = blockIdx.y;
+  const int top_k = dp.top_k;
+  const int blocks = dp.k / kXBlock;
+  const int chunks = dp.k / kChunk;
+  const int tasks = kFusedVirtualWarps * top_k;
+  uint4* xq = s_x;
+  float2* xs = reinterpret_cast<float2*>(s_x + top_k * blocks);
+  float* partial = reinterpret_cast<float*>(xs + top_k * blocks);  // [top_k][8][16]
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+
+  grid_dependency_wait();  // the ids, the weights and the activations are the previous kernels' output
+  int mine = 0;  // this warp's chunks over its tasks
+  for (int task = warp; task < tasks; task += WARPS) {
+    const int v = task / top_k;
+    if (v < chunks) mine += (chunks - v + kFusedVirtualWarps - 1) / kFusedVirtualWarps;
+  }
+  TaskCursor load_at{warp, 0};
+  load_at.settle(tasks, top_k, chunks, WARPS);
+  TaskCursor at = load_at;
+  ChunkLoad<BITS> ring[UNROLL];
+#pragma unroll
+  for (int u = 0; u < UNROLL; ++u) {
+    if (u < mine) {
+      load_task_chunk<BITS>(dp, token, tile, load_at, lane, ring[u]);
+      load_at.advance(tasks, top_k, chunks, WARPS);
+    }
+  }
+  for (int i = threadIdx.x; i < tasks * kTileRows; i += WARPS * 32) partial[i] = 0.0f;
+  quantize_x16_rows(dp.act + static_cast<size_t>(token) * top_k * dp.k, top_k, dp.k, xq, xs);
+  __syncthreads();
+
+  float y0 = 0.0f, y1 = 0.0f;  // rows g and g + 8 of the current task
+  for (int base = 0; base < mine; base += UNROLL) {
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int i = base + u;
+      if (i >= mine) break;
+      const int slot = at.task % top_k;
+      const int b = slot * blocks + at.chunk * (kChunk / kXBlock) + t;  // the lane's 16 features of the slot's row
+      const uint4 xw = xq[b];
+      const float2 ds = xs[b];
+      int dot_lo = 0, dot_hi = 0;
+#pragma unroll
+      for (int step = 0; step < 4; ++step) {
+        uint32_t lo, hi;
+        step_bytes<BITS>(ring[u], step, lo, hi);
+        const uint32_t xv = step == 0 ? xw.x : step == 1 ? xw.y : step == 2 ? xw.z : xw.w;
+        dot_lo = dp4a_us(lo, xv, dot_lo);
+        dot_hi = dp4a_us(hi, xv, dot_hi);
+      }
+      // dp4a_gemv's steps, in its order
+      const float2 a_lo = row_affine<BITS>(ring[u].lo), a_hi = row_affine<BITS>(ring[u].hi);
+      y0 = fmaf(ds.x, fmaf(a_lo.x, static_cast<float>(dot_lo), a_lo.y * ds.y), y0);
+      y1 = fmaf(ds.x, fmaf(a_hi.x, static_cast<float>(dot_hi), a_hi.y * ds.y), y1);
+      if (at.chunk + kFusedVirtualWarps >= chunks) {  // the task's last chunk: its partial sums (warp-uniform)
+        y0 += __shfl_xor_sync(0xFFFFFFFFu, y0, 1);
+        y0 += __shfl_xor_sync(0xFFFFFFFFu, y0, 2);
+        y1 += __shfl_xor_sync(0xFFFFFFFFu, y1, 1);
+        y1 += __shfl_xor_sync(0xFFFFFFFFu, y1, 2);
+        float* row = partial + (slot * kFusedVirtualWarps + at.task / top_k) * kTileRows;
+        if (t == 0) {
+          row[g] = y0;
+          row[g + 8] = y1;
+        }
+        y0 = y1 = 0.0f;
+      }
+      at.advance(tasks, top_k, chunks, WARPS);
+      if (i + UNROLL < mine) {
+        load_task_chunk<BITS>(dp, token, tile, load_at, lane, ring[u]);
+        load_at.advance(tasks, top_k, chunks, WARPS);
+      }
+    }
+  }
+  grid_dependents_launch();
+  __syncthreads();
+
+  // each row: the slots in order, each its virtual warps' sums in order (moe_gemv's row), plus its bias (the
+  // fp32 add of StackedWeights.biased), times its weight into the sum (moe_combine's fmaf)
+  if (threadIdx.x < kTileRows) {
+    const int row = tile * kTileRows + threadIdx.x;
+    const size_t first = static_cast<size_t>(token) * top_k;
+    float sum = 0.0f;
+    for (int s = 0; s < top_k; ++s) {
+      const int expert = dp.ids[first + s];
+      float value = 0.0f;
+#pragma unroll
+      for (int v = 0; v < kFusedVirtualWarps; ++v) value += partial[(s * kFusedVirtualWarps + v) * kTileRows + threadIdx.x];
+      if (expert < 0 || expert >= dp.experts) {
+        value = __int_as_float(0x7fc00000);
+      } else if (dp.bias != nullptr) {
+        value = __fadd_rn(value, __bfloat162float(dp.bias[static_cast<size_t>(expert) * dp.n + row]));
+      }
+      sum = fmaf(dp.weights[first + s], value, sum);
+    }
+    const size_t at_out = static_cast<size_t>(token) * dp.n + row;
+    if constexpr (BF16_OUT) {
+      static_cast<__nv_bfloat16*>(dp.out)[at_out] = __float2bfloat16_rn(sum);
+    } else {
+      static_cast<float*>(dp.out)[at_out] = sum;
+    }
+  }
+}
+
+// The ring: 8 chunks in flight a warp for 4- and 6-bit weights, 4 for 8-bit (40 registers of loads). warps: 16, 8,
+// or 0 (16 where the grid fits one block an SM, else 8). Neither changes a result.
+template <int BITS>
+void launch_down_combine(const DownCombineParams& dp, int tokens, bool bf16_out, int warps, cudaStream_t stream,
+                         bool pdl) {
+  constexpr int kUnroll = BITS == 8 ? 4 : 8;
+  const dim3 grid(tokens, dp.n / qlinear::kTileRows);
+  const size_t smem = fused_down_smem_bytes(dp.top_k, dp.k);
+  if (warps == 0) {
+    int device = 0, sms = 0;
+    C10_CUDA_CHECK(cudaGetDevice(&device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    warps = static_cast<int64_t>(tokens) * (dp.n / qlinear::kTileRows) <= sms ? kFusedDownWarpsWide
+                                                                              : kFusedDownWarpsNarrow;
+  }
+  if (warps == kFusedDownWarpsWide) {
+    constexpr int W = kFusedDownWarpsWide;
+    if (bf16_out) {
+      launch_pdl(moe_down_combine_kernel<BITS, kUnroll, W, true>, grid, dim3(W * 32), smem, stream, pdl, dp);
+    } else {
+      launch_pdl(moe_down_combine_kernel<BITS, kUnroll, W, false>, grid, dim3(W * 32), smem, stream, pdl, dp);
+    }
+  } else {
+    constexpr int W = kFusedDownWarpsNarrow;
+    if (bf16_out) {
+      launch_pdl(moe_down_combine_kernel<BITS, kUnroll, W, true>, grid, dim3(W * 32), smem, stream, pdl, dp);
+    } else {
+      launch_pdl(moe_down_combine_kernel<BITS, kUnroll, W, false>, grid, dim3(W * 32), smem, stream, pdl, dp);
+    }
+  }
+}
+
+// The checks moe_gemv makes of stacked experts and their x; returns k.
+int64_t check_stacked(const char* op, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                      int64_t bits, int64_t group, int64_t n) {
+  EXL_CHECK_CUDA_TENSOR(qweight, "moe: qweight");
+  EXL_CHECK_CUDA_TENSOR(scales, "moe: scales");
+  TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() &&
+                  aligned16(x.data_ptr()),
+              op, ": x must be a contiguous, 16-byte aligned CUDA bfloat16 [rows, k]");
+  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, op, ": bits must be 4, 6 or 8, got ", bits);
+  TORCH_CHECK(group == 16 || group == 32 || group == 64 || group == 128, op, ": group must be 16, 32, 64 or 128");
+  const int64_t k = x.size(1);
+  TORCH_CHECK(n % qlinear::kTileRows == 0 && k % qlinear::kChunk == 0 && n > 0 && k > 0 && n / 16 <= 65535, op,
+              ": n must be a multiple of 16 (at most 1,048,560) and k of 64, got ", n, " x ", k);
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kInt && qweight.is_contiguous() &&
+                  qweight.size(1) == n * k * bits / 32 && qweight.size(0) > 0,
+              op, ": qweight must be contiguous int32 [experts, ", n * k * bits / 32, "]");
+  const int64_t experts = qweight.size(0);
+  TORCH_CHECK(scales.is_contiguous() && scales.size(0) == experts &&
+                  scales.numel() * scales.element_size() == experts * n * (k / group) * 4,
+              op, ": scales must be contiguous [experts, ...] with ", n * (k / group) * 4, " bytes an expert");
+  TORCH_CHECK(aligned16(qweight.data_ptr()) && aligned16(scales.data_ptr()), op,
+              ": qweight and scales must be 16-byte aligned");
+  TORCH_CHECK(x.device() == qweight.device() && x.device() == scales.device(), op,
+              ": every tensor must be on one device");
+  return k;
+}
+
+void check_expert_bias(const char* op, const std::optional<at::Tensor>& bias, int64_t experts, int64_t n,
+                       const at::Tensor& x) {
+  if (!bias.has_value()) return;
+  TORCH_CHECK(bias->is_cuda() && bias->device() == x.device() && bias->scalar_type() == at::kBFloat16 &&
+                  bias->is_contiguous() && bias->dim() == 2 && bias->size(0) == experts && bias->size(1) == n,
+              op, ": bias must be a contiguous bfloat16 [", experts, ", ", n, "] on x's device");
+}
+
+}  // namespace
+
+at::Tensor moe_gate_up_act(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t bits,
+                           int64_t group, int64_t inter, const at::Tensor& ids, const std::optional<at::Tensor>& order,
+                           int64_t rows_per_x, const std::optional<at::Tensor>& bias, int64_t activation,
+                           double limit, double alpha, bool pdl) {
+  const char* op = "moe_gate_up_act";
+  TORCH_CHECK(inter > 0 && inter % qlinear::kTileRows == 0 && inter / qlinear::kTileRows <= 65535, op,
+              ": inter must be a positive multiple of 16 (at most 1,048,560), got ", inter);
+  const int64_t k = check_stacked(op, x, qweight, scales, bits, group, 2 * inter);
+  TORCH_CHECK(qlinear::dp4a_smem_bytes(1, static_cast<int>(k)) <= 44 * 1024, op, ": k is too large: ", k);
+  const int64_t experts = qweight.size(0);
+  EXL_CHECK_CUDA_TENSOR(ids, "moe_gate_up_act: ids");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kInt && ids.is_contiguous() && ids.device() == x.device(),
+              op, ": ids must be a contiguous int32 [pairs] on x's device");
+  const int64_t pairs = ids.size(0);
+  TORCH_CHECK(rows_per_x >= 1 && pairs == x.size(0) * rows_per_x, op, ": ids must hold rows_per_x (", rows_per_x,
+              ") pairs a row of x (", x.size(0), " rows), got ", pairs);
+  TORCH_CHECK(pairs < (int64_t{1} << 31), op, ": too many pairs");
+  if (order.has_value()) {
+    TORCH_CHECK(order->is_cuda() && order->device() == x.device() && order->dim() == 1 &&
+                    order->scalar_type() == at::kInt && order->is_contiguous() && order->size(0) == pairs,
+                op, ": order must be a contiguous int32 [pairs] on x's device");
+  }
+  check_expert_bias(op, bias, experts, 2 * inter, x);
+  TORCH_CHECK(activation == kActSilu || activation == kActSwigluClamped, op,
+              ": activation must be 0 (silu) or 1 (swiglu_clamped), got ", activation);
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor act = at::empty({pairs, inter}, x.options());
+  if (pairs == 0) return act;
+  GateUpActParams gp{};
+  gp.x = static_cast<const __nv_bfloat16*>(x.data_ptr());
+  gp.qweight = static_cast<const uint32_t*>(qweight.data_ptr());
+  gp.scales = static_cast<const uint32_t*>(scales.data_ptr());
+  gp.bias = bias.has_value() ? static_cast<const __nv_bfloat16*>(bias->data_ptr()) : nullptr;
+  gp.ids = static_cast<const int32_t*>(ids.data_ptr());
+  gp.order = order.has_value() ? static_cast<const int32_t*>(order->data_ptr()) : nullptr;
+  gp.act = static_cast<__nv_bfloat16*>(act.data_ptr());
+  gp.inter = static_cast<int>(inter);
+  gp.k = static_cast<int>(k);
+  gp.group_log2 = group == 16 ? 4 : group == 32 ? 5 : group == 64 ? 6 : 7;
+  gp.rows_per_x = static_cast<int>(rows_per_x);
+  gp.experts = static_cast<int>(experts);
+  gp.expert_words = static_cast<size_t>(2 * inter * k * bits / 32);
+  gp.expert_scales = static_cast<size_t>(2 * inter * (k / group));
+  gp.limit = static_cast<float>(limit);
+  gp.alpha = static_cast<float>(alpha);
+  const cudaStream_t stream = current_stream();
+  const int p = static_cast<int>(pairs);
+  if (activation == kActSilu) {
+    if (bits == 4) {
+      launch_gate_up_act<4, kActSilu>(gp, p, stream, pdl);
+    } else if (bits == 6) {
+      launch_gate_up_act<6, kActSilu>(gp, p, stream, pdl);
+    } else {
+      launch_gate_up_act<8, kActSilu>(gp, p, stream, pdl);
+    }
+  } else if (bits == 4) {
+    launch_gate_up_act<4, kActSwigluClamped>(gp, p, stream, pdl);
+  } else if (bits == 6) {
+    launch_gate_up_act<6, kActSwigluClamped>(gp, p, stream, pdl);
+  } else {
+    launch_gate_up_act<8, kActSwigluClamped>(gp, p, stream, pdl);
+  }
+  return act;
+}
+
+at::Tensor moe_down_combine(const at::Tensor& act, const at::Tensor& qweight, const at::Tensor& scales, int64_t bits,
+                            int64_t group, int64_t n, const at::Tensor& ids, const at::Tensor& weights, int64_t top_k,
+                            const std::optional<at::Tensor>& bias, bool bf16_out, int64_t warps, bool pdl) {
+  const char* op = "moe_down_combine";
+  TORCH_CHECK(warps == 0 || warps == kFusedDownWarpsNarrow || warps == kFusedDownWarpsWide, op,
+              ": warps must be 0 (chosen by the grid), 8 or 16, got ", warps);
+  const int64_t k = check_stacked(op, act, qweight, scales, bits, group, n);
+  const int64_t experts = qweight.size(0);
+  TORCH_CHECK(top_k >= 1 && top_k <= 64, op, ": top_k must be 1 to 64, got ", top_k);
+  TORCH_CHECK(static_cast<int64_t>(fused_down_smem_bytes(static_cast<int>(top_k), static_cast<int>(k))) <=
+                  kFusedMaxShared,
+              op, ": ", top_k, " slots of ", k, " features do not fit the block's ", kFusedMaxShared,
+              " bytes of shared memory");
+  TORCH_CHECK(act.size(0) % top_k == 0, op, ": act's ", act.size(0), " rows must be whole tokens of ", top_k,
+              " slots");
+  const int64_t pairs = act.size(0), tokens = pairs / top_k;
+  TORCH_CHECK(tokens < (int64_t{1} << 31), op, ": too many tokens");
+  EXL_CHECK_CUDA_TENSOR(ids, "moe_down_combine: ids");
+  EXL_CHECK_CUDA_TENSOR(weights, "moe_down_combine: weights");
+  TORCH_CHECK(ids.scalar_type() == at::kInt && ids.is_contiguous() && ids.numel() == pairs &&
+                  ids.device() == act.device(),
+              op, ": ids must be a contiguous int32 of one id a row of act (", pairs, ") on act's device");
+  TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.is_contiguous() && weights.numel() == pairs &&
+                  weights.device() == act.device(),
+              op, ": weights must be a contiguous float32 of one weight a row of act (", pairs, ") on act's device");
+  check_expert_bias(op, bias, experts, n, act);
+  const c10::cuda::CUDAGuard guard(act.device());
+  at::Tensor out = at::empty({tokens, n}, act.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
+  if (tokens == 0) return out;
+  DownCombineParams dp{};
+  dp.act = static_cast<const __nv_bfloat16*>(act.data_ptr());
+  dp.qweight = static_cast<const uint32_t*>(qweight.data_ptr());
+  dp.scales = static_cast<const uint32_t*>(scales.data_ptr());
+  dp.bias = bias.has_value() ? static_cast<const __nv_bfloat16*>(bias->data_ptr()) : nullptr;
+  dp.ids = static_cast<const int32_t*>(ids.data_ptr());
+  dp.weights = static_cast<const float*>(weights.data_ptr());
+  dp.out = out.data_ptr();
+  dp.n = static_cast<int>(n);
+  dp.k = static_cast<int>(k);
+  dp.group_log2 = group == 16 ? 4 : group == 32 ? 5 : group == 64 ? 6 : 7;
+  dp.top_k = static_cast<int>(top_k);
+  dp.experts = static_cast<int>(experts);
+  dp.expert_words = static_cast<size_t>(n * k * bits / 32);
+  dp.expert_scales = static_cast<size_t>(n * (k / group));
+  const cudaStream_t stream = current_stream();
+  const int t = static_cast<int>(tokens);
+  if (bits == 4) {
+    launch_down_combine<4>(dp, t, bf16_out, static_cast<int>(warps), stream, pdl);
+  } else if (bits == 6) {
+    launch_down_combine<6>(dp, t, bf16_out, static_cast<int>(warps), stream, pdl);
+  } else {
+    launch_down_combine<8>(dp, t, bf16_out, static_cast<int>(warps), stream, pdl);
+  }
+  return out;
+}
+
 }  // namespace exlcli

@@ -132,6 +132,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_plan(const at::Tensor& ids, i
                                                          bool pdl);
 std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, int64_t top_k, bool softmax_first,
                                              bool normalize, bool pdl);
+// The fused pairs path (moe.cu): moe_gate_up_act: moe_gemv of the stacked gate|up ([gate; up], 2 inter rows) with
+// the expert's bias (bf16 [experts, 2 inter], optional) and the activation (0: SiLU-and-mul, 1: gpt-oss's clamped
+// SwiGLU with limit and alpha) in one launch: bf16 act [pairs, inter]. moe_down_combine: moe_gemv of down over act
+// (bf16 [tokens * top_k, k]) plus its bias (bf16 [experts, n], optional) and moe_combine with weights (fp32
+// [tokens * top_k]) in one launch: fp32 [tokens, n], or bf16 (bf16_out); the bytes of the unfused kernels, whatever
+// its warps (8, 16, or 0: chosen by the grid).
+at::Tensor moe_gate_up_act(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t bits,
+                           int64_t group, int64_t inter, const at::Tensor& ids, const std::optional<at::Tensor>& order,
+                           int64_t rows_per_x, const std::optional<at::Tensor>& bias, int64_t activation,
+                           double limit, double alpha, bool pdl);
+at::Tensor moe_down_combine(const at::Tensor& act, const at::Tensor& qweight, const at::Tensor& scales, int64_t bits,
+                            int64_t group, int64_t n, const at::Tensor& ids, const at::Tensor& weights, int64_t top_k,
+                            const std::optional<at::Tensor>& bias, bool bf16_out, int64_t warps, bool pdl);
 
 // rope.cu
 at::Tensor rope_and_write_kv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -43,12 +43,13 @@ __device__ __forceinline__ uint32_t pack_s8(int a, int b, int c, int d) {
   return __byte_perm(__byte_perm(a, b, 0x0040), __byte_perm(c, d, 0x0040), 0x5410);
 }
 
-// x [M, k] bf16 -> the int8 blocks of every token: word s of block b holds features
+// x [rows, k] bf16 -> the int8 blocks of every row: word s of block b holds features
 // 16 b + 4 s + {0, 2, 1, 3}, the byte order of the weights' masked nibbles. Every thread must call it.
-template <int M>
-__device__ void quantize_x16(const __nv_bfloat16* __restrict__ x, int k, uint4* xq, float2* xs) {
+// (A row's blocks are its own: the same bytes whatever the count of rows.)
+__device__ __forceinline__ void quantize_x16_rows(const __nv_bfloat16* __restrict__ x, int rows, int k, uint4* xq,
+                                                  float2* xs) {
   const int blocks = k / kXBlock;
-  for (int i = threadIdx.x; i < M * blocks; i += blockDim.x) {
+  for (int i = threadIdx.x; i < rows * blocks; i += blockDim.x) {
     const int token = i / blocks, b = i - token * blocks;
     const uint4* src = reinterpret_cast<const uint4*>(x + static_cast<size_t>(token) * k + kXBlock * b);
     const uint4 v[2] = {src[0], src[1]};
@@ -83,6 +84,12 @@ __device__ void quantize_x16(const __nv_bfloat16* __restrict__ x, int k, uint4* 
                        pack_s8(q[8], q[10], q[9], q[11]), pack_s8(q[12], q[14], q[13], q[15]));
     xs[i] = make_float2(__fdiv_rn(amax, 127.0f), static_cast<float>(sum));
   }
+}
+
+// quantize_x16_rows of M tokens.
+template <int M>
+__device__ void quantize_x16(const __nv_bfloat16* __restrict__ x, int k, uint4* xq, float2* xs) {
+  quantize_x16_rows(x, M, k, xq, xs);
 }
 
 // sum of the 4 products of unsigned bytes a and signed bytes b, plus c

@@ -12,7 +12,11 @@ pairs, with the router's expert ids on the device: gate|up of each pair's expert
 with biases fp32, plus the expert's gate|up bias gathered by its id on the device, then rounded to bf16 once), the
 activation, down of each pair's expert (fp32, plus its down bias), and the pairs of a token summed in slot order
 with their router weights. Each pair's row is the bytes of quant_linear over that expert at one token (the dp4a
-kernel), and the sum's order is fixed, so a token's result does not depend on the batch.
+kernel), and the sum's order is fixed, so a token's result does not depend on the batch. Where the fused kernels take
+the experts (`StackedExperts.fuses`: CUDA tensors, bf16 biases, every slot's activation row within moe_down_combine's
+block) those steps run as two launches with the same bytes: moe_gate_up_act (gate|up, its bias and the activation)
+and moe_down_combine (down, its bias and the weighted sum, a block a token and row tile over all its slots); else as
+the separate launches above (`StackedExperts.unfused`).
 
 Past PAIRS_MAX_TOKENS tokens (larger decode batches, prefill chunks) a call takes the grouped path instead: the
 pairs sorted by expert on the device (`plan_pairs`: the order, each expert's first place in it and its first token
@@ -54,6 +58,7 @@ from exlcli.ops.cuda.limits import (
     QUANT_BITS,
     QUANT_TILE_ROWS,
     dp4a_takes,
+    moe_fused_takes,
     moe_plan_takes,
 )
 from exlcli.ops.formats.base import Linear
@@ -79,6 +84,23 @@ PLAN_KERNEL_MAX_PAIRS = 1024
 # scripts/moe_bench.py). The tile changes no result.
 WIDE_TILE_PAIRS = 256
 ACTIVATIONS = ("silu", "swiglu_clamped")  # the activations the stacked path runs (moe.ACTIVATIONS' names)
+# The grouped path's largest intermediate is gate|up over every pair, [pairs, 2I], fp32 where a bias is added
+# (and the bias gather and sum make two more of its size): a call whose rows would pass this many bytes runs in
+# token chunks that keep under it (a token's rows are its own, so the result is the same). gpt-oss-20b's batch-64
+# bench prefilled 64 x 8,192 tokens in one step: 2,097,152 pairs x 5,760 x 4 bytes = a 45 GiB allocation, where
+# chunks of 2,912 tokens hold 256 MiB (11,648 pairs: 364 an expert of 32, whole tensor-core tiles still).
+GROUPED_MAX_ROW_BYTES = 256 << 20
+
+
+def _aligned(x: torch.Tensor) -> torch.Tensor:
+    """x, or a copy of it where its start is not 16-byte aligned (the kernels read rows in 16-byte loads)."""
+    return x.clone() if x.data_ptr() % 16 else x
+
+
+def grouped_chunk_tokens(top_k: int, row_features: int) -> int:
+    """Tokens per call of the grouped path whose [tokens * top_k, row_features] fp32 rows fit GROUPED_MAX_ROW_BYTES
+    (at least 1)."""
+    return max(1, GROUPED_MAX_ROW_BYTES // (4 * top_k * row_features))
 
 
 @dataclass
@@ -271,7 +293,42 @@ class StackedExperts:
 
     def pairs(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, bf16_out: bool = False
               ) -> torch.Tensor:
-        """The pairs path (moe_gemv) at any size; x bf16, contiguous and aligned."""
+        """The pairs path at any size (x bf16, contiguous and aligned): fused where its kernels take the experts
+        (`fuses`), else unfused; the two give the same bytes."""
+        if self.fuses(x, ids.shape[1]):
+            return self.fused(x, weights, ids, bf16_out)
+        return self.unfused(x, weights, ids, bf16_out)
+
+    def fuses(self, x: torch.Tensor, top_k: int) -> bool:
+        """Whether the fused kernels take this call: CUDA tensors, biases in bf16 (the kernels read them so), and
+        every slot's activation row and partial sums within moe_down_combine's block (moe_fused_takes)."""
+        biases = (self.gate_up.bias, self.down.bias)
+        return (x.is_cuda and self.gate_up.out_features % (2 * QUANT_TILE_ROWS) == 0
+                and moe_fused_takes(top_k, self.down.in_features)
+                and all(b is None or b.dtype == torch.bfloat16 for b in biases))
+
+    def fused(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, bf16_out: bool = False,
+              sort: bool = False, down_warps: int = 0) -> torch.Tensor:
+        """The pairs path in two launches (csrc/moe.cu): moe_gate_up_act (gate|up, its bias and the activation) and
+        moe_down_combine (down, its bias and the weighted sum of each token's slots); the bytes of `unfused`.
+        `sort`: gate|up's blocks take the pairs sorted by expert (no result changes; without it the blocks of one row
+        tile still run side by side over all pairs, so an expert's tile is read from L2 after its first pair).
+        `down_warps`: moe_down_combine's warps a block (8, 16, or 0: its choice); no result changes either."""
+        top_k = ids.shape[1]
+        flat = ids.reshape(-1).to(torch.int32)
+        order = torch.argsort(flat).to(torch.int32) if sort else None
+        gate_up, down = self.gate_up, self.down
+        act = kernels.moe_gate_up_act(x, gate_up.qweight, gate_up.scales, gate_up.bits, gate_up.group,
+                                      down.in_features, flat, order, top_k, gate_up.bias, self.activation,
+                                      self.limit, self.alpha)
+        return kernels.moe_down_combine(act, down.qweight, down.scales, down.bits, down.group, down.out_features,
+                                        flat, weights.reshape(-1).float().contiguous(), top_k, down.bias, bf16_out,
+                                        down_warps)
+
+    def unfused(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, bf16_out: bool = False
+                ) -> torch.Tensor:
+        """The pairs path as separate launches (moe_gemv, the bias adds and the activation, moe_gemv, moe_combine):
+        where the fused kernels do not take the experts, and their reference."""
         top_k = ids.shape[1]
         flat = ids.reshape(-1).to(torch.int32)
         order = None
@@ -287,12 +344,16 @@ class StackedExperts:
                 ) -> torch.Tensor:
         """The grouped path (moe_gemm) at any size; x bf16, contiguous and aligned."""
         tokens, top_k = ids.shape
+        chunk = grouped_chunk_tokens(top_k, max(self.gate_up.out_features, self.down.out_features))
+        if tokens > chunk:  # bounded memory (GROUPED_MAX_ROW_BYTES); a token's rows are its own
+            return torch.cat([self.grouped(_aligned(x[a:a + chunk]), weights[a:a + chunk], ids[a:a + chunk], bf16_out)
+                              for a in range(0, tokens, chunk)])
         experts = self.gate_up.num_experts
         plan = plan_pairs(ids.reshape(-1), experts, tile_tokens_for(tokens * top_k, experts))
         if plan.max_tiles > MAX_GRID_Y:  # more tiles than a grid holds: halves (a token's rows are its own)
             half = tokens // 2
             return torch.cat([self.grouped(x[:half], weights[:half], ids[:half], bf16_out),
-                              self.grouped(x[half:], weights[half:], ids[half:], bf16_out)])
+                              self.grouped(_aligned(x[half:]), weights[half:], ids[half:], bf16_out)])
         flat = ids.reshape(-1)  # moe_gemm writes each row to its pair's place: the rows are in this order
         gate_up = self.gate_up.grouped_rows(x, plan, top_k, float_out=self.gate_up.bias is not None)
         rows = self.down.grouped_rows(self._activated(gate_up, flat), plan, 1, float_out=True)

@@ -8,6 +8,7 @@ import torch
 
 from exlcli.bench.machine import copy_bandwidth, git_commit, machine_facts
 from exlcli.bench.model_facts import ModelFacts
+from exlcli.bench.stats import decode_bytes
 from exlcli.bench.throughput import BenchSpec, ThroughputRunner, make_engine
 from exlcli.model import random_weights
 from exlcli.model.architectures.windows import periodic
@@ -63,5 +64,10 @@ def test_the_pool_holds_max_len_on_a_model_with_sliding_window_layers(monkeypatc
     loaded = load_model("random:tiny-swa", device="cpu")
     engine = make_engine(loaded, max_batch=1, max_len=200)
     assert engine.max_model_len == 201
-    ThroughputRunner(engine, ModelFacts.of(loaded)).run(BenchSpec("pp", 190, 1), reps=1, warmup=0)
+    facts = ModelFacts.of(loaded)
+    ThroughputRunner(engine, facts).run(BenchSpec("pp", 190, 1), reps=1, warmup=0)
     assert engine.stats().total_prompt_tokens == 190
+    # one of the two layers has the 16-token window: its K/V counts for 16 tokens a step, not the context
+    assert facts.kv_windows == ((16, facts.kv_bytes_per_token // 2),)
+    per_step = decode_bytes(0, facts.kv_bytes_per_token, 1, 500, 1, facts.kv_windows)
+    assert per_step == facts.kv_bytes_per_token // 2 * (501 + 16)

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from exlcli.bench.stats import Summary, decode_bytes, mean, percentile, prefill_flops, rate, std
+from exlcli.bench.stats import Summary, attended_tokens, decode_bytes, mean, percentile, prefill_flops, rate, std
 
 
 def test_mean_and_sample_std():
@@ -45,6 +45,20 @@ def test_decode_bytes_counts_weights_per_step_and_kv_per_attended_token():
     # 3 steps, 2 sequences starting with 5 tokens cached: they attend over 6, 7, 8 tokens
     expected = 3 * 1000 + 2 * (6 + 7 + 8) * 10
     assert decode_bytes(weight_bytes=1000, kv_bytes_per_token=10, batch=2, context_before=5, steps=3) == expected
+
+
+def test_decode_bytes_counts_a_window_layer_by_its_window():
+    # 4 steps from 5 cached tokens attend over 6, 7, 8, 9 tokens; a layer of window 7 reads 6, 7, 7, 7
+    assert attended_tokens(5, 4) == 6 + 7 + 8 + 9
+    assert attended_tokens(5, 4, window=7) == 6 + 7 + 7 + 7
+    assert attended_tokens(5, 4, window=100) == attended_tokens(5, 4)  # a window wider than the context
+    assert attended_tokens(8192, 3, window=1024) == 3 * 1024
+    # 30 bytes a token: 10 of full layers, 20 of window-7 layers (each term counted by hand)
+    expected = 4 * 1000 + 2 * (10 * (6 + 7 + 8 + 9) + 20 * (6 + 7 + 7 + 7))
+    assert decode_bytes(1000, 30, batch=2, context_before=5, steps=4, kv_windows=[(7, 20)]) == expected
+    # brute force against a step-by-step count
+    for before, steps, window in [(0, 1, 1), (3, 10, 5), (1000, 7, 1024), (1020, 9, 1024), (5, 3, 2)]:
+        assert attended_tokens(before, steps, window) == sum(min(before + j, window) for j in range(1, steps + 1))
 
 
 def test_prefill_flops_counts_linear_attention_and_head():

@@ -1,14 +1,18 @@
 """GPU test helpers: the CUDA skip mark, output poisoning, error norms, bit-for-bit comparison, the rope
-step's inputs and the check that a q|k|v linear's fused rope step is Linear's sequence, and the check that a
-model's fused decode step is its forward."""
+step's inputs and the check that a q|k|v linear's fused rope step is Linear's sequence, the check that a
+model's fused decode step is its forward, and the MoE tests' random packed experts, bf16 input rows and
+CUDA graph capture."""
 
 from __future__ import annotations
+
+from typing import Callable
 
 import pytest
 import torch
 
 from exlcli.model.batch_inputs import BatchInputs
 from exlcli.model.kv_cache import KVCache
+from exlcli.ops.formats import cuda_groups
 from exlcli.ops.formats.base import Linear
 from exlcli.ops.rope import RopeWrite, rope_cos_sin_cache
 
@@ -119,3 +123,43 @@ def assert_fused_decode_step_equals_forward(model, dtype: torch.dtype, lengths, 
                     f"{what} logits, lengths {lens}")
         for c, c_ref in zip(kv.k + kv.v, kv_ref.k + kv_ref.v):
             assert_same(c, c_ref, "KV cache after the step")
+
+
+def random_packed_linear(rows: int, cols: int, bits: int, group: int, gen: torch.Generator,
+                         bias_scale: float | None = None) -> cuda_groups.GroupedCudaLinear:
+    """A random weight in the packed layout of the MoE device path (drawn on the GPU by `gen`: many experts of
+    real widths are tens of millions of weights), with a random bf16 bias of that scale (gpt-oss's experts) when
+    `bias_scale` is given."""
+    q = torch.randint(0, 2 ** bits, (rows, cols), generator=gen, dtype=torch.int32, device="cuda")
+    scale = (torch.rand(rows, cols // group, generator=gen, device="cuda") * 0.02 + 1e-3) / 2 ** (bits - 4)
+    offset = -scale * 2 ** (bits - 1) + (torch.rand(rows, cols // group, generator=gen, device="cuda") - 0.5) * 0.01
+    bias = None if bias_scale is None else torch.randn(rows, generator=gen, device="cuda") * bias_scale
+    lin = cuda_groups.grouped_linear(q, scale, offset, bits, bias)
+    assert isinstance(lin, cuda_groups.GroupedCudaLinear) and (lin.bias is not None) == (bias is not None)
+    return lin
+
+
+def bf16_rows(tokens: int, hidden: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    """[tokens, hidden] random bf16 rows on the GPU, drawn on the CPU by `seed` (times `scale`)."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(tokens, hidden, generator=gen) * scale).to(torch.bfloat16).cuda()
+
+
+def capture_graph(fn: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """`fn` warmed up once on a side stream, then captured in a CUDA graph (a host sync in it fails the capture):
+    the graph and the output tensor its replays write."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # warm-up
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+def replay(graph: torch.cuda.CUDAGraph) -> None:
+    """One replay, waited for."""
+    graph.replay()
+    torch.cuda.synchronize()

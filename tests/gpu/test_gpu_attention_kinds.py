@@ -14,6 +14,7 @@ from gpu_helpers import TOLERANCE, assert_matches, poison_next_alloc, rel_err, r
 
 from exlcli.ops import attention
 from exlcli.ops.attention import _first_key, decode_query_rows, paged_attention, paged_attention_ref
+from exlcli.ops.cuda import checks
 from exlcli.ops.cuda import kernels as ops
 from exlcli.ops.cuda.limits import DECODE_ATTENTION_VERSIONS
 from exlcli.ops.cuda.state import launch_options
@@ -285,3 +286,90 @@ def test_an_e4m3_cache_with_a_kind_is_attention_over_its_values(name, dtype, dim
     want = ops.paged_attention_prefill(q, k16, v16, tables, qsl, lens_t, 0.088, ops.PrefillLayout(starts, lens),
                                        version=3, **kind)
     torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+# Window layers at 8k context: the decode kernel's grid holds the partitions a row's window can touch
+# (checks.decode_partitions: 5 for Gemma 3's 1,024, 2 for gpt-oss's 128), not the table's 32, and computes
+# partition first_part + z in slot z. Rows whose windows start on, just before and just after partition edges;
+# rows shorter than the window and than the table; every window size around one partition.
+LONG_LENS = [8192, 8191, 8000, 7937, 7681, 1025, 257, 1]
+
+
+@pytest.mark.parametrize("window,with_sinks", [(1, False), (128, True), (255, False), (256, False), (257, True),
+                                               (1024, False), (1024, True)])
+def test_window_decode_at_long_context_launches_only_its_window(window, with_sinks, decode_kernel):
+    assert checks.decode_partitions(8192, window) == -(-(window - 1) // checks.PARTITION_TOKENS) + 1
+    heads, kv_heads, dim = 16, 2, 128
+    kind = {"window": window, "sinks": kind_args("sinks", heads)["sinks"] if with_sinks else None, "softcap": None}
+    k, v, tables, k_ref, v_ref = paged_kv(LONG_LENS, [1] * len(LONG_LENS), kv_heads, dim, torch.bfloat16, window)
+    q = randn(len(LONG_LENS), heads, dim, dtype=torch.bfloat16)
+    lens_t = torch.tensor(LONG_LENS, dtype=torch.int32, device="cuda")
+    scale = dim ** -0.5
+    out = ops.paged_attention_decode(q, k, v, tables, lens_t, scale, **kind)
+    ref = reference(q, k_ref, v_ref, tables, list(range(len(LONG_LENS) + 1)), LONG_LENS, scale, kind)
+    assert_matches(out, ref, torch.bfloat16, f"window {window} decode at 8k context vs fp64")
+    for b in range(len(LONG_LENS)):  # alone, and in a table just wide enough for the row: the same bits
+        alone = ops.paged_attention_decode(q[b:b + 1], k, v, tables[b:b + 1], lens_t[b:b + 1], scale, **kind)
+        assert torch.equal(alone, out[b:b + 1]), f"row {b} differs alone and in its batch (window {window})"
+        pages = -(-LONG_LENS[b] // PAGE)
+        narrow = ops.paged_attention_decode(q[b:b + 1], k, v, tables[b:b + 1, :pages].contiguous(), lens_t[b:b + 1],
+                                            scale, **kind)
+        if checks.decode_partitions(pages * PAGE, window) > 1 or checks.decode_partitions(8192, window) == 1:
+            # the same partitions and the same combine (one partition alone writes its row itself)
+            assert torch.equal(narrow, alone), f"row {b} differs in a narrow table (window {window})"
+
+
+@pytest.mark.parametrize("window", [128, 1024])
+def test_window_decode_at_long_context_replays_in_a_cuda_graph(window, decode_kernel):
+    """The window's partition count comes from the window and the table's width (host values): a captured graph
+    keeps its grid while the rows grow across partition edges."""
+    kind = kind_args("sinks", 16)
+    kind["window"] = window
+    lens = [8000, 255, 1023, 4097]
+    k, v, tables, _, _ = paged_kv([8192] * 4, [1] * 4, 2, 128, torch.bfloat16, None)
+    q = randn(4, 16, 128, dtype=torch.bfloat16)
+    static_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ops.paged_attention_decode(q, k, v, tables, static_lens, 128 ** -0.5, **kind)  # warm-up
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.paged_attention_decode(q, k, v, tables, static_lens, 128 ** -0.5, **kind)
+    for shift in (0, 1, 2, 129, 190):
+        new_lens = torch.tensor([n + shift for n in lens], dtype=torch.int32, device="cuda")
+        static_lens.copy_(new_lens)
+        graph.replay()
+        want = ops.paged_attention_decode(q, k, v, tables, new_lens, 128 ** -0.5, **kind)
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["sinks", "window-128-sinks", "window-softcap"])
+def test_prefill_of_many_equal_chunks_takes_the_kind_in_bounded_memory(name):
+    """Many sequences of one shape (the bench's 64 prompts in one step) share one call: its query blocks are sized
+    by the keys each reads (the window, or the causal span so far), so the scores stay bounded while the result
+    is the reference's."""
+    heads, kv_heads, dim = 32, 4, 64
+    kind = kind_args(name, heads)
+    count, num_q, length = 6, 1500, 2000
+    lens, queries = [length] * count, [num_q] * count
+    starts = [i * num_q for i in range(count + 1)]
+    k, v, tables, k_ref, v_ref = paged_kv(lens, queries, kv_heads, dim, torch.bfloat16, kind["window"])
+    q = randn(starts[-1], heads, dim, dtype=torch.bfloat16)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    qsl = torch.tensor(starts, dtype=torch.int32, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = ops.paged_attention_prefill(q, k, v, tables, qsl, lens_t, dim ** -0.5, ops.PrefillLayout(starts, lens),
+                                      **kind)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    # the scores of a block: 256 MiB of fp32, a few copies of them through the soft-cap, sinks and softmax; the
+    # gathered K/V and q and the output are small beside them
+    assert peak < (1 << 30) + 8 * q.numel() * q.element_size(), peak
+    for b in (0, count - 1):
+        rows = slice(starts[b], starts[b + 1])
+        ref = reference(q[rows], k_ref, v_ref, tables[b:b + 1], [0, num_q], [length], dim ** -0.5, kind)
+        assert_matches(out[rows], ref, torch.bfloat16, f"prefill of {count} equal chunks ({name}), sequence {b}")

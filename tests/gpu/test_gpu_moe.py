@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpu_helpers import rel_err, requires_cuda
+from gpu_helpers import bf16_rows, capture_graph, random_packed_linear, rel_err, replay, requires_cuda
 
 from exlcli.ops import moe_stacked
 from exlcli.ops.cuda import kernels as ops
-from exlcli.ops.formats import cuda_groups
 from exlcli.ops.formats.dense import dense_linear
 from exlcli.ops.moe import Expert, MoeFeedForward, RouterSpec, route
 
@@ -25,20 +24,10 @@ pytestmark = [pytest.mark.gpu, requires_cuda, pytest.mark.usefixtures("kernels")
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 16, 8
 
 
-def packed_linear(rows: int, cols: int, bits: int, group: int, gen: torch.Generator) -> cuda_groups.GroupedCudaLinear:
-    """A random weight (drawn on the GPU: 16 experts of these shapes are 75M weights) in the packed layout."""
-    q = torch.randint(0, 2 ** bits, (rows, cols), generator=gen, dtype=torch.int32, device="cuda")
-    scale = (torch.rand(rows, cols // group, generator=gen, device="cuda") * 0.02 + 1e-3) / 2 ** (bits - 4)
-    offset = -scale * 2 ** (bits - 1) + (torch.rand(rows, cols // group, generator=gen, device="cuda") - 0.5) * 0.01
-    lin = cuda_groups.grouped_linear(q, scale, offset, bits, None)
-    assert isinstance(lin, cuda_groups.GroupedCudaLinear)
-    return lin
-
-
 def make_moe(bits: int, down_bits: int, seed: int, group: int = 32) -> MoeFeedForward:
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    experts = [Expert(packed_linear(2 * INTER, HIDDEN, bits, group, gen),
-                      packed_linear(HIDDEN, INTER, down_bits, group, gen)) for _ in range(EXPERTS)]
+    gen = torch.Generator(device="cuda").manual_seed(seed)  # 16 experts of these shapes: 75M weights
+    experts = [Expert(random_packed_linear(2 * INTER, HIDDEN, bits, group, gen),
+                      random_packed_linear(HIDDEN, INTER, down_bits, group, gen)) for _ in range(EXPERTS)]
     router_weight = torch.randn(EXPERTS, HIDDEN, generator=gen, device="cuda") * 0.05
     router = dense_linear(router_weight.to(torch.bfloat16), None)
     moe = MoeFeedForward(router, RouterSpec("softmax_topk", TOP_K, normalize=True), experts)
@@ -47,8 +36,7 @@ def make_moe(bits: int, down_bits: int, seed: int, group: int = 32) -> MoeFeedFo
 
 
 def inputs(tokens: int, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(tokens, HIDDEN, generator=gen).to(torch.bfloat16).cuda()
+    return bf16_rows(tokens, HIDDEN, seed)
 
 
 def routed(moe: MoeFeedForward, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,21 +121,12 @@ def test_a_cuda_graph_captures_the_moe_layer():
     moe = make_moe(4, 6, seed=9)
     static_x = inputs(4, seed=10)
     eager = moe(static_x)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        moe(static_x)  # warm-up
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = moe(static_x)
-    graph.replay()
-    torch.cuda.synchronize()
+    graph, out = capture_graph(lambda: moe(static_x))
+    replay(graph)
     assert torch.equal(out, eager)
     new_x = inputs(4, seed=11)
     static_x.copy_(new_x)
-    graph.replay()
-    torch.cuda.synchronize()
+    replay(graph)
     assert torch.equal(out, moe(new_x))
 
 
@@ -160,16 +139,8 @@ def test_graph_capture_takes_the_grouped_path_beyond_the_pairs_limit(monkeypatch
     weights, ids = moe._route_on_device(moe.router(x, out_dtype=torch.float32))  # the layer's router kernel
     want = stacked.grouped(x, weights, ids).to(torch.bfloat16)
     assert not torch.equal(want, stacked.pairs(x, weights, ids).to(torch.bfloat16)), "the two paths differ"
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        moe(x)  # warm-up
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = moe(x)  # a host sync here would fail the capture
-    graph.replay()
-    torch.cuda.synchronize()
+    graph, out = capture_graph(lambda: moe(x))  # a host sync would fail the capture
+    replay(graph)
     assert torch.equal(out, want)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpu_helpers import rel_err, requires_cuda
+from gpu_helpers import bf16_rows, capture_graph, random_packed_linear, rel_err, replay, requires_cuda
 
 from exlcli.ops import moe_stacked
 from exlcli.ops.formats import cuda_groups
@@ -25,13 +25,7 @@ LIMIT, ALPHA = 7.0, 1.702  # gpt-oss's swiglu_limit and swiglu_alpha
 
 def biased_linear(rows: int, cols: int, gen: torch.Generator, bias_scale: float) -> cuda_groups.GroupedCudaLinear:
     """A random 8-bit weight in the packed layout (MXFP4's on CUDA) with a random bf16 bias."""
-    q = torch.randint(0, 256, (rows, cols), generator=gen, dtype=torch.int32, device="cuda")
-    scale = (torch.rand(rows, cols // GROUP, generator=gen, device="cuda") * 0.02 + 1e-3) / 16
-    offset = -scale * 128 + (torch.rand(rows, cols // GROUP, generator=gen, device="cuda") - 0.5) * 0.01
-    bias = torch.randn(rows, generator=gen, device="cuda") * bias_scale
-    lin = cuda_groups.grouped_linear(q, scale, offset, 8, bias)
-    assert isinstance(lin, cuda_groups.GroupedCudaLinear) and lin.bias is not None
-    return lin
+    return random_packed_linear(rows, cols, 8, GROUP, gen, bias_scale)
 
 
 def oss_moe(seed: int) -> MoeFeedForward:
@@ -53,8 +47,7 @@ def oss_moe(seed: int) -> MoeFeedForward:
 def inputs(tokens: int, seed: int, scale: float = 1.5) -> torch.Tensor:
     """Rows large enough that the gate|up rows pass gpt-oss's limit of 7 in places (about 9% of gate values above
     it, 16% of up values beyond it, on the CPU model of these weights)."""
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(tokens, HIDDEN, generator=gen) * scale).to(torch.bfloat16).cuda()
+    return bf16_rows(tokens, HIDDEN, seed, scale)
 
 
 def routed(moe: MoeFeedForward, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,20 +106,37 @@ def test_a_cuda_graph_captures_the_gpt_oss_moe_layer(tokens):
     moe = oss_moe(seed=9)
     static_x = inputs(tokens, seed=10)
     eager = moe(static_x)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        moe(static_x)  # warm-up
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = moe(static_x)  # a host sync (the host-grouped path's counts) would fail the capture
-    graph.replay()
-    torch.cuda.synchronize()
+    graph, out = capture_graph(lambda: moe(static_x))  # a host sync (the host-grouped path's counts) would fail it
+    replay(graph)
     assert torch.equal(out, eager)
     new_x = inputs(tokens, seed=11)
     static_x.copy_(new_x)
-    graph.replay()
-    torch.cuda.synchronize()
+    replay(graph)
     assert torch.equal(out, moe(new_x))
     assert not torch.equal(out, eager)
+
+
+def test_a_long_prefill_runs_the_grouped_path_in_bounded_chunks_with_the_same_bits(monkeypatch):
+    """A step of many tokens (the batch-64 bench's 64 x 8,192-token prefill asked for 45 GiB of fp32 gate|up rows)
+    runs in token chunks (moe_stacked.GROUPED_MAX_ROW_BYTES): bit for bit the whole call's result, in far less
+    memory than the whole call's rows."""
+    moe = oss_moe(seed=12)
+    stacked = moe.stacked
+    assert stacked is not None
+    tokens = 3 * moe_stacked.grouped_chunk_tokens(TOP_K, 2 * INTER) + 123  # three whole chunks and a part
+    x = inputs(tokens, seed=13)
+    weights, ids = routed(moe, x)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    chunked = stacked(x, weights, ids)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    rows_bytes = tokens * TOP_K * 2 * INTER * 4  # what the whole call's fp32 gate|up rows alone take
+    out_bytes = chunked.numel() * 4
+    assert peak < 6 * moe_stacked.GROUPED_MAX_ROW_BYTES + 3 * out_bytes < rows_bytes * 3, (peak, rows_bytes)
+    monkeypatch.setattr(moe_stacked, "GROUPED_MAX_ROW_BYTES", 1 << 40)  # one whole call
+    whole = stacked(x, weights, ids)
+    assert torch.equal(chunked, whole), "a chunked call's tokens differ from the whole call's"
+    monkeypatch.setattr(moe_stacked, "GROUPED_MAX_ROW_BYTES", 4 * TOP_K * 2 * INTER * 37)  # chunks of 37 tokens
+    assert torch.equal(stacked(x, weights, ids), whole)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpu_helpers import rel_err, requires_cuda
+from gpu_helpers import capture_graph, rel_err, replay, requires_cuda
 from test_gpu_moe import TOP_K, inputs, make_moe
 
 from exlcli.ops import moe_stacked
@@ -172,21 +172,12 @@ def test_a_cuda_graph_captures_the_layer_on_either_path(tokens):
     moe = make_moe(4, 6, seed=22)
     static_x = inputs(tokens, seed=23)
     eager = moe(static_x)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        moe(static_x)  # warm-up
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = moe(static_x)  # a host sync here would fail the capture
-    graph.replay()
-    torch.cuda.synchronize()
+    graph, out = capture_graph(lambda: moe(static_x))  # a host sync would fail the capture
+    replay(graph)
     assert torch.equal(out, eager), f"replay: {first_difference(out, eager)}"
     new_x = inputs(tokens, seed=24)
     static_x.copy_(new_x)
-    graph.replay()
-    torch.cuda.synchronize()
+    replay(graph)
     want = moe(new_x)
     assert torch.equal(out, want), f"replay with new x: {first_difference(out, want)}"
 

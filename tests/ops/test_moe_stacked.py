@@ -208,6 +208,29 @@ def test_the_kernel_wrappers_refuse_cpu_tensors_with_a_clear_error():
         kernels.moe_plan(torch.zeros(4, dtype=torch.int32), 2, 4)
     with pytest.raises(KernelInputError, match="moe_route: logits must be a CUDA tensor"):
         kernels.moe_route(torch.zeros(2, 8), 2, True, True)
+    with pytest.raises(KernelInputError, match="moe_gate_up_act: x must be a CUDA tensor"):
+        kernels.moe_gate_up_act(x, torch.zeros(2, 16, dtype=torch.int32), torch.zeros(2, 8), 4, 32, 8,
+                                torch.zeros(2, dtype=torch.int32), None, 2, None, "silu")
+    with pytest.raises(KernelInputError, match="moe_down_combine: act must be a CUDA tensor"):
+        kernels.moe_down_combine(x, torch.zeros(2, 16, dtype=torch.int32), torch.zeros(2, 8), 4, 32, 16,
+                                 torch.zeros(1, dtype=torch.int32), torch.zeros(1), 1, None)
+
+
+def test_the_fused_pairs_kernels_take_what_their_block_holds():
+    from exlcli.ops.cuda.limits import MOE_FUSED_MAX_SHARED, moe_fused_takes
+
+    assert moe_fused_takes(8, 768) and moe_fused_takes(4, 2880)  # Qwen3-30B-A3B's, gpt-oss's experts
+    assert moe_fused_takes(1, 64) and not moe_fused_takes(0, 64) and not moe_fused_takes(65, 64)
+    assert not moe_fused_takes(8, 96), "the features in whole chunks of 64"
+    most = MOE_FUSED_MAX_SHARED // (8 * 24 + 8 * 16 * 4)  # slots of 128 features
+    assert moe_fused_takes(most, 128) and not moe_fused_takes(most + 1, 128)
+
+
+def test_cpu_tensors_take_the_unfused_pairs_path():
+    packed, _ = experts_of(4, seed=41)
+    stacked = stack_experts([e.gate_up for e in packed], [e.down for e in packed])
+    assert stacked is not None
+    assert not stacked.fuses(torch.zeros(1, HIDDEN, dtype=torch.bfloat16), TOP_K)
 
 
 def id_cases(gen: torch.Generator) -> dict[str, torch.Tensor]:
@@ -450,6 +473,32 @@ def test_the_paths_add_each_pairs_biases_as_their_models_do(activation, tokens, 
     assert torch.equal(path(x, weights, ids), got)
     # gate|up's rows come back in fp32 so that the bias is added before their one bf16 rounding; down's are fp32
     assert calls[:2] == [("gate_up", True), ("down", True)]
+
+
+def test_a_large_grouped_call_runs_in_chunks_of_bounded_rows_with_the_same_result(monkeypatch):
+    """A prefill step of many tokens (gpt-oss's batch-64 bench: 64 x 8,192 tokens, 45 GiB of fp32 gate|up rows)
+    runs the grouped path in token chunks whose rows fit GROUPED_MAX_ROW_BYTES: each token's result is the one
+    the whole call gives (its rows are its own), and no product sees more pairs than the bound allows."""
+    tokens = 3 * PAIRS_MAX_TOKENS + 8  # 80: 7 chunks of 11 tokens and one of 3
+    stacked, _, x, weights, ids = oss_case(90, tokens, "swiglu_clamped")
+    want = stacked.emulate_grouped(x, weights, ids)
+    # 2I = 128 fp32 features a gate|up row, TOP_K pairs a token: 11 tokens' rows fit
+    monkeypatch.setattr(moe_stacked, "GROUPED_MAX_ROW_BYTES", 11 * TOP_K * 2 * INTER * 4 + 100)
+    assert moe_stacked.grouped_chunk_tokens(TOP_K, 2 * INTER) == 11
+    sizes: list[int] = []
+    kernels_as_models(monkeypatch, stacked)
+    grouped_rows = stacked.gate_up.grouped_rows
+
+    def counted(x, plan, rows_per_x, float_out):
+        sizes.append(plan.order.shape[0])
+        return grouped_rows(x, plan, rows_per_x, float_out)
+
+    monkeypatch.setattr(stacked.gate_up, "grouped_rows", counted)
+    got = stacked.grouped(x, weights, ids.to(torch.int32))
+    assert torch.equal(got, want), "a chunked call's tokens differ from the whole call's"
+    assert sizes == [11 * TOP_K] * 7 + [3 * TOP_K]
+    monkeypatch.setattr(moe_stacked, "GROUPED_MAX_ROW_BYTES", 1)  # even one token over the bound runs alone
+    assert moe_stacked.grouped_chunk_tokens(TOP_K, 2 * INTER) == 1
 
 
 def test_the_paths_without_biases_keep_bf16_gate_up_rows(monkeypatch):

@@ -12,12 +12,14 @@ import torch
 from test_attention import PagedBatch  # tests/ops/test_attention.py
 
 from exlcli.ops.attention import (
+    _first_key,
     cpu_kernel_available,
     is_plain,
     paged_attention,
     paged_attention_cpu,
     paged_attention_ref,
 )
+from exlcli.ops.cuda.checks import PARTITION_TOKENS, decode_partitions
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 
@@ -135,3 +137,21 @@ def test_bf16_kinds_take_the_c_kernel():
             assert torch.equal(got, paged_attention_cpu(q, k, v, b.block_tables, b.query_start_loc, b.seq_lens,
                                                         b.scale, **kind))
     assert is_plain(None, None, None) and not is_plain(8, None, None) and not is_plain(None, SINKS, None)
+
+
+@pytest.mark.parametrize("window", [1, 2, 100, 128, 255, 256, 257, 300, 512, 1024, 1025, None])
+def test_decode_partitions_hold_every_row_of_a_window_and_no_more(window):
+    """The CUDA decode kernel launches decode_partitions(table, W) partition slots a row (attention_decode.cuh's
+    window_parts), not the table's width: every row's window fits them, and some row needs them all."""
+    size = PARTITION_TOKENS
+    table = 8192
+    slots = decode_partitions(table, window)
+    touched = []
+    for length in range(1, table + 1):
+        first = _first_key(length, 1, window)
+        touched.append((length - 1) // size - first // size + 1)
+    assert max(touched) == slots, (window, max(touched), slots)
+    if window is not None:
+        assert slots <= -(-window // size) + 1  # at 8k context: 5 for Gemma 3's 1,024, 2 for gpt-oss's 128
+    assert decode_partitions(100, window) == 1 and decode_partitions(0, window) == 1  # a table of one partition
+    assert decode_partitions(600, window) == min(3, slots)

@@ -19,6 +19,16 @@ MAX_GRID_Y = 65535
 PARTITION_TOKENS = 256  # attention_decode.cuh's kPartitionTokens
 
 
+def decode_partitions(table_tokens: int, window: int | None) -> int:
+    """Partition slots a row of the decode attention kernel gets (attention_decode.cuh's window_parts): a block
+    table of `table_tokens` keys in partitions of PARTITION_TOKENS, or with a window W no more than the
+    ceil((W - 1) / PARTITION_TOKENS) + 1 partitions that W consecutive keys can straddle."""
+    parts = -(-table_tokens // PARTITION_TOKENS)
+    if window is not None and window > 0:
+        parts = min(parts, -(-(window - 1) // PARTITION_TOKENS) + 1)
+    return max(1, parts)
+
+
 def fail(op: str, message: str) -> None:
     raise KernelInputError(f"{op}: {message}")
 

@@ -13,6 +13,8 @@ from exlcli.ops.cuda import checks
 from exlcli.ops.cuda.limits import (
     DP4A_MAX_TOKENS,
     EXL3_MAX_KERNEL_TOKENS,
+    MOE_FUSED_MAX_K,
+    MOE_FUSED_MAX_SHARED,
     MOE_PLAN_MAX_SHARED,
     MOE_ROUTE_MAX_K,
     MOE_TILE_TOKENS,
@@ -21,6 +23,7 @@ from exlcli.ops.cuda.limits import (
     QUANT_GROUPS,
     QUANT_TILE_ROWS,
     dp4a_takes,
+    moe_fused_takes,
     moe_plan_takes,
 )
 from exlcli.ops.cuda.state import STATE
@@ -445,6 +448,76 @@ def moe_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bits:
         checks.vector(op, "order", order, ids.shape[0], torch.int32)
     return torch.ops.exlcli.moe_gemv(x, qweight, scales, bits, group, n, ids, order, rows_per_x, float_out,
                                      STATE.options.pdl)
+
+
+MOE_ACTIVATIONS = {"silu": 0, "swiglu_clamped": 1}  # moe_gate_up_act's activation codes
+
+
+def moe_gate_up_act(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bits: int, group: int, inter: int,
+                    ids: torch.Tensor, order: torch.Tensor | None, rows_per_x: int, bias: torch.Tensor | None,
+                    activation: str, limit: float = 7.0, alpha: float = 1.702) -> torch.Tensor:
+    """moe_gemv over stacked gate|up experts ([gate; up]: 2 inter rows) with each pair's expert's bias (bf16 [E,
+    2 inter], or None) and the activation (`silu`: SiLU-and-mul; `swiglu_clamped`: gpt-oss's, its limit and alpha)
+    in one launch (csrc/moe.cu): bf16 act [pairs, inter], the bytes of moe_gemv, the bias add and the activation
+    in sequence. An id outside 0 .. E - 1 gives a NaN row."""
+    op = "moe_gate_up_act"
+    checks.on_cuda(op, "x qweight scales ids", x, qweight, scales, ids)
+    if inter <= 0 or inter % QUANT_TILE_ROWS:
+        checks.fail(op, f"inter must be a positive multiple of {QUANT_TILE_ROWS}, got {inter}")
+    k = _stacked_experts(op, x, qweight, scales, bits, group, 2 * inter)
+    if not dp4a_takes(1, k):
+        checks.fail(op, f"k ({k}) is too large for the dp4a kernel's shared memory")
+    if inter // QUANT_TILE_ROWS > checks.MAX_GRID_Y:
+        checks.fail(op, f"inter ({inter}) must be at most {checks.MAX_GRID_Y * QUANT_TILE_ROWS}")
+    if rows_per_x < 1:
+        checks.fail(op, f"rows_per_x must be at least 1, got {rows_per_x}")
+    checks.vector(op, "ids", ids, x.shape[0] * rows_per_x, torch.int32)
+    if order is not None:
+        checks.on_cuda(op, "x order", x, order)
+        checks.vector(op, "order", order, ids.shape[0], torch.int32)
+    _expert_bias(op, x, bias, qweight.shape[0], 2 * inter)
+    if activation not in MOE_ACTIVATIONS:
+        checks.fail(op, f"activation must be one of {', '.join(MOE_ACTIVATIONS)}, got '{activation}'")
+    return torch.ops.exlcli.moe_gate_up_act(x, qweight, scales, bits, group, inter, ids, order, rows_per_x, bias,
+                                            MOE_ACTIVATIONS[activation], float(limit), float(alpha),
+                                            STATE.options.pdl)
+
+
+def moe_down_combine(act: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bits: int, group: int, n: int,
+                     ids: torch.Tensor, weights: torch.Tensor, top_k: int, bias: torch.Tensor | None,
+                     bf16_out: bool = False, warps: int = 0) -> torch.Tensor:
+    """moe_gemv over stacked down experts (act bf16 [tokens * top_k, k], a pair a row), each row plus its expert's
+    bias (bf16 [E, n], or None), and moe_combine with weights (fp32 [tokens * top_k]) in one launch (csrc/moe.cu):
+    fp32 [tokens, n], or that rounded to bf16 (bf16_out); the bytes of those three in sequence. An id outside
+    0 .. E - 1 makes its token's row NaN. warps: the block's, 8 or 16, or 0 (16 where the grid is one wave of one
+    block an SM, else 8); no result depends on it."""
+    op = "moe_down_combine"
+    checks.on_cuda(op, "act qweight scales ids weights", act, qweight, scales, ids, weights)
+    k = _stacked_experts(op, act, qweight, scales, bits, group, n)
+    if n // QUANT_TILE_ROWS > checks.MAX_GRID_Y:
+        checks.fail(op, f"n ({n}) must be at most {checks.MAX_GRID_Y * QUANT_TILE_ROWS}")
+    if not moe_fused_takes(top_k, k):
+        checks.fail(op, f"{top_k} slots of {k} features do not fit the block (top_k 1 to {MOE_FUSED_MAX_K}, "
+                        f"{MOE_FUSED_MAX_SHARED} bytes of shared memory)")
+    if act.shape[0] % top_k:
+        checks.fail(op, f"act's {act.shape[0]} rows must be whole tokens of {top_k} slots")
+    checks.vector(op, "ids", ids, act.shape[0], torch.int32)
+    checks.vector(op, "weights", weights, act.shape[0], torch.float32)
+    _expert_bias(op, act, bias, qweight.shape[0], n)
+    if warps not in (0, 8, 16):
+        checks.fail(op, f"warps must be 0 (chosen by the grid), 8 or 16, got {warps}")
+    return torch.ops.exlcli.moe_down_combine(act, qweight, scales, bits, group, n, ids, weights, top_k, bias,
+                                             bf16_out, warps, STATE.options.pdl)
+
+
+def _expert_bias(op: str, x: torch.Tensor, bias: torch.Tensor | None, experts: int, n: int) -> None:
+    """A stacked bias: None, or a contiguous bf16 [experts, n] on x's device."""
+    if bias is None:
+        return
+    checks.on_cuda(op, "x bias", x, bias)
+    if bias.dtype != torch.bfloat16 or tuple(bias.shape) != (experts, n) or not bias.is_contiguous():
+        checks.fail(op, f"bias must be a contiguous bfloat16 [{experts}, {n}], got {bias.dtype} "
+                        f"{list(bias.shape)}")
 
 
 def _stacked_experts(op: str, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bits: int,

@@ -27,6 +27,18 @@ def dp4a_takes(tokens: int, in_features: int) -> bool:
     return 1 <= tokens <= DP4A_MAX_TOKENS and tokens * (in_features // 16) * 24 <= DP4A_MAX_SHARED
 
 
+MOE_FUSED_MAX_SHARED = 44 * 1024  # csrc/moe.cu moe_down_combine's block: every slot's int8 row and partial sums
+MOE_FUSED_MAX_K = 64  # its slots (top k) at most
+MOE_FUSED_VIRTUAL_WARPS = 8  # the down sums' split over chunks (moe_gemv's warps for fp32 rows)
+
+
+def moe_fused_takes(top_k: int, inter: int) -> bool:
+    """Whether moe_down_combine's one block a (token, row tile) holds top_k slots of activation rows of `inter`
+    features (24 bytes per 16 features) and their partial sums (8 x 16 floats a slot)."""
+    return (1 <= top_k <= MOE_FUSED_MAX_K and inter % QUANT_CHUNK == 0
+            and top_k * ((inter // 16) * 24 + MOE_FUSED_VIRTUAL_WARPS * QUANT_TILE_ROWS * 4) <= MOE_FUSED_MAX_SHARED)
+
+
 def moe_plan_takes(pairs: int, experts: int) -> bool:
     """Whether moe_plan's one block holds this many pairs and experts in shared memory."""
     return (pairs + experts + 1) * 4 <= MOE_PLAN_MAX_SHARED
