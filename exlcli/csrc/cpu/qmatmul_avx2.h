@@ -197,9 +197,9 @@ static inline __attribute__((always_inline)) __m256 block_step(const qmm2_args *
 
 // Rows r0 .. r0 + rows - 1, half h (columns n0 + 8h ..) of one column group of 4-bit weights.
 // q <= 15 and |xq| <= 127: a pair is at most 3,810, so the 8 pairs of a block's 32 k fit int16.
-static inline __attribute__((always_inline)) void group_half_q4(const qmm2_args *a, const uint8_t *gq,
-                                                                 const void *gd, const void *gm, int64_t r0,
-                                                                 int rows, int h, __m256 acc[RT]) {
+static inline __attribute__((always_inline)) void group_half_q4_body(const qmm2_args *a, const uint8_t *gq,
+                                                                      const void *gd, const void *gm, int64_t r0,
+                                                                      int rows, int h, __m256 acc[RT]) {
     const __m256i ones = _mm256_set1_epi16(1);
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < a->nb; b++) {
@@ -228,6 +228,13 @@ static inline __attribute__((always_inline)) void group_half_q4(const qmm2_args 
             acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(mv, _mm256_set1_ps(a->xs[i])));
         }
     }
+}
+
+static inline __attribute__((always_inline)) void group_half_q4(const qmm2_args *a, const uint8_t *gq,
+                                                                 const void *gd, const void *gm, int64_t r0,
+                                                                 int rows, int h, __m256 acc[RT]) {
+    if (gm) group_half_q4_body(a, gq, gd, gm, r0, rows, h, acc);  // gm a constant in each: no test per block
+    else group_half_q4_body(a, gq, gd, NULL, r0, rows, h, acc);
 }
 
 // 4-bit indices into a table of 16 int8 values (IQ4): chunk_q4's nibbles looked up (one byte shuffle),
