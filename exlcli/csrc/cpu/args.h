@@ -21,7 +21,8 @@ typedef struct {
     int32_t half_scales;  // 1: d and m are fp16 (where exl_qmatmul_half_scales_available()), 0: fp32
     const uint8_t *qs;  // the repacked quants
     const void *d;      // the scales (bits 2: fp16 d, -dmin per super-block; qmatmul.c)
-    const void *m;      // the offsets (read when there are offsets; bits 2: the bytes sc | m << 4)
+    const void *m;      // the offsets (read when there are offsets; bits 2: the bytes sc | m << 4); NULL for
+                        // bits 4 with offsets, one scale a block and no table: every offset is -8 d (Q4_0)
     const int8_t *table;  // bits 4: NULL, or 16 values, w = table[q] * d without offsets (IQ4_NL, IQ4_XS)
     const uint16_t *bias;  // bf16 [N], or NULL
     int64_t out_features;  // N

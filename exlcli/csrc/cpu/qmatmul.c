@@ -78,13 +78,20 @@ static void qmm2_job_groups(void *ctx, int64_t begin, int64_t end) {
 
 #define QMM2_MAX_PARTS 8
 
+// Whether a part's offsets are where the kernel reads them: in m, or (m NULL) Q4_0's -8 d, which only 4-bit
+// weights with one scale a block and no table may leave to the kernel.
+static int offsets_held(const exl_qmatmul_args *p) {
+    int has_off = (p->bits == 4 && !p->table) || p->offsets;
+    return !has_off || p->m || (p->bits == 4 && !p->table && p->scales_per_block == 1);
+}
+
 // y [M, ldy] (y_fp32 or bf16), columns side by side from col 0: the products of x with each part's
 // weights (their x, rows and y fields unused), x quantized once. The same bits as one call per part.
 static int qmatmul_avx2_parts(const exl_qmatmul_args *parts, int64_t n_parts, const uint16_t *x, int64_t M,
                               void *y, int64_t ldy, int y_fp32) {
     int64_t K = parts[0].in_features, nb = K / BLOCK, col = 0;
     for (int64_t i = 0; i < n_parts; i++) {
-        if (parts[i].in_features != K) return 6;
+        if (parts[i].in_features != K || !offsets_held(&parts[i])) return 6;
         col += parts[i].out_features;
     }
     if (col > ldy) return 6;
@@ -133,7 +140,7 @@ static int qmatmul_avx2_grouped(const qmm_group *groups, int64_t n_groups, const
         if (g->n_parts < 1 || g->row0 < 0 || g->rows < 0 || g->row0 + g->rows > M) return 6;
         int64_t col = 0;
         for (int64_t p = 0; p < g->n_parts; p++) {
-            if (g->parts[p].in_features != K) return 6;
+            if (g->parts[p].in_features != K || !offsets_held(&g->parts[p])) return 6;
             if ((g->parts[p].half_scales || g->parts[p].bits == 2) && !EXL_QMM_HALF_SCALES) return -1;
             col += g->parts[p].out_features;
         }

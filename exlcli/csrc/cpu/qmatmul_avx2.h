@@ -172,6 +172,13 @@ static inline __attribute__((always_inline)) __m256 scales8(const void *base, in
 }
 
 
+// 8 columns' offsets: from gm, or where the layout holds none for 4-bit weights with offsets (Q4_0, whose offset
+// is always -8 d: exl_qmatmul_args.m NULL) -8 d of the same columns' scales, exact in fp32, so the same bits as
+// the stored values; the weights' bytes a block fall from 320 to 288 (fp16 scales), llama.cpp's Q4_0 blocks'.
+static inline __attribute__((always_inline)) __m256 offsets8(const void *gm, int64_t mi, int half, __m256 d) {
+    return gm ? scales8(gm, mi, half) : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+}
+
 // acc + float(sum) * (d * dx): the scaled step of the order in the header.
 static inline __attribute__((always_inline)) __m256 add_scaled(__m256 acc, __m256i sum, __m256 d, float dx) {
     return _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(dx))));
@@ -184,15 +191,15 @@ static inline __attribute__((always_inline)) __m256 block_step(const qmm2_args *
                                                                const void *gm, int64_t mi) {
     if (zero) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(zero * xsum));
     acc = add_scaled(acc, sum, d, a->dx[i]);
-    if (has_off) acc = _mm256_add_ps(acc, _mm256_mul_ps(scales8(gm, mi, a->half), _mm256_set1_ps(a->xs[i])));
+    if (has_off) acc = _mm256_add_ps(acc, _mm256_mul_ps(offsets8(gm, mi, a->half, d), _mm256_set1_ps(a->xs[i])));
     return acc;
 }
 
 // Rows r0 .. r0 + rows - 1, half h (columns n0 + 8h ..) of one column group of 4-bit weights.
 // q <= 15 and |xq| <= 127: a pair is at most 3,810, so the 8 pairs of a block's 32 k fit int16.
-static inline __attribute__((always_inline)) void group_half_q4(const qmm2_args *a, const uint8_t *gq,
-                                                                 const void *gd, const void *gm, int64_t r0,
-                                                                 int rows, int h, __m256 acc[RT]) {
+static inline __attribute__((always_inline)) void group_half_q4_body(const qmm2_args *a, const uint8_t *gq,
+                                                                      const void *gd, const void *gm, int64_t r0,
+                                                                      int rows, int h, __m256 acc[RT]) {
     const __m256i ones = _mm256_set1_epi16(1);
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < a->nb; b++) {
@@ -214,13 +221,20 @@ static inline __attribute__((always_inline)) void group_half_q4(const qmm2_args 
 #endif
             }
         }
-        __m256 d = scales8(gd, b * CG + 8 * h, a->half), mv = scales8(gm, b * CG + 8 * h, a->half);
+        __m256 d = scales8(gd, b * CG + 8 * h, a->half), mv = offsets8(gm, b * CG + 8 * h, a->half, d);
         for (int r = 0; r < rows; r++) {
             int64_t i = (r0 + r) * a->nb + b;
             acc[r] = add_scaled(acc[r], EXL_QMM_AVXVNNI ? s16[r] : _mm256_madd_epi16(s16[r], ones), d, a->dx[i]);
             acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(mv, _mm256_set1_ps(a->xs[i])));
         }
     }
+}
+
+static inline __attribute__((always_inline)) void group_half_q4(const qmm2_args *a, const uint8_t *gq,
+                                                                 const void *gd, const void *gm, int64_t r0,
+                                                                 int rows, int h, __m256 acc[RT]) {
+    if (gm) group_half_q4_body(a, gq, gd, gm, r0, rows, h, acc);  // gm a constant in each: no test per block
+    else group_half_q4_body(a, gq, gd, NULL, r0, rows, h, acc);
 }
 
 // 4-bit indices into a table of 16 int8 values (IQ4): chunk_q4's nibbles looked up (one byte shuffle),

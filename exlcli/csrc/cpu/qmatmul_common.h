@@ -59,8 +59,9 @@ static inline const void *scales_at(const void *base, int64_t i, int half) {
     return half ? (const void *)((const uint16_t *)base + i) : (const void *)((const float *)base + i);
 }
 
-// Group g's scales (gd) and offsets (gm, NULL without offsets) in a's layout: [nb][scales per block][CG]
-// and [nb][CG], fp32 or fp16; 2-bit: fp16 (d, -dmin) per super-block of 8 blocks, a byte per sub-block of 16.
+// Group g's scales (gd) and offsets (gm, NULL without offsets, or where they are Q4_0's -8 d: offsets_of)
+// in a's layout: [nb][scales per block][CG] and [nb][CG], fp32 or fp16; 2-bit: fp16 (d, -dmin) per super-block
+// of 8 blocks, a byte per sub-block of 16.
 static inline void group_scales(const qmm2_args *a, int64_t g, const void **gd, const void **gm) {
     const int64_t nb = a->nb, spb = a->two_scales ? 2 : 1;
     if (a->bits == 2) {
@@ -69,7 +70,7 @@ static inline void group_scales(const qmm2_args *a, int64_t g, const void **gd, 
         return;
     }
     *gd = scales_at(a->d, g * nb * spb * CG, a->half);
-    *gm = a->has_off ? scales_at(a->m, g * nb * CG, a->half) : NULL;
+    *gm = a->has_off && a->m ? scales_at(a->m, g * nb * CG, a->half) : NULL;
 }
 
 #define PREFETCH_BLOCKS 8  // blocks ahead of the first half's pass: the group's next (or the next group's)

@@ -41,7 +41,10 @@ static inline __attribute__((always_inline)) __m512 block_step16(const qmm2_args
                                                                  const void *gm, int64_t mi) {
     if (zero) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(zero * xsum));
     acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(a->dx[i]))));
-    if (has_off) acc = _mm512_add_ps(acc, _mm512_mul_ps(scales16(gm, mi, a->half), _mm512_set1_ps(a->xs[i])));
+    if (has_off) {  // the offsets from gm, or Q4_0's -8 d (offsets8 in qmatmul_avx2.h)
+        __m512 m = gm ? scales16(gm, mi, a->half) : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(m, _mm512_set1_ps(a->xs[i])));
+    }
     return acc;
 }
 

@@ -377,10 +377,22 @@ class QuantCpuLinear(Linear):
         self._args = None
         return self
 
+    def offsets_from_scales(self) -> bool:
+        """Whether every offset is -8 times its block's scale, bit for bit (Q4_0's): the kernel then computes them
+        in registers from the scales (m NULL, the same fp32 values) instead of reading them, 32 bytes less per
+        column group and block (288 instead of 320 with fp16 scales: llama.cpp's Q4_0 blocks' bytes)."""
+        if self.bits != 4 or self.table is not None or self.scales_per_block != 1 or not self.offsets:
+            return False
+        # the columns that exist (the last group's padding holds zeros, never stored)
+        d, m = (t.float().permute(0, 2, 1).reshape(-1, t.shape[1])[:self.out_features] for t in (self.d, self.m))
+        return torch.equal((d * -8.0).view(torch.int32), m.view(torch.int32))
+
     def nbytes(self) -> int:
+        """The bytes the kernel reads for the weight (the offsets held but not read are left out)."""
         size = self.d.element_size()
         table = 0 if self.table is None else self.table.numel()
-        return self.qs.numel() + self.d.numel() * size + (self.m.numel() * size if self.offsets else 0) + table
+        offsets = self.offsets and bool(self._weight_args().m)  # m NULL: computed from the scales
+        return self.qs.numel() + self.d.numel() * size + (self.m.numel() * size if offsets else 0) + table
 
     def dequantize(self) -> torch.Tensor:
         """The weight as fp32 [N, K], from the repacked groups."""
@@ -452,7 +464,8 @@ class QuantCpuLinear(Linear):
             self._args = QMatmulArgs(in_features=self.in_features, bits=self.bits, offsets=self.offsets,
                                      scales_per_block=self.scales_per_block, half_scales=self.half_scales,
                                      qs=ptr(self.qs), d=ptr(self.d),
-                                     m=ptr(self.m), table=ptr(self.table), bias=ptr(self.bias),
+                                     m=None if self.offsets_from_scales() else ptr(self.m),
+                                     table=ptr(self.table), bias=ptr(self.bias),
                                      out_features=self.out_features)
         return self._args
 

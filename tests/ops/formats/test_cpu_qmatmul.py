@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from exlcli.ops import backend
+from exlcli.ops.cpu.args import QMatmulArgs
 from exlcli.ops.formats import QuantizedWeight, by_name, q4_0, q4_1, q8_0
 from exlcli.ops.formats.cpu_qmatmul import (
     Q8_ACTIVATIONS,
     QuantCpuLinear,
+    _qmatmul,
     available,
     half_scales_available,
     kernel_mode,
@@ -122,6 +124,59 @@ def test_make_linear_picks_the_kernel_for_quantized_cpu_bf16():
     x = torch.randn(3, 64).bfloat16()
     dense = torch.cat([p.dequantize(torch.float64) for p in parts])
     check_product(lin, x, lin(x, out_dtype=torch.float32), x.double() @ dense.T, dense)
+
+
+@needs_kernel
+@pytest.mark.parametrize("fp16_scales", [False, True], ids=["fp32 scales", "scales exact in fp16"])
+def test_q4_0_offsets_from_the_scales_give_the_bits_of_the_stored_ones(fp16_scales):
+    # Q4_0's offset is always -8 d: the kernel computes it from the scale it reads (m NULL) rather than reading
+    # it, the same fp32 value, so every tile gives the bits of the path that reads the stored offsets
+    gen = torch.Generator().manual_seed(5 + fp16_scales)
+    n, k = 45, 320
+    q = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen)
+    scale = torch.rand(n, k // 32, generator=gen) * 0.01
+    scale[3, 2] = 0.0  # -8 * 0 is -0.0, as the C repack stores it
+    if fp16_scales:
+        scale = scale.half().float()
+    lin = QuantCpuLinear(q, scale, -8.0 * scale, 4, bias=torch.randn(n, generator=gen))
+    stored = QuantCpuLinear(q, scale, -8.0 * scale, 4, bias=lin.bias.float())
+    stored.offsets_from_scales = lambda: False  # the kernel reads m
+    assert lin.offsets_from_scales() and not lin._weight_args().m and stored._weight_args().m
+    per_block = 2 if fp16_scales and half_scales_available() else 4
+    assert stored.nbytes() - lin.nbytes() == lin.m.numel() * per_block
+    x = (torch.randn(70, k, generator=gen) * 2).bfloat16()
+    x[12, 40] = float("nan")
+    got = lin(x, out_dtype=torch.float32)
+    assert torch.equal(got.nan_to_num(0.0), lin.emulate_kernel(x, torch.float32).nan_to_num(0.0))
+    for rows in (slice(0, 1), slice(0, 3), slice(0, 8), slice(1, 16), slice(0, 33), slice(0, 70)):
+        want = stored(x[rows], out_dtype=torch.float32)
+        assert torch.equal(lin(x[rows], out_dtype=torch.float32).nan_to_num(0.0), want.nan_to_num(0.0))
+        assert torch.equal(got[rows].nan_to_num(0.0), want.nan_to_num(0.0))
+
+
+@needs_kernel
+def test_only_offsets_of_minus_8_scales_are_left_to_the_kernel():
+    # the Q4_0 file's repack (C) leaves them to the kernel, Q4_1's are read; an offset one bit off -8 d is read
+    assert kernel_linear(random_weight("Q4_0", 40, 96)).offsets_from_scales()
+    assert not kernel_linear(random_weight("Q4_1", 40, 96)).offsets_from_scales()
+    scale = torch.rand(20, 2) * 0.01 + 0.001
+    offset = -8.0 * scale
+    offset[7, 1] = torch.nextafter(offset[7, 1], torch.tensor(0.0))
+    q = torch.randint(0, 16, (20, 64), dtype=torch.int32)
+    assert not QuantCpuLinear(q, scale, offset, 4).offsets_from_scales()
+    assert not QuantCpuLinear(q, scale, None, 4, table=tuple(range(-8, 8))).offsets_from_scales()
+
+
+@needs_kernel
+def test_offsets_the_kernel_cannot_compute_are_refused():
+    # m NULL only stands for Q4_0's -8 d: with 8-bit weights' offsets the kernel returns 6 (a bad shape)
+    q = torch.randint(-128, 128, (16, 64), dtype=torch.int32)
+    lin = QuantCpuLinear(q, torch.rand(16, 2), torch.rand(16, 2), 8)
+    assert lin.offsets
+    args = QMatmulArgs.from_buffer_copy(lin._weight_args())
+    args.m = None
+    x, y = torch.randn(2, 64).bfloat16(), torch.empty(2, 16, dtype=torch.bfloat16)
+    assert _qmatmul(x, y, args) == 6
 
 
 def test_activations_quantize_per_block_with_ties_to_even():
@@ -308,6 +363,10 @@ def body_outputs() -> dict[str, torch.Tensor]:
         scale = torch.rand(n, k // (16 if per16 else 32), generator=gen) * 0.01
         offset = torch.randn(n, k // 32, generator=gen) * 0.01 if offsets else None
         lins[f"{bits}-bit offsets={offsets} per16={per16}"] = QuantCpuLinear(q, scale, offset, bits)
+    q = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen)
+    scale = (torch.rand(n, k // 32, generator=gen) * 0.01).half().float()
+    lins["Q4_0: offsets -8 d, not read"] = QuantCpuLinear(q, scale, -8.0 * scale, 4)
+    assert lins["Q4_0: offsets -8 d, not read"].offsets_from_scales()
     for per16 in (False, True):
         q = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen)
         scale = torch.rand(n, k // (16 if per16 else 32), generator=gen) * 0.01
