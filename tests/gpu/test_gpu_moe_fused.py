@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpu_helpers import rel_err, requires_cuda
+from gpu_helpers import capture_graph, rel_err, requires_cuda
 from test_gpu_moe import EXPERTS, HIDDEN, TOP_K, inputs, make_moe, routed
 from test_gpu_moe_gpt_oss import ALPHA, LIMIT, biased_linear
 from test_gpu_moe_gpt_oss import EXPERTS as OSS_EXPERTS
@@ -180,19 +180,6 @@ def test_a_tokens_fused_result_does_not_depend_on_the_batch(make):
         assert_bytes(part, full[:tokens], f"the first {tokens} tokens")
 
 
-def capture(fn):
-    """fn captured in a CUDA graph (warmed up on a side stream first) and its output tensor."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()  # a host sync here would fail the capture
-    return graph, out
-
-
 @pytest.mark.parametrize("make", ["qwen", "oss"])
 @pytest.mark.parametrize("tokens", [1, 4, moe_stacked.PAIRS_MAX_TOKENS])
 def test_a_cuda_graph_captures_the_layer_on_the_fused_path(make, tokens, monkeypatch):
@@ -213,7 +200,7 @@ def test_a_cuda_graph_captures_the_layer_on_the_fused_path(make, tokens, monkeyp
     static_x = new(702)
     eager = moe(static_x)
     assert fused_calls == [tokens], "the layer's call takes the fused kernels"
-    graph, out = capture(lambda: moe(static_x))
+    graph, out = capture_graph(lambda: moe(static_x))
     graph.replay()
     torch.cuda.synchronize()
     assert_bytes(out, eager, "replay")
@@ -228,7 +215,7 @@ def test_a_cuda_graph_captures_the_layer_on_the_fused_path(make, tokens, monkeyp
     # the graph of the unfused path gives the same bytes
     monkeypatch.setattr(moe_stacked, "moe_fused_takes", lambda top_k, inter: False)
     assert not stacked.fuses(static_x, moe.spec.top_k)
-    unfused_graph, unfused_out = capture(lambda: moe(static_x))
+    unfused_graph, unfused_out = capture_graph(lambda: moe(static_x))
     unfused_graph.replay()
     graph.replay()
     torch.cuda.synchronize()
